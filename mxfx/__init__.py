@@ -1,0 +1,13 @@
+"""mxfx: MXFP8 (OCP Microscaling) training of Mixture-of-Experts models as a torch.compile backend.
+
+Use ``torch.compile(model, backend="mxfp8", options={...})``; the backend is found
+through an entry point, no import needed. This package also exposes the format
+reference (:func:`quantize`, :func:`dequantize`), the :class:`Policy`, and the
+inspection helpers.
+"""
+
+from mxfx.format import dequantize, quantize  # noqa: F401
+from mxfx.policy import DEFAULT_RULES, Policy, Rule  # noqa: F401
+from mxfx.report import all_reports, last_report  # noqa: F401
+
+__version__ = "0.1.0"

@@ -1,0 +1,60 @@
+"""The ``"mxfp8"`` torch.compile backend: rewrite the Dynamo graph, then hand it to the inner compiler.
+
+Registered through the ``torch_dynamo_backends`` entry point, so
+``torch.compile(model, backend="mxfp8", options={...})`` works without importing
+mxfx first. ``options`` is a :class:`mxfx.Policy` or a dict of its fields.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.fx as fx
+
+from mxfx import passes, report
+from mxfx.policy import Policy
+
+log = logging.getLogger("mxfx")
+
+
+def _inner_compile(inner, gm: fx.GraphModule, example_inputs):
+    if callable(inner):
+        return inner(gm, example_inputs)
+    if inner == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, example_inputs)
+    if inner == "aot_eager":
+        from torch._dynamo.backends.debugging import aot_eager
+
+        return aot_eager(gm, example_inputs)
+    return gm.forward  # "eager": the rewritten ops are autograd functions and run as they are
+
+
+def rewrite(gm: fx.GraphModule, policy: Policy) -> report.PrecisionMap:
+    """Run every enabled pass on ``gm`` in place and return its precision map."""
+    pm = report.PrecisionMap()
+    for name, run in passes.PIPELINE:
+        if policy.pass_enabled(name):
+            run(gm, policy, pm)
+    gm.graph.lint()
+    gm.recompile()
+    return pm
+
+
+def mxfp8_backend(gm: fx.GraphModule, example_inputs, options: Policy | dict | None = None, **_unused):
+    """torch.compile backend: MXFP8 rewrite of ``gm`` per ``options``, then the inner compiler.
+
+    Raises:
+        ValueError / TypeError: invalid options (the message lists valid keys/values).
+    """
+    policy = Policy.from_options(options)
+    before = gm.print_readable(print_output=False) if policy.dump_dir else ""
+    pm = rewrite(gm, policy)
+    report.register(pm)
+    log.info("mxfx: %s", pm.summary())
+    if policy.dump_dir:
+        folder = report.write_dump(policy.dump_dir, pm, before, gm.print_readable(print_output=False))
+        log.info("mxfx: wrote %s", folder)
+    return _inner_compile(policy.inner, gm, example_inputs)

@@ -1,0 +1,228 @@
+"""MXFP8 format math: the plain-torch reference for quantize and dequantize.
+
+Everything here follows OCP Microscaling Formats (MX) v1.0 (§5.3 E8M0 scale,
+§6.3 conversion, §5.1 block size 32) with the E4M3 payload of OCP FP8, and the
+rceil scale rule of NVIDIA's MXFP8 training recipe. This is the one place where
+the scale rules live; GPU kernels must agree with it bit for bit.
+
+Conventions (kept in one place so kernels and tests share them):
+
+* ``qdata``: ``torch.float8_e4m3fn``, same shape as the input.
+* ``scales``: one E8M0 byte per 32 consecutive values along the quantized axis.
+  Inside mxfx graphs they travel as ``torch.uint8`` (Inductor and collectives do
+  not handle ``float8_e8m0fnu`` well); the public :func:`quantize` returns them as
+  ``torch.float8_e8m0fnu``, a free view of the same bytes.
+* Special blocks:
+
+  - all zeros: scale byte 0 (2^-127), payload +0.
+  - any NaN **or ±Inf** in the block: scale byte 255 (E8M0 NaN) and every payload
+    byte NaN (0x7F), so the whole block dequantizes to NaN. E4M3 has no infinity
+    and no finite scale can carry one; mxfx marks the block non-finite rather
+    than clamp the Inf to ±448 (which would hide an overflow) or let a huge
+    scale flush the rest of the block to zero (which would hide the other 31
+    values silently). This differs from torchao 0.18, which flushes them.
+  - tiny blocks: the exponent clamps at -127 and the payload is computed with
+    that stored scale (possibly E4M3 subnormal or zero).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+BLOCK_SIZE = 32
+"""Values sharing one E8M0 scale (OCP MX v1.0 §5.1)."""
+
+E4M3_MAX = 448.0
+"""Largest finite E4M3 magnitude, 1.75 x 2^8 (OCP FP8)."""
+
+E4M3_MAX_POW2_EXP = 8
+"""Exponent of the largest power of two E4M3 represents (256): the floor rule's offset."""
+
+E8M0_BIAS = 127
+E8M0_NAN = 255
+E8M0_MIN_EXP = -127
+E8M0_MAX_EXP = 127
+
+ScaleRule = Literal["rceil", "floor"]
+SCALE_RULES: tuple[str, ...] = ("rceil", "floor")
+INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def check_rule(rule: str, op: str = "mxfx.quantize") -> None:
+    """Raise ValueError unless ``rule`` is a known scale rule."""
+    if rule not in SCALE_RULES:
+        raise ValueError(f"{op}: unknown scale rule {rule!r}; valid rules: {', '.join(SCALE_RULES)}")
+
+
+def check_block_axis(shape: torch.Size | tuple, axis: int, op: str) -> int:
+    """Normalise ``axis`` and check its length is a positive multiple of 32.
+
+    Returns the non-negative axis. Raises ValueError naming the op and shape.
+    """
+    ndim = len(shape)
+    if ndim == 0:
+        raise ValueError(f"{op}: a scalar cannot be block-quantized; give a tensor with at least one dimension")
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"{op}: axis {axis} is out of range for shape {tuple(shape)}")
+    axis = axis % ndim
+    if shape[axis] % BLOCK_SIZE != 0:
+        raise ValueError(
+            f"{op}: axis {axis} of shape {tuple(shape)} has length {shape[axis]}, not a multiple of "
+            f"{BLOCK_SIZE}; pad it to a multiple of {BLOCK_SIZE} (e.g. with torch.nn.functional.pad) "
+            f"or keep this tensor in high precision"
+        )
+    return axis
+
+
+def scale_exponent(amax: torch.Tensor, rule: str) -> torch.Tensor:
+    """Unbiased E8M0 exponent e per block from the block's absolute maximum.
+
+    Args:
+        amax: float32 tensor of block maxima (>= 0, may hold NaN/Inf).
+        rule: ``"rceil"``: the smallest e with amax / 2^e <= 448 (no value
+            saturates); ``"floor"``: floor(log2(amax)) - 8 (OCP MX v1.0 §6.3),
+            values above 448 x 2^e saturate.
+
+    Returns:
+        int32 tensor of exponents clamped to [-127, 127]. Zero blocks give -127;
+        the value for non-finite blocks is unspecified (callers mark them NaN).
+
+    Both rules are computed exactly from the float32 mantissa and exponent
+    (``frexp``), never through ``log2`` rounding.
+    """
+    mantissa, exp = torch.frexp(amax)  # amax = mantissa * 2^exp, mantissa in [0.5, 1)
+    e = exp - 1 - E4M3_MAX_POW2_EXP  # floor(log2(amax)) - 8
+    if rule == "rceil":
+        # amax in [2^(exp-1), 2^exp); 448 * 2^e = 1.75 * 2^(exp-1): one step up when above it.
+        e = e + (mantissa * 2 > E4M3_MAX / 2**E4M3_MAX_POW2_EXP).to(torch.int32)
+    elif rule != "floor":
+        check_rule(rule)
+    e = torch.where(amax == 0, torch.full_like(e, E8M0_MIN_EXP), e)
+    return e.clamp(E8M0_MIN_EXP, E8M0_MAX_EXP).to(torch.int32)
+
+
+def quantize_lastdim(x: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference MXFP8 quantize along the last dimension, scales as uint8.
+
+    Args:
+        x: ``[..., K]`` bf16/fp16/fp32 tensor, K a multiple of 32; any strides.
+        rule: ``"rceil"`` or ``"floor"``.
+
+    Returns:
+        ``(qdata, scales)``: qdata ``float8_e4m3fn [..., K]`` (contiguous),
+        scales ``uint8 [..., K // 32]`` holding E8M0 bytes.
+    """
+    *lead, k = x.shape
+    blocks = x.to(torch.float32).reshape(*lead, k // BLOCK_SIZE, BLOCK_SIZE)
+    amax = blocks.abs().amax(dim=-1)
+    nonfinite = ~torch.isfinite(amax)
+    e = scale_exponent(amax, rule)
+    scaled = blocks * torch.exp2(-e.to(torch.float32)).unsqueeze(-1)  # exact: power-of-two multiply
+    scaled = scaled.clamp(-E4M3_MAX, E4M3_MAX)  # saturate; torch's cast would give NaN above 464
+    scaled = torch.where(nonfinite.unsqueeze(-1), torch.full_like(scaled, float("nan")), scaled)
+    qdata = scaled.to(torch.float8_e4m3fn).reshape(*lead, k)
+    scales = torch.where(nonfinite, torch.full_like(e, E8M0_NAN), e + E8M0_BIAS).to(torch.uint8)
+    return qdata, scales
+
+
+def scale_values(scales: torch.Tensor) -> torch.Tensor:
+    """E8M0 bytes (uint8 or float8_e8m0fnu) to float32 powers of two; byte 255 gives NaN."""
+    b = scales.view(torch.uint8) if scales.dtype == torch.float8_e8m0fnu else scales
+    v = torch.exp2(b.to(torch.float32) - E8M0_BIAS)
+    return torch.where(b == E8M0_NAN, torch.full_like(v, float("nan")), v)
+
+
+def dequantize_lastdim(qdata: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Reference MXFP8 dequantize along the last dimension.
+
+    ``x_hat = q * 2^(b - 127)`` computed in float32 (exact: E4M3 has 3 mantissa
+    bits), then cast to ``dtype``. Shapes: qdata ``[..., K]``, scales ``[..., K // 32]``.
+    """
+    *lead, k = qdata.shape
+    blocks = qdata.to(torch.float32).reshape(*lead, k // BLOCK_SIZE, BLOCK_SIZE)
+    out = blocks * scale_values(scales).unsqueeze(-1)
+    return out.reshape(*lead, k).to(dtype)
+
+
+def check_input(x: torch.Tensor, op: str) -> None:
+    """Raise TypeError unless ``x`` is a floating tensor mxfx can quantize."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in INPUT_DTYPES:
+        raise TypeError(
+            f"{op}: input of shape {tuple(x.shape)} has dtype {x.dtype}; MXFP8 quantizes "
+            f"bfloat16, float16 or float32 (cast it first)"
+        )
+
+
+def check_pair(qdata: torch.Tensor, scales: torch.Tensor, axis: int, op: str) -> int:
+    """Validate an MX (qdata, scales) pair blocked along ``axis``; returns the normalised axis."""
+    if qdata.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"{op}: qdata of shape {tuple(qdata.shape)} has dtype {qdata.dtype}, expected torch.float8_e4m3fn")
+    if scales.dtype not in (torch.float8_e8m0fnu, torch.uint8):
+        raise TypeError(
+            f"{op}: scales of shape {tuple(scales.shape)} have dtype {scales.dtype}, "
+            f"expected torch.float8_e8m0fnu (or uint8 E8M0 bytes)"
+        )
+    axis = check_block_axis(qdata.shape, axis, op)
+    expected = list(qdata.shape)
+    expected[axis] //= BLOCK_SIZE
+    if list(scales.shape) != expected:
+        raise ValueError(
+            f"{op}: scales of shape {tuple(scales.shape)} do not match qdata of shape {tuple(qdata.shape)} "
+            f"blocked along axis {axis}; expected scales of shape {tuple(expected)}"
+        )
+    return axis
+
+
+def quantize(x: torch.Tensor, axis: int = -1, rule: ScaleRule = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` to MXFP8 in blocks of 32 consecutive values along ``axis``.
+
+    Follows OCP MX v1.0 §6.3 with the scale rule ``rule``; see the module
+    docstring for zero, NaN, Inf and tiny blocks. Runs in plain torch on any
+    device (GPU kernels are used by mxfx's graph ops, not here).
+
+    Args:
+        x: bf16, fp16 or fp32 tensor, any shape and strides; ``x.shape[axis]``
+            must be a multiple of 32.
+        axis: the blocked axis (default: last; -2 is "columnwise").
+        rule: ``"rceil"`` (default, smallest power-of-two scale with
+            amax / scale <= 448) or ``"floor"`` (OCP baseline; values above
+            448 x scale saturate).
+
+    Returns:
+        ``(qdata, scales)``: qdata ``torch.float8_e4m3fn`` of ``x``'s shape;
+        scales ``torch.float8_e8m0fnu`` of ``x``'s shape with ``axis`` divided by 32.
+
+    Raises:
+        TypeError: ``x`` is not bf16/fp16/fp32.
+        ValueError: ``x.shape[axis]`` is not a multiple of 32, or ``rule`` is unknown.
+    """
+    op = "mxfx.quantize"
+    check_input(x, op)
+    check_rule(rule, op)
+    axis = check_block_axis(x.shape, axis, op)
+    q, s = quantize_lastdim(x.movedim(axis, -1), rule)
+    return q.movedim(-1, axis), s.movedim(-1, axis).view(torch.float8_e8m0fnu)
+
+
+def dequantize(
+    qdata: torch.Tensor, scales: torch.Tensor, axis: int = -1, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """Dequantize an MXFP8 pair blocked along ``axis``: ``qdata * 2^(scale - 127)``.
+
+    Args:
+        qdata: ``torch.float8_e4m3fn`` tensor; ``qdata.shape[axis]`` a multiple of 32.
+        scales: ``torch.float8_e8m0fnu`` (or uint8 E8M0 bytes), qdata's shape with
+            ``axis`` divided by 32. Byte 255 (NaN) makes its whole block NaN.
+        axis: the blocked axis, as given to :func:`quantize`.
+        dtype: output dtype (default bf16); the product is formed exactly in fp32.
+
+    Raises:
+        TypeError / ValueError: wrong dtypes, or shapes that do not pair up.
+    """
+    axis = check_pair(qdata, scales, axis, "mxfx.dequantize")
+    out = dequantize_lastdim(qdata.movedim(axis, -1), scales.movedim(axis, -1), dtype)
+    return out.movedim(-1, axis)

@@ -1,0 +1,16 @@
+"""MX kernels: Triton on CUDA, the plain-torch reference (``mxfx.format``) elsewhere.
+
+Every function here takes and returns plain tensors (scales as uint8 E8M0 bytes)
+and picks its implementation from the input's device. Graph code uses the torch
+custom ops registered in :mod:`mxfx.kernels.ops`, which wrap these functions.
+"""
+
+from mxfx.kernels.dispatch import (  # noqa: F401
+    dequantize_lastdim,
+    quantize_dequantize,
+    quantize_dual,
+    quantize_lastdim,
+    route_weight_quantize,
+    swiglu_quantize,
+    triton_available,
+)

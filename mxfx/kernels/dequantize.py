@@ -1,0 +1,55 @@
+"""Triton MXFP8 dequantize along the last dim: ``x_hat = q * 2^(s - 127)`` in fp32, cast to the output dtype.
+
+Bit-identical to ``mxfx.format.dequantize_lastdim`` (OCP MX v1.0 §6.3 / §5.3: E8M0
+byte 255 is NaN, byte 0 is 2^-127).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mxfx.kernels.mx_block import as_brc, decode_scale
+
+DEQUANT_CONFIG = (16, 256, 8)
+"""(BLOCK_R, BLOCK_C, num_warps)."""
+
+
+@triton.jit(do_not_specialize=["R"])
+def _dequantize_kernel(
+    q_ptr, s_ptr, out_ptr, R, C, sqb, sqr, sqc, ssb, ssr, ssc,
+    BR: tl.constexpr, BC: tl.constexpr,
+):
+    NB: tl.constexpr = BC // 32
+    r0 = tl.program_id(0) * BR
+    c0 = tl.program_id(1) * BC
+    b = tl.program_id(2).to(tl.int64)
+    ar = tl.arange(0, BR)
+    ac = tl.arange(0, BC)
+    an = tl.arange(0, NB)
+    rmask = (r0 + ar) < R
+    mask = rmask[:, None] & ((c0 + ac) < C)[None, :]
+    q_base = q_ptr + b * sqb + r0.to(tl.int64) * sqr + c0.to(tl.int64) * sqc
+    qbits = tl.load(q_base + ar[:, None] * sqr + ac[None, :] * sqc, mask=mask, other=0)
+    s_base = s_ptr + b * ssb + r0.to(tl.int64) * ssr + (c0 // 32).to(tl.int64) * ssc
+    sbyte = tl.load(s_base + ar[:, None] * ssr + an[None, :] * ssc,
+                    mask=rmask[:, None] & ((c0 // 32 + an) < C // 32)[None, :], other=0)
+    q = tl.reshape(qbits.to(tl.float8e4nv, bitcast=True).to(tl.float32), [BR, NB, 32])
+    out = tl.reshape(q * decode_scale(sbyte)[:, :, None], [BR, BC])
+    o_base = out_ptr + (b * R + r0) * C + c0
+    tl.store(o_base + ar[:, None] * C + ac[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def dequantize_lastdim(qdata: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``(q e4m3 [..., K], s uint8 [..., K/32])`` on CUDA (any strides) -> contiguous ``[..., K]`` of ``dtype``."""
+    q3 = as_brc(qdata.view(torch.uint8))
+    B, R, C = q3.shape
+    s3 = scales.view(torch.uint8).reshape(B, R, C // 32)
+    out = torch.empty(qdata.shape, dtype=dtype, device=qdata.device)
+    br, bc, warps = DEQUANT_CONFIG
+    if R * C > 0:
+        _dequantize_kernel[(triton.cdiv(R, br), triton.cdiv(C, bc), B)](
+            q3, s3, out, R, C, *q3.stride(), *s3.stride(), BR=br, BC=bc, num_warps=warps
+        )
+    return out

@@ -1,0 +1,110 @@
+"""Device dispatch for the MX kernels: Triton when the tensor is on CUDA, the reference otherwise.
+
+The Triton modules (``mxfx.kernels.quantize``, ``dual``, ``dequantize``, ``swiglu``) are
+imported lazily, only once a CUDA tensor arrives and Triton imports, so
+``import mxfx`` works on CPU-only installs without Triton. Both paths give the same
+bytes (``tests/test_kernels.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from mxfx import format as mxf
+from mxfx.layout import to_blocked
+
+
+@functools.cache
+def _has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def triton_available(t: torch.Tensor) -> bool:
+    """True when ``t`` lives on a CUDA device and Triton can be imported."""
+    return t.is_cuda and _has_triton()
+
+
+def quantize_lastdim(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP8 quantize along the last dim: ``x [..., K]`` -> ``(qdata e4m3 [..., K], scales u8 [..., K/32])``.
+
+    Any strides: a transposed view quantizes "columnwise" without a copy on the GPU path.
+    """
+    if triton_available(x):
+        from mxfx.kernels import quantize as tq
+
+        return tq.quantize_lastdim(x, rule)
+    return mxf.quantize_lastdim(x, rule)
+
+
+def quantize_blocked(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rowwise quantize with scales in the blocked layout (:mod:`mxfx.layout`) of ``x.reshape(-1, K)``.
+
+    Returns ``(qdata e4m3 [..., K], blocked uint8 [blocked_numel(rows, K/32)])``, padding zero.
+    """
+    if triton_available(x):
+        from mxfx.kernels import quantize as tq
+
+        return tq.quantize_blocked(x, rule)
+    q, s = mxf.quantize_lastdim(x, rule)
+    return q, to_blocked(s.reshape(-1, s.shape[-1]))
+
+
+def dequantize_lastdim(qdata: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of :func:`quantize_lastdim`: ``qdata * 2^(scales - 127)`` cast to ``dtype``."""
+    if triton_available(qdata):
+        from mxfx.kernels import dequantize as tdq
+
+        return tdq.dequantize_lastdim(qdata, scales, dtype)
+    return mxf.dequantize_lastdim(qdata, scales, dtype)
+
+
+def quantize_dual(x: torch.Tensor, rule: str):
+    """Both orientations of a 2D ``x [M, K]`` from one read.
+
+    Returns ``(q_row [M, K], s_row [M, K/32], q_col [K, M], s_col [K, M/32])``: the
+    columnwise pair is blocked down dim 0 and stored transposed (contiguous ``[K, M]``),
+    i.e. exactly ``quantize_lastdim(x.t())``. On CUDA, M and K must be multiples of 32
+    (ValueError otherwise); a 3D ``[B, M, K]`` input is handled per batch.
+    """
+    if triton_available(x):
+        from mxfx.kernels import dual
+
+        return dual.quantize_dual(x, rule)
+    q_row, s_row = mxf.quantize_lastdim(x, rule)
+    q_col, s_col = mxf.quantize_lastdim(x.transpose(-2, -1), rule)
+    return q_row, s_row, q_col, s_col
+
+
+def quantize_dequantize(x: torch.Tensor, rule: str, dtype: torch.dtype):
+    """Quantize along the last dim and also return the dequantized tensor: ``(qdata, scales, x_hat)``."""
+    if triton_available(x):
+        from mxfx.kernels import quantize as tq
+
+        return tq.quantize_dequantize(x, rule, dtype)
+    q, s = mxf.quantize_lastdim(x, rule)
+    return q, s, mxf.dequantize_lastdim(q, s, dtype)
+
+
+def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """MX quantize of ``silu(gate) * up`` formed in fp32 (no 16-bit intermediate)."""
+    if triton_available(gate):
+        from mxfx.kernels import swiglu
+
+        return swiglu.swiglu_quantize(gate, up, rule)
+    return mxf.quantize_lastdim(F.silu(gate.float()) * up.float(), rule)
+
+
+def route_weight_quantize(dy: torch.Tensor, weight: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """MX quantize of ``dy [S, D] * weight [S, 1]`` formed in fp32 (combine backward, seed Table 25)."""
+    if triton_available(dy):
+        from mxfx.kernels import quantize as tq
+
+        return tq.route_weight_quantize(dy, weight, rule)
+    return mxf.quantize_lastdim(dy.float() * weight.float().reshape(-1, 1), rule)

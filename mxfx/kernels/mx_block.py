@@ -1,0 +1,136 @@
+"""Pieces shared by every MX Triton kernel: encode/decode of 32-value blocks, and the [B, R, C] input view.
+
+The device functions here are the Triton transcription of ``mxfx.format``
+(OCP MX v1.0 §6.3 with the rceil/floor rules and the special-block rules written
+there); ``tests/test_kernels.py`` holds them to that reference bit for bit.
+Importing this module imports Triton: only ``mxfx.kernels.dispatch`` imports it,
+lazily, once it knows a tensor is on CUDA.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mxfx.format import BLOCK_SIZE
+
+FP32_EXP_SHIFT = 23
+FP32_ABS_MASK = 0x7FFFFFFF
+FP32_MANT_MASK = 0x7FFFFF
+FP32_MANT_1_75 = 0x600000
+"""Mantissa field of 1.75: above it, amax / 2^(floor(log2 amax) - 8) exceeds 448 and rceil steps up."""
+
+E4M3_NAN_BYTE = 0x7F
+E8M0_ZERO_SCALE_BITS = 0x00400000
+"""fp32 bits of 2^-127 (E8M0 byte 0), an fp32 subnormal."""
+
+
+@triton.jit
+def encode_blocks(v, AXIS: tl.constexpr, RCEIL: tl.constexpr):
+    """Quantize fp32 ``v`` whose blocks of 32 run along ``AXIS`` (a reshaped 3D tile).
+
+    Returns ``(qbits, sbyte)``: uint8 E4M3 bytes of ``v``'s shape and uint8 E8M0 bytes
+    with ``AXIS`` reduced. The exponent comes from the fp32 bits of the block amax
+    (max over the sign-cleared bits: integer order equals float order for
+    non-negative floats, and NaN/Inf bits sort above every finite value).
+    """
+    bits = v.to(tl.int32, bitcast=True) & FP32_ABS_MASK
+    amax = tl.max(bits, axis=AXIS)
+    biased = amax >> FP32_EXP_SHIFT
+    e = biased - (127 + 8)  # floor(log2 amax) - 8 for normal amax
+    if RCEIL:
+        e += ((amax & FP32_MANT_MASK) > FP32_MANT_1_75).to(tl.int32)
+    # zero or fp32-subnormal amax: the ideal exponent is below -127, so it clamps there
+    e = tl.where(biased == 0, -127, tl.maximum(e, -127))
+    nonfinite = biased == 255
+    inv_scale = ((127 - e) << FP32_EXP_SHIFT).to(tl.float32, bitcast=True)  # 2^-e, exact (127-e in 7..254)
+    scaled = v * tl.expand_dims(inv_scale, AXIS)
+    scaled = tl.minimum(tl.maximum(scaled, -448.0), 448.0)  # saturate before the RNE cast
+    qbits = scaled.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    qbits = tl.where(tl.expand_dims(nonfinite, AXIS), E4M3_NAN_BYTE, qbits).to(tl.uint8)
+    sbyte = tl.where(nonfinite, 255, e + 127).to(tl.uint8)
+    return qbits, sbyte
+
+
+@triton.jit
+def decode_scale(sbyte):
+    """E8M0 bytes (any int tile) to fp32 2^(b - 127); byte 0 is the subnormal 2^-127, 255 is NaN."""
+    b = sbyte.to(tl.int32)
+    bits = tl.where(b == 0, E8M0_ZERO_SCALE_BITS, b << FP32_EXP_SHIFT)
+    return tl.where(b == 255, float("nan"), bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def blocked_offset(r, c, SCALE_COLS):
+    """Byte offset of scale (r, c) in the blocked layout (see ``mxfx.layout``); SCALE_COLS = K / 32."""
+    col_tiles = (SCALE_COLS + 3) // 4
+    tile = (r // 128) * col_tiles + c // 4
+    return tile * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
+
+
+def as_brc(x: torch.Tensor) -> torch.Tensor:
+    """View ``x [..., C]`` as 3D ``[B, R, C]`` without copying when strides allow.
+
+    All leading dims merge into R when they can (B = 1); otherwise the first dim
+    becomes B (a transposed 3D view, say); other layouts are copied.
+    """
+    c = x.shape[-1]
+    if x.dim() == 1:
+        return x.view(1, 1, c)
+    try:
+        return x.view(1, -1, c)
+    except RuntimeError:
+        pass
+    if x.dim() == 3:
+        return x
+    try:
+        return x.view(x.shape[0], -1, c)
+    except RuntimeError:
+        return x.contiguous().view(1, -1, c)
+
+
+def scale_shape(shape) -> tuple:
+    """Shape of the scales of a tensor blocked along its last dim."""
+    return (*shape[:-1], shape[-1] // BLOCK_SIZE)
+
+
+def grid_rows(r: int, block_r: int) -> int:
+    """Programs along R (grid axis 0, which has no 65535 limit)."""
+    return triton.cdiv(r, block_r)
+
+
+@triton.jit
+def load_tile(ptr, b, r0, c0, R, C, sb, sr, sc, BR: tl.constexpr, BC: tl.constexpr):
+    """fp32 tile ``[BR, BC]`` at rows r0.., cols c0.. of batch b of a strided [B, R, C] tensor (0 outside)."""
+    ar = tl.arange(0, BR)
+    ac = tl.arange(0, BC)
+    base = ptr + b.to(tl.int64) * sb + r0.to(tl.int64) * sr + c0.to(tl.int64) * sc
+    mask = ((r0 + ar) < R)[:, None] & ((c0 + ac) < C)[None, :]
+    v = tl.load(base + ar[:, None] * sr + ac[None, :] * sc, mask=mask, other=0.0)
+    return v.to(tl.float32)
+
+
+@triton.jit
+def store_rowwise(q_ptr, s_ptr, qbits, sbyte, b, r0, c0, R, C, BLOCKED: tl.constexpr,
+                  BR: tl.constexpr, BC: tl.constexpr):
+    """Store a tile's E4M3 bytes ``[BR, BC]`` and scales ``[BR, BC/32]`` into contiguous [B, R, C] / [B, R, C/32].
+
+    BLOCKED: scales go to the blocked layout of ``mxfx.layout`` instead (B must be 1).
+    """
+    NB: tl.constexpr = BC // 32
+    ar = tl.arange(0, BR)
+    ac = tl.arange(0, BC)
+    an = tl.arange(0, NB)
+    row0 = b.to(tl.int64) * R + r0
+    rmask = (r0 + ar) < R
+    q_base = q_ptr + row0 * C + c0
+    tl.store(q_base + ar[:, None] * C + ac[None, :], tl.reshape(qbits, [BR, BC]),
+             mask=rmask[:, None] & ((c0 + ac) < C)[None, :])
+    smask = rmask[:, None] & ((c0 // 32 + an) < C // 32)[None, :]
+    if BLOCKED:
+        offs = blocked_offset((r0 + ar)[:, None], (c0 // 32 + an)[None, :], C // 32)
+        tl.store(s_ptr + offs, sbyte, mask=smask)
+    else:
+        s_base = s_ptr + row0 * (C // 32) + c0 // 32
+        tl.store(s_base + ar[:, None] * (C // 32) + an[None, :], sbyte, mask=smask)

@@ -1,0 +1,113 @@
+"""Blocked ("swizzled") E8M0 scale layout consumed by block-scaled GEMMs.
+
+Follows the cuBLAS "1D block scaling factors layout" (cuBLAS docs,
+§ "1D Block Scaling Factors Layout", also used by CUTLASS for sm100 MX GEMMs):
+a ``[rows, cols]`` scale matrix (rows = M or N of the GEMM operand, cols = K / 32)
+is cut into tiles of 128 rows x 4 columns. Tiles are stored one after another,
+row-tile major (all column tiles of rows 0..127 first), 512 bytes each. Inside a
+tile, scale ``(r, c)`` with ``r = 32 * g + i`` (row group ``g`` in 0..3, ``i`` in
+0..31) sits at byte::
+
+    i * 16 + g * 4 + c
+
+i.e. the tile is read as 32 lines of 16 bytes, line ``i`` holding rows
+``i, i + 32, i + 64, i + 96`` with their 4 scales each. Rows are padded to a
+multiple of 128 and columns to a multiple of 4; padding bytes are zero.
+"""
+
+from __future__ import annotations
+
+import torch
+
+TILE_ROWS = 128
+"""Rows of scales per tile (four groups of 32)."""
+
+TILE_COLS = 4
+"""Scale columns per tile (4 x 32 = 128 values of K)."""
+
+ROW_GROUP = 32
+"""Rows per group inside a tile; group g of a tile holds rows 32g .. 32g+31."""
+
+
+def _ceil_to(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def blocked_numel(rows: int, cols: int) -> int:
+    """Bytes of the blocked layout of a ``[rows, cols]`` scale matrix (padding included)."""
+    return _ceil_to(rows, TILE_ROWS) * _ceil_to(cols, TILE_COLS)
+
+
+def blocked_offset(r: torch.Tensor, c: torch.Tensor, cols: int) -> torch.Tensor:
+    """Byte offset of scale ``(r, c)`` in the blocked layout of a matrix with ``cols`` columns.
+
+    ``r``, ``c``: integer tensors (broadcastable). Used by the tests and mirrored by the
+    Triton kernels that write scales straight into this layout.
+    """
+    col_tiles = _ceil_to(cols, TILE_COLS) // TILE_COLS
+    tile = (r // TILE_ROWS) * col_tiles + c // TILE_COLS
+    inner = (r % ROW_GROUP) * (ROW_GROUP // 2) + ((r % TILE_ROWS) // ROW_GROUP) * TILE_COLS + c % TILE_COLS
+    return tile * (TILE_ROWS * TILE_COLS) + inner
+
+
+def to_blocked(scales: torch.Tensor) -> torch.Tensor:
+    """Rearrange a ``[rows, cols]`` scale matrix into the blocked layout.
+
+    Args:
+        scales: 2D ``uint8`` (E8M0 bytes) or ``float8_e8m0fnu`` tensor ``[rows, cols]``,
+            any strides; cols is K / 32 of the operand it scales.
+
+    Returns:
+        1D tensor of ``scales.dtype`` with ``ceil(rows/128)*128 * ceil(cols/4)*4`` bytes,
+        tiles in the order described in the module docstring, padding zero.
+
+    Raises:
+        ValueError: ``scales`` is not 2D.
+        TypeError: ``scales`` is not uint8 / float8_e8m0fnu.
+    """
+    if scales.dim() != 2:
+        raise ValueError(
+            f"mxfx.layout.to_blocked: expected a 2D [rows, cols] scale matrix, got shape {tuple(scales.shape)}; "
+            f"flatten leading dims first (scales.reshape(-1, scales.shape[-1]))"
+        )
+    if scales.dtype not in (torch.uint8, torch.float8_e8m0fnu):
+        raise TypeError(
+            f"mxfx.layout.to_blocked: scales of shape {tuple(scales.shape)} have dtype {scales.dtype}; "
+            f"expected uint8 E8M0 bytes or torch.float8_e8m0fnu"
+        )
+    rows, cols = scales.shape
+    prows, pcols = _ceil_to(rows, TILE_ROWS), _ceil_to(cols, TILE_COLS)
+    raw = scales.view(torch.uint8)
+    padded = raw.new_zeros(prows, pcols)
+    padded[:rows, :cols] = raw
+    # [row tile, group g, line i, col tile, c] -> [row tile, col tile, line i, group g, c]
+    tiles = padded.view(prows // TILE_ROWS, TILE_ROWS // ROW_GROUP, ROW_GROUP, pcols // TILE_COLS, TILE_COLS)
+    out = tiles.permute(0, 3, 2, 1, 4).reshape(-1)
+    return out.view(scales.dtype)
+
+
+def from_blocked(blocked: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Inverse of :func:`to_blocked`: recover the ``[rows, cols]`` scale matrix.
+
+    Args:
+        blocked: tensor of ``blocked_numel(rows, cols)`` uint8 / float8_e8m0fnu bytes, any
+            shape (it is flattened).
+        rows, cols: the logical scale-matrix shape; padding is dropped.
+
+    Returns:
+        contiguous ``[rows, cols]`` tensor of ``blocked.dtype``.
+
+    Raises:
+        ValueError: ``blocked`` does not hold exactly ``blocked_numel(rows, cols)`` bytes.
+    """
+    prows, pcols = _ceil_to(rows, TILE_ROWS), _ceil_to(cols, TILE_COLS)
+    if blocked.numel() != prows * pcols:
+        raise ValueError(
+            f"mxfx.layout.from_blocked: blocked scales of shape {tuple(blocked.shape)} hold {blocked.numel()} "
+            f"bytes; a [{rows}, {cols}] matrix needs {prows} x {pcols} = {prows * pcols} (rows padded to "
+            f"{TILE_ROWS}, cols to {TILE_COLS})"
+        )
+    raw = blocked.reshape(-1).view(torch.uint8)
+    tiles = raw.view(prows // TILE_ROWS, pcols // TILE_COLS, ROW_GROUP, TILE_ROWS // ROW_GROUP, TILE_COLS)
+    padded = tiles.permute(0, 3, 2, 1, 4).reshape(prows, pcols)
+    return padded[:rows, :cols].contiguous().view(blocked.dtype)

@@ -1,0 +1,84 @@
+"""Linear pass: ``F.linear(x, W, b)`` -> :func:`mxfx.ops.linear.mx_linear`.
+
+Pattern: any ``torch._C._nn.linear`` call in the Dynamo graph (``nn.Linear``
+and ``F.linear`` both trace to it), 2D or 3D input, with or without bias.
+
+Replacement: ``mx_linear(x, W, b, scale_rule=..., wgrad=...)``, an autograd
+function whose forward, dgrad and wgrad are MX GEMMs with each operand blocked
+along its reduction dim. Valid because it computes the same product: only the
+operands' rounding changes (to MXFP8), accumulation stays fp32, bias and output
+dtype follow ``F.linear`` under autocast.
+
+Kept as written (and reported): routers (:mod:`mxfx.passes.router`), ops a
+policy rule keeps in BF16 (the vocabulary projection by default), linears
+whose in/out features are not multiples of 32, non-floating operands.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from mxfx.ops.linear import mx_linear
+from mxfx.passes.fx import example_value, module_fqn, shape_str, size_hint
+from mxfx.passes.router import is_router
+from mxfx.policy import Policy
+from mxfx.report import OpRecord, PrecisionMap
+
+LINEAR_TARGETS = (torch._C._nn.linear, torch.nn.functional.linear)
+_FLOAT = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _operands(node: fx.Node):
+    x, w, *rest = node.args
+    b = rest[0] if rest else node.kwargs.get("bias")
+    return x, w, b
+
+
+def _skip_reason(x, w) -> str:
+    if x is None or w is None:
+        return "no example value for the operands"
+    if x.dtype not in _FLOAT or w.dtype not in _FLOAT:
+        return f"operand dtypes {x.dtype}/{w.dtype} are not floating"
+    if w.dim() != 2:
+        return f"weight has {w.dim()} dims"
+    n, k = w.shape
+    if size_hint(k) % 32 or size_hint(n) % 32:
+        return f"features {size_hint(k)}->{size_hint(n)} are not multiples of 32"
+    return ""
+
+
+def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
+    """Rewrite eligible linears in ``gm`` in place; returns how many were rewritten."""
+    rewritten = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in LINEAR_TARGETS:
+            continue
+        x_node, w_node, b_node = _operands(node)
+        x, w = example_value(x_node), example_value(w_node)
+        kind = "router" if is_router(node) else "linear"
+        module = module_fqn(node)
+        shapes = f"x{shape_str(x)} w{shape_str(w)}" + (" +bias" if b_node is not None else "")
+        reason = _skip_reason(x, w)
+        macs = None
+        if not reason:
+            m = 1
+            for d in x.shape[:-1]:
+                m *= size_hint(d)
+            macs = m * size_hint(w.shape[0]) * size_hint(w.shape[1])
+        d = policy.decide(kind, module, macs)
+        reason = d.reason or reason
+        if reason:
+            pm.add(OpRecord(node.name, kind, module, shapes, "bf16", "bf16", "bf16", "bf16", "-", reason))
+            continue
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(
+                mx_linear, (x_node, w_node, b_node), {"scale_rule": d.scale_rule, "wgrad": d.wgrad}
+            )
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        saved = "mxfp8" if d.wgrad == "mxfp8" else "bf16"
+        pm.add(OpRecord(new.name, kind, module, shapes, "mxfp8", "mxfp8", d.wgrad, saved, d.scale_rule))
+        rewritten += 1
+    return rewritten

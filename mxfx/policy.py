@@ -1,0 +1,198 @@
+"""Per-op precision policy: which ops the passes rewrite, and how.
+
+A :class:`Policy` holds global settings and an ordered list of :class:`Rule`;
+for each matched op the first rule whose module glob and op kind both match
+decides its precision (user rules first, then :data:`DEFAULT_RULES`). Settings a
+rule leaves unset fall back to the policy-wide value, then to the op kind's
+default (``wgrad``: "mxfp8" for dense linears, "bf16" for routed grouped GEMMs,
+as in the Olmo recipe, seed §11.4.1-11.4.2).
+
+``torch.compile(model, backend="mxfp8", options={...})`` accepts a Policy or a
+plain dict of its fields (rules as dicts); :meth:`Policy.from_toml` reads the
+same keys from a TOML file. Unknown keys or values raise ValueError listing the
+valid ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from mxfx.format import SCALE_RULES
+
+OP_KINDS = ("linear", "grouped_mm", "swiglu", "router", "saved", "all_to_all")
+PRECISIONS = ("mxfp8", "bf16")
+INNER_COMPILERS = ("inductor", "aot_eager", "eager")
+PASSES = ("linear",)
+DUMP_ENV = "MXFX_DUMP_DIR"
+
+KIND_DEFAULT_WGRAD = {"linear": "mxfp8", "grouped_mm": "bf16"}
+
+
+def _check_choice(what: str, value: Any, valid: tuple) -> None:
+    if value is not None and value not in valid:
+        raise ValueError(f"mxfx policy: {what}={value!r} is not valid; choose one of {', '.join(map(repr, valid))}")
+
+
+def _from_mapping(cls, data: dict, what: str):
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        raise ValueError(f"mxfx policy: unknown {what} key(s) {unknown}; valid keys: {', '.join(names)}")
+    return cls(**data)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One policy rule; ``None`` fields do not constrain (match) or do not set (decide).
+
+    Attributes:
+        module: fnmatch glob on the op's module FQN as ``named_modules()`` spells
+            it (``"layers.*.attn.qkv"``, ``"*lm_head"``); None matches any module.
+        op: op kind, one of :data:`OP_KINDS`; None matches any kind.
+        precision: forward/dgrad compute precision, "mxfp8" or "bf16" (bf16 means
+            the op is left as the model wrote it).
+        wgrad: weight-gradient precision, "mxfp8" or "bf16".
+        save: precision of activations saved for backward, "mxfp8" or "bf16".
+        scale_rule: "rceil" or "floor".
+        min_size: smallest GEMM, in multiply-accumulates M*N*K, that is rewritten.
+    """
+
+    module: str | None = None
+    op: str | None = None
+    precision: str | None = None
+    wgrad: str | None = None
+    save: str | None = None
+    scale_rule: str | None = None
+    min_size: int | None = None
+
+    def __post_init__(self):
+        _check_choice("op", self.op, OP_KINDS)
+        _check_choice("precision", self.precision, PRECISIONS)
+        _check_choice("wgrad", self.wgrad, PRECISIONS)
+        _check_choice("save", self.save, PRECISIONS)
+        _check_choice("scale_rule", self.scale_rule, SCALE_RULES)
+        if self.min_size is not None and (not isinstance(self.min_size, int) or self.min_size < 0):
+            raise ValueError(f"mxfx policy: min_size={self.min_size!r} must be a non-negative int")
+
+    def matches(self, kind: str, module: str) -> bool:
+        return (self.op is None or self.op == kind) and (self.module is None or fnmatch.fnmatchcase(module, self.module))
+
+
+DEFAULT_RULES: tuple[Rule, ...] = (
+    # Routers keep their own precision: routing decisions are sensitive and the GEMM is tiny.
+    Rule(op="router", precision="bf16"),
+    # The vocabulary projection stays BF16 (seed: MXFP8 covers attention and MLP projections only).
+    Rule(module="lm_head", precision="bf16"),
+    Rule(module="*.lm_head", precision="bf16"),
+    Rule(module="output", precision="bf16"),
+    Rule(module="*.output", precision="bf16"),
+)
+
+
+def _describe(rule: Rule) -> str:
+    """Compact form of a rule: only the fields it sets."""
+    return "(" + ", ".join(f"{f.name}={getattr(rule, f.name)!r}" for f in dataclasses.fields(rule) if getattr(rule, f.name) is not None) + ")"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the policy decided for one op."""
+
+    precision: str
+    wgrad: str
+    save: str
+    scale_rule: str
+    rule: Rule | None  # the rule that matched, None for the built-in defaults
+    reason: str = ""  # why precision is not mxfp8 ("" when it is)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Global settings and per-op rules for the mxfp8 backend.
+
+    Attributes:
+        scale_rule: "rceil" (default) or "floor" for every op no rule overrides.
+        wgrad: overrides the per-kind wgrad default for every op no rule overrides.
+        save: default saved-activation precision ("mxfp8": pack where it replaces BF16).
+        min_size: default minimum GEMM size in multiply-accumulates (0: rewrite all eligible).
+        rules: user rules, checked in order before :data:`DEFAULT_RULES`.
+        passes: per-pass on/off switches, e.g. ``{"linear": False}``.
+        inner: compiler run after the rewrite: "inductor" (default), "aot_eager",
+            "eager", or any torch.compile backend callable ``(gm, example_inputs)``.
+        dump_dir: write before/after graphs and the precision map here
+            (also taken from the ``MXFX_DUMP_DIR`` environment variable).
+    """
+
+    scale_rule: str = "rceil"
+    wgrad: str | None = None
+    save: str = "mxfp8"
+    min_size: int = 0
+    rules: tuple[Rule, ...] = ()
+    passes: dict = field(default_factory=dict)
+    inner: str | Callable = "inductor"
+    dump_dir: str | None = None
+
+    def __post_init__(self):
+        _check_choice("scale_rule", self.scale_rule, SCALE_RULES)
+        _check_choice("wgrad", self.wgrad, PRECISIONS)
+        _check_choice("save", self.save, PRECISIONS)
+        if not isinstance(self.min_size, int) or self.min_size < 0:
+            raise ValueError(f"mxfx policy: min_size={self.min_size!r} must be a non-negative int")
+        if not callable(self.inner):
+            _check_choice("inner", self.inner, INNER_COMPILERS)
+        rules = tuple(r if isinstance(r, Rule) else _from_mapping(Rule, dict(r), "rule") for r in self.rules)
+        object.__setattr__(self, "rules", rules)
+        for name, on in self.passes.items():
+            _check_choice("passes", name, PASSES)
+            if not isinstance(on, bool):
+                raise ValueError(f"mxfx policy: passes[{name!r}]={on!r} must be True or False")
+        if self.dump_dir is None and os.environ.get(DUMP_ENV):
+            object.__setattr__(self, "dump_dir", os.environ[DUMP_ENV])
+
+    @classmethod
+    def from_options(cls, options: "Policy | dict | None") -> "Policy":
+        """Build a policy from ``torch.compile(..., options=...)``: a Policy, a dict, or None."""
+        if options is None:
+            return cls()
+        if isinstance(options, Policy):
+            return options
+        if not isinstance(options, dict):
+            raise TypeError(f"mxfx policy: options must be a mxfx.Policy or a dict, got {type(options).__name__}")
+        return _from_mapping(cls, options, "option")
+
+    @classmethod
+    def from_toml(cls, path: str | os.PathLike) -> "Policy":
+        """Read a policy from a TOML file with the same keys (rules as ``[[rules]]`` tables)."""
+        import tomllib
+
+        with open(path, "rb") as f:
+            return cls.from_options(tomllib.load(f))
+
+    def pass_enabled(self, name: str) -> bool:
+        return self.passes.get(name, True)
+
+    def decide(self, kind: str, module: str, macs: int | None = None) -> Decision:
+        """Resolve precision for an op of ``kind`` in module ``module`` with a GEMM of ``macs`` MACs."""
+        _check_choice("op", kind, OP_KINDS)
+        rule = next((r for r in (*self.rules, *DEFAULT_RULES) if r.matches(kind, module)), None)
+        get = lambda name: None if rule is None else getattr(rule, name)  # noqa: E731
+        precision = get("precision") or "mxfp8"
+        min_size = get("min_size") if get("min_size") is not None else self.min_size
+        reason = ""
+        if precision != "mxfp8":
+            origin = "default rule" if rule in DEFAULT_RULES else "policy rule"
+            reason = f"{origin} {_describe(rule)}"
+        elif macs is not None and macs < min_size:
+            precision, reason = "bf16", f"GEMM of {macs} MACs is below min_size {min_size}"
+        return Decision(
+            precision=precision,
+            wgrad=get("wgrad") or self.wgrad or KIND_DEFAULT_WGRAD.get(kind, "mxfp8"),
+            save=get("save") or self.save,
+            scale_rule=get("scale_rule") or self.scale_rule,
+            rule=rule,
+            reason=reason,
+        )

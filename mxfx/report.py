@@ -1,0 +1,100 @@
+"""Inspection: the per-graph precision map and the before/after dumps.
+
+One :class:`OpRecord` per op a pass matched, rewritten or skipped, with the
+module name, op kind, shapes, the precision of forward/dgrad/wgrad and saved
+tensors, and why it was skipped. ``mxfx.last_report()`` returns the map of the
+most recently compiled graph; ``options={"dump_dir": PATH}`` (or the
+``MXFX_DUMP_DIR`` environment variable) writes, per compiled graph,
+``graph_NNN/before.py``, ``after.py`` and ``precision.txt``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+from dataclasses import dataclass, field
+
+from torch._dynamo.utils import counters
+
+_graph_ids = itertools.count()
+_reports: list["PrecisionMap"] = []
+
+
+@dataclass
+class OpRecord:
+    """One matched op. Precisions are "mxfp8", "bf16" (left as the model wrote it) or "-"."""
+
+    node: str
+    kind: str
+    module: str
+    shapes: str
+    forward: str
+    dgrad: str
+    wgrad: str
+    saved: str
+    scale_rule: str
+    reason: str = ""
+
+    @property
+    def rewritten(self) -> bool:
+        return self.forward == "mxfp8" or self.dgrad == "mxfp8" or self.wgrad == "mxfp8" or self.saved == "mxfp8"
+
+
+@dataclass
+class PrecisionMap:
+    """Everything the passes decided for one compiled graph."""
+
+    graph_id: int = field(default_factory=lambda: next(_graph_ids))
+    records: list[OpRecord] = field(default_factory=list)
+
+    def add(self, record: OpRecord) -> None:
+        self.records.append(record)
+        counters["mxfx"][f"{record.kind}_{'rewritten' if record.rewritten else 'skipped'}"] += 1
+
+    def count(self, kind: str | None = None, rewritten: bool | None = None) -> int:
+        return sum(
+            1
+            for r in self.records
+            if (kind is None or r.kind == kind) and (rewritten is None or r.rewritten == rewritten)
+        )
+
+    def summary(self) -> str:
+        kinds = sorted({r.kind for r in self.records})
+        parts = [f"{k}: {self.count(k, True)} mxfp8 / {self.count(k, False)} kept" for k in kinds]
+        return f"graph {self.graph_id}: " + ("; ".join(parts) if parts else "no matching ops")
+
+    def to_text(self) -> str:
+        cols = ["node", "kind", "module", "shapes", "forward", "dgrad", "wgrad", "saved", "scale_rule", "reason"]
+        rows = [cols] + [[str(getattr(r, c)) for c in cols] for r in self.records]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+        return "\n".join([f"# mxfx precision map, {self.summary()}", *lines]) + "\n"
+
+    def to_json(self) -> str:
+        return json.dumps([dataclasses.asdict(r) for r in self.records], indent=1)
+
+
+def register(pm: PrecisionMap) -> None:
+    _reports.append(pm)
+
+
+def last_report() -> PrecisionMap | None:
+    """The precision map of the most recently compiled graph (None before any)."""
+    return _reports[-1] if _reports else None
+
+
+def all_reports() -> list[PrecisionMap]:
+    """Precision maps of every graph compiled in this process, oldest first."""
+    return list(_reports)
+
+
+def write_dump(dump_dir: str, pm: PrecisionMap, before: str, after: str) -> str:
+    """Write before/after graph code and the precision map; returns the graph's folder."""
+    folder = os.path.join(dump_dir, f"graph_{pm.graph_id:03d}")
+    os.makedirs(folder, exist_ok=True)
+    for name, text in (("before.py", before), ("after.py", after), ("precision.txt", pm.to_text()), ("precision.json", pm.to_json())):
+        with open(os.path.join(folder, name), "w") as f:
+            f.write(text)
+    return folder

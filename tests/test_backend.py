@@ -1,0 +1,72 @@
+"""Backend registration, options, and the dump."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+import mxfx
+from mxfx.policy import Policy, Rule
+
+
+def test_entry_point_without_importing_mxfx():
+    code = (
+        "import sys, torch\n"
+        "m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))\n"
+        "x = torch.randn(8, 32)\n"
+        "y = torch.compile(m, backend='mxfp8', options={'inner': 'eager'})(x)\n"
+        "assert 'mxfx' in sys.modules, 'backend did not load mxfx'\n"
+        "print(float((y - m(x)).abs().max()))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    err = float(out.stdout.strip().splitlines()[-1])
+    assert 0 < err < 0.1  # quantized (not identical to fp32) but close
+
+
+def test_options_validation_names_valid_values():
+    with pytest.raises(ValueError, match="valid keys"):
+        Policy.from_options({"scale_rul": "rceil"})
+    with pytest.raises(ValueError, match="'rceil', 'floor'"):
+        Policy.from_options({"scale_rule": "nearest"})
+    with pytest.raises(ValueError, match="'linear'"):
+        Policy.from_options({"rules": [{"op": "conv"}]})
+    with pytest.raises(ValueError, match="valid keys"):
+        Policy.from_options({"rules": [{"modul": "x"}]})
+    with pytest.raises(ValueError, match="inner"):
+        Policy.from_options({"inner": "tvm"})
+
+
+def test_policy_decisions_first_match_wins(tmp_path):
+    p = Policy(rules=(Rule(module="layers.0.*", precision="bf16"), {"op": "linear", "wgrad": "bf16"}))
+    assert p.decide("linear", "layers.0.attn.qkv").precision == "bf16"
+    d = p.decide("linear", "layers.1.attn.qkv")
+    assert (d.precision, d.wgrad, d.scale_rule) == ("mxfp8", "bf16", "rceil")
+    assert p.decide("grouped_mm", "layers.1.experts").wgrad == "bf16"  # per-kind default
+    assert Policy().decide("linear", "x").wgrad == "mxfp8"
+    assert Policy(wgrad="bf16").decide("linear", "x").wgrad == "bf16"
+    assert Policy().decide("linear", "lm_head").precision == "bf16"
+    assert Policy().decide("router", "layers.0.mlp.gate").precision == "bf16"
+    assert Policy(min_size=1000).decide("linear", "x", macs=999).precision == "bf16"
+    toml = tmp_path / "policy.toml"
+    toml.write_text('scale_rule = "floor"\n[[rules]]\nmodule = "*.o_proj"\nprecision = "bf16"\n')
+    q = Policy.from_toml(toml)
+    assert q.scale_rule == "floor" and q.decide("linear", "layers.3.o_proj").precision == "bf16"
+
+
+def test_dump_dir_and_env(tmp_path, monkeypatch):
+    m = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 48))
+    torch.compile(m, backend="mxfp8", options={"inner": "eager", "dump_dir": str(tmp_path)})(torch.randn(4, 32))
+    folder = tmp_path / "graph_{:03d}".format(mxfx.last_report().graph_id)
+    before, after, prec = ((folder / f).read_text() for f in ("before.py", "after.py", "precision.txt"))
+    assert "torch._C._nn.linear" in before and "mx_linear" not in before
+    assert after.count("mx_linear(") == 1 and after.count("torch._C._nn.linear(") == 1  # 32->64 rewritten; 64->48 kept
+    assert "features 64->48 are not multiples of 32" in prec and "mxfp8" in prec
+    torch._dynamo.reset()
+    env_dir = tmp_path / "env"
+    monkeypatch.setenv("MXFX_DUMP_DIR", str(env_dir))
+    torch.compile(m, backend="mxfp8", options={"inner": "eager"})(torch.randn(4, 32))
+    assert (env_dir / "graph_{:03d}".format(mxfx.last_report().graph_id) / "precision.txt").exists()

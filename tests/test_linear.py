@@ -1,0 +1,155 @@
+"""The linear pass: numerics against a hand-written MX reference, graph counts, exceptions."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import mxfx
+from mxfx.ops.linear import mx_linear
+from tests.helpers import GraphCapture, count_calls
+
+MX_MM = torch.ops.mxfx.mm.default
+
+
+def q_dq(t: torch.Tensor, axis: int, rule: str) -> torch.Tensor:
+    """Quantize along ``axis`` with the public reference, dequantize to fp32."""
+    q, s = mxfx.quantize(t, axis=axis, rule=rule)
+    return mxfx.dequantize(q, s, axis=axis, dtype=torch.float32)
+
+
+def pad_tokens(t: torch.Tensor) -> torch.Tensor:
+    return F.pad(t, (0, 0, 0, (-t.shape[0]) % 32))
+
+
+def reference_linear(x, w, b, dy, rule, wgrad):
+    """Forward and the three gradients written out per format_spec.md's operand orientations."""
+    y = q_dq(x, -1, rule) @ q_dq(w, -1, rule).T + b  # X and W blocked along K
+    dx = q_dq(dy, -1, rule) @ q_dq(w, 0, rule)  # dY along N; W along N, i.e. down its columns
+    if wgrad == "mxfp8":  # both blocked along tokens, zero-padded to a multiple of 32
+        dw = q_dq(pad_tokens(dy), 0, rule).T @ q_dq(pad_tokens(x), 0, rule)
+    else:
+        dw = dy.T @ x
+    return y, dx, dw, dy.sum(0)
+
+
+@pytest.mark.parametrize("rule", ["rceil", "floor"])
+@pytest.mark.parametrize("wgrad", ["mxfp8", "bf16"])
+def test_mx_linear_matches_hand_reference(rule, wgrad):
+    g = torch.Generator().manual_seed(0)
+    m, k, n = 40, 64, 96  # 40 tokens: wgrad pads to 64
+    x = torch.randn(m, k, generator=g) * 3
+    w = torch.randn(n, k, generator=g) * 0.1
+    b = torch.randn(n, generator=g)
+    dy = torch.randn(m, n, generator=g)
+    xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
+    y = mx_linear(xr, wr, br, scale_rule=rule, wgrad=wgrad)
+    y.backward(dy)
+    ry, rdx, rdw, rdb = reference_linear(x, w, b, dy, rule, wgrad)
+    # Same dequantized operands, fp32 GEMMs on both sides: equal up to summation order.
+    for got, want in ((y, ry), (xr.grad, rdx), (wr.grad, rdw), (br.grad, rdb)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # ... and genuinely quantized: not the plain fp32 linear.
+    assert (y - F.linear(x, w, b)).abs().max() > 1e-3
+
+
+def test_mx_linear_autocast_dtypes_and_3d():
+    x = torch.randn(2, 24, 64, requires_grad=True)
+    w = torch.randn(32, 64, requires_grad=True)
+    with torch.autocast("cpu", torch.bfloat16):
+        y = mx_linear(x, w)
+    assert y.dtype == torch.bfloat16 and y.shape == (2, 24, 32)
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
+    ref = (q_dq(x.detach().reshape(-1, 64), -1, "rceil") @ q_dq(w.detach(), -1, "rceil").T).to(torch.bfloat16)
+    torch.testing.assert_close(y.reshape(-1, 32), ref, rtol=0, atol=0)
+
+
+def test_mx_linear_rejects_unaligned_features():
+    with pytest.raises(ValueError, match=r"multiples of 32"):
+        mx_linear(torch.randn(4, 48), torch.randn(32, 48))
+
+
+class Block(nn.Module):
+    """Attention-like projections, a router, an unaligned linear and a vocabulary projection."""
+
+    def __init__(self, d=64, vocab=256):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.o_proj = nn.Linear(d, d)
+        self.gate = nn.Linear(d, 32, bias=False)  # router: eligible by shape, kept by graph structure
+        self.odd = nn.Linear(d, 40)  # 40 features: kept BF16
+        self.lm_head = nn.Linear(d, vocab, bias=False)  # vocabulary projection: kept by policy
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        h = x + self.o_proj(F.silu(q) * k + v)
+        probs = self.gate(h).float().softmax(dim=-1)
+        weights, _ = probs.topk(2, dim=-1)
+        h = h * weights.sum(-1, keepdim=True).to(h.dtype)
+        return self.lm_head(h).float().logsumexp(-1).mean() + self.odd(h).float().mean()
+
+
+ELIGIBLE = 2  # qkv, o_proj
+
+
+def _run(model, x, backend="mxfp8", options=None):
+    compiled = torch.compile(model, backend=backend, options=options) if options else torch.compile(model, backend=backend)
+    x = x.clone().requires_grad_()  # so the first linear has a dgrad too
+    with torch.autocast("cpu", torch.bfloat16):
+        loss = compiled(x)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    return loss.detach(), grads
+
+
+def test_graph_counts_router_and_vocab_stay_bf16():
+    torch.manual_seed(0)
+    model, x = Block(), torch.randn(2, 48, 64)
+    cap = GraphCapture()
+    _run(model, x, options={"inner": cap})
+    assert count_calls(cap.forward, MX_MM) == ELIGIBLE
+    assert count_calls(cap.backward, MX_MM) == 2 * ELIGIBLE  # dgrad + wgrad per linear
+    # router, unaligned and vocabulary linears stay plain GEMMs in the forward graph
+    plain = count_calls(cap.forward, torch.ops.aten.mm.default) + count_calls(cap.forward, torch.ops.aten.addmm.default)
+    assert plain == 3
+    report = mxfx.last_report()
+    kept = {r.module: r.reason for r in report.records if not r.rewritten}
+    assert set(kept) == {"gate", "odd", "lm_head"}
+    assert "router" in kept["gate"] and "lm_head" in kept["lm_head"] and "multiples of 32" in kept["odd"]
+
+
+def test_policy_wgrad_bf16_and_module_rule():
+    torch.manual_seed(0)
+    model, x = Block(), torch.randn(2, 48, 64)
+    cap = GraphCapture()
+    opts = {"inner": cap, "wgrad": "bf16", "rules": [{"module": "o_proj", "precision": "bf16"}]}
+    _run(model, x, options=opts)
+    assert count_calls(cap.forward, MX_MM) == 1  # only qkv
+    assert count_calls(cap.backward, MX_MM) == 1  # qkv dgrad; its wgrad is BF16
+    assert count_calls(cap.backward, torch.ops.mxfx.quantize_dual.default) == 0  # dY of qkv: rowwise only
+    assert count_calls(cap.backward, torch.ops.mxfx.quantize.default) == 2  # dY and the dgrad weight
+
+
+def test_compiled_inductor_equals_eager_rewrite_and_differs_from_bf16():
+    torch.manual_seed(0)
+    model, x = Block(), torch.randn(2, 48, 64)
+    loss_c, grads_c = _run(model, x, options={"inner": "inductor"})
+    loss_e, grads_e = _run(model, x, options={"inner": "eager"})
+    loss_b, _ = _run(model, x, backend="inductor")
+    # Same MX ops on both sides; Inductor may reorder bf16 elementwise math: bf16-rounding tolerance.
+    torch.testing.assert_close(loss_c, loss_e, rtol=2e-2, atol=2e-2)
+    for name in grads_c:
+        torch.testing.assert_close(grads_c[name], grads_e[name], rtol=5e-2, atol=5e-3)
+    assert loss_c != loss_b  # MXFP8 rounding is visible
+    assert abs(loss_c - loss_b) / abs(loss_b) < 0.05  # ... but small
+
+
+def test_floor_rule_reaches_the_graph():
+    torch.manual_seed(0)
+    model, x = Block(), torch.randn(2, 48, 64)
+    r1, _ = _run(model, x, options={"inner": "eager", "scale_rule": "rceil"})
+    r2, _ = _run(model, x, options={"inner": "eager", "scale_rule": "floor"})
+    assert r1 != r2
+    assert {r.scale_rule for r in mxfx.last_report().records if r.rewritten} == {"floor"}
