@@ -22,20 +22,22 @@ def pad_tokens(t: torch.Tensor) -> torch.Tensor:
     return F.pad(t, (0, 0, 0, (-t.shape[0]) % 32))
 
 
-def reference_linear(x, w, b, dy, rule, wgrad):
+def reference_linear(x, w, b, dy, rule, wgrad, save):
     """Forward and the three gradients written out per format_spec.md's operand orientations."""
     y = q_dq(x, -1, rule) @ q_dq(w, -1, rule).T + b  # X and W blocked along K
     dx = q_dq(dy, -1, rule) @ q_dq(w, 0, rule)  # dY along N; W along N, i.e. down its columns
     if wgrad == "mxfp8":  # both blocked along tokens, zero-padded to a multiple of 32
         dw = q_dq(pad_tokens(dy), 0, rule).T @ q_dq(pad_tokens(x), 0, rule)
-    else:
+    elif save == "mxfp8":  # BF16-precision GEMM on the dequantized saved (rowwise MX) input
+        dw = dy.T @ q_dq(x, -1, rule)
+    else:  # on the input itself, saved by reference
         dw = dy.T @ x
     return y, dx, dw, dy.sum(0)
 
 
 @pytest.mark.parametrize("rule", ["rceil", "floor"])
-@pytest.mark.parametrize("wgrad", ["mxfp8", "bf16"])
-def test_mx_linear_matches_hand_reference(rule, wgrad):
+@pytest.mark.parametrize("wgrad,save", [("mxfp8", "mxfp8"), ("mxfp8", "bf16"), ("bf16", "mxfp8"), ("bf16", "bf16")])
+def test_mx_linear_matches_hand_reference(rule, wgrad, save):
     g = torch.Generator().manual_seed(0)
     m, k, n = 40, 64, 96  # 40 tokens: wgrad pads to 64
     x = torch.randn(m, k, generator=g) * 3
@@ -43,9 +45,9 @@ def test_mx_linear_matches_hand_reference(rule, wgrad):
     b = torch.randn(n, generator=g)
     dy = torch.randn(m, n, generator=g)
     xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
-    y = mx_linear(xr, wr, br, scale_rule=rule, wgrad=wgrad)
+    y = mx_linear(xr, wr, br, scale_rule=rule, wgrad=wgrad, save=save)
     y.backward(dy)
-    ry, rdx, rdw, rdb = reference_linear(x, w, b, dy, rule, wgrad)
+    ry, rdx, rdw, rdb = reference_linear(x, w, b, dy, rule, wgrad, save)
     # Same dequantized operands, fp32 GEMMs on both sides: equal up to summation order.
     for got, want in ((y, ry), (xr.grad, rdx), (wr.grad, rdw), (br.grad, rdb)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

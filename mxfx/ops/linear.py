@@ -8,11 +8,15 @@ Operands are blocked along each GEMM's reduction dim (format_spec.md):
 * wgrad ``dW = MX(dY)^T . MX(X)``: both blocked along tokens (M, zero-padded to a
   multiple of 32), or a BF16 GEMM when ``wgrad="bf16"``.
 
-Saved for backward: with ``wgrad="mxfp8"`` only the token-blocked MX copy of X
-(33/32 bytes per value instead of BF16's 2), produced in the same read as the
-forward's rowwise copy; with ``wgrad="bf16"`` the compute-dtype X. The weight
-(a parameter, alive anyway) is saved by reference. Bias gradients are summed in
-fp32. Accumulation is fp32 throughout.
+Saved for backward (``save``, decided by the pass per seed §11.1.2/§11.4.2):
+``"mxfp8"`` keeps only an MX copy of X (33/32 bytes per value instead of BF16's
+2): token-blocked for an MX wgrad (made in the same read as the forward's
+rowwise copy), or the forward's rowwise copy, dequantized for a BF16 wgrad.
+``"bf16"`` keeps a reference to X itself, for inputs another op keeps alive
+anyway (an MX copy would add memory, not replace it). The weight (a parameter)
+is saved by reference. With a SwiGLU input (``up``), gate and up are saved per
+``save`` and the SwiGLU backward runs in fp32 (:mod:`mxfx.ops.swiglu`). Bias
+gradients are summed in fp32; accumulation is fp32 throughout.
 
 Under autocast the output has the autocast dtype (as ``F.linear`` would) while
 X is quantized from its own values (no extra rounding to bf16 first).
@@ -23,7 +27,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mxfx.cache import weight_operand
 from mxfx.kernels import ops as kops
+from mxfx.ops import swiglu
 from mxfx.ops.gemm import hp_mm_t, mx_mm
 
 
@@ -33,53 +39,67 @@ def _pad_tokens(t: torch.Tensor) -> torch.Tensor:
 
 
 def _quantize_weight(weight: torch.Tensor, rule: str, orientation: str):
-    """Weight operand: "forward" = W [N, K] blocked along K; "dgrad" = W^T [K, N] blocked along N."""
-    w = weight if orientation == "forward" else weight.t()
-    return kops.quantize(w, rule)
+    """Weight operand from its cache (:mod:`mxfx.cache`, rebuilt once per optimizer step):
+    "forward" = W [..., N, K] blocked along K; "dgrad" = W^T [..., K, N] blocked along N."""
+    return weight_operand(weight, rule, orientation)
 
 
 class _MXLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2d, weight, bias, out_dtype, rule, wgrad):
+    def forward(ctx, x2d, up, weight, bias, out_dtype, rule, wgrad, save):
         m = x2d.shape[0]
-        if wgrad == "mxfp8":
-            xq, xs, xq_t, xs_t = kops.quantize_dual(_pad_tokens(x2d), rule)
+        packed = () if up is None else swiglu.pack(x2d, up, save, rule)
+        if wgrad == "mxfp8" and (save == "mxfp8" or up is not None):
+            # Rowwise for the forward GEMM and token-blocked for wgrad, from one read.
+            src = x2d if up is None else swiglu.swiglu_fp32(x2d, up)
+            xq, xs, xq_t, xs_t = kops.quantize_dual(_pad_tokens(src), rule)
             xq, xs = xq[:m], xs[:m]
-            ctx.save_for_backward(weight, xq_t, xs_t)
+            kind, wgrad_input = "mx_tokens", (xq_t, xs_t)
         else:
-            xq, xs = kops.quantize(x2d, rule)
-            ctx.save_for_backward(weight, x2d.to(out_dtype))
+            xq, xs = kops.quantize(x2d, rule) if up is None else kops.swiglu_quantize(x2d, up, rule)
+            if up is None and save == "bf16":  # the input stays alive elsewhere: keep a reference
+                kind, wgrad_input = ("hp_tokens" if wgrad == "mxfp8" else "hp"), (x2d,)
+            else:  # BF16 wgrad from the forward's own rowwise MX copy
+                kind, wgrad_input = "mx_rows", (xq, xs)
         wq, ws = _quantize_weight(weight, rule, "forward")
         y = mx_mm(xq, xs, wq, ws, out_dtype)
         if bias is not None:
             y = y + bias.to(out_dtype)
-        ctx.meta = (m, x2d.dtype, bias is not None, rule, wgrad)
+        ctx.save_for_backward(weight, *wgrad_input, *packed)
+        ctx.meta = (m, x2d.dtype, out_dtype, bias is not None, up is not None, rule, kind, len(wgrad_input))
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        m, x_dtype, has_bias, rule, wgrad = ctx.meta
+        m, x_dtype, out_dtype, has_bias, has_up, rule, kind, n_wgrad = ctx.meta
         weight, *saved = ctx.saved_tensors
+        wgrad_input, packed = saved[:n_wgrad], tuple(saved[n_wgrad:])
         dy = dy.contiguous()
-        mx_wgrad = wgrad == "mxfp8" and ctx.needs_input_grad[1]
+        need_dw = ctx.needs_input_grad[2]
+        mx_wgrad = need_dw and kind in ("mx_tokens", "hp_tokens")
         if mx_wgrad:  # dY rowwise for dgrad and token-blocked for wgrad, from one read
             dyq, dys, dyq_t, dys_t = kops.quantize_dual(_pad_tokens(dy), rule)
             dyq, dys = dyq[:m], dys[:m]
         else:
             dyq, dys = kops.quantize(dy, rule)
-        dx = None
-        if ctx.needs_input_grad[0]:
+        dx = dup = None
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
             wq_t, ws_t = _quantize_weight(weight, rule, "dgrad")
-            dx = mx_mm(dyq, dys, wq_t, ws_t, x_dtype)
+            dh = mx_mm(dyq, dys, wq_t, ws_t, torch.float32 if has_up else x_dtype)
+            if has_up:
+                dx, dup = (t.to(x_dtype) for t in swiglu.backward(dh, packed))
+            else:
+                dx = dh
         dw = None
         if mx_wgrad:
-            xq_t, xs_t = saved
-            dw = mx_mm(dyq_t, dys_t, xq_t, xs_t, weight.dtype)
-        elif ctx.needs_input_grad[1]:
-            (x_saved,) = saved
+            if kind == "hp_tokens":
+                wgrad_input = kops.quantize(_pad_tokens(wgrad_input[0]).t(), rule)
+            dw = mx_mm(dyq_t, dys_t, *wgrad_input, weight.dtype)
+        elif need_dw:
+            x_saved = wgrad_input[0] if kind == "hp" else kops.dequantize(*wgrad_input, out_dtype)
             dw = hp_mm_t(dy.t(), x_saved.t(), weight.dtype)
-        db = dy.float().sum(0).to(weight.dtype) if has_bias and ctx.needs_input_grad[2] else None
-        return dx, dw, db, None, None, None
+        db = dy.float().sum(0).to(weight.dtype) if has_bias and ctx.needs_input_grad[3] else None
+        return dx, dup, dw, db, None, None, None, None
 
 
 def mx_linear(
@@ -87,17 +107,23 @@ def mx_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
+    up: torch.Tensor | None = None,
     scale_rule: str = "rceil",
     wgrad: str = "mxfp8",
+    save: str = "mxfp8",
 ) -> torch.Tensor:
     """MXFP8 ``F.linear``: ``x [..., K] . weight [N, K]^T (+ bias [N])`` -> ``[..., N]``.
 
     Args:
-        x: bf16/fp16/fp32 input of any leading shape; K a multiple of 32.
+        x: bf16/fp16/fp32 input of any leading shape; K a multiple of 32. With
+            ``up`` given, x is the SwiGLU gate and the input is ``silu(x) * up``.
         weight: ``[N, K]`` (fp32 main weight or bf16); N a multiple of 32.
         bias: optional ``[N]``.
+        up: optional SwiGLU up operand, x's shape (fused SwiGLU + quantize).
         scale_rule: "rceil" or "floor".
         wgrad: "mxfp8" (token-blocked MX GEMM) or "bf16".
+        save: "mxfp8" saves the wgrad input as MX (replacing a BF16 copy);
+            "bf16" keeps a reference to x (when x stays alive for another op anyway).
 
     Returns:
         ``[..., N]`` in the autocast dtype if autocast is on, else ``x.dtype``.
@@ -106,13 +132,14 @@ def mx_linear(
         ValueError: K or N not a multiple of 32 (keep such a linear in BF16).
     """
     n, k = weight.shape
-    if k % 32 or n % 32 or x.shape[-1] != k:
+    if k % 32 or n % 32 or x.shape[-1] != k or (up is not None and up.shape != x.shape):
         raise ValueError(
             f"mxfx.mx_linear: input {tuple(x.shape)} and weight {tuple(weight.shape)} need matching in_features "
             f"and in/out features that are multiples of 32; pad the layer or keep it in BF16"
         )
     dev = x.device.type
     out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+    up2d = None if up is None else up.reshape(-1, k)
     with torch.autocast(dev, enabled=False):
-        y = _MXLinear.apply(x.reshape(-1, k), weight, bias, out_dtype, scale_rule, wgrad)
+        y = _MXLinear.apply(x.reshape(-1, k), up2d, weight, bias, out_dtype, scale_rule, wgrad, save)
     return y.reshape(*x.shape[:-1], n)

@@ -1,0 +1,170 @@
+"""MXFP8 grouped expert GEMM: like ``torch._grouped_mm(x, W.transpose(-2, -1), offs)``.
+
+The routed-expert recipe of seed §11.4.1, for one projection:
+
+* forward ``Y[g] = MX(X[g]) . MX(W[g])^T``: X rowwise (along K), the expert
+  weight ``W [E, N, K]`` blocked along K (forward weight cache);
+* dgrad ``dX[g] = MX(dY[g]) . MX(W[g])``: dY rowwise (along N), ``W^T [E, K, N]``
+  blocked along N (dgrad weight cache);
+* wgrad ``dW[g] = dY[g]^T . X[g]``: by default a BF16 grouped GEMM on the
+  dequantized saved input (seed Table 25); with ``wgrad="mxfp8"`` both operands
+  are blocked along tokens *per expert group*: each group is zero-padded to a
+  multiple of 32 rows, so no 32-block mixes two experts' rows.
+
+Optional fusions on either side (seed §11.4.4):
+
+* ``up is not None``: the input is ``silu(x) * up`` (SwiGLU), quantized straight
+  from gate and up; its backward runs in fp32 from gate/up saved per ``save``.
+* ``route_weight [S]``: the output rows are scaled by the route weights (the
+  combine's weighted sum); in backward the route-weight multiply is fused into
+  the quantization of the gradient dgrad consumes (``mxfx::route_weight_quantize``).
+
+Groups may be empty or of any size. The input saved for wgrad is stored in
+MXFP8 (33/32 bytes per value) when ``save="mxfp8"``, else as given.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mxfx.kernels import ops as kops
+from mxfx.ops import swiglu
+from mxfx.ops.gemm import hp_grouped_wgrad, mx_grouped_mm, mx_grouped_mm_wgrad
+from mxfx.ops.linear import _quantize_weight
+
+BLOCK = 32
+
+
+def group_padding(offs: torch.Tensor, rows: int):
+    """Row map that pads every group to a multiple of 32 rows.
+
+    Args:
+        offs: int32 ``[E]`` cumulative group ends; rows: S, the number of input rows.
+
+    Returns:
+        ``(dest, padded_offs, capacity)``: ``dest [S]`` int64 destination row of each
+        input row (rows past ``offs[-1]`` go to a trailing scratch block no group
+        reads), ``padded_offs [E]`` int32 group ends in the padded buffer, and the
+        static buffer size ``capacity = S + 31 E + 32`` rounded up to 32.
+    """
+    e = offs.shape[0]
+    ends = offs.to(torch.int64)
+    sizes = torch.diff(ends, prepend=ends.new_zeros(1))
+    padded = (sizes + BLOCK - 1) // BLOCK * BLOCK
+    padded_ends = torch.cumsum(padded, 0)
+    capacity = (rows + (BLOCK - 1) * e + BLOCK + BLOCK - 1) // BLOCK * BLOCK
+    r = torch.arange(rows, device=offs.device)
+    gid = torch.searchsorted(ends, r, right=True)
+    valid = gid < e
+    gid = gid.clamp(max=e - 1)
+    dest = r - (ends - sizes)[gid] + (padded_ends - padded)[gid]
+    dest = torch.where(valid, dest, capacity - BLOCK + (r % BLOCK))
+    return dest, padded_ends.to(torch.int32), capacity
+
+
+def _token_blocked(t: torch.Tensor, dest: torch.Tensor, capacity: int, rule: str):
+    """MX of ``t [S, D]`` blocked along tokens per group: ``(q [D, C], s [D, C/32])``."""
+    buf = t.new_zeros((capacity, t.shape[1])).index_copy(0, dest, t)
+    return kops.quantize(buf.t(), rule)
+
+
+class _MXGroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, up, weight, offs, route_weight, out_dtype, rule, wgrad, save):
+        s_rows = x.shape[0]
+        if up is None:
+            xq, xs = kops.quantize(x, rule)
+            packed = ()
+        else:
+            xq, xs = kops.swiglu_quantize(x, up, rule)
+            packed = swiglu.pack(x, up, save, rule)
+        wq, ws = _quantize_weight(weight, rule, "forward")
+        y = mx_grouped_mm(xq, xs, wq, ws, offs, out_dtype if route_weight is None else torch.float32)
+        if wgrad == "mxfp8":
+            dest, _, capacity = group_padding(offs, s_rows)
+            h = x if up is None else swiglu.swiglu_fp32(x, up)
+            wgrad_input = _token_blocked(h, dest, capacity, rule)
+        elif save == "mxfp8" or up is not None:
+            wgrad_input = (xq, xs)  # the forward's own MX copy: dequantized for the BF16 wgrad
+        else:
+            wgrad_input = (x,)
+        y_unweighted = ()
+        if route_weight is not None:
+            y_unweighted = (y.to(out_dtype),)
+            y = (y * route_weight.reshape(-1, 1).float()).to(out_dtype)
+        ctx.save_for_backward(weight, offs, route_weight, *y_unweighted, *wgrad_input, *packed)
+        ctx.meta = (len(wgrad_input), x.dtype, up is not None, rule, wgrad, route_weight is not None)
+        return y
+
+    @staticmethod
+    def backward(ctx, dout):
+        n_wgrad, x_dtype, has_up, rule, wgrad, has_rw = ctx.meta
+        weight, offs, route_weight, *rest = ctx.saved_tensors
+        y_unweighted = rest.pop(0) if has_rw else None
+        wgrad_input, packed = rest[:n_wgrad], tuple(rest[n_wgrad:])
+        dout = dout.contiguous()
+        d_rw = None
+        if has_rw:
+            d_rw = (dout.float() * y_unweighted.float()).sum(-1).reshape(route_weight.shape).to(route_weight.dtype)
+            dyq, dys = kops.route_weight_quantize(dout, route_weight.reshape(-1), rule)
+            dy = dout.float() * route_weight.reshape(-1, 1).float()  # fp32: quantized once, never via bf16
+        else:
+            dyq, dys = kops.quantize(dout, rule)
+            dy = dout
+        wq_t, ws_t = _quantize_weight(weight, rule, "dgrad")
+        dh = mx_grouped_mm(dyq, dys, wq_t, ws_t, offs, torch.float32 if has_up else x_dtype)
+        dx = dup = None
+        if has_up:
+            dx, dup = (t.to(x_dtype) for t in swiglu.backward(dh, packed))
+        else:
+            dx = dh
+        dw = None
+        if ctx.needs_input_grad[2]:
+            if wgrad == "mxfp8":
+                dest, padded_offs, capacity = group_padding(offs, dy.shape[0])
+                dyq_t, dys_t = _token_blocked(dy, dest, capacity, rule)
+                xq_t, xs_t = wgrad_input
+                dw = mx_grouped_mm_wgrad(dyq_t, dys_t, xq_t, xs_t, padded_offs, weight.dtype)
+            else:
+                x_saved = wgrad_input[0] if n_wgrad == 1 else kops.dequantize(*wgrad_input, torch.bfloat16)
+                dw = hp_grouped_wgrad(dy.to(dout.dtype), x_saved, offs, weight.dtype)
+        return dx, dup, dw, None, d_rw, None, None, None, None
+
+
+def mx_grouped_mm_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    offs: torch.Tensor,
+    *,
+    up: torch.Tensor | None = None,
+    route_weight: torch.Tensor | None = None,
+    scale_rule: str = "rceil",
+    wgrad: str = "bf16",
+    save: str = "mxfp8",
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """MXFP8 ``torch._grouped_mm(x, weight.transpose(-2, -1), offs)`` with optional SwiGLU input and route weights.
+
+    Args:
+        x: ``[S, K]`` input rows sorted by expert (the SwiGLU gate when ``up`` is given).
+        weight: ``[E, N, K]`` expert weights (fp32 main weight or bf16; K, N multiples of 32).
+        offs: int32 ``[E]`` cumulative group ends.
+        up: optional ``[S, K]`` SwiGLU up operand: the input becomes ``silu(x) * up``.
+        route_weight: optional ``[S]`` or ``[S, 1]``: output rows are scaled by it.
+        scale_rule: "rceil" | "floor"; wgrad: "bf16" (default, seed) | "mxfp8";
+        save: "mxfp8" | "bf16", precision of activations kept for backward.
+        out_dtype: result dtype (default ``x.dtype``).
+
+    Returns ``[S, N]``.
+
+    Raises:
+        ValueError: shapes that do not pair up or are not multiples of 32.
+    """
+    e, n, k = weight.shape
+    if x.dim() != 2 or x.shape[-1] != k or k % 32 or n % 32 or offs.shape != (e,):
+        raise ValueError(
+            f"mxfx.grouped_mm: input {tuple(x.shape)}, weight {tuple(weight.shape)} [E, N, K] and offs "
+            f"{tuple(offs.shape)} do not pair up (need x [S, K], offs [E], K and N multiples of 32); "
+            f"keep this GEMM in BF16 or pad its features"
+        )
+    return _MXGroupedMM.apply(x, up, weight, offs, route_weight, out_dtype or x.dtype, scale_rule, wgrad, save)

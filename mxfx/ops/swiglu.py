@@ -1,0 +1,45 @@
+"""The SwiGLU input side of an MX GEMM: ``h = silu(gate) * up`` fused with its quantization.
+
+When a SwiGLU feeds an MX linear or grouped GEMM, the GEMM's input operand is
+quantized straight from gate and up (``mxfx::swiglu_quantize``): no BF16 ``h``
+is written (seed §11.4.4, Table 25). The backward is computed in fp32 from the
+saved gate and up, which are stored in MXFP8 (rowwise, 33/32 bytes per value,
+as the seed's fused routed path does) or in their own dtype, per the policy's
+``save`` precision.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mxfx.kernels import ops as kops
+
+
+def swiglu_fp32(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` in fp32."""
+    g = gate.float()
+    return g * torch.sigmoid(g) * up.float()
+
+
+def pack(gate: torch.Tensor, up: torch.Tensor, save: str, rule: str) -> tuple:
+    """What backward keeps of gate/up: MX pairs (``save="mxfp8"``) or the tensors themselves."""
+    if save == "mxfp8":
+        return (*kops.quantize(gate, rule), *kops.quantize(up, rule))
+    return (gate, up)
+
+
+def unpack(saved: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`pack`, as fp32 tensors."""
+    if len(saved) == 4:
+        gq, gs, uq, us = saved
+        return kops.dequantize(gq, gs, torch.float32), kops.dequantize(uq, us, torch.float32)
+    gate, up = saved
+    return gate.float(), up.float()
+
+
+def backward(dh: torch.Tensor, saved: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 gradients of ``silu(g) * u``: ``dg = dh * u * s * (1 + g (1 - s))``, ``du = dh * g * s``, s = sigmoid(g)."""
+    g, u = unpack(saved)
+    s = torch.sigmoid(g)
+    dh = dh.float()
+    return dh * u * s * (1 + g * (1 - s)), dh * g * s
