@@ -12,7 +12,8 @@ import logging
 import torch
 import torch.fx as fx
 
-from mxfx import passes, report
+from mxfx import cache, passes, report
+from mxfx.passes import weight_refresh
 from mxfx.policy import Policy
 
 log = logging.getLogger("mxfx")
@@ -33,13 +34,19 @@ def _inner_compile(inner, gm: fx.GraphModule, example_inputs):
 
 
 def rewrite(gm: fx.GraphModule, policy: Policy) -> report.PrecisionMap:
-    """Run every enabled pass on ``gm`` in place and return its precision map."""
+    """Run every enabled pass on ``gm`` in place and return its precision map.
+
+    Subgraphs (the bodies of ``torch.utils.checkpoint`` regions and other
+    higher-order ops, held as GraphModule attributes) are rewritten too.
+    """
     pm = report.PrecisionMap()
-    for name, run in passes.PIPELINE:
-        if policy.pass_enabled(name):
-            run(gm, policy, pm)
-    gm.graph.lint()
-    gm.recompile()
+    graphs = [gm] + [m for m in gm.modules() if isinstance(m, fx.GraphModule) and m is not gm]
+    for g in graphs:
+        for name, run in passes.PIPELINE:
+            if policy.pass_enabled(name):
+                run(g, policy, pm)
+        g.graph.lint()
+        g.recompile()
     return pm
 
 
@@ -57,4 +64,9 @@ def mxfp8_backend(gm: fx.GraphModule, example_inputs, options: Policy | dict | N
     if policy.dump_dir:
         folder = report.write_dump(policy.dump_dir, pm, before, gm.print_readable(print_output=False))
         log.info("mxfx: wrote %s", folder)
-    return _inner_compile(policy.inner, gm, example_inputs)
+    if any(r.rewritten and r.kind in cache.WEIGHT_KINDS for r in pm.records):
+        cache.install()  # step post-hook + Inductor lowering for the weight caches
+    compiled = _inner_compile(policy.inner, gm, example_inputs)
+    if gm.meta.get(weight_refresh.PLANS_META):  # an optimizer step that rebuilds caches in-graph
+        compiled = cache.after_step(compiled)
+    return compiled

@@ -124,7 +124,8 @@ def quantize_lastdim(x: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor
     scaled = torch.where(nonfinite.unsqueeze(-1), torch.full_like(scaled, float("nan")), scaled)
     qdata = scaled.to(torch.float8_e4m3fn).reshape(*lead, k)
     scales = torch.where(nonfinite, torch.full_like(e, E8M0_NAN), e + E8M0_BIAS).to(torch.uint8)
-    return qdata, scales
+    # contiguous whatever the input's strides (a transposed view keeps them through the casts)
+    return qdata.contiguous(), scales.contiguous()
 
 
 def scale_values(scales: torch.Tensor) -> torch.Tensor:

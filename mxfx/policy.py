@@ -23,13 +23,15 @@ from typing import Any, Callable
 
 from mxfx.format import SCALE_RULES
 
-OP_KINDS = ("linear", "grouped_mm", "swiglu", "router", "saved", "all_to_all")
+OP_KINDS = ("linear", "grouped_mm", "swiglu", "router", "saved", "all_to_all", "weight_refresh")
 PRECISIONS = ("mxfp8", "bf16")
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
-PASSES = ("linear",)
+PASSES = ("linear", "grouped_mm", "swiglu", "combine", "saved", "all_to_all", "weight_refresh")
 DUMP_ENV = "MXFX_DUMP_DIR"
 
 KIND_DEFAULT_WGRAD = {"linear": "mxfp8", "grouped_mm": "bf16"}
+TRANSPORT_DIRECTIONS = ("dispatch_fwd", "combine_fwd", "combine_bwd", "dispatch_bwd")
+"""Expert-parallel all-to-all directions; all four travel as MXFP8 by default (seed §11.4.1)."""
 
 
 def _check_choice(what: str, value: Any, valid: tuple) -> None:
@@ -125,6 +127,10 @@ class Policy:
             "eager", or any torch.compile backend callable ``(gm, example_inputs)``.
         dump_dir: write before/after graphs and the precision map here
             (also taken from the ``MXFX_DUMP_DIR`` environment variable).
+        transport: precision per expert-parallel all-to-all direction, keys from
+            :data:`TRANSPORT_DIRECTIONS`, values "mxfp8" or "bf16"; unset
+            directions are MXFP8, e.g. ``{"dispatch_bwd": "bf16"}``. A rule with
+            ``op="all_to_all", precision="bf16"`` keeps a module's all-to-alls as written.
     """
 
     scale_rule: str = "rceil"
@@ -135,6 +141,7 @@ class Policy:
     passes: dict = field(default_factory=dict)
     inner: str | Callable = "inductor"
     dump_dir: str | None = None
+    transport: dict = field(default_factory=dict)
 
     def __post_init__(self):
         _check_choice("scale_rule", self.scale_rule, SCALE_RULES)
@@ -150,6 +157,12 @@ class Policy:
             _check_choice("passes", name, PASSES)
             if not isinstance(on, bool):
                 raise ValueError(f"mxfx policy: passes[{name!r}]={on!r} must be True or False")
+        if not isinstance(self.transport, dict):
+            raise ValueError(f"mxfx policy: transport={self.transport!r} must be a dict of direction -> precision")
+        for direction, precision in self.transport.items():
+            _check_choice("transport", direction, TRANSPORT_DIRECTIONS)
+            if precision not in PRECISIONS:
+                raise ValueError(f"mxfx policy: transport[{direction!r}]={precision!r} is not valid; choose one of 'mxfp8', 'bf16'")
         if self.dump_dir is None and os.environ.get(DUMP_ENV):
             object.__setattr__(self, "dump_dir", os.environ[DUMP_ENV])
 
@@ -171,6 +184,11 @@ class Policy:
 
         with open(path, "rb") as f:
             return cls.from_options(tomllib.load(f))
+
+    def transport_precision(self, direction: str) -> str:
+        """Precision of one all-to-all direction (one of :data:`TRANSPORT_DIRECTIONS`)."""
+        _check_choice("transport", direction, TRANSPORT_DIRECTIONS)
+        return self.transport.get(direction, "mxfp8")
 
     def pass_enabled(self, name: str) -> bool:
         return self.passes.get(name, True)

@@ -11,6 +11,7 @@ most recently compiled graph; ``options={"dump_dir": PATH}`` (or the
 from __future__ import annotations
 
 import dataclasses
+import html
 import itertools
 import json
 import os
@@ -36,6 +37,7 @@ class OpRecord:
     saved: str
     scale_rule: str
     reason: str = ""
+    saved_bytes: tuple[int, int] = (0, 0)  # nominal bytes of the saved input: (as BF16, as chosen)
 
     @property
     def rewritten(self) -> bool:
@@ -53,6 +55,14 @@ class PrecisionMap:
         self.records.append(record)
         counters["mxfx"][f"{record.kind}_{'rewritten' if record.rewritten else 'skipped'}"] += 1
 
+    def find(self, node: str, kinds: tuple = ("linear", "grouped_mm")) -> OpRecord | None:
+        """The record of the GEMM op named ``node`` (None if absent)."""
+        return next((r for r in self.records if r.node == node and r.kind in kinds), None)
+
+    def saved_bytes(self) -> tuple[int, int]:
+        """Nominal bytes of MX ops' saved inputs: (all in BF16, as packed)."""
+        return sum(r.saved_bytes[0] for r in self.records), sum(r.saved_bytes[1] for r in self.records)
+
     def count(self, kind: str | None = None, rewritten: bool | None = None) -> int:
         return sum(
             1
@@ -63,7 +73,11 @@ class PrecisionMap:
     def summary(self) -> str:
         kinds = sorted({r.kind for r in self.records})
         parts = [f"{k}: {self.count(k, True)} mxfp8 / {self.count(k, False)} kept" for k in kinds]
-        return f"graph {self.graph_id}: " + ("; ".join(parts) if parts else "no matching ops")
+        text = f"graph {self.graph_id}: " + ("; ".join(parts) if parts else "no matching ops")
+        before, after = self.saved_bytes()
+        if before:
+            text += f"; saved MX-op inputs {before} B as BF16 -> {after} B ({1 - after / before:.1%} less, nominal)"
+        return text
 
     def to_text(self) -> str:
         cols = ["node", "kind", "module", "shapes", "forward", "dgrad", "wgrad", "saved", "scale_rule", "reason"]
@@ -71,6 +85,26 @@ class PrecisionMap:
         widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
         return "\n".join([f"# mxfx precision map, {self.summary()}", *lines]) + "\n"
+
+    def to_html(self) -> str:
+        """The precision map as an HTML table, cells coloured by precision (for people who would rather look)."""
+        colours = {"mxfp8": "#9be7a0", "bf16": "#f7d794", "fp32": "#9cc3f5", "-": "#eeeeee"}
+        cols = ["kind", "module", "shapes", "forward", "dgrad", "wgrad", "saved", "scale_rule", "reason"]
+        head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
+        rows = []
+        for r in self.records:
+            cells = []
+            for c in cols:
+                v = str(getattr(r, c))
+                style = f' style="background:{colours[v]}"' if v in colours else ""
+                cells.append(f"<td{style}>{html.escape(v)}</td>")
+            rows.append("<tr>" + "".join(cells) + "</tr>")
+        legend = " ".join(f'<span style="background:{c};padding:2px 6px">{k}</span>' for k, c in colours.items())
+        return (
+            "<!doctype html><meta charset=utf-8><title>mxfx precision map</title>"
+            "<style>body{font:13px sans-serif}table{border-collapse:collapse}td,th{border:1px solid #bbb;padding:2px 6px}</style>"
+            f"<h3>{html.escape(self.summary())}</h3><p>{legend}</p><table><tr>{head}</tr>{''.join(rows)}</table>\n"
+        )
 
     def to_json(self) -> str:
         return json.dumps([dataclasses.asdict(r) for r in self.records], indent=1)
@@ -94,7 +128,7 @@ def write_dump(dump_dir: str, pm: PrecisionMap, before: str, after: str) -> str:
     """Write before/after graph code and the precision map; returns the graph's folder."""
     folder = os.path.join(dump_dir, f"graph_{pm.graph_id:03d}")
     os.makedirs(folder, exist_ok=True)
-    for name, text in (("before.py", before), ("after.py", after), ("precision.txt", pm.to_text()), ("precision.json", pm.to_json())):
+    for name, text in (("before.py", before), ("after.py", after), ("precision.txt", pm.to_text()), ("precision.json", pm.to_json()), ("precision.html", pm.to_html())):
         with open(os.path.join(folder, name), "w") as f:
             f.write(text)
     return folder

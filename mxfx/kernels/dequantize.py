@@ -10,21 +10,23 @@ import torch
 import triton
 import triton.language as tl
 
-from mxfx.kernels.mx_block import as_brc, decode_scale
+from mxfx.format import check_pair
+from mxfx.kernels.mx_block import as_brc, decode_scale, flat_blocks, tile_origin
 
+FLAT_CONFIG = (64, 32, 4)
+"""(BLOCK_R, BLOCK_C, num_warps) for contiguous inputs: BLOCK_R 32-value blocks per program."""
 DEQUANT_CONFIG = (16, 256, 8)
-"""(BLOCK_R, BLOCK_C, num_warps)."""
+"""(BLOCK_R, BLOCK_C, num_warps) for strided inputs."""
 
 
 @triton.jit(do_not_specialize=["R"])
 def _dequantize_kernel(
-    q_ptr, s_ptr, out_ptr, R, C, sqb, sqr, sqc, ssb, ssr, ssc,
+    q_ptr, s_ptr, out_ptr, R, C, sqb, sqr, sqc, ssb, ssr, ssc, n_c_tiles,
     BR: tl.constexpr, BC: tl.constexpr,
 ):
     NB: tl.constexpr = BC // 32
-    r0 = tl.program_id(0) * BR
-    c0 = tl.program_id(1) * BC
-    b = tl.program_id(2).to(tl.int64)
+    b, r0, c0 = tile_origin(n_c_tiles, BR, BC)
+    b = b.to(tl.int64)
     ar = tl.arange(0, BR)
     ac = tl.arange(0, BC)
     an = tl.arange(0, NB)
@@ -43,13 +45,15 @@ def _dequantize_kernel(
 
 def dequantize_lastdim(qdata: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``(q e4m3 [..., K], s uint8 [..., K/32])`` on CUDA (any strides) -> contiguous ``[..., K]`` of ``dtype``."""
-    q3 = as_brc(qdata.view(torch.uint8))
+    check_pair(qdata, scales, -1, "mxfx.dequantize")
+    q3, _ = flat_blocks(as_brc(qdata.view(torch.uint8)))
     B, R, C = q3.shape
     s3 = scales.view(torch.uint8).reshape(B, R, C // 32)
     out = torch.empty(qdata.shape, dtype=dtype, device=qdata.device)
-    br, bc, warps = DEQUANT_CONFIG
+    br, bc, warps = FLAT_CONFIG if C == 32 else DEQUANT_CONFIG
+    n_c = triton.cdiv(C, bc)
     if R * C > 0:
-        _dequantize_kernel[(triton.cdiv(R, br), triton.cdiv(C, bc), B)](
-            q3, s3, out, R, C, *q3.stride(), *s3.stride(), BR=br, BC=bc, num_warps=warps
+        _dequantize_kernel[(triton.cdiv(R, br) * n_c, B)](
+            q3, s3, out, R, C, *q3.stride(), *s3.stride(), n_c, BR=br, BC=bc, num_warps=warps
         )
     return out

@@ -15,15 +15,48 @@ import triton.language as tl
 
 from mxfx.format import BLOCK_SIZE
 
-FP32_EXP_SHIFT = 23
-FP32_ABS_MASK = 0x7FFFFFFF
-FP32_MANT_MASK = 0x7FFFFF
-FP32_MANT_1_75 = 0x600000
+FP32_EXP_SHIFT = tl.constexpr(23)
+FP32_ABS_MASK = tl.constexpr(0x7FFFFFFF)
+FP32_MANT_MASK = tl.constexpr(0x7FFFFF)
+FP32_MANT_1_75 = tl.constexpr(0x600000)
 """Mantissa field of 1.75: above it, amax / 2^(floor(log2 amax) - 8) exceeds 448 and rceil steps up."""
 
-E4M3_NAN_BYTE = 0x7F
-E8M0_ZERO_SCALE_BITS = 0x00400000
+E4M3_NAN_BYTE = tl.constexpr(0x7F)
+E8M0_ZERO_SCALE_BITS = tl.constexpr(0x00400000)
 """fp32 bits of 2^-127 (E8M0 byte 0), an fp32 subnormal."""
+
+
+@triton.jit
+def abs_bits(v):
+    """Sign-cleared fp32 bits of ``v`` as int32: integer order equals float order for
+    non-negative floats, and NaN/Inf bits sort above every finite value."""
+    return v.to(tl.int32, bitcast=True) & FP32_ABS_MASK
+
+
+@triton.jit
+def block_scale(amax, RCEIL: tl.constexpr):
+    """From block amax bits (see :func:`abs_bits`) to ``(inv_scale fp32, sbyte uint8, nonfinite)``.
+
+    e = floor(log2 amax) - 8 (+1 for rceil when the mantissa exceeds 1.75), clamped at
+    -127; zero and fp32-subnormal amax clamp there too. inv_scale = 2^-e exactly.
+    """
+    biased = amax >> FP32_EXP_SHIFT
+    e = biased - (127 + 8)
+    if RCEIL:
+        e += ((amax & FP32_MANT_MASK) > FP32_MANT_1_75).to(tl.int32)
+    e = tl.where(biased == 0, -127, tl.maximum(e, -127))
+    nonfinite = biased == 255
+    inv_scale = ((127 - e) << FP32_EXP_SHIFT).to(tl.float32, bitcast=True)  # 127 - e in 7..254
+    sbyte = tl.where(nonfinite, 255, e + 127).to(tl.uint8)
+    return inv_scale, sbyte, nonfinite
+
+
+@triton.jit
+def to_e4m3_bits(v, inv_scale, nonfinite):
+    """E4M3 bytes of ``v * inv_scale`` (saturated at +-448, RNE); NaN bytes where ``nonfinite``."""
+    scaled = tl.minimum(tl.maximum(v * inv_scale, -448.0), 448.0)
+    qbits = scaled.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    return tl.where(nonfinite, E4M3_NAN_BYTE, qbits).to(tl.uint8)
 
 
 @triton.jit
@@ -31,25 +64,10 @@ def encode_blocks(v, AXIS: tl.constexpr, RCEIL: tl.constexpr):
     """Quantize fp32 ``v`` whose blocks of 32 run along ``AXIS`` (a reshaped 3D tile).
 
     Returns ``(qbits, sbyte)``: uint8 E4M3 bytes of ``v``'s shape and uint8 E8M0 bytes
-    with ``AXIS`` reduced. The exponent comes from the fp32 bits of the block amax
-    (max over the sign-cleared bits: integer order equals float order for
-    non-negative floats, and NaN/Inf bits sort above every finite value).
+    with ``AXIS`` reduced.
     """
-    bits = v.to(tl.int32, bitcast=True) & FP32_ABS_MASK
-    amax = tl.max(bits, axis=AXIS)
-    biased = amax >> FP32_EXP_SHIFT
-    e = biased - (127 + 8)  # floor(log2 amax) - 8 for normal amax
-    if RCEIL:
-        e += ((amax & FP32_MANT_MASK) > FP32_MANT_1_75).to(tl.int32)
-    # zero or fp32-subnormal amax: the ideal exponent is below -127, so it clamps there
-    e = tl.where(biased == 0, -127, tl.maximum(e, -127))
-    nonfinite = biased == 255
-    inv_scale = ((127 - e) << FP32_EXP_SHIFT).to(tl.float32, bitcast=True)  # 2^-e, exact (127-e in 7..254)
-    scaled = v * tl.expand_dims(inv_scale, AXIS)
-    scaled = tl.minimum(tl.maximum(scaled, -448.0), 448.0)  # saturate before the RNE cast
-    qbits = scaled.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    qbits = tl.where(tl.expand_dims(nonfinite, AXIS), E4M3_NAN_BYTE, qbits).to(tl.uint8)
-    sbyte = tl.where(nonfinite, 255, e + 127).to(tl.uint8)
+    inv_scale, sbyte, nonfinite = block_scale(tl.max(abs_bits(v), axis=AXIS), RCEIL)
+    qbits = to_e4m3_bits(v, tl.expand_dims(inv_scale, AXIS), tl.expand_dims(nonfinite, AXIS))
     return qbits, sbyte
 
 
@@ -95,9 +113,12 @@ def scale_shape(shape) -> tuple:
     return (*shape[:-1], shape[-1] // BLOCK_SIZE)
 
 
-def grid_rows(r: int, block_r: int) -> int:
-    """Programs along R (grid axis 0, which has no 65535 limit)."""
-    return triton.cdiv(r, block_r)
+@triton.jit
+def tile_origin(n_c_tiles, BR: tl.constexpr, BC: tl.constexpr):
+    """(b, r0, c0) of this program: grid (row tiles x col tiles, B), column tiles fastest,
+    so neighbouring programs stream neighbouring memory."""
+    pid = tl.program_id(0)
+    return tl.program_id(1), (pid // n_c_tiles) * BR, (pid % n_c_tiles) * BC
 
 
 @triton.jit
@@ -112,11 +133,13 @@ def load_tile(ptr, b, r0, c0, R, C, sb, sr, sc, BR: tl.constexpr, BC: tl.constex
 
 
 @triton.jit
-def store_rowwise(q_ptr, s_ptr, qbits, sbyte, b, r0, c0, R, C, BLOCKED: tl.constexpr,
+def store_rowwise(q_ptr, s_ptr, qbits, sbyte, b, r0, c0, R, C, RPR, BLOCKED: tl.constexpr,
                   BR: tl.constexpr, BC: tl.constexpr):
     """Store a tile's E4M3 bytes ``[BR, BC]`` and scales ``[BR, BC/32]`` into contiguous [B, R, C] / [B, R, C/32].
 
-    BLOCKED: scales go to the blocked layout of ``mxfx.layout`` instead (B must be 1).
+    BLOCKED: scales go to the blocked layout of ``mxfx.layout`` instead (B must be 1);
+    RPR rows of this view make one row of the scale matrix (a row split into
+    32-value rows by :func:`flat_blocks` has RPR = K / 32; else 1).
     """
     NB: tl.constexpr = BC // 32
     ar = tl.arange(0, BR)
@@ -129,8 +152,22 @@ def store_rowwise(q_ptr, s_ptr, qbits, sbyte, b, r0, c0, R, C, BLOCKED: tl.const
              mask=rmask[:, None] & ((c0 + ac) < C)[None, :])
     smask = rmask[:, None] & ((c0 // 32 + an) < C // 32)[None, :]
     if BLOCKED:
-        offs = blocked_offset((r0 + ar)[:, None], (c0 // 32 + an)[None, :], C // 32)
+        rr = r0 + ar
+        col = (rr % RPR)[:, None] * (C // 32) + (c0 // 32 + an)[None, :]
+        offs = blocked_offset((rr // RPR)[:, None], col, RPR * (C // 32))
         tl.store(s_ptr + offs, sbyte, mask=smask)
     else:
         s_base = s_ptr + row0 * (C // 32) + c0 // 32
         tl.store(s_base + ar[:, None] * (C // 32) + an[None, :], sbyte, mask=smask)
+
+
+def flat_blocks(x3: torch.Tensor):
+    """``[1, R, C]`` with contiguous rows -> ``([1, R*C/32, 32] view, RPR = C/32)``, else ``(x3, 1)``.
+
+    A contiguous tensor is one stream of 32-value blocks: tiles of whole blocks read
+    and write one contiguous chunk each, whatever K is.
+    """
+    B, R, C = x3.shape
+    if B == 1 and x3.stride(2) == 1 and (x3.stride(1) == C or R == 1):
+        return x3.reshape(1, -1, BLOCK_SIZE), C // BLOCK_SIZE
+    return x3, 1

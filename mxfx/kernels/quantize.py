@@ -10,68 +10,126 @@ One kernel, four host entry points:
 * :func:`route_weight_quantize`: quantizes ``dy * weight[:, None]`` formed in fp32.
 
 Bit-identical to ``mxfx.format.quantize_lastdim`` (OCP MX v1.0 §6.3, mxfx rules).
-Only R (the row count, e.g. tokens) varies freely between calls and it is not
-specialized; C and the strides are multiples of 32 (or 1) for every valid input, so
-their specialization key does not change with the token count.
+Token counts change every call, so no launch may specialize on them beyond a
+fixed key: rowwise, R (tokens) is not specialized at all; for a transposed input
+(columnwise), the tokens are C, a multiple of 32 (always "divisible by 16"), and R
+is the fixed model dim, kept specialized so the loads along it vectorize.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from mxfx.kernels.mx_block import as_brc, decode_scale, encode_blocks, load_tile, scale_shape, store_rowwise
+from mxfx.format import check_block_axis, check_input, check_rule
+from mxfx.kernels.mx_block import (
+    as_brc,
+    decode_scale,
+    encode_blocks,
+    flat_blocks,
+    load_tile,
+    scale_shape,
+    store_rowwise,
+)
 from mxfx.layout import blocked_numel
 
-# (BLOCK_R, BLOCK_C, num_warps): contiguous input rows (stride along C is 1).
+FLAT_CONFIG = (256, 32, 4)
+"""(BLOCK_R, BLOCK_C, num_warps) for contiguous inputs seen as a stream of 32-value blocks:
+BLOCK_R blocks per program."""
 ROWWISE_CONFIG = (16, 256, 8)
-# Input strided along C (a transposed view): tiles square enough to read along R and write along C.
-COLWISE_CONFIG = (64, 64, 4)
+"""(BLOCK_R, BLOCK_C, num_warps) for strided rows with stride 1 along C (a row slice, say)."""
+COLWISE_CONFIG = (128, 64, 4)
+"""(BLOCK_R, BLOCK_C, num_warps) for inputs strided along C (a transposed view, columnwise):
+tiles square enough to read along R and write along C."""
 
 
-@triton.jit(do_not_specialize=["R"])
-def _quantize_kernel(
+PROGRAMS_PER_SM = 4
+"""Persistent grid: at most this many programs per multiprocessor, each looping over
+tiles and loading its next tile before encoding the current one (more bytes in
+flight); 0 launches one program per tile."""
+
+
+@triton.jit
+def _tile_coords(tile, n_r_tiles, n_c_tiles, R, n_tiles, BR: tl.constexpr, BC: tl.constexpr):
+    """(b, r0, c0) of ``tile`` (column tiles fastest); r0 = R (all rows masked) past the last tile."""
+    per_batch = n_r_tiles * n_c_tiles
+    rem = tile % per_batch
+    r0 = tl.where(tile < n_tiles, (rem // n_c_tiles) * BR, R)
+    return tile // per_batch, r0, (rem % n_c_tiles) * BC
+
+
+def _quantize(
     x_ptr, w_ptr, q_ptr, s_ptr, xhat_ptr,
-    R, C, sxb, sxr, sxc, swr,
+    R, C, RPR, sxb, sxr, sxc, swr, n_r_tiles, n_c_tiles, n_tiles, step, n_iter,
     RCEIL: tl.constexpr, ROW_WEIGHT: tl.constexpr, WRITE_XHAT: tl.constexpr, BLOCKED: tl.constexpr,
     BR: tl.constexpr, BC: tl.constexpr,
 ):
-    r0 = tl.program_id(0) * BR
-    c0 = tl.program_id(1) * BC
-    b = tl.program_id(2)
+    first = tl.program_id(0)  # programs step through tiles first, first + step, ...
+    b, r0, c0 = _tile_coords(first, n_r_tiles, n_c_tiles, R, n_tiles, BR, BC)
     v = load_tile(x_ptr, b, r0, c0, R, C, sxb, sxr, sxc, BR, BC)
-    if ROW_WEIGHT:
-        rows = r0 + tl.arange(0, BR)
-        w = tl.load(w_ptr + rows.to(tl.int64) * swr, mask=rows < R, other=0.0).to(tl.float32)
-        v = v * w[:, None]
-    qbits, sbyte = encode_blocks(tl.reshape(v, [BR, BC // 32, 32]), 2, RCEIL)
-    store_rowwise(q_ptr, s_ptr, qbits, sbyte, b, r0, c0, R, C, BLOCKED, BR, BC)
-    if WRITE_XHAT:
-        xq = qbits.to(tl.float8e4nv, bitcast=True).to(tl.float32) * decode_scale(sbyte)[:, :, None]
-        ar = tl.arange(0, BR)
-        ac = tl.arange(0, BC)
-        base = xhat_ptr + (b.to(tl.int64) * R + r0) * C + c0
-        mask = ((r0 + ar) < R)[:, None] & ((c0 + ac) < C)[None, :]
-        tl.store(base + ar[:, None] * C + ac[None, :],
-                 tl.reshape(xq, [BR, BC]).to(xhat_ptr.dtype.element_ty), mask=mask)
+    for i in range(0, n_iter):  # tiles past the last one are fully masked
+        tile = first + i * step
+        nb, nr0, nc0 = _tile_coords(tile + step, n_r_tiles, n_c_tiles, R, n_tiles, BR, BC)
+        v_next = load_tile(x_ptr, nb, nr0, nc0, R, C, sxb, sxr, sxc, BR, BC)  # in flight while v is encoded
+        if ROW_WEIGHT:
+            rows = r0 + tl.arange(0, BR)
+            w = tl.load(w_ptr + (rows // RPR).to(tl.int64) * swr, mask=rows < R, other=0.0).to(tl.float32)
+            v = v * w[:, None]
+        qbits, sbyte = encode_blocks(tl.reshape(v, [BR, BC // 32, 32]), 2, RCEIL)
+        store_rowwise(q_ptr, s_ptr, qbits, sbyte, b, r0, c0, R, C, RPR, BLOCKED, BR, BC)
+        if WRITE_XHAT:
+            xq = qbits.to(tl.float8e4nv, bitcast=True).to(tl.float32) * decode_scale(sbyte)[:, :, None]
+            ar = tl.arange(0, BR)
+            ac = tl.arange(0, BC)
+            base = xhat_ptr + (b.to(tl.int64) * R + r0) * C + c0
+            mask = ((r0 + ar) < R)[:, None] & ((c0 + ac) < C)[None, :]
+            tl.store(base + ar[:, None] * C + ac[None, :],
+                     tl.reshape(xq, [BR, BC]).to(xhat_ptr.dtype.element_ty), mask=mask)
+        v, b, r0, c0 = v_next, nb, nr0, nc0
 
 
-def _launch(x, rule, *, weight=None, xhat_dtype=None, blocked=False):
-    x3 = as_brc(x)
+_TOKEN_ARGS = ["R", "n_r_tiles", "n_c_tiles", "n_tiles", "step", "n_iter"]
+_quantize_kernel = triton.jit(do_not_specialize=_TOKEN_ARGS)(_quantize)
+"""Stride 1 along C: R counts tokens (or blocks), never specialized."""
+_quantize_kernel_t = triton.jit(do_not_specialize=_TOKEN_ARGS[1:])(_quantize)
+"""Strided along C: C counts tokens (a multiple of 32, so one key); R is a model dim, kept
+specialized so loads along it vectorize."""
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """Multiprocessors of ``device``; 1 off CUDA (Triton's interpreter), so its loop runs too."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def _launch(x, rule, *, weight=None, xhat_dtype=None, blocked=False, op="mxfx.quantize"):
+    check_input(x, op)
+    check_rule(rule, op)
+    check_block_axis(x.shape, -1, op)
+    x3, rpr = flat_blocks(as_brc(x))
     B, R, C = x3.shape
     q = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
     if blocked:
-        s = torch.zeros(blocked_numel(B * R, C // 32), dtype=torch.uint8, device=x.device)
+        s = torch.zeros(blocked_numel(B * R // rpr, rpr * C // 32), dtype=torch.uint8, device=x.device)
     else:
         s = torch.empty(scale_shape(x.shape), dtype=torch.uint8, device=x.device)
     xhat = torch.empty(x.shape, dtype=xhat_dtype, device=x.device) if xhat_dtype is not None else q
     w = weight if weight is not None else x3
-    br, bc, warps = ROWWISE_CONFIG if x3.stride(2) == 1 else COLWISE_CONFIG
-    grid = (triton.cdiv(R, br), triton.cdiv(C, bc), B)
-    if R * C > 0:
-        _quantize_kernel[grid](
-            x3, w, q, s, xhat, R, C, *x3.stride(), w.stride(0) if weight is not None else 0,
+    rowwise = x3.stride(2) == 1
+    if rpr > 1 or C == 32:
+        br, bc, warps = FLAT_CONFIG
+    else:
+        br, bc, warps = ROWWISE_CONFIG if rowwise else COLWISE_CONFIG
+    n_r, n_c = triton.cdiv(R, br), triton.cdiv(C, bc)
+    n_tiles = B * n_r * n_c
+    grid = min(n_tiles, PROGRAMS_PER_SM * _sm_count(x.device)) if PROGRAMS_PER_SM else n_tiles
+    if n_tiles > 0:
+        (_quantize_kernel if rowwise else _quantize_kernel_t)[(grid,)](
+            x3, w, q, s, xhat, R, C, rpr, *x3.stride(), w.stride(0) if weight is not None else 0,
+            n_r, n_c, n_tiles, grid, triton.cdiv(n_tiles, grid),
             RCEIL=rule == "rceil", ROW_WEIGHT=weight is not None, WRITE_XHAT=xhat_dtype is not None,
             BLOCKED=blocked, BR=br, BC=bc, num_warps=warps,
         )
@@ -90,16 +148,21 @@ def quantize_blocked(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Te
     Returns ``(q [..., K], s_blocked uint8 [blocked_numel(rows, K/32)])``, padding zero.
     """
     x2 = x.reshape(-1, x.shape[-1])
-    q, s, _ = _launch(x2, rule, blocked=True)
+    q, s, _ = _launch(x2, rule, blocked=True, op="mxfx.quantize_blocked")
     return q.view(x.shape), s
 
 
 def quantize_dequantize(x: torch.Tensor, rule: str, dtype: torch.dtype):
     """``x [..., K]`` -> ``(q, s, x_hat)`` in one pass; ``x_hat`` = dequantize(q, s) as ``dtype``."""
-    return _launch(x, rule, xhat_dtype=dtype)
+    return _launch(x, rule, xhat_dtype=dtype, op="mxfx.quantize_dequantize")
 
 
 def route_weight_quantize(dy: torch.Tensor, weight: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``dy [S, D] * weight [S] (or [S, 1])`` formed in fp32 -> ``(q [S, D], s [S, D/32])``."""
-    q, s, _ = _launch(dy, rule, weight=weight.reshape(-1))
+    if dy.dim() != 2 or weight.numel() != dy.shape[0]:
+        raise ValueError(
+            f"mxfx.route_weight_quantize: expected dy [S, D] and weight [S] or [S, 1], got dy of shape "
+            f"{tuple(dy.shape)} and weight of shape {tuple(weight.shape)}"
+        )
+    q, s, _ = _launch(dy, rule, weight=weight.reshape(-1), op="mxfx.route_weight_quantize")
     return q, s

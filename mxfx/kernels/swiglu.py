@@ -14,40 +14,50 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from mxfx.kernels.mx_block import as_brc, encode_blocks, load_tile, scale_shape, store_rowwise
+from mxfx.format import check_block_axis, check_input, check_rule
+from mxfx.kernels.mx_block import as_brc, encode_blocks, flat_blocks, load_tile, scale_shape, store_rowwise, tile_origin
 
+FLAT_CONFIG = (64, 32, 4)
+"""(BLOCK_R, BLOCK_C, num_warps) when gate and up are contiguous: BLOCK_R 32-value blocks per program."""
 SWIGLU_CONFIG = (16, 256, 8)
-"""(BLOCK_R, BLOCK_C, num_warps) for contiguous rows; strided inputs use the same tile."""
+"""(BLOCK_R, BLOCK_C, num_warps) for strided gate/up (halves of a fused gate_up tensor)."""
 
 
 @triton.jit(do_not_specialize=["R"])
 def _swiglu_quantize_kernel(
-    g_ptr, u_ptr, q_ptr, s_ptr, R, C, sgb, sgr, sgc, sub, sur, suc,
+    g_ptr, u_ptr, q_ptr, s_ptr, R, C, sgb, sgr, sgc, sub, sur, suc, n_c_tiles,
     RCEIL: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
 ):
-    r0 = tl.program_id(0) * BR
-    c0 = tl.program_id(1) * BC
-    b = tl.program_id(2)
+    b, r0, c0 = tile_origin(n_c_tiles, BR, BC)
     g = load_tile(g_ptr, b, r0, c0, R, C, sgb, sgr, sgc, BR, BC)
     u = load_tile(u_ptr, b, r0, c0, R, C, sub, sur, suc, BR, BC)
     v = tl.math.div_rn(g, 1.0 + libdevice.exp(-g)) * u
     qbits, sbyte = encode_blocks(tl.reshape(v, [BR, BC // 32, 32]), 2, RCEIL)
-    store_rowwise(q_ptr, s_ptr, qbits, sbyte, b, r0, c0, R, C, False, BR, BC)
+    store_rowwise(q_ptr, s_ptr, qbits, sbyte, b, r0, c0, R, C, 1, False, BR, BC)
 
 
 def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``gate, up [..., H]`` (CUDA, same shape, any strides) -> ``(q e4m3 [..., H], s uint8 [..., H/32])``."""
-    g3 = as_brc(gate)
-    u3 = as_brc(up)
-    if g3.shape != u3.shape:  # views merged differently: fall back to matching copies
-        g3, u3 = as_brc(gate.contiguous()), as_brc(up.contiguous())
+    op = "mxfx.swiglu_quantize"
+    for t in (gate, up):
+        check_input(t, op)
+        check_block_axis(t.shape, -1, op)
+    check_rule(rule, op)
+    if gate.shape != up.shape:
+        raise ValueError(f"{op}: gate of shape {tuple(gate.shape)} and up of shape {tuple(up.shape)} must match")
+    (g3, _), (u3, _) = flat_blocks(as_brc(gate)), flat_blocks(as_brc(up))
+    if g3.shape != u3.shape:  # one is flattened, the other not
+        g3, u3 = as_brc(gate), as_brc(up)
+        if g3.shape != u3.shape:  # views merged differently: fall back to matching copies
+            g3, u3 = as_brc(gate.contiguous()), as_brc(up.contiguous())
     B, R, C = g3.shape
     q = torch.empty(gate.shape, dtype=torch.uint8, device=gate.device)
     s = torch.empty(scale_shape(gate.shape), dtype=torch.uint8, device=gate.device)
-    br, bc, warps = SWIGLU_CONFIG
+    br, bc, warps = FLAT_CONFIG if C == 32 else SWIGLU_CONFIG
+    n_c = triton.cdiv(C, bc)
     if R * C > 0:
-        _swiglu_quantize_kernel[(triton.cdiv(R, br), triton.cdiv(C, bc), B)](
-            g3, u3, q, s, R, C, *g3.stride(), *u3.stride(), RCEIL=rule == "rceil", BR=br, BC=bc,
+        _swiglu_quantize_kernel[(triton.cdiv(R, br) * n_c, B)](
+            g3, u3, q, s, R, C, *g3.stride(), *u3.stride(), n_c, RCEIL=rule == "rceil", BR=br, BC=bc,
             num_warps=warps,
         )
     return q.view(torch.float8_e4m3fn), s

@@ -167,4 +167,9 @@ def mx_grouped_mm_op(
             f"{tuple(offs.shape)} do not pair up (need x [S, K], offs [E], K and N multiples of 32); "
             f"keep this GEMM in BF16 or pad its features"
         )
-    return _MXGroupedMM.apply(x, up, weight, offs, route_weight, out_dtype or x.dtype, scale_rule, wgrad, save)
+    out_dtype = out_dtype or x.dtype
+    if not torch.is_grad_enabled():  # inference graph: the forward GEMM only, nothing saved
+        xq, xs = kops.quantize(x, scale_rule) if up is None else kops.swiglu_quantize(x, up, scale_rule)
+        y = mx_grouped_mm(xq, xs, *_quantize_weight(weight, scale_rule, "forward"), offs, torch.float32)
+        return (y if route_weight is None else y * route_weight.reshape(-1, 1).float()).to(out_dtype)
+    return _MXGroupedMM.apply(x, up, weight, offs, route_weight, out_dtype, scale_rule, wgrad, save)

@@ -49,10 +49,13 @@ class _MXLinear(torch.autograd.Function):
     def forward(ctx, x2d, up, weight, bias, out_dtype, rule, wgrad, save):
         m = x2d.shape[0]
         packed = () if up is None else swiglu.pack(x2d, up, save, rule)
-        if wgrad == "mxfp8" and (save == "mxfp8" or up is not None):
+        if wgrad == "mxfp8" and up is not None:
+            # SwiGLU: fused rowwise quantize for the GEMM; the token-blocked copy from the fp32 product.
+            xq, xs = kops.swiglu_quantize(x2d, up, rule)
+            kind, wgrad_input = "mx_tokens", kops.quantize(_pad_tokens(swiglu.swiglu_fp32(x2d, up)).t(), rule)
+        elif wgrad == "mxfp8" and save == "mxfp8":
             # Rowwise for the forward GEMM and token-blocked for wgrad, from one read.
-            src = x2d if up is None else swiglu.swiglu_fp32(x2d, up)
-            xq, xs, xq_t, xs_t = kops.quantize_dual(_pad_tokens(src), rule)
+            xq, xs, xq_t, xs_t = kops.quantize_dual(_pad_tokens(x2d), rule)
             xq, xs = xq[:m], xs[:m]
             kind, wgrad_input = "mx_tokens", (xq_t, xs_t)
         else:
@@ -141,5 +144,10 @@ def mx_linear(
     out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
     up2d = None if up is None else up.reshape(-1, k)
     with torch.autocast(dev, enabled=False):
+        if not torch.is_grad_enabled():  # inference graph: the forward GEMM only, nothing saved
+            xq, xs = kops.quantize(x.reshape(-1, k), scale_rule) if up is None else kops.swiglu_quantize(x.reshape(-1, k), up2d, scale_rule)
+            y = mx_mm(xq, xs, *_quantize_weight(weight, scale_rule, "forward"), out_dtype)
+            y = y if bias is None else y + bias.to(out_dtype)
+            return y.reshape(*x.shape[:-1], n)
         y = _MXLinear.apply(x.reshape(-1, k), up2d, weight, bias, out_dtype, scale_rule, wgrad, save)
     return y.reshape(*x.shape[:-1], n)

@@ -47,11 +47,14 @@ def _reaches(start: fx.Node, pred, max_hops: int, through=lambda n: True) -> lis
 
 
 def is_router(linear: fx.Node) -> bool:
-    """True when ``linear``'s output feeds softmax/sigmoid whose result feeds topk.
+    """True when ``linear``'s output feeds softmax/sigmoid whose result feeds topk (or feeds topk directly).
 
     Between the linear and the gate only unary ops (casts, views, temperature
     scaling) may stand, so a projection whose output merely reaches a router
     through a residual add is not mistaken for one.
     """
+    is_topk = lambda n: is_call(n, _TOPK_FN, _TOPK_METHODS)  # noqa: E731
+    if _reaches(linear, is_topk, MAX_HOPS_TO_GATE, _unary):  # topk on the logits, softmax after (GPT-OSS)
+        return True
     gates = _reaches(linear, lambda n: is_call(n, _GATES_FN, _GATES_METHODS), MAX_HOPS_TO_GATE, _unary)
-    return any(_reaches(g, lambda n: is_call(n, _TOPK_FN, _TOPK_METHODS), MAX_HOPS_TO_TOPK) for g in gates)
+    return any(_reaches(g, is_topk, MAX_HOPS_TO_TOPK) for g in gates)

@@ -1,0 +1,152 @@
+"""Bandwidth of the MX Triton kernels against a device-to-device copy measured in the same run.
+
+bandwidth = (bytes read + bytes written) / median time (triton.testing.do_bench).
+Goals: >= 92% of copy at 65536x2048 and 131072x1024, >= 90% at 16384x4096 (bf16 in).
+Also torchao's ``to_mx`` under ``torch.compile``, shapes called in sequence so the
+dynamic-shape recompile happens as it would for a user.
+
+Usage: ``python bench/kernels.py`` (CUDA + Triton); ``MXFX_BENCH_SWEEP=1`` also times
+alternative tile configs. Prints a markdown table; writes it to ``$OUT/kernels.md`` when
+``OUT`` is set.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+import triton
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from mxfx.kernels import dispatch, dual, quantize, swiglu  # noqa: E402
+
+SHAPES = [(65536, 2048), (131072, 1024), (16384, 4096)]
+GOAL = {(65536, 2048): 0.92, (131072, 1024): 0.92, (16384, 4096): 0.90}
+COPY_BYTES = 2 << 30  # 2 GiB source
+
+
+def median_ms(fn) -> float:
+    return do_bench(fn, warmup=25, rep=150, return_mode="median")
+
+
+def copy_bandwidth() -> float:
+    src = torch.randn(COPY_BYTES // 4, device="cuda")
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src))
+    del src, dst
+    return 2 * COPY_BYTES / ms / 1e6  # GB/s (bytes read + written; ms is milliseconds)
+
+
+def cases(m: int, k: int):
+    """(name, fn, bytes moved) per kernel at an [m, k] bf16 input."""
+    n = m * k
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    g, u = torch.randn_like(x), torch.randn_like(x)
+    gu = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(m, device="cuda")
+    q, s = dispatch.quantize_lastdim(x, "rceil")
+    q8 = n * (1 + 1 / 32)  # e4m3 payload + E8M0 scales
+    return [
+        ("quantize rowwise", lambda: dispatch.quantize_lastdim(x, "rceil"), 2 * n + q8),
+        ("quantize columnwise (x.t())", lambda: dispatch.quantize_lastdim(x.t(), "rceil"), 2 * n + q8),
+        ("quantize dual (row + col)", lambda: dispatch.quantize_dual(x, "rceil"), 2 * n + 2 * q8),
+        ("quantize, blocked scales", lambda: dispatch.quantize_blocked(x, "rceil"), 2 * n + q8),
+        ("dequantize -> bf16", lambda: dispatch.dequantize_lastdim(q, s, torch.bfloat16), q8 + 2 * n),
+        ("quantize-dequantize", lambda: dispatch.quantize_dequantize(x, "rceil", torch.bfloat16), 2 * n + q8 + 2 * n),
+        ("swiglu+quantize (gate, up)", lambda: dispatch.swiglu_quantize(g, u, "rceil"), 4 * n + q8),
+        ("swiglu+quantize (gate_up halves)", lambda: dispatch.swiglu_quantize(gu[:, :k], gu[:, k:], "rceil"), 4 * n + q8),
+        ("route-weight+quantize", lambda: dispatch.route_weight_quantize(x, w, "rceil"), 2 * n + 4 * m + q8),
+    ]
+
+
+def torchao_cases():
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.prototype.mx_formats.mx_tensor import to_mx
+
+    fn = torch.compile(lambda t: to_mx(t, torch.float8_e4m3fn, 32, ScaleCalculationMode.RCEIL))
+    for m, k in SHAPES:  # in sequence: the second shape triggers the dynamic-shape recompile
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        fn(x)
+        yield (m, k), "torchao to_mx RCEIL (torch.compile)", (lambda x=x: fn(x)), 2 * m * k + m * k * (1 + 1 / 32)
+
+
+def sweep(copy_gbs: float) -> list[str]:
+    """Time alternative tile configs of each kernel family (MXFX_BENCH_SWEEP=1)."""
+    lines = ["", "| config sweep | shape | (BR, BC, warps) or programs/SM | % of copy |", "|---|---|---|---|"]
+    flat = [(128, 32, 2), (256, 32, 2), (256, 32, 4), (512, 32, 4), (1024, 32, 8)]
+    small = [(32, 32, 2), (64, 32, 2), (32, 32, 4), (64, 32, 4), (64, 32, 8)]
+    tiles = [(64, 32, 2), (128, 32, 4), (128, 64, 2), (128, 64, 4), (256, 32, 4), (256, 64, 4), (256, 64, 8)]
+    families = [  # name, module, config attr, fn(x), bytes per element, configs
+        ("rowwise", quantize, "FLAT_CONFIG", lambda x: dispatch.quantize_lastdim(x, "rceil"), 2 + 33 / 32, flat),
+        ("rowwise, programs per SM", quantize, "PROGRAMS_PER_SM", lambda x: dispatch.quantize_lastdim(x, "rceil"),
+         2 + 33 / 32, [0, 2, 4, 8, 16]),
+        ("columnwise", quantize, "COLWISE_CONFIG", lambda x: dispatch.quantize_lastdim(x.t(), "rceil"), 2 + 33 / 32, tiles),
+        ("dual", dual, "DUAL_CONFIG", lambda x: dispatch.quantize_dual(x, "rceil"), 2 + 66 / 32, tiles[1:4] + [(256, 64, 4)]),
+        ("swiglu", swiglu, "FLAT_CONFIG", lambda x: dispatch.swiglu_quantize(x, x, "rceil"), 4 + 33 / 32, small),
+    ]
+    for name, mod, attr, fn, per_elem, configs in families:
+        keep = getattr(mod, attr)
+        for m, k in SHAPES:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            call = lambda: fn(x)  # noqa: E731
+            for cfg in configs:
+                setattr(mod, attr, cfg)
+                gbs = per_elem * m * k / median_ms(call) / 1e6
+                lines.append(f"| {name} | {m}x{k} | {cfg} | {100 * gbs / copy_gbs:.1f}% |")
+            print("\n".join(lines[-len(configs):]), flush=True)
+        setattr(mod, attr, keep)
+    return lines
+
+
+def main() -> None:
+    t0 = time.time()
+    torch.manual_seed(0)
+    copy_gbs = copy_bandwidth()
+    rows = [
+        f"Device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}. "
+        f"Copy (2 GiB, read + write): **{copy_gbs:.0f} GB/s**. Medians of triton.testing.do_bench.",
+        "",
+        "| kernel | shape (bf16 in) | time (us) | GB/s | % of copy | % of same-size copy | goal |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    same_size = {}
+
+    def add(name, shape, fn, nbytes):
+        ms = median_ms(fn)
+        gbs = nbytes / ms / 1e6
+        frac = gbs / copy_gbs
+        ok = "ok" if frac >= GOAL[shape] else f"below {GOAL[shape]:.0%}"
+        rows.append(f"| {name} | {shape[0]}x{shape[1]} | {ms * 1e3:.0f} | {gbs:.0f} | {100 * frac:.1f}% | "
+                    f"{100 * gbs / same_size[shape]:.1f}% | {ok} |")
+        print(rows[-1], flush=True)
+
+    for m, k in SHAPES:  # a bf16 copy of the input itself: the ceiling at this size
+        src = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        dst = torch.empty_like(src)
+        same_size[(m, k)] = 4 * m * k / median_ms(lambda: dst.copy_(src)) / 1e6
+        rows[0] += f" Same-size bf16 copy {m}x{k}: {same_size[(m, k)]:.0f} GB/s."
+    for shape in SHAPES:
+        for name, fn, nbytes in cases(*shape):
+            add(name, shape, fn, nbytes)
+        torch.cuda.empty_cache()
+    try:
+        for shape, name, fn, nbytes in torchao_cases():
+            add(name, shape, fn, nbytes)
+    except ImportError as e:
+        rows.append(f"\ntorchao not importable ({e}); its rows are missing.")
+    print(f"main table done in {time.time() - t0:.0f} s", flush=True)
+    if os.environ.get("MXFX_BENCH_SWEEP"):
+        rows += sweep(copy_gbs)
+    table = "\n".join(rows)
+    print("\n" + table)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "kernels.md"), "w") as f:
+            f.write(table + "\n")
+
+
+if __name__ == "__main__":
+    main()

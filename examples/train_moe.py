@@ -1,0 +1,297 @@
+"""Train a small OLMoE-style MoE on real text twice, BF16 vs MXFP8, and compare held-out loss.
+
+    python examples/train_moe.py                         # defaults: a few minutes on a 2-core CPU
+    python examples/train_moe.py --arms bf16             # reference arm only
+    python examples/train_moe.py --device cuda --d-model 1024 --layers 8 --experts 32 --topk 4 \\
+        --expert-hidden 512 --seq 1024 --batch 32 --steps 2000
+    python examples/train_moe.py --backend-options '{"inner": "aot_eager"}'
+
+Both arms start from the same initial weights (one seed) and see the same batches
+(one data seed). The model code is the same in both: arm "bf16" is
+``torch.compile(model)`` (Inductor), arm "mxfp8" is ``torch.compile(model,
+backend="mxfp8")``; that is the whole difference. Parameters are FP32 main
+weights, forward and loss run under BF16 autocast, AdamW and clipping in FP32.
+
+With ``--check`` (the default) the script exits non-zero unless the MXFP8
+held-out loss is within ``--tolerance`` (3%) of BF16 and not bit-identical to it,
+and both arms end below 0.8x the untrained model's held-out loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from data import VOCAB_SIZE, get_batch, load_splits  # noqa: E402
+from moe_model import MoEConfig, MoETransformer  # noqa: E402
+
+
+# ----------------------------------------------------------------------------- configuration
+@dataclass
+class TrainConfig:
+    # model
+    d_model: int = 128
+    layers: int = 2
+    experts: int = 8
+    topk: int = 2
+    expert_hidden: int = 128
+    shared_hidden: int = 128
+    head_dim: int = 32
+    # data
+    data: str | None = None  # a UTF-8 text file; default: the interpreter's stdlib sources + pydoc topics
+    seq: int = 128
+    batch: int = 32
+    # optimisation
+    steps: int = 200
+    lr: float = 3e-3
+    min_lr_frac: float = 0.1  # cosine decays to lr * min_lr_frac
+    warmup: int = 20
+    weight_decay: float = 0.1  # on matrices only
+    grad_clip: float = 1.0
+    # run
+    arms: str = "bf16,mxfp8"
+    backend_options: str | None = None  # JSON dict passed as options= to the mxfp8 compile
+    device: str = "cpu"
+    seed: int = 1337
+    data_seed: int = 0
+    eval_batches: int = 8
+    log_every: int = 25
+    out: str = "runs"
+    check: bool = True
+    tolerance: float = 0.03  # max relative held-out loss gap, mxfp8 vs bf16
+    trained_frac: float = 0.8  # each arm must reach held-out loss < trained_frac * untrained
+
+
+def parse_args() -> TrainConfig:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type == "bool":
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        else:
+            kind = {"int": int, "float": float}.get(f.type, str)
+            p.add_argument(flag, type=kind, default=f.default)
+    return TrainConfig(**vars(p.parse_args()))
+
+
+# ----------------------------------------------------------------------------- helpers
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup, then cosine decay to ``lr * min_lr_frac``."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    t = (step - cfg.warmup) / max(1, cfg.steps - 1 - cfg.warmup)
+    return cfg.lr * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def sync(device: str):
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+@torch.no_grad()
+def evaluate(model, batches, device: str) -> float:
+    """Mean held-out loss over a fixed list of batches."""
+    losses = []
+    for x, y in batches:
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+            _, loss = model(x, y)
+        losses.append(loss.float().item())
+    return sum(losses) / len(losses)
+
+
+def compile_arm(model, arm: str, cfg: TrainConfig):
+    """The one difference between the arms: which torch.compile backend sees the model."""
+    if arm == "bf16":
+        return torch.compile(model)
+    options = json.loads(cfg.backend_options) if cfg.backend_options else None
+    return torch.compile(model, backend="mxfp8", options=options)
+
+
+def check_backend_available(arms: list[str], cfg: TrainConfig):
+    """Fail before any training if the mxfp8 backend cannot be found or its options do not parse."""
+    if "mxfp8" not in arms:
+        return
+    if cfg.backend_options:
+        try:
+            options = json.loads(cfg.backend_options)
+        except ValueError:
+            options = None
+        if not isinstance(options, dict):
+            sys.exit(f"error: --backend-options must be a JSON object, got {cfg.backend_options!r}")
+    try:
+        torch._dynamo.lookup_backend("mxfp8")
+    except Exception as e:
+        sys.exit(
+            f"error: torch.compile backend 'mxfp8' is not available ({type(e).__name__}: {e}).\n"
+            "Install mxfx so its entry point registers the backend (pip install -e .), "
+            "or run the reference arm alone with --arms bf16."
+        )
+
+
+def train_arm(arm, init_state, model_cfg, train_data, eval_set, cfg: TrainConfig) -> dict:
+    """Train one arm from ``init_state`` on the seeded batch stream; return its curves and numbers."""
+    torch._dynamo.reset()  # each arm compiles from scratch, so compile times are comparable
+    device, dev_type = cfg.device, torch.device(cfg.device).type
+    model = MoETransformer(model_cfg).to(device)
+    model.load_state_dict(init_state)
+    compiled = compile_arm(model, arm, cfg)
+
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    vectors = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": matrices, "weight_decay": cfg.weight_decay}, {"params": vectors, "weight_decay": 0.0}],
+        lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
+    )
+    gen = torch.Generator().manual_seed(cfg.data_seed)  # same batches in every arm
+    if dev_type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+    losses, step_times = [], []
+    bar = tqdm(range(cfg.steps), desc=f"{arm:>5}", dynamic_ncols=True, mininterval=1.0)
+    for step in bar:
+        x, y = get_batch(train_data, cfg.batch, cfg.seq, gen, device)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        sync(device)
+        t0 = time.perf_counter()
+        with torch.autocast(dev_type, dtype=torch.bfloat16):
+            _, loss = compiled(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())  # also synchronises, so the step time is honest
+        step_times.append(time.perf_counter() - t0)
+        if not math.isfinite(losses[-1]):
+            sys.exit(f"error: arm {arm} loss is {losses[-1]} at step {step}")
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        if step % cfg.log_every == 0 or step == cfg.steps - 1:
+            tqdm.write(f"{arm:>5} step {step:4d}  loss {losses[-1]:.4f}  lr {lr_at(step, cfg):.2e}  "
+                       f"{step_times[-1] * 1e3:7.0f} ms")
+    bar.close()
+
+    t0 = time.perf_counter()
+    eval_loss = evaluate(compiled, eval_set, device)  # compiles a separate no-grad graph first
+    eval_s = time.perf_counter() - t0
+
+    timed = step_times[1:]  # step 0 includes compilation
+    tokens_per_s = cfg.batch * cfg.seq * len(timed) / sum(timed) if timed else float("nan")
+    peak = f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB" if dev_type == "cuda" else f"n/a ({dev_type.upper()})"
+    return dict(arm=arm, losses=losses, final_train=sum(losses[-10:]) / len(losses[-10:]),
+                eval_loss=eval_loss, tokens_per_s=tokens_per_s, peak_mem=peak,
+                compile_s=step_times[0], eval_s=eval_s)
+
+
+def plot(results, untrained, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r in results:
+        line, = ax.plot(r["losses"], lw=0.8, alpha=0.8, label=f"{r['arm']} train")
+        ax.axhline(r["eval_loss"], color=line.get_color(), ls="--", lw=1,
+                   label=f"{r['arm']} held-out {r['eval_loss']:.3f}")
+    ax.axhline(untrained, color="gray", ls=":", lw=1, label=f"untrained held-out {untrained:.3f}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats / byte)")
+    ax.set_title("MoE byte-level LM: BF16 vs MXFP8")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- main
+def main():
+    cfg = parse_args()
+    arms = [a.strip() for a in cfg.arms.split(",") if a.strip()]
+    if not arms or set(arms) - {"bf16", "mxfp8"}:
+        sys.exit(f"error: --arms {cfg.arms!r}: expected a comma-separated subset of bf16,mxfp8")
+    check_backend_available(arms, cfg)
+    t_start = time.perf_counter()
+
+    train_data, val_data = load_splits(cfg.data)
+    print(f"data: {cfg.data or 'stdlib .py sources + pydoc topics'}: "
+          f"{len(train_data) / 1e6:.2f} MB train, {len(val_data) / 1e6:.2f} MB held-out (byte tokens)")
+    eval_gen = torch.Generator().manual_seed(cfg.data_seed + 1)
+    eval_set = [get_batch(val_data, cfg.batch, cfg.seq, eval_gen, cfg.device) for _ in range(cfg.eval_batches)]
+
+    model_cfg = MoEConfig(vocab_size=VOCAB_SIZE, d_model=cfg.d_model, n_layers=cfg.layers, head_dim=cfg.head_dim,
+                          n_experts=cfg.experts, top_k=cfg.topk, expert_hidden=cfg.expert_hidden,
+                          shared_hidden=cfg.shared_hidden, max_seq=cfg.seq)
+    torch.manual_seed(cfg.seed)
+    model = MoETransformer(model_cfg).to(cfg.device)
+    init_state = copy.deepcopy(model.state_dict())
+    n_params = sum(p.numel() for p in model.parameters())
+    n_expert = sum(m.gate_up_proj.numel() + m.down_proj.numel() for m in (b.moe for b in model.layers))
+    n_active = n_params - n_expert + n_expert * cfg.topk // cfg.experts
+    print(f"model: {model_cfg}")
+    print(f"params: {n_params / 1e6:.2f}M total, {n_active / 1e6:.2f}M active per token; "
+          f"{cfg.steps} steps x {cfg.batch}x{cfg.seq} tokens on {cfg.device} ({torch.get_num_threads()} threads)")
+    untrained = evaluate(model, eval_set, cfg.device)  # eager, once: both arms start here
+    print(f"untrained held-out loss: {untrained:.4f} (uniform over 256 bytes: {math.log(VOCAB_SIZE):.4f})")
+    del model
+
+    results = [train_arm(arm, init_state, model_cfg, train_data, eval_set, cfg) for arm in arms]
+
+    print("\ntokens/s excludes step 0 (compilation); 'compile s' is the wall time of step 0; "
+          "held-out loss is through each arm's compiled model (its no-grad graph compiles on first use)")
+    header = f"{'arm':<6} {'train loss':>10} {'held-out':>9} {'tokens/s':>9} {'peak mem':>12} {'compile s':>9}"
+    print(header + "\n" + "-" * len(header))
+    for r in results:
+        print(f"{r['arm']:<6} {r['final_train']:>10.4f} {r['eval_loss']:>9.4f} {r['tokens_per_s']:>9.0f} "
+              f"{r['peak_mem']:>12} {r['compile_s']:>9.1f}")
+    print(f"(train loss: mean of the last 10 steps; untrained held-out {untrained:.4f})")
+
+    failures = []
+    by_arm = {r["arm"]: r for r in results}
+    if "bf16" in by_arm and "mxfp8" in by_arm:
+        ref, mx = by_arm["bf16"], by_arm["mxfp8"]
+        gap = (mx["eval_loss"] - ref["eval_loss"]) / ref["eval_loss"]
+        print(f"mxfp8 vs bf16 held-out loss: {gap:+.2%} (tolerance {cfg.tolerance:.0%})")
+        if abs(gap) > cfg.tolerance:
+            failures.append(f"mxfp8 held-out loss is {gap:+.2%} from bf16, beyond {cfg.tolerance:.0%}")
+        if mx["losses"] == ref["losses"] and mx["eval_loss"] == ref["eval_loss"]:
+            failures.append("mxfp8 and bf16 losses are bit-identical: the mxfp8 backend changed nothing")
+    if "mxfp8" in by_arm:
+        import mxfx  # the backend's precision maps: which GEMMs it rewrote, per compiled graph
+
+        reports = mxfx.all_reports()
+        for pm in reports:
+            print(f"mxfx {pm.summary()}")
+        if not any(pm.count(rewritten=True) for pm in reports):
+            failures.append("the mxfp8 backend rewrote no op to MXFP8 (see the precision maps above)")
+    limit = cfg.trained_frac * untrained
+    below = all(r["eval_loss"] < limit for r in results)
+    print(f"{'both arms' if len(results) > 1 else 'the arm'} clearly below the untrained loss "
+          f"(< {cfg.trained_frac} x {untrained:.3f} = {limit:.3f}): {'yes' if below else 'NO'}")
+    if not below:
+        failures.append(f"held-out loss not below {limit:.3f}: "
+                        + ", ".join(f"{r['arm']} {r['eval_loss']:.3f}" for r in results))
+
+    os.makedirs(cfg.out, exist_ok=True)
+    plot(results, untrained, os.path.join(cfg.out, "moe_loss.png"))
+    with open(os.path.join(cfg.out, "moe_results.json"), "w") as f:
+        json.dump(dict(config=dataclasses.asdict(cfg), untrained_eval_loss=untrained, results=results), f, indent=1)
+    print(f"wrote {cfg.out}/moe_loss.png and {cfg.out}/moe_results.json; "
+          f"total wall time {time.perf_counter() - t_start:.0f} s")
+
+    if cfg.check and failures:
+        sys.exit("check failed:\n  " + "\n  ".join(failures))
+
+
+if __name__ == "__main__":
+    main()

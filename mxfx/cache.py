@@ -1,0 +1,495 @@
+"""MXFP8 weight caches: the forward and dgrad operands derived from one high-precision weight.
+
+The parameter (FP32 main weight, or BF16) is the only source of truth (seed
+§11.3.4, "Derived Representations of the FP32 Main Weight"). Each MX weight has
+up to two derived forms, each a ``(qdata e4m3, scales uint8 E8M0)`` pair:
+
+* ``"forward"``: ``W [..., N, K]`` blocked along its last dim (K);
+* ``"dgrad"``: ``W.transpose(-2, -1) [..., K, N]`` blocked along its last dim (N),
+  quantized from W itself (format_spec.md, "GEMM operand orientation").
+
+``[N, K]`` linear weights and ``[E, N, K]`` expert weights use the same rule. The
+caches are plain tensors held here, never parameters: no gradients, not in
+``state_dict``, invisible to the optimizer. A form is keyed by ``(rule,
+orientation)`` so a third derived form (e.g. a dequantized BF16 copy for Hopper)
+can be added as another key without touching the freshness logic.
+
+Freshness (seed §11.3.2-11.3.4: quantize once after each optimizer update, reuse
+across microbatches):
+
+* **Identity.** An entry belongs to one storage region: the storage (held through
+  :class:`~torch.multiprocessing.reductions.StorageWeakRef`, which pins the
+  storage's address while the entry exists, so a freed-and-reallocated tensor can
+  never hit a dead entry) plus offset, shape, stride and dtype. A ``weakref.finalize``
+  on the storage drops the entries (and their memory) when the storage dies.
+* **Staleness.** Every lookup compares the weight's ``_version`` with the version
+  the caches were built at. The counter is shared by views and ``detach()`` and is
+  bumped by in-place optimizer updates, ``load_state_dict``'s ``copy_``, in-place
+  edits under ``no_grad`` and writes through views of a flat buffer; reading it is
+  a host-side integer read (no device sync, no recompilation: it happens inside
+  the opaque op :func:`weight_operand`). Writes through ``.data`` (or to a tensor
+  made with ``p.data = other``) do not bump the weight's counter: call
+  :func:`refresh` after them.
+* **Refresh at the step boundary.** An eager ``optimizer.step()`` triggers a global
+  step post-hook (:func:`install`) that rebuilds the caches on the storages of
+  that optimizer's parameters; a ``torch.compile(opt.step, backend="mxfp8")``
+  graph rebuilds them in-graph (:mod:`mxfx.passes.weight_refresh`). Either way a
+  forward never uses a stale cache: the version check catches every other path.
+
+Counters: :func:`stats` (quantizations per orientation, hits, refreshes) and
+:func:`persistent_bytes` (``2 x 33/32`` bytes per value with both forms).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from mxfx import kernels
+from mxfx.format import BLOCK_SIZE, SCALE_RULES
+
+WEIGHT_KINDS = ("linear", "grouped_mm")
+"""Precision-map kinds whose rewritten ops read weights through this cache."""
+
+ORIENTATIONS = ("forward", "dgrad")
+"""Derived forms of a weight: "forward" (W blocked along its last dim) and "dgrad" (W^T likewise)."""
+
+_E4M3 = torch.float8_e4m3fn
+_lock = threading.RLock()
+_stats: Counter = Counter()
+
+
+@dataclass(eq=False)
+class _Entry:
+    """The caches of one weight (one storage region)."""
+
+    storage: StorageWeakRef
+    offset: int
+    shape: tuple
+    stride: tuple
+    dtype: torch.dtype
+    weight: weakref.ref  # the last tensor object seen for this region (for its version counter)
+    version: int | None = None  # weight._version the forms were built at; None: stale
+    forms: dict = field(default_factory=dict)  # (rule, orientation) -> (qdata, scales)
+    graph_refreshed: bool = False  # rebuilt by a compiled step since the last eager step hook
+
+    def nbytes(self) -> int:
+        return sum(q.nbytes + s.nbytes for q, s in self.forms.values())
+
+
+_entries: dict[tuple, _Entry] = {}
+_by_storage: dict[int, set] = {}  # storage cdata -> keys of its entries
+
+
+def _key(t: torch.Tensor) -> tuple:
+    return (StorageWeakRef(t.untyped_storage()).cdata, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def _drop_storage(cdata: int) -> None:
+    with _lock:
+        for key in _by_storage.pop(cdata, ()):
+            _entries.pop(key, None)
+
+
+def _check(weight: torch.Tensor, rule: str, orientation: str) -> None:
+    if orientation not in ORIENTATIONS:
+        raise ValueError(f"mxfx.cache: orientation={orientation!r} is not valid; choose one of {ORIENTATIONS}")
+    if rule not in SCALE_RULES:
+        raise ValueError(f"mxfx.cache: rule={rule!r} is not valid; choose one of {SCALE_RULES}")
+    if weight.dim() not in (2, 3) or weight.shape[-1] % BLOCK_SIZE or weight.shape[-2] % BLOCK_SIZE:
+        raise ValueError(
+            f"mxfx.cache: weight of shape {tuple(weight.shape)} must be [N, K] or [E, N, K] with N and K multiples "
+            f"of {BLOCK_SIZE} (both orientations are blocked by {BLOCK_SIZE})"
+        )
+    if not weight.is_floating_point() or weight.element_size() < 2:
+        raise ValueError(f"mxfx.cache: weight dtype {weight.dtype} is not a high-precision float (fp32/bf16/fp16)")
+
+
+def _quantize(weight: torch.Tensor, rule: str, orientations) -> dict:
+    """Quantize ``weight`` into the requested orientations (both from one read where possible)."""
+    w = weight.detach()
+    out = {}
+    if set(orientations) == set(ORIENTATIONS):
+        q, s, qt, st = kernels.quantize_dual(w, rule)
+        out["forward"], out["dgrad"] = (q.contiguous(), s.contiguous()), (qt.contiguous(), st.contiguous())
+    else:
+        for o in orientations:
+            q, s = kernels.quantize_lastdim(w if o == "forward" else w.transpose(-2, -1), rule)
+            out[o] = (q.contiguous(), s.contiguous())
+    _stats.update({f"quantize_{o}": 1 for o in orientations})
+    _stats["quantize"] += len(orientations)
+    return out
+
+
+def _rebuild(entry: _Entry, weight: torch.Tensor, extra: tuple | None = None) -> None:
+    """Re-quantize every form of ``entry`` (plus ``extra`` = (rule, orientation)) from ``weight``."""
+    wanted = set(entry.forms) | ({extra} if extra else set())
+    entry.forms.clear()  # free the stale forms before allocating the new ones
+    for rule in sorted({r for r, _ in wanted}):
+        orients = [o for o in ORIENTATIONS if (rule, o) in wanted]
+        for o, pair in _quantize(weight, rule, orients).items():
+            entry.forms[(rule, o)] = pair
+
+
+def _entry_for(weight: torch.Tensor, create: bool) -> _Entry | None:
+    key = _key(weight)
+    entry = _entries.get(key)
+    if entry is not None and entry.storage.expired():  # cannot happen while the finalizer runs; belt and braces
+        _drop_storage(key[0])
+        entry = None
+    if entry is None and create:
+        storage = weight.untyped_storage()
+        ref = StorageWeakRef(storage)
+        entry = _Entry(ref, weight.storage_offset(), tuple(weight.shape), tuple(weight.stride()), weight.dtype, weakref.ref(weight))
+        _entries[key] = entry
+        if key[0] not in _by_storage:
+            _by_storage[key[0]] = set()
+            weakref.finalize(storage, _drop_storage, key[0])
+        _by_storage[key[0]].add(key)
+    return entry
+
+
+def lookup(weight: torch.Tensor, rule: str, orientation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eager body of :func:`weight_operand`: the cached pair, rebuilt first if stale. See there."""
+    _check(weight, rule, orientation)
+    with _lock:
+        entry = _entry_for(weight, create=True)
+        entry.weight = weakref.ref(weight)
+        form = (rule, orientation)
+        if entry.version != weight._version:
+            _rebuild(entry, weight, form)
+            entry.version = weight._version
+            _stats["stale"] += 1
+        elif form not in entry.forms:
+            entry.forms.update({(rule, o): p for o, p in _quantize(weight, rule, [orientation]).items()})
+        else:
+            _stats["hit"] += 1
+        return entry.forms[form]
+
+
+def _out_shape(shape, orientation: str) -> list:
+    return list(shape) if orientation == "forward" else [*shape[:-2], shape[-1], shape[-2]]
+
+
+@torch.library.custom_op("mxfx::cached_weight_quantize", mutates_args=())
+def _cached_weight_quantize(weight: torch.Tensor, rule: str, orientation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return lookup(weight, rule, orientation)
+
+
+@_cached_weight_quantize.register_fake
+def _(weight, rule, orientation):
+    _check(weight, rule, orientation)
+    shape = _out_shape(weight.shape, orientation)
+    return weight.new_empty(shape, dtype=_E4M3), weight.new_empty([*shape[:-1], shape[-1] // BLOCK_SIZE], dtype=torch.uint8)
+
+
+def weight_operand(weight: torch.Tensor, rule: str, orientation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MX operand of a weight for one GEMM orientation, from its cache (seed §11.3.2).
+
+    A torch custom op (``mxfx::cached_weight_quantize``) with a fake
+    implementation, so compiled graphs call it opaquely; its run-time body
+    returns the cached pair when the cache is fresh (same storage region, same
+    ``weight._version``) and re-quantizes every cached form of the weight when
+    it is stale.
+
+    Args:
+        weight: the high-precision parameter (fp32 main weight, bf16 or fp16),
+            ``[N, K]`` or ``[E, N, K]``, N and K multiples of 32, any strides.
+        rule: scale rule, "rceil" or "floor".
+        orientation: "forward": ``W`` blocked along K, returns qdata
+            ``[..., N, K]`` and scales ``[..., N, K/32]``; "dgrad":
+            ``W.transpose(-2, -1)`` blocked along N, returns qdata
+            ``[..., K, N]`` and scales ``[..., K, N/32]``.
+
+    Returns:
+        ``(qdata float8_e4m3fn, scales uint8 E8M0)``, contiguous. They are the
+        cache itself: treat them as read-only.
+
+    Raises:
+        ValueError: unknown rule or orientation, a weight that is not 2D/3D, has
+            dims that are not multiples of 32, or is not a float of 16+ bits.
+    """
+    with torch.no_grad():
+        return _cached_weight_quantize(weight, rule, orientation)
+
+
+# --- refresh -------------------------------------------------------------------------------
+
+
+def _entries_on(t: torch.Tensor) -> list[_Entry]:
+    """Entries whose storage is ``t``'s (a parameter or the flat buffer its weights view)."""
+    keys = _by_storage.get(StorageWeakRef(t.untyped_storage()).cdata, ())
+    return [_entries[k] for k in keys if k in _entries]
+
+
+def _inside(entry: _Entry, t: torch.Tensor) -> bool:
+    """True when ``entry``'s region lies inside contiguous ``t``'s storage span, same dtype."""
+    if entry.dtype != t.dtype or not t.is_contiguous():
+        return False
+    lo = entry.offset
+    hi = entry.offset + sum((n - 1) * s for n, s in zip(entry.shape, entry.stride))
+    return t.storage_offset() <= lo and hi < t.storage_offset() + t.numel()
+
+
+def _region(entry: _Entry, source: torch.Tensor, values: torch.Tensor) -> torch.Tensor | None:
+    """The entry's weight read out of ``values``, a contiguous tensor laid out like contiguous ``source``."""
+    if not _inside(entry, source) or values.dtype != entry.dtype or not values.is_contiguous() or values.shape != source.shape:
+        return None
+    return values.as_strided(entry.shape, entry.stride, values.storage_offset() + entry.offset - source.storage_offset())
+
+
+def _refresh_entry(entry: _Entry, t: torch.Tensor, force: bool) -> bool:
+    """Rebuild ``entry`` (a weight stored in ``t``'s storage) now; False when it was fresh or unreadable."""
+    if not entry.forms:
+        return False
+    w = entry.weight()
+    if w is None or _key(w) != (entry.storage.cdata, entry.offset, entry.shape, entry.stride, entry.dtype):
+        w = _region(entry, t, t)
+    if w is None:
+        entry.version = None  # cannot read it from here: the next lookup rebuilds it
+        return False
+    if not force and entry.version == w._version:
+        return False
+    _rebuild(entry, w)
+    entry.version = w._version
+    return True
+
+
+def refresh(tensors, *, force: bool = True) -> int:
+    """Rebuild, now, the caches of every weight stored in ``tensors`` (parameters or flat buffers).
+
+    Use after writes the version counter does not see (``p.data.copy_(...)``, a
+    buffer assigned with ``p.data = ...``); the optimizer hook and compiled steps
+    call the same machinery.
+
+    Args:
+        tensors: a tensor or an iterable of tensors; the caches of every weight
+            whose storage is one of theirs are rebuilt (a weight must lie inside
+            the tensor's span, or be that tensor).
+        force: rebuild even when the version counter says the cache is fresh.
+
+    Returns:
+        How many weights were rebuilt.
+    """
+    if isinstance(tensors, torch.Tensor):
+        tensors = [tensors]
+    done = 0
+    with _lock, torch.no_grad():
+        for t in tensors:
+            done += sum(_refresh_entry(e, t, force) for e in _entries_on(t))
+    _stats["refresh"] += done
+    return done
+
+
+def _step_post_hook(optimizer, args, kwargs) -> None:
+    """Global optimizer step post-hook: rebuild the caches of the weights this optimizer holds.
+
+    Parameters with a gradient were stepped: rebuilt unconditionally (this also
+    covers optimizers that write through ``.data``). Parameters without one are
+    rebuilt only if their version changed. Weights a compiled step already
+    rebuilt in-graph are skipped.
+    """
+    if not _entries:
+        return
+    done = 0
+    with _lock, torch.no_grad():
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                for entry in _entries_on(p):
+                    in_graph, entry.graph_refreshed = entry.graph_refreshed, False
+                    done += _refresh_entry(entry, p, force=p.grad is not None and not in_graph)
+    _stats["refresh_eager"] += done
+
+
+_step_post_hook = torch.compiler.disable(_step_post_hook, recursive=True)
+_hook_handle = None
+
+
+def install() -> None:
+    """Install the global optimizer step post-hook and the Inductor lowering (idempotent).
+
+    Called by the mxfp8 backend when it first compiles a graph with MX weights.
+    """
+    global _hook_handle
+    with _lock:
+        if _hook_handle is None:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            _hook_handle = register_optimizer_step_post_hook(_step_post_hook)
+            _register_inductor_lowerings()
+
+
+def uninstall() -> None:
+    """Remove the global optimizer step post-hook (the version check still keeps forwards correct)."""
+    global _hook_handle
+    with _lock:
+        if _hook_handle is not None:
+            _hook_handle.remove()
+            _hook_handle = None
+
+
+def hook_installed() -> bool:
+    return _hook_handle is not None
+
+
+# --- refresh inside a compiled optimizer step ------------------------------------------------
+
+_plans: dict[int, list] = {}  # plan id -> weakrefs to the parameters a compiled step updates
+_pending: list[tuple[_Entry, torch.Tensor]] = []  # rebuilt in-graph, version stamped after the graph returns
+
+
+def new_plan(params) -> int:
+    """Register the parameters a compiled optimizer step updates; returns the plan id its refresh op carries."""
+    with _lock:
+        plan = len(_plans)
+        _plans[plan] = [weakref.ref(p) for p in params]
+        return plan
+
+
+@torch.library.custom_op("mxfx::refresh_weight_caches", mutates_args=())
+def _refresh_weight_caches(plan: int, values: list[torch.Tensor]) -> torch.Tensor:
+    """Rebuild the caches of the plan's parameters from their updated ``values`` (same order).
+
+    Which parameters have caches is resolved here, at run time: the step may be
+    compiled before the model. Returns an empty token tensor (the op is ordered
+    by an effect token so it is never dead-code eliminated).
+    """
+    params = _plans.get(plan)
+    if params is None:
+        raise RuntimeError(f"mxfx.cache: unknown refresh plan {plan}")
+    if len(params) != len(values):
+        raise RuntimeError(f"mxfx.cache: refresh plan {plan} has {len(params)} parameters, got {len(values)} values")
+    n = 0
+    with _lock, torch.no_grad():
+        for ref, value in zip(params, values):
+            p = ref()
+            if p is None:
+                continue
+            for entry in _entries_on(p):
+                if not entry.forms:
+                    continue
+                w = _region(entry, p, value)
+                if w is None:  # layout we cannot map: leave it to the version check
+                    entry.version = None
+                    continue
+                _rebuild(entry, w)
+                entry.version = None  # stamped by stamp_pending() once the parameter holds ``value``
+                _pending.append((entry, p))
+                n += 1
+    _stats["refresh_graph"] += n
+    return values[0].new_empty(0) if values else torch.empty(0)
+
+
+@_refresh_weight_caches.register_fake
+def _(plan, values):
+    return values[0].new_empty(0) if values else torch.empty(0)
+
+
+def _register_effect() -> None:
+    from torch._library.effects import EffectType
+
+    _refresh_weight_caches.register_effect(EffectType.ORDERED)
+
+
+_register_effect()
+
+
+def stamp_pending() -> None:
+    """After a compiled step returned (its parameters now hold the new values): mark in-graph rebuilds fresh."""
+    with _lock:
+        for entry, p in _pending:
+            w = entry.weight()
+            if w is not None and _key(w) == (entry.storage.cdata, entry.offset, entry.shape, entry.stride, entry.dtype):
+                entry.version = w._version
+            elif entry.shape == tuple(p.shape) and entry.offset == p.storage_offset():
+                entry.version = p._version
+            else:
+                continue
+            entry.graph_refreshed = True
+        _pending.clear()
+
+
+def after_step(compiled):
+    """Wrap a compiled optimizer-step graph so in-graph rebuilds are stamped fresh when it returns."""
+
+    def run(*args):
+        out = compiled(*args)
+        stamp_pending()
+        return out
+
+    if getattr(compiled, "_boxed_call", False):
+        run._boxed_call = True
+    return run
+
+
+# --- Inductor ---------------------------------------------------------------------------------
+
+
+def _register_inductor_lowerings() -> None:
+    """The cache pair is owned by this module: Inductor must never reuse or write into its buffers."""
+    try:
+        from torch._inductor.lowering import fallback_handler, lowerings, register_lowering
+        from torch._inductor.virtualized import V
+    except ImportError:  # pragma: no cover - inductor unavailable
+        return
+    op = torch.ops.mxfx.cached_weight_quantize.default
+    if op in lowerings:
+        return
+    fallback = fallback_handler(op, add_to_fallback_set=False)
+
+    @register_lowering(op, type_promotion_kind=None)
+    def _lower(weight, rule, orientation):
+        outs = fallback(weight, rule, orientation)
+        for t in outs:
+            V.graph.never_reuse_buffers.add(t.get_name())
+        return outs
+
+
+# --- inspection -----------------------------------------------------------------------------
+
+
+def stats() -> dict:
+    """Counters since the last :func:`reset_stats`.
+
+    Keys: ``quantize`` (orientations quantized, all paths), ``quantize_forward``,
+    ``quantize_dgrad``, ``hit`` (lookups served from the cache), ``stale``
+    (lookups that found a changed version and rebuilt), ``refresh`` (weights
+    rebuilt by :func:`refresh`), ``refresh_eager`` (by the optimizer hook),
+    ``refresh_graph`` (inside compiled optimizer steps).
+    """
+    keys = ("quantize", "quantize_forward", "quantize_dgrad", "hit", "stale", "refresh", "refresh_eager", "refresh_graph")
+    return {k: _stats.get(k, 0) for k in keys}
+
+
+def reset_stats() -> None:
+    _stats.clear()
+
+
+def persistent_bytes(weight: torch.Tensor | None = None) -> int:
+    """Bytes held by weight caches: all of them, or those of ``weight`` (0 when it has none).
+
+    With both forms of one rule, ``2 x 33/32`` bytes per weight value.
+    """
+    with _lock:
+        if weight is None:
+            return sum(e.nbytes() for e in _entries.values())
+        entry = _entries.get(_key(weight))
+        return entry.nbytes() if entry is not None else 0
+
+
+def num_entries() -> int:
+    """How many weights currently have caches."""
+    return len(_entries)
+
+
+def clear() -> None:
+    """Drop every cache (they are rebuilt on next use)."""
+    with _lock:
+        _entries.clear()
+        _by_storage.clear()
+        _pending.clear()

@@ -1,0 +1,63 @@
+"""Combine pass: ``mx_grouped_mm(h, W_down, offs) * route_weight[:, None]`` -> one op with ``route_weight``.
+
+Pattern: the only user of an MX grouped GEMM (the routed down projection) is a
+multiply by a per-row tensor of shape ``[S, 1]`` or ``[S]`` — the route
+weights of the combine's weighted sum, as HF transformers and torchtitan write it.
+
+Replacement: the grouped GEMM scales its output rows itself; in backward the
+gradient of that weighted sum, ``dOut * route_weight``, is formed inside the
+quantization that the down projection's dgrad consumes
+(``mxfx::route_weight_quantize``), so no route-expanded BF16 gradient is
+written (seed §11.4.1, Table 25). The route-weight gradient
+``sum(dOut * Y, -1)`` is computed from the saved unweighted output, exactly as
+the multiply's own backward would.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from mxfx.ops.grouped_mm import mx_grouped_mm_op
+from mxfx.passes.fx import example_value, is_call, module_fqn, shape_str
+from mxfx.policy import Policy
+from mxfx.report import OpRecord, PrecisionMap
+
+_MUL_FN = (operator.mul, torch.mul)
+
+
+def _route_weight(mul: fx.Node, out: fx.Node) -> fx.Node | None:
+    if not (is_call(mul, _MUL_FN, ("mul",)) and len(mul.args) == 2):
+        return None
+    other = mul.args[1] if mul.args[0] is out else mul.args[0]
+    y, w = example_value(out), example_value(other)
+    if w is None or y is None or other is out:
+        return None
+    rows_only = tuple(w.shape) in ((y.shape[0], 1), (y.shape[0],)) and w.dim() <= 2
+    return other if rows_only and w.is_floating_point() else None
+
+
+def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
+    """Fuse route-weight multiplies into MX grouped GEMMs in place; returns how many were fused."""
+    fused = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not mx_grouped_mm_op or len(node.users) != 1:
+            continue
+        if node.kwargs.get("route_weight") is not None:
+            continue
+        mul = next(iter(node.users))
+        rw = _route_weight(mul, node)
+        if rw is None:
+            continue
+        out_dtype = example_value(mul).dtype
+        node.kwargs = {**node.kwargs, "route_weight": rw, "out_dtype": out_dtype}
+        mul.prepend(node)  # where the multiply stood: after the route weights and every input
+        mul.replace_all_uses_with(node)
+        gm.graph.erase_node(mul)
+        module = module_fqn(node)
+        pm.add(OpRecord(node.name, "combine", module, f"w{shape_str(example_value(rw))}", "bf16", "mxfp8", "-", "bf16", node.kwargs["scale_rule"], "route-weight multiply fused into the dgrad quantize"))
+        fused += 1
+    return fused
+

@@ -1,0 +1,121 @@
+"""Grouped expert GEMM pass: ``torch._grouped_mm(x, W.transpose(-2, -1), offs)`` -> MX grouped GEMM.
+
+Pattern: a ``torch._grouped_mm`` call with a 2D input ``x [S, K]``, a 3D weight
+operand ``[E, K, N]`` and ``offs``, no bias — what HF transformers'
+``experts_implementation="grouped_mm"`` and torchtitan's ``GroupedExperts`` emit
+for the up/gate and down projections.
+
+Replacement: :func:`mxfx.ops.grouped_mm.mx_grouped_mm_op` on the *source*
+weight: casts and the transpose in front of the weight are walked back to the
+parameter ``W [E, N, K]``, so the MX weight operands are quantized from the
+FP32 main weight (seed §11.4.1) rather than from a BF16 copy. Valid because the
+op computes the same per-expert products with MX-rounded operands and fp32
+accumulation; the output dtype is the original call's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from mxfx.ops.grouped_mm import mx_grouped_mm_op
+from mxfx.passes.fx import example_value, is_call, module_fqn, shape_str, size_hint
+from mxfx.policy import Policy
+from mxfx.report import OpRecord, PrecisionMap
+
+_CASTS = ("to", "bfloat16", "float", "half", "type", "contiguous")
+
+
+def _is_last_two_transpose(node: fx.Node) -> bool:
+    if not (is_call(node, (torch.transpose,), ("transpose",)) and len(node.args) >= 3):
+        return False
+    val = example_value(node.args[0])
+    dims = {d % val.dim() for d in node.args[1:3]} if val is not None else set()
+    return val is not None and dims == {val.dim() - 2, val.dim() - 1}
+
+
+def weight_source(b: fx.Node) -> tuple[fx.Node, bool]:
+    """Walk ``b`` back through casts and last-two-dim transposes.
+
+    Returns ``(source, transposed)``: ``b`` equals ``source`` (cast) transposed
+    ``transposed`` times modulo 2.
+    """
+    transposed = False
+    while isinstance(b, fx.Node):
+        if _is_last_two_transpose(b):
+            transposed, b = not transposed, b.args[0]
+        elif b.op == "call_method" and b.target in _CASTS and len(b.users) == 1:
+            b = b.args[0]
+        else:
+            break
+    return b, transposed
+
+
+def _skip_reason(x, b, offs, bias) -> str:
+    if x is None or b is None or offs is None:
+        return "no example value for the operands"
+    if bias is not None:
+        return "grouped GEMM with bias"
+    if x.dim() != 2 or b.dim() != 3:
+        return f"operands of {x.dim()}D x {b.dim()}D (expected 2D x 3D)"
+    k, n = size_hint(b.shape[1]), size_hint(b.shape[2])
+    if k % 32 or n % 32:
+        return f"features {k}->{n} are not multiples of 32"
+    return ""
+
+
+def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
+    """Rewrite eligible grouped GEMMs in ``gm`` in place; returns how many were rewritten."""
+    rewritten = 0
+    for node in list(gm.graph.nodes):
+        if not is_call(node, (torch._grouped_mm,)):
+            continue
+        args = dict(zip(("mat_a", "mat_b", "offs", "bias", "out_dtype"), node.args))
+        args.update(node.kwargs)
+        x_node, b_node, offs_node = args.get("mat_a"), args.get("mat_b"), args.get("offs")
+        x, b, offs = example_value(x_node), example_value(b_node), example_value(offs_node)
+        module = module_fqn(node)
+        shapes = f"x{shape_str(x)} w{shape_str(b)}"
+        reason = _skip_reason(x, b, offs, args.get("bias"))
+        macs = None
+        if not reason:
+            macs = size_hint(x.shape[0]) * size_hint(b.shape[1]) * size_hint(b.shape[2])
+        d = policy.decide("grouped_mm", module, macs)
+        reason = d.reason or reason
+        if reason:
+            pm.add(OpRecord(node.name, "grouped_mm", module, shapes, "bf16", "bf16", "bf16", "bf16", "-", reason))
+            continue
+        source, transposed = weight_source(b_node)
+        with gm.graph.inserting_before(node):
+            weight = source if transposed else gm.graph.call_method("transpose", (source, -2, -1))
+            if not transposed:
+                weight.meta["example_value"] = example_value(source).transpose(-2, -1)
+            new = gm.graph.call_function(
+                mx_grouped_mm_op,
+                (x_node, weight, offs_node),
+                {
+                    "scale_rule": d.scale_rule,
+                    "wgrad": d.wgrad,
+                    "save": d.save,
+                    "out_dtype": args.get("out_dtype") or x.dtype,
+                },
+            )
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        _erase_unused_chain(gm, b_node)
+        pm.add(OpRecord(new.name, "grouped_mm", module, shapes, "mxfp8", "mxfp8", d.wgrad, d.save, d.scale_rule))
+        rewritten += 1
+    return rewritten
+
+
+def _erase_unused_chain(gm: fx.GraphModule, node) -> None:
+    """Erase the now-unused casts/transposes that fed the old weight operand.
+
+    Only these nodes: a graph-wide dead-code elimination would also drop
+    in-place writes such as ``operator.setitem`` that have no users.
+    """
+    while isinstance(node, fx.Node) and not node.users and node.op == "call_method" and node.target in (*_CASTS, "transpose"):
+        parent = node.args[0]
+        gm.graph.erase_node(node)
+        node = parent

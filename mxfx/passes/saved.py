@@ -1,0 +1,116 @@
+"""Saved-activation pass: store an MX op's input for backward in MXFP8 only where that replaces BF16.
+
+An MX linear or grouped GEMM keeps its wgrad input for backward. Packing it as
+MXFP8 (33/32 bytes per value) saves memory only when no other backward
+consumer keeps the same BF16 tensor alive (seed §11.1.2, §11.4.2-11.4.3):
+adding an MX copy next to a retained BF16 tensor costs 33/32 bytes more.
+
+Rule, per MX op input ``x`` (views, ``contiguous`` and ``clone`` are looked
+through, since the partitioner recomputes them from their base):
+
+* its base is the output of an op whose backward reads its own output
+  (``scaled_dot_product_attention``, softmax, sigmoid, tanh, exp): keep BF16 —
+  this is the seed's attention output projection;
+* another user of the base saves it for its backward (anything but additions,
+  views, casts and concatenations): keep BF16;
+* several MX ops read it (q/k/v projections of one input) and one copy of it
+  in its own dtype is smaller than one MX copy per op (2 bytes for BF16 vs
+  n x 33/32): keep it as it is;
+* otherwise pack MXFP8 — the QKV projection's input in the seed.
+
+Eligibility: floating dtype and a last dim that is a multiple of 32 (already
+required of an MX op's input); integer routing indices never reach an MX op.
+The decision is written into the op's ``save`` argument and the precision map,
+with nominal saved bytes before and after.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from mxfx.ops.grouped_mm import mx_grouped_mm_op
+from mxfx.ops.linear import mx_linear
+from mxfx.passes.fx import example_value, is_call, size_hint
+from mxfx.policy import Policy
+from mxfx.report import PrecisionMap
+
+MX_OPS = (mx_linear, mx_grouped_mm_op)
+_VIEW_METHODS = ("view", "reshape", "transpose", "permute", "contiguous", "flatten", "unflatten", "squeeze", "unsqueeze", "t", "clone", "expand", "chunk", "split", "narrow")
+_VIEW_FNS = (torch.reshape, torch.transpose, torch.flatten, torch.permute, torch.squeeze, torch.unsqueeze, torch.chunk, torch.split, operator.getitem, torch.clone, torch.narrow)
+_SAVES_OUTPUT_FNS = (F.scaled_dot_product_attention, torch.softmax, F.softmax, torch.sigmoid, torch.tanh, torch.exp)
+_SAVES_OUTPUT_METHODS = ("softmax", "sigmoid", "tanh", "exp")
+_NON_SAVING_FNS = (operator.add, operator.sub, operator.neg, torch.add, torch.sub, torch.cat, torch.stack, F.pad)
+_NON_SAVING_METHODS = ("add", "sub", "neg", "to", "float", "bfloat16", "half", "type", "size", "dim")
+
+
+def _is_view(n: fx.Node) -> bool:
+    return is_call(n, _VIEW_FNS, _VIEW_METHODS)
+
+
+def _base(x: fx.Node) -> fx.Node:
+    while _is_view(x) and isinstance(x.args[0], fx.Node):
+        x = x.args[0]
+    return x
+
+
+def _aliases(base: fx.Node) -> list[fx.Node]:
+    out, todo = [], [base]
+    while todo:
+        n = todo.pop()
+        out.append(n)
+        todo.extend(u for u in n.users if _is_view(u))
+    return out
+
+
+def keeps_bf16_alive(x: fx.Node, op: fx.Node) -> str:
+    """Why the BF16 tensor behind ``x`` stays alive for backward without ``op`` ("" if it does not)."""
+    base = _base(x)
+    if is_call(base, _SAVES_OUTPUT_FNS, _SAVES_OUTPUT_METHODS):
+        return f"kept alive by {getattr(base.target, '__name__', base.target)} backward"
+    mx_readers = 0
+    for alias in _aliases(base):
+        for u in alias.users:
+            if _is_view(u):
+                continue
+            if u.op == "call_function" and u.target in MX_OPS and u.args[0] is alias:
+                mx_readers += 1
+            elif u.op == "output" or is_call(u, _NON_SAVING_FNS, _NON_SAVING_METHODS):
+                continue
+            else:
+                return f"also saved by {getattr(u.target, '__name__', u.target)}"
+    x_val = example_value(x)
+    own_bytes = x_val.element_size() if x_val is not None else 2
+    if mx_readers * 33 / 32 >= own_bytes:
+        return f"read by {mx_readers} MX ops: one {own_bytes}-byte copy is smaller than {mx_readers} MX copies"
+    return ""
+
+
+def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
+    """Set ``save`` on every MX op whose input needs a BF16 copy anyway; returns how many stay MXFP8."""
+    packed = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in MX_OPS or node.kwargs.get("up") is not None:
+            continue
+        record = pm.find(node.name)
+        x = example_value(node.args[0])
+        numel = 1
+        for d in x.shape if x is not None else ():
+            numel *= size_hint(d)
+        bf16_bytes = 2 * numel
+        if node.kwargs.get("save", "mxfp8") != "mxfp8":
+            continue
+        why = keeps_bf16_alive(node.args[0], node)
+        if why:
+            node.kwargs = {**node.kwargs, "save": "bf16"}
+            if record:
+                record.saved, record.reason = "bf16", why
+                record.saved_bytes = (bf16_bytes, 0)  # kept alive elsewhere: no extra copy
+            continue
+        packed += 1
+        if record:
+            record.saved_bytes = (bf16_bytes, numel + numel // 32)
+    return packed

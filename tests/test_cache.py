@@ -1,0 +1,354 @@
+"""Weight caches (mxfx.cache): quantize once per optimizer step, refreshed on every path that changes a weight."""
+
+import gc
+import io
+
+import pytest
+import torch
+import torch.nn as nn
+
+import mxfx
+from mxfx import cache
+
+D, H, OUT = 64, 96, 32
+OPTS = {"inner": "aot_eager"}
+
+
+class MLP(nn.Module):
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        self.up = nn.Linear(D, H, dtype=dtype)
+        self.down = nn.Linear(H, OUT, bias=False, dtype=dtype)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+N_WEIGHTS = 2
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache():
+    cache.clear()
+    cache.reset_stats()
+    cache.install()
+    yield
+    cache.install()  # tests that disable the hook put it back
+
+
+def _model(seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    return MLP(dtype)
+
+
+def _x(seed=1, dtype=torch.float32):
+    return torch.randn(48, D, generator=torch.Generator().manual_seed(seed), dtype=dtype, requires_grad=True)
+
+
+def _fresh_output(model, x, options=OPTS):
+    """Output of a new model built from ``model``'s current weights (its caches built from scratch)."""
+    fresh = MLP(next(model.parameters()).dtype)
+    fresh.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        return torch.compile(fresh, backend="mxfp8", options=options)(x)
+
+
+def _train_microbatches(cm, x, n):
+    for _ in range(n):
+        cm(x).float().sum().backward()
+
+
+def _assert_fresh_and_not_stale(cm, model, x, before):
+    """The compiled model's output equals a fresh model of the current weights and differs from the old ones.
+
+    Returns the cache counters as they were right after the compiled model's forward.
+    """
+    with torch.no_grad():
+        y = cm(x)
+    stats = cache.stats()
+    torch.testing.assert_close(y, _fresh_output(model, x), rtol=0, atol=0)
+    assert (y - before).abs().max() > 1e-3  # a stale cache would have reproduced ``before``
+    return stats
+
+
+# --- the op ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(64, 96), (3, 64, 96)])
+def test_weight_operand_orientations_and_reuse(shape):
+    w = torch.randn(shape)
+    q, s = cache.weight_operand(w, "rceil", "forward")
+    rq, rs = mxfx.quantize(w, axis=-1, rule="rceil")
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs.view(torch.uint8))
+    qt, st = cache.weight_operand(w, "rceil", "dgrad")
+    rqt, rst = mxfx.quantize(w.transpose(-2, -1).contiguous(), axis=-1, rule="rceil")
+    assert qt.shape == (*shape[:-2], shape[-1], shape[-2]) and st.shape == (*shape[:-2], shape[-1], shape[-2] // 32)
+    assert torch.equal(qt.view(torch.uint8), rqt.view(torch.uint8)) and torch.equal(st, rst.view(torch.uint8))
+    assert cache.stats()["quantize"] == 2
+    q2, _ = cache.weight_operand(w, "rceil", "forward")
+    assert q2 is q and cache.stats()["quantize"] == 2 and cache.stats()["hit"] == 1
+    # floor is its own form of the same weight
+    cache.weight_operand(w, "floor", "forward")
+    assert cache.stats()["quantize"] == 3 and cache.num_entries() == 1
+
+
+def test_weight_operand_errors():
+    with pytest.raises(ValueError, match="orientation"):
+        cache.weight_operand(torch.randn(64, 64), "rceil", "wgrad")
+    with pytest.raises(ValueError, match="rule"):
+        cache.weight_operand(torch.randn(64, 64), "ceil", "forward")
+    with pytest.raises(ValueError, match="multiples of 32"):
+        cache.weight_operand(torch.randn(40, 64), "rceil", "forward")
+    with pytest.raises(ValueError, match="high-precision"):
+        cache.weight_operand(torch.zeros(64, 64, dtype=torch.int32), "rceil", "forward")
+
+
+def test_memory_and_entries_die_with_the_parameter():
+    model, x = _model(), _x()
+    cm = torch.compile(model, backend="mxfp8", options=OPTS)
+    _train_microbatches(cm, x, 1)
+    per_weight = {n: cache.persistent_bytes(p) for n, p in model.named_parameters()}
+    assert per_weight["up.weight"] == 2 * H * D * 33 // 32 and per_weight["down.weight"] == 2 * OUT * H * 33 // 32
+    assert per_weight["up.bias"] == 0
+    assert cache.persistent_bytes() == sum(per_weight.values())
+    assert cache.num_entries() == N_WEIGHTS
+    del model, cm
+    torch._dynamo.reset()
+    gc.collect()
+    assert cache.num_entries() == 0 and cache.persistent_bytes() == 0
+    # A new model whose weights may reuse the freed memory never hits the dead entries.
+    model2, before = _model(seed=5), cache.stats()["quantize"]
+    with torch.no_grad():
+        y = torch.compile(model2, backend="mxfp8", options=OPTS)(x)
+    assert cache.stats()["quantize"] == before + N_WEIGHTS
+    torch.testing.assert_close(y, _fresh_output(model2, x), rtol=0, atol=0)
+
+
+# --- once per step, accumulation -------------------------------------------------------------
+
+
+def test_one_quantize_per_weight_per_orientation_per_step():
+    model, x = _model(), _x()
+    cm = torch.compile(model, backend="mxfp8", options=OPTS)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    n_micro = 4
+    for step in range(3):
+        cache.reset_stats()
+        _train_microbatches(cm, x, n_micro)
+        during = cache.stats()
+        opt.step()
+        opt.zero_grad()
+        after = cache.stats()
+        # The step's hook rebuilds forward + dgrad of each weight once, for the next step's microbatches.
+        assert after["quantize_forward"] - during["quantize_forward"] == N_WEIGHTS
+        assert after["quantize_dgrad"] - during["quantize_dgrad"] == N_WEIGHTS
+        assert after["refresh_eager"] == N_WEIGHTS
+        if step == 0:  # first use: built once by the first microbatch, read by the other three
+            assert during["quantize_forward"] == N_WEIGHTS and during["quantize_dgrad"] == N_WEIGHTS
+        else:  # built by the previous step's hook: the microbatches only read them
+            assert during["quantize"] == 0 and during["hit"] == 2 * N_WEIGHTS * n_micro
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradients_accumulate_in_parameter_dtype(dtype):
+    model, x = _model(dtype=dtype), torch.ones(48, D, dtype=dtype)
+    cm = torch.compile(model, backend="mxfp8", options=OPTS)
+    cm(x).float().sum().backward()
+    one = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    _train_microbatches(cm, x, 2)
+    for n, p in model.named_parameters():
+        assert p.grad.dtype == dtype
+        torch.testing.assert_close(p.grad, 2 * one[n], rtol=0, atol=0)
+
+
+# --- refresh paths ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda p: torch.optim.SGD(p, lr=0.5, momentum=0.9, foreach=True),
+    lambda p: torch.optim.Adam(p, lr=0.05, foreach=True),
+    lambda p: torch.optim.AdamW(p, lr=0.05, foreach=False),
+    lambda p: torch.optim.AdamW(p, lr=0.05, fused=True),  # fused does not bump _version: the hook is the path
+], ids=["sgd", "adam", "adamw_loop", "adamw_fused"])
+def test_eager_step_hook_refreshes(make_opt):
+    model, x = _model(), _x()
+    cm = torch.compile(model, backend="mxfp8", options=OPTS)
+    opt = make_opt(model.parameters())
+    _train_microbatches(cm, x, 2)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    with torch.no_grad():
+        before = cm(x)
+    opt.step()
+    assert cache.stats()["refresh_eager"] == N_WEIGHTS
+    q = cache.stats()["quantize"]
+    stats = _assert_fresh_and_not_stale(cm, model, x, before)
+    assert stats["quantize"] == q  # the forward read the caches the hook built
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda p: torch.optim.SGD(p, lr=0.5, foreach=True),
+    lambda p: torch.optim.AdamW(p, lr=0.05, foreach=True),
+], ids=["sgd", "adamw"])
+def test_compiled_step_refreshes_in_graph_without_the_hook(make_opt):
+    model, x = _model(), _x()
+    opt = make_opt(model.parameters())
+    step = torch.compile(opt.step, backend="mxfp8", options=OPTS)  # compiled before the model has caches
+    cm = torch.compile(model, backend="mxfp8", options=OPTS)
+    _train_microbatches(cm, x, 2)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    with torch.no_grad():
+        before = cm(x)
+    cache.uninstall()
+    cache.reset_stats()
+    step()
+    report = mxfx.last_report()
+    assert report.count("weight_refresh", True) == 1
+    assert cache.stats()["refresh_graph"] == N_WEIGHTS and cache.stats()["refresh_eager"] == 0
+    # Fresh after the step: the forward reads the in-graph caches, no re-quantization...
+    stats = _assert_fresh_and_not_stale(cm, model, x, before)
+    assert stats["quantize"] == 2 * N_WEIGHTS and stats["stale"] == 0
+    # ... and again on the next step (the compiled step is reused).
+    _train_microbatches(cm, x, 1)
+    with torch.no_grad():
+        before = cm(x)
+    cache.reset_stats()
+    step()
+    stats = _assert_fresh_and_not_stale(cm, model, x, before)
+    assert stats["refresh_graph"] == N_WEIGHTS and stats["stale"] == 0 and stats["quantize"] == 2 * N_WEIGHTS
+
+
+def test_compiled_step_with_hook_refreshes_once():
+    model, x = _model(), _x()
+    opt = torch.optim.Adam(model.parameters(), lr=0.05, foreach=True)
+    step = torch.compile(opt.step, backend="mxfp8", options=OPTS)
+    cm = torch.compile(model, backend="mxfp8", options=OPTS)
+    _train_microbatches(cm, x, 1)
+    cache.reset_stats()
+    step()
+    assert cache.stats()["refresh_graph"] == N_WEIGHTS and cache.stats()["refresh_eager"] == 0
+    assert cache.stats()["quantize"] == 2 * N_WEIGHTS
+
+
+def test_compiled_step_default_pipeline_updates_parameters():
+    """No pass may drop the step's in-place updates (an unconditional dead-code elimination did)."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, foreach=True)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    w = model.up.weight.detach().clone()
+    torch.compile(opt.step, backend="mxfp8", options={"inner": "aot_eager"})()
+    assert not torch.equal(model.up.weight, w)
+
+
+def test_compiled_step_inductor():
+    model, x = _model(), _x()
+    opts = {**OPTS, "inner": "inductor"}
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, foreach=True)
+    cm = torch.compile(model, backend="mxfp8", options=opts)
+    step = torch.compile(opt.step, backend="mxfp8", options=opts)
+    _train_microbatches(cm, x, 2)
+    with torch.no_grad():
+        before = cm(x)
+    cache.uninstall()
+    cache.reset_stats()
+    step()
+    assert cache.stats()["refresh_graph"] == N_WEIGHTS
+    with torch.no_grad():
+        y = cm(x)
+    assert cache.stats()["quantize"] == 2 * N_WEIGHTS and cache.stats()["stale"] == 0
+    torch.testing.assert_close(y, _fresh_output(model, x, {**OPTS, "inner": "eager"}), rtol=0, atol=0)
+    assert (y - before).abs().max() > 1e-3
+
+
+def test_load_state_dict_and_manual_edits_are_seen():
+    model, x = _model(), _x()
+    cm = torch.compile(model, backend="mxfp8", options=OPTS)
+    with torch.no_grad():
+        before = cm(x)
+    model.load_state_dict(_model(seed=7).state_dict())
+    cache.reset_stats()
+    assert _assert_fresh_and_not_stale(cm, model, x, before)["stale"] == N_WEIGHTS
+    with torch.no_grad():
+        before = cm(x)
+        model.up.weight.mul_(-2)  # manual in-place edit
+    _assert_fresh_and_not_stale(cm, model, x, before)
+    with torch.no_grad():
+        before = cm(x)
+        model.down.weight.detach()[:, :32].zero_()  # through a view
+    _assert_fresh_and_not_stale(cm, model, x, before)
+
+
+def test_untracked_data_write_needs_refresh():
+    """``p.data`` writes bypass the version counter: mxfx.cache.refresh() rebuilds the caches."""
+    model, x = _model(), _x()
+    cm = torch.compile(model, backend="mxfp8", options=OPTS)
+    with torch.no_grad():
+        before = cm(x)
+    model.up.weight.data.mul_(-1)
+    with torch.no_grad():
+        torch.testing.assert_close(cm(x), before, rtol=0, atol=0)  # documented limitation
+    assert cache.refresh(model.parameters()) == N_WEIGHTS
+    _assert_fresh_and_not_stale(cm, model, x, before)
+
+
+def _flat_model():
+    """MLP whose parameters are views of one flat buffer, stepped through that buffer."""
+    model = _model()
+    params = list(model.parameters())
+    flat = nn.Parameter(torch.cat([p.detach().reshape(-1) for p in params]))
+    offset = 0
+    for (name, p) in list(model.named_parameters()):
+        mod, attr = model.get_submodule(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1]
+        setattr(mod, attr, nn.Parameter(flat.detach()[offset: offset + p.numel()].view_as(p)))
+        offset += p.numel()
+    return model, flat
+
+
+def _flat_grad(model, flat):
+    flat.grad = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    model.zero_grad()
+
+
+@pytest.mark.parametrize("hook", [True, False])
+def test_flat_buffer_optimizer(hook):
+    model, flat = _flat_model()
+    x = _x()
+    cm = torch.compile(model, backend="mxfp8", options=OPTS)
+    opt = torch.optim.SGD([flat], lr=0.5, foreach=True)
+    _train_microbatches(cm, x, 2)
+    _flat_grad(model, flat)
+    with torch.no_grad():
+        before = cm(x)
+    if not hook:
+        cache.uninstall()
+    opt.step()  # writes the weights through the flat buffer's storage
+    assert cache.stats()["refresh_eager"] == (N_WEIGHTS if hook else 0)
+    _assert_fresh_and_not_stale(cm, model, x, before)
+
+
+def test_checkpoint_roundtrip_rebuilds_caches():
+    model, x = _model(), _x()
+    cm = torch.compile(model, backend="mxfp8", options=OPTS)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    _train_microbatches(cm, x, 1)
+    opt.step()
+    sd = model.state_dict()
+    assert set(sd) == {n for n, _ in model.named_parameters()}  # no cache tensors
+    assert all(t.dtype == torch.float32 for t in sd.values())
+    buf = io.BytesIO()
+    torch.save({"model": sd, "opt": opt.state_dict()}, buf)
+    assert buf.tell() < 4 * sum(p.numel() for p in model.parameters()) * 3 + 8192  # weights + 2 moments, no caches
+    buf.seek(0)
+    ckpt = torch.load(buf)
+    resumed = _model(seed=3)
+    cresumed = torch.compile(resumed, backend="mxfp8", options=OPTS)
+    with torch.no_grad():
+        stale = cresumed(x)  # builds caches from the seed-3 weights
+    resumed.load_state_dict(ckpt["model"])
+    q = cache.stats()["quantize"]
+    with torch.no_grad():
+        y, y_ref = cresumed(x), cm(x)
+    assert cache.stats()["quantize"] == q + N_WEIGHTS  # rebuilt from the loaded weights (forward orientation)
+    torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
+    assert (y - stale).abs().max() > 1e-3

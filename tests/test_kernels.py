@@ -1,0 +1,322 @@
+"""MX kernels (mxfx.kernels) against the plain-torch reference (mxfx.format), bit for bit.
+
+* CPU: dispatch falls back to the reference and never imports Triton.
+* CUDA (skipped without a GPU): every Triton kernel against the CPU reference.
+* Triton interpreter (skipped without ``import triton``): small shapes on CPU
+  tensors, in a subprocess with ``TRITON_INTERPRET=1``. The interpreter's
+  fp32 -> fp8 cast does not round to nearest even (Triton 3.6 rounds half up and
+  drops the carry into the exponent; values that underflow are wrong too) and it
+  flushes bf16 subnormals when widening to fp32, so these inputs are exactly
+  representable after scaling; they check indexing, scales, special blocks and layouts.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mxfx import format as mxf
+from mxfx.kernels import dispatch
+from mxfx.layout import to_blocked
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal shape and bytes; NaNs match NaNs whatever their sign or payload bits."""
+    a, b = a.cpu(), b.cpu()
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point() and a.dtype.itemsize > 1:
+        nan_a, nan_b = a.isnan(), b.isnan()
+        if not torch.equal(nan_a, nan_b):
+            return False
+        a, b = a.masked_fill(nan_a, 0), b.masked_fill(nan_b, 0)
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.dtype.itemsize]
+    return torch.equal(a.view(ints), b.view(ints))
+
+
+def assert_same(got, ref):
+    for i, (g, r) in enumerate(zip(got, ref)):
+        assert same_bits(g, r), f"output {i}: {(g.cpu().view(torch.uint8) != r.cpu().view(torch.uint8)).sum()} bytes differ"
+
+
+def special_rows(x: torch.Tensor, exact: bool = False) -> torch.Tensor:
+    """``x`` with special first blocks in its first rows: NaN, +Inf, -Inf, zeros, tiny, +/-big.
+
+    The tiny block holds the dtype's subnormals (k x 2^-133, or k x 2^-24 in fp16, k < 16:
+    exact after scaling). ``exact`` leaves out the big values, whose blocks round.
+    """
+    x = x.clone()
+    tiny = 2.0**-24 if x.dtype == torch.float16 else 2.0**-133
+    big = 60000.0 if x.dtype == torch.float16 else 3e38
+    specials = [float("nan"), float("inf"), float("-inf"), "zero", "tiny"] + ([] if exact else [big, -big])
+    for i, v in enumerate(specials[: x.shape[-2]]):
+        blk = x[..., i, :32]
+        if v == "zero":
+            blk.zero_()
+        elif v == "tiny":
+            blk.copy_((tiny * (torch.arange(32) % 16).float()).to(x.dtype))
+        else:
+            blk[..., 3] = v
+    return x
+
+
+def rand(shape, dtype, device="cuda", scale_rows=True):
+    x = torch.randn(shape, dtype=torch.float32)
+    if scale_rows:  # a wide exponent range across rows
+        x = x * 2.0 ** torch.randint(-30, 30, (*shape[:-1], 1)).float()
+    return x.to(dtype).to(device)
+
+
+# ---- CPU ------------------------------------------------------------------------------
+
+def test_cpu_dispatch_never_loads_triton_kernels():
+    code = (
+        "import sys, torch; import mxfx.kernels.ops; from mxfx.kernels import dispatch as d;"
+        "x = torch.randn(64, 64); d.quantize_lastdim(x, 'rceil'); d.quantize_blocked(x, 'rceil');"
+        "bad = [m for m in sys.modules if m.startswith('mxfx.kernels.') and m not in "
+        "('mxfx.kernels.ops', 'mxfx.kernels.dispatch')]; assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+
+
+def test_cpu_quantize_blocked_reference():
+    x = torch.randn(3, 100, 64)
+    q, b = dispatch.quantize_blocked(x, "rceil")
+    rq, rs = mxf.quantize_lastdim(x, "rceil")
+    assert same_bits(q, rq) and torch.equal(b, to_blocked(rs.reshape(300, 2)))
+
+
+# ---- CUDA -----------------------------------------------------------------------------
+
+ROW_SHAPES = [(96, 64), (97, 256), (1, 32), (300, 2048), (3, 7, 160)]
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+@cuda
+@pytest.mark.parametrize("rule", mxf.SCALE_RULES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", ROW_SHAPES)
+def test_quantize_rowwise(shape, dtype, rule):
+    x = special_rows(rand(shape, dtype))
+    assert_same(dispatch.quantize_lastdim(x, rule), mxf.quantize_lastdim(x.cpu(), rule))
+
+
+@cuda
+@pytest.mark.parametrize("rule", mxf.SCALE_RULES)
+@pytest.mark.parametrize("shape", [(96, 64), (256, 160), (2, 64, 96), (4096, 512)])
+def test_quantize_columnwise(shape, rule):
+    x = special_rows(rand(shape, torch.bfloat16).transpose(-2, -1)).transpose(-2, -1)
+    xt = x.transpose(-2, -1)  # blocks down dim -2 of x, output [.., K, M]
+    assert_same(dispatch.quantize_lastdim(xt, rule), mxf.quantize_lastdim(xt.cpu(), rule))
+
+
+@cuda
+def test_quantize_noncontiguous_views():
+    base = rand((128, 512), torch.bfloat16)
+    for view in (base[:, ::2], base[::3], base[:, 64:192], base.view(4, 32, 512)[:, 5:20]):
+        assert_same(dispatch.quantize_lastdim(view, "rceil"), mxf.quantize_lastdim(view.contiguous().cpu(), "rceil"))
+
+
+@cuda
+def test_quantize_no_recompile_per_token_count():
+    from mxfx.kernels import quantize as tq
+
+    x = rand((4096, 256), torch.bfloat16)
+    dispatch.quantize_lastdim(x[:96], "rceil")
+    caches = getattr(tq._quantize_kernel, "device_caches", None)
+    if not caches:
+        pytest.skip("Triton's kernel cache layout changed")
+    before = sum(len(c[0]) for c in caches.values())
+    for m in (97, 1000, 1, 4095, 3333):
+        assert_same(dispatch.quantize_lastdim(x[:m], "rceil"), mxf.quantize_lastdim(x[:m].cpu(), "rceil"))
+    assert sum(len(c[0]) for c in caches.values()) == before
+
+
+@cuda
+@pytest.mark.parametrize("rule", mxf.SCALE_RULES)
+@pytest.mark.parametrize("shape", [(96, 64), (256, 1024), (2, 64, 96), (32, 4096)])
+def test_quantize_dual(shape, rule):
+    x = special_rows(rand(shape, torch.bfloat16))
+    got = dispatch.quantize_dual(x, rule)
+    xc = x.cpu()
+    ref = (*mxf.quantize_lastdim(xc, rule), *mxf.quantize_lastdim(xc.transpose(-2, -1), rule))
+    assert_same(got, ref)
+
+
+@cuda
+def test_quantize_dual_strided_and_errors():
+    x = rand((128, 512), torch.float32)[:, ::2]
+    xc = x.cpu()
+    assert_same(dispatch.quantize_dual(x, "rceil"), (*mxf.quantize_lastdim(xc, "rceil"), *mxf.quantize_lastdim(xc.t(), "rceil")))
+    with pytest.raises(ValueError, match=r"quantize_dual.*\(96, 48\)"):
+        dispatch.quantize_dual(rand((96, 48), torch.bfloat16), "rceil")
+
+
+@cuda
+@pytest.mark.parametrize("shape", [(96, 64), (300, 1056), (2, 130, 64)])
+def test_quantize_blocked(shape):
+    x = rand(shape, torch.bfloat16)
+    q, b = dispatch.quantize_blocked(x, "rceil")
+    rq, rs = mxf.quantize_lastdim(x.cpu(), "rceil")
+    assert same_bits(q, rq) and torch.equal(b.cpu(), to_blocked(rs.reshape(-1, rs.shape[-1])))
+
+
+@cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(96, 64), (300, 2048), (2, 5, 96)])
+def test_dequantize(shape, dtype):
+    q = torch.randint(0, 256, shape, dtype=torch.uint8).view(torch.float8_e4m3fn)  # NaN bytes included
+    s = torch.randint(0, 256, (*shape[:-1], shape[-1] // 32), dtype=torch.uint8)
+    s.view(-1)[:4] = torch.tensor([0, 255, 254, 1], dtype=torch.uint8)
+    got = dispatch.dequantize_lastdim(q.cuda(), s.cuda(), dtype)
+    assert same_bits(got, mxf.dequantize_lastdim(q, s, dtype))
+    got_t = dispatch.dequantize_lastdim(q.cuda().transpose(0, -2)[..., :32], s.cuda().transpose(0, -2)[..., :1], dtype)
+    assert same_bits(got_t, mxf.dequantize_lastdim(q.transpose(0, -2)[..., :32], s.transpose(0, -2)[..., :1], dtype))
+
+
+@cuda
+def test_quantize_dequantize_strided():
+    x = special_rows(rand((128, 256), torch.bfloat16))
+    for view in (x.t(), x[:, ::2], x[:, 32:96]):
+        rq, rs = mxf.quantize_lastdim(view.cpu(), "rceil")
+        got = dispatch.quantize_dequantize(view, "rceil", torch.bfloat16)
+        assert_same(got, (rq, rs, mxf.dequantize_lastdim(rq, rs, torch.bfloat16)))
+
+
+@cuda
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(96, 64), (300, 2048), (2, 5, 96)])
+def test_quantize_dequantize(shape, out_dtype):
+    x = special_rows(rand(shape, torch.bfloat16))
+    got = dispatch.quantize_dequantize(x, "rceil", out_dtype)
+    rq, rs = mxf.quantize_lastdim(x.cpu(), "rceil")
+    assert_same(got, (rq, rs, mxf.dequantize_lastdim(rq, rs, out_dtype)))
+
+
+def swiglu_ref(g, u, rule):
+    return mxf.quantize_lastdim(F.silu(g.float()) * u.float(), rule)
+
+
+@cuda
+@pytest.mark.parametrize("rule", mxf.SCALE_RULES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(96, 64), (300, 1408), (2, 33, 128)])
+def test_swiglu_quantize(shape, dtype, rule):
+    g, u = rand(shape, dtype, scale_rows=False) * 4, special_rows(rand(shape, dtype))
+    got = dispatch.swiglu_quantize(g, u, rule)
+    assert_same(got, swiglu_ref(g, u, rule))  # torch's CUDA silu: the same fp32 arithmetic
+    q_cpu, s_cpu = swiglu_ref(g.cpu(), u.cpu(), rule)  # CPU exp may differ by an ulp
+    diff = (got[0].cpu().view(torch.uint8) != q_cpu.view(torch.uint8)).float().mean().item()
+    assert diff < 1e-4 and (got[1].cpu() != s_cpu).float().mean().item() < 1e-3
+
+
+@cuda
+def test_swiglu_quantize_fused_gate_up():
+    gu = rand((3, 100, 2 * 512), torch.bfloat16, scale_rows=False) * 3
+    g, u = gu.chunk(2, dim=-1)
+    assert_same(dispatch.swiglu_quantize(g, u, "rceil"), swiglu_ref(g, u, "rceil"))
+    g2, u2 = gu[..., ::2], gu[..., 1::2]  # interleaved halves
+    assert_same(dispatch.swiglu_quantize(g2, u2, "rceil"), swiglu_ref(g2, u2, "rceil"))
+
+
+@cuda
+@pytest.mark.parametrize("w_shape", ["s", "s1"])
+@pytest.mark.parametrize("shape", [(96, 64), (1000, 2048)])
+def test_route_weight_quantize(shape, w_shape):
+    dy = special_rows(rand(shape, torch.bfloat16))
+    w = torch.rand(shape[0], device="cuda")
+    w = w if w_shape == "s" else w[:, None]
+    ref = mxf.quantize_lastdim(dy.cpu().float() * w.cpu().float().reshape(-1, 1), "rceil")
+    assert_same(dispatch.route_weight_quantize(dy, w, "rceil"), ref)
+    assert_same(dispatch.route_weight_quantize(dy, w.bfloat16(), "rceil"),
+                mxf.quantize_lastdim(dy.cpu().float() * w.cpu().bfloat16().float().reshape(-1, 1), "rceil"))
+
+
+# ---- Triton interpreter on CPU --------------------------------------------------------
+
+def exact_input(shape, seed=0):
+    """Data that quantizes without rounding along both of its last two dims.
+
+    E4M3 values times 2^e with one e per 32x32 tile, and the tile's diagonal in
+    [256, 448], so every 32-block of a row or a column has its amax there.
+    """
+    g = torch.Generator().manual_seed(seed)
+    *lead, m, n = shape
+    bits = torch.randint(0, 0x7F, shape, generator=g, dtype=torch.uint8)
+    bits |= torch.randint(0, 2, shape, generator=g, dtype=torch.uint8) << 7
+    v = bits.view(torch.float8_e4m3fn).float()
+    diag = torch.eye(32, dtype=torch.bool).repeat(m // 32, n // 32)
+    v[..., diag] = 448.0 - 32.0 * torch.randint(0, 6, v[..., diag].shape, generator=g).float()
+    e = torch.randint(-40, 40, (*lead, m // 32, n // 32), generator=g).float()
+    return v * 2.0 ** e.repeat_interleave(32, -2).repeat_interleave(32, -1)
+
+
+def _interpreter_checks():
+    """Run under TRITON_INTERPRET=1 by the test below; raises on the first mismatch."""
+    from mxfx.kernels import dequantize, dual, quantize
+
+    base = exact_input((96, 128))
+    x = special_rows(base, exact=True)
+    xc = x.clone()
+    xc[4] = base[4]  # the tiny row's values would round to zero in column blocks
+    for rule, dt in (("rceil", torch.bfloat16), ("floor", torch.float32)):
+        if True:
+            # the interpreter flushes bf16 subnormals when widening: tiny row in fp32 only
+            xd, xcd = (x if dt == torch.float32 else xc).to(dt), xc.to(dt)
+            assert_same(quantize.quantize_lastdim(xd, rule), mxf.quantize_lastdim(xd, rule))
+            assert_same(quantize.quantize_lastdim(xcd.t(), rule), mxf.quantize_lastdim(xcd.t(), rule))
+            ref = (*mxf.quantize_lastdim(xcd, rule), *mxf.quantize_lastdim(xcd.t(), rule))
+            assert_same(dual.quantize_dual(xcd, rule), ref)
+    x3 = exact_input((2, 64, 96), seed=1)
+    assert_same(quantize.quantize_lastdim(x3.transpose(-2, -1), "rceil"), mxf.quantize_lastdim(x3.transpose(-2, -1), "rceil"))
+    assert_same(dual.quantize_dual(x3, "rceil"), (*mxf.quantize_lastdim(x3, "rceil"), *mxf.quantize_lastdim(x3.transpose(-2, -1), "rceil")))
+    x = xc  # 16-bit subnormal outputs are flushed by the interpreter too
+    rq, rs = mxf.quantize_lastdim(x, "rceil")
+    q, b = quantize.quantize_blocked(x[:50], "rceil")
+    assert same_bits(q, rq[:50]) and torch.equal(b, to_blocked(rs[:50]))
+    assert_same(quantize.quantize_dequantize(x, "rceil", torch.bfloat16), (rq, rs, mxf.dequantize_lastdim(rq, rs, torch.bfloat16)))
+    w = 2.0 ** torch.randint(-3, 3, (96,)).float()
+    assert_same(quantize.route_weight_quantize(x, w, "rceil"), mxf.quantize_lastdim(x * w[:, None], "rceil"))
+    for dt in DTYPES:
+        assert same_bits(dequantize.dequantize_lastdim(rq, rs, dt), mxf.dequantize_lastdim(rq, rs, dt))
+    # strided layouts: row slices (2D tiles) and a transpose through the generic kernel
+    assert_same(quantize.quantize_lastdim(x[:, :64], "rceil"), mxf.quantize_lastdim(x[:, :64], "rceil"))
+    assert same_bits(dequantize.dequantize_lastdim(rq[:, :64], rs[:, :2], torch.float32),
+                     mxf.dequantize_lastdim(rq[:, :64], rs[:, :2], torch.float32))
+    tq, ts = mxf.quantize_lastdim(x.t(), "floor")
+    assert_same(quantize.quantize_dequantize(x.t(), "floor", torch.float32),
+                (tq, ts, mxf.dequantize_lastdim(tq, ts, torch.float32)))
+
+
+def test_triton_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    subprocess.run([sys.executable, os.path.abspath(__file__), "--interpret"], check=True, env=env, cwd=root)
+
+
+def _fix_interpreter_index():
+    """Triton 3.6's interpreter makes scalars 1-element arrays and converts them with
+    ``int(array)``, which numpy >= 2.x refuses for ndim > 0 (kernel loops over runtime
+    bounds fail): convert through ``.item()`` instead."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--interpret"]:
+    _fix_interpreter_index()
+    _interpreter_checks()
+    print("interpreter checks passed")
