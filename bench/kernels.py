@@ -77,13 +77,11 @@ def torchao_cases():
 def sweep(copy_gbs: float) -> list[str]:
     """Time alternative tile configs of each kernel family (MXFX_BENCH_SWEEP=1)."""
     lines = ["", "| config sweep | shape | (BR, BC, warps) or programs/SM | % of copy |", "|---|---|---|---|"]
-    flat = [(128, 32, 2), (256, 32, 2), (256, 32, 4), (512, 32, 4), (1024, 32, 8)]
-    small = [(32, 32, 2), (64, 32, 2), (32, 32, 4), (64, 32, 4), (64, 32, 8)]
-    tiles = [(64, 32, 2), (128, 32, 4), (128, 64, 2), (128, 64, 4), (256, 32, 4), (256, 64, 4), (256, 64, 8)]
+    flat = [(128, 32, 4), (256, 32, 2), (256, 32, 4), (512, 32, 4), (512, 32, 8)]
+    small = [(32, 32, 2), (64, 32, 2), (64, 32, 4), (128, 32, 8)]
+    tiles = [(64, 32, 2), (128, 32, 4), (128, 64, 2), (128, 64, 4), (256, 64, 4)]
     families = [  # name, module, config attr, fn(x), bytes per element, configs
         ("rowwise", quantize, "FLAT_CONFIG", lambda x: dispatch.quantize_lastdim(x, "rceil"), 2 + 33 / 32, flat),
-        ("rowwise, programs per SM", quantize, "PROGRAMS_PER_SM", lambda x: dispatch.quantize_lastdim(x, "rceil"),
-         2 + 33 / 32, [0, 2, 4, 8, 16]),
         ("columnwise", quantize, "COLWISE_CONFIG", lambda x: dispatch.quantize_lastdim(x.t(), "rceil"), 2 + 33 / 32, tiles),
         ("dual", dual, "DUAL_CONFIG", lambda x: dispatch.quantize_dual(x, "rceil"), 2 + 66 / 32, tiles[1:4] + [(256, 64, 4)]),
         ("swiglu", swiglu, "FLAT_CONFIG", lambda x: dispatch.swiglu_quantize(x, x, "rceil"), 4 + 33 / 32, small),

@@ -11,8 +11,11 @@ up to two derived forms, each a ``(qdata e4m3, scales uint8 E8M0)`` pair:
 ``[N, K]`` linear weights and ``[E, N, K]`` expert weights use the same rule. The
 caches are plain tensors held here, never parameters: no gradients, not in
 ``state_dict``, invisible to the optimizer. A form is keyed by ``(rule,
-orientation)`` so a third derived form (e.g. a dequantized BF16 copy for Hopper)
-can be added as another key without touching the freshness logic.
+orientation)``. Two more orientations hold the *dequantized* operands in BF16,
+``"forward_bf16"`` and ``"dgrad_bf16"`` (the values of the MX forms, one tensor
+each), for ``Policy.keep_dequantized_weights`` on GPUs without native MX GEMMs:
+2 bytes per value per orientation more persistent memory, no weight dequantize
+per GEMM. They are rebuilt with the MX forms by the same freshness logic.
 
 Freshness (seed §11.3.2-11.3.4: quantize once after each optimizer update, reuse
 across microbatches):
@@ -59,6 +62,11 @@ WEIGHT_KINDS = ("linear", "grouped_mm")
 ORIENTATIONS = ("forward", "dgrad")
 """Derived forms of a weight: "forward" (W blocked along its last dim) and "dgrad" (W^T likewise)."""
 
+DEQUANTIZED = {"forward_bf16": "forward", "dgrad_bf16": "dgrad"}
+"""Dequantized BF16 forms -> the MX orientation whose values they hold."""
+
+FORMS = ORIENTATIONS + tuple(DEQUANTIZED)
+
 _E4M3 = torch.float8_e4m3fn
 _lock = threading.RLock()
 _stats: Counter = Counter()
@@ -75,11 +83,11 @@ class _Entry:
     dtype: torch.dtype
     weight: weakref.ref  # the last tensor object seen for this region (for its version counter)
     version: int | None = None  # weight._version the forms were built at; None: stale
-    forms: dict = field(default_factory=dict)  # (rule, orientation) -> (qdata, scales)
+    forms: dict = field(default_factory=dict)  # (rule, orientation) -> (qdata, scales), or (bf16,) for DEQUANTIZED
     graph_refreshed: bool = False  # rebuilt by a compiled step since the last eager step hook
 
     def nbytes(self) -> int:
-        return sum(q.nbytes + s.nbytes for q, s in self.forms.values())
+        return sum(t.nbytes for form in self.forms.values() for t in form)
 
 
 _entries: dict[tuple, _Entry] = {}
@@ -97,8 +105,8 @@ def _drop_storage(cdata: int) -> None:
 
 
 def _check(weight: torch.Tensor, rule: str, orientation: str) -> None:
-    if orientation not in ORIENTATIONS:
-        raise ValueError(f"mxfx.cache: orientation={orientation!r} is not valid; choose one of {ORIENTATIONS}")
+    if orientation not in FORMS:
+        raise ValueError(f"mxfx.cache: orientation={orientation!r} is not valid; choose one of {FORMS}")
     if rule not in SCALE_RULES:
         raise ValueError(f"mxfx.cache: rule={rule!r} is not valid; choose one of {SCALE_RULES}")
     if weight.dim() not in (2, 3) or weight.shape[-1] % BLOCK_SIZE or weight.shape[-2] % BLOCK_SIZE:
@@ -126,14 +134,30 @@ def _quantize(weight: torch.Tensor, rule: str, orientations) -> dict:
     return out
 
 
+def _build(weight: torch.Tensor, rule: str, forms, have: dict | None = None) -> dict:
+    """Forms ``forms`` of one rule, keyed ``(rule, form)``; a dequantized form brings its MX form along.
+
+    MX pairs already in ``have`` are reused (a dequantized form added to a fresh entry).
+    """
+    have = have or {}
+    orients = {DEQUANTIZED.get(f, f) for f in forms}
+    pairs = {o: have[(rule, o)] for o in orients if (rule, o) in have}
+    missing = [o for o in ORIENTATIONS if o in orients and o not in pairs]
+    if missing:
+        pairs.update(_quantize(weight, rule, missing))
+    out = {(rule, o): pair for o, pair in pairs.items()}
+    for f in forms:
+        if f in DEQUANTIZED:
+            out[(rule, f)] = (kernels.dequantize_lastdim(*pairs[DEQUANTIZED[f]], torch.bfloat16),)
+    return out
+
+
 def _rebuild(entry: _Entry, weight: torch.Tensor, extra: tuple | None = None) -> None:
-    """Re-quantize every form of ``entry`` (plus ``extra`` = (rule, orientation)) from ``weight``."""
+    """Rebuild every form of ``entry`` (plus ``extra`` = (rule, orientation)) from ``weight``."""
     wanted = set(entry.forms) | ({extra} if extra else set())
     entry.forms.clear()  # free the stale forms before allocating the new ones
     for rule in sorted({r for r, _ in wanted}):
-        orients = [o for o in ORIENTATIONS if (rule, o) in wanted]
-        for o, pair in _quantize(weight, rule, orients).items():
-            entry.forms[(rule, o)] = pair
+        entry.forms.update(_build(weight, rule, [f for r, f in wanted if r == rule]))
 
 
 def _entry_for(weight: torch.Tensor, create: bool) -> _Entry | None:
@@ -166,7 +190,7 @@ def lookup(weight: torch.Tensor, rule: str, orientation: str) -> tuple[torch.Ten
             entry.version = weight._version
             _stats["stale"] += 1
         elif form not in entry.forms:
-            entry.forms.update({(rule, o): p for o, p in _quantize(weight, rule, [orientation]).items()})
+            entry.forms.update(_build(weight, rule, [orientation], have=entry.forms))
         else:
             _stats["hit"] += 1
         return entry.forms[form]
@@ -216,6 +240,45 @@ def weight_operand(weight: torch.Tensor, rule: str, orientation: str) -> tuple[t
     """
     with torch.no_grad():
         return _cached_weight_quantize(weight, rule, orientation)
+
+
+@torch.library.custom_op("mxfx::cached_weight_dequantized", mutates_args=())
+def _cached_weight_dequantized(weight: torch.Tensor, rule: str, orientation: str) -> torch.Tensor:
+    if orientation not in ORIENTATIONS:
+        raise ValueError(f"mxfx.cache: orientation={orientation!r} is not valid; choose one of {ORIENTATIONS}")
+    return lookup(weight, rule, orientation + "_bf16")[0]
+
+
+@_cached_weight_dequantized.register_fake
+def _(weight, rule, orientation):
+    _check(weight, rule, orientation)
+    return weight.new_empty(_out_shape(weight.shape, orientation), dtype=torch.bfloat16)
+
+
+def weight_dequantized(weight: torch.Tensor, rule: str, orientation: str) -> torch.Tensor:
+    """The dequantized BF16 operand of a weight for one orientation, from its cache.
+
+    Exactly ``dequantize(*weight_operand(weight, rule, orientation))`` in BF16
+    (the MX values; exact except in blocks whose scale is below 2^-118, where
+    BF16 flushes E4M3 subnormals), kept as the cache form
+    ``(rule, orientation + "_bf16")`` and rebuilt with the MX forms once per
+    optimizer step. For ``Policy.keep_dequantized_weights``: the emulated GEMM
+    takes it instead of dequantizing the weight on every call. Costs 2 bytes
+    per value per orientation of persistent memory.
+
+    Args:
+        weight: as for :func:`weight_operand`.
+        rule: "rceil" or "floor".
+        orientation: "forward" (``[..., N, K]``) or "dgrad" (``[..., K, N]``).
+
+    Returns:
+        bf16 tensor of the oriented shape; the cache itself: read-only.
+
+    Raises:
+        ValueError: as for :func:`weight_operand`.
+    """
+    with torch.no_grad():
+        return _cached_weight_dequantized(weight, rule, orientation)
 
 
 # --- refresh -------------------------------------------------------------------------------
@@ -437,17 +500,18 @@ def _register_inductor_lowerings() -> None:
         from torch._inductor.virtualized import V
     except ImportError:  # pragma: no cover - inductor unavailable
         return
-    op = torch.ops.mxfx.cached_weight_quantize.default
-    if op in lowerings:
-        return
-    fallback = fallback_handler(op, add_to_fallback_set=False)
+    for op in (torch.ops.mxfx.cached_weight_quantize.default, torch.ops.mxfx.cached_weight_dequantized.default):
+        if op in lowerings:
+            continue
+        fallback = fallback_handler(op, add_to_fallback_set=False)
 
-    @register_lowering(op, type_promotion_kind=None)
-    def _lower(weight, rule, orientation):
-        outs = fallback(weight, rule, orientation)
-        for t in outs:
-            V.graph.never_reuse_buffers.add(t.get_name())
-        return outs
+        def _lower(weight, rule, orientation, _fallback=fallback):
+            outs = _fallback(weight, rule, orientation)
+            for t in outs if isinstance(outs, (list, tuple)) else (outs,):
+                V.graph.never_reuse_buffers.add(t.get_name())
+            return outs
+
+        register_lowering(op, type_promotion_kind=None)(_lower)
 
 
 # --- inspection -----------------------------------------------------------------------------
@@ -473,7 +537,8 @@ def reset_stats() -> None:
 def persistent_bytes(weight: torch.Tensor | None = None) -> int:
     """Bytes held by weight caches: all of them, or those of ``weight`` (0 when it has none).
 
-    With both forms of one rule, ``2 x 33/32`` bytes per weight value.
+    With both MX forms of one rule, ``2 x 33/32`` bytes per weight value; the
+    dequantized forms of ``keep_dequantized_weights`` add 2 bytes each.
     """
     with _lock:
         if weight is None:

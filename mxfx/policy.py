@@ -39,6 +39,13 @@ def _check_choice(what: str, value: Any, valid: tuple) -> None:
         raise ValueError(f"mxfx policy: {what}={value!r} is not valid; choose one of {', '.join(map(repr, valid))}")
 
 
+def _check_min_size(value: Any) -> None:
+    if value is None or value == "auto":
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"mxfx policy: min_size={value!r} must be a non-negative int or 'auto'")
+
+
 def _from_mapping(cls, data: dict, what: str):
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(data) - set(names))
@@ -60,7 +67,8 @@ class Rule:
         wgrad: weight-gradient precision, "mxfp8" or "bf16".
         save: precision of activations saved for backward, "mxfp8" or "bf16".
         scale_rule: "rceil" or "floor".
-        min_size: smallest GEMM, in multiply-accumulates M*N*K, that is rewritten.
+        min_size: smallest GEMM, in multiply-accumulates M*N*K, that is rewritten,
+            or "auto" (see :class:`Policy`).
     """
 
     module: str | None = None
@@ -69,7 +77,7 @@ class Rule:
     wgrad: str | None = None
     save: str | None = None
     scale_rule: str | None = None
-    min_size: int | None = None
+    min_size: int | str | None = None
 
     def __post_init__(self):
         _check_choice("op", self.op, OP_KINDS)
@@ -77,8 +85,7 @@ class Rule:
         _check_choice("wgrad", self.wgrad, PRECISIONS)
         _check_choice("save", self.save, PRECISIONS)
         _check_choice("scale_rule", self.scale_rule, SCALE_RULES)
-        if self.min_size is not None and (not isinstance(self.min_size, int) or self.min_size < 0):
-            raise ValueError(f"mxfx policy: min_size={self.min_size!r} must be a non-negative int")
+        _check_min_size(self.min_size)
 
     def matches(self, kind: str, module: str) -> bool:
         return (self.op is None or self.op == kind) and (self.module is None or fnmatch.fnmatchcase(module, self.module))
@@ -120,7 +127,20 @@ class Policy:
         scale_rule: "rceil" (default) or "floor" for every op no rule overrides.
         wgrad: overrides the per-kind wgrad default for every op no rule overrides.
         save: default saved-activation precision ("mxfp8": pack where it replaces BF16).
-        min_size: default minimum GEMM size in multiply-accumulates (0: rewrite all eligible).
+        min_size: default minimum GEMM size in multiply-accumulates (0: rewrite all
+            eligible), or "auto" (opt-in): rewrite a GEMM only where the measured
+            crossover table of the current device (``mxfx/data/crossover_sm<cc>.json``,
+            written by ``bench/crossover.py``) says MXFP8 forward+backward beats BF16
+            at the nearest measured projection family and token count
+            (:func:`mxfx.crossover.prefers_mxfp8`); routed grouped GEMMs use the
+            average rows per expert as M. Without a table for the device it warns
+            once and rewrites everything eligible.
+        keep_dequantized_weights: where the GEMM is emulated (no native MX GEMM:
+            Hopper, CPU), also keep each MX weight's dequantized BF16 forward and
+            dgrad operands in the weight cache (rebuilt once per optimizer step with
+            it) and feed them to the GEMM, saving the weight dequantize in every
+            GEMM. Costs 2 bytes per weight value per orientation of persistent
+            memory (4 bytes per value for both). Results are identical. Off by default.
         rules: user rules, checked in order before :data:`DEFAULT_RULES`.
         passes: per-pass on/off switches, e.g. ``{"linear": False}``.
         inner: compiler run after the rewrite: "inductor" (default), "aot_eager",
@@ -136,7 +156,8 @@ class Policy:
     scale_rule: str = "rceil"
     wgrad: str | None = None
     save: str = "mxfp8"
-    min_size: int = 0
+    min_size: int | str = 0
+    keep_dequantized_weights: bool = False
     rules: tuple[Rule, ...] = ()
     passes: dict = field(default_factory=dict)
     inner: str | Callable = "inductor"
@@ -147,8 +168,9 @@ class Policy:
         _check_choice("scale_rule", self.scale_rule, SCALE_RULES)
         _check_choice("wgrad", self.wgrad, PRECISIONS)
         _check_choice("save", self.save, PRECISIONS)
-        if not isinstance(self.min_size, int) or self.min_size < 0:
-            raise ValueError(f"mxfx policy: min_size={self.min_size!r} must be a non-negative int")
+        _check_min_size(self.min_size)
+        if not isinstance(self.keep_dequantized_weights, bool):
+            raise ValueError(f"mxfx policy: keep_dequantized_weights={self.keep_dequantized_weights!r} must be True or False")
         if not callable(self.inner):
             _check_choice("inner", self.inner, INNER_COMPILERS)
         rules = tuple(r if isinstance(r, Rule) else _from_mapping(Rule, dict(r), "rule") for r in self.rules)
@@ -193,8 +215,12 @@ class Policy:
     def pass_enabled(self, name: str) -> bool:
         return self.passes.get(name, True)
 
-    def decide(self, kind: str, module: str, macs: int | None = None) -> Decision:
-        """Resolve precision for an op of ``kind`` in module ``module`` with a GEMM of ``macs`` MACs."""
+    def decide(self, kind: str, module: str, macs: int | None = None, gemm: tuple[int, int, int] | None = None) -> Decision:
+        """Resolve precision for an op of ``kind`` in module ``module`` with a GEMM of ``macs`` MACs.
+
+        ``gemm`` = ``(M, N, K)`` of that GEMM, needed by ``min_size="auto"``
+        (without it an "auto" op is rewritten).
+        """
         _check_choice("op", kind, OP_KINDS)
         rule = next((r for r in (*self.rules, *DEFAULT_RULES) if r.matches(kind, module)), None)
         get = lambda name: None if rule is None else getattr(rule, name)  # noqa: E731
@@ -204,6 +230,13 @@ class Policy:
         if precision != "mxfp8":
             origin = "default rule" if rule in DEFAULT_RULES else "policy rule"
             reason = f"{origin} {_describe(rule)}"
+        elif min_size == "auto":
+            if gemm is not None:
+                from mxfx.crossover import prefers_mxfp8
+
+                faster, why = prefers_mxfp8(*gemm)
+                if not faster:
+                    precision, reason = "bf16", f"min_size='auto': {why}"
         elif macs is not None and macs < min_size:
             precision, reason = "bf16", f"GEMM of {macs} MACs is below min_size {min_size}"
         return Decision(

@@ -91,6 +91,19 @@ def test_cpu_quantize_blocked_reference():
     assert same_bits(q, rq) and torch.equal(b, to_blocked(rs.reshape(300, 2)))
 
 
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_dispatch_errors_name_op_and_shape(device):
+    with pytest.raises(ValueError, match=r"mxfx.quantize.*\(4, 48\)"):
+        dispatch.quantize_lastdim(torch.zeros(4, 48, device=device), "rceil")
+    with pytest.raises(TypeError, match=r"mxfx.quantize.*\(4, 64\).*float64"):
+        dispatch.quantize_lastdim(torch.zeros(4, 64, dtype=torch.float64, device=device), "rceil")
+    with pytest.raises(ValueError, match=r"quantize_dual.*\(40, 64\)"):
+        dispatch.quantize_dual(torch.zeros(40, 64, device=device), "rceil")
+    q, s = dispatch.quantize_lastdim(torch.zeros(4, 64, device=device), "rceil")
+    with pytest.raises(ValueError, match=r"mxfx.dequantize.*\(4, 1\)"):
+        dispatch.dequantize_lastdim(q, s[:, :1], torch.bfloat16)
+
+
 # ---- CUDA -----------------------------------------------------------------------------
 
 ROW_SHAPES = [(96, 64), (97, 256), (1, 32), (300, 2048), (3, 7, 160)]
@@ -301,22 +314,6 @@ def test_triton_interpreter():
     subprocess.run([sys.executable, os.path.abspath(__file__), "--interpret"], check=True, env=env, cwd=root)
 
 
-def _fix_interpreter_index():
-    """Triton 3.6's interpreter makes scalars 1-element arrays and converts them with
-    ``int(array)``, which numpy >= 2.x refuses for ndim > 0 (kernel loops over runtime
-    bounds fail): convert through ``.item()`` instead."""
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
-
-
 if __name__ == "__main__" and sys.argv[1:] == ["--interpret"]:
-    _fix_interpreter_index()
     _interpreter_checks()
     print("interpreter checks passed")

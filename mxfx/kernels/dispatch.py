@@ -31,6 +31,14 @@ def triton_available(t: torch.Tensor) -> bool:
     return t.is_cuda and _has_triton()
 
 
+def _check(x: torch.Tensor, rule: str, op: str, axes=(-1,)) -> None:
+    """The reference path's input checks (the Triton wrappers make the same ones)."""
+    mxf.check_input(x, op)
+    mxf.check_rule(rule, op)
+    for axis in axes:
+        mxf.check_block_axis(x.shape, axis, op)
+
+
 def quantize_lastdim(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP8 quantize along the last dim: ``x [..., K]`` -> ``(qdata e4m3 [..., K], scales u8 [..., K/32])``.
 
@@ -40,6 +48,7 @@ def quantize_lastdim(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Te
         from mxfx.kernels import quantize as tq
 
         return tq.quantize_lastdim(x, rule)
+    _check(x, rule, "mxfx.quantize")
     return mxf.quantize_lastdim(x, rule)
 
 
@@ -52,6 +61,7 @@ def quantize_blocked(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Te
         from mxfx.kernels import quantize as tq
 
         return tq.quantize_blocked(x, rule)
+    _check(x, rule, "mxfx.quantize_blocked")
     q, s = mxf.quantize_lastdim(x, rule)
     return q, to_blocked(s.reshape(-1, s.shape[-1]))
 
@@ -62,6 +72,7 @@ def dequantize_lastdim(qdata: torch.Tensor, scales: torch.Tensor, dtype: torch.d
         from mxfx.kernels import dequantize as tdq
 
         return tdq.dequantize_lastdim(qdata, scales, dtype)
+    mxf.check_pair(qdata, scales, -1, "mxfx.dequantize")
     return mxf.dequantize_lastdim(qdata, scales, dtype)
 
 
@@ -77,6 +88,7 @@ def quantize_dual(x: torch.Tensor, rule: str):
         from mxfx.kernels import dual
 
         return dual.quantize_dual(x, rule)
+    _check(x, rule, "mxfx.quantize_dual", axes=(-1, -2))
     q_row, s_row = mxf.quantize_lastdim(x, rule)
     q_col, s_col = mxf.quantize_lastdim(x.transpose(-2, -1), rule)
     return q_row, s_row, q_col, s_col
@@ -88,6 +100,7 @@ def quantize_dequantize(x: torch.Tensor, rule: str, dtype: torch.dtype):
         from mxfx.kernels import quantize as tq
 
         return tq.quantize_dequantize(x, rule, dtype)
+    _check(x, rule, "mxfx.quantize_dequantize")
     q, s = mxf.quantize_lastdim(x, rule)
     return q, s, mxf.dequantize_lastdim(q, s, dtype)
 
@@ -98,6 +111,8 @@ def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str) -> tuple[to
         from mxfx.kernels import swiglu
 
         return swiglu.swiglu_quantize(gate, up, rule)
+    _check(gate, rule, "mxfx.swiglu_quantize")
+    _check(up, rule, "mxfx.swiglu_quantize")
     return mxf.quantize_lastdim(F.silu(gate.float()) * up.float(), rule)
 
 
@@ -107,4 +122,5 @@ def route_weight_quantize(dy: torch.Tensor, weight: torch.Tensor, rule: str) -> 
         from mxfx.kernels import quantize as tq
 
         return tq.route_weight_quantize(dy, weight, rule)
+    _check(dy, rule, "mxfx.route_weight_quantize")
     return mxf.quantize_lastdim(dy.float() * weight.float().reshape(-1, 1), rule)

@@ -18,8 +18,6 @@ is the fixed model dim, kept specialized so the loads along it vectorize.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -33,76 +31,49 @@ from mxfx.kernels.mx_block import (
     load_tile,
     scale_shape,
     store_rowwise,
+    tile_origin,
 )
 from mxfx.layout import blocked_numel
 
-FLAT_CONFIG = (256, 32, 4)
+FLAT_CONFIG = (512, 32, 8)
 """(BLOCK_R, BLOCK_C, num_warps) for contiguous inputs seen as a stream of 32-value blocks:
 BLOCK_R blocks per program."""
 ROWWISE_CONFIG = (16, 256, 8)
 """(BLOCK_R, BLOCK_C, num_warps) for strided rows with stride 1 along C (a row slice, say)."""
-COLWISE_CONFIG = (128, 64, 4)
+COLWISE_CONFIG = (128, 64, 2)
 """(BLOCK_R, BLOCK_C, num_warps) for inputs strided along C (a transposed view, columnwise):
 tiles square enough to read along R and write along C."""
 
 
-PROGRAMS_PER_SM = 4
-"""Persistent grid: at most this many programs per multiprocessor, each looping over
-tiles and loading its next tile before encoding the current one (more bytes in
-flight); 0 launches one program per tile."""
-
-
-@triton.jit
-def _tile_coords(tile, n_r_tiles, n_c_tiles, R, n_tiles, BR: tl.constexpr, BC: tl.constexpr):
-    """(b, r0, c0) of ``tile`` (column tiles fastest); r0 = R (all rows masked) past the last tile."""
-    per_batch = n_r_tiles * n_c_tiles
-    rem = tile % per_batch
-    r0 = tl.where(tile < n_tiles, (rem // n_c_tiles) * BR, R)
-    return tile // per_batch, r0, (rem % n_c_tiles) * BC
-
-
 def _quantize(
     x_ptr, w_ptr, q_ptr, s_ptr, xhat_ptr,
-    R, C, RPR, sxb, sxr, sxc, swr, n_r_tiles, n_c_tiles, n_tiles, step, n_iter,
+    R, C, RPR, sxb, sxr, sxc, swr, n_c_tiles,
     RCEIL: tl.constexpr, ROW_WEIGHT: tl.constexpr, WRITE_XHAT: tl.constexpr, BLOCKED: tl.constexpr,
     BR: tl.constexpr, BC: tl.constexpr,
 ):
-    first = tl.program_id(0)  # programs step through tiles first, first + step, ...
-    b, r0, c0 = _tile_coords(first, n_r_tiles, n_c_tiles, R, n_tiles, BR, BC)
+    b, r0, c0 = tile_origin(n_c_tiles, BR, BC)
     v = load_tile(x_ptr, b, r0, c0, R, C, sxb, sxr, sxc, BR, BC)
-    for i in range(0, n_iter):  # tiles past the last one are fully masked
-        tile = first + i * step
-        nb, nr0, nc0 = _tile_coords(tile + step, n_r_tiles, n_c_tiles, R, n_tiles, BR, BC)
-        v_next = load_tile(x_ptr, nb, nr0, nc0, R, C, sxb, sxr, sxc, BR, BC)  # in flight while v is encoded
-        if ROW_WEIGHT:
-            rows = r0 + tl.arange(0, BR)
-            w = tl.load(w_ptr + (rows // RPR).to(tl.int64) * swr, mask=rows < R, other=0.0).to(tl.float32)
-            v = v * w[:, None]
-        qbits, sbyte = encode_blocks(tl.reshape(v, [BR, BC // 32, 32]), 2, RCEIL)
-        store_rowwise(q_ptr, s_ptr, qbits, sbyte, b, r0, c0, R, C, RPR, BLOCKED, BR, BC)
-        if WRITE_XHAT:
-            xq = qbits.to(tl.float8e4nv, bitcast=True).to(tl.float32) * decode_scale(sbyte)[:, :, None]
-            ar = tl.arange(0, BR)
-            ac = tl.arange(0, BC)
-            base = xhat_ptr + (b.to(tl.int64) * R + r0) * C + c0
-            mask = ((r0 + ar) < R)[:, None] & ((c0 + ac) < C)[None, :]
-            tl.store(base + ar[:, None] * C + ac[None, :],
-                     tl.reshape(xq, [BR, BC]).to(xhat_ptr.dtype.element_ty), mask=mask)
-        v, b, r0, c0 = v_next, nb, nr0, nc0
+    if ROW_WEIGHT:
+        rows = r0 + tl.arange(0, BR)
+        w = tl.load(w_ptr + (rows // RPR).to(tl.int64) * swr, mask=rows < R, other=0.0).to(tl.float32)
+        v = v * w[:, None]
+    qbits, sbyte = encode_blocks(tl.reshape(v, [BR, BC // 32, 32]), 2, RCEIL)
+    store_rowwise(q_ptr, s_ptr, qbits, sbyte, b, r0, c0, R, C, RPR, BLOCKED, BR, BC)
+    if WRITE_XHAT:
+        xq = qbits.to(tl.float8e4nv, bitcast=True).to(tl.float32) * decode_scale(sbyte)[:, :, None]
+        ar = tl.arange(0, BR)
+        ac = tl.arange(0, BC)
+        base = xhat_ptr + (b.to(tl.int64) * R + r0) * C + c0
+        mask = ((r0 + ar) < R)[:, None] & ((c0 + ac) < C)[None, :]
+        tl.store(base + ar[:, None] * C + ac[None, :],
+                 tl.reshape(xq, [BR, BC]).to(xhat_ptr.dtype.element_ty), mask=mask)
 
 
-_TOKEN_ARGS = ["R", "n_r_tiles", "n_c_tiles", "n_tiles", "step", "n_iter"]
-_quantize_kernel = triton.jit(do_not_specialize=_TOKEN_ARGS)(_quantize)
+_quantize_kernel = triton.jit(do_not_specialize=["R"])(_quantize)
 """Stride 1 along C: R counts tokens (or blocks), never specialized."""
-_quantize_kernel_t = triton.jit(do_not_specialize=_TOKEN_ARGS[1:])(_quantize)
+_quantize_kernel_t = triton.jit(_quantize)
 """Strided along C: C counts tokens (a multiple of 32, so one key); R is a model dim, kept
 specialized so loads along it vectorize."""
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    """Multiprocessors of ``device``; 1 off CUDA (Triton's interpreter), so its loop runs too."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def _launch(x, rule, *, weight=None, xhat_dtype=None, blocked=False, op="mxfx.quantize"):
@@ -123,13 +94,10 @@ def _launch(x, rule, *, weight=None, xhat_dtype=None, blocked=False, op="mxfx.qu
         br, bc, warps = FLAT_CONFIG
     else:
         br, bc, warps = ROWWISE_CONFIG if rowwise else COLWISE_CONFIG
-    n_r, n_c = triton.cdiv(R, br), triton.cdiv(C, bc)
-    n_tiles = B * n_r * n_c
-    grid = min(n_tiles, PROGRAMS_PER_SM * _sm_count(x.device)) if PROGRAMS_PER_SM else n_tiles
-    if n_tiles > 0:
-        (_quantize_kernel if rowwise else _quantize_kernel_t)[(grid,)](
-            x3, w, q, s, xhat, R, C, rpr, *x3.stride(), w.stride(0) if weight is not None else 0,
-            n_r, n_c, n_tiles, grid, triton.cdiv(n_tiles, grid),
+    n_c = triton.cdiv(C, bc)
+    if R * C > 0:
+        (_quantize_kernel if rowwise else _quantize_kernel_t)[(triton.cdiv(R, br) * n_c, B)](
+            x3, w, q, s, xhat, R, C, rpr, *x3.stride(), w.stride(0) if weight is not None else 0, n_c,
             RCEIL=rule == "rceil", ROW_WEIGHT=weight is not None, WRITE_XHAT=xhat_dtype is not None,
             BLOCKED=blocked, BR=br, BC=bc, num_warps=warps,
         )

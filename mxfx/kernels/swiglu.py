@@ -17,7 +17,7 @@ from triton.language.extra import libdevice
 from mxfx.format import check_block_axis, check_input, check_rule
 from mxfx.kernels.mx_block import as_brc, encode_blocks, flat_blocks, load_tile, scale_shape, store_rowwise, tile_origin
 
-FLAT_CONFIG = (64, 32, 4)
+FLAT_CONFIG = (32, 32, 2)
 """(BLOCK_R, BLOCK_C, num_warps) when gate and up are contiguous: BLOCK_R 32-value blocks per program."""
 SWIGLU_CONFIG = (16, 256, 8)
 """(BLOCK_R, BLOCK_C, num_warps) for strided gate/up (halves of a fused gate_up tensor)."""

@@ -5,28 +5,391 @@ Every GEMM of a linear is written in this one orientation (format_spec.md,
 ``dY[M,N] . (W^T)[K,N]^T``, wgrad ``dY^T[N,M] . X^T[K,M]^T``. Callers quantize
 each operand so that its last dim is the reduction dim.
 
-Implementation by device (the one dispatch point for dense MX GEMMs):
+This module is the one dispatch point for MX GEMMs. Three custom ops
+(``mxfx::mm``, ``mxfx::grouped_mm``, ``mxfx::grouped_mm_wgrad``) pick an
+implementation at run time from :data:`GEMM_IMPLS`, keyed by ``(format, arch)``
+(arch from the CUDA capability of the operands' device, see :func:`arch_of`):
 
-* CPU: exact emulation, dequantize both operands to fp32, fp32 matmul.
-* CUDA without native MX GEMM (Hopper, sm90): dequantize to bf16 (exact:
-  E4M3 x 2^e fits bf16 except for scales below 2^-118), cuBLAS bf16 GEMM with
-  fp32 accumulation. Equal to a native MX GEMM up to summation order.
+* ``("mxfp8", "sm100")``, data-center Blackwell (capability 10.x): native
+  block-scaled GEMMs, ``torch._scaled_mm`` for dense and
+  ``torch._scaled_grouped_mm`` for grouped, with E8M0 scales in the blocked
+  layout of :mod:`mxfx.layout` (seed §11.1.1, §11.2.3). The operands they get
+  are built by :func:`native_mm_operands`, :func:`native_grouped_mm_operands`
+  and :func:`native_grouped_wgrad_operands`.
+* ``("mxfp8", "sm120")``, RTX Blackwell (12.x): native dense only (the MXFP8
+  grouped kernel in torch is FBGEMM's sm100 kernel); grouped ops emulate.
+* ``("mxfp8", "*")``, everything else (Hopper sm90, older GPUs, CPU): exact
+  emulation. Both operands are dequantized (fp32 on CPU; bf16 on CUDA, exact
+  since E4M3 x 2^e fits bf16 except for scales below 2^-118) and multiplied
+  with fp32 accumulation. Equal to a native MX GEMM up to summation order.
+  With ``Policy.keep_dequantized_weights`` the weight operand arrives already
+  dequantized (``b_dequantized``, from the weight cache) and the per-GEMM
+  weight dequantize is skipped (the Hopper speed option).
+
+A further block-scaled format (e.g. FP8 with 1x128 blocks, native on Hopper) is
+added as another ``(format, arch)`` row of :data:`GEMM_IMPLS` with its own
+operand builder; the custom ops stay the same.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable, Optional
+
 import torch
 
+from mxfx import layout
 from mxfx.kernels import ops as kops
+
+FORMAT = "mxfp8"
+"""The block-scaled format the ``mxfx::*`` GEMM ops carry today (E4M3 payload, E8M0 scale per 32 values)."""
+
+_E8M0 = torch.float8_e8m0fnu
+_BLOCK = 32
+_MN_ALIGN = 16  # FP8 GEMMs need the non-reduction dims of B (output columns) in multiples of 16 bytes
+
+
+# --- architecture -----------------------------------------------------------------------------
+
+
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    """CUDA compute capability of ``device``, None for non-CUDA devices (tests monkeypatch this)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def arch_of(capability: tuple[int, int] | None) -> str:
+    """Architecture family of a compute capability: "cpu" (None), "sm90", "sm100", "sm120" or "other".
+
+    "sm100" covers every 10.x part (B200 10.0, B300 10.3): the ``tcgen05.mma``
+    block-scale family. "sm120" is RTX Blackwell (``mma.sync`` block scale).
+    """
+    if capability is None:
+        return "cpu"
+    return {9: "sm90", 10: "sm100", 12: "sm120"}.get(capability[0], "other")
+
+
+# --- emulation (any device) --------------------------------------------------------------------
 
 
 def _emulation_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "cpu" else torch.bfloat16
 
 
+def _dequantized(a_qdata, a_scales, b_qdata, b_scales, b_dequantized=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both operands dequantized exactly, in the emulation dtype of their device.
+
+    ``b_dequantized`` (the cached BF16 weight) replaces dequantizing B when given.
+    """
+    cdt = _emulation_dtype(a_qdata.device)
+    a = kops.dequantize(a_qdata, a_scales, cdt)
+    b = kops.dequantize(b_qdata, b_scales, cdt) if b_dequantized is None else b_dequantized.to(cdt)
+    return a, b
+
+
+def _emulated_mm(a_qdata, a_scales, b_qdata, b_scales, out_dtype, b_dequantized=None):
+    a, b = _dequantized(a_qdata, a_scales, b_qdata, b_scales, b_dequantized)
+    if a.dtype == torch.float32:
+        return torch.mm(a, b.t()).to(out_dtype)
+    if out_dtype == torch.float32:
+        return torch.mm(a, b.t(), out_dtype=torch.float32)
+    return torch.mm(a, b.t()).to(out_dtype)
+
+
+def _rows_in_groups(out: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Zero output rows past the last group end (``_grouped_mm`` leaves them unwritten)."""
+    rows = torch.arange(out.shape[0], device=out.device).unsqueeze(-1)
+    return torch.where(rows < offs[-1].to(rows.dtype), out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+def _emulated_grouped_mm(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, b_dequantized=None):
+    a, b = _dequantized(a_qdata, a_scales, b_qdata, b_scales, b_dequantized)
+    out = torch._grouped_mm(a, b.transpose(-2, -1), offs=offs)
+    return _rows_in_groups(out, offs).to(out_dtype)
+
+
+def _emulated_grouped_wgrad(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype):
+    a, b = _dequantized(a_qdata, a_scales, b_qdata, b_scales)
+    return torch._grouped_mm(a, b.t(), offs=offs).to(out_dtype)
+
+
+# --- native operands (Blackwell) ---------------------------------------------------------------
+
+
+def _ceil_to(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """Zero-pad dim -2 of ``t`` to ``rows`` (bytewise, so it works for float8 on any device)."""
+    if t.shape[-2] == rows:
+        return t.contiguous()
+    raw = t.contiguous().view(torch.uint8)
+    out = raw.new_zeros((*raw.shape[:-2], rows, raw.shape[-1]))
+    out[..., : t.shape[-2], :] = raw
+    return out.view(t.dtype)
+
+
+def _check_pair(name: str, qdata: torch.Tensor, scales: torch.Tensor) -> None:
+    if qdata.dtype != torch.float8_e4m3fn or scales.dtype != torch.uint8:
+        raise TypeError(f"mxfx.gemm: {name} must be float8_e4m3fn qdata with uint8 E8M0 scales, got {qdata.dtype}/{scales.dtype}")
+    k = qdata.shape[-1]
+    if k % _BLOCK or tuple(scales.shape) != (*qdata.shape[:-1], k // _BLOCK):
+        raise ValueError(
+            f"mxfx.gemm: {name} qdata {tuple(qdata.shape)} and scales {tuple(scales.shape)} do not pair up "
+            f"(need the reduction dim a multiple of {_BLOCK} and scales [..., K/{_BLOCK}])"
+        )
+
+
+@dataclass(frozen=True)
+class NativeOperands:
+    """Exactly what one native call receives, plus how to read its result back.
+
+    Attributes:
+        mat_a: float8_e4m3fn, row-major (2D).
+        mat_b: float8_e4m3fn, ``[K, N]`` (or ``[E, K, N]``) column-major: ``B^T`` of the logical operand.
+        scale_a, scale_b: float8_e8m0fnu scales in the blocked layout (:mod:`mxfx.layout`).
+        offs: int32 group ends the native grouped call gets (None for dense).
+        rows: int64 ``[S]`` row of the native result holding each logical output row (None: rows 0..M-1).
+        cols: number of logical output columns (the native result may have zero-padded extra columns).
+    """
+
+    mat_a: torch.Tensor
+    mat_b: torch.Tensor
+    scale_a: torch.Tensor
+    scale_b: torch.Tensor
+    offs: torch.Tensor | None = None
+    rows: torch.Tensor | None = None
+    cols: int = 0
+
+
+def native_mm_operands(a_qdata, a_scales, b_qdata, b_scales) -> NativeOperands:
+    """Operands of ``torch._scaled_mm`` for ``dequant(A)[M,K] @ dequant(B)[N,K]^T``.
+
+    Scales go to the blocked layout (:func:`mxfx.layout.to_blocked`: rows padded
+    to 128, scale columns to 4, padding bytes zero) and are viewed as
+    ``float8_e8m0fnu``, which is how ``_scaled_mm`` recognises the MXFP8 recipe
+    (torch ``check_mxfp8_recipe``: e4m3 operands, one BlockWise1x32 e8m0 scale
+    each; torchao ``_addmm_mx_dispatch`` builds the same call). B's rows (the
+    output columns) are zero-padded to a multiple of 16 when needed, the FP8
+    GEMM alignment; the caller slices the result to ``cols``. A's rows need no
+    padding: only its scales are padded, by the layout.
+
+    Args:
+        a_qdata: float8_e4m3fn ``[M, K]``; a_scales: uint8 ``[M, K/32]``.
+        b_qdata: float8_e4m3fn ``[N, K]``; b_scales: uint8 ``[N, K/32]``.
+
+    Returns:
+        :class:`NativeOperands` with ``mat_a [M, K]`` row-major, ``mat_b [K, N']``
+        column-major (N' = N rounded up to 16), scales flat blocked e8m0.
+
+    Raises:
+        TypeError / ValueError: operands that are not MX pairs or do not share K.
+    """
+    _check_pair("A", a_qdata, a_scales)
+    _check_pair("B", b_qdata, b_scales)
+    if a_qdata.dim() != 2 or b_qdata.dim() != 2 or a_qdata.shape[1] != b_qdata.shape[1]:
+        raise ValueError(f"mxfx.gemm: mm operands {tuple(a_qdata.shape)} and {tuple(b_qdata.shape)} must be [M, K] and [N, K]")
+    n = b_qdata.shape[0]
+    n_pad = _ceil_to(n, _MN_ALIGN)
+    b_q, b_s = _pad_rows(b_qdata, n_pad), _pad_rows(b_scales, n_pad)
+    return NativeOperands(
+        mat_a=a_qdata.contiguous(),
+        mat_b=b_q.t(),
+        scale_a=layout.to_blocked(a_scales).view(_E8M0),
+        scale_b=layout.to_blocked(b_s).view(_E8M0),
+        cols=n,
+    )
+
+
+def _group_starts(ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(starts, sizes) int64 of groups given their cumulative int ``ends``."""
+    ends = ends.to(torch.int64)
+    sizes = torch.diff(ends, prepend=ends.new_zeros(1))
+    return ends - sizes, sizes
+
+
+def native_grouped_mm_operands(a_qdata, a_scales, b_qdata, b_scales, offs) -> NativeOperands:
+    """Operands of ``torch._scaled_grouped_mm`` (2D x 3D) for the routed expert GEMM.
+
+    The layout torch's MXFP8 grouped kernel (FBGEMM, sm100) reads, as torchao's
+    ``_compute_fwd_sm100`` and torch's ``test_mxfp8_scaled_grouped_mm_2d_3d`` build it:
+
+    * every token group is zero-padded to a multiple of 32 rows (an MX kernel
+      tile never mixes two experts; torchao ``pad_token_groups_for_grouped_mm``),
+      ``offs`` become the padded group ends;
+    * A's scales are blocked *per group*: group g's scale rows start on a
+      128-row tile boundary (at the sum of the earlier groups' sizes rounded up
+      to 128), so the whole matrix equals the concatenation of each group's
+      :func:`~mxfx.layout.to_blocked` (torchao ``torch_to_blocked_2d_M_groups``);
+      shape ``[R, ceil4(K/32)]`` with a static ``R`` (S + 31E + 32 rounded to 32, plus 128 E);
+    * B's scales are blocked per expert: ``[E, blocked_numel(N, K/32)]``.
+
+    Args:
+        a_qdata/a_scales: ``[S, K]`` e4m3 / ``[S, K/32]`` uint8, rows sorted by group.
+        b_qdata/b_scales: ``[E, N, K]`` e4m3 / ``[E, N, K/32]`` uint8.
+        offs: int32 ``[E]`` cumulative group ends (empty groups allowed, no host sync).
+
+    Returns:
+        :class:`NativeOperands`; the logical output row i is row ``rows[i]`` of
+        the native result (rows past ``offs[-1]`` point at a scratch block and
+        must be zeroed by the caller).
+    """
+    from mxfx.ops.grouped_mm import group_padding  # grouped_mm imports this module
+
+    _check_pair("A", a_qdata, a_scales)
+    _check_pair("B", b_qdata, b_scales)
+    s, k = a_qdata.shape
+    e, n, _ = b_qdata.shape
+    kb = k // _BLOCK
+    dest, padded_offs, capacity = group_padding(offs, s)
+    a_pad = a_qdata.new_zeros((capacity, k)).view(torch.uint8).index_copy(0, dest, a_qdata.view(torch.uint8))
+    # scale row of each padded row: its group's 128-aligned start + its index inside the group
+    p_starts, p_sizes = _group_starts(padded_offs)
+    t_sizes = (p_sizes + 127) // 128 * 128
+    t_starts = torch.cumsum(t_sizes, 0) - t_sizes
+    s_rows = _ceil_to(capacity, 128) + 128 * e
+    r = torch.arange(capacity, device=offs.device)
+    gid = torch.searchsorted(padded_offs.to(torch.int64), r, right=True)
+    in_group = gid < e
+    gid = gid.clamp(max=e - 1)
+    scale_row = torch.where(in_group, t_starts[gid] + r - p_starts[gid], s_rows - 1)  # scratch rows: last row, zeroed below
+    padded_scales = a_scales.new_zeros((capacity, kb)).index_copy(0, dest, a_scales)
+    rows_scales = a_scales.new_zeros((s_rows, kb)).index_copy(0, scale_row, padded_scales)
+    rows_scales[s_rows - 1] = 0
+    n_pad = _ceil_to(n, 128)  # per-expert scale tiles; qdata N stays (N is a multiple of 32)
+    b_s = _pad_rows(b_scales, n_pad).reshape(e * n_pad, kb)
+    return NativeOperands(
+        mat_a=a_pad.view(a_qdata.dtype),
+        mat_b=b_qdata.contiguous().transpose(-2, -1),
+        scale_a=layout.to_blocked(rows_scales).view(_E8M0).reshape(s_rows, _ceil_to(kb, 4)),
+        scale_b=layout.to_blocked(b_s).view(_E8M0).reshape(e, -1),
+        offs=padded_offs,
+        rows=dest,
+        cols=n,
+    )
+
+
+def k_groups_blocked(scales: torch.Tensor, scale_offs: torch.Tensor) -> torch.Tensor:
+    """Blocked layout of scales whose reduction dim is cut into groups (the 2D x 2D wgrad).
+
+    Group g (scale columns ``scale_offs[g-1]:scale_offs[g]``) is laid out as its own
+    :func:`~mxfx.layout.to_blocked` matrix ``[ceil128(rows), ceil4(cols_g)]``,
+    starting at byte ``ceil128(rows) * (sum of earlier ceil4(cols))``; as torchao's
+    ``torch_to_blocked_2d_K_groups``. Output ``[ceil128(rows), cols + 4 E]`` uint8.
+    """
+    rows, cols = scales.shape
+    e = scale_offs.shape[0]
+    prows = _ceil_to(rows, 128)
+    starts, sizes = _group_starts(scale_offs)
+    width = (sizes + 3) // 4 * 4
+    base = (torch.cumsum(width, 0) - width) * prows
+    c = torch.arange(cols, device=scales.device)
+    gid = torch.searchsorted(scale_offs.to(torch.int64), c, right=True).clamp(max=e - 1)
+    cl = c - starts[gid]  # column inside the group
+    col_tiles = width[gid] // 4
+    r = torch.arange(rows, device=scales.device).unsqueeze(1)
+    off = (
+        base[gid]
+        + ((r // 128) * col_tiles + cl // 4) * 512
+        + (r % 32) * 16
+        + ((r % 128) // 32) * 4
+        + cl % 4
+    )
+    out = scales.new_zeros(prows * (cols + 4 * e))
+    out[off.reshape(-1)] = scales.reshape(-1)
+    return out.view(prows, cols + 4 * e)
+
+
+def native_grouped_wgrad_operands(a_qdata, a_scales, b_qdata, b_scales, offs) -> NativeOperands:
+    """Operands of ``torch._scaled_grouped_mm`` (2D x 2D, groups along the reduction dim) for routed wgrad.
+
+    Args:
+        a_qdata/a_scales: ``[N, T]`` / ``[N, T/32]``, blocked along tokens T.
+        b_qdata/b_scales: ``[K, T]`` / ``[K, T/32]``, blocked along tokens T.
+        offs: int32 ``[E]`` group ends along T, each a multiple of 32 (mxfx pads groups so).
+
+    Returns:
+        :class:`NativeOperands`: ``mat_a [N, T]`` row-major, ``mat_b [T, K]``
+        column-major, scales per :func:`k_groups_blocked` (group ends ``offs / 32``).
+    """
+    _check_pair("A", a_qdata, a_scales)
+    _check_pair("B", b_qdata, b_scales)
+    scale_offs = torch.div(offs, _BLOCK, rounding_mode="floor")
+    return NativeOperands(
+        mat_a=a_qdata.contiguous(),
+        mat_b=b_qdata.contiguous().t(),
+        scale_a=k_groups_blocked(a_scales, scale_offs).view(_E8M0),
+        scale_b=k_groups_blocked(b_scales, scale_offs).view(_E8M0),
+        offs=offs,
+        cols=b_qdata.shape[0],
+    )
+
+
+def _native_mm(a_qdata, a_scales, b_qdata, b_scales, out_dtype, b_dequantized=None):
+    o = native_mm_operands(a_qdata, a_scales, b_qdata, b_scales)
+    out = torch._scaled_mm(o.mat_a, o.mat_b, scale_a=o.scale_a, scale_b=o.scale_b, out_dtype=out_dtype)
+    return out[:, : o.cols] if out.shape[1] != o.cols else out
+
+
+def _native_grouped_mm(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, b_dequantized=None):
+    o = native_grouped_mm_operands(a_qdata, a_scales, b_qdata, b_scales, offs)
+    out = torch._scaled_grouped_mm(o.mat_a, o.mat_b, o.scale_a, o.scale_b, offs=o.offs, out_dtype=out_dtype)
+    return _rows_in_groups(out.index_select(0, o.rows), offs)
+
+
+def _native_grouped_wgrad(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype):
+    o = native_grouped_wgrad_operands(a_qdata, a_scales, b_qdata, b_scales, offs)
+    return torch._scaled_grouped_mm(o.mat_a, o.mat_b, o.scale_a, o.scale_b, offs=o.offs, out_dtype=out_dtype)
+
+
+# --- dispatch table ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GemmImpl:
+    """Implementations of the three GEMM ops for one (format, arch); None falls back to ``(format, "*")``."""
+
+    name: str
+    mm: Callable | None = None
+    grouped_mm: Callable | None = None
+    grouped_mm_wgrad: Callable | None = None
+
+
+GEMM_IMPLS: dict[tuple[str, str], GemmImpl] = {
+    (FORMAT, "*"): GemmImpl("emulated", _emulated_mm, _emulated_grouped_mm, _emulated_grouped_wgrad),
+    (FORMAT, "sm100"): GemmImpl("native", _native_mm, _native_grouped_mm, _native_grouped_wgrad),
+    (FORMAT, "sm120"): GemmImpl("native", _native_mm),
+}
+"""``(format, arch) -> GemmImpl``; arch from :func:`arch_of`, ``"*"`` is the fallback every format must have."""
+
+
+def gemm_impl(op: str, device: torch.device, fmt: str = FORMAT) -> tuple[str, Callable]:
+    """``(impl name, function)`` that runs GEMM ``op`` ("mm", "grouped_mm", "grouped_mm_wgrad") on ``device``.
+
+    Raises:
+        KeyError: ``fmt`` has no ``(fmt, "*")`` fallback row.
+    """
+    arch = arch_of(_capability(device))
+    row = GEMM_IMPLS.get((fmt, arch))
+    if row is not None and getattr(row, op) is not None:
+        return row.name, getattr(row, op)
+    fallback = GEMM_IMPLS[(fmt, "*")]
+    return fallback.name, getattr(fallback, op)
+
+
+# --- the ops -----------------------------------------------------------------------------------
+
+
 @torch.library.custom_op("mxfx::mm", mutates_args=())
 def mx_mm(
-    a_qdata: torch.Tensor, a_scales: torch.Tensor, b_qdata: torch.Tensor, b_scales: torch.Tensor, out_dtype: torch.dtype
+    a_qdata: torch.Tensor,
+    a_scales: torch.Tensor,
+    b_qdata: torch.Tensor,
+    b_scales: torch.Tensor,
+    out_dtype: torch.dtype,
+    b_dequantized: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``dequant(A)[M,K] @ dequant(B)[N,K]^T`` with fp32 accumulation, output ``[M, N]`` of ``out_dtype``.
 
@@ -34,17 +397,18 @@ def mx_mm(
         a_qdata: float8_e4m3fn ``[M, K]``; a_scales: uint8 E8M0 ``[M, K/32]``.
         b_qdata: float8_e4m3fn ``[N, K]``; b_scales: uint8 E8M0 ``[N, K/32]``.
         out_dtype: dtype of the result (bf16 activations, fp32 weight gradients).
+        b_dequantized: optional ``dequant(B)`` (bf16 ``[N, K]``, from the weight
+            cache under ``keep_dequantized_weights``); emulation uses it instead of
+            dequantizing B, native paths ignore it.
+
+    Runs natively on sm100/sm120 (``torch._scaled_mm``), emulated elsewhere (see module docstring).
     """
-    cdt = _emulation_dtype(a_qdata.device)
-    a = kops.dequantize(a_qdata, a_scales, cdt)
-    b = kops.dequantize(b_qdata, b_scales, cdt)
-    if cdt == torch.float32:
-        return torch.mm(a, b.t()).to(out_dtype)
-    return torch.mm(a, b.t(), out_dtype=torch.float32).to(out_dtype) if out_dtype == torch.float32 else torch.mm(a, b.t()).to(out_dtype)
+    _, fn = gemm_impl("mm", a_qdata.device)
+    return fn(a_qdata, a_scales, b_qdata, b_scales, out_dtype, b_dequantized)
 
 
 @mx_mm.register_fake
-def _(a_qdata, a_scales, b_qdata, b_scales, out_dtype):
+def _(a_qdata, a_scales, b_qdata, b_scales, out_dtype, b_dequantized=None):
     return a_qdata.new_empty((a_qdata.shape[0], b_qdata.shape[0]), dtype=out_dtype)
 
 
@@ -57,12 +421,6 @@ def hp_mm_t(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.T
     return torch.mm(a, b.t().to(a.dtype)).to(out_dtype)
 
 
-def _rows_in_groups(out: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """Zero output rows past the last group end (``_grouped_mm`` leaves them unwritten)."""
-    rows = torch.arange(out.shape[0], device=out.device).unsqueeze(-1)
-    return torch.where(rows < offs[-1].to(rows.dtype), out, torch.zeros((), dtype=out.dtype, device=out.device))
-
-
 @torch.library.custom_op("mxfx::grouped_mm", mutates_args=())
 def mx_grouped_mm(
     a_qdata: torch.Tensor,
@@ -71,6 +429,7 @@ def mx_grouped_mm(
     b_scales: torch.Tensor,
     offs: torch.Tensor,
     out_dtype: torch.dtype,
+    b_dequantized: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Grouped MX GEMM: rows ``offs[e-1]:offs[e]`` of ``dequant(A)[S,K]`` times ``dequant(B)[e][N,K]^T``.
 
@@ -79,18 +438,17 @@ def mx_grouped_mm(
         b_qdata/b_scales: ``[E, N, K]`` e4m3 / ``[E, N, K/32]`` uint8, blocked along K.
         offs: int32 ``[E]`` cumulative group ends (empty groups allowed).
         out_dtype: result dtype.
+        b_dequantized: optional bf16 ``[E, N, K]`` = ``dequant(B)`` (see :func:`mx_mm`).
 
-    Returns ``[S, N]``; rows past ``offs[-1]`` are zero.
+    Returns ``[S, N]``; rows past ``offs[-1]`` are zero. Native on sm100
+    (``torch._scaled_grouped_mm``), emulated elsewhere.
     """
-    cdt = _emulation_dtype(a_qdata.device)
-    a = kops.dequantize(a_qdata, a_scales, cdt)
-    b = kops.dequantize(b_qdata, b_scales, cdt)
-    out = torch._grouped_mm(a, b.transpose(-2, -1), offs=offs)
-    return _rows_in_groups(out, offs).to(out_dtype)
+    _, fn = gemm_impl("grouped_mm", a_qdata.device)
+    return fn(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, b_dequantized)
 
 
 @mx_grouped_mm.register_fake
-def _(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype):
+def _(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, b_dequantized=None):
     return a_qdata.new_empty((a_qdata.shape[0], b_qdata.shape[1]), dtype=out_dtype)
 
 
@@ -111,12 +469,10 @@ def mx_grouped_mm_wgrad(
         offs: int32 ``[E]`` group ends along T; each group starts at a multiple of 32
             so no 32-block mixes two groups.
 
-    Returns ``[E, N, K]`` of ``out_dtype``.
+    Returns ``[E, N, K]`` of ``out_dtype``. Native on sm100, emulated elsewhere.
     """
-    cdt = _emulation_dtype(a_qdata.device)
-    a = kops.dequantize(a_qdata, a_scales, cdt)
-    b = kops.dequantize(b_qdata, b_scales, cdt)
-    return torch._grouped_mm(a, b.t(), offs=offs).to(out_dtype)
+    _, fn = gemm_impl("grouped_mm_wgrad", a_qdata.device)
+    return fn(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype)
 
 
 @mx_grouped_mm_wgrad.register_fake

@@ -30,7 +30,7 @@ import torch
 from mxfx.kernels import ops as kops
 from mxfx.ops import swiglu
 from mxfx.ops.gemm import hp_grouped_wgrad, mx_grouped_mm, mx_grouped_mm_wgrad
-from mxfx.ops.linear import _quantize_weight
+from mxfx.ops.linear import _dequantized_weight, _quantize_weight
 
 BLOCK = 32
 
@@ -70,7 +70,7 @@ def _token_blocked(t: torch.Tensor, dest: torch.Tensor, capacity: int, rule: str
 
 class _MXGroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, up, weight, offs, route_weight, out_dtype, rule, wgrad, save):
+    def forward(ctx, x, up, weight, offs, route_weight, out_dtype, rule, wgrad, save, keep_dq):
         s_rows = x.shape[0]
         if up is None:
             xq, xs = kops.quantize(x, rule)
@@ -79,7 +79,8 @@ class _MXGroupedMM(torch.autograd.Function):
             xq, xs = kops.swiglu_quantize(x, up, rule)
             packed = swiglu.pack(x, up, save, rule)
         wq, ws = _quantize_weight(weight, rule, "forward")
-        y = mx_grouped_mm(xq, xs, wq, ws, offs, out_dtype if route_weight is None else torch.float32)
+        w_dq = _dequantized_weight(weight, rule, "forward", keep_dq)
+        y = mx_grouped_mm(xq, xs, wq, ws, offs, out_dtype if route_weight is None else torch.float32, w_dq)
         if wgrad == "mxfp8":
             dest, _, capacity = group_padding(offs, s_rows)
             h = x if up is None else swiglu.swiglu_fp32(x, up)
@@ -93,12 +94,12 @@ class _MXGroupedMM(torch.autograd.Function):
             y_unweighted = (y.to(out_dtype),)
             y = (y * route_weight.reshape(-1, 1).float()).to(out_dtype)
         ctx.save_for_backward(weight, offs, route_weight, *y_unweighted, *wgrad_input, *packed)
-        ctx.meta = (len(wgrad_input), x.dtype, up is not None, rule, wgrad, route_weight is not None)
+        ctx.meta = (len(wgrad_input), x.dtype, up is not None, rule, wgrad, route_weight is not None, keep_dq)
         return y
 
     @staticmethod
     def backward(ctx, dout):
-        n_wgrad, x_dtype, has_up, rule, wgrad, has_rw = ctx.meta
+        n_wgrad, x_dtype, has_up, rule, wgrad, has_rw, keep_dq = ctx.meta
         weight, offs, route_weight, *rest = ctx.saved_tensors
         y_unweighted = rest.pop(0) if has_rw else None
         wgrad_input, packed = rest[:n_wgrad], tuple(rest[n_wgrad:])
@@ -112,7 +113,8 @@ class _MXGroupedMM(torch.autograd.Function):
             dyq, dys = kops.quantize(dout, rule)
             dy = dout
         wq_t, ws_t = _quantize_weight(weight, rule, "dgrad")
-        dh = mx_grouped_mm(dyq, dys, wq_t, ws_t, offs, torch.float32 if has_up else x_dtype)
+        w_dq = _dequantized_weight(weight, rule, "dgrad", keep_dq)
+        dh = mx_grouped_mm(dyq, dys, wq_t, ws_t, offs, torch.float32 if has_up else x_dtype, w_dq)
         dx = dup = None
         if has_up:
             dx, dup = (t.to(x_dtype) for t in swiglu.backward(dh, packed))
@@ -128,7 +130,7 @@ class _MXGroupedMM(torch.autograd.Function):
             else:
                 x_saved = wgrad_input[0] if n_wgrad == 1 else kops.dequantize(*wgrad_input, torch.bfloat16)
                 dw = hp_grouped_wgrad(dy.to(dout.dtype), x_saved, offs, weight.dtype)
-        return dx, dup, dw, None, d_rw, None, None, None, None
+        return dx, dup, dw, None, d_rw, None, None, None, None, None
 
 
 def mx_grouped_mm_op(
@@ -142,6 +144,7 @@ def mx_grouped_mm_op(
     wgrad: str = "bf16",
     save: str = "mxfp8",
     out_dtype: torch.dtype | None = None,
+    keep_dequantized_weights: bool = False,
 ) -> torch.Tensor:
     """MXFP8 ``torch._grouped_mm(x, weight.transpose(-2, -1), offs)`` with optional SwiGLU input and route weights.
 
@@ -154,6 +157,8 @@ def mx_grouped_mm_op(
         scale_rule: "rceil" | "floor"; wgrad: "bf16" (default, seed) | "mxfp8";
         save: "mxfp8" | "bf16", precision of activations kept for backward.
         out_dtype: result dtype (default ``x.dtype``).
+        keep_dequantized_weights: emulated GEMMs take the cached BF16 dequantized
+            expert weights (see :func:`mxfx.ops.linear.mx_linear`).
 
     Returns ``[S, N]``.
 
@@ -169,7 +174,8 @@ def mx_grouped_mm_op(
         )
     out_dtype = out_dtype or x.dtype
     if not torch.is_grad_enabled():  # inference graph: the forward GEMM only, nothing saved
-        xq, xs = kops.quantize(x, scale_rule) if up is None else kops.swiglu_quantize(x, up, scale_rule)
-        y = mx_grouped_mm(xq, xs, *_quantize_weight(weight, scale_rule, "forward"), offs, torch.float32)
+        xq, xs = swiglu.quantize_input(x, up, scale_rule)
+        w_dq = _dequantized_weight(weight, scale_rule, "forward", keep_dequantized_weights)
+        y = mx_grouped_mm(xq, xs, *_quantize_weight(weight, scale_rule, "forward"), offs, torch.float32, w_dq)
         return (y if route_weight is None else y * route_weight.reshape(-1, 1).float()).to(out_dtype)
-    return _MXGroupedMM.apply(x, up, weight, offs, route_weight, out_dtype, scale_rule, wgrad, save)
+    return _MXGroupedMM.apply(x, up, weight, offs, route_weight, out_dtype, scale_rule, wgrad, save, keep_dequantized_weights)

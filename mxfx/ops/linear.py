@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mxfx.cache import weight_operand
+from mxfx.cache import weight_dequantized, weight_operand
 from mxfx.kernels import ops as kops
 from mxfx.ops import swiglu
 from mxfx.ops.gemm import hp_mm_t, mx_mm
@@ -44,9 +44,14 @@ def _quantize_weight(weight: torch.Tensor, rule: str, orientation: str):
     return weight_operand(weight, rule, orientation)
 
 
+def _dequantized_weight(weight: torch.Tensor, rule: str, orientation: str, keep: bool):
+    """The cached BF16 dequantized weight operand under ``keep_dequantized_weights``, else None."""
+    return weight_dequantized(weight, rule, orientation) if keep else None
+
+
 class _MXLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2d, up, weight, bias, out_dtype, rule, wgrad, save):
+    def forward(ctx, x2d, up, weight, bias, out_dtype, rule, wgrad, save, keep_dq):
         m = x2d.shape[0]
         packed = () if up is None else swiglu.pack(x2d, up, save, rule)
         if wgrad == "mxfp8" and up is not None:
@@ -59,22 +64,22 @@ class _MXLinear(torch.autograd.Function):
             xq, xs = xq[:m], xs[:m]
             kind, wgrad_input = "mx_tokens", (xq_t, xs_t)
         else:
-            xq, xs = kops.quantize(x2d, rule) if up is None else kops.swiglu_quantize(x2d, up, rule)
+            xq, xs = swiglu.quantize_input(x2d, up, rule)
             if up is None and save == "bf16":  # the input stays alive elsewhere: keep a reference
                 kind, wgrad_input = ("hp_tokens" if wgrad == "mxfp8" else "hp"), (x2d,)
             else:  # BF16 wgrad from the forward's own rowwise MX copy
                 kind, wgrad_input = "mx_rows", (xq, xs)
         wq, ws = _quantize_weight(weight, rule, "forward")
-        y = mx_mm(xq, xs, wq, ws, out_dtype)
+        y = mx_mm(xq, xs, wq, ws, out_dtype, _dequantized_weight(weight, rule, "forward", keep_dq))
         if bias is not None:
             y = y + bias.to(out_dtype)
         ctx.save_for_backward(weight, *wgrad_input, *packed)
-        ctx.meta = (m, x2d.dtype, out_dtype, bias is not None, up is not None, rule, kind, len(wgrad_input))
+        ctx.meta = (m, x2d.dtype, out_dtype, bias is not None, up is not None, rule, kind, len(wgrad_input), keep_dq)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        m, x_dtype, out_dtype, has_bias, has_up, rule, kind, n_wgrad = ctx.meta
+        m, x_dtype, out_dtype, has_bias, has_up, rule, kind, n_wgrad, keep_dq = ctx.meta
         weight, *saved = ctx.saved_tensors
         wgrad_input, packed = saved[:n_wgrad], tuple(saved[n_wgrad:])
         dy = dy.contiguous()
@@ -88,7 +93,7 @@ class _MXLinear(torch.autograd.Function):
         dx = dup = None
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
             wq_t, ws_t = _quantize_weight(weight, rule, "dgrad")
-            dh = mx_mm(dyq, dys, wq_t, ws_t, torch.float32 if has_up else x_dtype)
+            dh = mx_mm(dyq, dys, wq_t, ws_t, torch.float32 if has_up else x_dtype, _dequantized_weight(weight, rule, "dgrad", keep_dq))
             if has_up:
                 dx, dup = (t.to(x_dtype) for t in swiglu.backward(dh, packed))
             else:
@@ -102,7 +107,7 @@ class _MXLinear(torch.autograd.Function):
             x_saved = wgrad_input[0] if kind == "hp" else kops.dequantize(*wgrad_input, out_dtype)
             dw = hp_mm_t(dy.t(), x_saved.t(), weight.dtype)
         db = dy.float().sum(0).to(weight.dtype) if has_bias and ctx.needs_input_grad[3] else None
-        return dx, dup, dw, db, None, None, None, None
+        return dx, dup, dw, db, None, None, None, None, None
 
 
 def mx_linear(
@@ -114,6 +119,7 @@ def mx_linear(
     scale_rule: str = "rceil",
     wgrad: str = "mxfp8",
     save: str = "mxfp8",
+    keep_dequantized_weights: bool = False,
 ) -> torch.Tensor:
     """MXFP8 ``F.linear``: ``x [..., K] . weight [N, K]^T (+ bias [N])`` -> ``[..., N]``.
 
@@ -127,6 +133,10 @@ def mx_linear(
         wgrad: "mxfp8" (token-blocked MX GEMM) or "bf16".
         save: "mxfp8" saves the wgrad input as MX (replacing a BF16 copy);
             "bf16" keeps a reference to x (when x stays alive for another op anyway).
+        keep_dequantized_weights: emulated GEMMs (no native MX GEMM, e.g. Hopper)
+            take the weight's BF16 dequantized forward/dgrad forms from the weight
+            cache instead of dequantizing the weight per GEMM (same results;
+            ``Policy.keep_dequantized_weights``).
 
     Returns:
         ``[..., N]`` in the autocast dtype if autocast is on, else ``x.dtype``.
@@ -145,9 +155,10 @@ def mx_linear(
     up2d = None if up is None else up.reshape(-1, k)
     with torch.autocast(dev, enabled=False):
         if not torch.is_grad_enabled():  # inference graph: the forward GEMM only, nothing saved
-            xq, xs = kops.quantize(x.reshape(-1, k), scale_rule) if up is None else kops.swiglu_quantize(x.reshape(-1, k), up2d, scale_rule)
-            y = mx_mm(xq, xs, *_quantize_weight(weight, scale_rule, "forward"), out_dtype)
+            xq, xs = swiglu.quantize_input(x.reshape(-1, k), up2d, scale_rule)
+            w_dq = _dequantized_weight(weight, scale_rule, "forward", keep_dequantized_weights)
+            y = mx_mm(xq, xs, *_quantize_weight(weight, scale_rule, "forward"), out_dtype, w_dq)
             y = y if bias is None else y + bias.to(out_dtype)
             return y.reshape(*x.shape[:-1], n)
-        y = _MXLinear.apply(x.reshape(-1, k), up2d, weight, bias, out_dtype, scale_rule, wgrad, save)
+        y = _MXLinear.apply(x.reshape(-1, k), up2d, weight, bias, out_dtype, scale_rule, wgrad, save, keep_dequantized_weights)
     return y.reshape(*x.shape[:-1], n)

@@ -21,6 +21,11 @@ def swiglu_fp32(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return g * torch.sigmoid(g) * up.float()
 
 
+def quantize_input(x: torch.Tensor, up: torch.Tensor | None, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rowwise MX of a GEMM input: ``x`` itself, or ``silu(x) * up`` when ``up`` is given (fused)."""
+    return kops.quantize(x, rule) if up is None else kops.swiglu_quantize(x, up, rule)
+
+
 def pack(gate: torch.Tensor, up: torch.Tensor, save: str, rule: str) -> tuple:
     """What backward keeps of gate/up: MX pairs (``save="mxfp8"``) or the tensors themselves."""
     if save == "mxfp8":

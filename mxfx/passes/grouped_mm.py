@@ -77,10 +77,12 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         module = module_fqn(node)
         shapes = f"x{shape_str(x)} w{shape_str(b)}"
         reason = _skip_reason(x, b, offs, args.get("bias"))
-        macs = None
+        macs = gemm = None
         if not reason:
-            macs = size_hint(x.shape[0]) * size_hint(b.shape[1]) * size_hint(b.shape[2])
-        d = policy.decide("grouped_mm", module, macs)
+            rows, e = size_hint(x.shape[0]), size_hint(b.shape[0])
+            macs = rows * size_hint(b.shape[1]) * size_hint(b.shape[2])
+            gemm = (max(1, rows // max(e, 1)), size_hint(b.shape[2]), size_hint(b.shape[1]))  # M: rows per expert
+        d = policy.decide("grouped_mm", module, macs, gemm)
         reason = d.reason or reason
         if reason:
             pm.add(OpRecord(node.name, "grouped_mm", module, shapes, "bf16", "bf16", "bf16", "bf16", "-", reason))
@@ -98,6 +100,7 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
                     "wgrad": d.wgrad,
                     "save": d.save,
                     "out_dtype": args.get("out_dtype") or x.dtype,
+                    **({"keep_dequantized_weights": True} if policy.keep_dequantized_weights else {}),
                 },
             )
         new.meta.update(node.meta)

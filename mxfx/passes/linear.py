@@ -60,21 +60,23 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         module = module_fqn(node)
         shapes = f"x{shape_str(x)} w{shape_str(w)}" + (" +bias" if b_node is not None else "")
         reason = _skip_reason(x, w)
-        macs = None
+        macs = gemm = None
         if not reason:
             m = 1
             for d in x.shape[:-1]:
                 m *= size_hint(d)
-            macs = m * size_hint(w.shape[0]) * size_hint(w.shape[1])
-        d = policy.decide(kind, module, macs)
+            gemm = (m, size_hint(w.shape[0]), size_hint(w.shape[1]))
+            macs = gemm[0] * gemm[1] * gemm[2]
+        d = policy.decide(kind, module, macs, gemm)
         reason = d.reason or reason
         if reason:
             pm.add(OpRecord(node.name, kind, module, shapes, "bf16", "bf16", "bf16", "bf16", "-", reason))
             continue
+        kwargs = {"scale_rule": d.scale_rule, "wgrad": d.wgrad}
+        if policy.keep_dequantized_weights:
+            kwargs["keep_dequantized_weights"] = True
         with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(
-                mx_linear, (x_node, w_node, b_node), {"scale_rule": d.scale_rule, "wgrad": d.wgrad}
-            )
+            new = gm.graph.call_function(mx_linear, (x_node, w_node, b_node), kwargs)
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)

@@ -1,0 +1,127 @@
+"""One OLMoE-like routed MoE layer, forward+backward: BF16 (inductor) vs mxfx vs torchao MXFP8 (emulated).
+
+Shape (default): 8192 tokens, d=2048, 64 experts top-8, expert hidden 1024 -> 65536 routed rows.
+All arms run in one process on the same inputs, weights and routing. Reports median time
+(triton.testing.do_bench when CUDA is present), peak memory, and activation memory
+(peak minus memory held before the forward). Weights are BF16 parameters in every arm;
+mxfx's weight caches are rebuilt once per optimizer step, so in this loop (no optimizer
+step) its weight quantization is amortized away, as it is across microbatches in training.
+
+    python bench/moe_layer.py                # H200
+    python bench/moe_layer.py --device cpu --tokens 256 --d 128 --experts 8 --hidden 64 --topk 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def routed_layer(grouped_mm):
+    """The routed-expert block written as HF transformers writes it, with a pluggable grouped GEMM."""
+
+    def layer(x, router_w, w_gate_up, w_down, topk):
+        probs = F.linear(x, router_w).float().softmax(-1)
+        weights, experts = probs.topk(topk, dim=-1)
+        flat = experts.reshape(-1)
+        order = flat.argsort(stable=True)
+        offs = torch.histc(flat.float(), bins=w_down.shape[0], min=-0.5, max=w_down.shape[0] - 0.5).cumsum(0).to(torch.int32)
+        xs = x[order // topk]
+        g, u = grouped_mm(xs, w_gate_up.transpose(-2, -1), offs).chunk(2, dim=-1)
+        y = grouped_mm(F.silu(g) * u, w_down.transpose(-2, -1), offs)
+        y = y * weights.reshape(-1)[order].to(y.dtype)[:, None]
+        return torch.zeros_like(x).index_add(0, order // topk, y)
+
+    return layer
+
+
+def torchao_grouped_mm():
+    from torchao.prototype.moe_training.mxfp8_grouped_mm import _to_mxfp8_then_scaled_grouped_mm
+    from torchao.quantization.quantize_.common import KernelPreference
+
+    def mm(a, b_t, offs):
+        return _to_mxfp8_then_scaled_grouped_mm(
+            a, b_t, offs, kernel_preference=KernelPreference.EMULATED, wgrad_with_hp=True, pad_token_groups_for_grouped_mm=True
+        )
+
+    return mm
+
+
+def measure(fn, args, device):
+    """Median ms of forward+backward, peak and activation bytes."""
+
+    def step():
+        out = fn(*args)
+        out.float().square().mean().backward()
+
+    step()  # compile
+    step()
+    if device == "cuda":
+        import triton.testing
+
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        ms = triton.testing.do_bench(step, warmup=5, rep=40)
+        return ms, peak, peak - base
+    t0 = time.perf_counter()
+    for _ in range(3):
+        step()
+    return (time.perf_counter() - t0) / 3 * 1e3, float("nan"), float("nan")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--d", type=int, default=2048)
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--arms", default="bf16,mxfx,torchao")
+    a = p.parse_args()
+    torch.manual_seed(0)
+    dev, bf16 = a.device, torch.bfloat16
+    x = torch.randn(a.tokens, a.d, device=dev, dtype=bf16, requires_grad=True)
+    params = [
+        (torch.randn(a.experts, a.d, device=dev) * a.d**-0.5).to(bf16).requires_grad_(),
+        (torch.randn(a.experts, 2 * a.hidden, a.d, device=dev) * a.d**-0.5).to(bf16).requires_grad_(),
+        (torch.randn(a.experts, a.d, a.hidden, device=dev) * a.hidden**-0.5).to(bf16).requires_grad_(),
+    ]
+    args = (x, *params, a.topk)
+    arms = {
+        "bf16 (inductor)": lambda: torch.compile(routed_layer(lambda m, b, o: torch._grouped_mm(m, b, offs=o))),
+        "mxfx (backend=mxfp8)": lambda: torch.compile(routed_layer(lambda m, b, o: torch._grouped_mm(m, b, offs=o)), backend="mxfp8"),
+        "torchao MXFP8 emulated (compile)": lambda: torch.compile(routed_layer(torchao_grouped_mm())),
+    }
+    keep = {"bf16": "bf16 (inductor)", "mxfx": "mxfx (backend=mxfp8)", "torchao": "torchao MXFP8 emulated (compile)"}
+    rows, base_ms = [], None
+    for key in a.arms.split(","):
+        name = keep[key]
+        torch._dynamo.reset()
+        try:
+            ms, peak, act = measure(arms[name](), args, dev)
+        except Exception as e:  # a peer that cannot run here is reported, not fatal
+            rows.append(f"| {name} | failed: {type(e).__name__}: {str(e)[:80]} | | | |")
+            continue
+        base_ms = base_ms or ms
+        rows.append(f"| {name} | {ms:.3f} | {base_ms / ms:.2f}x | {peak / 2**30:.2f} | {act / 2**30:.2f} |")
+        for t in (x, *params):
+            t.grad = None
+    head = f"MoE layer fwd+bwd: {a.tokens} tokens, d={a.d}, {a.experts} experts top-{a.topk}, hidden {a.hidden}, device {torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'}, torch {torch.__version__}"
+    table = "\n".join([head, "", "| arm | ms | speed vs bf16 | peak GiB | activation GiB |", "|---|---|---|---|---|", *rows])
+    print(table)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "moe_layer.md"), "w") as f:
+            f.write(table + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Measured BF16-vs-MXFP8 crossover tables, read by ``Policy(min_size="auto")``.
+
+``bench/crossover.py`` times, on one GPU, BF16 ``F.linear`` against mxfx's
+``mx_linear`` (activation quantization included, weight from its cache) for a
+few projection families ``K -> N`` and token counts M, forward and
+forward+backward, and writes ``mxfx/data/crossover_sm<major><minor>.json``:
+
+.. code-block:: json
+
+    {"capability": [9, 0], "device": "NVIDIA H200", "torch": "2.11.0",
+     "families": [{"name": "4096->4096", "K": 4096, "N": 4096,
+                   "points": [{"M": 128, "bf16_fwd_ms": 0.01, "mx_fwd_ms": 0.02,
+                               "bf16_fwdbwd_ms": 0.03, "mx_fwdbwd_ms": 0.06}, ...]}]}
+
+:func:`prefers_mxfp8` answers for a GEMM ``(M, N, K)``: take the measured family
+nearest in ``(log2 N, log2 K)``, then its point nearest in ``log2 M``, and
+compare forward+backward times (training is what the backend rewrites for). If no
+table exists for the current device, it warns once and answers True (every
+eligible GEMM is rewritten, as with ``min_size=0``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from functools import lru_cache
+
+import torch
+
+DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+"""Where the tables live (``crossover_sm90.json``, ...)."""
+
+_warned: set = set()
+
+
+def _capability() -> tuple[int, int] | None:
+    """Capability of the current CUDA device, None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability()
+
+
+def table_name(capability: tuple[int, int]) -> str:
+    """File name of the table for a capability: ``(9, 0)`` -> ``crossover_sm90.json``."""
+    return f"crossover_sm{capability[0]}{capability[1]}.json"
+
+
+@lru_cache(maxsize=None)
+def _load(path: str, mtime: float) -> dict:
+    with open(path) as f:
+        table = json.load(f)
+    for fam in table.get("families", ()):
+        if not {"K", "N", "points"} <= set(fam) or not fam["points"]:
+            raise ValueError(f"mxfx.crossover: family {fam.get('name')!r} in {path} needs K, N and points")
+    return table
+
+
+def load_table(capability: tuple[int, int] | None = None) -> dict | None:
+    """The crossover table for ``capability`` (default: the current device), or None if there is none.
+
+    Raises:
+        ValueError: a table file exists but lacks the fields above.
+    """
+    capability = capability if capability is not None else _capability()
+    if capability is None:
+        return None
+    path = os.path.join(DATA_DIR, table_name(capability))
+    if not os.path.exists(path):
+        return None
+    return _load(path, os.path.getmtime(path))
+
+
+def _nearest(items, key):
+    return min(items, key=key)
+
+
+def lookup(table: dict, m: int, n: int, k: int) -> dict:
+    """The measured point used for a GEMM ``(M, N, K)``: nearest family in (log2 N, log2 K), then nearest M.
+
+    Returns the point dict with ``family`` (its name) added.
+    """
+    lg = lambda v: math.log2(max(int(v), 1))  # noqa: E731
+    fam = _nearest(table["families"], lambda f: abs(lg(f["N"]) - lg(n)) + abs(lg(f["K"]) - lg(k)))
+    point = _nearest(fam["points"], lambda p: abs(lg(p["M"]) - lg(m)))
+    return {**point, "family": fam.get("name", f"{fam['K']}->{fam['N']}")}
+
+
+def prefers_mxfp8(m: int, n: int, k: int) -> tuple[bool, str]:
+    """Whether the measured table says MXFP8 beats BF16 for a training GEMM ``x[M, K] . W[N, K]^T``.
+
+    Returns ``(answer, reason)``; the reason names the measured point used. With
+    no table for the current device: warns once per device and returns True.
+    """
+    cap = _capability()
+    table = load_table(cap)
+    if table is None:
+        where = "CPU" if cap is None else f"sm{cap[0]}{cap[1]}"
+        if where not in _warned:
+            _warned.add(where)
+            warnings.warn(
+                f"mxfx: min_size='auto' found no crossover table for this device ({where}; looked for "
+                f"{os.path.join(DATA_DIR, table_name(cap) if cap else 'crossover_sm<cc>.json')}); rewriting every "
+                f"eligible GEMM. Measure one with: python bench/crossover.py",
+                stacklevel=3,
+            )
+        return True, "no crossover table"
+    p = lookup(table, m, n, k)
+    bf16, mx = p["bf16_fwdbwd_ms"], p["mx_fwdbwd_ms"]
+    ratio = bf16 / mx if mx > 0 else 0.0
+    return ratio > 1.0, f"crossover table: {p['family']} M={p['M']} mxfp8 {ratio:.2f}x bf16 (fwd+bwd)"
