@@ -10,7 +10,8 @@ forward+backward, and writes ``mxfx/data/crossover_sm<major><minor>.json``:
     {"capability": [9, 0], "device": "NVIDIA H200", "torch": "2.11.0",
      "families": [{"name": "4096->4096", "K": 4096, "N": 4096,
                    "points": [{"M": 128, "bf16_fwd_ms": 0.01, "mx_fwd_ms": 0.02,
-                               "bf16_fwdbwd_ms": 0.03, "mx_fwdbwd_ms": 0.06}, ...]}]}
+                               "bf16_fwdbwd_ms": 0.03, "mx_fwdbwd_ms": 0.06,
+                               "mxdq_fwd_ms": 0.02, "mxdq_fwdbwd_ms": 0.05}, ...]}]}
 
 :func:`prefers_mxfp8` answers for a GEMM ``(M, N, K)``: take the measured family
 nearest in ``(log2 N, log2 K)``, then its point nearest in ``log2 M``, and
@@ -87,11 +88,13 @@ def lookup(table: dict, m: int, n: int, k: int) -> dict:
     return {**point, "family": fam.get("name", f"{fam['K']}->{fam['N']}")}
 
 
-def prefers_mxfp8(m: int, n: int, k: int) -> tuple[bool, str]:
+def prefers_mxfp8(m: int, n: int, k: int, keep_dequantized: bool = False) -> tuple[bool, str]:
     """Whether the measured table says MXFP8 beats BF16 for a training GEMM ``x[M, K] . W[N, K]^T``.
 
-    Returns ``(answer, reason)``; the reason names the measured point used. With
-    no table for the current device: warns once per device and returns True.
+    ``keep_dequantized`` compares the ``mxdq_*`` times (``keep_dequantized_weights``)
+    where the table has them. Returns ``(answer, reason)``; the reason names the
+    measured point used. With no table for the current device: warns once per
+    device and returns True.
     """
     cap = _capability()
     table = load_table(cap)
@@ -107,6 +110,7 @@ def prefers_mxfp8(m: int, n: int, k: int) -> tuple[bool, str]:
             )
         return True, "no crossover table"
     p = lookup(table, m, n, k)
-    bf16, mx = p["bf16_fwdbwd_ms"], p["mx_fwdbwd_ms"]
+    arm = "mxdq" if keep_dequantized and "mxdq_fwdbwd_ms" in p else "mx"
+    bf16, mx = p["bf16_fwdbwd_ms"], p[f"{arm}_fwdbwd_ms"]
     ratio = bf16 / mx if mx > 0 else 0.0
-    return ratio > 1.0, f"crossover table: {p['family']} M={p['M']} mxfp8 {ratio:.2f}x bf16 (fwd+bwd)"
+    return ratio > 1.0, f"crossover table: {p['family']} M={p['M']} {arm} {ratio:.2f}x bf16 (fwd+bwd)"

@@ -234,7 +234,7 @@ class Policy:
             if gemm is not None:
                 from mxfx.crossover import prefers_mxfp8
 
-                faster, why = prefers_mxfp8(*gemm)
+                faster, why = prefers_mxfp8(*gemm, keep_dequantized=self.keep_dequantized_weights)
                 if not faster:
                     precision, reason = "bf16", f"min_size='auto': {why}"
         elif macs is not None and macs < min_size:

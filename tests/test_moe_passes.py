@@ -122,6 +122,38 @@ def test_grouped_rewrite_keeps_inplace_writes():
         torch.use_deterministic_algorithms(False)
 
 
+class _MaskedCombine(nn.Module):
+    """Down projection, sentinel-row zeroing, then the route-weight multiply (HF transformers 5.17)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(2, 64, 64) * 0.1)
+
+    def forward(self, h, offs, rw, mask):
+        y = torch._grouped_mm(h, self.w.to(torch.bfloat16).transpose(-2, -1), offs=offs)
+        y = y.masked_fill(mask, 0.0)
+        return (y * rw.unsqueeze(-1)).float().square().sum()
+
+
+def test_combine_fuses_through_row_fills():
+    m, h = _MaskedCombine(), torch.randn(40, 64).bfloat16().requires_grad_()
+    offs, rw = torch.tensor([16, 40], dtype=torch.int32), torch.rand(40).bfloat16().requires_grad_()
+    mask = (torch.arange(40) >= 37).unsqueeze(-1)
+    cap = GraphCapture()
+    out = torch.compile(m, backend="mxfp8", options={"inner": cap})(h, offs, rw, mask)
+    out.backward()
+    assert count_calls(cap.backward, OPS.route_weight_quantize.default) == 1
+    grads = (h.grad.clone(), rw.grad.clone())
+    h.grad = rw.grad = None
+    torch._dynamo.reset()
+    ref = torch.compile(m, backend="mxfp8", options={"inner": "eager", "passes": {"combine": False}})(h, offs, rw, mask)
+    ref.backward()
+    torch.testing.assert_close(out, ref, rtol=1e-2, atol=0)  # same MX products, bf16 output rounding
+    assert ((grads[0] - h.grad).float().norm() / h.grad.float().norm()) < 2e-2  # fp32 vs bf16 dY before dgrad quantize
+    torch.testing.assert_close(grads[1], rw.grad, rtol=2e-2, atol=1e-2)
+    assert rw.grad[37:].abs().max() == 0  # masked rows contribute nothing
+
+
 def test_inference_and_checkpointed_graphs():
     torch.manual_seed(0)
     lin_a, lin_b = nn.Linear(64, 64), nn.Linear(64, 64)

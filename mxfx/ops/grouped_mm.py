@@ -62,10 +62,14 @@ def group_padding(offs: torch.Tensor, rows: int):
     return dest, padded_ends.to(torch.int32), capacity
 
 
+def _pad_rows(t: torch.Tensor, dest: torch.Tensor, capacity: int) -> torch.Tensor:
+    """``t [S, D]`` scattered to rows ``dest`` of a zero ``[capacity, D]`` buffer (groups padded to 32)."""
+    return t.new_zeros((capacity, t.shape[1])).index_copy(0, dest, t)
+
+
 def _token_blocked(t: torch.Tensor, dest: torch.Tensor, capacity: int, rule: str):
     """MX of ``t [S, D]`` blocked along tokens per group: ``(q [D, C], s [D, C/32])``."""
-    buf = t.new_zeros((capacity, t.shape[1])).index_copy(0, dest, t)
-    return kops.quantize(buf.t(), rule)
+    return kops.quantize(_pad_rows(t, dest, capacity).t(), rule)
 
 
 class _MXGroupedMM(torch.autograd.Function):
@@ -129,7 +133,11 @@ class _MXGroupedMM(torch.autograd.Function):
                 dw = mx_grouped_mm_wgrad(dyq_t, dys_t, xq_t, xs_t, padded_offs, weight.dtype)
             else:
                 x_saved = wgrad_input[0] if n_wgrad == 1 else kops.dequantize(*wgrad_input, torch.bfloat16)
-                dw = hp_grouped_wgrad(dy.to(dout.dtype), x_saved, offs, weight.dtype)
+                dy_h, w_offs = dy.to(dout.dtype), offs
+                if dy_h.is_cuda:  # CUDA's token-reduction grouped GEMM needs 16-byte-aligned groups
+                    dest, w_offs, capacity = group_padding(offs, dy_h.shape[0])
+                    dy_h, x_saved = _pad_rows(dy_h, dest, capacity), _pad_rows(x_saved, dest, capacity)
+                dw = hp_grouped_wgrad(dy_h, x_saved, w_offs, weight.dtype)
         return dx, dup, dw, None, d_rw, None, None, None, None, None
 
 

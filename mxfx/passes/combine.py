@@ -2,7 +2,9 @@
 
 Pattern: the only user of an MX grouped GEMM (the routed down projection) is a
 multiply by a per-row tensor of shape ``[S, 1]`` or ``[S]`` — the route
-weights of the combine's weighted sum, as HF transformers and torchtitan write it.
+weights of the combine's weighted sum, as HF transformers and torchtitan write it —
+possibly behind ``masked_fill(rows, 0)`` ops (newer HF versions zero
+expert-parallel sentinel rows there; zeroing rows commutes with scaling rows).
 
 Replacement: the grouped GEMM scales its output rows itself; in backward the
 gradient of that weighted sum, ``dOut * route_weight``, is formed inside the
@@ -39,6 +41,23 @@ def _route_weight(mul: fx.Node, out: fx.Node) -> fx.Node | None:
     return other if rows_only and w.is_floating_point() else None
 
 
+def _is_zero_row_fill(n: fx.Node) -> bool:
+    """``masked_fill(y, mask, 0)``: HF transformers zeroes expert-parallel sentinel rows this way."""
+    return is_call(n, (torch.masked_fill,), ("masked_fill",)) and len(n.args) >= 3 and n.args[2] == 0
+
+
+def _move_chain_after(node: fx.Node, last: fx.Node, anchor: fx.Node) -> None:
+    """Re-place the single-user chain ``node -> ... -> last`` just before ``anchor``, in order."""
+    chain, n = [], next(iter(node.users))
+    while True:
+        chain.append(n)
+        if n is last:
+            break
+        n = next(iter(n.users))
+    for n in chain:
+        anchor.prepend(n)
+
+
 def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
     """Fuse route-weight multiplies into MX grouped GEMMs in place; returns how many were fused."""
     fused = 0
@@ -47,14 +66,18 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
             continue
         if node.kwargs.get("route_weight") is not None:
             continue
-        mul = next(iter(node.users))
-        rw = _route_weight(mul, node)
+        last, mul = node, next(iter(node.users))
+        while _is_zero_row_fill(mul) and len(mul.users) == 1:  # zeroing rows commutes with scaling rows
+            last, mul = mul, next(iter(mul.users))
+        rw = _route_weight(mul, last)
         if rw is None:
             continue
         out_dtype = example_value(mul).dtype
         node.kwargs = {**node.kwargs, "route_weight": rw, "out_dtype": out_dtype}
         mul.prepend(node)  # where the multiply stood: after the route weights and every input
-        mul.replace_all_uses_with(node)
+        if last is not node:
+            _move_chain_after(node, last, mul)
+        mul.replace_all_uses_with(last)
         gm.graph.erase_node(mul)
         module = module_fqn(node)
         pm.add(OpRecord(node.name, "combine", module, f"w{shape_str(example_value(rw))}", "bf16", "mxfp8", "-", "bf16", node.kwargs["scale_rule"], "route-weight multiply fused into the dgrad quantize"))

@@ -1,0 +1,50 @@
+"""CPU smoke runs of the GPU benchmark scripts and the scale-rule study, at their smallest sizes.
+
+They check that the scripts run end to end and write their outputs; the numbers
+mean nothing at this size. The GPU commands are in each script's docstring.
+"""
+
+from __future__ import annotations
+
+import json
+import runpy
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_script(monkeypatch, path: str, *args: str) -> None:
+    monkeypatch.setattr(sys, "argv", [path, *args])
+    runpy.run_path(str(ROOT / path), run_name="__main__")
+
+
+def test_crossover_quick(monkeypatch, tmp_path):
+    run_script(monkeypatch, "bench/crossover.py", "--device", "cpu", "--quick", "--out", str(tmp_path))
+    table = json.loads((tmp_path / "crossover.json").read_text())
+    assert table["capability"] is None and len(table["families"]) == 2
+    assert {"bf16_fwdbwd_ms", "mx_fwdbwd_ms", "mxdq_fwdbwd_ms"} <= set(table["families"][0]["points"][0])
+    assert (tmp_path / "crossover.png").stat().st_size > 0
+
+
+def test_train_step_quick(monkeypatch, tmp_path):
+    import torch._dynamo.config as dynamo_config
+
+    keys = ("automatic_dynamic_shapes", "cache_size_limit")  # the script sets them: restore them after
+    with dynamo_config.patch({k: getattr(dynamo_config, k) for k in keys}):
+        run_script(monkeypatch, "bench/train_step.py", "--device", "cpu", "--quick", "--inner", "aot_eager",
+                   "--out", str(tmp_path))
+    res = json.loads((tmp_path / "train_step.json").read_text())
+    assert set(res["phase1"]) == {"bf16", "mxfp8", "torchao"}
+    assert all("tokens_per_s" in r for r in res["phase1"].values()), res["phase1"]
+    assert res["phase1"]["mxfp8"]["rewritten"] > 0
+
+
+def test_scale_rule_study_tiny(monkeypatch, tmp_path):
+    run_script(monkeypatch, "examples/scale_rule_study.py", "--d-model", "64", "--layers", "1", "--experts", "4",
+               "--expert-hidden", "64", "--shared-hidden", "64", "--seq", "32", "--batch", "2",
+               "--pre-steps", "2", "--steps", "2", "--warmup", "1", "--out", str(tmp_path))
+    res = json.loads((tmp_path / "scale_rule_study.json").read_text())
+    assert set(res["curves"]) == {"bf16", "mxfp8 rceil", "mxfp8 floor"}
+    assert set(res["summary"]) == {"rceil", "floor"}
+    assert (tmp_path / "scale_rule_study.png").stat().st_size > 0

@@ -1,0 +1,397 @@
+"""GEMM dispatch by architecture: native Blackwell operands, selection, Hopper's dequantized-weight option, min_size="auto".
+
+The native Blackwell calls (``torch._scaled_mm`` / ``torch._scaled_grouped_mm``
+with MXFP8 scales) cannot run on CPU, so the native branch is verified up to the
+call: its operands are compared with torchao's reference layouts and a hand-built
+tile, and the native torch ops are replaced by pure-torch decoders that check what
+the real ops check (dtypes, strides, scale sizes), undo the blocked layout with
+torchao's ``from_blocked``, dequantize and multiply. The native branch run through
+those decoders must equal the emulated branch, padding and slicing included.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from torchao.prototype.moe_training.kernels.mxfp8.quant import (
+    torch_to_blocked_2d_K_groups,
+    torch_to_blocked_2d_M_groups,
+    torch_to_blocked_per_group_3d,
+)
+from torchao.prototype.mx_formats.utils import from_blocked as ao_from_blocked
+from torchao.prototype.mx_formats.utils import to_blocked as ao_to_blocked
+
+from mxfx import cache, crossover
+from mxfx.kernels import ops as kops
+from mxfx.ops import gemm
+from mxfx.ops.grouped_mm import mx_grouped_mm_op
+from mxfx.ops.linear import mx_linear
+from mxfx.policy import Policy
+
+E4M3, E8M0 = torch.float8_e4m3fn, torch.float8_e8m0fnu
+
+
+def ceil(n, m):
+    return -(-n // m) * m
+
+
+def mx(shape, seed=0, scale=1.0):
+    torch.manual_seed(seed)
+    return kops.quantize(torch.randn(shape) * scale, "rceil")
+
+
+def deq(q, s_bytes):
+    """Independent dequantize: e4m3 payload x 2^(byte - 127), block 32 along the last dim."""
+    return q.float() * torch.exp2(s_bytes.float() - 127).repeat_interleave(32, -1)
+
+
+# --- pure-torch stand-ins for the native ops ----------------------------------------------------
+
+calls = {"mm": 0, "grouped": 0}
+
+
+def fake_scaled_mm(mat_a, mat_b, scale_a, scale_b, out_dtype=None, **kw):
+    """What ``torch._scaled_mm`` computes for the MXFP8 recipe, from exactly its arguments."""
+    calls["mm"] += 1
+    (m, k), (k2, n) = mat_a.shape, mat_b.shape
+    assert k == k2 and mat_a.dtype == E4M3 and mat_b.dtype == E4M3
+    assert mat_a.stride(1) == 1 and mat_b.stride(0) == 1, "A row-major, B column-major"
+    assert n % 16 == 0 and k % 32 == 0
+    assert scale_a.dtype == E8M0 and scale_b.dtype == E8M0
+    assert scale_a.numel() == ceil(m, 128) * ceil(k // 32, 4) and scale_b.numel() == ceil(n, 128) * ceil(k // 32, 4)
+    sa = ao_from_blocked(scale_a.view(torch.uint8).reshape(-1), m, k // 32)
+    sb = ao_from_blocked(scale_b.view(torch.uint8).reshape(-1), n, k // 32)
+    return (deq(mat_a, sa) @ deq(mat_b.t(), sb).t()).to(out_dtype)
+
+
+def fake_scaled_grouped_mm(mat_a, mat_b, scale_a, scale_b, offs=None, out_dtype=None, **kw):
+    """``torch._scaled_grouped_mm`` for MXFP8, 2D x 3D (groups along M) and 2D x 2D (groups along K)."""
+    calls["grouped"] += 1
+    assert mat_a.dtype == E4M3 and mat_b.dtype == E4M3 and scale_a.dtype == E8M0 and scale_b.dtype == E8M0
+    ends = offs.tolist()
+    starts = [0] + ends[:-1]
+    sa_raw = scale_a.view(torch.uint8).reshape(-1)
+    if mat_b.dim() == 3:  # out = A[grp] @ B[e]
+        e, k, n = mat_b.shape
+        kb, kb4 = k // 32, ceil(k // 32, 4)
+        assert all(x % 32 == 0 for x in ends), "token groups padded to 32"
+        assert mat_b.stride(1) == 1, "B per-expert column-major"
+        out = torch.zeros(mat_a.shape[0], n)
+        row = 0  # first scale row of the group: earlier groups rounded up to 128
+        for g, (s, t) in enumerate(zip(starts, ends)):
+            if t > s:
+                region = sa_raw[row * kb4 : (row + ceil(t - s, 128)) * kb4]
+                sa = ao_from_blocked(region, t - s, kb)
+                sb = ao_from_blocked(scale_b[g].view(torch.uint8), n, kb)
+                out[s:t] = deq(mat_a[s:t], sa) @ deq(mat_b[g].t(), sb).t()
+            row += ceil(t - s, 128)
+        return out.to(out_dtype)
+    n, t_all = mat_a.shape
+    k = mat_b.shape[1]
+    assert mat_b.stride(0) == 1
+    out = torch.zeros(len(ends), n, k)
+    sb_raw = scale_b.view(torch.uint8).reshape(-1)
+    col = 0
+    for g, (s, t) in enumerate(zip(starts, ends)):
+        cols = (t - s) // 32
+        if cols:
+            sa = ao_from_blocked(sa_raw[ceil(n, 128) * col : ceil(n, 128) * (col + ceil(cols, 4))], n, cols)
+            sb = ao_from_blocked(sb_raw[ceil(k, 128) * col : ceil(k, 128) * (col + ceil(cols, 4))], k, cols)
+            out[g] = deq(mat_a[:, s:t], sa) @ deq(mat_b[s:t].t(), sb).t()
+        col += ceil(cols, 4)
+    return out.to(out_dtype)
+
+
+@pytest.fixture
+def native(monkeypatch):
+    """Pretend to be a B200 (capability 10.0) with the native ops replaced by the decoders."""
+    monkeypatch.setattr(gemm, "_capability", lambda device: (10, 0))
+    monkeypatch.setattr(torch, "_scaled_mm", fake_scaled_mm)
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", fake_scaled_grouped_mm)
+    calls.update(mm=0, grouped=0)
+    return calls
+
+
+# --- selection ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "cap, mm, grouped",
+    [((10, 0), "native", "native"), ((10, 3), "native", "native"), ((12, 0), "native", "emulated"),
+     ((9, 0), "emulated", "emulated"), ((8, 0), "emulated", "emulated"), (None, "emulated", "emulated")],
+)
+def test_selection_by_capability(monkeypatch, cap, mm, grouped):
+    monkeypatch.setattr(gemm, "_capability", lambda device: cap)
+    dev = torch.device("cpu")
+    assert gemm.gemm_impl("mm", dev)[0] == mm
+    assert gemm.gemm_impl("grouped_mm", dev)[0] == grouped
+    assert gemm.gemm_impl("grouped_mm_wgrad", dev)[0] == grouped
+
+
+def test_cpu_selects_emulation_without_patching():
+    assert gemm.arch_of(gemm._capability(torch.device("cpu"))) == "cpu"
+    assert gemm.gemm_impl("mm", torch.device("cpu"))[0] == "emulated"
+
+
+def test_native_branch_calls_native_op_only_on_blackwell(monkeypatch, native):
+    (aq, as_), (bq, bs) = mx((64, 64), 1), mx((32, 64), 2)
+    gemm.mx_mm(aq, as_, bq, bs, torch.float32)
+    assert native["mm"] == 1
+    monkeypatch.setattr(gemm, "_capability", lambda device: (9, 0))
+    gemm.mx_mm(aq, as_, bq, bs, torch.float32)
+    assert native["mm"] == 1  # Hopper: emulated, the native op is not called
+
+
+# --- dense operands ----------------------------------------------------------------------------
+
+
+def test_native_mm_operands_layout():
+    m, k, n = 200, 96, 72  # M not a multiple of 128, K/32 = 3 not a multiple of 4, N not of 16
+    (aq, as_), (bq, bs) = mx((m, k), 1), mx((n, k), 2)
+    o = gemm.native_mm_operands(aq, as_, bq, bs)
+    assert o.mat_a.dtype == E4M3 and o.mat_a.shape == (m, k) and o.mat_a.is_contiguous()
+    assert o.mat_b.shape == (k, 80) and o.mat_b.stride() == (1, k), "B^T column-major, N padded to 16"
+    assert torch.equal(o.mat_b.t()[:n].view(torch.uint8), bq.view(torch.uint8))
+    assert not o.mat_b.t()[n:].view(torch.uint8).any(), "padding rows are zero"
+    assert o.cols == n and o.scale_a.dtype == E8M0
+    # the blocked scales equal torchao's to_blocked
+    assert torch.equal(o.scale_a.view(torch.uint8), ao_to_blocked(as_))
+    b_pad = torch.cat([bs, bs.new_zeros(80 - n, k // 32)])
+    assert torch.equal(o.scale_b.view(torch.uint8), ao_to_blocked(b_pad))
+
+
+def test_blocked_tile_by_hand():
+    """One 128x4 tile: scale (32 g + i, c) sits at byte i*16 + g*4 + c (cuBLAS 1D block scaling layout)."""
+    s = torch.arange(128 * 4, dtype=torch.int32).reshape(128, 4).remainder(251).to(torch.uint8)
+    q = torch.zeros(128, 128).to(E4M3)
+    o = gemm.native_mm_operands(q, s, q[:32], s[:32])
+    got = o.scale_a.view(torch.uint8)
+    for r in range(128):
+        g, i = divmod(r, 32)
+        for c in range(4):
+            assert got[i * 16 + g * 4 + c] == s[r, c]
+
+
+@pytest.mark.parametrize("m, k, n", [(200, 96, 72), (128, 256, 64), (5, 32, 32)])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_native_mm_decoded_equals_emulation(native, m, k, n, out_dtype):
+    (aq, as_), (bq, bs) = mx((m, k), 3, 4.0), mx((n, k), 4, 0.1)
+    emulated = gemm._emulated_mm(aq, as_, bq, bs, out_dtype)
+    got = gemm.mx_mm(aq, as_, bq, bs, out_dtype)
+    assert native["mm"] == 1 and got.shape == (m, n) and got.dtype == out_dtype
+    torch.testing.assert_close(got, emulated, rtol=1e-5, atol=1e-5)
+
+
+def test_native_mm_operand_errors():
+    (aq, as_), (bq, bs) = mx((8, 64)), mx((32, 96))
+    with pytest.raises(ValueError, match="must be"):
+        gemm.native_mm_operands(aq, as_, bq, bs)
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        gemm.native_mm_operands(aq.float(), as_, bq, bs)
+
+
+# --- grouped operands --------------------------------------------------------------------------
+
+OFFS = [(0, 40, 40, 200, 263), (0, 40, 40, 200, 250)]  # uneven, an empty group, a group of 0, rows past the end
+
+
+@pytest.mark.parametrize("ends", OFFS)
+def test_native_grouped_operands_match_torchao(ends):
+    s, k, n, e = 263, 128, 96, len(ends)
+    offs = torch.tensor(ends, dtype=torch.int32)
+    (aq, as_), (bq, bs) = mx((s, k), 5), mx((e, n, k), 6)
+    o = gemm.native_grouped_mm_operands(aq, as_, bq, bs, offs)
+    sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+    assert torch.equal(o.offs, torch.cumsum((sizes + 31) // 32 * 32, 0).to(torch.int32))
+    # qdata rows land at their padded rows, padding rows are zero
+    real = o.rows[: ends[-1]]
+    assert torch.equal(o.mat_a.view(torch.uint8)[real], aq.view(torch.uint8)[: ends[-1]])
+    mask = torch.ones(o.mat_a.shape[0], dtype=torch.bool)
+    mask[real] = False
+    assert not o.mat_a.view(torch.uint8)[mask][: int(o.offs[-1]) - ends[-1]].any()
+    # A scales: torchao's per-group blocked layout (groups on 128-row tile boundaries)
+    ref, _ = torch_to_blocked_2d_M_groups(as_[: ends[-1]], offs)
+    used = int(sum(ceil(int(x), 128) for x in sizes))
+    assert torch.equal(o.scale_a.view(torch.uint8)[:used], ref[:used])
+    assert not o.scale_a.view(torch.uint8)[used:].any()
+    # B scales: per-expert blocked
+    assert torch.equal(o.scale_b.view(torch.uint8), torch_to_blocked_per_group_3d(bs))
+    assert o.mat_b.shape == (e, k, n) and o.mat_b.stride(1) == 1
+
+
+@pytest.mark.parametrize("ends", OFFS)
+def test_native_grouped_decoded_equals_emulation(native, ends):
+    s, k, n, e = 263, 96, 64, len(ends)
+    offs = torch.tensor(ends, dtype=torch.int32)
+    (aq, as_), (bq, bs) = mx((s, k), 7), mx((e, n, k), 8, 0.1)
+    emulated = gemm._emulated_grouped_mm(aq, as_, bq, bs, offs, torch.float32)
+    got = gemm.mx_grouped_mm(aq, as_, bq, bs, offs, torch.float32)
+    assert native["grouped"] == 1 and got.shape == (s, n)
+    torch.testing.assert_close(got, emulated, rtol=1e-5, atol=1e-5)
+    assert not got[ends[-1]:].any()
+
+
+def test_k_groups_layout_matches_torchao():
+    n, cols = 200, 23
+    s = torch.randint(1, 255, (n, cols), dtype=torch.uint8)
+    scale_offs = torch.tensor([5, 5, 12, 23], dtype=torch.int32)
+    ref, _ = torch_to_blocked_2d_K_groups(s, scale_offs)
+    assert torch.equal(gemm.k_groups_blocked(s, scale_offs), ref)
+
+
+def test_native_wgrad_decoded_equals_emulation(native):
+    n, k, t = 64, 96, 256
+    offs = torch.tensor([64, 64, 160, 256], dtype=torch.int32)  # multiples of 32, one empty group
+    (aq, as_), (bq, bs) = mx((n, t), 9), mx((k, t), 10)
+    emulated = gemm._emulated_grouped_wgrad(aq, as_, bq, bs, offs, torch.float32)
+    got = gemm.mx_grouped_mm_wgrad(aq, as_, bq, bs, offs, torch.float32)
+    assert native["grouped"] == 1 and got.shape == (4, n, k)
+    torch.testing.assert_close(got, emulated, rtol=1e-5, atol=1e-5)
+
+
+def test_native_ops_through_autograd(native):
+    """mx_linear forward+backward on the native branch equals the emulated branch (operands, slicing, wgrad)."""
+    torch.manual_seed(11)
+    w = torch.randn(64, 96, requires_grad=True)
+    x = torch.randn(50, 96, requires_grad=True)
+    y = mx_linear(x, w)
+    y.square().sum().backward()
+    got = (y.detach(), x.grad, w.grad)
+    assert native["mm"] == 3  # forward, dgrad, wgrad
+    gemm._capability, saved = (lambda device: None), gemm._capability
+    try:
+        x.grad = w.grad = None
+        y = mx_linear(x, w)
+        y.square().sum().backward()
+    finally:
+        gemm._capability = saved
+    for a, b in zip(got, (y.detach(), x.grad, w.grad)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+# --- keep_dequantized_weights -------------------------------------------------------------------
+
+
+def _linear_grads(keep):
+    torch.manual_seed(12)
+    w = torch.randn(64, 96, requires_grad=True)
+    x = torch.randn(40, 96, requires_grad=True)
+    y = mx_linear(x, w, keep_dequantized_weights=keep)
+    y.square().sum().backward()
+    return y.detach(), x.grad, w.grad, cache.persistent_bytes(w)
+
+
+def _grouped_grads(keep):
+    torch.manual_seed(13)
+    w = torch.randn(3, 64, 96, requires_grad=True)
+    x = torch.randn(70, 96, requires_grad=True)
+    offs = torch.tensor([20, 20, 70], dtype=torch.int32)
+    y = mx_grouped_mm_op(x, w, offs, keep_dequantized_weights=keep)
+    y.square().sum().backward()
+    return y.detach(), x.grad, w.grad, cache.persistent_bytes(w)
+
+
+@pytest.mark.parametrize("run", [_linear_grads, _grouped_grads])
+def test_keep_dequantized_weights_identical(run):
+    *off, bytes_off = run(False)
+    *on, bytes_on = run(True)
+    for a, b in zip(off, on):
+        assert torch.equal(a, b)
+    numel = off[2].numel()
+    assert bytes_on - bytes_off == 2 * 2 * numel, "a bf16 forward and a bf16 dgrad form"
+
+
+def test_keep_dequantized_weights_cache_forms_and_refresh():
+    w = torch.randn(64, 96)
+    fwd, dgrad = cache.weight_dequantized(w, "rceil", "forward"), cache.weight_dequantized(w, "rceil", "dgrad")
+    assert fwd.dtype == torch.bfloat16 and fwd.shape == (64, 96) and dgrad.shape == (96, 64)
+    assert torch.equal(fwd.float(), kops.dequantize(*cache.weight_operand(w, "rceil", "forward"), torch.float32))
+    assert torch.equal(dgrad.float(), kops.dequantize(*cache.weight_operand(w, "rceil", "dgrad"), torch.float32))
+    with torch.no_grad():
+        w.mul_(2)  # bumps the version: the dequantized forms are rebuilt with the MX forms
+    assert torch.equal(cache.weight_dequantized(w, "rceil", "forward"), (fwd.float() * 2).bfloat16())
+    with pytest.raises(ValueError, match="orientation"):
+        cache.weight_dequantized(w, "rceil", "forward_bf16")
+
+
+def test_keep_dequantized_weights_compiled():
+    """The option threads through the backend into compiled graphs (custom-op args) with identical results."""
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(64, 96, bias=False)
+            self.b = torch.nn.Linear(96, 64, bias=False)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+
+    torch.manual_seed(14)
+    model, x = M(), torch.randn(48, 64)
+    results = []
+    for keep in (False, True):
+        torch._dynamo.reset()
+        cache.clear()
+        compiled = torch.compile(model, backend="mxfp8", options={"keep_dequantized_weights": keep, "inner": "aot_eager"})
+        y = compiled(x)
+        y.square().sum().backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        results.append((y.detach(), grads, cache.persistent_bytes(model.a.weight), cache.persistent_bytes(model.b.weight)))
+        model.zero_grad(set_to_none=True)
+    (y0, g0, a0, b0), (y1, g1, a1, b1) = results
+    assert torch.equal(y0, y1) and all(torch.equal(u, v) for u, v in zip(g0, g1))
+    assert a1 - a0 == 2 * model.a.weight.numel(), "first layer: no dgrad (its input needs no grad), forward bf16 form only"
+    assert b1 - b0 == 2 * 2 * model.b.weight.numel(), "second layer: forward and dgrad bf16 forms"
+
+
+# --- min_size="auto" ---------------------------------------------------------------------------
+
+
+def _table(path):
+    def pts(ratios):
+        return [{"M": m, "bf16_fwd_ms": 1.0, "mx_fwd_ms": 1.0, "bf16_fwdbwd_ms": r, "mx_fwdbwd_ms": 1.0} for m, r in ratios]
+
+    table = {
+        "capability": [9, 0],
+        "families": [
+            {"name": "1024->1024", "K": 1024, "N": 1024, "points": pts([(128, 0.5), (8192, 0.9), (32768, 1.1)])},
+            {"name": "4096->4096", "K": 4096, "N": 4096, "points": pts([(128, 0.5), (8192, 1.3), (32768, 1.6)])},
+        ],
+    }
+    path.write_text(json.dumps(table))
+
+
+def test_min_size_auto_reads_table(tmp_path, monkeypatch):
+    _table(tmp_path / "crossover_sm90.json")
+    monkeypatch.setattr(crossover, "DATA_DIR", str(tmp_path))
+    monkeypatch.setattr(crossover, "_capability", lambda: (9, 0))
+    p = Policy(min_size="auto")
+    d = p.decide("linear", "layers.0.attn.qkv", 1, gemm=(100, 1024, 1024))
+    assert d.precision == "bf16" and "1024->1024 M=128" in d.reason
+    assert p.decide("linear", "x", 1, gemm=(30000, 1000, 1100)).precision == "mxfp8"  # nearest: 1024 family, M=32768
+    assert p.decide("linear", "x", 1, gemm=(6000, 1024, 1024)).precision == "bf16"  # M=8192 point: 0.9x
+    assert p.decide("linear", "x", 1, gemm=(6000, 3500, 4096)).precision == "mxfp8"  # 4096 family
+    assert p.decide("linear", "x").precision == "mxfp8"  # no shape known: rewritten
+    assert Policy(min_size=0).decide("linear", "x", 1, gemm=(100, 1024, 1024)).precision == "mxfp8"
+
+
+def test_min_size_auto_without_table_warns_once(tmp_path, monkeypatch):
+    monkeypatch.setattr(crossover, "DATA_DIR", str(tmp_path))
+    monkeypatch.setattr(crossover, "_capability", lambda: (10, 0))
+    monkeypatch.setattr(crossover, "_warned", set())
+    p = Policy(min_size="auto")
+    with pytest.warns(UserWarning, match="no crossover table"):
+        assert p.decide("linear", "x", 1, gemm=(128, 1024, 1024)).precision == "mxfp8"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert p.decide("grouped_mm", "x", 1, gemm=(128, 1024, 1024)).precision == "mxfp8"
+
+
+def test_min_size_validation():
+    with pytest.raises(ValueError, match="auto"):
+        Policy(min_size="fast")
+    with pytest.raises(ValueError, match="keep_dequantized_weights"):
+        Policy(keep_dequantized_weights="yes")
