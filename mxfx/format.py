@@ -14,7 +14,7 @@ Conventions (kept in one place so kernels and tests share them):
   ``torch.float8_e8m0fnu``, a free view of the same bytes.
 * Special blocks:
 
-  - all zeros: scale byte 0 (2^-127), payload +0.
+  - all zeros: scale byte 0 (2^-127), payload ±0 (the sign of each zero is kept, as torchao does).
   - any NaN **or ±Inf** in the block: scale byte 255 (E8M0 NaN) and every payload
     byte NaN (0x7F), so the whole block dequantizes to NaN. E4M3 has no infinity
     and no finite scale can carry one; mxfx marks the block non-finite rather
