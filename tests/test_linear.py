@@ -156,3 +156,25 @@ def test_floor_rule_reaches_the_graph():
     r2, _ = _run(model, x, options={"inner": "eager", "scale_rule": "floor"})
     assert r1 != r2
     assert {r.scale_rule for r in mxfx.last_report().records if r.rewritten} == {"floor"}
+
+
+class CastWeight(nn.Module):
+    """A model that casts its FP32 weight itself before the linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(64, 64) * 0.1)
+
+    def forward(self, x):
+        return F.linear(x, self.w.to(torch.bfloat16))
+
+
+def test_weight_casts_are_walked_back_to_the_parameter(tmp_path):
+    m, x = CastWeight(), torch.randn(8, 64).bfloat16()
+    y = torch.compile(m, backend="mxfp8", options={"inner": "eager", "dump_dir": str(tmp_path)})(x)
+    after = (tmp_path / f"graph_{mxfx.last_report().graph_id:03d}" / "after.py").read_text()
+    assert "mx_linear(l_x_, l_self_parameters_w_," in after  # the parameter itself
+    assert "= l_self_parameters_w_.to(" not in after  # the BF16 copy of the weight is gone
+    # quantized from the FP32 parameter: equal to the reference on the FP32 weight
+    ref = (q_dq(x.float(), -1, "rceil") @ q_dq(m.w.detach(), -1, "rceil").T).to(torch.bfloat16)
+    torch.testing.assert_close(y, ref, rtol=0, atol=0)

@@ -61,3 +61,44 @@ def is_call(node: fx.Node, functions: tuple = (), methods: tuple = ()) -> bool:
     if node.op == "call_method":
         return node.target in methods
     return False
+
+
+CASTS = ("to", "bfloat16", "float", "half", "type", "contiguous")
+"""Tensor methods that only change dtype or layout: walked through to reach a weight's parameter."""
+
+
+def _is_last_two_transpose(node: fx.Node) -> bool:
+    if not (is_call(node, (torch.transpose,), ("transpose",)) and len(node.args) >= 3):
+        return False
+    val = example_value(node.args[0])
+    dims = {d % val.dim() for d in node.args[1:3]} if val is not None else set()
+    return val is not None and dims == {val.dim() - 2, val.dim() - 1}
+
+
+def weight_source(b: fx.Node) -> tuple[fx.Node, bool]:
+    """Walk ``b`` back through casts and last-two-dim transposes.
+
+    Returns ``(source, transposed)``: ``b`` equals ``source`` (cast) transposed
+    ``transposed`` times modulo 2.
+    """
+    transposed = False
+    while isinstance(b, fx.Node):
+        if _is_last_two_transpose(b):
+            transposed, b = not transposed, b.args[0]
+        elif b.op == "call_method" and b.target in CASTS and len(b.users) == 1:
+            b = b.args[0]
+        else:
+            break
+    return b, transposed
+
+
+def erase_unused_chain(gm: fx.GraphModule, node) -> None:
+    """Erase the now-unused casts/transposes that fed the old weight operand.
+
+    Only these nodes: a graph-wide dead-code elimination would also drop
+    in-place writes such as ``operator.setitem`` that have no users.
+    """
+    while isinstance(node, fx.Node) and not node.users and node.op == "call_method" and node.target in (*CASTS, "transpose"):
+        parent = node.args[0]
+        gm.graph.erase_node(node)
+        node = parent

@@ -19,37 +19,9 @@ import torch
 import torch.fx as fx
 
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
-from mxfx.passes.fx import example_value, is_call, module_fqn, shape_str, size_hint
+from mxfx.passes.fx import erase_unused_chain, example_value, is_call, module_fqn, shape_str, size_hint, weight_source
 from mxfx.policy import Policy
 from mxfx.report import OpRecord, PrecisionMap
-
-_CASTS = ("to", "bfloat16", "float", "half", "type", "contiguous")
-
-
-def _is_last_two_transpose(node: fx.Node) -> bool:
-    if not (is_call(node, (torch.transpose,), ("transpose",)) and len(node.args) >= 3):
-        return False
-    val = example_value(node.args[0])
-    dims = {d % val.dim() for d in node.args[1:3]} if val is not None else set()
-    return val is not None and dims == {val.dim() - 2, val.dim() - 1}
-
-
-def weight_source(b: fx.Node) -> tuple[fx.Node, bool]:
-    """Walk ``b`` back through casts and last-two-dim transposes.
-
-    Returns ``(source, transposed)``: ``b`` equals ``source`` (cast) transposed
-    ``transposed`` times modulo 2.
-    """
-    transposed = False
-    while isinstance(b, fx.Node):
-        if _is_last_two_transpose(b):
-            transposed, b = not transposed, b.args[0]
-        elif b.op == "call_method" and b.target in _CASTS and len(b.users) == 1:
-            b = b.args[0]
-        else:
-            break
-    return b, transposed
-
 
 def _skip_reason(x, b, offs, bias) -> str:
     if x is None or b is None or offs is None:
@@ -106,19 +78,8 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
-        _erase_unused_chain(gm, b_node)
+        erase_unused_chain(gm, b_node)
         pm.add(OpRecord(new.name, "grouped_mm", module, shapes, "mxfp8", "mxfp8", d.wgrad, d.save, d.scale_rule))
         rewritten += 1
     return rewritten
 
-
-def _erase_unused_chain(gm: fx.GraphModule, node) -> None:
-    """Erase the now-unused casts/transposes that fed the old weight operand.
-
-    Only these nodes: a graph-wide dead-code elimination would also drop
-    in-place writes such as ``operator.setitem`` that have no users.
-    """
-    while isinstance(node, fx.Node) and not node.users and node.op == "call_method" and node.target in (*_CASTS, "transpose"):
-        parent = node.args[0]
-        gm.graph.erase_node(node)
-        node = parent

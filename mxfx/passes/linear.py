@@ -3,7 +3,9 @@
 Pattern: any ``torch._C._nn.linear`` call in the Dynamo graph (``nn.Linear``
 and ``F.linear`` both trace to it), 2D or 3D input, with or without bias.
 
-Replacement: ``mx_linear(x, W, b, scale_rule=..., wgrad=...)``, an autograd
+Replacement: ``mx_linear(x, W, b, scale_rule=..., wgrad=...)`` on the parameter
+itself (dtype casts in front of the weight are walked back, so the MX weight
+caches derive from the FP32 main weight, seed §11.3), an autograd
 function whose forward, dgrad and wgrad are MX GEMMs with each operand blocked
 along its reduction dim. Valid because it computes the same product: only the
 operands' rounding changes (to MXFP8), accumulation stays fp32, bias and output
@@ -20,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from mxfx.ops.linear import mx_linear
-from mxfx.passes.fx import example_value, module_fqn, shape_str, size_hint
+from mxfx.passes.fx import erase_unused_chain, example_value, module_fqn, shape_str, size_hint, weight_source
 from mxfx.passes.router import is_router
 from mxfx.policy import Policy
 from mxfx.report import OpRecord, PrecisionMap
@@ -75,11 +77,15 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         kwargs = {"scale_rule": d.scale_rule, "wgrad": d.wgrad}
         if policy.keep_dequantized_weights:
             kwargs["keep_dequantized_weights"] = True
+        source, transposed = weight_source(w_node)
+        weight = w_node if transposed else source  # quantize from the parameter itself, not a cast copy
         with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(mx_linear, (x_node, w_node, b_node), kwargs)
+            new = gm.graph.call_function(mx_linear, (x_node, weight, b_node), kwargs)
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
+        if weight is not w_node:
+            erase_unused_chain(gm, w_node)
         saved = "mxfp8" if d.wgrad == "mxfp8" else "bf16"
         pm.add(OpRecord(new.name, kind, module, shapes, "mxfp8", "mxfp8", d.wgrad, saved, d.scale_rule))
         rewritten += 1

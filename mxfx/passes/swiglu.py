@@ -25,14 +25,13 @@ import torch.nn.functional as F
 
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
 from mxfx.ops.linear import mx_linear
-from mxfx.passes.fx import example_value, is_call, module_fqn, shape_str
+from mxfx.passes.fx import CASTS, example_value, is_call, module_fqn, shape_str
 from mxfx.policy import Policy
 from mxfx.report import OpRecord, PrecisionMap
 
 MX_CONSUMERS = (mx_linear, mx_grouped_mm_op)
 _SILU_FN = (F.silu, torch.nn.functional.silu)
 _MUL_FN = (operator.mul, torch.mul)
-_CASTS = ("to", "bfloat16", "float", "half", "type", "contiguous")
 
 
 def _silu_input(node) -> fx.Node | None:
@@ -44,7 +43,7 @@ def _silu_input(node) -> fx.Node | None:
 def match(x: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node]] | None:
     """``(gate, up, dead_nodes)`` when ``x`` is ``silu(gate) * up`` (through casts), else None."""
     dead = []
-    while x.op == "call_method" and x.target in _CASTS and len(x.users) == 1:
+    while x.op == "call_method" and x.target in CASTS and len(x.users) == 1:
         dead.append(x)
         x = x.args[0]
     if not (is_call(x, _MUL_FN, ("mul",)) and len(x.users) == 1 and len(x.args) == 2):
