@@ -291,6 +291,8 @@ def main():
 
     if cfg.check and failures:
         sys.exit("check failed:\n  " + "\n  ".join(failures))
+    if cfg.check:
+        print("checks passed: mxfp8 within tolerance of bf16 and not identical, both below 0.8x untrained, MX ops rewritten")
 
 
 if __name__ == "__main__":

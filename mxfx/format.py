@@ -205,7 +205,8 @@ def quantize(x: torch.Tensor, axis: int = -1, rule: ScaleRule = "rceil") -> tupl
     check_input(x, op)
     check_rule(rule, op)
     axis = check_block_axis(x.shape, axis, op)
-    q, s = quantize_lastdim(x.movedim(axis, -1), rule)
+    with torch.no_grad():  # not differentiable: the payload is a rounding
+        q, s = quantize_lastdim(x.movedim(axis, -1), rule)
     return q.movedim(-1, axis), s.movedim(-1, axis).view(torch.float8_e8m0fnu)
 
 
@@ -219,11 +220,18 @@ def dequantize(
         scales: ``torch.float8_e8m0fnu`` (or uint8 E8M0 bytes), qdata's shape with
             ``axis`` divided by 32. Byte 255 (NaN) makes its whole block NaN.
         axis: the blocked axis, as given to :func:`quantize`.
-        dtype: output dtype (default bf16); the product is formed exactly in fp32.
+        dtype: output dtype (default bf16; bf16, fp16 or fp32); the product is formed
+            exactly in fp32. A block whose value exceeds the output dtype's range
+            (possible only next to the fp32 maximum with rceil) gives ±inf, as IEEE casts do.
 
     Raises:
         TypeError / ValueError: wrong dtypes, or shapes that do not pair up.
     """
     axis = check_pair(qdata, scales, axis, "mxfx.dequantize")
+    if not dtype.is_floating_point or dtype.itemsize < 2:
+        raise TypeError(
+            f"mxfx.dequantize: output dtype {dtype} for qdata of shape {tuple(qdata.shape)} is not a 16- or 32-bit "
+            f"floating type; use torch.bfloat16, torch.float16 or torch.float32"
+        )
     out = dequantize_lastdim(qdata.movedim(axis, -1), scales.movedim(axis, -1), dtype)
     return out.movedim(-1, axis)

@@ -123,6 +123,12 @@ class Decision:
 class Policy:
     """Global settings and per-op rules for the mxfp8 backend.
 
+    Resolution, per op and per setting: the first matching rule (user rules,
+    then :data:`DEFAULT_RULES`) that *sets* that field wins; a rule leaves the
+    fields it does not set to later rules, then to the policy-wide values. So
+    ``{"op": "linear", "min_size": 2**30}`` changes the size threshold only and
+    the vocabulary projection still stays BF16 by the default rule.
+
     Attributes:
         scale_rule: "rceil" (default) or "floor" for every op no rule overrides.
         wgrad: overrides the per-kind wgrad default for every op no rule overrides.
@@ -165,14 +171,21 @@ class Policy:
     transport: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        _check_choice("scale_rule", self.scale_rule, SCALE_RULES)
+        for name, valid in (("scale_rule", SCALE_RULES), ("save", PRECISIONS)):
+            if getattr(self, name) not in valid:  # None is not a value here
+                raise ValueError(f"mxfx policy: {name}={getattr(self, name)!r} is not valid; choose one of {', '.join(map(repr, valid))}")
         _check_choice("wgrad", self.wgrad, PRECISIONS)
-        _check_choice("save", self.save, PRECISIONS)
+        if not isinstance(self.rules, (list, tuple)) or not all(isinstance(r, (Rule, dict)) for r in self.rules):
+            raise ValueError(f"mxfx policy: rules={self.rules!r} must be a list of mxfx.Rule or dicts of Rule fields")
+        if not isinstance(self.passes, dict):
+            raise ValueError(f"mxfx policy: passes={self.passes!r} must be a dict of pass name -> bool; passes: {', '.join(PASSES)}")
+        if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
+            raise ValueError(f"mxfx policy: dump_dir={self.dump_dir!r} must be a path (str) or None")
         _check_min_size(self.min_size)
         if not isinstance(self.keep_dequantized_weights, bool):
             raise ValueError(f"mxfx policy: keep_dequantized_weights={self.keep_dequantized_weights!r} must be True or False")
-        if not callable(self.inner):
-            _check_choice("inner", self.inner, INNER_COMPILERS)
+        if not callable(self.inner) and self.inner not in INNER_COMPILERS:
+            raise ValueError(f"mxfx policy: inner={self.inner!r} is not valid; choose one of {', '.join(map(repr, INNER_COMPILERS))} or a backend callable")
         rules = tuple(r if isinstance(r, Rule) else _from_mapping(Rule, dict(r), "rule") for r in self.rules)
         object.__setattr__(self, "rules", rules)
         for name, on in self.passes.items():
@@ -222,10 +235,15 @@ class Policy:
         (without it an "auto" op is rewritten).
         """
         _check_choice("op", kind, OP_KINDS)
-        rule = next((r for r in (*self.rules, *DEFAULT_RULES) if r.matches(kind, module)), None)
-        get = lambda name: None if rule is None else getattr(rule, name)  # noqa: E731
-        precision = get("precision") or "mxfp8"
-        min_size = get("min_size") if get("min_size") is not None else self.min_size
+        matching = [r for r in (*self.rules, *DEFAULT_RULES) if r.matches(kind, module)]
+
+        def first(name):  # each setting comes from the first matching rule that sets it
+            return next(((getattr(r, name), r) for r in matching if getattr(r, name) is not None), (None, None))
+
+        precision, rule = first("precision")
+        precision = precision or "mxfp8"
+        min_size, size_rule = first("min_size")
+        min_size = self.min_size if min_size is None else min_size
         reason = ""
         if precision != "mxfp8":
             origin = "default rule" if rule in DEFAULT_RULES else "policy rule"
@@ -239,6 +257,8 @@ class Policy:
                     precision, reason = "bf16", f"min_size='auto': {why}"
         elif macs is not None and macs < min_size:
             precision, reason = "bf16", f"GEMM of {macs} MACs is below min_size {min_size}"
+        get = lambda name: first(name)[0]  # noqa: E731
+        rule = rule or size_rule or (matching[0] if matching else None)
         return Decision(
             precision=precision,
             wgrad=get("wgrad") or self.wgrad or KIND_DEFAULT_WGRAD.get(kind, "mxfp8"),

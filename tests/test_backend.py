@@ -70,3 +70,40 @@ def test_dump_dir_and_env(tmp_path, monkeypatch):
     monkeypatch.setenv("MXFX_DUMP_DIR", str(env_dir))
     torch.compile(m, backend="mxfp8", options={"inner": "eager"})(torch.randn(4, 32))
     assert (env_dir / "graph_{:03d}".format(mxfx.last_report().graph_id) / "precision.txt").exists()
+
+
+def test_rules_only_override_what_they_set():
+    # A rule that sets no precision must not lift the default BF16 rules for routers and lm_head.
+    p = Policy(rules=({"scale_rule": "floor"}, {"op": "linear", "min_size": 0}))
+    assert p.decide("linear", "lm_head").precision == "bf16"
+    assert p.decide("router", "layers.0.gate").precision == "bf16"
+    d = p.decide("linear", "layers.0.qkv")
+    assert (d.precision, d.scale_rule) == ("mxfp8", "floor")
+    assert Policy(rules=({"module": "lm_head", "precision": "mxfp8"},)).decide("linear", "lm_head").precision == "mxfp8"
+
+
+def test_save_policy_reaches_dense_linears():
+    m = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    x = torch.randn(8, 32, requires_grad=True)
+    for opts in ({"save": "bf16"}, {"rules": [{"op": "saved", "precision": "bf16"}]}):
+        torch._dynamo.reset()
+        torch.compile(m, backend="mxfp8", options={"inner": "eager", **opts})(x)
+        assert {r.saved for r in mxfx.last_report().records} == {"bf16"}, opts
+    torch._dynamo.reset()
+    torch.compile(m, backend="mxfp8", options={"inner": "eager"})(x)
+    assert {r.saved for r in mxfx.last_report().records} == {"mxfp8"}
+
+
+@pytest.mark.parametrize(
+    "bad", [{"scale_rule": None}, {"save": None}, {"inner": None}, {"rules": "lm_head"}, {"passes": ["linear"]}, {"dump_dir": 5}]
+)
+def test_bad_option_types_raise_value_error(bad):
+    with pytest.raises(ValueError, match="mxfx policy"):
+        Policy.from_options(bad)
+
+
+def test_public_format_api_guards():
+    q, s = mxfx.quantize(torch.randn(4, 32, requires_grad=True))
+    assert not q.requires_grad and not s.requires_grad
+    with pytest.raises(TypeError, match=r"not a 16- or 32-bit floating type"):
+        mxfx.dequantize(q, s, dtype=torch.int32)

@@ -74,7 +74,7 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         if reason:
             pm.add(OpRecord(node.name, kind, module, shapes, "bf16", "bf16", "bf16", "bf16", "-", reason))
             continue
-        kwargs = {"scale_rule": d.scale_rule, "wgrad": d.wgrad}
+        kwargs = {"scale_rule": d.scale_rule, "wgrad": d.wgrad, "save": d.save}
         if policy.keep_dequantized_weights:
             kwargs["keep_dequantized_weights"] = True
         source, transposed = weight_source(w_node)
@@ -86,7 +86,7 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         gm.graph.erase_node(node)
         if weight is not w_node:
             erase_unused_chain(gm, w_node)
-        saved = "mxfp8" if d.wgrad == "mxfp8" else "bf16"
+        saved = d.save
         pm.add(OpRecord(new.name, kind, module, shapes, "mxfp8", "mxfp8", d.wgrad, saved, d.scale_rule))
         rewritten += 1
     return rewritten

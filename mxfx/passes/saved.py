@@ -20,8 +20,10 @@ through, since the partitioner recomputes them from their base):
 
 Eligibility: floating dtype and a last dim that is a multiple of 32 (already
 required of an MX op's input); integer routing indices never reach an MX op.
-The decision is written into the op's ``save`` argument and the precision map,
-with nominal saved bytes before and after.
+A policy rule with ``op="saved", precision="bf16"`` (or ``save="bf16"`` on the
+op's own rule) keeps the input BF16 regardless. The decision is written into the
+op's ``save`` argument and the precision map, with nominal saved bytes before
+and after.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch.nn.functional as F
 
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
 from mxfx.ops.linear import mx_linear
-from mxfx.passes.fx import example_value, is_call, size_hint
+from mxfx.passes.fx import example_value, is_call, module_fqn, size_hint
 from mxfx.policy import Policy
 from mxfx.report import PrecisionMap
 
@@ -101,9 +103,12 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         for d in x.shape if x is not None else ():
             numel *= size_hint(d)
         bf16_bytes = 2 * numel
-        if node.kwargs.get("save", "mxfp8") != "mxfp8":
+        if node.kwargs.get("save", "mxfp8") != "mxfp8":  # the op's own rule already keeps it BF16
+            if record:
+                record.saved_bytes = (bf16_bytes, bf16_bytes)
             continue
-        why = keeps_bf16_alive(node.args[0], node)
+        ds = policy.decide("saved", module_fqn(node))  # rules with op="saved"
+        why = ds.reason if ds.precision != "mxfp8" else keeps_bf16_alive(node.args[0], node)
         if why:
             node.kwargs = {**node.kwargs, "save": "bf16"}
             if record:
