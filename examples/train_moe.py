@@ -54,7 +54,7 @@ class TrainConfig:
     batch: int = 32
     # optimisation
     steps: int = 200
-    lr: float = 3e-3
+    lr: float = 1.5e-3  # 3e-3 was at the edge of stability: run-to-run held-out spread of ~4% even for BF16 alone
     min_lr_frac: float = 0.1  # cosine decays to lr * min_lr_frac
     warmup: int = 20
     weight_decay: float = 0.1  # on matrices only
