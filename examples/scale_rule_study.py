@@ -53,7 +53,7 @@ def parse_args():
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--pre-steps", type=int, default=80, help="floor-scaled steps to the common checkpoint")
     p.add_argument("--steps", type=int, default=40, help="continuation steps per branch")
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=1.5e-3)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--compiler", default=None, help="inner compiler (default: aot_eager on CPU, inductor on CUDA)")
