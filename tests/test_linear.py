@@ -178,3 +178,27 @@ def test_weight_casts_are_walked_back_to_the_parameter(tmp_path):
     # quantized from the FP32 parameter: equal to the reference on the FP32 weight
     ref = (q_dq(x.float(), -1, "rceil") @ q_dq(m.w.detach(), -1, "rceil").T).to(torch.bfloat16)
     torch.testing.assert_close(y, ref, rtol=0, atol=0)
+
+
+class TiedHead(nn.Module):
+    """A language model head that shares its weight with the embedding, under a non-standard name."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(128, 64)
+        self.mix = nn.Linear(64, 64)
+        self.head = nn.Linear(64, 128, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx):
+        return self.head(self.mix(self.emb(idx))).float().logsumexp(-1).mean()
+
+
+def test_tied_output_head_stays_bf16_unless_a_rule_says_otherwise():
+    m, idx = TiedHead(), torch.randint(0, 128, (2, 16))
+    torch.compile(m, backend="mxfp8", options={"inner": "eager"})(idx)
+    kept = {r.module: r.reason for r in mxfx.last_report().records if not r.rewritten}
+    assert set(kept) == {"head"} and "tied to an embedding" in kept["head"]
+    torch._dynamo.reset()
+    torch.compile(m, backend="mxfp8", options={"inner": "eager", "rules": [{"module": "head", "precision": "mxfp8"}]})(idx)
+    assert mxfx.last_report().count("linear", rewritten=True) == 2

@@ -12,7 +12,8 @@ operands' rounding changes (to MXFP8), accumulation stays fp32, bias and output
 dtype follow ``F.linear`` under autocast.
 
 Kept as written (and reported): routers (:mod:`mxfx.passes.router`), ops a
-policy rule keeps in BF16 (the vocabulary projection by default), linears
+policy rule keeps in BF16 (the vocabulary projection by default: by name, or
+by a weight tied to an embedding lookup in the same graph), linears
 whose in/out features are not multiples of 32, non-floating operands.
 """
 
@@ -50,6 +51,21 @@ def _skip_reason(x, w) -> str:
     return ""
 
 
+_EMBEDDING_FNS = (torch.nn.functional.embedding, torch.embedding)
+
+
+def _tied_to_embedding(w_node) -> bool:
+    """True when the linear's weight (behind casts) also feeds an embedding lookup: a tied output head."""
+    source, _ = weight_source(w_node)
+    return isinstance(source, fx.Node) and any(
+        u.op == "call_function" and u.target in _EMBEDDING_FNS and source in u.args[:2] for u in source.users
+    )
+
+
+def _user_sets_precision(policy: Policy, kind: str, module: str) -> bool:
+    return any(r.precision is not None and r.matches(kind, module) for r in policy.rules)
+
+
 def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
     """Rewrite eligible linears in ``gm`` in place; returns how many were rewritten."""
     rewritten = 0
@@ -71,6 +87,8 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
             macs = gemm[0] * gemm[1] * gemm[2]
         d = policy.decide(kind, module, macs, gemm)
         reason = d.reason or reason
+        if not reason and _tied_to_embedding(w_node) and not _user_sets_precision(policy, kind, module):
+            reason = "vocabulary projection (weight tied to an embedding); a policy rule with precision='mxfp8' overrides"
         if reason:
             pm.add(OpRecord(node.name, kind, module, shapes, "bf16", "bf16", "bf16", "bf16", "-", reason))
             continue
