@@ -107,3 +107,27 @@ def test_public_format_api_guards():
     assert not q.requires_grad and not s.requires_grad
     with pytest.raises(TypeError, match=r"not a 16- or 32-bit floating type"):
         mxfx.dequantize(q, s, dtype=torch.int32)
+
+
+def test_dynamic_token_counts_one_graph():
+    from torch._dynamo.backends.debugging import aot_eager
+
+    compiles = []
+
+    def counting_inner(gm, example_inputs):
+        compiles.append(gm)
+        return aot_eager(gm, example_inputs)
+
+    m = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+    compiled = torch.compile(m, backend="mxfp8", options={"inner": counting_inner}, dynamic=True)
+    reference = torch.compile(m, backend="mxfp8", options={"inner": "eager"}, dynamic=True)
+    # not multiples of 32 (wgrad pads tokens inside the op); above 32 so the padded token count is
+    # never a single block, which Dynamo specializes like any size-1 dim
+    for tokens in (40, 129, 300):
+        x = torch.randn(tokens, 64, requires_grad=True)
+        y = compiled(x)
+        y.square().sum().backward()
+        torch.testing.assert_close(y, reference(x), rtol=1e-5, atol=1e-5)
+        assert torch.isfinite(x.grad).all()
+    assert len(compiles) == 1  # one graph serves every token count
+    assert compiles[0].code.count("mx_linear(") == 2
