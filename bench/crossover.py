@@ -122,7 +122,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--quick", action="store_true", help="toy families and M (CPU smoke run)")
-    p.add_argument("--out", default=os.environ.get("OUT", "runs/crossover"), help="directory for crossover.png/.json")
+    p.add_argument("--out", default=os.environ.get("MXFX_BENCH_OUT", "runs/crossover"), help="directory for crossover.png/.json")
     p.add_argument("--rep-ms", type=int, default=60, help="do_bench repetition time per measurement (CUDA)")
     p.add_argument("--no-save-table", action="store_true", help="do not write mxfx/data/crossover_<cc>.json")
     a = p.parse_args()

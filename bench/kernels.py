@@ -6,8 +6,8 @@ Also torchao's ``to_mx`` under ``torch.compile``, shapes called in sequence so t
 dynamic-shape recompile happens as it would for a user.
 
 Usage: ``python bench/kernels.py`` (CUDA + Triton); ``MXFX_BENCH_SWEEP=1`` also times
-alternative tile configs. Prints a markdown table; writes it to ``$OUT/kernels.md`` when
-``OUT`` is set.
+alternative tile configs. Prints a markdown table; writes it to ``$MXFX_BENCH_OUT/kernels.md`` when
+that variable is set.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from triton.testing import do_bench
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mxfx.kernels import dispatch, dual, quantize, swiglu  # noqa: E402
+from _results import emit  # noqa: E402  (bench/ is on sys.path when a script runs)
 
 SHAPES = [(65536, 2048), (131072, 1024), (16384, 4096)]
 GOAL = {(65536, 2048): 0.92, (131072, 1024): 0.92, (16384, 4096): 0.90}
@@ -140,10 +141,7 @@ def main() -> None:
     if os.environ.get("MXFX_BENCH_SWEEP"):
         rows += sweep(copy_gbs)
     table = "\n".join(rows)
-    print("\n" + table)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "kernels.md"), "w") as f:
-            f.write(table + "\n")
+    emit("kernels.md", table)
 
 
 if __name__ == "__main__":

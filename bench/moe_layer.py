@@ -14,11 +14,11 @@ step) its weight quantization is amortized away, as it is across microbatches in
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import torch
 import torch.nn.functional as F
+from _results import emit  # noqa: E402  (bench/ is on sys.path when a script runs)
 
 
 def routed_layer(grouped_mm):
@@ -117,10 +117,7 @@ def main():
             t.grad = None
     head = f"MoE layer fwd+bwd: {a.tokens} tokens, d={a.d}, {a.experts} experts top-{a.topk}, hidden {a.hidden}, device {torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'}, torch {torch.__version__}"
     table = "\n".join([head, "", "| arm | ms | speed vs bf16 | peak GiB | activation GiB |", "|---|---|---|---|---|", *rows])
-    print(table)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "moe_layer.md"), "w") as f:
-            f.write(table + "\n")
+    emit("moe_layer.md", table)
 
 
 if __name__ == "__main__":

@@ -282,7 +282,7 @@ def main():
     p.add_argument("--inner", default="inductor", help="compiler for every arm (aot_eager for fast smoke runs)")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--data-seed", type=int, default=0)
-    p.add_argument("--out", default=os.environ.get("OUT", "runs/train_step"))
+    p.add_argument("--out", default=os.environ.get("MXFX_BENCH_OUT", "runs/train_step"))
     a = p.parse_args()
     if a.quick:
         a.layers, a.d_model, a.head_dim, a.experts, a.topk = 1, 64, 32, 4, 2

@@ -14,7 +14,7 @@ around each weight quantization (device time on CUDA, CPU time otherwise).
 
 Usage: ``python bench/weight_cache.py`` (CUDA, ~1 min on an H200) or
 ``python bench/weight_cache.py --device cpu`` (toy size). Prints a markdown table;
-writes it to ``$OUT/weight_cache.md`` when ``OUT`` is set.
+writes it to ``$MXFX_BENCH_OUT/weight_cache.md`` when that variable is set.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mxfx import cache, kernels  # noqa: E402
 from mxfx.ops import linear as mx_linear_mod  # noqa: E402
+from _results import emit  # noqa: E402  (bench/ is on sys.path when a script runs)
 
 MICROBATCHES = 4
 RANGE = "weight_quantize"
@@ -204,10 +205,7 @@ def main():
             f"| {r['mode']} | {r['step_ms']:.2f} | {r['wq_ms']:.3f} | {r['wq_calls']:.0f} | {r['cache_mib']:.2f} | {peak} |"
         )
     table = "\n".join(lines)
-    print(table)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "weight_cache.md"), "w") as f:
-            f.write(table + "\n")
+    emit("weight_cache.md", table)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """MXFP8 format semantics of the plain-torch reference (mxfx.format), on CPU.
 
-Expected bytes are worked out by hand from /work/shared/format_spec.md (OCP MX v1.0
+Expected bytes are worked out by hand from the project's written-out conversion rules (OCP MX v1.0
 §6.3 with the rceil and floor rules); torchao's ``to_mx`` is a second opinion on
 normal-range data.
 """
