@@ -6,8 +6,8 @@ with ``torch.compile(model, backend="mxfp8")``, 4 microbatches per step and an
 AdamW (foreach) step. Two modes:
 
 * ``cached``: :mod:`mxfx.cache`, forward/dgrad weight operands rebuilt once per step.
-* ``per-call``: every GEMM quantizes its weight (``_quantize_weight`` patched back to
-  the pre-cache behaviour): 2 quantizations per weight per microbatch.
+* ``per-call``: every GEMM quantizes its weight (the linear op's ``weight_operands``
+  patched back to the pre-cache behaviour): 2 quantizations per weight per microbatch.
 
 Weight-quantization time is the profiler total of a ``weight_quantize`` range wrapped
 around each weight quantization (device time on CUDA, CPU time otherwise).
@@ -98,9 +98,9 @@ def _(weight, rule, orientation):
     return weight.new_empty(shape, dtype=torch.float8_e4m3fn), weight.new_empty([*shape[:-1], shape[-1] // 32], dtype=torch.uint8)
 
 
-def per_call_quantize_weight(weight, rule, orientation):
+def per_call_weight_operands(weight, rule, orientation, keep_dequantized):
     with torch.no_grad():
-        return _per_call_weight_quantize(weight, rule, orientation)
+        return (*_per_call_weight_quantize(weight, rule, orientation), None)
 
 
 def run_mode(mode, args, device):
@@ -108,10 +108,10 @@ def run_mode(mode, args, device):
     cache.clear()
     cache.reset_stats()
     _per_call_count[0] = 0
-    original, original_cache_quantize = mx_linear_mod._quantize_weight, cache._quantize
+    original, original_cache_quantize = mx_linear_mod.weight_operands, cache._quantize
     cache._quantize = _ranged_quantize(original_cache_quantize)
     if mode == "per-call":
-        mx_linear_mod._quantize_weight = per_call_quantize_weight
+        mx_linear_mod.weight_operands = per_call_weight_operands
     try:
         torch.manual_seed(0)
         model = MoEish(args.d, args.h, args.experts, args.layers).to(device)
@@ -160,7 +160,7 @@ def run_mode(mode, args, device):
             "weights": sum(1 for n, p in model.named_parameters() if p.dim() == 2 and "router" not in n),
         }
     finally:
-        mx_linear_mod._quantize_weight, cache._quantize = original, original_cache_quantize
+        mx_linear_mod.weight_operands, cache._quantize = original, original_cache_quantize
 
 
 def main():

@@ -281,6 +281,17 @@ def weight_dequantized(weight: torch.Tensor, rule: str, orientation: str) -> tor
         return _cached_weight_dequantized(weight, rule, orientation)
 
 
+def weight_operands(weight: torch.Tensor, rule: str, orientation: str, keep_dequantized: bool):
+    """What an MX GEMM takes of a weight: ``(qdata, scales, dequantized)``.
+
+    ``(qdata, scales)`` from :func:`weight_operand`; ``dequantized`` is
+    :func:`weight_dequantized` under ``Policy.keep_dequantized_weights``, else None.
+    Shapes, dtypes and errors as for those two functions.
+    """
+    qdata, scales = weight_operand(weight, rule, orientation)
+    return qdata, scales, (weight_dequantized(weight, rule, orientation) if keep_dequantized else None)
+
+
 # --- refresh -------------------------------------------------------------------------------
 
 

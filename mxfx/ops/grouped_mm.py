@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import torch
 
+from mxfx.cache import weight_operands
 from mxfx.kernels import ops as kops
 from mxfx.ops import swiglu
 from mxfx.ops.gemm import hp_grouped_wgrad, mx_grouped_mm, mx_grouped_mm_wgrad
-from mxfx.ops.linear import _dequantized_weight, _quantize_weight
 
 BLOCK = 32
 
@@ -76,14 +76,9 @@ class _MXGroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, up, weight, offs, route_weight, out_dtype, rule, wgrad, save, keep_dq):
         s_rows = x.shape[0]
-        if up is None:
-            xq, xs = kops.quantize(x, rule)
-            packed = ()
-        else:
-            xq, xs = kops.swiglu_quantize(x, up, rule)
-            packed = swiglu.pack(x, up, save, rule)
-        wq, ws = _quantize_weight(weight, rule, "forward")
-        w_dq = _dequantized_weight(weight, rule, "forward", keep_dq)
+        xq, xs = swiglu.quantize_input(x, up, rule)
+        packed = () if up is None else swiglu.pack(x, up, save, rule)
+        wq, ws, w_dq = weight_operands(weight, rule, "forward", keep_dq)
         y = mx_grouped_mm(xq, xs, wq, ws, offs, out_dtype if route_weight is None else torch.float32, w_dq)
         if wgrad == "mxfp8":
             dest, _, capacity = group_padding(offs, s_rows)
@@ -116,8 +111,7 @@ class _MXGroupedMM(torch.autograd.Function):
         else:
             dyq, dys = kops.quantize(dout, rule)
             dy = dout
-        wq_t, ws_t = _quantize_weight(weight, rule, "dgrad")
-        w_dq = _dequantized_weight(weight, rule, "dgrad", keep_dq)
+        wq_t, ws_t, w_dq = weight_operands(weight, rule, "dgrad", keep_dq)
         dh = mx_grouped_mm(dyq, dys, wq_t, ws_t, offs, torch.float32 if has_up else x_dtype, w_dq)
         dx = dup = None
         if has_up:
@@ -183,7 +177,7 @@ def mx_grouped_mm_op(
     out_dtype = out_dtype or x.dtype
     if not torch.is_grad_enabled():  # inference graph: the forward GEMM only, nothing saved
         xq, xs = swiglu.quantize_input(x, up, scale_rule)
-        w_dq = _dequantized_weight(weight, scale_rule, "forward", keep_dequantized_weights)
-        y = mx_grouped_mm(xq, xs, *_quantize_weight(weight, scale_rule, "forward"), offs, torch.float32, w_dq)
+        wq, ws, w_dq = weight_operands(weight, scale_rule, "forward", keep_dequantized_weights)
+        y = mx_grouped_mm(xq, xs, wq, ws, offs, torch.float32, w_dq)
         return (y if route_weight is None else y * route_weight.reshape(-1, 1).float()).to(out_dtype)
     return _MXGroupedMM.apply(x, up, weight, offs, route_weight, out_dtype, scale_rule, wgrad, save, keep_dequantized_weights)

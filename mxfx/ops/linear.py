@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mxfx.cache import weight_dequantized, weight_operand
+from mxfx.cache import weight_operands
 from mxfx.kernels import ops as kops
 from mxfx.ops import swiglu
 from mxfx.ops.gemm import hp_mm_t, mx_mm
@@ -36,17 +36,6 @@ from mxfx.ops.gemm import hp_mm_t, mx_mm
 def _pad_tokens(t: torch.Tensor) -> torch.Tensor:
     """Zero-pad dim 0 to a multiple of 32 (zero rows add nothing to a token-reduction GEMM)."""
     return F.pad(t, (0, 0, 0, (-t.shape[0]) % 32))
-
-
-def _quantize_weight(weight: torch.Tensor, rule: str, orientation: str):
-    """Weight operand from its cache (:mod:`mxfx.cache`, rebuilt once per optimizer step):
-    "forward" = W [..., N, K] blocked along K; "dgrad" = W^T [..., K, N] blocked along N."""
-    return weight_operand(weight, rule, orientation)
-
-
-def _dequantized_weight(weight: torch.Tensor, rule: str, orientation: str, keep: bool):
-    """The cached BF16 dequantized weight operand under ``keep_dequantized_weights``, else None."""
-    return weight_dequantized(weight, rule, orientation) if keep else None
 
 
 class _MXLinear(torch.autograd.Function):
@@ -69,8 +58,8 @@ class _MXLinear(torch.autograd.Function):
                 kind, wgrad_input = ("hp_tokens" if wgrad == "mxfp8" else "hp"), (x2d,)
             else:  # BF16 wgrad from the forward's own rowwise MX copy
                 kind, wgrad_input = "mx_rows", (xq, xs)
-        wq, ws = _quantize_weight(weight, rule, "forward")
-        y = mx_mm(xq, xs, wq, ws, out_dtype, _dequantized_weight(weight, rule, "forward", keep_dq))
+        wq, ws, w_dq = weight_operands(weight, rule, "forward", keep_dq)
+        y = mx_mm(xq, xs, wq, ws, out_dtype, w_dq)
         if bias is not None:
             y = y + bias.to(out_dtype)
         ctx.save_for_backward(weight, *wgrad_input, *packed)
@@ -92,8 +81,8 @@ class _MXLinear(torch.autograd.Function):
             dyq, dys = kops.quantize(dy, rule)
         dx = dup = None
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            wq_t, ws_t = _quantize_weight(weight, rule, "dgrad")
-            dh = mx_mm(dyq, dys, wq_t, ws_t, torch.float32 if has_up else x_dtype, _dequantized_weight(weight, rule, "dgrad", keep_dq))
+            wq_t, ws_t, w_dq = weight_operands(weight, rule, "dgrad", keep_dq)
+            dh = mx_mm(dyq, dys, wq_t, ws_t, torch.float32 if has_up else x_dtype, w_dq)
             if has_up:
                 dx, dup = (t.to(x_dtype) for t in swiglu.backward(dh, packed))
             else:
@@ -156,8 +145,8 @@ def mx_linear(
     with torch.autocast(dev, enabled=False):
         if not torch.is_grad_enabled():  # inference graph: the forward GEMM only, nothing saved
             xq, xs = swiglu.quantize_input(x.reshape(-1, k), up2d, scale_rule)
-            w_dq = _dequantized_weight(weight, scale_rule, "forward", keep_dequantized_weights)
-            y = mx_mm(xq, xs, *_quantize_weight(weight, scale_rule, "forward"), out_dtype, w_dq)
+            wq, ws, w_dq = weight_operands(weight, scale_rule, "forward", keep_dequantized_weights)
+            y = mx_mm(xq, xs, wq, ws, out_dtype, w_dq)
             y = y if bias is None else y + bias.to(out_dtype)
             return y.reshape(*x.shape[:-1], n)
         y = _MXLinear.apply(x.reshape(-1, k), up2d, weight, bias, out_dtype, scale_rule, wgrad, save, keep_dequantized_weights)
