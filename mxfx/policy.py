@@ -226,6 +226,7 @@ class Policy:
         return self.transport.get(direction, "mxfp8")
 
     def pass_enabled(self, name: str) -> bool:
+        """Whether pass ``name`` runs (``passes`` switches; every pass is on by default)."""
         return self.passes.get(name, True)
 
     def decide(self, kind: str, module: str, macs: int | None = None, gemm: tuple[int, int, int] | None = None) -> Decision:

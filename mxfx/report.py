@@ -52,6 +52,7 @@ class PrecisionMap:
     records: list[OpRecord] = field(default_factory=list)
 
     def add(self, record: OpRecord) -> None:
+        """Append ``record`` and bump ``torch._dynamo.utils.counters["mxfx"]["<kind>_rewritten|skipped"]``."""
         self.records.append(record)
         counters["mxfx"][f"{record.kind}_{'rewritten' if record.rewritten else 'skipped'}"] += 1
 
@@ -64,6 +65,7 @@ class PrecisionMap:
         return sum(r.saved_bytes[0] for r in self.records), sum(r.saved_bytes[1] for r in self.records)
 
     def count(self, kind: str | None = None, rewritten: bool | None = None) -> int:
+        """Number of records of ``kind`` (any if None) that were (or were not) rewritten (either if None)."""
         return sum(
             1
             for r in self.records
@@ -71,6 +73,7 @@ class PrecisionMap:
         )
 
     def summary(self) -> str:
+        """One line: rewritten/kept counts per op kind and nominal saved-input bytes before/after packing."""
         kinds = sorted({r.kind for r in self.records})
         parts = [f"{k}: {self.count(k, True)} mxfp8 / {self.count(k, False)} kept" for k in kinds]
         text = f"graph {self.graph_id}: " + ("; ".join(parts) if parts else "no matching ops")
@@ -80,6 +83,7 @@ class PrecisionMap:
         return text
 
     def to_text(self) -> str:
+        """The map as an aligned text table, one line per record (written as ``precision.txt``)."""
         cols = ["node", "kind", "module", "shapes", "forward", "dgrad", "wgrad", "saved", "scale_rule", "reason"]
         rows = [cols] + [[str(getattr(r, c)) for c in cols] for r in self.records]
         widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
@@ -107,10 +111,12 @@ class PrecisionMap:
         )
 
     def to_json(self) -> str:
+        """The records as a JSON list of objects (written as ``precision.json``)."""
         return json.dumps([dataclasses.asdict(r) for r in self.records], indent=1)
 
 
 def register(pm: PrecisionMap) -> None:
+    """Keep ``pm`` for :func:`last_report` / :func:`all_reports`."""
     _reports.append(pm)
 
 

@@ -39,6 +39,7 @@ def example_value(node) -> torch.Tensor | None:
 
 
 def shape_str(t: torch.Tensor | None) -> str:
+    """``[2, 16, 64]`` for the precision map ("?" without an example value); symbolic sizes print as symbols."""
     if t is None:
         return "?"
     return "[" + ", ".join(str(s) for s in t.shape) + "]"
@@ -68,6 +69,7 @@ CASTS = ("to", "bfloat16", "float", "half", "type", "contiguous")
 
 
 def _is_last_two_transpose(node: fx.Node) -> bool:
+    """True for ``t.transpose(-2, -1)`` (in any spelling of the last two dims)."""
     if not (is_call(node, (torch.transpose,), ("transpose",)) and len(node.args) >= 3):
         return False
     val = example_value(node.args[0])
