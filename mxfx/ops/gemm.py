@@ -40,6 +40,7 @@ import torch
 
 from mxfx import layout
 from mxfx.kernels import ops as kops
+from mxfx.kernels import triton_available
 
 FORMAT = "mxfp8"
 """The block-scaled format the ``mxfx::*`` GEMM ops carry today (E4M3 payload, E8M0 scale per 32 values)."""
@@ -99,6 +100,10 @@ def _emulated_mm(a_qdata, a_scales, b_qdata, b_scales, out_dtype, b_dequantized=
 
 def _rows_in_groups(out: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Zero output rows past the last group end (``_grouped_mm`` leaves them unwritten)."""
+    if triton_available(out) and out.dim() == 2 and out.stride(1) == 1:
+        from mxfx.kernels.zero_rows import zero_rows_past_end_
+
+        return zero_rows_past_end_(out, offs)  # writes the tail only, no pass over the whole output
     rows = torch.arange(out.shape[0], device=out.device).unsqueeze(-1)
     return torch.where(rows < offs[-1].to(rows.dtype), out, torch.zeros((), dtype=out.dtype, device=out.device))
 

@@ -1,0 +1,44 @@
+"""Triton: zero the rows of a grouped-GEMM output that lie past the last group end.
+
+``torch._grouped_mm`` leaves output rows ``offs[-1]:`` unwritten. Zeroing them with a
+``torch.where`` over the whole output costs a full read and write of it; this kernel
+reads ``offs[-1]`` on the device and stores zeros into the tail rows only (programs
+whose rows all lie inside the groups store nothing), with no host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_R, BLOCK_C = 32, 512
+
+
+@triton.jit(do_not_specialize=["R"])
+def _zero_rows_kernel(out_ptr, offs_ptr, n_groups, R, C, stride_r, BR: tl.constexpr, BC: tl.constexpr):
+    end = tl.load(offs_ptr + n_groups - 1).to(tl.int64)
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    mask = ((rows >= end) & (rows < R))[:, None] & (cols < C)[None, :]
+    zero = tl.zeros([BR, BC], dtype=out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows[:, None] * stride_r + cols[None, :], zero, mask=mask)
+
+
+def zero_rows_past_end_(out: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """In place: ``out[offs[-1]:] = 0`` for a CUDA ``out [S, N]`` with unit column stride; returns ``out``.
+
+    Args:
+        out: ``[S, N]`` CUDA tensor, ``out.stride(1) == 1``.
+        offs: int32/int64 ``[E]`` cumulative group ends on the same device (E >= 1).
+    """
+    if out.dim() != 2 or out.stride(1) != 1 or offs.dim() != 1 or offs.numel() == 0:
+        raise ValueError(
+            f"mxfx zero_rows_past_end_: expected out [S, N] with unit column stride and non-empty offs [E], "
+            f"got out {tuple(out.shape)} strides {out.stride()}, offs {tuple(offs.shape)}"
+        )
+    r, c = out.shape
+    if r * c > 0:
+        grid = (triton.cdiv(r, BLOCK_R), triton.cdiv(c, BLOCK_C))
+        _zero_rows_kernel[grid](out, offs, offs.numel(), r, c, out.stride(0), BR=BLOCK_R, BC=BLOCK_C, num_warps=4)
+    return out
