@@ -39,75 +39,18 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-import torch.nn as nn
-import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+from ep_moe import GroupedEPMoE  # noqa: E402
+
 from mxfx.ops.all_to_all import mx_all_to_all  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _results import emit  # noqa: E402
 
 DIRECTIONS = ("dispatch_fwd", "combine_fwd", "combine_bwd", "dispatch_bwd")
-
-
-class GroupedEPMoE(nn.Module):
-    """Top-k MoE whose ``n_experts`` SwiGLU experts are split over the ranks of ``group``.
-
-    ``group=None``: all experts in this process, no collectives (the reference).
-    Weights are drawn for all experts from ``seed``; each rank keeps its slice.
-    Shapes: ``x [T, D]`` -> ``[T, D]``.
-    """
-
-    def __init__(self, d, n_experts, top_k, hidden, group=None, seed=0):
-        super().__init__()
-        self.group = group
-        self.world = dist.get_world_size(group) if group is not None else 1
-        rank = dist.get_rank(group) if group is not None else 0
-        self.n_experts, self.top_k, self.e_local = n_experts, top_k, n_experts // self.world
-        g = torch.Generator().manual_seed(seed)
-        self.router = nn.Linear(d, n_experts, bias=False)
-        with torch.no_grad():
-            self.router.weight.copy_(torch.randn(n_experts, d, generator=g) / d**0.5)
-        gate_up = torch.randn(n_experts, 2 * hidden, d, generator=g) / d**0.5
-        down = torch.randn(n_experts, d, hidden, generator=g) / hidden**0.5
-        mine = slice(rank * self.e_local, (rank + 1) * self.e_local)
-        self.gate_up = nn.Parameter(gate_up[mine].clone())  # [E_local, 2H, D]
-        self.down = nn.Parameter(down[mine].clone())  # [E_local, D, H]
-
-    def _a2a(self, x, out_splits, in_splits):
-        if self.group is None:
-            return x
-        return funcol.all_to_all_single_autograd(x, out_splits, in_splits, self.group)
-
-    def forward(self, x):
-        with torch.autocast(x.device.type, enabled=False):
-            probs = self.router(x.float()).softmax(-1)
-        weight, idx = probs.topk(self.top_k, dim=-1)
-        weight = weight / weight.sum(-1, keepdim=True)
-        t, k = idx.shape
-        flat = idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.zeros(self.n_experts, dtype=torch.int64, device=x.device).scatter_add(0, flat, torch.ones_like(flat))
-        counts_in = counts if self.group is None else funcol.all_to_all_single(counts, None, None, self.group)
-        send = counts.view(self.world, self.e_local).sum(1).tolist()
-        recv = counts_in.view(self.world, self.e_local).sum(1).tolist()
-        torch._check(sum(send) == t * k)
-        rows = self._a2a(x[order // k], recv, send)  # dispatch: [(source rank, local expert)] order
-        # regroup received rows by local expert for the grouped GEMMs
-        seg = torch.searchsorted(counts_in.cumsum(0), torch.arange(rows.shape[0], device=x.device), right=True)
-        local = seg % self.e_local
-        by_expert = torch.argsort(local, stable=True)
-        offs = counts_in.view(self.world, self.e_local).sum(0).cumsum(0).to(torch.int32)
-        xs = rows[by_expert]
-        gu = torch._grouped_mm(xs, self.gate_up.to(x.dtype).transpose(-2, -1), offs=offs)
-        g_, u_ = gu.chunk(2, dim=-1)
-        h = (F.silu(g_) * u_).contiguous()
-        ys = torch._grouped_mm(h, self.down.to(x.dtype).transpose(-2, -1), offs=offs)
-        out = torch.empty_like(ys).index_copy(0, by_expert, ys)
-        back = self._a2a(out, send, recv)  # combine
-        unsorted = torch.zeros(t * k, x.shape[-1], dtype=back.dtype, device=x.device).index_copy(0, order, back)
-        return (unsorted.view(t, k, -1) * weight.unsqueeze(-1).to(back.dtype)).sum(1)
 
 
 def _rel(a, b):

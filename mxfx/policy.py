@@ -26,7 +26,7 @@ from mxfx.format import SCALE_RULES
 OP_KINDS = ("linear", "grouped_mm", "swiglu", "router", "saved", "all_to_all", "weight_refresh")
 PRECISIONS = ("mxfp8", "bf16")
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
-PASSES = ("linear", "grouped_mm", "swiglu", "combine", "saved", "all_to_all", "weight_refresh")
+PASSES = ("linear", "grouped_mm", "swiglu", "combine", "saved", "all_to_all", "dispatch_mx", "weight_refresh")
 DUMP_ENV = "MXFX_DUMP_DIR"
 
 KIND_DEFAULT_WGRAD = {"linear": "mxfp8", "grouped_mm": "bf16"}

@@ -75,6 +75,12 @@ def test_ddp_compiled_mxfp8_matches_single_process():
     assert log.count("DDP OK") == 2, log
 
 
+def test_dispatched_mx_rows_feed_grouped_gemm_without_requantizing():
+    """Received MX pairs go straight into the grouped GEMM: same bits as DQ->Q, one quantize fewer per dispatch."""
+    log = _launch("dispatch_mx", 2)
+    assert log.count("DISPATCH_MX OK") == 2, log
+
+
 def test_pass_keeps_collective_whose_wait_is_in_another_graph():
     """A collective split from its wait (as DDP's graph optimizer can do) is kept and reported, not broken."""
     import torch.fx as fx
@@ -385,8 +391,44 @@ def _worker_ddp(rank: int, world: int):
     print("DDP OK")
 
 
+def _worker_dispatch_mx(rank: int, world: int):
+    import torch.distributed as dist
+    from torch.profiler import profile
+
+    import mxfx
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch._dynamo.config.capture_scalar_outputs = True
+    ex = _load_example()
+    layer = ex.GroupedEPMoE(64, 2 * world, 2, 64, group=dist.group.WORLD, seed=5)
+    x = torch.randn(48, 64, generator=torch.Generator().manual_seed(6 + rank)).bfloat16()
+    results, quantizes = {}, {}
+    for on in (True, False):
+        torch._dynamo.reset()
+        opts = {"inner": "aot_eager", "passes": {"dispatch_mx": on}}
+        fn = torch.compile(layer, backend="mxfp8", options=opts)
+        layer.zero_grad()
+        xi = x.clone().requires_grad_(True)
+        fn(x.clone().requires_grad_(True)).float().sum().backward()  # compile forward and backward
+        layer.zero_grad()
+        with profile() as prof:  # counts the custom op calls of one compiled forward
+            y = fn(xi)
+        quantizes[on] = sum(e.count for e in prof.key_averages() if e.key == "mxfx::quantize")
+        y.float().square().sum().backward()
+        results[on] = (y, xi.grad, layer.gate_up.grad.clone(), layer.down.grad.clone())
+        pm = mxfx.last_report()
+        fed = [r for r in pm.records if r.kind == "all_to_all" and "directly (no DQ->Q)" in r.reason]
+        assert len(fed) == (1 if on else 0), pm.to_text()
+    for name, a, b in zip(("output", "x.grad", "gate_up.grad", "down.grad"), results[True], results[False]):
+        assert torch.equal(a, b), f"{name}: differs by {(a.float() - b.float()).abs().max()}"
+    # forward quantizes: dispatch + gate_up input + SwiGLU->down + combine, minus the gate_up input when fed MX
+    assert quantizes[False] - quantizes[True] == 1, quantizes
+    dist.destroy_process_group()
+    print("DISPATCH_MX OK")
+
+
 if __name__ == "__main__":
     case, rank, world, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     torch.set_num_threads(1)
-    {"ep": _worker_ep, "ddp": _worker_ddp}[case](rank, world)
+    {"ep": _worker_ep, "ddp": _worker_ddp, "dispatch_mx": _worker_dispatch_mx}[case](rank, world)

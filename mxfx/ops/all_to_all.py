@@ -93,15 +93,20 @@ def _transport(x, output_split_sizes, input_split_sizes, group_name, precision, 
 
 class _MXAllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, output_split_sizes, input_split_sizes, group_name, fwd, bwd, rule):
+    def forward(ctx, x, output_split_sizes, input_split_sizes, group_name, fwd, bwd, rule, return_mx):
         ctx.route = (output_split_sizes, input_split_sizes, group_name, bwd, rule)
-        return _transport(x, output_split_sizes, input_split_sizes, group_name, fwd, rule)
+        if not return_mx:
+            return _transport(x, output_split_sizes, input_split_sizes, group_name, fwd, rule)
+        q, s = kops.quantize(x.contiguous(), rule)
+        rq, rs = all_to_all_mx(q, s, output_split_sizes, input_split_sizes, group_name)
+        ctx.mark_non_differentiable(rq, rs)
+        return kops.dequantize(rq, rs, x.dtype), rq, rs
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, dy, *_):
         out_splits, in_splits, group_name, bwd, rule = ctx.route
         dx = _transport(dy, in_splits, out_splits, group_name, bwd, rule)  # the reverse route
-        return dx, None, None, None, None, None, None
+        return dx, None, None, None, None, None, None, None
 
 
 def mx_all_to_all(
@@ -113,7 +118,8 @@ def mx_all_to_all(
     forward: str = "mxfp8",
     backward: str = "mxfp8",
     scale_rule: str = "rceil",
-) -> torch.Tensor:
+    return_mx: bool = False,
+):
     """``all_to_all_single`` of token rows with MXFP8 transport: ``x [N_send, ..., D]`` -> ``[N_recv, ..., D]``.
 
     Differentiable; the backward sends the gradient back along the reverse route
@@ -130,9 +136,14 @@ def mx_all_to_all(
         group: process group or its registered name (graphs carry the name).
         forward / backward: transport precision of each direction, "mxfp8" or "bf16".
         scale_rule: "rceil" (default) or "floor".
+        return_mx: also return the received MX pair (needs ``forward="mxfp8"``), for a
+            consumer that takes MX operands (a grouped MX GEMM) and so need not
+            quantize the dequantized rows again.
 
     Returns:
-        The received rows in ``x.dtype``.
+        The received rows in ``x.dtype``; with ``return_mx``, ``(rows, qdata e4m3
+        [N_recv, ..., D], scales uint8 [N_recv, ..., D/32])`` where ``rows`` is exactly
+        ``dequantize(qdata, scales)`` and the pair carries no gradient.
 
     Raises:
         ValueError: unknown precision or scale rule, or D not a multiple of 32 with
@@ -146,6 +157,8 @@ def mx_all_to_all(
             f"mxfx.mx_all_to_all: rows of shape {tuple(x.shape)} need a last dim that is a multiple of "
             f"{BLOCK_SIZE} for MXFP8 transport; send them in BF16 (forward='bf16', backward='bf16')"
         )
+    if return_mx and forward != "mxfp8":
+        raise ValueError(f"mxfx.mx_all_to_all: return_mx=True needs forward='mxfp8', got forward={forward!r}")
     return _MXAllToAll.apply(
-        x, list(output_split_sizes), list(input_split_sizes), _group_name(group), forward, backward, scale_rule
+        x, list(output_split_sizes), list(input_split_sizes), _group_name(group), forward, backward, scale_rule, return_mx
     )

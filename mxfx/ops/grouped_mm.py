@@ -74,9 +74,9 @@ def _token_blocked(t: torch.Tensor, dest: torch.Tensor, capacity: int, rule: str
 
 class _MXGroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, up, weight, offs, route_weight, out_dtype, rule, wgrad, save, keep_dq):
+    def forward(ctx, x, up, weight, offs, route_weight, out_dtype, rule, wgrad, save, keep_dq, x_q, x_s):
         s_rows = x.shape[0]
-        xq, xs = swiglu.quantize_input(x, up, rule)
+        xq, xs = swiglu.quantize_input(x, up, rule) if x_q is None else (x_q, x_s)
         packed = () if up is None else swiglu.pack(x, up, save, rule)
         wq, ws, w_dq = weight_operands(weight, rule, "forward", keep_dq)
         y = mx_grouped_mm(xq, xs, wq, ws, offs, out_dtype if route_weight is None else torch.float32, w_dq)
@@ -132,7 +132,7 @@ class _MXGroupedMM(torch.autograd.Function):
                     dest, w_offs, capacity = group_padding(offs, dy_h.shape[0])
                     dy_h, x_saved = _pad_rows(dy_h, dest, capacity), _pad_rows(x_saved, dest, capacity)
                 dw = hp_grouped_wgrad(dy_h, x_saved, w_offs, weight.dtype)
-        return dx, dup, dw, None, d_rw, None, None, None, None, None
+        return dx, dup, dw, None, d_rw, None, None, None, None, None, None, None
 
 
 def mx_grouped_mm_op(
@@ -147,6 +147,7 @@ def mx_grouped_mm_op(
     save: str = "mxfp8",
     out_dtype: torch.dtype | None = None,
     keep_dequantized_weights: bool = False,
+    x_mx: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """MXFP8 ``torch._grouped_mm(x, weight.transpose(-2, -1), offs)`` with optional SwiGLU input and route weights.
 
@@ -161,11 +162,15 @@ def mx_grouped_mm_op(
         out_dtype: result dtype (default ``x.dtype``).
         keep_dequantized_weights: emulated GEMMs take the cached BF16 dequantized
             expert weights (see :func:`mxfx.ops.linear.mx_linear`).
+        x_mx: optional ``(qdata e4m3 [S, K], scales uint8 [S, K/32])`` with ``x`` exactly
+            its dequantization (rows received by an MX all-to-all, seed §11.1.3): the
+            forward GEMM uses it instead of quantizing ``x`` again. Not with ``up``.
 
     Returns ``[S, N]``.
 
     Raises:
-        ValueError: shapes that do not pair up or are not multiples of 32.
+        ValueError: shapes that do not pair up or are not multiples of 32, or
+            ``x_mx`` given with ``up`` or with shapes that do not match ``x``.
     """
     e, n, k = weight.shape
     if x.dim() != 2 or x.shape[-1] != k or k % 32 or n % 32 or offs.shape != (e,):
@@ -174,10 +179,18 @@ def mx_grouped_mm_op(
             f"{tuple(offs.shape)} do not pair up (need x [S, K], offs [E], K and N multiples of 32); "
             f"keep this GEMM in BF16 or pad its features"
         )
+    x_q, x_s = x_mx if x_mx is not None else (None, None)
+    if x_mx is not None and (up is not None or x_q.shape != x.shape or x_s.shape != (*x.shape[:-1], k // 32)):
+        raise ValueError(
+            f"mxfx.grouped_mm: x_mx of shapes {tuple(x_q.shape)} / {tuple(x_s.shape)} must be the MX pair of "
+            f"x {tuple(x.shape)} ([S, K] / [S, K/32]) and cannot be combined with a SwiGLU up operand"
+        )
     out_dtype = out_dtype or x.dtype
     if not torch.is_grad_enabled():  # inference graph: the forward GEMM only, nothing saved
-        xq, xs = swiglu.quantize_input(x, up, scale_rule)
+        xq, xs = swiglu.quantize_input(x, up, scale_rule) if x_q is None else (x_q, x_s)
         wq, ws, w_dq = weight_operands(weight, scale_rule, "forward", keep_dequantized_weights)
         y = mx_grouped_mm(xq, xs, wq, ws, offs, torch.float32, w_dq)
         return (y if route_weight is None else y * route_weight.reshape(-1, 1).float()).to(out_dtype)
-    return _MXGroupedMM.apply(x, up, weight, offs, route_weight, out_dtype, scale_rule, wgrad, save, keep_dequantized_weights)
+    return _MXGroupedMM.apply(
+        x, up, weight, offs, route_weight, out_dtype, scale_rule, wgrad, save, keep_dequantized_weights, x_q, x_s
+    )

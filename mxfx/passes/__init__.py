@@ -4,13 +4,14 @@ Each pass is one file: the pattern it matches, the replacement and why it is
 valid. Every hit and every skip is recorded in the graph's precision map.
 """
 
-from mxfx.passes import all_to_all, combine, grouped_mm, linear, saved, swiglu, weight_refresh
+from mxfx.passes import all_to_all, combine, dispatch_mx, grouped_mm, linear, saved, swiglu, weight_refresh
 
 PIPELINE = (
     # first: dispatch/combine become mx_all_to_all before passes that consume their rows
     ("all_to_all", all_to_all.run),
     ("linear", linear.run),
     ("grouped_mm", grouped_mm.run),
+    ("dispatch_mx", dispatch_mx.run),  # after both: hands received MX pairs to grouped GEMMs
     ("swiglu", swiglu.run),
     ("combine", combine.run),
     ("saved", saved.run),

@@ -50,6 +50,9 @@ _NON_SAVING_METHODS = ("add", "sub", "neg", "to", "float", "bfloat16", "half", "
 
 
 def _is_view(n: fx.Node) -> bool:
+    if n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[1], int):
+        # an element of chunk/split is a view of its base; an output of a multi-output op is a tensor of its own
+        return isinstance(n.args[0], fx.Node) and _is_view(n.args[0])
     return is_call(n, _VIEW_FNS, _VIEW_METHODS)
 
 
