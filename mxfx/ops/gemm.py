@@ -39,8 +39,7 @@ from typing import Callable, Optional
 import torch
 
 from mxfx import layout
-from mxfx.kernels import ops as kops
-from mxfx.kernels import triton_available
+from mxfx.kernels import dequantize_lastdim, triton_available
 
 FORMAT = "mxfp8"
 """The block-scaled format the ``mxfx::*`` GEMM ops carry today (E4M3 payload, E8M0 scale per 32 values)."""
@@ -84,8 +83,10 @@ def _dequantized(a_qdata, a_scales, b_qdata, b_scales, b_dequantized=None) -> tu
     ``b_dequantized`` (the cached BF16 weight) replaces dequantizing B when given.
     """
     cdt = _emulation_dtype(a_qdata.device)
-    a = kops.dequantize(a_qdata, a_scales, cdt)
-    b = kops.dequantize(b_qdata, b_scales, cdt) if b_dequantized is None else b_dequantized.to(cdt)
+    # Plain kernel calls, not the mxfx::dequantize op: this runs inside a GEMM op's own implementation
+    # (never traced), where a nested custom-op call would only add dispatcher overhead per GEMM.
+    a = dequantize_lastdim(a_qdata, a_scales, cdt)
+    b = dequantize_lastdim(b_qdata, b_scales, cdt) if b_dequantized is None else b_dequantized.to(cdt)
     return a, b
 
 
