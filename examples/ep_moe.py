@@ -160,9 +160,11 @@ class GroupedEPMoE(nn.Module):
         h = (F.silu(g_) * u_).contiguous()
         ys = torch._grouped_mm(h, self.down.to(x.dtype).transpose(-2, -1), offs=offs)
         out = torch.empty_like(ys).index_copy(0, by_expert, ys)
-        back = self._a2a(out, send, recv)  # combine
-        unsorted = torch.zeros(t * k, x.shape[-1], dtype=back.dtype, device=x.device).index_copy(0, order, back)
-        return (unsorted.view(t, k, -1) * weight.unsqueeze(-1).to(back.dtype)).sum(1)
+        back = self._a2a(out, send, recv)  # combine: rows come back in `order`
+        # torchtitan's combine: scale the rows by their route weights in fp32, add them into their tokens
+        weighted = back.float() * weight.reshape(-1)[order].reshape(-1, 1)
+        y = torch.zeros(t, x.shape[-1], dtype=torch.float32, device=x.device).index_add(0, order // k, weighted)
+        return y.to(x.dtype)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -81,6 +81,12 @@ def test_dispatched_mx_rows_feed_grouped_gemm_without_requantizing():
     assert log.count("DISPATCH_MX OK") == 2, log
 
 
+def test_combine_route_weights_fused_into_backward_transport():
+    """torchtitan-style ``back.float() * w`` after the combine: dOut * w is formed inside the transport quantize."""
+    log = _launch("combine_rw", 2)
+    assert log.count("COMBINE_RW OK") == 2, log
+
+
 def test_pass_keeps_collective_whose_wait_is_in_another_graph():
     """A collective split from its wait (as DDP's graph optimizer can do) is kept and reported, not broken."""
     import torch.fx as fx
@@ -427,8 +433,50 @@ def _worker_dispatch_mx(rank: int, world: int):
     print("DISPATCH_MX OK")
 
 
+def _worker_combine_rw(rank: int, world: int):
+    import torch.distributed as dist
+    from torch.profiler import profile
+
+    import mxfx
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch._dynamo.config.capture_scalar_outputs = True
+    ex = _load_example()
+    layer = ex.GroupedEPMoE(64, 2 * world, 2, 64, group=dist.group.WORLD, seed=7)
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(8 + rank)).bfloat16()
+    results, rw_quantizes = {}, {}
+    for on in (True, False):
+        torch._dynamo.reset()
+        fn = torch.compile(layer, backend="mxfp8", options={"inner": "aot_eager", "passes": {"combine": on}})
+        layer.zero_grad()
+        xi = x.clone().requires_grad_(True)
+        y = fn(xi)
+        with profile() as prof:  # the compiled backward's custom op calls
+            y.float().square().sum().backward()
+        rw_quantizes[on] = sum(e.count for e in prof.key_averages() if e.key == "mxfx::route_weight_quantize")
+        results[on] = (y, xi.grad, layer.router.weight.grad.clone(), layer.down.grad.clone())
+        fused = [r for r in mxfx.last_report().records if r.kind == "all_to_all" and "route-weight" in r.reason]
+        assert len(fused) == (1 if on else 0), mxfx.last_report().to_text()
+    assert rw_quantizes == {True: 1, False: 0}, rw_quantizes
+    (y1, dx1, dr1, dd1), (y0, dx0, dr0, dd0) = results[True], results[False]
+    assert torch.equal(y1, y0), "forward: the fused op computes the same fp32 product"
+    # The route-weight gradient sum(dOut * rows) is the same computation either way.
+    assert _rel(dr1, dr0) < 1e-5, _rel(dr1, dr0)
+    # Unfused, dOut * w is rounded to BF16 before its E4M3 quantize; fused, it is quantized from
+    # fp32. The two differ only where that BF16 rounding moves a value across an E4M3 rounding
+    # boundary (a few % of elements, by one E4M3 step), so a few 1e-2 relative at most.
+    assert 0 < _rel(dx1, dx0) < 3e-2 and 0 < _rel(dd1, dd0) < 3e-2, (_rel(dx1, dx0), _rel(dd1, dd0))
+    dist.destroy_process_group()
+    print("COMBINE_RW OK")
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
 if __name__ == "__main__":
     case, rank, world, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     torch.set_num_threads(1)
-    {"ep": _worker_ep, "ddp": _worker_ddp, "dispatch_mx": _worker_dispatch_mx}[case](rank, world)
+    workers = {"ep": _worker_ep, "ddp": _worker_ddp, "dispatch_mx": _worker_dispatch_mx, "combine_rw": _worker_combine_rw}
+    workers[case](rank, world)

@@ -91,22 +91,42 @@ def _transport(x, output_split_sizes, input_split_sizes, group_name, precision, 
     return kops.dequantize(rq, rs, x.dtype)
 
 
+def _weighted_transport(dy, rw, x_dtype, output_split_sizes, input_split_sizes, group_name, precision, rule):
+    """Send ``dy * rw`` (rows scaled in fp32) back along the route; MXFP8 forms the product inside the quantize."""
+    if precision != "mxfp8":
+        scaled = (dy.float() * rw.float().reshape(-1, 1)).to(x_dtype)
+        return _all_to_all(scaled, output_split_sizes, input_split_sizes, group_name)
+    q, s = kops.route_weight_quantize(dy.contiguous(), rw.reshape(-1), rule)
+    rq, rs = all_to_all_mx(q, s, output_split_sizes, input_split_sizes, group_name)
+    return kops.dequantize(rq, rs, x_dtype)
+
+
 class _MXAllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, output_split_sizes, input_split_sizes, group_name, fwd, bwd, rule, return_mx):
-        ctx.route = (output_split_sizes, input_split_sizes, group_name, bwd, rule)
-        if not return_mx:
-            return _transport(x, output_split_sizes, input_split_sizes, group_name, fwd, rule)
-        q, s = kops.quantize(x.contiguous(), rule)
-        rq, rs = all_to_all_mx(q, s, output_split_sizes, input_split_sizes, group_name)
-        ctx.mark_non_differentiable(rq, rs)
-        return kops.dequantize(rq, rs, x.dtype), rq, rs
+    def forward(ctx, x, output_split_sizes, input_split_sizes, group_name, fwd, bwd, rule, return_mx, rw):
+        ctx.route = (output_split_sizes, input_split_sizes, group_name, bwd, rule, x.dtype)
+        if return_mx:
+            q, s = kops.quantize(x.contiguous(), rule)
+            rq, rs = all_to_all_mx(q, s, output_split_sizes, input_split_sizes, group_name)
+            ctx.mark_non_differentiable(rq, rs)
+            return kops.dequantize(rq, rs, x.dtype), rq, rs
+        rows = _transport(x, output_split_sizes, input_split_sizes, group_name, fwd, rule)
+        if rw is None:
+            return rows
+        ctx.save_for_backward(rows, rw)
+        return rows.float() * rw.float().reshape(-1, 1)
 
     @staticmethod
     def backward(ctx, dy, *_):
-        out_splits, in_splits, group_name, bwd, rule = ctx.route
-        dx = _transport(dy, in_splits, out_splits, group_name, bwd, rule)  # the reverse route
-        return dx, None, None, None, None, None, None, None
+        out_splits, in_splits, group_name, bwd, rule, x_dtype = ctx.route
+        d_rw = None
+        if ctx.saved_tensors:  # route-weighted combine: the weight multiply is formed in the backward quantize
+            rows, rw = ctx.saved_tensors
+            d_rw = (dy.float() * rows.float()).sum(-1).reshape(rw.shape).to(rw.dtype)
+            dx = _weighted_transport(dy, rw, x_dtype, in_splits, out_splits, group_name, bwd, rule)
+        else:
+            dx = _transport(dy, in_splits, out_splits, group_name, bwd, rule)  # the reverse route
+        return dx, None, None, None, None, None, None, None, d_rw
 
 
 def mx_all_to_all(
@@ -119,6 +139,7 @@ def mx_all_to_all(
     backward: str = "mxfp8",
     scale_rule: str = "rceil",
     return_mx: bool = False,
+    route_weight: torch.Tensor | None = None,
 ):
     """``all_to_all_single`` of token rows with MXFP8 transport: ``x [N_send, ..., D]`` -> ``[N_recv, ..., D]``.
 
@@ -139,9 +160,14 @@ def mx_all_to_all(
         return_mx: also return the received MX pair (needs ``forward="mxfp8"``), for a
             consumer that takes MX operands (a grouped MX GEMM) and so need not
             quantize the dequantized rows again.
+        route_weight: optional per-received-row weights ``[N_recv]`` or ``[N_recv, 1]``
+            (the combine's route weights): the result is the received rows times them,
+            in fp32, and the backward sends ``dy * route_weight`` formed inside the
+            transport quantize (``mxfx::route_weight_quantize``, seed Table 25), so no
+            weighted gradient is materialized in BF16 first. Not with ``return_mx``.
 
     Returns:
-        The received rows in ``x.dtype``; with ``return_mx``, ``(rows, qdata e4m3
+        The received rows in ``x.dtype`` (fp32 rows scaled by ``route_weight`` when given); with ``return_mx``, ``(rows, qdata e4m3
         [N_recv, ..., D], scales uint8 [N_recv, ..., D/32])`` where ``rows`` is exactly
         ``dequantize(qdata, scales)`` and the pair carries no gradient.
 
@@ -159,6 +185,12 @@ def mx_all_to_all(
         )
     if return_mx and forward != "mxfp8":
         raise ValueError(f"mxfx.mx_all_to_all: return_mx=True needs forward='mxfp8', got forward={forward!r}")
+    if route_weight is not None and (return_mx or route_weight.dim() > 2 or route_weight.numel() != route_weight.shape[0]):
+        raise ValueError(
+            f"mxfx.mx_all_to_all: route_weight of shape {tuple(route_weight.shape)} must be [N_recv] or [N_recv, 1] "
+            f"(one weight per received row) and cannot be combined with return_mx"
+        )
     return _MXAllToAll.apply(
-        x, list(output_split_sizes), list(input_split_sizes), _group_name(group), forward, backward, scale_rule, return_mx
+        x, list(output_split_sizes), list(input_split_sizes), _group_name(group), forward, backward, scale_rule,
+        return_mx, route_weight,
     )

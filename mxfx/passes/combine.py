@@ -1,7 +1,7 @@
 """Combine pass: ``mx_grouped_mm(h, W_down, offs) * route_weight[:, None]`` -> one op with ``route_weight``.
 
 Pattern: the only user of an MX grouped GEMM (the routed down projection) is a
-multiply by a per-row tensor of shape ``[S, 1]`` or ``[S]`` — the route
+multiply by a per-row tensor of shape ``[S, 1]`` — the route
 weights of the combine's weighted sum, as HF transformers and torchtitan write it —
 possibly behind ``masked_fill(rows, 0)`` ops (newer HF versions zero
 expert-parallel sentinel rows there; zeroing rows commutes with scaling rows).
@@ -13,6 +13,14 @@ quantization that the down projection's dgrad consumes
 written (seed §11.4.1, Table 25). The route-weight gradient
 ``sum(dOut * Y, -1)`` is computed from the saved unweighted output, exactly as
 the multiply's own backward would.
+
+Under expert parallelism the multiply sits after the combine all-to-all instead
+(torchtitan: ``back.float() * w_sorted.reshape(-1, 1)``, then a scatter-add of the
+rows into their tokens). Pattern: an :func:`mx_all_to_all` of 2D rows whose only
+user is that multiply, optionally through a cast to fp32. Replacement:
+``mx_all_to_all(..., route_weight=w)``, which returns the weighted fp32 rows and
+sends ``dOut * w`` back through the transport quantize itself (fp32 product,
+no BF16 rounding before the E4M3 one); ``d w`` from the saved received rows.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from mxfx.ops.all_to_all import mx_all_to_all
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
 from mxfx.passes.fx import example_value, is_call, module_fqn, shape_str
 from mxfx.policy import Policy
@@ -37,7 +46,8 @@ def _route_weight(mul: fx.Node, out: fx.Node) -> fx.Node | None:
     y, w = example_value(out), example_value(other)
     if w is None or y is None or other is out:
         return None
-    rows_only = tuple(w.shape) in ((y.shape[0], 1), (y.shape[0],)) and w.dim() <= 2
+    # [S, 1] only: a 1-D [S] weight would broadcast along the hidden dim (columns), not rows
+    rows_only = y.dim() == 2 and w.dim() == 2 and tuple(w.shape) == (y.shape[0], 1)
     return other if rows_only and w.is_floating_point() else None
 
 
@@ -58,9 +68,58 @@ def _move_chain_after(node: fx.Node, last: fx.Node, anchor: fx.Node) -> None:
         anchor.prepend(n)
 
 
-def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
-    """Fuse route-weight multiplies into MX grouped GEMMs in place; returns how many were fused."""
+def _is_fp32_cast(n: fx.Node) -> bool:
+    """``t.float()``, ``t.to(torch.float32)`` or ``t.to(dtype=torch.float32)``."""
+    if is_call(n, (), ("float",)) and len(n.args) == 1 and not n.kwargs:
+        return True
+    if not is_call(n, (), ("to",)):
+        return False
+    dtype = n.kwargs.get("dtype", n.args[1] if len(n.args) == 2 else None)
+    return dtype is torch.float32 and len(n.kwargs) <= 1
+
+
+def _fuse_into_transport(gm: fx.GraphModule, pm: PrecisionMap) -> int:
+    """``mx_all_to_all(rows) [-> float()] * w`` -> ``mx_all_to_all(rows, route_weight=w)``."""
     fused = 0
+    for node in list(gm.graph.nodes):
+        if node.target is not mx_all_to_all or len(node.users) != 1:
+            continue
+        if node.kwargs.get("return_mx") or node.kwargs.get("route_weight") is not None:
+            continue
+        y = example_value(node)
+        if y is None or y.dim() != 2:
+            continue
+        last, mul = node, next(iter(node.users))
+        if _is_fp32_cast(mul) and len(mul.users) == 1:
+            last, mul = mul, next(iter(mul.users))
+        rw = _route_weight(mul, last)
+        if rw is None:
+            continue
+        node.kwargs = {**node.kwargs, "route_weight": rw}
+        mul.prepend(node)  # the route weights may be computed after the collective was issued
+        out = node
+        out_dtype = example_value(mul).dtype
+        if out_dtype != torch.float32:  # the op returns fp32 rows; the multiply's own result dtype is kept
+            with gm.graph.inserting_after(node):
+                out = gm.graph.call_method("to", (node, out_dtype))
+        mul.replace_all_uses_with(out)
+        gm.graph.erase_node(mul)
+        if last is not node:
+            gm.graph.erase_node(last)
+        ev = example_value(mul)
+        out.meta.update(mul.meta)
+        if out is not node:
+            node.meta["example_value"] = ev.float()
+        for rec in pm.records:
+            if rec.node == node.name:
+                rec.reason = "; ".join(r for r in (rec.reason, "route-weight multiply fused into the combine-backward transport quantize") if r)
+        fused += 1
+    return fused
+
+
+def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
+    """Fuse route-weight multiplies into MX grouped GEMMs and combine all-to-alls in place; returns how many were fused."""
+    fused = _fuse_into_transport(gm, pm)
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not mx_grouped_mm_op or len(node.users) != 1:
             continue
