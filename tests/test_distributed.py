@@ -397,35 +397,55 @@ def _worker_ddp(rank: int, world: int):
     print("DDP OK")
 
 
-def _worker_dispatch_mx(rank: int, world: int):
-    import torch.distributed as dist
+def _pass_on_off(layer, x, pass_name: str, op: str, phase: str):
+    """Run ``layer`` compiled with ``pass_name`` on and off (compile warmed first).
+
+    Returns, keyed by on/off: ``(y, x.grad, {param name: grad})``, the number of ``op`` calls in
+    the timed run's ``phase`` ("forward" or "backward"), and the precision map.
+    """
     from torch.profiler import profile
 
     import mxfx
 
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch._dynamo.config.capture_scalar_outputs = True
-    ex = _load_example()
-    layer = ex.GroupedEPMoE(64, 2 * world, 2, 64, group=dist.group.WORLD, seed=5)
-    x = torch.randn(48, 64, generator=torch.Generator().manual_seed(6 + rank)).bfloat16()
-    results, quantizes = {}, {}
+    results, counts, reports = {}, {}, {}
     for on in (True, False):
         torch._dynamo.reset()
-        opts = {"inner": "aot_eager", "passes": {"dispatch_mx": on}}
-        fn = torch.compile(layer, backend="mxfp8", options=opts)
+        fn = torch.compile(layer, backend="mxfp8", options={"inner": "aot_eager", "passes": {pass_name: on}})
+        fn(x.clone().requires_grad_(True)).float().sum().backward()  # compile forward and backward
+        reports[on] = mxfx.last_report()
         layer.zero_grad()
         xi = x.clone().requires_grad_(True)
-        fn(x.clone().requires_grad_(True)).float().sum().backward()  # compile forward and backward
-        layer.zero_grad()
-        with profile() as prof:  # counts the custom op calls of one compiled forward
+        with profile() as fwd:
             y = fn(xi)
-        quantizes[on] = sum(e.count for e in prof.key_averages() if e.key == "mxfx::quantize")
-        y.float().square().sum().backward()
-        results[on] = (y, xi.grad, layer.gate_up.grad.clone(), layer.down.grad.clone())
-        pm = mxfx.last_report()
+        with profile() as bwd:
+            y.float().square().sum().backward()
+        prof = fwd if phase == "forward" else bwd
+        counts[on] = sum(e.count for e in prof.key_averages() if e.key == op)
+        results[on] = (y, xi.grad, {n: p.grad.clone() for n, p in layer.named_parameters()})
+        layer.zero_grad()
+    return results, counts, reports
+
+
+def _ep_layer(rank: int, world: int, seed: int, tokens: int):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch._dynamo.config.capture_scalar_outputs = True
+    layer = _load_example().GroupedEPMoE(64, 2 * world, 2, 64, group=dist.group.WORLD, seed=seed)
+    x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(seed + 1 + rank)).bfloat16()
+    return layer, x
+
+
+def _worker_dispatch_mx(rank: int, world: int):
+    import torch.distributed as dist
+
+    layer, x = _ep_layer(rank, world, seed=5, tokens=48)
+    results, quantizes, reports = _pass_on_off(layer, x, "dispatch_mx", "mxfx::quantize", "forward")
+    for on, pm in reports.items():
         fed = [r for r in pm.records if r.kind == "all_to_all" and "directly (no DQ->Q)" in r.reason]
         assert len(fed) == (1 if on else 0), pm.to_text()
-    for name, a, b in zip(("output", "x.grad", "gate_up.grad", "down.grad"), results[True], results[False]):
+    (y1, dx1, g1), (y0, dx0, g0) = results[True], results[False]
+    for name, a, b in [("output", y1, y0), ("x.grad", dx1, dx0), *((f"{n}.grad", g1[n], g0[n]) for n in g0)]:
         assert torch.equal(a, b), f"{name}: differs by {(a.float() - b.float()).abs().max()}"
     # forward quantizes: dispatch + gate_up input + SwiGLU->down + combine, minus the gate_up input when fed MX
     assert quantizes[False] - quantizes[True] == 1, quantizes
@@ -435,37 +455,22 @@ def _worker_dispatch_mx(rank: int, world: int):
 
 def _worker_combine_rw(rank: int, world: int):
     import torch.distributed as dist
-    from torch.profiler import profile
 
-    import mxfx
-
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch._dynamo.config.capture_scalar_outputs = True
-    ex = _load_example()
-    layer = ex.GroupedEPMoE(64, 2 * world, 2, 64, group=dist.group.WORLD, seed=7)
-    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(8 + rank)).bfloat16()
-    results, rw_quantizes = {}, {}
-    for on in (True, False):
-        torch._dynamo.reset()
-        fn = torch.compile(layer, backend="mxfp8", options={"inner": "aot_eager", "passes": {"combine": on}})
-        layer.zero_grad()
-        xi = x.clone().requires_grad_(True)
-        y = fn(xi)
-        with profile() as prof:  # the compiled backward's custom op calls
-            y.float().square().sum().backward()
-        rw_quantizes[on] = sum(e.count for e in prof.key_averages() if e.key == "mxfx::route_weight_quantize")
-        results[on] = (y, xi.grad, layer.router.weight.grad.clone(), layer.down.grad.clone())
-        fused = [r for r in mxfx.last_report().records if r.kind == "all_to_all" and "route-weight" in r.reason]
-        assert len(fused) == (1 if on else 0), mxfx.last_report().to_text()
+    layer, x = _ep_layer(rank, world, seed=7, tokens=40)
+    results, rw_quantizes, reports = _pass_on_off(layer, x, "combine", "mxfx::route_weight_quantize", "backward")
+    for on, pm in reports.items():
+        fused = [r for r in pm.records if r.kind == "all_to_all" and "route-weight" in r.reason]
+        assert len(fused) == (1 if on else 0), pm.to_text()
     assert rw_quantizes == {True: 1, False: 0}, rw_quantizes
-    (y1, dx1, dr1, dd1), (y0, dx0, dr0, dd0) = results[True], results[False]
+    (y1, dx1, g1), (y0, dx0, g0) = results[True], results[False]
     assert torch.equal(y1, y0), "forward: the fused op computes the same fp32 product"
     # The route-weight gradient sum(dOut * rows) is the same computation either way.
-    assert _rel(dr1, dr0) < 1e-5, _rel(dr1, dr0)
+    assert _rel(g1["router.weight"], g0["router.weight"]) < 1e-5
     # Unfused, dOut * w is rounded to BF16 before its E4M3 quantize; fused, it is quantized from
     # fp32. The two differ only where that BF16 rounding moves a value across an E4M3 rounding
     # boundary (a few % of elements, by one E4M3 step), so a few 1e-2 relative at most.
-    assert 0 < _rel(dx1, dx0) < 3e-2 and 0 < _rel(dd1, dd0) < 3e-2, (_rel(dx1, dx0), _rel(dd1, dd0))
+    rel = (_rel(dx1, dx0), _rel(g1["down"], g0["down"]), _rel(g1["gate_up"], g0["gate_up"]))
+    assert all(0 < r < 3e-2 for r in rel), rel
     dist.destroy_process_group()
     print("COMBINE_RW OK")
 
