@@ -124,6 +124,10 @@ def test_mx_all_to_all_rejects_unblockable_rows():
         mx_all_to_all(torch.zeros(4, 48), [4], [4], "0")
     with pytest.raises(ValueError, match="forward"):
         mx_all_to_all(torch.zeros(4, 64), [4], [4], "0", forward="fp8")
+    with pytest.raises(ValueError, match=r"route_weight of shape \(4, 2\)"):
+        mx_all_to_all(torch.zeros(4, 64), [4], [4], "0", route_weight=torch.ones(4, 2))
+    with pytest.raises(ValueError, match="return_mx"):
+        mx_all_to_all(torch.zeros(4, 64), [4], [4], "0", route_weight=torch.ones(4, 1), return_mx=True)
 
 
 # --------------------------------------------------------------------------- worker side

@@ -96,7 +96,7 @@ def _weighted_transport(dy, rw, x_dtype, output_split_sizes, input_split_sizes, 
     if precision != "mxfp8":
         scaled = (dy.float() * rw.float().reshape(-1, 1)).to(x_dtype)
         return _all_to_all(scaled, output_split_sizes, input_split_sizes, group_name)
-    q, s = kops.route_weight_quantize(dy.contiguous(), rw.reshape(-1), rule)
+    q, s = kops.route_weight_quantize(dy.contiguous(), rw.reshape(-1).contiguous(), rule)
     rq, rs = all_to_all_mx(q, s, output_split_sizes, input_split_sizes, group_name)
     return kops.dequantize(rq, rs, x_dtype)
 
