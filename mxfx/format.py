@@ -220,9 +220,11 @@ def dequantize(
         scales: ``torch.float8_e8m0fnu`` (or uint8 E8M0 bytes), qdata's shape with
             ``axis`` divided by 32. Byte 255 (NaN) makes its whole block NaN.
         axis: the blocked axis, as given to :func:`quantize`.
-        dtype: output dtype (default bf16; bf16, fp16 or fp32); the product is formed
-            exactly in fp32. A block whose value exceeds the output dtype's range
-            (possible only next to the fp32 maximum with rceil) gives ±inf, as IEEE casts do.
+        dtype: output dtype (default bf16; bf16, fp16, fp32 or fp64); the product is formed
+            exactly in fp32. A value that exceeds the output dtype's range gives ±inf, as
+            IEEE casts do: with rceil, inputs within one E4M3 step of their dtype's maximum
+            round up past it (fp16 65000 -> 65536, bf16/fp32 near 3.4e38), so dequantize
+            such data to fp32, or quantize it with floor.
 
     Raises:
         TypeError / ValueError: wrong dtypes, or shapes that do not pair up.
@@ -230,8 +232,8 @@ def dequantize(
     axis = check_pair(qdata, scales, axis, "mxfx.dequantize")
     if not dtype.is_floating_point or dtype.itemsize < 2:
         raise TypeError(
-            f"mxfx.dequantize: output dtype {dtype} for qdata of shape {tuple(qdata.shape)} is not a 16- or 32-bit "
-            f"floating type; use torch.bfloat16, torch.float16 or torch.float32"
+            f"mxfx.dequantize: output dtype {dtype} for qdata of shape {tuple(qdata.shape)} is not a floating "
+            f"type of 16 bits or more; use torch.bfloat16, torch.float16, torch.float32 or torch.float64"
         )
     out = dequantize_lastdim(qdata.movedim(axis, -1), scales.movedim(axis, -1), dtype)
     return out.movedim(-1, axis)

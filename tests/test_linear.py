@@ -202,3 +202,34 @@ def test_tied_output_head_stays_bf16_unless_a_rule_says_otherwise():
     torch._dynamo.reset()
     torch.compile(m, backend="mxfp8", options={"inner": "eager", "rules": [{"module": "head", "precision": "mxfp8"}]})(idx)
     assert mxfx.last_report().count("linear", rewritten=True) == 2
+
+
+class _CastSwiGLU(nn.Module):
+    """SwiGLU whose product the model casts before the down projection (no autocast)."""
+
+    def __init__(self, to: torch.dtype, param_dtype: torch.dtype):
+        super().__init__()
+        self.to_dtype = to
+        self.gate = nn.Linear(64, 128, bias=False).to(param_dtype)
+        self.up = nn.Linear(64, 128, bias=False).to(param_dtype)
+        self.down = nn.Linear(128, 64, bias=False)
+
+    def forward(self, x):
+        h = (F.silu(self.gate(x)) * self.up(x)).to(self.to_dtype)
+        return F.linear(h, self.down.weight.to(self.to_dtype))
+
+
+@pytest.mark.parametrize("to,param_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)])
+def test_fused_swiglu_keeps_the_dtype_the_model_cast_to(to, param_dtype):
+    torch.manual_seed(0)
+    model, x = _CastSwiGLU(to, param_dtype), torch.randn(32, 64).to(param_dtype)
+    ref = model(x)
+    compiled = torch.compile(model, backend="mxfp8", options={"inner": "aot_eager"})
+    y = compiled(x)
+    assert any(r.kind == "swiglu" and r.rewritten for r in mxfx.last_report().records)
+    assert y.dtype == ref.dtype == to
+    # MXFP8 rounding of three GEMM inputs: a few % relative error, well under 10%
+    rel = ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert 0 < rel < 0.1, rel
+    y.float().sum().backward()
+    assert model.gate.weight.grad.dtype == param_dtype and torch.isfinite(model.gate.weight.grad).all()

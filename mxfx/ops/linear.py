@@ -109,6 +109,7 @@ def mx_linear(
     wgrad: str = "mxfp8",
     save: str = "mxfp8",
     keep_dequantized_weights: bool = False,
+    input_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """MXFP8 ``F.linear``: ``x [..., K] . weight [N, K]^T (+ bias [N])`` -> ``[..., N]``.
 
@@ -126,9 +127,12 @@ def mx_linear(
             take the weight's BF16 dequantized forward/dgrad forms from the weight
             cache instead of dequantizing the weight per GEMM (same results;
             ``Policy.keep_dequantized_weights``).
+        input_dtype: the dtype the linear's input had in the model, when it differs
+            from ``x.dtype`` (a fused SwiGLU whose product the model cast, e.g.
+            ``(silu(g) * u).to(torch.bfloat16)``): the output dtype follows it.
 
     Returns:
-        ``[..., N]`` in the autocast dtype if autocast is on, else ``x.dtype``.
+        ``[..., N]`` in the autocast dtype if autocast is on, else ``input_dtype or x.dtype``.
 
     Raises:
         ValueError: K or N not a multiple of 32 (keep such a linear in BF16).
@@ -140,7 +144,7 @@ def mx_linear(
             f"and in/out features that are multiples of 32; pad the layer or keep it in BF16"
         )
     dev = x.device.type
-    out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+    out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else (input_dtype or x.dtype)
     up2d = None if up is None else up.reshape(-1, k)
     with torch.autocast(dev, enabled=False):
         if not torch.is_grad_enabled():  # inference graph: the forward GEMM only, nothing saved

@@ -95,8 +95,14 @@ def keeps_bf16_alive(x: fx.Node, op: fx.Node) -> str:
 
 
 def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
-    """Set ``save`` on every MX op whose input needs a BF16 copy anyway; returns how many stay MXFP8."""
+    """Set ``save`` on every MX op whose input needs a BF16 copy anyway; returns how many stay MXFP8.
+
+    Nominal saved bytes (precision map): a tensor kept in its own dtype is counted once, on
+    its first MX reader, before and after (the BF16 graph saves it once too, shared); a
+    packed input counts its BF16 bytes before and its MX bytes after.
+    """
     packed = 0
+    counted: set[fx.Node] = set()  # bases of inputs kept as they are, already counted
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in MX_OPS or node.kwargs.get("up") is not None:
             continue
@@ -106,9 +112,12 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         for d in x.shape if x is not None else ():
             numel *= size_hint(d)
         bf16_bytes = 2 * numel
+        base = _base(node.args[0])
+        kept_bytes = (0, 0) if base in counted else (bf16_bytes, bf16_bytes)
         if node.kwargs.get("save", "mxfp8") != "mxfp8":  # the op's own rule already keeps it BF16
             if record:
-                record.saved_bytes = (bf16_bytes, bf16_bytes)
+                record.saved_bytes = kept_bytes
+                counted.add(base)
             continue
         ds = policy.decide("saved", module_fqn(node))  # rules with op="saved"
         why = ds.reason if ds.precision != "mxfp8" else keeps_bf16_alive(node.args[0], node)
@@ -116,7 +125,8 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
             node.kwargs = {**node.kwargs, "save": "bf16"}
             if record:
                 record.saved, record.reason = "bf16", why
-                record.saved_bytes = (bf16_bytes, 0)  # kept alive elsewhere: no extra copy
+                record.saved_bytes = kept_bytes
+                counted.add(base)
             continue
         packed += 1
         if record:

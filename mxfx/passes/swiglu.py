@@ -74,8 +74,12 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         if d.precision != "mxfp8":
             pm.add(OpRecord(dead[-1].name, "swiglu", module, shapes, "bf16", "bf16", "-", "bf16", "-", d.reason))
             continue
+        kwargs = {**node.kwargs, "up": up, "save": d.save}
+        h, g = example_value(node.args[0]), example_value(gate)
+        if node.target is mx_linear and h is not None and g is not None and h.dtype != g.dtype:
+            kwargs["input_dtype"] = h.dtype  # the model cast the product: the output dtype follows the cast
         node.args = (gate, *node.args[1:])
-        node.kwargs = {**node.kwargs, "up": up, "save": d.save}
+        node.kwargs = kwargs
         for n in dead:  # consumers first: mul after casts, silu last
             gm.graph.erase_node(n)
         pm.add(OpRecord(node.name, "swiglu", module, shapes, "mxfp8", "fp32", "-", d.save, d.scale_rule, "fused into " + node.name))
