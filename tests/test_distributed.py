@@ -453,6 +453,13 @@ def _worker_dispatch_mx(rank: int, world: int):
         assert torch.equal(a, b), f"{name}: differs by {(a.float() - b.float()).abs().max()}"
     # forward quantizes: dispatch + gate_up input + SwiGLU->down + combine, minus the gate_up input when fed MX
     assert quantizes[False] - quantizes[True] == 1, quantizes
+    # received row counts are data-dependent: a min_size cannot judge them and must not drop the GEMMs to BF16
+    import mxfx
+
+    torch._dynamo.reset()
+    torch.compile(layer, backend="mxfp8", options={"inner": "aot_eager", "min_size": 1})(x)
+    grouped = [r for r in mxfx.last_report().records if r.kind == "grouped_mm"]
+    assert len(grouped) == 2 and all(r.forward == "mxfp8" for r in grouped), mxfx.last_report().to_text()
     dist.destroy_process_group()
     print("DISPATCH_MX OK")
 

@@ -45,14 +45,34 @@ def shape_str(t: torch.Tensor | None) -> str:
     return "[" + ", ".join(str(s) for s in t.shape) + "]"
 
 
-def size_hint(dim) -> int:
-    """A concrete int for a possibly symbolic size (its hint), for size heuristics only."""
+def known_size(dim) -> int | None:
+    """A concrete int for a possibly symbolic size (its hint); None for a data-dependent
+    (unbacked) size such as expert-parallel received rows from ``.tolist()`` splits."""
     if isinstance(dim, int):
         return dim
     try:
         return int(dim.node.hint) if dim.node.hint is not None else int(dim)
     except Exception:  # unbacked symbol without a hint
-        return 0
+        return None
+
+
+def size_hint(dim) -> int:
+    """:func:`known_size`, with 0 for a data-dependent size (byte estimates only)."""
+    n = known_size(dim)
+    return 0 if n is None else n
+
+
+def gemm_size(m_dims, n, k) -> tuple[int | None, tuple[int, int, int] | None]:
+    """``(MACs, (M, N, K))`` of a GEMM whose M is the product of ``m_dims``, for the policy's
+    ``min_size``; ``(None, None)`` when a size is data-dependent, which ``min_size`` cannot
+    judge at compile time (the op is then rewritten, as with ``min_size=0``)."""
+    sizes = [known_size(d) for d in (*m_dims, n, k)]
+    if any(s is None for s in sizes):
+        return None, None
+    m = 1
+    for d in sizes[:-2]:
+        m *= d
+    return m * sizes[-2] * sizes[-1], (m, sizes[-2], sizes[-1])
 
 
 def is_call(node: fx.Node, functions: tuple = (), methods: tuple = ()) -> bool:

@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
-from mxfx.passes.fx import erase_unused_chain, example_value, is_call, module_fqn, shape_str, size_hint, weight_source
+from mxfx.passes.fx import erase_unused_chain, example_value, gemm_size, is_call, module_fqn, shape_str, size_hint, weight_source
 from mxfx.policy import Policy
 from mxfx.report import OpRecord, PrecisionMap
 
@@ -51,9 +51,9 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         reason = _skip_reason(x, b, offs, args.get("bias"))
         macs = gemm = None
         if not reason:
-            rows, e = size_hint(x.shape[0]), size_hint(b.shape[0])
-            macs = rows * size_hint(b.shape[1]) * size_hint(b.shape[2])
-            gemm = (max(1, rows // max(e, 1)), size_hint(b.shape[2]), size_hint(b.shape[1]))  # M: rows per expert
+            macs, gemm = gemm_size(x.shape[:1], b.shape[2], b.shape[1])
+            if gemm is not None:  # "auto" judges one expert's GEMM: M = rows per expert
+                gemm = (max(1, gemm[0] // max(size_hint(b.shape[0]), 1)), gemm[1], gemm[2])
         d = policy.decide("grouped_mm", module, macs, gemm)
         reason = d.reason or reason
         if reason:

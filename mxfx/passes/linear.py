@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 
 from mxfx.ops.linear import mx_linear
-from mxfx.passes.fx import erase_unused_chain, example_value, module_fqn, shape_str, size_hint, weight_source
+from mxfx.passes.fx import erase_unused_chain, example_value, gemm_size, module_fqn, shape_str, size_hint, weight_source
 from mxfx.passes.router import is_router
 from mxfx.policy import Policy
 from mxfx.report import OpRecord, PrecisionMap
@@ -80,11 +80,7 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         reason = _skip_reason(x, w)
         macs = gemm = None
         if not reason:
-            m = 1
-            for d in x.shape[:-1]:
-                m *= size_hint(d)
-            gemm = (m, size_hint(w.shape[0]), size_hint(w.shape[1]))
-            macs = gemm[0] * gemm[1] * gemm[2]
+            macs, gemm = gemm_size(x.shape[:-1], w.shape[0], w.shape[1])
         d = policy.decide(kind, module, macs, gemm)
         reason = d.reason or reason
         if not reason and _tied_to_embedding(w_node) and not _user_sets_precision(policy, kind, module):
