@@ -43,6 +43,10 @@ class OpRecord:
     def rewritten(self) -> bool:
         return self.forward == "mxfp8" or self.dgrad == "mxfp8" or self.wgrad == "mxfp8" or self.saved == "mxfp8"
 
+    def add_note(self, note: str) -> None:
+        """Append ``note`` to ``reason`` (``"; "``-separated): what a later pass did to this op."""
+        self.reason = "; ".join(r for r in (self.reason, note) if r)
+
 
 @dataclass
 class PrecisionMap:

@@ -401,22 +401,25 @@ def _worker_ddp(rank: int, world: int):
     print("DDP OK")
 
 
-def _pass_on_off(layer, x, pass_name: str, op: str, phase: str):
+def _pass_on_off(layer, x, pass_name: str, op: str, phase: str, note: str):
     """Run ``layer`` compiled with ``pass_name`` on and off (compile warmed first).
 
-    Returns, keyed by on/off: ``(y, x.grad, {param name: grad})``, the number of ``op`` calls in
-    the timed run's ``phase`` ("forward" or "backward"), and the precision map.
+    Checks that exactly one all-to-all record of the precision map carries ``note`` with the
+    pass on and none with it off. Returns, keyed by on/off: ``(y, x.grad, {param name: grad})``
+    and the number of ``op`` calls in the timed run's ``phase`` ("forward" or "backward").
     """
     from torch.profiler import profile
 
     import mxfx
 
-    results, counts, reports = {}, {}, {}
+    results, counts = {}, {}
     for on in (True, False):
         torch._dynamo.reset()
         fn = torch.compile(layer, backend="mxfp8", options={"inner": "aot_eager", "passes": {pass_name: on}})
         fn(x.clone().requires_grad_(True)).float().sum().backward()  # compile forward and backward
-        reports[on] = mxfx.last_report()
+        pm = mxfx.last_report()
+        noted = [r for r in pm.records if r.kind == "all_to_all" and note in r.reason]
+        assert len(noted) == (1 if on else 0), pm.to_text()
         layer.zero_grad()
         xi = x.clone().requires_grad_(True)
         with profile() as fwd:
@@ -427,7 +430,7 @@ def _pass_on_off(layer, x, pass_name: str, op: str, phase: str):
         counts[on] = sum(e.count for e in prof.key_averages() if e.key == op)
         results[on] = (y, xi.grad, {n: p.grad.clone() for n, p in layer.named_parameters()})
         layer.zero_grad()
-    return results, counts, reports
+    return results, counts
 
 
 def _ep_layer(rank: int, world: int, seed: int, tokens: int):
@@ -444,10 +447,7 @@ def _worker_dispatch_mx(rank: int, world: int):
     import torch.distributed as dist
 
     layer, x = _ep_layer(rank, world, seed=5, tokens=48)
-    results, quantizes, reports = _pass_on_off(layer, x, "dispatch_mx", "mxfx::quantize", "forward")
-    for on, pm in reports.items():
-        fed = [r for r in pm.records if r.kind == "all_to_all" and "directly (no DQ->Q)" in r.reason]
-        assert len(fed) == (1 if on else 0), pm.to_text()
+    results, quantizes = _pass_on_off(layer, x, "dispatch_mx", "mxfx::quantize", "forward", "directly (no DQ->Q)")
     (y1, dx1, g1), (y0, dx0, g0) = results[True], results[False]
     for name, a, b in [("output", y1, y0), ("x.grad", dx1, dx0), *((f"{n}.grad", g1[n], g0[n]) for n in g0)]:
         assert torch.equal(a, b), f"{name}: differs by {(a.float() - b.float()).abs().max()}"
@@ -468,10 +468,9 @@ def _worker_combine_rw(rank: int, world: int):
     import torch.distributed as dist
 
     layer, x = _ep_layer(rank, world, seed=7, tokens=40)
-    results, rw_quantizes, reports = _pass_on_off(layer, x, "combine", "mxfx::route_weight_quantize", "backward")
-    for on, pm in reports.items():
-        fused = [r for r in pm.records if r.kind == "all_to_all" and "route-weight" in r.reason]
-        assert len(fused) == (1 if on else 0), pm.to_text()
+    results, rw_quantizes = _pass_on_off(
+        layer, x, "combine", "mxfx::route_weight_quantize", "backward", "route-weight multiply fused into the combine"
+    )
     assert rw_quantizes == {True: 1, False: 0}, rw_quantizes
     (y1, dx1, g1), (y0, dx0, g0) = results[True], results[False]
     assert torch.equal(y1, y0), "forward: the fused op computes the same fp32 product"

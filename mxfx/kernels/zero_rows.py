@@ -31,6 +31,9 @@ def zero_rows_past_end_(out: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     Args:
         out: ``[S, N]`` CUDA tensor, ``out.stride(1) == 1``.
         offs: int32/int64 ``[E]`` cumulative group ends on the same device (E >= 1).
+
+    Raises:
+        ValueError: ``out`` not 2D with unit column stride, or ``offs`` not a non-empty 1D tensor.
     """
     if out.dim() != 2 or out.stride(1) != 1 or offs.dim() != 1 or offs.numel() == 0:
         raise ValueError(

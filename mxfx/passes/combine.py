@@ -97,22 +97,19 @@ def _fuse_into_transport(gm: fx.GraphModule, pm: PrecisionMap) -> int:
             continue
         node.kwargs = {**node.kwargs, "route_weight": rw}
         mul.prepend(node)  # the route weights may be computed after the collective was issued
-        out = node
-        out_dtype = example_value(mul).dtype
-        if out_dtype != torch.float32:  # the op returns fp32 rows; the multiply's own result dtype is kept
+        out, product = node, example_value(mul)
+        if product.dtype != torch.float32:  # the op returns fp32 rows; the multiply's own result dtype is kept
             with gm.graph.inserting_after(node):
-                out = gm.graph.call_method("to", (node, out_dtype))
+                out = gm.graph.call_method("to", (node, product.dtype))
+            node.meta["example_value"] = product.float()
+        out.meta.update(mul.meta)
         mul.replace_all_uses_with(out)
         gm.graph.erase_node(mul)
         if last is not node:
             gm.graph.erase_node(last)
-        ev = example_value(mul)
-        out.meta.update(mul.meta)
-        if out is not node:
-            node.meta["example_value"] = ev.float()
         for rec in pm.records:
             if rec.node == node.name:
-                rec.reason = "; ".join(r for r in (rec.reason, "route-weight multiply fused into the combine-backward transport quantize") if r)
+                rec.add_note("route-weight multiply fused into the combine-backward transport quantize")
         fused += 1
     return fused
 

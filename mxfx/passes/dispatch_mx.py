@@ -97,8 +97,8 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         for rec in pm.records:
             if rec.node == a2a.name:
                 rec.node = rows.name
-                rec.reason = "; ".join(x for x in (rec.reason, f"received MX pair feeds {grouped.name} directly (no DQ->Q)") if x)
+                rec.add_note(f"received MX pair feeds {grouped.name} directly (no DQ->Q)")
             elif rec.node == grouped.name:
-                rec.reason = "; ".join(x for x in (rec.reason, "input taken as MX from the dispatch all-to-all") if x)
+                rec.add_note("input taken as MX from the dispatch all-to-all")
         done += 1
     return done
