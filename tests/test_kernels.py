@@ -240,8 +240,9 @@ def test_swiglu_quantize_fused_gate_up():
 @cuda
 @pytest.mark.parametrize("w_shape", ["s", "s1"])
 @pytest.mark.parametrize("shape", [(96, 64), (1000, 2048)])
-def test_route_weight_quantize(shape, w_shape):
-    dy = special_rows(rand(shape, torch.bfloat16))
+@pytest.mark.parametrize("dy_dtype", [torch.bfloat16, torch.float32])  # fp32: the EP combine's backward gradient
+def test_route_weight_quantize(shape, w_shape, dy_dtype):
+    dy = special_rows(rand(shape, dy_dtype))
     w = torch.rand(shape[0], device="cuda")
     w = w if w_shape == "s" else w[:, None]
     ref = mxf.quantize_lastdim(dy.cpu().float() * w.cpu().float().reshape(-1, 1), "rceil")
