@@ -8,12 +8,14 @@ mxfx's weight caches are rebuilt once per optimizer step, so in this loop (no op
 step) its weight quantization is amortized away, as it is across microbatches in training.
 
     python bench/moe_layer.py                # H200
+    python bench/moe_layer.py --arms bf16,mxfx,mxfxopaque   # also mxfx with its MX ops kept as custom ops
     python bench/moe_layer.py --device cpu --tokens 256 --d 128 --experts 8 --hidden 64 --topk 2
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -101,16 +103,22 @@ def main():
         "mxfx (backend=mxfp8)": lambda: torch.compile(routed_layer(lambda m, b, o: torch._grouped_mm(m, b, offs=o)), backend="mxfp8"),
         "torchao MXFP8 emulated (compile)": lambda: torch.compile(routed_layer(torchao_grouped_mm())),
     }
-    keep = {"bf16": "bf16 (inductor)", "mxfx": "mxfx (backend=mxfp8)", "torchao": "torchao MXFP8 emulated (compile)"}
+    arms["mxfx, MX ops as opaque custom ops"] = arms["mxfx (backend=mxfp8)"]
+    keep = {"bf16": "bf16 (inductor)", "mxfx": "mxfx (backend=mxfp8)", "torchao": "torchao MXFP8 emulated (compile)",
+            "mxfxopaque": "mxfx, MX ops as opaque custom ops"}
     rows, base_ms = [], None
     for key in a.arms.split(","):
         name = keep[key]
         torch._dynamo.reset()
+        if key == "mxfxopaque":  # read when the graph is traced (mxfx.kernels.launch)
+            os.environ["MXFX_OPAQUE_KERNELS"] = "1"
         try:
             ms, peak, act = measure(arms[name](), args, dev)
         except Exception as e:  # a peer that cannot run here is reported, not fatal
             rows.append(f"| {name} | failed: {type(e).__name__}: {str(e)[:80]} | | | |")
             continue
+        finally:
+            os.environ.pop("MXFX_OPAQUE_KERNELS", None)
         base_ms = base_ms or ms
         rows.append(f"| {name} | {ms:.3f} | {base_ms / ms:.2f}x | {peak / 2**30:.2f} | {act / 2**30:.2f} |")
         for t in (x, *params):

@@ -10,6 +10,10 @@ weights (one seed) and same batches:
   (b') ``mxfp8dq``: the same with ``keep_dequantized_weights=True`` (the Hopper switch:
       BF16 copies of the cached MX weights kept beside the caches; more memory, no
       weight dequantize per GEMM). Not in the default ``--arms``;
+  (b'') ``mxfp8opaque``: (b) with ``MXFX_OPAQUE_KERNELS=1``: the MX ops stay opaque
+      custom ops in the graph instead of Triton kernels launched by Inductor
+      (``mxfx.kernels.launch``); shows what the host cost of custom ops was. Not in the
+      default ``--arms``;
   (c) ``torchao``: torchao 0.18's MXFP8 training functions in emulated mode
       (``KernelPreference.EMULATED``; its CUTLASS/CuTeDSL kernels are sm100-only)
       under ``torch.compile``: routed experts through
@@ -135,7 +139,7 @@ def build(arm: str, mcfg: MoEConfig, a) -> tuple:
         model = MoETransformer(mcfg)
     if arm == "torchao":
         apply_torchao(model)
-    if arm in ("mxfp8", "mxfp8dq"):
+    if arm in MX_ARMS:
         options = {"inner": a.inner} if a.inner != "inductor" else {}
         if arm == "mxfp8dq":
             options["keep_dequantized_weights"] = True
@@ -155,10 +159,36 @@ def batches(a, batch: int, n: int):
     return out
 
 
+MX_ARMS = ("mxfp8", "mxfp8dq", "mxfp8opaque")
+
+
+def profile_step(step, x, y) -> str:
+    """One step under torch.profiler: host (CPU) time of the step, device kernel time, top device ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        step(x, y)
+        host = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    ev = prof.key_averages()
+    device_us = sum(e.self_device_time_total for e in ev)
+    top = sorted(ev, key=lambda e: -e.self_device_time_total)[:8]
+    lines = [f"profile: host returns after {host * 1e3:.1f} ms, step wall {wall * 1e3:.1f} ms, "
+             f"device busy {device_us / 1e3:.1f} ms (profiler overhead included)"]
+    lines += [f"  {e.self_device_time_total / 1e3:7.2f} ms  {e.count:5d}x  {e.key[:90]}" for e in top]
+    return "\n".join(lines)
+
+
 def run_arm(arm: str, mcfg: MoEConfig, a, batch: int) -> dict:
     """Warmup (compile) then timed steps at ``batch``; tokens/s, peak and activation memory."""
     dev = a.device
     torch._dynamo.reset()
+    opaque_before = os.environ.pop("MXFX_OPAQUE_KERNELS", None)
+    if arm == "mxfp8opaque":
+        os.environ["MXFX_OPAQUE_KERNELS"] = "1"
     model, compiled, opt = build(arm, mcfg, a)
     data = batches(a, batch, a.warmup + a.steps)
     losses = []
@@ -206,14 +236,20 @@ def run_arm(arm: str, mcfg: MoEConfig, a, batch: int) -> dict:
             grad_gib=sum(p.numel() * p.element_size() for p in model.parameters()) / GIB,
             losses=[float(v) for v in torch.stack(losses).tolist()],
         )
-        if arm in ("mxfp8", "mxfp8dq"):
+        if arm in a.profile.split(",") and dev == "cuda":
+            res["profile"] = profile_step(step, *data[-1])
+            print(f"{arm} {res['profile']}", flush=True)
+        if arm in MX_ARMS:
             import mxfx
 
             res["rewritten"] = sum(pm.count(rewritten=True) for pm in mxfx.all_reports())
         return res
     finally:
         del model, compiled, opt, data
-        if arm in ("mxfp8", "mxfp8dq"):
+        os.environ.pop("MXFX_OPAQUE_KERNELS", None)
+        if opaque_before is not None:
+            os.environ["MXFX_OPAQUE_KERNELS"] = opaque_before
+        if arm in MX_ARMS:
             from mxfx import cache
 
             cache.clear()
@@ -289,6 +325,7 @@ def main():
     p.add_argument("--budget-gib", type=float, default=60.0)
     p.add_argument("--max-batch-cap", type=int, default=64)
     p.add_argument("--oom-tries", type=int, default=3)
+    p.add_argument("--profile", default="", help="comma-separated arms to profile for one extra step (CUDA)")
     p.add_argument("--inner", default="inductor", help="compiler for every arm (aot_eager for fast smoke runs)")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--data-seed", type=int, default=0)
@@ -333,7 +370,8 @@ def main():
                       f"({time.perf_counter() - t_start:.0f} s)", flush=True)
             torch.cuda.set_per_process_memory_fraction(1.0)
 
-    names = {"bf16": f"(a) bf16 {a.inner}", "mxfp8": "(b) backend=mxfp8", "mxfp8dq": "(b') mxfp8, keep_dequantized_weights", "torchao": "(c) torchao MXFP8 emulated"}
+    names = {"bf16": f"(a) bf16 {a.inner}", "mxfp8": "(b) backend=mxfp8", "mxfp8dq": "(b') mxfp8, keep_dequantized_weights",
+             "mxfp8opaque": "(b'') mxfp8, MX ops as opaque custom ops", "torchao": "(c) torchao MXFP8 emulated"}
     lines = [f"MoE train step: {a.layers} layers, d {a.d_model}, {a.experts} experts top-{a.topk} + shared, "
              f"expert hidden {a.expert_hidden}, seq {a.seq}; {dev_name}; torch {torch.__version__}", "",
              f"phase 1, micro-batch {a.batch} ({a.batch * a.seq} tokens):",

@@ -4,6 +4,10 @@ Both devices quantize bit-identically; the GEMMs differ only in summation order 
 the emulation dtype (bf16 on CUDA, fp32 on CPU), hence the bf16-level tolerances.
 """
 
+import copy
+import os
+import sys
+
 import pytest
 import torch
 
@@ -74,3 +78,47 @@ def test_zero_rows_past_end_writes_only_the_tail(end):
     zero_rows_past_end_(out, offs)
     assert torch.equal(out[:end], before[:end])
     assert not out[end:].any()
+
+
+@cuda
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compiled_cuda_graph_launches_mx_kernels_itself(monkeypatch, dynamic):
+    """Traced on CUDA, the MX ops go into the graph as Triton kernels that Inductor launches from its own
+    code: the generated code calls no mxfx:: custom op except the weight-cache lookups, and loss and
+    gradients equal those of the same graph holding the opaque custom ops bit for bit (same kernels,
+    same cuBLAS calls)."""
+    from torch._inductor.utils import run_and_get_code
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    from moe_model import MoEConfig, MoETransformer
+
+    torch.manual_seed(0)
+    cfg = MoEConfig(d_model=128, n_layers=1, head_dim=32, n_experts=4, top_k=2, expert_hidden=128, shared_hidden=128)
+    model = MoETransformer(cfg).cuda()
+    idx = torch.randint(0, 256, (2, 96), device="cuda")
+
+    def step(opaque: bool):
+        monkeypatch.setenv("MXFX_OPAQUE_KERNELS", "1" if opaque else "0")
+        torch._dynamo.reset()
+        m = copy.deepcopy(model)
+        compiled = torch.compile(m, backend="mxfp8", dynamic=dynamic)
+
+        def run():
+            with torch.autocast("cuda", torch.bfloat16):
+                loss = compiled(idx[:, :-1], idx[:, 1:])[1]
+            loss.backward()
+            return loss
+
+        loss, code = run_and_get_code(run)
+        return loss.detach(), [p.grad for p in m.parameters()], "\n".join(code)
+
+    loss_i, grads_i, code_i = step(opaque=False)
+    loss_o, grads_o, code_o = step(opaque=True)
+    assert "mxfx.quantize" in code_o and "mxfx.mm" in code_o  # the opaque arm really holds the custom ops
+    for op in ("quantize", "quantize_dual", "dequantize", "swiglu_quantize", "mm", "grouped_mm"):
+        assert f"torch.ops.mxfx.{op}.default" not in code_i, op
+    assert "cached_weight_quantize" in code_i  # the cache lookup stays an op: it holds Python state
+    assert torch.equal(loss_i, loss_o)
+    for gi, go in zip(grads_i, grads_o):
+        assert (gi is None) == (go is None)
+        assert gi is None or torch.equal(gi, go)

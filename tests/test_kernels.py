@@ -79,7 +79,7 @@ def test_cpu_dispatch_never_loads_triton_kernels():
         "import sys, torch; import mxfx.kernels.ops; from mxfx.kernels import dispatch as d;"
         "x = torch.randn(64, 64); d.quantize_lastdim(x, 'rceil'); d.quantize_blocked(x, 'rceil');"
         "bad = [m for m in sys.modules if m.startswith('mxfx.kernels.') and m not in "
-        "('mxfx.kernels.ops', 'mxfx.kernels.dispatch')]; assert not bad, bad"
+        "('mxfx.kernels.ops', 'mxfx.kernels.dispatch', 'mxfx.kernels.launch')]; assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
 
@@ -119,10 +119,20 @@ def test_quantize_rowwise(shape, dtype, rule):
     assert_same(dispatch.quantize_lastdim(x, rule), mxf.quantize_lastdim(x.cpu(), rule))
 
 
+@pytest.fixture(params=["packed", "tile"])
+def transpose_impl(request, monkeypatch):
+    """Both kernels that transpose on the GPU: the packed-word dual kernel and the tile kernel."""
+    from mxfx.kernels import dual, quantize
+
+    monkeypatch.setattr(dual, "DUAL_IMPL", request.param)
+    monkeypatch.setattr(quantize, "COLWISE_TILES", request.param == "tile")
+    return request.param
+
+
 @cuda
 @pytest.mark.parametrize("rule", mxf.SCALE_RULES)
-@pytest.mark.parametrize("shape", [(96, 64), (256, 160), (2, 64, 96), (4096, 512)])
-def test_quantize_columnwise(shape, rule):
+@pytest.mark.parametrize("shape", [(96, 64), (256, 160), (2, 64, 96), (4096, 512), (64, 100)])
+def test_quantize_columnwise(shape, rule, transpose_impl):
     x = special_rows(rand(shape, torch.bfloat16).transpose(-2, -1)).transpose(-2, -1)
     xt = x.transpose(-2, -1)  # blocks down dim -2 of x, output [.., K, M]
     assert_same(dispatch.quantize_lastdim(xt, rule), mxf.quantize_lastdim(xt.cpu(), rule))
@@ -153,7 +163,7 @@ def test_quantize_no_recompile_per_token_count():
 @cuda
 @pytest.mark.parametrize("rule", mxf.SCALE_RULES)
 @pytest.mark.parametrize("shape", [(96, 64), (256, 1024), (2, 64, 96), (32, 4096)])
-def test_quantize_dual(shape, rule):
+def test_quantize_dual(shape, rule, transpose_impl):
     x = special_rows(rand(shape, torch.bfloat16))
     got = dispatch.quantize_dual(x, rule)
     xc = x.cpu()
@@ -162,7 +172,7 @@ def test_quantize_dual(shape, rule):
 
 
 @cuda
-def test_quantize_dual_strided_and_errors():
+def test_quantize_dual_strided_and_errors(transpose_impl):
     x = rand((128, 512), torch.float32)[:, ::2]
     xc = x.cpu()
     assert_same(dispatch.quantize_dual(x, "rceil"), (*mxf.quantize_lastdim(xc, "rceil"), *mxf.quantize_lastdim(xc.t(), "rceil")))

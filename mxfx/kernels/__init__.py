@@ -7,6 +7,7 @@ custom ops registered in :mod:`mxfx.kernels.ops`, which wrap these functions.
 
 from mxfx.kernels.dispatch import (  # noqa: F401
     dequantize_lastdim,
+    quantize_blocked,
     quantize_dequantize,
     quantize_dual,
     quantize_lastdim,

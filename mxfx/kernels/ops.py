@@ -1,7 +1,13 @@
-"""Torch custom ops (namespace ``mxfx``) around the MX kernels, with fake implementations.
+"""The MX kernel ops graph code calls: torch custom ops (namespace ``mxfx``) with fake implementations.
 
-Graphs hold these ops opaquely, so Inductor neither fuses them into slow
-dynamic-shape code nor trips over E8M0 dtypes: scales are uint8 E8M0 bytes here.
+Each public function here (``quantize``, ``dequantize``, ...) is what the MX
+autograd functions call. In eager code, and in every CPU graph, it calls the
+custom op ``mxfx::<name>``: graphs hold it opaquely, so Inductor neither fuses
+the format math into slow dynamic-shape code nor trips over E8M0 dtypes (scales
+are uint8 E8M0 bytes here). While a CUDA graph is traced, it calls the kernel's
+Python body instead, whose Triton launches enter the graph through
+``wrap_triton`` and are launched by Inductor's generated code without the
+custom op's host cost (:mod:`mxfx.kernels.launch`). Both give the same bytes.
 Each op blocks along the last dimension of its input.
 """
 
@@ -10,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from mxfx import kernels
+from mxfx.kernels.launch import inline_in_graph
 from mxfx.format import BLOCK_SIZE
 
 _E4M3 = torch.float8_e4m3fn
@@ -20,34 +27,34 @@ def _scale_shape(shape) -> list:
 
 
 @torch.library.custom_op("mxfx::quantize", mutates_args=())
-def quantize(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_op(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [..., K]`` -> ``(qdata e4m3 [..., K], scales uint8 [..., K/32])``."""
     return kernels.quantize_lastdim(x, rule)
 
 
-@quantize.register_fake
+@_quantize_op.register_fake
 def _(x, rule):
     return x.new_empty(x.shape, dtype=_E4M3), x.new_empty(_scale_shape(x.shape), dtype=torch.uint8)
 
 
 @torch.library.custom_op("mxfx::dequantize", mutates_args=())
-def dequantize(qdata: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _dequantize_op(qdata: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``(qdata [..., K], scales [..., K/32])`` -> ``[..., K]`` of ``dtype``."""
     return kernels.dequantize_lastdim(qdata, scales, dtype)
 
 
-@dequantize.register_fake
+@_dequantize_op.register_fake
 def _(qdata, scales, dtype):
     return qdata.new_empty(qdata.shape, dtype=dtype)
 
 
 @torch.library.custom_op("mxfx::quantize_dual", mutates_args=())
-def quantize_dual(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _quantize_dual_op(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x [M, K]`` -> rowwise ``(q [M, K], s [M, K/32])`` and columnwise ``(q [K, M], s [K, M/32])``."""
     return kernels.quantize_dual(x, rule)
 
 
-@quantize_dual.register_fake
+@_quantize_dual_op.register_fake
 def _(x, rule):
     t = x.shape[:-2] + (x.shape[-1], x.shape[-2])
     return (
@@ -59,12 +66,12 @@ def _(x, rule):
 
 
 @torch.library.custom_op("mxfx::quantize_dequantize", mutates_args=())
-def quantize_dequantize(x: torch.Tensor, rule: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _quantize_dequantize_op(x: torch.Tensor, rule: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x [..., K]`` -> ``(qdata, scales, x_hat)`` with ``x_hat`` the dequantized ``dtype`` tensor."""
     return kernels.quantize_dequantize(x, rule, dtype)
 
 
-@quantize_dequantize.register_fake
+@_quantize_dequantize_op.register_fake
 def _(x, rule, dtype):
     return (
         x.new_empty(x.shape, dtype=_E4M3),
@@ -74,38 +81,36 @@ def _(x, rule, dtype):
 
 
 @torch.library.custom_op("mxfx::swiglu_quantize", mutates_args=())
-def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _swiglu_quantize_op(gate: torch.Tensor, up: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
     """MX quantize of ``silu(gate) * up`` (fp32 product): ``gate, up [..., H]`` -> ``(q [..., H], s [..., H/32])``."""
     return kernels.swiglu_quantize(gate, up, rule)
 
 
-@swiglu_quantize.register_fake
+@_swiglu_quantize_op.register_fake
 def _(gate, up, rule):
     return gate.new_empty(gate.shape, dtype=_E4M3), gate.new_empty(_scale_shape(gate.shape), dtype=torch.uint8)
 
 
 @torch.library.custom_op("mxfx::route_weight_quantize", mutates_args=())
-def route_weight_quantize(dy: torch.Tensor, weight: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _route_weight_quantize_op(dy: torch.Tensor, weight: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
     """MX quantize of ``dy [S, D] * weight [S]`` (fp32 product), the combine-backward gradient."""
     return kernels.route_weight_quantize(dy, weight, rule)
 
 
-@route_weight_quantize.register_fake
+@_route_weight_quantize_op.register_fake
 def _(dy, weight, rule):
     return dy.new_empty(dy.shape, dtype=_E4M3), dy.new_empty(_scale_shape(dy.shape), dtype=torch.uint8)
 
 
 @torch.library.custom_op("mxfx::quantize_blocked", mutates_args=())
-def quantize_blocked(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_blocked_op(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [..., K]`` -> ``(qdata e4m3 [..., K], blocked uint8 scales)``: the scale matrix of
     ``x.reshape(-1, K)`` in the blocked layout of :mod:`mxfx.layout` (rows padded to 128,
     scale columns to 4, padding zero), as Blackwell block-scaled GEMMs consume it."""
-    from mxfx.kernels.dispatch import quantize_blocked as impl
-
-    return impl(x, rule)
+    return kernels.quantize_blocked(x, rule)
 
 
-@quantize_blocked.register_fake
+@_quantize_blocked_op.register_fake
 def _(x, rule):
     from mxfx.layout import blocked_numel
 
@@ -113,3 +118,49 @@ def _(x, rule):
     for d in x.shape[:-1]:
         rows = rows * d
     return x.new_empty(x.shape, dtype=_E4M3), x.new_empty(blocked_numel(rows, x.shape[-1] // BLOCK_SIZE), dtype=torch.uint8)
+
+
+# --- what callers use: the custom op, or its body when traced on CUDA ---------------------------
+
+
+def quantize(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., K]`` -> ``(qdata e4m3 [..., K], scales uint8 E8M0 [..., K/32])`` (``mxfx::quantize``)."""
+    return kernels.quantize_lastdim(x, rule) if inline_in_graph(x) else _quantize_op(x, rule)
+
+
+def dequantize(qdata: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``(qdata [..., K], scales [..., K/32])`` -> ``[..., K]`` of ``dtype`` (``mxfx::dequantize``)."""
+    if inline_in_graph(qdata):
+        return kernels.dequantize_lastdim(qdata, scales, dtype)
+    return _dequantize_op(qdata, scales, dtype)
+
+
+def quantize_dual(x: torch.Tensor, rule: str):
+    """``x [M, K]`` -> rowwise ``(q [M, K], s [M, K/32])`` and columnwise ``(q [K, M], s [K, M/32])`` (``mxfx::quantize_dual``)."""
+    return kernels.quantize_dual(x, rule) if inline_in_graph(x) else _quantize_dual_op(x, rule)
+
+
+def quantize_dequantize(x: torch.Tensor, rule: str, dtype: torch.dtype):
+    """``x [..., K]`` -> ``(qdata, scales, x_hat)`` (``mxfx::quantize_dequantize``)."""
+    if inline_in_graph(x):
+        return kernels.quantize_dequantize(x, rule, dtype)
+    return _quantize_dequantize_op(x, rule, dtype)
+
+
+def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """MX quantize of ``silu(gate) * up`` formed in fp32 (``mxfx::swiglu_quantize``)."""
+    if inline_in_graph(gate):
+        return kernels.swiglu_quantize(gate, up, rule)
+    return _swiglu_quantize_op(gate, up, rule)
+
+
+def route_weight_quantize(dy: torch.Tensor, weight: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """MX quantize of ``dy [S, D] * weight [S]`` formed in fp32 (``mxfx::route_weight_quantize``)."""
+    if inline_in_graph(dy):
+        return kernels.route_weight_quantize(dy, weight, rule)
+    return _route_weight_quantize_op(dy, weight, rule)
+
+
+def quantize_blocked(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., K]`` -> ``(qdata, blocked uint8 scales)`` (``mxfx::quantize_blocked``)."""
+    return kernels.quantize_blocked(x, rule) if inline_in_graph(x) else _quantize_blocked_op(x, rule)

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mxfx.kernels.launch import launch
 from mxfx.format import check_block_axis, check_input, check_rule
 from mxfx.kernels.mx_block import (
     as_brc,
@@ -35,6 +36,8 @@ from mxfx.kernels.mx_block import (
 )
 from mxfx.layout import blocked_numel
 
+COLWISE_TILES = False
+"""Columnwise quantize of a transposed view through the tile kernel of ``mxfx.kernels.dual``."""
 FLAT_CONFIG = (512, 32, 8)
 """(BLOCK_R, BLOCK_C, num_warps) for contiguous inputs seen as a stream of 32-value blocks:
 BLOCK_R blocks per program."""
@@ -87,17 +90,26 @@ def _launch(x, rule, *, weight=None, xhat_dtype=None, blocked=False, op="mxfx.qu
         s = torch.zeros(blocked_numel(B * R // rpr, rpr * C // 32), dtype=torch.uint8, device=x.device)
     else:
         s = torch.empty(scale_shape(x.shape), dtype=torch.uint8, device=x.device)
-    xhat = torch.empty(x.shape, dtype=xhat_dtype, device=x.device) if xhat_dtype is not None else q
+    # unused pointer arguments get the (read-only) input, so no output buffer is passed twice
+    xhat = torch.empty(x.shape, dtype=xhat_dtype, device=x.device) if xhat_dtype is not None else x3
     w = weight if weight is not None else x3
     rowwise = x3.stride(2) == 1
+    if COLWISE_TILES and not rowwise and x3.stride(1) == 1 and weight is None and xhat_dtype is None and not blocked:
+        # a transposed view of rows contiguous along R: the columnwise half of the dual kernel,
+        # with this view's C as its M (blocked, a multiple of 32) and R as its K
+        from mxfx.kernels.dual import quantize_tiles
+
+        xt = x3.transpose(1, 2)
+        q3, s3, _, _ = quantize_tiles(xt, rule, rowwise=False)
+        return q3.view(x.shape).view(torch.float8_e4m3fn), s3.view(scale_shape(x.shape)), None
     if rpr > 1 or C == 32:
         br, bc, warps = FLAT_CONFIG
     else:
         br, bc, warps = ROWWISE_CONFIG if rowwise else COLWISE_CONFIG
     n_c = triton.cdiv(C, bc)
     if R * C > 0:
-        (_quantize_kernel if rowwise else _quantize_kernel_t)[(triton.cdiv(R, br) * n_c, B)](
-            x3, w, q, s, xhat, R, C, rpr, *x3.stride(), w.stride(0) if weight is not None else 0, n_c,
+        launch(
+            _quantize_kernel if rowwise else _quantize_kernel_t, (triton.cdiv(R, br) * n_c, B), x3, w, q, s, xhat, R, C, rpr, *x3.stride(), w.stride(0) if weight is not None else 0, n_c,
             RCEIL=rule == "rceil", ROW_WEIGHT=weight is not None, WRITE_XHAT=xhat_dtype is not None,
             BLOCKED=blocked, BR=br, BC=bc, num_warps=warps,
         )

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mxfx.kernels.launch import launch
+
 BLOCK_R, BLOCK_C = 32, 512
 
 
@@ -43,5 +45,5 @@ def zero_rows_past_end_(out: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     r, c = out.shape
     if r * c > 0:
         grid = (triton.cdiv(r, BLOCK_R), triton.cdiv(c, BLOCK_C))
-        _zero_rows_kernel[grid](out, offs, offs.numel(), r, c, out.stride(0), BR=BLOCK_R, BC=BLOCK_C, num_warps=4)
+        launch(_zero_rows_kernel, grid, out, offs, offs.numel(), r, c, out.stride(0), BR=BLOCK_R, BC=BLOCK_C, num_warps=4)
     return out

@@ -40,6 +40,7 @@ import torch
 
 from mxfx import layout
 from mxfx.kernels import dequantize_lastdim, triton_available
+from mxfx.kernels.launch import inline_in_graph
 
 FORMAT = "mxfp8"
 """The block-scaled format the ``mxfx::*`` GEMM ops carry today (E4M3 payload, E8M0 scale per 32 values)."""
@@ -84,7 +85,7 @@ def _dequantized(a_qdata, a_scales, b_qdata, b_scales, b_dequantized=None) -> tu
     """
     cdt = _emulation_dtype(a_qdata.device)
     # Plain kernel calls, not the mxfx::dequantize op: this runs inside a GEMM op's own implementation
-    # (never traced), where a nested custom-op call would only add dispatcher overhead per GEMM.
+    # (or is traced into a CUDA graph), where a nested custom op would only add dispatcher overhead.
     a = dequantize_lastdim(a_qdata, a_scales, cdt)
     b = dequantize_lastdim(b_qdata, b_scales, cdt) if b_dequantized is None else b_dequantized.to(cdt)
     return a, b
@@ -394,7 +395,7 @@ def gemm_impl(op: str, device: torch.device, fmt: str = FORMAT) -> tuple[str, Ca
 
 
 @torch.library.custom_op("mxfx::mm", mutates_args=())
-def mx_mm(
+def _mm_op(
     a_qdata: torch.Tensor,
     a_scales: torch.Tensor,
     b_qdata: torch.Tensor,
@@ -418,9 +419,35 @@ def mx_mm(
     return fn(a_qdata, a_scales, b_qdata, b_scales, out_dtype, b_dequantized)
 
 
-@mx_mm.register_fake
+@_mm_op.register_fake
 def _(a_qdata, a_scales, b_qdata, b_scales, out_dtype, b_dequantized=None):
     return a_qdata.new_empty((a_qdata.shape[0], b_qdata.shape[0]), dtype=out_dtype)
+
+
+def mx_mm(a_qdata, a_scales, b_qdata, b_scales, out_dtype, b_dequantized=None):
+    """``mxfx::mm`` (see :func:`_mm_op` for shapes and dtypes), or its body while a CUDA graph is traced.
+
+    Traced on CUDA, the chosen implementation's dequantize kernels and BF16/FP8 GEMM go into the
+    graph themselves, so Inductor launches them with no custom-op host cost (:mod:`mxfx.kernels.launch`).
+    """
+    if inline_in_graph(a_qdata):
+        return gemm_impl("mm", a_qdata.device)[1](a_qdata, a_scales, b_qdata, b_scales, out_dtype, b_dequantized)
+    return _mm_op(a_qdata, a_scales, b_qdata, b_scales, out_dtype, b_dequantized)
+
+
+def mx_grouped_mm(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, b_dequantized=None):
+    """``mxfx::grouped_mm`` (see :func:`_grouped_mm_op`), or its body while a CUDA graph is traced."""
+    if inline_in_graph(a_qdata):
+        fn = gemm_impl("grouped_mm", a_qdata.device)[1]
+        return fn(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, b_dequantized)
+    return _grouped_mm_op(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, b_dequantized)
+
+
+def mx_grouped_mm_wgrad(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype):
+    """``mxfx::grouped_mm_wgrad`` (see :func:`_grouped_mm_wgrad_op`), or its body while a CUDA graph is traced."""
+    if inline_in_graph(a_qdata):
+        return gemm_impl("grouped_mm_wgrad", a_qdata.device)[1](a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype)
+    return _grouped_mm_wgrad_op(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype)
 
 
 def hp_mm_t(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -433,7 +460,7 @@ def hp_mm_t(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.T
 
 
 @torch.library.custom_op("mxfx::grouped_mm", mutates_args=())
-def mx_grouped_mm(
+def _grouped_mm_op(
     a_qdata: torch.Tensor,
     a_scales: torch.Tensor,
     b_qdata: torch.Tensor,
@@ -458,13 +485,13 @@ def mx_grouped_mm(
     return fn(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, b_dequantized)
 
 
-@mx_grouped_mm.register_fake
+@_grouped_mm_op.register_fake
 def _(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, b_dequantized=None):
     return a_qdata.new_empty((a_qdata.shape[0], b_qdata.shape[1]), dtype=out_dtype)
 
 
 @torch.library.custom_op("mxfx::grouped_mm_wgrad", mutates_args=())
-def mx_grouped_mm_wgrad(
+def _grouped_mm_wgrad_op(
     a_qdata: torch.Tensor,
     a_scales: torch.Tensor,
     b_qdata: torch.Tensor,
@@ -486,7 +513,7 @@ def mx_grouped_mm_wgrad(
     return fn(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype)
 
 
-@mx_grouped_mm_wgrad.register_fake
+@_grouped_mm_wgrad_op.register_fake
 def _(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype):
     return a_qdata.new_empty((offs.shape[0], a_qdata.shape[0], b_qdata.shape[0]), dtype=out_dtype)
 

@@ -1,0 +1,59 @@
+"""How mxfx launches its Triton kernels: directly when run, through ``wrap_triton`` when traced.
+
+Eager calls (and the bodies of the ``mxfx::*`` custom ops) launch a kernel as
+``kernel[grid](...)``. While AOTAutograd traces a compiled graph on CUDA, the MX
+ops are not kept as opaque custom ops: their Python bodies are traced, and every
+kernel goes into the graph as a ``torch.library.wrap_triton`` call. Inductor
+then launches those kernels straight from its generated code, with none of the
+per-call cost of a custom op (the Python dispatcher, argument checks, the
+launcher's specialization lookup; about 65 us of host time per op measured on
+the H200, where the kernels themselves often take less). Inductor keeps each
+user kernel as written: it is neither fused with nor rewritten into generated
+code, so the dynamic-shape slow paths described in ``mxfx.kernels.ops`` do not
+arise.
+
+Set ``MXFX_OPAQUE_KERNELS=1`` (read at every trace) to keep the custom ops in
+graphs instead, e.g. to compare the two or to inspect the ops in a graph dump.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def traced(t: torch.Tensor) -> bool:
+    """True while ``t`` is a tracing stand-in (a fake or functional tensor of AOTAutograd), not data."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return isinstance(t, (FakeTensor, FunctionalTensor))
+
+
+def inline_in_graph(t: torch.Tensor) -> bool:
+    """True when an MX op on ``t`` should be traced into the graph rather than kept as a custom op.
+
+    That is: ``t`` is a CUDA tensor being traced, Triton imports, and
+    ``MXFX_OPAQUE_KERNELS`` is not set. CPU graphs always keep the custom ops
+    (their reference bodies are plain torch code meant to run as written).
+    """
+    from mxfx.kernels.dispatch import triton_available
+
+    return traced(t) and triton_available(t) and os.environ.get("MXFX_OPAQUE_KERNELS", "") in ("", "0")
+
+
+def launch(kernel, grid: tuple, *args, **kwargs) -> None:
+    """Run ``kernel[grid](*args, **kwargs)``, through ``wrap_triton`` when a tensor argument is traced.
+
+    Args:
+        kernel: a ``triton.jit`` function.
+        grid: launch grid (ints, or SymInts while tracing with dynamic shapes).
+        args, kwargs: the kernel's arguments (constexprs and ``num_warps`` by keyword).
+    """
+    if any(isinstance(a, torch.Tensor) and traced(a) for a in args):
+        from torch.library import wrap_triton
+
+        wrap_triton(kernel)[grid](*args, **kwargs)
+    else:
+        kernel[grid](*args, **kwargs)
