@@ -119,20 +119,10 @@ def test_quantize_rowwise(shape, dtype, rule):
     assert_same(dispatch.quantize_lastdim(x, rule), mxf.quantize_lastdim(x.cpu(), rule))
 
 
-@pytest.fixture(params=["packed", "tile"])
-def transpose_impl(request, monkeypatch):
-    """Both kernels that transpose on the GPU: the packed-word dual kernel and the tile kernel."""
-    from mxfx.kernels import dual, quantize
-
-    monkeypatch.setattr(dual, "DUAL_IMPL", request.param)
-    monkeypatch.setattr(quantize, "COLWISE_TILES", request.param == "tile")
-    return request.param
-
-
 @cuda
 @pytest.mark.parametrize("rule", mxf.SCALE_RULES)
 @pytest.mark.parametrize("shape", [(96, 64), (256, 160), (2, 64, 96), (4096, 512), (64, 100)])
-def test_quantize_columnwise(shape, rule, transpose_impl):
+def test_quantize_columnwise(shape, rule):
     x = special_rows(rand(shape, torch.bfloat16).transpose(-2, -1)).transpose(-2, -1)
     xt = x.transpose(-2, -1)  # blocks down dim -2 of x, output [.., K, M]
     assert_same(dispatch.quantize_lastdim(xt, rule), mxf.quantize_lastdim(xt.cpu(), rule))
@@ -163,7 +153,7 @@ def test_quantize_no_recompile_per_token_count():
 @cuda
 @pytest.mark.parametrize("rule", mxf.SCALE_RULES)
 @pytest.mark.parametrize("shape", [(96, 64), (256, 1024), (2, 64, 96), (32, 4096)])
-def test_quantize_dual(shape, rule, transpose_impl):
+def test_quantize_dual(shape, rule):
     x = special_rows(rand(shape, torch.bfloat16))
     got = dispatch.quantize_dual(x, rule)
     xc = x.cpu()

@@ -36,9 +36,7 @@ from mxfx.kernels.mx_block import (
 )
 from mxfx.layout import blocked_numel
 
-COLWISE_TILES = False
-"""Columnwise quantize of a transposed view through the tile kernel of ``mxfx.kernels.dual``."""
-FLAT_CONFIG = (512, 32, 8)
+FLAT_CONFIG = (256, 32, 4)
 """(BLOCK_R, BLOCK_C, num_warps) for contiguous inputs seen as a stream of 32-value blocks:
 BLOCK_R blocks per program."""
 ROWWISE_CONFIG = (16, 256, 8)
@@ -94,14 +92,6 @@ def _launch(x, rule, *, weight=None, xhat_dtype=None, blocked=False, op="mxfx.qu
     xhat = torch.empty(x.shape, dtype=xhat_dtype, device=x.device) if xhat_dtype is not None else x3
     w = weight if weight is not None else x3
     rowwise = x3.stride(2) == 1
-    if COLWISE_TILES and not rowwise and x3.stride(1) == 1 and weight is None and xhat_dtype is None and not blocked:
-        # a transposed view of rows contiguous along R: the columnwise half of the dual kernel,
-        # with this view's C as its M (blocked, a multiple of 32) and R as its K
-        from mxfx.kernels.dual import quantize_tiles
-
-        xt = x3.transpose(1, 2)
-        q3, s3, _, _ = quantize_tiles(xt, rule, rowwise=False)
-        return q3.view(x.shape).view(torch.float8_e4m3fn), s3.view(scale_shape(x.shape)), None
     if rpr > 1 or C == 32:
         br, bc, warps = FLAT_CONFIG
     else:
