@@ -230,7 +230,7 @@ def dequantize(
         TypeError / ValueError: wrong dtypes, or shapes that do not pair up.
     """
     axis = check_pair(qdata, scales, axis, "mxfx.dequantize")
-    if not dtype.is_floating_point or dtype.itemsize < 2:
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize < 2:
         raise TypeError(
             f"mxfx.dequantize: output dtype {dtype} for qdata of shape {tuple(qdata.shape)} is not a floating "
             f"type of 16 bits or more; use torch.bfloat16, torch.float16, torch.float32 or torch.float64"

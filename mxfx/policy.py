@@ -43,7 +43,8 @@ def _check_min_size(value: Any) -> None:
     if value is None or value == "auto":
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"mxfx policy: min_size={value!r} must be a non-negative int or 'auto'")
+        hint = f"; write {int(value)}" if isinstance(value, float) and value.is_integer() and value > 0 else ""
+        raise ValueError(f"mxfx policy: min_size={value!r} must be a non-negative int or 'auto'{hint}")
 
 
 def _from_mapping(cls, data: dict, what: str):

@@ -51,6 +51,8 @@ def test_policy_decisions_first_match_wins(tmp_path):
     assert Policy().decide("linear", "lm_head").precision == "bf16"
     assert Policy().decide("router", "layers.0.mlp.gate").precision == "bf16"
     assert Policy(min_size=1000).decide("linear", "x", macs=999).precision == "bf16"
+    with pytest.raises(ValueError, match=r"min_size=1000000000.0 must be a non-negative int.*write 1000000000"):
+        Policy(min_size=1e9)
     toml = tmp_path / "policy.toml"
     toml.write_text('scale_rule = "floor"\n[[rules]]\nmodule = "*.o_proj"\nprecision = "bf16"\n')
     q = Policy.from_toml(toml)

@@ -237,6 +237,8 @@ def test_pair_mismatch():
         mxf.dequantize(q.float(), s)
     with pytest.raises(TypeError, match=r"\(4, 2\)"):
         mxf.dequantize(q, s.view(torch.uint8).float())
+    with pytest.raises(TypeError, match=r"output dtype bfloat16 .*\(4, 64\).*torch.bfloat16"):
+        mxf.dequantize(q, s, dtype="bfloat16")  # a string, not a torch.dtype
 
 
 # ---- torchao agreement ----------------------------------------------------------------
