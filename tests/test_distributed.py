@@ -401,12 +401,12 @@ def _worker_ddp(rank: int, world: int):
     print("DDP OK")
 
 
-def _pass_on_off(layer, x, pass_name: str, op: str, phase: str, note: str):
+def _pass_on_off(layer, x, pass_name: str, ops: tuple, phase: str, note: str):
     """Run ``layer`` compiled with ``pass_name`` on and off (compile warmed first).
 
     Checks that exactly one all-to-all record of the precision map carries ``note`` with the
     pass on and none with it off. Returns, keyed by on/off: ``(y, x.grad, {param name: grad})``
-    and the number of ``op`` calls in the timed run's ``phase`` ("forward" or "backward").
+    and the number of calls of the ``ops`` in the timed run's ``phase`` ("forward" or "backward").
     """
     from torch.profiler import profile
 
@@ -427,7 +427,7 @@ def _pass_on_off(layer, x, pass_name: str, op: str, phase: str, note: str):
         with profile() as bwd:
             y.float().square().sum().backward()
         prof = fwd if phase == "forward" else bwd
-        counts[on] = sum(e.count for e in prof.key_averages() if e.key == op)
+        counts[on] = sum(e.count for e in prof.key_averages() if e.key in ops)
         results[on] = (y, xi.grad, {n: p.grad.clone() for n, p in layer.named_parameters()})
         layer.zero_grad()
     return results, counts
@@ -447,11 +447,14 @@ def _worker_dispatch_mx(rank: int, world: int):
     import torch.distributed as dist
 
     layer, x = _ep_layer(rank, world, seed=5, tokens=48)
-    results, quantizes = _pass_on_off(layer, x, "dispatch_mx", "mxfx::quantize", "forward", "directly (no DQ->Q)")
+    results, quantizes = _pass_on_off(
+        layer, x, "dispatch_mx", ("mxfx::quantize", "mxfx::quantize_dequantize"), "forward", "directly (no DQ->Q)"
+    )
     (y1, dx1, g1), (y0, dx0, g0) = results[True], results[False]
     for name, a, b in [("output", y1, y0), ("x.grad", dx1, dx0), *((f"{n}.grad", g1[n], g0[n]) for n in g0)]:
         assert torch.equal(a, b), f"{name}: differs by {(a.float() - b.float()).abs().max()}"
-    # forward quantizes: dispatch + gate_up input + SwiGLU->down + combine, minus the gate_up input when fed MX
+    # forward quantize passes: dispatch + gate_up input (with its dequantized form for the emulated GEMM) +
+    # combine, minus the gate_up input when fed MX (SwiGLU->down is a swiglu_quantize, not counted)
     assert quantizes[False] - quantizes[True] == 1, quantizes
     # received row counts are data-dependent: a min_size cannot judge them and must not drop the GEMMs to BF16
     import mxfx
@@ -469,7 +472,7 @@ def _worker_combine_rw(rank: int, world: int):
 
     layer, x = _ep_layer(rank, world, seed=7, tokens=40)
     results, rw_quantizes = _pass_on_off(
-        layer, x, "combine", "mxfx::route_weight_quantize", "backward", "route-weight multiply fused into the combine"
+        layer, x, "combine", ("mxfx::route_weight_quantize",), "backward", "route-weight multiply fused into the combine"
     )
     assert rw_quantizes == {True: 1, False: 0}, rw_quantizes
     (y1, dx1, g1), (y0, dx0, g0) = results[True], results[False]

@@ -145,6 +145,29 @@ def test_native_branch_calls_native_op_only_on_blackwell(monkeypatch, native):
     assert native["mm"] == 1  # Hopper: emulated, the native op is not called
 
 
+@pytest.mark.parametrize("cap, op, fused", [((9, 0), "mm", True), (None, "grouped_mm", True), ((10, 0), "mm", False),
+                                            ((12, 0), "grouped_mm", True), ((12, 0), "mm", False)])
+def test_quantize_operand_writes_dequantized_form_where_emulated(monkeypatch, cap, op, fused):
+    """The Hopper path's one-pass activation quantize: where the GEMM is emulated, the quantize pass also
+    returns dequant(qdata, scales) in the emulation dtype, and a GEMM reading it equals one dequantizing A."""
+    from mxfx import format as mxf
+
+    monkeypatch.setattr(gemm, "_capability", lambda device: cap)
+    x = torch.randn(64, 96, generator=torch.Generator().manual_seed(3))
+    q, s, x_hat = gemm.quantize_operand(x, "rceil", op)
+    rq, rs = mxf.quantize_lastdim(x, "rceil")
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+    if not fused:
+        assert x_hat is None  # native MX GEMM: nothing to dequantize
+        return
+    assert torch.equal(x_hat, mxf.dequantize_lastdim(rq, rs, torch.float32))  # fp32: CPU's emulation dtype
+    monkeypatch.setattr(gemm, "_capability", lambda device: None)  # run the emulated GEMM itself on CPU
+    bq, bs = mx((32, 96), 2)
+    ref = gemm.mx_mm(q, s, bq, bs, torch.float32)
+    assert torch.equal(gemm.mx_mm(q, s, bq, bs, torch.float32, None, x_hat), ref)
+    assert not torch.equal(gemm.mx_mm(q, s, bq, bs, torch.float32, None, 2 * x_hat), ref)  # x_hat is what it reads
+
+
 # --- dense operands ----------------------------------------------------------------------------
 
 

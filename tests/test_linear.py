@@ -131,7 +131,10 @@ def test_policy_wgrad_bf16_and_module_rule():
     assert count_calls(cap.forward, MX_MM) == 1  # only qkv
     assert count_calls(cap.backward, MX_MM) == 1  # qkv dgrad; its wgrad is BF16
     assert count_calls(cap.backward, torch.ops.mxfx.quantize_dual.default) == 0  # dY of qkv: rowwise only
-    assert count_calls(cap.backward, torch.ops.mxfx.quantize.default) == 1  # dY
+    # dY: one pass writes its MX pair and the dequantized form the emulated dgrad GEMM reads
+    assert count_calls(cap.backward, torch.ops.mxfx.quantize_dequantize.default) == 1
+    assert count_calls(cap.backward, torch.ops.mxfx.quantize.default) == 0
+    assert count_calls(cap.backward, torch.ops.mxfx.dequantize.default) == 1  # BF16 wgrad: the saved MX copy of X
     assert count_calls(cap.backward, torch.ops.mxfx.cached_weight_quantize.default) == 1  # the dgrad weight (mxfx.cache)
 
 

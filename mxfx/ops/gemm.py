@@ -40,6 +40,7 @@ import torch
 
 from mxfx import layout
 from mxfx.kernels import dequantize_lastdim, triton_available
+from mxfx.kernels import ops as kops
 from mxfx.kernels.launch import inline_in_graph
 
 FORMAT = "mxfp8"
@@ -78,21 +79,22 @@ def _emulation_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "cpu" else torch.bfloat16
 
 
-def _dequantized(a_qdata, a_scales, b_qdata, b_scales, b_dequantized=None) -> tuple[torch.Tensor, torch.Tensor]:
+def _dequantized(a_qdata, a_scales, b_qdata, b_scales, b_dequantized=None, a_dequantized=None):
     """Both operands dequantized exactly, in the emulation dtype of their device.
 
-    ``b_dequantized`` (the cached BF16 weight) replaces dequantizing B when given.
+    ``b_dequantized`` (the cached BF16 weight) replaces dequantizing B when given, ``a_dequantized``
+    (written by the activation's quantize pass, :func:`quantize_operand`) dequantizing A.
     """
     cdt = _emulation_dtype(a_qdata.device)
     # Plain kernel calls, not the mxfx::dequantize op: this runs inside a GEMM op's own implementation
     # (or is traced into a CUDA graph), where a nested custom op would only add dispatcher overhead.
-    a = dequantize_lastdim(a_qdata, a_scales, cdt)
+    a = dequantize_lastdim(a_qdata, a_scales, cdt) if a_dequantized is None else a_dequantized.to(cdt)
     b = dequantize_lastdim(b_qdata, b_scales, cdt) if b_dequantized is None else b_dequantized.to(cdt)
     return a, b
 
 
-def _emulated_mm(a_qdata, a_scales, b_qdata, b_scales, out_dtype, b_dequantized=None):
-    a, b = _dequantized(a_qdata, a_scales, b_qdata, b_scales, b_dequantized)
+def _emulated_mm(a_qdata, a_scales, b_qdata, b_scales, out_dtype, b_dequantized=None, a_dequantized=None):
+    a, b = _dequantized(a_qdata, a_scales, b_qdata, b_scales, b_dequantized, a_dequantized)
     if a.dtype == torch.float32:
         return torch.mm(a, b.t()).to(out_dtype)
     if out_dtype == torch.float32:
@@ -110,8 +112,8 @@ def _rows_in_groups(out: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     return torch.where(rows < offs[-1].to(rows.dtype), out, torch.zeros((), dtype=out.dtype, device=out.device))
 
 
-def _emulated_grouped_mm(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, b_dequantized=None):
-    a, b = _dequantized(a_qdata, a_scales, b_qdata, b_scales, b_dequantized)
+def _emulated_grouped_mm(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, b_dequantized=None, a_dequantized=None):
+    a, b = _dequantized(a_qdata, a_scales, b_qdata, b_scales, b_dequantized, a_dequantized)
     out = torch._grouped_mm(a, b.transpose(-2, -1), offs=offs)
     return _rows_in_groups(out, offs).to(out_dtype)
 
@@ -339,13 +341,13 @@ def native_grouped_wgrad_operands(a_qdata, a_scales, b_qdata, b_scales, offs) ->
     )
 
 
-def _native_mm(a_qdata, a_scales, b_qdata, b_scales, out_dtype, b_dequantized=None):
+def _native_mm(a_qdata, a_scales, b_qdata, b_scales, out_dtype, b_dequantized=None, a_dequantized=None):
     o = native_mm_operands(a_qdata, a_scales, b_qdata, b_scales)
     out = torch._scaled_mm(o.mat_a, o.mat_b, scale_a=o.scale_a, scale_b=o.scale_b, out_dtype=out_dtype)
     return out[:, : o.cols] if out.shape[1] != o.cols else out
 
 
-def _native_grouped_mm(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, b_dequantized=None):
+def _native_grouped_mm(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, b_dequantized=None, a_dequantized=None):
     o = native_grouped_mm_operands(a_qdata, a_scales, b_qdata, b_scales, offs)
     out = torch._scaled_grouped_mm(o.mat_a, o.mat_b, o.scale_a, o.scale_b, offs=o.offs, out_dtype=out_dtype)
     return _rows_in_groups(out.index_select(0, o.rows), offs)
@@ -402,6 +404,7 @@ def _mm_op(
     b_scales: torch.Tensor,
     out_dtype: torch.dtype,
     b_dequantized: Optional[torch.Tensor] = None,
+    a_dequantized: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``dequant(A)[M,K] @ dequant(B)[N,K]^T`` with fp32 accumulation, output ``[M, N]`` of ``out_dtype``.
 
@@ -412,35 +415,53 @@ def _mm_op(
         b_dequantized: optional ``dequant(B)`` (bf16 ``[N, K]``, from the weight
             cache under ``keep_dequantized_weights``); emulation uses it instead of
             dequantizing B, native paths ignore it.
+        a_dequantized: optional ``dequant(A)`` in the emulation dtype, written by the
+            quantize pass that made A (:func:`quantize_operand`); likewise.
 
     Runs natively on sm100/sm120 (``torch._scaled_mm``), emulated elsewhere (see module docstring).
     """
     _, fn = gemm_impl("mm", a_qdata.device)
-    return fn(a_qdata, a_scales, b_qdata, b_scales, out_dtype, b_dequantized)
+    return fn(a_qdata, a_scales, b_qdata, b_scales, out_dtype, b_dequantized, a_dequantized)
 
 
 @_mm_op.register_fake
-def _(a_qdata, a_scales, b_qdata, b_scales, out_dtype, b_dequantized=None):
+def _(a_qdata, a_scales, b_qdata, b_scales, out_dtype, b_dequantized=None, a_dequantized=None):
     return a_qdata.new_empty((a_qdata.shape[0], b_qdata.shape[0]), dtype=out_dtype)
 
 
-def mx_mm(a_qdata, a_scales, b_qdata, b_scales, out_dtype, b_dequantized=None):
+def mx_mm(a_qdata, a_scales, b_qdata, b_scales, out_dtype, b_dequantized=None, a_dequantized=None):
     """``mxfx::mm`` (see :func:`_mm_op` for shapes and dtypes), or its body while a CUDA graph is traced.
 
     Traced on CUDA, the chosen implementation's dequantize kernels and BF16/FP8 GEMM go into the
     graph themselves, so Inductor launches them with no custom-op host cost (:mod:`mxfx.kernels.launch`).
     """
+    args = (a_qdata, a_scales, b_qdata, b_scales, out_dtype, b_dequantized, a_dequantized)
     if inline_in_graph(a_qdata):
-        return gemm_impl("mm", a_qdata.device)[1](a_qdata, a_scales, b_qdata, b_scales, out_dtype, b_dequantized)
-    return _mm_op(a_qdata, a_scales, b_qdata, b_scales, out_dtype, b_dequantized)
+        return gemm_impl("mm", a_qdata.device)[1](*args)
+    return _mm_op(*args)
 
 
-def mx_grouped_mm(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, b_dequantized=None):
+def mx_grouped_mm(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, b_dequantized=None, a_dequantized=None):
     """``mxfx::grouped_mm`` (see :func:`_grouped_mm_op`), or its body while a CUDA graph is traced."""
+    args = (a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, b_dequantized, a_dequantized)
     if inline_in_graph(a_qdata):
-        fn = gemm_impl("grouped_mm", a_qdata.device)[1]
-        return fn(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, b_dequantized)
-    return _grouped_mm_op(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, b_dequantized)
+        return gemm_impl("grouped_mm", a_qdata.device)[1](*args)
+    return _grouped_mm_op(*args)
+
+
+def quantize_operand(x: torch.Tensor, rule: str, op: str = "mm"):
+    """Rowwise MX of a GEMM's A operand: ``(qdata [..., K], scales [..., K/32], x_hat or None)``.
+
+    Where GEMM ``op`` ("mm" or "grouped_mm") is emulated on ``x``'s device (Hopper, CPU), the same
+    pass also writes ``x_hat`` = dequant(qdata, scales) in the emulation dtype (bf16 on CUDA, fp32 on
+    CPU; ``mxfx::quantize_dequantize``): pass it to :func:`mx_mm` / :func:`mx_grouped_mm` as
+    ``a_dequantized`` and the GEMM reads it instead of dequantizing A again. On native MX GEMMs
+    ``x_hat`` is None. Same values either way.
+    """
+    if gemm_impl(op, x.device)[0] == "emulated":
+        return kops.quantize_dequantize(x, rule, _emulation_dtype(x.device))
+    q, s = kops.quantize(x, rule)
+    return q, s, None
 
 
 def mx_grouped_mm_wgrad(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype):
@@ -468,6 +489,7 @@ def _grouped_mm_op(
     offs: torch.Tensor,
     out_dtype: torch.dtype,
     b_dequantized: Optional[torch.Tensor] = None,
+    a_dequantized: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Grouped MX GEMM: rows ``offs[e-1]:offs[e]`` of ``dequant(A)[S,K]`` times ``dequant(B)[e][N,K]^T``.
 
@@ -477,16 +499,17 @@ def _grouped_mm_op(
         offs: int32 ``[E]`` cumulative group ends (empty groups allowed).
         out_dtype: result dtype.
         b_dequantized: optional bf16 ``[E, N, K]`` = ``dequant(B)`` (see :func:`mx_mm`).
+        a_dequantized: optional ``dequant(A)`` ``[S, K]`` (see :func:`mx_mm`).
 
     Returns ``[S, N]``; rows past ``offs[-1]`` are zero. Native on sm100
     (``torch._scaled_grouped_mm``), emulated elsewhere.
     """
     _, fn = gemm_impl("grouped_mm", a_qdata.device)
-    return fn(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, b_dequantized)
+    return fn(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, b_dequantized, a_dequantized)
 
 
 @_grouped_mm_op.register_fake
-def _(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, b_dequantized=None):
+def _(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, b_dequantized=None, a_dequantized=None):
     return a_qdata.new_empty((a_qdata.shape[0], b_qdata.shape[1]), dtype=out_dtype)
 
 

@@ -30,7 +30,7 @@ import torch
 from mxfx.cache import weight_operands
 from mxfx.kernels import ops as kops
 from mxfx.ops import swiglu
-from mxfx.ops.gemm import hp_grouped_wgrad, mx_grouped_mm, mx_grouped_mm_wgrad
+from mxfx.ops.gemm import hp_grouped_wgrad, mx_grouped_mm, mx_grouped_mm_wgrad, quantize_operand
 
 BLOCK = 32
 
@@ -76,10 +76,10 @@ class _MXGroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, up, weight, offs, route_weight, out_dtype, rule, wgrad, save, keep_dq, x_q, x_s):
         s_rows = x.shape[0]
-        xq, xs = swiglu.quantize_input(x, up, rule) if x_q is None else (x_q, x_s)
+        xq, xs, x_hat = swiglu.quantize_input(x, up, rule, "grouped_mm") if x_q is None else (x_q, x_s, None)
         packed = () if up is None else swiglu.pack(x, up, save, rule)
         wq, ws, w_dq = weight_operands(weight, rule, "forward", keep_dq)
-        y = mx_grouped_mm(xq, xs, wq, ws, offs, out_dtype if route_weight is None else torch.float32, w_dq)
+        y = mx_grouped_mm(xq, xs, wq, ws, offs, out_dtype if route_weight is None else torch.float32, w_dq, x_hat)
         if wgrad == "mxfp8":
             dest, _, capacity = group_padding(offs, s_rows)
             h = x if up is None else swiglu.swiglu_fp32(x, up)
@@ -108,11 +108,12 @@ class _MXGroupedMM(torch.autograd.Function):
             d_rw = (dout.float() * y_unweighted.float()).sum(-1).reshape(route_weight.shape).to(route_weight.dtype)
             dyq, dys = kops.route_weight_quantize(dout, route_weight.reshape(-1), rule)
             dy = dout.float() * route_weight.reshape(-1, 1).float()  # fp32: quantized once, never via bf16
+            dy_hat = None
         else:
-            dyq, dys = kops.quantize(dout, rule)
+            dyq, dys, dy_hat = quantize_operand(dout, rule, "grouped_mm")
             dy = dout
         wq_t, ws_t, w_dq = weight_operands(weight, rule, "dgrad", keep_dq)
-        dh = mx_grouped_mm(dyq, dys, wq_t, ws_t, offs, torch.float32 if has_up else x_dtype, w_dq)
+        dh = mx_grouped_mm(dyq, dys, wq_t, ws_t, offs, torch.float32 if has_up else x_dtype, w_dq, dy_hat)
         dx = dup = None
         if has_up:
             dx, dup = (t.to(x_dtype) for t in swiglu.backward(dh, packed))
@@ -187,9 +188,9 @@ def mx_grouped_mm_op(
         )
     out_dtype = out_dtype or x.dtype
     if not torch.is_grad_enabled():  # inference graph: the forward GEMM only, nothing saved
-        xq, xs = swiglu.quantize_input(x, up, scale_rule) if x_q is None else (x_q, x_s)
+        xq, xs, x_hat = swiglu.quantize_input(x, up, scale_rule, "grouped_mm") if x_q is None else (x_q, x_s, None)
         wq, ws, w_dq = weight_operands(weight, scale_rule, "forward", keep_dequantized_weights)
-        y = mx_grouped_mm(xq, xs, wq, ws, offs, torch.float32, w_dq)
+        y = mx_grouped_mm(xq, xs, wq, ws, offs, torch.float32, w_dq, x_hat)
         return (y if route_weight is None else y * route_weight.reshape(-1, 1).float()).to(out_dtype)
     return _MXGroupedMM.apply(
         x, up, weight, offs, route_weight, out_dtype, scale_rule, wgrad, save, keep_dequantized_weights, x_q, x_s

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from mxfx.cache import weight_operands
 from mxfx.kernels import ops as kops
 from mxfx.ops import swiglu
-from mxfx.ops.gemm import hp_mm_t, mx_mm
+from mxfx.ops.gemm import hp_mm_t, mx_mm, quantize_operand
 
 
 def _pad_tokens(t: torch.Tensor) -> torch.Tensor:
@@ -43,6 +43,7 @@ class _MXLinear(torch.autograd.Function):
     def forward(ctx, x2d, up, weight, bias, out_dtype, rule, wgrad, save, keep_dq):
         m = x2d.shape[0]
         packed = () if up is None else swiglu.pack(x2d, up, save, rule)
+        x_hat = None  # dequant(xq, xs) from the quantize pass itself (emulated GEMMs), else None
         if wgrad == "mxfp8" and up is not None:
             # SwiGLU: fused rowwise quantize for the GEMM; the token-blocked copy from the fp32 product.
             xq, xs = kops.swiglu_quantize(x2d, up, rule)
@@ -53,13 +54,13 @@ class _MXLinear(torch.autograd.Function):
             xq, xs = xq[:m], xs[:m]
             kind, wgrad_input = "mx_tokens", (xq_t, xs_t)
         else:
-            xq, xs = swiglu.quantize_input(x2d, up, rule)
+            xq, xs, x_hat = swiglu.quantize_input(x2d, up, rule)
             if up is None and save == "bf16":  # the input stays alive elsewhere: keep a reference
                 kind, wgrad_input = ("hp_tokens" if wgrad == "mxfp8" else "hp"), (x2d,)
             else:  # BF16 wgrad from the forward's own rowwise MX copy
                 kind, wgrad_input = "mx_rows", (xq, xs)
         wq, ws, w_dq = weight_operands(weight, rule, "forward", keep_dq)
-        y = mx_mm(xq, xs, wq, ws, out_dtype, w_dq)
+        y = mx_mm(xq, xs, wq, ws, out_dtype, w_dq, x_hat)
         if bias is not None:
             y = y + bias.to(out_dtype)
         ctx.save_for_backward(weight, *wgrad_input, *packed)
@@ -77,12 +78,13 @@ class _MXLinear(torch.autograd.Function):
         if mx_wgrad:  # dY rowwise for dgrad and token-blocked for wgrad, from one read
             dyq, dys, dyq_t, dys_t = kops.quantize_dual(_pad_tokens(dy), rule)
             dyq, dys = dyq[:m], dys[:m]
+            dy_hat = None
         else:
-            dyq, dys = kops.quantize(dy, rule)
+            dyq, dys, dy_hat = quantize_operand(dy, rule)
         dx = dup = None
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
             wq_t, ws_t, w_dq = weight_operands(weight, rule, "dgrad", keep_dq)
-            dh = mx_mm(dyq, dys, wq_t, ws_t, torch.float32 if has_up else x_dtype, w_dq)
+            dh = mx_mm(dyq, dys, wq_t, ws_t, torch.float32 if has_up else x_dtype, w_dq, dy_hat)
             if has_up:
                 dx, dup = (t.to(x_dtype) for t in swiglu.backward(dh, packed))
             else:
@@ -148,9 +150,9 @@ def mx_linear(
     up2d = None if up is None else up.reshape(-1, k)
     with torch.autocast(dev, enabled=False):
         if not torch.is_grad_enabled():  # inference graph: the forward GEMM only, nothing saved
-            xq, xs = swiglu.quantize_input(x.reshape(-1, k), up2d, scale_rule)
+            xq, xs, x_hat = swiglu.quantize_input(x.reshape(-1, k), up2d, scale_rule)
             wq, ws, w_dq = weight_operands(weight, scale_rule, "forward", keep_dequantized_weights)
-            y = mx_mm(xq, xs, wq, ws, out_dtype, w_dq)
+            y = mx_mm(xq, xs, wq, ws, out_dtype, w_dq, x_hat)
             y = y if bias is None else y + bias.to(out_dtype)
             return y.reshape(*x.shape[:-1], n)
         y = _MXLinear.apply(x.reshape(-1, k), up2d, weight, bias, out_dtype, scale_rule, wgrad, save, keep_dequantized_weights)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from mxfx.kernels import ops as kops
+from mxfx.ops.gemm import quantize_operand
 
 
 def swiglu_fp32(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -21,9 +22,16 @@ def swiglu_fp32(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return g * torch.sigmoid(g) * up.float()
 
 
-def quantize_input(x: torch.Tensor, up: torch.Tensor | None, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rowwise MX of a GEMM input: ``x`` itself, or ``silu(x) * up`` when ``up`` is given (fused)."""
-    return kops.quantize(x, rule) if up is None else kops.swiglu_quantize(x, up, rule)
+def quantize_input(x: torch.Tensor, up: torch.Tensor | None, rule: str, op: str = "mm") -> tuple:
+    """Rowwise MX of the input of GEMM ``op`` ("mm" or "grouped_mm"): ``(qdata, scales, x_hat or None)``.
+
+    ``x`` itself through :func:`mxfx.ops.gemm.quantize_operand` (which also returns its dequantized
+    form where the GEMM is emulated), or ``silu(x) * up`` with the fused SwiGLU quantize when ``up``
+    is given (no dequantized form).
+    """
+    if up is None:
+        return quantize_operand(x, rule, op)
+    return (*kops.swiglu_quantize(x, up, rule), None)
 
 
 def pack(gate: torch.Tensor, up: torch.Tensor, save: str, rule: str) -> tuple:
