@@ -129,6 +129,14 @@ def check_backend_available(arms: list[str], cfg: TrainConfig):
             options = None
         if not isinstance(options, dict):
             sys.exit(f"error: --backend-options must be a JSON object, got {cfg.backend_options!r}")
+        try:  # unknown keys and values fail here, not after the bf16 arm has trained
+            import mxfx
+
+            mxfx.Policy.from_options(options)
+        except ImportError:
+            pass  # reported below as a missing backend
+        except (TypeError, ValueError) as e:
+            sys.exit(f"error: --backend-options: {e}")
     try:
         torch._dynamo.lookup_backend("mxfp8")
     except Exception as e:

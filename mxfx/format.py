@@ -178,12 +178,15 @@ def check_pair(qdata: torch.Tensor, scales: torch.Tensor, axis: int, op: str) ->
     return axis
 
 
+@torch.compiler.disable
 def quantize(x: torch.Tensor, axis: int = -1, rule: ScaleRule = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` to MXFP8 in blocks of 32 consecutive values along ``axis``.
 
     Follows OCP MX v1.0 §6.3 with the scale rule ``rule``; see the module
     docstring for zero, NaN, Inf and tiny blocks. Runs in plain torch on any
-    device (GPU kernels are used by mxfx's graph ops, not here).
+    device (GPU kernels are used by mxfx's graph ops, not here). Under
+    ``torch.compile`` it runs eagerly (a graph break): Inductor cannot generate
+    code for ``float8_e8m0fnu`` scales on CPU (torch 2.11/2.13).
 
     Args:
         x: bf16, fp16 or fp32 tensor, any shape and strides; ``x.shape[axis]``
@@ -210,10 +213,13 @@ def quantize(x: torch.Tensor, axis: int = -1, rule: ScaleRule = "rceil") -> tupl
     return q.movedim(-1, axis), s.movedim(-1, axis).view(torch.float8_e8m0fnu)
 
 
+@torch.compiler.disable
 def dequantize(
     qdata: torch.Tensor, scales: torch.Tensor, axis: int = -1, dtype: torch.dtype = torch.bfloat16
 ) -> torch.Tensor:
     """Dequantize an MXFP8 pair blocked along ``axis``: ``qdata * 2^(scale - 127)``.
+
+    Runs eagerly under ``torch.compile``, as :func:`quantize` does.
 
     Args:
         qdata: ``torch.float8_e4m3fn`` tensor; ``qdata.shape[axis]`` a multiple of 32.

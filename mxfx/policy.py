@@ -47,16 +47,30 @@ def _check_min_size(value: Any) -> None:
         raise ValueError(f"mxfx policy: min_size={value!r} must be a non-negative int or 'auto'{hint}")
 
 
-def _from_mapping(cls, data: dict, what: str):
+def _check_keys(cls, keys, what: str) -> None:
     names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(data) - set(names))
+    unknown = sorted(set(keys) - set(names))
     if unknown:
         raise ValueError(f"mxfx policy: unknown {what} key(s) {unknown}; valid keys: {', '.join(names)}")
+
+
+def _from_mapping(cls, data: dict, what: str):
+    _check_keys(cls, data, what)
     return cls(**data)
 
 
+class _NamedFields:
+    """Mixin: unknown keyword arguments raise the ValueError listing valid keys (not a bare TypeError)."""
+
+    _WHAT = "option"
+
+    def __new__(cls, *args, **kwargs):
+        _check_keys(cls, kwargs, cls._WHAT)
+        return super().__new__(cls)
+
+
 @dataclass(frozen=True)
-class Rule:
+class Rule(_NamedFields):
     """One policy rule; ``None`` fields do not constrain (match) or do not set (decide).
 
     Attributes:
@@ -71,6 +85,8 @@ class Rule:
         min_size: smallest GEMM, in multiply-accumulates M*N*K, that is rewritten,
             or "auto" (see :class:`Policy`).
     """
+
+    _WHAT = "rule"
 
     module: str | None = None
     op: str | None = None
@@ -121,7 +137,7 @@ class Decision:
 
 
 @dataclass(frozen=True)
-class Policy:
+class Policy(_NamedFields):
     """Global settings and per-op rules for the mxfp8 backend.
 
     Resolution, per op and per setting: the first matching rule (user rules,

@@ -53,6 +53,10 @@ def test_policy_decisions_first_match_wins(tmp_path):
     assert Policy(min_size=1000).decide("linear", "x", macs=999).precision == "bf16"
     with pytest.raises(ValueError, match=r"min_size=1000000000.0 must be a non-negative int.*write 1000000000"):
         Policy(min_size=1e9)
+    with pytest.raises(ValueError, match=r"unknown option key\(s\) \['scale_rul'\]; valid keys: scale_rule"):
+        Policy(scale_rul="floor")  # a keyword typo, not only a dict key, lists the valid ones
+    with pytest.raises(ValueError, match=r"unknown rule key\(s\) \['modul'\]; valid keys: module"):
+        mxfx.Rule(modul="x")
     toml = tmp_path / "policy.toml"
     toml.write_text('scale_rule = "floor"\n[[rules]]\nmodule = "*.o_proj"\nprecision = "bf16"\n')
     q = Policy.from_toml(toml)

@@ -318,3 +318,18 @@ def test_triton_interpreter():
 if __name__ == "__main__" and sys.argv[1:] == ["--interpret"]:
     _interpreter_checks()
     print("interpreter checks passed")
+
+
+@pytest.mark.parametrize("value, opaque", [(None, False), ("0", False), ("off", False), ("1", True), ("True", True), ("yes", True), ("maybe", None)])
+def test_opaque_kernels_switch(monkeypatch, value, opaque):
+    from mxfx.kernels.launch import opaque_kernels
+
+    if value is None:
+        monkeypatch.delenv("MXFX_OPAQUE_KERNELS", raising=False)
+    else:
+        monkeypatch.setenv("MXFX_OPAQUE_KERNELS", value)
+    if opaque is None:
+        with pytest.raises(ValueError, match="MXFX_OPAQUE_KERNELS='maybe'"):
+            opaque_kernels()
+    else:
+        assert opaque_kernels() is opaque

@@ -122,6 +122,34 @@ def test_graph_counts_router_and_vocab_stay_bf16():
     assert "router" in kept["gate"] and "lm_head" in kept["lm_head"] and "multiples of 32" in kept["odd"]
 
 
+class _Top1(nn.Module):
+    """Switch-style top-1 routing, written three ways, beside a projection followed by a max-pool."""
+
+    def __init__(self, select):
+        super().__init__()
+        self.router, self.proj, self.pool_proj, self.select = nn.Linear(64, 32, bias=False), nn.Linear(64, 64), nn.Linear(64, 64), select
+
+    def forward(self, x):
+        probs = F.softmax(self.router(x), dim=-1)
+        if self.select == "argmax":
+            idx = probs.argmax(-1, keepdim=True)
+        elif self.select == "max":
+            idx = torch.max(probs, dim=-1, keepdim=True).indices
+        else:
+            idx = probs.sort(dim=-1, descending=True).indices[:, :1]
+        pooled = self.pool_proj(x).max(dim=0).values  # max straight on a projection: not a router
+        return self.proj(x) * idx.to(x.dtype) + pooled
+
+
+@pytest.mark.parametrize("select", ["argmax", "max", "sort"])
+def test_top1_routers_are_detected(select):
+    torch._dynamo.reset()
+    torch.compile(_Top1(select), backend="mxfp8", options={"inner": "eager"})(torch.randn(32, 64))
+    kinds = {r.module: (r.kind, r.forward) for r in mxfx.last_report().records}
+    assert kinds["router"] == ("router", "bf16")
+    assert kinds["proj"] == ("linear", "mxfp8") and kinds["pool_proj"] == ("linear", "mxfp8")
+
+
 def test_policy_wgrad_bf16_and_module_rule():
     torch.manual_seed(0)
     model, x = Block(), torch.randn(2, 48, 64)

@@ -13,7 +13,8 @@ code, so the dynamic-shape slow paths described in ``mxfx.kernels.ops`` do not
 arise.
 
 Set ``MXFX_OPAQUE_KERNELS=1`` (read at every trace) to keep the custom ops in
-graphs instead, e.g. to compare the two or to inspect the ops in a graph dump.
+graphs instead, e.g. to compare the two or to find the ops in Inductor's output
+code (``TORCH_LOGS=output_code``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,21 @@ def traced(t: torch.Tensor) -> bool:
     return isinstance(t, (FakeTensor, FunctionalTensor))
 
 
+_ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def opaque_kernels() -> bool:
+    """The ``MXFX_OPAQUE_KERNELS`` switch: True for 1/true/yes/on, False when unset or 0/false/no/off.
+
+    Raises:
+        ValueError: any other value (a typo should not silently pick a mode).
+    """
+    value = os.environ.get("MXFX_OPAQUE_KERNELS", "").strip().lower()
+    if value in _ON or value in _OFF:
+        return value in _ON
+    raise ValueError(f"MXFX_OPAQUE_KERNELS={value!r} is not a switch; set it to 1/true/yes/on or 0/false/no/off (or unset it)")
+
+
 def inline_in_graph(t: torch.Tensor) -> bool:
     """True when an MX op on ``t`` should be traced into the graph rather than kept as a custom op.
 
@@ -40,7 +56,7 @@ def inline_in_graph(t: torch.Tensor) -> bool:
     """
     from mxfx.kernels.dispatch import triton_available
 
-    return traced(t) and triton_available(t) and os.environ.get("MXFX_OPAQUE_KERNELS", "") in ("", "0")
+    return traced(t) and triton_available(t) and not opaque_kernels()
 
 
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:

@@ -42,7 +42,7 @@ def _skip_reason(x, w) -> str:
     if x is None or w is None:
         return "no example value for the operands"
     if x.dtype not in _FLOAT or w.dtype not in _FLOAT:
-        return f"operand dtypes {x.dtype}/{w.dtype} are not floating"
+        return f"operand dtypes {x.dtype}/{w.dtype}: MXFP8 takes bf16/fp16/fp32 operands (kept as written)"
     if w.dim() != 2:
         return f"weight has {w.dim()} dims"
     n, k = w.shape
