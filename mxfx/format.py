@@ -59,11 +59,14 @@ def check_rule(rule: str, op: str = "mxfx.quantize") -> None:
 def check_block_axis(shape: torch.Size | tuple, axis: int, op: str) -> int:
     """Normalise ``axis`` and check its length is a positive multiple of 32.
 
-    Returns the non-negative axis. Raises ValueError naming the op and shape.
+    Returns the non-negative axis. Raises ValueError naming the op and shape (TypeError for a
+    non-int axis).
     """
     ndim = len(shape)
     if ndim == 0:
         raise ValueError(f"{op}: a scalar cannot be block-quantized; give a tensor with at least one dimension")
+    if not isinstance(axis, int) or isinstance(axis, bool):
+        raise TypeError(f"{op}: axis {axis!r} for shape {tuple(shape)} must be an int dimension index")
     if not -ndim <= axis < ndim:
         raise ValueError(f"{op}: axis {axis} is out of range for shape {tuple(shape)}")
     axis = axis % ndim

@@ -222,6 +222,8 @@ def test_axis_not_multiple_of_32():
         mxf.quantize(torch.zeros(4, 48))
     with pytest.raises(ValueError, match=r"\(40, 64\)"):
         mxf.quantize(torch.zeros(40, 64), axis=0)
+    with pytest.raises(TypeError, match=r"axis 1.0 for shape \(4, 64\) must be an int"):
+        mxf.quantize(torch.randn(4, 64), axis=1.0)
 
 
 def test_unknown_rule():
