@@ -97,6 +97,8 @@ class Rule(_NamedFields):
     min_size: int | str | None = None
 
     def __post_init__(self):
+        if self.module is not None and not isinstance(self.module, str):
+            raise ValueError(f"mxfx policy: rule module={self.module!r} must be a glob string (e.g. 'layers.*.attn.qkv') or None")
         _check_choice("op", self.op, OP_KINDS)
         _check_choice("precision", self.precision, PRECISIONS)
         _check_choice("wgrad", self.wgrad, PRECISIONS)

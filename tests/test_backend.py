@@ -57,6 +57,8 @@ def test_policy_decisions_first_match_wins(tmp_path):
         Policy(scale_rul="floor")  # a keyword typo, not only a dict key, lists the valid ones
     with pytest.raises(ValueError, match=r"unknown rule key\(s\) \['modul'\]; valid keys: module"):
         mxfx.Rule(modul="x")
+    with pytest.raises(ValueError, match=r"rule module=5 must be a glob string"):
+        Policy(rules=[{"module": 5, "precision": "bf16"}])
     toml = tmp_path / "policy.toml"
     toml.write_text('scale_rule = "floor"\n[[rules]]\nmodule = "*.o_proj"\nprecision = "bf16"\n')
     q = Policy.from_toml(toml)

@@ -150,6 +150,38 @@ def test_top1_routers_are_detected(select):
     assert kinds["proj"] == ("linear", "mxfp8") and kinds["pool_proj"] == ("linear", "mxfp8")
 
 
+class _RouterShapes(nn.Module):
+    """Routers with a learned logit bias and a temperature buffer, beside linears that only look alike:
+    a hand-written SiLU whose output later reaches a router, a sigmoid gate followed by a max-pool, and
+    a classifier's argmax."""
+
+    def __init__(self):
+        super().__init__()
+        lin = lambda: nn.Linear(64, 64, bias=False)  # noqa: E731
+        self.biased, self.tempered, self.silu_head, self.silu_proj, self.gated, self.pooled, self.classifier, self.router = (
+            lin(), lin(), lin(), lin(), lin(), lin(), lin(), lin())
+        self.logit_bias = nn.Parameter(torch.zeros(64))
+        self.register_buffer("temperature", torch.tensor(0.7))
+
+    def forward(self, x):
+        sel = F.softmax(self.biased(x) + self.logit_bias, -1).topk(2).values.sum()
+        sel = sel + F.softmax(self.tempered(x) / self.temperature, -1).topk(2).values.sum()
+        h = self.silu_head(x)
+        y = x + self.silu_proj(h * torch.sigmoid(h))
+        sel = sel + F.softmax(self.router(y), -1).topk(2).values.sum()
+        pooled = (self.pooled(x) * torch.sigmoid(self.gated(x))).max(dim=0).values.sum()
+        return sel + pooled + self.classifier(x).argmax(-1).sum()
+
+
+def test_router_detection_walks_only_through_per_expert_operands():
+    torch._dynamo.reset()
+    torch.compile(_RouterShapes(), backend="mxfp8", options={"inner": "eager"})(torch.randn(32, 64))
+    kinds = {r.module: r.kind for r in mxfx.last_report().records}
+    assert kinds["biased"] == kinds["tempered"] == kinds["router"] == "router", kinds
+    for name in ("silu_head", "silu_proj", "gated", "pooled", "classifier"):
+        assert kinds[name] == "linear", (name, kinds)
+
+
 def test_policy_wgrad_bf16_and_module_rule():
     torch.manual_seed(0)
     model, x = Block(), torch.randn(2, 48, 64)

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from mxfx.passes.fx import is_call
+from mxfx.passes.fx import example_value, is_call
 
 _GATES_FN = (torch.softmax, F.softmax, torch.sigmoid, F.sigmoid, torch.special.softmax, torch.nn.functional.log_softmax, torch.log_softmax)
 _GATES_METHODS = ("softmax", "sigmoid", "log_softmax")
@@ -28,13 +28,25 @@ MAX_HOPS_TO_GATE = 4
 MAX_HOPS_TO_TOPK = 12
 
 
-def _unary(node: fx.Node) -> bool:
-    """True when ``node`` reads exactly one graph value (casts, views, scaling by a constant)."""
-    return len(node.all_input_nodes) == 1
+def _per_expert(node: fx.Node, src: fx.Node) -> bool:
+    """True when ``node`` reads ``src`` and otherwise at most small broadcast operands: casts, views,
+    scaling by a constant, a learned bias ``[E]`` or a temperature buffer. A second operand of the
+    activation's own size (a residual add, the ``h * sigmoid(h)`` of a SiLU) stops the walk."""
+    others = [a for a in node.all_input_nodes if a is not src]
+    if not others:
+        return True
+    v_src = example_value(src)
+    width = v_src.shape[-1] if isinstance(v_src, torch.Tensor) and v_src.dim() else 1
+    for a in others:
+        v = example_value(a)
+        if not isinstance(v, torch.Tensor) or v.numel() > width:
+            return False
+    return True
 
 
-def _reaches(start: fx.Node, pred, max_hops: int, through=lambda n: True) -> list[fx.Node]:
-    """Nodes satisfying ``pred`` within ``max_hops`` user edges of ``start``, walking only ``through`` nodes."""
+def _reaches(start: fx.Node, pred, max_hops: int, through=lambda n, src: True) -> list[fx.Node]:
+    """Nodes satisfying ``pred`` within ``max_hops`` user edges of ``start``, walking only nodes for which
+    ``through(node, the node it was reached from)`` holds."""
     found, frontier, seen = [], [start], {start}
     for _ in range(max_hops):
         nxt = []
@@ -45,7 +57,7 @@ def _reaches(start: fx.Node, pred, max_hops: int, through=lambda n: True) -> lis
                 seen.add(u)
                 if pred(u):
                     found.append(u)
-                elif through(u):
+                elif through(u, n):
                     nxt.append(u)
         frontier = nxt
     return found
@@ -61,15 +73,17 @@ def _is_selection(node: fx.Node, with_max: bool) -> bool:
 
 def is_router(linear: fx.Node) -> bool:
     """True when ``linear``'s output feeds softmax/sigmoid whose result feeds an expert selection
-    (topk, argmax, max along a dim, sort, argsort), or feeds topk/argmax/sort/argsort directly.
+    (topk, argmax, max along a dim, sort, argsort), or feeds topk directly (GPT-OSS: topk on the
+    logits, softmax after).
 
-    Between the linear and the gate only unary ops (casts, views, temperature
-    scaling) may stand, so a projection whose output merely reaches a router
-    through a residual add is not mistaken for one. ``max`` counts only after a
-    gate: straight on a projection it is as likely a max-pool or a softmax's shift.
+    Every step of the walk (linear -> gate -> selection) may only add small broadcast operands
+    (:func:`_per_expert`): a projection that reaches a router through a residual add, or a
+    hand-written SiLU ``h * sigmoid(h)`` several layers before one, is not mistaken for it.
+    argmax/sort/``max`` count only after a gate: straight on a projection they are as likely a
+    classifier's prediction, a max-pool or a softmax's shift.
     """
-    on_logits = lambda n: _is_selection(n, with_max=False)  # noqa: E731
-    if _reaches(linear, on_logits, MAX_HOPS_TO_GATE, _unary):  # selection on the logits, softmax after (GPT-OSS)
+    on_logits = lambda n: is_call(n, (torch.topk,), ("topk",))  # noqa: E731
+    if _reaches(linear, on_logits, MAX_HOPS_TO_GATE, _per_expert):
         return True
-    gates = _reaches(linear, lambda n: is_call(n, _GATES_FN, _GATES_METHODS), MAX_HOPS_TO_GATE, _unary)
-    return any(_reaches(g, lambda n: _is_selection(n, with_max=True), MAX_HOPS_TO_TOPK) for g in gates)
+    gates = _reaches(linear, lambda n: is_call(n, _GATES_FN, _GATES_METHODS), MAX_HOPS_TO_GATE, _per_expert)
+    return any(_reaches(g, lambda n: _is_selection(n, with_max=True), MAX_HOPS_TO_TOPK, _per_expert) for g in gates)
