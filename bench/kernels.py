@@ -65,10 +65,15 @@ def _graph_ms(fn, calls: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+_FLUSH_MS: dict[int, float] = {}
+
+
 def median_ms(fn, calls: int = 20) -> float:
     """Device ms per call of ``fn`` with a cold L2 (see the module docstring); falls back to do_bench."""
     try:
-        return max(_graph_ms(fn, calls) - _graph_ms(lambda: None, calls), 0.0) / calls
+        if calls not in _FLUSH_MS:  # the graph of flushes alone, timed once
+            _FLUSH_MS[calls] = _graph_ms(lambda: None, calls)
+        return max(_graph_ms(fn, calls) - _FLUSH_MS[calls], 0.0) / calls
     except RuntimeError as e:  # something in fn cannot be captured: time it eagerly
         print(f"CUDA graph capture failed ({str(e)[:80]}); eager timing", flush=True)
         return eager_ms(fn)
@@ -120,8 +125,7 @@ def torchao_cases():
 
 
 def _variants():
-    """(family, variant, config module, [(module, attr, value) set for the variant], fn(x), bytes per input
-    element, configs, config attr)."""
+    """(kernel, config module, fn(x), bytes per input element, configs to try, config attribute)."""
     flat = [(128, 32, 4), (256, 32, 4), (512, 32, 8)]
     small = [(16, 32, 1), (32, 32, 2), (64, 32, 4)]
     tiles = [(64, 32, 2), (128, 32, 4), (128, 64, 2), (128, 64, 4), (256, 64, 4), (64, 64, 2), (128, 128, 4)]
@@ -136,22 +140,20 @@ def _variants():
         return dispatch.swiglu_quantize(gu[:, : x.shape[1]], gu[:, x.shape[1]:], "rceil")
 
     return [
-        ("rowwise", "flat", quantize, [], q, 2 + 33 / 32, flat, "FLAT_CONFIG"),
-        ("columnwise", "strided", quantize, [], col, 2 + 33 / 32, tiles, "COLWISE_CONFIG"),
-        ("dual", "packed", dual, [], dl, 2 + 66 / 32, tiles[1:4] + [(256, 64, 4)], "DUAL_CONFIG"),
-        ("swiglu", "flat", swiglu, [], sw, 4 + 33 / 32, small, "FLAT_CONFIG"),
-        ("swiglu", "gate_up halves", swiglu, [], sw_halves, (4 + 33 / 32) / 2, strided, "SWIGLU_CONFIG"),
+        ("rowwise", quantize, q, 2 + 33 / 32, flat, "FLAT_CONFIG"),
+        ("columnwise", quantize, col, 2 + 33 / 32, tiles, "COLWISE_CONFIG"),
+        ("dual", dual, dl, 2 + 66 / 32, tiles[1:4] + [(256, 64, 4)], "DUAL_CONFIG"),
+        ("swiglu", swiglu, sw, 4 + 33 / 32, small, "FLAT_CONFIG"),
+        ("swiglu gate_up halves", swiglu, sw_halves, (4 + 33 / 32) / 2, strided, "SWIGLU_CONFIG"),
     ]
 
 
 def sweep(copy_gbs: float) -> list[str]:
-    """Time alternative kernels and tile configs of each family (MXFX_BENCH_SWEEP=1); prints the best of each."""
-    lines = ["", "| config sweep | variant | shape | (BR, BC, warps) | % of copy |", "|---|---|---|---|---|"]
+    """Time alternative tile configs of each kernel (MXFX_BENCH_SWEEP=1); prints the best of each."""
+    lines = ["", "| config sweep | shape | (BR, BC, warps) | % of copy |", "|---|---|---|---|"]
     best = {}
-    for family, variant, mod, setting, fn, per_elem, configs, attr in _variants():
-        keep = [(m_, a_, getattr(m_, a_)) for m_, a_, _ in setting] + [(mod, attr, getattr(mod, attr))]
-        for m_, a_, v in setting:
-            setattr(m_, a_, v)
+    for name, mod, fn, per_elem, configs, attr in _variants():
+        keep = getattr(mod, attr)
         try:
             for cfg in configs:
                 setattr(mod, attr, cfg)
@@ -160,17 +162,16 @@ def sweep(copy_gbs: float) -> list[str]:
                     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                     frac = per_elem * m * k / median_ms(lambda: fn(x)) / 1e6 / copy_gbs
                     fracs.append(frac)
-                    lines.append(f"| {family} | {variant} | {m}x{k} | {cfg} | {100 * frac:.1f}% |")
+                    lines.append(f"| {name} | {m}x{k} | {cfg} | {100 * frac:.1f}% |")
                 worst = min(fracs)
-                if worst > best.get(family, (0,))[0]:
-                    best[family] = (worst, variant, cfg)
+                if worst > best.get(name, (0,))[0]:
+                    best[name] = (worst, cfg)
                 print("\n".join(lines[-len(SHAPES):]), flush=True)
         finally:
-            for m_, a_, v in keep:
-                setattr(m_, a_, v)
+            setattr(mod, attr, keep)
             torch.cuda.empty_cache()
-    lines += ["", "best per family (highest worst-shape %): "
-              + "; ".join(f"{f}: {v} {c} {100 * w:.1f}%" for f, (w, v, c) in best.items())]
+    lines += ["", "best config per kernel (highest worst-shape %): "
+              + "; ".join(f"{n}: {c} {100 * w:.1f}%" for n, (w, c) in best.items())]
     print(lines[-1], flush=True)
     return lines
 

@@ -47,25 +47,17 @@ def _check_min_size(value: Any) -> None:
         raise ValueError(f"mxfx policy: min_size={value!r} must be a non-negative int or 'auto'{hint}")
 
 
-def _check_keys(cls, keys, what: str) -> None:
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(keys) - set(names))
-    if unknown:
-        raise ValueError(f"mxfx policy: unknown {what} key(s) {unknown}; valid keys: {', '.join(names)}")
-
-
-def _from_mapping(cls, data: dict, what: str):
-    _check_keys(cls, data, what)
-    return cls(**data)
-
-
 class _NamedFields:
-    """Mixin: unknown keyword arguments raise the ValueError listing valid keys (not a bare TypeError)."""
+    """Mixin: unknown keyword arguments (or dict keys, via ``cls(**d)``) raise a ValueError listing
+    the valid keys, not a bare TypeError."""
 
     _WHAT = "option"
 
     def __new__(cls, *args, **kwargs):
-        _check_keys(cls, kwargs, cls._WHAT)
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(kwargs) - set(names))
+        if unknown:
+            raise ValueError(f"mxfx policy: unknown {cls._WHAT} key(s) {unknown}; valid keys: {', '.join(names)}")
         return super().__new__(cls)
 
 
@@ -205,7 +197,7 @@ class Policy(_NamedFields):
             raise ValueError(f"mxfx policy: keep_dequantized_weights={self.keep_dequantized_weights!r} must be True or False")
         if not callable(self.inner) and self.inner not in INNER_COMPILERS:
             raise ValueError(f"mxfx policy: inner={self.inner!r} is not valid; choose one of {', '.join(map(repr, INNER_COMPILERS))} or a backend callable")
-        rules = tuple(r if isinstance(r, Rule) else _from_mapping(Rule, dict(r), "rule") for r in self.rules)
+        rules = tuple(r if isinstance(r, Rule) else Rule(**dict(r)) for r in self.rules)
         object.__setattr__(self, "rules", rules)
         for name, on in self.passes.items():
             _check_choice("passes", name, PASSES)
@@ -229,7 +221,7 @@ class Policy(_NamedFields):
             return options
         if not isinstance(options, dict):
             raise TypeError(f"mxfx policy: options must be a mxfx.Policy or a dict, got {type(options).__name__}")
-        return _from_mapping(cls, options, "option")
+        return cls(**options)
 
     @classmethod
     def from_toml(cls, path: str | os.PathLike) -> "Policy":

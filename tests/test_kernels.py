@@ -333,3 +333,37 @@ def test_opaque_kernels_switch(monkeypatch, value, opaque):
             opaque_kernels()
     else:
         assert opaque_kernels() is opaque
+
+
+def test_traced_path_calls_the_ops_own_body(monkeypatch):
+    """Each MX op callers use runs its custom op, or (when a CUDA graph is traced) the op's body: the
+    same function with the same arguments. Forced to the body on CPU, every op gives the op's bytes."""
+    from mxfx.kernels import launch
+    from mxfx.kernels import ops as kops
+    from mxfx.ops import gemm
+
+    g = torch.Generator().manual_seed(4)
+    x, u = torch.randn(64, 96, generator=g), torch.randn(64, 96, generator=g)
+    w, rw = torch.randn(3, 32, 96, generator=g), torch.rand(64, generator=g)
+    offs = torch.tensor([20, 20, 64], dtype=torch.int32)
+
+    def run_all():
+        q, s = kops.quantize(x, "rceil")
+        wq, ws = kops.quantize(w, "rceil")
+        qt, st = kops.quantize(x.t().contiguous(), "rceil")
+        return [
+            q, s, kops.dequantize(q, s, torch.float32), *kops.quantize_dual(x, "floor"),
+            *kops.quantize_dequantize(x, "rceil", torch.float32), *kops.swiglu_quantize(x, u, "rceil"),
+            *kops.route_weight_quantize(x, rw, "rceil"), *kops.quantize_blocked(x, "rceil"),
+            gemm.mx_mm(q, s, wq[0], ws[0], torch.float32),
+            gemm.mx_grouped_mm(q, s, wq, ws, offs, torch.float32),
+            gemm.mx_grouped_mm_wgrad(qt[:32], st[:32], qt, st, torch.tensor([32, 32, 96], dtype=torch.int32), torch.float32),
+        ]
+
+    ops = run_all()
+    monkeypatch.setattr(launch, "inline_in_graph", lambda t: True)
+    bodies = run_all()
+    assert len(ops) == len(bodies) == 19
+    for a, b in zip(ops, bodies):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)

@@ -10,8 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mxfx.kernels.launch import launch
 from mxfx.format import check_pair
+from mxfx.kernels.launch import launch
 from mxfx.kernels.mx_block import as_brc, decode_scale, flat_blocks, tile_origin
 
 FLAT_CONFIG = (64, 32, 4)
@@ -55,6 +55,7 @@ def dequantize_lastdim(qdata: torch.Tensor, scales: torch.Tensor, dtype: torch.d
     n_c = triton.cdiv(C, bc)
     if R * C > 0:
         launch(
-            _dequantize_kernel, (triton.cdiv(R, br) * n_c, B), q3, s3, out, R, C, *q3.stride(), *s3.stride(), n_c, BR=br, BC=bc, num_warps=warps
+            _dequantize_kernel, (triton.cdiv(R, br) * n_c, B),
+            q3, s3, out, R, C, *q3.stride(), *s3.stride(), n_c, BR=br, BC=bc, num_warps=warps,
         )
     return out

@@ -22,13 +22,14 @@ from __future__ import annotations
 import os
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
+
+from mxfx.kernels.dispatch import triton_available
 
 
 def traced(t: torch.Tensor) -> bool:
     """True while ``t`` is a tracing stand-in (a fake or functional tensor of AOTAutograd), not data."""
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch._subclasses.functional_tensor import FunctionalTensor
-
     return isinstance(t, (FakeTensor, FunctionalTensor))
 
 
@@ -54,9 +55,19 @@ def inline_in_graph(t: torch.Tensor) -> bool:
     ``MXFX_OPAQUE_KERNELS`` is not set. CPU graphs always keep the custom ops
     (their reference bodies are plain torch code meant to run as written).
     """
-    from mxfx.kernels.dispatch import triton_available
-
     return traced(t) and triton_available(t) and not opaque_kernels()
+
+
+def op_or_body(op, body, doc: str):
+    """The function MX autograd code calls for one op: ``body(*args)`` (the op's Python body, whose
+    kernels then enter the graph) when :func:`inline_in_graph` holds for the first argument, else
+    the custom op ``op(*args)``. ``doc`` becomes its docstring."""
+
+    def call(*args, **kwargs):
+        return body(*args, **kwargs) if inline_in_graph(args[0]) else op(*args, **kwargs)
+
+    call.__doc__ = doc
+    return call
 
 
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:

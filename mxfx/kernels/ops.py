@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 
 from mxfx import kernels
-from mxfx.kernels.launch import inline_in_graph
 from mxfx.format import BLOCK_SIZE
+from mxfx.kernels.launch import op_or_body
 
 _E4M3 = torch.float8_e4m3fn
 
@@ -122,45 +122,17 @@ def _(x, rule):
 
 # --- what callers use: the custom op, or its body when traced on CUDA ---------------------------
 
-
-def quantize(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [..., K]`` -> ``(qdata e4m3 [..., K], scales uint8 E8M0 [..., K/32])`` (``mxfx::quantize``)."""
-    return kernels.quantize_lastdim(x, rule) if inline_in_graph(x) else _quantize_op(x, rule)
-
-
-def dequantize(qdata: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``(qdata [..., K], scales [..., K/32])`` -> ``[..., K]`` of ``dtype`` (``mxfx::dequantize``)."""
-    if inline_in_graph(qdata):
-        return kernels.dequantize_lastdim(qdata, scales, dtype)
-    return _dequantize_op(qdata, scales, dtype)
-
-
-def quantize_dual(x: torch.Tensor, rule: str):
-    """``x [M, K]`` -> rowwise ``(q [M, K], s [M, K/32])`` and columnwise ``(q [K, M], s [K, M/32])`` (``mxfx::quantize_dual``)."""
-    return kernels.quantize_dual(x, rule) if inline_in_graph(x) else _quantize_dual_op(x, rule)
-
-
-def quantize_dequantize(x: torch.Tensor, rule: str, dtype: torch.dtype):
-    """``x [..., K]`` -> ``(qdata, scales, x_hat)`` (``mxfx::quantize_dequantize``)."""
-    if inline_in_graph(x):
-        return kernels.quantize_dequantize(x, rule, dtype)
-    return _quantize_dequantize_op(x, rule, dtype)
-
-
-def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """MX quantize of ``silu(gate) * up`` formed in fp32 (``mxfx::swiglu_quantize``)."""
-    if inline_in_graph(gate):
-        return kernels.swiglu_quantize(gate, up, rule)
-    return _swiglu_quantize_op(gate, up, rule)
-
-
-def route_weight_quantize(dy: torch.Tensor, weight: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """MX quantize of ``dy [S, D] * weight [S]`` formed in fp32 (``mxfx::route_weight_quantize``)."""
-    if inline_in_graph(dy):
-        return kernels.route_weight_quantize(dy, weight, rule)
-    return _route_weight_quantize_op(dy, weight, rule)
-
-
-def quantize_blocked(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [..., K]`` -> ``(qdata, blocked uint8 scales)`` (``mxfx::quantize_blocked``)."""
-    return kernels.quantize_blocked(x, rule) if inline_in_graph(x) else _quantize_blocked_op(x, rule)
+quantize = op_or_body(_quantize_op, kernels.quantize_lastdim, """``x [..., K]`` -> ``(qdata e4m3 [..., K],
+scales uint8 E8M0 [..., K/32])`` (``mxfx::quantize``).""")
+dequantize = op_or_body(_dequantize_op, kernels.dequantize_lastdim, """``(qdata [..., K], scales [..., K/32],
+dtype)`` -> ``[..., K]`` of ``dtype`` (``mxfx::dequantize``).""")
+quantize_dual = op_or_body(_quantize_dual_op, kernels.quantize_dual, """``x [M, K]`` -> rowwise ``(q [M, K],
+s [M, K/32])`` and columnwise ``(q [K, M], s [K, M/32])`` (``mxfx::quantize_dual``).""")
+quantize_dequantize = op_or_body(_quantize_dequantize_op, kernels.quantize_dequantize, """``(x [..., K], rule,
+dtype)`` -> ``(qdata, scales, x_hat)``, x_hat the dequantized ``dtype`` tensor (``mxfx::quantize_dequantize``).""")
+swiglu_quantize = op_or_body(_swiglu_quantize_op, kernels.swiglu_quantize, """MX quantize of ``silu(gate) * up``
+formed in fp32: ``gate, up [..., H]`` -> ``(q [..., H], s [..., H/32])`` (``mxfx::swiglu_quantize``).""")
+route_weight_quantize = op_or_body(_route_weight_quantize_op, kernels.route_weight_quantize, """MX quantize of
+``dy [S, D] * weight [S]`` formed in fp32 (``mxfx::route_weight_quantize``).""")
+quantize_blocked = op_or_body(_quantize_blocked_op, kernels.quantize_blocked, """``x [..., K]`` -> ``(qdata,
+blocked uint8 scales)`` (``mxfx::quantize_blocked``).""")

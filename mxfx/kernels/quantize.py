@@ -99,7 +99,8 @@ def _launch(x, rule, *, weight=None, xhat_dtype=None, blocked=False, op="mxfx.qu
     n_c = triton.cdiv(C, bc)
     if R * C > 0:
         launch(
-            _quantize_kernel if rowwise else _quantize_kernel_t, (triton.cdiv(R, br) * n_c, B), x3, w, q, s, xhat, R, C, rpr, *x3.stride(), w.stride(0) if weight is not None else 0, n_c,
+            _quantize_kernel if rowwise else _quantize_kernel_t, (triton.cdiv(R, br) * n_c, B),
+            x3, w, q, s, xhat, R, C, rpr, *x3.stride(), w.stride(0) if weight is not None else 0, n_c,
             RCEIL=rule == "rceil", ROW_WEIGHT=weight is not None, WRITE_XHAT=xhat_dtype is not None,
             BLOCKED=blocked, BR=br, BC=bc, num_warps=warps,
         )

@@ -14,8 +14,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from mxfx.kernels.launch import launch
 from mxfx.format import check_block_axis, check_input, check_rule
+from mxfx.kernels.launch import launch
 from mxfx.kernels.mx_block import as_brc, encode_blocks, flat_blocks, load_tile, scale_shape, store_rowwise, tile_origin
 
 FLAT_CONFIG = (32, 32, 2)
@@ -58,7 +58,7 @@ def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str) -> tuple[to
     n_c = triton.cdiv(C, bc)
     if R * C > 0:
         launch(
-            _swiglu_quantize_kernel, (triton.cdiv(R, br) * n_c, B), g3, u3, q, s, R, C, *g3.stride(), *u3.stride(), n_c, RCEIL=rule == "rceil", BR=br, BC=bc,
-            num_warps=warps,
+            _swiglu_quantize_kernel, (triton.cdiv(R, br) * n_c, B),
+            g3, u3, q, s, R, C, *g3.stride(), *u3.stride(), n_c, RCEIL=rule == "rceil", BR=br, BC=bc, num_warps=warps,
         )
     return q.view(torch.float8_e4m3fn), s

@@ -41,7 +41,7 @@ import torch
 from mxfx import layout
 from mxfx.kernels import dequantize_lastdim, triton_available
 from mxfx.kernels import ops as kops
-from mxfx.kernels.launch import inline_in_graph
+from mxfx.kernels.launch import op_or_body
 
 FORMAT = "mxfp8"
 """The block-scaled format the ``mxfx::*`` GEMM ops carry today (E4M3 payload, E8M0 scale per 32 values)."""
@@ -429,26 +429,6 @@ def _(a_qdata, a_scales, b_qdata, b_scales, out_dtype, b_dequantized=None, a_deq
     return a_qdata.new_empty((a_qdata.shape[0], b_qdata.shape[0]), dtype=out_dtype)
 
 
-def mx_mm(a_qdata, a_scales, b_qdata, b_scales, out_dtype, b_dequantized=None, a_dequantized=None):
-    """``mxfx::mm`` (see :func:`_mm_op` for shapes and dtypes), or its body while a CUDA graph is traced.
-
-    Traced on CUDA, the chosen implementation's dequantize kernels and BF16/FP8 GEMM go into the
-    graph themselves, so Inductor launches them with no custom-op host cost (:mod:`mxfx.kernels.launch`).
-    """
-    args = (a_qdata, a_scales, b_qdata, b_scales, out_dtype, b_dequantized, a_dequantized)
-    if inline_in_graph(a_qdata):
-        return gemm_impl("mm", a_qdata.device)[1](*args)
-    return _mm_op(*args)
-
-
-def mx_grouped_mm(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, b_dequantized=None, a_dequantized=None):
-    """``mxfx::grouped_mm`` (see :func:`_grouped_mm_op`), or its body while a CUDA graph is traced."""
-    args = (a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, b_dequantized, a_dequantized)
-    if inline_in_graph(a_qdata):
-        return gemm_impl("grouped_mm", a_qdata.device)[1](*args)
-    return _grouped_mm_op(*args)
-
-
 def quantize_operand(x: torch.Tensor, rule: str, op: str = "mm"):
     """Rowwise MX of a GEMM's A operand: ``(qdata [..., K], scales [..., K/32], x_hat or None)``.
 
@@ -462,13 +442,6 @@ def quantize_operand(x: torch.Tensor, rule: str, op: str = "mm"):
         return kops.quantize_dequantize(x, rule, _emulation_dtype(x.device))
     q, s = kops.quantize(x, rule)
     return q, s, None
-
-
-def mx_grouped_mm_wgrad(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype):
-    """``mxfx::grouped_mm_wgrad`` (see :func:`_grouped_mm_wgrad_op`), or its body while a CUDA graph is traced."""
-    if inline_in_graph(a_qdata):
-        return gemm_impl("grouped_mm_wgrad", a_qdata.device)[1](a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype)
-    return _grouped_mm_wgrad_op(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype)
 
 
 def hp_mm_t(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -539,6 +512,22 @@ def _grouped_mm_wgrad_op(
 @_grouped_mm_wgrad_op.register_fake
 def _(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype):
     return a_qdata.new_empty((offs.shape[0], a_qdata.shape[0], b_qdata.shape[0]), dtype=out_dtype)
+
+
+def _traced_body(op: str):
+    """The body of GEMM op ``op`` for tracing: the implementation :func:`gemm_impl` picks for the operands' device."""
+    return lambda a_qdata, *rest: gemm_impl(op, a_qdata.device)[1](a_qdata, *rest)
+
+
+_TRACED = "Traced on CUDA, the picked implementation's kernels and GEMM enter the graph (:mod:`mxfx.kernels.launch`)."
+mx_mm = op_or_body(_mm_op, _traced_body("mm"), f"``mxfx::mm`` (shapes and dtypes: :func:`_mm_op`). {_TRACED}")
+mx_grouped_mm = op_or_body(
+    _grouped_mm_op, _traced_body("grouped_mm"), f"``mxfx::grouped_mm`` (see :func:`_grouped_mm_op`). {_TRACED}"
+)
+mx_grouped_mm_wgrad = op_or_body(
+    _grouped_mm_wgrad_op, _traced_body("grouped_mm_wgrad"),
+    f"``mxfx::grouped_mm_wgrad`` (see :func:`_grouped_mm_wgrad_op`). {_TRACED}",
+)
 
 
 def hp_grouped_wgrad(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:

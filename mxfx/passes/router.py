@@ -20,8 +20,8 @@ from mxfx.passes.fx import example_value, is_call
 
 _GATES_FN = (torch.softmax, F.softmax, torch.sigmoid, F.sigmoid, torch.special.softmax, torch.nn.functional.log_softmax, torch.log_softmax)
 _GATES_METHODS = ("softmax", "sigmoid", "log_softmax")
-_TOPK_FN = (torch.topk, torch.argmax, torch.sort, torch.argsort)
-_TOPK_METHODS = ("topk", "argmax", "sort", "argsort")
+_SELECT_FN = (torch.topk, torch.argmax, torch.sort, torch.argsort)
+_SELECT_METHODS = ("topk", "argmax", "sort", "argsort")
 _MAX_FN = (torch.max,)
 _MAX_METHODS = ("max",)
 MAX_HOPS_TO_GATE = 4
@@ -65,7 +65,7 @@ def _reaches(start: fx.Node, pred, max_hops: int, through=lambda n, src: True) -
 
 def _is_selection(node: fx.Node, with_max: bool) -> bool:
     """topk/argmax/sort/argsort, and with ``with_max`` also ``max`` along a dim (values and indices)."""
-    if is_call(node, _TOPK_FN, _TOPK_METHODS):
+    if is_call(node, _SELECT_FN, _SELECT_METHODS):
         return True
     # torch.max(x, dim) and x.max(dim) both carry (x, dim) as args; without a dim, max is a reduction
     return with_max and is_call(node, _MAX_FN, _MAX_METHODS) and (len(node.args) >= 2 or "dim" in node.kwargs)
