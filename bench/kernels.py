@@ -11,7 +11,7 @@ Also torchao's ``to_mx`` under ``torch.compile``, shapes called in sequence so t
 dynamic-shape recompile happens as it would for a user.
 
 Usage: ``python bench/kernels.py`` (CUDA + Triton); ``MXFX_BENCH_SWEEP=1`` also times
-alternative tile configs. Prints a markdown table; writes it to ``$MXFX_BENCH_OUT/kernels.md`` when
+alternative tile configs (``MXFX_BENCH_SWEEP=rowwise,dual`` only those kernels). Prints a markdown table; writes it to ``$MXFX_BENCH_OUT/kernels.md`` when
 that variable is set.
 """
 
@@ -27,7 +27,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mxfx.kernels import dispatch, dual, quantize, swiglu  # noqa: E402
+from mxfx.kernels import dispatch, dual, dual_source, quantize, swiglu  # noqa: E402
 from _results import emit  # noqa: E402  (bench/ is on sys.path when a script runs)
 
 SHAPES = [(65536, 2048), (131072, 1024), (16384, 4096)]
@@ -99,13 +99,21 @@ def cases(m: int, k: int):
     gu = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
     w = torch.rand(m, device="cuda")
     q, s = dispatch.quantize_lastdim(x, "rceil")
+    qc, sc = dispatch.quantize_dual_source(x, "rceil", row=False)[3:5]
+    xf = x.float()  # an FP32 main weight of this shape
     q8 = n * (1 + 1 / 32)  # e4m3 payload + E8M0 scales
     return [
         ("quantize rowwise", lambda: dispatch.quantize_lastdim(x, "rceil"), 2 * n + q8),
         ("quantize columnwise (x.t())", lambda: dispatch.quantize_lastdim(x.t(), "rceil"), 2 * n + q8),
         ("quantize dual (row + col)", lambda: dispatch.quantize_dual(x, "rceil"), 2 * n + 2 * q8),
+        ("quantize dual, source layout", lambda: dispatch.quantize_dual_source(x, "rceil"), 2 * n + 2 * q8),
+        ("quantize dual + both dequantized, source layout",
+         lambda: dispatch.quantize_dual_source(x, "rceil", dequantized=torch.bfloat16), 2 * n + 2 * q8 + 4 * n),
+        ("weight refresh fp32 -> MX + BF16 forms, source layout",
+         lambda: dispatch.quantize_dual_source(xf, "rceil", dequantized=torch.bfloat16), 4 * n + 2 * q8 + 4 * n),
         ("quantize, blocked scales", lambda: dispatch.quantize_blocked(x, "rceil"), 2 * n + q8),
         ("dequantize -> bf16", lambda: dispatch.dequantize_lastdim(q, s, torch.bfloat16), q8 + 2 * n),
+        ("dequantize -> bf16, source layout", lambda: dispatch.dequantize_lastdim(qc, sc, torch.bfloat16), q8 + 2 * n),
         ("quantize-dequantize", lambda: dispatch.quantize_dequantize(x, "rceil", torch.bfloat16), 2 * n + q8 + 2 * n),
         ("swiglu+quantize (gate, up)", lambda: dispatch.swiglu_quantize(g, u, "rceil"), 4 * n + q8),
         ("swiglu+quantize (gate_up halves)", lambda: dispatch.swiglu_quantize(gu[:, :k], gu[:, k:], "rceil"), 4 * n + q8),
@@ -133,6 +141,7 @@ def _variants():
     q = lambda x: dispatch.quantize_lastdim(x, "rceil")  # noqa: E731
     col = lambda x: dispatch.quantize_lastdim(x.t(), "rceil")  # noqa: E731
     dl = lambda x: dispatch.quantize_dual(x, "rceil")  # noqa: E731
+    dls = lambda x: dispatch.quantize_dual_source(x, "rceil")  # noqa: E731
     sw = lambda x: dispatch.swiglu_quantize(x, x, "rceil")  # noqa: E731
 
     def sw_halves(x):
@@ -143,6 +152,8 @@ def _variants():
         ("rowwise", quantize, q, 2 + 33 / 32, flat, "FLAT_CONFIG"),
         ("columnwise", quantize, col, 2 + 33 / 32, tiles, "COLWISE_CONFIG"),
         ("dual", dual, dl, 2 + 66 / 32, tiles[1:4] + [(256, 64, 4)], "DUAL_CONFIG"),
+        ("dual_source", dual_source, dls, 2 + 66 / 32,
+         [(32, 128, 4), (32, 256, 4), (32, 256, 8), (32, 512, 8), (64, 128, 4), (64, 256, 8)], "SOURCE_DUAL_CONFIG"),
         ("swiglu", swiglu, sw, 4 + 33 / 32, small, "FLAT_CONFIG"),
         ("swiglu gate_up halves", swiglu, sw_halves, (4 + 33 / 32) / 2, strided, "SWIGLU_CONFIG"),
     ]
@@ -152,7 +163,10 @@ def sweep(copy_gbs: float) -> list[str]:
     """Time alternative tile configs of each kernel (MXFX_BENCH_SWEEP=1); prints the best of each."""
     lines = ["", "| config sweep | shape | (BR, BC, warps) | % of copy |", "|---|---|---|---|"]
     best = {}
+    only = os.environ.get("MXFX_BENCH_SWEEP", "1")
     for name, mod, fn, per_elem, configs, attr in _variants():
+        if only != "1" and name not in only.split(","):
+            continue
         keep = getattr(mod, attr)
         try:
             for cfg in configs:

@@ -118,10 +118,34 @@ def _check(weight: torch.Tensor, rule: str, orientation: str) -> None:
         raise ValueError(f"mxfx.cache: weight dtype {weight.dtype} is not a high-precision float (fp32/bf16/fp16)")
 
 
-def _quantize(weight: torch.Tensor, rule: str, orientations) -> dict:
-    """Quantize ``weight`` into the requested orientations (both from one read where possible)."""
+def source_layout(weight: torch.Tensor) -> bool:
+    """Whether ``weight``'s dgrad forms are kept in the source layout (transpose views of ``[.., N, K]``
+    tensors) rather than contiguous ``[.., K, N]``: where its GEMM is emulated
+    (:func:`mxfx.ops.gemm.colwise_in_source_layout`)."""
+    from mxfx.ops.gemm import colwise_in_source_layout
+
+    return colwise_in_source_layout(weight.device, "grouped_mm" if weight.dim() == 3 else "mm")
+
+
+def _quantize(weight: torch.Tensor, rule: str, orientations, dequantized: bool = False) -> tuple[dict, dict]:
+    """Quantize ``weight`` into the requested orientations (both from one read where possible).
+
+    Returns ``(pairs, dequantized forms)``, keyed by orientation. In the source layout one pass
+    writes every orientation and, with ``dequantized``, their BF16 values too; otherwise the
+    second dict is empty and the caller dequantizes.
+    """
     w = weight.detach()
     out = {}
+    _stats.update({f"quantize_{o}": 1 for o in orientations})
+    _stats["quantize"] += len(orientations)
+    if source_layout(w):
+        q, s, h, qt, st, ht = kernels.quantize_dual_source(
+            w, rule, row="forward" in orientations, col="dgrad" in orientations,
+            dequantized=torch.bfloat16 if dequantized else None,
+        )
+        pairs = {o: p for o, p in (("forward", (q, s)), ("dgrad", (qt, st))) if o in orientations}
+        hats = {o: t for o, t in (("forward", h), ("dgrad", ht)) if o in orientations and t is not None}
+        return pairs, hats
     if set(orientations) == set(ORIENTATIONS):
         q, s, qt, st = kernels.quantize_dual(w, rule)
         out["forward"], out["dgrad"] = (q.contiguous(), s.contiguous()), (qt.contiguous(), st.contiguous())
@@ -129,9 +153,7 @@ def _quantize(weight: torch.Tensor, rule: str, orientations) -> dict:
         for o in orientations:
             q, s = kernels.quantize_lastdim(w if o == "forward" else w.transpose(-2, -1), rule)
             out[o] = (q.contiguous(), s.contiguous())
-    _stats.update({f"quantize_{o}": 1 for o in orientations})
-    _stats["quantize"] += len(orientations)
-    return out
+    return out, {}
 
 
 def _build(weight: torch.Tensor, rule: str, forms, have: dict | None = None) -> dict:
@@ -143,12 +165,16 @@ def _build(weight: torch.Tensor, rule: str, forms, have: dict | None = None) -> 
     orients = {DEQUANTIZED.get(f, f) for f in forms}
     pairs = {o: have[(rule, o)] for o in orients if (rule, o) in have}
     missing = [o for o in ORIENTATIONS if o in orients and o not in pairs]
+    hats = {}
     if missing:
-        pairs.update(_quantize(weight, rule, missing))
+        want_hats = any(DEQUANTIZED.get(f) in missing for f in forms)
+        new_pairs, hats = _quantize(weight, rule, missing, dequantized=want_hats)
+        pairs.update(new_pairs)
     out = {(rule, o): pair for o, pair in pairs.items()}
     for f in forms:
         if f in DEQUANTIZED:
-            out[(rule, f)] = (kernels.dequantize_lastdim(*pairs[DEQUANTIZED[f]], torch.bfloat16),)
+            o = DEQUANTIZED[f]
+            out[(rule, f)] = (hats[o] if o in hats else kernels.dequantize_lastdim(*pairs[o], torch.bfloat16),)
     return out
 
 
@@ -200,6 +226,15 @@ def _out_shape(shape, orientation: str) -> list:
     return list(shape) if orientation == "forward" else [*shape[:-2], shape[-1], shape[-2]]
 
 
+def _fake_form(weight: torch.Tensor, orientation: str, dtype: torch.dtype, blocked: bool = False) -> torch.Tensor:
+    """An empty tensor with the shape and strides the cache's form has (scales when ``blocked``)."""
+    if orientation == "forward" or not source_layout(weight):
+        shape = _out_shape(weight.shape, orientation)
+        return weight.new_empty([*shape[:-1], shape[-1] // BLOCK_SIZE] if blocked else shape, dtype=dtype)
+    *lead, n, k = weight.shape
+    return weight.new_empty([*lead, n // BLOCK_SIZE if blocked else n, k], dtype=dtype).transpose(-2, -1)
+
+
 @torch.library.custom_op("mxfx::cached_weight_quantize", mutates_args=())
 def _cached_weight_quantize(weight: torch.Tensor, rule: str, orientation: str) -> tuple[torch.Tensor, torch.Tensor]:
     return lookup(weight, rule, orientation)
@@ -208,8 +243,7 @@ def _cached_weight_quantize(weight: torch.Tensor, rule: str, orientation: str) -
 @_cached_weight_quantize.register_fake
 def _(weight, rule, orientation):
     _check(weight, rule, orientation)
-    shape = _out_shape(weight.shape, orientation)
-    return weight.new_empty(shape, dtype=_E4M3), weight.new_empty([*shape[:-1], shape[-1] // BLOCK_SIZE], dtype=torch.uint8)
+    return _fake_form(weight, orientation, _E4M3), _fake_form(weight, orientation, torch.uint8, blocked=True)
 
 
 def weight_operand(weight: torch.Tensor, rule: str, orientation: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,8 +265,11 @@ def weight_operand(weight: torch.Tensor, rule: str, orientation: str) -> tuple[t
             ``[..., K, N]`` and scales ``[..., K, N/32]``.
 
     Returns:
-        ``(qdata float8_e4m3fn, scales uint8 E8M0)``, contiguous. They are the
-        cache itself: treat them as read-only.
+        ``(qdata float8_e4m3fn, scales uint8 E8M0)``, the cache itself: treat them
+        as read-only. Contiguous, except the dgrad pair where the GEMM is emulated
+        (Hopper, CPU): there it is kept in the source layout, the transpose views of
+        contiguous ``[..., N, K]`` / ``[..., N/32, K]`` tensors (:func:`source_layout`),
+        which a Hopper refresh writes without a transpose.
 
     Raises:
         ValueError: unknown rule or orientation, a weight that is not 2D/3D, has
@@ -252,7 +289,7 @@ def _cached_weight_dequantized(weight: torch.Tensor, rule: str, orientation: str
 @_cached_weight_dequantized.register_fake
 def _(weight, rule, orientation):
     _check(weight, rule, orientation)
-    return weight.new_empty(_out_shape(weight.shape, orientation), dtype=torch.bfloat16)
+    return _fake_form(weight, orientation, torch.bfloat16)
 
 
 def weight_dequantized(weight: torch.Tensor, rule: str, orientation: str) -> torch.Tensor:

@@ -5,6 +5,7 @@ import io
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 import torch.nn as nn
 
 import mxfx
@@ -90,6 +91,38 @@ def test_weight_operand_orientations_and_reuse(shape):
     # floor is its own form of the same weight
     cache.weight_operand(w, "floor", "forward")
     assert cache.stats()["quantize"] == 3 and cache.num_entries() == 1
+
+
+@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("shape", [(64, 96), (3, 64, 96)])
+def test_dgrad_form_layout_follows_the_gemm_path(monkeypatch, shape, native):
+    """Emulated GEMMs keep the dgrad forms in the source layout (transpose views of [.., N, K]), as their
+    fakes say; a native MX GEMM path keeps them contiguous [.., K, N]. One refresh builds the BF16 forms in
+    the same pass, equal to dequantizing the MX forms."""
+    from mxfx.ops import gemm
+
+    if native:  # pretend the GEMMs of this device run natively (the layout choice only; nothing is multiplied)
+        monkeypatch.setattr(gemm, "colwise_in_source_layout", lambda device, op="mm": False)
+    w = torch.randn(shape)
+    qt, st = cache.weight_operand(w, "rceil", "dgrad")
+    dq = cache.weight_dequantized(w, "rceil", "dgrad")
+    with FakeTensorMode() as mode:
+        fw = mode.from_tensor(w)
+        fakes = (*torch.ops.mxfx.cached_weight_quantize(fw, "rceil", "dgrad"),
+                 torch.ops.mxfx.cached_weight_dequantized(fw, "rceil", "dgrad"))
+    for got, fake in zip((qt, st, dq), fakes):
+        assert got.shape == fake.shape and got.stride() == fake.stride(), (got.stride(), fake.stride())
+        assert got.is_contiguous() == native
+    rqt, rst = mxfx.quantize(w.transpose(-2, -1).contiguous(), axis=-1, rule="rceil")
+    assert torch.equal(qt.view(torch.uint8), rqt.view(torch.uint8)) and torch.equal(st, rst.view(torch.uint8))
+    assert torch.equal(dq, mxfx.dequantize(rqt, rst, dtype=torch.bfloat16))
+    before = cache.stats()["quantize"]
+    with torch.no_grad():
+        w.add_(1.0)  # a new version: the refresh rebuilds MX and BF16 forms
+    q2, _ = cache.weight_operand(w, "rceil", "dgrad")
+    dq2 = cache.weight_dequantized(w, "rceil", "dgrad")
+    assert cache.stats()["quantize"] == before + 1 and torch.equal(dq2, mxfx.dequantize(*mxfx.quantize(
+        w.transpose(-2, -1).contiguous(), rule="rceil"), dtype=torch.bfloat16))
 
 
 def test_weight_operand_errors():

@@ -170,6 +170,63 @@ def test_quantize_dual_strided_and_errors():
         dispatch.quantize_dual(rand((96, 48), torch.bfloat16), "rceil")
 
 
+def dual_source_ref(x, rule, dtype=None):
+    """The reference of ``quantize_dual_source``: ``quantize_lastdim`` of x and of its transpose."""
+    x = x.cpu()
+    out = []
+    for src in (x, x.transpose(-2, -1)):
+        q, s = mxf.quantize_lastdim(src, rule)
+        out += [q, s] + ([] if dtype is None else [mxf.dequantize_lastdim(q, s, dtype)])
+    return out
+
+
+def check_dual_source(got, x, rule, dtype=None):
+    """Values bit-exact against the reference, and the columnwise outputs in x's layout."""
+    q_row, s_row, h_row, q_col, s_col, h_col = got
+    if dtype is None:
+        assert h_row is None and h_col is None
+    outs = [q_row, s_row] + ([] if dtype is None else [h_row]) + [q_col, s_col] + ([] if dtype is None else [h_col])
+    assert_same(outs, dual_source_ref(x, rule, dtype))
+    for t in (q_col, s_col) + (() if dtype is None else (h_col,)):
+        assert t.transpose(-2, -1).is_contiguous() and t.stride()[-2] == 1, t.stride()
+
+
+@cuda
+@pytest.mark.parametrize("rule", mxf.SCALE_RULES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(96, 64), (256, 1056), (2, 64, 96), (32, 4096), (4096, 288)])
+def test_quantize_dual_source(shape, dtype, rule):
+    x = special_rows(rand(shape, dtype))
+    check_dual_source(dispatch.quantize_dual_source(x, rule), x, rule)
+    check_dual_source(dispatch.quantize_dual_source(x, rule, dequantized=torch.bfloat16), x, rule, torch.bfloat16)
+
+
+@cuda
+def test_quantize_dual_source_one_orientation_strided_and_errors():
+    x = rand((128, 512), torch.float32)[:, ::2]
+    got = dispatch.quantize_dual_source(x, "floor", row=False, dequantized=torch.float32)
+    assert got[:3] == (None, None, None)
+    tq, ts = mxf.quantize_lastdim(x.cpu().t(), "floor")
+    assert_same(got[3:], (tq, ts, mxf.dequantize_lastdim(tq, ts, torch.float32)))
+    rq, rs = mxf.quantize_lastdim(x.cpu(), "rceil")
+    got = dispatch.quantize_dual_source(x, "rceil", col=False)
+    assert_same(got[:2], (rq, rs)) and got[3:] == (None, None, None)
+    with pytest.raises(ValueError, match=r"quantize_dual_source.*\(96, 48\)"):
+        dispatch.quantize_dual_source(rand((96, 48), torch.bfloat16), "rceil")
+
+
+@cuda
+@pytest.mark.parametrize("shape", [(64, 96), (2, 256, 160)])
+def test_dequantize_source_layout_keeps_it(shape):
+    """A columnwise pair in the source layout dequantizes to the same values, in the same layout."""
+    x = special_rows(rand(shape, torch.bfloat16))
+    q_col, s_col = dispatch.quantize_dual_source(x, "rceil", row=False)[3:5]
+    out = dispatch.dequantize_lastdim(q_col, s_col, torch.bfloat16)
+    assert out.stride() == q_col.stride()
+    ref_q, ref_s = mxf.quantize_lastdim(x.cpu().transpose(-2, -1), "rceil")
+    assert same_bits(out, mxf.dequantize_lastdim(ref_q, ref_s, torch.bfloat16))
+
+
 @cuda
 @pytest.mark.parametrize("shape", [(96, 64), (300, 1056), (2, 130, 64)])
 def test_quantize_blocked(shape):
@@ -272,7 +329,7 @@ def exact_input(shape, seed=0):
 
 def _interpreter_checks():
     """Run under TRITON_INTERPRET=1 by the test below; raises on the first mismatch."""
-    from mxfx.kernels import dequantize, dual, quantize
+    from mxfx.kernels import dequantize, dual, dual_source, quantize
 
     base = exact_input((96, 128))
     x = special_rows(base, exact=True)
@@ -286,6 +343,7 @@ def _interpreter_checks():
             assert_same(quantize.quantize_lastdim(xcd.t(), rule), mxf.quantize_lastdim(xcd.t(), rule))
             ref = (*mxf.quantize_lastdim(xcd, rule), *mxf.quantize_lastdim(xcd.t(), rule))
             assert_same(dual.quantize_dual(xcd, rule), ref)
+            check_dual_source(dual_source.quantize_dual_source(xcd, rule, dequantized=torch.float32), xcd, rule, torch.float32)
     x3 = exact_input((2, 64, 96), seed=1)
     assert_same(quantize.quantize_lastdim(x3.transpose(-2, -1), "rceil"), mxf.quantize_lastdim(x3.transpose(-2, -1), "rceil"))
     assert_same(dual.quantize_dual(x3, "rceil"), (*mxf.quantize_lastdim(x3, "rceil"), *mxf.quantize_lastdim(x3.transpose(-2, -1), "rceil")))
@@ -305,6 +363,10 @@ def _interpreter_checks():
     tq, ts = mxf.quantize_lastdim(x.t(), "floor")
     assert_same(quantize.quantize_dequantize(x.t(), "floor", torch.float32),
                 (tq, ts, mxf.dequantize_lastdim(tq, ts, torch.float32)))
+    # a columnwise pair in the source layout: its own kernel, same values, same layout
+    sq, ss = (t.t().contiguous().t() for t in (tq, ts))
+    out = dequantize.dequantize_lastdim(sq, ss, torch.float32)
+    assert out.stride() == sq.stride() and same_bits(out, mxf.dequantize_lastdim(tq, ts, torch.float32))
 
 
 def test_triton_interpreter():

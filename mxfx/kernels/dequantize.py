@@ -1,5 +1,9 @@
 """Triton MXFP8 dequantize along the last dim: ``x_hat = q * 2^(s - 127)`` in fp32, cast to the output dtype.
 
+A pair in the source layout (``q`` the transpose view of a contiguous ``[.., M, K]``
+tensor, ``s`` of ``[.., M/32, K]``; see :mod:`mxfx.kernels.dual_source`) is read
+along its storage rows and written in that same layout: no transpose either way.
+
 Bit-identical to ``mxfx.format.dequantize_lastdim`` (OCP MX v1.0 §6.3 / §5.3: E8M0
 byte 255 is NaN, byte 0 is 2^-127).
 """
@@ -44,9 +48,62 @@ def _dequantize_kernel(
     tl.store(o_base + ar[:, None] * C + ac[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _dequantize_source_kernel(q_ptr, s_ptr, out_ptr, M, K, n_k_tiles, BM: tl.constexpr, BK: tl.constexpr):
+    """Storage ``q [B, M, K]``, ``s [B, M/32, K]`` (blocks down M), contiguous -> ``out [B, M, K]``."""
+    b, m0, k0 = tile_origin(n_k_tiles, BM, BK)
+    b = b.to(tl.int64)
+    am = tl.arange(0, BM)
+    ak = tl.arange(0, BK)
+    an = tl.arange(0, BM // 32)
+    kmask = (k0 + ak) < K
+    mask = ((m0 + am) < M)[:, None] & kmask[None, :]
+    offs = (b * M + m0 + am)[:, None] * K + (k0 + ak)[None, :]
+    qbits = tl.load(q_ptr + offs, mask=mask, other=0)
+    s_offs = (b * (M // 32) + m0 // 32 + an)[:, None] * K + (k0 + ak)[None, :]
+    sbyte = tl.load(s_ptr + s_offs, mask=((m0 // 32 + an) < M // 32)[:, None] & kmask[None, :], other=0)
+    q = tl.reshape(qbits.to(tl.float8e4nv, bitcast=True).to(tl.float32), [BM // 32, 32, BK])
+    out = tl.reshape(q * decode_scale(sbyte)[:, None, :], [BM, BK])
+    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+SOURCE_CONFIG = (64, 256, 8)
+"""(BLOCK_M, BLOCK_K, num_warps) for pairs in the source layout."""
+
+
+def source_layout(qdata: torch.Tensor, scales: torch.Tensor) -> bool:
+    """True when ``(qdata [.., K, M], scales [.., K, M/32])`` are transpose views of contiguous
+    ``[.., M, K]`` / ``[.., M/32, K]`` tensors (the columnwise pair of :mod:`mxfx.kernels.dual_source`)."""
+    return (
+        qdata.dim() >= 2 and qdata.shape[-2] > 1 and qdata.shape[-1] > 0
+        and qdata.transpose(-2, -1).is_contiguous() and scales.transpose(-2, -1).is_contiguous()
+        and not qdata.is_contiguous()
+    )
+
+
+def _dequantize_source(qdata: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    q = qdata.view(torch.uint8).transpose(-2, -1)
+    s = scales.view(torch.uint8).transpose(-2, -1)
+    M, K = q.shape[-2], q.shape[-1]
+    B = q.numel() // (M * K)
+    out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    bm, bk, warps = SOURCE_CONFIG
+    n_k = triton.cdiv(K, bk)
+    if B * M * K > 0:
+        launch(_dequantize_source_kernel, (triton.cdiv(M, bm) * n_k, B), q, s, out, M, K, n_k,
+               BM=bm, BK=bk, num_warps=warps)
+    return out.transpose(-2, -1)
+
+
 def dequantize_lastdim(qdata: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``(q e4m3 [..., K], s uint8 [..., K/32])`` on CUDA (any strides) -> contiguous ``[..., K]`` of ``dtype``."""
+    """``(q e4m3 [..., K], s uint8 [..., K/32])`` on CUDA (any strides) -> ``[..., K]`` of ``dtype``.
+
+    Contiguous, except for a pair in the source layout (:func:`source_layout`), whose result
+    keeps that layout (the transpose view of a contiguous tensor).
+    """
     check_pair(qdata, scales, -1, "mxfx.dequantize")
+    if source_layout(qdata, scales):
+        return _dequantize_source(qdata, scales, dtype)
     q3, _ = flat_blocks(as_brc(qdata.view(torch.uint8)))
     B, R, C = q3.shape
     s3 = scales.view(torch.uint8).reshape(B, R, C // 32)

@@ -94,6 +94,38 @@ def quantize_dual(x: torch.Tensor, rule: str):
     return q_row, s_row, q_col, s_col
 
 
+def quantize_dual_source(x: torch.Tensor, rule: str, *, row: bool = True, col: bool = True,
+                         dequantized: torch.dtype | None = None):
+    """Both orientations of ``x [M, K]`` (or ``[B, M, K]``) from one read, every output in x's own layout.
+
+    Returns ``(q_row, s_row, h_row, q_col, s_col, h_col)``: the pairs of :func:`quantize_dual`
+    (same values), but ``q_col [.., K, M]`` / ``s_col [.., K, M/32]`` are transpose views of
+    contiguous ``[.., M, K]`` / ``[.., M/32, K]`` tensors (the source layout); ``h_*`` are the
+    dequantized values in ``dequantized`` (None without it); orientations not asked for are None.
+    Raises ValueError unless x is 2D/3D with M and K multiples of 32 (see
+    :func:`mxfx.kernels.dual_source.quantize_dual_source`).
+    """
+    if triton_available(x):
+        from mxfx.kernels import dual_source
+
+        return dual_source.quantize_dual_source(x, rule, row=row, col=col, dequantized=dequantized)
+    op = "mxfx.quantize_dual_source"
+    _check(x, rule, op, axes=(-1, -2))
+    if x.dim() not in (2, 3) or not (row or col):
+        raise ValueError(f"{op}: needs a 2D [M, K] or 3D [B, M, K] tensor and at least one orientation, "
+                         f"got shape {tuple(x.shape)} (row={row}, col={col})")
+    out = []
+    for want, src in ((row, x), (col, x.transpose(-2, -1))):
+        if not want:
+            out += [None, None, None]
+            continue
+        q, s = mxf.quantize_lastdim(src, rule)
+        if src is not x:  # the columnwise pair, restrided into x's layout
+            q, s = (t.transpose(-2, -1).contiguous().transpose(-2, -1) for t in (q, s))
+        out += [q, s, None if dequantized is None else mxf.dequantize_lastdim(q, s, dequantized)]
+    return tuple(out)
+
+
 def quantize_dequantize(x: torch.Tensor, rule: str, dtype: torch.dtype):
     """Quantize along the last dim and also return the dequantized tensor: ``(qdata, scales, x_hat)``."""
     if triton_available(x):

@@ -40,7 +40,7 @@ def _(x, rule):
 @torch.library.custom_op("mxfx::dequantize", mutates_args=())
 def _dequantize_op(qdata: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``(qdata [..., K], scales [..., K/32])`` -> ``[..., K]`` of ``dtype``."""
-    return kernels.dequantize_lastdim(qdata, scales, dtype)
+    return kernels.dequantize_lastdim(qdata, scales, dtype).contiguous()  # the fake's layout, whatever the input's
 
 
 @_dequantize_op.register_fake

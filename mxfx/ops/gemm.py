@@ -393,6 +393,19 @@ def gemm_impl(op: str, device: torch.device, fmt: str = FORMAT) -> tuple[str, Ca
     return fallback.name, getattr(fallback, op)
 
 
+def colwise_in_source_layout(device: torch.device, op: str = "mm") -> bool:
+    """Whether columnwise MX operands for GEMM ``op`` on ``device`` are kept in the source layout.
+
+    Native MX GEMMs read the columnwise operand ``[K, M]`` blocked along M as a contiguous
+    (K-major) tensor, so it is stored transposed. Emulated GEMMs dequantize it to BF16 and
+    hand cuBLAS either orientation at the same cost, so it stays in the layout of the tensor it
+    was quantized from (``q_col`` the transpose view of a contiguous ``[M, K]`` tensor; see
+    :mod:`mxfx.kernels.dual_source`): its quantize and dequantize then stream with no
+    transpose. True exactly where :func:`gemm_impl` picks emulation.
+    """
+    return gemm_impl(op, device)[0] == "emulated"
+
+
 # --- the ops -----------------------------------------------------------------------------------
 
 
