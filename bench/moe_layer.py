@@ -101,11 +101,14 @@ def main():
     arms = {
         "bf16 (inductor)": lambda: torch.compile(routed_layer(lambda m, b, o: torch._grouped_mm(m, b, offs=o))),
         "mxfx (backend=mxfp8)": lambda: torch.compile(routed_layer(lambda m, b, o: torch._grouped_mm(m, b, offs=o)), backend="mxfp8"),
+        "mxfx, keep_dequantized_weights": lambda: torch.compile(
+            routed_layer(lambda m, b, o: torch._grouped_mm(m, b, offs=o)), backend="mxfp8",
+            options={"keep_dequantized_weights": True}),
         "torchao MXFP8 emulated (compile)": lambda: torch.compile(routed_layer(torchao_grouped_mm())),
     }
     arms["mxfx, MX ops as opaque custom ops"] = arms["mxfx (backend=mxfp8)"]
     keep = {"bf16": "bf16 (inductor)", "mxfx": "mxfx (backend=mxfp8)", "torchao": "torchao MXFP8 emulated (compile)",
-            "mxfxopaque": "mxfx, MX ops as opaque custom ops"}
+            "mxfxopaque": "mxfx, MX ops as opaque custom ops", "mxfxdq": "mxfx, keep_dequantized_weights"}
     rows, base_ms = [], None
     for key in a.arms.split(","):
         name = keep[key]

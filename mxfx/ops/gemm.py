@@ -543,9 +543,29 @@ mx_grouped_mm_wgrad = op_or_body(
 )
 
 
+@torch.library.custom_op("mxfx::grouped_wgrad_bf16", mutates_args=())
+def _grouped_wgrad_bf16_op(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """BF16 per-group ``dy[grp]^T @ x[grp]``: ``dy [S, N]``, ``x [S, K]``, int32 ``offs [E]`` -> ``[E, N, K]``.
+
+    Groups may end anywhere. CUDA's grouped GEMM takes unaligned group ends along the reduction
+    dim only when A is column-major and B row-major (torch's own ``_grouped_mm`` backward layouts;
+    any other layout trips its 16-byte alignment assert), so the operands are made contiguous
+    ``[S, *]`` here, inside an op whose strides no compiler can change. That replaces padding every
+    group to 32 rows (a zero fill and a scatter of both operands), which cost more than the GEMM
+    (``bench/probes/grouped_wgrad_alignment.py``).
+    """
+    dy, x = dy.to(torch.bfloat16).contiguous(), x.to(torch.bfloat16).contiguous()
+    return torch._grouped_mm(dy.t(), x, offs=offs).to(out_dtype)
+
+
+@_grouped_wgrad_bf16_op.register_fake
+def _(dy, x, offs, out_dtype):
+    return dy.new_empty((offs.shape[0], dy.shape[1], x.shape[1]), dtype=out_dtype)
+
+
 def hp_grouped_wgrad(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """BF16 per-group ``dy[grp]^T @ x[grp]`` -> ``[E, N, K]`` (the routed "bf16" wgrad, seed Table 25).
 
-    Traced into graphs as ``aten._grouped_mm``, whose fake kernel takes bf16 only.
+    ``mxfx::grouped_wgrad_bf16`` (see :func:`_grouped_wgrad_bf16_op`): no group padding needed.
     """
-    return torch._grouped_mm(dy.t().to(torch.bfloat16), x.to(torch.bfloat16), offs=offs).to(out_dtype)
+    return _grouped_wgrad_bf16_op(dy, x, offs, out_dtype)

@@ -128,9 +128,7 @@ class _MXGroupedMM(torch.autograd.Function):
                 dw = mx_grouped_mm_wgrad(dyq_t, dys_t, xq_t, xs_t, padded_offs, weight.dtype)
             else:
                 x_saved = wgrad_input[0] if n_wgrad == 1 else kops.dequantize(*wgrad_input, torch.bfloat16)
-                # Group ends need no alignment here: in these layouts (dY^T column-major, X row-major, as
-                # torch's own _grouped_mm backward) CUDA's token-reduction GEMM takes any ends, and
-                # padding every group to 32 rows cost more than the GEMM (bench/probes/grouped_wgrad_alignment.py).
+                # no group padding: mxfx::grouped_wgrad_bf16 takes any group ends (see there)
                 dw = hp_grouped_wgrad(dy.to(dout.dtype), x_saved, offs, weight.dtype)
         return dx, dup, dw, None, d_rw, None, None, None, None, None, None, None
 
