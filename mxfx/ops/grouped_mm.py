@@ -100,7 +100,8 @@ class _MXGroupedMM(torch.autograd.Function):
     def backward(ctx, dout):
         n_wgrad, x_dtype, has_up, rule, wgrad, has_rw, keep_dq = ctx.meta
         weight, offs, route_weight, *rest = ctx.saved_tensors
-        y_unweighted = rest.pop(0) if has_rw else None
+        y_unweighted = rest[0] if has_rw else None
+        rest = rest[1:] if has_rw else rest
         wgrad_input, packed = rest[:n_wgrad], tuple(rest[n_wgrad:])
         dout = dout.contiguous()
         d_rw = None
