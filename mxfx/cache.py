@@ -116,7 +116,7 @@ def _check(weight: torch.Tensor, rule: str, orientation: str) -> None:
             f"mxfx.cache: weight of shape {tuple(weight.shape)} must be [N, K] or [E, N, K] with N and K multiples "
             f"of {BLOCK_SIZE} (both orientations are blocked by {BLOCK_SIZE})"
         )
-    if not weight.is_floating_point() or weight.element_size() < 2:
+    if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"mxfx.cache: weight dtype {weight.dtype} is not a high-precision float (fp32/bf16/fp16)")
 
 
@@ -237,13 +237,20 @@ def _fake_form(weight: torch.Tensor, orientation: str, dtype: torch.dtype, block
     return weight.new_empty([*lead, n // BLOCK_SIZE if blocked else n, k], dtype=dtype).transpose(-2, -1)
 
 
+def _check_mx_orientation(orientation: str) -> None:
+    if orientation not in ORIENTATIONS:
+        raise ValueError(f"mxfx.cache: orientation={orientation!r} is not valid; choose one of {ORIENTATIONS}")
+
+
 @torch.library.custom_op("mxfx::cached_weight_quantize", mutates_args=())
 def _cached_weight_quantize(weight: torch.Tensor, rule: str, orientation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_mx_orientation(orientation)
     return lookup(weight, rule, orientation)
 
 
 @_cached_weight_quantize.register_fake
 def _(weight, rule, orientation):
+    _check_mx_orientation(orientation)
     _check(weight, rule, orientation)
     return _fake_form(weight, orientation, _E4M3), _fake_form(weight, orientation, torch.uint8, blocked=True)
 
@@ -283,8 +290,7 @@ def weight_operand(weight: torch.Tensor, rule: str, orientation: str) -> tuple[t
 
 @torch.library.custom_op("mxfx::cached_weight_dequantized", mutates_args=())
 def _cached_weight_dequantized(weight: torch.Tensor, rule: str, orientation: str) -> torch.Tensor:
-    if orientation not in ORIENTATIONS:
-        raise ValueError(f"mxfx.cache: orientation={orientation!r} is not valid; choose one of {ORIENTATIONS}")
+    _check_mx_orientation(orientation)
     return lookup(weight, rule, orientation + "_bf16")[0]
 
 

@@ -39,6 +39,13 @@ def _check_choice(what: str, value: Any, valid: tuple) -> None:
         raise ValueError(f"mxfx policy: {what}={value!r} is not valid; choose one of {', '.join(map(repr, valid))}")
 
 
+def check_precisions(op: str, **choices: str) -> None:
+    """Raise ValueError naming ``op`` when a precision argument (``wgrad=``, ``save=``) is not in :data:`PRECISIONS`."""
+    for name, value in choices.items():
+        if value not in PRECISIONS:
+            raise ValueError(f"{op}: {name}={value!r} is not valid; choose one of {', '.join(map(repr, PRECISIONS))}")
+
+
 def _check_min_size(value: Any) -> None:
     if value is None or value == "auto":
         return

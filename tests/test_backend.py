@@ -27,6 +27,20 @@ def test_entry_point_without_importing_mxfx():
     assert 0 < err < 0.1  # quantized (not identical to fp32) but close
 
 
+def test_import_registers_every_custom_op():
+    """``import mxfx`` alone makes every ``torch.ops.mxfx`` op callable (a fresh process imports nothing else)."""
+    code = (
+        "import torch, mxfx\n"
+        "names = ['quantize', 'dequantize', 'quantize_dual', 'mm', 'grouped_mm', 'grouped_mm_wgrad',\n"
+        "         'grouped_wgrad_bf16', 'cached_weight_quantize', 'cached_weight_dequantized']\n"
+        "missing = [n for n in names if not hasattr(torch.ops.mxfx, n)]\n"
+        "print('missing', missing)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "missing []"
+
+
 def test_options_validation_names_valid_values():
     with pytest.raises(ValueError, match="valid keys"):
         Policy.from_options({"scale_rul": "rceil"})

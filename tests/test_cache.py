@@ -125,6 +125,13 @@ def test_dgrad_form_layout_follows_the_gemm_path(monkeypatch, shape, native):
         w.transpose(-2, -1).contiguous(), rule="rceil"), dtype=torch.bfloat16))
 
 
+def test_weight_operand_errors_for_bf16_forms_and_fp64():
+    with pytest.raises(ValueError, match=r"orientation='dgrad_bf16'.*\('forward', 'dgrad'\)"):
+        cache.weight_operand(torch.randn(64, 64), "rceil", "dgrad_bf16")
+    with pytest.raises(ValueError, match="float64 is not a high-precision float"):
+        cache.weight_operand(torch.randn(64, 64, dtype=torch.float64), "rceil", "dgrad")
+
+
 def test_weight_operand_errors():
     with pytest.raises(ValueError, match="orientation"):
         cache.weight_operand(torch.randn(64, 64), "rceil", "wgrad")

@@ -101,3 +101,35 @@ def test_group_padding_never_mixes_experts():
 def test_grouped_mm_rejects_unaligned():
     with pytest.raises(ValueError, match="multiples of 32"):
         mx_grouped_mm_op(torch.randn(8, 48), torch.randn(2, 32, 48), torch.tensor([4, 8], dtype=torch.int32))
+
+
+def test_grouped_wgrad_bf16_any_group_ends_and_errors():
+    """Empty groups and rows past the last end: per-group dy^T x of the BF16 operands, fp32 accumulation."""
+    from mxfx.ops.gemm import hp_grouped_wgrad
+
+    g = torch.Generator().manual_seed(3)
+    dy, x = torch.randn(45, 32, generator=g), torch.randn(45, 64, generator=g)
+    offs = torch.tensor([7, 7, 30, 40], dtype=torch.int32)  # an empty group; rows 40..44 belong to none
+    got = hp_grouped_wgrad(dy, x, offs, torch.float32)
+    starts = [0, 7, 7, 30]
+    ref = torch.stack([dy[a:b].bfloat16().float().t() @ x[a:b].bfloat16().float() for a, b in zip(starts, offs.tolist())])
+    assert got.shape == (4, 32, 64) and not got[1].any()
+    assert ((got - ref).norm() / ref.norm()).item() < 4e-3  # the result is rounded to bf16 (2^-9 relative)
+    with pytest.raises(ValueError, match=r"grouped_wgrad_bf16.*\(45, 32\).*\(44, 64\)"):
+        hp_grouped_wgrad(dy, x[:44], offs, torch.float32)
+    with pytest.raises(ValueError, match="int32 offs"):
+        hp_grouped_wgrad(dy, x, offs.long(), torch.float32)
+
+
+def test_grouped_op_argument_errors():
+    x, w = torch.randn(40, 64, dtype=torch.bfloat16), torch.randn(3, 32, 64)
+    offs = torch.tensor([5, 5, 33], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"must be 3D \[E, N, K\]"):
+        mx_grouped_mm_op(x, w[0], offs)
+    for kw in ({"wgrad": "fp8"}, {"save": "fp4"}):
+        with pytest.raises(ValueError, match=f"grouped_mm: {next(iter(kw))}=.*'mxfp8', 'bf16'"):
+            mx_grouped_mm_op(x, w, offs, **kw)
+    from mxfx.ops.linear import mx_linear
+
+    with pytest.raises(ValueError, match="mx_linear: wgrad='fp8'.*'mxfp8', 'bf16'"):
+        mx_linear(x, torch.randn(32, 64), wgrad="fp8")

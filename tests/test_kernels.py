@@ -84,6 +84,18 @@ def test_cpu_dispatch_never_loads_triton_kernels():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
 
 
+def test_cpu_quantize_dual_source_reference_and_errors():
+    """The CPU path: the reference values, the columnwise outputs in x's layout, and clear errors."""
+    x = special_rows(rand((96, 64), torch.bfloat16, device="cpu"))
+    check_dual_source(dispatch.quantize_dual_source(x, "floor", dequantized=torch.float32), x, "floor", torch.float32)
+    with pytest.raises(TypeError, match=r"dequantized=torch.int32"):
+        dispatch.quantize_dual_source(x, "rceil", dequantized=torch.int32)
+    with pytest.raises(ValueError, match=r"2D \[M, K\].*\(64,\)"):
+        dispatch.quantize_dual_source(x[0], "rceil")
+    with pytest.raises(ValueError, match="at least one orientation"):
+        dispatch.quantize_dual_source(x, "rceil", row=False, col=False)
+
+
 def test_cpu_quantize_blocked_reference():
     x = torch.randn(3, 100, 64)
     q, b = dispatch.quantize_blocked(x, "rceil")

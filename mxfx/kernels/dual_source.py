@@ -7,7 +7,7 @@ that of a contiguous ``[M/32, K]`` one. Same values, no transpose: every load an
 store of the kernel runs along K, so it streams at copy speed, where the transposing
 kernel of :mod:`mxfx.kernels.dual` moves bytes through shared memory. Emulated GEMMs
 (Hopper, which has no MX GEMM) read either layout at the same cost, so the weight
-caches there keep the dgrad form in this one (``mxfx.ops.gemm.colwise_layout``).
+caches there keep the dgrad form in this one (``mxfx.ops.gemm.colwise_in_source_layout``).
 
 Optionally the same pass writes the dequantized values of each orientation (bf16
 for the emulated GEMMs), in the same layout: one read of the FP32 main weight gives

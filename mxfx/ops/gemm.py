@@ -553,7 +553,19 @@ def _grouped_wgrad_bf16_op(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor
     ``[S, *]`` here, inside an op whose strides no compiler can change. That replaces padding every
     group to 32 rows (a zero fill and a scatter of both operands), which cost more than the GEMM
     (``bench/probes/grouped_wgrad_alignment.py``).
+
+    The result is the BF16 GEMM's output (fp32 accumulation, rounded to bf16) cast to ``out_dtype``.
+    Group ends must be non-decreasing and at most S (they are data: not checked on the host); rows past
+    ``offs[-1]`` are ignored. On CUDA, N and K must be multiples of 8 (16-byte rows).
+
+    Raises:
+        ValueError: dy or x not 2D, different row counts, or offs not a 1D int32 tensor.
     """
+    if dy.dim() != 2 or x.dim() != 2 or dy.shape[0] != x.shape[0] or offs.dim() != 1 or offs.dtype != torch.int32:
+        raise ValueError(
+            f"mxfx.grouped_wgrad_bf16: needs dy [S, N], x [S, K] and int32 offs [E], got dy {tuple(dy.shape)}, "
+            f"x {tuple(x.shape)}, offs {tuple(offs.shape)} {offs.dtype}"
+        )
     dy, x = dy.to(torch.bfloat16).contiguous(), x.to(torch.bfloat16).contiguous()
     return torch._grouped_mm(dy.t(), x, offs=offs).to(out_dtype)
 

@@ -30,6 +30,7 @@ import torch
 from mxfx.cache import weight_operands
 from mxfx.kernels import ops as kops
 from mxfx.ops import swiglu
+from mxfx.policy import check_precisions
 from mxfx.ops.gemm import hp_grouped_wgrad, mx_grouped_mm, mx_grouped_mm_wgrad, quantize_operand
 
 BLOCK = 32
@@ -168,9 +169,13 @@ def mx_grouped_mm_op(
     Returns ``[S, N]``.
 
     Raises:
-        ValueError: shapes that do not pair up or are not multiples of 32, or
-            ``x_mx`` given with ``up`` or with shapes that do not match ``x``.
+        ValueError: shapes that do not pair up or are not multiples of 32, a weight that
+            is not 3D, ``wgrad``/``save`` not "mxfp8" or "bf16", or ``x_mx`` given with
+            ``up`` or with shapes that do not match ``x``.
     """
+    check_precisions("mxfx.grouped_mm", wgrad=wgrad, save=save)
+    if weight.dim() != 3:
+        raise ValueError(f"mxfx.grouped_mm: weight of shape {tuple(weight.shape)} must be 3D [E, N, K] expert weights")
     e, n, k = weight.shape
     if x.dim() != 2 or x.shape[-1] != k or k % 32 or n % 32 or offs.shape != (e,):
         raise ValueError(

@@ -31,6 +31,7 @@ from mxfx.cache import weight_operands
 from mxfx.kernels import ops as kops
 from mxfx.ops import swiglu
 from mxfx.ops.gemm import hp_mm_t, mx_mm, quantize_operand
+from mxfx.policy import check_precisions
 
 
 def _pad_tokens(t: torch.Tensor) -> torch.Tensor:
@@ -137,8 +138,10 @@ def mx_linear(
         ``[..., N]`` in the autocast dtype if autocast is on, else ``input_dtype or x.dtype``.
 
     Raises:
-        ValueError: K or N not a multiple of 32 (keep such a linear in BF16).
+        ValueError: K or N not a multiple of 32 (keep such a linear in BF16), or ``wgrad`` /
+            ``save`` not "mxfp8" or "bf16".
     """
+    check_precisions("mxfx.mx_linear", wgrad=wgrad, save=save)
     n, k = weight.shape
     if k % 32 or n % 32 or x.shape[-1] != k or (up is not None and up.shape != x.shape):
         raise ValueError(
