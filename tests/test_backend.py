@@ -12,33 +12,33 @@ import mxfx
 from mxfx.policy import Policy, Rule
 
 
+def _last_line_of_fresh_process(code: str) -> str:
+    """Run ``code`` in a new Python process (nothing imported yet); its last line of output."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.strip().splitlines()[-1]
+
+
 def test_entry_point_without_importing_mxfx():
-    code = (
+    err = float(_last_line_of_fresh_process(
         "import sys, torch\n"
         "m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))\n"
         "x = torch.randn(8, 32)\n"
         "y = torch.compile(m, backend='mxfp8', options={'inner': 'eager'})(x)\n"
         "assert 'mxfx' in sys.modules, 'backend did not load mxfx'\n"
         "print(float((y - m(x)).abs().max()))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    err = float(out.stdout.strip().splitlines()[-1])
+    ))
     assert 0 < err < 0.1  # quantized (not identical to fp32) but close
 
 
 def test_import_registers_every_custom_op():
     """``import mxfx`` alone makes every ``torch.ops.mxfx`` op callable (a fresh process imports nothing else)."""
-    code = (
+    assert _last_line_of_fresh_process(
         "import torch, mxfx\n"
         "names = ['quantize', 'dequantize', 'quantize_dual', 'mm', 'grouped_mm', 'grouped_mm_wgrad',\n"
         "         'grouped_wgrad_bf16', 'cached_weight_quantize', 'cached_weight_dequantized']\n"
-        "missing = [n for n in names if not hasattr(torch.ops.mxfx, n)]\n"
-        "print('missing', missing)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "missing []"
+        "print('missing', [n for n in names if not hasattr(torch.ops.mxfx, n)])\n"
+    ) == "missing []"
 
 
 def test_options_validation_names_valid_values():
