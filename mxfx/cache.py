@@ -6,7 +6,7 @@ up to two derived forms, each a ``(qdata e4m3, scales uint8 E8M0)`` pair:
 
 * ``"forward"``: ``W [..., N, K]`` blocked along its last dim (K);
 * ``"dgrad"``: ``W.transpose(-2, -1) [..., K, N]`` blocked along its last dim (N),
-  quantized from W itself (format_spec.md, "GEMM operand orientation"). Where the
+  quantized from W itself (``docs/format.md``, "GEMM operand orientation"). Where the
   GEMM is emulated (Hopper, CPU) it is stored in W's own layout (a transpose view,
   :func:`source_layout`), so one non-transposing pass writes both forms.
 

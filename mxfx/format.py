@@ -170,7 +170,18 @@ def check_pair(qdata: torch.Tensor, scales: torch.Tensor, axis: int, op: str) ->
             f"{op}: scales of shape {tuple(scales.shape)} have dtype {scales.dtype}, "
             f"expected torch.float8_e8m0fnu (or uint8 E8M0 bytes)"
         )
-    axis = check_block_axis(qdata.shape, axis, op)
+    if qdata.device != scales.device:
+        raise ValueError(f"{op}: qdata is on {qdata.device} but scales are on {scales.device}; move them to one device")
+    try:
+        axis = check_block_axis(qdata.shape, axis, op)
+    except ValueError as e:
+        if isinstance(axis, int) and not isinstance(axis, bool) and -qdata.dim() <= axis < qdata.dim():
+            raise ValueError(
+                f"{op}: qdata of shape {tuple(qdata.shape)} cannot be blocked along axis {axis} (length "
+                f"{qdata.shape[axis]}, not a multiple of {BLOCK_SIZE}); dequantize along the axis the pair was "
+                f"quantized along"
+            ) from e
+        raise
     expected = list(qdata.shape)
     expected[axis] //= BLOCK_SIZE
     if list(scales.shape) != expected:

@@ -46,7 +46,10 @@ def check_precisions(op: str, **choices: str) -> None:
             raise ValueError(f"{op}: {name}={value!r} is not valid; choose one of {', '.join(map(repr, PRECISIONS))}")
 
 
-def _check_min_size(value: Any) -> None:
+def _check_min_size(value: Any, allow_none: bool = True) -> None:
+    if value is None and not allow_none:
+        raise ValueError("mxfx policy: min_size=None is only meaningful on a Rule (not set); a Policy needs a "
+                         "non-negative int or 'auto'")
     if value is None or value == "auto":
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -199,7 +202,7 @@ class Policy(_NamedFields):
             raise ValueError(f"mxfx policy: passes={self.passes!r} must be a dict of pass name -> bool; passes: {', '.join(PASSES)}")
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
             raise ValueError(f"mxfx policy: dump_dir={self.dump_dir!r} must be a path (str) or None")
-        _check_min_size(self.min_size)
+        _check_min_size(self.min_size, allow_none=False)
         if not isinstance(self.keep_dequantized_weights, bool):
             raise ValueError(f"mxfx policy: keep_dequantized_weights={self.keep_dequantized_weights!r} must be True or False")
         if not callable(self.inner) and self.inner not in INNER_COMPILERS:

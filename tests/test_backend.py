@@ -117,7 +117,8 @@ def test_save_policy_reaches_dense_linears():
 
 
 @pytest.mark.parametrize(
-    "bad", [{"scale_rule": None}, {"save": None}, {"inner": None}, {"rules": "lm_head"}, {"passes": ["linear"]}, {"dump_dir": 5}]
+    "bad", [{"scale_rule": None}, {"save": None}, {"inner": None}, {"rules": "lm_head"}, {"passes": ["linear"]}, {"dump_dir": 5},
+            {"min_size": None}]
 )
 def test_bad_option_types_raise_value_error(bad):
     with pytest.raises(ValueError, match="mxfx policy"):

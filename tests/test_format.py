@@ -281,3 +281,19 @@ def test_public_api_under_torch_compile():
     x = torch.randn(4, 64, generator=torch.Generator().manual_seed(2))
     compiled = torch.compile(lambda t: mxf.dequantize(*mxf.quantize(t), dtype=torch.float32))
     assert torch.equal(compiled(x), mxf.dequantize(*mxf.quantize(x), dtype=torch.float32))
+
+
+def test_pair_errors_say_what_to_do():
+    """Dequantizing along another axis than the pair's, or from two devices, names the op and the fix."""
+    q, s = mxfx.quantize(torch.randn(4, 64))
+    with pytest.raises(ValueError, match=r"mxfx.dequantize.*\(4, 64\).*axis 0.*the axis the pair was quantized along"):
+        mxfx.dequantize(q, s, axis=0)
+    with pytest.raises(ValueError, match="mxfx.dequantize: qdata is on cpu but scales are on meta"):
+        mxfx.dequantize(q, s.to("meta"))
+
+
+def test_swiglu_quantize_reference_rejects_mismatched_shapes():
+    from mxfx.kernels import dispatch
+
+    with pytest.raises(ValueError, match=r"swiglu_quantize: gate of shape \(4, 32\) and up of shape \(1, 32\)"):
+        dispatch.swiglu_quantize(torch.randn(4, 32), torch.randn(1, 32), "rceil")

@@ -27,7 +27,7 @@ def per_group_tokens_q_dq(t, sizes, rule):
 
 
 def reference(x, up, w, rw, dout, sizes, rule, wgrad, save):
-    """Forward and gradients, one expert at a time, operands quantized per format_spec.md."""
+    """Forward and gradients, one expert at a time, operands quantized per docs/format.md."""
     gate32, up32 = x.float(), None if up is None else up.float()
     h = x.float() if up is None else F.silu(gate32) * up32
     hq = q_dq(h, -1, rule)  # input blocked along K (rowwise)

@@ -23,7 +23,7 @@ def pad_tokens(t: torch.Tensor) -> torch.Tensor:
 
 
 def reference_linear(x, w, b, dy, rule, wgrad, save):
-    """Forward and the three gradients written out per format_spec.md's operand orientations."""
+    """Forward and the three gradients written out per the operand orientations of docs/format.md."""
     y = q_dq(x, -1, rule) @ q_dq(w, -1, rule).T + b  # X and W blocked along K
     dx = q_dq(dy, -1, rule) @ q_dq(w, 0, rule)  # dY along N; W along N, i.e. down its columns
     if wgrad == "mxfp8":  # both blocked along tokens, zero-padded to a multiple of 32

@@ -148,6 +148,8 @@ def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str) -> tuple[to
         return swiglu.swiglu_quantize(gate, up, rule)
     _check(gate, rule, "mxfx.swiglu_quantize")
     _check(up, rule, "mxfx.swiglu_quantize")
+    if gate.shape != up.shape:
+        raise ValueError(f"mxfx.swiglu_quantize: gate of shape {tuple(gate.shape)} and up of shape {tuple(up.shape)} must match")
     return mxf.quantize_lastdim(F.silu(gate.float()) * up.float(), rule)
 
 

@@ -1,6 +1,6 @@
 """MX GEMM: ``C = A @ B^T`` with both operands MXFP8-blocked along the reduction dim.
 
-Every GEMM of a linear is written in this one orientation (format_spec.md,
+Every GEMM of a linear is written in this one orientation (``docs/format.md``,
 "GEMM operand orientation"): forward ``X[M,K] . W[N,K]^T``, dgrad
 ``dY[M,N] . (W^T)[K,N]^T``, wgrad ``dY^T[N,M] . X^T[K,M]^T``. Callers quantize
 each operand so that its last dim is the reduction dim.

@@ -1,6 +1,6 @@
 """MXFP8 linear: like ``F.linear``, but forward, dgrad and (optionally) wgrad run as MX GEMMs.
 
-Operands are blocked along each GEMM's reduction dim (format_spec.md):
+Operands are blocked along each GEMM's reduction dim (``docs/format.md``):
 
 * forward ``Y = MX(X) . MX(W)^T``: X rowwise (along K), W rowwise (along K).
 * dgrad ``dX = MX(dY) . MX(W)``: dY rowwise (along N), W quantized down its
