@@ -59,6 +59,8 @@ def mxfp8_backend(gm: fx.GraphModule, example_inputs, options: Policy | dict | N
     policy = Policy.from_options(options)
     before = gm.print_readable(print_output=False) if policy.dump_dir else ""
     pm = rewrite(gm, policy)
+    if not torch.is_grad_enabled():  # Dynamo calls the backend in the grad mode the graph was traced in
+        pm.mark_inference()
     report.register(pm)
     log.info("mxfx: %s", pm.summary())
     if policy.dump_dir:

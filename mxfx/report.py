@@ -64,6 +64,15 @@ class PrecisionMap:
         """The record of the GEMM op named ``node`` (None if absent)."""
         return next((r for r in self.records if r.node == node and r.kind in kinds), None)
 
+    def mark_inference(self) -> None:
+        """The graph was traced with grad disabled: its MX ops run the forward GEMM only, save nothing and
+        have no backward, so dgrad/wgrad/saved read "-" and no saved bytes are claimed."""
+        for r in self.records:
+            if r.forward == "mxfp8" and (r.dgrad, r.wgrad, r.saved) != ("-", "-", "-"):
+                r.dgrad = r.wgrad = r.saved = "-"
+                r.saved_bytes = (0, 0)
+                r.add_note("inference graph (grad disabled): forward only")
+
     def saved_bytes(self) -> tuple[int, int]:
         """Nominal bytes of MX ops' saved inputs: (all in BF16, as packed)."""
         return sum(r.saved_bytes[0] for r in self.records), sum(r.saved_bytes[1] for r in self.records)

@@ -154,3 +154,18 @@ def test_dynamic_token_counts_one_graph():
         assert torch.isfinite(x.grad).all()
     assert len(compiles) == 1  # one graph serves every token count
     assert compiles[0].code.count("mx_linear(") == 2
+
+
+def test_inference_graph_report_claims_no_backward():
+    """Under no_grad the MX linears run the forward GEMM only: the map shows no dgrad/wgrad/saved and no savings."""
+    m = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    x = torch.randn(8, 64)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(m, backend="mxfp8", options={"inner": "eager"})(x)
+    pm = mxfx.last_report()
+    assert [(r.forward, r.dgrad, r.wgrad, r.saved) for r in pm.records] == [("mxfp8", "-", "-", "-")] * 2
+    assert pm.saved_bytes() == (0, 0) and "inference graph" in pm.records[0].reason
+    torch._dynamo.reset()
+    torch.compile(m, backend="mxfp8", options={"inner": "eager"})(x)
+    assert {(r.dgrad, r.wgrad, r.saved) for r in mxfx.last_report().records} == {("mxfp8", "mxfp8", "mxfp8")}
