@@ -19,6 +19,8 @@ import dataclasses
 import fnmatch
 import os
 from dataclasses import dataclass, field
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, Callable
 
 from mxfx.format import SCALE_RULES
@@ -186,10 +188,10 @@ class Policy(_NamedFields):
     min_size: int | str = 0
     keep_dequantized_weights: bool = False
     rules: tuple[Rule, ...] = ()
-    passes: dict = field(default_factory=dict)
+    passes: Mapping = field(default_factory=dict)
     inner: str | Callable = "inductor"
     dump_dir: str | None = None
-    transport: dict = field(default_factory=dict)
+    transport: Mapping = field(default_factory=dict)
 
     def __post_init__(self):
         for name, valid in (("scale_rule", SCALE_RULES), ("save", PRECISIONS)):
@@ -198,7 +200,7 @@ class Policy(_NamedFields):
         _check_choice("wgrad", self.wgrad, PRECISIONS)
         if not isinstance(self.rules, (list, tuple)) or not all(isinstance(r, (Rule, dict)) for r in self.rules):
             raise ValueError(f"mxfx policy: rules={self.rules!r} must be a list of mxfx.Rule or dicts of Rule fields")
-        if not isinstance(self.passes, dict):
+        if not isinstance(self.passes, Mapping):
             raise ValueError(f"mxfx policy: passes={self.passes!r} must be a dict of pass name -> bool; passes: {', '.join(PASSES)}")
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
             raise ValueError(f"mxfx policy: dump_dir={self.dump_dir!r} must be a path (str) or None")
@@ -213,12 +215,15 @@ class Policy(_NamedFields):
             _check_choice("passes", name, PASSES)
             if not isinstance(on, bool):
                 raise ValueError(f"mxfx policy: passes[{name!r}]={on!r} must be True or False")
-        if not isinstance(self.transport, dict):
+        if not isinstance(self.transport, Mapping):
             raise ValueError(f"mxfx policy: transport={self.transport!r} must be a dict of direction -> precision")
         for direction, precision in self.transport.items():
             _check_choice("transport", direction, TRANSPORT_DIRECTIONS)
             if precision not in PRECISIONS:
                 raise ValueError(f"mxfx policy: transport[{direction!r}]={precision!r} is not valid; choose one of 'mxfp8', 'bf16'")
+        # validated once: read-only from here on, as the frozen fields are
+        object.__setattr__(self, "passes", MappingProxyType(dict(self.passes)))
+        object.__setattr__(self, "transport", MappingProxyType(dict(self.transport)))
         if self.dump_dir is None and os.environ.get(DUMP_ENV):
             object.__setattr__(self, "dump_dir", os.environ[DUMP_ENV])
 

@@ -169,3 +169,14 @@ def test_inference_graph_report_claims_no_backward():
     torch._dynamo.reset()
     torch.compile(m, backend="mxfp8", options={"inner": "eager"})(x)
     assert {(r.dgrad, r.wgrad, r.saved) for r in mxfx.last_report().records} == {("mxfp8", "mxfp8", "mxfp8")}
+
+
+def test_policy_is_read_only_after_validation():
+    """Validated once: the frozen Policy's mappings cannot be edited into invalid values afterwards."""
+    p = Policy(passes={"linear": False}, transport={"dispatch_bwd": "bf16"})
+    with pytest.raises(TypeError):
+        p.transport["dispatch_fwd"] = "fp8"
+    with pytest.raises(TypeError):
+        p.passes["linaer"] = False
+    q = Policy(passes=p.passes, transport=p.transport)  # a policy's own mappings are valid input
+    assert not q.pass_enabled("linear") and q.transport_precision("dispatch_bwd") == "bf16"
