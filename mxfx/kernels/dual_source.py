@@ -4,10 +4,13 @@ The columnwise pair (blocks of 32 down M) is the logical ``[K, M]`` operand that
 ``quantize_lastdim(x.t())`` gives, but stored in the *source layout*: ``q_col`` is
 the ``.transpose(-2, -1)`` view of a contiguous ``[M, K]`` byte tensor and ``s_col``
 that of a contiguous ``[M/32, K]`` one. Same values, no transpose: every load and
-store of the kernel runs along K, so it streams at copy speed, where the transposing
-kernel of :mod:`mxfx.kernels.dual` moves bytes through shared memory. Emulated GEMMs
-(Hopper, which has no MX GEMM) read either layout at the same cost, so the weight
-caches there keep the dgrad form in this one (``mxfx.ops.gemm.colwise_in_source_layout``).
+store of the kernel runs along K with 16-byte accesses, where the transposing kernel
+of :mod:`mxfx.kernels.dual` moves bytes through shared memory. What keeps it below
+copy bandwidth is the column amax, reduced across the warps that hold a block's 32
+rows (H200: 61% of copy writing MX forms only, 89% as a refresh that also writes the
+BF16 forms; BENCHMARKS.md). Emulated GEMMs (Hopper, which has no MX GEMM) read either
+layout at the same cost, so the weight caches there keep the dgrad form in this one
+(``mxfx.ops.gemm.colwise_in_source_layout``).
 
 Optionally the same pass writes the dequantized values of each orientation (bf16
 for the emulated GEMMs), in the same layout: one read of the FP32 main weight gives
