@@ -24,9 +24,9 @@ FP32_MANT_1_75 = tl.constexpr(0x600000)
 """Mantissa field of 1.75: above it, amax / 2^(floor(log2 amax) - 8) exceeds 448 and rceil steps up."""
 
 HW_E4M3_CVT = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "yes", "on"))
-"""Compiled kernels convert fp32 to E4M3 with Hopper's ``cvt.rn.satfinite.e4m3x2.f32``, which rounds to
+"""Compiled kernels convert fp32 to E4M3 with the hardware's ``cvt.rn.satfinite.e4m3x2.f32`` (sm89+, the only targets with Triton fp8e4nv), which rounds to
 nearest even, saturates at +-448 and turns NaN into the NaN byte 0x7F: the clamp and the per-value NaN
-select are then left out (a nonfinite block gets a NaN inverse scale instead), a third fewer instructions
+select are then left out (a nonfinite block gets a NaN inverse scale instead), about a third fewer instructions
 per value in kernels that are otherwise issue-bound. Triton's interpreter converts through numpy, which
 neither saturates nor maps NaN so, and keeps the explicit form. Read at import, as Triton reads it."""
 
