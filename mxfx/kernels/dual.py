@@ -20,9 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mxfx.format import BLOCK_SIZE, check_input, check_rule
 from mxfx.kernels.launch import launch
-from mxfx.kernels.mx_block import abs_bits, block_scale, encode_blocks, to_e4m3_bits
+from mxfx.kernels.mx_block import abs_bits, block_scale, check_both_axes, encode_blocks, to_e4m3_bits
 
 DUAL_CONFIG = (128, 64, 4)
 """(BLOCK_M, BLOCK_K, num_warps). A plainer kernel that encodes the columnwise bytes and transposes
@@ -103,15 +102,7 @@ def quantize_dual(x: torch.Tensor, rule: str):
     Returns ``(q_row [.., M, K], s_row [.., M, K/32], q_col [.., K, M], s_col [.., K, M/32])``
     (e4m3 / uint8 E8M0, contiguous). Raises ValueError unless M and K are multiples of 32.
     """
-    op = "mxfx.quantize_dual"
-    check_input(x, op)
-    check_rule(rule, op)
-    if x.dim() not in (2, 3) or x.shape[-2] % BLOCK_SIZE or x.shape[-1] % BLOCK_SIZE:
-        raise ValueError(
-            f"{op}: needs a 2D [M, K] or 3D [B, M, K] tensor with M and K multiples of {BLOCK_SIZE}, "
-            f"got shape {tuple(x.shape)}; pad the token dim to a multiple of {BLOCK_SIZE}"
-        )
-    x3 = x if x.dim() == 3 else x.unsqueeze(0)
+    x3 = check_both_axes(x, rule, "mxfx.quantize_dual", " (the token dim, for activations)")
     B, M, K = x3.shape
     dev = x.device
     q_row = torch.empty((B, M, K), dtype=torch.uint8, device=dev)

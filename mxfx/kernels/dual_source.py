@@ -26,9 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mxfx.format import BLOCK_SIZE, check_input, check_rule
 from mxfx.kernels.launch import launch
-from mxfx.kernels.mx_block import decode_scale, encode_blocks, load_tile, tile_origin
+from mxfx.kernels.mx_block import check_both_axes, decode_scale, encode_blocks, load_tile, tile_origin
 
 SOURCE_DUAL_CONFIG = (32, 256, 4)
 """(BLOCK_M, BLOCK_K, num_warps): one 32-row column block by 256 columns per program."""
@@ -90,14 +89,9 @@ def quantize_dual_source(x: torch.Tensor, rule: str, *, row: bool = True, col: b
         TypeError: unsupported dtype (see ``mxfx.format.check_input``).
     """
     op = "mxfx.quantize_dual_source"
-    check_input(x, op)
-    check_rule(rule, op)
-    if x.dim() not in (2, 3) or x.shape[-2] % BLOCK_SIZE or x.shape[-1] % BLOCK_SIZE or not (row or col):
-        raise ValueError(
-            f"{op}: needs a 2D [M, K] or 3D [B, M, K] tensor with M and K multiples of {BLOCK_SIZE} and at least "
-            f"one orientation, got shape {tuple(x.shape)} (row={row}, col={col}); pad M and K to multiples of {BLOCK_SIZE}"
-        )
-    x3 = x if x.dim() == 3 else x.unsqueeze(0)
+    if not (row or col):
+        raise ValueError(f"{op}: asked for no orientation (row=False, col=False); ask for at least one orientation")
+    x3 = check_both_axes(x, rule, op)
     B, M, K = x3.shape
     dev = x.device
 
