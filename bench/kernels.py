@@ -133,15 +133,20 @@ def torchao_cases():
 
 
 def _variants():
-    """(kernel, config module, fn(x), bytes per input element, configs to try, config attribute)."""
+    """(kernel, config module, fn(x), bytes per input element, configs to try, config attribute[, input dtype])."""
     flat = [(128, 32, 4), (256, 32, 4), (512, 32, 8)]
-    small = [(16, 32, 1), (32, 32, 2), (64, 32, 4)]
-    tiles = [(64, 32, 2), (128, 32, 4), (128, 64, 2), (128, 64, 4), (256, 64, 4), (64, 64, 2), (128, 128, 4)]
-    strided = [(16, 256, 8), (8, 256, 4), (8, 512, 4), (4, 1024, 8)]
+    small = [(16, 32, 1), (32, 32, 1), (32, 32, 2), (64, 32, 2), (64, 32, 4), (128, 32, 4)]
+    tiles = [(64, 32, 1), (128, 32, 1), (64, 64, 1), (256, 32, 2), (128, 64, 2), (128, 64, 4), (256, 32, 4),
+             (256, 64, 4)]
+    strided = [(16, 256, 8), (8, 256, 4), (8, 512, 4), (4, 1024, 8), (4, 512, 4), (2, 1024, 4), (1, 2048, 4),
+               (8, 256, 2), (4, 256, 1), (2, 512, 2)]
     q = lambda x: dispatch.quantize_lastdim(x, "rceil")  # noqa: E731
     col = lambda x: dispatch.quantize_lastdim(x.t(), "rceil")  # noqa: E731
     dl = lambda x: dispatch.quantize_dual(x, "rceil")  # noqa: E731
     dls = lambda x: dispatch.quantize_dual_source(x, "rceil")  # noqa: E731
+    refresh = lambda x: dispatch.quantize_dual_source(x, "rceil", dequantized=torch.bfloat16)  # noqa: E731
+    source = [(32, 64, 1), (32, 128, 1), (32, 256, 1), (32, 64, 2), (32, 128, 2), (32, 256, 2), (64, 64, 2),
+              (32, 128, 4), (32, 256, 4), (64, 128, 4)]
     sw = lambda x: dispatch.swiglu_quantize(x, x, "rceil")  # noqa: E731
 
     def sw_halves(x):
@@ -150,10 +155,13 @@ def _variants():
 
     return [
         ("rowwise", quantize, q, 2 + 33 / 32, flat, "FLAT_CONFIG"),
+        ("blocked", quantize, lambda x: dispatch.quantize_blocked(x, "rceil"), 2 + 33 / 32,
+         flat + [(64, 32, 2), (128, 32, 2), (256, 32, 8), (1024, 32, 8)], "FLAT_CONFIG"),
         ("columnwise", quantize, col, 2 + 33 / 32, tiles, "COLWISE_CONFIG"),
-        ("dual", dual, dl, 2 + 66 / 32, tiles[1:4] + [(256, 64, 4)], "DUAL_CONFIG"),
-        ("dual_source", dual_source, dls, 2 + 66 / 32,
-         [(32, 128, 4), (32, 256, 4), (32, 256, 8), (32, 512, 8), (64, 128, 4), (64, 256, 8)], "SOURCE_DUAL_CONFIG"),
+        ("dual", dual, dl, 2 + 66 / 32, [(32, 64, 1), (32, 128, 2), (64, 64, 2), (128, 64, 4), (128, 32, 2)],
+         "DUAL_CONFIG"),
+        ("dual_source", dual_source, dls, 2 + 66 / 32, source, "SOURCE_DUAL_CONFIG"),
+        ("refresh", dual_source, refresh, 4 + 66 / 32 + 4, source, "SOURCE_DUAL_CONFIG", torch.float32),
         ("swiglu", swiglu, sw, 4 + 33 / 32, small, "FLAT_CONFIG"),
         ("swiglu gate_up halves", swiglu, sw_halves, (4 + 33 / 32) / 2, strided, "SWIGLU_CONFIG"),
     ]
@@ -164,7 +172,7 @@ def sweep(copy_gbs: float) -> list[str]:
     lines = ["", "| config sweep | shape | (BR, BC, warps) | % of copy |", "|---|---|---|---|"]
     best = {}
     only = os.environ.get("MXFX_BENCH_SWEEP", "1")
-    for name, mod, fn, per_elem, configs, attr in _variants():
+    for name, mod, fn, per_elem, configs, attr, *dtype in _variants():
         if only != "1" and name not in only.split(","):
             continue
         keep = getattr(mod, attr)
@@ -173,7 +181,7 @@ def sweep(copy_gbs: float) -> list[str]:
                 setattr(mod, attr, cfg)
                 fracs = []
                 for m, k in SHAPES:
-                    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                    x = torch.randn(m, k, device="cuda", dtype=(dtype or [torch.bfloat16])[0])
                     frac = per_elem * m * k / median_ms(lambda: fn(x)) / 1e6 / copy_gbs
                     fracs.append(frac)
                     lines.append(f"| {name} | {m}x{k} | {cfg} | {100 * frac:.1f}% |")
