@@ -134,7 +134,7 @@ def torchao_cases():
 
 def _variants():
     """(kernel, config module, fn(x), bytes per input element, configs to try, config attribute[, input dtype])."""
-    flat = [(128, 32, 4), (256, 32, 4), (512, 32, 8)]
+    flat = [(64, 32, 2), (128, 32, 4), (256, 32, 4), (256, 32, 8), (512, 32, 8)]
     small = [(16, 32, 1), (32, 32, 1), (32, 32, 2), (64, 32, 2), (64, 32, 4), (128, 32, 4)]
     tiles = [(64, 32, 1), (128, 32, 1), (64, 64, 1), (256, 32, 2), (128, 64, 2), (128, 64, 4), (256, 32, 4),
              (256, 64, 4)]
@@ -145,9 +145,20 @@ def _variants():
     dl = lambda x: dispatch.quantize_dual(x, "rceil")  # noqa: E731
     dls = lambda x: dispatch.quantize_dual_source(x, "rceil")  # noqa: E731
     refresh = lambda x: dispatch.quantize_dual_source(x, "rceil", dequantized=torch.bfloat16)  # noqa: E731
-    source = [(32, 64, 1), (32, 128, 1), (32, 256, 1), (32, 64, 2), (32, 128, 2), (32, 256, 2), (64, 64, 2),
-              (32, 128, 4), (32, 256, 4), (64, 128, 4)]
-    sw = lambda x: dispatch.swiglu_quantize(x, x, "rceil")  # noqa: E731
+    source = [(32, 64, 1), (32, 128, 1), (32, 32, 1), (64, 64, 1), (32, 64, 2), (32, 128, 2), (32, 256, 2)]
+    partner = {}  # a second input per shape: gate and up must not share cache lines
+
+    def sw(x):
+        if x.shape not in partner:
+            partner[x.shape] = torch.randn_like(x)
+        return dispatch.swiglu_quantize(x, partner[x.shape], "rceil")
+
+    def route(x):
+        if x.shape[0] not in partner:
+            partner[x.shape[0]] = torch.rand(x.shape[0], device=x.device)
+        return dispatch.route_weight_quantize(x, partner[x.shape[0]], "rceil")
+
+    transposed = [(32, 64, 1), (32, 128, 1), (64, 64, 1), (32, 64, 2), (32, 128, 2), (64, 128, 2), (32, 256, 4)]
 
     def sw_halves(x):
         gu = x.view(x.shape[0] // 2, 2 * x.shape[1])
@@ -156,8 +167,15 @@ def _variants():
     return [
         ("rowwise", quantize, q, 2 + 33 / 32, flat, "FLAT_CONFIG"),
         ("blocked", quantize, lambda x: dispatch.quantize_blocked(x, "rceil"), 2 + 33 / 32,
-         flat + [(64, 32, 2), (128, 32, 2), (256, 32, 8), (1024, 32, 8)], "FLAT_CONFIG"),
+         flat + [(128, 32, 2), (64, 32, 1)], "FLAT_CONFIG"),
+        ("qdq", quantize, lambda x: dispatch.quantize_dequantize(x, "rceil", torch.bfloat16), 4 + 33 / 32, flat,
+         "FLAT_CONFIG"),
+        ("route", quantize, route, 2 + 33 / 32, flat, "FLAT_CONFIG"),
         ("columnwise", quantize, col, 2 + 33 / 32, tiles, "COLWISE_CONFIG"),
+        ("columnwise_t", dual_source, lambda x: dual_source.quantize_dual_source(x, "rceil", row=False, col_transposed=True),
+         2 + 33 / 32, transposed, "TRANSPOSED_CONFIG"),
+        ("dual_t", dual_source, lambda x: dual_source.quantize_dual_source(x, "rceil", col_transposed=True),
+         2 + 66 / 32, transposed, "TRANSPOSED_CONFIG"),
         ("dual", dual, dl, 2 + 66 / 32, [(32, 64, 1), (32, 128, 2), (64, 64, 2), (128, 64, 4), (128, 32, 2)],
          "DUAL_CONFIG"),
         ("dual_source", dual_source, dls, 2 + 66 / 32, source, "SOURCE_DUAL_CONFIG"),

@@ -31,6 +31,8 @@ from mxfx.kernels.mx_block import check_both_axes, decode_scale, encode_blocks, 
 
 SOURCE_DUAL_CONFIG = (32, 256, 4)
 """(BLOCK_M, BLOCK_K, num_warps): one 32-row column block by 256 columns per program."""
+TRANSPOSED_CONFIG = (32, 128, 1)
+"""(BLOCK_M, BLOCK_K, num_warps) with the columnwise pair stored transposed."""
 
 
 @triton.jit
@@ -44,11 +46,21 @@ def _store_tile(ptr, vals, b, r0, c0, R, C, BR: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
+def _store_tile_t(ptr, vals, b, r0, c0, R, C, BR: tl.constexpr, BC: tl.constexpr):
+    """Store ``vals [BR, BC]`` transposed: vals[r, c] at [b, c0 + c, r0 + r] of a contiguous [B, C, R] tensor."""
+    ar = tl.arange(0, BR)
+    ac = tl.arange(0, BC)
+    base = ptr + (b.to(tl.int64) * C + c0) * R + r0
+    mask = ((r0 + ar) < R)[:, None] & ((c0 + ac) < C)[None, :]
+    tl.store(base + ac[None, :] * R + ar[:, None], vals.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _dual_source_kernel(
     x_ptr, qr_ptr, sr_ptr, hr_ptr, qc_ptr, sc_ptr, hc_ptr,
     M, K, sxb, sxm, sxk, n_k_tiles,
     RCEIL: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, HAT: tl.constexpr,
-    BM: tl.constexpr, BK: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr, COL_T: tl.constexpr = False,
 ):
     b, m0, k0 = tile_origin(n_k_tiles, BM, BK)
     v = load_tile(x_ptr, b, m0, k0, M, K, sxb, sxm, sxk, BM, BK)
@@ -61,15 +73,19 @@ def _dual_source_kernel(
             _store_tile(hr_ptr, tl.reshape(h, [BM, BK]), b, m0, k0, M, K, BM, BK)
     if COL:  # blocks of 32 along M: q_col storage [B, M, K], s_col storage [B, M/32, K]
         q, s = encode_blocks(tl.reshape(v, [BM // 32, 32, BK]), 1, RCEIL)
-        _store_tile(qc_ptr, tl.reshape(q, [BM, BK]), b, m0, k0, M, K, BM, BK)
-        _store_tile(sc_ptr, s, b, m0 // 32, k0, M // 32, K, BM // 32, BK)
+        if COL_T:
+            _store_tile_t(qc_ptr, tl.reshape(q, [BM, BK]), b, m0, k0, M, K, BM, BK)
+            _store_tile_t(sc_ptr, s, b, m0 // 32, k0, M // 32, K, BM // 32, BK)
+        else:
+            _store_tile(qc_ptr, tl.reshape(q, [BM, BK]), b, m0, k0, M, K, BM, BK)
+            _store_tile(sc_ptr, s, b, m0 // 32, k0, M // 32, K, BM // 32, BK)
         if HAT:
             h = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * decode_scale(s)[:, None, :]
             _store_tile(hc_ptr, tl.reshape(h, [BM, BK]), b, m0, k0, M, K, BM, BK)
 
 
 def quantize_dual_source(x: torch.Tensor, rule: str, *, row: bool = True, col: bool = True,
-                         dequantized: torch.dtype | None = None):
+                         dequantized: torch.dtype | None = None, col_transposed: bool = False):
     """Rowwise and columnwise MX of ``x [M, K]`` or ``[B, M, K]`` (CUDA, bf16/fp16/fp32, any strides), in x's layout.
 
     Args:
@@ -99,17 +115,21 @@ def quantize_dual_source(x: torch.Tensor, rule: str, *, row: bool = True, col: b
         return torch.empty(shape, dtype=dtype, device=dev) if want else None
 
     q_row, s_row = new((B, M, K), torch.uint8, row), new((B, M, K // 32), torch.uint8, row)
-    q_col, s_col = new((B, M, K), torch.uint8, col), new((B, M // 32, K), torch.uint8, col)
+    if col_transposed:
+        q_col, s_col = new((B, K, M), torch.uint8, col), new((B, K, M // 32), torch.uint8, col)
+    else:
+        q_col, s_col = new((B, M, K), torch.uint8, col), new((B, M // 32, K), torch.uint8, col)
     h_row = new((B, M, K), dequantized, row and dequantized is not None)
     h_col = new((B, M, K), dequantized, col and dequantized is not None)
-    bm, bk, warps = SOURCE_DUAL_CONFIG
+    bm, bk, warps = TRANSPOSED_CONFIG if col_transposed else SOURCE_DUAL_CONFIG
     n_k = triton.cdiv(K, bk)
     if M * K > 0:
         # outputs not written get the (read-only) input as a placeholder pointer
         args = [t if t is not None else x3 for t in (q_row, s_row, h_row, q_col, s_col, h_col)]
         launch(
             _dual_source_kernel, (triton.cdiv(M, bm) * n_k, B), x3, *args, M, K, *x3.stride(), n_k,
-            RCEIL=rule == "rceil", ROW=row, COL=col, HAT=dequantized is not None, BM=bm, BK=bk, num_warps=warps,
+            RCEIL=rule == "rceil", ROW=row, COL=col, HAT=dequantized is not None, BM=bm, BK=bk, COL_T=col_transposed,
+            num_warps=warps,
         )
 
     def out(t, transpose, fp8=False):
@@ -120,4 +140,4 @@ def quantize_dual_source(x: torch.Tensor, rule: str, *, row: bool = True, col: b
         return t if x.dim() == 3 else t[0]
 
     return (out(q_row, False, True), out(s_row, False), out(h_row, False),
-            out(q_col, True, True), out(s_col, True), out(h_col, True))
+            out(q_col, not col_transposed, True), out(s_col, not col_transposed), out(h_col, True))
