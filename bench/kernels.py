@@ -27,7 +27,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mxfx.kernels import dispatch, dual, dual_source, quantize, swiglu  # noqa: E402
+from mxfx.kernels import dispatch, dual, quantize, swiglu  # noqa: E402
 from _results import emit  # noqa: E402  (bench/ is on sys.path when a script runs)
 
 SHAPES = [(65536, 2048), (131072, 1024), (16384, 4096)]
@@ -172,14 +172,9 @@ def _variants():
          "FLAT_CONFIG"),
         ("route", quantize, route, 2 + 33 / 32, flat, "FLAT_CONFIG"),
         ("columnwise", quantize, col, 2 + 33 / 32, tiles, "COLWISE_CONFIG"),
-        ("columnwise_t", dual_source, lambda x: dual_source.quantize_dual_source(x, "rceil", row=False, col_transposed=True),
-         2 + 33 / 32, transposed, "TRANSPOSED_CONFIG"),
-        ("dual_t", dual_source, lambda x: dual_source.quantize_dual_source(x, "rceil", col_transposed=True),
-         2 + 66 / 32, transposed, "TRANSPOSED_CONFIG"),
-        ("dual", dual, dl, 2 + 66 / 32, [(32, 64, 1), (32, 128, 2), (64, 64, 2), (128, 64, 4), (128, 32, 2)],
-         "DUAL_CONFIG"),
-        ("dual_source", dual_source, dls, 2 + 66 / 32, source, "SOURCE_DUAL_CONFIG"),
-        ("refresh", dual_source, refresh, 4 + 66 / 32 + 4, source, "SOURCE_DUAL_CONFIG", torch.float32),
+        ("dual", dual, dl, 2 + 66 / 32, transposed, "TRANSPOSED_CONFIG"),
+        ("dual_source", dual, dls, 2 + 66 / 32, source, "SOURCE_CONFIG[2]"),
+        ("refresh", dual, refresh, 4 + 66 / 32 + 4, source, "SOURCE_CONFIG[4]", torch.float32),
         ("swiglu", swiglu, sw, 4 + 33 / 32, small, "FLAT_CONFIG"),
         ("swiglu gate_up halves", swiglu, sw_halves, (4 + 33 / 32) / 2, strided, "SWIGLU_CONFIG"),
     ]
@@ -193,10 +188,20 @@ def sweep(copy_gbs: float) -> list[str]:
     for name, mod, fn, per_elem, configs, attr, *dtype in _variants():
         if only != "1" and name not in only.split(","):
             continue
-        keep = getattr(mod, attr)
+        attr, _, key = attr.partition("[")  # "NAME[k]": entry k of a dict of configs
+        table = getattr(mod, attr)
+        key = int(key.rstrip("]")) if key else None
+        keep = table[key] if key is not None else table
+
+        def use(cfg):
+            if key is None:
+                setattr(mod, attr, cfg)
+            else:
+                table[key] = cfg
+
         try:
             for cfg in configs:
-                setattr(mod, attr, cfg)
+                use(cfg)
                 fracs = []
                 for m, k in SHAPES:
                     x = torch.randn(m, k, device="cuda", dtype=(dtype or [torch.bfloat16])[0])
@@ -208,7 +213,7 @@ def sweep(copy_gbs: float) -> list[str]:
                     best[name] = (worst, cfg)
                 print("\n".join(lines[-len(SHAPES):]), flush=True)
         finally:
-            setattr(mod, attr, keep)
+            use(keep)
             torch.cuda.empty_cache()
     lines += ["", "best config per kernel (highest worst-shape %): "
               + "; ".join(f"{n}: {c} {100 * w:.1f}%" for n, (w, c) in best.items())]

@@ -341,7 +341,7 @@ def exact_input(shape, seed=0):
 
 def _interpreter_checks():
     """Run under TRITON_INTERPRET=1 by the test below; raises on the first mismatch."""
-    from mxfx.kernels import dequantize, dual, dual_source, quantize
+    from mxfx.kernels import dequantize, dual, quantize
 
     base = exact_input((96, 128))
     x = special_rows(base, exact=True)
@@ -355,7 +355,7 @@ def _interpreter_checks():
             assert_same(quantize.quantize_lastdim(xcd.t(), rule), mxf.quantize_lastdim(xcd.t(), rule))
             ref = (*mxf.quantize_lastdim(xcd, rule), *mxf.quantize_lastdim(xcd.t(), rule))
             assert_same(dual.quantize_dual(xcd, rule), ref)
-            check_dual_source(dual_source.quantize_dual_source(xcd, rule, dequantized=torch.float32), xcd, rule, torch.float32)
+            check_dual_source(dual.quantize_dual_source(xcd, rule, dequantized=torch.float32), xcd, rule, torch.float32)
     x3 = exact_input((2, 64, 96), seed=1)
     assert_same(quantize.quantize_lastdim(x3.transpose(-2, -1), "rceil"), mxf.quantize_lastdim(x3.transpose(-2, -1), "rceil"))
     assert_same(dual.quantize_dual(x3, "rceil"), (*mxf.quantize_lastdim(x3, "rceil"), *mxf.quantize_lastdim(x3.transpose(-2, -1), "rceil")))

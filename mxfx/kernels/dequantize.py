@@ -1,7 +1,7 @@
 """Triton MXFP8 dequantize along the last dim: ``x_hat = q * 2^(s - 127)`` in fp32, cast to the output dtype.
 
 A pair in the source layout (``q`` the transpose view of a contiguous ``[.., M, K]``
-tensor, ``s`` of ``[.., M/32, K]``; see :mod:`mxfx.kernels.dual_source`) is read
+tensor, ``s`` of ``[.., M/32, K]``; see :mod:`mxfx.kernels.dual`) is read
 along its storage rows and written in that same layout: no transpose either way.
 
 Bit-identical to ``mxfx.format.dequantize_lastdim`` (OCP MX v1.0 §6.3 / §5.3: E8M0
@@ -73,7 +73,7 @@ SOURCE_CONFIG = (64, 256, 8)
 
 def source_layout(qdata: torch.Tensor, scales: torch.Tensor) -> bool:
     """True when ``(qdata [.., K, M], scales [.., K, M/32])`` are transpose views of contiguous
-    ``[.., M, K]`` / ``[.., M/32, K]`` tensors (the columnwise pair of :mod:`mxfx.kernels.dual_source`)."""
+    ``[.., M, K]`` / ``[.., M/32, K]`` tensors (the columnwise pair of :mod:`mxfx.kernels.dual`)."""
     return (
         qdata.dim() >= 2 and qdata.shape[-2] > 1 and qdata.shape[-1] > 0
         and qdata.transpose(-2, -1).is_contiguous() and scales.transpose(-2, -1).is_contiguous()

@@ -103,7 +103,7 @@ def quantize_dual_source(x: torch.Tensor, rule: str, *, row: bool = True, col: b
     contiguous ``[.., M, K]`` / ``[.., M/32, K]`` tensors (the source layout); ``h_*`` are the
     dequantized values in ``dequantized`` (None without it); orientations not asked for are None.
     Raises ValueError unless x is 2D/3D with M and K multiples of 32 (see
-    :func:`mxfx.kernels.dual_source.quantize_dual_source`); TypeError for an input dtype other
+    :func:`mxfx.kernels.dual.quantize_dual_source`); TypeError for an input dtype other
     than bf16/fp16/fp32 or a ``dequantized`` dtype other than those.
     """
     op = "mxfx.quantize_dual_source"
@@ -113,9 +113,9 @@ def quantize_dual_source(x: torch.Tensor, rule: str, *, row: bool = True, col: b
         raise ValueError(f"{op}: needs a 2D [M, K] or 3D [B, M, K] tensor and at least one orientation, "
                          f"got shape {tuple(x.shape)} (row={row}, col={col})")
     if triton_available(x):
-        from mxfx.kernels import dual_source
+        from mxfx.kernels import dual
 
-        return dual_source.quantize_dual_source(x, rule, row=row, col=col, dequantized=dequantized)
+        return dual.quantize_dual_source(x, rule, row=row, col=col, dequantized=dequantized)
     _check(x, rule, op, axes=(-1, -2))
     out = []
     for want, src in ((row, x), (col, x.transpose(-2, -1))):

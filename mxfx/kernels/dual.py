@@ -1,17 +1,28 @@
-"""Triton MXFP8 quantize in both orientations from one read of ``x [M, K]`` (``quantize_dual``).
+"""Triton MXFP8 quantize of ``x [M, K]`` in both orientations from one read (``quantize_dual``, ``quantize_dual_source``).
 
-For ``x [M, K]`` (contiguous along K): columnwise blocks run down M and are stored
-transposed, ``q_col [K, M]``, ``s_col [K, M/32]`` (exactly ``quantize_lastdim(x.t())``);
-and rowwise ``q_row [M, K]``, ``s_row [M, K/32]``. The wgrad operands
-of OCP MX v1.0 GEMMs need the columnwise pair.
+Rowwise blocks run along K (``q_row [M, K]``, ``s_row [M, K/32]``); columnwise blocks run
+down M, the logical ``[K, M]`` operand ``quantize_lastdim(x.t())`` gives, which dgrad and
+wgrad of OCP MX v1.0 GEMMs need. The columnwise pair is stored either
 
-Each program reads its ``[BLOCK_M, BLOCK_K]`` tile once, as four row-interleaved
-slices (rows ``m0 + 4i + j``, j = 0..3) in x's own orientation. A thread then holds
-four M-neighbours of each column, packs their E4M3 bytes into one 32-bit word
-(little-endian: byte j is row ``4i + j``), and the transpose to ``[K, M]`` moves
-32-bit words rather than single bytes. M must be a multiple of 32 (the columnwise
-blocks run along it), so M's specialization key (divisible by 16) never changes
-with the token count.
+* transposed (:func:`quantize_dual`): contiguous ``q_col [K, M]``, ``s_col [K, M/32]``, what
+  native MX GEMMs read; the tile is transposed through shared memory on its way out; or
+* in the *source layout* (:func:`quantize_dual_source`): ``q_col`` is the ``.transpose(-2, -1)``
+  view of a contiguous ``[M, K]`` byte tensor and ``s_col`` that of a contiguous ``[M/32, K]`` one.
+  Same values, no transpose: every load and store runs along K. Emulated GEMMs (Hopper, which
+  has no MX GEMM) read either layout at the same cost, so the weight caches there keep the
+  dgrad form in this one (``mxfx.ops.gemm.colwise_in_source_layout``). Optionally the same pass
+  writes the dequantized values of each orientation, so one read of the FP32 main weight gives
+  everything a Hopper weight-cache refresh builds.
+
+One program quantizes a ``[32, BLOCK_K]`` tile: a column block's 32 rows. On the H200 the
+column amax is what costs: reduced across warps (4-8 warps per program) it went through shared
+memory with a barrier per step and these kernels reached 50-61% of copy bandwidth; with one or
+two warps per program, where each thread holds a strip of rows and the reduction stays in
+registers and shuffles, 65-92% (``MXFX_BENCH_SWEEP=dual,dual_source,refresh python bench/kernels.py``,
+BENCHMARKS.md).
+
+Bit-identical to ``mxfx.format.quantize_lastdim`` of ``x`` and of ``x.transpose(-2, -1)``
+(OCP MX v1.0 §6.3, mxfx rules); the dequantized forms equal ``dequantize_lastdim``.
 """
 
 from __future__ import annotations
@@ -21,100 +32,127 @@ import triton
 import triton.language as tl
 
 from mxfx.kernels.launch import launch
-from mxfx.kernels.mx_block import abs_bits, block_scale, check_both_axes, encode_blocks, to_e4m3_bits
+from mxfx.kernels.mx_block import check_both_axes, decode_scale, encode_blocks, load_tile, tile_origin
 
-DUAL_CONFIG = (128, 64, 4)
-"""(BLOCK_M, BLOCK_K, num_warps). A plainer kernel that encodes the columnwise bytes and transposes
-them with ``tl.trans`` reached at most 36% of copy bandwidth on the H200 (this one: 50%)."""
-
-
-@triton.jit
-def _amax8(v, BM: tl.constexpr, BK: tl.constexpr):
-    """Per-column amax bits over groups of 8 slice rows: ``[BM/4, BK]`` -> ``[BM/32, BK]``."""
-    return tl.max(tl.reshape(abs_bits(v), [BM // 32, 8, BK]), axis=1)
+SOURCE_CONFIG = {2: (32, 64, 1), 4: (32, 128, 2)}
+"""(BLOCK_M, BLOCK_K, num_warps) by input element size in bytes, columnwise pair in the source layout."""
+TRANSPOSED_CONFIG = (32, 128, 2)
+"""(BLOCK_M, BLOCK_K, num_warps), columnwise pair stored transposed."""
 
 
 @triton.jit
-def _col_bytes(v, inv_scale, nonfinite, BM: tl.constexpr, BK: tl.constexpr):
-    """E4M3 bytes of one slice with its column blocks' scales, as int32 ``[BM/4, BK]``."""
-    q = to_e4m3_bits(tl.reshape(v, [BM // 32, 8, BK]), inv_scale[:, None, :], nonfinite[:, None, :])
-    return tl.reshape(q, [BM // 4, BK]).to(tl.int32)
-
-
-@triton.jit
-def _row_store(v, j, qr_ptr, sr_ptr, b, m0, k0, M, K, RCEIL: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
-    """Rowwise encode and store slice j (rows m0 + 4i + j) into q_row [B, M, K], s_row [B, M, K/32]."""
-    NB: tl.constexpr = BK // 32
-    qbits, sbyte = encode_blocks(tl.reshape(v, [BM // 4, NB, 32]), 2, RCEIL)
-    rows = (b.to(tl.int64) * M + m0 + j) + 4 * tl.arange(0, BM // 4)
-    rmask = (m0 + j + 4 * tl.arange(0, BM // 4)) < M
-    ak = tl.arange(0, BK)
-    an = tl.arange(0, NB)
-    tl.store(qr_ptr + rows[:, None] * K + (k0 + ak)[None, :], tl.reshape(qbits, [BM // 4, BK]),
-             mask=rmask[:, None] & ((k0 + ak) < K)[None, :])
-    tl.store(sr_ptr + rows[:, None] * (K // 32) + (k0 // 32 + an)[None, :], sbyte,
-             mask=rmask[:, None] & ((k0 // 32 + an) < K // 32)[None, :])
+def _store_tile(ptr, vals, b, r0, c0, R, C, TRANSPOSE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """Store ``vals [BR, BC]`` at rows r0.., cols c0.. of batch b of a contiguous [B, R, C] tensor;
+    TRANSPOSE: at [b, c0 + c, r0 + r] of a contiguous [B, C, R] tensor instead."""
+    ar = tl.arange(0, BR)
+    ac = tl.arange(0, BC)
+    mask = ((r0 + ar) < R)[:, None] & ((c0 + ac) < C)[None, :]
+    if TRANSPOSE:
+        offs = ptr + (b.to(tl.int64) * C + c0) * R + r0 + ac[None, :] * R + ar[:, None]
+    else:
+        offs = ptr + (b.to(tl.int64) * R + r0) * C + c0 + ar[:, None] * C + ac[None, :]
+    tl.store(offs, vals.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _dual_kernel(
-    x_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr,
+    x_ptr, qr_ptr, sr_ptr, hr_ptr, qc_ptr, sc_ptr, hc_ptr,
     M, K, sxb, sxm, sxk, n_k_tiles,
-    RCEIL: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    RCEIL: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, HAT: tl.constexpr, COL_T: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    b = tl.program_id(1)
-    m0 = (pid // n_k_tiles) * BM
-    k0 = (pid % n_k_tiles) * BK
-    ai = tl.arange(0, BM // 4)
-    ak = tl.arange(0, BK)
-    kmask = (k0 + ak) < K
-    mask = ((m0 + 4 * ai) < M)[:, None] & kmask[None, :]  # M % 4 == 0: slice row 4i+j < M iff 4i < M - m0
-    base = x_ptr + b.to(tl.int64) * sxb + m0.to(tl.int64) * sxm + k0.to(tl.int64) * sxk
-    offs = (4 * ai)[:, None] * sxm + ak[None, :] * sxk
-    x0 = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
-    x1 = tl.load(base + sxm + offs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(base + 2 * sxm + offs, mask=mask, other=0.0).to(tl.float32)
-    x3 = tl.load(base + 3 * sxm + offs, mask=mask, other=0.0).to(tl.float32)
-    # columnwise: blocks of 32 rows = 8 slice rows x 4 slices
-    amax = tl.maximum(tl.maximum(_amax8(x0, BM, BK), _amax8(x1, BM, BK)),
-                      tl.maximum(_amax8(x2, BM, BK), _amax8(x3, BM, BK)))
-    inv_scale, sbyte, nonfinite = block_scale(amax, RCEIL)
-    word = _col_bytes(x0, inv_scale, nonfinite, BM, BK)
-    word |= _col_bytes(x1, inv_scale, nonfinite, BM, BK) << 8
-    word |= _col_bytes(x2, inv_scale, nonfinite, BM, BK) << 16
-    word |= _col_bytes(x3, inv_scale, nonfinite, BM, BK) << 24
-    # q_col [B, K, M] as int32 words [B, K, M/4]; s_col [B, K, M/32]
-    krow = (b.to(tl.int64) * K + k0) + ak
-    tl.store(qc_ptr + krow[None, :] * (M // 4) + (m0 // 4 + ai)[:, None], word, mask=mask)
-    an = tl.arange(0, BM // 32)
-    tl.store(sc_ptr + krow[None, :] * (M // 32) + (m0 // 32 + an)[:, None], sbyte,
-             mask=((m0 // 32 + an) < M // 32)[:, None] & kmask[None, :])
-    _row_store(x0, 0, qr_ptr, sr_ptr, b, m0, k0, M, K, RCEIL, BM, BK)
-    _row_store(x1, 1, qr_ptr, sr_ptr, b, m0, k0, M, K, RCEIL, BM, BK)
-    _row_store(x2, 2, qr_ptr, sr_ptr, b, m0, k0, M, K, RCEIL, BM, BK)
-    _row_store(x3, 3, qr_ptr, sr_ptr, b, m0, k0, M, K, RCEIL, BM, BK)
+    b, m0, k0 = tile_origin(n_k_tiles, BM, BK)
+    v = load_tile(x_ptr, b, m0, k0, M, K, sxb, sxm, sxk, BM, BK)
+    if ROW:  # blocks of 32 along K: q_row [B, M, K], s_row [B, M, K/32]
+        q, s = encode_blocks(tl.reshape(v, [BM, BK // 32, 32]), 2, RCEIL)
+        _store_tile(qr_ptr, tl.reshape(q, [BM, BK]), b, m0, k0, M, K, False, BM, BK)
+        _store_tile(sr_ptr, s, b, m0, k0 // 32, M, K // 32, False, BM, BK // 32)
+        if HAT:
+            h = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * decode_scale(s)[:, :, None]
+            _store_tile(hr_ptr, tl.reshape(h, [BM, BK]), b, m0, k0, M, K, False, BM, BK)
+    if COL:  # blocks of 32 along M: storage [B, M, K] and [B, M/32, K], or [B, K, M] and [B, K, M/32] (COL_T)
+        q, s = encode_blocks(tl.reshape(v, [BM // 32, 32, BK]), 1, RCEIL)
+        _store_tile(qc_ptr, tl.reshape(q, [BM, BK]), b, m0, k0, M, K, COL_T, BM, BK)
+        _store_tile(sc_ptr, s, b, m0 // 32, k0, M // 32, K, COL_T, BM // 32, BK)
+        if HAT:
+            h = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * decode_scale(s)[:, None, :]
+            _store_tile(hc_ptr, tl.reshape(h, [BM, BK]), b, m0, k0, M, K, COL_T, BM, BK)
+
+
+def _quantize_both(x, rule, op, *, row, col, dequantized, transposed, hint=""):
+    if not (row or col):
+        raise ValueError(f"{op}: asked for no orientation (row=False, col=False); ask for at least one orientation")
+    x3 = check_both_axes(x, rule, op, hint)
+    B, M, K = x3.shape
+    dev = x.device
+
+    def new(shape, dtype, want):
+        return torch.empty(shape, dtype=dtype, device=dev) if want else None
+
+    col_shape = (B, K, M) if transposed else (B, M, K)
+    q_row, s_row = new((B, M, K), torch.uint8, row), new((B, M, K // 32), torch.uint8, row)
+    q_col = new(col_shape, torch.uint8, col)
+    s_col = new((B, K, M // 32) if transposed else (B, M // 32, K), torch.uint8, col)
+    h_row = new((B, M, K), dequantized, row and dequantized is not None)
+    h_col = new(col_shape, dequantized, col and dequantized is not None)
+    bm, bk, warps = TRANSPOSED_CONFIG if transposed else SOURCE_CONFIG[4 if x.element_size() == 4 else 2]
+    n_k = triton.cdiv(K, bk)
+    if M * K > 0:
+        # outputs not written get the (read-only) input as a placeholder pointer
+        args = [t if t is not None else x3 for t in (q_row, s_row, h_row, q_col, s_col, h_col)]
+        launch(
+            _dual_kernel, (triton.cdiv(M, bm) * n_k, B), x3, *args, M, K, *x3.stride(), n_k,
+            RCEIL=rule == "rceil", ROW=row, COL=col, HAT=dequantized is not None, COL_T=transposed,
+            BM=bm, BK=bk, num_warps=warps,
+        )
+
+    def out(t, view_t, fp8=False):
+        if t is None:
+            return None
+        t = t.view(torch.float8_e4m3fn) if fp8 else t
+        t = t.transpose(-2, -1) if view_t else t
+        return t if x.dim() == 3 else t[0]
+
+    col_view_t = not transposed
+    return (out(q_row, False, True), out(s_row, False), out(h_row, False),
+            out(q_col, col_view_t, True), out(s_col, col_view_t), out(h_col, col_view_t))
 
 
 def quantize_dual(x: torch.Tensor, rule: str):
     """Both orientations of ``x [M, K]`` (or ``[B, M, K]``; CUDA, bf16/fp16/fp32, any strides).
 
     Returns ``(q_row [.., M, K], s_row [.., M, K/32], q_col [.., K, M], s_col [.., K, M/32])``
-    (e4m3 / uint8 E8M0, contiguous). Raises ValueError unless M and K are multiples of 32.
+    (e4m3 / uint8 E8M0, all contiguous).
+
+    Raises:
+        ValueError: not 2D/3D, or M or K not a multiple of 32.
+        TypeError: unsupported dtype (see ``mxfx.format.check_input``).
     """
-    x3 = check_both_axes(x, rule, "mxfx.quantize_dual", " (the token dim, for activations)")
-    B, M, K = x3.shape
-    dev = x.device
-    q_row = torch.empty((B, M, K), dtype=torch.uint8, device=dev)
-    s_row = torch.empty((B, M, K // 32), dtype=torch.uint8, device=dev)
-    q_col = torch.empty((B, K, M // 4), dtype=torch.int32, device=dev)  # 4 E4M3 bytes per word
-    s_col = torch.empty((B, K, M // 32), dtype=torch.uint8, device=dev)
-    bm, bk, warps = DUAL_CONFIG
-    n_k = triton.cdiv(K, bk)
-    if M * K > 0:
-        launch(
-            _dual_kernel, (triton.cdiv(M, bm) * n_k, B), x3, q_row, s_row, q_col, s_col, M, K, *x3.stride(), n_k,
-            RCEIL=rule == "rceil", BM=bm, BK=bk, num_warps=warps,
-        )
-    out = (q_row.view(torch.float8_e4m3fn), s_row, q_col.view(torch.uint8).view(torch.float8_e4m3fn), s_col)
-    return tuple(t if x.dim() == 3 else t[0] for t in out)
+    q_row, s_row, _, q_col, s_col, _ = _quantize_both(
+        x, rule, "mxfx.quantize_dual", row=True, col=True, dequantized=None, transposed=True,
+        hint=" (the token dim, for activations)")
+    return q_row, s_row, q_col, s_col
+
+
+def quantize_dual_source(x: torch.Tensor, rule: str, *, row: bool = True, col: bool = True,
+                         dequantized: torch.dtype | None = None):
+    """Rowwise and columnwise MX of ``x [M, K]`` or ``[B, M, K]`` (CUDA, bf16/fp16/fp32, any strides), in x's layout.
+
+    Args:
+        x: the source; M and K multiples of 32.
+        rule: "rceil" or "floor".
+        row, col: which orientations to write (at least one).
+        dequantized: also write the dequantized values of each written orientation in this dtype.
+
+    Returns:
+        ``(q_row [.., M, K], s_row [.., M, K/32], h_row, q_col [.., K, M], s_col [.., K, M/32], h_col)``:
+        e4m3 qdata, uint8 E8M0 scales, ``h_*`` the dequantized tensors (None without ``dequantized``);
+        the row outputs contiguous, the column outputs transpose views of contiguous ``[.., M, K]`` /
+        ``[.., M/32, K]`` tensors; orientations not written are all None.
+
+    Raises:
+        ValueError: not 2D/3D, M or K not a multiple of 32, or neither orientation asked for.
+        TypeError: unsupported dtype (see ``mxfx.format.check_input``).
+    """
+    return _quantize_both(x, rule, "mxfx.quantize_dual_source", row=row, col=col, dequantized=dequantized,
+                          transposed=False)

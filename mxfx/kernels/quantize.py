@@ -36,12 +36,12 @@ from mxfx.kernels.mx_block import (
 )
 from mxfx.layout import blocked_numel
 
-FLAT_CONFIG = (256, 32, 4)
+FLAT_CONFIG = (64, 32, 2)
 """(BLOCK_R, BLOCK_C, num_warps) for contiguous inputs seen as a stream of 32-value blocks:
 BLOCK_R blocks per program."""
 ROWWISE_CONFIG = (16, 256, 8)
 """(BLOCK_R, BLOCK_C, num_warps) for strided rows with stride 1 along C (a row slice, say)."""
-COLWISE_CONFIG = (128, 64, 2)
+COLWISE_CONFIG = (64, 64, 1)
 """(BLOCK_R, BLOCK_C, num_warps) for inputs strided along C (a transposed view, columnwise):
 tiles square enough to read along R and write along C."""
 

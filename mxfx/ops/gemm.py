@@ -400,7 +400,7 @@ def colwise_in_source_layout(device: torch.device, op: str = "mm") -> bool:
     (K-major) tensor, so it is stored transposed. Emulated GEMMs dequantize it to BF16 and
     hand cuBLAS either orientation at the same cost, so it stays in the layout of the tensor it
     was quantized from (``q_col`` the transpose view of a contiguous ``[M, K]`` tensor; see
-    :mod:`mxfx.kernels.dual_source`): its quantize and dequantize then stream with no
+    :mod:`mxfx.kernels.dual`): its quantize and dequantize then stream with no
     transpose. True exactly where :func:`gemm_impl` picks emulation.
     """
     return gemm_impl(op, device)[0] == "emulated"
