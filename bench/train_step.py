@@ -32,7 +32,7 @@ memory, which also counts the step's FP32 gradients (equal in every arm,
 printed as "grads GiB").
 Phase 2: the largest micro-batch each arm fits in ``--budget-gib`` (the
 allocator is capped there; first guess from phase 1's activation per sample,
-stepped down on OOM) and its tokens/s. Each new batch size recompiles (static
+stepped down on OOM and up while memory is left) and its tokens/s. Each new batch size recompiles (static
 shapes). Then the goals: (b) >= 0.9x (a) and >= 1.8x (c) tokens/s, (b)'s
 saved activation memory <= 0.7x (a)'s, and at the max batch (b) >= 1.05x (a).
 
@@ -257,24 +257,49 @@ def run_arm(arm: str, mcfg: MoEConfig, a, batch: int) -> dict:
 
 
 def max_batch(arm: str, mcfg: MoEConfig, a, first: dict) -> dict:
-    """Largest micro-batch within the memory budget, from phase 1's activation per sample, stepped down on OOM."""
+    """Largest micro-batch within the memory budget.
+
+    First guess from phase 1's memory per sample; stepped down by 15% on OOM, and up again
+    while a run leaves more than 8% of the budget unused (the next size predicted from that
+    run's own peak per sample). Every size tried costs a compile; at most ``--oom-tries`` runs.
+    Returns the largest size that ran, with the sizes that ran out of memory ("tried") and the
+    smaller sizes that fitted ("fitted").
+    """
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, a.budget_gib * GIB / total))
     grads = first["grad_gib"]  # FP32 gradients: part of the activation figure, but not per sample
     per_sample = max(first["act_gib"] - grads, first["saved_gib"], 1e-3) / first["batch"]
-    guess = int((a.budget_gib - first["held_gib"] - grads) / per_sample / 1.05)
-    b = max(1, min(guess, a.max_batch_cap))
-    tried = []
+    b = max(1, min(int((a.budget_gib - first["held_gib"] - grads) / per_sample / 1.05), a.max_batch_cap))
+    tried, best, fitted = [], None, []
     for _ in range(a.oom_tries):
         try:
             res = run_arm(arm, mcfg, a, b)
-            res["tried"] = tried
-            return res
         except torch.OutOfMemoryError:
             tried.append(b)
             free(a.device)
-            b = max(1, int(b * 0.85))
-    return dict(arm=arm, batch=None, tokens_per_s=float("nan"), tried=tried)
+            nxt = max(1, int(b * 0.85))
+            if best is not None and nxt <= best["batch"]:
+                nxt = best["batch"] + (b - best["batch"]) // 2
+                if nxt <= best["batch"]:
+                    break
+            b = nxt
+            continue
+        if best is not None:
+            fitted.append(best["batch"])
+        best = res
+        if res["peak_gib"] > 0.92 * a.budget_gib or b >= a.max_batch_cap:
+            break
+        per_sample = max(res["peak_gib"] - res["held_gib"] - grads, 1e-3) / b
+        nxt = min(int((a.budget_gib * 0.97 - res["held_gib"] - grads) / per_sample), a.max_batch_cap)
+        if tried:
+            nxt = min(nxt, min(tried) - 1)
+        if nxt <= b:
+            break
+        b = nxt
+    if best is None:
+        return dict(arm=arm, batch=None, tokens_per_s=float("nan"), tried=tried, fitted=fitted)
+    best.update(tried=tried, fitted=fitted)
+    return best
 
 
 # ----------------------------------------------------------------------------- report
