@@ -167,7 +167,7 @@ def _variants():
     return [
         ("rowwise", quantize, q, 2 + 33 / 32, flat, "FLAT_CONFIG"),
         ("blocked", quantize, lambda x: dispatch.quantize_blocked(x, "rceil"), 2 + 33 / 32,
-         flat + [(128, 32, 2), (64, 32, 1)], "FLAT_CONFIG"),
+         [None, (128, 128, 8), (128, 128, 4), (128, 64, 4), (128, 256, 8), (128, 32, 4)], "BLOCKED_CONFIG"),
         ("qdq", quantize, lambda x: dispatch.quantize_dequantize(x, "rceil", torch.bfloat16), 4 + 33 / 32, flat,
          "FLAT_CONFIG"),
         ("route", quantize, route, 2 + 33 / 32, flat, "FLAT_CONFIG"),

@@ -41,6 +41,9 @@ FLAT_CONFIG = (64, 32, 2)
 BLOCK_R blocks per program."""
 ROWWISE_CONFIG = (16, 256, 8)
 """(BLOCK_R, BLOCK_C, num_warps) for strided rows with stride 1 along C (a row slice, say)."""
+BLOCKED_CONFIG = (128, 128, 8)
+"""(BLOCK_R, BLOCK_C, num_warps) with scales in the blocked layout, or None to stream blocks (FLAT_CONFIG):
+128 rows by 4 scale columns are one whole 512-byte tile of that layout."""
 COLWISE_CONFIG = (64, 64, 1)
 """(BLOCK_R, BLOCK_C, num_warps) for inputs strided along C (a transposed view, columnwise):
 tiles square enough to read along R and write along C."""
@@ -81,7 +84,7 @@ def _launch(x, rule, *, weight=None, xhat_dtype=None, blocked=False, op="mxfx.qu
     check_input(x, op)
     check_rule(rule, op)
     check_block_axis(x.shape, -1, op)
-    x3, rpr = flat_blocks(as_brc(x))
+    x3, rpr = (as_brc(x), 1) if blocked and BLOCKED_CONFIG else flat_blocks(as_brc(x))
     B, R, C = x3.shape
     q = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
     if blocked:
@@ -92,7 +95,9 @@ def _launch(x, rule, *, weight=None, xhat_dtype=None, blocked=False, op="mxfx.qu
     xhat = torch.empty(x.shape, dtype=xhat_dtype, device=x.device) if xhat_dtype is not None else x3
     w = weight if weight is not None else x3
     rowwise = x3.stride(2) == 1
-    if rpr > 1 or C == 32:
+    if blocked and BLOCKED_CONFIG:
+        br, bc, warps = BLOCKED_CONFIG
+    elif rpr > 1 or C == 32:
         br, bc, warps = FLAT_CONFIG
     else:
         br, bc, warps = ROWWISE_CONFIG if rowwise else COLWISE_CONFIG
