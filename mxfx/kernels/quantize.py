@@ -41,7 +41,7 @@ FLAT_CONFIG = (64, 32, 2)
 BLOCK_R blocks per program."""
 ROWWISE_CONFIG = (16, 256, 8)
 """(BLOCK_R, BLOCK_C, num_warps) for strided rows with stride 1 along C (a row slice, say)."""
-BLOCKED_CONFIG = (128, 128, 8)
+BLOCKED_CONFIG = (128, 128, 4)
 """(BLOCK_R, BLOCK_C, num_warps) with scales in the blocked layout, or None to stream blocks (FLAT_CONFIG):
 128 rows by 4 scale columns are one whole 512-byte tile of that layout."""
 COLWISE_CONFIG = (64, 64, 1)
