@@ -227,6 +227,12 @@ class Policy(_NamedFields):
         if self.dump_dir is None and os.environ.get(DUMP_ENV):
             object.__setattr__(self, "dump_dir", os.environ[DUMP_ENV])
 
+    def __hash__(self) -> int:
+        """Hash of every setting (the read-only mappings by their sorted items), so a policy can key a
+        cache or a set; equal policies hash equal."""
+        fields = tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+        return hash(tuple(tuple(sorted(v.items())) if isinstance(v, Mapping) else v for v in fields))
+
     @classmethod
     def from_options(cls, options: "Policy | dict | None") -> "Policy":
         """Build a policy from ``torch.compile(..., options=...)``: a Policy, a dict, or None."""

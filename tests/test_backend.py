@@ -180,3 +180,13 @@ def test_policy_is_read_only_after_validation():
         p.passes["linaer"] = False
     q = Policy(passes=p.passes, transport=p.transport)  # a policy's own mappings are valid input
     assert not q.pass_enabled("linear") and q.transport_precision("dispatch_bwd") == "bf16"
+
+
+def test_policy_is_hashable_and_equal_by_settings():
+    """A policy can key a cache: equal settings hash and compare equal, whatever container they came in."""
+    rule = mxfx.Rule(module="layers.*", precision="bf16")
+    a = Policy(rules=[rule], passes={"linear": False}, transport={"dispatch_bwd": "bf16"})
+    b = Policy(rules=(rule,), passes={"linear": False}, transport={"dispatch_bwd": "bf16"})
+    c = Policy(rules=(rule,), passes={"linear": True}, transport={"dispatch_bwd": "bf16"})
+    assert a == b and hash(a) == hash(b)
+    assert a != c and len({a, b, c}) == 2
