@@ -3,11 +3,14 @@
 Registered through the ``torch_dynamo_backends`` entry point, so
 ``torch.compile(model, backend="mxfp8", options={...})`` works without importing
 mxfx first. ``options`` is a :class:`mxfx.Policy` or a dict of its fields.
+``torch.compile(..., mode=...)`` (torch takes mode or options, not both) reaches the
+inner Inductor as that mode's settings, less CUDA graphs (:func:`inductor_mode_options`).
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
 
 import torch
 import torch.fx as fx
@@ -19,13 +22,41 @@ from mxfx.policy import Policy
 log = logging.getLogger("mxfx")
 
 
-def _inner_compile(inner, gm: fx.GraphModule, example_inputs):
+def inductor_mode_options(mode: str | None) -> dict:
+    """Inductor settings of a ``torch.compile`` mode for the inner compiler, without CUDA graphs.
+
+    The weight caches are looked up, and their freshness checked against the weight's version
+    counter, by host code inside the graph; a CUDA graph replay skips host code and would keep
+    using the caches of the step it was recorded in. So ``"reduce-overhead"`` and the CUDA
+    graphs of ``"max-autotune"`` are turned off, with a warning.
+
+    Raises:
+        RuntimeError: an unknown mode (Inductor's own message).
+    """
+    if mode in (None, "default"):
+        return {}
+    from torch._inductor import list_mode_options
+
+    opts = dict(list_mode_options(mode))
+    if opts.pop("triton.cudagraphs", False):
+        warnings.warn(
+            f"mxfx: torch.compile mode={mode!r} asks for CUDA graphs; the mxfp8 backend turns them off, since a graph "
+            f"replay would skip the weight-cache freshness checks. Its other settings apply: {opts or 'none'}",
+            stacklevel=3,
+        )
+    return opts
+
+
+def _inner_compile(inner, gm: fx.GraphModule, example_inputs, mode: str | None = None):
+    if mode not in (None, "default") and inner != "inductor":
+        warnings.warn(f"mxfx: torch.compile mode={mode!r} applies to the inner Inductor only; inner={inner!r} ignores it",
+                      stacklevel=3)
     if callable(inner):
         return inner(gm, example_inputs)
     if inner == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
-        return compile_fx(gm, example_inputs)
+        return compile_fx(gm, example_inputs, config_patches=inductor_mode_options(mode))
     if inner == "aot_eager":
         from torch._dynamo.backends.debugging import aot_eager
 
@@ -50,8 +81,12 @@ def rewrite(gm: fx.GraphModule, policy: Policy) -> report.PrecisionMap:
     return pm
 
 
-def mxfp8_backend(gm: fx.GraphModule, example_inputs, options: Policy | dict | None = None, **_unused):
+def mxfp8_backend(gm: fx.GraphModule, example_inputs, options: Policy | dict | None = None,
+                  mode: str | None = None, **_unused):
     """torch.compile backend: MXFP8 rewrite of ``gm`` per ``options``, then the inner compiler.
+
+    ``mode`` (from ``torch.compile(..., mode=...)``) configures the inner Inductor; see
+    :func:`inductor_mode_options`.
 
     Raises:
         ValueError / TypeError: invalid options (the message lists valid keys/values).
@@ -68,7 +103,7 @@ def mxfp8_backend(gm: fx.GraphModule, example_inputs, options: Policy | dict | N
         log.info("mxfx: wrote %s", folder)
     if any(r.rewritten and r.kind in cache.WEIGHT_KINDS for r in pm.records):
         cache.install()  # step post-hook + Inductor lowering for the weight caches
-    compiled = _inner_compile(policy.inner, gm, example_inputs)
+    compiled = _inner_compile(policy.inner, gm, example_inputs, mode)
     if gm.meta.get(weight_refresh.PLANS_META):  # an optimizer step that rebuilds caches in-graph
         compiled = cache.after_step(compiled)
     return compiled

@@ -161,6 +161,37 @@ def check_input(x: torch.Tensor, op: str) -> None:
         )
 
 
+def check_output_dtype(dtype, qdata: torch.Tensor, op: str, allowed: tuple | None = None) -> None:
+    """Raise TypeError unless ``dtype`` is a dequantize output dtype: a floating type of 16 bits or
+    more, or one of ``allowed`` where given."""
+    ok = isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype.itemsize >= 2 \
+        and not dtype.is_complex and (allowed is None or dtype in allowed)
+    if not ok:
+        choices = allowed or (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+        raise TypeError(
+            f"{op}: output dtype {dtype} for qdata of shape {tuple(qdata.shape)} is not "
+            + ("one of those supported here" if allowed else "a floating type of 16 bits or more")
+            + f"; use {', '.join(map(str, choices))}"
+        )
+
+
+def check_both_axes(x: torch.Tensor, rule: str, op: str, hint: str = "") -> torch.Tensor:
+    """Checks of the ops that block ``x`` along both of its last two dims; returns x as ``[B, M, K]``.
+
+    Raises:
+        TypeError: not a tensor, or unsupported dtype; ValueError: unknown rule, or x not 2D/3D
+        with M and K multiples of 32 (the message names ``op`` and the shape, plus ``hint``).
+    """
+    check_input(x, op)
+    check_rule(rule, op)
+    if x.dim() not in (2, 3) or x.shape[-2] % BLOCK_SIZE or x.shape[-1] % BLOCK_SIZE:
+        raise ValueError(
+            f"{op}: needs a 2D [M, K] or 3D [B, M, K] tensor with M and K multiples of {BLOCK_SIZE}, "
+            f"got shape {tuple(x.shape)}; pad M and K to multiples of {BLOCK_SIZE}{hint}"
+        )
+    return x if x.dim() == 3 else x.unsqueeze(0)
+
+
 def check_pair(qdata: torch.Tensor, scales: torch.Tensor, axis: int, op: str) -> int:
     """Validate an MX (qdata, scales) pair blocked along ``axis``; returns the normalised axis."""
     if qdata.dtype != torch.float8_e4m3fn:
@@ -242,18 +273,16 @@ def dequantize(
         axis: the blocked axis, as given to :func:`quantize`.
         dtype: output dtype (default bf16; bf16, fp16, fp32 or fp64); the product is formed
             exactly in fp32. A value that exceeds the output dtype's range gives ±inf, as
-            IEEE casts do: with rceil, inputs within one E4M3 step of their dtype's maximum
-            round up past it (fp16 65000 -> 65536, bf16/fp32 near 3.4e38), so dequantize
-            such data to fp32, or quantize it with floor.
+            IEEE casts do. With rceil, inputs within one E4M3 step of their dtype's maximum
+            round up past it: fp16 65000 becomes 65536 (dequantize it to fp32 or fp64), and
+            bf16/fp32 values near 3.4e38 become 2^128, which no fp32 product holds, so they
+            dequantize to ±inf in every dtype (quantize such data with floor: its largest
+            product is 448 x 2^119, below fp32's maximum).
 
     Raises:
         TypeError / ValueError: wrong dtypes, or shapes that do not pair up.
     """
     axis = check_pair(qdata, scales, axis, "mxfx.dequantize")
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize < 2:
-        raise TypeError(
-            f"mxfx.dequantize: output dtype {dtype} for qdata of shape {tuple(qdata.shape)} is not a floating "
-            f"type of 16 bits or more; use torch.bfloat16, torch.float16, torch.float32 or torch.float64"
-        )
+    check_output_dtype(dtype, qdata, "mxfx.dequantize")
     out = dequantize_lastdim(qdata.movedim(axis, -1), scales.movedim(axis, -1), dtype)
     return out.movedim(-1, axis)

@@ -168,7 +168,9 @@ def test_inference_graph_report_claims_no_backward():
     assert pm.saved_bytes() == (0, 0) and "inference graph" in pm.records[0].reason
     torch._dynamo.reset()
     torch.compile(m, backend="mxfp8", options={"inner": "eager"})(x)
-    assert {(r.dgrad, r.wgrad, r.saved) for r in mxfx.last_report().records} == {("mxfp8", "mxfp8", "mxfp8")}
+    # with grad: both get a backward; the second one's input (ReLU's output) stays BF16, ReLU's backward keeps it
+    assert [(r.dgrad, r.wgrad, r.saved) for r in mxfx.last_report().records] == [
+        ("mxfp8", "mxfp8", "mxfp8"), ("mxfp8", "mxfp8", "bf16")]
 
 
 def test_policy_is_read_only_after_validation():
@@ -190,3 +192,17 @@ def test_policy_is_hashable_and_equal_by_settings():
     c = Policy(rules=(rule,), passes={"linear": True}, transport={"dispatch_bwd": "bf16"})
     assert a == b and hash(a) == hash(b)
     assert a != c and len({a, b, c}) == 2
+
+
+def test_compile_mode_reaches_inner_inductor_without_cuda_graphs():
+    """torch.compile(mode=...) is not dropped: Inductor gets the mode's settings, less the CUDA graphs that
+    would replay past the weight caches' freshness checks (said in a warning)."""
+    from mxfx.backend import inductor_mode_options
+
+    assert inductor_mode_options(None) == {} and inductor_mode_options("default") == {}
+    with pytest.warns(UserWarning, match="turns them off"):
+        opts = inductor_mode_options("max-autotune")
+    assert opts["max_autotune"] is True and "triton.cudagraphs" not in opts
+    m = nn.Linear(64, 64)
+    with pytest.warns(UserWarning, match=r"mode='reduce-overhead'.*CUDA graphs"):
+        torch.compile(m, backend="mxfp8", mode="reduce-overhead")(torch.randn(32, 64))

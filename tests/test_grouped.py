@@ -129,6 +129,8 @@ def test_grouped_op_argument_errors():
     for kw in ({"wgrad": "fp8"}, {"save": "fp4"}):
         with pytest.raises(ValueError, match=f"grouped_mm: {next(iter(kw))}=.*'mxfp8', 'bf16'"):
             mx_grouped_mm_op(x, w, offs, **kw)
+    with pytest.raises(ValueError, match=r"grouped_mm: offs of shape \(3,\) has dtype torch.int64.*int32"):
+        mx_grouped_mm_op(x, w, offs.long())
     from mxfx.ops.linear import mx_linear
 
     with pytest.raises(ValueError, match="mx_linear: wgrad='fp8'.*'mxfp8', 'bf16'"):

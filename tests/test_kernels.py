@@ -114,6 +114,17 @@ def test_dispatch_errors_name_op_and_shape(device):
     q, s = dispatch.quantize_lastdim(torch.zeros(4, 64, device=device), "rceil")
     with pytest.raises(ValueError, match=r"mxfx.dequantize.*\(4, 1\)"):
         dispatch.dequantize_lastdim(q, s[:, :1], torch.bfloat16)
+    # the same checks on every device: rank, non-tensors, output dtypes (custom ops included)
+    with pytest.raises(ValueError, match=r"quantize_dual: needs a 2D \[M, K\] or 3D.*\(2, 2, 64, 64\)"):
+        dispatch.quantize_dual(torch.zeros(2, 2, 64, 64, device=device), "rceil")
+    with pytest.raises(TypeError, match=r"quantize_dual: expected a torch.Tensor, got list"):
+        dispatch.quantize_dual([[1.0] * 32] * 32, "rceil")
+    with pytest.raises(ValueError, match=r"quantize_dual_source: needs a 2D.*\(64,\); pad M and K"):
+        dispatch.quantize_dual_source(torch.zeros(64, device=device), "rceil")
+    with pytest.raises(TypeError, match=r"mxfx.dequantize: output dtype torch.int32 for qdata of shape \(4, 64\)"):
+        torch.ops.mxfx.dequantize(q, s, torch.int32)
+    with pytest.raises(TypeError, match=r"mxfx.quantize_dequantize: output dtype torch.int32"):
+        dispatch.quantize_dequantize(torch.zeros(4, 64, device=device), "rceil", torch.int32)
 
 
 # ---- CUDA -----------------------------------------------------------------------------

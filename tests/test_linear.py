@@ -296,3 +296,23 @@ def test_fused_swiglu_keeps_the_dtype_the_model_cast_to(to, param_dtype):
     assert 0 < rel < 0.1, rel
     y.float().sum().backward()
     assert model.gate.weight.grad.dtype == param_dtype and torch.isfinite(model.gate.weight.grad).all()
+
+
+@pytest.mark.parametrize("act", [F.relu, torch.relu, nn.ReLU()])
+def test_relu_output_is_not_packed_twice(act):
+    """ReLU's backward reads its own output, so the next linear's input stays alive in BF16 anyway:
+    packing an MX copy next to it would add memory, and the precision map must not claim a saving."""
+
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(64, 128), nn.Linear(128, 64)
+
+        def forward(self, x):
+            return self.b(act(self.a(x)))
+
+    torch.manual_seed(0)
+    model = MLP()
+    torch.compile(model, backend="mxfp8", options={"inner": "aot_eager"})(torch.randn(32, 64)).sum().backward()
+    saved = {r.module: r.saved for r in mxfx.last_report().records if r.kind == "linear"}
+    assert saved == {"a": "mxfp8", "b": "bf16"}

@@ -27,8 +27,9 @@ def _has_triton() -> bool:
 
 
 def triton_available(t: torch.Tensor) -> bool:
-    """True when ``t`` lives on a CUDA device and Triton can be imported."""
-    return t.is_cuda and _has_triton()
+    """True when ``t`` is a tensor on a CUDA device and Triton can be imported (anything else takes the
+    reference path, whose checks reject it by name)."""
+    return isinstance(t, torch.Tensor) and t.is_cuda and _has_triton()
 
 
 def _check(x: torch.Tensor, rule: str, op: str, axes=(-1,)) -> None:
@@ -68,6 +69,7 @@ def quantize_blocked(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Te
 
 def dequantize_lastdim(qdata: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Inverse of :func:`quantize_lastdim`: ``qdata * 2^(scales - 127)`` cast to ``dtype``."""
+    mxf.check_output_dtype(dtype, qdata, "mxfx.dequantize")
     if triton_available(qdata):
         from mxfx.kernels import dequantize as tdq
 
@@ -76,19 +78,39 @@ def dequantize_lastdim(qdata: torch.Tensor, scales: torch.Tensor, dtype: torch.d
     return mxf.dequantize_lastdim(qdata, scales, dtype)
 
 
+TOKEN_DIM_HINT = " (the token dim, for activations)"
+
+
+def check_dual_args(x, rule: str, op: str, *, row: bool = True, col: bool = True,
+                    dequantized: torch.dtype | None = None, hint: str = "") -> torch.Tensor:
+    """Checks of :func:`quantize_dual` / :func:`quantize_dual_source` on every device; returns x as ``[B, M, K]``.
+
+    Raises:
+        TypeError: x not a bf16/fp16/fp32 tensor, or ``dequantized`` not one of those dtypes.
+        ValueError: neither orientation asked for, an unknown rule, or x not 2D/3D with M and K
+            multiples of 32 (see :func:`mxfx.format.check_both_axes`).
+    """
+    if dequantized is not None and dequantized not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"{op}: dequantized={dequantized!r} must be torch.float32, torch.bfloat16 or torch.float16")
+    if not (row or col):
+        raise ValueError(f"{op}: asked for no orientation (row=False, col=False); ask for at least one orientation")
+    return mxf.check_both_axes(x, rule, op, hint)
+
+
 def quantize_dual(x: torch.Tensor, rule: str):
     """Both orientations of a 2D ``x [M, K]`` from one read.
 
     Returns ``(q_row [M, K], s_row [M, K/32], q_col [K, M], s_col [K, M/32])``: the
     columnwise pair is blocked down dim 0 and stored transposed (contiguous ``[K, M]``),
     i.e. exactly ``quantize_lastdim(x.t())``. On CUDA, M and K must be multiples of 32
-    (ValueError otherwise); a 3D ``[B, M, K]`` input is handled per batch.
+    (ValueError otherwise, naming the shape; TypeError for a non-tensor or an unsupported dtype);
+    a 3D ``[B, M, K]`` input is handled per batch. Same checks on every device.
     """
     if triton_available(x):
         from mxfx.kernels import dual
 
         return dual.quantize_dual(x, rule)
-    _check(x, rule, "mxfx.quantize_dual", axes=(-1, -2))
+    check_dual_args(x, rule, "mxfx.quantize_dual", hint=TOKEN_DIM_HINT)
     q_row, s_row = mxf.quantize_lastdim(x, rule)
     q_col, s_col = mxf.quantize_lastdim(x.transpose(-2, -1), rule)
     return q_row, s_row, q_col, s_col
@@ -106,17 +128,11 @@ def quantize_dual_source(x: torch.Tensor, rule: str, *, row: bool = True, col: b
     :func:`mxfx.kernels.dual.quantize_dual_source`); TypeError for an input dtype other
     than bf16/fp16/fp32 or a ``dequantized`` dtype other than those.
     """
-    op = "mxfx.quantize_dual_source"
-    if dequantized is not None and dequantized not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TypeError(f"{op}: dequantized={dequantized!r} must be torch.float32, torch.bfloat16 or torch.float16")
-    if x.dim() not in (2, 3) or not (row or col):
-        raise ValueError(f"{op}: needs a 2D [M, K] or 3D [B, M, K] tensor and at least one orientation, "
-                         f"got shape {tuple(x.shape)} (row={row}, col={col})")
     if triton_available(x):
         from mxfx.kernels import dual
 
         return dual.quantize_dual_source(x, rule, row=row, col=col, dequantized=dequantized)
-    _check(x, rule, op, axes=(-1, -2))
+    check_dual_args(x, rule, "mxfx.quantize_dual_source", row=row, col=col, dequantized=dequantized)
     out = []
     for want, src in ((row, x), (col, x.transpose(-2, -1))):
         if not want:
@@ -131,6 +147,7 @@ def quantize_dual_source(x: torch.Tensor, rule: str, *, row: bool = True, col: b
 
 def quantize_dequantize(x: torch.Tensor, rule: str, dtype: torch.dtype):
     """Quantize along the last dim and also return the dequantized tensor: ``(qdata, scales, x_hat)``."""
+    mxf.check_output_dtype(dtype, x, "mxfx.quantize_dequantize")
     if triton_available(x):
         from mxfx.kernels import quantize as tq
 

@@ -32,7 +32,8 @@ import triton
 import triton.language as tl
 
 from mxfx.kernels.launch import launch
-from mxfx.kernels.mx_block import check_both_axes, decode_scale, encode_blocks, load_tile, tile_origin
+from mxfx.kernels.dispatch import TOKEN_DIM_HINT, check_dual_args
+from mxfx.kernels.mx_block import decode_scale, encode_blocks, load_tile, tile_origin
 
 SOURCE_CONFIG = {2: (32, 64, 1), 4: (32, 128, 2)}
 """(BLOCK_M, BLOCK_K, num_warps) by input element size in bytes, columnwise pair in the source layout."""
@@ -80,9 +81,7 @@ def _dual_kernel(
 
 
 def _quantize_both(x, rule, op, *, row, col, dequantized, transposed, hint=""):
-    if not (row or col):
-        raise ValueError(f"{op}: asked for no orientation (row=False, col=False); ask for at least one orientation")
-    x3 = check_both_axes(x, rule, op, hint)
+    x3 = check_dual_args(x, rule, op, row=row, col=col, dequantized=dequantized, hint=hint)
     B, M, K = x3.shape
     dev = x.device
 
@@ -129,8 +128,7 @@ def quantize_dual(x: torch.Tensor, rule: str):
         TypeError: unsupported dtype (see ``mxfx.format.check_input``).
     """
     q_row, s_row, _, q_col, s_col, _ = _quantize_both(
-        x, rule, "mxfx.quantize_dual", row=True, col=True, dequantized=None, transposed=True,
-        hint=" (the token dim, for activations)")
+        x, rule, "mxfx.quantize_dual", row=True, col=True, dequantized=None, transposed=True, hint=TOKEN_DIM_HINT)
     return q_row, s_row, q_col, s_col
 
 
@@ -152,7 +150,8 @@ def quantize_dual_source(x: torch.Tensor, rule: str, *, row: bool = True, col: b
 
     Raises:
         ValueError: not 2D/3D, M or K not a multiple of 32, or neither orientation asked for.
-        TypeError: unsupported dtype (see ``mxfx.format.check_input``).
+        TypeError: unsupported input or ``dequantized`` dtype
+            (see :func:`mxfx.kernels.dispatch.check_dual_args`).
     """
     return _quantize_both(x, rule, "mxfx.quantize_dual_source", row=row, col=col, dequantized=dequantized,
                           transposed=False)

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mxfx.format import BLOCK_SIZE, check_input, check_rule
+from mxfx.format import BLOCK_SIZE
 
 FP32_EXP_SHIFT = tl.constexpr(23)
 FP32_ABS_MASK = tl.constexpr(0x7FFFFFFF)
@@ -175,23 +175,6 @@ def store_rowwise(q_ptr, s_ptr, qbits, sbyte, b, r0, c0, R, C, RPR, BLOCKED: tl.
     else:
         s_base = s_ptr + row0 * (C // 32) + c0 // 32
         tl.store(s_base + ar[:, None] * (C // 32) + an[None, :], sbyte, mask=smask)
-
-
-def check_both_axes(x: torch.Tensor, rule: str, op: str, hint: str = "") -> torch.Tensor:
-    """Checks of the kernels that block ``x`` along both of its last two dims; returns x as ``[B, M, K]``.
-
-    Raises:
-        TypeError: unsupported dtype; ValueError: unknown rule, or x not 2D/3D with M and K
-        multiples of 32 (the message names ``op`` and the shape, plus ``hint``).
-    """
-    check_input(x, op)
-    check_rule(rule, op)
-    if x.dim() not in (2, 3) or x.shape[-2] % BLOCK_SIZE or x.shape[-1] % BLOCK_SIZE:
-        raise ValueError(
-            f"{op}: needs a 2D [M, K] or 3D [B, M, K] tensor with M and K multiples of {BLOCK_SIZE}, "
-            f"got shape {tuple(x.shape)}; pad M and K to multiples of {BLOCK_SIZE}{hint}"
-        )
-    return x if x.dim() == 3 else x.unsqueeze(0)
 
 
 def flat_blocks(x3: torch.Tensor):

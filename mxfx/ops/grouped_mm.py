@@ -169,7 +169,7 @@ def mx_grouped_mm_op(
     Returns ``[S, N]``.
 
     Raises:
-        ValueError: shapes that do not pair up or are not multiples of 32, a weight that
+        ValueError: shapes that do not pair up or are not multiples of 32, offs not int32, a weight that
             is not 3D, ``wgrad``/``save`` not "mxfp8" or "bf16", or ``x_mx`` given with
             ``up`` or with shapes that do not match ``x``.
     """
@@ -182,6 +182,11 @@ def mx_grouped_mm_op(
             f"mxfx.grouped_mm: input {tuple(x.shape)}, weight {tuple(weight.shape)} [E, N, K] and offs "
             f"{tuple(offs.shape)} do not pair up (need x [S, K], offs [E], K and N multiples of 32); "
             f"keep this GEMM in BF16 or pad its features"
+        )
+    if offs.dtype != torch.int32:
+        raise ValueError(
+            f"mxfx.grouped_mm: offs of shape {tuple(offs.shape)} has dtype {offs.dtype}; it holds the int32 cumulative "
+            f"group ends, as torch._grouped_mm takes them: pass offs.to(torch.int32)"
         )
     x_q, x_s = x_mx if x_mx is not None else (None, None)
     if x_mx is not None and (up is not None or x_q.shape != x.shape or x_s.shape != (*x.shape[:-1], k // 32)):

@@ -9,7 +9,7 @@ Rule, per MX op input ``x`` (views, ``contiguous`` and ``clone`` are looked
 through, since the partitioner recomputes them from their base):
 
 * its base is the output of an op whose backward reads its own output
-  (``scaled_dot_product_attention``, softmax, sigmoid, tanh, exp): keep BF16 —
+  (``scaled_dot_product_attention``, softmax, sigmoid, tanh, exp, relu): keep BF16 —
   this is the seed's attention output projection;
 * another user of the base saves it for its backward (anything but additions,
   views, casts and concatenations): keep BF16;
@@ -43,8 +43,9 @@ from mxfx.report import PrecisionMap
 MX_OPS = (mx_linear, mx_grouped_mm_op)
 _VIEW_METHODS = ("view", "reshape", "transpose", "permute", "contiguous", "flatten", "unflatten", "squeeze", "unsqueeze", "t", "clone", "expand", "chunk", "split", "narrow")
 _VIEW_FNS = (torch.reshape, torch.transpose, torch.flatten, torch.permute, torch.squeeze, torch.unsqueeze, torch.chunk, torch.split, operator.getitem, torch.clone, torch.narrow)
-_SAVES_OUTPUT_FNS = (F.scaled_dot_product_attention, torch.softmax, F.softmax, torch.sigmoid, torch.tanh, torch.exp)
-_SAVES_OUTPUT_METHODS = ("softmax", "sigmoid", "tanh", "exp")
+_SAVES_OUTPUT_FNS = (F.scaled_dot_product_attention, torch.softmax, F.softmax, torch.sigmoid, torch.tanh, torch.exp,
+                     torch.relu, F.relu)
+_SAVES_OUTPUT_METHODS = ("softmax", "sigmoid", "tanh", "exp", "relu")
 _NON_SAVING_FNS = (operator.add, operator.sub, operator.neg, torch.add, torch.sub, torch.cat, torch.stack, F.pad)
 _NON_SAVING_METHODS = ("add", "sub", "neg", "to", "float", "bfloat16", "half", "type", "size", "dim")
 
