@@ -173,6 +173,26 @@ class _RouterShapes(nn.Module):
         return sel + pooled + self.classifier(x).argmax(-1).sum()
 
 
+class _NoisyTopK(nn.Module):
+    """Noisy top-k gating (Shazeer et al. 2017): logits plus learned-scale Gaussian noise, then softmax/topk."""
+
+    def __init__(self):
+        super().__init__()
+        self.router, self.w_noise, self.proj = nn.Linear(64, 8, bias=False), nn.Linear(64, 8, bias=False), nn.Linear(64, 64)
+
+    def forward(self, x):
+        logits = self.router(x)
+        noisy = logits + torch.randn_like(logits) * F.softplus(self.w_noise(x))
+        return self.proj(x) * F.softmax(noisy, -1).topk(2).values.sum(-1, keepdim=True)
+
+
+def test_noisy_topk_router_is_detected():
+    torch._dynamo.reset()
+    torch.compile(_NoisyTopK(), backend="mxfp8", options={"inner": "eager"})(torch.randn(32, 64))
+    kinds = {r.module: r.kind for r in mxfx.last_report().records}
+    assert kinds["router"] == "router" and kinds["proj"] == "linear", kinds
+
+
 def test_router_detection_walks_only_through_per_expert_operands():
     torch._dynamo.reset()
     torch.compile(_RouterShapes(), backend="mxfp8", options={"inner": "eager"})(torch.randn(32, 64))

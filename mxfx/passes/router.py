@@ -7,7 +7,10 @@ Routers decide which experts run; the policy keeps them in their own precision
 by default (seed §11.4.1: only expert, shared and attention GEMMs are MXFP8).
 Found from graph structure (not names), so any MoE code is covered: HF
 transformers' and torchtitan's routers cast logits to fp32, may scale them,
-and DeepSeek-V3 inserts group selection between the sigmoid and the topk.
+DeepSeek-V3 inserts group selection between the sigmoid and the topk, and
+noisy top-k gating adds random noise to the logits. An argmax straight on a
+projection's output is not taken for a router (it is as likely a classifier's
+prediction): give such a router a policy rule (``{"module": ..., "precision": "bf16"}``).
 """
 
 from __future__ import annotations
@@ -28,10 +31,28 @@ MAX_HOPS_TO_GATE = 4
 MAX_HOPS_TO_TOPK = 12
 
 
+_NOISE_FN = (torch.randn_like, torch.rand_like, torch.randn, torch.rand, torch.normal, torch.randint_like)
+_NOISE_METHODS = ("normal_", "uniform_", "exponential_")
+MAX_HOPS_TO_NOISE = 3
+
+
+def _is_noise(node: fx.Node) -> bool:
+    """True when ``node`` is drawn from a random generator within a few ops: the gating noise of
+    noisy top-k routers (``logits + randn_like(logits) * softplus(w_noise(x))``)."""
+    frontier, seen = [node], {node}
+    for _ in range(MAX_HOPS_TO_NOISE + 1):
+        if any(is_call(n, _NOISE_FN, _NOISE_METHODS) for n in frontier):
+            return True
+        frontier = [a for n in frontier for a in n.all_input_nodes if a not in seen]
+        seen.update(frontier)
+    return False
+
+
 def _per_expert(node: fx.Node, src: fx.Node) -> bool:
     """True when ``node`` reads ``src`` and otherwise at most small broadcast operands: casts, views,
-    scaling by a constant, a learned bias ``[E]`` or a temperature buffer. A second operand of the
-    activation's own size (a residual add, the ``h * sigmoid(h)`` of a SiLU) stops the walk."""
+    scaling by a constant, a learned bias ``[E]``, a temperature buffer, or gating noise
+    (:func:`_is_noise`). A second operand of the activation's own size (a residual add, the
+    ``h * sigmoid(h)`` of a SiLU) stops the walk."""
     others = [a for a in node.all_input_nodes if a is not src]
     if not others:
         return True
@@ -39,7 +60,7 @@ def _per_expert(node: fx.Node, src: fx.Node) -> bool:
     width = v_src.shape[-1] if isinstance(v_src, torch.Tensor) and v_src.dim() else 1
     for a in others:
         v = example_value(a)
-        if not isinstance(v, torch.Tensor) or v.numel() > width:
+        if not isinstance(v, torch.Tensor) or (v.numel() > width and not _is_noise(a)):
             return False
     return True
 
