@@ -161,15 +161,15 @@ def check_input(x: torch.Tensor, op: str) -> None:
         )
 
 
-def check_output_dtype(dtype, qdata: torch.Tensor, op: str, allowed: tuple | None = None) -> None:
+def check_output_dtype(dtype, t: torch.Tensor, op: str, allowed: tuple | None = None, name: str = "qdata") -> None:
     """Raise TypeError unless ``dtype`` is a dequantize output dtype: a floating type of 16 bits or
-    more, or one of ``allowed`` where given."""
+    more, or one of ``allowed`` where given. The message names ``t`` (called ``name``) by its shape."""
     ok = isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype.itemsize >= 2 \
         and not dtype.is_complex and (allowed is None or dtype in allowed)
     if not ok:
         choices = allowed or (torch.bfloat16, torch.float16, torch.float32, torch.float64)
         raise TypeError(
-            f"{op}: output dtype {dtype} for qdata of shape {tuple(qdata.shape)} is not "
+            f"{op}: output dtype {dtype} for {name} of shape {tuple(t.shape)} is not "
             + ("one of those supported here" if allowed else "a floating type of 16 bits or more")
             + f"; use {', '.join(map(str, choices))}"
         )
@@ -184,7 +184,12 @@ def check_both_axes(x: torch.Tensor, rule: str, op: str, hint: str = "") -> torc
     """
     check_input(x, op)
     check_rule(rule, op)
-    if x.dim() not in (2, 3) or x.shape[-2] % BLOCK_SIZE or x.shape[-1] % BLOCK_SIZE:
+    if x.dim() not in (2, 3):
+        raise ValueError(
+            f"{op}: needs a 2D [M, K] or 3D [B, M, K] tensor, got shape {tuple(x.shape)}; reshape it "
+            f"(e.g. merge leading dims into M)"
+        )
+    if x.shape[-2] % BLOCK_SIZE or x.shape[-1] % BLOCK_SIZE:
         raise ValueError(
             f"{op}: needs a 2D [M, K] or 3D [B, M, K] tensor with M and K multiples of {BLOCK_SIZE}, "
             f"got shape {tuple(x.shape)}; pad M and K to multiples of {BLOCK_SIZE}{hint}"

@@ -20,7 +20,6 @@ import fnmatch
 import os
 from dataclasses import dataclass, field
 from collections.abc import Mapping
-from types import MappingProxyType
 from typing import Any, Callable
 
 from mxfx.format import SCALE_RULES
@@ -71,6 +70,26 @@ class _NamedFields:
         if unknown:
             raise ValueError(f"mxfx policy: unknown {cls._WHAT} key(s) {unknown}; valid keys: {', '.join(names)}")
         return super().__new__(cls)
+
+
+class ReadOnlyDict(dict):
+    """A dict that refuses edits (TypeError), hashes by its sorted items, and still copies, pickles and
+    converts like a dict: the ``passes`` and ``transport`` of a validated :class:`Policy`."""
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError("mxfx policy: a Policy's mappings are read-only; build a new Policy "
+                        "(e.g. dataclasses.replace(policy, passes={...}))")
+
+    __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _refuse
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(self.items())))
+
+    def __reduce__(self):
+        return (type(self), (dict(self),))
+
+    def __deepcopy__(self, memo):
+        return self  # immutable, as are its str/bool/str items
 
 
 @dataclass(frozen=True)
@@ -222,16 +241,11 @@ class Policy(_NamedFields):
             if precision not in PRECISIONS:
                 raise ValueError(f"mxfx policy: transport[{direction!r}]={precision!r} is not valid; choose one of 'mxfp8', 'bf16'")
         # validated once: read-only from here on, as the frozen fields are
-        object.__setattr__(self, "passes", MappingProxyType(dict(self.passes)))
-        object.__setattr__(self, "transport", MappingProxyType(dict(self.transport)))
+        object.__setattr__(self, "passes", ReadOnlyDict(self.passes))
+        object.__setattr__(self, "transport", ReadOnlyDict(self.transport))
         if self.dump_dir is None and os.environ.get(DUMP_ENV):
             object.__setattr__(self, "dump_dir", os.environ[DUMP_ENV])
 
-    def __hash__(self) -> int:
-        """Hash of every setting (the read-only mappings by their sorted items), so a policy can key a
-        cache or a set; equal policies hash equal."""
-        fields = tuple(getattr(self, f.name) for f in dataclasses.fields(self))
-        return hash(tuple(tuple(sorted(v.items())) if isinstance(v, Mapping) else v for v in fields))
 
     @classmethod
     def from_options(cls, options: "Policy | dict | None") -> "Policy":

@@ -106,7 +106,7 @@ def test_rules_only_override_what_they_set():
 
 def test_save_policy_reaches_dense_linears():
     m = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
-    x = torch.randn(8, 32, requires_grad=True)
+    x = torch.randn(32, 32, requires_grad=True)  # 32 tokens: no padding, so packing pays
     for opts in ({"save": "bf16"}, {"rules": [{"op": "saved", "precision": "bf16"}]}):
         torch._dynamo.reset()
         torch.compile(m, backend="mxfp8", options={"inner": "eager", **opts})(x)
@@ -159,7 +159,7 @@ def test_dynamic_token_counts_one_graph():
 def test_inference_graph_report_claims_no_backward():
     """Under no_grad the MX linears run the forward GEMM only: the map shows no dgrad/wgrad/saved and no savings."""
     m = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
-    x = torch.randn(8, 64)
+    x = torch.randn(32, 64)
     torch._dynamo.reset()
     with torch.no_grad():
         torch.compile(m, backend="mxfp8", options={"inner": "eager"})(x)
@@ -192,6 +192,13 @@ def test_policy_is_hashable_and_equal_by_settings():
     c = Policy(rules=(rule,), passes={"linear": True}, transport={"dispatch_bwd": "bf16"})
     assert a == b and hash(a) == hash(b)
     assert a != c and len({a, b, c}) == 2
+    import copy
+    import dataclasses
+    import pickle
+
+    for twin in (copy.deepcopy(a), pickle.loads(pickle.dumps(a))):  # still copies and pickles
+        assert twin == a and hash(twin) == hash(a)
+    assert dataclasses.asdict(a)["passes"] == {"linear": False}
 
 
 def test_compile_mode_reaches_inner_inductor_without_cuda_graphs():

@@ -131,6 +131,19 @@ def test_grouped_op_argument_errors():
             mx_grouped_mm_op(x, w, offs, **kw)
     with pytest.raises(ValueError, match=r"grouped_mm: offs of shape \(3,\) has dtype torch.int64.*int32"):
         mx_grouped_mm_op(x, w, offs.long())
+    with pytest.raises(TypeError, match=r"grouped_mm: offs must be an int32 tensor.*list"):
+        mx_grouped_mm_op(x, w, [5, 5, 33])
+    with pytest.raises(TypeError, match=r"grouped_mm: out_dtype=torch.int32 must be a floating dtype"):
+        mx_grouped_mm_op(x, w, offs, out_dtype=torch.int32)
+    for rw in (torch.tensor([0.5]), torch.ones(40, 2)):
+        with pytest.raises(ValueError, match=r"grouped_mm: route_weight of shape .* must be \[S\] or \[S, 1\]"):
+            mx_grouped_mm_op(x, w, offs, route_weight=rw)
+    with pytest.raises(ValueError, match=r"grouped_mm: weight of shape \(0, 32, 64\) has no experts"):
+        mx_grouped_mm_op(x, w[:0], offs[:0])
+    with pytest.raises(TypeError, match=r"mxfx.grouped_mm: input of shape \(40, 64\) has dtype torch.float64"):
+        mx_grouped_mm_op(x.double(), w, offs)
+    with pytest.raises(ValueError, match=r"mxfx.grouped_mm: unknown scale rule 'round'"):
+        mx_grouped_mm_op(x, w, offs, scale_rule="round")
     from mxfx.ops.linear import mx_linear
 
     with pytest.raises(ValueError, match="mx_linear: wgrad='fp8'.*'mxfp8', 'bf16'"):

@@ -318,10 +318,12 @@ def test_fused_swiglu_keeps_the_dtype_the_model_cast_to(to, param_dtype):
     assert model.gate.weight.grad.dtype == param_dtype and torch.isfinite(model.gate.weight.grad).all()
 
 
-@pytest.mark.parametrize("act", [F.relu, torch.relu, nn.ReLU()])
-def test_relu_output_is_not_packed_twice(act):
-    """ReLU's backward reads its own output, so the next linear's input stays alive in BF16 anyway:
-    packing an MX copy next to it would add memory, and the precision map must not claim a saving."""
+@pytest.mark.parametrize("act", [F.relu, torch.relu, nn.ReLU(), F.sigmoid, torch.special.expit, F.tanh,
+                                 lambda t: t.relu_()])
+def test_output_saving_activation_is_not_packed_twice(act):
+    """ReLU's, sigmoid's and tanh's backward read their own output, so the next linear's input stays alive
+    in BF16 anyway: packing an MX copy next to it would add memory, and the precision map must not claim a
+    saving. Every spelling Dynamo records counts."""
 
     class MLP(nn.Module):
         def __init__(self):
@@ -336,3 +338,21 @@ def test_relu_output_is_not_packed_twice(act):
     torch.compile(model, backend="mxfp8", options={"inner": "aot_eager"})(torch.randn(32, 64)).sum().backward()
     saved = {r.module: r.saved for r in mxfx.last_report().records if r.kind == "linear"}
     assert saved == {"a": "mxfp8", "b": "bf16"}
+
+
+def test_few_tokens_keep_the_input_when_the_padded_mx_copy_is_larger():
+    """The MXFP8 wgrad copy is blocked along tokens, zero-padded to 32: at 8 tokens it would be 4x the
+    values of the BF16 input, so the pass keeps the input; at 64 tokens it packs, and the map counts the
+    padded bytes it saves."""
+
+    def saved_of(tokens):
+        torch._dynamo.reset()
+        lin = nn.Linear(64, 64)
+        x = torch.randn(tokens, 64, dtype=torch.bfloat16, requires_grad=True)
+        torch.compile(lambda t: lin(t.float()), backend="mxfp8", options={"inner": "eager", "wgrad": "mxfp8"})(x)
+        (rec,) = [r for r in mxfx.last_report().records if r.kind == "linear"]
+        return rec
+
+    few, many = saved_of(8), saved_of(48)
+    assert few.saved == "bf16" and "padded" in few.reason
+    assert many.saved == "mxfp8" and many.saved_bytes == (2 * 48 * 64, 64 * 64 * 33 // 32)

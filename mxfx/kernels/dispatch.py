@@ -102,9 +102,9 @@ def quantize_dual(x: torch.Tensor, rule: str):
 
     Returns ``(q_row [M, K], s_row [M, K/32], q_col [K, M], s_col [K, M/32])``: the
     columnwise pair is blocked down dim 0 and stored transposed (contiguous ``[K, M]``),
-    i.e. exactly ``quantize_lastdim(x.t())``. On CUDA, M and K must be multiples of 32
-    (ValueError otherwise, naming the shape; TypeError for a non-tensor or an unsupported dtype);
-    a 3D ``[B, M, K]`` input is handled per batch. Same checks on every device.
+    i.e. exactly ``quantize_lastdim(x.t())``. A 3D ``[B, M, K]`` input is handled per batch.
+    On every device: ValueError unless x is 2D/3D with M and K multiples of 32 (naming the
+    shape), TypeError for a non-tensor or an unsupported dtype (:func:`check_dual_args`).
     """
     if triton_available(x):
         from mxfx.kernels import dual
@@ -124,9 +124,9 @@ def quantize_dual_source(x: torch.Tensor, rule: str, *, row: bool = True, col: b
     (same values), but ``q_col [.., K, M]`` / ``s_col [.., K, M/32]`` are transpose views of
     contiguous ``[.., M, K]`` / ``[.., M/32, K]`` tensors (the source layout); ``h_*`` are the
     dequantized values in ``dequantized`` (None without it); orientations not asked for are None.
-    Raises ValueError unless x is 2D/3D with M and K multiples of 32 (see
-    :func:`mxfx.kernels.dual.quantize_dual_source`); TypeError for an input dtype other
-    than bf16/fp16/fp32 or a ``dequantized`` dtype other than those.
+    Raises ValueError unless x is 2D/3D with M and K multiples of 32, or when neither orientation
+    is asked for; TypeError for an input dtype other than bf16/fp16/fp32 or a ``dequantized``
+    dtype other than those (:func:`check_dual_args`, the same on every device).
     """
     if triton_available(x):
         from mxfx.kernels import dual
@@ -147,7 +147,7 @@ def quantize_dual_source(x: torch.Tensor, rule: str, *, row: bool = True, col: b
 
 def quantize_dequantize(x: torch.Tensor, rule: str, dtype: torch.dtype):
     """Quantize along the last dim and also return the dequantized tensor: ``(qdata, scales, x_hat)``."""
-    mxf.check_output_dtype(dtype, x, "mxfx.quantize_dequantize")
+    mxf.check_output_dtype(dtype, x, "mxfx.quantize_dequantize", name="input")
     if triton_available(x):
         from mxfx.kernels import quantize as tq
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from mxfx.cache import weight_operands
+from mxfx.format import check_input, check_rule
 from mxfx.kernels import ops as kops
 from mxfx.ops import swiglu
 from mxfx.policy import check_precisions
@@ -168,12 +169,24 @@ def mx_grouped_mm_op(
 
     Returns ``[S, N]``.
 
+    offs values are not checked (that would need a device sync); like ``torch._grouped_mm``, group
+    ends must be non-decreasing and at most S.
+
     Raises:
-        ValueError: shapes that do not pair up or are not multiples of 32, offs not int32, a weight that
+        TypeError: x not a bf16/fp16/fp32 tensor, offs not a tensor, out_dtype not floating.
+        ValueError: an unknown scale rule, shapes that do not pair up or are not multiples of 32,
+            offs not int32, no experts, route_weight not [S] or [S, 1], a weight that
             is not 3D, ``wgrad``/``save`` not "mxfp8" or "bf16", or ``x_mx`` given with
             ``up`` or with shapes that do not match ``x``.
     """
-    check_precisions("mxfx.grouped_mm", wgrad=wgrad, save=save)
+    op = "mxfx.grouped_mm"
+    check_precisions(op, wgrad=wgrad, save=save)
+    check_input(x, op)
+    check_rule(scale_rule, op)
+    if not isinstance(offs, torch.Tensor):
+        raise TypeError(f"{op}: offs must be an int32 tensor of cumulative group ends, got {type(offs).__name__}")
+    if out_dtype is not None and (not isinstance(out_dtype, torch.dtype) or not out_dtype.is_floating_point):
+        raise TypeError(f"{op}: out_dtype={out_dtype!r} must be a floating dtype (e.g. torch.bfloat16) or None")
     if weight.dim() != 3:
         raise ValueError(f"mxfx.grouped_mm: weight of shape {tuple(weight.shape)} must be 3D [E, N, K] expert weights")
     e, n, k = weight.shape
@@ -182,6 +195,14 @@ def mx_grouped_mm_op(
             f"mxfx.grouped_mm: input {tuple(x.shape)}, weight {tuple(weight.shape)} [E, N, K] and offs "
             f"{tuple(offs.shape)} do not pair up (need x [S, K], offs [E], K and N multiples of 32); "
             f"keep this GEMM in BF16 or pad its features"
+        )
+    if e == 0:
+        raise ValueError(f"{op}: weight of shape {tuple(weight.shape)} has no experts; give at least one")
+    if route_weight is not None and (route_weight.numel() != x.shape[0] or route_weight.dim() not in (1, 2)
+                                     or route_weight.shape[0] != x.shape[0]):
+        raise ValueError(
+            f"{op}: route_weight of shape {tuple(route_weight.shape)} must be [S] or [S, 1], one weight per row of "
+            f"x {tuple(x.shape)}"
         )
     if offs.dtype != torch.int32:
         raise ValueError(

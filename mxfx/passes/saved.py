@@ -9,13 +9,17 @@ Rule, per MX op input ``x`` (views, ``contiguous`` and ``clone`` are looked
 through, since the partitioner recomputes them from their base):
 
 * its base is the output of an op whose backward reads its own output
-  (``scaled_dot_product_attention``, softmax, sigmoid, tanh, exp, relu): keep BF16 —
-  this is the seed's attention output projection;
+  (``scaled_dot_product_attention``, softmax, log_softmax, sigmoid, tanh, exp,
+  relu, sqrt, rsqrt, in any of their spellings): keep BF16 — this is the seed's
+  attention output projection;
 * another user of the base saves it for its backward (anything but additions,
   views, casts and concatenations): keep BF16;
 * several MX ops read it (q/k/v projections of one input) and one copy of it
   in its own dtype is smaller than one MX copy per op (2 bytes for BF16 vs
   n x 33/32): keep it as it is;
+* the MX copy would not be smaller: a linear with MXFP8 wgrad saves its input
+  blocked along tokens, zero-padded to a multiple of 32 tokens, so at a few
+  tokens the copy outgrows the tensor (judged at the traced token count): keep it;
 * otherwise pack MXFP8 — the QKV projection's input in the seed.
 
 Eligibility: floating dtype and a last dim that is a multiple of 32 (already
@@ -43,9 +47,14 @@ from mxfx.report import PrecisionMap
 MX_OPS = (mx_linear, mx_grouped_mm_op)
 _VIEW_METHODS = ("view", "reshape", "transpose", "permute", "contiguous", "flatten", "unflatten", "squeeze", "unsqueeze", "t", "clone", "expand", "chunk", "split", "narrow")
 _VIEW_FNS = (torch.reshape, torch.transpose, torch.flatten, torch.permute, torch.squeeze, torch.unsqueeze, torch.chunk, torch.split, operator.getitem, torch.clone, torch.narrow)
-_SAVES_OUTPUT_FNS = (F.scaled_dot_product_attention, torch.softmax, F.softmax, torch.sigmoid, torch.tanh, torch.exp,
-                     torch.relu, F.relu)
-_SAVES_OUTPUT_METHODS = ("softmax", "sigmoid", "tanh", "exp", "relu")
+_SAVES_OUTPUT_FNS = (
+    F.scaled_dot_product_attention, torch.softmax, F.softmax, torch.special.softmax, torch.log_softmax, F.log_softmax,
+    torch.sigmoid, F.sigmoid, torch.special.expit, torch.tanh, F.tanh, torch.exp, torch.relu, F.relu, torch.relu_,
+    F.relu_, torch.sqrt, torch.rsqrt,
+)
+"""Ops whose backward reads their own output (``y * (1 - y)``, ``1 - y^2``, ``y > 0``, ``0.5 / y``, ...)."""
+_SAVES_OUTPUT_METHODS = ("softmax", "log_softmax", "sigmoid", "sigmoid_", "tanh", "tanh_", "exp", "exp_", "relu",
+                         "relu_", "sqrt", "sqrt_", "rsqrt", "rsqrt_")
 _NON_SAVING_FNS = (operator.add, operator.sub, operator.neg, torch.add, torch.sub, torch.cat, torch.stack, F.pad)
 _NON_SAVING_METHODS = ("add", "sub", "neg", "to", "float", "bfloat16", "half", "type", "size", "dim")
 
@@ -120,8 +129,13 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
                 record.saved_bytes = kept_bytes
                 counted.add(base)
             continue
+        mx_bytes = _mx_copy_bytes(node, x, numel)
         ds = policy.decide("saved", module_fqn(node))  # rules with op="saved"
         why = ds.reason if ds.precision != "mxfp8" else keeps_bf16_alive(node.args[0], node)
+        own_bytes = numel * (x.element_size() if x is not None else 2)
+        if not why and mx_bytes >= own_bytes:
+            why = (f"the MX copy ({mx_bytes} bytes, tokens padded to a multiple of 32) is not smaller than the "
+                   f"{own_bytes}-byte input")
         if why:
             node.kwargs = {**node.kwargs, "save": "bf16"}
             if record:
@@ -131,5 +145,15 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
             continue
         packed += 1
         if record:
-            record.saved_bytes = (bf16_bytes, numel + numel // 32)
+            record.saved_bytes = (bf16_bytes, mx_bytes)
     return packed
+
+
+def _mx_copy_bytes(node: fx.Node, x, numel: int) -> int:
+    """Bytes of the MX copy ``node`` would save: qdata plus one scale per 32 values, its tokens
+    zero-padded to a multiple of 32 where a linear's MXFP8 wgrad blocks them (``mxfx.ops.linear``)."""
+    if node.target is mx_linear and node.kwargs.get("wgrad") == "mxfp8" and x is not None and x.dim():
+        k = size_hint(x.shape[-1])
+        tokens = numel // k if k else 0
+        numel = -(-tokens // 32) * 32 * k
+    return numel + numel // 32
