@@ -27,7 +27,9 @@ required of an MX op's input); integer routing indices never reach an MX op.
 A policy rule with ``op="saved", precision="bf16"`` (or ``save="bf16"`` on the
 op's own rule) keeps the input BF16 regardless. The decision is written into the
 op's ``save`` argument and the precision map, with nominal saved bytes before
-and after.
+and after. A BF16 decision is a request: AOTAutograd's partitioner may still
+move the backward's (bit-identical) quantize into the forward and save its MX
+result where that is smaller and nothing else keeps the input alive.
 """
 
 from __future__ import annotations
