@@ -161,17 +161,13 @@ def check_input(x: torch.Tensor, op: str) -> None:
         )
 
 
-def check_output_dtype(dtype, t: torch.Tensor, op: str, allowed: tuple | None = None, name: str = "qdata") -> None:
+def check_output_dtype(dtype, t: torch.Tensor, op: str, name: str = "qdata") -> None:
     """Raise TypeError unless ``dtype`` is a dequantize output dtype: a floating type of 16 bits or
-    more, or one of ``allowed`` where given. The message names ``t`` (called ``name``) by its shape."""
-    ok = isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype.itemsize >= 2 \
-        and not dtype.is_complex and (allowed is None or dtype in allowed)
-    if not ok:
-        choices = allowed or (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+    more. The message names ``t`` (called ``name``) by its shape."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize < 2:
         raise TypeError(
-            f"{op}: output dtype {dtype} for {name} of shape {tuple(t.shape)} is not "
-            + ("one of those supported here" if allowed else "a floating type of 16 bits or more")
-            + f"; use {', '.join(map(str, choices))}"
+            f"{op}: output dtype {dtype} for {name} of shape {tuple(t.shape)} is not a floating type of 16 bits "
+            f"or more; use torch.bfloat16, torch.float16, torch.float32 or torch.float64"
         )
 
 

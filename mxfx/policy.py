@@ -89,7 +89,7 @@ class ReadOnlyDict(dict):
         return (type(self), (dict(self),))
 
     def __deepcopy__(self, memo):
-        return self  # immutable, as are its str/bool/str items
+        return self  # immutable, and so are its str keys and bool/str values
 
 
 @dataclass(frozen=True)
@@ -245,7 +245,6 @@ class Policy(_NamedFields):
         object.__setattr__(self, "transport", ReadOnlyDict(self.transport))
         if self.dump_dir is None and os.environ.get(DUMP_ENV):
             object.__setattr__(self, "dump_dir", os.environ[DUMP_ENV])
-
 
     @classmethod
     def from_options(cls, options: "Policy | dict | None") -> "Policy":

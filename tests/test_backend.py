@@ -1,6 +1,9 @@
 """Backend registration, options, and the dump."""
 
+import copy
+import dataclasses
 import os
+import pickle
 import subprocess
 import sys
 
@@ -192,10 +195,6 @@ def test_policy_is_hashable_and_equal_by_settings():
     c = Policy(rules=(rule,), passes={"linear": True}, transport={"dispatch_bwd": "bf16"})
     assert a == b and hash(a) == hash(b)
     assert a != c and len({a, b, c}) == 2
-    import copy
-    import dataclasses
-    import pickle
-
     for twin in (copy.deepcopy(a), pickle.loads(pickle.dumps(a))):  # still copies and pickles
         assert twin == a and hash(twin) == hash(a)
     assert dataclasses.asdict(a)["passes"] == {"linear": False}

@@ -188,7 +188,7 @@ def mx_grouped_mm_op(
     if out_dtype is not None and (not isinstance(out_dtype, torch.dtype) or not out_dtype.is_floating_point):
         raise TypeError(f"{op}: out_dtype={out_dtype!r} must be a floating dtype (e.g. torch.bfloat16) or None")
     if weight.dim() != 3:
-        raise ValueError(f"mxfx.grouped_mm: weight of shape {tuple(weight.shape)} must be 3D [E, N, K] expert weights")
+        raise ValueError(f"{op}: weight of shape {tuple(weight.shape)} must be 3D [E, N, K] expert weights")
     e, n, k = weight.shape
     if x.dim() != 2 or x.shape[-1] != k or k % 32 or n % 32 or offs.shape != (e,):
         raise ValueError(
@@ -198,15 +198,14 @@ def mx_grouped_mm_op(
         )
     if e == 0:
         raise ValueError(f"{op}: weight of shape {tuple(weight.shape)} has no experts; give at least one")
-    if route_weight is not None and (route_weight.numel() != x.shape[0] or route_weight.dim() not in (1, 2)
-                                     or route_weight.shape[0] != x.shape[0]):
+    if route_weight is not None and tuple(route_weight.shape) not in ((x.shape[0],), (x.shape[0], 1)):
         raise ValueError(
             f"{op}: route_weight of shape {tuple(route_weight.shape)} must be [S] or [S, 1], one weight per row of "
             f"x {tuple(x.shape)}"
         )
     if offs.dtype != torch.int32:
         raise ValueError(
-            f"mxfx.grouped_mm: offs of shape {tuple(offs.shape)} has dtype {offs.dtype}; it holds the int32 cumulative "
+            f"{op}: offs of shape {tuple(offs.shape)} has dtype {offs.dtype}; it holds the int32 cumulative "
             f"group ends, as torch._grouped_mm takes them: pass offs.to(torch.int32)"
         )
     x_q, x_s = x_mx if x_mx is not None else (None, None)

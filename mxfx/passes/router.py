@@ -31,7 +31,7 @@ MAX_HOPS_TO_GATE = 4
 MAX_HOPS_TO_TOPK = 12
 
 
-_NOISE_FN = (torch.randn_like, torch.rand_like, torch.randn, torch.rand, torch.normal, torch.randint_like)
+_NOISE_FN = (torch.randn_like, torch.rand_like, torch.randn, torch.rand, torch.normal)
 _NOISE_METHODS = ("normal_", "uniform_", "exponential_")
 MAX_HOPS_TO_NOISE = 3
 
