@@ -111,6 +111,8 @@ def cases(m: int, k: int):
          lambda: dispatch.quantize_dual_source(x, "rceil", dequantized=torch.bfloat16), 2 * n + 2 * q8 + 4 * n),
         ("weight refresh fp32 -> MX + BF16 forms, source layout",
          lambda: dispatch.quantize_dual_source(xf, "rceil", dequantized=torch.bfloat16), 4 * n + 2 * q8 + 4 * n),
+        ("weight refresh fp32 -> BF16 forms only (keep_dequantized_weights, emulated)",
+         lambda: dispatch.quantize_dual_source(xf, "rceil", dequantized=torch.bfloat16, mx=False), 4 * n + 4 * n),
         ("quantize, blocked scales", lambda: dispatch.quantize_blocked(x, "rceil"), 2 * n + q8),
         ("dequantize -> bf16", lambda: dispatch.dequantize_lastdim(q, s, torch.bfloat16), q8 + 2 * n),
         ("dequantize -> bf16, source layout", lambda: dispatch.dequantize_lastdim(qc, sc, torch.bfloat16), q8 + 2 * n),

@@ -16,8 +16,10 @@ caches are plain tensors held here, never parameters: no gradients, not in
 orientation)``. Two more orientations hold the *dequantized* operands in BF16,
 ``"forward_bf16"`` and ``"dgrad_bf16"`` (the values of the MX forms, one tensor
 each), for ``Policy.keep_dequantized_weights`` on GPUs without native MX GEMMs:
-2 bytes per value per orientation more persistent memory, no weight dequantize
-per GEMM. They are rebuilt with the MX forms by the same freshness logic.
+2 bytes per value per orientation of persistent memory, no weight dequantize
+per GEMM. Where the GEMM is emulated they replace the MX forms (written straight
+from the weight in one pass, :func:`weight_operands`); they are rebuilt by the
+same freshness logic.
 
 Freshness (seed §11.3.2-11.3.4: quantize once after each optimizer update, reuse
 across microbatches):
@@ -129,54 +131,59 @@ def source_layout(weight: torch.Tensor) -> bool:
     return colwise_in_source_layout(weight.device, "grouped_mm" if weight.dim() == 3 else "mm")
 
 
-def _quantize(weight: torch.Tensor, rule: str, orientations, dequantized: bool = False) -> tuple[dict, dict]:
-    """Quantize ``weight`` into the requested orientations (both from one read where possible).
+def _quantize(weight: torch.Tensor, rule: str, mx, hats=()) -> tuple[dict, dict]:
+    """Quantize ``weight`` into the MX orientations ``mx`` (both from one read where possible).
 
     Returns ``(pairs, dequantized forms)``, keyed by orientation. In the source layout one pass
-    writes every orientation and, with ``dequantized``, their BF16 values too; otherwise the
-    second dict is empty and the caller dequantizes.
+    writes every orientation of ``mx`` and the BF16 values of every orientation of ``hats``
+    (the BF16 values alone when ``mx`` is empty); otherwise ``hats`` must be empty (the caller
+    dequantizes the pairs).
     """
     w = weight.detach()
-    out = {}
-    _stats.update({f"quantize_{o}": 1 for o in orientations})
-    _stats["quantize"] += len(orientations)
+    want = set(mx) | set(hats)
+    _stats.update({f"quantize_{o}": 1 for o in want})
+    _stats["quantize"] += len(want)
     if source_layout(w):
         q, s, h, qt, st, ht = kernels.quantize_dual_source(
-            w, rule, row="forward" in orientations, col="dgrad" in orientations,
-            dequantized=torch.bfloat16 if dequantized else None,
+            w, rule, row="forward" in want, col="dgrad" in want,
+            dequantized=torch.bfloat16 if hats else None, mx=bool(mx),
         )
-        pairs = {o: p for o, p in (("forward", (q, s)), ("dgrad", (qt, st))) if o in orientations}
-        hats = {o: t for o, t in (("forward", h), ("dgrad", ht)) if o in orientations and t is not None}
-        return pairs, hats
-    if set(orientations) == set(ORIENTATIONS):
+        pairs = {o: p for o, p in (("forward", (q, s)), ("dgrad", (qt, st))) if o in mx}
+        return pairs, {o: t for o, t in (("forward", h), ("dgrad", ht)) if o in hats}
+    out = {}
+    if set(mx) == set(ORIENTATIONS):
         q, s, qt, st = kernels.quantize_dual(w, rule)
         out["forward"], out["dgrad"] = (q.contiguous(), s.contiguous()), (qt.contiguous(), st.contiguous())
     else:
-        for o in orientations:
+        for o in mx:
             q, s = kernels.quantize_lastdim(w if o == "forward" else w.transpose(-2, -1), rule)
             out[o] = (q.contiguous(), s.contiguous())
     return out, {}
 
 
 def _build(weight: torch.Tensor, rule: str, forms, have: dict | None = None) -> dict:
-    """Forms ``forms`` of one rule, keyed ``(rule, form)``; a dequantized form brings its MX form along.
+    """Forms ``forms`` of one rule, keyed ``(rule, form)``.
 
-    MX pairs already in ``have`` are reused (a dequantized form added to a fresh entry).
+    Where the GEMM is emulated (:func:`source_layout`) a dequantized form is written straight
+    from the weight, without its MX form (no emulated GEMM reads both); elsewhere it is the MX
+    form dequantized, and the MX form is kept too. MX pairs already in ``have`` are reused.
     """
     have = have or {}
-    orients = {DEQUANTIZED.get(f, f) for f in forms}
-    pairs = {o: have[(rule, o)] for o in orients if (rule, o) in have}
-    missing = [o for o in ORIENTATIONS if o in orients and o not in pairs]
+    mx = {f for f in forms if f in ORIENTATIONS}
+    hat = {DEQUANTIZED[f] for f in forms if f in DEQUANTIZED}
+    direct = source_layout(weight)
+    if not direct:
+        mx |= hat
+    pairs = {o: have[(rule, o)] for o in mx | hat if (rule, o) in have}
+    mx_missing = [o for o in ORIENTATIONS if o in mx and o not in pairs]
+    hat_missing = [o for o in ORIENTATIONS if o in hat and o not in pairs] if direct else []
     hats = {}
-    if missing:
-        want_hats = any(DEQUANTIZED.get(f) in missing for f in forms)
-        new_pairs, hats = _quantize(weight, rule, missing, dequantized=want_hats)
+    if mx_missing or hat_missing:
+        new_pairs, hats = _quantize(weight, rule, mx_missing, hat_missing)
         pairs.update(new_pairs)
-    out = {(rule, o): pair for o, pair in pairs.items()}
-    for f in forms:
-        if f in DEQUANTIZED:
-            o = DEQUANTIZED[f]
-            out[(rule, f)] = (hats[o] if o in hats else kernels.dequantize_lastdim(*pairs[o], torch.bfloat16),)
+    out = {(rule, o): pairs[o] for o in mx}
+    for o in hat:
+        out[(rule, o + "_bf16")] = (hats[o] if o in hats else kernels.dequantize_lastdim(*pairs[o], torch.bfloat16),)
     return out
 
 
@@ -306,7 +313,7 @@ def weight_dequantized(weight: torch.Tensor, rule: str, orientation: str) -> tor
     Exactly ``dequantize(*weight_operand(weight, rule, orientation))`` in BF16
     (the MX values; exact except in blocks whose scale is below 2^-118, where
     BF16 flushes E4M3 subnormals), kept as the cache form
-    ``(rule, orientation + "_bf16")`` and rebuilt with the MX forms once per
+    ``(rule, orientation + "_bf16")`` and rebuilt with the weight's other forms once per
     optimizer step. For ``Policy.keep_dequantized_weights``: the emulated GEMM
     takes it instead of dequantizing the weight on every call. Costs 2 bytes
     per value per orientation of persistent memory.
@@ -331,8 +338,14 @@ def weight_operands(weight: torch.Tensor, rule: str, orientation: str, keep_dequ
 
     ``(qdata, scales)`` from :func:`weight_operand`; ``dequantized`` is
     :func:`weight_dequantized` under ``Policy.keep_dequantized_weights``, else None.
+    Where the GEMM is emulated (Hopper, CPU; :func:`source_layout`) and the BF16 form is kept,
+    ``qdata`` and ``scales`` are None and the cache holds no MX form of the weight: the emulated
+    GEMM reads only the BF16 values (the same values), so the refresh writes 8 bytes per
+    parameter instead of 10 and the cache holds 4 instead of about 6.
     Shapes, dtypes and errors as for those two functions.
     """
+    if keep_dequantized and source_layout(weight):  # emulated GEMM: the BF16 form is all it reads
+        return None, None, weight_dequantized(weight, rule, orientation)
     qdata, scales = weight_operand(weight, rule, orientation)
     return qdata, scales, (weight_dequantized(weight, rule, orientation) if keep_dequantized else None)
 
@@ -593,8 +606,9 @@ def reset_stats() -> None:
 def persistent_bytes(weight: torch.Tensor | None = None) -> int:
     """Bytes held by weight caches: all of them, or those of ``weight`` (0 when it has none).
 
-    With both MX forms of one rule, ``2 x 33/32`` bytes per weight value; the
-    dequantized forms of ``keep_dequantized_weights`` add 2 bytes each.
+    With both MX forms of one rule, ``2 x 33/32`` bytes per weight value; each
+    dequantized form of ``keep_dequantized_weights`` holds 2 (where the GEMM is
+    emulated, instead of the MX forms; elsewhere on top of them).
     """
     with _lock:
         if weight is None:

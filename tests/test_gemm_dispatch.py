@@ -324,7 +324,8 @@ def test_keep_dequantized_weights_identical(run):
     for a, b in zip(off, on):
         assert torch.equal(a, b)
     numel = off[2].numel()
-    assert bytes_on - bytes_off == 2 * 2 * numel, "a bf16 forward and a bf16 dgrad form"
+    assert bytes_off == 2 * numel * 33 // 32, "the forward and dgrad MX forms"
+    assert bytes_on == 2 * 2 * numel, "emulated GEMMs: a bf16 forward and a bf16 dgrad form, no MX form"
 
 
 def test_keep_dequantized_weights_cache_forms_and_refresh():
@@ -336,6 +337,10 @@ def test_keep_dequantized_weights_cache_forms_and_refresh():
     with torch.no_grad():
         w.mul_(2)  # bumps the version: the dequantized forms are rebuilt with the MX forms
     assert torch.equal(cache.weight_dequantized(w, "rceil", "forward"), (fwd.float() * 2).bfloat16())
+    assert cache.persistent_bytes(w) == w.numel() * 2 * 33 // 32 + 4 * w.numel(), "asked for both kinds: both kept"
+    w2 = torch.randn(64, 96)
+    cache.weight_dequantized(w2, "rceil", "dgrad")
+    assert cache.persistent_bytes(w2) == 2 * w2.numel(), "emulated: a dequantized form alone, no MX form"
     with pytest.raises(ValueError, match="orientation"):
         cache.weight_dequantized(w, "rceil", "forward_bf16")
 
@@ -366,8 +371,9 @@ def test_keep_dequantized_weights_compiled():
         model.zero_grad(set_to_none=True)
     (y0, g0, a0, b0), (y1, g1, a1, b1) = results
     assert torch.equal(y0, y1) and all(torch.equal(u, v) for u, v in zip(g0, g1))
-    assert a1 - a0 == 2 * model.a.weight.numel(), "first layer: no dgrad (its input needs no grad), forward bf16 form only"
-    assert b1 - b0 == 2 * 2 * model.b.weight.numel(), "second layer: forward and dgrad bf16 forms"
+    assert a0 == model.a.weight.numel() * 33 // 32, "first layer: no dgrad (its input needs no grad), forward MX form"
+    assert a1 == 2 * model.a.weight.numel(), "... or its forward bf16 form alone"
+    assert b1 == 2 * 2 * model.b.weight.numel(), "second layer: forward and dgrad bf16 forms, no MX form"
 
 
 # --- min_size="auto" ---------------------------------------------------------------------------

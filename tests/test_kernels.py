@@ -88,6 +88,9 @@ def test_cpu_quantize_dual_source_reference_and_errors():
     """The CPU path: the reference values, the columnwise outputs in x's layout, and clear errors."""
     x = special_rows(rand((96, 64), torch.bfloat16, device="cpu"))
     check_dual_source(dispatch.quantize_dual_source(x, "floor", dequantized=torch.float32), x, "floor", torch.float32)
+    check_dequantized_only(dispatch.quantize_dual_source, x, "rceil", torch.bfloat16)
+    with pytest.raises(ValueError, match=r"no output \(mx=False, dequantized=None\)"):
+        dispatch.quantize_dual_source(x, "rceil", mx=False)
     with pytest.raises(TypeError, match=r"dequantized=torch.int32"):
         dispatch.quantize_dual_source(x, "rceil", dequantized=torch.int32)
     with pytest.raises(ValueError, match=r"2D \[M, K\].*\(64,\)"):
@@ -203,6 +206,15 @@ def dual_source_ref(x, rule, dtype=None):
     return out
 
 
+def check_dequantized_only(fn, x, rule, dtype):
+    """``mx=False``: no MX pair comes back, the dequantized values equal the reference, in x's layout."""
+    q_row, s_row, h_row, q_col, s_col, h_col = fn(x, rule, dequantized=dtype, mx=False)
+    assert (q_row, s_row, q_col, s_col) == (None,) * 4
+    ref = dual_source_ref(x, rule, dtype)
+    assert_same([h_row, h_col], [ref[2], ref[5]])
+    assert h_col.transpose(-2, -1).is_contiguous(), h_col.stride()
+
+
 def check_dual_source(got, x, rule, dtype=None):
     """Values bit-exact against the reference, and the columnwise outputs in x's layout."""
     q_row, s_row, h_row, q_col, s_col, h_col = got
@@ -222,6 +234,7 @@ def test_quantize_dual_source(shape, dtype, rule):
     x = special_rows(rand(shape, dtype))
     check_dual_source(dispatch.quantize_dual_source(x, rule), x, rule)
     check_dual_source(dispatch.quantize_dual_source(x, rule, dequantized=torch.bfloat16), x, rule, torch.bfloat16)
+    check_dequantized_only(dispatch.quantize_dual_source, x, rule, torch.bfloat16)
 
 
 @cuda
@@ -367,6 +380,7 @@ def _interpreter_checks():
             ref = (*mxf.quantize_lastdim(xcd, rule), *mxf.quantize_lastdim(xcd.t(), rule))
             assert_same(dual.quantize_dual(xcd, rule), ref)
             check_dual_source(dual.quantize_dual_source(xcd, rule, dequantized=torch.float32), xcd, rule, torch.float32)
+            check_dequantized_only(dual.quantize_dual_source, xcd, rule, torch.float32)
     x3 = exact_input((2, 64, 96), seed=1)
     assert_same(quantize.quantize_lastdim(x3.transpose(-2, -1), "rceil"), mxf.quantize_lastdim(x3.transpose(-2, -1), "rceil"))
     assert_same(dual.quantize_dual(x3, "rceil"), (*mxf.quantize_lastdim(x3, "rceil"), *mxf.quantize_lastdim(x3.transpose(-2, -1), "rceil")))

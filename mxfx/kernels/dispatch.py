@@ -81,18 +81,21 @@ TOKEN_DIM_HINT = " (the token dim, for activations)"
 
 
 def check_dual_args(x, rule: str, op: str, *, row: bool = True, col: bool = True,
-                    dequantized: torch.dtype | None = None, hint: str = "") -> torch.Tensor:
+                    dequantized: torch.dtype | None = None, mx: bool = True, hint: str = "") -> torch.Tensor:
     """Checks of :func:`quantize_dual` / :func:`quantize_dual_source` on every device; returns x as ``[B, M, K]``.
 
     Raises:
         TypeError: x not a bf16/fp16/fp32 tensor, or ``dequantized`` not one of those dtypes.
-        ValueError: neither orientation asked for, an unknown rule, or x not 2D/3D with M and K
-            multiples of 32 (see :func:`mxfx.format.check_both_axes`).
+        ValueError: neither orientation asked for, neither the MX pairs nor the dequantized values
+            asked for (``mx=False`` without ``dequantized``), an unknown rule, or x not 2D/3D with M
+            and K multiples of 32 (see :func:`mxfx.format.check_both_axes`).
     """
     if dequantized is not None and dequantized not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"{op}: dequantized={dequantized!r} must be torch.float32, torch.bfloat16 or torch.float16")
     if not (row or col):
         raise ValueError(f"{op}: asked for no orientation (row=False, col=False); ask for at least one orientation")
+    if not mx and dequantized is None:
+        raise ValueError(f"{op}: asked for no output (mx=False, dequantized=None); pass a dequantized dtype or mx=True")
     return mxf.check_both_axes(x, rule, op, hint)
 
 
@@ -116,13 +119,14 @@ def quantize_dual(x: torch.Tensor, rule: str):
 
 
 def quantize_dual_source(x: torch.Tensor, rule: str, *, row: bool = True, col: bool = True,
-                         dequantized: torch.dtype | None = None):
+                         dequantized: torch.dtype | None = None, mx: bool = True):
     """Both orientations of ``x [M, K]`` (or ``[B, M, K]``) from one read, every output in x's own layout.
 
     Returns ``(q_row, s_row, h_row, q_col, s_col, h_col)``: the pairs of :func:`quantize_dual`
     (same values), but ``q_col [.., K, M]`` / ``s_col [.., K, M/32]`` are transpose views of
     contiguous ``[.., M, K]`` / ``[.., M/32, K]`` tensors (the source layout); ``h_*`` are the
-    dequantized values in ``dequantized`` (None without it); orientations not asked for are None.
+    dequantized values in ``dequantized`` (None without it); orientations not asked for are None,
+    and so are the pairs with ``mx=False`` (the dequantized values alone, one read, no MX writes).
     Raises ValueError unless x is 2D/3D with M and K multiples of 32, or when neither orientation
     is asked for; TypeError for an input dtype other than bf16/fp16/fp32 or a ``dequantized``
     dtype other than those (:func:`check_dual_args`, the same on every device).
@@ -130,8 +134,8 @@ def quantize_dual_source(x: torch.Tensor, rule: str, *, row: bool = True, col: b
     if triton_available(x):
         from mxfx.kernels import dual
 
-        return dual.quantize_dual_source(x, rule, row=row, col=col, dequantized=dequantized)
-    check_dual_args(x, rule, "mxfx.quantize_dual_source", row=row, col=col, dequantized=dequantized)
+        return dual.quantize_dual_source(x, rule, row=row, col=col, dequantized=dequantized, mx=mx)
+    check_dual_args(x, rule, "mxfx.quantize_dual_source", row=row, col=col, dequantized=dequantized, mx=mx)
     out = []
     for want, src in ((row, x), (col, x.transpose(-2, -1))):
         if not want:
@@ -140,7 +144,8 @@ def quantize_dual_source(x: torch.Tensor, rule: str, *, row: bool = True, col: b
         q, s = mxf.quantize_lastdim(src, rule)
         if src is not x:  # the columnwise pair, restrided into x's layout
             q, s = (t.transpose(-2, -1).contiguous().transpose(-2, -1) for t in (q, s))
-        out += [q, s, None if dequantized is None else mxf.dequantize_lastdim(q, s, dequantized)]
+        h = None if dequantized is None else mxf.dequantize_lastdim(q, s, dequantized)
+        out += [q, s, h] if mx else [None, None, h]
     return tuple(out)
 
 

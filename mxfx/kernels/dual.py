@@ -59,29 +59,31 @@ def _store_tile(ptr, vals, b, r0, c0, R, C, TRANSPOSE: tl.constexpr, BR: tl.cons
 def _dual_kernel(
     x_ptr, qr_ptr, sr_ptr, hr_ptr, qc_ptr, sc_ptr, hc_ptr,
     M, K, sxb, sxm, sxk, n_k_tiles,
-    RCEIL: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, HAT: tl.constexpr, COL_T: tl.constexpr,
-    BM: tl.constexpr, BK: tl.constexpr,
+    RCEIL: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, MX: tl.constexpr, HAT: tl.constexpr,
+    COL_T: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
 ):
     b, m0, k0 = tile_origin(n_k_tiles, BM, BK)
     v = load_tile(x_ptr, b, m0, k0, M, K, sxb, sxm, sxk, BM, BK)
     if ROW:  # blocks of 32 along K: q_row [B, M, K], s_row [B, M, K/32]
         q, s = encode_blocks(tl.reshape(v, [BM, BK // 32, 32]), 2, RCEIL)
-        _store_tile(qr_ptr, tl.reshape(q, [BM, BK]), b, m0, k0, M, K, False, BM, BK)
-        _store_tile(sr_ptr, s, b, m0, k0 // 32, M, K // 32, False, BM, BK // 32)
+        if MX:
+            _store_tile(qr_ptr, tl.reshape(q, [BM, BK]), b, m0, k0, M, K, False, BM, BK)
+            _store_tile(sr_ptr, s, b, m0, k0 // 32, M, K // 32, False, BM, BK // 32)
         if HAT:
             h = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * decode_scale(s)[:, :, None]
             _store_tile(hr_ptr, tl.reshape(h, [BM, BK]), b, m0, k0, M, K, False, BM, BK)
     if COL:  # blocks of 32 along M: storage [B, M, K] and [B, M/32, K], or [B, K, M] and [B, K, M/32] (COL_T)
         q, s = encode_blocks(tl.reshape(v, [BM // 32, 32, BK]), 1, RCEIL)
-        _store_tile(qc_ptr, tl.reshape(q, [BM, BK]), b, m0, k0, M, K, COL_T, BM, BK)
-        _store_tile(sc_ptr, s, b, m0 // 32, k0, M // 32, K, COL_T, BM // 32, BK)
+        if MX:
+            _store_tile(qc_ptr, tl.reshape(q, [BM, BK]), b, m0, k0, M, K, COL_T, BM, BK)
+            _store_tile(sc_ptr, s, b, m0 // 32, k0, M // 32, K, COL_T, BM // 32, BK)
         if HAT:
             h = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * decode_scale(s)[:, None, :]
             _store_tile(hc_ptr, tl.reshape(h, [BM, BK]), b, m0, k0, M, K, COL_T, BM, BK)
 
 
-def _quantize_both(x, rule, op, *, row, col, dequantized, transposed, hint=""):
-    x3 = check_dual_args(x, rule, op, row=row, col=col, dequantized=dequantized, hint=hint)
+def _quantize_both(x, rule, op, *, row, col, dequantized, transposed, mx=True, hint=""):
+    x3 = check_dual_args(x, rule, op, row=row, col=col, dequantized=dequantized, mx=mx, hint=hint)
     B, M, K = x3.shape
     dev = x.device
 
@@ -89,9 +91,9 @@ def _quantize_both(x, rule, op, *, row, col, dequantized, transposed, hint=""):
         return torch.empty(shape, dtype=dtype, device=dev) if want else None
 
     col_shape = (B, K, M) if transposed else (B, M, K)
-    q_row, s_row = new((B, M, K), torch.uint8, row), new((B, M, K // 32), torch.uint8, row)
-    q_col = new(col_shape, torch.uint8, col)
-    s_col = new((B, K, M // 32) if transposed else (B, M // 32, K), torch.uint8, col)
+    q_row, s_row = new((B, M, K), torch.uint8, row and mx), new((B, M, K // 32), torch.uint8, row and mx)
+    q_col = new(col_shape, torch.uint8, col and mx)
+    s_col = new((B, K, M // 32) if transposed else (B, M // 32, K), torch.uint8, col and mx)
     h_row = new((B, M, K), dequantized, row and dequantized is not None)
     h_col = new(col_shape, dequantized, col and dequantized is not None)
     bm, bk, warps = TRANSPOSED_CONFIG if transposed else SOURCE_CONFIG[4 if x.element_size() == 4 else 2]
@@ -101,7 +103,7 @@ def _quantize_both(x, rule, op, *, row, col, dequantized, transposed, hint=""):
         args = [t if t is not None else x3 for t in (q_row, s_row, h_row, q_col, s_col, h_col)]
         launch(
             _dual_kernel, (triton.cdiv(M, bm) * n_k, B), x3, *args, M, K, *x3.stride(), n_k,
-            RCEIL=rule == "rceil", ROW=row, COL=col, HAT=dequantized is not None, COL_T=transposed,
+            RCEIL=rule == "rceil", ROW=row, COL=col, MX=mx, HAT=dequantized is not None, COL_T=transposed,
             BM=bm, BK=bk, num_warps=warps,
         )
 
@@ -133,7 +135,7 @@ def quantize_dual(x: torch.Tensor, rule: str):
 
 
 def quantize_dual_source(x: torch.Tensor, rule: str, *, row: bool = True, col: bool = True,
-                         dequantized: torch.dtype | None = None):
+                         dequantized: torch.dtype | None = None, mx: bool = True):
     """Rowwise and columnwise MX of ``x [M, K]`` or ``[B, M, K]`` (CUDA, bf16/fp16/fp32, any strides), in x's layout.
 
     Args:
@@ -141,17 +143,21 @@ def quantize_dual_source(x: torch.Tensor, rule: str, *, row: bool = True, col: b
         rule: "rceil" or "floor".
         row, col: which orientations to write (at least one).
         dequantized: also write the dequantized values of each written orientation in this dtype.
+        mx: write the MX pairs; False (needs ``dequantized``) writes only the dequantized values,
+            what a Hopper weight cache under ``keep_dequantized_weights`` keeps.
 
     Returns:
         ``(q_row [.., M, K], s_row [.., M, K/32], h_row, q_col [.., K, M], s_col [.., K, M/32], h_col)``:
-        e4m3 qdata, uint8 E8M0 scales, ``h_*`` the dequantized tensors (None without ``dequantized``);
+        e4m3 qdata, uint8 E8M0 scales (None with ``mx=False``), ``h_*`` the dequantized tensors (None
+        without ``dequantized``);
         the row outputs contiguous, the column outputs transpose views of contiguous ``[.., M, K]`` /
         ``[.., M/32, K]`` tensors; orientations not written are all None.
 
     Raises:
-        ValueError: not 2D/3D, M or K not a multiple of 32, or neither orientation asked for.
+        ValueError: not 2D/3D, M or K not a multiple of 32, neither orientation asked for, or
+            ``mx=False`` without ``dequantized``.
         TypeError: unsupported input or ``dequantized`` dtype
             (see :func:`mxfx.kernels.dispatch.check_dual_args`).
     """
     return _quantize_both(x, rule, "mxfx.quantize_dual_source", row=row, col=col, dequantized=dequantized,
-                          transposed=False)
+                          transposed=False, mx=mx)

@@ -85,6 +85,8 @@ def _dequantized(a_qdata, a_scales, b_qdata, b_scales, b_dequantized=None, a_deq
     ``b_dequantized`` (the cached BF16 weight) replaces dequantizing B when given, ``a_dequantized``
     (written by the activation's quantize pass, :func:`quantize_operand`) dequantizing A.
     """
+    if b_qdata is None and b_dequantized is None:
+        raise ValueError("mxfx.gemm: B has neither an MX pair nor dequantized values; pass b_qdata and b_scales")
     cdt = _emulation_dtype(a_qdata.device)
     # Plain kernel calls, not the mxfx::dequantize op: this runs inside a GEMM op's own implementation
     # (or is traced into a CUDA graph), where a nested custom op would only add dispatcher overhead.
@@ -145,7 +147,12 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return out.view(t.dtype)
 
 
-def _check_pair(name: str, qdata: torch.Tensor, scales: torch.Tensor) -> None:
+def _check_pair(name: str, qdata: torch.Tensor | None, scales: torch.Tensor | None) -> None:
+    if qdata is None or scales is None:
+        raise ValueError(
+            f"mxfx.gemm: native MX GEMMs need {name}'s MX pair, got None (dequantized values alone serve only "
+            f"emulated GEMMs); pass its qdata and scales"
+        )
     if qdata.dtype != torch.float8_e4m3fn or scales.dtype != torch.uint8:
         raise TypeError(f"mxfx.gemm: {name} must be float8_e4m3fn qdata with uint8 E8M0 scales, got {qdata.dtype}/{scales.dtype}")
     k = qdata.shape[-1]
@@ -413,8 +420,8 @@ def colwise_in_source_layout(device: torch.device, op: str = "mm") -> bool:
 def _mm_op(
     a_qdata: torch.Tensor,
     a_scales: torch.Tensor,
-    b_qdata: torch.Tensor,
-    b_scales: torch.Tensor,
+    b_qdata: Optional[torch.Tensor],
+    b_scales: Optional[torch.Tensor],
     out_dtype: torch.dtype,
     b_dequantized: Optional[torch.Tensor] = None,
     a_dequantized: Optional[torch.Tensor] = None,
@@ -423,7 +430,8 @@ def _mm_op(
 
     Args:
         a_qdata: float8_e4m3fn ``[M, K]``; a_scales: uint8 E8M0 ``[M, K/32]``.
-        b_qdata: float8_e4m3fn ``[N, K]``; b_scales: uint8 E8M0 ``[N, K/32]``.
+        b_qdata: float8_e4m3fn ``[N, K]``; b_scales: uint8 E8M0 ``[N, K/32]``; both None when
+            ``b_dequantized`` is given to an emulated GEMM (the weight cache keeps no MX form then).
         out_dtype: dtype of the result (bf16 activations, fp32 weight gradients).
         b_dequantized: optional ``dequant(B)`` (bf16 ``[N, K]``, from the weight
             cache under ``keep_dequantized_weights``); emulation uses it instead of
@@ -439,7 +447,8 @@ def _mm_op(
 
 @_mm_op.register_fake
 def _(a_qdata, a_scales, b_qdata, b_scales, out_dtype, b_dequantized=None, a_dequantized=None):
-    return a_qdata.new_empty((a_qdata.shape[0], b_qdata.shape[0]), dtype=out_dtype)
+    b = b_qdata if b_qdata is not None else b_dequantized
+    return a_qdata.new_empty((a_qdata.shape[0], b.shape[0]), dtype=out_dtype)
 
 
 def quantize_operand(x: torch.Tensor, rule: str, op: str = "mm"):
@@ -470,8 +479,8 @@ def hp_mm_t(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.T
 def _grouped_mm_op(
     a_qdata: torch.Tensor,
     a_scales: torch.Tensor,
-    b_qdata: torch.Tensor,
-    b_scales: torch.Tensor,
+    b_qdata: Optional[torch.Tensor],
+    b_scales: Optional[torch.Tensor],
     offs: torch.Tensor,
     out_dtype: torch.dtype,
     b_dequantized: Optional[torch.Tensor] = None,
@@ -481,7 +490,8 @@ def _grouped_mm_op(
 
     Args:
         a_qdata/a_scales: ``[S, K]`` e4m3 / ``[S, K/32]`` uint8, blocked along K.
-        b_qdata/b_scales: ``[E, N, K]`` e4m3 / ``[E, N, K/32]`` uint8, blocked along K.
+        b_qdata/b_scales: ``[E, N, K]`` e4m3 / ``[E, N, K/32]`` uint8, blocked along K (None: see
+            :func:`mx_mm`).
         offs: int32 ``[E]`` cumulative group ends (empty groups allowed).
         out_dtype: result dtype.
         b_dequantized: optional bf16 ``[E, N, K]`` = ``dequant(B)`` (see :func:`mx_mm`).
@@ -496,7 +506,8 @@ def _grouped_mm_op(
 
 @_grouped_mm_op.register_fake
 def _(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, b_dequantized=None, a_dequantized=None):
-    return a_qdata.new_empty((a_qdata.shape[0], b_qdata.shape[1]), dtype=out_dtype)
+    b = b_qdata if b_qdata is not None else b_dequantized
+    return a_qdata.new_empty((a_qdata.shape[0], b.shape[1]), dtype=out_dtype)
 
 
 @torch.library.custom_op("mxfx::grouped_mm_wgrad", mutates_args=())
