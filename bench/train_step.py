@@ -162,8 +162,11 @@ def batches(a, batch: int, n: int):
 MX_ARMS = ("mxfp8", "mxfp8dq", "mxfp8opaque")
 
 
-def profile_step(step, x, y) -> str:
-    """One step under torch.profiler: host (CPU) time of the step, device kernel time, top device ops."""
+def profile_step(step, x, y, path: str | None = None) -> str:
+    """One step under torch.profiler: host (CPU) time of the step, device kernel time, top device ops.
+
+    With ``path``, every device op of the step (time, calls, name) is written there too.
+    """
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -175,11 +178,15 @@ def profile_step(step, x, y) -> str:
         wall = time.perf_counter() - t0
     ev = prof.key_averages()
     device_us = sum(e.self_device_time_total for e in ev)
-    top = sorted(ev, key=lambda e: -e.self_device_time_total)[:8]
+    ranked = [e for e in sorted(ev, key=lambda e: -e.self_device_time_total) if e.self_device_time_total > 0]
+    row = lambda e: f"  {e.self_device_time_total / 1e3:7.2f} ms  {e.count:5d}x  {e.key[:110]}"  # noqa: E731
     lines = [f"profile: host returns after {host * 1e3:.1f} ms, step wall {wall * 1e3:.1f} ms, "
              f"device busy {device_us / 1e3:.1f} ms (profiler overhead included)"]
-    lines += [f"  {e.self_device_time_total / 1e3:7.2f} ms  {e.count:5d}x  {e.key[:90]}" for e in top]
-    return "\n".join(lines)
+    if path:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            f.write("\n".join(lines + [row(e) for e in ranked]) + "\n")
+    return "\n".join(lines + [row(e) for e in ranked[:20]])
 
 
 def run_arm(arm: str, mcfg: MoEConfig, a, batch: int) -> dict:
@@ -237,7 +244,7 @@ def run_arm(arm: str, mcfg: MoEConfig, a, batch: int) -> dict:
             losses=[float(v) for v in torch.stack(losses).tolist()],
         )
         if arm in a.profile.split(",") and dev == "cuda":
-            res["profile"] = profile_step(step, *data[-1])
+            res["profile"] = profile_step(step, *data[-1], os.path.join(a.out, f"profile_{arm}_b{batch}.txt"))
             print(f"{arm} {res['profile']}", flush=True)
         if arm in MX_ARMS:
             import mxfx
