@@ -376,6 +376,35 @@ def test_keep_dequantized_weights_compiled():
     assert b1 == 2 * 2 * model.b.weight.numel(), "second layer: forward and dgrad bf16 forms, no MX form"
 
 
+def test_dual_operand_values_only_where_emulated(monkeypatch):
+    """Emulated GEMMs get both orientations as dequantized values alone (one pass, no MX pair); a GEMM
+    given A or B that way equals the one given the pairs; native GEMMs get the pairs and refuse None."""
+    from mxfx import format as mxf
+
+    torch.manual_seed(15)
+    x, w = torch.randn(64, 96), torch.randn(32, 96)
+    rq, rs = mxf.quantize_lastdim(x, "rceil")
+    cq, cs = mxf.quantize_lastdim(x.t(), "rceil")
+    q, s, h, qt, st, ht = gemm.quantize_dual_operand(x, "rceil")  # CPU: emulated
+    assert (q, s, qt, st) == (None,) * 4
+    assert torch.equal(h, mxf.dequantize_lastdim(rq, rs, torch.float32))
+    assert torch.equal(ht, mxf.dequantize_lastdim(cq, cs, torch.float32)) and ht.shape == (96, 64)
+    wq, ws = mxf.quantize_lastdim(w, "rceil")
+    w_hat = mxf.dequantize_lastdim(wq, ws, torch.bfloat16)
+    ref = gemm.mx_mm(rq, rs, wq, ws, torch.float32)
+    assert torch.equal(gemm.mx_mm(None, None, wq, ws, torch.float32, None, h), ref)
+    assert torch.equal(gemm.mx_mm(None, None, None, None, torch.float32, w_hat, h), ref)
+    with pytest.raises(ValueError, match="A has neither an MX pair nor dequantized values"):
+        gemm.mx_mm(None, None, wq, ws, torch.float32)
+    monkeypatch.setattr(gemm, "_capability", lambda device: (10, 0))  # native selection
+    q, s, h, qt, st, ht = gemm.quantize_dual_operand(x, "rceil")
+    assert h is None and ht is None
+    for got, want in ((q, rq), (s, rs), (qt, cq), (st, cs)):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    with pytest.raises(ValueError, match="native MX GEMMs need B's MX pair"):
+        gemm.native_mm_operands(rq, rs, None, None)
+
+
 # --- min_size="auto" ---------------------------------------------------------------------------
 
 

@@ -60,11 +60,12 @@ def inline_in_graph(t: torch.Tensor) -> bool:
 
 def op_or_body(op, body, doc: str):
     """The function MX autograd code calls for one op: ``body(*args)`` (the op's Python body, whose
-    kernels then enter the graph) when :func:`inline_in_graph` holds for the first argument, else
-    the custom op ``op(*args)``. ``doc`` becomes its docstring."""
+    kernels then enter the graph) when :func:`inline_in_graph` holds for the first tensor argument,
+    else the custom op ``op(*args)``. ``doc`` becomes its docstring."""
 
     def call(*args, **kwargs):
-        return body(*args, **kwargs) if inline_in_graph(args[0]) else op(*args, **kwargs)
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        return body(*args, **kwargs) if inline_in_graph(first) else op(*args, **kwargs)
 
     call.__doc__ = doc
     return call

@@ -65,6 +65,22 @@ def _(x, rule):
     )
 
 
+def _quantize_dual_dequantized(x: torch.Tensor, rule: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    _, _, h_row, _, _, h_col = kernels.quantize_dual_source(x, rule, dequantized=dtype, mx=False)
+    return h_row, h_col.transpose(-2, -1)
+
+
+@torch.library.custom_op("mxfx::quantize_dual_dequantized", mutates_args=())
+def _quantize_dual_dequantized_op(x: torch.Tensor, rule: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` -> the dequantized values of its rowwise and its columnwise MX, both ``[M, K]`` of ``dtype``."""
+    return _quantize_dual_dequantized(x, rule, dtype)
+
+
+@_quantize_dual_dequantized_op.register_fake
+def _(x, rule, dtype):
+    return x.new_empty(x.shape, dtype=dtype), x.new_empty(x.shape, dtype=dtype)
+
+
 @torch.library.custom_op("mxfx::quantize_dequantize", mutates_args=())
 def _quantize_dequantize_op(x: torch.Tensor, rule: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x [..., K]`` -> ``(qdata, scales, x_hat)`` with ``x_hat`` the dequantized ``dtype`` tensor."""
@@ -128,6 +144,10 @@ dequantize = op_or_body(_dequantize_op, kernels.dequantize_lastdim, """``(qdata 
 dtype)`` -> ``[..., K]`` of ``dtype`` (``mxfx::dequantize``).""")
 quantize_dual = op_or_body(_quantize_dual_op, kernels.quantize_dual, """``x [M, K]`` -> rowwise ``(q [M, K],
 s [M, K/32])`` and columnwise ``(q [K, M], s [K, M/32])`` (``mxfx::quantize_dual``).""")
+quantize_dual_dequantized = op_or_body(_quantize_dual_dequantized_op, _quantize_dual_dequantized, """``(x [M, K],
+rule, dtype)`` -> ``(row_hat, col_hat)``, both ``[M, K]`` of ``dtype`` in x's layout: the dequantized values of
+x's rowwise MX (blocks along K) and of its columnwise MX (blocks down M), from one read, no MX pair written
+(``mxfx::quantize_dual_dequantized``; what an emulated GEMM reads of both orientations).""")
 quantize_dequantize = op_or_body(_quantize_dequantize_op, kernels.quantize_dequantize, """``(x [..., K], rule,
 dtype)`` -> ``(qdata, scales, x_hat)``, x_hat the dequantized ``dtype`` tensor (``mxfx::quantize_dequantize``).""")
 swiglu_quantize = op_or_body(_swiglu_quantize_op, kernels.swiglu_quantize, """MX quantize of ``silu(gate) * up``

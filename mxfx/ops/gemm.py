@@ -75,6 +75,14 @@ def arch_of(capability: tuple[int, int] | None) -> str:
 # --- emulation (any device) --------------------------------------------------------------------
 
 
+def _device(*tensors) -> torch.device:
+    """The device of the first tensor given (operands may arrive as dequantized values alone)."""
+    for t in tensors:
+        if t is not None:
+            return t.device
+    raise ValueError("mxfx.gemm: A has neither an MX pair nor dequantized values; pass its qdata and scales")
+
+
 def _emulation_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "cpu" else torch.bfloat16
 
@@ -85,9 +93,10 @@ def _dequantized(a_qdata, a_scales, b_qdata, b_scales, b_dequantized=None, a_deq
     ``b_dequantized`` (the cached BF16 weight) replaces dequantizing B when given, ``a_dequantized``
     (written by the activation's quantize pass, :func:`quantize_operand`) dequantizing A.
     """
-    if b_qdata is None and b_dequantized is None:
-        raise ValueError("mxfx.gemm: B has neither an MX pair nor dequantized values; pass b_qdata and b_scales")
-    cdt = _emulation_dtype(a_qdata.device)
+    for name, q, hat in (("A", a_qdata, a_dequantized), ("B", b_qdata, b_dequantized)):
+        if q is None and hat is None:
+            raise ValueError(f"mxfx.gemm: {name} has neither an MX pair nor dequantized values; pass its qdata and scales")
+    cdt = _emulation_dtype(_device(a_qdata, a_dequantized))
     # Plain kernel calls, not the mxfx::dequantize op: this runs inside a GEMM op's own implementation
     # (or is traced into a CUDA graph), where a nested custom op would only add dispatcher overhead.
     a = dequantize_lastdim(a_qdata, a_scales, cdt) if a_dequantized is None else a_dequantized.to(cdt)
@@ -418,8 +427,8 @@ def colwise_in_source_layout(device: torch.device, op: str = "mm") -> bool:
 
 @torch.library.custom_op("mxfx::mm", mutates_args=())
 def _mm_op(
-    a_qdata: torch.Tensor,
-    a_scales: torch.Tensor,
+    a_qdata: Optional[torch.Tensor],
+    a_scales: Optional[torch.Tensor],
     b_qdata: Optional[torch.Tensor],
     b_scales: Optional[torch.Tensor],
     out_dtype: torch.dtype,
@@ -437,18 +446,21 @@ def _mm_op(
             cache under ``keep_dequantized_weights``); emulation uses it instead of
             dequantizing B, native paths ignore it.
         a_dequantized: optional ``dequant(A)`` in the emulation dtype, written by the
-            quantize pass that made A (:func:`quantize_operand`); likewise.
+            quantize pass that made A (:func:`quantize_operand`); likewise. With it, an
+            emulated GEMM also takes ``a_qdata`` and ``a_scales`` as None
+            (:func:`quantize_dual_operand`).
 
     Runs natively on sm100/sm120 (``torch._scaled_mm``), emulated elsewhere (see module docstring).
     """
-    _, fn = gemm_impl("mm", a_qdata.device)
+    _, fn = gemm_impl("mm", _device(a_qdata, a_dequantized))
     return fn(a_qdata, a_scales, b_qdata, b_scales, out_dtype, b_dequantized, a_dequantized)
 
 
 @_mm_op.register_fake
 def _(a_qdata, a_scales, b_qdata, b_scales, out_dtype, b_dequantized=None, a_dequantized=None):
+    a = a_qdata if a_qdata is not None else a_dequantized
     b = b_qdata if b_qdata is not None else b_dequantized
-    return a_qdata.new_empty((a_qdata.shape[0], b.shape[0]), dtype=out_dtype)
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
 def quantize_operand(x: torch.Tensor, rule: str, op: str = "mm"):
@@ -466,6 +478,25 @@ def quantize_operand(x: torch.Tensor, rule: str, op: str = "mm"):
     return q, s, None
 
 
+def quantize_dual_operand(x: torch.Tensor, rule: str, op: str = "mm"):
+    """Both orientations of ``x [M, K]`` as GEMM operands, from one read:
+    ``(q_row, s_row, row_hat, q_col, s_col, col_hat)``.
+
+    The rowwise operand is blocked along K (``[M, K]``, a dgrad's A); the columnwise one down M
+    (``[K, M]``, a wgrad's A). Where GEMM ``op`` is emulated on x's device (Hopper, CPU), the pass
+    writes only the dequantized values of both, in the emulation dtype, and the MX pairs are None
+    (``mxfx::quantize_dual_dequantized``: the GEMMs read nothing else, and no dequantize pass
+    follows); ``col_hat`` is then the transpose view of an ``[M, K]`` tensor. On native MX GEMMs
+    the MX pairs come back (``mxfx::quantize_dual``, contiguous) and the ``*_hat`` are None. Same
+    values either way. M and K must be multiples of 32 (pad the tokens first).
+    """
+    if gemm_impl(op, x.device)[0] == "emulated":
+        row_hat, col_hat = kops.quantize_dual_dequantized(x, rule, _emulation_dtype(x.device))
+        return None, None, row_hat, None, None, col_hat.transpose(-2, -1)
+    q, s, qt, st = kops.quantize_dual(x, rule)
+    return q, s, None, qt, st, None
+
+
 def hp_mm_t(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """High-precision ``a[M,K] @ b[N,K]^T`` with fp32 accumulation (the "bf16" wgrad path)."""
     if a.device.type == "cpu":
@@ -477,8 +508,8 @@ def hp_mm_t(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.T
 
 @torch.library.custom_op("mxfx::grouped_mm", mutates_args=())
 def _grouped_mm_op(
-    a_qdata: torch.Tensor,
-    a_scales: torch.Tensor,
+    a_qdata: Optional[torch.Tensor],
+    a_scales: Optional[torch.Tensor],
     b_qdata: Optional[torch.Tensor],
     b_scales: Optional[torch.Tensor],
     offs: torch.Tensor,
@@ -500,14 +531,15 @@ def _grouped_mm_op(
     Returns ``[S, N]``; rows past ``offs[-1]`` are zero. Native on sm100
     (``torch._scaled_grouped_mm``), emulated elsewhere.
     """
-    _, fn = gemm_impl("grouped_mm", a_qdata.device)
+    _, fn = gemm_impl("grouped_mm", _device(a_qdata, a_dequantized))
     return fn(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, b_dequantized, a_dequantized)
 
 
 @_grouped_mm_op.register_fake
 def _(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, b_dequantized=None, a_dequantized=None):
+    a = a_qdata if a_qdata is not None else a_dequantized
     b = b_qdata if b_qdata is not None else b_dequantized
-    return a_qdata.new_empty((a_qdata.shape[0], b.shape[1]), dtype=out_dtype)
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
 @torch.library.custom_op("mxfx::grouped_mm_wgrad", mutates_args=())
@@ -540,7 +572,7 @@ def _(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype):
 
 def _traced_body(op: str):
     """The body of GEMM op ``op`` for tracing: the implementation :func:`gemm_impl` picks for the operands' device."""
-    return lambda a_qdata, *rest: gemm_impl(op, a_qdata.device)[1](a_qdata, *rest)
+    return lambda *args: gemm_impl(op, _device(*(a for a in args if isinstance(a, torch.Tensor))))[1](*args)
 
 
 _TRACED = "Traced on CUDA, the picked implementation's kernels and GEMM enter the graph (:mod:`mxfx.kernels.launch`)."
@@ -555,8 +587,8 @@ mx_grouped_mm_wgrad = op_or_body(
 
 
 @torch.library.custom_op("mxfx::grouped_wgrad_bf16", mutates_args=())
-def _grouped_wgrad_bf16_op(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """BF16 per-group ``dy[grp]^T @ x[grp]``: ``dy [S, N]``, ``x [S, K]``, int32 ``offs [E]`` -> ``[E, N, K]``.
+def _grouped_wgrad_bf16_op(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """BF16 per-group ``dy[grp]^T @ x[grp]``: ``dy [S, N]``, ``x [S, K]``, int32 ``offs [E]`` -> bf16 ``[E, N, K]``.
 
     Groups may end anywhere. CUDA's grouped GEMM takes unaligned group ends along the reduction
     dim only when A is column-major and B row-major (torch's own ``_grouped_mm`` backward layouts;
@@ -565,7 +597,9 @@ def _grouped_wgrad_bf16_op(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor
     group to 32 rows (a zero fill and a scatter of both operands), which cost more than the GEMM
     (``bench/probes/grouped_wgrad_alignment.py``).
 
-    The result is the BF16 GEMM's output (fp32 accumulation, rounded to bf16) cast to ``out_dtype``.
+    The result is the BF16 GEMM's output (fp32 accumulation, rounded to bf16). The cast to the
+    weight's dtype stays outside the op (:func:`hp_grouped_wgrad`), where a compiler fuses it: an
+    eager cast of an FP32 expert-weight gradient ran at half of copy bandwidth on the H200.
     Group ends must be non-decreasing and at most S (they are data: not checked on the host); rows past
     ``offs[-1]`` are ignored. On CUDA, N and K must be multiples of 8 (16-byte rows).
 
@@ -578,17 +612,18 @@ def _grouped_wgrad_bf16_op(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor
             f"x {tuple(x.shape)}, offs {tuple(offs.shape)} {offs.dtype}"
         )
     dy, x = dy.to(torch.bfloat16).contiguous(), x.to(torch.bfloat16).contiguous()
-    return torch._grouped_mm(dy.t(), x, offs=offs).to(out_dtype)
+    return torch._grouped_mm(dy.t(), x, offs=offs)
 
 
 @_grouped_wgrad_bf16_op.register_fake
-def _(dy, x, offs, out_dtype):
-    return dy.new_empty((offs.shape[0], dy.shape[1], x.shape[1]), dtype=out_dtype)
+def _(dy, x, offs):
+    return dy.new_empty((offs.shape[0], dy.shape[1], x.shape[1]), dtype=torch.bfloat16)
 
 
 def hp_grouped_wgrad(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """BF16 per-group ``dy[grp]^T @ x[grp]`` -> ``[E, N, K]`` (the routed "bf16" wgrad, seed Table 25).
 
-    ``mxfx::grouped_wgrad_bf16`` (see :func:`_grouped_wgrad_bf16_op`): no group padding needed.
+    ``mxfx::grouped_wgrad_bf16`` (see :func:`_grouped_wgrad_bf16_op`): no group padding needed;
+    the result cast to ``out_dtype`` outside the op.
     """
-    return _grouped_wgrad_bf16_op(dy, x, offs, out_dtype)
+    return _grouped_wgrad_bf16_op(dy, x, offs).to(out_dtype)

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from mxfx.cache import weight_operands
 from mxfx.kernels import ops as kops
 from mxfx.ops import swiglu
-from mxfx.ops.gemm import hp_mm_t, mx_mm, quantize_operand
+from mxfx.ops.gemm import hp_mm_t, mx_mm, quantize_dual_operand, quantize_operand
 from mxfx.policy import check_precisions
 
 
@@ -76,10 +76,10 @@ class _MXLinear(torch.autograd.Function):
         dy = dy.contiguous()
         need_dw = ctx.needs_input_grad[2]
         mx_wgrad = need_dw and kind in ("mx_tokens", "hp_tokens")
+        dyt_hat = None
         if mx_wgrad:  # dY rowwise for dgrad and token-blocked for wgrad, from one read
-            dyq, dys, dyq_t, dys_t = kops.quantize_dual(_pad_tokens(dy), rule)
-            dyq, dys = dyq[:m], dys[:m]
-            dy_hat = None
+            dyq, dys, dy_hat, dyq_t, dys_t, dyt_hat = quantize_dual_operand(_pad_tokens(dy), rule)
+            dyq, dys, dy_hat = (None if t is None else t[:m] for t in (dyq, dys, dy_hat))
         else:
             dyq, dys, dy_hat = quantize_operand(dy, rule)
         dx = dup = None
@@ -94,7 +94,7 @@ class _MXLinear(torch.autograd.Function):
         if mx_wgrad:
             if kind == "hp_tokens":
                 wgrad_input = kops.quantize(_pad_tokens(wgrad_input[0]).t(), rule)
-            dw = mx_mm(dyq_t, dys_t, *wgrad_input, weight.dtype)
+            dw = mx_mm(dyq_t, dys_t, *wgrad_input, weight.dtype, None, dyt_hat)
         elif need_dw:
             x_saved = wgrad_input[0] if kind == "hp" else kops.dequantize(*wgrad_input, out_dtype)
             dw = hp_mm_t(dy.t(), x_saved.t(), weight.dtype)
