@@ -308,6 +308,21 @@ def swiglu_ref(g, u, rule):
     return mxf.quantize_lastdim(F.silu(g.float()) * u.float(), rule)
 
 
+def with_values(pair, dtype):
+    """A reference MX pair plus its dequantized values: what the ``dequantized=`` forms return."""
+    return (*pair, mxf.dequantize_lastdim(pair[0].cpu(), pair[1].cpu(), dtype))
+
+
+def test_cpu_fused_quantize_dequantized_forms():
+    """SwiGLU and route-weight quantize with ``dequantized=``: the pair, plus its values, on the CPU path."""
+    g, u, w = torch.randn(40, 64) * 3, special_rows(torch.randn(40, 64)), torch.rand(40)
+    assert_same(dispatch.swiglu_quantize(g, u, "floor", torch.bfloat16), with_values(swiglu_ref(g, u, "floor"), torch.bfloat16))
+    ref = mxf.quantize_lastdim(u * w[:, None], "rceil")
+    assert_same(dispatch.route_weight_quantize(u, w, "rceil", torch.float32), with_values(ref, torch.float32))
+    with pytest.raises(TypeError, match=r"route_weight_quantize: output dtype torch.int8 for dy of shape \(40, 64\)"):
+        dispatch.route_weight_quantize(u, w, "rceil", torch.int8)
+
+
 @cuda
 @pytest.mark.parametrize("rule", mxf.SCALE_RULES)
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -316,6 +331,7 @@ def test_swiglu_quantize(shape, dtype, rule):
     g, u = rand(shape, dtype, scale_rows=False) * 4, special_rows(rand(shape, dtype))
     got = dispatch.swiglu_quantize(g, u, rule)
     assert_same(got, swiglu_ref(g, u, rule))  # torch's CUDA silu: the same fp32 arithmetic
+    assert_same(dispatch.swiglu_quantize(g, u, rule, torch.bfloat16), with_values(got, torch.bfloat16))
     q_cpu, s_cpu = swiglu_ref(g.cpu(), u.cpu(), rule)  # CPU exp may differ by an ulp
     diff = (got[0].cpu().view(torch.uint8) != q_cpu.view(torch.uint8)).float().mean().item()
     assert diff < 1e-4 and (got[1].cpu() != s_cpu).float().mean().item() < 1e-3
@@ -328,6 +344,7 @@ def test_swiglu_quantize_fused_gate_up():
     assert_same(dispatch.swiglu_quantize(g, u, "rceil"), swiglu_ref(g, u, "rceil"))
     g2, u2 = gu[..., ::2], gu[..., 1::2]  # interleaved halves
     assert_same(dispatch.swiglu_quantize(g2, u2, "rceil"), swiglu_ref(g2, u2, "rceil"))
+    assert_same(dispatch.swiglu_quantize(g, u, "rceil", torch.float32), with_values(swiglu_ref(g, u, "rceil"), torch.float32))
 
 
 @cuda
@@ -340,6 +357,7 @@ def test_route_weight_quantize(shape, w_shape, dy_dtype):
     w = w if w_shape == "s" else w[:, None]
     ref = mxf.quantize_lastdim(dy.cpu().float() * w.cpu().float().reshape(-1, 1), "rceil")
     assert_same(dispatch.route_weight_quantize(dy, w, "rceil"), ref)
+    assert_same(dispatch.route_weight_quantize(dy, w, "rceil", torch.bfloat16), with_values(ref, torch.bfloat16))
     assert_same(dispatch.route_weight_quantize(dy, w.bfloat16(), "rceil"),
                 mxf.quantize_lastdim(dy.cpu().float() * w.cpu().bfloat16().float().reshape(-1, 1), "rceil"))
 
@@ -391,6 +409,8 @@ def _interpreter_checks():
     assert_same(quantize.quantize_dequantize(x, "rceil", torch.bfloat16), (rq, rs, mxf.dequantize_lastdim(rq, rs, torch.bfloat16)))
     w = 2.0 ** torch.randint(-3, 3, (96,)).float()
     assert_same(quantize.route_weight_quantize(x, w, "rceil"), mxf.quantize_lastdim(x * w[:, None], "rceil"))
+    assert_same(quantize.route_weight_quantize(x, w, "rceil", torch.float32),
+                with_values(mxf.quantize_lastdim(x * w[:, None], "rceil"), torch.float32))
     for dt in DTYPES:
         assert same_bits(dequantize.dequantize_lastdim(rq, rs, dt), mxf.dequantize_lastdim(rq, rs, dt))
     # strided layouts: row slices (2D tiles) and a transpose through the generic kernel

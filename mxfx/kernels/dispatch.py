@@ -157,28 +157,38 @@ def quantize_dequantize(x: torch.Tensor, rule: str, dtype: torch.dtype):
 
         return tq.quantize_dequantize(x, rule, dtype)
     _check(x, rule, "mxfx.quantize_dequantize")
-    q, s = mxf.quantize_lastdim(x, rule)
-    return q, s, mxf.dequantize_lastdim(q, s, dtype)
+    return _with_dequantized(mxf.quantize_lastdim(x, rule), dtype)
 
 
-def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """MX quantize of ``silu(gate) * up`` formed in fp32 (no 16-bit intermediate)."""
+def _with_dequantized(pair: tuple, dtype: torch.dtype | None) -> tuple:
+    return pair if dtype is None else (*pair, mxf.dequantize_lastdim(*pair, dtype))
+
+
+def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str, dequantized: torch.dtype | None = None):
+    """MX quantize of ``silu(gate) * up`` formed in fp32 (no 16-bit intermediate): ``(qdata, scales)``,
+    or ``(qdata, scales, h_hat)`` with ``dequantized`` (h_hat = dequantize(qdata, scales) in that dtype,
+    written by the same pass)."""
+    if dequantized is not None:
+        mxf.check_output_dtype(dequantized, gate, "mxfx.swiglu_quantize", name="gate")
     if triton_available(gate):
         from mxfx.kernels import swiglu
 
-        return swiglu.swiglu_quantize(gate, up, rule)
+        return swiglu.swiglu_quantize(gate, up, rule, dequantized)
     _check(gate, rule, "mxfx.swiglu_quantize")
     _check(up, rule, "mxfx.swiglu_quantize")
     if gate.shape != up.shape:
         raise ValueError(f"mxfx.swiglu_quantize: gate of shape {tuple(gate.shape)} and up of shape {tuple(up.shape)} must match")
-    return mxf.quantize_lastdim(F.silu(gate.float()) * up.float(), rule)
+    return _with_dequantized(mxf.quantize_lastdim(F.silu(gate.float()) * up.float(), rule), dequantized)
 
 
-def route_weight_quantize(dy: torch.Tensor, weight: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """MX quantize of ``dy [S, D] * weight [S, 1]`` formed in fp32 (combine backward, seed Table 25)."""
+def route_weight_quantize(dy: torch.Tensor, weight: torch.Tensor, rule: str, dequantized: torch.dtype | None = None):
+    """MX quantize of ``dy [S, D] * weight [S, 1]`` formed in fp32 (combine backward, seed Table 25):
+    ``(qdata, scales)``, or with ``dequantized`` also the dequantized values from the same pass."""
+    if dequantized is not None:
+        mxf.check_output_dtype(dequantized, dy, "mxfx.route_weight_quantize", name="dy")
     if triton_available(dy):
         from mxfx.kernels import quantize as tq
 
-        return tq.route_weight_quantize(dy, weight, rule)
+        return tq.route_weight_quantize(dy, weight, rule, dequantized)
     _check(dy, rule, "mxfx.route_weight_quantize")
-    return mxf.quantize_lastdim(dy.float() * weight.float().reshape(-1, 1), rule)
+    return _with_dequantized(mxf.quantize_lastdim(dy.float() * weight.float().reshape(-1, 1), rule), dequantized)

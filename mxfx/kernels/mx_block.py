@@ -177,6 +177,18 @@ def store_rowwise(q_ptr, s_ptr, qbits, sbyte, b, r0, c0, R, C, RPR, BLOCKED: tl.
         tl.store(s_base + ar[:, None] * (C // 32) + an[None, :], sbyte, mask=smask)
 
 
+@triton.jit
+def store_dequantized(h_ptr, qbits, sbyte, b, r0, c0, R, C, BR: tl.constexpr, BC: tl.constexpr):
+    """Store the values of a tile's blocks, ``dequant(qbits [BR, BC/32, 32], sbyte [BR, BC/32])``, into
+    contiguous [B, R, C] in ``h_ptr``'s dtype (laid out as :func:`store_rowwise` lays out the qdata)."""
+    h = qbits.to(tl.float8e4nv, bitcast=True).to(tl.float32) * decode_scale(sbyte)[:, :, None]
+    ar = tl.arange(0, BR)
+    ac = tl.arange(0, BC)
+    base = h_ptr + (b.to(tl.int64) * R + r0) * C + c0
+    mask = ((r0 + ar) < R)[:, None] & ((c0 + ac) < C)[None, :]
+    tl.store(base + ar[:, None] * C + ac[None, :], tl.reshape(h, [BR, BC]).to(h_ptr.dtype.element_ty), mask=mask)
+
+
 def flat_blocks(x3: torch.Tensor):
     """``[1, R, C]`` with contiguous rows -> ``([1, R*C/32, 32] view, RPR = C/32)``, else ``(x3, 1)``.
 

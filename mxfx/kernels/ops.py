@@ -89,11 +89,7 @@ def _quantize_dequantize_op(x: torch.Tensor, rule: str, dtype: torch.dtype) -> t
 
 @_quantize_dequantize_op.register_fake
 def _(x, rule, dtype):
-    return (
-        x.new_empty(x.shape, dtype=_E4M3),
-        x.new_empty(_scale_shape(x.shape), dtype=torch.uint8),
-        x.new_empty(x.shape, dtype=dtype),
-    )
+    return _mx_and_values_fake(x, dtype)
 
 
 @torch.library.custom_op("mxfx::swiglu_quantize", mutates_args=())
@@ -105,6 +101,40 @@ def _swiglu_quantize_op(gate: torch.Tensor, up: torch.Tensor, rule: str) -> tupl
 @_swiglu_quantize_op.register_fake
 def _(gate, up, rule):
     return gate.new_empty(gate.shape, dtype=_E4M3), gate.new_empty(_scale_shape(gate.shape), dtype=torch.uint8)
+
+
+def _mx_and_values_fake(x, dtype):
+    return (
+        x.new_empty(x.shape, dtype=_E4M3),
+        x.new_empty(_scale_shape(x.shape), dtype=torch.uint8),
+        x.new_empty(x.shape, dtype=dtype),
+    )
+
+
+@torch.library.custom_op("mxfx::swiglu_quantize_dequantize", mutates_args=())
+def _swiglu_quantize_dequantize_op(
+    gate: torch.Tensor, up: torch.Tensor, rule: str, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_swiglu_quantize_op` plus the dequantized values ``[..., H]`` of ``dtype``, from the same pass."""
+    return kernels.swiglu_quantize(gate, up, rule, dtype)
+
+
+@_swiglu_quantize_dequantize_op.register_fake
+def _(gate, up, rule, dtype):
+    return _mx_and_values_fake(gate, dtype)
+
+
+@torch.library.custom_op("mxfx::route_weight_quantize_dequantize", mutates_args=())
+def _route_weight_quantize_dequantize_op(
+    dy: torch.Tensor, weight: torch.Tensor, rule: str, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_route_weight_quantize_op` plus the dequantized values ``[S, D]`` of ``dtype``, from the same pass."""
+    return kernels.route_weight_quantize(dy, weight, rule, dtype)
+
+
+@_route_weight_quantize_dequantize_op.register_fake
+def _(dy, weight, rule, dtype):
+    return _mx_and_values_fake(dy, dtype)
 
 
 @torch.library.custom_op("mxfx::route_weight_quantize", mutates_args=())
@@ -152,6 +182,12 @@ quantize_dequantize = op_or_body(_quantize_dequantize_op, kernels.quantize_dequa
 dtype)`` -> ``(qdata, scales, x_hat)``, x_hat the dequantized ``dtype`` tensor (``mxfx::quantize_dequantize``).""")
 swiglu_quantize = op_or_body(_swiglu_quantize_op, kernels.swiglu_quantize, """MX quantize of ``silu(gate) * up``
 formed in fp32: ``gate, up [..., H]`` -> ``(q [..., H], s [..., H/32])`` (``mxfx::swiglu_quantize``).""")
+swiglu_quantize_dequantize = op_or_body(_swiglu_quantize_dequantize_op, kernels.swiglu_quantize, """``(gate,
+up, rule, dtype)`` -> ``(q, s, h_hat)``: :func:`swiglu_quantize` plus the dequantized values in ``dtype``
+(``mxfx::swiglu_quantize_dequantize``).""")
+route_weight_quantize_dequantize = op_or_body(_route_weight_quantize_dequantize_op, kernels.route_weight_quantize,
+"""``(dy, weight, rule, dtype)`` -> ``(q, s, x_hat)``: :func:`route_weight_quantize` plus the dequantized values
+in ``dtype`` (``mxfx::route_weight_quantize_dequantize``).""")
 route_weight_quantize = op_or_body(_route_weight_quantize_op, kernels.route_weight_quantize, """MX quantize of
 ``dy [S, D] * weight [S]`` formed in fp32 (``mxfx::route_weight_quantize``).""")
 quantize_blocked = op_or_body(_quantize_blocked_op, kernels.quantize_blocked, """``x [..., K]`` -> ``(qdata,

@@ -26,11 +26,11 @@ from mxfx.kernels.launch import launch
 from mxfx.format import check_block_axis, check_input, check_rule
 from mxfx.kernels.mx_block import (
     as_brc,
-    decode_scale,
     encode_blocks,
     flat_blocks,
     load_tile,
     scale_shape,
+    store_dequantized,
     store_rowwise,
     tile_origin,
 )
@@ -64,13 +64,7 @@ def _quantize(
     qbits, sbyte = encode_blocks(tl.reshape(v, [BR, BC // 32, 32]), 2, RCEIL)
     store_rowwise(q_ptr, s_ptr, qbits, sbyte, b, r0, c0, R, C, RPR, BLOCKED, BR, BC)
     if WRITE_XHAT:
-        xq = qbits.to(tl.float8e4nv, bitcast=True).to(tl.float32) * decode_scale(sbyte)[:, :, None]
-        ar = tl.arange(0, BR)
-        ac = tl.arange(0, BC)
-        base = xhat_ptr + (b.to(tl.int64) * R + r0) * C + c0
-        mask = ((r0 + ar) < R)[:, None] & ((c0 + ac) < C)[None, :]
-        tl.store(base + ar[:, None] * C + ac[None, :],
-                 tl.reshape(xq, [BR, BC]).to(xhat_ptr.dtype.element_ty), mask=mask)
+        store_dequantized(xhat_ptr, qbits, sbyte, b, r0, c0, R, C, BR, BC)
 
 
 _quantize_kernel = triton.jit(do_not_specialize=["R"])(_quantize)
@@ -133,12 +127,13 @@ def quantize_dequantize(x: torch.Tensor, rule: str, dtype: torch.dtype):
     return _launch(x, rule, xhat_dtype=dtype, op="mxfx.quantize_dequantize")
 
 
-def route_weight_quantize(dy: torch.Tensor, weight: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize ``dy [S, D] * weight [S] (or [S, 1])`` formed in fp32 -> ``(q [S, D], s [S, D/32])``."""
+def route_weight_quantize(dy: torch.Tensor, weight: torch.Tensor, rule: str, dequantized: torch.dtype | None = None):
+    """Quantize ``dy [S, D] * weight [S] (or [S, 1])`` formed in fp32 -> ``(q [S, D], s [S, D/32])``;
+    with ``dequantized``, ``(q, s, x_hat)``, x_hat = dequantize(q, s) in that dtype, from the same pass."""
     if dy.dim() != 2 or weight.numel() != dy.shape[0]:
         raise ValueError(
             f"mxfx.route_weight_quantize: expected dy [S, D] and weight [S] or [S, 1], got dy of shape "
             f"{tuple(dy.shape)} and weight of shape {tuple(weight.shape)}"
         )
-    q, s, _ = _launch(dy, rule, weight=weight.reshape(-1), op="mxfx.route_weight_quantize")
-    return q, s
+    q, s, hat = _launch(dy, rule, weight=weight.reshape(-1), xhat_dtype=dequantized, op="mxfx.route_weight_quantize")
+    return (q, s) if dequantized is None else (q, s, hat)

@@ -16,7 +16,16 @@ from triton.language.extra import libdevice
 
 from mxfx.format import check_block_axis, check_input, check_rule
 from mxfx.kernels.launch import launch
-from mxfx.kernels.mx_block import as_brc, encode_blocks, flat_blocks, load_tile, scale_shape, store_rowwise, tile_origin
+from mxfx.kernels.mx_block import (
+    as_brc,
+    encode_blocks,
+    flat_blocks,
+    load_tile,
+    scale_shape,
+    store_dequantized,
+    store_rowwise,
+    tile_origin,
+)
 
 FLAT_CONFIG = (32, 32, 2)
 """(BLOCK_R, BLOCK_C, num_warps) when gate and up are contiguous: BLOCK_R 32-value blocks per program."""
@@ -26,8 +35,8 @@ SWIGLU_CONFIG = (16, 256, 8)
 
 @triton.jit(do_not_specialize=["R"])
 def _swiglu_quantize_kernel(
-    g_ptr, u_ptr, q_ptr, s_ptr, R, C, sgb, sgr, sgc, sub, sur, suc, n_c_tiles,
-    RCEIL: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+    g_ptr, u_ptr, q_ptr, s_ptr, h_ptr, R, C, sgb, sgr, sgc, sub, sur, suc, n_c_tiles,
+    RCEIL: tl.constexpr, WRITE_XHAT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
 ):
     b, r0, c0 = tile_origin(n_c_tiles, BR, BC)
     g = load_tile(g_ptr, b, r0, c0, R, C, sgb, sgr, sgc, BR, BC)
@@ -35,10 +44,13 @@ def _swiglu_quantize_kernel(
     v = tl.math.div_rn(g, 1.0 + libdevice.exp(-g)) * u
     qbits, sbyte = encode_blocks(tl.reshape(v, [BR, BC // 32, 32]), 2, RCEIL)
     store_rowwise(q_ptr, s_ptr, qbits, sbyte, b, r0, c0, R, C, 1, False, BR, BC)
+    if WRITE_XHAT:
+        store_dequantized(h_ptr, qbits, sbyte, b, r0, c0, R, C, BR, BC)
 
 
-def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``gate, up [..., H]`` (CUDA, same shape, any strides) -> ``(q e4m3 [..., H], s uint8 [..., H/32])``."""
+def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str, dequantized: torch.dtype | None = None):
+    """``gate, up [..., H]`` (CUDA, same shape, any strides) -> ``(q e4m3 [..., H], s uint8 [..., H/32])``;
+    with ``dequantized``, ``(q, s, h_hat)``, h_hat = dequantize(q, s) in that dtype, from the same pass."""
     op = "mxfx.swiglu_quantize"
     for t in (gate, up):
         check_input(t, op)
@@ -54,11 +66,14 @@ def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str) -> tuple[to
     B, R, C = g3.shape
     q = torch.empty(gate.shape, dtype=torch.uint8, device=gate.device)
     s = torch.empty(scale_shape(gate.shape), dtype=torch.uint8, device=gate.device)
+    h = torch.empty(gate.shape, dtype=dequantized, device=gate.device) if dequantized is not None else None
     br, bc, warps = FLAT_CONFIG if C == 32 else SWIGLU_CONFIG
     n_c = triton.cdiv(C, bc)
     if R * C > 0:
         launch(
             _swiglu_quantize_kernel, (triton.cdiv(R, br) * n_c, B),
-            g3, u3, q, s, R, C, *g3.stride(), *u3.stride(), n_c, RCEIL=rule == "rceil", BR=br, BC=bc, num_warps=warps,
+            g3, u3, q, s, h if h is not None else g3, R, C, *g3.stride(), *u3.stride(), n_c,
+            RCEIL=rule == "rceil", WRITE_XHAT=h is not None, BR=br, BC=bc, num_warps=warps,
         )
-    return q.view(torch.float8_e4m3fn), s
+    q = q.view(torch.float8_e4m3fn)
+    return (q, s) if h is None else (q, s, h)

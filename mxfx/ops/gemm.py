@@ -472,10 +472,18 @@ def quantize_operand(x: torch.Tensor, rule: str, op: str = "mm"):
     ``a_dequantized`` and the GEMM reads it instead of dequantizing A again. On native MX GEMMs
     ``x_hat`` is None. Same values either way.
     """
-    if gemm_impl(op, x.device)[0] == "emulated":
-        return kops.quantize_dequantize(x, rule, _emulation_dtype(x.device))
+    dtype = emulated_operand_dtype(op, x.device)
+    if dtype is not None:
+        return kops.quantize_dequantize(x, rule, dtype)
     q, s = kops.quantize(x, rule)
     return q, s, None
+
+
+def emulated_operand_dtype(op: str, device: torch.device) -> torch.dtype | None:
+    """The dtype GEMM ``op`` reads its operands in where it is emulated on ``device`` (bf16 on CUDA,
+    fp32 on CPU), None where it runs natively. A quantize pass that makes an operand of an emulated
+    GEMM writes its dequantized values in this dtype too, so that no dequantize pass follows."""
+    return _emulation_dtype(device) if gemm_impl(op, device)[0] == "emulated" else None
 
 
 def quantize_dual_operand(x: torch.Tensor, rule: str, op: str = "mm"):
@@ -490,8 +498,9 @@ def quantize_dual_operand(x: torch.Tensor, rule: str, op: str = "mm"):
     the MX pairs come back (``mxfx::quantize_dual``, contiguous) and the ``*_hat`` are None. Same
     values either way. M and K must be multiples of 32 (pad the tokens first).
     """
-    if gemm_impl(op, x.device)[0] == "emulated":
-        row_hat, col_hat = kops.quantize_dual_dequantized(x, rule, _emulation_dtype(x.device))
+    dtype = emulated_operand_dtype(op, x.device)
+    if dtype is not None:
+        row_hat, col_hat = kops.quantize_dual_dequantized(x, rule, dtype)
         return None, None, row_hat, None, None, col_hat.transpose(-2, -1)
     q, s, qt, st = kops.quantize_dual(x, rule)
     return q, s, None, qt, st, None

@@ -47,7 +47,7 @@ class _MXLinear(torch.autograd.Function):
         x_hat = None  # dequant(xq, xs) from the quantize pass itself (emulated GEMMs), else None
         if wgrad == "mxfp8" and up is not None:
             # SwiGLU: fused rowwise quantize for the GEMM; the token-blocked copy from the fp32 product.
-            xq, xs = kops.swiglu_quantize(x2d, up, rule)
+            xq, xs, x_hat = swiglu.quantize_input(x2d, up, rule)
             kind, wgrad_input = "mx_tokens", kops.quantize(_pad_tokens(swiglu.swiglu_fp32(x2d, up)).t(), rule)
         elif wgrad == "mxfp8" and save == "mxfp8":
             # Rowwise for the forward GEMM and token-blocked for wgrad, from one read.

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from mxfx.kernels import ops as kops
-from mxfx.ops.gemm import quantize_operand
+from mxfx.ops.gemm import emulated_operand_dtype, quantize_operand
 
 
 def swiglu_fp32(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -25,12 +25,15 @@ def swiglu_fp32(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def quantize_input(x: torch.Tensor, up: torch.Tensor | None, rule: str, op: str = "mm") -> tuple:
     """Rowwise MX of the input of GEMM ``op`` ("mm" or "grouped_mm"): ``(qdata, scales, x_hat or None)``.
 
-    ``x`` itself through :func:`mxfx.ops.gemm.quantize_operand` (which also returns its dequantized
-    form where the GEMM is emulated), or ``silu(x) * up`` with the fused SwiGLU quantize when ``up``
-    is given (no dequantized form).
+    ``x`` itself through :func:`mxfx.ops.gemm.quantize_operand`, or ``silu(x) * up`` with the fused
+    SwiGLU quantize when ``up`` is given; either pass also writes the dequantized form where the GEMM
+    is emulated (:func:`mxfx.ops.gemm.emulated_operand_dtype`).
     """
     if up is None:
         return quantize_operand(x, rule, op)
+    dtype = emulated_operand_dtype(op, x.device)
+    if dtype is not None:
+        return kops.swiglu_quantize_dequantize(x, up, rule, dtype)
     return (*kops.swiglu_quantize(x, up, rule), None)
 
 
