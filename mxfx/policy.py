@@ -184,11 +184,12 @@ class Policy(_NamedFields):
             average rows per expert as M. Without a table for the device it warns
             once and rewrites everything eligible.
         keep_dequantized_weights: where the GEMM is emulated (no native MX GEMM:
-            Hopper, CPU), also keep each MX weight's dequantized BF16 forward and
-            dgrad operands in the weight cache (rebuilt once per optimizer step with
-            it) and feed them to the GEMM, saving the weight dequantize in every
-            GEMM. Costs 2 bytes per weight value per orientation of persistent
-            memory (4 bytes per value for both). Results are identical. Off by default.
+            Hopper, CPU), cache each MX weight's dequantized BF16 forward and dgrad
+            operands instead of its MX forms (rebuilt once per optimizer step, in one
+            pass over the weight) and feed them to the GEMM, saving the weight
+            dequantize in every GEMM. Holds 2 bytes per weight value per orientation
+            (4 for both, against about 2 for the MX forms). Results are identical.
+            Off by default.
         rules: user rules, checked in order before :data:`DEFAULT_RULES`.
         passes: per-pass on/off switches, e.g. ``{"linear": False}``.
         inner: compiler run after the rewrite: "inductor" (default), "aot_eager",
