@@ -127,8 +127,8 @@ def quantize_dual_source(x: torch.Tensor, rule: str, *, row: bool = True, col: b
     contiguous ``[.., M, K]`` / ``[.., M/32, K]`` tensors (the source layout); ``h_*`` are the
     dequantized values in ``dequantized`` (None without it); orientations not asked for are None,
     and so are the pairs with ``mx=False`` (the dequantized values alone, one read, no MX writes).
-    Raises ValueError unless x is 2D/3D with M and K multiples of 32, or when neither orientation
-    is asked for; TypeError for an input dtype other than bf16/fp16/fp32 or a ``dequantized``
+    Raises ValueError unless x is 2D/3D with M and K multiples of 32, when neither orientation
+    is asked for, or with ``mx=False`` and no ``dequantized``; TypeError for an input dtype other than bf16/fp16/fp32 or a ``dequantized``
     dtype other than those (:func:`check_dual_args`, the same on every device).
     """
     if triton_available(x):
