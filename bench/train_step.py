@@ -358,7 +358,7 @@ def main():
     p.add_argument("--phases", default="1,2", help="1: fixed batch; 2: max batch in the budget (CUDA only)")
     p.add_argument("--budget-gib", type=float, default=60.0)
     p.add_argument("--max-batch-cap", type=int, default=64)
-    p.add_argument("--oom-tries", type=int, default=3)
+    p.add_argument("--oom-tries", type=int, default=4)
     p.add_argument("--profile", default="", help="comma-separated arms to profile for one extra step (CUDA)")
     p.add_argument("--inner", default="inductor", help="compiler for every arm (aot_eager for fast smoke runs)")
     p.add_argument("--seed", type=int, default=1337)
