@@ -188,7 +188,9 @@ class Policy(_NamedFields):
             operands instead of its MX forms (rebuilt once per optimizer step, in one
             pass over the weight) and feed them to the GEMM, saving the weight
             dequantize in every GEMM. Holds 2 bytes per weight value per orientation
-            (4 for both, against about 2 for the MX forms). Results are identical.
+            (4 for both, against about 2 for the MX forms). Results are identical on CUDA;
+            on CPU, whose emulation otherwise runs in fp32, they differ only in blocks with
+            scales below 2^-118, where BF16 flushes E4M3 subnormals.
             Off by default.
         rules: user rules, checked in order before :data:`DEFAULT_RULES`.
         passes: per-pass on/off switches, e.g. ``{"linear": False}``.

@@ -394,8 +394,12 @@ def test_dual_operand_values_only_where_emulated(monkeypatch):
     ref = gemm.mx_mm(rq, rs, wq, ws, torch.float32)
     assert torch.equal(gemm.mx_mm(None, None, wq, ws, torch.float32, None, h), ref)
     assert torch.equal(gemm.mx_mm(None, None, None, None, torch.float32, w_hat, h), ref)
-    with pytest.raises(ValueError, match="A has neither an MX pair nor dequantized values"):
+    with pytest.raises(ValueError, match=r"A has neither an MX pair .* nor dequantized values.*a_dequantized"):
         gemm.mx_mm(None, None, wq, ws, torch.float32)
+    with pytest.raises(ValueError, match=r"B has neither an MX pair"):
+        gemm.mx_mm(rq, rs, wq, None, torch.float32)  # qdata without its scales
+    with pytest.raises(ValueError, match=r"op='bogus' is not a GEMM op"):
+        gemm.quantize_dual_operand(x, "rceil", op="bogus")
     monkeypatch.setattr(gemm, "_capability", lambda device: (10, 0))  # native selection
     q, s, h, qt, st, ht = gemm.quantize_dual_operand(x, "rceil")
     assert h is None and ht is None

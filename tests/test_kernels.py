@@ -91,7 +91,7 @@ def test_cpu_quantize_dual_source_reference_and_errors():
     check_dequantized_only(dispatch.quantize_dual_source, x, "rceil", torch.bfloat16)
     with pytest.raises(ValueError, match=r"no output \(mx=False, dequantized=None\)"):
         dispatch.quantize_dual_source(x, "rceil", mx=False)
-    with pytest.raises(TypeError, match=r"dequantized=torch.int32"):
+    with pytest.raises(TypeError, match=r"quantize_dual_source: output dtype torch.int32 for x of shape \(96, 64\)"):
         dispatch.quantize_dual_source(x, "rceil", dequantized=torch.int32)
     with pytest.raises(ValueError, match=r"2D \[M, K\].*\(64,\)"):
         dispatch.quantize_dual_source(x[0], "rceil")
@@ -321,6 +321,10 @@ def test_cpu_fused_quantize_dequantized_forms():
     assert_same(dispatch.route_weight_quantize(u, w, "rceil", torch.float32), with_values(ref, torch.float32))
     with pytest.raises(TypeError, match=r"route_weight_quantize: output dtype torch.int8 for dy of shape \(40, 64\)"):
         dispatch.route_weight_quantize(u, w, "rceil", torch.int8)
+    with pytest.raises(ValueError, match=r"route_weight_quantize: expected dy \[S, D\].*\(40, 64\).*\(20,\)"):
+        dispatch.route_weight_quantize(u, w[:20], "rceil")
+    with pytest.raises(TypeError, match="swiglu_quantize"):
+        dispatch.swiglu_quantize([1.0], u, "rceil", torch.bfloat16)
 
 
 @cuda

@@ -85,18 +85,19 @@ def check_dual_args(x, rule: str, op: str, *, row: bool = True, col: bool = True
     """Checks of :func:`quantize_dual` / :func:`quantize_dual_source` on every device; returns x as ``[B, M, K]``.
 
     Raises:
-        TypeError: x not a bf16/fp16/fp32 tensor, or ``dequantized`` not one of those dtypes.
+        TypeError: x not a bf16/fp16/fp32 tensor, or ``dequantized`` not a floating dtype of 16+ bits.
         ValueError: neither orientation asked for, neither the MX pairs nor the dequantized values
             asked for (``mx=False`` without ``dequantized``), an unknown rule, or x not 2D/3D with M
             and K multiples of 32 (see :func:`mxfx.format.check_both_axes`).
     """
-    if dequantized is not None and dequantized not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TypeError(f"{op}: dequantized={dequantized!r} must be torch.float32, torch.bfloat16 or torch.float16")
     if not (row or col):
         raise ValueError(f"{op}: asked for no orientation (row=False, col=False); ask for at least one orientation")
     if not mx and dequantized is None:
         raise ValueError(f"{op}: asked for no output (mx=False, dequantized=None); pass a dequantized dtype or mx=True")
-    return mxf.check_both_axes(x, rule, op, hint)
+    x3 = mxf.check_both_axes(x, rule, op, hint)
+    if dequantized is not None:
+        mxf.check_output_dtype(dequantized, x, op, name="x")
+    return x3
 
 
 def quantize_dual(x: torch.Tensor, rule: str):
@@ -120,7 +121,7 @@ def quantize_dual(x: torch.Tensor, rule: str):
 
 def quantize_dual_source(x: torch.Tensor, rule: str, *, row: bool = True, col: bool = True,
                          dequantized: torch.dtype | None = None, mx: bool = True):
-    """Both orientations of ``x [M, K]`` (or ``[B, M, K]``) from one read, every output in x's own layout.
+    """Both orientations of ``x [M, K]`` (or ``[B, M, K]``) from one read, in the source layout (that of a contiguous x).
 
     Returns ``(q_row, s_row, h_row, q_col, s_col, h_col)``: the pairs of :func:`quantize_dual`
     (same values), but ``q_col [.., K, M]`` / ``s_col [.., K, M/32]`` are transpose views of
@@ -128,8 +129,9 @@ def quantize_dual_source(x: torch.Tensor, rule: str, *, row: bool = True, col: b
     dequantized values in ``dequantized`` (None without it); orientations not asked for are None,
     and so are the pairs with ``mx=False`` (the dequantized values alone, one read, no MX writes).
     Raises ValueError unless x is 2D/3D with M and K multiples of 32, when neither orientation
-    is asked for, or with ``mx=False`` and no ``dequantized``; TypeError for an input dtype other than bf16/fp16/fp32 or a ``dequantized``
-    dtype other than those (:func:`check_dual_args`, the same on every device).
+    is asked for, or with ``mx=False`` and no ``dequantized``; TypeError for an input dtype other than
+    bf16/fp16/fp32 or a ``dequantized`` dtype that is not a float of 16+ bits (:func:`check_dual_args`,
+    the same on every device).
     """
     if triton_available(x):
         from mxfx.kernels import dual
@@ -169,6 +171,7 @@ def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str, dequantized
     or ``(qdata, scales, h_hat)`` with ``dequantized`` (h_hat = dequantize(qdata, scales) in that dtype,
     written by the same pass)."""
     if dequantized is not None:
+        mxf.check_input(gate, "mxfx.swiglu_quantize")
         mxf.check_output_dtype(dequantized, gate, "mxfx.swiglu_quantize", name="gate")
     if triton_available(gate):
         from mxfx.kernels import swiglu
@@ -181,14 +184,26 @@ def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str, dequantized
     return _with_dequantized(mxf.quantize_lastdim(F.silu(gate.float()) * up.float(), rule), dequantized)
 
 
+def check_route_args(dy: torch.Tensor, weight, op: str) -> None:
+    """Raise ValueError naming ``op`` unless ``dy`` is ``[S, D]`` and ``weight`` a tensor of S values ([S] or [S, 1])."""
+    if not isinstance(weight, torch.Tensor) or dy.dim() != 2 or weight.numel() != dy.shape[0]:
+        raise ValueError(
+            f"{op}: expected dy [S, D] and weight [S] or [S, 1], got dy of shape {tuple(dy.shape)} and weight "
+            f"of shape {tuple(getattr(weight, 'shape', ()))}"
+        )
+
+
 def route_weight_quantize(dy: torch.Tensor, weight: torch.Tensor, rule: str, dequantized: torch.dtype | None = None):
     """MX quantize of ``dy [S, D] * weight [S, 1]`` formed in fp32 (combine backward, seed Table 25):
     ``(qdata, scales)``, or with ``dequantized`` also the dequantized values from the same pass."""
+    op = "mxfx.route_weight_quantize"
+    mxf.check_input(dy, op)
     if dequantized is not None:
-        mxf.check_output_dtype(dequantized, dy, "mxfx.route_weight_quantize", name="dy")
+        mxf.check_output_dtype(dequantized, dy, op, name="dy")
+    check_route_args(dy, weight, op)
     if triton_available(dy):
         from mxfx.kernels import quantize as tq
 
         return tq.route_weight_quantize(dy, weight, rule, dequantized)
-    _check(dy, rule, "mxfx.route_weight_quantize")
+    _check(dy, rule, op)
     return _with_dequantized(mxf.quantize_lastdim(dy.float() * weight.float().reshape(-1, 1), rule), dequantized)

@@ -175,7 +175,7 @@ dtype)`` -> ``[..., K]`` of ``dtype`` (``mxfx::dequantize``).""")
 quantize_dual = op_or_body(_quantize_dual_op, kernels.quantize_dual, """``x [M, K]`` -> rowwise ``(q [M, K],
 s [M, K/32])`` and columnwise ``(q [K, M], s [K, M/32])`` (``mxfx::quantize_dual``).""")
 quantize_dual_dequantized = op_or_body(_quantize_dual_dequantized_op, _quantize_dual_dequantized, """``(x [M, K],
-rule, dtype)`` -> ``(row_hat, col_hat)``, both ``[M, K]`` of ``dtype`` in x's layout: the dequantized values of
+rule, dtype)`` -> ``(row_hat, col_hat)``, both contiguous ``[M, K]`` of ``dtype``: the dequantized values of
 x's rowwise MX (blocks along K) and of its columnwise MX (blocks down M), from one read, no MX pair written
 (``mxfx::quantize_dual_dequantized``; what an emulated GEMM reads of both orientations).""")
 quantize_dequantize = op_or_body(_quantize_dequantize_op, kernels.quantize_dequantize, """``(x [..., K], rule,

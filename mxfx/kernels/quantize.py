@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mxfx.kernels.dispatch import check_route_args
 from mxfx.kernels.launch import launch
 from mxfx.format import check_block_axis, check_input, check_rule
 from mxfx.kernels.mx_block import (
@@ -130,10 +131,6 @@ def quantize_dequantize(x: torch.Tensor, rule: str, dtype: torch.dtype):
 def route_weight_quantize(dy: torch.Tensor, weight: torch.Tensor, rule: str, dequantized: torch.dtype | None = None):
     """Quantize ``dy [S, D] * weight [S] (or [S, 1])`` formed in fp32 -> ``(q [S, D], s [S, D/32])``;
     with ``dequantized``, ``(q, s, x_hat)``, x_hat = dequantize(q, s) in that dtype, from the same pass."""
-    if dy.dim() != 2 or weight.numel() != dy.shape[0]:
-        raise ValueError(
-            f"mxfx.route_weight_quantize: expected dy [S, D] and weight [S] or [S, 1], got dy of shape "
-            f"{tuple(dy.shape)} and weight of shape {tuple(weight.shape)}"
-        )
+    check_route_args(dy, weight, "mxfx.route_weight_quantize")
     q, s, hat = _launch(dy, rule, weight=weight.reshape(-1), xhat_dtype=dequantized, op="mxfx.route_weight_quantize")
     return (q, s) if dequantized is None else (q, s, hat)

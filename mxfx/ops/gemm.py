@@ -80,7 +80,10 @@ def _device(*tensors) -> torch.device:
     for t in tensors:
         if t is not None:
             return t.device
-    raise ValueError("mxfx.gemm: A has neither an MX pair nor dequantized values; pass its qdata and scales")
+    raise ValueError(
+        "mxfx.gemm: A has neither an MX pair (qdata and scales) nor dequantized values; pass its qdata and scales, "
+        "or a_dequantized to an emulated GEMM"
+    )
 
 
 def _emulation_dtype(device: torch.device) -> torch.dtype:
@@ -93,9 +96,12 @@ def _dequantized(a_qdata, a_scales, b_qdata, b_scales, b_dequantized=None, a_deq
     ``b_dequantized`` (the cached BF16 weight) replaces dequantizing B when given, ``a_dequantized``
     (written by the activation's quantize pass, :func:`quantize_operand`) dequantizing A.
     """
-    for name, q, hat in (("A", a_qdata, a_dequantized), ("B", b_qdata, b_dequantized)):
-        if q is None and hat is None:
-            raise ValueError(f"mxfx.gemm: {name} has neither an MX pair nor dequantized values; pass its qdata and scales")
+    for name, q, sc, hat in (("A", a_qdata, a_scales, a_dequantized), ("B", b_qdata, b_scales, b_dequantized)):
+        if hat is None and (q is None or sc is None):
+            raise ValueError(
+                f"mxfx.gemm: {name} has neither an MX pair (qdata and scales) nor dequantized values; pass its "
+                f"qdata and scales, or {name.lower()}_dequantized to an emulated GEMM"
+            )
     cdt = _emulation_dtype(_device(a_qdata, a_dequantized))
     # Plain kernel calls, not the mxfx::dequantize op: this runs inside a GEMM op's own implementation
     # (or is traced into a CUDA graph), where a nested custom op would only add dispatcher overhead.
@@ -395,12 +401,18 @@ GEMM_IMPLS: dict[tuple[str, str], GemmImpl] = {
 """``(format, arch) -> GemmImpl``; arch from :func:`arch_of`, ``"*"`` is the fallback every format must have."""
 
 
+GEMM_OPS = ("mm", "grouped_mm", "grouped_mm_wgrad")
+
+
 def gemm_impl(op: str, device: torch.device, fmt: str = FORMAT) -> tuple[str, Callable]:
     """``(impl name, function)`` that runs GEMM ``op`` ("mm", "grouped_mm", "grouped_mm_wgrad") on ``device``.
 
     Raises:
+        ValueError: ``op`` is not one of those three.
         KeyError: ``fmt`` has no ``(fmt, "*")`` fallback row.
     """
+    if op not in GEMM_OPS:
+        raise ValueError(f"mxfx.gemm: op={op!r} is not a GEMM op; choose one of {GEMM_OPS}")
     arch = arch_of(_capability(device))
     row = GEMM_IMPLS.get((fmt, arch))
     if row is not None and getattr(row, op) is not None:
@@ -529,13 +541,14 @@ def _grouped_mm_op(
     """Grouped MX GEMM: rows ``offs[e-1]:offs[e]`` of ``dequant(A)[S,K]`` times ``dequant(B)[e][N,K]^T``.
 
     Args:
-        a_qdata/a_scales: ``[S, K]`` e4m3 / ``[S, K/32]`` uint8, blocked along K.
-        b_qdata/b_scales: ``[E, N, K]`` e4m3 / ``[E, N, K/32]`` uint8, blocked along K (None: see
-            :func:`mx_mm`).
+        a_qdata/a_scales: ``[S, K]`` e4m3 / ``[S, K/32]`` uint8, blocked along K (None: see below).
+        b_qdata/b_scales: ``[E, N, K]`` e4m3 / ``[E, N, K/32]`` uint8, blocked along K; None when
+            ``b_dequantized`` is given to an emulated GEMM.
         offs: int32 ``[E]`` cumulative group ends (empty groups allowed).
         out_dtype: result dtype.
         b_dequantized: optional bf16 ``[E, N, K]`` = ``dequant(B)`` (see :func:`mx_mm`).
-        a_dequantized: optional ``dequant(A)`` ``[S, K]`` (see :func:`mx_mm`).
+        a_dequantized: optional ``dequant(A)`` ``[S, K]`` in the emulation dtype, written by the pass
+            that quantized A; with it an emulated GEMM also takes ``a_qdata`` / ``a_scales`` as None.
 
     Returns ``[S, N]``; rows past ``offs[-1]`` are zero. Native on sm100
     (``torch._scaled_grouped_mm``), emulated elsewhere.

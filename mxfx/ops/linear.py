@@ -128,8 +128,8 @@ def mx_linear(
             "bf16" keeps a reference to x (when x stays alive for another op anyway).
         keep_dequantized_weights: emulated GEMMs (no native MX GEMM, e.g. Hopper)
             take the weight's BF16 dequantized forward/dgrad forms from the weight
-            cache instead of dequantizing the weight per GEMM (same results;
-            ``Policy.keep_dequantized_weights``).
+            cache instead of dequantizing the weight per GEMM (same results, up to
+            BF16's flush of E4M3 subnormals on CPU; ``Policy.keep_dequantized_weights``).
         input_dtype: the dtype the linear's input had in the model, when it differs
             from ``x.dtype`` (a fused SwiGLU whose product the model cast, e.g.
             ``(silu(g) * u).to(torch.bfloat16)``): the output dtype follows it.
