@@ -200,10 +200,10 @@ def route_weight_quantize(dy: torch.Tensor, weight: torch.Tensor, rule: str, deq
     mxf.check_input(dy, op)
     if dequantized is not None:
         mxf.check_output_dtype(dequantized, dy, op, name="dy")
-    check_route_args(dy, weight, op)
     if triton_available(dy):
         from mxfx.kernels import quantize as tq
 
         return tq.route_weight_quantize(dy, weight, rule, dequantized)
+    check_route_args(dy, weight, op)
     _check(dy, rule, op)
     return _with_dequantized(mxf.quantize_lastdim(dy.float() * weight.float().reshape(-1, 1), rule), dequantized)

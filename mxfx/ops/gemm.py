@@ -484,11 +484,7 @@ def quantize_operand(x: torch.Tensor, rule: str, op: str = "mm"):
     ``a_dequantized`` and the GEMM reads it instead of dequantizing A again. On native MX GEMMs
     ``x_hat`` is None. Same values either way.
     """
-    dtype = emulated_operand_dtype(op, x.device)
-    if dtype is not None:
-        return kops.quantize_dequantize(x, rule, dtype)
-    q, s = kops.quantize(x, rule)
-    return q, s, None
+    return a_operand(op, kops.quantize, kops.quantize_dequantize, x, rule)
 
 
 def emulated_operand_dtype(op: str, device: torch.device) -> torch.dtype | None:
@@ -496,6 +492,20 @@ def emulated_operand_dtype(op: str, device: torch.device) -> torch.dtype | None:
     fp32 on CPU), None where it runs natively. A quantize pass that makes an operand of an emulated
     GEMM writes its dequantized values in this dtype too, so that no dequantize pass follows."""
     return _emulation_dtype(device) if gemm_impl(op, device)[0] == "emulated" else None
+
+
+def a_operand(op: str, quantize: Callable, quantize_with_values: Callable, x: torch.Tensor, *args):
+    """The A operand of GEMM ``op`` made by a quantize pass over ``x``: ``(qdata, scales, values or None)``.
+
+    ``quantize(x, *args) -> (qdata, scales)`` where ``op`` runs natively on x's device;
+    ``quantize_with_values(x, *args, dtype) -> (qdata, scales, values)``, the same pass also writing
+    the dequantized values in :func:`emulated_operand_dtype`, where it is emulated (pass them on as
+    ``a_dequantized``). Used by :func:`quantize_operand`, the fused SwiGLU and route-weight quantizes.
+    """
+    dtype = emulated_operand_dtype(op, x.device)
+    if dtype is not None:
+        return quantize_with_values(x, *args, dtype)
+    return (*quantize(x, *args), None)
 
 
 def quantize_dual_operand(x: torch.Tensor, rule: str, op: str = "mm"):
@@ -509,6 +519,10 @@ def quantize_dual_operand(x: torch.Tensor, rule: str, op: str = "mm"):
     follows); ``col_hat`` is then the transpose view of an ``[M, K]`` tensor. On native MX GEMMs
     the MX pairs come back (``mxfx::quantize_dual``, contiguous) and the ``*_hat`` are None. Same
     values either way. M and K must be multiples of 32 (pad the tokens first).
+
+    Raises:
+        ValueError: ``op`` not a GEMM op, x not 2D/3D, or M or K not a multiple of 32.
+        TypeError: x not a bf16/fp16/fp32 tensor.
     """
     dtype = emulated_operand_dtype(op, x.device)
     if dtype is not None:

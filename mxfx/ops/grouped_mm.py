@@ -32,7 +32,7 @@ from mxfx.format import check_input, check_rule
 from mxfx.kernels import ops as kops
 from mxfx.ops import swiglu
 from mxfx.policy import check_precisions
-from mxfx.ops.gemm import emulated_operand_dtype, hp_grouped_wgrad, mx_grouped_mm, mx_grouped_mm_wgrad, quantize_operand
+from mxfx.ops.gemm import a_operand, hp_grouped_wgrad, mx_grouped_mm, mx_grouped_mm_wgrad, quantize_operand
 
 BLOCK = 32
 
@@ -109,12 +109,10 @@ class _MXGroupedMM(torch.autograd.Function):
         d_rw = None
         if has_rw:
             d_rw = (dout.float() * y_unweighted.float()).sum(-1).reshape(route_weight.shape).to(route_weight.dtype)
-            dtype = emulated_operand_dtype("grouped_mm", dout.device)
-            if dtype is None:
-                dyq, dys = kops.route_weight_quantize(dout, route_weight.reshape(-1), rule)
-                dy_hat = None
-            else:  # emulated: the dequantized values from the same pass
-                dyq, dys, dy_hat = kops.route_weight_quantize_dequantize(dout, route_weight.reshape(-1), rule, dtype)
+            dyq, dys, dy_hat = a_operand(
+                "grouped_mm", kops.route_weight_quantize, kops.route_weight_quantize_dequantize,
+                dout, route_weight.reshape(-1), rule,
+            )
             dy = dout.float() * route_weight.reshape(-1, 1).float()  # fp32: quantized once, never via bf16
         else:
             dyq, dys, dy_hat = quantize_operand(dout, rule, "grouped_mm")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from mxfx.kernels import ops as kops
-from mxfx.ops.gemm import emulated_operand_dtype, quantize_operand
+from mxfx.ops.gemm import a_operand, quantize_operand
 
 
 def swiglu_fp32(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -27,14 +27,11 @@ def quantize_input(x: torch.Tensor, up: torch.Tensor | None, rule: str, op: str 
 
     ``x`` itself through :func:`mxfx.ops.gemm.quantize_operand`, or ``silu(x) * up`` with the fused
     SwiGLU quantize when ``up`` is given; either pass also writes the dequantized form where the GEMM
-    is emulated (:func:`mxfx.ops.gemm.emulated_operand_dtype`).
+    is emulated (:func:`mxfx.ops.gemm.a_operand`).
     """
     if up is None:
         return quantize_operand(x, rule, op)
-    dtype = emulated_operand_dtype(op, x.device)
-    if dtype is not None:
-        return kops.swiglu_quantize_dequantize(x, up, rule, dtype)
-    return (*kops.swiglu_quantize(x, up, rule), None)
+    return a_operand(op, kops.swiglu_quantize, kops.swiglu_quantize_dequantize, x, up, rule)
 
 
 def pack(gate: torch.Tensor, up: torch.Tensor, save: str, rule: str) -> tuple:
