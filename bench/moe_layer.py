@@ -54,8 +54,9 @@ def torchao_grouped_mm():
     return mm
 
 
-def measure(fn, args, device):
-    """Median ms of forward+backward, peak and activation bytes."""
+def measure(fn, args, device, profile_path=None):
+    """Median ms of forward+backward, peak and activation bytes (and, with ``profile_path``, every device
+    op of one more call written there)."""
 
     def step():
         out = fn(*args)
@@ -73,6 +74,10 @@ def measure(fn, args, device):
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
         ms = triton.testing.do_bench(step, warmup=5, rep=40)
+        if profile_path:
+            from train_step import profile_step
+
+            print(profile_step(step, path=profile_path), flush=True)
         return ms, peak, peak - base
     t0 = time.perf_counter()
     for _ in range(3):
@@ -89,6 +94,8 @@ def main():
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--arms", default="bf16,mxfx,torchao")
+    p.add_argument("--profile", default="", help="comma-separated arms to profile for one more call (CUDA); "
+                   "every device op goes to $MXFX_BENCH_OUT/profile_layer_<arm>.txt")
     a = p.parse_args()
     torch.manual_seed(0)
     dev, bf16 = a.device, torch.bfloat16
@@ -117,7 +124,10 @@ def main():
         if key == "mxfxopaque":  # read when the graph is traced (mxfx.kernels.launch)
             os.environ["MXFX_OPAQUE_KERNELS"] = "1"
         try:
-            ms, peak, act = measure(arms[name](), args, dev)
+            path = None
+            if key in a.profile.split(","):
+                path = os.path.join(os.environ.get("MXFX_BENCH_OUT", "."), f"profile_layer_{key}.txt")
+            ms, peak, act = measure(arms[name](), args, dev, path)
         except Exception as e:  # a peer that cannot run here is reported, not fatal
             rows.append(f"| {name} | failed: {type(e).__name__}: {str(e)[:80]} | | | |")
             continue

@@ -162,8 +162,8 @@ def batches(a, batch: int, n: int):
 MX_ARMS = ("mxfp8", "mxfp8dq", "mxfp8opaque")
 
 
-def profile_step(step, x, y, path: str | None = None) -> str:
-    """One step under torch.profiler: host (CPU) time of the step, device kernel time, top device ops.
+def profile_step(step, *args, path: str | None = None) -> str:
+    """One call ``step(*args)`` under torch.profiler: host (CPU) time, device kernel time, top device ops.
 
     With ``path``, every device op of the step (time, calls, name) is written there too.
     """
@@ -172,7 +172,7 @@ def profile_step(step, x, y, path: str | None = None) -> str:
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
-        step(x, y)
+        step(*args)
         host = time.perf_counter() - t0
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
@@ -244,7 +244,7 @@ def run_arm(arm: str, mcfg: MoEConfig, a, batch: int) -> dict:
             losses=[float(v) for v in torch.stack(losses).tolist()],
         )
         if arm in a.profile.split(",") and dev == "cuda":
-            res["profile"] = profile_step(step, *data[-1], os.path.join(a.out, f"profile_{arm}_b{batch}.txt"))
+            res["profile"] = profile_step(step, *data[-1], path=os.path.join(a.out, f"profile_{arm}_b{batch}.txt"))
             print(f"{arm} {res['profile']}", flush=True)
         if arm in MX_ARMS:
             import mxfx

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run_script(monkeypatch, path: str, *args: str) -> None:
     monkeypatch.setattr(sys, "argv", [path, *args])
+    monkeypatch.syspath_prepend(str((ROOT / path).parent))  # as `python <path>` puts the script's folder first
     runpy.run_path(str(ROOT / path), run_name="__main__")
 
 
@@ -38,6 +39,14 @@ def test_train_step_quick(monkeypatch, tmp_path):
     assert set(res["phase1"]) == {"bf16", "mxfp8", "torchao"}
     assert all("tokens_per_s" in r for r in res["phase1"].values()), res["phase1"]
     assert res["phase1"]["mxfp8"]["rewritten"] > 0
+
+
+def test_moe_layer_tiny(monkeypatch, tmp_path):
+    monkeypatch.setenv("MXFX_BENCH_OUT", str(tmp_path))
+    run_script(monkeypatch, "bench/moe_layer.py", "--device", "cpu", "--tokens", "64", "--d", "64", "--experts", "4",
+               "--topk", "2", "--hidden", "64", "--arms", "bf16,mxfxdq")
+    rows = [r for r in (tmp_path / "moe_layer.md").read_text().splitlines() if r.startswith("| bf16") or r.startswith("| mxfx")]
+    assert len(rows) == 2 and not any("failed" in r for r in rows), rows
 
 
 def test_scale_rule_study_tiny(monkeypatch, tmp_path):

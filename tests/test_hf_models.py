@@ -122,19 +122,22 @@ class RefLinear(torch.autograd.Function):
 
 
 class RefExpertGemm(torch.autograd.Function):
-    """One expert's GEMM: MX fwd/dgrad, BF16 wgrad on the dequantized input, optional route weight."""
+    """One expert's GEMM: MX fwd/dgrad, BF16 wgrad on the dequantized input, optional route weight.
+
+    Outputs of both GEMMs are rounded to bf16 (the model's dtype) before anything else reads them:
+    the route weight multiplies the bf16 output, the SwiGLU backward reads a bf16 dgrad."""
 
     @staticmethod
     def forward(ctx, h, w, rw):
         ctx.save_for_backward(h, w, rw)
-        y = q_dq(h) @ q_dq(w).T
+        y = (q_dq(h) @ q_dq(w).T).bfloat16().float()
         return y if rw is None else y * rw.float()[:, None]
 
     @staticmethod
     def backward(ctx, dout):
         h, w, rw = ctx.saved_tensors
         dy = dout.float() if rw is None else dout.float() * rw.float()[:, None]
-        dh = q_dq(dy) @ q_dq(w, 0)
+        dh = (q_dq(dy) @ q_dq(w, 0)).bfloat16().float()
         dw = (dy.bfloat16().float().T @ q_dq(h).bfloat16().float()).bfloat16().float()
         drw = None if rw is None else (dout.float() * (q_dq(h) @ q_dq(w).T).bfloat16().float()).sum(-1)
         return dh, dw, drw

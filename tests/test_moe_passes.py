@@ -186,3 +186,60 @@ def test_precision_map_picture(tmp_path):
     html = (tmp_path / f"graph_{mxfx.last_report().graph_id:03d}" / "precision.html").read_text()
     assert html.count("<tr>") == len(mxfx.last_report().records) + 1
     assert "#9be7a0" in html and "grouped_mm" in html
+
+
+def _routed_layer(x, router_w, w_gate_up, w_down, topk):
+    """The routed block as HF transformers writes it: each token gathered once per chosen expert."""
+    weights, experts = F.linear(x, router_w).float().softmax(-1).topk(topk, dim=-1)
+    flat = experts.reshape(-1)
+    order = flat.argsort(stable=True)
+    offs = torch.histc(flat.float(), bins=w_down.shape[0], min=-0.5, max=w_down.shape[0] - 0.5).cumsum(0).to(torch.int32)
+    g, u = torch._grouped_mm(x[order // topk], w_gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(g) * u, w_down.transpose(-2, -1), offs=offs)
+    y = y * weights.reshape(-1)[order].to(y.dtype)[:, None]
+    return torch.zeros_like(x).index_add(0, order // topk, y)
+
+
+def test_local_dispatch_quantized_before_its_row_gather():
+    torch.manual_seed(0)
+    tokens, d, experts, topk = 48, 64, 4, 2
+    x = torch.randn(tokens, d, dtype=torch.bfloat16, requires_grad=True)
+    params = [(torch.randn(*s) * 0.2).bfloat16().requires_grad_() for s in ((experts, d), (experts, 128, d), (experts, d, 64))]
+
+    def run(options):
+        torch._dynamo.reset()
+        for t in (x, *params):
+            t.grad = None
+        out = torch.compile(_routed_layer, backend="mxfp8", options=options)(x, *params, topk)
+        out.float().square().sum().backward()
+        return out.detach(), [t.grad.clone() for t in (x, *params)]
+
+    cap = GraphCapture()
+    out, grads = run({"inner": cap})
+    # The gate_up GEMM's operand is made from the tokens (48 rows), not from their 96 gathered copies.
+    fw = cap.forward[0].graph.nodes
+    made = [n.args[0].meta["val"].shape[0] for n in fw if n.target is OPS.quantize_dequantize.default]
+    assert made == [tokens], made
+    notes = [r.reason for r in mxfx.last_report().records if r.kind == "grouped_mm" and "row gather" in r.reason]
+    assert len(notes) == 1 and f"({tokens} rows, not {tokens * topk})" in notes[0], notes
+    # quantize(x)[idx] == quantize(x[idx]): the hoist changes no bit of the output or of any gradient.
+    ref_out, ref_grads = run({"inner": "aot_eager", "passes": {"dispatch_mx": False}})
+    assert torch.equal(out, ref_out)
+    for g, r in zip(grads, ref_grads):
+        assert torch.equal(g, r)
+
+
+def test_grouped_mm_rejects_x_mx_that_is_not_the_pair_of_x():
+    from mxfx.ops.grouped_mm import mx_grouped_mm_op
+
+    x, w = torch.randn(64, 64).bfloat16(), torch.randn(2, 32, 64)
+    offs = torch.tensor([32, 64], dtype=torch.int32)
+    q, s = mxfx.quantize(x)
+    with pytest.raises(ValueError, match=r"x_mx of shapes .* must be the MX pair of x \(64, 64\)"):
+        mx_grouped_mm_op(x, w, offs, x_mx=(q, s, x[:32]))
+    with pytest.raises(ValueError, match=r"x_mx must be \(qdata, scales\)"):
+        mx_grouped_mm_op(x, w, offs, x_mx=(q,))
+    # a well-formed triple gives what the pair gives
+    hat = mxfx.dequantize(q, s, dtype=torch.float32)
+    pair = mx_grouped_mm_op(x, w, offs, x_mx=(q, s.view(torch.uint8)))
+    assert torch.equal(mx_grouped_mm_op(x, w, offs, x_mx=(q, s.view(torch.uint8), hat)), pair)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from mxfx import kernels
-from mxfx.format import BLOCK_SIZE
+from mxfx.format import BLOCK_SIZE, dequantize_lastdim
 from mxfx.kernels.launch import op_or_body
 
 _E4M3 = torch.float8_e4m3fn
@@ -172,6 +172,11 @@ quantize = op_or_body(_quantize_op, kernels.quantize_lastdim, """``x [..., K]`` 
 scales uint8 E8M0 [..., K/32])`` (``mxfx::quantize``).""")
 dequantize = op_or_body(_dequantize_op, kernels.dequantize_lastdim, """``(qdata [..., K], scales [..., K/32],
 dtype)`` -> ``[..., K]`` of ``dtype`` (``mxfx::dequantize``).""")
+dequantize_fusible = op_or_body(_dequantize_op, dequantize_lastdim, """:func:`dequantize` for values that feed
+elementwise math (the SwiGLU backward): while a CUDA graph is traced, the plain-torch reference of
+``mxfx.format`` enters the graph instead of the Triton kernel, so Inductor fuses the decode into its consumer
+and no dequantized tensor is written; elsewhere ``mxfx::dequantize``. Same values either way (the kernels
+equal that reference bit for bit).""")
 quantize_dual = op_or_body(_quantize_dual_op, kernels.quantize_dual, """``x [M, K]`` -> rowwise ``(q [M, K],
 s [M, K/32])`` and columnwise ``(q [K, M], s [K, M/32])`` (``mxfx::quantize_dual``).""")
 quantize_dual_dequantized = op_or_body(_quantize_dual_dequantized_op, _quantize_dual_dequantized, """``(x [M, K],

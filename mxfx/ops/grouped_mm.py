@@ -14,7 +14,8 @@ The routed-expert recipe of seed §11.4.1, for one projection:
 Optional fusions on either side (seed §11.4.4):
 
 * ``up is not None``: the input is ``silu(x) * up`` (SwiGLU), quantized straight
-  from gate and up; its backward runs in fp32 from gate/up saved per ``save``.
+  from gate and up; its backward runs in fp32 from gate/up saved per ``save``
+  and from the dgrad's result in the input's dtype (the model's own GEMM output).
 * ``route_weight [S]``: the output rows are scaled by the route weights (the
   combine's weighted sum); in backward the route-weight multiply is fused into
   the quantization of the gradient dgrad consumes (``mxfx::route_weight_quantize``).
@@ -74,14 +75,25 @@ def _token_blocked(t: torch.Tensor, dest: torch.Tensor, capacity: int, rule: str
     return kops.quantize(_pad_rows(t, dest, capacity).t(), rule)
 
 
+def _weigh_rows(y: torch.Tensor, route_weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Rows of the GEMM output ``y [S, N]`` (already in ``out_dtype``) scaled by ``route_weight [S]``.
+
+    The product is taken in fp32 and rounded once to ``out_dtype``. ``y`` itself is the GEMM's
+    ``out_dtype`` result, the tensor the model's own ``y * w`` would read, and the one backward
+    keeps for the route-weight gradient: an fp32 GEMM output would double the bytes of the
+    largest tensor of the routed block for a rounding the model does anyway.
+    """
+    return (y.float() * route_weight.reshape(-1, 1).float()).to(out_dtype)
+
+
 class _MXGroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, up, weight, offs, route_weight, out_dtype, rule, wgrad, save, keep_dq, x_q, x_s):
+    def forward(ctx, x, up, weight, offs, route_weight, out_dtype, rule, wgrad, save, keep_dq, x_q, x_s, x_v):
         s_rows = x.shape[0]
-        xq, xs, x_hat = swiglu.quantize_input(x, up, rule, "grouped_mm") if x_q is None else (x_q, x_s, None)
+        xq, xs, x_hat = swiglu.quantize_input(x, up, rule, "grouped_mm") if x_q is None else (x_q, x_s, x_v)
         packed = () if up is None else swiglu.pack(x, up, save, rule)
         wq, ws, w_dq = weight_operands(weight, rule, "forward", keep_dq)
-        y = mx_grouped_mm(xq, xs, wq, ws, offs, out_dtype if route_weight is None else torch.float32, w_dq, x_hat)
+        y = mx_grouped_mm(xq, xs, wq, ws, offs, out_dtype, w_dq, x_hat)
         if wgrad == "mxfp8":
             dest, _, capacity = group_padding(offs, s_rows)
             h = x if up is None else swiglu.swiglu_fp32(x, up)
@@ -92,8 +104,8 @@ class _MXGroupedMM(torch.autograd.Function):
             wgrad_input = (x,)
         y_unweighted = ()
         if route_weight is not None:
-            y_unweighted = (y.to(out_dtype),)
-            y = (y * route_weight.reshape(-1, 1).float()).to(out_dtype)
+            y_unweighted = (y,)
+            y = _weigh_rows(y, route_weight, out_dtype)
         ctx.save_for_backward(weight, offs, route_weight, *y_unweighted, *wgrad_input, *packed)
         ctx.meta = (len(wgrad_input), x.dtype, up is not None, rule, wgrad, route_weight is not None, keep_dq)
         return y
@@ -118,7 +130,7 @@ class _MXGroupedMM(torch.autograd.Function):
             dyq, dys, dy_hat = quantize_operand(dout, rule, "grouped_mm")
             dy = dout
         wq_t, ws_t, w_dq = weight_operands(weight, rule, "dgrad", keep_dq)
-        dh = mx_grouped_mm(dyq, dys, wq_t, ws_t, offs, torch.float32 if has_up else x_dtype, w_dq, dy_hat)
+        dh = mx_grouped_mm(dyq, dys, wq_t, ws_t, offs, x_dtype, w_dq, dy_hat)
         dx = dup = None
         if has_up:
             dx, dup = (t.to(x_dtype) for t in swiglu.backward(dh, packed))
@@ -135,7 +147,26 @@ class _MXGroupedMM(torch.autograd.Function):
                 x_saved = wgrad_input[0] if n_wgrad == 1 else kops.dequantize(*wgrad_input, torch.bfloat16)
                 # no group padding: mxfx::grouped_wgrad_bf16 takes any group ends (see there)
                 dw = hp_grouped_wgrad(dy.to(dout.dtype), x_saved, offs, weight.dtype)
-        return dx, dup, dw, None, d_rw, None, None, None, None, None, None, None
+        return dx, dup, dw, None, d_rw, None, None, None, None, None, None, None, None
+
+
+def _check_x_mx(x_mx, x: torch.Tensor, up) -> tuple:
+    """``x_mx`` of :func:`mx_grouped_mm_op` as ``(qdata, scales, values or None)``, all None when not given."""
+    if x_mx is None:
+        return None, None, None
+    if not isinstance(x_mx, (tuple, list)) or len(x_mx) not in (2, 3):
+        raise ValueError("mxfx.grouped_mm: x_mx must be (qdata, scales) or (qdata, scales, dequantized values)")
+    x_q, x_s, x_v = (*x_mx, None) if len(x_mx) == 2 else x_mx
+    k = x.shape[-1]
+    if up is not None or x_q.shape != x.shape or x_s.shape != (*x.shape[:-1], k // 32) or (
+        x_v is not None and x_v.shape != x.shape
+    ):
+        shapes = " / ".join(str(tuple(t.shape)) for t in x_mx if t is not None)
+        raise ValueError(
+            f"mxfx.grouped_mm: x_mx of shapes {shapes} must be the MX pair of x {tuple(x.shape)} ([S, K] / "
+            f"[S, K/32], and values [S, K] if given) and cannot be combined with a SwiGLU up operand"
+        )
+    return x_q, x_s, x_v
 
 
 def mx_grouped_mm_op(
@@ -150,7 +181,7 @@ def mx_grouped_mm_op(
     save: str = "mxfp8",
     out_dtype: torch.dtype | None = None,
     keep_dequantized_weights: bool = False,
-    x_mx: tuple[torch.Tensor, torch.Tensor] | None = None,
+    x_mx: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     """MXFP8 ``torch._grouped_mm(x, weight.transpose(-2, -1), offs)`` with optional SwiGLU input and route weights.
 
@@ -166,8 +197,11 @@ def mx_grouped_mm_op(
         keep_dequantized_weights: emulated GEMMs take the cached BF16 dequantized
             expert weights (see :func:`mxfx.ops.linear.mx_linear`).
         x_mx: optional ``(qdata e4m3 [S, K], scales uint8 [S, K/32])`` with ``x`` exactly
-            its dequantization (rows received by an MX all-to-all, seed §11.1.3): the
-            forward GEMM uses it instead of quantizing ``x`` again. Not with ``up``.
+            its dequantization (rows received by an MX all-to-all, seed §11.1.3, or gathered
+            from the MX of the tokens before the dispatch's row gather): the forward GEMM uses
+            it instead of quantizing ``x`` again. Not with ``up``. A third element, the
+            dequantized values ``[S, K]`` in :func:`mxfx.ops.gemm.emulated_operand_dtype`,
+            is what an emulated GEMM reads instead of dequantizing the pair.
 
     Returns ``[S, N]``.
 
@@ -210,18 +244,13 @@ def mx_grouped_mm_op(
             f"{op}: offs of shape {tuple(offs.shape)} has dtype {offs.dtype}; it holds the int32 cumulative "
             f"group ends, as torch._grouped_mm takes them: pass offs.to(torch.int32)"
         )
-    x_q, x_s = x_mx if x_mx is not None else (None, None)
-    if x_mx is not None and (up is not None or x_q.shape != x.shape or x_s.shape != (*x.shape[:-1], k // 32)):
-        raise ValueError(
-            f"mxfx.grouped_mm: x_mx of shapes {tuple(x_q.shape)} / {tuple(x_s.shape)} must be the MX pair of "
-            f"x {tuple(x.shape)} ([S, K] / [S, K/32]) and cannot be combined with a SwiGLU up operand"
-        )
+    x_q, x_s, x_v = _check_x_mx(x_mx, x, up)
     out_dtype = out_dtype or x.dtype
     if not torch.is_grad_enabled():  # inference graph: the forward GEMM only, nothing saved
-        xq, xs, x_hat = swiglu.quantize_input(x, up, scale_rule, "grouped_mm") if x_q is None else (x_q, x_s, None)
+        xq, xs, x_hat = swiglu.quantize_input(x, up, scale_rule, "grouped_mm") if x_q is None else (x_q, x_s, x_v)
         wq, ws, w_dq = weight_operands(weight, scale_rule, "forward", keep_dequantized_weights)
-        y = mx_grouped_mm(xq, xs, wq, ws, offs, torch.float32, w_dq, x_hat)
-        return (y if route_weight is None else y * route_weight.reshape(-1, 1).float()).to(out_dtype)
+        y = mx_grouped_mm(xq, xs, wq, ws, offs, out_dtype, w_dq, x_hat)
+        return y if route_weight is None else _weigh_rows(y, route_weight, out_dtype)
     return _MXGroupedMM.apply(
-        x, up, weight, offs, route_weight, out_dtype, scale_rule, wgrad, save, keep_dequantized_weights, x_q, x_s
+        x, up, weight, offs, route_weight, out_dtype, scale_rule, wgrad, save, keep_dequantized_weights, x_q, x_s, x_v
     )

@@ -85,7 +85,7 @@ class _MXLinear(torch.autograd.Function):
         dx = dup = None
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
             wq_t, ws_t, w_dq = weight_operands(weight, rule, "dgrad", keep_dq)
-            dh = mx_mm(dyq, dys, wq_t, ws_t, torch.float32 if has_up else x_dtype, w_dq, dy_hat)
+            dh = mx_mm(dyq, dys, wq_t, ws_t, x_dtype, w_dq, dy_hat)
             if has_up:
                 dx, dup = (t.to(x_dtype) for t in swiglu.backward(dh, packed))
             else:

@@ -42,10 +42,10 @@ def pack(gate: torch.Tensor, up: torch.Tensor, save: str, rule: str) -> tuple:
 
 
 def unpack(saved: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of :func:`pack`, as fp32 tensors."""
+    """Inverse of :func:`pack`, as fp32 tensors (on CUDA graphs decoded inside the backward's fused kernel)."""
     if len(saved) == 4:
         gq, gs, uq, us = saved
-        return kops.dequantize(gq, gs, torch.float32), kops.dequantize(uq, us, torch.float32)
+        return kops.dequantize_fusible(gq, gs, torch.float32), kops.dequantize_fusible(uq, us, torch.float32)
     gate, up = saved
     return gate.float(), up.float()
 

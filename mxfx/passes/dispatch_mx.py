@@ -15,6 +15,17 @@ exact (``tests/test_grouped.py``): the bytes the GEMM reads are unchanged, one
 dequantize-and-quantize round trip is gone (seed §11.1.3, dispatch consumed as
 MX). The dequantized rows stay in the graph for autograd and for other
 consumers; when nothing reads them, the compiler drops their computation.
+
+Local dispatch (no all-to-all): ``rows = x[idx]`` gathers each token once per
+expert it is routed to (top-k copies, HF transformers' ``x[order // topk]``),
+then feeds the grouped GEMM. Replacement: ``x`` itself is quantized, k times
+fewer rows, and the same gathers are applied to its qdata and scales (and,
+where the grouped GEMM is emulated, to the dequantized values the same pass
+writes, which the GEMM reads instead of dequantizing the pair). Valid for the
+same reason: a gathered row's blocks and scales are those of its source row, so
+``quantize(x)[idx] == quantize(x[idx])`` bit for bit. Taken only when the
+gathers make more rows than ``x`` has; the BF16 rows stay in the graph for
+autograd and, when the saved pass keeps them, for the BF16 wgrad.
 """
 
 from __future__ import annotations
@@ -24,9 +35,11 @@ import operator
 import torch
 import torch.fx as fx
 
+from mxfx.kernels import ops as kops
 from mxfx.ops.all_to_all import mx_all_to_all
+from mxfx.ops.gemm import emulated_operand_dtype
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
-from mxfx.passes.fx import example_value, is_call
+from mxfx.passes.fx import example_value, is_call, known_size
 from mxfx.policy import Policy
 from mxfx.report import PrecisionMap
 
@@ -67,8 +80,68 @@ def _replay(gm: fx.GraphModule, chain: list[fx.Node], src: fx.Node, before: fx.N
     return cur
 
 
+def _gathered_mx(gm: fx.GraphModule, chain: list[fx.Node], pair: list[fx.Node], before: fx.Node) -> list[fx.Node]:
+    """The gathers of ``chain`` applied to ``pair`` = (qdata, scales, values...), as ``x_mx`` of ``before``.
+
+    Gathers on the e4m3 payload go through its bytes: index kernels need not know float8."""
+    with gm.graph.inserting_before(before):
+        q_bytes = gm.graph.call_method("view", (pair[0], torch.uint8))
+    rows = [_replay(gm, chain, t, before) for t in (q_bytes, *pair[1:])]
+    with gm.graph.inserting_before(before):
+        rows[0] = gm.graph.call_method("view", (rows[0], torch.float8_e4m3fn))
+    return rows
+
+
+def _local_gathers(grouped: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
+    """``(x, gathers)`` when the input of ``grouped`` is rows gathered from ``x`` (more rows than x has)."""
+    chain, cur = [], grouped.args[0]
+    while isinstance(cur, fx.Node) and cur.args and isinstance(cur.args[0], fx.Node) and _row_gather(cur, cur.args[0]):
+        chain.append(cur)
+        cur = cur.args[0]
+    src, out = example_value(cur), example_value(grouped.args[0])
+    if not chain or src is None or out is None or not src.is_floating_point() or src.dim() != 2:
+        return None
+    if cur.target is operator.getitem and isinstance(cur.args[0], fx.Node) and cur.args[0].target is mx_all_to_all:
+        return None  # received rows: the all-to-all hands its own MX pair on (above)
+    n_src, n_out = known_size(src.shape[0]), known_size(out.shape[0])
+    if n_src is None or n_out is None or n_out <= n_src:
+        return None
+    return cur, chain[::-1]
+
+
+def _hoist_local(gm: fx.GraphModule, pm: PrecisionMap) -> int:
+    """Quantize tokens before the row gather of a local dispatch; returns how many grouped GEMMs."""
+    done = 0
+    for grouped in list(gm.graph.nodes):
+        if grouped.target is not mx_grouped_mm_op or grouped.kwargs.get("up") is not None:
+            continue
+        if grouped.kwargs.get("x_mx") is not None:
+            continue
+        found = _local_gathers(grouped)
+        if found is None:
+            continue
+        src, chain = found
+        rule = grouped.kwargs.get("scale_rule", "rceil")
+        dtype = emulated_operand_dtype("grouped_mm", example_value(src).device)
+        with gm.graph.inserting_before(chain[0]):
+            tokens = gm.graph.call_method("detach", (src,))  # gradients flow through the BF16 rows
+            if dtype is None:
+                mx = gm.graph.call_function(kops.quantize, (tokens, rule))
+            else:
+                mx = gm.graph.call_function(kops.quantize_dequantize, (tokens, rule, dtype))
+            pair = [gm.graph.call_function(operator.getitem, (mx, i)) for i in range(2 if dtype is None else 3)]
+        grouped.kwargs = {**grouped.kwargs, "x_mx": tuple(_gathered_mx(gm, chain, pair, grouped))}
+        n_src, n_out = example_value(src).shape[0], example_value(grouped.args[0]).shape[0]
+        record = pm.find(grouped.name)
+        if record:
+            record.add_note(f"input quantized before the dispatch's row gather ({n_src} rows, not {n_out})")
+        done += 1
+    return done
+
+
 def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
-    """Hand received MX pairs to the grouped GEMMs they feed; returns how many."""
+    """Hand MX pairs made before the dispatch (received by an MX all-to-all, or quantized before a
+    local row gather) to the grouped GEMMs they feed; returns how many."""
     done = 0
     for a2a in list(gm.graph.nodes):
         if a2a.target is not mx_all_to_all or a2a.kwargs.get("forward") != "mxfp8" or a2a.kwargs.get("return_mx"):
@@ -86,14 +159,7 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         rows.meta.update(a2a.meta)
         a2a.replace_all_uses_with(rows)
         gm.graph.erase_node(a2a)
-        # gathers on the e4m3 payload go through its bytes: index kernels need not know float8
-        with gm.graph.inserting_before(grouped):
-            q_bytes = gm.graph.call_method("view", (q, torch.uint8))
-        q_rows = _replay(gm, chain, q_bytes, grouped)
-        s_rows = _replay(gm, chain, s, grouped)
-        with gm.graph.inserting_before(grouped):
-            q_e4m3 = gm.graph.call_method("view", (q_rows, torch.float8_e4m3fn))
-        grouped.kwargs = {**grouped.kwargs, "x_mx": (q_e4m3, s_rows)}
+        grouped.kwargs = {**grouped.kwargs, "x_mx": tuple(_gathered_mx(gm, chain, [q, s], grouped))}
         for rec in pm.records:
             if rec.node == a2a.name:
                 rec.node = rows.name
@@ -101,4 +167,4 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
             elif rec.node == grouped.name:
                 rec.add_note("input taken as MX from the dispatch all-to-all")
         done += 1
-    return done
+    return done + _hoist_local(gm, pm)

@@ -141,7 +141,8 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         if why:
             node.kwargs = {**node.kwargs, "save": "bf16"}
             if record:
-                record.saved, record.reason = "bf16", why
+                record.saved = "bf16"
+                record.add_note(why)
                 record.saved_bytes = kept_bytes
                 counted.add(base)
             continue
