@@ -2,8 +2,9 @@
 
 ``torch._grouped_mm`` leaves output rows ``offs[-1]:`` unwritten. Zeroing them with a
 ``torch.where`` over the whole output costs a full read and write of it; this kernel
-reads ``offs[-1]`` on the device and stores zeros into the tail rows only (programs
-whose rows all lie inside the groups store nothing), with no host sync.
+reads ``offs[-1]`` on the device and stores zeros into the tail rows only, with no host
+sync. A fixed grid of programs strides over the tail's row tiles, so when every row is
+routed (the common case) the launch does no more than read ``offs[-1]``.
 """
 
 from __future__ import annotations
@@ -15,16 +16,20 @@ import triton.language as tl
 from mxfx.kernels.launch import launch
 
 BLOCK_R, BLOCK_C = 32, 512
+PROGRAMS = 256
+"""Row-tile programs per launch (each strides over the tail's tiles)."""
 
 
 @triton.jit(do_not_specialize=["R"])
 def _zero_rows_kernel(out_ptr, offs_ptr, n_groups, R, C, stride_r, BR: tl.constexpr, BC: tl.constexpr):
     end = tl.load(offs_ptr + n_groups - 1).to(tl.int64)
-    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
-    cols = tl.program_id(1) * BC + tl.arange(0, BC)
-    mask = ((rows >= end) & (rows < R))[:, None] & (cols < C)[None, :]
     zero = tl.zeros([BR, BC], dtype=out_ptr.dtype.element_ty)
-    tl.store(out_ptr + rows[:, None] * stride_r + cols[None, :], zero, mask=mask)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    first = end // BR  # the tile holding row `end`: earlier tiles lie inside the groups
+    for tile in range(first + tl.program_id(0), tl.cdiv(R, BR), tl.num_programs(0)):
+        rows = tile * BR + tl.arange(0, BR)
+        mask = ((rows >= end) & (rows < R))[:, None] & (cols < C)[None, :]
+        tl.store(out_ptr + rows[:, None] * stride_r + cols[None, :], zero, mask=mask)
 
 
 def zero_rows_past_end_(out: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -44,6 +49,6 @@ def zero_rows_past_end_(out: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         )
     r, c = out.shape
     if r * c > 0:
-        grid = (triton.cdiv(r, BLOCK_R), triton.cdiv(c, BLOCK_C))
+        grid = (min(triton.cdiv(r, BLOCK_R), PROGRAMS), triton.cdiv(c, BLOCK_C))
         launch(_zero_rows_kernel, grid, out, offs, offs.numel(), r, c, out.stride(0), BR=BLOCK_R, BC=BLOCK_C, num_warps=4)
     return out
