@@ -148,3 +148,24 @@ def test_grouped_op_argument_errors():
 
     with pytest.raises(ValueError, match="mx_linear: wgrad='fp8'.*'mxfp8', 'bf16'"):
         mx_linear(x, torch.randn(32, 64), wgrad="fp8")
+
+
+def test_swiglu_grouped_compiled_equals_eager():
+    """The fused SwiGLU pass writes gate's and up's saved MX pairs as separate outputs of one op: a
+    compiled graph must keep both (a fake that aliased them once made backward read up's pair twice)."""
+    torch.manual_seed(0)
+    gu = torch.randn(64, 128).bfloat16().requires_grad_()
+    w = torch.randn(2, 64, 64).requires_grad_()
+    offs = torch.tensor([32, 64], dtype=torch.int32)
+
+    def f(gu, w):
+        g, u = gu.chunk(2, -1)
+        return mx_grouped_mm_op(g, w, offs, up=u).float().square().sum()
+
+    grads = []
+    for fn in (f, torch.compile(f, backend="aot_eager")):
+        gu.grad = w.grad = None
+        fn(gu, w).backward()
+        grads.append((gu.grad.clone(), w.grad.clone()))
+    for eager, compiled in zip(*grads):
+        assert torch.equal(eager, compiled)

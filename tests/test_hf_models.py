@@ -80,7 +80,8 @@ def test_hf_moe_graph_counts_and_closeness(name):
     fw, bw = cap.forward, cap.backward
     assert count_calls(fw, OPS.mm.default) == n_linear
     assert count_calls(fw, OPS.grouped_mm.default) == 2
-    assert count_calls(fw, OPS.swiglu_quantize_dequantize.default) == n_swiglu  # emulated on CPU: + values
+    # one pass per SwiGLU: the GEMM operand, its values (emulated on CPU) and the saved gate/up pairs
+    assert count_calls(fw, OPS.swiglu_quantize_dequantize_save.default) == n_swiglu
     assert count_calls(fw, torch.ops.aten._grouped_mm.default) == 0  # no BF16 expert GEMM left
     assert count_calls(bw, OPS.mm.default) == 2 * n_linear  # dgrad + MX wgrad of every dense linear
     assert count_calls(bw, OPS.grouped_mm.default) == 2  # expert dgrads

@@ -40,6 +40,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def assert_same(got, ref):
+    assert len(got) == len(ref), f"{len(got)} outputs, expected {len(ref)}"
     for i, (g, r) in enumerate(zip(got, ref)):
         assert same_bits(g, r), f"output {i}: {(g.cpu().view(torch.uint8) != r.cpu().view(torch.uint8)).sum()} bytes differ"
 
@@ -325,6 +326,12 @@ def test_cpu_fused_quantize_dequantized_forms():
         dispatch.route_weight_quantize(u, w[:20], "rceil")
     with pytest.raises(TypeError, match="swiglu_quantize"):
         dispatch.swiglu_quantize([1.0], u, "rceil", torch.bfloat16)
+    assert_same(dispatch.swiglu_quantize(g, u, "rceil", save_inputs=True), with_saved_inputs(swiglu_ref(g, u, "rceil"), g, u, "rceil"))
+
+
+def with_saved_inputs(out, g, u, rule):
+    """What ``save_inputs=True`` appends: the rowwise MX pairs of gate and of up."""
+    return (*out, *mxf.quantize_lastdim(g, rule), *mxf.quantize_lastdim(u, rule))
 
 
 @cuda
@@ -336,6 +343,9 @@ def test_swiglu_quantize(shape, dtype, rule):
     got = dispatch.swiglu_quantize(g, u, rule)
     assert_same(got, swiglu_ref(g, u, rule))  # torch's CUDA silu: the same fp32 arithmetic
     assert_same(dispatch.swiglu_quantize(g, u, rule, torch.bfloat16), with_values(got, torch.bfloat16))
+    assert_same(dispatch.swiglu_quantize(g, u, rule, save_inputs=True), with_saved_inputs(got, g, u, rule))
+    assert_same(dispatch.swiglu_quantize(g, u, rule, torch.float32, save_inputs=True),
+                with_saved_inputs(with_values(got, torch.float32), g, u, rule))
     q_cpu, s_cpu = swiglu_ref(g.cpu(), u.cpu(), rule)  # CPU exp may differ by an ulp
     diff = (got[0].cpu().view(torch.uint8) != q_cpu.view(torch.uint8)).float().mean().item()
     assert diff < 1e-4 and (got[1].cpu() != s_cpu).float().mean().item() < 1e-3
@@ -349,6 +359,10 @@ def test_swiglu_quantize_fused_gate_up():
     g2, u2 = gu[..., ::2], gu[..., 1::2]  # interleaved halves
     assert_same(dispatch.swiglu_quantize(g2, u2, "rceil"), swiglu_ref(g2, u2, "rceil"))
     assert_same(dispatch.swiglu_quantize(g, u, "rceil", torch.float32), with_values(swiglu_ref(g, u, "rceil"), torch.float32))
+    for gate, up in ((g, u), (g2, u2)):  # the saved pairs of strided halves come out contiguous
+        got = dispatch.swiglu_quantize(gate, up, "rceil", torch.bfloat16, save_inputs=True)
+        assert_same(got, with_saved_inputs(with_values(swiglu_ref(gate, up, "rceil"), torch.bfloat16), gate, up, "rceil"))
+        assert all(t.is_contiguous() for t in got)
 
 
 @cuda

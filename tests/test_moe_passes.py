@@ -54,7 +54,8 @@ def test_main_model_counts_and_attention_saved_rule():
     fw, bw = cap.forward, cap.backward
     assert count_calls(fw, OPS.mm.default) == 5  # qkv, o_proj, shared gate/up/down; router and lm_head stay
     assert count_calls(fw, OPS.grouped_mm.default) == 2
-    assert count_calls(fw, OPS.swiglu_quantize_dequantize.default) == 2  # routed and shared SwiGLU fused (emulated: + values)
+    # routed and shared SwiGLU fused (emulated: + values), writing the saved gate/up pairs too
+    assert count_calls(fw, OPS.swiglu_quantize_dequantize_save.default) == 2
     assert count_calls(bw, OPS.route_weight_quantize_dequantize.default) == 1
     report = {(r.module, r.kind): r for r in mxfx.last_report().records}
     # The seed's attention rule: the QKV input is saved as MXFP8, the output projection's stays BF16

@@ -166,22 +166,25 @@ def _with_dequantized(pair: tuple, dtype: torch.dtype | None) -> tuple:
     return pair if dtype is None else (*pair, mxf.dequantize_lastdim(*pair, dtype))
 
 
-def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str, dequantized: torch.dtype | None = None):
+def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str, dequantized: torch.dtype | None = None,
+                    save_inputs: bool = False):
     """MX quantize of ``silu(gate) * up`` formed in fp32 (no 16-bit intermediate): ``(qdata, scales)``,
     or ``(qdata, scales, h_hat)`` with ``dequantized`` (h_hat = dequantize(qdata, scales) in that dtype,
-    written by the same pass)."""
+    written by the same pass). With ``save_inputs``, the rowwise MX pairs of gate and of up follow,
+    ``(gate_q, gate_s, up_q, up_s)``, from the same read (what the SwiGLU backward keeps)."""
     if dequantized is not None:
         mxf.check_input(gate, "mxfx.swiglu_quantize")
         mxf.check_output_dtype(dequantized, gate, "mxfx.swiglu_quantize", name="gate")
     if triton_available(gate):
         from mxfx.kernels import swiglu
 
-        return swiglu.swiglu_quantize(gate, up, rule, dequantized)
+        return swiglu.swiglu_quantize(gate, up, rule, dequantized, save_inputs)
     _check(gate, rule, "mxfx.swiglu_quantize")
     _check(up, rule, "mxfx.swiglu_quantize")
     if gate.shape != up.shape:
         raise ValueError(f"mxfx.swiglu_quantize: gate of shape {tuple(gate.shape)} and up of shape {tuple(up.shape)} must match")
-    return _with_dequantized(mxf.quantize_lastdim(F.silu(gate.float()) * up.float(), rule), dequantized)
+    out = _with_dequantized(mxf.quantize_lastdim(F.silu(gate.float()) * up.float(), rule), dequantized)
+    return (*out, *mxf.quantize_lastdim(gate, rule), *mxf.quantize_lastdim(up, rule)) if save_inputs else out
 
 
 def check_route_args(dy: torch.Tensor, weight, op: str) -> None:

@@ -13,6 +13,8 @@ Each op blocks along the last dimension of its input.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from mxfx import kernels
@@ -124,6 +126,38 @@ def _(gate, up, rule, dtype):
     return _mx_and_values_fake(gate, dtype)
 
 
+def _saved_pairs_fake(gate):
+    """Fakes of the gate and up MX pairs: four distinct tensors (a repeated fake would alias gate's pair to up's)."""
+    return tuple(t for _ in range(2) for t in (gate.new_empty(gate.shape, dtype=_E4M3),
+                                                gate.new_empty(_scale_shape(gate.shape), dtype=torch.uint8)))
+
+
+@torch.library.custom_op("mxfx::swiglu_quantize_save", mutates_args=())
+def _swiglu_quantize_save_op(
+    gate: torch.Tensor, up: torch.Tensor, rule: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_swiglu_quantize_op` followed by the rowwise MX pairs of gate and up (contiguous), from one read."""
+    return kernels.swiglu_quantize(gate, up, rule, save_inputs=True)
+
+
+@_swiglu_quantize_save_op.register_fake
+def _(gate, up, rule):
+    return _swiglu_quantize_op(gate, up, rule) + _saved_pairs_fake(gate)
+
+
+@torch.library.custom_op("mxfx::swiglu_quantize_dequantize_save", mutates_args=())
+def _swiglu_quantize_dequantize_save_op(
+    gate: torch.Tensor, up: torch.Tensor, rule: str, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_swiglu_quantize_dequantize_op` followed by the rowwise MX pairs of gate and up, from one read."""
+    return kernels.swiglu_quantize(gate, up, rule, dtype, save_inputs=True)
+
+
+@_swiglu_quantize_dequantize_save_op.register_fake
+def _(gate, up, rule, dtype):
+    return _mx_and_values_fake(gate, dtype) + _saved_pairs_fake(gate)
+
+
 @torch.library.custom_op("mxfx::route_weight_quantize_dequantize", mutates_args=())
 def _route_weight_quantize_dequantize_op(
     dy: torch.Tensor, weight: torch.Tensor, rule: str, dtype: torch.dtype
@@ -190,6 +224,13 @@ formed in fp32: ``gate, up [..., H]`` -> ``(q [..., H], s [..., H/32])`` (``mxfx
 swiglu_quantize_dequantize = op_or_body(_swiglu_quantize_dequantize_op, kernels.swiglu_quantize, """``(gate,
 up, rule, dtype)`` -> ``(q, s, h_hat)``: :func:`swiglu_quantize` plus the dequantized values in ``dtype``
 (``mxfx::swiglu_quantize_dequantize``).""")
+swiglu_quantize_save = op_or_body(_swiglu_quantize_save_op, functools.partial(kernels.swiglu_quantize,
+dequantized=None, save_inputs=True), """``(gate, up, rule)`` -> ``(q, s, gate_q, gate_s, up_q, up_s)``:
+:func:`swiglu_quantize` plus the MX pairs of gate and up that the SwiGLU backward keeps, from one read
+(``mxfx::swiglu_quantize_save``).""")
+swiglu_quantize_dequantize_save = op_or_body(_swiglu_quantize_dequantize_save_op, functools.partial(
+kernels.swiglu_quantize, save_inputs=True), """``(gate, up, rule, dtype)`` -> ``(q, s, h_hat, gate_q, gate_s,
+up_q, up_s)`` (``mxfx::swiglu_quantize_dequantize_save``).""")
 route_weight_quantize_dequantize = op_or_body(_route_weight_quantize_dequantize_op, kernels.route_weight_quantize,
 """``(dy, weight, rule, dtype)`` -> ``(q, s, x_hat)``: :func:`route_weight_quantize` plus the dequantized values
 in ``dtype`` (``mxfx::route_weight_quantize_dequantize``).""")

@@ -90,8 +90,11 @@ class _MXGroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, up, weight, offs, route_weight, out_dtype, rule, wgrad, save, keep_dq, x_q, x_s, x_v):
         s_rows = x.shape[0]
-        xq, xs, x_hat = swiglu.quantize_input(x, up, rule, "grouped_mm") if x_q is None else (x_q, x_s, x_v)
-        packed = () if up is None else swiglu.pack(x, up, save, rule)
+        if up is not None:
+            xq, xs, x_hat, packed = swiglu.quantize_input_and_pack(x, up, save, rule, "grouped_mm")
+        else:
+            xq, xs, x_hat = quantize_operand(x, rule, "grouped_mm") if x_q is None else (x_q, x_s, x_v)
+            packed = ()
         wq, ws, w_dq = weight_operands(weight, rule, "forward", keep_dq)
         y = mx_grouped_mm(xq, xs, wq, ws, offs, out_dtype, w_dq, x_hat)
         if wgrad == "mxfp8":

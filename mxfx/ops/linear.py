@@ -43,20 +43,23 @@ class _MXLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d, up, weight, bias, out_dtype, rule, wgrad, save, keep_dq):
         m = x2d.shape[0]
-        packed = () if up is None else swiglu.pack(x2d, up, save, rule)
+        packed = ()
         x_hat = None  # dequant(xq, xs) from the quantize pass itself (emulated GEMMs), else None
-        if wgrad == "mxfp8" and up is not None:
-            # SwiGLU: fused rowwise quantize for the GEMM; the token-blocked copy from the fp32 product.
-            xq, xs, x_hat = swiglu.quantize_input(x2d, up, rule)
-            kind, wgrad_input = "mx_tokens", kops.quantize(_pad_tokens(swiglu.swiglu_fp32(x2d, up)).t(), rule)
+        if up is not None:
+            # SwiGLU: fused rowwise quantize for the GEMM, writing the saved gate/up pairs in the same pass
+            xq, xs, x_hat, packed = swiglu.quantize_input_and_pack(x2d, up, save, rule)
+            if wgrad == "mxfp8":  # the token-blocked copy from the fp32 product
+                kind, wgrad_input = "mx_tokens", kops.quantize(_pad_tokens(swiglu.swiglu_fp32(x2d, up)).t(), rule)
+            else:  # BF16 wgrad from the forward's own rowwise MX copy
+                kind, wgrad_input = "mx_rows", (xq, xs)
         elif wgrad == "mxfp8" and save == "mxfp8":
             # Rowwise for the forward GEMM and token-blocked for wgrad, from one read.
             xq, xs, xq_t, xs_t = kops.quantize_dual(_pad_tokens(x2d), rule)
             xq, xs = xq[:m], xs[:m]
             kind, wgrad_input = "mx_tokens", (xq_t, xs_t)
         else:
-            xq, xs, x_hat = swiglu.quantize_input(x2d, up, rule)
-            if up is None and save == "bf16":  # the input stays alive elsewhere: keep a reference
+            xq, xs, x_hat = quantize_operand(x2d, rule)
+            if save == "bf16":  # the input stays alive elsewhere: keep a reference
                 kind, wgrad_input = ("hp_tokens" if wgrad == "mxfp8" else "hp"), (x2d,)
             else:  # BF16 wgrad from the forward's own rowwise MX copy
                 kind, wgrad_input = "mx_rows", (xq, xs)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from mxfx.kernels import ops as kops
-from mxfx.ops.gemm import a_operand, quantize_operand
+from mxfx.ops.gemm import a_operand, emulated_operand_dtype, quantize_operand
 
 
 def swiglu_fp32(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -32,6 +32,24 @@ def quantize_input(x: torch.Tensor, up: torch.Tensor | None, rule: str, op: str 
     if up is None:
         return quantize_operand(x, rule, op)
     return a_operand(op, kops.swiglu_quantize, kops.swiglu_quantize_dequantize, x, up, rule)
+
+
+def quantize_input_and_pack(x: torch.Tensor, up: torch.Tensor, save: str, rule: str, op: str = "mm") -> tuple:
+    """:func:`quantize_input` of ``silu(x) * up`` and :func:`pack` of gate ``x`` and ``up``:
+    ``(qdata, scales, x_hat or None, packed)``.
+
+    With ``save="mxfp8"`` one pass reads gate and up once and writes the GEMM operand and both
+    saved MX pairs (``mxfx::swiglu_quantize_save``, or ``..._dequantize_save`` where GEMM ``op`` is
+    emulated); the same bytes as the three separate passes.
+    """
+    if save != "mxfp8":
+        return (*quantize_input(x, up, rule, op), pack(x, up, save, rule))
+    dtype = emulated_operand_dtype(op, x.device)
+    if dtype is None:
+        q, s, *packed = kops.swiglu_quantize_save(x, up, rule)
+        return q, s, None, tuple(packed)
+    q, s, x_hat, *packed = kops.swiglu_quantize_dequantize_save(x, up, rule, dtype)
+    return q, s, x_hat, tuple(packed)
 
 
 def pack(gate: torch.Tensor, up: torch.Tensor, save: str, rule: str) -> tuple:

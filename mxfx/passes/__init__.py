@@ -11,7 +11,7 @@ PIPELINE = (
     ("all_to_all", all_to_all.run),
     ("linear", linear.run),
     ("grouped_mm", grouped_mm.run),
-    ("dispatch_mx", dispatch_mx.run),  # after both: hands received MX pairs to grouped GEMMs
+    ("dispatch_mx", dispatch_mx.run),  # after both: grouped GEMMs take MX made before the dispatch (received, or pre-gather)
     ("swiglu", swiglu.run),
     ("combine", combine.run),
     ("saved", saved.run),
