@@ -119,6 +119,9 @@ def cases(m: int, k: int):
         ("quantize-dequantize", lambda: dispatch.quantize_dequantize(x, "rceil", torch.bfloat16), 2 * n + q8 + 2 * n),
         ("swiglu+quantize (gate, up)", lambda: dispatch.swiglu_quantize(g, u, "rceil"), 4 * n + q8),
         ("swiglu+quantize (gate_up halves)", lambda: dispatch.swiglu_quantize(gu[:, :k], gu[:, k:], "rceil"), 4 * n + q8),
+        ("swiglu+quantize + values + saved gate/up MX (gate_up halves)",
+         lambda: dispatch.swiglu_quantize(gu[:, :k], gu[:, k:], "rceil", torch.bfloat16, save_inputs=True),
+         4 * n + q8 + 2 * n + 2 * q8),
         ("route-weight+quantize", lambda: dispatch.route_weight_quantize(x, w, "rceil"), 2 * n + 4 * m + q8),
     ]
 

@@ -346,9 +346,12 @@ def test_swiglu_quantize(shape, dtype, rule):
     assert_same(dispatch.swiglu_quantize(g, u, rule, save_inputs=True), with_saved_inputs(got, g, u, rule))
     assert_same(dispatch.swiglu_quantize(g, u, rule, torch.float32, save_inputs=True),
                 with_saved_inputs(with_values(got, torch.float32), g, u, rule))
-    q_cpu, s_cpu = swiglu_ref(g.cpu(), u.cpu(), rule)  # CPU exp may differ by an ulp
-    diff = (got[0].cpu().view(torch.uint8) != q_cpu.view(torch.uint8)).float().mean().item()
-    assert diff < 1e-4 and (got[1].cpu() != s_cpu).float().mean().item() < 1e-3
+    # against the CPU path: its expf may differ from CUDA's by an ulp, which moves an E4M3 rounding or a
+    # block's scale now and then; a handful of bytes, never a pattern
+    q_cpu, s_cpu = swiglu_ref(g.cpu(), u.cpu(), rule)
+    q_diff = int((got[0].cpu().view(torch.uint8) != q_cpu.view(torch.uint8)).sum())
+    s_diff = int((got[1].cpu() != s_cpu).sum())
+    assert q_diff <= max(4, 1e-4 * q_cpu.numel()) and s_diff <= max(2, 1e-3 * s_cpu.numel()), (q_diff, s_diff)
 
 
 @cuda
