@@ -398,6 +398,10 @@ def test_dual_operand_values_only_where_emulated(monkeypatch):
         gemm.mx_mm(None, None, wq, ws, torch.float32)
     with pytest.raises(ValueError, match=r"B has neither an MX pair"):
         gemm.mx_mm(rq, rs, wq, None, torch.float32)  # qdata without its scales
+    with pytest.raises(ValueError, match=r"a_dequantized of shape \(64, 64\) is not the dequantization of A's qdata"):
+        gemm.mx_mm(rq, rs, wq, ws, torch.float32, None, h[:, :64])
+    with pytest.raises(ValueError, match=r"A of shape \(64, 64\) and B of shape \(32, 96\) must share their last"):
+        gemm.mx_mm(None, None, wq, ws, torch.float32, None, h[:, :64])
     with pytest.raises(ValueError, match=r"op='bogus' is not a GEMM op"):
         gemm.quantize_dual_operand(x, "rceil", op="bogus")
     monkeypatch.setattr(gemm, "_capability", lambda device: (10, 0))  # native selection

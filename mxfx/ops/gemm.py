@@ -102,11 +102,21 @@ def _dequantized(a_qdata, a_scales, b_qdata, b_scales, b_dequantized=None, a_deq
                 f"mxfx.gemm: {name} has neither an MX pair (qdata and scales) nor dequantized values; pass its "
                 f"qdata and scales, or {name.lower()}_dequantized to an emulated GEMM"
             )
+        if hat is not None and q is not None and hat.shape != q.shape:
+            raise ValueError(
+                f"mxfx.gemm: {name.lower()}_dequantized of shape {tuple(hat.shape)} is not the dequantization of "
+                f"{name}'s qdata of shape {tuple(q.shape)}; pass the values its quantize pass wrote"
+            )
     cdt = _emulation_dtype(_device(a_qdata, a_dequantized))
     # Plain kernel calls, not the mxfx::dequantize op: this runs inside a GEMM op's own implementation
     # (or is traced into a CUDA graph), where a nested custom op would only add dispatcher overhead.
     a = dequantize_lastdim(a_qdata, a_scales, cdt) if a_dequantized is None else a_dequantized.to(cdt)
     b = dequantize_lastdim(b_qdata, b_scales, cdt) if b_dequantized is None else b_dequantized.to(cdt)
+    if a.shape[-1] != b.shape[-1]:
+        raise ValueError(
+            f"mxfx.gemm: A of shape {tuple(a.shape)} and B of shape {tuple(b.shape)} must share their last "
+            f"(reduction) dim: C = A @ B^T with both operands blocked along it"
+        )
     return a, b
 
 
