@@ -402,6 +402,10 @@ def test_dual_operand_values_only_where_emulated(monkeypatch):
         gemm.mx_mm(rq, rs, wq, ws, torch.float32, None, h[:, :64])
     with pytest.raises(ValueError, match=r"A of shape \(64, 64\) and B of shape \(32, 96\) must share their last"):
         gemm.mx_mm(None, None, wq, ws, torch.float32, None, h[:, :64])
+    with pytest.raises(TypeError, match=r"a_dequantized of shape \(64, 96\) has dtype torch.float8_e4m3fn"):
+        gemm.mx_mm(rq, rs, wq, ws, torch.float32, None, rq)  # qdata passed as values
+    with pytest.raises(ValueError, match=r"A of shape \(2, 64, 96\) and B of shape \(32, 96\) must be 2D and 2D"):
+        gemm.mx_mm(None, None, wq, ws, torch.float32, None, h.expand(2, 64, 96))
     with pytest.raises(ValueError, match=r"op='bogus' is not a GEMM op"):
         gemm.quantize_dual_operand(x, "rceil", op="bogus")
     monkeypatch.setattr(gemm, "_capability", lambda device: (10, 0))  # native selection

@@ -230,6 +230,27 @@ def test_local_dispatch_quantized_before_its_row_gather():
         assert torch.equal(g, r)
 
 
+def test_local_dispatch_hoist_keeps_the_saved_precision():
+    """Tokens with no other reader: their gathered rows are saved as MXFP8 with the hoist as without it (the
+    inserted ``detach`` keeps nothing alive), and the expert weight gradient is the same to the bit."""
+    torch.manual_seed(1)
+    x0, w0 = torch.randn(32, 64, dtype=torch.bfloat16), torch.randn(2, 64, 64)
+    idx, offs = torch.arange(64) // 2, torch.tensor([32, 64], dtype=torch.int32)
+
+    def f(x, w):
+        return torch._grouped_mm(x[idx], w.to(torch.bfloat16).transpose(-2, -1), offs=offs)
+
+    got = []
+    for passes in ({}, {"dispatch_mx": False}):
+        torch._dynamo.reset()
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        torch.compile(f, backend="mxfp8", options={"inner": "aot_eager", "passes": passes})(x, w).float().square().sum().backward()
+        rec = next(r for r in mxfx.last_report().records if r.kind == "grouped_mm")
+        got.append((rec.saved, x.grad, w.grad))
+    assert got[0][0] == got[1][0] == "mxfp8", (got[0][0], got[1][0])
+    assert torch.equal(got[0][1], got[1][1]) and torch.equal(got[0][2], got[1][2])
+
+
 def test_grouped_mm_rejects_x_mx_that_is_not_the_pair_of_x():
     from mxfx.ops.grouped_mm import mx_grouped_mm_op
 
@@ -240,6 +261,10 @@ def test_grouped_mm_rejects_x_mx_that_is_not_the_pair_of_x():
         mx_grouped_mm_op(x, w, offs, x_mx=(q, s, x[:32]))
     with pytest.raises(ValueError, match=r"x_mx must be \(qdata, scales\)"):
         mx_grouped_mm_op(x, w, offs, x_mx=(q,))
+    with pytest.raises(ValueError, match=r"x_mx needs x's qdata \(float8_e4m3fn tensor\) and scales"):
+        mx_grouped_mm_op(x, w, offs, x_mx=(None, s))
+    with pytest.raises(TypeError, match=r"values in x_mx must be the dequantized tensor .* got torch.float8_e4m3fn"):
+        mx_grouped_mm_op(x, w, offs, x_mx=(q, s, q))
     # a well-formed triple gives what the pair gives
     hat = mxfx.dequantize(q, s, dtype=torch.float32)
     pair = mx_grouped_mm_op(x, w, offs, x_mx=(q, s.view(torch.uint8)))

@@ -90,8 +90,9 @@ def _emulation_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "cpu" else torch.bfloat16
 
 
-def _dequantized(a_qdata, a_scales, b_qdata, b_scales, b_dequantized=None, a_dequantized=None):
-    """Both operands dequantized exactly, in the emulation dtype of their device.
+def _dequantized(a_qdata, a_scales, b_qdata, b_scales, b_dequantized=None, a_dequantized=None, dims=None):
+    """Both operands dequantized exactly, in the emulation dtype of their device; ``dims`` = (A's, B's)
+    number of dims the calling GEMM takes (checked, so a wrong operand is named, not left to torch).
 
     ``b_dequantized`` (the cached BF16 weight) replaces dequantizing B when given, ``a_dequantized``
     (written by the activation's quantize pass, :func:`quantize_operand`) dequantizing A.
@@ -101,6 +102,11 @@ def _dequantized(a_qdata, a_scales, b_qdata, b_scales, b_dequantized=None, a_deq
             raise ValueError(
                 f"mxfx.gemm: {name} has neither an MX pair (qdata and scales) nor dequantized values; pass its "
                 f"qdata and scales, or {name.lower()}_dequantized to an emulated GEMM"
+            )
+        if hat is not None and (not hat.is_floating_point() or hat.element_size() < 2):
+            raise TypeError(
+                f"mxfx.gemm: {name.lower()}_dequantized of shape {tuple(hat.shape)} has dtype {hat.dtype}; it holds "
+                f"dequantized values (bf16/fp16/fp32), not qdata or integers"
             )
         if hat is not None and q is not None and hat.shape != q.shape:
             raise ValueError(
@@ -112,6 +118,11 @@ def _dequantized(a_qdata, a_scales, b_qdata, b_scales, b_dequantized=None, a_deq
     # (or is traced into a CUDA graph), where a nested custom op would only add dispatcher overhead.
     a = dequantize_lastdim(a_qdata, a_scales, cdt) if a_dequantized is None else a_dequantized.to(cdt)
     b = dequantize_lastdim(b_qdata, b_scales, cdt) if b_dequantized is None else b_dequantized.to(cdt)
+    if dims is not None and (a.dim(), b.dim()) != dims:
+        raise ValueError(
+            f"mxfx.gemm: A of shape {tuple(a.shape)} and B of shape {tuple(b.shape)} must be {dims[0]}D and "
+            f"{dims[1]}D for this GEMM"
+        )
     if a.shape[-1] != b.shape[-1]:
         raise ValueError(
             f"mxfx.gemm: A of shape {tuple(a.shape)} and B of shape {tuple(b.shape)} must share their last "
@@ -121,7 +132,7 @@ def _dequantized(a_qdata, a_scales, b_qdata, b_scales, b_dequantized=None, a_deq
 
 
 def _emulated_mm(a_qdata, a_scales, b_qdata, b_scales, out_dtype, b_dequantized=None, a_dequantized=None):
-    a, b = _dequantized(a_qdata, a_scales, b_qdata, b_scales, b_dequantized, a_dequantized)
+    a, b = _dequantized(a_qdata, a_scales, b_qdata, b_scales, b_dequantized, a_dequantized, dims=(2, 2))
     if a.dtype == torch.float32:
         return torch.mm(a, b.t()).to(out_dtype)
     if out_dtype == torch.float32:
@@ -140,7 +151,7 @@ def _rows_in_groups(out: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
 
 
 def _emulated_grouped_mm(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, b_dequantized=None, a_dequantized=None):
-    a, b = _dequantized(a_qdata, a_scales, b_qdata, b_scales, b_dequantized, a_dequantized)
+    a, b = _dequantized(a_qdata, a_scales, b_qdata, b_scales, b_dequantized, a_dequantized, dims=(2, 3))
     out = torch._grouped_mm(a, b.transpose(-2, -1), offs=offs)
     return _rows_in_groups(out, offs).to(out_dtype)
 

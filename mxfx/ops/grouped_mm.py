@@ -160,6 +160,13 @@ def _check_x_mx(x_mx, x: torch.Tensor, up) -> tuple:
     if not isinstance(x_mx, (tuple, list)) or len(x_mx) not in (2, 3):
         raise ValueError("mxfx.grouped_mm: x_mx must be (qdata, scales) or (qdata, scales, dequantized values)")
     x_q, x_s, x_v = (*x_mx, None) if len(x_mx) == 2 else x_mx
+    if not isinstance(x_q, torch.Tensor) or not isinstance(x_s, torch.Tensor) or x_q.dtype != torch.float8_e4m3fn:
+        raise ValueError("mxfx.grouped_mm: x_mx needs x's qdata (float8_e4m3fn tensor) and scales (uint8 E8M0 tensor)")
+    if x_v is not None and (not isinstance(x_v, torch.Tensor) or not x_v.is_floating_point() or x_v.element_size() < 2):
+        raise TypeError(
+            f"mxfx.grouped_mm: the values in x_mx must be the dequantized tensor (bf16/fp16/fp32), got "
+            f"{getattr(x_v, 'dtype', type(x_v).__name__)}"
+        )
     k = x.shape[-1]
     if up is not None or x_q.shape != x.shape or x_s.shape != (*x.shape[:-1], k // 32) or (
         x_v is not None and x_v.shape != x.shape

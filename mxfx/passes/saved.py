@@ -5,8 +5,10 @@ MXFP8 (33/32 bytes per value) saves memory only when no other backward
 consumer keeps the same BF16 tensor alive (seed §11.1.2, §11.4.2-11.4.3):
 adding an MX copy next to a retained BF16 tensor costs 33/32 bytes more.
 
-Rule, per MX op input ``x`` (views, ``contiguous`` and ``clone`` are looked
-through, since the partitioner recomputes them from their base):
+Rule, per MX op input ``x`` (views, ``contiguous``, ``clone`` and row gathers,
+``x[idx]`` and ``index_select``, are looked through, since the partitioner
+recomputes them from their base: the top-k gathered rows of a dispatch cost
+nothing to keep when their tokens are kept anyway):
 
 * its base is the output of an op whose backward reads its own output
   (``scaled_dot_product_attention``, softmax, log_softmax, sigmoid, tanh, exp,
@@ -47,8 +49,8 @@ from mxfx.policy import Policy
 from mxfx.report import PrecisionMap
 
 MX_OPS = (mx_linear, mx_grouped_mm_op)
-_VIEW_METHODS = ("view", "reshape", "transpose", "permute", "contiguous", "flatten", "unflatten", "squeeze", "unsqueeze", "t", "clone", "expand", "chunk", "split", "narrow")
-_VIEW_FNS = (torch.reshape, torch.transpose, torch.flatten, torch.permute, torch.squeeze, torch.unsqueeze, torch.chunk, torch.split, operator.getitem, torch.clone, torch.narrow)
+_VIEW_METHODS = ("view", "reshape", "transpose", "permute", "contiguous", "flatten", "unflatten", "squeeze", "unsqueeze", "t", "clone", "expand", "chunk", "split", "narrow", "index_select")
+_VIEW_FNS = (torch.reshape, torch.transpose, torch.flatten, torch.permute, torch.squeeze, torch.unsqueeze, torch.chunk, torch.split, operator.getitem, torch.clone, torch.narrow, torch.index_select)
 _SAVES_OUTPUT_FNS = (
     F.scaled_dot_product_attention, torch.softmax, F.softmax, torch.special.softmax, torch.log_softmax, F.log_softmax,
     torch.sigmoid, F.sigmoid, torch.special.expit, torch.tanh, F.tanh, torch.exp, torch.relu, F.relu, torch.relu_,
@@ -57,8 +59,11 @@ _SAVES_OUTPUT_FNS = (
 """Ops whose backward reads their own output (``y * (1 - y)``, ``1 - y^2``, ``y > 0``, ``0.5 / y``, ...)."""
 _SAVES_OUTPUT_METHODS = ("softmax", "log_softmax", "sigmoid", "sigmoid_", "tanh", "tanh_", "exp", "exp_", "relu",
                          "relu_", "sqrt", "sqrt_", "rsqrt", "rsqrt_")
-_NON_SAVING_FNS = (operator.add, operator.sub, operator.neg, torch.add, torch.sub, torch.cat, torch.stack, F.pad)
-_NON_SAVING_METHODS = ("add", "sub", "neg", "to", "float", "bfloat16", "half", "type", "size", "dim")
+_NON_SAVING_FNS = (operator.add, operator.sub, operator.neg, torch.add, torch.sub, torch.cat, torch.stack, F.pad,
+                   torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like)
+_NON_SAVING_METHODS = ("add", "sub", "neg", "to", "float", "bfloat16", "half", "type", "size", "dim", "detach",
+                       "new_zeros", "new_ones", "new_empty", "new_full")
+"""Users whose backward keeps nothing of their input (sums, casts, shape-only factories, ``detach``)."""
 
 
 def _is_view(n: fx.Node) -> bool:
