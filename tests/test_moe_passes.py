@@ -230,12 +230,15 @@ def test_local_dispatch_quantized_before_its_row_gather():
         assert torch.equal(g, r)
 
 
-def test_local_dispatch_hoist_keeps_the_saved_precision():
-    """Tokens with no other reader: their gathered rows are saved as MXFP8 with the hoist as without it (the
-    inserted ``detach`` keeps nothing alive), and the expert weight gradient is the same to the bit."""
+@pytest.mark.parametrize("copies,saved", [(2, "bf16"), (1, "mxfp8")])
+def test_local_dispatch_hoist_keeps_the_saved_precision(copies, saved):
+    """What the gathered rows save does not depend on the hoist (its ``detach`` keeps nothing alive): with k
+    copies of each token, keeping the BF16 tokens (2 bytes) beats an MX copy of the rows (k x 33/32 bytes)
+    from k = 2; a permutation (k = 1) packs MXFP8. The expert weight gradient is the same to the bit."""
     torch.manual_seed(1)
     x0, w0 = torch.randn(32, 64, dtype=torch.bfloat16), torch.randn(2, 64, 64)
-    idx, offs = torch.arange(64) // 2, torch.tensor([32, 64], dtype=torch.int32)
+    idx = torch.arange(32 * copies) // copies
+    offs = torch.tensor([16 * copies, 32 * copies], dtype=torch.int32)
 
     def f(x, w):
         return torch._grouped_mm(x[idx], w.to(torch.bfloat16).transpose(-2, -1), offs=offs)
@@ -246,9 +249,11 @@ def test_local_dispatch_hoist_keeps_the_saved_precision():
         x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
         torch.compile(f, backend="mxfp8", options={"inner": "aot_eager", "passes": passes})(x, w).float().square().sum().backward()
         rec = next(r for r in mxfx.last_report().records if r.kind == "grouped_mm")
-        got.append((rec.saved, x.grad, w.grad))
-    assert got[0][0] == got[1][0] == "mxfp8", (got[0][0], got[1][0])
-    assert torch.equal(got[0][1], got[1][1]) and torch.equal(got[0][2], got[1][2])
+        got.append((rec.saved, rec.reason, x.grad, w.grad))
+    assert got[0][0] == got[1][0] == saved, got[0][:2]
+    if saved == "bf16":
+        assert "re-gathered in backward" in got[0][1] and "re-gathered in backward" in got[1][1]
+    assert torch.equal(got[0][2], got[1][2]) and torch.equal(got[0][3], got[1][3])
 
 
 def test_grouped_mm_rejects_x_mx_that_is_not_the_pair_of_x():

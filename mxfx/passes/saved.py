@@ -19,6 +19,10 @@ nothing to keep when their tokens are kept anyway):
 * several MX ops read it (q/k/v projections of one input) and one copy of it
   in its own dtype is smaller than one MX copy per op (2 bytes for BF16 vs
   n x 33/32): keep it as it is;
+* it is rows gathered from fewer tokens (a dispatch's ``x[order // k]``, k
+  copies of each token) and the tokens in their own dtype are smaller than an MX
+  copy of the gathered rows (2 bytes vs k x 33/32): keep the tokens, which
+  backward gathers again;
 * the MX copy would not be smaller: a linear with MXFP8 wgrad saves its input
   blocked along tokens, zero-padded to a multiple of 32 tokens, so at a few
   tokens the copy outgrows the tensor (judged at the traced token count): keep it;
@@ -104,8 +108,15 @@ def keeps_bf16_alive(x: fx.Node, op: fx.Node) -> str:
                 continue
             else:
                 return f"also saved by {getattr(u.target, '__name__', u.target)}"
-    x_val = example_value(x)
+    x_val, base_val = example_value(x), example_value(base)
     own_bytes = x_val.element_size() if x_val is not None else 2
+    # rows per base row: top-k for a dispatch's gather (x[order // k]), 1 for views
+    n_x = size_hint(x_val.numel()) if x_val is not None else 0  # 0 when data-dependent (expert parallel)
+    n_base = size_hint(base_val.numel()) if base_val is not None else 0
+    expand = n_x / n_base if n_x and n_base else 1.0
+    if expand > 1 and mx_readers * expand * 33 / 32 >= own_bytes:
+        return (f"rows gathered from their tokens ({expand:g} per token): keeping the {own_bytes}-byte tokens, "
+                f"re-gathered in backward, is smaller than an MX copy of the gathered rows")
     if mx_readers * 33 / 32 >= own_bytes:
         return f"read by {mx_readers} MX ops: one {own_bytes}-byte copy is smaller than {mx_readers} MX copies"
     return ""
