@@ -28,6 +28,11 @@ def _scale_shape(shape) -> list:
     return [*shape[:-1], shape[-1] // BLOCK_SIZE]
 
 
+def _pair_fake(x):
+    """Fake rowwise MX pair of ``x [..., K]``: fresh ``(qdata e4m3 [..., K], scales uint8 [..., K/32])``."""
+    return x.new_empty(x.shape, dtype=_E4M3), x.new_empty(_scale_shape(x.shape), dtype=torch.uint8)
+
+
 @torch.library.custom_op("mxfx::quantize", mutates_args=())
 def _quantize_op(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [..., K]`` -> ``(qdata e4m3 [..., K], scales uint8 [..., K/32])``."""
@@ -36,7 +41,7 @@ def _quantize_op(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor
 
 @_quantize_op.register_fake
 def _(x, rule):
-    return x.new_empty(x.shape, dtype=_E4M3), x.new_empty(_scale_shape(x.shape), dtype=torch.uint8)
+    return _pair_fake(x)
 
 
 @torch.library.custom_op("mxfx::dequantize", mutates_args=())
@@ -102,15 +107,11 @@ def _swiglu_quantize_op(gate: torch.Tensor, up: torch.Tensor, rule: str) -> tupl
 
 @_swiglu_quantize_op.register_fake
 def _(gate, up, rule):
-    return gate.new_empty(gate.shape, dtype=_E4M3), gate.new_empty(_scale_shape(gate.shape), dtype=torch.uint8)
+    return _pair_fake(gate)
 
 
 def _mx_and_values_fake(x, dtype):
-    return (
-        x.new_empty(x.shape, dtype=_E4M3),
-        x.new_empty(_scale_shape(x.shape), dtype=torch.uint8),
-        x.new_empty(x.shape, dtype=dtype),
-    )
+    return (*_pair_fake(x), x.new_empty(x.shape, dtype=dtype))
 
 
 @torch.library.custom_op("mxfx::swiglu_quantize_dequantize", mutates_args=())
@@ -127,9 +128,8 @@ def _(gate, up, rule, dtype):
 
 
 def _saved_pairs_fake(gate):
-    """Fakes of the gate and up MX pairs: four distinct tensors (a repeated fake would alias gate's pair to up's)."""
-    return tuple(t for _ in range(2) for t in (gate.new_empty(gate.shape, dtype=_E4M3),
-                                                gate.new_empty(_scale_shape(gate.shape), dtype=torch.uint8)))
+    """Fakes of the gate and up MX pairs: two fresh pairs (one pair repeated would alias gate's to up's)."""
+    return _pair_fake(gate) + _pair_fake(gate)
 
 
 @torch.library.custom_op("mxfx::swiglu_quantize_save", mutates_args=())
@@ -179,7 +179,7 @@ def _route_weight_quantize_op(dy: torch.Tensor, weight: torch.Tensor, rule: str)
 
 @_route_weight_quantize_op.register_fake
 def _(dy, weight, rule):
-    return dy.new_empty(dy.shape, dtype=_E4M3), dy.new_empty(_scale_shape(dy.shape), dtype=torch.uint8)
+    return _pair_fake(dy)
 
 
 @torch.library.custom_op("mxfx::quantize_blocked", mutates_args=())

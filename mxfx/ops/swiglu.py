@@ -35,12 +35,22 @@ def quantize_input(x: torch.Tensor, up: torch.Tensor | None, rule: str, op: str 
 
 
 def quantize_input_and_pack(x: torch.Tensor, up: torch.Tensor, save: str, rule: str, op: str = "mm") -> tuple:
-    """:func:`quantize_input` of ``silu(x) * up`` and :func:`pack` of gate ``x`` and ``up``:
-    ``(qdata, scales, x_hat or None, packed)``.
+    """:func:`quantize_input` of ``silu(x) * up`` and :func:`pack` of gate ``x`` and ``up``.
 
-    With ``save="mxfp8"`` one pass reads gate and up once and writes the GEMM operand and both
-    saved MX pairs (``mxfx::swiglu_quantize_save``, or ``..._dequantize_save`` where GEMM ``op`` is
-    emulated); the same bytes as the three separate passes.
+    Args:
+        x, up: gate and up ``[..., H]`` (bf16/fp16/fp32, same shape, any strides; H a multiple of 32).
+        save: "mxfp8" | "bf16", how backward keeps gate and up; rule: "rceil" | "floor";
+        op: the GEMM the operand feeds ("mm" or "grouped_mm").
+
+    Returns:
+        ``(qdata e4m3 [..., H], scales uint8 [..., H/32], x_hat or None, packed)``: the GEMM's A operand
+        (x_hat its values in the emulation dtype where ``op`` is emulated) and what :func:`unpack` reads.
+        With ``save="mxfp8"`` one pass reads gate and up once and writes the operand and both saved MX
+        pairs (``mxfx::swiglu_quantize_save``, or ``..._dequantize_save`` where ``op`` is emulated): the
+        same bytes as three separate passes (OCP MX v1.0 §6.3 blocks, ``mxfx.format`` rules).
+
+    Raises:
+        TypeError / ValueError: as :func:`mxfx.kernels.dispatch.swiglu_quantize` (dtype, shapes, rule).
     """
     if save != "mxfp8":
         return (*quantize_input(x, up, rule, op), pack(x, up, save, rule))
