@@ -140,7 +140,7 @@ def torchao_cases():
 def _variants():
     """(kernel, config module, fn(x), bytes per input element, configs to try, config attribute[, input dtype])."""
     flat = [(64, 32, 2), (128, 32, 4), (256, 32, 4), (256, 32, 8), (512, 32, 8)]
-    small = [(16, 32, 1), (32, 32, 1), (32, 32, 2), (64, 32, 2), (64, 32, 4), (128, 32, 4)]
+    small = [(16, 32, 1), (32, 32, 1), (32, 32, 2), (64, 32, 2), (64, 32, 4), (128, 32, 4)]  # 8 values/thread: slow
     tiles = [(64, 32, 1), (128, 32, 1), (64, 64, 1), (256, 32, 2), (128, 64, 2), (128, 64, 4), (256, 32, 4),
              (256, 64, 4)]
     strided = [(16, 256, 8), (8, 256, 4), (8, 512, 4), (4, 1024, 8), (4, 512, 4), (2, 1024, 4), (1, 2048, 4),
@@ -163,11 +163,16 @@ def _variants():
             partner[x.shape[0]] = torch.rand(x.shape[0], device=x.device)
         return dispatch.route_weight_quantize(x, partner[x.shape[0]], "rceil")
 
-    transposed = [(32, 64, 1), (32, 128, 1), (64, 64, 1), (32, 64, 2), (32, 128, 2), (64, 128, 2), (32, 256, 4)]
+    # tall tiles: BM / 32 column scales per K row per program, the transposed scale store's unit
+    transposed = [(32, 128, 2), (64, 64, 1), (64, 64, 2), (128, 32, 1), (128, 32, 2), (256, 32, 2), (128, 64, 2),
+                  (256, 32, 4), (128, 64, 4), (64, 32, 1)]
+    col_dual = lambda x: dual._quantize_both(  # noqa: E731  (the columnwise pair alone, transposed)
+        x, "rceil", "probe", row=False, col=True, dequantized=None, transposed=True)
 
-    def sw_halves(x):
+    def sw_halves(x, save=False):
         gu = x.view(x.shape[0] // 2, 2 * x.shape[1])
-        return dispatch.swiglu_quantize(gu[:, : x.shape[1]], gu[:, x.shape[1]:], "rceil")
+        k = x.shape[1]
+        return dispatch.swiglu_quantize(gu[:, :k], gu[:, k:], "rceil", torch.bfloat16 if save else None, save_inputs=save)
 
     return [
         ("rowwise", quantize, q, 2 + 33 / 32, flat, "FLAT_CONFIG"),
@@ -178,10 +183,15 @@ def _variants():
         ("route", quantize, route, 2 + 33 / 32, flat, "FLAT_CONFIG"),
         ("columnwise", quantize, col, 2 + 33 / 32, tiles, "COLWISE_CONFIG"),
         ("dual", dual, dl, 2 + 66 / 32, transposed, "TRANSPOSED_CONFIG"),
+        ("columnwise_dual", dual, col_dual, 2 + 33 / 32, transposed, "TRANSPOSED_CONFIG"),
         ("dual_source", dual, dls, 2 + 66 / 32, source, "SOURCE_CONFIG[2]"),
         ("refresh", dual, refresh, 4 + 66 / 32 + 4, source, "SOURCE_CONFIG[4]", torch.float32),
         ("swiglu", swiglu, sw, 4 + 33 / 32, small, "FLAT_CONFIG"),
-        ("swiglu gate_up halves", swiglu, sw_halves, (4 + 33 / 32) / 2, strided, "SWIGLU_CONFIG"),
+        ("swiglu gate_up halves", swiglu, sw_halves, (4 + 33 / 32) / 2, small, "FLAT_CONFIG"),
+        ("swiglu saved halves", swiglu, lambda x: sw_halves(x, True), (4 + 33 / 32 + 2 + 66 / 32) / 2, small,
+         "FLAT_WIDE_CONFIG"),
+        ("swiglu strided", swiglu, lambda x: dispatch.swiglu_quantize(x[:, ::2], partner.setdefault(
+            ("odd", x.shape), torch.randn_like(x))[:, 1::2], "rceil"), (4 + 33 / 32) / 2, strided, "SWIGLU_CONFIG"),
     ]
 
 

@@ -369,6 +369,18 @@ def test_swiglu_quantize_fused_gate_up():
 
 
 @cuda
+@pytest.mark.parametrize("h", [96, 512, 1408])  # block streams within one row (512) or across rows (96, 1408)
+def test_swiglu_quantize_block_streams(h):
+    gu = rand((2, 70, 2 * h), torch.bfloat16, scale_rows=False) * 3
+    g, u = gu[..., :h], gu[..., h:]
+    for gate, up in ((g, u), (g, u.contiguous()), (g.contiguous(), u)):  # halves, or one half and a contiguous partner
+        ref = swiglu_ref(gate, up, "floor")
+        assert_same(dispatch.swiglu_quantize(gate, up, "floor"), ref)
+        assert_same(dispatch.swiglu_quantize(gate, up, "floor", torch.bfloat16, save_inputs=True),
+                    with_saved_inputs(with_values(ref, torch.bfloat16), gate, up, "floor"))
+
+
+@cuda
 @pytest.mark.parametrize("w_shape", ["s", "s1"])
 @pytest.mark.parametrize("shape", [(96, 64), (1000, 2048)])
 @pytest.mark.parametrize("dy_dtype", [torch.bfloat16, torch.float32])  # fp32: the EP combine's backward gradient
@@ -445,6 +457,27 @@ def _interpreter_checks():
     sq, ss = (t.t().contiguous().t() for t in (tq, ts))
     out = dequantize.dequantize_lastdim(sq, ss, torch.float32)
     assert out.stride() == sq.stride() and same_bits(out, mxf.dequantize_lastdim(tq, ts, torch.float32))
+    _interpreter_swiglu_checks()
+
+
+def _interpreter_swiglu_checks():
+    """SwiGLU under the interpreter, whose expf and E4M3 rounding are numpy's: the product is not compared
+    with the CPU path (the GPU tests do that), but every input layout must give the same bytes as contiguous
+    gate/up (block streams of gate_up halves, within one row or across rows, mixed with a contiguous
+    partner, 2D tiles for a transposed view), and the saved pairs of exactly representable gate/up equal the
+    reference quantize."""
+    from mxfx.kernels import swiglu
+
+    for h in (96, 512, 1024):  # rows of 3, 16 and 32 blocks: the FLAT tiles fit a row at 512 and 1024 only
+        gu = exact_input((64, 2 * h), seed=h)
+        g, u = gu[:, :h], gu[:, h:]
+        for dequantized, save in ((None, False), (torch.float32, True)):
+            ref = swiglu.swiglu_quantize(g.contiguous(), u.contiguous(), "rceil", dequantized, save_inputs=save)
+            for gate, up in ((g, u), (g, u.contiguous()), (g.contiguous(), u), (g.t().contiguous().t(), u)):
+                assert_same(swiglu.swiglu_quantize(gate, up, "rceil", dequantized, save_inputs=save), ref)
+            if save:
+                assert same_bits(ref[2], mxf.dequantize_lastdim(ref[0], ref[1], torch.float32))
+                assert_same(ref[3:], (*mxf.quantize_lastdim(g, "rceil"), *mxf.quantize_lastdim(u, "rceil")))
 
 
 def test_triton_interpreter():

@@ -14,6 +14,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from mxfx.format import BLOCK_SIZE
 
@@ -30,9 +31,28 @@ select are then left out (a nonfinite block gets a NaN inverse scale instead), a
 per value in kernels that are otherwise issue-bound. Triton's interpreter converts through numpy, which
 neither saturates nor maps NaN so, and keeps the explicit form. Read at import, as Triton reads it."""
 
+INTERPRETED = HW_E4M3_CVT.value is False
+"""Triton's interpreter runs the kernels (``TRITON_INTERPRET=1``, CPU tests)."""
+
 E4M3_NAN_BYTE = tl.constexpr(0x7F)
 E8M0_ZERO_SCALE_BITS = tl.constexpr(0x00400000)
 """fp32 bits of 2^-127 (E8M0 byte 0), an fp32 subnormal."""
+
+
+if INTERPRETED:  # the interpreter has no libdevice expf: numpy's, which may differ from it by an ulp
+
+    @triton.jit
+    def exp_f32(v):
+        """e^v in fp32."""
+        return tl.exp(v)
+
+else:
+
+    @triton.jit
+    def exp_f32(v):
+        """e^v in fp32 with libdevice ``expf``, the function PyTorch's CUDA kernels call (not Triton's
+        approximate ``tl.exp``)."""
+        return libdevice.exp(v)
 
 
 @triton.jit
@@ -187,6 +207,45 @@ def store_dequantized(h_ptr, qbits, sbyte, b, r0, c0, R, C, BR: tl.constexpr, BC
     base = h_ptr + (b.to(tl.int64) * R + r0) * C + c0
     mask = ((r0 + ar) < R)[:, None] & ((c0 + ac) < C)[None, :]
     tl.store(base + ar[:, None] * C + ac[None, :], tl.reshape(h, [BR, BC]).to(h_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def load_blocks(ptr, j0, NBLK, RPR, sr, BR: tl.constexpr, ONE_ROW: tl.constexpr):
+    """fp32 tile ``[BR, 32]``: 32-value blocks j0.. of a [R, C] tensor with unit column stride and row
+    stride ``sr`` (elements), numbered row-major: block j holds row j // RPR, columns 32 (j % RPR)..
+    (RPR = C / 32); 0 for j >= NBLK. RPR = 1 with sr = 32 reads a contiguous tensor as one stream.
+
+    ONE_ROW: j0 is a multiple of BR and BR divides RPR, so the tile lies in one row, found with one
+    scalar division: a division per block costs a few instructions per value, which an issue-bound
+    kernel (SwiGLU) pays in bandwidth.
+    """
+    j = j0 + tl.arange(0, BR)
+    if ONE_ROW:
+        row = j0 // RPR
+        start = row.to(tl.int64) * sr + (j - row * RPR) * 32
+    else:
+        row = j // RPR
+        start = row.to(tl.int64) * sr + (j - row * RPR) * 32
+    v = tl.load(ptr + start[:, None] + tl.arange(0, 32)[None, :], mask=(j < NBLK)[:, None], other=0.0)
+    return v.to(tl.float32)
+
+
+def block_stream(x: torch.Tensor, one_stream: bool = True):
+    """``(x3, NBLK, RPR, row stride)`` to read ``x [..., C]`` as a stream of 32-value blocks with
+    :func:`load_blocks` (``x3``: the [1, R, C] view of ``x`` to pass as the pointer), or None when
+    x's rows do not merge into one [R, C] view with unit column stride. A contiguous ``x`` gives
+    ``(x3, numel / 32, 1, 32)`` (RPR = 1 specializes the division away) unless ``one_stream`` is
+    False, which always gives RPR = C / 32 (what a kernel reading it next to a row-strided tensor needs)."""
+    if x.dim() == 0 or x.stride(-1) != 1:
+        return None
+    try:
+        x3 = x.view(1, -1, x.shape[-1])
+    except RuntimeError:  # the leading dims do not merge
+        return None
+    _, R, C = x3.shape
+    if one_stream and (x3.stride(1) == C or R == 1):
+        return x3, R * C // BLOCK_SIZE, 1, BLOCK_SIZE
+    return x3, R * C // BLOCK_SIZE, C // BLOCK_SIZE, x3.stride(1)
 
 
 def flat_blocks(x3: torch.Tensor):

@@ -4,6 +4,11 @@
 arithmetic as PyTorch's CUDA ``F.silu`` on fp32, then an fp32 multiply by ``up``; no
 16-bit intermediate is written. gate and up may be separate tensors or strided
 halves of one fused ``gate_up`` tensor (``gate_up[..., :H]``, ``gate_up[..., H:]``).
+Both of those are read as streams of 32-value blocks (``mx_block.load_blocks``), so every
+output is written as one contiguous stream whatever H is; other strides go through 2D tiles.
+The exact SiLU makes the kernel issue-bound on the H200 (with Triton's approximate
+``sigmoid`` it reaches the copy bandwidth, without SiLU too; ``bench/probes/kernel_variants.py``):
+mxfx keeps eager's arithmetic so that the fused forward equals ``quantize(F.silu(gate) * up)``.
 The same pass can also write the MX pairs of gate and of up themselves (``save_inputs``):
 what the SwiGLU backward keeps, so that no second and third read of gate and up follows.
 Quantization follows ``mxfx.format`` (OCP MX v1.0 §6.3) bit for bit.
@@ -14,14 +19,15 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
-from mxfx.format import check_block_axis, check_input, check_rule
+from mxfx.format import BLOCK_SIZE, check_block_axis, check_input, check_rule
 from mxfx.kernels.launch import launch
 from mxfx.kernels.mx_block import (
     as_brc,
+    block_stream,
     encode_blocks,
-    flat_blocks,
+    exp_f32,
+    load_blocks,
     load_tile,
     scale_shape,
     store_dequantized,
@@ -29,10 +35,15 @@ from mxfx.kernels.mx_block import (
     tile_origin,
 )
 
-FLAT_CONFIG = (32, 32, 2)
-"""(BLOCK_R, BLOCK_C, num_warps) when gate and up are contiguous: BLOCK_R 32-value blocks per program."""
+FLAT_CONFIG = (16, 32, 1)
+"""(BLOCK_R, BLOCK_C, num_warps) when gate and up read as streams of 32-value blocks (contiguous, or
+row-strided halves of a fused gate_up tensor) and only the MX pair is written: BLOCK_R blocks per program.
+The kernel is issue-bound (the exact SiLU), and one-warp programs of 16 values per thread ran fastest
+(``python bench/probes/kernel_variants.py``; 8 values per thread halve the bandwidth)."""
+FLAT_WIDE_CONFIG = (32, 32, 2)
+"""The same when the pass also writes values or saved pairs: more bytes per value, and these tiles won."""
 SWIGLU_CONFIG = (16, 256, 8)
-"""(BLOCK_R, BLOCK_C, num_warps) for strided gate/up (halves of a fused gate_up tensor)."""
+"""(BLOCK_R, BLOCK_C, num_warps) for other strides (every other column, say)."""
 
 
 @triton.jit
@@ -45,13 +56,18 @@ def _store_mx(q_ptr, s_ptr, v, b, r0, c0, R, C, RCEIL: tl.constexpr, BR: tl.cons
 
 @triton.jit(do_not_specialize=["R"])
 def _swiglu_quantize_kernel(
-    g_ptr, u_ptr, q_ptr, s_ptr, h_ptr, gq_ptr, gs_ptr, uq_ptr, us_ptr, R, C, sgb, sgr, sgc, sub, sur, suc, n_c_tiles,
-    RCEIL: tl.constexpr, WRITE_XHAT: tl.constexpr, SAVE_INPUTS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+    g_ptr, u_ptr, q_ptr, s_ptr, h_ptr, gq_ptr, gs_ptr, uq_ptr, us_ptr, R, C, RPR, sgb, sgr, sgc, sub, sur, suc,
+    n_c_tiles, RCEIL: tl.constexpr, WRITE_XHAT: tl.constexpr, SAVE_INPUTS: tl.constexpr, STREAM: tl.constexpr,
+    ONE_ROW: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
 ):
     b, r0, c0 = tile_origin(n_c_tiles, BR, BC)
-    g = load_tile(g_ptr, b, r0, c0, R, C, sgb, sgr, sgc, BR, BC)
-    u = load_tile(u_ptr, b, r0, c0, R, C, sub, sur, suc, BR, BC)
-    v = tl.math.div_rn(g, 1.0 + libdevice.exp(-g)) * u
+    if STREAM:  # R blocks of C = 32 values; the outputs are contiguous, so they are stored as [R, 32] too
+        g = load_blocks(g_ptr, r0, R, RPR, sgr, BR, ONE_ROW)
+        u = load_blocks(u_ptr, r0, R, RPR, sur, BR, ONE_ROW)
+    else:
+        g = load_tile(g_ptr, b, r0, c0, R, C, sgb, sgr, sgc, BR, BC)
+        u = load_tile(u_ptr, b, r0, c0, R, C, sub, sur, suc, BR, BC)
+    v = tl.math.div_rn(g, 1.0 + exp_f32(-g)) * u
     qbits, sbyte = _store_mx(q_ptr, s_ptr, v, b, r0, c0, R, C, RCEIL, BR, BC)
     if WRITE_XHAT:
         store_dequantized(h_ptr, qbits, sbyte, b, r0, c0, R, C, BR, BC)
@@ -73,23 +89,30 @@ def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str, dequantized
     check_rule(rule, op)
     if gate.shape != up.shape:
         raise ValueError(f"{op}: gate of shape {tuple(gate.shape)} and up of shape {tuple(up.shape)} must match")
-    (g3, _), (u3, _) = flat_blocks(as_brc(gate)), flat_blocks(as_brc(up))
-    if g3.shape != u3.shape:  # one is flattened, the other not
+    gs, us = block_stream(gate), block_stream(up)
+    if gs is not None and us is not None and gs[2] != us[2]:  # one contiguous, one row-strided
+        gs, us = block_stream(gate, one_stream=False), block_stream(up, one_stream=False)
+    if gs is not None and us is not None:  # both read as streams of blocks, each with its own row stride
+        (g3, R, rpr, sgr), (u3, _, _, sur) = gs, us
+        B, C, strides = 1, BLOCK_SIZE, (0, sgr, 1, 0, sur, 1)
+    else:
         g3, u3 = as_brc(gate), as_brc(up)
         if g3.shape != u3.shape:  # views merged differently: fall back to matching copies
             g3, u3 = as_brc(gate.contiguous()), as_brc(up.contiguous())
-    B, R, C = g3.shape
+        (B, R, C), rpr, strides = g3.shape, 1, (*g3.stride(), *u3.stride())
     q = torch.empty(gate.shape, dtype=torch.uint8, device=gate.device)
     s = torch.empty(scale_shape(gate.shape), dtype=torch.uint8, device=gate.device)
     h = torch.empty(gate.shape, dtype=dequantized, device=gate.device) if dequantized is not None else None
     saved = [torch.empty_like(t) for t in (q, s, q, s)] if save_inputs else [g3] * 4  # placeholders: not written
-    br, bc, warps = FLAT_CONFIG if C == 32 else SWIGLU_CONFIG
+    stream = gs is not None and us is not None
+    br, bc, warps = (FLAT_WIDE_CONFIG if save_inputs or h is not None else FLAT_CONFIG) if stream else SWIGLU_CONFIG
     n_c = triton.cdiv(C, bc)
     if R * C > 0:
         launch(
             _swiglu_quantize_kernel, (triton.cdiv(R, br) * n_c, B),
-            g3, u3, q, s, h if h is not None else g3, *saved, R, C, *g3.stride(), *u3.stride(), n_c,
-            RCEIL=rule == "rceil", WRITE_XHAT=h is not None, SAVE_INPUTS=save_inputs, BR=br, BC=bc, num_warps=warps,
+            g3, u3, q, s, h if h is not None else g3, *saved, R, C, rpr, *strides, n_c,
+            RCEIL=rule == "rceil", WRITE_XHAT=h is not None, SAVE_INPUTS=save_inputs, STREAM=stream,
+            ONE_ROW=stream and rpr > 1 and rpr % br == 0, BR=br, BC=bc, num_warps=warps,
         )
     out = (q.view(torch.float8_e4m3fn), s) if h is None else (q.view(torch.float8_e4m3fn), s, h)
     if save_inputs:
