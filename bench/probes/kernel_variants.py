@@ -1,6 +1,6 @@
 """Probe: where the SwiGLU and transposed-dual kernels lose bandwidth (H200), one variant per row.
 
-Usage: ``python bench/probes/kernel_variants.py [swiglu] [halves] [dual]`` (all three by default).
+Usage: ``python bench/probes/kernel_variants.py [swiglu] [halves] [dual] [blocked]`` (the first three by default).
 Prints % of a 2 GiB copy for:
 
 * ``swiglu``: SwiGLU read as streams of blocks (separate gate/up and gate_up halves), per tile, with the
@@ -11,7 +11,8 @@ Prints % of a 2 GiB copy for:
   tensors, and on separate tensors: whether the halves gap is the row stride or the shared tensor;
 * ``dual``: the transposed dual quantize (rowwise + columnwise stored [K, M]) and the columnwise pair
   alone, with NSUB 32-row tiles per program whose column scales are joined in registers (NSUB bytes per
-  K row), and with the column scales written in the source layout and transposed by a second kernel.
+  K row), and with the column scales written in the source layout and transposed by a second kernel;
+* ``blocked``: the transposed column scales written straight into the blocked layout of native MX GEMMs.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 from kernels import SHAPES, copy_bandwidth, median_ms  # noqa: E402
 from mxfx.kernels import dispatch  # noqa: E402
 from mxfx.kernels.dual import _store_tile  # noqa: E402
-from mxfx.kernels.mx_block import encode_blocks, load_blocks, load_tile, store_dequantized  # noqa: E402
+from mxfx.kernels.mx_block import blocked_offset, encode_blocks, load_blocks, load_tile, store_dequantized  # noqa: E402
 from mxfx.kernels.swiglu import _store_mx  # noqa: E402
 
 
@@ -140,6 +141,8 @@ def _dual_t_probe(x_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr, M, K, sxm, sxk, n_k_til
         tl.store(sc_ptr + (k0 + ak).to(tl.int64) * (M // 32) + m0 // 32, s, mask=(k0 + ak) < K)
     elif CS == 1:
         tl.store(sc_ptr + (m0 // 32).to(tl.int64) * K + k0 + ak, s, mask=(k0 + ak) < K)
+    elif CS == 3:  # the blocked layout of the [K, M/32] scale matrix, what a native MX GEMM reads
+        tl.store(sc_ptr + blocked_offset(k0 + ak, m0 // 32, M // 32), s, mask=(k0 + ak) < K)
 
 
 @triton.jit
@@ -246,6 +249,38 @@ def dual_rows(copy_gbs):
         torch.cuda.empty_cache()
 
 
+def blocked_rows(copy_gbs):
+    """The transposed column scales written straight into the blocked layout (CS=3) against the module."""
+    from mxfx.layout import blocked_numel, to_blocked
+
+    for m, k in SHAPES:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        qr = torch.empty(m, k, dtype=torch.uint8, device="cuda")
+        sr = torch.empty(m, k // 32, dtype=torch.uint8, device="cuda")
+        qc = torch.empty(k, m, dtype=torch.uint8, device="cuda")
+        sb = torch.zeros(blocked_numel(k, m // 32), dtype=torch.uint8, device="cuda")
+        one, two = 2 * m * k + m * k * 33 / 32, 2 * m * k + 2 * m * k * 33 / 32
+        ref = dispatch.quantize_dual(x, "rceil")
+        ref_b = to_blocked(ref[3])
+        for name, fn, nb in (("module dual transposed", lambda: dispatch.quantize_dual(x, "rceil"), two),
+                             ("module dual transposed + to_blocked(col scales)",
+                              lambda: to_blocked(dispatch.quantize_dual(x, "rceil")[3]), two),
+                             ("module columnwise x.t()", lambda: dispatch.quantize_lastdim(x.t(), "rceil"), one)):
+            print(f"| {name} | {m}x{k} | - | {100 * nb / median_ms(fn) / 1e6 / copy_gbs:.1f}% |", flush=True)
+        for row in (True, False):
+            for trans in (0, 1):
+                for bk, warps in ((128, 2), (64, 1), (128, 1), (256, 2)):
+                    n_k = triton.cdiv(k, bk)
+                    fn = lambda: _dual_t_probe[(triton.cdiv(m, 32) * n_k,)](
+                        x, qr, sr, qc, sb, m, k, *x.stride(), n_k, ROW=row, TRANS=trans, CS=3, BK=bk, num_warps=warps)
+                    pct = 100 * (two if row else one) / median_ms(fn) / 1e6 / copy_gbs
+                    same = torch.equal(qc, ref[2].view(torch.uint8)) and torch.equal(sb, ref_b)
+                    print(f"| dual_t blocked col scales row={row} trans={trans} | {m}x{k} | ({bk}, {warps}) | {pct:.1f}% | "
+                          f"{'exact' if same else 'DIFFERS'} |", flush=True)
+        del x, qr, sr, qc, sb
+        torch.cuda.empty_cache()
+
+
 def halves_rows(copy_gbs):
     """The gate_up halves gap: module SwiGLU with gate/up halves of rows 2H wide, 2H + 64 wide, and separate."""
     for m, k in SHAPES:
@@ -272,7 +307,7 @@ def main():
     print(f"copy {copy_gbs:.0f} GB/s\n| variant | shape | tile | % of copy |\n|---|---|---|---|", flush=True)
     sections = sys.argv[1:] or ["swiglu", "halves", "dual"]
     for name in sections:
-        {"swiglu": swiglu_rows, "halves": halves_rows, "dual": dual_rows}[name](copy_gbs)
+        {"swiglu": swiglu_rows, "halves": halves_rows, "dual": dual_rows, "blocked": blocked_rows}[name](copy_gbs)
 
 
 if __name__ == "__main__":
