@@ -38,10 +38,10 @@ from mxfx.kernels.swiglu import _store_mx  # noqa: E402
 
 @triton.jit(do_not_specialize=["R"])
 def _swiglu_probe(g_ptr, u_ptr, q_ptr, s_ptr, h_ptr, gq_ptr, gs_ptr, uq_ptr, us_ptr, R, RPR, sgr, sur,
-                  MATH: tl.constexpr, ONE_ROW: tl.constexpr, SAVE: tl.constexpr, BR: tl.constexpr):
+                  MATH: tl.constexpr, SAVE: tl.constexpr, BR: tl.constexpr):
     r0, b = tl.program_id(0) * BR, tl.program_id(1)
-    g = load_blocks(g_ptr, r0, R, RPR, sgr, BR, ONE_ROW)
-    u = load_blocks(u_ptr, r0, R, RPR, sur, BR, ONE_ROW)
+    g = load_blocks(g_ptr, r0, R, RPR, sgr, BR)
+    u = load_blocks(u_ptr, r0, R, RPR, sur, BR)
     if MATH == 0:  # eager CUDA F.silu: libdevice expf, IEEE division
         v = tl.math.div_rn(g, 1.0 + libdevice.exp(-g)) * u
     elif MATH == 1:  # Inductor's default silu: libdevice expf, div.full.f32
@@ -82,20 +82,20 @@ def swiglu_rows(copy_gbs):
                 for math in ((0, 1, 2) if not save else (0, 1)):
                     for br, warps in ((16, 1), (8, 1), (32, 2), (16, 2), (64, 4), (32, 4)):
                         fn = lambda: _swiglu_probe[(triton.cdiv(nblk, br),)](
-                            a, b, q, s, h, gq, gs, uq, us, nblk, rpr, sa, sb, MATH=math, ONE_ROW=rpr > 1, SAVE=save,
+                            a, b, q, s, h, gq, gs, uq, us, nblk, rpr, sa, sb, MATH=math, SAVE=save,
                             BR=br, num_warps=warps)
                         pct = 100 * (save_bytes if save else nbytes) / median_ms(fn) / 1e6 / copy_gbs
                         print(f"| swiglu {layout} save={save} math={MATHS[math]} | {m}x{k} | ({br}, {warps}) | "
                               f"{pct:.1f}% |", flush=True)
         # the probe's exact variant must equal the module bit for bit (halves, saved)
         _swiglu_probe[(triton.cdiv(nblk, 16),)](gu[:, :k], gu[:, k:], q, s, h, gq, gs, uq, us, nblk, k // 32, 2 * k,
-                                                2 * k, MATH=0, ONE_ROW=True, SAVE=True, BR=16, num_warps=1)
+                                                2 * k, MATH=0, SAVE=True, BR=16, num_warps=1)
         ref = dispatch.swiglu_quantize(gu[:, :k], gu[:, k:], "rceil", torch.bfloat16, save_inputs=True)
         same = [torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip((q, s, h, gq, gs, uq, us), ref)]
         print(f"probe swiglu equals the module at {m}x{k}: {same}", flush=True)
         # div.full against div_rn: how many E4M3 bytes and scales move
         _swiglu_probe[(triton.cdiv(nblk, 16),)](gu[:, :k], gu[:, k:], q, s, h, gq, gs, uq, us, nblk, k // 32, 2 * k,
-                                                2 * k, MATH=1, ONE_ROW=True, SAVE=False, BR=16, num_warps=1)
+                                                2 * k, MATH=1, SAVE=False, BR=16, num_warps=1)
         print(f"div_full vs div_rn at {m}x{k}: {int((q != ref[0].view(torch.uint8)).sum())} bytes, "
               f"{int((s != ref[1]).sum())} scales of {q.numel()} / {s.numel()}", flush=True)
         inductor = torch.compile(lambda a, b: torch.nn.functional.silu(a.float()) * b.float())

@@ -210,22 +210,13 @@ def store_dequantized(h_ptr, qbits, sbyte, b, r0, c0, R, C, BR: tl.constexpr, BC
 
 
 @triton.jit
-def load_blocks(ptr, j0, NBLK, RPR, sr, BR: tl.constexpr, ONE_ROW: tl.constexpr):
+def load_blocks(ptr, j0, NBLK, RPR, sr, BR: tl.constexpr):
     """fp32 tile ``[BR, 32]``: 32-value blocks j0.. of a [R, C] tensor with unit column stride and row
     stride ``sr`` (elements), numbered row-major: block j holds row j // RPR, columns 32 (j % RPR)..
-    (RPR = C / 32); 0 for j >= NBLK. RPR = 1 with sr = 32 reads a contiguous tensor as one stream.
-
-    ONE_ROW: j0 is a multiple of BR and BR divides RPR, so the tile lies in one row, found with one
-    scalar division: a division per block costs a few instructions per value, which an issue-bound
-    kernel (SwiGLU) pays in bandwidth.
-    """
+    (RPR = C / 32); 0 for j >= NBLK. RPR = 1 with sr = 32 reads a contiguous tensor as one stream."""
     j = j0 + tl.arange(0, BR)
-    if ONE_ROW:
-        row = j0 // RPR
-        start = row.to(tl.int64) * sr + (j - row * RPR) * 32
-    else:
-        row = j // RPR
-        start = row.to(tl.int64) * sr + (j - row * RPR) * 32
+    row = j // RPR
+    start = row.to(tl.int64) * sr + (j - row * RPR) * 32
     v = tl.load(ptr + start[:, None] + tl.arange(0, 32)[None, :], mask=(j < NBLK)[:, None], other=0.0)
     return v.to(tl.float32)
 

@@ -58,12 +58,12 @@ def _store_mx(q_ptr, s_ptr, v, b, r0, c0, R, C, RCEIL: tl.constexpr, BR: tl.cons
 def _swiglu_quantize_kernel(
     g_ptr, u_ptr, q_ptr, s_ptr, h_ptr, gq_ptr, gs_ptr, uq_ptr, us_ptr, R, C, RPR, sgb, sgr, sgc, sub, sur, suc,
     n_c_tiles, RCEIL: tl.constexpr, WRITE_XHAT: tl.constexpr, SAVE_INPUTS: tl.constexpr, STREAM: tl.constexpr,
-    ONE_ROW: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+    BR: tl.constexpr, BC: tl.constexpr,
 ):
     b, r0, c0 = tile_origin(n_c_tiles, BR, BC)
     if STREAM:  # R blocks of C = 32 values; the outputs are contiguous, so they are stored as [R, 32] too
-        g = load_blocks(g_ptr, r0, R, RPR, sgr, BR, ONE_ROW)
-        u = load_blocks(u_ptr, r0, R, RPR, sur, BR, ONE_ROW)
+        g = load_blocks(g_ptr, r0, R, RPR, sgr, BR)
+        u = load_blocks(u_ptr, r0, R, RPR, sur, BR)
     else:
         g = load_tile(g_ptr, b, r0, c0, R, C, sgb, sgr, sgc, BR, BC)
         u = load_tile(u_ptr, b, r0, c0, R, C, sub, sur, suc, BR, BC)
@@ -112,7 +112,7 @@ def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str, dequantized
             _swiglu_quantize_kernel, (triton.cdiv(R, br) * n_c, B),
             g3, u3, q, s, h if h is not None else g3, *saved, R, C, rpr, *strides, n_c,
             RCEIL=rule == "rceil", WRITE_XHAT=h is not None, SAVE_INPUTS=save_inputs, STREAM=stream,
-            ONE_ROW=stream and rpr > 1 and rpr % br == 0, BR=br, BC=bc, num_warps=warps,
+            BR=br, BC=bc, num_warps=warps,
         )
     out = (q.view(torch.float8_e4m3fn), s) if h is None else (q.view(torch.float8_e4m3fn), s, h)
     if save_inputs:
