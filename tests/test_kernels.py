@@ -468,6 +468,11 @@ def _interpreter_swiglu_checks():
     reference quantize."""
     from mxfx.kernels import swiglu
 
+    for shape in ((4, 0), (0, 64), (2, 0, 64)):  # nothing to read: empty outputs, no launch
+        empty = torch.zeros(shape)
+        out = swiglu.swiglu_quantize(empty, empty, "rceil", torch.float32, save_inputs=True)
+        assert [tuple(t.shape) for t in out] == [shape, (*shape[:-1], shape[-1] // 32), shape] + [
+            shape, (*shape[:-1], shape[-1] // 32)] * 2
     for h in (96, 512):  # rows of 3 and 16 blocks: tiles across rows, and tiles within one row
         gu = exact_input((64, 2 * h), seed=h)
         g, u = gu[:, :h], gu[:, h:]

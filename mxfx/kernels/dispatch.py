@@ -171,7 +171,14 @@ def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str, dequantized
     """MX quantize of ``silu(gate) * up`` formed in fp32 (no 16-bit intermediate): ``(qdata, scales)``,
     or ``(qdata, scales, h_hat)`` with ``dequantized`` (h_hat = dequantize(qdata, scales) in that dtype,
     written by the same pass). With ``save_inputs``, the rowwise MX pairs of gate and of up follow,
-    ``(gate_q, gate_s, up_q, up_s)``, from the same read (what the SwiGLU backward keeps)."""
+    ``(gate_q, gate_s, up_q, up_s)``, from the same read (what the SwiGLU backward keeps).
+
+    Raises:
+        ValueError: gate and up of different shapes or on different devices, H not a multiple of 32, or
+            an unknown rule. TypeError: an unsupported input or ``dequantized`` dtype.
+    """
+    if isinstance(gate, torch.Tensor) and isinstance(up, torch.Tensor) and gate.device != up.device:
+        raise ValueError(f"mxfx.swiglu_quantize: gate on {gate.device} and up on {up.device}; move both to one device")
     if dequantized is not None:
         mxf.check_input(gate, "mxfx.swiglu_quantize")
         mxf.check_output_dtype(dequantized, gate, "mxfx.swiglu_quantize", name="gate")

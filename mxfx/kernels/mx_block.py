@@ -28,8 +28,9 @@ HW_E4M3_CVT = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() not i
 """Compiled kernels convert fp32 to E4M3 with the hardware's ``cvt.rn.satfinite.e4m3x2.f32`` (sm89+, the only targets with Triton fp8e4nv), which rounds to
 nearest even, saturates at +-448 and turns NaN into the NaN byte 0x7F: the clamp and the per-value NaN
 select are then left out (a nonfinite block gets a NaN inverse scale instead), about a third fewer instructions
-per value in kernels that are otherwise issue-bound. Triton's interpreter converts through numpy, which
-neither saturates nor maps NaN so, and keeps the explicit form. Read at import, as Triton reads it."""
+per value in kernels that are otherwise issue-bound. Triton's interpreter converts with its own code, which
+neither saturates nor maps NaN so, and keeps the explicit form; its rounding to E4M3 is not exact either
+(values near a power of two can come out a factor 2 off), so interpreter tests use exactly representable data. Read at import, as Triton reads it."""
 
 INTERPRETED = HW_E4M3_CVT.value is False
 """Triton's interpreter runs the kernels (``TRITON_INTERPRET=1``, CPU tests)."""

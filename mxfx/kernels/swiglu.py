@@ -81,7 +81,9 @@ def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str, dequantized
     """``gate, up [..., H]`` (CUDA, same shape, any strides) -> ``(q e4m3 [..., H], s uint8 [..., H/32])``;
     with ``dequantized``, ``(q, s, h_hat)``, h_hat = dequantize(q, s) in that dtype, from the same pass;
     with ``save_inputs``, followed by ``(gate_q, gate_s, up_q, up_s)``, the contiguous rowwise MX pairs of
-    gate and up, also from the same pass."""
+    gate and up, also from the same pass. gate and up may differ in dtype (each is read as it is).
+    ``dequantized`` and the devices are checked by :func:`mxfx.kernels.dispatch.swiglu_quantize`, the entry
+    point; this function raises ValueError / TypeError for shapes, H and input dtypes."""
     op = "mxfx.swiglu_quantize"
     for t in (gate, up):
         check_input(t, op)
@@ -89,12 +91,14 @@ def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str, dequantized
     check_rule(rule, op)
     if gate.shape != up.shape:
         raise ValueError(f"{op}: gate of shape {tuple(gate.shape)} and up of shape {tuple(up.shape)} must match")
-    gs, us = block_stream(gate), block_stream(up)
+    gs, us = (block_stream(gate), block_stream(up)) if gate.numel() > 0 else (None, None)
     if gs is not None and us is not None and gs[2] != us[2]:  # one contiguous, one row-strided
         gs, us = block_stream(gate, one_stream=False), block_stream(up, one_stream=False)
     if gs is not None and us is not None:  # both read as streams of blocks, each with its own row stride
         (g3, R, rpr, sgr), (u3, _, _, sur) = gs, us
         B, C, strides = 1, BLOCK_SIZE, (0, sgr, 1, 0, sur, 1)
+    elif gate.numel() == 0:  # nothing to read (as_brc cannot view rows 0 wide): empty outputs
+        g3, u3, (B, R, C), rpr, strides = gate, up, (1, 0, BLOCK_SIZE), 1, (0,) * 6
     else:
         g3, u3 = as_brc(gate), as_brc(up)
         if g3.shape != u3.shape:  # views merged differently: fall back to matching copies
