@@ -10,7 +10,7 @@ Prints % of a 2 GiB copy for:
 * ``halves``: the module's SwiGLU on gate_up halves of 2H- and (2H + 64)-wide rows, on halves of two
   tensors, and on separate tensors: whether the halves gap is the row stride or the shared tensor;
 * ``dual``: the transposed dual quantize (rowwise + columnwise stored [K, M]) and the columnwise pair
-  alone, with NSUB 32-row tiles per program whose column scales are joined in registers (NSUB bytes per
+  alone: transposed three ways, with the column scales stored or left out; with NSUB 32-row tiles per program whose column scales are joined in registers (NSUB bytes per
   K row), and with the column scales written in the source layout and transposed by a second kernel;
 * ``blocked``: the transposed column scales written straight into the blocked layout of native MX GEMMs.
 """
@@ -197,15 +197,21 @@ def _transpose_u8(src_ptr, dst_ptr, R, C, BR: tl.constexpr, BC: tl.constexpr):
     tl.store(dst_ptr + (c0 + ac)[None, :].to(tl.int64) * R + r0 + ar[:, None], t, mask=mask)
 
 
+def _dual_buffers(m, k):
+    """Input ``x [m, k]`` bf16, rowwise ``qr, sr`` and transposed column ``qc`` byte buffers, and the bytes
+    moved by the columnwise pair alone (``one``) and by both pairs (``two``)."""
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    qr = torch.empty(m, k, dtype=torch.uint8, device="cuda")
+    sr = torch.empty(m, k // 32, dtype=torch.uint8, device="cuda")
+    qc = torch.empty(k, m, dtype=torch.uint8, device="cuda")
+    return x, qr, sr, qc, 2 * m * k + m * k * 33 / 32, 2 * m * k + 2 * m * k * 33 / 32
+
+
 def dual_rows(copy_gbs):
     for m, k in SHAPES:
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        qr = torch.empty(m, k, dtype=torch.uint8, device="cuda")
-        sr = torch.empty(m, k // 32, dtype=torch.uint8, device="cuda")
-        qc = torch.empty(k, m, dtype=torch.uint8, device="cuda")
+        x, qr, sr, qc, one, two = _dual_buffers(m, k)
         sc = torch.empty(k, m // 32, dtype=torch.uint8, device="cuda")
         sc_src = torch.empty(m // 32, k, dtype=torch.uint8, device="cuda")
-        one, two = 2 * m * k + m * k * 33 / 32, 2 * m * k + 2 * m * k * 33 / 32
         for name, fn, nb in (("module dual transposed", lambda: dispatch.quantize_dual(x, "rceil"), two),
                              ("module columnwise x.t()", lambda: dispatch.quantize_lastdim(x.t(), "rceil"), one)):
             print(f"| {name} | {m}x{k} | - | {100 * nb / median_ms(fn) / 1e6 / copy_gbs:.1f}% |", flush=True)
@@ -216,6 +222,17 @@ def dual_rows(copy_gbs):
             same = same and (not row or (torch.equal(qr, ref[0].view(torch.uint8)) and torch.equal(sr, ref[1])))
             return "exact" if same else "DIFFERS"
 
+        for row in (True, False):  # the transpose done three ways, column scales stored or left out
+            for trans in (0, 1, 2):
+                for cs in (0, 2):
+                    for bk, warps in ((128, 2), (64, 1)):
+                        n_k = triton.cdiv(k, bk)
+                        fn = lambda: _dual_t_probe[(triton.cdiv(m, 32) * n_k,)](
+                            x, qr, sr, qc, sc, m, k, *x.stride(), n_k, ROW=row, TRANS=trans, CS=cs, BK=bk,
+                            num_warps=warps)
+                        pct = 100 * (two if row else one) / median_ms(fn) / 1e6 / copy_gbs
+                        print(f"| dual_t row={row} trans={trans} col scales {'stored' if cs == 0 else 'left out'} | "
+                              f"{m}x{k} | ({bk}, {warps}) | {pct:.1f}% | {check(row) if cs == 0 else '-'} |", flush=True)
         for row in (True, False):
             for nsub in (1, 2, 4):
                 for bk, warps in ((128, 2), (64, 1), (128, 1), (256, 2)):
@@ -254,12 +271,8 @@ def blocked_rows(copy_gbs):
     from mxfx.layout import blocked_numel, to_blocked
 
     for m, k in SHAPES:
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        qr = torch.empty(m, k, dtype=torch.uint8, device="cuda")
-        sr = torch.empty(m, k // 32, dtype=torch.uint8, device="cuda")
-        qc = torch.empty(k, m, dtype=torch.uint8, device="cuda")
+        x, qr, sr, qc, one, two = _dual_buffers(m, k)
         sb = torch.zeros(blocked_numel(k, m // 32), dtype=torch.uint8, device="cuda")
-        one, two = 2 * m * k + m * k * 33 / 32, 2 * m * k + 2 * m * k * 33 / 32
         ref = dispatch.quantize_dual(x, "rceil")
         ref_b = to_blocked(ref[3])
         for name, fn, nb in (("module dual transposed", lambda: dispatch.quantize_dual(x, "rceil"), two),

@@ -94,7 +94,8 @@ def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str, dequantized
     gs, us = (block_stream(gate), block_stream(up)) if gate.numel() > 0 else (None, None)
     if gs is not None and us is not None and gs[2] != us[2]:  # one contiguous, one row-strided
         gs, us = block_stream(gate, one_stream=False), block_stream(up, one_stream=False)
-    if gs is not None and us is not None:  # both read as streams of blocks, each with its own row stride
+    stream = gs is not None and us is not None
+    if stream:  # both read as streams of blocks, each with its own row stride
         (g3, R, rpr, sgr), (u3, _, _, sur) = gs, us
         B, C, strides = 1, BLOCK_SIZE, (0, sgr, 1, 0, sur, 1)
     elif gate.numel() == 0:  # nothing to read (as_brc cannot view rows 0 wide): empty outputs
@@ -108,7 +109,6 @@ def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str, dequantized
     s = torch.empty(scale_shape(gate.shape), dtype=torch.uint8, device=gate.device)
     h = torch.empty(gate.shape, dtype=dequantized, device=gate.device) if dequantized is not None else None
     saved = [torch.empty_like(t) for t in (q, s, q, s)] if save_inputs else [g3] * 4  # placeholders: not written
-    stream = gs is not None and us is not None
     br, bc, warps = (FLAT_WIDE_CONFIG if save_inputs or h is not None else FLAT_CONFIG) if stream else SWIGLU_CONFIG
     n_c = triton.cdiv(C, bc)
     if R * C > 0:
