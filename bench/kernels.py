@@ -100,6 +100,7 @@ def cases(m: int, k: int):
     w = torch.rand(m, device="cuda")
     q, s = dispatch.quantize_lastdim(x, "rceil")
     qc, sc = dispatch.quantize_dual_source(x, "rceil", row=False)[3:5]
+    qm, sm = dispatch.quantize_dual_source(x, "rceil", col=False)[:2]  # MN-major scales (mxfx.kernels.views)
     xf = x.float()  # an FP32 main weight of this shape
     q8 = n * (1 + 1 / 32)  # e4m3 payload + E8M0 scales
     return [
@@ -116,6 +117,7 @@ def cases(m: int, k: int):
         ("quantize, blocked scales", lambda: dispatch.quantize_blocked(x, "rceil"), 2 * n + q8),
         ("dequantize -> bf16", lambda: dispatch.dequantize_lastdim(q, s, torch.bfloat16), q8 + 2 * n),
         ("dequantize -> bf16, source layout", lambda: dispatch.dequantize_lastdim(qc, sc, torch.bfloat16), q8 + 2 * n),
+        ("dequantize -> bf16, MN-major scales", lambda: dispatch.dequantize_lastdim(qm, sm, torch.bfloat16), q8 + 2 * n),
         ("quantize-dequantize", lambda: dispatch.quantize_dequantize(x, "rceil", torch.bfloat16), 2 * n + q8 + 2 * n),
         ("swiglu+quantize (gate, up)", lambda: dispatch.swiglu_quantize(g, u, "rceil"), 4 * n + q8),
         ("swiglu+quantize (gate_up halves)", lambda: dispatch.swiglu_quantize(gu[:, :k], gu[:, k:], "rceil"), 4 * n + q8),
@@ -142,7 +144,7 @@ def _variants():
     flat = [(64, 32, 2), (128, 32, 4), (256, 32, 4), (256, 32, 8), (512, 32, 8)]
     small = [(16, 32, 1), (32, 32, 1), (32, 32, 2), (64, 32, 2), (64, 32, 4), (128, 32, 4)]  # 8 values/thread: slow
     tiles = [(64, 32, 1), (128, 32, 1), (64, 64, 1), (256, 32, 2), (128, 64, 2), (128, 64, 4), (256, 32, 4),
-             (256, 64, 4)]
+             (256, 64, 4), (32, 64, 1), (128, 64, 1), (64, 128, 2), (128, 128, 4)]
     strided = [(16, 256, 8), (8, 256, 4), (8, 512, 4), (4, 1024, 8), (4, 512, 4), (2, 1024, 4), (1, 2048, 4),
                (8, 256, 2), (4, 256, 1), (2, 512, 2)]
     q = lambda x: dispatch.quantize_lastdim(x, "rceil")  # noqa: E731
@@ -164,7 +166,7 @@ def _variants():
         return dispatch.route_weight_quantize(x, partner[x.shape[0]], "rceil")
 
     # tall tiles: BM / 32 column scales per K row per program, the transposed scale store's unit
-    transposed = [(32, 128, 2), (64, 64, 1), (64, 64, 2), (128, 32, 1), (128, 32, 2), (256, 32, 2), (128, 64, 2),
+    transposed = [(32, 64, 1), (32, 32, 1), (32, 128, 2), (64, 64, 1), (64, 64, 2), (128, 32, 1), (128, 32, 2), (256, 32, 2), (128, 64, 2),
                   (256, 32, 4), (128, 64, 4), (64, 32, 1)]
     col_dual = lambda x: dual._quantize_both(  # noqa: E731  (the columnwise pair alone, transposed)
         x, "rceil", "probe", row=False, col=True, dequantized=None, transposed=True)

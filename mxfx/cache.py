@@ -59,6 +59,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from mxfx import kernels
 from mxfx.format import BLOCK_SIZE, SCALE_RULES
+from mxfx.kernels.views import mn_major
 
 WEIGHT_KINDS = ("linear", "grouped_mm")
 """Precision-map kinds whose rewritten ops read weights through this cache."""
@@ -239,6 +240,8 @@ def _fake_form(weight: torch.Tensor, orientation: str, dtype: torch.dtype, block
     """An empty tensor with the shape and strides the cache's form has (scales when ``blocked``)."""
     if orientation == "forward" or not source_layout(weight):
         shape = _out_shape(weight.shape, orientation)
+        if blocked and source_layout(weight):  # quantize_dual_source's rowwise scales are MN-major
+            return mn_major([*shape[:-1], shape[-1] // BLOCK_SIZE], weight)
         return weight.new_empty([*shape[:-1], shape[-1] // BLOCK_SIZE] if blocked else shape, dtype=dtype)
     *lead, n, k = weight.shape
     return weight.new_empty([*lead, n // BLOCK_SIZE if blocked else n, k], dtype=dtype).transpose(-2, -1)

@@ -80,7 +80,7 @@ def test_cpu_dispatch_never_loads_triton_kernels():
         "import sys, torch; import mxfx.kernels.ops; from mxfx.kernels import dispatch as d;"
         "x = torch.randn(64, 64); d.quantize_lastdim(x, 'rceil'); d.quantize_blocked(x, 'rceil');"
         "bad = [m for m in sys.modules if m.startswith('mxfx.kernels.') and m not in "
-        "('mxfx.kernels.ops', 'mxfx.kernels.dispatch', 'mxfx.kernels.launch')]; assert not bad, bad"
+        "('mxfx.kernels.ops', 'mxfx.kernels.dispatch', 'mxfx.kernels.launch', 'mxfx.kernels.views')]; assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
 
@@ -395,6 +395,78 @@ def test_route_weight_quantize(shape, w_shape, dy_dtype):
                 mxf.quantize_lastdim(dy.cpu().float() * w.cpu().bfloat16().float().reshape(-1, 1), "rceil"))
 
 
+# ---- scale layouts (mxfx.kernels.views) ------------------------------------------------
+
+def layout_cases():
+    """``(op name, args, expected scale strides)``: every kernel op whose scale layout depends on its
+    input's strides. Row-major for inputs with unit stride along K (or copied first, the 4D transpose),
+    MN-major (storage [.., K/32, R]) for inputs strided along K and for both outputs of the dual quantize."""
+    x = exact_input((96, 128))
+    x3 = exact_input((2, 64, 96), seed=1)
+    x4 = exact_input((2, 3, 64, 32), seed=2).transpose(-2, -1)
+    w = 2.0 ** torch.randint(-3, 3, (128,)).float()
+    return [
+        ("quantize", (x, "rceil"), [(4, 1)]),
+        ("quantize", (x[:, :64], "rceil"), [(2, 1)]),
+        ("quantize", (x.t(), "floor"), [(1, 128)]),
+        ("quantize", (x3.transpose(-2, -1), "rceil"), [(192, 1, 96)]),
+        ("quantize", (x4, "rceil"), [(192, 64, 2, 1)]),
+        ("quantize_dequantize", (x.t(), "rceil", torch.float32), [(1, 128)]),
+        ("route_weight_quantize", (x.t(), w, "rceil"), [(1, 128)]),
+        ("quantize_dual", (x, "rceil"), [(1, 96), (1, 128)]),
+        ("quantize_dual", (x3, "floor"), [(192, 1, 64), (192, 1, 96)]),
+    ]
+
+
+def scale_outputs(name, out):
+    """The scale tensors among an op's outputs."""
+    return [out[1], out[3]] if name == "quantize_dual" else [out[1]]
+
+
+def check_layouts(run):
+    """``run(name, args)`` (the implementation under test) gives the CPU path's bytes and strides."""
+    for name, args, _ in layout_cases():
+        want = getattr(dispatch, "quantize_lastdim" if name == "quantize" else name)(*args)
+        got = run(name, args)
+        assert_same(got, want)
+        for i, (g, r) in enumerate(zip(got, want)):
+            assert g.stride() == r.stride(), (name, i, g.stride(), r.stride())
+
+
+def test_cpu_scale_layouts_and_fakes_agree():
+    """The CPU path lays out scales as documented, and every op's fake says the same strides (Inductor
+    trusts the fake: a wrong one would make compiled code read scales in the wrong order)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import mxfx.kernels.ops  # noqa: F401  (registers the ops)
+
+    for name, args, strides in layout_cases():
+        real = getattr(torch.ops.mxfx, name)(*args)
+        assert [s.stride() for s in scale_outputs(name, real)] == strides, name
+        ref = mxf.quantize_lastdim(args[0] * (args[1][:, None] if name == "route_weight_quantize" else 1), args[-1]
+                                   if name == "route_weight_quantize" else args[1])
+        assert_same(real[:2], ref)
+        with FakeTensorMode() as mode:
+            fake = getattr(torch.ops.mxfx, name)(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+        assert [t.stride() for t in fake] == [t.stride() for t in real], name
+    q_row, s_row, _, q_col, s_col, _ = dispatch.quantize_dual_source(exact_input((96, 128)), "rceil")
+    assert s_row.stride() == (1, 96) and s_col.stride() == (1, 128) and q_col.stride() == (1, 128)
+
+
+@cuda
+def test_scale_layouts_match_cpu_path():
+    """Triton kernels write every scale layout of the CPU path, bit for bit; MN-major scales dequantize."""
+    def run(name, args):
+        fn = getattr(dispatch, "quantize_lastdim" if name == "quantize" else name)
+        return fn(*(a.cuda() if isinstance(a, torch.Tensor) else a for a in args))
+
+    check_layouts(run)
+    q, s, qt, st = run("quantize_dual", (exact_input((96, 128)), "rceil"))
+    for pair in ((q, s), (qt, st)):
+        assert same_bits(dispatch.dequantize_lastdim(*pair, torch.float32),
+                         mxf.dequantize_lastdim(*(t.cpu() for t in pair), torch.float32))
+
+
 # ---- Triton interpreter on CPU --------------------------------------------------------
 
 def exact_input(shape, seed=0):
@@ -457,6 +529,13 @@ def _interpreter_checks():
     sq, ss = (t.t().contiguous().t() for t in (tq, ts))
     out = dequantize.dequantize_lastdim(sq, ss, torch.float32)
     assert out.stride() == sq.stride() and same_bits(out, mxf.dequantize_lastdim(tq, ts, torch.float32))
+    from mxfx.kernels import quantize as tq
+
+    kernel_of = {"quantize": tq.quantize_lastdim, "quantize_dequantize": tq.quantize_dequantize,
+                 "route_weight_quantize": tq.route_weight_quantize, "quantize_dual": dual.quantize_dual}
+    check_layouts(lambda name, args: kernel_of[name](*args))
+    q, s = dual.quantize_dual(x, "rceil")[:2]  # MN-major scales read through their strides
+    assert same_bits(dequantize.dequantize_lastdim(q, s, torch.float32), mxf.dequantize_lastdim(q, s, torch.float32))
     _interpreter_swiglu_checks()
 
 

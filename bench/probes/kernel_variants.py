@@ -1,6 +1,6 @@
 """Probe: where the SwiGLU and transposed-dual kernels lose bandwidth (H200), one variant per row.
 
-Usage: ``python bench/probes/kernel_variants.py [swiglu] [halves] [dual] [blocked]`` (the first three by default).
+Usage: ``python bench/probes/kernel_variants.py [swiglu] [halves] [dual] [blocked] [layouts]`` (the first three by default).
 Prints % of a 2 GiB copy for:
 
 * ``swiglu``: SwiGLU read as streams of blocks (separate gate/up and gate_up halves), per tile, with the
@@ -12,7 +12,10 @@ Prints % of a 2 GiB copy for:
 * ``dual``: the transposed dual quantize (rowwise + columnwise stored [K, M]) and the columnwise pair
   alone: transposed three ways, with the column scales stored or left out; with NSUB 32-row tiles per program whose column scales are joined in registers (NSUB bytes per
   K row), and with the column scales written in the source layout and transposed by a second kernel;
-* ``blocked``: the transposed column scales written straight into the blocked layout of native MX GEMMs.
+* ``blocked``: the transposed column scales written straight into the blocked layout of native MX GEMMs;
+* ``layouts``: the dual pass (transposed and source layout) and the columnwise pair alone, each scale tensor
+  stored in its plain layout, in the layout of the other orientation (a transpose view of a contiguous
+  tensor, so that one program writes whole 32-byte sectors), or left out.
 """
 
 from __future__ import annotations
@@ -294,6 +297,72 @@ def blocked_rows(copy_gbs):
         torch.cuda.empty_cache()
 
 
+@triton.jit
+def _layout_probe(x_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr, M, K, sxm, sxk, n_k_tiles, ROW: tl.constexpr,
+                  QC_T: tl.constexpr, SR_T: tl.constexpr, SC_T: tl.constexpr, BK: tl.constexpr):
+    """One [32, BK] tile per program, K tiles fastest. q_row [M, K]; s_row: SR_T 0 at [M, K/32], 1 at
+    [K/32, M] storage, 2 not stored. q_col: QC_T 1 at [K, M] storage, 0 at [M, K]. s_col: SC_T 1 at
+    [K, M/32] storage, 0 at [M/32, K], 2 not stored."""
+    pid, b = tl.program_id(0), tl.program_id(1)
+    m0 = (pid // n_k_tiles) * 32
+    k0 = (pid % n_k_tiles) * BK
+    v = load_tile(x_ptr, b, m0, k0, M, K, 0, sxm, sxk, 32, BK)
+    am = tl.arange(0, 32)
+    ak = tl.arange(0, BK)
+    if ROW:
+        q, s = encode_blocks(tl.reshape(v, [32, BK // 32, 32]), 2, True)
+        _store_tile(qr_ptr, tl.reshape(q, [32, BK]), b, m0, k0, M, K, False, 32, BK)
+        if SR_T < 2:
+            _store_tile(sr_ptr, s, b, m0, k0 // 32, M, K // 32, SR_T == 1, 32, BK // 32)
+    q, s = encode_blocks(tl.reshape(v, [1, 32, BK]), 1, True)
+    _store_tile(qc_ptr, tl.reshape(q, [32, BK]), b, m0, k0, M, K, QC_T == 1, 32, BK)
+    s = tl.reshape(s, [BK])
+    if SC_T == 1:
+        tl.store(sc_ptr + (k0 + ak).to(tl.int64) * (M // 32) + m0 // 32, s, mask=(k0 + ak) < K)
+    elif SC_T == 0:
+        tl.store(sc_ptr + (m0 // 32).to(tl.int64) * K + k0 + ak, s, mask=(k0 + ak) < K)
+
+
+def layout_rows(copy_gbs):
+    """Where each scale tensor is stored, against the module's passes; exactness checked per variant."""
+    for m, k in SHAPES:
+        x, qr, sr, qc, one, two = _dual_buffers(m, k)
+        qs = torch.empty(m, k, dtype=torch.uint8, device="cuda")
+        bufs = {("sr", 0): torch.empty(m, k // 32, dtype=torch.uint8, device="cuda"),
+                ("sr", 1): torch.empty(k // 32, m, dtype=torch.uint8, device="cuda"),
+                ("sc", 1): torch.empty(k, m // 32, dtype=torch.uint8, device="cuda"),
+                ("sc", 0): torch.empty(m // 32, k, dtype=torch.uint8, device="cuda")}
+        ref = dispatch.quantize_dual(x, "rceil")
+        want = {("sr", 0): ref[1], ("sr", 1): ref[1].t(), ("sc", 1): ref[3], ("sc", 0): ref[3].t()}
+        for name, fn, nb in (("module dual transposed", lambda: dispatch.quantize_dual(x, "rceil"), two),
+                             ("module dual source", lambda: dispatch.quantize_dual_source(x, "rceil"), two),
+                             ("module columnwise x.t()", lambda: dispatch.quantize_lastdim(x.t(), "rceil"), one)):
+            print(f"| {name} | {m}x{k} | - | {100 * nb / median_ms(fn) / 1e6 / copy_gbs:.1f}% |", flush=True)
+        variants = [(False, 1, 2, sc) for sc in (1, 0, 2)]  # columnwise pair alone, transposed
+        variants += [(True, 1, sr, sc) for sr, sc in ((0, 1), (1, 1), (0, 0), (1, 0), (2, 2))]  # dual transposed
+        variants += [(True, 0, sr, 0) for sr in (0, 1, 2)] + [(True, 0, 2, 2)]  # dual source
+        for row, qc_t, sr_t, sc_t in variants:
+            q_col = qc if qc_t else qs
+            for bk, warps in ((64, 1), (128, 2), (128, 1)):
+                n_k = triton.cdiv(k, bk)
+                srb, scb = bufs.get(("sr", sr_t), sr), bufs.get(("sc", sc_t), qs)
+                fn = lambda: _layout_probe[(triton.cdiv(m, 32) * n_k, 1)](  # noqa: E731
+                    x, qr, srb, q_col, scb, m, k, *x.stride(), n_k, ROW=row, QC_T=qc_t, SR_T=sr_t, SC_T=sc_t,
+                    BK=bk, num_warps=warps)
+                pct = 100 * (two if row else one) / median_ms(fn) / 1e6 / copy_gbs
+                same = torch.equal(q_col, ref[2].view(torch.uint8) if qc_t else ref[2].view(torch.uint8).t())
+                same = same and (sc_t == 2 or torch.equal(scb, want[("sc", sc_t)]))
+                if row:
+                    same = same and torch.equal(qr, ref[0].view(torch.uint8))
+                    same = same and (sr_t == 2 or torch.equal(srb, want[("sr", sr_t)]))
+                lay = {0: "plain", 1: "transposed", 2: "left out"}
+                print(f"| layouts row={row} q_col {'[K, M]' if qc_t else '[M, K]'} s_row {lay[sr_t] if row else '-'} "
+                      f"s_col {'[K, M/32]' if sc_t == 1 else '[M/32, K]' if sc_t == 0 else 'left out'} | {m}x{k} | "
+                      f"({bk}, {warps}) | {pct:.1f}% | {'exact' if same else 'DIFFERS'} |", flush=True)
+        del x, qr, sr, qc, qs, bufs
+        torch.cuda.empty_cache()
+
+
 def halves_rows(copy_gbs):
     """The gate_up halves gap: module SwiGLU with gate/up halves of rows 2H wide, 2H + 64 wide, and separate."""
     for m, k in SHAPES:
@@ -320,7 +389,8 @@ def main():
     print(f"copy {copy_gbs:.0f} GB/s\n| variant | shape | tile | % of copy |\n|---|---|---|---|", flush=True)
     sections = sys.argv[1:] or ["swiglu", "halves", "dual"]
     for name in sections:
-        {"swiglu": swiglu_rows, "halves": halves_rows, "dual": dual_rows, "blocked": blocked_rows}[name](copy_gbs)
+        {"swiglu": swiglu_rows, "halves": halves_rows, "dual": dual_rows, "blocked": blocked_rows,
+         "layouts": layout_rows}[name](copy_gbs)
 
 
 if __name__ == "__main__":

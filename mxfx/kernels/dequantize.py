@@ -99,14 +99,19 @@ def dequantize_lastdim(qdata: torch.Tensor, scales: torch.Tensor, dtype: torch.d
     """``(q e4m3 [..., K], s uint8 [..., K/32])`` on CUDA (any strides) -> ``[..., K]`` of ``dtype``.
 
     Contiguous, except for a pair in the source layout (:func:`source_layout`), whose result
-    keeps that layout (the transpose view of a contiguous tensor).
+    keeps that layout (the transpose view of a contiguous tensor). Scales may be MN-major
+    (:mod:`mxfx.kernels.views`): they are read through their strides, not copied.
     """
     check_pair(qdata, scales, -1, "mxfx.dequantize")
     if source_layout(qdata, scales):
         return _dequantize_source(qdata, scales, dtype)
-    q3, _ = flat_blocks(as_brc(qdata.view(torch.uint8)))
+    q8, s8 = qdata.view(torch.uint8), scales.view(torch.uint8)
+    if s8.is_contiguous() or s8.dim() > 3:
+        q3, _ = flat_blocks(as_brc(q8))
+    else:  # MN-major scales (mxfx.kernels.views): 2D tiles, each reading its scales by their strides
+        q3 = q8 if q8.dim() == 3 else q8.view(1, *q8.shape[-2:]) if q8.dim() == 2 else as_brc(q8)
     B, R, C = q3.shape
-    s3 = scales.view(torch.uint8).reshape(B, R, C // 32)
+    s3 = s8.reshape(B, R, C // 32)
     out = torch.empty(qdata.shape, dtype=dtype, device=qdata.device)
     br, bc, warps = FLAT_CONFIG if C == 32 else DEQUANT_CONFIG
     n_c = triton.cdiv(C, bc)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from mxfx import format as mxf
+from mxfx.kernels.views import laid_out_as, lastdim_scales, mn_major
 from mxfx.layout import to_blocked
 
 
@@ -42,14 +43,27 @@ def _check(x: torch.Tensor, rule: str, op: str) -> None:
 def quantize_lastdim(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP8 quantize along the last dim: ``x [..., K]`` -> ``(qdata e4m3 [..., K], scales u8 [..., K/32])``.
 
-    Any strides: a transposed view quantizes "columnwise" without a copy on the GPU path.
+    Any strides: a transposed view quantizes "columnwise" without a copy on the GPU path. qdata is
+    contiguous; scales are laid out by :func:`mxfx.kernels.views.lastdim_scales` on every device
+    (MN-major for an input strided along K).
     """
     if triton_available(x):
         from mxfx.kernels import quantize as tq
 
         return tq.quantize_lastdim(x, rule)
     _check(x, rule, "mxfx.quantize")
-    return mxf.quantize_lastdim(x, rule)
+    return _reference_lastdim(x, rule)
+
+
+def _reference_lastdim(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mxfx.format.quantize_lastdim`` with the kernels' scale layout (:func:`lastdim_scales`)."""
+    q, s = mxf.quantize_lastdim(x, rule)
+    return q, laid_out_as(s, lastdim_scales(x))
+
+
+def _mn_major(s: torch.Tensor) -> torch.Tensor:
+    """``s``'s values stored MN-major (the dual quantizes' scale layout, :mod:`mxfx.kernels.views`)."""
+    return laid_out_as(s, mn_major(s.shape, s))
 
 
 def quantize_blocked(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,8 +118,10 @@ def quantize_dual(x: torch.Tensor, rule: str):
     """Both orientations of a 2D ``x [M, K]`` from one read.
 
     Returns ``(q_row [M, K], s_row [M, K/32], q_col [K, M], s_col [K, M/32])``: the
-    columnwise pair is blocked down dim 0 and stored transposed (contiguous ``[K, M]``),
-    i.e. exactly ``quantize_lastdim(x.t())``. A 3D ``[B, M, K]`` input is handled per batch.
+    columnwise pair is blocked down dim 0, its qdata stored transposed (contiguous ``[K, M]``),
+    i.e. exactly ``quantize_lastdim(x.t())``, layouts included. Both scale tensors are MN-major
+    (transpose views of contiguous ``[K/32, M]`` / ``[M/32, K]`` tensors, :mod:`mxfx.kernels.views`).
+    A 3D ``[B, M, K]`` input is handled per batch.
     On every device: ValueError unless x is 2D/3D with M and K multiples of 32 (naming the
     shape), TypeError for a non-tensor or an unsupported dtype (:func:`check_dual_args`).
     """
@@ -116,7 +132,7 @@ def quantize_dual(x: torch.Tensor, rule: str):
     check_dual_args(x, rule, "mxfx.quantize_dual", hint=TOKEN_DIM_HINT)
     q_row, s_row = mxf.quantize_lastdim(x, rule)
     q_col, s_col = mxf.quantize_lastdim(x.transpose(-2, -1), rule)
-    return q_row, s_row, q_col, s_col
+    return q_row, _mn_major(s_row), q_col, _mn_major(s_col)
 
 
 def quantize_dual_source(x: torch.Tensor, rule: str, *, row: bool = True, col: bool = True,
@@ -124,8 +140,8 @@ def quantize_dual_source(x: torch.Tensor, rule: str, *, row: bool = True, col: b
     """Both orientations of ``x [M, K]`` (or ``[B, M, K]``) from one read, in the source layout (that of a contiguous x).
 
     Returns ``(q_row, s_row, h_row, q_col, s_col, h_col)``: the pairs of :func:`quantize_dual`
-    (same values), but ``q_col [.., K, M]`` / ``s_col [.., K, M/32]`` are transpose views of
-    contiguous ``[.., M, K]`` / ``[.., M/32, K]`` tensors (the source layout); ``h_*`` are the
+    (same values and scale layouts), but ``q_col [.., K, M]`` is the transpose view of a
+    contiguous ``[.., M, K]`` tensor (the source layout); ``h_*`` are the
     dequantized values in ``dequantized`` (None without it); orientations not asked for are None,
     and so are the pairs with ``mx=False`` (the dequantized values alone, one read, no MX writes).
     Raises ValueError unless x is 2D/3D with M and K multiples of 32, when neither orientation
@@ -144,8 +160,9 @@ def quantize_dual_source(x: torch.Tensor, rule: str, *, row: bool = True, col: b
             out += [None, None, None]
             continue
         q, s = mxf.quantize_lastdim(src, rule)
-        if src is not x:  # the columnwise pair, restrided into x's layout
-            q, s = (t.transpose(-2, -1).contiguous().transpose(-2, -1) for t in (q, s))
+        s = _mn_major(s)
+        if src is not x:  # the columnwise qdata, restrided into x's layout
+            q = q.transpose(-2, -1).contiguous().transpose(-2, -1)
         h = None if dequantized is None else mxf.dequantize_lastdim(q, s, dequantized)
         out += [q, s, h] if mx else [None, None, h]
     return tuple(out)
@@ -159,7 +176,7 @@ def quantize_dequantize(x: torch.Tensor, rule: str, dtype: torch.dtype):
 
         return tq.quantize_dequantize(x, rule, dtype)
     _check(x, rule, "mxfx.quantize_dequantize")
-    return _with_dequantized(mxf.quantize_lastdim(x, rule), dtype)
+    return _with_dequantized(_reference_lastdim(x, rule), dtype)
 
 
 def _with_dequantized(pair: tuple, dtype: torch.dtype | None) -> tuple:
@@ -216,4 +233,5 @@ def route_weight_quantize(dy: torch.Tensor, weight: torch.Tensor, rule: str, deq
         return tq.route_weight_quantize(dy, weight, rule, dequantized)
     check_route_args(dy, weight, op)
     _check(dy, rule, op)
-    return _with_dequantized(mxf.quantize_lastdim(dy.float() * weight.float().reshape(-1, 1), rule), dequantized)
+    q, s = mxf.quantize_lastdim(dy.float() * weight.float().reshape(-1, 1), rule)
+    return _with_dequantized((q, laid_out_as(s, lastdim_scales(dy))), dequantized)

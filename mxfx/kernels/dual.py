@@ -4,11 +4,15 @@ Rowwise blocks run along K (``q_row [M, K]``, ``s_row [M, K/32]``); columnwise b
 down M, the logical ``[K, M]`` operand ``quantize_lastdim(x.t())`` gives, which dgrad and
 wgrad of OCP MX v1.0 GEMMs need. The columnwise pair is stored either
 
-* transposed (:func:`quantize_dual`): contiguous ``q_col [K, M]``, ``s_col [K, M/32]``, what
-  native MX GEMMs read; the tile is transposed through shared memory on its way out; or
+* transposed (:func:`quantize_dual`): contiguous ``q_col [K, M]``, what native MX GEMMs read;
+  the tile is transposed through shared memory on its way out; or
 * in the *source layout* (:func:`quantize_dual_source`): ``q_col`` is the ``.transpose(-2, -1)``
-  view of a contiguous ``[M, K]`` byte tensor and ``s_col`` that of a contiguous ``[M/32, K]`` one.
-  Same values, no transpose: every load and store runs along K. Emulated GEMMs (Hopper, which
+  view of a contiguous ``[M, K]`` byte tensor. Same values, no transpose: every load and store
+  runs along K.
+
+Both scale tensors are MN-major (:mod:`mxfx.kernels.views`): ``s_row [M, K/32]`` is the transpose
+view of a contiguous ``[K/32, M]`` tensor and ``s_col [K, M/32]`` that of a contiguous ``[M/32, K]``
+one, so a program's ``[32, BLOCK_K]`` tile writes its scales as whole 32-byte sectors. Emulated GEMMs (Hopper, which
   has no MX GEMM) read either layout at the same cost, so the weight caches there keep the
   dgrad form in this one (``mxfx.ops.gemm.colwise_in_source_layout``). Optionally the same pass
   writes the dequantized values of each orientation, so one read of the FP32 main weight gives
@@ -35,9 +39,9 @@ from mxfx.kernels.launch import launch
 from mxfx.kernels.dispatch import TOKEN_DIM_HINT, check_dual_args
 from mxfx.kernels.mx_block import decode_scale, encode_blocks, load_tile, tile_origin
 
-SOURCE_CONFIG = {2: (32, 64, 1), 4: (32, 128, 2)}
+SOURCE_CONFIG = {2: (32, 64, 1), 4: (32, 64, 1)}
 """(BLOCK_M, BLOCK_K, num_warps) by input element size in bytes, columnwise pair in the source layout."""
-TRANSPOSED_CONFIG = (32, 128, 2)
+TRANSPOSED_CONFIG = (32, 64, 1)
 """(BLOCK_M, BLOCK_K, num_warps), columnwise pair stored transposed."""
 
 
@@ -68,15 +72,15 @@ def _dual_kernel(
         q, s = encode_blocks(tl.reshape(v, [BM, BK // 32, 32]), 2, RCEIL)
         if MX:
             _store_tile(qr_ptr, tl.reshape(q, [BM, BK]), b, m0, k0, M, K, False, BM, BK)
-            _store_tile(sr_ptr, s, b, m0, k0 // 32, M, K // 32, False, BM, BK // 32)
+            _store_tile(sr_ptr, s, b, m0, k0 // 32, M, K // 32, True, BM, BK // 32)  # MN-major: [B, K/32, M]
         if HAT:
             h = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * decode_scale(s)[:, :, None]
             _store_tile(hr_ptr, tl.reshape(h, [BM, BK]), b, m0, k0, M, K, False, BM, BK)
-    if COL:  # blocks of 32 along M: storage [B, M, K] and [B, M/32, K], or [B, K, M] and [B, K, M/32] (COL_T)
+    if COL:  # blocks of 32 along M: qdata storage [B, M, K], or [B, K, M] (COL_T); scales [B, M/32, K] (MN-major)
         q, s = encode_blocks(tl.reshape(v, [BM // 32, 32, BK]), 1, RCEIL)
         if MX:
             _store_tile(qc_ptr, tl.reshape(q, [BM, BK]), b, m0, k0, M, K, COL_T, BM, BK)
-            _store_tile(sc_ptr, s, b, m0 // 32, k0, M // 32, K, COL_T, BM // 32, BK)
+            _store_tile(sc_ptr, s, b, m0 // 32, k0, M // 32, K, False, BM // 32, BK)
         if HAT:
             h = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * decode_scale(s)[:, None, :]
             _store_tile(hc_ptr, tl.reshape(h, [BM, BK]), b, m0, k0, M, K, COL_T, BM, BK)
@@ -91,9 +95,10 @@ def _quantize_both(x, rule, op, *, row, col, dequantized, transposed, mx=True, h
         return torch.empty(shape, dtype=dtype, device=dev) if want else None
 
     col_shape = (B, K, M) if transposed else (B, M, K)
-    q_row, s_row = new((B, M, K), torch.uint8, row and mx), new((B, M, K // 32), torch.uint8, row and mx)
+    # both scale tensors MN-major (see mxfx.kernels.views): storage [B, K/32, M] and [B, M/32, K]
+    q_row, s_row = new((B, M, K), torch.uint8, row and mx), new((B, K // 32, M), torch.uint8, row and mx)
     q_col = new(col_shape, torch.uint8, col and mx)
-    s_col = new((B, K, M // 32) if transposed else (B, M // 32, K), torch.uint8, col and mx)
+    s_col = new((B, M // 32, K), torch.uint8, col and mx)
     h_row = new((B, M, K), dequantized, row and dequantized is not None)
     h_col = new(col_shape, dequantized, col and dequantized is not None)
     bm, bk, warps = TRANSPOSED_CONFIG if transposed else SOURCE_CONFIG[4 if x.element_size() == 4 else 2]
@@ -115,15 +120,16 @@ def _quantize_both(x, rule, op, *, row, col, dequantized, transposed, mx=True, h
         return t if x.dim() == 3 else t[0]
 
     col_view_t = not transposed
-    return (out(q_row, False, True), out(s_row, False), out(h_row, False),
-            out(q_col, col_view_t, True), out(s_col, col_view_t), out(h_col, col_view_t))
+    return (out(q_row, False, True), out(s_row, True), out(h_row, False),
+            out(q_col, col_view_t, True), out(s_col, True), out(h_col, col_view_t))
 
 
 def quantize_dual(x: torch.Tensor, rule: str):
     """Both orientations of ``x [M, K]`` (or ``[B, M, K]``; CUDA, bf16/fp16/fp32, any strides).
 
     Returns ``(q_row [.., M, K], s_row [.., M, K/32], q_col [.., K, M], s_col [.., K, M/32])``
-    (e4m3 / uint8 E8M0, all contiguous).
+    (e4m3 / uint8 E8M0): qdata contiguous, scales MN-major (transpose views of contiguous
+    ``[.., K/32, M]`` / ``[.., M/32, K]`` tensors).
 
     Raises:
         ValueError: not 2D/3D, or M or K not a multiple of 32.
@@ -150,7 +156,8 @@ def quantize_dual_source(x: torch.Tensor, rule: str, *, row: bool = True, col: b
         ``(q_row [.., M, K], s_row [.., M, K/32], h_row, q_col [.., K, M], s_col [.., K, M/32], h_col)``:
         e4m3 qdata, uint8 E8M0 scales (None with ``mx=False``), ``h_*`` the dequantized tensors (None
         without ``dequantized``);
-        the row outputs contiguous, the column outputs transpose views of contiguous ``[.., M, K]`` /
+        ``q_row`` and ``h_row`` contiguous, ``s_row`` the transpose view of a contiguous
+        ``[.., K/32, M]`` tensor, the column outputs transpose views of contiguous ``[.., M, K]`` /
         ``[.., M/32, K]`` tensors; orientations not written are all None.
 
     Raises:

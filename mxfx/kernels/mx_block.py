@@ -17,6 +17,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from mxfx.format import BLOCK_SIZE
+from mxfx.kernels.views import as_brc, scale_shape  # noqa: F401  (the kernels' input views)
 
 FP32_EXP_SHIFT = tl.constexpr(23)
 FP32_ABS_MASK = tl.constexpr(0x7FFFFFFF)
@@ -124,32 +125,6 @@ def blocked_offset(r, c, SCALE_COLS):
     return tile * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
 
 
-def as_brc(x: torch.Tensor) -> torch.Tensor:
-    """View ``x [..., C]`` as 3D ``[B, R, C]`` without copying when strides allow.
-
-    All leading dims merge into R when they can (B = 1); otherwise the first dim
-    becomes B (a transposed 3D view, say); other layouts are copied.
-    """
-    c = x.shape[-1]
-    if x.dim() == 1:
-        return x.view(1, 1, c)
-    try:
-        return x.view(1, -1, c)
-    except RuntimeError:
-        pass
-    if x.dim() == 3:
-        return x
-    try:
-        return x.view(x.shape[0], -1, c)
-    except RuntimeError:
-        return x.contiguous().view(1, -1, c)
-
-
-def scale_shape(shape) -> tuple:
-    """Shape of the scales of a tensor blocked along its last dim."""
-    return (*shape[:-1], shape[-1] // BLOCK_SIZE)
-
-
 @triton.jit
 def tile_origin(n_c_tiles, BR: tl.constexpr, BC: tl.constexpr):
     """(b, r0, c0) of this program: grid (row tiles x col tiles, B), column tiles fastest,
@@ -169,14 +144,23 @@ def load_tile(ptr, b, r0, c0, R, C, sb, sr, sc, BR: tl.constexpr, BC: tl.constex
     return v.to(tl.float32)
 
 
-@triton.jit
-def store_rowwise(q_ptr, s_ptr, qbits, sbyte, b, r0, c0, R, C, RPR, BLOCKED: tl.constexpr,
-                  BR: tl.constexpr, BC: tl.constexpr):
-    """Store a tile's E4M3 bytes ``[BR, BC]`` and scales ``[BR, BC/32]`` into contiguous [B, R, C] / [B, R, C/32].
+SCALES_ROW_MAJOR = tl.constexpr(0)
+"""Scale layouts :func:`store_rowwise` writes (see :mod:`mxfx.kernels.views`; launch with ``.value``, a plain
+int, which Inductor can write into the code it generates for a traced launch): contiguous [B, R, C/32];"""
+SCALES_MN_MAJOR = tl.constexpr(1)
+"""storage [B, C/32, R] (the transpose view is the logical [B, R, C/32]);"""
+SCALES_BLOCKED = tl.constexpr(2)
+"""the blocked layout of ``mxfx.layout`` (B must be 1)."""
 
-    BLOCKED: scales go to the blocked layout of ``mxfx.layout`` instead (B must be 1);
-    RPR rows of this view make one row of the scale matrix (a row split into
-    32-value rows by :func:`flat_blocks` has RPR = K / 32; else 1).
+
+@triton.jit
+def store_rowwise(q_ptr, s_ptr, qbits, sbyte, b, r0, c0, R, C, RPR, SCALES: tl.constexpr,
+                  BR: tl.constexpr, BC: tl.constexpr):
+    """Store a tile's E4M3 bytes ``[BR, BC]`` into contiguous [B, R, C] and its scales ``[BR, BC/32]``
+    in the layout ``SCALES`` (one of the ``SCALES_*`` constants).
+
+    For the blocked layout, RPR rows of this view make one row of the scale matrix (a row split
+    into 32-value rows by :func:`flat_blocks` has RPR = K / 32; else 1).
     """
     NB: tl.constexpr = BC // 32
     ar = tl.arange(0, BR)
@@ -188,11 +172,14 @@ def store_rowwise(q_ptr, s_ptr, qbits, sbyte, b, r0, c0, R, C, RPR, BLOCKED: tl.
     tl.store(q_base + ar[:, None] * C + ac[None, :], tl.reshape(qbits, [BR, BC]),
              mask=rmask[:, None] & ((c0 + ac) < C)[None, :])
     smask = rmask[:, None] & ((c0 // 32 + an) < C // 32)[None, :]
-    if BLOCKED:
+    if SCALES == SCALES_BLOCKED:
         rr = r0 + ar
         col = (rr % RPR)[:, None] * (C // 32) + (c0 // 32 + an)[None, :]
         offs = blocked_offset((rr // RPR)[:, None], col, RPR * (C // 32))
         tl.store(s_ptr + offs, sbyte, mask=smask)
+    elif SCALES == SCALES_MN_MAJOR:
+        s_base = s_ptr + (b.to(tl.int64) * (C // 32) + c0 // 32) * R + r0
+        tl.store(s_base + an[None, :] * R + ar[:, None], sbyte, mask=smask)
     else:
         s_base = s_ptr + row0 * (C // 32) + c0 // 32
         tl.store(s_base + ar[:, None] * (C // 32) + an[None, :], sbyte, mask=smask)

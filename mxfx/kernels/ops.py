@@ -20,6 +20,7 @@ import torch
 from mxfx import kernels
 from mxfx.format import BLOCK_SIZE, dequantize_lastdim
 from mxfx.kernels.launch import op_or_body
+from mxfx.kernels.views import lastdim_scales, mn_major
 
 _E4M3 = torch.float8_e4m3fn
 
@@ -29,8 +30,15 @@ def _scale_shape(shape) -> list:
 
 
 def _pair_fake(x):
-    """Fake rowwise MX pair of ``x [..., K]``: fresh ``(qdata e4m3 [..., K], scales uint8 [..., K/32])``."""
+    """Fake rowwise MX pair of ``x [..., K]`` with contiguous rows: fresh ``(qdata e4m3 [..., K],
+    scales uint8 [..., K/32])``, both contiguous (the SwiGLU outputs, whatever gate's strides)."""
     return x.new_empty(x.shape, dtype=_E4M3), x.new_empty(_scale_shape(x.shape), dtype=torch.uint8)
+
+
+def _lastdim_fake(x):
+    """Fake of ``quantize_lastdim(x)``: contiguous qdata, scales laid out as the kernels lay them out
+    (:func:`mxfx.kernels.views.lastdim_scales`: MN-major for an input strided along K)."""
+    return x.new_empty(x.shape, dtype=_E4M3), lastdim_scales(x)
 
 
 @torch.library.custom_op("mxfx::quantize", mutates_args=())
@@ -41,7 +49,7 @@ def _quantize_op(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor
 
 @_quantize_op.register_fake
 def _(x, rule):
-    return _pair_fake(x)
+    return _lastdim_fake(x)
 
 
 @torch.library.custom_op("mxfx::dequantize", mutates_args=())
@@ -64,11 +72,11 @@ def _quantize_dual_op(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.T
 @_quantize_dual_op.register_fake
 def _(x, rule):
     t = x.shape[:-2] + (x.shape[-1], x.shape[-2])
-    return (
+    return (  # scales MN-major (mxfx.kernels.dual)
         x.new_empty(x.shape, dtype=_E4M3),
-        x.new_empty(_scale_shape(x.shape), dtype=torch.uint8),
+        mn_major(_scale_shape(x.shape), x),
         x.new_empty(t, dtype=_E4M3),
-        x.new_empty(_scale_shape(t), dtype=torch.uint8),
+        mn_major(_scale_shape(t), x),
     )
 
 
@@ -96,7 +104,7 @@ def _quantize_dequantize_op(x: torch.Tensor, rule: str, dtype: torch.dtype) -> t
 
 @_quantize_dequantize_op.register_fake
 def _(x, rule, dtype):
-    return _mx_and_values_fake(x, dtype)
+    return (*_lastdim_fake(x), x.new_empty(x.shape, dtype=dtype))
 
 
 @torch.library.custom_op("mxfx::swiglu_quantize", mutates_args=())
@@ -168,7 +176,7 @@ def _route_weight_quantize_dequantize_op(
 
 @_route_weight_quantize_dequantize_op.register_fake
 def _(dy, weight, rule, dtype):
-    return _mx_and_values_fake(dy, dtype)
+    return (*_lastdim_fake(dy), dy.new_empty(dy.shape, dtype=dtype))
 
 
 @torch.library.custom_op("mxfx::route_weight_quantize", mutates_args=())
@@ -179,7 +187,7 @@ def _route_weight_quantize_op(dy: torch.Tensor, weight: torch.Tensor, rule: str)
 
 @_route_weight_quantize_op.register_fake
 def _(dy, weight, rule):
-    return _pair_fake(dy)
+    return _lastdim_fake(dy)
 
 
 @torch.library.custom_op("mxfx::quantize_blocked", mutates_args=())

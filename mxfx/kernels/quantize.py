@@ -26,15 +26,18 @@ from mxfx.kernels.dispatch import check_route_args
 from mxfx.kernels.launch import launch
 from mxfx.format import check_block_axis, check_input, check_rule
 from mxfx.kernels.mx_block import (
+    SCALES_BLOCKED,
+    SCALES_MN_MAJOR,
+    SCALES_ROW_MAJOR,
     as_brc,
     encode_blocks,
     flat_blocks,
     load_tile,
-    scale_shape,
     store_dequantized,
     store_rowwise,
     tile_origin,
 )
+from mxfx.kernels.views import lastdim_scales
 from mxfx.layout import blocked_numel
 
 FLAT_CONFIG = (64, 32, 2)
@@ -45,15 +48,16 @@ ROWWISE_CONFIG = (16, 256, 8)
 BLOCKED_CONFIG = (128, 128, 4)
 """(BLOCK_R, BLOCK_C, num_warps) with scales in the blocked layout, or None to stream blocks (FLAT_CONFIG):
 128 rows by 4 scale columns are one whole 512-byte tile of that layout."""
-COLWISE_CONFIG = (64, 64, 1)
-"""(BLOCK_R, BLOCK_C, num_warps) for inputs strided along C (a transposed view, columnwise):
-tiles square enough to read along R and write along C."""
+COLWISE_CONFIG = (128, 32, 1)
+"""(BLOCK_R, BLOCK_C, num_warps) for inputs strided along C (a transposed view, columnwise): 128 rows
+(the model dim) by one block of 32 tokens, read as 32 runs of 256 bytes; the MN-major scales go out as one
+128-byte line per program (``MXFX_BENCH_SWEEP=columnwise python bench/kernels.py``)."""
 
 
 def _quantize(
     x_ptr, w_ptr, q_ptr, s_ptr, xhat_ptr,
     R, C, RPR, sxb, sxr, sxc, swr, n_c_tiles,
-    RCEIL: tl.constexpr, ROW_WEIGHT: tl.constexpr, WRITE_XHAT: tl.constexpr, BLOCKED: tl.constexpr,
+    RCEIL: tl.constexpr, ROW_WEIGHT: tl.constexpr, WRITE_XHAT: tl.constexpr, SCALES: tl.constexpr,
     BR: tl.constexpr, BC: tl.constexpr,
 ):
     b, r0, c0 = tile_origin(n_c_tiles, BR, BC)
@@ -63,7 +67,7 @@ def _quantize(
         w = tl.load(w_ptr + (rows // RPR).to(tl.int64) * swr, mask=rows < R, other=0.0).to(tl.float32)
         v = v * w[:, None]
     qbits, sbyte = encode_blocks(tl.reshape(v, [BR, BC // 32, 32]), 2, RCEIL)
-    store_rowwise(q_ptr, s_ptr, qbits, sbyte, b, r0, c0, R, C, RPR, BLOCKED, BR, BC)
+    store_rowwise(q_ptr, s_ptr, qbits, sbyte, b, r0, c0, R, C, RPR, SCALES, BR, BC)
     if WRITE_XHAT:
         store_dequantized(xhat_ptr, qbits, sbyte, b, r0, c0, R, C, BR, BC)
 
@@ -85,7 +89,7 @@ def _launch(x, rule, *, weight=None, xhat_dtype=None, blocked=False, op="mxfx.qu
     if blocked:
         s = torch.zeros(blocked_numel(B * R // rpr, rpr * C // 32), dtype=torch.uint8, device=x.device)
     else:
-        s = torch.empty(scale_shape(x.shape), dtype=torch.uint8, device=x.device)
+        s = lastdim_scales(x)  # MN-major for an input strided along C (see mxfx.kernels.views)
     # unused pointer arguments get the (read-only) input, so no output buffer is passed twice
     xhat = torch.empty(x.shape, dtype=xhat_dtype, device=x.device) if xhat_dtype is not None else x3
     w = weight if weight is not None else x3
@@ -102,13 +106,18 @@ def _launch(x, rule, *, weight=None, xhat_dtype=None, blocked=False, op="mxfx.qu
             _quantize_kernel if rowwise else _quantize_kernel_t, (triton.cdiv(R, br) * n_c, B),
             x3, w, q, s, xhat, R, C, rpr, *x3.stride(), w.stride(0) if weight is not None else 0, n_c,
             RCEIL=rule == "rceil", ROW_WEIGHT=weight is not None, WRITE_XHAT=xhat_dtype is not None,
-            BLOCKED=blocked, BR=br, BC=bc, num_warps=warps,
+            SCALES=(SCALES_BLOCKED if blocked else SCALES_ROW_MAJOR if s.is_contiguous() else SCALES_MN_MAJOR).value,
+            BR=br, BC=bc, num_warps=warps,
         )
     return q.view(torch.float8_e4m3fn), s, (xhat if xhat_dtype is not None else None)
 
 
 def quantize_lastdim(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [..., K]`` (CUDA, bf16/fp16/fp32, any strides) -> ``(q e4m3 [..., K], s uint8 [..., K/32])``, contiguous."""
+    """``x [..., K]`` (CUDA, bf16/fp16/fp32, any strides) -> ``(q e4m3 [..., K], s uint8 [..., K/32])``.
+
+    q is contiguous; s is laid out by :func:`mxfx.kernels.views.lastdim_scales`: row-major, or MN-major
+    for an input strided along K (a transposed view: the columnwise operand).
+    """
     q, s, _ = _launch(x, rule)
     return q, s
 

@@ -23,6 +23,7 @@ import triton.language as tl
 from mxfx.format import BLOCK_SIZE, check_block_axis, check_input, check_rule
 from mxfx.kernels.launch import launch
 from mxfx.kernels.mx_block import (
+    SCALES_ROW_MAJOR,
     as_brc,
     block_stream,
     encode_blocks,
@@ -50,7 +51,7 @@ SWIGLU_CONFIG = (16, 256, 8)
 def _store_mx(q_ptr, s_ptr, v, b, r0, c0, R, C, RCEIL: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     """Quantize the fp32 tile ``v [BR, BC]`` rowwise and store its pair into contiguous [B, R, C] / [B, R, C/32]."""
     qbits, sbyte = encode_blocks(tl.reshape(v, [BR, BC // 32, 32]), 2, RCEIL)
-    store_rowwise(q_ptr, s_ptr, qbits, sbyte, b, r0, c0, R, C, 1, False, BR, BC)
+    store_rowwise(q_ptr, s_ptr, qbits, sbyte, b, r0, c0, R, C, 1, SCALES_ROW_MAJOR, BR, BC)
     return qbits, sbyte
 
 

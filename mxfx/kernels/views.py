@@ -1,0 +1,89 @@
+"""How the MX kernels view their inputs and lay out their scales (plain torch; no Triton).
+
+A kernel reads ``x [..., C]`` as a 3D ``[B, R, C]`` view (:func:`as_brc`) and blocks it along C.
+The logical shape of the scales is always ``[..., C/32]`` (OCP MX v1.0 §5: one E8M0 scale per
+32 consecutive values); their *layout* is chosen so that each program of the kernel writes whole
+32-byte sectors:
+
+* **row-major** (contiguous): tiles that hold many blocks of each row, or a stream of blocks
+  (rowwise quantize of a contiguous tensor, SwiGLU, route-weight);
+* **MN-major** (the transpose view of a contiguous ``[..., C/32, R]`` tensor): tiles of a few
+  blocks per row, which write a few scale bytes per row and one sector per row in row-major
+  order, but whole sectors here. On the H200 the row-major store cost the dual quantize 5-12
+  points of copy bandwidth and the columnwise quantize 8 (BENCHMARKS.md, "scales where a program
+  writes whole sectors"). :func:`lastdim_scales` says when ``quantize_lastdim`` writes them so
+  (a transposed input: the columnwise operand); both orientations of the dual quantizes
+  always do.
+
+Consumers index scales through their strides (the dequantize kernels, ``to_blocked`` for native
+GEMMs), so either layout serves every GEMM path. The CPU reference path and the ops' fake
+implementations lay their scales out with these same functions, so eager, compiled and CPU
+results have one layout.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mxfx.format import BLOCK_SIZE
+
+
+def brc_view(x: torch.Tensor) -> torch.Tensor | None:
+    """``x [..., C]`` as a 3D ``[B, R, C]`` view without copying, or None when strides do not allow one.
+
+    All leading dims merge into R when they can (B = 1); otherwise a 3D x keeps its first dim as B
+    (a transposed 3D view, say), and a 4D+ x merges its dims after the first into R when they can.
+    """
+    c = x.shape[-1]
+    if x.dim() == 1:
+        return x.view(1, 1, c)
+    try:
+        return x.view(1, -1, c)
+    except (RuntimeError, ValueError):  # fake tensors raise ValueError
+        pass
+    if x.dim() == 3:
+        return x
+    try:
+        return x.view(x.shape[0], -1, c)
+    except (RuntimeError, ValueError):  # fake tensors raise ValueError
+        return None
+
+
+def as_brc(x: torch.Tensor) -> torch.Tensor:
+    """:func:`brc_view` of ``x``, or of a contiguous copy when strides allow no view."""
+    v = brc_view(x)
+    return v if v is not None else x.contiguous().view(1, -1, x.shape[-1])
+
+
+def scale_shape(shape) -> tuple:
+    """Shape of the scales of a tensor blocked along its last dim."""
+    return (*shape[:-1], shape[-1] // BLOCK_SIZE)
+
+
+def mn_major(shape, like: torch.Tensor) -> torch.Tensor:
+    """Empty uint8 tensor of logical ``shape [..., R, C]`` (2D+) stored MN-major: the transpose view
+    of a contiguous ``[..., C, R]`` tensor, on ``like``'s device."""
+    *lead, r, c = shape
+    return like.new_empty((*lead, c, r), dtype=torch.uint8).transpose(-2, -1)
+
+
+def lastdim_scales(x: torch.Tensor) -> torch.Tensor:
+    """Empty uint8 scales ``[..., C/32]`` for ``quantize_lastdim(x [..., C])``, laid out as the kernel writes them.
+
+    Row-major when x's ``[B, R, C]`` view (:func:`brc_view`) has unit stride along C, or is
+    copied first; MN-major per batch (storage ``[B, C/32, R]``) when it is strided along C: a
+    transposed view such as ``w.t()`` or the token-blocked ``x.t()`` of a wgrad, whose tiles
+    hold two blocks per row.
+    """
+    shape = scale_shape(x.shape)
+    v = brc_view(x) if x.dim() >= 2 else None
+    if v is None or v.stride(2) == 1:
+        return x.new_empty(shape, dtype=torch.uint8)
+    b, r, c = v.shape
+    return x.new_empty((b, c // BLOCK_SIZE, r), dtype=torch.uint8).transpose(1, 2).view(shape)
+
+
+def laid_out_as(src: torch.Tensor, layout: torch.Tensor) -> torch.Tensor:
+    """``src``'s values in ``layout`` (an empty tensor of src's shape from :func:`lastdim_scales` or
+    :func:`mn_major`): what the CPU reference path returns, so its layout is the kernels'."""
+    return layout.copy_(src)
