@@ -91,15 +91,17 @@ def _quantize_both(x, rule, op, *, row, col, dequantized, transposed, mx=True, h
     B, M, K = x3.shape
     dev = x.device
 
-    def new(shape, dtype, want):
-        return torch.empty(shape, dtype=dtype, device=dev) if want else None
+    lead = (B,) if x.dim() == 3 else ()  # a 2D x gets 2D outputs: no index or reshape of a written buffer
 
-    col_shape = (B, K, M) if transposed else (B, M, K)
-    # both scale tensors MN-major (see mxfx.kernels.views): storage [B, K/32, M] and [B, M/32, K]
-    q_row, s_row = new((B, M, K), torch.uint8, row and mx), new((B, K // 32, M), torch.uint8, row and mx)
+    def new(shape, dtype, want):
+        return torch.empty((*lead, *shape), dtype=dtype, device=dev) if want else None
+
+    col_shape = (K, M) if transposed else (M, K)
+    # both scale tensors MN-major (see mxfx.kernels.views): storage [.., K/32, M] and [.., M/32, K]
+    q_row, s_row = new((M, K), torch.uint8, row and mx), new((K // 32, M), torch.uint8, row and mx)
     q_col = new(col_shape, torch.uint8, col and mx)
-    s_col = new((B, M // 32, K), torch.uint8, col and mx)
-    h_row = new((B, M, K), dequantized, row and dequantized is not None)
+    s_col = new((M // 32, K), torch.uint8, col and mx)
+    h_row = new((M, K), dequantized, row and dequantized is not None)
     h_col = new(col_shape, dequantized, col and dequantized is not None)
     bm, bk, warps = TRANSPOSED_CONFIG if transposed else SOURCE_CONFIG[4 if x.element_size() == 4 else 2]
     n_k = triton.cdiv(K, bk)
@@ -113,11 +115,12 @@ def _quantize_both(x, rule, op, *, row, col, dequantized, transposed, mx=True, h
         )
 
     def out(t, view_t, fp8=False):
+        # Only dtype views and transposes of what the kernel wrote: torch 2.11's Inductor can lose track of a
+        # written buffer that is reshaped under dynamic shapes (pytorch/pytorch#189271).
         if t is None:
             return None
         t = t.view(torch.float8_e4m3fn) if fp8 else t
-        t = t.transpose(-2, -1) if view_t else t
-        return t if x.dim() == 3 else t[0]
+        return t.transpose(-2, -1) if view_t else t
 
     col_view_t = not transposed
     return (out(q_row, False, True), out(s_row, True), out(h_row, False),

@@ -67,20 +67,41 @@ def mn_major(shape, like: torch.Tensor) -> torch.Tensor:
     return like.new_empty((*lead, c, r), dtype=torch.uint8).transpose(-2, -1)
 
 
-def lastdim_scales(x: torch.Tensor) -> torch.Tensor:
-    """Empty uint8 scales ``[..., C/32]`` for ``quantize_lastdim(x [..., C])``, laid out as the kernel writes them.
-
-    Row-major when x's ``[B, R, C]`` view (:func:`brc_view`) has unit stride along C, or is
-    copied first; MN-major per batch (storage ``[B, C/32, R]``) when it is strided along C: a
-    transposed view such as ``w.t()`` or the token-blocked ``x.t()`` of a wgrad, whose tiles
-    hold two blocks per row.
-    """
-    shape = scale_shape(x.shape)
+def mn_major_brc(x: torch.Tensor) -> tuple[int, int, int] | None:
+    """``(B, R, C)`` of x's ``[B, R, C]`` view (:func:`brc_view`) when it is strided along C, whose
+    scales ``quantize_lastdim`` writes MN-major (storage ``[B, C/32, R]``); None otherwise."""
     v = brc_view(x) if x.dim() >= 2 else None
     if v is None or v.stride(2) == 1:
+        return None
+    return tuple(v.shape)
+
+
+def lastdim_scales(x: torch.Tensor, storage: torch.Tensor | None = None) -> torch.Tensor:
+    """Uint8 scales ``[..., C/32]`` for ``quantize_lastdim(x [..., C])``, laid out as the kernel writes them.
+
+    Row-major when x's ``[B, R, C]`` view (:func:`brc_view`) has unit stride along C, or is
+    copied first; MN-major per batch (storage ``[B, C/32, R]``, :func:`mn_major_brc`) when it is
+    strided along C: a transposed view such as ``w.t()`` or the token-blocked ``x.t()`` of a wgrad,
+    whose tiles hold one block per row. Empty, or the view of ``storage`` (the contiguous
+    ``[B, C/32, R]`` tensor a kernel wrote) when given.
+    """
+    shape = scale_shape(x.shape)
+    brc = mn_major_brc(x)
+    if brc is None:
         return x.new_empty(shape, dtype=torch.uint8)
-    b, r, c = v.shape
-    return x.new_empty((b, c // BLOCK_SIZE, r), dtype=torch.uint8).transpose(1, 2).view(shape)
+    if storage is None:
+        storage = x.new_empty(mn_major_storage_shape(x, brc), dtype=torch.uint8)
+    view = storage.transpose(-2, -1)
+    # a 2D x (or a 3D one viewed per batch) needs the transpose alone: no reshape of a buffer a kernel wrote,
+    # which torch 2.11's Inductor can lose track of under dynamic shapes (pytorch/pytorch#189271)
+    return view if tuple(view.shape) == tuple(shape) else view.view(shape)
+
+
+def mn_major_storage_shape(x: torch.Tensor, brc: tuple[int, int, int]) -> tuple:
+    """Shape of the contiguous storage of MN-major scales for x: ``[C/32, R]`` when B = 1 and x is 2D,
+    else ``[B, C/32, R]`` (see :func:`lastdim_scales`)."""
+    b, r, c = brc
+    return (c // BLOCK_SIZE, r) if b == 1 and x.dim() == 2 else (b, c // BLOCK_SIZE, r)
 
 
 def laid_out_as(src: torch.Tensor, layout: torch.Tensor) -> torch.Tensor:

@@ -538,7 +538,7 @@ def quantize_dual_operand(x: torch.Tensor, rule: str, op: str = "mm"):
     writes only the dequantized values of both, in the emulation dtype, and the MX pairs are None
     (``mxfx::quantize_dual_dequantized``: the GEMMs read nothing else, and no dequantize pass
     follows); ``col_hat`` is then the transpose view of an ``[M, K]`` tensor. On native MX GEMMs
-    the MX pairs come back (``mxfx::quantize_dual``, contiguous) and the ``*_hat`` are None. Same
+    the MX pairs come back (``mxfx::quantize_dual``: contiguous qdata, MN-major scales) and the ``*_hat`` are None. Same
     values either way. M and K must be multiples of 32 (pad the tokens first).
 
     Raises:
