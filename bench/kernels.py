@@ -28,6 +28,7 @@ from triton.testing import do_bench
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mxfx.kernels import dispatch, dual, quantize, swiglu  # noqa: E402
+from mxfx.layout import to_blocked  # noqa: E402
 from _results import emit  # noqa: E402  (bench/ is on sys.path when a script runs)
 
 SHAPES = [(65536, 2048), (131072, 1024), (16384, 4096)]
@@ -108,6 +109,10 @@ def cases(m: int, k: int):
         ("quantize columnwise (x.t())", lambda: dispatch.quantize_lastdim(x.t(), "rceil"), 2 * n + q8),
         ("quantize dual (row + col)", lambda: dispatch.quantize_dual(x, "rceil"), 2 * n + 2 * q8),
         ("quantize dual, source layout", lambda: dispatch.quantize_dual_source(x, "rceil"), 2 * n + 2 * q8),
+        ("quantize dual, blocked scales (native GEMM operands)", lambda: dispatch.quantize_dual_blocked(x, "rceil"),
+         2 * n + 2 * q8),
+        ("quantize dual + to_blocked of both scales", lambda: [to_blocked(t) for t in dispatch.quantize_dual(
+            x, "rceil")[1::2]], 2 * n + 2 * q8),
         ("quantize dual + both dequantized, source layout",
          lambda: dispatch.quantize_dual_source(x, "rceil", dequantized=torch.bfloat16), 2 * n + 2 * q8 + 4 * n),
         ("weight refresh fp32 -> MX + BF16 forms, source layout",

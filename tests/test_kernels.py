@@ -415,12 +415,14 @@ def layout_cases():
         ("route_weight_quantize", (x.t(), w, "rceil"), [(1, 128)]),
         ("quantize_dual", (x, "rceil"), [(1, 96), (1, 128)]),
         ("quantize_dual", (x3, "floor"), [(192, 1, 64), (192, 1, 96)]),
+        ("quantize_dual_blocked", (x, "rceil"), [(1,), (1,)]),  # 96 rows and 3 scale columns: padded tiles
+        ("quantize_dual_blocked", (x3, "floor"), [(512, 1), (512, 1)]),
     ]
 
 
 def scale_outputs(name, out):
     """The scale tensors among an op's outputs."""
-    return [out[1], out[3]] if name == "quantize_dual" else [out[1]]
+    return [out[1], out[3]] if name.startswith("quantize_dual") else [out[1]]
 
 
 def check_layouts(run):
@@ -445,6 +447,9 @@ def test_cpu_scale_layouts_and_fakes_agree():
         assert [s.stride() for s in scale_outputs(name, real)] == strides, name
         ref = mxf.quantize_lastdim(args[0] * (args[1][:, None] if name == "route_weight_quantize" else 1), args[-1]
                                    if name == "route_weight_quantize" else args[1])
+        if name == "quantize_dual_blocked":  # per batch, the blocked layout of the reference scales
+            ref = (ref[0], torch.stack([to_blocked(m) for m in ref[1].reshape(-1, *ref[1].shape[-2:])]).reshape(
+                real[1].shape))
         assert_same(real[:2], ref)
         with FakeTensorMode() as mode:
             fake = getattr(torch.ops.mxfx, name)(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
@@ -532,7 +537,8 @@ def _interpreter_checks():
     from mxfx.kernels import quantize as tq
 
     kernel_of = {"quantize": tq.quantize_lastdim, "quantize_dequantize": tq.quantize_dequantize,
-                 "route_weight_quantize": tq.route_weight_quantize, "quantize_dual": dual.quantize_dual}
+                 "route_weight_quantize": tq.route_weight_quantize, "quantize_dual": dual.quantize_dual,
+                 "quantize_dual_blocked": dual.quantize_dual_blocked}
     check_layouts(lambda name, args: kernel_of[name](*args))
     q, s = dual.quantize_dual(x, "rceil")[:2]  # MN-major scales read through their strides
     assert same_bits(dequantize.dequantize_lastdim(q, s, torch.float32), mxf.dequantize_lastdim(q, s, torch.float32))

@@ -10,6 +10,7 @@ from mxfx.kernels.dispatch import (  # noqa: F401
     quantize_blocked,
     quantize_dequantize,
     quantize_dual,
+    quantize_dual_blocked,
     quantize_dual_source,
     quantize_lastdim,
     route_weight_quantize,

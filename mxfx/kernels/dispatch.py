@@ -135,6 +135,26 @@ def quantize_dual(x: torch.Tensor, rule: str):
     return q_row, _mn_major(s_row), q_col, _mn_major(s_col)
 
 
+def quantize_dual_blocked(x: torch.Tensor, rule: str):
+    """:func:`quantize_dual` with both scale matrices in the blocked layout of ``mxfx.layout``, as
+    Blackwell MX GEMMs read them: ``(q_row [.., M, K], s_row [.., blocked_numel(M, K/32)], q_col [.., K, M],
+    s_col [.., blocked_numel(K, M/32)])``, the scales ``to_blocked`` of quantize_dual's, per batch for a
+    3D x (padding zero). One pass on CUDA, no ``to_blocked`` pass after it. Raises as :func:`quantize_dual`.
+    """
+    if triton_available(x):
+        from mxfx.kernels import dual
+
+        return dual.quantize_dual_blocked(x, rule)
+    check_dual_args(x, rule, "mxfx.quantize_dual_blocked", hint=TOKEN_DIM_HINT)
+    q_row, s_row = mxf.quantize_lastdim(x, rule)
+    q_col, s_col = mxf.quantize_lastdim(x.transpose(-2, -1), rule)
+
+    def blocked(s):
+        return torch.stack([to_blocked(m) for m in s.reshape(-1, *s.shape[-2:])]).reshape(*s.shape[:-2], -1)
+
+    return q_row, blocked(s_row), q_col, blocked(s_col)
+
+
 def quantize_dual_source(x: torch.Tensor, rule: str, *, row: bool = True, col: bool = True,
                          dequantized: torch.dtype | None = None, mx: bool = True):
     """Both orientations of ``x [M, K]`` (or ``[B, M, K]``) from one read, in the source layout (that of a contiguous x).

@@ -37,7 +37,8 @@ import triton.language as tl
 
 from mxfx.kernels.launch import launch
 from mxfx.kernels.dispatch import TOKEN_DIM_HINT, check_dual_args
-from mxfx.kernels.mx_block import decode_scale, encode_blocks, load_tile, tile_origin
+from mxfx.kernels.mx_block import blocked_offset, decode_scale, encode_blocks, load_tile, tile_origin
+from mxfx.layout import blocked_numel
 
 SOURCE_CONFIG = {2: (32, 64, 1), 4: (32, 64, 1)}
 """(BLOCK_M, BLOCK_K, num_warps) by input element size in bytes, columnwise pair in the source layout."""
@@ -60,11 +61,27 @@ def _store_tile(ptr, vals, b, r0, c0, R, C, TRANSPOSE: tl.constexpr, BR: tl.cons
 
 
 @triton.jit
+def _store_blocked(ptr, vals, b, r0, c0, R, C, TRANSPOSE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """Store ``vals [BR, BC]``, entries (r0.., c0..) of an [R, C] scale matrix (TRANSPOSE: entries
+    (c0.., r0..) of a [C, R] one), into batch b's blocked layout (``mxfx.layout``)."""
+    rr = (r0 + tl.arange(0, BR))[:, None]
+    cc = (c0 + tl.arange(0, BC))[None, :]
+    mask = (rr < R) & (cc < C)
+    if TRANSPOSE:
+        numel = ((C + 127) // 128 * 128) * ((R + 3) // 4 * 4)
+        offs = blocked_offset(cc, rr, R)
+    else:
+        numel = ((R + 127) // 128 * 128) * ((C + 3) // 4 * 4)
+        offs = blocked_offset(rr, cc, C)
+    tl.store(ptr + b.to(tl.int64) * numel + offs, vals, mask=mask)
+
+
+@triton.jit
 def _dual_kernel(
     x_ptr, qr_ptr, sr_ptr, hr_ptr, qc_ptr, sc_ptr, hc_ptr,
     M, K, sxb, sxm, sxk, n_k_tiles,
     RCEIL: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, MX: tl.constexpr, HAT: tl.constexpr,
-    COL_T: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    COL_T: tl.constexpr, BLOCKED: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
 ):
     b, m0, k0 = tile_origin(n_k_tiles, BM, BK)
     v = load_tile(x_ptr, b, m0, k0, M, K, sxb, sxm, sxk, BM, BK)
@@ -72,7 +89,10 @@ def _dual_kernel(
         q, s = encode_blocks(tl.reshape(v, [BM, BK // 32, 32]), 2, RCEIL)
         if MX:
             _store_tile(qr_ptr, tl.reshape(q, [BM, BK]), b, m0, k0, M, K, False, BM, BK)
-            _store_tile(sr_ptr, s, b, m0, k0 // 32, M, K // 32, True, BM, BK // 32)  # MN-major: [B, K/32, M]
+            if BLOCKED:  # the [M, K/32] scale matrix in the blocked layout
+                _store_blocked(sr_ptr, s, b, m0, k0 // 32, M, K // 32, False, BM, BK // 32)
+            else:  # MN-major: [B, K/32, M]
+                _store_tile(sr_ptr, s, b, m0, k0 // 32, M, K // 32, True, BM, BK // 32)
         if HAT:
             h = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * decode_scale(s)[:, :, None]
             _store_tile(hr_ptr, tl.reshape(h, [BM, BK]), b, m0, k0, M, K, False, BM, BK)
@@ -80,13 +100,16 @@ def _dual_kernel(
         q, s = encode_blocks(tl.reshape(v, [BM // 32, 32, BK]), 1, RCEIL)
         if MX:
             _store_tile(qc_ptr, tl.reshape(q, [BM, BK]), b, m0, k0, M, K, COL_T, BM, BK)
-            _store_tile(sc_ptr, s, b, m0 // 32, k0, M // 32, K, False, BM // 32, BK)
+            if BLOCKED:  # the [K, M/32] scale matrix in the blocked layout
+                _store_blocked(sc_ptr, s, b, m0 // 32, k0, M // 32, K, True, BM // 32, BK)
+            else:
+                _store_tile(sc_ptr, s, b, m0 // 32, k0, M // 32, K, False, BM // 32, BK)
         if HAT:
             h = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * decode_scale(s)[:, None, :]
             _store_tile(hc_ptr, tl.reshape(h, [BM, BK]), b, m0, k0, M, K, COL_T, BM, BK)
 
 
-def _quantize_both(x, rule, op, *, row, col, dequantized, transposed, mx=True, hint=""):
+def _quantize_both(x, rule, op, *, row, col, dequantized, transposed, mx=True, blocked=False, hint=""):
     x3 = check_dual_args(x, rule, op, row=row, col=col, dequantized=dequantized, mx=mx, hint=hint)
     B, M, K = x3.shape
     dev = x.device
@@ -101,6 +124,9 @@ def _quantize_both(x, rule, op, *, row, col, dequantized, transposed, mx=True, h
     q_row, s_row = new((M, K), torch.uint8, row and mx), new((K // 32, M), torch.uint8, row and mx)
     q_col = new(col_shape, torch.uint8, col and mx)
     s_col = new((M // 32, K), torch.uint8, col and mx)
+    if blocked:  # padding bytes stay zero: the kernel writes only the scales
+        s_row = torch.zeros((*lead, blocked_numel(M, K // 32)), dtype=torch.uint8, device=dev)
+        s_col = torch.zeros((*lead, blocked_numel(K, M // 32)), dtype=torch.uint8, device=dev)
     h_row = new((M, K), dequantized, row and dequantized is not None)
     h_col = new(col_shape, dequantized, col and dequantized is not None)
     bm, bk, warps = TRANSPOSED_CONFIG if transposed else SOURCE_CONFIG[4 if x.element_size() == 4 else 2]
@@ -111,7 +137,7 @@ def _quantize_both(x, rule, op, *, row, col, dequantized, transposed, mx=True, h
         launch(
             _dual_kernel, (triton.cdiv(M, bm) * n_k, B), x3, *args, M, K, *x3.stride(), n_k,
             RCEIL=rule == "rceil", ROW=row, COL=col, MX=mx, HAT=dequantized is not None, COL_T=transposed,
-            BM=bm, BK=bk, num_warps=warps,
+            BLOCKED=blocked, BM=bm, BK=bk, num_warps=warps,
         )
 
     def out(t, view_t, fp8=False):
@@ -123,8 +149,9 @@ def _quantize_both(x, rule, op, *, row, col, dequantized, transposed, mx=True, h
         return t.transpose(-2, -1) if view_t else t
 
     col_view_t = not transposed
-    return (out(q_row, False, True), out(s_row, True), out(h_row, False),
-            out(q_col, col_view_t, True), out(s_col, True), out(h_col, col_view_t))
+    scales_t = not blocked
+    return (out(q_row, False, True), out(s_row, scales_t), out(h_row, False),
+            out(q_col, col_view_t, True), out(s_col, scales_t), out(h_col, col_view_t))
 
 
 def quantize_dual(x: torch.Tensor, rule: str):
@@ -140,6 +167,21 @@ def quantize_dual(x: torch.Tensor, rule: str):
     """
     q_row, s_row, _, q_col, s_col, _ = _quantize_both(
         x, rule, "mxfx.quantize_dual", row=True, col=True, dequantized=None, transposed=True, hint=TOKEN_DIM_HINT)
+    return q_row, s_row, q_col, s_col
+
+
+def quantize_dual_blocked(x: torch.Tensor, rule: str):
+    """:func:`quantize_dual` with both scale matrices written straight into the blocked layout that
+    Blackwell MX GEMMs read (``mxfx.layout``: 128x4 tiles, padding zero), from the same single read.
+
+    Returns ``(q_row [.., M, K], s_row_blocked [.., blocked_numel(M, K/32)], q_col [.., K, M],
+    s_col_blocked [.., blocked_numel(K, M/32)])``: qdata as :func:`quantize_dual` writes it, scales
+    ``to_blocked`` of its ``s_row`` and ``s_col`` (per batch for a 3D x), without the ``to_blocked``
+    pass. Raises as :func:`quantize_dual`.
+    """
+    q_row, s_row, _, q_col, s_col, _ = _quantize_both(
+        x, rule, "mxfx.quantize_dual_blocked", row=True, col=True, dequantized=None, transposed=True, blocked=True,
+        hint=TOKEN_DIM_HINT)
     return q_row, s_row, q_col, s_col
 
 

@@ -80,6 +80,25 @@ def _(x, rule):
     )
 
 
+@torch.library.custom_op("mxfx::quantize_dual_blocked", mutates_args=())
+def _quantize_dual_blocked_op(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_quantize_dual_op` with both scale matrices in the blocked layout of :mod:`mxfx.layout`."""
+    return kernels.quantize_dual_blocked(x, rule)
+
+
+@_quantize_dual_blocked_op.register_fake
+def _(x, rule):
+    from mxfx.layout import blocked_numel
+
+    *lead, m, k = x.shape
+    return (
+        x.new_empty(x.shape, dtype=_E4M3),
+        x.new_empty((*lead, blocked_numel(m, k // BLOCK_SIZE)), dtype=torch.uint8),
+        x.new_empty((*lead, k, m), dtype=_E4M3),
+        x.new_empty((*lead, blocked_numel(k, m // BLOCK_SIZE)), dtype=torch.uint8),
+    )
+
+
 def _quantize_dual_dequantized(x: torch.Tensor, rule: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     _, _, h_row, _, _, h_col = kernels.quantize_dual_source(x, rule, dequantized=dtype, mx=False)
     return h_row, h_col.transpose(-2, -1)
@@ -221,6 +240,9 @@ and no dequantized tensor is written; elsewhere ``mxfx::dequantize``. Same value
 equal that reference bit for bit).""")
 quantize_dual = op_or_body(_quantize_dual_op, kernels.quantize_dual, """``x [M, K]`` -> rowwise ``(q [M, K],
 s [M, K/32])`` and columnwise ``(q [K, M], s [K, M/32])`` (``mxfx::quantize_dual``).""")
+quantize_dual_blocked = op_or_body(_quantize_dual_blocked_op, kernels.quantize_dual_blocked, """``x [M, K]`` ->
+``(q [M, K], s_row blocked, q_t [K, M], s_col blocked)``: :func:`quantize_dual` with both scale matrices in the
+blocked layout of :mod:`mxfx.layout` (``mxfx::quantize_dual_blocked``).""")
 quantize_dual_dequantized = op_or_body(_quantize_dual_dequantized_op, _quantize_dual_dequantized, """``(x [M, K],
 rule, dtype)`` -> ``(row_hat, col_hat)``, both contiguous ``[M, K]`` of ``dtype``: the dequantized values of
 x's rowwise MX (blocks along K) and of its columnwise MX (blocks down M), from one read, no MX pair written
