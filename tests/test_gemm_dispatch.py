@@ -186,6 +186,24 @@ def test_native_mm_operands_layout():
     assert torch.equal(o.scale_b.view(torch.uint8), ao_to_blocked(b_pad))
 
 
+def test_native_mm_operands_take_blocked_scales():
+    """Scales the dual pass wrote blocked (quantize_dual_blocked) give the operands of plain scales: A from 64
+    padded token rows used for its first 50 (the zero rows' scale byte 0 is the layout's padding), B of 40
+    rows (N padded to 48 for qdata, to 128 for scales)."""
+    x = torch.cat([torch.randn(50, 96), torch.zeros(14, 96)])
+    w = torch.cat([torch.randn(40, 96), torch.zeros(24, 96)])
+    (aq, as_, *_), (bq, bs, *_) = kops.quantize_dual(x, "rceil"), kops.quantize_dual(w, "rceil")
+    (aq2, as2, *_), (bq2, bs2, *_) = kops.quantize_dual_blocked(x, "rceil"), kops.quantize_dual_blocked(w, "rceil")
+    assert gemm.is_blocked(aq2, as2) and not gemm.is_blocked(aq, as_)
+    want = gemm.native_mm_operands(aq[:50], as_[:50], bq[:40], bs[:40])
+    got = gemm.native_mm_operands(aq2[:50], as2, bq2[:40], bs2)
+    for field in ("mat_a", "mat_b", "scale_a", "scale_b"):
+        assert torch.equal(getattr(got, field).view(torch.uint8), getattr(want, field).view(torch.uint8)), field
+    assert got.cols == want.cols == 40
+    with pytest.raises(ValueError, match=r"do not pair up"):  # blocked scales of the wrong size are not taken
+        gemm.native_mm_operands(aq2[:50], as2[:-4], bq2[:40], bs2)
+
+
 def test_blocked_tile_by_hand():
     """One 128x4 tile: scale (32 g + i, c) sits at byte i*16 + g*4 + c (cuBLAS 1D block scaling layout)."""
     s = torch.arange(128 * 4, dtype=torch.int32).reshape(128, 4).remainder(251).to(torch.uint8)
@@ -275,8 +293,12 @@ def test_native_wgrad_decoded_equals_emulation(native):
     torch.testing.assert_close(got, emulated, rtol=1e-5, atol=1e-5)
 
 
-def test_native_ops_through_autograd(native):
-    """mx_linear forward+backward on the native branch equals the emulated branch (operands, slicing, wgrad)."""
+def test_native_ops_through_autograd(native, monkeypatch):
+    """mx_linear forward+backward on the native branch equals the emulated branch (operands, slicing, wgrad);
+    the native forward takes its blocked scales from the dual pass (50 tokens padded to 64)."""
+    blocked_passes = []
+    dual_blocked = kops.quantize_dual_blocked
+    monkeypatch.setattr(kops, "quantize_dual_blocked", lambda *a: blocked_passes.append(a[0].shape) or dual_blocked(*a))
     torch.manual_seed(11)
     w = torch.randn(64, 96, requires_grad=True)
     x = torch.randn(50, 96, requires_grad=True)
@@ -284,6 +306,7 @@ def test_native_ops_through_autograd(native):
     y.square().sum().backward()
     got = (y.detach(), x.grad, w.grad)
     assert native["mm"] == 3  # forward, dgrad, wgrad
+    assert blocked_passes == [(64, 96)]
     gemm._capability, saved = (lambda device: None), gemm._capability
     try:
         x.grad = w.grad = None

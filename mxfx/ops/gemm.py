@@ -183,6 +183,19 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return out.view(t.dtype)
 
 
+def is_blocked(qdata: torch.Tensor, scales: torch.Tensor) -> bool:
+    """True when ``scales`` of the 2D ``qdata [R, K]`` are already in the blocked layout (:mod:`mxfx.layout`):
+    1D with ``blocked_numel(R, K/32)`` bytes, as ``mxfx.kernels.quantize_dual_blocked`` writes them."""
+    return (scales.dim() == 1 and qdata.dim() == 2
+            and scales.numel() == layout.blocked_numel(qdata.shape[0], qdata.shape[1] // _BLOCK))
+
+
+def _blocked_scales(qdata: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """E8M0 scales of ``qdata`` in the blocked layout. Its rows are padded to 128 with zero bytes, which also
+    covers the operand's own padding to 16 rows (zero rows of qdata)."""
+    return (scales if is_blocked(qdata, scales) else layout.to_blocked(scales)).view(_E8M0)
+
+
 def _check_pair(name: str, qdata: torch.Tensor | None, scales: torch.Tensor | None) -> None:
     if qdata is None or scales is None:
         raise ValueError(
@@ -192,6 +205,8 @@ def _check_pair(name: str, qdata: torch.Tensor | None, scales: torch.Tensor | No
     if qdata.dtype != torch.float8_e4m3fn or scales.dtype != torch.uint8:
         raise TypeError(f"mxfx.gemm: {name} must be float8_e4m3fn qdata with uint8 E8M0 scales, got {qdata.dtype}/{scales.dtype}")
     k = qdata.shape[-1]
+    if k % _BLOCK == 0 and is_blocked(qdata, scales):
+        return
     if k % _BLOCK or tuple(scales.shape) != (*qdata.shape[:-1], k // _BLOCK):
         raise ValueError(
             f"mxfx.gemm: {name} qdata {tuple(qdata.shape)} and scales {tuple(scales.shape)} do not pair up "
@@ -233,9 +248,13 @@ def native_mm_operands(a_qdata, a_scales, b_qdata, b_scales) -> NativeOperands:
     GEMM alignment; the caller slices the result to ``cols``. A's rows need no
     padding: only its scales are padded, by the layout.
 
+    Scales already in the blocked layout (1D, ``blocked_numel(rows, K/32)`` bytes: :func:`is_blocked`,
+    as ``mxfx.kernels.quantize_dual_blocked`` writes them) are taken as they are, with no ``to_blocked``
+    pass; their rows are already padded to 128.
+
     Args:
-        a_qdata: float8_e4m3fn ``[M, K]``; a_scales: uint8 ``[M, K/32]``.
-        b_qdata: float8_e4m3fn ``[N, K]``; b_scales: uint8 ``[N, K/32]``.
+        a_qdata: float8_e4m3fn ``[M, K]``; a_scales: uint8 ``[M, K/32]``, or blocked.
+        b_qdata: float8_e4m3fn ``[N, K]``; b_scales: uint8 ``[N, K/32]``, or blocked.
 
     Returns:
         :class:`NativeOperands` with ``mat_a [M, K]`` row-major, ``mat_b [K, N']``
@@ -250,12 +269,11 @@ def native_mm_operands(a_qdata, a_scales, b_qdata, b_scales) -> NativeOperands:
         raise ValueError(f"mxfx.gemm: mm operands {tuple(a_qdata.shape)} and {tuple(b_qdata.shape)} must be [M, K] and [N, K]")
     n = b_qdata.shape[0]
     n_pad = _ceil_to(n, _MN_ALIGN)
-    b_q, b_s = _pad_rows(b_qdata, n_pad), _pad_rows(b_scales, n_pad)
     return NativeOperands(
         mat_a=a_qdata.contiguous(),
-        mat_b=b_q.t(),
-        scale_a=layout.to_blocked(a_scales).view(_E8M0),
-        scale_b=layout.to_blocked(b_s).view(_E8M0),
+        mat_b=_pad_rows(b_qdata, n_pad).t(),
+        scale_a=_blocked_scales(a_qdata, a_scales),
+        scale_b=_blocked_scales(b_qdata, b_scales),
         cols=n,
     )
 

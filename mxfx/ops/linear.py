@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from mxfx.cache import weight_operands
 from mxfx.kernels import ops as kops
 from mxfx.ops import swiglu
-from mxfx.ops.gemm import hp_mm_t, mx_mm, quantize_dual_operand, quantize_operand
+from mxfx.ops.gemm import emulated_operand_dtype, hp_mm_t, mx_mm, quantize_dual_operand, quantize_operand
 from mxfx.policy import check_precisions
 
 
@@ -53,9 +53,12 @@ class _MXLinear(torch.autograd.Function):
             else:  # BF16 wgrad from the forward's own rowwise MX copy
                 kind, wgrad_input = "mx_rows", (xq, xs)
         elif wgrad == "mxfp8" and save == "mxfp8":
-            # Rowwise for the forward GEMM and token-blocked for wgrad, from one read.
-            xq, xs, xq_t, xs_t = kops.quantize_dual(_pad_tokens(x2d), rule)
-            xq, xs = xq[:m], xs[:m]
+            # Rowwise for the forward GEMM and token-blocked for wgrad, from one read. Native MX GEMMs get
+            # both scale matrices in their blocked layout from the pass itself. Those are not cut to m rows:
+            # the padded zero rows have scale byte 0, which is the layout's own padding.
+            native = emulated_operand_dtype("mm", x2d.device) is None
+            xq, xs, xq_t, xs_t = (kops.quantize_dual_blocked if native else kops.quantize_dual)(_pad_tokens(x2d), rule)
+            xq, xs = xq[:m], (xs if native else xs[:m])
             kind, wgrad_input = "mx_tokens", (xq_t, xs_t)
         else:
             xq, xs, x_hat = quantize_operand(x2d, rule)
