@@ -295,7 +295,7 @@ def test_native_wgrad_decoded_equals_emulation(native):
 
 def test_native_ops_through_autograd(native, monkeypatch):
     """mx_linear forward+backward on the native branch equals the emulated branch (operands, slicing, wgrad);
-    the native forward takes its blocked scales from the dual pass (50 tokens padded to 64)."""
+    the native GEMMs take their blocked scales from the dual passes themselves."""
     blocked_passes = []
     dual_blocked = kops.quantize_dual_blocked
     monkeypatch.setattr(kops, "quantize_dual_blocked", lambda *a: blocked_passes.append(a[0].shape) or dual_blocked(*a))
@@ -306,7 +306,7 @@ def test_native_ops_through_autograd(native, monkeypatch):
     y.square().sum().backward()
     got = (y.detach(), x.grad, w.grad)
     assert native["mm"] == 3  # forward, dgrad, wgrad
-    assert blocked_passes == [(64, 96)]
+    assert blocked_passes == [(64, 96), (64, 64)]  # forward x, backward dY (both 50 tokens padded to 64)
     gemm._capability, saved = (lambda device: None), gemm._capability
     try:
         x.grad = w.grad = None
@@ -403,6 +403,7 @@ def test_dual_operand_values_only_where_emulated(monkeypatch):
     """Emulated GEMMs get both orientations as dequantized values alone (one pass, no MX pair); a GEMM
     given A or B that way equals the one given the pairs; native GEMMs get the pairs and refuse None."""
     from mxfx import format as mxf
+    from mxfx.layout import to_blocked
 
     torch.manual_seed(15)
     x, w = torch.randn(64, 96), torch.randn(32, 96)
@@ -434,7 +435,10 @@ def test_dual_operand_values_only_where_emulated(monkeypatch):
     monkeypatch.setattr(gemm, "_capability", lambda device: (10, 0))  # native selection
     q, s, h, qt, st, ht = gemm.quantize_dual_operand(x, "rceil")
     assert h is None and ht is None
-    for got, want in ((q, rq), (s, rs), (qt, cq), (st, cs)):
+    for got, want in ((q, rq), (s, to_blocked(rs)), (qt, cq), (st, to_blocked(cs))):  # dense: scales blocked
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    q, s, h, qt, st, ht = gemm.quantize_dual_operand(x, "rceil", op="grouped_mm")
+    for got, want in ((q, rq), (s, rs), (qt, cq), (st, cs)):  # grouped GEMMs block per group themselves
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     with pytest.raises(ValueError, match="native MX GEMMs need B's MX pair"):
         gemm.native_mm_operands(rq, rs, None, None)

@@ -556,8 +556,10 @@ def quantize_dual_operand(x: torch.Tensor, rule: str, op: str = "mm"):
     writes only the dequantized values of both, in the emulation dtype, and the MX pairs are None
     (``mxfx::quantize_dual_dequantized``: the GEMMs read nothing else, and no dequantize pass
     follows); ``col_hat`` is then the transpose view of an ``[M, K]`` tensor. On native MX GEMMs
-    the MX pairs come back (``mxfx::quantize_dual``: contiguous qdata, MN-major scales) and the ``*_hat`` are None. Same
-    values either way. M and K must be multiples of 32 (pad the tokens first).
+    the MX pairs come back and the ``*_hat`` are None: for ``op="mm"`` with both scale matrices in the
+    blocked layout the native GEMM reads (``mxfx::quantize_dual_blocked``; 1D, not to be sliced: zero
+    token rows padded in get scale byte 0, the layout's own padding), else with MN-major scales
+    (``mxfx::quantize_dual``). Same values either way. M and K must be multiples of 32 (pad the tokens first).
 
     Raises:
         ValueError: ``op`` not a GEMM op, x not 2D/3D, or M or K not a multiple of 32.
@@ -567,7 +569,8 @@ def quantize_dual_operand(x: torch.Tensor, rule: str, op: str = "mm"):
     if dtype is not None:
         row_hat, col_hat = kops.quantize_dual_dequantized(x, rule, dtype)
         return None, None, row_hat, None, None, col_hat.transpose(-2, -1)
-    q, s, qt, st = kops.quantize_dual(x, rule)
+    dual = kops.quantize_dual_blocked if op == "mm" else kops.quantize_dual  # dense: scales blocked by the pass
+    q, s, qt, st = dual(x, rule)
     return q, s, None, qt, st, None
 
 

@@ -85,7 +85,8 @@ class _MXLinear(torch.autograd.Function):
         dyt_hat = None
         if mx_wgrad:  # dY rowwise for dgrad and token-blocked for wgrad, from one read
             dyq, dys, dy_hat, dyq_t, dys_t, dyt_hat = quantize_dual_operand(_pad_tokens(dy), rule)
-            dyq, dys, dy_hat = (None if t is None else t[:m] for t in (dyq, dys, dy_hat))
+            # the first m token rows; scales in the blocked layout (native GEMMs) stay whole, see above
+            dyq, dys, dy_hat = (t if t is None or t.dim() == 1 else t[:m] for t in (dyq, dys, dy_hat))
         else:
             dyq, dys, dy_hat = quantize_operand(dy, rule)
         dx = dup = None
