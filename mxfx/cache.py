@@ -285,10 +285,11 @@ def weight_operand(weight: torch.Tensor, rule: str, orientation: str) -> tuple[t
 
     Returns:
         ``(qdata float8_e4m3fn, scales uint8 E8M0)``, the cache itself: treat them
-        as read-only. Contiguous, except the dgrad pair where the GEMM is emulated
-        (Hopper, CPU): there it is kept in the source layout, the transpose views of
-        contiguous ``[..., N, K]`` / ``[..., N/32, K]`` tensors (:func:`source_layout`),
-        which a Hopper refresh writes without a transpose.
+        as read-only. Contiguous where the GEMM runs natively. Where it is emulated (Hopper,
+        CPU; :func:`source_layout`) one pass writes both pairs in the weight's own layout: the
+        forward scales MN-major (the transpose view of a contiguous ``[..., K/32, N]`` tensor),
+        the dgrad pair the transpose views of contiguous ``[..., N, K]`` / ``[..., N/32, K]``
+        tensors (docs/format.md, "Scale memory layouts").
 
     Raises:
         ValueError: unknown rule or orientation, a weight that is not 2D/3D, has

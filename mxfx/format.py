@@ -57,7 +57,7 @@ def check_rule(rule: str, op: str = "mxfx.quantize") -> None:
 
 
 def check_block_axis(shape: torch.Size | tuple, axis: int, op: str) -> int:
-    """Normalise ``axis`` and check its length is a positive multiple of 32.
+    """Normalise ``axis`` and check its length is a multiple of 32 (0 is allowed: empty outputs).
 
     Returns the non-negative axis. Raises ValueError naming the op and shape (TypeError for a
     non-int axis).

@@ -456,6 +456,23 @@ def test_cpu_scale_layouts_and_fakes_agree():
         assert [t.stride() for t in fake] == [t.stride() for t in real], name
     q_row, s_row, _, q_col, s_col, _ = dispatch.quantize_dual_source(exact_input((96, 128)), "rceil")
     assert s_row.stride() == (1, 96) and s_col.stride() == (1, 128) and q_col.stride() == (1, 128)
+    empty = torch.ops.mxfx.quantize_dual_blocked(torch.zeros(0, 32, 64), "rceil")  # no batch: empty, as the fake
+    assert [tuple(t.shape) for t in empty] == [(0, 32, 64), (0, 512), (0, 64, 32), (0, 512)]
+    with FakeTensorMode() as mode, pytest.raises(ValueError, match="0-d tensor has no axis"):
+        torch.ops.mxfx.quantize(mode.from_tensor(torch.tensor(1.0)), "rceil")
+
+
+def test_cpu_reference_path_traces_every_view():
+    """Dynamo traces the layout rules on views whose leading dims do not merge (decided from strides,
+    not from a failing view) and gives eager's bytes and strides."""
+    views = [torch.randn(3, 2, 64).permute(1, 0, 2), torch.randn(2, 64, 5).transpose(-2, -1),
+             torch.randn(2, 2, 64, 3).transpose(-2, -1), torch.randn(64, 2, 3).permute(1, 2, 0)]
+    fn = torch.compile(lambda x: dispatch.quantize_dequantize(x, "rceil", torch.float32), backend="eager",
+                       fullgraph=True)
+    for x in views:
+        got, want = fn(x), dispatch.quantize_dequantize(x, "rceil", torch.float32)
+        assert_same(got, want)
+        assert [t.stride() for t in got] == [t.stride() for t in want], x.shape
 
 
 @cuda

@@ -131,7 +131,7 @@ def _quantize_both(x, rule, op, *, row, col, dequantized, transposed, mx=True, b
     h_col = new(col_shape, dequantized, col and dequantized is not None)
     bm, bk, warps = TRANSPOSED_CONFIG if transposed else SOURCE_CONFIG[4 if x.element_size() == 4 else 2]
     n_k = triton.cdiv(K, bk)
-    if M * K > 0:
+    if B * M * K > 0:
         # outputs not written get the (read-only) input as a placeholder pointer
         args = [t if t is not None else x3 for t in (q_row, s_row, h_row, q_col, s_col, h_col)]
         launch(

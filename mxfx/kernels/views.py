@@ -23,9 +23,26 @@ results have one layout.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from mxfx.format import BLOCK_SIZE
+
+try:
+    from torch.fx.experimental.symbolic_shapes import guard_or_false
+except ImportError:  # older torch: sizes are plain ints or backed symbols here
+    def guard_or_false(cond) -> bool:
+        return bool(cond)
+
+
+def _merge_into_rows(shape, strides) -> bool:
+    """Whether dims ``shape`` (with ``strides``) merge into one dim with a single stride, the test
+    ``Tensor.view`` makes (size-1 dims never matter). Decided from sizes and strides, without a
+    failing ``view`` (Dynamo does not trace an exception raised by one), and without guarding on
+    data-dependent sizes (the token counts after an all-to-all): undecidable means no."""
+    dims = [(n, st) for n, st in zip(shape, strides) if not guard_or_false(n == 1)]
+    return all(guard_or_false(dims[i][1] == dims[i + 1][1] * dims[i + 1][0]) for i in range(len(dims) - 1))
 
 
 def brc_view(x: torch.Tensor) -> torch.Tensor | None:
@@ -37,26 +54,30 @@ def brc_view(x: torch.Tensor) -> torch.Tensor | None:
     c = x.shape[-1]
     if x.dim() == 1:
         return x.view(1, 1, c)
-    try:
-        return x.view(1, -1, c)
-    except (RuntimeError, ValueError):  # fake tensors raise ValueError
-        pass
+    lead = x.shape[:-1]
+    if guard_or_false(x.numel() == 0) or _merge_into_rows(lead, x.stride()[:-1]):
+        return x.view(1, math.prod(lead), c)
     if x.dim() == 3:
         return x
-    try:
-        return x.view(x.shape[0], -1, c)
-    except (RuntimeError, ValueError):  # fake tensors raise ValueError
-        return None
+    if _merge_into_rows(lead[1:], x.stride()[1:-1]):
+        return x.view(x.shape[0], math.prod(lead[1:]), c)
+    return None
 
 
 def as_brc(x: torch.Tensor) -> torch.Tensor:
     """:func:`brc_view` of ``x``, or of a contiguous copy when strides allow no view."""
     v = brc_view(x)
-    return v if v is not None else x.contiguous().view(1, -1, x.shape[-1])
+    return v if v is not None else x.contiguous().view(1, math.prod(x.shape[:-1]), x.shape[-1])
 
 
 def scale_shape(shape) -> tuple:
-    """Shape of the scales of a tensor blocked along its last dim."""
+    """Shape of the scales of a tensor blocked along its last dim.
+
+    Raises:
+        ValueError: ``shape`` is 0-d (no axis to block).
+    """
+    if len(shape) == 0:
+        raise ValueError("mxfx: a 0-d tensor has no axis to block into 32-value blocks; quantize tensors of 1+ dims")
     return (*shape[:-1], shape[-1] // BLOCK_SIZE)
 
 
@@ -86,7 +107,7 @@ def lastdim_scales(x: torch.Tensor, storage: torch.Tensor | None = None) -> torc
     ``[B, C/32, R]`` tensor a kernel wrote) when given.
     """
     shape = scale_shape(x.shape)
-    brc = mn_major_brc(x)
+    brc = None if x.dim() < 2 or guard_or_false(x.stride(-1) == 1) else mn_major_brc(x)
     if brc is None:
         return x.new_empty(shape, dtype=torch.uint8)
     if storage is None:
