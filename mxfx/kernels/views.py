@@ -77,7 +77,7 @@ def scale_shape(shape) -> tuple:
         ValueError: ``shape`` is 0-d (no axis to block).
     """
     if len(shape) == 0:
-        raise ValueError("mxfx: a 0-d tensor has no axis to block into 32-value blocks; quantize tensors of 1+ dims")
+        raise ValueError("mxfx: a scalar cannot be block-quantized; give a tensor with at least one dimension")
     return (*shape[:-1], shape[-1] // BLOCK_SIZE)
 
 
