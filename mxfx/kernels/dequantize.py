@@ -109,7 +109,7 @@ def dequantize_lastdim(qdata: torch.Tensor, scales: torch.Tensor, dtype: torch.d
     if s8.is_contiguous() or s8.dim() > 3:
         q3, _ = flat_blocks(as_brc(q8))
     else:  # MN-major scales (mxfx.kernels.views): 2D tiles, each reading its scales by their strides
-        q3 = q8 if q8.dim() == 3 else q8.view(1, *q8.shape[-2:]) if q8.dim() == 2 else as_brc(q8)
+        q3 = q8 if q8.dim() == 3 else as_brc(q8)
     B, R, C = q3.shape
     s3 = s8.reshape(B, R, C // 32)
     out = torch.empty(qdata.shape, dtype=dtype, device=qdata.device)

@@ -20,19 +20,15 @@ import torch
 from mxfx import kernels
 from mxfx.format import BLOCK_SIZE, dequantize_lastdim
 from mxfx.kernels.launch import op_or_body
-from mxfx.kernels.views import lastdim_scales, mn_major
+from mxfx.kernels.views import lastdim_scales, mn_major, scale_shape
 
 _E4M3 = torch.float8_e4m3fn
-
-
-def _scale_shape(shape) -> list:
-    return [*shape[:-1], shape[-1] // BLOCK_SIZE]
 
 
 def _pair_fake(x):
     """Fake rowwise MX pair of ``x [..., K]`` with contiguous rows: fresh ``(qdata e4m3 [..., K],
     scales uint8 [..., K/32])``, both contiguous (the SwiGLU outputs, whatever gate's strides)."""
-    return x.new_empty(x.shape, dtype=_E4M3), x.new_empty(_scale_shape(x.shape), dtype=torch.uint8)
+    return x.new_empty(x.shape, dtype=_E4M3), x.new_empty(scale_shape(x.shape), dtype=torch.uint8)
 
 
 def _lastdim_fake(x):
@@ -74,9 +70,9 @@ def _(x, rule):
     t = x.shape[:-2] + (x.shape[-1], x.shape[-2])
     return (  # scales MN-major (mxfx.kernels.dual)
         x.new_empty(x.shape, dtype=_E4M3),
-        mn_major(_scale_shape(x.shape), x),
+        mn_major(scale_shape(x.shape), x),
         x.new_empty(t, dtype=_E4M3),
-        mn_major(_scale_shape(t), x),
+        mn_major(scale_shape(t), x),
     )
 
 

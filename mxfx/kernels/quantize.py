@@ -37,7 +37,7 @@ from mxfx.kernels.mx_block import (
     store_rowwise,
     tile_origin,
 )
-from mxfx.kernels.views import lastdim_scales, mn_major_brc, mn_major_storage_shape, scale_shape
+from mxfx.kernels.views import mn_major_storage_shape, mn_major_view, scale_shape
 from mxfx.layout import blocked_numel
 
 FLAT_CONFIG = (64, 32, 2)
@@ -86,13 +86,13 @@ def _launch(x, rule, *, weight=None, xhat_dtype=None, blocked=False, op="mxfx.qu
     x3, rpr = (as_brc(x), 1) if blocked and BLOCKED_CONFIG else flat_blocks(as_brc(x))
     B, R, C = x3.shape
     q = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
-    brc = None
+    # scales MN-major for a (2D+) input whose view is strided along C, as views.lastdim_scales says; the kernel
+    # gets their contiguous storage, the caller its view (made after the launch)
+    mn_major = not blocked and x.dim() >= 2 and x3.stride(2) != 1
     if blocked:
         s = torch.zeros(blocked_numel(B * R // rpr, rpr * C // 32), dtype=torch.uint8, device=x.device)
     else:
-        brc = mn_major_brc(x)  # scales MN-major for an input strided along C (see mxfx.kernels.views)
-        # the kernel gets the contiguous storage, the caller its view (made after the launch)
-        shape = scale_shape(x.shape) if brc is None else mn_major_storage_shape(x, brc)
+        shape = mn_major_storage_shape(x, (B, R, C)) if mn_major else scale_shape(x.shape)
         s = torch.empty(shape, dtype=torch.uint8, device=x.device)
     # unused pointer arguments get the (read-only) input, so no output buffer is passed twice
     xhat = torch.empty(x.shape, dtype=xhat_dtype, device=x.device) if xhat_dtype is not None else x3
@@ -110,11 +110,11 @@ def _launch(x, rule, *, weight=None, xhat_dtype=None, blocked=False, op="mxfx.qu
             _quantize_kernel if rowwise else _quantize_kernel_t, (triton.cdiv(R, br) * n_c, B),
             x3, w, q, s, xhat, R, C, rpr, *x3.stride(), w.stride(0) if weight is not None else 0, n_c,
             RCEIL=rule == "rceil", ROW_WEIGHT=weight is not None, WRITE_XHAT=xhat_dtype is not None,
-            SCALES=(SCALES_BLOCKED if blocked else SCALES_ROW_MAJOR if brc is None else SCALES_MN_MAJOR).value,
+            SCALES=(SCALES_BLOCKED if blocked else SCALES_MN_MAJOR if mn_major else SCALES_ROW_MAJOR).value,
             BR=br, BC=bc, num_warps=warps,
         )
-    if brc is not None:
-        s = lastdim_scales(x, storage=s)
+    if mn_major:
+        s = mn_major_view(s, scale_shape(x.shape))
     return q.view(torch.float8_e4m3fn), s, (xhat if xhat_dtype is not None else None)
 
 

@@ -97,24 +97,29 @@ def mn_major_brc(x: torch.Tensor) -> tuple[int, int, int] | None:
     return tuple(v.shape)
 
 
-def lastdim_scales(x: torch.Tensor, storage: torch.Tensor | None = None) -> torch.Tensor:
+def lastdim_scales(x: torch.Tensor) -> torch.Tensor:
     """Uint8 scales ``[..., C/32]`` for ``quantize_lastdim(x [..., C])``, laid out as the kernel writes them.
 
     Row-major when x's ``[B, R, C]`` view (:func:`brc_view`) has unit stride along C, or is
     copied first; MN-major per batch (storage ``[B, C/32, R]``, :func:`mn_major_brc`) when it is
     strided along C: a transposed view such as ``w.t()`` or the token-blocked ``x.t()`` of a wgrad,
-    whose tiles hold one block per row. Empty, or the view of ``storage`` (the contiguous
-    ``[B, C/32, R]`` tensor a kernel wrote) when given.
+    whose tiles hold one block per row. Empty; the kernel wrapper allocates the same storage
+    (:func:`mn_major_storage_shape`) and views it with :func:`mn_major_view`.
     """
     shape = scale_shape(x.shape)
     brc = None if x.dim() < 2 or guard_or_false(x.stride(-1) == 1) else mn_major_brc(x)
     if brc is None:
         return x.new_empty(shape, dtype=torch.uint8)
-    if storage is None:
-        storage = x.new_empty(mn_major_storage_shape(x, brc), dtype=torch.uint8)
+    return mn_major_view(x.new_empty(mn_major_storage_shape(x, brc), dtype=torch.uint8), shape)
+
+
+def mn_major_view(storage: torch.Tensor, shape) -> torch.Tensor:
+    """The logical scales ``shape [..., R, C/32]`` of MN-major ``storage`` (``[C/32, R]`` or ``[B, C/32, R]``).
+
+    A 2D x (or a 3D one viewed per batch) needs the transpose alone: no reshape of a buffer a kernel wrote,
+    which torch 2.11's Inductor can lose track of under dynamic shapes (pytorch/pytorch#189271).
+    """
     view = storage.transpose(-2, -1)
-    # a 2D x (or a 3D one viewed per batch) needs the transpose alone: no reshape of a buffer a kernel wrote,
-    # which torch 2.11's Inductor can lose track of under dynamic shapes (pytorch/pytorch#189271)
     return view if tuple(view.shape) == tuple(shape) else view.view(shape)
 
 
