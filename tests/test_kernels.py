@@ -355,6 +355,26 @@ def test_swiglu_quantize(shape, dtype, rule):
 
 
 @cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_swiglu_silu_every_gate(dtype):
+    """The kernel's SiLU on every bf16 and fp16 gate, and on 2^20 random fp32 bit patterns plus a sweep
+    down past exp's overflow, with up = 1 so that the MX input is the SiLU itself: bytes equal
+    quantize(F.silu(g)), Inf and NaN gates included (``bench/probes/silu_exhaustive.py`` compares the
+    SiLU alone with F.silu on all 2^32 fp32 inputs)."""
+    if dtype == torch.float32:
+        bits = torch.randint(-2**31, 2**31, (2**20,), dtype=torch.int64, device="cuda").to(torch.int32)
+        g = torch.cat([bits.view(torch.float32), torch.linspace(-100, 10, 2**15, device="cuda")]).reshape(-1, 32)
+    else:
+        g = torch.arange(-2**15, 2**15, device="cuda").to(torch.int16).view(dtype).reshape(-1, 32)
+    u = torch.ones_like(g)
+    for rule in mxf.SCALE_RULES:
+        ref = swiglu_ref(g, u, rule)
+        assert_same(dispatch.swiglu_quantize(g, u, rule), ref)
+        assert_same(dispatch.swiglu_quantize(g, u, rule, torch.bfloat16, save_inputs=True),
+                    with_saved_inputs(with_values(ref, torch.bfloat16), g, u, rule))
+
+
+@cuda
 def test_swiglu_quantize_fused_gate_up():
     gu = rand((3, 100, 2 * 512), torch.bfloat16, scale_rows=False) * 3
     g, u = gu.chunk(2, dim=-1)

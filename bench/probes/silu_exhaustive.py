@@ -1,0 +1,240 @@
+"""Probe: a SwiGLU SiLU cheaper than ``div.rn`` that stays PyTorch's CUDA ``F.silu``, checked on every fp32 input.
+
+Usage: ``python bench/probes/silu_exhaustive.py [check] [time] [dual]`` (all three by default; needs CUDA).
+
+The module's SwiGLU kernel computes ``g / (1 + expf(-g))`` with ``div.rn.f32``: a reciprocal, one Newton
+step and one quotient correction, then a range check (``FCHK``) and a branch to a slow path per value,
+which make the issue-bound kernel slower than the division itself. The variants here run the same five
+operations without the check (the residual negated, so that a zero g keeps its sign):
+
+* ``div_rn``: the module's arithmetic;
+* ``fast``: no check at all. Exact for g > -87.3365; below, the reciprocal of ``1 + exp(-g) > 2^126``
+  flushes to zero (and ``inf * 0`` gives NaN once exp overflows, g < -88.72);
+* ``fast, inf clamp``: the divisor clamped at FLT_MAX in the Newton step and residual only;
+* ``fast, quarter``: dividing by d / 4 (written ``fma(exp, 0.25, 0.25)``, which rounds unlike ``1 + exp``);
+* ``fast, clamp 2^126``: the divisor clamped at 2^126, giving ``g * 2^-126`` below -87.3365, which is
+  NOT small for huge negative gates (g = -1e38 gives -1.2): not usable;
+* ``fast, inf clamp, |rcp|``: the divisor clamped at FLT_MAX and the reciprocal's sign cleared (the
+  flushed MUFU reciprocal appears to be -0, which turned the zero quotient positive), so that every g
+  <= -87.3365 gives -0, which is ``F.silu``'s own value below -88.72.
+
+Sections:
+
+* ``check``: all 2^32 fp32 bit patterns g in chunks of 2^28, each variant against ``F.silu(g)`` bit for
+  bit (two NaNs equal): how many differ, how many of those are NaN where ``F.silu`` is +-Inf (an MX
+  block is non-finite either way), the g range of the rest; and the last two variants against
+  ``F.silu`` with their documented difference applied, which they must match everywhere.
+* ``time``: % of a 2 GiB copy for the module's SwiGLU + quantize, and for a probe kernel of the module's
+  streamed pass per variant and tile.
+* ``dual``: the dual-source quantize through ``dispatch.quantize_dual_source`` (new outputs per call)
+  against its kernel launched into preallocated outputs: whether a timing gap is the kernel's or the
+  allocations'.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+
+from kernels import SHAPES, copy_bandwidth, median_ms  # noqa: E402
+from mxfx.kernels import dispatch  # noqa: E402
+from mxfx.kernels import dual as dual_mod  # noqa: E402
+from mxfx.kernels.mx_block import exp_f32, load_blocks, store_dequantized  # noqa: E402
+from mxfx.kernels.swiglu import _store_mx  # noqa: E402
+
+CHUNK = 1 << 28
+VARIANTS = ("div_rn", "fast", "fast, inf clamp", "fast, quarter", "fast, clamp 2^126", "fast, inf clamp, |rcp|")
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
+FLUSH_DIVISOR = 2.0**126  # from here on the reciprocal flushes to zero
+
+
+@triton.jit
+def _rcp_approx(d):
+    """MUFU reciprocal, the first step of ``div.rn.f32``; results below 2^-126 flush to zero."""
+    return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [d], dtype=tl.float32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _newton(g, d, dc, ABS: tl.constexpr = False):
+    """div.rn's fast path without its range check: reciprocal of d, one Newton step and one quotient
+    correction against dc, the residual negated so that a zero g keeps its sign."""
+    r = _rcp_approx(d)
+    if ABS:
+        r = tl.abs(r)
+    r = tl.fma(r, tl.fma(-dc, r, 1.0), r)
+    q = g * r
+    return tl.fma(-r, tl.fma(dc, q, -g), q)
+
+
+@triton.jit
+def silu_variant(g, V: tl.constexpr):
+    if V == 0:
+        s = tl.math.div_rn(g, 1.0 + exp_f32(-g))
+    elif V == 1:
+        d = 1.0 + exp_f32(-g)
+        s = _newton(g, d, d)
+    elif V == 2:
+        d = 1.0 + exp_f32(-g)
+        s = _newton(g, d, tl.minimum(d, FLT_MAX))
+    elif V == 3:
+        d = tl.minimum(tl.fma(exp_f32(-g), 0.25, 0.25), FLT_MAX)
+        s = _newton(g, d, d) * 0.25
+    elif V == 4:
+        d = tl.minimum(1.0 + exp_f32(-g), 2.0**126)
+        s = _newton(g, d, d)
+    else:
+        d = tl.minimum(1.0 + exp_f32(-g), FLT_MAX)
+        s = _newton(g, d, d, True)
+    return s
+
+
+@triton.jit
+def _silu_all(out_ptr, base, V: tl.constexpr, BR: tl.constexpr):
+    """out[i] = SiLU of the fp32 whose bits are base + i."""
+    i = tl.program_id(0) * (BR * 32) + tl.arange(0, BR)[:, None] * 32 + tl.arange(0, 32)[None, :]
+    g = (base + i).to(tl.float32, bitcast=True)
+    tl.store(out_ptr + i, silu_variant(g, V))
+
+
+@triton.jit(do_not_specialize=["R"])
+def _swiglu_v(g_ptr, u_ptr, q_ptr, s_ptr, h_ptr, gq_ptr, gs_ptr, uq_ptr, us_ptr, R, RPR, sgr, sur,
+              V: tl.constexpr, SAVE: tl.constexpr, BR: tl.constexpr):
+    """The module's streamed SwiGLU pass (MX only, or with values and saved pairs) with SiLU variant V."""
+    r0, b = tl.program_id(0) * BR, tl.program_id(1)
+    g = load_blocks(g_ptr, r0, R, RPR, sgr, BR)
+    u = load_blocks(u_ptr, r0, R, RPR, sur, BR)
+    qbits, sbyte = _store_mx(q_ptr, s_ptr, silu_variant(g, V) * u, b, r0, 0, R, 32, True, BR, 32)
+    if SAVE:
+        store_dequantized(h_ptr, qbits, sbyte, b, r0, 0, R, 32, BR, 32)
+        _store_mx(gq_ptr, gs_ptr, g, b, r0, 0, R, 32, True, BR, 32)
+        _store_mx(uq_ptr, us_ptr, u, b, r0, 0, R, 32, True, BR, 32)
+
+
+def _clamp_126(g, ref):
+    """g * 2^-126 where 1 + exp(-g) > 2^126"""
+    return torch.where(1.0 + torch.exp(-g) > FLUSH_DIVISOR, g * 2.0**-126, ref)
+
+
+def _flush_to_neg_zero(g, ref):
+    """-0 where 1 + exp(-g) > 2^126 and g is finite"""
+    return torch.where((1.0 + torch.exp(-g) > FLUSH_DIVISOR) & g.isfinite(), torch.full_like(g, -0.0), ref)
+
+
+EXPECTED = {"fast, clamp 2^126": _clamp_126, "fast, inf clamp, |rcp|": _flush_to_neg_zero}
+
+
+def check():
+    out = torch.empty(CHUNK, dtype=torch.float32, device="cuda")
+    bad = {v: 0 for v in VARIANTS}
+    nan_for_inf = {v: 0 for v in VARIANTS}
+    documented = {name: 0 for name in EXPECTED}  # mismatches against the documented difference
+    span = {v: [] for v in VARIANTS}  # g of the mismatches that are not NaN-for-Inf: (min, max) per chunk
+    for base in range(-(1 << 31), 1 << 31, CHUNK):
+        bits = torch.arange(base, base + CHUNK, dtype=torch.int32, device="cuda")
+        g = bits.view(torch.float32)
+        ref = F.silu(g)
+        for v, name in enumerate(VARIANTS):
+            _silu_all[(CHUNK // (64 * 32),)](out, base, V=v, BR=64, num_warps=2)
+            miss = ~((out.view(torch.int32) == ref.view(torch.int32)) | (out.isnan() & ref.isnan()))
+            nfi = miss & out.isnan() & ref.isinf()
+            bad[name] += int(miss.sum())
+            nan_for_inf[name] += int(nfi.sum())
+            gm = g[miss & ~nfi]
+            if name in EXPECTED:  # against F.silu with the candidate's documented difference
+                want = EXPECTED[name](g, ref)
+                off = ~((out.view(torch.int32) == want.view(torch.int32)) | (out.isnan() & want.isnan()))
+                documented[name] += int((off & ~(out.isnan() & want.isinf())).sum())
+        del bits, ref
+    print("| variant | fp32 inputs differing from F.silu | of which NaN where F.silu gives +-Inf | g range of the others |")
+    print("|---|---|---|---|")
+    for name in VARIANTS:
+        lo = min((a for a, _ in span[name]), default=None)
+        hi = max((b for _, b in span[name]), default=None)
+        print(f"| {name} | {bad[name]} | {nan_for_inf[name]} | {'-' if lo is None else f'[{lo!r}, {hi!r}]'} |", flush=True)
+    for name, n in documented.items():
+        print(f"{name}: {n} inputs differ from F.silu with its documented difference ({EXPECTED[name].__doc__}), "
+              "NaN-for-Inf aside", flush=True)
+
+
+def time_rows(copy_gbs):
+    print("| variant | shape | tile | % of copy |\n|---|---|---|---|")
+    for m, k in SHAPES:
+        gu = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
+        g, u = torch.randn(m, k, device="cuda", dtype=torch.bfloat16), torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        q, gq, uq = (torch.empty(m, k, dtype=torch.uint8, device="cuda") for _ in range(3))
+        s, gs, us = (torch.empty(m, k // 32, dtype=torch.uint8, device="cuda") for _ in range(3))
+        h = torch.empty(m, k, dtype=torch.bfloat16, device="cuda")
+        nbytes = 4 * m * k + m * k * 33 / 32
+        save_bytes = nbytes + 2 * m * k + 2 * m * k * 33 / 32
+        for name, fn, nb in (
+                ("module, separate", lambda: dispatch.swiglu_quantize(g, u, "rceil"), nbytes),
+                ("module, halves", lambda: dispatch.swiglu_quantize(gu[:, :k], gu[:, k:], "rceil"), nbytes),
+                ("module, halves + values + saved", lambda: dispatch.swiglu_quantize(
+                    gu[:, :k], gu[:, k:], "rceil", torch.bfloat16, save_inputs=True), save_bytes)):
+            print(f"| {name} | {m}x{k} | - | {100 * nb / median_ms(fn) / 1e6 / copy_gbs:.1f}% |", flush=True)
+        nblk = m * k // 32
+        for layout, args in (("separate", (g, u, 1, 32, 32)), ("halves", (gu[:, :k], gu[:, k:], k // 32, 2 * k, 2 * k))):
+            a, b, rpr, sa, sb = args
+            for save in (False, True):
+                for v in (0, 1, 2, 4, 5):
+                    for br, warps in ((16, 1), (32, 2)):
+                        fn = lambda: _swiglu_v[(triton.cdiv(nblk, br),)](
+                            a, b, q, s, h, gq, gs, uq, us, nblk, rpr, sa, sb, V=v, SAVE=save, BR=br, num_warps=warps)
+                        pct = 100 * (save_bytes if save else nbytes) / median_ms(fn) / 1e6 / copy_gbs
+                        print(f"| probe swiglu {layout} save={save} {VARIANTS[v]} | {m}x{k} | ({br}, {warps}) | "
+                              f"{pct:.1f}% |", flush=True)
+        ref = dispatch.swiglu_quantize(gu[:, :k], gu[:, k:], "rceil")
+        want = dispatch.quantize_lastdim(F.silu(gu[:, :k].float()) * gu[:, k:].float(), "rceil")
+        print(f"module swiglu equals quantize(F.silu(g) * u) at {m}x{k}: "
+              f"{[torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(ref, want)]}", flush=True)
+        del gu, g, u, q, s, h, gq, gs, uq, us
+        torch.cuda.empty_cache()
+
+
+def dual_rows(copy_gbs):
+    for m, k in SHAPES:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        nb = 2 * m * k + 2 * m * k * 33 / 32
+        qr, qc = torch.empty(m, k, dtype=torch.uint8, device="cuda"), torch.empty(m, k, dtype=torch.uint8, device="cuda")
+        sr, sc = torch.empty(k // 32, m, dtype=torch.uint8, device="cuda"), torch.empty(m // 32, k, dtype=torch.uint8, device="cuda")
+        bm, bk, warps = dual_mod.SOURCE_CONFIG[2]
+        n_k = triton.cdiv(k, bk)
+        x3 = x.view(1, m, k)
+
+        def direct():
+            dual_mod._dual_kernel[(triton.cdiv(m, bm) * n_k, 1)](
+                x3, qr, sr, x3, qc, sc, x3, m, k, *x3.stride(), n_k, RCEIL=True, ROW=True, COL=True, MX=True,
+                HAT=False, COL_T=False, BLOCKED=False, BM=bm, BK=bk, num_warps=warps)
+
+        for name, fn in (("dispatch.quantize_dual_source (new outputs)", lambda: dispatch.quantize_dual_source(x, "rceil")),
+                         ("its kernel, preallocated outputs", direct)):
+            print(f"| {name} | {m}x{k} | {bm, bk, warps} | {100 * nb / median_ms(fn) / 1e6 / copy_gbs:.1f}% |", flush=True)
+        direct()
+        ref = dispatch.quantize_dual_source(x, "rceil")
+        print(f"direct launch equals the module: {torch.equal(qr, ref[0].view(torch.uint8)) and torch.equal(sr, ref[1].t())}",
+              flush=True)
+        del x, qr, qc, sr, sc
+        torch.cuda.empty_cache()
+
+
+def main():
+    sections = sys.argv[1:] or ["check", "time", "dual"]
+    copy_gbs = copy_bandwidth()
+    print(f"copy {copy_gbs:.0f} GB/s", flush=True)
+    for name in sections:
+        {"check": check, "time": lambda: time_rows(copy_gbs), "dual": lambda: dual_rows(copy_gbs)}[name]()
+
+
+if __name__ == "__main__":
+    main()
