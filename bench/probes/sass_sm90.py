@@ -1,0 +1,156 @@
+"""Probe: the sm90 SASS of mxfx's Triton kernels, compiled without a GPU, launch by launch.
+
+Usage: ``python bench/probes/sass_sm90.py`` (no GPU needed: Triton's wheel carries ``ptxas`` and ``nvdisasm``).
+
+Each case calls a library entry point (``mxfx.kernels.quantize`` / ``dual`` / ``swiglu``) on CPU tensors with
+its ``launch`` replaced by a recorder, so the kernel, grid, arguments and constexprs are the ones the library
+passes. The arguments are specialized the way Triton's launcher does (integers equal to 1 become constants,
+integers and aligned pointers divisible by 16 get ``tt.divisibility = 16``; ``do_not_specialize`` is
+honoured), compiled for sm90 and disassembled. Printed per case: SASS instructions in all, global and
+shared memory instructions by width, and the shared memory the kernel asks for.
+
+What it is for: the MX kernels are issue-bound on the H200 (BENCHMARKS.md), so instruction counts and
+access widths explain most of their bandwidth, and a change can be read here before it is timed.
+``tests/test_kernel_codegen.py`` uses it to hold the streamed kernels to 128-bit global loads.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+import triton
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+
+_TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.uint8: "u8",
+                 torch.int8: "i8", torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv"}
+
+
+@dataclasses.dataclass
+class Launch:
+    kernel: triton.runtime.jit.JITFunction
+    grid: tuple
+    args: tuple
+    kwargs: dict
+
+
+@dataclasses.dataclass
+class Compiled:
+    sass: str
+    counts: collections.Counter  # opcode (first dotted part) -> instructions
+    memory: collections.Counter  # full LDG/STG/LDS/STS opcode -> instructions
+    shared: int  # bytes
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+def captured_launches(modules, fn, *args, **kwargs) -> list[Launch]:
+    """Call ``fn(*args, **kwargs)`` with ``launch`` in each of ``modules`` recording instead of running."""
+    seen: list[Launch] = []
+
+    def record(kernel, grid, *a, **kw):
+        seen.append(Launch(kernel, grid, a, kw))
+
+    saved = [(m, m.launch) for m in modules]
+    try:
+        for m in modules:
+            m.launch = record
+        fn(*args, **kwargs)
+    finally:
+        for m, f in saved:
+            m.launch = f
+    return seen
+
+
+def _specialize(kernel, args, kwargs):
+    """(signature, constexprs, attrs) for ``triton.compile``, as Triton's launcher would specialize them."""
+    names = list(kernel.arg_names)
+    values = dict(zip(names, args))
+    values.update({k: v for k, v in kwargs.items() if k in names})
+    signature, constexprs, attrs = {}, {}, {}
+    for i, p in enumerate(kernel.params):
+        v = values[p.name]
+        if p.is_constexpr or v is None:
+            signature[p.name], constexprs[(i,)] = "constexpr", v
+        elif isinstance(v, torch.Tensor):
+            signature[p.name] = "*" + _TRITON_TYPES[v.dtype]
+            if v.data_ptr() % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, bool):
+            signature[p.name] = "i1"
+        elif isinstance(v, int):
+            if v == 1 and not p.do_not_specialize:
+                signature[p.name], constexprs[(i,)] = "constexpr", 1
+                continue
+            signature[p.name] = "i32" if -2**31 <= v < 2**31 else "i64"
+            if not p.do_not_specialize and v % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            raise TypeError(f"sass probe: argument {p.name} of type {type(v).__name__} is not handled")
+    return signature, constexprs, attrs
+
+
+def compile_sm90(launch: Launch) -> Compiled:
+    """Compile one captured launch for sm90 and disassemble it."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature, constexprs, attrs = _specialize(launch.kernel, launch.args, launch.kwargs)
+    src = ASTSource(launch.kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    options = {k: launch.kwargs[k] for k in ("num_warps", "num_stages") if k in launch.kwargs}
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([os.path.join(tools, "nvdisasm"), "-c", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
+    memory = collections.Counter(o for o in ops if o.split(".")[0] in ("LDG", "STG", "LDS", "STS"))
+    return Compiled(sass, collections.Counter(o.split(".")[0] for o in ops), memory, compiled.metadata.shared)
+
+
+def cases():
+    """(name, modules to patch, fn, args, kwargs) for the kernels the benchmark rows time, at small shapes."""
+    from mxfx.kernels import dual, quantize, swiglu
+
+    x = torch.randn(256, 2048, dtype=torch.bfloat16)
+    g, u = torch.randn_like(x), torch.randn_like(x)
+    gu = torch.randn(256, 4096, dtype=torch.bfloat16)
+    return [
+        ("quantize rowwise", [quantize], quantize.quantize_lastdim, (x, "rceil"), {}),
+        ("quantize columnwise (x.t())", [quantize], quantize.quantize_lastdim, (x.t(), "rceil"), {}),
+        ("quantize-dequantize", [quantize], quantize.quantize_dequantize, (x, "rceil", torch.bfloat16), {}),
+        ("quantize dual (transposed)", [dual], dual.quantize_dual, (x, "rceil"), {}),
+        ("quantize dual, source layout", [dual], dual.quantize_dual_source, (x, "rceil"), {}),
+        ("weight refresh fp32 -> MX + BF16", [dual], dual.quantize_dual_source, (x.float(), "rceil"),
+         {"dequantized": torch.bfloat16}),
+        ("swiglu+quantize (gate, up)", [swiglu], swiglu.swiglu_quantize, (g, u, "rceil"), {}),
+        ("swiglu+quantize (gate_up halves)", [swiglu], swiglu.swiglu_quantize, (gu[:, :2048], gu[:, 2048:], "rceil"), {}),
+        ("swiglu + values + saved pairs (halves)", [swiglu], swiglu.swiglu_quantize,
+         (gu[:, :2048], gu[:, 2048:], "rceil", torch.bfloat16), {"save_inputs": True}),
+    ]
+
+
+def main():
+    print("| kernel (library launch) | SASS instructions | global / shared memory instructions | shared bytes |")
+    print("|---|---|---|---|")
+    for name, modules, fn, args, kwargs in cases():
+        for launch in captured_launches(modules, fn, *args, **kwargs):
+            c = compile_sm90(launch)
+            mem = ", ".join(f"{n} {op}" for op, n in sorted(c.memory.items()))
+            print(f"| {name} | {c.total} | {mem} | {c.shared} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
