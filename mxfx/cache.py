@@ -10,6 +10,10 @@ up to two derived forms, each a ``(qdata e4m3, scales uint8 E8M0)`` pair:
   GEMM is emulated (Hopper, CPU) it is stored in W's own layout (a transpose view,
   :func:`source_layout`), so one non-transposing pass writes both forms.
 
+Where the dense GEMM runs natively (Blackwell), a 2D weight's scales are kept in the
+blocked layout that GEMM reads (:func:`blocked_scales`), written by the refresh pass
+itself, so no GEMM call blocks them again.
+
 ``[N, K]`` linear weights and ``[E, N, K]`` expert weights use the same rule. The
 caches are plain tensors held here, never parameters: no gradients, not in
 ``state_dict``, invisible to the optimizer. A form is keyed by ``(rule,
@@ -60,6 +64,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from mxfx import kernels
 from mxfx.format import BLOCK_SIZE, SCALE_RULES
 from mxfx.kernels.views import mn_major
+from mxfx.layout import blocked_numel, from_blocked
 
 WEIGHT_KINDS = ("linear", "grouped_mm")
 """Precision-map kinds whose rewritten ops read weights through this cache."""
@@ -90,6 +95,7 @@ class _Entry:
     version: int | None = None  # weight._version the forms were built at; None: stale
     forms: dict = field(default_factory=dict)  # (rule, orientation) -> (qdata, scales), or (bf16,) for DEQUANTIZED
     graph_refreshed: bool = False  # rebuilt by a compiled step since the last eager step hook
+    source_layout: bool | None = None  # source_layout(weight) when the forms were built: their layouts follow it
 
     def nbytes(self) -> int:
         return sum(t.nbytes for form in self.forms.values() for t in form)
@@ -152,14 +158,31 @@ def _quantize(weight: torch.Tensor, rule: str, mx, hats=()) -> tuple[dict, dict]
         pairs = {o: p for o, p in (("forward", (q, s)), ("dgrad", (qt, st))) if o in mx}
         return pairs, {o: t for o, t in (("forward", h), ("dgrad", ht)) if o in hats}
     out = {}
+    blocked = blocked_scales(w)
     if set(mx) == set(ORIENTATIONS):
-        q, s, qt, st = kernels.quantize_dual(w, rule)
+        q, s, qt, st = (kernels.quantize_dual_blocked if blocked else kernels.quantize_dual)(w, rule)
         out["forward"], out["dgrad"] = (q.contiguous(), s.contiguous()), (qt.contiguous(), st.contiguous())
     else:
         for o in mx:
-            q, s = kernels.quantize_lastdim(w if o == "forward" else w.transpose(-2, -1), rule)
+            src = w if o == "forward" else w.transpose(-2, -1)
+            q, s = (kernels.quantize_blocked if blocked else kernels.quantize_lastdim)(src, rule)
             out[o] = (q.contiguous(), s.contiguous())
     return out, {}
+
+
+def blocked_scales(weight: torch.Tensor) -> bool:
+    """Whether ``weight``'s MX forms keep their scales in the blocked layout (:mod:`mxfx.layout`, 1D): a 2D
+    weight whose dense GEMM runs natively (Blackwell), which reads that layout. Stored so once per refresh,
+    it saves a ``to_blocked`` per GEMM call. Expert weights keep plain scales: the grouped native operands
+    lay each expert's out in their own padded layout."""
+    return weight.dim() == 2 and not source_layout(weight)
+
+
+def _plain_scales(qdata: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``[R, K/32]`` scales of ``qdata [R, K]``, read back from the blocked layout if they are in it."""
+    if scales.dim() == 1 and qdata.dim() == 2:
+        return from_blocked(scales, qdata.shape[0], qdata.shape[1] // BLOCK_SIZE)
+    return scales
 
 
 def _build(weight: torch.Tensor, rule: str, forms, have: dict | None = None) -> dict:
@@ -184,7 +207,11 @@ def _build(weight: torch.Tensor, rule: str, forms, have: dict | None = None) -> 
         pairs.update(new_pairs)
     out = {(rule, o): pairs[o] for o in mx}
     for o in hat:
-        out[(rule, o + "_bf16")] = (hats[o] if o in hats else kernels.dequantize_lastdim(*pairs[o], torch.bfloat16),)
+        if o in hats:
+            out[(rule, o + "_bf16")] = (hats[o],)
+        else:
+            q, sc = pairs[o]
+            out[(rule, o + "_bf16")] = (kernels.dequantize_lastdim(q, _plain_scales(q, sc), torch.bfloat16),)
     return out
 
 
@@ -192,6 +219,7 @@ def _rebuild(entry: _Entry, weight: torch.Tensor, extra: tuple | None = None) ->
     """Rebuild every form of ``entry`` (plus ``extra`` = (rule, orientation)) from ``weight``."""
     wanted = set(entry.forms) | ({extra} if extra else set())
     entry.forms.clear()  # free the stale forms before allocating the new ones
+    entry.source_layout = source_layout(weight)
     for rule in sorted({r for r, _ in wanted}):
         entry.forms.update(_build(weight, rule, [f for r, f in wanted if r == rule]))
 
@@ -221,7 +249,7 @@ def lookup(weight: torch.Tensor, rule: str, orientation: str) -> tuple[torch.Ten
         entry = _entry_for(weight, create=True)
         entry.weight = weakref.ref(weight)
         form = (rule, orientation)
-        if entry.version != weight._version:
+        if entry.version != weight._version or entry.source_layout != source_layout(weight):
             _rebuild(entry, weight, form)
             entry.version = weight._version
             _stats["stale"] += 1
@@ -236,15 +264,17 @@ def _out_shape(shape, orientation: str) -> list:
     return list(shape) if orientation == "forward" else [*shape[:-2], shape[-1], shape[-2]]
 
 
-def _fake_form(weight: torch.Tensor, orientation: str, dtype: torch.dtype, blocked: bool = False) -> torch.Tensor:
-    """An empty tensor with the shape and strides the cache's form has (scales when ``blocked``)."""
+def _fake_form(weight: torch.Tensor, orientation: str, dtype: torch.dtype, scales: bool = False) -> torch.Tensor:
+    """An empty tensor with the shape and strides the cache's form has (its scales when ``scales``)."""
     if orientation == "forward" or not source_layout(weight):
         shape = _out_shape(weight.shape, orientation)
-        if blocked and source_layout(weight):  # quantize_dual_source's rowwise scales are MN-major
+        if scales and blocked_scales(weight):
+            return weight.new_empty([blocked_numel(shape[0], shape[1] // BLOCK_SIZE)], dtype=dtype)
+        if scales and source_layout(weight):  # quantize_dual_source's rowwise scales are MN-major
             return mn_major([*shape[:-1], shape[-1] // BLOCK_SIZE], weight)
-        return weight.new_empty([*shape[:-1], shape[-1] // BLOCK_SIZE] if blocked else shape, dtype=dtype)
+        return weight.new_empty([*shape[:-1], shape[-1] // BLOCK_SIZE] if scales else shape, dtype=dtype)
     *lead, n, k = weight.shape
-    return weight.new_empty([*lead, n // BLOCK_SIZE if blocked else n, k], dtype=dtype).transpose(-2, -1)
+    return weight.new_empty([*lead, n // BLOCK_SIZE if scales else n, k], dtype=dtype).transpose(-2, -1)
 
 
 def _check_mx_orientation(orientation: str) -> None:
@@ -262,7 +292,7 @@ def _cached_weight_quantize(weight: torch.Tensor, rule: str, orientation: str) -
 def _(weight, rule, orientation):
     _check_mx_orientation(orientation)
     _check(weight, rule, orientation)
-    return _fake_form(weight, orientation, _E4M3), _fake_form(weight, orientation, torch.uint8, blocked=True)
+    return _fake_form(weight, orientation, _E4M3), _fake_form(weight, orientation, torch.uint8, scales=True)
 
 
 def weight_operand(weight: torch.Tensor, rule: str, orientation: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -285,7 +315,9 @@ def weight_operand(weight: torch.Tensor, rule: str, orientation: str) -> tuple[t
 
     Returns:
         ``(qdata float8_e4m3fn, scales uint8 E8M0)``, the cache itself: treat them
-        as read-only. Contiguous where the GEMM runs natively. Where it is emulated (Hopper,
+        as read-only. Contiguous where the GEMM runs natively; there the scales of a 2D weight
+        are kept in the blocked layout the native GEMM reads (1D, ``blocked_numel(N, K/32)`` /
+        ``blocked_numel(K, N/32)`` bytes, :func:`blocked_scales`). Where it is emulated (Hopper,
         CPU; :func:`source_layout`) one pass writes both pairs in the weight's own layout: the
         forward scales MN-major (the transpose view of a contiguous ``[..., K/32, N]`` tensor),
         the dgrad pair the transpose views of contiguous ``[..., N, K]`` / ``[..., N/32, K]``

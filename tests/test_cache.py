@@ -10,6 +10,7 @@ import torch.nn as nn
 
 import mxfx
 from mxfx import cache
+from mxfx.layout import to_blocked
 
 D, H, OUT = 64, 96, 32
 OPTS = {"inner": "aot_eager"}
@@ -97,8 +98,8 @@ def test_weight_operand_orientations_and_reuse(shape):
 @pytest.mark.parametrize("shape", [(64, 96), (3, 64, 96)])
 def test_dgrad_form_layout_follows_the_gemm_path(monkeypatch, shape, native):
     """Emulated GEMMs keep the dgrad forms in the source layout (transpose views of [.., N, K]), as their
-    fakes say; a native MX GEMM path keeps them contiguous [.., K, N]. One refresh builds the BF16 forms in
-    the same pass, equal to dequantizing the MX forms."""
+    fakes say; a native MX GEMM path keeps them contiguous [.., K, N], a 2D weight's scales in the blocked
+    layout. One refresh builds the BF16 forms in the same pass, equal to dequantizing the MX forms."""
     from mxfx.ops import gemm
 
     if native:  # pretend the GEMMs of this device run natively (the layout choice only; nothing is multiplied)
@@ -114,7 +115,10 @@ def test_dgrad_form_layout_follows_the_gemm_path(monkeypatch, shape, native):
         assert got.shape == fake.shape and got.stride() == fake.stride(), (got.stride(), fake.stride())
         assert got.is_contiguous() == native
     rqt, rst = mxfx.quantize(w.transpose(-2, -1).contiguous(), axis=-1, rule="rceil")
-    assert torch.equal(qt.view(torch.uint8), rqt.view(torch.uint8)) and torch.equal(st, rst.view(torch.uint8))
+    want_st = rst.view(torch.uint8)
+    if native and w.dim() == 2:  # a native dense GEMM's weight keeps its scales blocked (cache.blocked_scales)
+        want_st = to_blocked(want_st)
+    assert torch.equal(qt.view(torch.uint8), rqt.view(torch.uint8)) and torch.equal(st, want_st)
     assert torch.equal(dq, mxfx.dequantize(rqt, rst, dtype=torch.bfloat16))
     before = cache.stats()["quantize"]
     with torch.no_grad():
@@ -123,6 +127,12 @@ def test_dgrad_form_layout_follows_the_gemm_path(monkeypatch, shape, native):
     dq2 = cache.weight_dequantized(w, "rceil", "dgrad")
     assert cache.stats()["quantize"] == before + 1 and torch.equal(dq2, mxfx.dequantize(*mxfx.quantize(
         w.transpose(-2, -1).contiguous(), rule="rceil"), dtype=torch.bfloat16))
+    q, s = cache.weight_operand(w, "rceil", "forward")
+    with FakeTensorMode() as mode:
+        fakes = torch.ops.mxfx.cached_weight_quantize(mode.from_tensor(w), "rceil", "forward")
+    for got, fake in zip((q, s), fakes):  # forward scales: MN-major where emulated, blocked for a native 2D weight
+        assert got.shape == fake.shape and got.stride() == fake.stride(), (got.shape, fake.shape, got.stride(), fake.stride())
+    assert s.dim() == (1 if native and w.dim() == 2 else w.dim())
 
 
 def test_weight_operand_errors_for_bf16_forms_and_fp64():

@@ -295,10 +295,15 @@ def test_native_wgrad_decoded_equals_emulation(native):
 
 def test_native_ops_through_autograd(native, monkeypatch):
     """mx_linear forward+backward on the native branch equals the emulated branch (operands, slicing, wgrad);
-    the native GEMMs take their blocked scales from the dual passes themselves."""
-    blocked_passes = []
-    dual_blocked = kops.quantize_dual_blocked
+    the native GEMMs take their blocked scales from the dual passes themselves, and the weight's from its
+    cache, which keeps them blocked (``cache.blocked_scales``): no GEMM call blocks scales itself."""
+    import mxfx
+    from mxfx import layout
+
+    blocked_passes, per_call_blocking = [], []
+    dual_blocked, to_blocked = kops.quantize_dual_blocked, layout.to_blocked
     monkeypatch.setattr(kops, "quantize_dual_blocked", lambda *a: blocked_passes.append(a[0].shape) or dual_blocked(*a))
+    monkeypatch.setattr(gemm.layout, "to_blocked", lambda s: per_call_blocking.append(s.shape) or to_blocked(s))
     torch.manual_seed(11)
     w = torch.randn(64, 96, requires_grad=True)
     x = torch.randn(50, 96, requires_grad=True)
@@ -307,6 +312,11 @@ def test_native_ops_through_autograd(native, monkeypatch):
     got = (y.detach(), x.grad, w.grad)
     assert native["mm"] == 3  # forward, dgrad, wgrad
     assert blocked_passes == [(64, 96), (64, 64)]  # forward x, backward dY (both 50 tokens padded to 64)
+    assert per_call_blocking == []
+    for orientation, src in (("forward", w), ("dgrad", w.t())):
+        q, s = cache.weight_operand(w, "rceil", orientation)
+        rq, rs = mxfx.quantize(src.detach().contiguous(), rule="rceil")
+        assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, to_blocked(rs.view(torch.uint8)))
     gemm._capability, saved = (lambda device: None), gemm._capability
     try:
         x.grad = w.grad = None
