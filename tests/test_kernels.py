@@ -357,13 +357,16 @@ def test_swiglu_quantize(shape, dtype, rule):
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_swiglu_silu_every_gate(dtype):
-    """The kernel's SiLU on every bf16 and fp16 gate, and on 2^20 random fp32 bit patterns plus a sweep
-    down past exp's overflow, with up = 1 so that the MX input is the SiLU itself: bytes equal
+    """The kernel's SiLU on every bf16 and fp16 gate, and for fp32 on dense sweeps across exp's overflow
+    (-100..10), over huge negative gates (-1 .. -1e38, where a SiLU that is not ~0 would show) and on
+    2^18 random bit patterns, with up = 1 so that the MX input is the SiLU itself: bytes equal
     quantize(F.silu(g)), Inf and NaN gates included (``bench/probes/silu_exhaustive.py`` compares the
     SiLU alone with F.silu on all 2^32 fp32 inputs)."""
     if dtype == torch.float32:
-        bits = torch.randint(-2**31, 2**31, (2**20,), dtype=torch.int64, device="cuda").to(torch.int32)
-        g = torch.cat([bits.view(torch.float32), torch.linspace(-100, 10, 2**15, device="cuda")]).reshape(-1, 32)
+        gen = torch.Generator().manual_seed(0)
+        bits = torch.randint(-2**31, 2**31, (2**18,), generator=gen, dtype=torch.int64).to(torch.int32)
+        g = torch.cat([torch.linspace(-100, 10, 2**16), -torch.logspace(0, 38, 2**14), bits.view(torch.float32)])
+        g = g.to("cuda").reshape(-1, 32)
     else:
         g = torch.arange(-2**15, 2**15, device="cuda").to(torch.int16).view(dtype).reshape(-1, 32)
     u = torch.ones_like(g)

@@ -1,6 +1,6 @@
 """Probe: a SwiGLU SiLU cheaper than ``div.rn`` that stays PyTorch's CUDA ``F.silu``, checked on every fp32 input.
 
-Usage: ``python bench/probes/silu_exhaustive.py [check] [time] [dual]`` (all three by default; needs CUDA).
+Usage: ``python bench/probes/silu_exhaustive.py [check] [points] [time] [dual]`` (all by default; needs CUDA).
 
 The module's SwiGLU kernel computes ``g / (1 + expf(-g))`` with ``div.rn.f32``: a reciprocal, one Newton
 step and one quotient correction, then a range check (``FCHK``) and a branch to a slow path per value,
@@ -24,6 +24,8 @@ Sections:
   bit (two NaNs equal): how many differ, how many of those are NaN where ``F.silu`` is +-Inf (an MX
   block is non-finite either way), the g range of the rest; and the last two variants against
   ``F.silu`` with their documented difference applied, which they must match everywhere.
+* ``points``: each variant's value and fp32 bits at a few gates around the flush threshold (-87.3,
+  -88.7, -1e38, +-Inf, +-0, NaN), next to ``F.silu``'s: what the sign and size of each variant's zero are.
 * ``time``: % of a 2 GiB copy for the module's SwiGLU + quantize, and for a probe kernel of the module's
   streamed pass per variant and tile.
 * ``dual``: the dual-source quantize through ``dispatch.quantize_dual_source`` (new outputs per call)
@@ -38,8 +40,12 @@ import sys
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    sys.exit("silu_exhaustive: needs Triton and a CUDA GPU (pip install -e '.[gpu]')")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -107,6 +113,13 @@ def _silu_all(out_ptr, base, V: tl.constexpr, BR: tl.constexpr):
     tl.store(out_ptr + i, silu_variant(g, V))
 
 
+@triton.jit
+def _silu_points(g_ptr, out_ptr, ROWS, V: tl.constexpr):
+    """out = SiLU variant V of g, a [ROWS, 32] fp32 tensor (one row per program)."""
+    i = tl.program_id(0) * 32 + tl.arange(0, 1)[:, None] * 32 + tl.arange(0, 32)[None, :]
+    tl.store(out_ptr + i, silu_variant(tl.load(g_ptr + i), V))
+
+
 @triton.jit(do_not_specialize=["R"])
 def _swiglu_v(g_ptr, u_ptr, q_ptr, s_ptr, h_ptr, gq_ptr, gs_ptr, uq_ptr, us_ptr, R, RPR, sgr, sur,
               V: tl.constexpr, SAVE: tl.constexpr, BR: tl.constexpr):
@@ -151,6 +164,8 @@ def check():
             bad[name] += int(miss.sum())
             nan_for_inf[name] += int(nfi.sum())
             gm = g[miss & ~nfi]
+            if gm.numel():
+                span[name].append((float(gm.min()), float(gm.max())))
             if name in EXPECTED:  # against F.silu with the candidate's documented difference
                 want = EXPECTED[name](g, ref)
                 off = ~((out.view(torch.int32) == want.view(torch.int32)) | (out.isnan() & want.isnan()))
@@ -165,6 +180,26 @@ def check():
     for name, n in documented.items():
         print(f"{name}: {n} inputs differ from F.silu with its documented difference ({EXPECTED[name].__doc__}), "
               "NaN-for-Inf aside", flush=True)
+
+
+POINTS = (-87.0, -87.34, -87.5, -88.0, -88.8, -90.0, -100.0, -1e10, -1e38, float("-inf"), -0.0, 0.0, 1e-40,
+          -1e-40, 100.0, float("inf"), float("nan"))
+
+
+def points():
+    """Each variant's SiLU at a few gates around the flush threshold, with its fp32 bits, against F.silu."""
+    g = torch.tensor(POINTS + (0.0,) * (32 - len(POINTS) % 32), device="cuda").reshape(-1, 32)
+    out = torch.empty_like(g)
+    print("| variant | " + " | ".join(f"{p!r}" for p in POINTS) + " |")
+    print("|---|" + "---|" * len(POINTS))
+    rows = [("F.silu", F.silu(g))]
+    for v, name in enumerate(VARIANTS):
+        _silu_points[(1,)](g, out, g.numel() // 32, V=v)
+        rows.append((name, out.clone()))
+    for name, t in rows:
+        vals = t.flatten()[: len(POINTS)]
+        cells = [f"{float(x):.3g} ({int(b) & 0xFFFFFFFF:#010x})" for x, b in zip(vals, vals.view(torch.int32))]
+        print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
 
 
 def time_rows(copy_gbs):
@@ -203,6 +238,7 @@ def time_rows(copy_gbs):
 
 
 def dual_rows(copy_gbs):
+    print("| dual source | shape | tile | % of copy |\n|---|---|---|---|")
     for m, k in SHAPES:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         nb = 2 * m * k + 2 * m * k * 33 / 32
@@ -222,18 +258,28 @@ def dual_rows(copy_gbs):
             print(f"| {name} | {m}x{k} | {bm, bk, warps} | {100 * nb / median_ms(fn) / 1e6 / copy_gbs:.1f}% |", flush=True)
         direct()
         ref = dispatch.quantize_dual_source(x, "rceil")
-        print(f"direct launch equals the module: {torch.equal(qr, ref[0].view(torch.uint8)) and torch.equal(sr, ref[1].t())}",
-              flush=True)
+        same = (torch.equal(qr, ref[0].view(torch.uint8)) and torch.equal(sr, ref[1].t())
+                and torch.equal(qc, ref[3].view(torch.uint8).t()) and torch.equal(sc, ref[4].t()))
+        print(f"direct launch equals the module (all four outputs): {same}", flush=True)
         del x, qr, qc, sr, sc
         torch.cuda.empty_cache()
 
 
+SECTIONS = ("check", "points", "time", "dual")
+
+
 def main():
-    sections = sys.argv[1:] or ["check", "time", "dual"]
-    copy_gbs = copy_bandwidth()
-    print(f"copy {copy_gbs:.0f} GB/s", flush=True)
+    sections = sys.argv[1:] or ["check", "points", "time", "dual"]
+    unknown = [n for n in sections if n not in SECTIONS]
+    if unknown:
+        sys.exit(f"silu_exhaustive: unknown section(s) {unknown}; choose from {SECTIONS}")
+    if not torch.cuda.is_available():
+        sys.exit("silu_exhaustive: needs a CUDA GPU (it compares Triton kernels with torch's CUDA F.silu)")
+    copy_gbs = copy_bandwidth() if {"time", "dual"} & set(sections) else None
+    if copy_gbs:
+        print(f"copy {copy_gbs:.0f} GB/s", flush=True)
     for name in sections:
-        {"check": check, "time": lambda: time_rows(copy_gbs), "dual": lambda: dual_rows(copy_gbs)}[name]()
+        {"check": check, "points": points, "time": lambda: time_rows(copy_gbs), "dual": lambda: dual_rows(copy_gbs)}[name]()
 
 
 if __name__ == "__main__":
