@@ -48,7 +48,8 @@ across microbatches):
   forward never uses a stale cache: the version check catches every other path.
 
 Counters: :func:`stats` (quantizations per orientation, hits, refreshes) and
-:func:`persistent_bytes` (``2 x 33/32`` bytes per value with both forms).
+:func:`persistent_bytes` (``2 x 33/32`` bytes per value with both forms, plus the blocked layout's
+padding where scales are kept blocked).
 """
 
 from __future__ import annotations
@@ -346,7 +347,8 @@ def _(weight, rule, orientation):
 def weight_dequantized(weight: torch.Tensor, rule: str, orientation: str) -> torch.Tensor:
     """The dequantized BF16 operand of a weight for one orientation, from its cache.
 
-    Exactly ``dequantize(*weight_operand(weight, rule, orientation))`` in BF16
+    Exactly ``dequantize(*weight_operand(weight, rule, orientation))`` in BF16, with the
+    scales read back from the blocked layout where the cache keeps them so (:func:`blocked_scales`)
     (the MX values; exact except in blocks whose scale is below 2^-118, where
     BF16 flushes E4M3 subnormals), kept as the cache form
     ``(rule, orientation + "_bf16")`` and rebuilt with the weight's other forms once per
@@ -643,7 +645,8 @@ def reset_stats() -> None:
 def persistent_bytes(weight: torch.Tensor | None = None) -> int:
     """Bytes held by weight caches: all of them, or those of ``weight`` (0 when it has none).
 
-    With both MX forms of one rule, ``2 x 33/32`` bytes per weight value; each
+    With both MX forms of one rule, ``2 x 33/32`` bytes per weight value (plus the blocked layout's
+    padding of rows to 128 and scale columns to 4, where :func:`blocked_scales` holds); each
     dequantized form of ``keep_dequantized_weights`` holds 2 (where the GEMM is
     emulated, instead of the MX forms; elsewhere on top of them).
     """

@@ -42,9 +42,10 @@ def _dual_packed(x_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr, M, K, sxm, sxk, n_k_tile
 
     PERM False: tile row p is row m0 + p, and the words come from reshaping the 32 rows as [8, 4]. PERM True:
     tile row p is row m0 + 8 (p % 4) + p // 4, so that where Triton gives each thread every fourth tile row
-    (threads [4, 8] over a [32, BK] tile of one warp) a thread holds 8 consecutive rows, and the packing
-    needs no shuffles; the column amax does not care about row order, and the row outputs are stored
-    through the same permutation.
+    (threads [4, 8] over a [32, BK] tile of one warp) a thread holds 8 consecutive rows, and the four rows
+    of a word sit in one thread; the column amax does not care about row order, and the row outputs are
+    stored through the same permutation. (Its SASS still has more shuffles than the module's, 86 against
+    52 per thread at (64, 1): ``python bench/probes/dual_packed.py sass``.)
     """
     pid, b = tl.program_id(0), tl.program_id(1)
     m0 = (pid // n_k_tiles) * 32
@@ -78,6 +79,8 @@ def _dual_packed(x_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr, M, K, sxm, sxk, n_k_tile
 def run(x, bk=64, warps=1, perm=True):
     """``quantize_dual(x)``'s four outputs (uint8 views) from the packed variant; x [M, K], M, K multiples of 32."""
     m, k = x.shape
+    if m % 32 or k % 32:  # the packed store writes whole 32-row tiles of words
+        raise ValueError(f"dual_packed.run: x of shape {tuple(x.shape)} needs M and K multiples of 32")
     qr = torch.empty(m, k, dtype=torch.uint8, device=x.device)
     sr = torch.empty(k // 32, m, dtype=torch.uint8, device=x.device)
     qc = torch.empty(k, m, dtype=torch.uint8, device=x.device)
