@@ -181,7 +181,9 @@ def blocked_scales(weight: torch.Tensor) -> bool:
 
 def _plain_scales(qdata: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``[R, K/32]`` scales of ``qdata [R, K]``, read back from the blocked layout if they are in it."""
-    if scales.dim() == 1 and qdata.dim() == 2:
+    from mxfx.ops.gemm import is_blocked
+
+    if is_blocked(qdata, scales):
         return from_blocked(scales, qdata.shape[0], qdata.shape[1] // BLOCK_SIZE)
     return scales
 

@@ -30,8 +30,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 from mxfx.kernels import dispatch  # noqa: E402
-from mxfx.kernels.dual import _store_tile  # noqa: E402
-from mxfx.kernels.mx_block import encode_blocks, load_tile  # noqa: E402
+from mxfx.kernels.mx_block import encode_blocks  # noqa: E402
 
 
 @triton.jit
@@ -47,7 +46,7 @@ def _dual_packed(x_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr, M, K, sxm, sxk, n_k_tile
     stored through the same permutation. (Its SASS still has more shuffles than the module's, 86 against
     52 per thread at (64, 1): ``python bench/probes/dual_packed.py sass``.)
     """
-    pid, b = tl.program_id(0), tl.program_id(1)
+    pid = tl.program_id(0)
     m0 = (pid // n_k_tiles) * 32
     k0 = (pid % n_k_tiles) * BK
     ap = tl.arange(0, 32)

@@ -63,23 +63,33 @@ def _swiglu_probe(g_ptr, u_ptr, q_ptr, s_ptr, h_ptr, gq_ptr, gs_ptr, uq_ptr, us_
 MATHS = ("div_rn", "div_full", "fast", "none")
 
 
+def swiglu_setup(m, k, copy_gbs):
+    """Print the module's three SwiGLU rows at [m, k], and return what the probe kernels take there:
+    ``(gu, outs, layouts, nbytes, save_bytes)``, outs = (q, s, h, gq, gs, uq, us) buffers, layouts =
+    [(name, (gate, up, RPR, gate row stride, up row stride))] for separate gate/up and gate_up halves,
+    and the bytes moved by the MX-only and the values + saved-pairs passes."""
+    gu = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
+    g, u = torch.randn(m, k, device="cuda", dtype=torch.bfloat16), torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    q, gq, uq = (torch.empty(m, k, dtype=torch.uint8, device="cuda") for _ in range(3))
+    s, gs, us = (torch.empty(m, k // 32, dtype=torch.uint8, device="cuda") for _ in range(3))
+    h = torch.empty(m, k, dtype=torch.bfloat16, device="cuda")
+    nbytes = 4 * m * k + m * k * 33 / 32
+    save_bytes = nbytes + 2 * m * k + 2 * m * k * 33 / 32
+    for name, fn, nb in (
+            ("module, separate", lambda: dispatch.swiglu_quantize(g, u, "rceil"), nbytes),
+            ("module, halves", lambda: dispatch.swiglu_quantize(gu[:, :k], gu[:, k:], "rceil"), nbytes),
+            ("module, halves + values + saved", lambda: dispatch.swiglu_quantize(
+                gu[:, :k], gu[:, k:], "rceil", torch.bfloat16, save_inputs=True), save_bytes)):
+        print(f"| {name} | {m}x{k} | - | {100 * nb / median_ms(fn) / 1e6 / copy_gbs:.1f}% |", flush=True)
+    layouts = [("separate", (g, u, 1, 32, 32)), ("halves", (gu[:, :k], gu[:, k:], k // 32, 2 * k, 2 * k))]
+    return gu, (q, s, h, gq, gs, uq, us), layouts, nbytes, save_bytes
+
+
 def swiglu_rows(copy_gbs):
     for m, k in SHAPES:
-        gu = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
-        g, u = torch.randn(m, k, device="cuda", dtype=torch.bfloat16), torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        q, gq, uq = (torch.empty(m, k, dtype=torch.uint8, device="cuda") for _ in range(3))
-        s, gs, us = (torch.empty(m, k // 32, dtype=torch.uint8, device="cuda") for _ in range(3))
-        h = torch.empty(m, k, dtype=torch.bfloat16, device="cuda")
-        nbytes = 4 * m * k + m * k * 33 / 32
-        save_bytes = nbytes + 2 * m * k + 2 * m * k * 33 / 32
-        base = [("module, separate", lambda: dispatch.swiglu_quantize(g, u, "rceil"), nbytes),
-                ("module, halves", lambda: dispatch.swiglu_quantize(gu[:, :k], gu[:, k:], "rceil"), nbytes),
-                ("module, halves + values + saved", lambda: dispatch.swiglu_quantize(
-                    gu[:, :k], gu[:, k:], "rceil", torch.bfloat16, save_inputs=True), save_bytes)]
-        for name, fn, nb in base:
-            print(f"| {name} | {m}x{k} | - | {100 * nb / median_ms(fn) / 1e6 / copy_gbs:.1f}% |", flush=True)
+        gu, (q, s, h, gq, gs, uq, us), layouts, nbytes, save_bytes = swiglu_setup(m, k, copy_gbs)
         nblk = m * k // 32
-        for layout, args in (("separate", (g, u, 1, 32, 32)), ("halves", (gu[:, :k], gu[:, k:], k // 32, 2 * k, 2 * k))):
+        for layout, args in layouts:
             a, b, rpr, sa, sb = args
             for save in (False, True):
                 for math in ((0, 1, 2) if not save else (0, 1)):
@@ -106,7 +116,7 @@ def swiglu_rows(copy_gbs):
         qi, si = dispatch.quantize_lastdim(vi, "rceil")
         print(f"div_full vs Inductor silu at {m}x{k}: {int((q != qi.view(torch.uint8)).sum())} bytes, "
               f"{int((s != si).sum())} scales", flush=True)
-        del gu, g, u, q, s, h, gq, gs, uq, us
+        del gu, layouts, q, s, h, gq, gs, uq, us
         torch.cuda.empty_cache()
 
 

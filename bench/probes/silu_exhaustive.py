@@ -52,6 +52,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
+from kernel_variants import swiglu_setup  # noqa: E402
 from kernels import SHAPES, copy_bandwidth, median_ms  # noqa: E402
 from mxfx.kernels import dispatch  # noqa: E402
 from mxfx.kernels import dual as dual_mod  # noqa: E402
@@ -205,21 +206,9 @@ def points():
 def time_rows(copy_gbs):
     print("| variant | shape | tile | % of copy |\n|---|---|---|---|")
     for m, k in SHAPES:
-        gu = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
-        g, u = torch.randn(m, k, device="cuda", dtype=torch.bfloat16), torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        q, gq, uq = (torch.empty(m, k, dtype=torch.uint8, device="cuda") for _ in range(3))
-        s, gs, us = (torch.empty(m, k // 32, dtype=torch.uint8, device="cuda") for _ in range(3))
-        h = torch.empty(m, k, dtype=torch.bfloat16, device="cuda")
-        nbytes = 4 * m * k + m * k * 33 / 32
-        save_bytes = nbytes + 2 * m * k + 2 * m * k * 33 / 32
-        for name, fn, nb in (
-                ("module, separate", lambda: dispatch.swiglu_quantize(g, u, "rceil"), nbytes),
-                ("module, halves", lambda: dispatch.swiglu_quantize(gu[:, :k], gu[:, k:], "rceil"), nbytes),
-                ("module, halves + values + saved", lambda: dispatch.swiglu_quantize(
-                    gu[:, :k], gu[:, k:], "rceil", torch.bfloat16, save_inputs=True), save_bytes)):
-            print(f"| {name} | {m}x{k} | - | {100 * nb / median_ms(fn) / 1e6 / copy_gbs:.1f}% |", flush=True)
+        gu, (q, s, h, gq, gs, uq, us), layouts, nbytes, save_bytes = swiglu_setup(m, k, copy_gbs)
         nblk = m * k // 32
-        for layout, args in (("separate", (g, u, 1, 32, 32)), ("halves", (gu[:, :k], gu[:, k:], k // 32, 2 * k, 2 * k))):
+        for layout, args in layouts:
             a, b, rpr, sa, sb = args
             for save in (False, True):
                 for v in (0, 1, 2, 4, 5):
@@ -233,7 +222,7 @@ def time_rows(copy_gbs):
         want = dispatch.quantize_lastdim(F.silu(gu[:, :k].float()) * gu[:, k:].float(), "rceil")
         print(f"module swiglu equals quantize(F.silu(g) * u) at {m}x{k}: "
               f"{[torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(ref, want)]}", flush=True)
-        del gu, g, u, q, s, h, gq, gs, uq, us
+        del gu, layouts, q, s, h, gq, gs, uq, us
         torch.cuda.empty_cache()
 
 
