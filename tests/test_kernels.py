@@ -80,7 +80,8 @@ def test_cpu_dispatch_never_loads_triton_kernels():
         "import sys, torch; import mxfx.kernels.ops; from mxfx.kernels import dispatch as d;"
         "x = torch.randn(64, 64); d.quantize_lastdim(x, 'rceil'); d.quantize_blocked(x, 'rceil');"
         "bad = [m for m in sys.modules if m.startswith('mxfx.kernels.') and m not in "
-        "('mxfx.kernels.ops', 'mxfx.kernels.dispatch', 'mxfx.kernels.launch', 'mxfx.kernels.views')]; assert not bad, bad"
+        "('mxfx.kernels.ops', 'mxfx.kernels.dispatch', 'mxfx.kernels.launch', 'mxfx.kernels.views', "
+        "'mxfx.kernels.silu')]; assert not bad, bad"  # silu: the plain-torch SiLU reference
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
 
@@ -305,8 +306,29 @@ def test_quantize_dequantize(shape, out_dtype):
     assert_same(got, (rq, rs, mxf.dequantize_lastdim(rq, rs, out_dtype)))
 
 
+FLUSH_GATE = -87.3365478515625  # largest fp32 gate with 1 + expf(-g) > 2^126 (bits 0xC2AEAC50)
+
+
 def swiglu_ref(g, u, rule):
-    return mxf.quantize_lastdim(F.silu(g.float()) * u.float(), rule)
+    """quantize(silu(g) * u) with the SiLU mxfx documents: F.silu, except -0 for finite g <= FLUSH_GATE."""
+    g = g.float()
+    silu = torch.where((g <= FLUSH_GATE) & g.isfinite(), torch.full_like(g, -0.0), F.silu(g))
+    return mxf.quantize_lastdim(silu * u.float(), rule)
+
+
+def test_silu_fp32_flush_band():
+    """mxfx's SiLU reference: F.silu above the flush gate, -0 from it down for finite gates, F.silu's
+    NaN at -Inf; its flush constant is the fp32 just below which expf(-g) exceeds 2^126."""
+    from mxfx.kernels.silu import SILU_FLUSH_GATE, silu_fp32
+
+    t = torch.tensor([SILU_FLUSH_GATE])
+    above = torch.nextafter(t, torch.tensor([0.0]))
+    assert float(torch.exp(-t)) > 2.0**126 >= float(torch.exp(-above))
+    g = torch.cat([above, t, torch.tensor([-88.0, -1e38, -float("inf"), -0.0, 0.0, 3.0, float("inf"), float("nan")])])
+    got, ref = silu_fp32(g), F.silu(g)
+    assert got[0] == ref[0] and got[0] < 0  # the last gate kept: a normal fp32 about -1.1e-36
+    assert torch.equal(got[1:4].view(torch.int32), torch.full((3,), -0.0).view(torch.int32))
+    assert got[4].isnan() and got[9].isnan() and torch.equal(got[5:9].view(torch.int32), ref[5:9].view(torch.int32))
 
 
 def with_values(pair, dtype):
@@ -360,8 +382,10 @@ def test_swiglu_silu_every_gate(dtype):
     """The kernel's SiLU on every bf16 and fp16 gate, and for fp32 on dense sweeps across exp's overflow
     (-100..10), over huge negative gates (-1 .. -1e38, where a SiLU that is not ~0 would show) and on
     2^18 random bit patterns, with up = 1 so that the MX input is the SiLU itself: bytes equal
-    quantize(F.silu(g)), Inf and NaN gates included (``bench/probes/silu_exhaustive.py`` compares the
-    SiLU alone with F.silu on all 2^32 fp32 inputs)."""
+    quantize(silu(g)) with F.silu's values in the flush band replaced by -0 (``mxfx.kernels.silu``), Inf
+    and NaN gates included (``bench/probes/silu_exhaustive.py`` compares the SiLU alone with that rule on
+    all 2^32 fp32 inputs). Blocks of gates in (-88.7, -87.3] are where a kernel without the flush differs:
+    bf16 has -87.5, -88 and -88.5 there, and the fp32 sweeps hold the band's edges."""
     if dtype == torch.float32:
         gen = torch.Generator().manual_seed(0)
         bits = torch.randint(-2**31, 2**31, (2**18,), generator=gen, dtype=torch.int64).to(torch.int32)
@@ -372,6 +396,8 @@ def test_swiglu_silu_every_gate(dtype):
     u = torch.ones_like(g)
     for rule in mxf.SCALE_RULES:
         ref = swiglu_ref(g, u, rule)
+        plain = mxf.quantize_lastdim(F.silu(g.float()), rule)  # without the flush
+        assert not torch.equal(ref[0].view(torch.uint8), plain[0].view(torch.uint8))  # the band is exercised
         assert_same(dispatch.swiglu_quantize(g, u, rule), ref)
         assert_same(dispatch.swiglu_quantize(g, u, rule, torch.bfloat16, save_inputs=True),
                     with_saved_inputs(with_values(ref, torch.bfloat16), g, u, rule))

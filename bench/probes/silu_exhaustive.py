@@ -1,29 +1,33 @@
-"""Probe: a SwiGLU SiLU cheaper than ``div.rn`` that stays PyTorch's CUDA ``F.silu``, checked on every fp32 input.
+"""Probe: a SwiGLU SiLU cheaper than ``div.rn``, checked against PyTorch's CUDA ``F.silu`` on every fp32 input.
 
-Usage: ``python bench/probes/silu_exhaustive.py [check] [points] [time] [dual]`` (all by default; needs CUDA).
+Usage: ``python bench/probes/silu_exhaustive.py [check] [points] [time] [dual] [sass]`` (check, points, time
+and dual by default; needs CUDA). ``SILU_TIMED=0,5`` picks the variants ``time`` runs (indices below).
 
-The module's SwiGLU kernel computes ``g / (1 + expf(-g))`` with ``div.rn.f32``: a reciprocal, one Newton
-step and one quotient correction, then a range check (``FCHK``) and a branch to a slow path per value,
-which make the issue-bound kernel slower than the division itself. The variants here run the same five
-operations without the check (the residual negated, so that a zero g keeps its sign):
+``div.rn.f32`` computes a reciprocal, one Newton step and one quotient correction, then a range check
+(``FCHK``) and a branch to a slow path per value, which made the issue-bound SwiGLU kernel slower than
+the division itself. The variants run the same five operations without the check:
 
-* ``div_rn``: the module's arithmetic;
-* ``fast``: no check at all. Exact for g > -87.3365; below, the reciprocal of ``1 + exp(-g) > 2^126``
-  flushes to zero (and ``inf * 0`` gives NaN once exp overflows, g < -88.72);
-* ``fast, inf clamp``: the divisor clamped at FLT_MAX in the Newton step and residual only;
-* ``fast, quarter``: dividing by d / 4 (written ``fma(exp, 0.25, 0.25)``, which rounds unlike ``1 + exp``);
-* ``fast, clamp 2^126``: the divisor clamped at 2^126, giving ``g * 2^-126`` below -87.3365, which is
-  NOT small for huge negative gates (g = -1e38 gives -1.2): not usable;
-* ``fast, inf clamp, |rcp|``: the divisor clamped at FLT_MAX and the reciprocal's sign cleared (the
-  flushed MUFU reciprocal appears to be -0, which turned the zero quotient positive), so that every g
-  <= -87.3365 gives -0, which is ``F.silu``'s own value below -88.72.
+0. ``div_rn``: ``tl.math.div_rn``, the module's arithmetic until 2026-12-02; equal to ``F.silu`` everywhere;
+1. ``fast``: no check at all. Exact for g > -87.3365; below, the reciprocal of ``1 + exp(-g) > 2^126``
+   flushes to +0 (and ``inf * 0`` gives NaN once exp overflows, g < -88.72);
+2. ``fast, inf clamp``: the divisor clamped at FLT_MAX in the Newton step and residual only;
+3. ``fast, quarter``: dividing by d / 4 (written ``fma(exp, 0.25, 0.25)``, which rounds unlike ``1 + exp``);
+4. ``fast, clamp 2^126``: the divisor clamped at 2^126, giving ``g * 2^-126`` below -87.3365, which is
+   NOT small for huge negative gates (g = -1e38 gives -1.2): not usable;
+5. ``module``: ``mx_block.silu_f32``, the library's SiLU: the divisor clamped at FLT_MAX, negations
+   written as ``x * -1.0``, so that every finite g <= ``SILU_FLUSH_GATE`` gives -0 (``F.silu``'s own
+   value below -88.72). Checked against ``mxfx.kernels.silu.silu_fp32``, the CPU reference, which
+   states the band by that constant on g.
+
+Variants 1-4 write ``-x``, which Triton 3.6 lowers to ``0 - x``: an extra FADD per negation (``sass``
+shows them), and -(+0) = +0, which gave their flushed quotients a positive sign.
 
 Sections:
 
 * ``check``: all 2^32 fp32 bit patterns g in chunks of 2^28, each variant against ``F.silu(g)`` bit for
   bit (two NaNs equal): how many differ, how many of those are NaN where ``F.silu`` is +-Inf (an MX
-  block is non-finite either way), the g range of the rest; and the last two variants against
-  ``F.silu`` with their documented difference applied, which they must match everywhere.
+  block is non-finite either way), the g range of the rest; and variants 4 and 5 against ``F.silu``
+  with their documented difference applied, which they must match everywhere.
 * ``points``: each variant's value and fp32 bits at a few gates around the flush threshold (-87.3,
   -88.7, -1e38, +-Inf, +-0, NaN), next to ``F.silu``'s: what the sign and size of each variant's zero are.
 * ``time``: % of a 2 GiB copy for the module's SwiGLU + quantize, and for a probe kernel of the module's
@@ -31,6 +35,8 @@ Sections:
 * ``dual``: the dual-source quantize through ``dispatch.quantize_dual_source`` (new outputs per call)
   against its kernel launched into preallocated outputs: whether a timing gap is the kernel's or the
   allocations'.
+* ``sass``: the raw MUFU reciprocal of divisors around 2^126, and each variant's SASS as the installed
+  Triton compiles it.
 """
 
 from __future__ import annotations
@@ -56,11 +62,14 @@ from kernel_variants import swiglu_setup  # noqa: E402
 from kernels import SHAPES, copy_bandwidth, median_ms  # noqa: E402
 from mxfx.kernels import dispatch  # noqa: E402
 from mxfx.kernels import dual as dual_mod  # noqa: E402
-from mxfx.kernels.mx_block import exp_f32, load_blocks, store_dequantized  # noqa: E402
+from mxfx.kernels.mx_block import exp_f32, load_blocks, silu_f32, store_dequantized  # noqa: E402
+from mxfx.kernels.silu import silu_fp32  # noqa: E402
 from mxfx.kernels.swiglu import _store_mx  # noqa: E402
 
 CHUNK = 1 << 28
-VARIANTS = ("div_rn", "fast", "fast, inf clamp", "fast, quarter", "fast, clamp 2^126", "fast, inf clamp, |rcp|")
+TIMED = tuple(int(v) for v in os.environ.get("SILU_TIMED", "0,5").split(","))
+"""Variants the ``time`` section runs (indices into VARIANTS; the others' figures: BENCHMARKS.md, 2026-12-01)."""
+VARIANTS = ("div_rn", "fast", "fast, inf clamp", "fast, quarter", "fast, clamp 2^126", "module")
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 FLUSH_DIVISOR = 2.0**126  # from here on the reciprocal flushes to zero
 
@@ -73,12 +82,10 @@ def _rcp_approx(d):
 
 
 @triton.jit
-def _newton(g, d, dc, ABS: tl.constexpr = False):
+def _newton(g, d, dc):
     """div.rn's fast path without its range check: reciprocal of d, one Newton step and one quotient
     correction against dc, the residual negated so that a zero g keeps its sign."""
     r = _rcp_approx(d)
-    if ABS:
-        r = tl.abs(r)
     r = tl.fma(r, tl.fma(-dc, r, 1.0), r)
     q = g * r
     return tl.fma(-r, tl.fma(dc, q, -g), q)
@@ -100,9 +107,8 @@ def silu_variant(g, V: tl.constexpr):
     elif V == 4:
         d = tl.minimum(1.0 + exp_f32(-g), 2.0**126)
         s = _newton(g, d, d)
-    else:
-        d = tl.minimum(1.0 + exp_f32(-g), FLT_MAX)
-        s = _newton(g, d, d, True)
+    else:  # the module's
+        s = silu_f32(g)
     return s
 
 
@@ -141,11 +147,11 @@ def _clamp_126(g, ref):
 
 
 def _flush_to_neg_zero(g, ref):
-    """-0 where 1 + exp(-g) > 2^126 and g is finite"""
-    return torch.where((1.0 + torch.exp(-g) > FLUSH_DIVISOR) & g.isfinite(), torch.full_like(g, -0.0), ref)
+    """mxfx.kernels.silu.silu_fp32: -0 for finite g <= SILU_FLUSH_GATE"""
+    return silu_fp32(g)
 
 
-EXPECTED = {"fast, clamp 2^126": _clamp_126, "fast, inf clamp, |rcp|": _flush_to_neg_zero}
+EXPECTED = {"fast, clamp 2^126": _clamp_126, "module": _flush_to_neg_zero}
 
 
 def check():
@@ -203,6 +209,39 @@ def points():
         print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
 
 
+@triton.jit
+def _rcp_raw(d_ptr, out_ptr):
+    i = tl.arange(0, 32)
+    tl.store(out_ptr + i, _rcp_approx(tl.load(d_ptr + i)))
+
+
+def _disassemble(cubin: bytes) -> str:
+    import subprocess
+    import tempfile
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([tool, "-c", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def sass():
+    """The raw MUFU reciprocal of divisors around 2^126 (bits: the sign of its flushed zero), and the SASS
+    of each variant's SiLU as this Triton compiles it."""
+    d = torch.tensor([2.0**126, 1.0001 * 2.0**126, 1e38, 3.4e38, float("inf"), -1e38] + [1.0] * 26, device="cuda")
+    out = torch.empty_like(d)
+    _rcp_raw[(1,)](d, out)
+    print("rcp.approx.ftz:", [(float(a), f"{int(b) & 0xFFFFFFFF:#010x}") for a, b in zip(d[:6], out[:6].view(torch.int32))])
+    g = torch.zeros(1, 32, device="cuda")
+    for v, name in enumerate(VARIANTS):
+        k = _silu_points[(1,)](g, out, 1, V=v)
+        text = _disassemble(k.asm["cubin"])
+        body = [ln.split(";")[0].split("*/")[-1].strip() for ln in text.splitlines() if "/*0" in ln]
+        body = [b for b in body if b and not b.startswith("NOP")]
+        print(f"--- {name}: {len(body)} instructions", *body, sep="\n", flush=True)
+
+
 def time_rows(copy_gbs):
     print("| variant | shape | tile | % of copy |\n|---|---|---|---|")
     for m, k in SHAPES:
@@ -211,7 +250,7 @@ def time_rows(copy_gbs):
         for layout, args in layouts:
             a, b, rpr, sa, sb = args
             for save in (False, True):
-                for v in (0, 1, 2, 4, 5):
+                for v in TIMED:
                     for br, warps in ((16, 1), (32, 2)):
                         fn = lambda: _swiglu_v[(triton.cdiv(nblk, br),)](
                             a, b, q, s, h, gq, gs, uq, us, nblk, rpr, sa, sb, V=v, SAVE=save, BR=br, num_warps=warps)
@@ -219,8 +258,8 @@ def time_rows(copy_gbs):
                         print(f"| probe swiglu {layout} save={save} {VARIANTS[v]} | {m}x{k} | ({br}, {warps}) | "
                               f"{pct:.1f}% |", flush=True)
         ref = dispatch.swiglu_quantize(gu[:, :k], gu[:, k:], "rceil")
-        want = dispatch.quantize_lastdim(F.silu(gu[:, :k].float()) * gu[:, k:].float(), "rceil")
-        print(f"module swiglu equals quantize(F.silu(g) * u) at {m}x{k}: "
+        want = dispatch.quantize_lastdim(silu_fp32(gu[:, :k]) * gu[:, k:].float(), "rceil")
+        print(f"module swiglu equals quantize(silu_fp32(g) * u) at {m}x{k}: "
               f"{[torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(ref, want)]}", flush=True)
         del gu, layouts, q, s, h, gq, gs, uq, us
         torch.cuda.empty_cache()
@@ -254,7 +293,7 @@ def dual_rows(copy_gbs):
         torch.cuda.empty_cache()
 
 
-SECTIONS = ("check", "points", "time", "dual")
+SECTIONS = ("check", "points", "time", "dual", "sass")
 
 
 def main():
@@ -268,7 +307,8 @@ def main():
     if copy_gbs:
         print(f"copy {copy_gbs:.0f} GB/s", flush=True)
     for name in sections:
-        {"check": check, "points": points, "time": lambda: time_rows(copy_gbs), "dual": lambda: dual_rows(copy_gbs)}[name]()
+        {"check": check, "points": points, "time": lambda: time_rows(copy_gbs), "dual": lambda: dual_rows(copy_gbs),
+         "sass": sass}[name]()
 
 
 if __name__ == "__main__":

@@ -11,9 +11,9 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 
 from mxfx import format as mxf
+from mxfx.kernels.silu import silu_fp32
 from mxfx.kernels.views import laid_out_as, lastdim_scales, mn_major
 from mxfx.layout import blocked_numel, to_blocked
 
@@ -230,7 +230,7 @@ def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str, dequantized
     _check(up, rule, "mxfx.swiglu_quantize")
     if gate.shape != up.shape:
         raise ValueError(f"mxfx.swiglu_quantize: gate of shape {tuple(gate.shape)} and up of shape {tuple(up.shape)} must match")
-    out = _with_dequantized(mxf.quantize_lastdim(F.silu(gate.float()) * up.float(), rule), dequantized)
+    out = _with_dequantized(mxf.quantize_lastdim(silu_fp32(gate) * up.float(), rule), dequantized)
     return (*out, *mxf.quantize_lastdim(gate, rule), *mxf.quantize_lastdim(up, rule)) if save_inputs else out
 
 

@@ -17,6 +17,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from mxfx.format import BLOCK_SIZE
+from mxfx.kernels.silu import SILU_FLUSH_GATE
 from mxfx.kernels.views import as_brc, scale_shape  # noqa: F401  (the kernels' input views)
 
 FP32_EXP_SHIFT = tl.constexpr(23)
@@ -55,6 +56,38 @@ else:
         """e^v in fp32 with libdevice ``expf``, the function PyTorch's CUDA kernels call (not Triton's
         approximate ``tl.exp``)."""
         return libdevice.exp(v)
+
+
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
+SILU_FLUSH_GATE_C = tl.constexpr(SILU_FLUSH_GATE)
+
+if INTERPRETED:
+
+    @triton.jit
+    def silu_f32(g):
+        """mxfx's SiLU (``mxfx.kernels.silu``) with an IEEE division, then the flush band's -0."""
+        s = tl.math.div_rn(g, 1.0 + exp_f32(-g))
+        flush = (g <= SILU_FLUSH_GATE_C) & (g * 0.0 == 0.0)  # finite g in the band
+        return tl.where(flush, -0.0, s)
+
+else:
+
+    @triton.jit
+    def silu_f32(g):
+        """mxfx's SiLU (``mxfx.kernels.silu``): ``g / (1 + exp(-g))`` as ``div.rn.f32``'s fast path computes
+        it (approximate reciprocal, one Newton step, one quotient correction), without its range check and
+        slow-path branch. The divisor is clamped at FLT_MAX (no ``inf * 0`` NaN once exp overflows), so
+        where its reciprocal flushes to +0 (divisor above 2^126) the correction ``q - r * (d * q - g)``
+        gives -0 for every finite g. Negations are written as products with -1.0: Triton 3.6 lowers a
+        unary minus to ``0 - x``, which turns -(+0) into +0 (the flush band's zero positive) and costs an
+        FADD per negation, where ``x * -1.0`` folds into the FFMA's operand sign."""
+        ng = g * -1.0
+        d = tl.minimum(1.0 + exp_f32(ng), FLT_MAX)
+        r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [d], dtype=tl.float32,
+                                      is_pure=True, pack=1)
+        r = tl.fma(r, tl.fma(d * -1.0, r, 1.0), r)
+        q = g * r
+        return tl.fma(r * -1.0, tl.fma(d, q, ng), q)
 
 
 @triton.jit

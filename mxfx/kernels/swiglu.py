@@ -1,14 +1,14 @@
 """Triton fused SwiGLU + MXFP8 quantize: quantizes ``silu(gate) * up`` formed in fp32.
 
-``silu(g) = g / (1 + exp(-g))`` with IEEE division and libdevice ``expf``, the same
-arithmetic as PyTorch's CUDA ``F.silu`` on fp32, then an fp32 multiply by ``up``; no
-16-bit intermediate is written. gate and up may be separate tensors or strided
-halves of one fused ``gate_up`` tensor (``gate_up[..., :H]``, ``gate_up[..., H:]``).
-Both of those are read as streams of 32-value blocks (``mx_block.load_blocks``), so every
-output is written as one contiguous stream whatever H is; other strides go through 2D tiles.
-The exact SiLU makes the kernel issue-bound on the H200 (with Triton's approximate
-``sigmoid`` it reaches the copy bandwidth, without SiLU too; ``bench/probes/kernel_variants.py``):
-mxfx keeps eager's arithmetic so that the fused forward equals ``quantize(F.silu(gate) * up)``.
+``silu`` is mxfx's fp32 SiLU (``mxfx.kernels.silu``): libdevice ``expf`` and a division, the same
+arithmetic as PyTorch's CUDA ``F.silu`` on fp32 except -0 for gates at or below -87.34 (where F.silu's
+values are below 2^-119), then an fp32 multiply by ``up``; no 16-bit intermediate is written. gate and
+up may be separate tensors or strided halves of one fused ``gate_up`` tensor (``gate_up[..., :H]``,
+``gate_up[..., H:]``). Both of those are read as streams of 32-value blocks (``mx_block.load_blocks``),
+so every output is written as one contiguous stream whatever H is; other strides go through 2D tiles.
+The exact SiLU makes the kernel issue-bound on the H200 (with Triton's approximate ``sigmoid`` it
+reaches the copy bandwidth, without SiLU too; ``bench/probes/kernel_variants.py``): mxfx keeps eager's
+arithmetic so that the fused forward equals ``quantize(silu_fp32(gate) * up)``.
 The same pass can also write the MX pairs of gate and of up themselves (``save_inputs``):
 what the SwiGLU backward keeps, so that no second and third read of gate and up follows.
 Quantization follows ``mxfx.format`` (OCP MX v1.0 §6.3) bit for bit.
@@ -27,22 +27,23 @@ from mxfx.kernels.mx_block import (
     as_brc,
     block_stream,
     encode_blocks,
-    exp_f32,
     load_blocks,
     load_tile,
     scale_shape,
+    silu_f32,
     store_dequantized,
     store_rowwise,
     tile_origin,
 )
 
-FLAT_CONFIG = (16, 32, 1)
+FLAT_CONFIG = (32, 32, 1)
 """(BLOCK_R, BLOCK_C, num_warps) when gate and up read as streams of 32-value blocks (contiguous, or
 row-strided halves of a fused gate_up tensor) and only the MX pair is written: BLOCK_R blocks per program.
-The kernel is issue-bound (the exact SiLU), and one-warp programs of 16 values per thread ran fastest
-(``python bench/probes/kernel_variants.py``; 8 values per thread halve the bandwidth)."""
-FLAT_WIDE_CONFIG = (32, 32, 2)
-"""The same when the pass also writes values or saved pairs: more bytes per value, and these tiles won."""
+The kernel is issue-bound (the SiLU); one-warp programs of 32 values per thread ran fastest on the H200
+(``MXFX_BENCH_SWEEP=swiglu,"swiglu gate_up halves" python bench/kernels.py``; BENCHMARKS.md)."""
+FLAT_WIDE_CONFIG = (16, 32, 1)
+"""The same when the pass also writes values or saved pairs (more bytes and registers per value): 16
+values per thread ran fastest (``MXFX_BENCH_SWEEP="swiglu saved halves"``)."""
 SWIGLU_CONFIG = (16, 256, 8)
 """(BLOCK_R, BLOCK_C, num_warps) for other strides (every other column, say)."""
 
@@ -68,7 +69,7 @@ def _swiglu_quantize_kernel(
     else:
         g = load_tile(g_ptr, b, r0, c0, R, C, sgb, sgr, sgc, BR, BC)
         u = load_tile(u_ptr, b, r0, c0, R, C, sub, sur, suc, BR, BC)
-    v = tl.math.div_rn(g, 1.0 + exp_f32(-g)) * u
+    v = silu_f32(g) * u
     qbits, sbyte = _store_mx(q_ptr, s_ptr, v, b, r0, c0, R, C, RCEIL, BR, BC)
     if WRITE_XHAT:
         store_dequantized(h_ptr, qbits, sbyte, b, r0, c0, R, C, BR, BC)

@@ -1,0 +1,30 @@
+"""mxfx's fp32 SiLU, the one every SwiGLU + quantize path computes: ``silu(g) = g / (1 + exp(-g))``.
+
+It is PyTorch's CUDA ``F.silu`` on fp32 (libdevice ``expf``, then an IEEE division) on every input but
+one band: finite gates ``g <= SILU_FLUSH_GATE`` (-87.3365...), where ``1 + exp(-g)`` exceeds 2^126, give
+-0. There ``F.silu`` gives values of magnitude below 2^-119 (and -0 itself from g < -88.73 on, once exp
+overflows): they reach the MX payload only in a block whose amax is below about 2^-102, where an E4M3
+subnormal at the smallest scale, 2^-127, can still hold them. The flush lets the GPU kernel divide with a
+hardware reciprocal, one Newton step and one correction, without ``div.rn``'s per-value range check and
+slow-path branch, which cost the issue-bound SwiGLU kernel 6 to 8 points of the copy bandwidth
+(``bench/probes/silu_exhaustive.py`` checks the kernel's SiLU against this rule on all 2^32 fp32 inputs).
+A gate of +Inf gives NaN in the kernel where ``F.silu`` gives +Inf: the MX block is non-finite either way
+(``mxfx.format``: any NaN or Inf gives the NaN block).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+SILU_FLUSH_GATE = -87.3365478515625
+"""The largest fp32 gate (bits 0xC2AEAC50) whose ``1 + expf(-g)`` exceeds 2^126: the reciprocal of
+the divisor is below fp32's smallest normal, and mxfx's SiLU gives -0 for it and every finite gate below."""
+
+
+def silu_fp32(g: torch.Tensor) -> torch.Tensor:
+    """mxfx's SiLU of ``g`` (any shape) in fp32: ``F.silu(g.float())``, with -0 for finite
+    ``g <= SILU_FLUSH_GATE`` (the module docstring says why). The CPU reference of the fused kernels."""
+    g = g.float()
+    flush = (g <= SILU_FLUSH_GATE) & g.isfinite()
+    return torch.where(flush, torch.full_like(g, -0.0), F.silu(g))
