@@ -279,7 +279,8 @@ def dual_rows(copy_gbs):
         def direct():
             dual_mod._dual_kernel[(triton.cdiv(m, bm) * n_k, 1)](
                 x3, qr, sr, x3, qc, sc, x3, m, k, *x3.stride(), n_k, RCEIL=True, ROW=True, COL=True, MX=True,
-                HAT=False, COL_T=False, BLOCKED=False, BM=bm, BK=bk, num_warps=warps)
+                HAT=False, COL_T=False, BLOCKED=False, EVEN=m % bm == 0 and k % bk == 0, BATCHED=False, BM=bm, BK=bk,
+                num_warps=warps)
 
         for name, fn in (("dispatch.quantize_dual_source (new outputs)", lambda: dispatch.quantize_dual_source(x, "rceil")),
                          ("its kernel, preallocated outputs", direct)):

@@ -47,33 +47,40 @@ TRANSPOSED_CONFIG = (32, 64, 1)
 
 
 @triton.jit
-def _store_tile(ptr, vals, b, r0, c0, R, C, TRANSPOSE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+def _store_tile(ptr, vals, b, r0, c0, R, C, TRANSPOSE: tl.constexpr, EVEN: tl.constexpr, BR: tl.constexpr,
+                BC: tl.constexpr):
     """Store ``vals [BR, BC]`` at rows r0.., cols c0.. of batch b of a contiguous [B, R, C] tensor;
-    TRANSPOSE: at [b, c0 + c, r0 + r] of a contiguous [B, C, R] tensor instead."""
+    TRANSPOSE: at [b, c0 + c, r0 + r] of a contiguous [B, C, R] tensor instead. EVEN: the tile lies inside
+    (no mask)."""
     ar = tl.arange(0, BR)
     ac = tl.arange(0, BC)
-    mask = ((r0 + ar) < R)[:, None] & ((c0 + ac) < C)[None, :]
     if TRANSPOSE:
         offs = ptr + (b.to(tl.int64) * C + c0) * R + r0 + ac[None, :] * R + ar[:, None]
     else:
         offs = ptr + (b.to(tl.int64) * R + r0) * C + c0 + ar[:, None] * C + ac[None, :]
-    tl.store(offs, vals.to(ptr.dtype.element_ty), mask=mask)
+    if EVEN:
+        tl.store(offs, vals.to(ptr.dtype.element_ty))
+    else:
+        tl.store(offs, vals.to(ptr.dtype.element_ty), mask=((r0 + ar) < R)[:, None] & ((c0 + ac) < C)[None, :])
 
 
 @triton.jit
-def _store_blocked(ptr, vals, b, r0, c0, R, C, TRANSPOSE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+def _store_blocked(ptr, vals, b, r0, c0, R, C, TRANSPOSE: tl.constexpr, EVEN: tl.constexpr, BR: tl.constexpr,
+                   BC: tl.constexpr):
     """Store ``vals [BR, BC]``, entries (r0.., c0..) of an [R, C] scale matrix (TRANSPOSE: entries
-    (c0.., r0..) of a [C, R] one), into batch b's blocked layout (``mxfx.layout``)."""
+    (c0.., r0..) of a [C, R] one), into batch b's blocked layout (``mxfx.layout``). EVEN: no mask."""
     rr = (r0 + tl.arange(0, BR))[:, None]
     cc = (c0 + tl.arange(0, BC))[None, :]
-    mask = (rr < R) & (cc < C)
     if TRANSPOSE:
         numel = ((C + 127) // 128 * 128) * ((R + 3) // 4 * 4)
         offs = blocked_offset(cc, rr, R)
     else:
         numel = ((R + 127) // 128 * 128) * ((C + 3) // 4 * 4)
         offs = blocked_offset(rr, cc, C)
-    tl.store(ptr + b.to(tl.int64) * numel + offs, vals, mask=mask)
+    if EVEN:
+        tl.store(ptr + b.to(tl.int64) * numel + offs, vals)
+    else:
+        tl.store(ptr + b.to(tl.int64) * numel + offs, vals, mask=(rr < R) & (cc < C))
 
 
 @triton.jit
@@ -81,32 +88,35 @@ def _dual_kernel(
     x_ptr, qr_ptr, sr_ptr, hr_ptr, qc_ptr, sc_ptr, hc_ptr,
     M, K, sxb, sxm, sxk, n_k_tiles,
     RCEIL: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, MX: tl.constexpr, HAT: tl.constexpr,
-    COL_T: tl.constexpr, BLOCKED: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    COL_T: tl.constexpr, BLOCKED: tl.constexpr, EVEN: tl.constexpr, BATCHED: tl.constexpr, BM: tl.constexpr,
+    BK: tl.constexpr,
 ):
     b, m0, k0 = tile_origin(n_k_tiles, BM, BK)
-    v = load_tile(x_ptr, b, m0, k0, M, K, sxb, sxm, sxk, BM, BK)
+    if not BATCHED:  # one matrix: b is 0, and its address terms fold away
+        b = b * 0
+    v = load_tile(x_ptr, b, m0, k0, M, K, sxb, sxm, sxk, BM, BK, EVEN)
     if ROW:  # blocks of 32 along K: q_row [B, M, K], s_row [B, M, K/32]
         q, s = encode_blocks(tl.reshape(v, [BM, BK // 32, 32]), 2, RCEIL)
         if MX:
-            _store_tile(qr_ptr, tl.reshape(q, [BM, BK]), b, m0, k0, M, K, False, BM, BK)
+            _store_tile(qr_ptr, tl.reshape(q, [BM, BK]), b, m0, k0, M, K, False, EVEN, BM, BK)
             if BLOCKED:  # the [M, K/32] scale matrix in the blocked layout
-                _store_blocked(sr_ptr, s, b, m0, k0 // 32, M, K // 32, False, BM, BK // 32)
+                _store_blocked(sr_ptr, s, b, m0, k0 // 32, M, K // 32, False, EVEN, BM, BK // 32)
             else:  # MN-major: [B, K/32, M]
-                _store_tile(sr_ptr, s, b, m0, k0 // 32, M, K // 32, True, BM, BK // 32)
+                _store_tile(sr_ptr, s, b, m0, k0 // 32, M, K // 32, True, EVEN, BM, BK // 32)
         if HAT:
             h = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * decode_scale(s)[:, :, None]
-            _store_tile(hr_ptr, tl.reshape(h, [BM, BK]), b, m0, k0, M, K, False, BM, BK)
+            _store_tile(hr_ptr, tl.reshape(h, [BM, BK]), b, m0, k0, M, K, False, EVEN, BM, BK)
     if COL:  # blocks of 32 along M: qdata storage [B, M, K], or [B, K, M] (COL_T); scales [B, M/32, K] (MN-major)
         q, s = encode_blocks(tl.reshape(v, [BM // 32, 32, BK]), 1, RCEIL)
         if MX:
-            _store_tile(qc_ptr, tl.reshape(q, [BM, BK]), b, m0, k0, M, K, COL_T, BM, BK)
+            _store_tile(qc_ptr, tl.reshape(q, [BM, BK]), b, m0, k0, M, K, COL_T, EVEN, BM, BK)
             if BLOCKED:  # the [K, M/32] scale matrix in the blocked layout
-                _store_blocked(sc_ptr, s, b, m0 // 32, k0, M // 32, K, True, BM // 32, BK)
+                _store_blocked(sc_ptr, s, b, m0 // 32, k0, M // 32, K, True, EVEN, BM // 32, BK)
             else:
-                _store_tile(sc_ptr, s, b, m0 // 32, k0, M // 32, K, False, BM // 32, BK)
+                _store_tile(sc_ptr, s, b, m0 // 32, k0, M // 32, K, False, EVEN, BM // 32, BK)
         if HAT:
             h = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * decode_scale(s)[:, None, :]
-            _store_tile(hc_ptr, tl.reshape(h, [BM, BK]), b, m0, k0, M, K, COL_T, BM, BK)
+            _store_tile(hc_ptr, tl.reshape(h, [BM, BK]), b, m0, k0, M, K, COL_T, EVEN, BM, BK)
 
 
 def _quantize_both(x, rule, op, *, row, col, dequantized, transposed, mx=True, blocked=False, hint=""):
@@ -137,7 +147,7 @@ def _quantize_both(x, rule, op, *, row, col, dequantized, transposed, mx=True, b
         launch(
             _dual_kernel, (triton.cdiv(M, bm) * n_k, B), x3, *args, M, K, *x3.stride(), n_k,
             RCEIL=rule == "rceil", ROW=row, COL=col, MX=mx, HAT=dequantized is not None, COL_T=transposed,
-            BLOCKED=blocked, BM=bm, BK=bk, num_warps=warps,
+            BLOCKED=blocked, EVEN=M % bm == 0 and K % bk == 0, BATCHED=B > 1, BM=bm, BK=bk, num_warps=warps,
         )
 
     def out(t, view_t, fp8=False):

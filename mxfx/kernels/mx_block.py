@@ -167,13 +167,17 @@ def tile_origin(n_c_tiles, BR: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def load_tile(ptr, b, r0, c0, R, C, sb, sr, sc, BR: tl.constexpr, BC: tl.constexpr):
-    """fp32 tile ``[BR, BC]`` at rows r0.., cols c0.. of batch b of a strided [B, R, C] tensor (0 outside)."""
+def load_tile(ptr, b, r0, c0, R, C, sb, sr, sc, BR: tl.constexpr, BC: tl.constexpr, EVEN: tl.constexpr = False):
+    """fp32 tile ``[BR, BC]`` at rows r0.., cols c0.. of batch b of a strided [B, R, C] tensor (0 outside).
+    EVEN: the caller knows the tile lies inside (BR divides R, BC divides C), and no mask is computed."""
     ar = tl.arange(0, BR)
     ac = tl.arange(0, BC)
     base = ptr + b.to(tl.int64) * sb + r0.to(tl.int64) * sr + c0.to(tl.int64) * sc
-    mask = ((r0 + ar) < R)[:, None] & ((c0 + ac) < C)[None, :]
-    v = tl.load(base + ar[:, None] * sr + ac[None, :] * sc, mask=mask, other=0.0)
+    if EVEN:
+        v = tl.load(base + ar[:, None] * sr + ac[None, :] * sc)
+    else:
+        mask = ((r0 + ar) < R)[:, None] & ((c0 + ac) < C)[None, :]
+        v = tl.load(base + ar[:, None] * sr + ac[None, :] * sc, mask=mask, other=0.0)
     return v.to(tl.float32)
 
 
