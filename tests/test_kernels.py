@@ -624,6 +624,13 @@ def _interpreter_swiglu_checks():
         out = swiglu.swiglu_quantize(empty, empty, "rceil", torch.float32, save_inputs=True)
         assert [tuple(t.shape) for t in out] == [shape, (*shape[:-1], shape[-1] // 32), shape] + [
             shape, (*shape[:-1], shape[-1] // 32)] * 2
+    # mxfx's SiLU flush band (mxfx.kernels.silu): a block of gates at or below -87.3365 gives -0 throughout,
+    # where F.silu's values (down to 2^-128) would fill the payload at the smallest scale
+    band = torch.tensor([-87.3365478515625, -87.5, -88.0, -88.5, -100.0, -1e38, -3.4e38, -1e10] * 4).reshape(1, 32)
+    q, s = swiglu.swiglu_quantize(band, torch.ones_like(band), "rceil")
+    assert torch.equal(q.view(torch.uint8), torch.full((1, 32), 0x80, dtype=torch.uint8)) and int(s) == 0
+    plain = mxf.quantize_lastdim(F.silu(band), "rceil")[0].view(torch.uint8)
+    assert not torch.equal(plain, q.view(torch.uint8))  # without the flush the block is not all -0
     for h in (96, 512):  # rows of 3 and 16 blocks: tiles across rows, and tiles within one row
         gu = exact_input((64, 2 * h), seed=h)
         g, u = gu[:, :h], gu[:, h:]
