@@ -507,6 +507,11 @@ def test_cpu_scale_layouts_and_fakes_agree():
     assert s_row.stride() == (1, 96) and s_col.stride() == (1, 128) and q_col.stride() == (1, 128)
     empty = torch.ops.mxfx.quantize_dual_blocked(torch.zeros(0, 32, 64), "rceil")  # no batch: empty, as the fake
     assert [tuple(t.shape) for t in empty] == [(0, 32, 64), (0, 512), (0, 64, 32), (0, 512)]
+    for shape in ((0, 64), (32, 0), (2, 0, 64), (2, 32, 0)):  # no rows or no columns: empty layouts, as the fake
+        real = torch.ops.mxfx.quantize_dual_blocked(torch.zeros(shape), "rceil")
+        with FakeTensorMode() as mode:
+            fake = torch.ops.mxfx.quantize_dual_blocked(mode.from_tensor(torch.zeros(shape)), "rceil")
+        assert [t.shape for t in real] == [t.shape for t in fake] and real[1].numel() == real[3].numel() == 0, shape
     with FakeTensorMode() as mode, pytest.raises(ValueError, match="scalar cannot be block-quantized"):
         torch.ops.mxfx.quantize(mode.from_tensor(torch.tensor(1.0)), "rceil")
 
@@ -578,6 +583,9 @@ def _interpreter_checks():
     x3 = exact_input((2, 64, 96), seed=1)
     assert_same(quantize.quantize_lastdim(x3.transpose(-2, -1), "rceil"), mxf.quantize_lastdim(x3.transpose(-2, -1), "rceil"))
     assert_same(dual.quantize_dual(x3, "rceil"), (*mxf.quantize_lastdim(x3, "rceil"), *mxf.quantize_lastdim(x3.transpose(-2, -1), "rceil")))
+    for x3 in (exact_input((1, 64, 128), seed=2), exact_input((2, 64, 128), seed=3)):  # even tiles, one or two matrices
+        assert_same(dual.quantize_dual(x3, "floor"),
+                    (*mxf.quantize_lastdim(x3, "floor"), *mxf.quantize_lastdim(x3.transpose(-2, -1), "floor")))
     x = xc  # 16-bit subnormal outputs are flushed by the interpreter too
     rq, rs = mxf.quantize_lastdim(x, "rceil")
     q, b = quantize.quantize_blocked(x[:50], "rceil")

@@ -149,10 +149,10 @@ def quantize_dual_blocked(x: torch.Tensor, rule: str):
     q_row, s_row = mxf.quantize_lastdim(x, rule)
     q_col, s_col = mxf.quantize_lastdim(x.transpose(-2, -1), rule)
 
-    def blocked(s):  # per batch; an empty batch gives no matrices, so no stack
-        mats = s.reshape(-1, *s.shape[-2:])
-        if mats.shape[0] == 0:
+    def blocked(s):  # per batch; nothing to lay out (no batch, rows or columns) gives the empty layout, no stack
+        if s.numel() == 0:
             return s.new_zeros((*s.shape[:-2], blocked_numel(*s.shape[-2:])))
+        mats = s.reshape(-1, *s.shape[-2:])
         return torch.stack([to_blocked(m) for m in mats]).reshape(*s.shape[:-2], -1)
 
     return q_row, blocked(s_row), q_col, blocked(s_col)

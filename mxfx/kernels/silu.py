@@ -2,9 +2,11 @@
 
 It is PyTorch's CUDA ``F.silu`` on fp32 (libdevice ``expf``, then an IEEE division) on every input but
 one band: finite gates ``g <= SILU_FLUSH_GATE`` (-87.3365...), where ``1 + exp(-g)`` exceeds 2^126, give
--0. There ``F.silu`` gives values of magnitude below 2^-119 (and -0 itself from g < -88.73 on, once exp
-overflows): they reach the MX payload only in a block whose amax is below about 2^-102, where an E4M3
-subnormal at the smallest scale, 2^-127, can still hold them. The flush lets the GPU kernel divide with a
+-0. There ``F.silu`` gives values of magnitude below 2^-119 (and -0 itself below -88.7228, once exp
+overflows). The quantized value is ``silu(g) * up``: a flushed entry differs from eager's only where the
+rest of its block is small enough for that product to survive, within E4M3's range of 2^17 below the
+block's largest value (an ``up`` of 2^100 next to ordinary values, say), never in a training run's
+activations. The flush lets the GPU kernel divide with a
 hardware reciprocal, one Newton step and one correction, without ``div.rn``'s per-value range check and
 slow-path branch, which cost the issue-bound SwiGLU kernel 6 to 8 points of the copy bandwidth
 (``bench/probes/silu_exhaustive.py`` checks the kernel's SiLU against this rule on all 2^32 fp32 inputs).

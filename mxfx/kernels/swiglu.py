@@ -1,7 +1,7 @@
 """Triton fused SwiGLU + MXFP8 quantize: quantizes ``silu(gate) * up`` formed in fp32.
 
 ``silu`` is mxfx's fp32 SiLU (``mxfx.kernels.silu``): libdevice ``expf`` and a division, the same
-arithmetic as PyTorch's CUDA ``F.silu`` on fp32 except -0 for gates at or below -87.34 (where F.silu's
+arithmetic as PyTorch's CUDA ``F.silu`` on fp32 except -0 for gates at or below -87.3365 (where F.silu's
 values are below 2^-119), then an fp32 multiply by ``up``; no 16-bit intermediate is written. gate and
 up may be separate tensors or strided halves of one fused ``gate_up`` tensor (``gate_up[..., :H]``,
 ``gate_up[..., H:]``). Both of those are read as streams of 32-value blocks (``mx_block.load_blocks``),
