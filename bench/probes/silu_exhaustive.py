@@ -62,7 +62,7 @@ from kernel_variants import swiglu_setup  # noqa: E402
 from kernels import SHAPES, copy_bandwidth, median_ms  # noqa: E402
 from mxfx.kernels import dispatch  # noqa: E402
 from mxfx.kernels import dual as dual_mod  # noqa: E402
-from mxfx.kernels.mx_block import exp_f32, load_blocks, silu_f32, store_dequantized  # noqa: E402
+from mxfx.kernels.mx_block import FLT_MAX, exp_f32, load_blocks, rcp_approx_ftz, silu_f32, store_dequantized  # noqa: E402
 from mxfx.kernels.silu import silu_fp32  # noqa: E402
 from mxfx.kernels.swiglu import _store_mx  # noqa: E402
 
@@ -70,22 +70,14 @@ CHUNK = 1 << 28
 TIMED = tuple(int(v) for v in os.environ.get("SILU_TIMED", "0,5").split(","))
 """Variants the ``time`` section runs (indices into VARIANTS; the others' figures: BENCHMARKS.md, 2026-12-01)."""
 VARIANTS = ("div_rn", "fast", "fast, inf clamp", "fast, quarter", "fast, clamp 2^126", "module")
-FLT_MAX = tl.constexpr(3.4028234663852886e38)
 FLUSH_DIVISOR = 2.0**126  # from here on the reciprocal flushes to zero
-
-
-@triton.jit
-def _rcp_approx(d):
-    """MUFU reciprocal, the first step of ``div.rn.f32``; results below 2^-126 flush to zero."""
-    return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [d], dtype=tl.float32,
-                                     is_pure=True, pack=1)
 
 
 @triton.jit
 def _newton(g, d, dc):
     """div.rn's fast path without its range check: reciprocal of d, one Newton step and one quotient
     correction against dc, the residual negated so that a zero g keeps its sign."""
-    r = _rcp_approx(d)
+    r = rcp_approx_ftz(d)
     r = tl.fma(r, tl.fma(-dc, r, 1.0), r)
     q = g * r
     return tl.fma(-r, tl.fma(dc, q, -g), q)
@@ -212,7 +204,7 @@ def points():
 @triton.jit
 def _rcp_raw(d_ptr, out_ptr):
     i = tl.arange(0, 32)
-    tl.store(out_ptr + i, _rcp_approx(tl.load(d_ptr + i)))
+    tl.store(out_ptr + i, rcp_approx_ftz(tl.load(d_ptr + i)))
 
 
 def _disassemble(cubin: bytes) -> str:

@@ -61,6 +61,15 @@ else:
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 SILU_FLUSH_GATE_C = tl.constexpr(SILU_FLUSH_GATE)
 
+
+@triton.jit
+def rcp_approx_ftz(d):
+    """MUFU reciprocal of fp32 ``d`` (``rcp.approx.ftz.f32``, the first step of ``div.rn.f32``; compiled
+    kernels only): results below 2^-126 flush to +0 for positive d."""
+    return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [d], dtype=tl.float32,
+                                     is_pure=True, pack=1)
+
+
 if INTERPRETED:
 
     @triton.jit
@@ -83,8 +92,7 @@ else:
         FADD per negation, where ``x * -1.0`` folds into the FFMA's operand sign."""
         ng = g * -1.0
         d = tl.minimum(1.0 + exp_f32(ng), FLT_MAX)
-        r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [d], dtype=tl.float32,
-                                      is_pure=True, pack=1)
+        r = rcp_approx_ftz(d)
         r = tl.fma(r, tl.fma(d * -1.0, r, 1.0), r)
         q = g * r
         return tl.fma(r * -1.0, tl.fma(d, q, ng), q)
