@@ -76,8 +76,9 @@ if INTERPRETED:
     def silu_f32(g):
         """mxfx's SiLU (``mxfx.kernels.silu``) with an IEEE division, then the flush band's -0."""
         s = tl.math.div_rn(g, 1.0 + exp_f32(-g))
-        flush = (g <= SILU_FLUSH_GATE_C) & (g * 0.0 == 0.0)  # finite g in the band
-        return tl.where(flush, -0.0, s)
+        zero = g * 0.0  # -0 for a finite negative g (a literal -0.0 is 0 - 0.0 = +0 in Triton 3.6)
+        flush = (g <= SILU_FLUSH_GATE_C) & (zero == 0.0)  # finite g in the band
+        return tl.where(flush, zero, s)
 
 else:
 
