@@ -44,17 +44,33 @@ SOURCE_CONFIG = {2: (32, 64, 1), 4: (32, 64, 1)}
 """(BLOCK_M, BLOCK_K, num_warps) by input element size in bytes, columnwise pair in the source layout."""
 TRANSPOSED_CONFIG = (32, 64, 1)
 """(BLOCK_M, BLOCK_K, num_warps), columnwise pair stored transposed."""
+ADDRESS_FORM = {"source": (True, True), "source fp32": (False, False), "transposed": (True, False),
+                "blocked": (False, True)}
+"""(CONTIG, WIDE) of ``_dual_kernel`` by output layout (the source layout split by input element size), as
+measured on the H200 (``MXFX_BENCH_SWEEP=dual_source_form,dual_form,dual_blocked_form,refresh_form,dual_hat_form
+python bench/kernels.py``). CONTIG: a contiguous x is read with the row stride K that the stores use, not a
+runtime stride; WIDE: tiles that divide x (EVEN) form every element's address in int64 from its row, not as
+an int64 tile base plus int32 offsets. The instruction counts stay within 3% of each other, yet ptxas
+schedules them differently: the bf16 source layout went from 90.1 / 90.2 / 88.3% to 94.7 / 94.7 / 92.1% of
+copy with both, transposed from 77.2 / 77.3 / 75.2% to 78.8 / 79.0 / 77.4% with CONTIG, blocked from 75.2 /
+75.0 / 72.4% to 78.4 / 78.2 / 75.6% with WIDE; the fp32 refresh moved by less than a point either way and
+keeps the plain form (BENCHMARKS.md, 2026-12-02)."""
 
 
 @triton.jit
 def _store_tile(ptr, vals, b, r0, c0, R, C, TRANSPOSE: tl.constexpr, EVEN: tl.constexpr, BR: tl.constexpr,
-                BC: tl.constexpr):
+                BC: tl.constexpr, WIDE: tl.constexpr = False):
     """Store ``vals [BR, BC]`` at rows r0.., cols c0.. of batch b of a contiguous [B, R, C] tensor;
     TRANSPOSE: at [b, c0 + c, r0 + r] of a contiguous [B, C, R] tensor instead. EVEN: the tile lies inside
-    (no mask)."""
+    (no mask); with WIDE too, each element's offset is formed in int64 (``ADDRESS_FORM``)."""
     ar = tl.arange(0, BR)
     ac = tl.arange(0, BC)
-    if TRANSPOSE:
+    if EVEN and WIDE:  # int64 offsets per element (see ADDRESS_FORM)
+        if TRANSPOSE:
+            offs = ptr + ((b * C + c0 + ac[None, :]).to(tl.int64) * R + r0 + ar[:, None])
+        else:
+            offs = ptr + ((b * R + r0 + ar[:, None]).to(tl.int64) * C + c0 + ac[None, :])
+    elif TRANSPOSE:
         offs = ptr + (b.to(tl.int64) * C + c0) * R + r0 + ac[None, :] * R + ar[:, None]
     else:
         offs = ptr + (b.to(tl.int64) * R + r0) * C + c0 + ar[:, None] * C + ac[None, :]
@@ -89,34 +105,37 @@ def _dual_kernel(
     M, K, sxb, sxm, sxk, n_k_tiles,
     RCEIL: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, MX: tl.constexpr, HAT: tl.constexpr,
     COL_T: tl.constexpr, BLOCKED: tl.constexpr, EVEN: tl.constexpr, BATCHED: tl.constexpr, BM: tl.constexpr,
-    BK: tl.constexpr,
+    BK: tl.constexpr, CONTIG: tl.constexpr, WIDE: tl.constexpr,
 ):
     b, m0, k0 = tile_origin(n_k_tiles, BM, BK)
     if not BATCHED:  # one matrix: b is 0, and its address terms fold away
         b = b * 0
-    v = load_tile(x_ptr, b, m0, k0, M, K, sxb, sxm, sxk, BM, BK, EVEN)
+    if CONTIG:  # rows of K contiguous values: the stores' row stride
+        sxm = K
+        sxk = 1
+    v = load_tile(x_ptr, b, m0, k0, M, K, sxb, sxm, sxk, BM, BK, EVEN, EVEN and WIDE)
     if ROW:  # blocks of 32 along K: q_row [B, M, K], s_row [B, M, K/32]
         q, s = encode_blocks(tl.reshape(v, [BM, BK // 32, 32]), 2, RCEIL)
         if MX:
-            _store_tile(qr_ptr, tl.reshape(q, [BM, BK]), b, m0, k0, M, K, False, EVEN, BM, BK)
+            _store_tile(qr_ptr, tl.reshape(q, [BM, BK]), b, m0, k0, M, K, False, EVEN, BM, BK, WIDE)
             if BLOCKED:  # the [M, K/32] scale matrix in the blocked layout
                 _store_blocked(sr_ptr, s, b, m0, k0 // 32, M, K // 32, False, EVEN, BM, BK // 32)
             else:  # MN-major: [B, K/32, M]
-                _store_tile(sr_ptr, s, b, m0, k0 // 32, M, K // 32, True, EVEN, BM, BK // 32)
+                _store_tile(sr_ptr, s, b, m0, k0 // 32, M, K // 32, True, EVEN, BM, BK // 32, WIDE)
         if HAT:
             h = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * decode_scale(s)[:, :, None]
-            _store_tile(hr_ptr, tl.reshape(h, [BM, BK]), b, m0, k0, M, K, False, EVEN, BM, BK)
+            _store_tile(hr_ptr, tl.reshape(h, [BM, BK]), b, m0, k0, M, K, False, EVEN, BM, BK, WIDE)
     if COL:  # blocks of 32 along M: qdata storage [B, M, K], or [B, K, M] (COL_T); scales [B, M/32, K] (MN-major)
         q, s = encode_blocks(tl.reshape(v, [BM // 32, 32, BK]), 1, RCEIL)
         if MX:
-            _store_tile(qc_ptr, tl.reshape(q, [BM, BK]), b, m0, k0, M, K, COL_T, EVEN, BM, BK)
+            _store_tile(qc_ptr, tl.reshape(q, [BM, BK]), b, m0, k0, M, K, COL_T, EVEN, BM, BK, WIDE)
             if BLOCKED:  # the [K, M/32] scale matrix in the blocked layout
                 _store_blocked(sc_ptr, s, b, m0 // 32, k0, M // 32, K, True, EVEN, BM // 32, BK)
             else:
-                _store_tile(sc_ptr, s, b, m0 // 32, k0, M // 32, K, False, EVEN, BM // 32, BK)
+                _store_tile(sc_ptr, s, b, m0 // 32, k0, M // 32, K, False, EVEN, BM // 32, BK, WIDE)
         if HAT:
             h = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * decode_scale(s)[:, None, :]
-            _store_tile(hc_ptr, tl.reshape(h, [BM, BK]), b, m0, k0, M, K, COL_T, EVEN, BM, BK)
+            _store_tile(hc_ptr, tl.reshape(h, [BM, BK]), b, m0, k0, M, K, COL_T, EVEN, BM, BK, WIDE)
 
 
 def _quantize_both(x, rule, op, *, row, col, dequantized, transposed, mx=True, blocked=False, hint=""):
@@ -141,13 +160,16 @@ def _quantize_both(x, rule, op, *, row, col, dequantized, transposed, mx=True, b
     h_col = new(col_shape, dequantized, col and dequantized is not None)
     bm, bk, warps = TRANSPOSED_CONFIG if transposed else SOURCE_CONFIG[4 if x.element_size() == 4 else 2]
     n_k = triton.cdiv(K, bk)
+    layout = "blocked" if blocked else "transposed" if transposed else "source fp32" if x.element_size() == 4 else "source"
+    contig, wide = ADDRESS_FORM[layout]
     if B * M * K > 0:
         # outputs not written get the (read-only) input as a placeholder pointer
         args = [t if t is not None else x3 for t in (q_row, s_row, h_row, q_col, s_col, h_col)]
         launch(
             _dual_kernel, (triton.cdiv(M, bm) * n_k, B), x3, *args, M, K, *x3.stride(), n_k,
             RCEIL=rule == "rceil", ROW=row, COL=col, MX=mx, HAT=dequantized is not None, COL_T=transposed,
-            BLOCKED=blocked, EVEN=M % bm == 0 and K % bk == 0, BATCHED=B > 1, BM=bm, BK=bk, num_warps=warps,
+            BLOCKED=blocked, EVEN=M % bm == 0 and K % bk == 0, BATCHED=B > 1, BM=bm, BK=bk,
+            CONTIG=contig and x3.stride(1) == K and x3.stride(2) == 1, WIDE=wide, num_warps=warps,
         )
 
     def out(t, view_t, fp8=False):

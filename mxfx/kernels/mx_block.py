@@ -176,17 +176,23 @@ def tile_origin(n_c_tiles, BR: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def load_tile(ptr, b, r0, c0, R, C, sb, sr, sc, BR: tl.constexpr, BC: tl.constexpr, EVEN: tl.constexpr = False):
+def load_tile(ptr, b, r0, c0, R, C, sb, sr, sc, BR: tl.constexpr, BC: tl.constexpr, EVEN: tl.constexpr = False,
+              WIDE: tl.constexpr = False):
     """fp32 tile ``[BR, BC]`` at rows r0.., cols c0.. of batch b of a strided [B, R, C] tensor (0 outside).
-    EVEN: the caller knows the tile lies inside (BR divides R, BC divides C), and no mask is computed."""
+    EVEN: the caller knows the tile lies inside (BR divides R, BC divides C), and no mask is computed.
+    WIDE: each element's offset formed in int64 from its row and column, rather than an int64 tile base plus
+    int32 offsets within the tile: the same values, scheduled differently by ptxas (see ``dual.ADDRESS_FORM``)."""
     ar = tl.arange(0, BR)
     ac = tl.arange(0, BC)
-    base = ptr + b.to(tl.int64) * sb + r0.to(tl.int64) * sr + c0.to(tl.int64) * sc
-    if EVEN:
-        v = tl.load(base + ar[:, None] * sr + ac[None, :] * sc)
+    if WIDE:
+        offs = ptr + b.to(tl.int64) * sb + (r0 + ar[:, None]).to(tl.int64) * sr + (c0 + ac[None, :]).to(tl.int64) * sc
     else:
-        mask = ((r0 + ar) < R)[:, None] & ((c0 + ac) < C)[None, :]
-        v = tl.load(base + ar[:, None] * sr + ac[None, :] * sc, mask=mask, other=0.0)
+        base = ptr + b.to(tl.int64) * sb + r0.to(tl.int64) * sr + c0.to(tl.int64) * sc
+        offs = base + ar[:, None] * sr + ac[None, :] * sc
+    if EVEN:
+        v = tl.load(offs)
+    else:
+        v = tl.load(offs, mask=((r0 + ar) < R)[:, None] & ((c0 + ac) < C)[None, :], other=0.0)
     return v.to(tl.float32)
 
 
@@ -201,12 +207,12 @@ SCALES_BLOCKED = tl.constexpr(2)
 
 @triton.jit
 def store_rowwise(q_ptr, s_ptr, qbits, sbyte, b, r0, c0, R, C, RPR, SCALES: tl.constexpr,
-                  BR: tl.constexpr, BC: tl.constexpr):
+                  BR: tl.constexpr, BC: tl.constexpr, EVEN: tl.constexpr = False):
     """Store a tile's E4M3 bytes ``[BR, BC]`` into contiguous [B, R, C] and its scales ``[BR, BC/32]``
     in the layout ``SCALES`` (one of the ``SCALES_*`` constants).
 
     For the blocked layout, RPR rows of this view make one row of the scale matrix (a row split
-    into 32-value rows by :func:`flat_blocks` has RPR = K / 32; else 1).
+    into 32-value rows by :func:`flat_blocks` has RPR = K / 32; else 1). EVEN: the tile lies inside (no masks).
     """
     NB: tl.constexpr = BC // 32
     ar = tl.arange(0, BR)
@@ -215,43 +221,59 @@ def store_rowwise(q_ptr, s_ptr, qbits, sbyte, b, r0, c0, R, C, RPR, SCALES: tl.c
     row0 = b.to(tl.int64) * R + r0
     rmask = (r0 + ar) < R
     q_base = q_ptr + row0 * C + c0
-    tl.store(q_base + ar[:, None] * C + ac[None, :], tl.reshape(qbits, [BR, BC]),
-             mask=rmask[:, None] & ((c0 + ac) < C)[None, :])
+    q_offs = q_base + ar[:, None] * C + ac[None, :]
+    if EVEN:
+        tl.store(q_offs, tl.reshape(qbits, [BR, BC]))
+    else:
+        tl.store(q_offs, tl.reshape(qbits, [BR, BC]), mask=rmask[:, None] & ((c0 + ac) < C)[None, :])
     smask = rmask[:, None] & ((c0 // 32 + an) < C // 32)[None, :]
     if SCALES == SCALES_BLOCKED:
         rr = r0 + ar
         col = (rr % RPR)[:, None] * (C // 32) + (c0 // 32 + an)[None, :]
-        offs = blocked_offset((rr // RPR)[:, None], col, RPR * (C // 32))
-        tl.store(s_ptr + offs, sbyte, mask=smask)
+        s_offs = s_ptr + blocked_offset((rr // RPR)[:, None], col, RPR * (C // 32))
     elif SCALES == SCALES_MN_MAJOR:
         s_base = s_ptr + (b.to(tl.int64) * (C // 32) + c0 // 32) * R + r0
-        tl.store(s_base + an[None, :] * R + ar[:, None], sbyte, mask=smask)
+        s_offs = s_base + an[None, :] * R + ar[:, None]
     else:
         s_base = s_ptr + row0 * (C // 32) + c0 // 32
-        tl.store(s_base + ar[:, None] * (C // 32) + an[None, :], sbyte, mask=smask)
+        s_offs = s_base + ar[:, None] * (C // 32) + an[None, :]
+    if EVEN:
+        tl.store(s_offs, sbyte)
+    else:
+        tl.store(s_offs, sbyte, mask=smask)
 
 
 @triton.jit
-def store_dequantized(h_ptr, qbits, sbyte, b, r0, c0, R, C, BR: tl.constexpr, BC: tl.constexpr):
+def store_dequantized(h_ptr, qbits, sbyte, b, r0, c0, R, C, BR: tl.constexpr, BC: tl.constexpr,
+                      EVEN: tl.constexpr = False):
     """Store the values of a tile's blocks, ``dequant(qbits [BR, BC/32, 32], sbyte [BR, BC/32])``, into
-    contiguous [B, R, C] in ``h_ptr``'s dtype (laid out as :func:`store_rowwise` lays out the qdata)."""
+    contiguous [B, R, C] in ``h_ptr``'s dtype (laid out as :func:`store_rowwise` lays out the qdata).
+    EVEN: the tile lies inside (no mask)."""
     h = qbits.to(tl.float8e4nv, bitcast=True).to(tl.float32) * decode_scale(sbyte)[:, :, None]
     ar = tl.arange(0, BR)
     ac = tl.arange(0, BC)
     base = h_ptr + (b.to(tl.int64) * R + r0) * C + c0
-    mask = ((r0 + ar) < R)[:, None] & ((c0 + ac) < C)[None, :]
-    tl.store(base + ar[:, None] * C + ac[None, :], tl.reshape(h, [BR, BC]).to(h_ptr.dtype.element_ty), mask=mask)
+    offs = base + ar[:, None] * C + ac[None, :]
+    h = tl.reshape(h, [BR, BC]).to(h_ptr.dtype.element_ty)
+    if EVEN:
+        tl.store(offs, h)
+    else:
+        tl.store(offs, h, mask=((r0 + ar) < R)[:, None] & ((c0 + ac) < C)[None, :])
 
 
 @triton.jit
-def load_blocks(ptr, j0, NBLK, RPR, sr, BR: tl.constexpr):
+def load_blocks(ptr, j0, NBLK, RPR, sr, BR: tl.constexpr, EVEN: tl.constexpr = False):
     """fp32 tile ``[BR, 32]``: 32-value blocks j0.. of a [R, C] tensor with unit column stride and row
     stride ``sr`` (elements), numbered row-major: block j holds row j // RPR, columns 32 (j % RPR)..
-    (RPR = C / 32); 0 for j >= NBLK. RPR = 1 with sr = 32 reads a contiguous tensor as one stream."""
+    (RPR = C / 32); 0 for j >= NBLK. RPR = 1 with sr = 32 reads a contiguous tensor as one stream.
+    EVEN: BR divides NBLK (no mask)."""
     j = j0 + tl.arange(0, BR)
     row = j // RPR
     start = row.to(tl.int64) * sr + (j - row * RPR) * 32
-    v = tl.load(ptr + start[:, None] + tl.arange(0, 32)[None, :], mask=(j < NBLK)[:, None], other=0.0)
+    if EVEN:
+        v = tl.load(ptr + start[:, None] + tl.arange(0, 32)[None, :])
+    else:
+        v = tl.load(ptr + start[:, None] + tl.arange(0, 32)[None, :], mask=(j < NBLK)[:, None], other=0.0)
     return v.to(tl.float32)
 
 
