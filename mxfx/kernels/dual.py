@@ -48,7 +48,7 @@ ADDRESS_FORM = {"source": (True, True), "source fp32": (False, False), "transpos
                 "blocked": (False, True)}
 """(CONTIG, WIDE) of ``_dual_kernel`` by output layout (the source layout split by input element size), as
 measured on the H200 (``MXFX_BENCH_SWEEP=dual_source_form,dual_form,dual_blocked_form,refresh_form,dual_hat_form
-python bench/kernels.py``). CONTIG: a contiguous x is read with the row stride K that the stores use, not a
+python bench/kernels.py``). CONTIG: an x whose rows are contiguous (any batch stride) is read with the row stride K that the stores use, not a
 runtime stride; WIDE: tiles that divide x (EVEN) form every element's address in int64 from its row, not as
 an int64 tile base plus int32 offsets. The instruction counts stay within 3% of each other, yet ptxas
 schedules them differently: the bf16 source layout went from 90.1 / 90.2 / 88.3% to 94.7 / 94.7 / 92.1% of

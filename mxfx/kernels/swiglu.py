@@ -6,7 +6,7 @@ values are below 2^-119), then an fp32 multiply by ``up``; no 16-bit intermediat
 up may be separate tensors or strided halves of one fused ``gate_up`` tensor (``gate_up[..., :H]``,
 ``gate_up[..., H:]``). Both of those are read as streams of 32-value blocks (``mx_block.load_blocks``),
 so every output is written as one contiguous stream whatever H is; other strides go through 2D tiles.
-The SiLU dominates the kernel's instructions; without ``div.rn``'s range check it streams at 91-97% of
+The SiLU dominates the kernel's instructions; without ``div.rn``'s range check it streams at 91-99% of
 the H200's copy bandwidth (BENCHMARKS.md), and the fused forward equals ``quantize(silu_fp32(gate) * up)``
 bit for bit.
 The same pass can also write the MX pairs of gate and of up themselves (``save_inputs``):
@@ -39,7 +39,7 @@ from mxfx.kernels.mx_block import (
 FLAT_CONFIG = (32, 32, 1)
 """(BLOCK_R, BLOCK_C, num_warps) when gate and up read as streams of 32-value blocks (contiguous, or
 row-strided halves of a fused gate_up tensor) and only the MX pair is written: BLOCK_R blocks per program.
-The kernel is issue-bound (the SiLU); one-warp programs of 32 values per thread ran fastest on the H200
+One-warp programs of 32 values per thread ran fastest on the H200
 (``MXFX_BENCH_SWEEP=swiglu,"swiglu gate_up halves" python bench/kernels.py``; BENCHMARKS.md)."""
 FLAT_WIDE_CONFIG = (16, 32, 1)
 """The same when the pass also writes values or saved pairs (more bytes and registers per value): 16
@@ -48,7 +48,8 @@ STREAM_EVEN = True
 """Drop the masks when gate and up are contiguous block streams whose block count the tile divides (a
 boolean key: token counts that change between calls give at most two compiled variants). On the H200
 this took separate gate/up from 97.1 / 97.4 / 93.5% to 99.1 / 99.2 / 94.3% of copy, while the gate_up
-halves lost 0.7-2.7 points and keep their masks (``MXFX_BENCH_SWEEP=swiglu_even``, BENCHMARKS.md)."""
+halves lost 0.7-2.7 points and keep their masks (except H = 32, one block per row, which is a
+plain stream; the saved and dequantized passes of contiguous pairs drop them too, untimed) (``MXFX_BENCH_SWEEP=swiglu_even``, BENCHMARKS.md)."""
 SWIGLU_CONFIG = (16, 256, 8)
 """(BLOCK_R, BLOCK_C, num_warps) for other strides (every other column, say)."""
 
