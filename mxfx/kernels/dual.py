@@ -48,10 +48,10 @@ ADDRESS_FORM = {"source": (True, True), "source fp32": (False, False), "transpos
                 "blocked": (False, True)}
 """(CONTIG, WIDE) of ``_dual_kernel`` by output layout (the source layout split by input element size), as
 measured on the H200 (``MXFX_BENCH_SWEEP=dual_source_form,dual_form,dual_blocked_form,refresh_form,dual_hat_form
-python bench/kernels.py``). CONTIG: an x whose rows are contiguous (any batch stride) is read with the row stride K that the stores use, not a
-runtime stride; WIDE: tiles that divide x (EVEN) form every element's address in int64 from its row, not as
-an int64 tile base plus int32 offsets. The instruction counts stay within 3% of each other, yet ptxas
-schedules them differently: the bf16 source layout went from 90.1 / 90.2 / 88.3% to 94.7 / 94.7 / 92.1% of
+python bench/kernels.py``). CONTIG: an x whose rows are contiguous (any batch stride) is read with the
+row stride K that the stores use, not a runtime stride; WIDE: tiles that divide x (EVEN) form every
+element's address in int64 from its row, not as an int64 tile base plus int32 offsets. The instruction
+counts stay within 3% of each other, yet ptxas schedules them differently: the bf16 source layout went from 90.1 / 90.2 / 88.3% to 94.7 / 94.7 / 92.1% of
 copy with both, transposed from 77.2 / 77.3 / 75.2% to 78.8 / 79.0 / 77.4% with CONTIG, blocked from 75.2 /
 75.0 / 72.4% to 78.4 / 78.2 / 75.6% with WIDE; the fp32 refresh moved by less than a point either way and
 keeps the plain form (BENCHMARKS.md, 2026-12-02)."""
@@ -160,7 +160,8 @@ def _quantize_both(x, rule, op, *, row, col, dequantized, transposed, mx=True, b
     h_col = new(col_shape, dequantized, col and dequantized is not None)
     bm, bk, warps = TRANSPOSED_CONFIG if transposed else SOURCE_CONFIG[4 if x.element_size() == 4 else 2]
     n_k = triton.cdiv(K, bk)
-    layout = "blocked" if blocked else "transposed" if transposed else "source fp32" if x.element_size() == 4 else "source"
+    layout = ("blocked" if blocked else "transposed" if transposed
+              else "source fp32" if x.element_size() == 4 else "source")
     contig, wide = ADDRESS_FORM[layout]
     if B * M * K > 0:
         # outputs not written get the (read-only) input as a placeholder pointer

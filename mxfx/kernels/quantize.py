@@ -53,9 +53,8 @@ COLWISE_CONFIG = (128, 32, 1)
 (the model dim) by one block of 32 tokens, read as 32 runs of 256 bytes; the MN-major scales go out as one
 128-byte line per program (``MXFX_BENCH_SWEEP=columnwise python bench/kernels.py``)."""
 COLWISE_EVEN = True
-"""Columnwise, drop the masks when the tiles divide the view (COLWISE_CONFIG, or FLAT_CONFIG for
-32 tokens):
-88.7% of copy at 16384x4096 against 87.1% with masks on the H200; a fixed boolean key, as token counts
+"""Columnwise, drop the masks when the tiles divide the view (COLWISE_CONFIG, or FLAT_CONFIG for 32
+tokens): 88.7% of copy at 16384x4096 against 87.1% with masks on the H200; a fixed boolean key, as token counts
 are multiples of 32 there. Reading a contiguous view's stride as R, per-element int64 offsets and grouped
 tile orders moved the three shapes by less than a point or lost (BENCHMARKS.md, 2026-12-02)."""
 

@@ -48,8 +48,9 @@ STREAM_EVEN = True
 """Drop the masks when gate and up are contiguous block streams whose block count the tile divides (a
 boolean key: token counts that change between calls give at most two compiled variants). On the H200
 this took separate gate/up from 97.1 / 97.4 / 93.5% to 99.1 / 99.2 / 94.3% of copy, while the gate_up
-halves lost 0.7-2.7 points and keep their masks (except H = 32, one block per row, which is a
-plain stream; the saved and dequantized passes of contiguous pairs drop them too, untimed) (``MXFX_BENCH_SWEEP=swiglu_even``, BENCHMARKS.md)."""
+halves lost 0.7-2.7 points and keep their masks, except at H = 32 (one block per row: a plain stream).
+The saved and dequantized passes of contiguous pairs drop them too, untimed
+(``MXFX_BENCH_SWEEP=swiglu_even``, BENCHMARKS.md)."""
 SWIGLU_CONFIG = (16, 256, 8)
 """(BLOCK_R, BLOCK_C, num_warps) for other strides (every other column, say)."""
 
