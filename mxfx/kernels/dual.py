@@ -4,8 +4,13 @@ Rowwise blocks run along K (``q_row [M, K]``, ``s_row [M, K/32]``); columnwise b
 down M, the logical ``[K, M]`` operand ``quantize_lastdim(x.t())`` gives, which dgrad and
 wgrad of OCP MX v1.0 GEMMs need. The columnwise pair is stored either
 
-* transposed (:func:`quantize_dual`): contiguous ``q_col [K, M]``, what native MX GEMMs read;
-  the tile is transposed through shared memory on its way out; or
+* transposed (:func:`quantize_dual`): contiguous ``q_col [K, M]``, what native MX GEMMs read.
+  The program reads its tile a second time as the ``[BK, BM]`` tile of ``x^T`` (an L1 hit, no
+  DRAM traffic) and encodes that one along its rows, as the columnwise quantize of ``x.t()`` does:
+  the compiler then transposes the 16-bit input through shared memory 16 bytes at a time
+  (``LDSM``), where transposing the E4M3 result took 71 shared accesses of 1-2 bytes and 221
+  byte permutes per thread. On the H200 79.1 / 79.2 / 77.2% of copy became 83.3 / 82.7 / 80.2%
+  (``python bench/probes/occupancy.py``, BENCHMARKS.md 2026-12-02); or
 * in the *source layout* (:func:`quantize_dual_source`): ``q_col`` is the ``.transpose(-2, -1)``
   view of a contiguous ``[M, K]`` byte tensor. Same values, no transpose: every load and store
   runs along K.
@@ -125,18 +130,26 @@ def _dual_kernel(
         if HAT:
             h = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * decode_scale(s)[:, :, None]
             _store_tile(hr_ptr, tl.reshape(h, [BM, BK]), b, m0, k0, M, K, False, EVEN, BM, BK, WIDE)
-    if COL:  # blocks of 32 along M: qdata storage [B, M, K], or [B, K, M] (COL_T); scales [B, M/32, K] (MN-major)
+    if COL and COL_T:  # blocks of 32 along M, stored [B, K, M]: the [BK, BM] tile of x^T read again (an L1 hit)
+        vt = load_tile(x_ptr, b, k0, m0, K, M, sxb, sxk, sxm, BK, BM, EVEN, EVEN and WIDE)
+        q, s = encode_blocks(tl.reshape(vt, [BK, BM // 32, 32]), 2, RCEIL)
+        if MX:
+            _store_tile(qc_ptr, tl.reshape(q, [BK, BM]), b, k0, m0, K, M, False, EVEN, BK, BM, WIDE)
+            if BLOCKED:  # the [K, M/32] scale matrix in the blocked layout
+                _store_blocked(sc_ptr, s, b, k0, m0 // 32, K, M // 32, False, EVEN, BK, BM // 32)
+            else:  # MN-major: [B, M/32, K]
+                _store_tile(sc_ptr, s, b, k0, m0 // 32, K, M // 32, True, EVEN, BK, BM // 32, WIDE)
+        if HAT:
+            h = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * decode_scale(s)[:, :, None]
+            _store_tile(hc_ptr, tl.reshape(h, [BK, BM]), b, k0, m0, K, M, False, EVEN, BK, BM, WIDE)
+    elif COL:  # blocks of 32 along M, in the source layout: qdata storage [B, M, K], scales [B, M/32, K] (MN-major)
         q, s = encode_blocks(tl.reshape(v, [BM // 32, 32, BK]), 1, RCEIL)
         if MX:
-            _store_tile(qc_ptr, tl.reshape(q, [BM, BK]), b, m0, k0, M, K, COL_T, EVEN, BM, BK, WIDE)
-            if BLOCKED:  # the [K, M/32] scale matrix in the blocked layout
-                _store_blocked(sc_ptr, s, b, m0 // 32, k0, M // 32, K, True, EVEN, BM // 32, BK)
-            else:
-                _store_tile(sc_ptr, s, b, m0 // 32, k0, M // 32, K, False, EVEN, BM // 32, BK, WIDE)
+            _store_tile(qc_ptr, tl.reshape(q, [BM, BK]), b, m0, k0, M, K, False, EVEN, BM, BK, WIDE)
+            _store_tile(sc_ptr, s, b, m0 // 32, k0, M // 32, K, False, EVEN, BM // 32, BK, WIDE)
         if HAT:
             h = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * decode_scale(s)[:, None, :]
-            _store_tile(hc_ptr, tl.reshape(h, [BM, BK]), b, m0, k0, M, K, COL_T, EVEN, BM, BK, WIDE)
-
+            _store_tile(hc_ptr, tl.reshape(h, [BM, BK]), b, m0, k0, M, K, False, EVEN, BM, BK, WIDE)
 
 def _quantize_both(x, rule, op, *, row, col, dequantized, transposed, mx=True, blocked=False, hint=""):
     x3 = check_dual_args(x, rule, op, row=row, col=col, dequantized=dequantized, mx=mx, hint=hint)
