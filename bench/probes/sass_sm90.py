@@ -107,7 +107,7 @@ def compile_sm90(launch: Launch) -> Compiled:
 
     signature, constexprs, attrs = _specialize(launch.kernel, launch.args, launch.kwargs)
     src = ASTSource(launch.kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    options = {k: launch.kwargs[k] for k in ("num_warps", "num_stages") if k in launch.kwargs}
+    options = {k: launch.kwargs[k] for k in ("num_warps", "num_stages", "maxnreg") if launch.kwargs.get(k) is not None}
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:

@@ -42,13 +42,18 @@ import triton.language as tl
 
 from mxfx.kernels.launch import launch
 from mxfx.kernels.dispatch import TOKEN_DIM_HINT, check_dual_args
-from mxfx.kernels.mx_block import blocked_offset, decode_scale, encode_blocks, load_tile, tile_origin
+from mxfx.kernels.mx_block import INTERPRETED, blocked_offset, decode_scale, encode_blocks, load_tile, tile_origin
 from mxfx.layout import blocked_numel
 
 SOURCE_CONFIG = {2: (32, 64, 1), 4: (32, 64, 1)}
 """(BLOCK_M, BLOCK_K, num_warps) by input element size in bytes, columnwise pair in the source layout."""
 TRANSPOSED_CONFIG = (32, 64, 1)
 """(BLOCK_M, BLOCK_K, num_warps), columnwise pair stored transposed."""
+TRANSPOSED_MAXNREG = 96
+"""Registers per thread for the transposed pass of compiled kernels (None: uncapped). Uncapped, ptxas gives
+it 147, which leaves 12 warps per SM; capped at 96 it went from 83.3 / 82.7 / 80.2% to 86.9 / 86.0 / 84.7% of
+copy on the H200. The blocked pass lost 1-3 points capped, and every other kernel lost or moved by less than a
+point (``python bench/probes/occupancy.py``, BENCHMARKS.md 2026-12-02)."""
 ADDRESS_FORM = {"source": (True, True), "source fp32": (False, False), "transposed": (True, False),
                 "blocked": (False, True)}
 """(CONTIG, WIDE) of ``_dual_kernel`` by output layout (the source layout split by input element size), as
@@ -184,6 +189,7 @@ def _quantize_both(x, rule, op, *, row, col, dequantized, transposed, mx=True, b
             RCEIL=rule == "rceil", ROW=row, COL=col, MX=mx, HAT=dequantized is not None, COL_T=transposed,
             BLOCKED=blocked, EVEN=M % bm == 0 and K % bk == 0, BATCHED=B > 1, BM=bm, BK=bk,
             CONTIG=contig and x3.stride(1) == K and x3.stride(2) == 1, WIDE=wide, num_warps=warps,
+            maxnreg=TRANSPOSED_MAXNREG if transposed and not blocked and not INTERPRETED else None,
         )
 
     def out(t, view_t, fp8=False):

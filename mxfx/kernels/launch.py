@@ -71,14 +71,33 @@ def op_or_body(op, body, doc: str):
     return call
 
 
-def launch(kernel, grid: tuple, *args, **kwargs) -> None:
+_CAPPED: dict = {}
+
+
+def _with_register_cap(kernel, num_warps: int, maxnreg: int):
+    """``kernel`` as a one-config ``triton.autotune`` whose config caps registers per thread: the form of
+    ``maxnreg`` that both a direct launch and Inductor's ``wrap_triton`` path honour (``wrap_triton`` takes no
+    ``maxnreg`` launch option in torch 2.11 / 2.13). One config, so nothing is benchmarked."""
+    key = (kernel, num_warps, maxnreg)
+    if key not in _CAPPED:
+        import triton
+
+        _CAPPED[key] = triton.autotune([triton.Config({}, num_warps=num_warps, maxnreg=maxnreg)], key=[])(kernel)
+    return _CAPPED[key]
+
+
+def launch(kernel, grid: tuple, *args, maxnreg: int | None = None, **kwargs) -> None:
     """Run ``kernel[grid](*args, **kwargs)``, through ``wrap_triton`` when a tensor argument is traced.
 
     Args:
         kernel: a ``triton.jit`` function.
         grid: launch grid (ints, or SymInts while tracing with dynamic shapes).
         args, kwargs: the kernel's arguments (constexprs and ``num_warps`` by keyword).
+        maxnreg: cap on registers per thread (compiled kernels; None: ptxas chooses), for kernels whose
+            occupancy is register-bound and measured faster capped.
     """
+    if maxnreg is not None:
+        kernel = _with_register_cap(kernel, kwargs.pop("num_warps", 4), maxnreg)
     if any(isinstance(a, torch.Tensor) and traced(a) for a in args):
         from torch.library import wrap_triton
 
