@@ -1,4 +1,10 @@
-"""quantize_dual (register-capped launch) eager vs compiled: the inline wrap_triton path and the opaque op."""
+"""Probe: ``quantize_dual``, launched with a register cap (``dual.TRANSPOSED_MAXNREG``), eager and compiled.
+
+Usage: ``python bench/probes/compile_capped.py`` on a GPU. Prints True per path when every output byte equals the
+CPU reference (``mxfx.format.quantize_lastdim`` of x and x^T), NaN and zero blocks included: eager, compiled with
+the kernels inline (``wrap_triton`` of the one-config autotuner that carries the cap) and as the opaque
+``mxfx::quantize_dual`` op, each at a second shape under ``dynamic=True``.
+"""
 import os, torch
 from mxfx.kernels import ops, dispatch
 from mxfx import format as mxf
