@@ -176,7 +176,8 @@ def check_both_axes(x: torch.Tensor, rule: str, op: str, hint: str = "") -> torc
 
     Raises:
         TypeError: not a tensor, or unsupported dtype; ValueError: unknown rule, or x not 2D/3D
-        with M and K multiples of 32 (the message names ``op`` and the shape, plus ``hint``).
+        with M and K multiples of 32 (the message names ``op``, the shape and the failing dims, plus ``hint``
+        where M fails).
     """
     check_input(x, op)
     check_rule(rule, op)
@@ -185,10 +186,13 @@ def check_both_axes(x: torch.Tensor, rule: str, op: str, hint: str = "") -> torc
             f"{op}: needs a 2D [M, K] or 3D [B, M, K] tensor, got shape {tuple(x.shape)}; reshape it "
             f"(e.g. merge leading dims into M)"
         )
-    if x.shape[-2] % BLOCK_SIZE or x.shape[-1] % BLOCK_SIZE:
+    bad = [f"{name} = {n}" for name, n in zip("MK", x.shape[-2:]) if n % BLOCK_SIZE]
+    if bad:
         raise ValueError(
             f"{op}: needs a 2D [M, K] or 3D [B, M, K] tensor with M and K multiples of {BLOCK_SIZE}, "
-            f"got shape {tuple(x.shape)}; pad M and K to multiples of {BLOCK_SIZE}{hint}"
+            f"got shape {tuple(x.shape)} ({' and '.join(bad)} {'is' if len(bad) == 1 else 'are'} not); pad "
+            f"{' and '.join(b[0] for b in bad)} to {'a multiple' if len(bad) == 1 else 'multiples'} of {BLOCK_SIZE}"
+            f"{hint if bad[0][0] == 'M' else ''}"
         )
     return x if x.dim() == 3 else x.unsqueeze(0)
 

@@ -114,8 +114,10 @@ def test_dispatch_errors_name_op_and_shape(device):
         dispatch.quantize_lastdim(torch.zeros(4, 48, device=device), "rceil")
     with pytest.raises(TypeError, match=r"mxfx.quantize.*\(4, 64\).*float64"):
         dispatch.quantize_lastdim(torch.zeros(4, 64, dtype=torch.float64, device=device), "rceil")
-    with pytest.raises(ValueError, match=r"quantize_dual.*\(40, 64\)"):
+    with pytest.raises(ValueError, match=r"quantize_dual.*\(40, 64\) \(M = 40 is not\); pad M .*token dim"):
         dispatch.quantize_dual(torch.zeros(40, 64, device=device), "rceil")
+    with pytest.raises(ValueError, match=r"quantize_dual.*\(64, 48\) \(K = 48 is not\); pad K to a multiple of 32$"):
+        dispatch.quantize_dual(torch.zeros(64, 48, device=device), "rceil")
     q, s = dispatch.quantize_lastdim(torch.zeros(4, 64, device=device), "rceil")
     with pytest.raises(ValueError, match=r"mxfx.dequantize.*\(4, 1\)"):
         dispatch.dequantize_lastdim(q, s[:, :1], torch.bfloat16)
