@@ -186,12 +186,14 @@ def check_both_axes(x: torch.Tensor, rule: str, op: str, hint: str = "") -> torc
             f"{op}: needs a 2D [M, K] or 3D [B, M, K] tensor, got shape {tuple(x.shape)}; reshape it "
             f"(e.g. merge leading dims into M)"
         )
-    bad = [f"{name} = {n}" for name, n in zip("MK", x.shape[-2:]) if n % BLOCK_SIZE]
+    bad = [(name, n) for name, n in zip("MK", x.shape[-2:]) if n % BLOCK_SIZE]
     if bad:
+        values = " and ".join(f"{name} = {n}" for name, n in bad)
+        dims = " and ".join(name for name, _ in bad)
+        verb, target = ("is", "a multiple") if len(bad) == 1 else ("are", "multiples")
         raise ValueError(
             f"{op}: needs a 2D [M, K] or 3D [B, M, K] tensor with M and K multiples of {BLOCK_SIZE}, "
-            f"got shape {tuple(x.shape)} ({' and '.join(bad)} {'is' if len(bad) == 1 else 'are'} not); pad "
-            f"{' and '.join(b[0] for b in bad)} to {'a multiple' if len(bad) == 1 else 'multiples'} of {BLOCK_SIZE}"
+            f"got shape {tuple(x.shape)} ({values} {verb} not); pad {dims} to {target} of {BLOCK_SIZE}"
             f"{hint if bad[0][0] == 'M' else ''}"
         )
     return x if x.dim() == 3 else x.unsqueeze(0)

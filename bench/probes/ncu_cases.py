@@ -17,25 +17,23 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from mxfx.kernels import dispatch  # noqa: E402
 
-CASES = {
-    "dual": lambda x: dispatch.quantize_dual(x, "rceil"),
-    "dual_source": lambda x: dispatch.quantize_dual_source(x, "rceil"),
-    "dual_blocked": lambda x: dispatch.quantize_dual_blocked(x, "rceil"),
-    "dual_hat": lambda x: dispatch.quantize_dual_source(x, "rceil", dequantized=torch.bfloat16),
-    "columnwise": lambda x: dispatch.quantize_lastdim(x.t(), "rceil"),
-    "blocked": lambda x: dispatch.quantize_blocked(x, "rceil"),
-    "rowwise": lambda x: dispatch.quantize_lastdim(x, "rceil"),
+_DUAL_HAT = lambda x: dispatch.quantize_dual_source(x, "rceil", dequantized=torch.bfloat16)  # noqa: E731
+CASES = {  # name: (fn, input dtype)
+    "dual": (lambda x: dispatch.quantize_dual(x, "rceil"), torch.bfloat16),
+    "dual_source": (lambda x: dispatch.quantize_dual_source(x, "rceil"), torch.bfloat16),
+    "dual_blocked": (lambda x: dispatch.quantize_dual_blocked(x, "rceil"), torch.bfloat16),
+    "dual_hat": (_DUAL_HAT, torch.bfloat16),
+    "refresh": (_DUAL_HAT, torch.float32),  # the fp32 main weight
+    "columnwise": (lambda x: dispatch.quantize_lastdim(x.t(), "rceil"), torch.bfloat16),
+    "blocked": (lambda x: dispatch.quantize_blocked(x, "rceil"), torch.bfloat16),
+    "rowwise": (lambda x: dispatch.quantize_lastdim(x, "rceil"), torch.bfloat16),
 }
 
 
 def main() -> None:
     case, m, k = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    if case == "refresh":  # the fp32 main weight: converted once, outside the profiled launches
-        x = x.float()
-        fn = lambda t: dispatch.quantize_dual_source(t, "rceil", dequantized=torch.bfloat16)  # noqa: E731
-    else:
-        fn = CASES[case]
+    fn, dtype = CASES[case]
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
     for _ in range(4):
         fn(x)
     torch.cuda.synchronize()

@@ -9,8 +9,8 @@ wgrad of OCP MX v1.0 GEMMs need. The columnwise pair is stored either
   DRAM traffic) and encodes that one along its rows, as the columnwise quantize of ``x.t()`` does:
   the compiler then transposes the 16-bit input through shared memory 16 bytes at a time
   (``LDSM``), where transposing the E4M3 result took 71 shared accesses of 1-2 bytes and 221
-  byte permutes per thread. On the H200 79.1 / 79.2 / 77.2% of copy became 83.3 / 82.7 / 80.2%
-  (``python bench/probes/occupancy.py``, BENCHMARKS.md 2026-12-02); or
+  byte permutes per thread. On the H200 79.1 / 79.2 / 77.2% of copy became 83.6 / 83.0 / 80.1%
+  (BENCHMARKS.md, 2026-12-02 evening); or
 * in the *source layout* (:func:`quantize_dual_source`): ``q_col`` is the ``.transpose(-2, -1)``
   view of a contiguous ``[M, K]`` byte tensor. Same values, no transpose: every load and store
   runs along K.
@@ -42,7 +42,7 @@ import triton.language as tl
 
 from mxfx.kernels.launch import launch
 from mxfx.kernels.dispatch import TOKEN_DIM_HINT, check_dual_args
-from mxfx.kernels.mx_block import INTERPRETED, blocked_offset, decode_scale, encode_blocks, load_tile, tile_origin
+from mxfx.kernels.mx_block import blocked_offset, decode_scale, encode_blocks, load_tile, tile_origin
 from mxfx.layout import blocked_numel
 
 SOURCE_CONFIG = {2: (32, 64, 1), 4: (32, 64, 1)}
@@ -91,22 +91,35 @@ def _store_tile(ptr, vals, b, r0, c0, R, C, TRANSPOSE: tl.constexpr, EVEN: tl.co
 
 
 @triton.jit
-def _store_blocked(ptr, vals, b, r0, c0, R, C, TRANSPOSE: tl.constexpr, EVEN: tl.constexpr, BR: tl.constexpr,
-                   BC: tl.constexpr):
-    """Store ``vals [BR, BC]``, entries (r0.., c0..) of an [R, C] scale matrix (TRANSPOSE: entries
-    (c0.., r0..) of a [C, R] one), into batch b's blocked layout (``mxfx.layout``). EVEN: no mask."""
+def _store_blocked(ptr, vals, b, r0, c0, R, C, EVEN: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """Store ``vals [BR, BC]``, entries (r0.., c0..) of an [R, C] scale matrix, into batch b's blocked layout
+    (``mxfx.layout``). EVEN: no mask."""
     rr = (r0 + tl.arange(0, BR))[:, None]
     cc = (c0 + tl.arange(0, BC))[None, :]
-    if TRANSPOSE:
-        numel = ((C + 127) // 128 * 128) * ((R + 3) // 4 * 4)
-        offs = blocked_offset(cc, rr, R)
-    else:
-        numel = ((R + 127) // 128 * 128) * ((C + 3) // 4 * 4)
-        offs = blocked_offset(rr, cc, C)
+    numel = ((R + 127) // 128 * 128) * ((C + 3) // 4 * 4)
+    offs = blocked_offset(rr, cc, C)
     if EVEN:
         tl.store(ptr + b.to(tl.int64) * numel + offs, vals)
     else:
         tl.store(ptr + b.to(tl.int64) * numel + offs, vals, mask=(rr < R) & (cc < C))
+
+
+@triton.jit
+def _encode_rows(v, q_ptr, s_ptr, h_ptr, b, r0, c0, R, C, RCEIL: tl.constexpr, MX: tl.constexpr, HAT: tl.constexpr,
+                 BLOCKED: tl.constexpr, EVEN: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, WIDE: tl.constexpr):
+    """Quantize the fp32 tile ``v [BR, BC]`` at rows r0.., cols c0.. of batch b of an [R, C] matrix in blocks of 32
+    along C, and store its qdata into contiguous [B, R, C], its scales MN-major (storage [B, C/32, R]) or in the
+    blocked layout of the [R, C/32] scale matrix (BLOCKED), and with HAT its dequantized values like the qdata."""
+    q, s = encode_blocks(tl.reshape(v, [BR, BC // 32, 32]), 2, RCEIL)
+    if MX:
+        _store_tile(q_ptr, tl.reshape(q, [BR, BC]), b, r0, c0, R, C, False, EVEN, BR, BC, WIDE)
+        if BLOCKED:
+            _store_blocked(s_ptr, s, b, r0, c0 // 32, R, C // 32, EVEN, BR, BC // 32)
+        else:
+            _store_tile(s_ptr, s, b, r0, c0 // 32, R, C // 32, True, EVEN, BR, BC // 32, WIDE)
+    if HAT:
+        h = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * decode_scale(s)[:, :, None]
+        _store_tile(h_ptr, tl.reshape(h, [BR, BC]), b, r0, c0, R, C, False, EVEN, BR, BC, WIDE)
 
 
 @triton.jit
@@ -125,28 +138,10 @@ def _dual_kernel(
         sxk = 1
     v = load_tile(x_ptr, b, m0, k0, M, K, sxb, sxm, sxk, BM, BK, EVEN, EVEN and WIDE)
     if ROW:  # blocks of 32 along K: q_row [B, M, K], s_row [B, M, K/32]
-        q, s = encode_blocks(tl.reshape(v, [BM, BK // 32, 32]), 2, RCEIL)
-        if MX:
-            _store_tile(qr_ptr, tl.reshape(q, [BM, BK]), b, m0, k0, M, K, False, EVEN, BM, BK, WIDE)
-            if BLOCKED:  # the [M, K/32] scale matrix in the blocked layout
-                _store_blocked(sr_ptr, s, b, m0, k0 // 32, M, K // 32, False, EVEN, BM, BK // 32)
-            else:  # MN-major: [B, K/32, M]
-                _store_tile(sr_ptr, s, b, m0, k0 // 32, M, K // 32, True, EVEN, BM, BK // 32, WIDE)
-        if HAT:
-            h = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * decode_scale(s)[:, :, None]
-            _store_tile(hr_ptr, tl.reshape(h, [BM, BK]), b, m0, k0, M, K, False, EVEN, BM, BK, WIDE)
+        _encode_rows(v, qr_ptr, sr_ptr, hr_ptr, b, m0, k0, M, K, RCEIL, MX, HAT, BLOCKED, EVEN, BM, BK, WIDE)
     if COL and COL_T:  # blocks of 32 along M, stored [B, K, M]: the [BK, BM] tile of x^T read again (an L1 hit)
         vt = load_tile(x_ptr, b, k0, m0, K, M, sxb, sxk, sxm, BK, BM, EVEN, EVEN and WIDE)
-        q, s = encode_blocks(tl.reshape(vt, [BK, BM // 32, 32]), 2, RCEIL)
-        if MX:
-            _store_tile(qc_ptr, tl.reshape(q, [BK, BM]), b, k0, m0, K, M, False, EVEN, BK, BM, WIDE)
-            if BLOCKED:  # the [K, M/32] scale matrix in the blocked layout
-                _store_blocked(sc_ptr, s, b, k0, m0 // 32, K, M // 32, False, EVEN, BK, BM // 32)
-            else:  # MN-major: [B, M/32, K]
-                _store_tile(sc_ptr, s, b, k0, m0 // 32, K, M // 32, True, EVEN, BK, BM // 32, WIDE)
-        if HAT:
-            h = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * decode_scale(s)[:, :, None]
-            _store_tile(hc_ptr, tl.reshape(h, [BK, BM]), b, k0, m0, K, M, False, EVEN, BK, BM, WIDE)
+        _encode_rows(vt, qc_ptr, sc_ptr, hc_ptr, b, k0, m0, K, M, RCEIL, MX, HAT, BLOCKED, EVEN, BK, BM, WIDE)
     elif COL:  # blocks of 32 along M, in the source layout: qdata storage [B, M, K], scales [B, M/32, K] (MN-major)
         q, s = encode_blocks(tl.reshape(v, [BM // 32, 32, BK]), 1, RCEIL)
         if MX:
@@ -156,8 +151,10 @@ def _dual_kernel(
             h = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * decode_scale(s)[:, None, :]
             _store_tile(hc_ptr, tl.reshape(h, [BM, BK]), b, m0, k0, M, K, False, EVEN, BM, BK, WIDE)
 
+
 def _quantize_both(x, rule, op, *, row, col, dequantized, transposed, mx=True, blocked=False, hint=""):
     x3 = check_dual_args(x, rule, op, row=row, col=col, dequantized=dequantized, mx=mx, hint=hint)
+    assert transposed or not blocked, "blocked scales are written by the transposed pass only"
     B, M, K = x3.shape
     dev = x.device
 
@@ -189,7 +186,7 @@ def _quantize_both(x, rule, op, *, row, col, dequantized, transposed, mx=True, b
             RCEIL=rule == "rceil", ROW=row, COL=col, MX=mx, HAT=dequantized is not None, COL_T=transposed,
             BLOCKED=blocked, EVEN=M % bm == 0 and K % bk == 0, BATCHED=B > 1, BM=bm, BK=bk,
             CONTIG=contig and x3.stride(1) == K and x3.stride(2) == 1, WIDE=wide, num_warps=warps,
-            maxnreg=TRANSPOSED_MAXNREG if transposed and not blocked and not INTERPRETED else None,
+            maxnreg=TRANSPOSED_MAXNREG if transposed and not blocked else None,
         )
 
     def out(t, view_t, fp8=False):

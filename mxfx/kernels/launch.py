@@ -93,11 +93,14 @@ def launch(kernel, grid: tuple, *args, maxnreg: int | None = None, **kwargs) -> 
         kernel: a ``triton.jit`` function.
         grid: launch grid (ints, or SymInts while tracing with dynamic shapes).
         args, kwargs: the kernel's arguments (constexprs and ``num_warps`` by keyword).
-        maxnreg: cap on registers per thread (compiled kernels; None: ptxas chooses), for kernels whose
-            occupancy is register-bound and measured faster capped.
+        maxnreg: cap on registers per thread (None: ptxas chooses; ignored under Triton's interpreter), for
+            kernels whose occupancy is register-bound and measured faster capped.
     """
     if maxnreg is not None:
-        kernel = _with_register_cap(kernel, kwargs.pop("num_warps", 4), maxnreg)
+        from mxfx.kernels.mx_block import INTERPRETED
+
+        if not INTERPRETED:  # the interpreter has no registers to cap
+            kernel = _with_register_cap(kernel, kwargs.pop("num_warps", 4), maxnreg)
     if any(isinstance(a, torch.Tensor) and traced(a) for a in args):
         from torch.library import wrap_triton
 
