@@ -38,6 +38,20 @@ def blocked_numel(rows: int, cols: int) -> int:
     return _ceil_to(rows, TILE_ROWS) * _ceil_to(cols, TILE_COLS)
 
 
+def new_blocked_scales(rows, cols, lead: tuple = (), device=None) -> torch.Tensor:
+    """Output buffer for kernels that write a ``[rows, cols]`` scale matrix (per leading index) straight into
+    the blocked layout: uint8 ``[*lead, blocked_numel(rows, cols)]``.
+
+    Kernels write only the scales, so the padding bytes must be zero: the buffer is zero-filled (one memset
+    pass over it) where the layout pads, i.e. rows not a multiple of 128 or cols not a multiple of 4, and left
+    uninitialized where every byte is a scale. Symbolic sizes (traced with dynamic shapes) always get zeros,
+    so no guard on them is installed.
+    """
+    numel = blocked_numel(rows, cols)
+    unpadded = isinstance(rows * cols, int) and numel == rows * cols
+    return (torch.empty if unpadded else torch.zeros)((*lead, numel), dtype=torch.uint8, device=device)
+
+
 def blocked_offset(r: torch.Tensor, c: torch.Tensor, cols: int) -> torch.Tensor:
     """Byte offset of scale ``(r, c)`` in the blocked layout of a matrix with ``cols`` columns.
 

@@ -277,6 +277,23 @@ def test_quantize_blocked(shape):
 
 
 @cuda
+def test_blocked_scales_unpadded_every_byte_written():
+    """Where the blocked layout has no padding (rows a multiple of 128, scale columns of 4) the scale buffer is
+    not zero-filled first: every byte must come from the kernel. Cached GPU memory is poisoned with 0xAB first,
+    so a byte the kernel missed would show as 0xAB instead of the reference scale."""
+    x = special_rows(rand((256, 512), torch.bfloat16))  # row scales [256, 16], column scales [512, 8]
+    xc = x.cpu()
+    rq, rs = mxf.quantize_lastdim(xc, "rceil")
+    cq, cs = mxf.quantize_lastdim(xc.t(), "rceil")
+    for run, want in ((lambda: dispatch.quantize_blocked(x, "rceil"), (rq, to_blocked(rs))),
+                      (lambda: dispatch.quantize_dual_blocked(x, "rceil"), (rq, to_blocked(rs), cq, to_blocked(cs)))):
+        torch.cuda.empty_cache()
+        poison = [torch.full((1 << 20,), 0xAB, dtype=torch.uint8, device="cuda") for _ in range(8)]
+        del poison
+        assert_same(run(), want)
+
+
+@cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(96, 64), (300, 2048), (2, 5, 96)])
 def test_dequantize(shape, dtype):

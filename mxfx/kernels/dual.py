@@ -42,8 +42,9 @@ import triton.language as tl
 
 from mxfx.kernels.launch import launch
 from mxfx.kernels.dispatch import TOKEN_DIM_HINT, check_dual_args
-from mxfx.kernels.mx_block import blocked_offset, decode_scale, encode_blocks, load_tile, tile_origin
-from mxfx.layout import blocked_numel
+from mxfx.kernels.mx_block import (CVT_ALL, CVT_BF16X2, blocked_offset, cvt_bits, decode_scale, encode_blocks,
+                                   load_tile, tile_origin)
+from mxfx.layout import new_blocked_scales
 
 SOURCE_CONFIG = {2: (32, 64, 1), 4: (32, 64, 1)}
 """(BLOCK_M, BLOCK_K, num_warps) by input element size in bytes, columnwise pair in the source layout."""
@@ -65,6 +66,13 @@ counts stay within 3% of each other, yet ptxas schedules them differently: the b
 copy with both, transposed from 77.2 / 77.3 / 75.2% to 78.8 / 79.0 / 77.4% with CONTIG, blocked from 75.2 /
 75.0 / 72.4% to 78.4 / 78.2 / 75.6% with WIDE; the fp32 refresh moved by less than a point either way and
 keeps the plain form (BENCHMARKS.md, 2026-12-02)."""
+
+CVT = {"source": CVT_ALL, "source fp32": CVT_ALL, "transposed": CVT_ALL, "blocked": CVT_BF16X2, "dequantized": 0}
+"""Conversion forms (``mx_block.CVT_*`` bits) by output layout as in ``ADDRESS_FORM``, and for a 16-bit input whose
+dequantized forms are written too. Each is what measured fastest on the H200: with both, the dual pass with
+dequantized forms fell from 89.7 / 89.1 / 88.6% to 70.7 / 71.3 / 70.8% of copy (ptxas moved two of its loads
+behind the row pass's arithmetic, and it takes 188 registers instead of 168), while the transposed pass gained
+0.5-1 point (BENCHMARKS.md, 2026-12-02, night)."""
 
 
 @triton.jit
@@ -106,11 +114,12 @@ def _store_blocked(ptr, vals, b, r0, c0, R, C, EVEN: tl.constexpr, BR: tl.conste
 
 @triton.jit
 def _encode_rows(v, q_ptr, s_ptr, h_ptr, b, r0, c0, R, C, RCEIL: tl.constexpr, MX: tl.constexpr, HAT: tl.constexpr,
-                 BLOCKED: tl.constexpr, EVEN: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, WIDE: tl.constexpr):
+                 BLOCKED: tl.constexpr, EVEN: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, WIDE: tl.constexpr,
+                 CVT: tl.constexpr):
     """Quantize the fp32 tile ``v [BR, BC]`` at rows r0.., cols c0.. of batch b of an [R, C] matrix in blocks of 32
     along C, and store its qdata into contiguous [B, R, C], its scales MN-major (storage [B, C/32, R]) or in the
     blocked layout of the [R, C/32] scale matrix (BLOCKED), and with HAT its dequantized values like the qdata."""
-    q, s = encode_blocks(tl.reshape(v, [BR, BC // 32, 32]), 2, RCEIL)
+    q, s = encode_blocks(tl.reshape(v, [BR, BC // 32, 32]), 2, RCEIL, CVT)
     if MX:
         _store_tile(q_ptr, tl.reshape(q, [BR, BC]), b, r0, c0, R, C, False, EVEN, BR, BC, WIDE)
         if BLOCKED:
@@ -128,7 +137,7 @@ def _dual_kernel(
     M, K, sxb, sxm, sxk, n_k_tiles,
     RCEIL: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, MX: tl.constexpr, HAT: tl.constexpr,
     COL_T: tl.constexpr, BLOCKED: tl.constexpr, EVEN: tl.constexpr, BATCHED: tl.constexpr, BM: tl.constexpr,
-    BK: tl.constexpr, CONTIG: tl.constexpr, WIDE: tl.constexpr,
+    BK: tl.constexpr, CONTIG: tl.constexpr, WIDE: tl.constexpr, CVT: tl.constexpr,
 ):
     b, m0, k0 = tile_origin(n_k_tiles, BM, BK)
     if not BATCHED:  # one matrix: b is 0, and its address terms fold away
@@ -136,14 +145,14 @@ def _dual_kernel(
     if CONTIG:  # rows of K contiguous values: the stores' row stride
         sxm = K
         sxk = 1
-    v = load_tile(x_ptr, b, m0, k0, M, K, sxb, sxm, sxk, BM, BK, EVEN, EVEN and WIDE)
+    v = load_tile(x_ptr, b, m0, k0, M, K, sxb, sxm, sxk, BM, BK, EVEN, EVEN and WIDE, CVT)
     if ROW:  # blocks of 32 along K: q_row [B, M, K], s_row [B, M, K/32]
-        _encode_rows(v, qr_ptr, sr_ptr, hr_ptr, b, m0, k0, M, K, RCEIL, MX, HAT, BLOCKED, EVEN, BM, BK, WIDE)
+        _encode_rows(v, qr_ptr, sr_ptr, hr_ptr, b, m0, k0, M, K, RCEIL, MX, HAT, BLOCKED, EVEN, BM, BK, WIDE, CVT)
     if COL and COL_T:  # blocks of 32 along M, stored [B, K, M]: the [BK, BM] tile of x^T read again (an L1 hit)
-        vt = load_tile(x_ptr, b, k0, m0, K, M, sxb, sxk, sxm, BK, BM, EVEN, EVEN and WIDE)
-        _encode_rows(vt, qc_ptr, sc_ptr, hc_ptr, b, k0, m0, K, M, RCEIL, MX, HAT, BLOCKED, EVEN, BK, BM, WIDE)
+        vt = load_tile(x_ptr, b, k0, m0, K, M, sxb, sxk, sxm, BK, BM, EVEN, EVEN and WIDE, CVT)
+        _encode_rows(vt, qc_ptr, sc_ptr, hc_ptr, b, k0, m0, K, M, RCEIL, MX, HAT, BLOCKED, EVEN, BK, BM, WIDE, CVT)
     elif COL:  # blocks of 32 along M, in the source layout: qdata storage [B, M, K], scales [B, M/32, K] (MN-major)
-        q, s = encode_blocks(tl.reshape(v, [BM // 32, 32, BK]), 1, RCEIL)
+        q, s = encode_blocks(tl.reshape(v, [BM // 32, 32, BK]), 1, RCEIL, CVT)
         if MX:
             _store_tile(qc_ptr, tl.reshape(q, [BM, BK]), b, m0, k0, M, K, False, EVEN, BM, BK, WIDE)
             _store_tile(sc_ptr, s, b, m0 // 32, k0, M // 32, K, False, EVEN, BM // 32, BK, WIDE)
@@ -168,9 +177,8 @@ def _quantize_both(x, rule, op, *, row, col, dequantized, transposed, mx=True, b
     q_row, s_row = new((M, K), torch.uint8, row and mx), new((K // 32, M), torch.uint8, row and mx)
     q_col = new(col_shape, torch.uint8, col and mx)
     s_col = new((M // 32, K), torch.uint8, col and mx)
-    if blocked:  # padding bytes stay zero: the kernel writes only the scales
-        s_row = torch.zeros((*lead, blocked_numel(M, K // 32)), dtype=torch.uint8, device=dev)
-        s_col = torch.zeros((*lead, blocked_numel(K, M // 32)), dtype=torch.uint8, device=dev)
+    if blocked:  # the kernel writes only the scales (padding, where the layout has it, zeroed)
+        s_row, s_col = new_blocked_scales(M, K // 32, lead, dev), new_blocked_scales(K, M // 32, lead, dev)
     h_row = new((M, K), dequantized, row and dequantized is not None)
     h_col = new(col_shape, dequantized, col and dequantized is not None)
     bm, bk, warps = TRANSPOSED_CONFIG if transposed else SOURCE_CONFIG[4 if x.element_size() == 4 else 2]
@@ -185,7 +193,9 @@ def _quantize_both(x, rule, op, *, row, col, dequantized, transposed, mx=True, b
             _dual_kernel, (triton.cdiv(M, bm) * n_k, B), x3, *args, M, K, *x3.stride(), n_k,
             RCEIL=rule == "rceil", ROW=row, COL=col, MX=mx, HAT=dequantized is not None, COL_T=transposed,
             BLOCKED=blocked, EVEN=M % bm == 0 and K % bk == 0, BATCHED=B > 1, BM=bm, BK=bk,
-            CONTIG=contig and x3.stride(1) == K and x3.stride(2) == 1, WIDE=wide, num_warps=warps,
+            CONTIG=contig and x3.stride(1) == K and x3.stride(2) == 1, WIDE=wide,
+            CVT=cvt_bits(CVT["dequantized" if dequantized is not None and x.element_size() == 2 else layout]),
+            num_warps=warps,
             maxnreg=TRANSPOSED_MAXNREG if transposed and not blocked else None,
         )
 

@@ -34,6 +34,37 @@ per value in kernels that are otherwise issue-bound. Triton's interpreter conver
 neither saturates nor maps NaN so, and keeps the explicit form; its rounding to E4M3 is not exact either
 (values near a power of two can come out a factor 2 off), so interpreter tests use exactly representable data. Read at import, as Triton reads it."""
 
+E4M3X4_PTX = tl.constexpr(
+    "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
+    "mov.b32 $0, {lo, hi}; }")
+"""Four fp32 values ($1..$4) to their E4M3 bytes in one 32-bit register ($0, $1's byte lowest): the conversion
+``HW_E4M3_CVT`` describes, two values per instruction, the pairs merged by one ``mov``, where Triton's own fp8
+cast goes through 16-bit halves and byte permutes (``PRMT``) to pack the same bytes for a store."""
+
+CVT_E4M3X4 = 1
+"""Bit of a kernel's ``CVT`` constexpr: quantize through :data:`E4M3X4_PTX`."""
+CVT_BF16X2 = 2
+"""Bit of ``CVT``: widen bf16 inputs a register pair at a time (:func:`to_f32`).
+
+Both cut SASS instructions (sm90, Triton 3.6, ``python bench/probes/sass_sm90.py``): the transposed dual quantize
+1256 -> 1096 per thread, the columnwise quantize 1312 -> 1064, every other kernel 3-8%. Yet ptxas then schedules
+some kernels' loads later, among the arithmetic, and those lose bandwidth: on the H200 the blocked-scale quantize
+went from 96 to 88% of copy with the E4M3 packing, the SwiGLU pass with saved pairs from 92 to 87-88% with either,
+the dual pass with dequantized forms from 89 to 71% with both. So each kernel takes the bits that measured fastest
+for it (``MXFX_KERNEL_CVT`` overrides them all for a benchmark run; BENCHMARKS.md, 2026-12-02, night)."""
+CVT_ALL = CVT_E4M3X4 | CVT_BF16X2
+
+_CVT_ENV = os.environ.get("MXFX_KERNEL_CVT", "").strip()
+CVT_OVERRIDE = int(_CVT_ENV) if _CVT_ENV else None
+"""``MXFX_KERNEL_CVT`` (an int of CVT bits, read at import): use these bits in every kernel instead of each
+kernel's own choice. For benchmarks that compare the forms; unset in normal use."""
+
+
+def cvt_bits(chosen: int) -> int:
+    """The ``CVT`` bits a launch passes: the kernel's measured choice, or :data:`CVT_OVERRIDE` when set."""
+    return chosen if CVT_OVERRIDE is None else CVT_OVERRIDE
+
+
 INTERPRETED = HW_E4M3_CVT.value is False
 """Triton's interpreter runs the kernels (``TRITON_INTERPRET=1``, CPU tests)."""
 
@@ -100,6 +131,17 @@ else:
 
 
 @triton.jit
+def to_f32(v, CVT: tl.constexpr = 0):
+    """fp32 values of a loaded tile. With ``CVT & CVT_BF16X2``, compiled kernels widen bf16 pairs as they sit in
+    one 32-bit register (``and`` keeps the high element, ``shl`` moves the low one up): two instructions per pair,
+    where the generic ``cvt`` extracts each half first (``PRMT``, then a shift)."""
+    if (CVT & 2) != 0 and HW_E4M3_CVT and v.dtype == tl.bfloat16 and v.numel % 2 == 0:
+        return tl.inline_asm_elementwise("{ and.b32 $1, $2, 0xFFFF0000; shl.b32 $0, $2, 16; }", "=r,=r,r", [v],
+                                         dtype=tl.float32, is_pure=True, pack=2)
+    return v.to(tl.float32)
+
+
+@triton.jit
 def abs_bits(v):
     """Sign-cleared fp32 bits of ``v`` as int32: integer order equals float order for
     non-negative floats, and NaN/Inf bits sort above every finite value."""
@@ -127,11 +169,15 @@ def block_scale(amax, RCEIL: tl.constexpr):
 
 
 @triton.jit
-def to_e4m3_bits(v, inv_scale, nonfinite):
+def to_e4m3_bits(v, inv_scale, nonfinite, CVT: tl.constexpr = 0):
     """E4M3 bytes of ``v * inv_scale`` (saturated at +-448, RNE); NaN bytes where ``nonfinite``.
 
     ``inv_scale`` as :func:`block_scale` returns it (NaN in nonfinite blocks where ``HW_E4M3_CVT``).
+    ``CVT & CVT_E4M3X4``: four values a conversion call (:data:`E4M3X4_PTX`), same bytes.
     """
+    if (CVT & 1) != 0 and HW_E4M3_CVT and v.numel % 4 == 0:
+        return tl.inline_asm_elementwise(E4M3X4_PTX, "=r,f,f,f,f", [v * inv_scale], dtype=tl.uint8, is_pure=True,
+                                         pack=4)
     if HW_E4M3_CVT:
         return (v * inv_scale).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     scaled = tl.minimum(tl.maximum(v * inv_scale, -448.0), 448.0)
@@ -140,14 +186,14 @@ def to_e4m3_bits(v, inv_scale, nonfinite):
 
 
 @triton.jit
-def encode_blocks(v, AXIS: tl.constexpr, RCEIL: tl.constexpr):
+def encode_blocks(v, AXIS: tl.constexpr, RCEIL: tl.constexpr, CVT: tl.constexpr = 0):
     """Quantize fp32 ``v`` whose blocks of 32 run along ``AXIS`` (a reshaped 3D tile).
 
     Returns ``(qbits, sbyte)``: uint8 E4M3 bytes of ``v``'s shape and uint8 E8M0 bytes
     with ``AXIS`` reduced.
     """
     inv_scale, sbyte, nonfinite = block_scale(tl.max(abs_bits(v), axis=AXIS), RCEIL)
-    qbits = to_e4m3_bits(v, tl.expand_dims(inv_scale, AXIS), tl.expand_dims(nonfinite, AXIS))
+    qbits = to_e4m3_bits(v, tl.expand_dims(inv_scale, AXIS), tl.expand_dims(nonfinite, AXIS), CVT)
     return qbits, sbyte
 
 
@@ -177,7 +223,7 @@ def tile_origin(n_c_tiles, BR: tl.constexpr, BC: tl.constexpr):
 
 @triton.jit
 def load_tile(ptr, b, r0, c0, R, C, sb, sr, sc, BR: tl.constexpr, BC: tl.constexpr, EVEN: tl.constexpr = False,
-              WIDE: tl.constexpr = False):
+              WIDE: tl.constexpr = False, CVT: tl.constexpr = 0):
     """fp32 tile ``[BR, BC]`` at rows r0.., cols c0.. of batch b of a strided [B, R, C] tensor (0 outside).
     EVEN: the caller knows the tile lies inside (BR divides R, BC divides C), and no mask is computed.
     WIDE: each element's offset formed in int64 from its row and column, rather than an int64 tile base plus
@@ -193,7 +239,7 @@ def load_tile(ptr, b, r0, c0, R, C, sb, sr, sc, BR: tl.constexpr, BC: tl.constex
         v = tl.load(offs)
     else:
         v = tl.load(offs, mask=((r0 + ar) < R)[:, None] & ((c0 + ac) < C)[None, :], other=0.0)
-    return v.to(tl.float32)
+    return to_f32(v, CVT)
 
 
 SCALES_ROW_MAJOR = tl.constexpr(0)
@@ -262,7 +308,7 @@ def store_dequantized(h_ptr, qbits, sbyte, b, r0, c0, R, C, BR: tl.constexpr, BC
 
 
 @triton.jit
-def load_blocks(ptr, j0, NBLK, RPR, sr, BR: tl.constexpr, EVEN: tl.constexpr = False):
+def load_blocks(ptr, j0, NBLK, RPR, sr, BR: tl.constexpr, EVEN: tl.constexpr = False, CVT: tl.constexpr = 0):
     """fp32 tile ``[BR, 32]``: 32-value blocks j0.. of a [R, C] tensor with unit column stride and row
     stride ``sr`` (elements), numbered row-major: block j holds row j // RPR, columns 32 (j % RPR)..
     (RPR = C / 32); 0 for j >= NBLK. RPR = 1 with sr = 32 reads a contiguous tensor as one stream.
@@ -274,7 +320,7 @@ def load_blocks(ptr, j0, NBLK, RPR, sr, BR: tl.constexpr, EVEN: tl.constexpr = F
         v = tl.load(ptr + start[:, None] + tl.arange(0, 32)[None, :])
     else:
         v = tl.load(ptr + start[:, None] + tl.arange(0, 32)[None, :], mask=(j < NBLK)[:, None], other=0.0)
-    return v.to(tl.float32)
+    return to_f32(v, CVT)
 
 
 def block_stream(x: torch.Tensor, one_stream: bool = True):

@@ -26,10 +26,13 @@ from mxfx.kernels.dispatch import check_route_args
 from mxfx.kernels.launch import launch
 from mxfx.format import check_block_axis, check_input, check_rule
 from mxfx.kernels.mx_block import (
+    CVT_ALL,
+    CVT_BF16X2,
     SCALES_BLOCKED,
     SCALES_MN_MAJOR,
     SCALES_ROW_MAJOR,
     as_brc,
+    cvt_bits,
     encode_blocks,
     flat_blocks,
     load_tile,
@@ -38,7 +41,7 @@ from mxfx.kernels.mx_block import (
     tile_origin,
 )
 from mxfx.kernels.views import mn_major_storage_shape, mn_major_view, scale_shape
-from mxfx.layout import blocked_numel
+from mxfx.layout import new_blocked_scales
 
 FLAT_CONFIG = (64, 32, 2)
 """(BLOCK_R, BLOCK_C, num_warps) for contiguous inputs seen as a stream of 32-value blocks:
@@ -58,20 +61,26 @@ tokens): 88.7% of copy at 16384x4096 against 87.1% with masks on the H200; a fix
 are multiples of 32 there. Reading a contiguous view's stride as R, per-element int64 offsets and grouped
 tile orders moved the three shapes by less than a point or lost (BENCHMARKS.md, 2026-12-02)."""
 
+CVT = {"quantize": CVT_ALL, "blocked": CVT_BF16X2, "dequantized": CVT_BF16X2}
+"""Conversion forms (``mx_block.CVT_*`` bits) by output: the plain quantize (rowwise, columnwise, route-weight) takes
+both, the blocked-scale and the quantize-dequantize passes only the bf16 widening. On the H200 the E4M3 packing took
+the blocked-scale pass from 96.3 / 96.5 / 91.3% to 87.9 / 86.5 / 81.6% of copy, and the columnwise pass gained
+1-2.6 points with both (``MXFX_KERNEL_CVT=N python bench/kernels.py``, BENCHMARKS.md 2026-12-02, night)."""
+
 
 def _quantize(
     x_ptr, w_ptr, q_ptr, s_ptr, xhat_ptr,
     R, C, RPR, sxb, sxr, sxc, swr, n_c_tiles,
     RCEIL: tl.constexpr, ROW_WEIGHT: tl.constexpr, WRITE_XHAT: tl.constexpr, SCALES: tl.constexpr,
-    BR: tl.constexpr, BC: tl.constexpr, EVEN: tl.constexpr,
+    BR: tl.constexpr, BC: tl.constexpr, EVEN: tl.constexpr, CVT: tl.constexpr,
 ):
     b, r0, c0 = tile_origin(n_c_tiles, BR, BC)
-    v = load_tile(x_ptr, b, r0, c0, R, C, sxb, sxr, sxc, BR, BC, EVEN)
+    v = load_tile(x_ptr, b, r0, c0, R, C, sxb, sxr, sxc, BR, BC, EVEN, CVT=CVT)
     if ROW_WEIGHT:
         rows = r0 + tl.arange(0, BR)
         w = tl.load(w_ptr + (rows // RPR).to(tl.int64) * swr, mask=rows < R, other=0.0).to(tl.float32)
         v = v * w[:, None]
-    qbits, sbyte = encode_blocks(tl.reshape(v, [BR, BC // 32, 32]), 2, RCEIL)
+    qbits, sbyte = encode_blocks(tl.reshape(v, [BR, BC // 32, 32]), 2, RCEIL, CVT)
     store_rowwise(q_ptr, s_ptr, qbits, sbyte, b, r0, c0, R, C, RPR, SCALES, BR, BC, EVEN)
     if WRITE_XHAT:
         store_dequantized(xhat_ptr, qbits, sbyte, b, r0, c0, R, C, BR, BC)
@@ -95,7 +104,7 @@ def _launch(x, rule, *, weight=None, xhat_dtype=None, blocked=False, op="mxfx.qu
     # gets their contiguous storage, the caller its view (made after the launch)
     mn_major = not blocked and x.dim() >= 2 and x3.stride(2) != 1
     if blocked:
-        s = torch.zeros(blocked_numel(B * R // rpr, rpr * C // 32), dtype=torch.uint8, device=x.device)
+        s = new_blocked_scales(B * R // rpr, rpr * C // 32, device=x.device)  # padding zeroed
     else:
         shape = mn_major_storage_shape(x, (B, R, C)) if mn_major else scale_shape(x.shape)
         s = torch.empty(shape, dtype=torch.uint8, device=x.device)
@@ -117,7 +126,8 @@ def _launch(x, rule, *, weight=None, xhat_dtype=None, blocked=False, op="mxfx.qu
             x3, w, q, s, xhat, R, C, rpr, *x3.stride(), w.stride(0) if weight is not None else 0, n_c,
             RCEIL=rule == "rceil", ROW_WEIGHT=weight is not None, WRITE_XHAT=xhat_dtype is not None,
             SCALES=(SCALES_BLOCKED if blocked else SCALES_MN_MAJOR if mn_major else SCALES_ROW_MAJOR).value,
-            BR=br, BC=bc, EVEN=even, num_warps=warps,
+            BR=br, BC=bc, EVEN=even, CVT=cvt_bits(CVT["blocked" if blocked else "dequantized" if xhat_dtype is not None else "quantize"]),
+            num_warps=warps,
         )
     if mn_major:
         s = mn_major_view(s, scale_shape(x.shape))

@@ -23,9 +23,11 @@ import triton.language as tl
 from mxfx.format import BLOCK_SIZE, check_block_axis, check_input, check_rule
 from mxfx.kernels.launch import launch
 from mxfx.kernels.mx_block import (
+    CVT_ALL,
     SCALES_ROW_MAJOR,
     as_brc,
     block_stream,
+    cvt_bits,
     encode_blocks,
     load_blocks,
     load_tile,
@@ -51,15 +53,20 @@ this took separate gate/up from 97.1 / 97.4 / 93.5% to 99.1 / 99.2 / 94.3% of co
 halves lost 0.7-2.7 points and keep their masks, except at H = 32 (one block per row: a plain stream).
 The saved and dequantized passes of contiguous pairs drop them too, untimed
 (``MXFX_BENCH_SWEEP=swiglu_even``, BENCHMARKS.md)."""
+CVT = {"quantize": CVT_ALL, "wide": 0}
+"""Conversion forms (``mx_block.CVT_*`` bits): both for the pass that writes the MX pair alone, none where it also
+writes values or saved pairs. On the H200 the saved pass went from 91.8 / 93.0 / 91.7% to 87.8 / 88.5 / 86.8% of
+copy with both (ptxas then issues the up loads after the gate's arithmetic), the MX pair alone of gate_up halves
+from 97.0 / 97.6 / 93.3% to 98.7 / 99.5 / 94.2% (BENCHMARKS.md, 2026-12-02, night)."""
 SWIGLU_CONFIG = (16, 256, 8)
 """(BLOCK_R, BLOCK_C, num_warps) for other strides (every other column, say)."""
 
 
 @triton.jit
 def _store_mx(q_ptr, s_ptr, v, b, r0, c0, R, C, RCEIL: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
-              EVEN: tl.constexpr):
+              EVEN: tl.constexpr, CVT: tl.constexpr):
     """Quantize the fp32 tile ``v [BR, BC]`` rowwise and store its pair into contiguous [B, R, C] / [B, R, C/32]."""
-    qbits, sbyte = encode_blocks(tl.reshape(v, [BR, BC // 32, 32]), 2, RCEIL)
+    qbits, sbyte = encode_blocks(tl.reshape(v, [BR, BC // 32, 32]), 2, RCEIL, CVT)
     store_rowwise(q_ptr, s_ptr, qbits, sbyte, b, r0, c0, R, C, 1, SCALES_ROW_MAJOR, BR, BC, EVEN)
     return qbits, sbyte
 
@@ -69,22 +76,22 @@ def _swiglu_quantize_kernel(
     g_ptr, u_ptr, q_ptr, s_ptr, h_ptr, gq_ptr, gs_ptr, uq_ptr, us_ptr, R, C, sgb, sgr, sgc, sub, sur, suc,
     n_c_tiles, RPR: tl.constexpr, RCEIL: tl.constexpr, WRITE_XHAT: tl.constexpr, SAVE_INPUTS: tl.constexpr,
     STREAM: tl.constexpr,
-    BR: tl.constexpr, BC: tl.constexpr, EVEN: tl.constexpr,
+    BR: tl.constexpr, BC: tl.constexpr, EVEN: tl.constexpr, CVT: tl.constexpr,
 ):
     b, r0, c0 = tile_origin(n_c_tiles, BR, BC)
     if STREAM:  # R blocks of C = 32 values; the outputs are contiguous, so they are stored as [R, 32] too
-        g = load_blocks(g_ptr, r0, R, RPR, sgr, BR, EVEN)
-        u = load_blocks(u_ptr, r0, R, RPR, sur, BR, EVEN)
+        g = load_blocks(g_ptr, r0, R, RPR, sgr, BR, EVEN, CVT)
+        u = load_blocks(u_ptr, r0, R, RPR, sur, BR, EVEN, CVT)
     else:
-        g = load_tile(g_ptr, b, r0, c0, R, C, sgb, sgr, sgc, BR, BC)
-        u = load_tile(u_ptr, b, r0, c0, R, C, sub, sur, suc, BR, BC)
+        g = load_tile(g_ptr, b, r0, c0, R, C, sgb, sgr, sgc, BR, BC, CVT=CVT)
+        u = load_tile(u_ptr, b, r0, c0, R, C, sub, sur, suc, BR, BC, CVT=CVT)
     v = silu_f32(g) * u
-    qbits, sbyte = _store_mx(q_ptr, s_ptr, v, b, r0, c0, R, C, RCEIL, BR, BC, EVEN)
+    qbits, sbyte = _store_mx(q_ptr, s_ptr, v, b, r0, c0, R, C, RCEIL, BR, BC, EVEN, CVT)
     if WRITE_XHAT:
         store_dequantized(h_ptr, qbits, sbyte, b, r0, c0, R, C, BR, BC, EVEN)
     if SAVE_INPUTS:
-        _store_mx(gq_ptr, gs_ptr, g, b, r0, c0, R, C, RCEIL, BR, BC, EVEN)
-        _store_mx(uq_ptr, us_ptr, u, b, r0, c0, R, C, RCEIL, BR, BC, EVEN)
+        _store_mx(gq_ptr, gs_ptr, g, b, r0, c0, R, C, RCEIL, BR, BC, EVEN, CVT)
+        _store_mx(uq_ptr, us_ptr, u, b, r0, c0, R, C, RCEIL, BR, BC, EVEN, CVT)
 
 
 def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str, dequantized: torch.dtype | None = None,
@@ -130,7 +137,8 @@ def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str, dequantized
             _swiglu_quantize_kernel, (triton.cdiv(R, br) * n_c, B),
             g3, u3, q, s, h if h is not None else g3, *saved, R, C, *strides, n_c, RPR=rpr,
             RCEIL=rule == "rceil", WRITE_XHAT=h is not None, SAVE_INPUTS=save_inputs, STREAM=stream,
-            BR=br, BC=bc, EVEN=STREAM_EVEN and stream and rpr == 1 and R % br == 0, num_warps=warps,
+            BR=br, BC=bc, EVEN=STREAM_EVEN and stream and rpr == 1 and R % br == 0,
+            CVT=cvt_bits(CVT["wide" if save_inputs or h is not None else "quantize"]), num_warps=warps,
         )
     out = (q.view(torch.float8_e4m3fn), s) if h is None else (q.view(torch.float8_e4m3fn), s, h)
     if save_inputs:
