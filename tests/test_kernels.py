@@ -285,8 +285,12 @@ def test_blocked_scales_unpadded_every_byte_written():
     xc = x.cpu()
     rq, rs = mxf.quantize_lastdim(xc, "rceil")
     cq, cs = mxf.quantize_lastdim(xc.t(), "rceil")
+    x3 = special_rows(rand((2, 128, 256), torch.bfloat16))  # per batch: [128, 8] and [256, 4] scale matrices
+    (r3q, r3s), (c3q, c3s) = mxf.quantize_lastdim(x3.cpu(), "rceil"), mxf.quantize_lastdim(x3.cpu().transpose(-2, -1), "rceil")
+    stack = lambda t: torch.stack([to_blocked(m) for m in t])  # noqa: E731
     for run, want in ((lambda: dispatch.quantize_blocked(x, "rceil"), (rq, to_blocked(rs))),
-                      (lambda: dispatch.quantize_dual_blocked(x, "rceil"), (rq, to_blocked(rs), cq, to_blocked(cs)))):
+                      (lambda: dispatch.quantize_dual_blocked(x, "rceil"), (rq, to_blocked(rs), cq, to_blocked(cs))),
+                      (lambda: dispatch.quantize_dual_blocked(x3, "rceil"), (r3q, stack(r3s), c3q, stack(c3s)))):
         torch.cuda.empty_cache()
         poison = [torch.full((1 << 20,), 0xAB, dtype=torch.uint8, device="cuda") for _ in range(8)]
         del poison
@@ -605,6 +609,12 @@ def _interpreter_checks():
     for x3 in (exact_input((1, 64, 128), seed=2), exact_input((2, 64, 128), seed=3)):  # even tiles, one or two matrices
         assert_same(dual.quantize_dual(x3, "floor"),
                     (*mxf.quantize_lastdim(x3, "floor"), *mxf.quantize_lastdim(x3.transpose(-2, -1), "floor")))
+    for x3 in (exact_input((128, 256), seed=4), exact_input((2, 128, 128), seed=5)):  # blocked scales in whole tiles
+        (rq, rs), (cq, cs) = mxf.quantize_lastdim(x3, "rceil"), mxf.quantize_lastdim(x3.transpose(-2, -1), "rceil")
+        got = dual.quantize_dual_blocked(x3.to(torch.bfloat16), "rceil")
+        blocked = [torch.stack([to_blocked(m) for m in t.reshape(-1, *t.shape[-2:])]).reshape(g.shape)
+                   for t, g in ((rs, got[1]), (cs, got[3]))]
+        assert_same(got, (rq, blocked[0], cq, blocked[1]))
     x = xc  # 16-bit subnormal outputs are flushed by the interpreter too
     rq, rs = mxf.quantize_lastdim(x, "rceil")
     q, b = quantize.quantize_blocked(x[:50], "rceil")
