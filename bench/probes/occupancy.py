@@ -32,8 +32,6 @@ GRID = {
                         [(32, 64, 1), (32, 32, 1), (64, 64, 1), (32, 128, 1), (64, 32, 1), (64, 64, 2)], CAPS),
     "dual blocked": (lambda x: dispatch.quantize_dual_blocked(x, "rceil"), 2 + 66 / 32, dual, "TRANSPOSED_CONFIG",
                      [(32, 64, 1), (32, 128, 1), (64, 64, 1), (128, 32, 1)], [None, 96, 128]),
-    "dual blocked whole tiles": (lambda x: dispatch.quantize_dual_blocked(x, "rceil"), 2 + 66 / 32, dual,
-                                 "BLOCKED_WHOLE_TILES", [False, True], [None, 96, 128]),  # a flag, not tiles
     "columnwise": (lambda x: dispatch.quantize_lastdim(x.t(), "rceil"), 2 + 33 / 32, quantize, "COLWISE_CONFIG",
                    [(128, 32, 1), (64, 32, 1), (256, 32, 2)], [None, 64, 72, 80, 96]),
     "dual source": (lambda x: dispatch.quantize_dual_source(x, "rceil"), 2 + 66 / 32, dual, "SOURCE_CONFIG",

@@ -161,57 +161,6 @@ def _dual_kernel(
             _store_tile(hc_ptr, tl.reshape(h, [BM, BK]), b, m0, k0, M, K, False, EVEN, BM, BK, WIDE)
 
 
-BLOCKED_WHOLE_TILES = True
-"""Blocked scales, where 128 divides M and K: one program quantizes a [128, 128] region as eight of the transposed
-pass's [32, 64] tiles and keeps their scales in registers, so each blocked scale matrix gets one whole 512-byte
-tile from it, one 16-byte store per thread, instead of 2 bytes in every 16 from each [32, 64] program (byte stores
-that kept the L2 94% busy, BENCHMARKS.md 2026-12-02 evening). False: the [32, 64] programs, as other shapes get."""
-
-
-@triton.jit
-def _dual_blocked_tiles_kernel(
-    x_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr, M, K, sxb, sxm, sxk, n_k_tiles,
-    RCEIL: tl.constexpr, BATCHED: tl.constexpr, CONTIG: tl.constexpr, WIDE: tl.constexpr, CVT: tl.constexpr,
-):
-    """``quantize_dual_blocked`` of a [128, 128] region per program (M and K multiples of 128, so no masks and no
-    padding): rowwise and transposed columnwise qdata as ``_dual_kernel`` writes them, and the region's tile of each
-    blocked scale matrix (``mxfx.layout``: byte (r % 32) * 16 + (r % 128) // 32 * 4 + c % 4 of a 512-byte tile)."""
-    b, m0, k0 = tile_origin(n_k_tiles, 128, 128)
-    if not BATCHED:
-        b = b * 0
-    if CONTIG:
-        sxm = K
-        sxk = 1
-    ai = tl.arange(0, 4)
-    aj = tl.arange(0, 2)
-    # row scales (row % 32, row // 32, scale column // 2, scale column % 2); column scales (k % 32, k // 64,
-    # k // 32 % 2, M block): each, flattened, is its blocked tile byte for byte
-    acc_r = tl.zeros([32, 4, 2, 2], dtype=tl.uint8)
-    acc_c = tl.zeros([32, 2, 2, 4], dtype=tl.uint8)
-    for t in range(8):
-        i = t // 2
-        j = t % 2
-        mi = m0 + 32 * i
-        kj = k0 + 64 * j
-        v = load_tile(x_ptr, b, mi, kj, M, K, sxb, sxm, sxk, 32, 64, True, WIDE, CVT)
-        q, s = encode_blocks(tl.reshape(v, [32, 2, 32]), 2, RCEIL, CVT)
-        _store_tile(qr_ptr, tl.reshape(q, [32, 64]), b, mi, kj, M, K, False, True, 32, 64, WIDE)
-        here = (ai == i)[None, :, None, None] & (aj == j)[None, None, :, None]
-        acc_r = tl.where(here, s[:, None, None, :], acc_r)
-        vt = load_tile(x_ptr, b, kj, mi, K, M, sxb, sxk, sxm, 64, 32, True, WIDE, CVT)  # x^T tile: an L1 hit
-        qt, st = encode_blocks(tl.reshape(vt, [64, 1, 32]), 2, RCEIL, CVT)
-        _store_tile(qc_ptr, tl.reshape(qt, [64, 32]), b, kj, mi, K, M, False, True, 64, 32, WIDE)
-        st = tl.trans(tl.reshape(st, [2, 32]))  # [k % 32, k // 32 % 2]
-        here = (aj == j)[None, :, None, None] & (ai == i)[None, None, None, :]
-        acc_c = tl.where(here, st[:, None, :, None], acc_c)
-    numel = M * (K // 32)  # bytes per matrix of either scale layout (no padding)
-    a = tl.arange(0, 512)
-    tile_r = (m0 // 128) * (K // 128) + k0 // 128
-    tile_c = (k0 // 128) * (M // 128) + m0 // 128
-    tl.store(sr_ptr + b.to(tl.int64) * numel + tile_r.to(tl.int64) * 512 + a, tl.reshape(acc_r, [512]))
-    tl.store(sc_ptr + b.to(tl.int64) * numel + tile_c.to(tl.int64) * 512 + a, tl.reshape(acc_c, [512]))
-
-
 def _quantize_both(x, rule, op, *, row, col, dequantized, transposed, mx=True, blocked=False, hint=""):
     x3 = check_dual_args(x, rule, op, row=row, col=col, dequantized=dequantized, mx=mx, hint=hint)
     assert transposed or not blocked, "blocked scales are written by the transposed pass only"
@@ -237,14 +186,7 @@ def _quantize_both(x, rule, op, *, row, col, dequantized, transposed, mx=True, b
     layout = ("blocked" if blocked else "transposed" if transposed
               else "source fp32" if x.element_size() == 4 else "source")
     contig, wide = ADDRESS_FORM[layout]
-    if blocked and BLOCKED_WHOLE_TILES and M % 128 == 0 and K % 128 == 0 and B * M * K > 0:
-        launch(
-            _dual_blocked_tiles_kernel, ((M // 128) * (K // 128), B), x3, q_row, s_row, q_col, s_col, M, K,
-            *x3.stride(), K // 128, RCEIL=rule == "rceil", BATCHED=B > 1,
-            CONTIG=contig and x3.stride(1) == K and x3.stride(2) == 1, WIDE=wide, CVT=cvt_bits(CVT["blocked"]),
-            num_warps=1,
-        )
-    elif B * M * K > 0:
+    if B * M * K > 0:
         # outputs not written get the (read-only) input as a placeholder pointer
         args = [t if t is not None else x3 for t in (q_row, s_row, h_row, q_col, s_col, h_col)]
         launch(
