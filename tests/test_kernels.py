@@ -298,6 +298,34 @@ def test_blocked_scales_unpadded_every_byte_written():
 
 
 @cuda
+@pytest.mark.parametrize("cvt", [0, 1, 2, 3])
+def test_conversion_forms_give_the_same_bytes(monkeypatch, cvt):
+    """Every combination of the conversion forms (``mx_block.CVT_*``: E4M3 bytes four to a register, bf16 widened
+    a register pair at a time), forced into every kernel that takes them, gives the reference bytes; the kernels'
+    own choices are speed choices only."""
+    from mxfx.kernels import mx_block
+
+    monkeypatch.setattr(mx_block, "CVT_OVERRIDE", cvt)
+    x = special_rows(rand((256, 512), torch.bfloat16))
+    g, u = rand((256, 512), torch.bfloat16, scale_rows=False) * 4, x
+    xc = x.cpu()
+    row, col = mxf.quantize_lastdim(xc, "rceil"), mxf.quantize_lastdim(xc.t(), "rceil")
+    assert_same(dispatch.quantize_lastdim(x, "rceil"), row)
+    assert_same(dispatch.quantize_lastdim(x.t(), "rceil"), col)
+    assert_same(dispatch.quantize_dual(x, "rceil"), (*row, *col))
+    assert_same(dispatch.quantize_dual_blocked(x, "rceil"), (row[0], to_blocked(row[1]), col[0], to_blocked(col[1])))
+    assert_same(dispatch.quantize_blocked(x, "rceil"), (row[0], to_blocked(row[1])))
+    assert_same(dispatch.quantize_dequantize(x, "rceil", torch.bfloat16), with_values(row, torch.bfloat16))
+    check_dual_source(dispatch.quantize_dual_source(x, "rceil", dequantized=torch.bfloat16), x, "rceil", torch.bfloat16)
+    check_dual_source(dispatch.quantize_dual_source(x.float(), "floor", dequantized=torch.bfloat16), x.float(), "floor",
+                      torch.bfloat16)
+    got = dispatch.swiglu_quantize(g, u, "rceil")
+    assert_same(got, swiglu_ref(g, u, "rceil"))
+    assert_same(dispatch.swiglu_quantize(g, u, "rceil", torch.bfloat16, save_inputs=True),
+                with_saved_inputs(with_values(got, torch.bfloat16), g, u, "rceil"))
+
+
+@cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(96, 64), (300, 2048), (2, 5, 96)])
 def test_dequantize(shape, dtype):

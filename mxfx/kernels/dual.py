@@ -68,11 +68,12 @@ copy with both, transposed from 77.2 / 77.3 / 75.2% to 78.8 / 79.0 / 77.4% with 
 keeps the plain form (BENCHMARKS.md, 2026-12-02)."""
 
 CVT = {"source": CVT_ALL, "source fp32": CVT_ALL, "transposed": CVT_ALL, "blocked": CVT_BF16X2, "dequantized": 0}
-"""Conversion forms (``mx_block.CVT_*`` bits) by output layout as in ``ADDRESS_FORM``, and for a 16-bit input whose
-dequantized forms are written too. Each is what measured fastest on the H200: with both, the dual pass with
-dequantized forms fell from 89.7 / 89.1 / 88.6% to 70.7 / 71.3 / 70.8% of copy (ptxas moved two of its loads
-behind the row pass's arithmetic, and it takes 188 registers instead of 168), while the transposed pass gained
-0.5-1 point (BENCHMARKS.md, 2026-12-02, night)."""
+"""Conversion forms (``mx_block.CVT_*`` bits) by output layout as in ``ADDRESS_FORM``, plus the forms for a 16-bit
+input whose dequantized forms are written too. With both, that last pass fell from 89.7 / 89.1 / 88.6% to 70.7 /
+71.3 / 70.8% of copy on the H200 (ptxas issued two of its loads behind the row pass's arithmetic, and it took 188
+registers instead of 168); the blocked pass measured best with the widening alone; the others moved by less than the
+run-to-run spread, the transposed pass too (86.2 / 86.0 / 85.0% without, 85.8 / 86.4 / 84.1% with, one run), although
+it runs 13% fewer instructions: it is bound by load latency, not by issue (BENCHMARKS.md, 2026-12-02, night)."""
 
 
 @triton.jit

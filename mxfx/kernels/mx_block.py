@@ -47,7 +47,7 @@ CVT_BF16X2 = 2
 """Bit of ``CVT``: widen bf16 inputs a register pair at a time (:func:`to_f32`).
 
 Both cut SASS instructions (sm90, Triton 3.6, ``python bench/probes/sass_sm90.py``): the transposed dual quantize
-1256 -> 1096 per thread, the columnwise quantize 1312 -> 1064, every other kernel 3-8%. Yet ptxas then schedules
+1256 -> 1096 per thread, the columnwise quantize 1312 -> 1064, every other kernel 3-6%. Yet ptxas then schedules
 some kernels' loads later, among the arithmetic, and those lose bandwidth: on the H200 the blocked-scale quantize
 went from 96 to 88% of copy with the E4M3 packing, the SwiGLU pass with saved pairs from 92 to 87-88% with either,
 the dual pass with dequantized forms from 89 to 71% with both. So each kernel takes the bits that measured fastest
@@ -55,9 +55,12 @@ for it (``MXFX_KERNEL_CVT`` overrides them all for a benchmark run; BENCHMARKS.m
 CVT_ALL = CVT_E4M3X4 | CVT_BF16X2
 
 _CVT_ENV = os.environ.get("MXFX_KERNEL_CVT", "").strip()
+if _CVT_ENV not in ("", "0", "1", "2", "3"):
+    raise ValueError(f"MXFX_KERNEL_CVT={_CVT_ENV!r}: expected 0-3 (bits {CVT_E4M3X4}: E4M3 packing, {CVT_BF16X2}: bf16 "
+                     "widening), or unset it to let each kernel use its own forms")
 CVT_OVERRIDE = int(_CVT_ENV) if _CVT_ENV else None
-"""``MXFX_KERNEL_CVT`` (an int of CVT bits, read at import): use these bits in every kernel instead of each
-kernel's own choice. For benchmarks that compare the forms; unset in normal use."""
+"""``MXFX_KERNEL_CVT`` (0-3, CVT bits, read at import): use these bits in every kernel instead of each kernel's
+own choice. For benchmarks that compare the forms, and tests; unset in normal use. Other values raise ValueError."""
 
 
 def cvt_bits(chosen: int) -> int:

@@ -55,9 +55,10 @@ The saved and dequantized passes of contiguous pairs drop them too, untimed
 (``MXFX_BENCH_SWEEP=swiglu_even``, BENCHMARKS.md)."""
 CVT = {"quantize": CVT_ALL, "wide": 0}
 """Conversion forms (``mx_block.CVT_*`` bits): both for the pass that writes the MX pair alone, none where it also
-writes values or saved pairs. On the H200 the saved pass went from 91.8 / 93.0 / 91.7% to 87.8 / 88.5 / 86.8% of
-copy with both (ptxas then issues the up loads after the gate's arithmetic), the MX pair alone of gate_up halves
-from 97.0 / 97.6 / 93.3% to 98.7 / 99.5 / 94.2% (BENCHMARKS.md, 2026-12-02, night)."""
+writes values or saved pairs. On the H200 the MX pair of gate_up halves went from 97.3 / 98.1 / 94.4% to 99.4 / 99.9 /
+95.4% of copy with both (one run), while the saved pass fell from 91.8 / 93.0 / 91.7% to 87.8 / 88.5 / 86.8% with
+both and to 87-89% with either (ptxas then issues the up loads after the gate's arithmetic; BENCHMARKS.md,
+2026-12-02, night)."""
 SWIGLU_CONFIG = (16, 256, 8)
 """(BLOCK_R, BLOCK_C, num_warps) for other strides (every other column, say)."""
 
