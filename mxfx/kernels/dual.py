@@ -54,7 +54,9 @@ TRANSPOSED_MAXNREG = 96
 """Registers per thread for the transposed pass of compiled kernels (None: uncapped). Uncapped, ptxas gives
 it 147, which leaves 12 warps per SM; capped at 96 it went from 83.3 / 82.7 / 80.2% to 86.9 / 86.0 / 84.7% of
 copy on the H200. The blocked pass lost 1-3 points capped, and every other kernel lost or moved by less than a
-point (``python bench/probes/occupancy.py``, BENCHMARKS.md 2026-12-02)."""
+point (``python bench/probes/occupancy.py``, BENCHMARKS.md 2026-12-02). With the conversion forms of ``CVT`` in,
+uncapped, 96 and 128 measured within the run-to-run spread of each other (ncu: the pass waits on its loads,
+BENCHMARKS.md 2026-12-02 night); 96 is kept."""
 ADDRESS_FORM = {"source": (True, True), "source fp32": (False, False), "transposed": (True, False),
                 "blocked": (False, True)}
 """(CONTIG, WIDE) of ``_dual_kernel`` by output layout (the source layout split by input element size), as
