@@ -138,7 +138,7 @@ def to_f32(v, CVT: tl.constexpr = 0):
     """fp32 values of a loaded tile. With ``CVT & CVT_BF16X2``, compiled kernels widen bf16 pairs as they sit in
     one 32-bit register (``and`` keeps the high element, ``shl`` moves the low one up): two instructions per pair,
     where the generic ``cvt`` extracts each half first (``PRMT``, then a shift)."""
-    if (CVT & 2) != 0 and HW_E4M3_CVT and v.dtype == tl.bfloat16 and v.numel % 2 == 0:
+    if (CVT & 2) != 0 and HW_E4M3_CVT and v.dtype == tl.bfloat16 and v.numel % 2 == 0:  # 2: CVT_BF16X2
         return tl.inline_asm_elementwise("{ and.b32 $1, $2, 0xFFFF0000; shl.b32 $0, $2, 16; }", "=r,=r,r", [v],
                                          dtype=tl.float32, is_pure=True, pack=2)
     return v.to(tl.float32)
@@ -178,7 +178,7 @@ def to_e4m3_bits(v, inv_scale, nonfinite, CVT: tl.constexpr = 0):
     ``inv_scale`` as :func:`block_scale` returns it (NaN in nonfinite blocks where ``HW_E4M3_CVT``).
     ``CVT & CVT_E4M3X4``: four values a conversion call (:data:`E4M3X4_PTX`), same bytes.
     """
-    if (CVT & 1) != 0 and HW_E4M3_CVT and v.numel % 4 == 0:
+    if (CVT & 1) != 0 and HW_E4M3_CVT and v.numel % 4 == 0:  # 1: CVT_E4M3X4 (plain ints: launch arguments)
         return tl.inline_asm_elementwise(E4M3X4_PTX, "=r,f,f,f,f", [v * inv_scale], dtype=tl.uint8, is_pure=True,
                                          pack=4)
     if HW_E4M3_CVT:
