@@ -1,6 +1,6 @@
 """Train a small OLMoE-style MoE on real text twice, BF16 vs MXFP8, and compare held-out loss.
 
-    python examples/train_moe.py                         # defaults: 4-13 minutes on 2 CPU cores (see README)
+    python examples/train_moe.py                         # defaults: 5-12 minutes on 2 CPU cores (see README)
     python examples/train_moe.py --arms bf16             # reference arm only
     python examples/train_moe.py --device cuda --d-model 1024 --layers 8 --experts 32 --topk 4 \\
         --expert-hidden 512 --seq 1024 --batch 32 --steps 2000

@@ -112,8 +112,15 @@ def from_blocked(blocked: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
         contiguous ``[rows, cols]`` tensor of ``blocked.dtype``.
 
     Raises:
-        ValueError: ``blocked`` does not hold exactly ``blocked_numel(rows, cols)`` bytes.
+        TypeError: ``blocked`` is not of a 1-byte dtype (E8M0 scales are bytes).
+        ValueError: negative ``rows`` or ``cols``, or ``blocked`` does not hold exactly
+            ``blocked_numel(rows, cols)`` bytes.
     """
+    if blocked.element_size() != 1:
+        raise TypeError(f"mxfx.layout.from_blocked: blocked scales must be bytes (uint8 or float8_e8m0fnu), got "
+                        f"{blocked.dtype} of shape {tuple(blocked.shape)}")
+    if rows < 0 or cols < 0:
+        raise ValueError(f"mxfx.layout.from_blocked: rows and cols must be >= 0, got [{rows}, {cols}]")
     prows, pcols = _ceil_to(rows, TILE_ROWS), _ceil_to(cols, TILE_COLS)
     if blocked.numel() != prows * pcols:
         raise ValueError(

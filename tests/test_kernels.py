@@ -106,6 +106,15 @@ def test_cpu_quantize_blocked_reference():
     q, b = dispatch.quantize_blocked(x, "rceil")
     rq, rs = mxf.quantize_lastdim(x, "rceil")
     assert same_bits(q, rq) and torch.equal(b, to_blocked(rs.reshape(300, 2)))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import mxfx.kernels.ops  # noqa: F401  (registers the ops)
+
+    for shape in ((64, 0), (0, 64), (0, 0), (2, 64, 0), (1, 0, 96)):  # no rows or no columns: as the fake says
+        q, b = dispatch.quantize_blocked(torch.zeros(shape), "rceil")
+        with FakeTensorMode() as mode:
+            fq, fb = torch.ops.mxfx.quantize_blocked(mode.from_tensor(torch.zeros(shape)), "rceil")
+        assert (q.shape, b.shape, q.dtype) == (fq.shape, fb.shape, fq.dtype) and b.numel() == 0, shape
 
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
@@ -647,6 +656,14 @@ def _interpreter_checks():
     rq, rs = mxf.quantize_lastdim(x, "rceil")
     q, b = quantize.quantize_blocked(x[:50], "rceil")
     assert same_bits(q, rq[:50]) and torch.equal(b, to_blocked(rs[:50]))
+    for shape in ((64, 0), (0, 64), (2, 64, 0)):  # empty inputs: empty qdata and an empty layout, no launch
+        eq, eb = quantize.quantize_blocked(torch.zeros(shape), "rceil")
+        assert eq.shape == shape and eq.dtype == torch.float8_e4m3fn and eb.shape == (0,), shape
+    try:
+        quantize.quantize_blocked(torch.tensor(1.0), "rceil")
+        raise AssertionError("a 0-D input was accepted")
+    except ValueError as e:
+        assert "scalar cannot be block-quantized" in str(e), e
     assert_same(quantize.quantize_dequantize(x, "rceil", torch.bfloat16), (rq, rs, mxf.dequantize_lastdim(rq, rs, torch.bfloat16)))
     w = 2.0 ** torch.randint(-3, 3, (96,)).float()
     assert_same(quantize.route_weight_quantize(x, w, "rceil"), mxf.quantize_lastdim(x * w[:, None], "rceil"))

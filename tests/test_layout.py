@@ -75,3 +75,7 @@ def test_errors():
         to_blocked(torch.zeros(4, 4))
     with pytest.raises(ValueError, match=r"from_blocked.*\(100,\).*\[128, 4\].*512"):
         from_blocked(torch.zeros(100, dtype=torch.uint8), 128, 4)
+    with pytest.raises(TypeError, match=r"from_blocked.*bytes.*torch.float32 of shape \(512,\)"):
+        from_blocked(torch.zeros(512), 128, 4)
+    with pytest.raises(ValueError, match=r"from_blocked.*>= 0.*\[-1, 4\]"):
+        from_blocked(torch.zeros(512, dtype=torch.uint8), -1, 4)

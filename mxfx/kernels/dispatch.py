@@ -77,7 +77,7 @@ def quantize_blocked(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Te
         return tq.quantize_blocked(x, rule)
     _check(x, rule, "mxfx.quantize_blocked")
     q, s = mxf.quantize_lastdim(x, rule)
-    return q, to_blocked(s.reshape(-1, s.shape[-1]))
+    return q, to_blocked(s.reshape(s.shape[:-1].numel(), s.shape[-1]))  # also with no rows or no scale columns
 
 
 def dequantize_lastdim(qdata: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

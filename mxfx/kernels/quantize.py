@@ -150,8 +150,14 @@ def quantize_blocked(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Te
 
     Returns ``(q [..., K], s_blocked uint8 [blocked_numel(rows, K/32)])``, padding zero.
     """
-    x2 = x.reshape(-1, x.shape[-1])
-    q, s, _ = _launch(x2, rule, blocked=True, op="mxfx.quantize_blocked")
+    op = "mxfx.quantize_blocked"
+    check_input(x, op)  # before x.shape[-1]: a 0-D x gets the checks' message
+    check_block_axis(x.shape, -1, op)
+    rows = x.shape[:-1].numel()
+    if x.numel() == 0:  # no rows or K = 0: empty qdata, and the (empty or all-padding) blocked layout
+        return (torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device),
+                new_blocked_scales(rows, x.shape[-1] // 32, device=x.device))
+    q, s, _ = _launch(x.reshape(rows, x.shape[-1]), rule, blocked=True, op=op)
     return q.view(x.shape), s
 
 
