@@ -131,22 +131,10 @@ def sass():
 
 
 def time_all():
-    from kernels import SHAPES, copy_bandwidth, median_ms
+    from variant_table import time_variants
 
-    copy_gbs = copy_bandwidth()
-    print(f"copy {copy_gbs:.0f} GB/s\n| variant | shape | % of copy | bytes |\n|---|---|---|---|")
-    for m, k in SHAPES:
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        nbytes = 2 * m * k + 2 * m * k * 33 / 32
-        ref = dual.quantize_dual(x, "rceil")
-        pct = 100 * nbytes / median_ms(lambda: dual.quantize_dual(x, "rceil")) / 1e6 / copy_gbs
-        print(f"| module transposed | {m}x{k} | {pct:.1f}% | - |", flush=True)
-        for name, *cfg in VARIANTS:
-            pct = 100 * nbytes / median_ms(lambda: run(x, *cfg)) / 1e6 / copy_gbs
-            ok = "exact" if same(run(x, *cfg), ref) else "DIFFER"
-            print(f"| {name} | {m}x{k} | {pct:.1f}% | {ok} |", flush=True)
-        del x
-        torch.cuda.empty_cache()
+    time_variants("module transposed", lambda x: dual.quantize_dual(x, "rceil"),
+                  [(name, lambda x, cfg=cfg: run(x, *cfg)) for name, *cfg in VARIANTS], same)
 
 
 if __name__ == "__main__":

@@ -101,22 +101,10 @@ def check():
 
 
 def time_all():
-    from kernels import SHAPES, copy_bandwidth, median_ms
+    from variant_table import time_variants
 
-    copy_gbs = copy_bandwidth()
-    print(f"copy {copy_gbs:.0f} GB/s\n| variant | shape | % of copy | bytes |\n|---|---|---|---|")
-    for m, k in SHAPES:
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        nbytes = 2 * m * k + 2 * m * k * 33 / 32
-        ref = module(x)
-        pct = 100 * nbytes / median_ms(lambda: module(x)) / 1e6 / copy_gbs
-        print(f"| module `quantize_dual_source` | {m}x{k} | {pct:.1f}% | - |", flush=True)
-        for flags in VARIANTS:
-            pct = 100 * nbytes / median_ms(lambda: run(x, flags)) / 1e6 / copy_gbs
-            ok = "exact" if same(run(x, flags), ref) else "DIFFER"
-            print(f"| {name(flags)} | {m}x{k} | {pct:.1f}% | {ok} |", flush=True)
-        del x
-        torch.cuda.empty_cache()
+    time_variants("module `quantize_dual_source`", module,
+                  [(name(flags), lambda x, flags=flags: run(x, flags)) for flags in VARIANTS], same)
 
 
 if __name__ == "__main__":
