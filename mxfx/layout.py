@@ -40,12 +40,20 @@ def blocked_numel(rows: int, cols: int) -> int:
 
 def new_blocked_scales(rows, cols, lead: tuple = (), device=None) -> torch.Tensor:
     """Output buffer for kernels that write a ``[rows, cols]`` scale matrix (per leading index) straight into
-    the blocked layout: uint8 ``[*lead, blocked_numel(rows, cols)]``.
+    the blocked layout of this module (the scale layout of Blackwell block-scaled GEMMs; padding bytes zero).
 
     Kernels write only the scales, so the padding bytes must be zero: the buffer is zero-filled (one memset
     pass over it) where the layout pads, i.e. rows not a multiple of 128 or cols not a multiple of 4, and left
     uninitialized where every byte is a scale. Symbolic sizes (traced with dynamic shapes) always get zeros,
     so no guard on them is installed.
+
+    Args:
+        rows, cols: the scale matrix's shape (cols = K / 32), ints or SymInts, >= 0.
+        lead: leading dims (e.g. ``(B,)`` for one matrix per batch).
+        device: where to allocate.
+
+    Returns:
+        uint8 tensor ``[*lead, blocked_numel(rows, cols)]``.
     """
     numel = blocked_numel(rows, cols)
     unpadded = isinstance(rows * cols, int) and numel == rows * cols

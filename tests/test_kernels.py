@@ -295,7 +295,8 @@ def test_blocked_scales_unpadded_every_byte_written():
     rq, rs = mxf.quantize_lastdim(xc, "rceil")
     cq, cs = mxf.quantize_lastdim(xc.t(), "rceil")
     x3 = special_rows(rand((2, 128, 256), torch.bfloat16))  # per batch: [128, 8] and [256, 4] scale matrices
-    (r3q, r3s), (c3q, c3s) = mxf.quantize_lastdim(x3.cpu(), "rceil"), mxf.quantize_lastdim(x3.cpu().transpose(-2, -1), "rceil")
+    r3q, r3s = mxf.quantize_lastdim(x3.cpu(), "rceil")
+    c3q, c3s = mxf.quantize_lastdim(x3.cpu().transpose(-2, -1), "rceil")
     stack = lambda t: torch.stack([to_blocked(m) for m in t])  # noqa: E731
     for run, want in ((lambda: dispatch.quantize_blocked(x, "rceil"), (rq, to_blocked(rs))),
                       (lambda: dispatch.quantize_dual_blocked(x, "rceil"), (rq, to_blocked(rs), cq, to_blocked(cs))),

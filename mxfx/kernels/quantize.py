@@ -127,8 +127,8 @@ def _launch(x, rule, *, weight=None, xhat_dtype=None, blocked=False, op="mxfx.qu
             x3, w, q, s, xhat, R, C, rpr, *x3.stride(), w.stride(0) if weight is not None else 0, n_c,
             RCEIL=rule == "rceil", ROW_WEIGHT=weight is not None, WRITE_XHAT=xhat_dtype is not None,
             SCALES=(SCALES_BLOCKED if blocked else SCALES_MN_MAJOR if mn_major else SCALES_ROW_MAJOR).value,
-            BR=br, BC=bc, EVEN=even, CVT=cvt_bits(CVT["blocked" if blocked else "dequantized" if xhat_dtype is not None else "quantize"]),
-            num_warps=warps,
+            BR=br, BC=bc, EVEN=even, num_warps=warps,
+            CVT=cvt_bits(CVT["blocked" if blocked else "dequantized" if xhat_dtype is not None else "quantize"]),
         )
     if mn_major:
         s = mn_major_view(s, scale_shape(x.shape))
