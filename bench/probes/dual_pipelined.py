@@ -136,7 +136,8 @@ def sass():
         c = sass_sm90.compile_sm90(launch)
         mem = ", ".join(f"{n} {op}" for op, n in sorted(c.memory.items()))
         extra = {k: c.counts.get(k, 0) for k in ("LDGSTS", "UTMALDG", "SYNCS", "STL", "LDSM")}
-        print(f"{name}: {c.total} instructions; {mem}; {extra}; shared {c.shared} B", flush=True)
+        print(f"{name}: {c.total} instructions; {mem}; {extra}; shared {c.shared} B; {c.registers} registers",
+              flush=True)
 
 
 def time_all():

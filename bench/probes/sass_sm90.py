@@ -48,6 +48,7 @@ class Compiled:
     counts: collections.Counter  # opcode (first dotted part) -> instructions
     memory: collections.Counter  # full LDG/STG/LDS/STS opcode -> instructions
     shared: int  # bytes
+    registers: int  # per thread, as ptxas allocated them
 
     @property
     def total(self) -> int:
@@ -115,9 +116,12 @@ def compile_sm90(launch: Launch) -> Compiled:
         f.flush()
         sass = subprocess.run([os.path.join(tools, "nvdisasm"), "-c", f.name], capture_output=True, text=True,
                               check=True).stdout
+        usage = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", f.name], capture_output=True,
+                               text=True, check=True).stdout
+    registers = int(re.search(r"REG:(\d+)", usage).group(1))
     ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
     memory = collections.Counter(o for o in ops if o.split(".")[0] in ("LDG", "STG", "LDS", "STS"))
-    return Compiled(sass, collections.Counter(o.split(".")[0] for o in ops), memory, compiled.metadata.shared)
+    return Compiled(sass, collections.Counter(o.split(".")[0] for o in ops), memory, compiled.metadata.shared, registers)
 
 
 def cases():
