@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 from mxfx.kernels import dual, quantize  # noqa: E402
 from mxfx.kernels.dual import _store_tile  # noqa: E402
-from mxfx.kernels.mx_block import CVT_ALL, encode_blocks, load_tile, tile_origin  # noqa: E402
+from mxfx.kernels.mx_block import CVT_ALL, encode_blocks, load_tile, tile_origin, to_f32  # noqa: E402
 
 CVT = tl.constexpr(CVT_ALL)  # the module's transposed pass's conversion forms (dual.CVT)
 
@@ -59,16 +59,25 @@ def _move(v, q_ptr, s_ptr, b, r0, c0, R, C, BR: tl.constexpr, BC: tl.constexpr, 
 
 @triton.jit
 def _dual_move(x_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr, M, K, n_k_tiles, TRANSPOSED: tl.constexpr, BM: tl.constexpr,
-               BK: tl.constexpr, MATH: tl.constexpr = False, TMA: tl.constexpr = False, ROW: tl.constexpr = True):
+               BK: tl.constexpr, MATH: tl.constexpr = False, TMA: tl.constexpr = False, ROW: tl.constexpr = True,
+               TRANS: tl.constexpr = False):
     """Contiguous bf16 ``x [M, K]``, tiles dividing it; outputs shaped as the module's pass writes them. ROW False
-    (with TRANSPOSED): the columnwise pair alone, what ``quantize_lastdim(x.t())`` moves."""
+    (with TRANSPOSED): the columnwise pair alone, what ``quantize_lastdim(x.t())`` moves. TRANS: the x^T tile is
+    ``tl.trans`` of the bf16 tile already loaded (the compiler transposes it through shared memory), not a re-read."""
     b, m0, k0 = tile_origin(n_k_tiles, BM, BK)
     b = b * 0
+    if TRANS:
+        raw16 = tl.load(x_ptr + (m0 + tl.arange(0, BM)[:, None]).to(tl.int64) * K + k0 + tl.arange(0, BK)[None, :])
+        raw = to_f32(raw16, CVT)
     if ROW:
-        raw = load_tile(x_ptr, b, m0, k0, M, K, 0, K, 1, BM, BK, True, False, CVT)
+        if not TRANS:
+            raw = load_tile(x_ptr, b, m0, k0, M, K, 0, K, 1, BM, BK, True, False, CVT)
         _move(raw, qr_ptr, sr_ptr, b, m0, k0, M, K, BM, BK, MATH, TMA)
     if TRANSPOSED:
-        rt = load_tile(x_ptr, b, k0, m0, K, M, 0, 1, K, BK, BM, True, False, CVT)
+        if TRANS:
+            rt = to_f32(tl.trans(raw16), CVT)
+        else:
+            rt = load_tile(x_ptr, b, k0, m0, K, M, 0, 1, K, BK, BM, True, False, CVT)
         _move(rt, qc_ptr, sc_ptr, b, k0, m0, K, M, BK, BM, MATH, TMA)
     else:
         q = (raw.to(tl.int32, bitcast=True) >> 24).to(tl.uint8)
@@ -76,7 +85,7 @@ def _dual_move(x_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr, M, K, n_k_tiles, TRANSPOSE
         _store_tile(sc_ptr, tl.zeros([BM // 32, BK], tl.uint8), b, m0 // 32, k0, M // 32, K, False, True, BM // 32, BK)
 
 
-VARIANTS = [  # (name, transposed, (BM, BK, warps), maxnreg, math, tma)
+VARIANTS = [  # (name, transposed, (BM, BK, warps), maxnreg, math, tma[, trans])
     ("movement only, transposed (32, 64, 1) cap 96", True, (32, 64, 1), 96, False, False),
     ("movement only, transposed (64, 64, 2)", True, (64, 64, 2), None, False, False),
     ("movement only, transposed (128, 64, 4)", True, (128, 64, 4), None, False, False),
@@ -88,6 +97,10 @@ VARIANTS = [  # (name, transposed, (BM, BK, warps), maxnreg, math, tma)
     ("MX, transposed (32, 64, 1) cap 96", True, (32, 64, 1), 96, True, False),
     ("MX, transposed (32, 64, 1) cap 96, TMA stores", True, (32, 64, 1), 96, True, True),
     ("MX, transposed (32, 64, 1), TMA stores", True, (32, 64, 1), None, True, True),
+    ("movement only, transposed (32, 64, 1) cap 96, trans", True, (32, 64, 1), 96, False, False, True),
+    ("movement only, transposed (32, 64, 1), trans", True, (32, 64, 1), None, False, False, True),
+    ("MX, transposed (32, 64, 1) cap 96, trans", True, (32, 64, 1), 96, True, False, True),
+    ("MX, transposed (32, 64, 1) cap 128, trans", True, (32, 64, 1), 128, True, False, True),
 ]
 
 
@@ -104,7 +117,7 @@ def _alloc(size, alignment, stream):  # global scratch for device-side tensor de
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def run(x, transposed, cfg, maxnreg, math, tma, row=True):
+def run(x, transposed, cfg, maxnreg, math, tma, trans=False, row=True):
     """``(q_row, s_row, q_col, s_col)`` shaped as ``dual.quantize_dual`` (or ``_source``) returns them."""
     M, K = x.shape
     bm, bk, warps = cfg
@@ -117,7 +130,7 @@ def run(x, transposed, cfg, maxnreg, math, tma, row=True):
         triton.set_allocator(_alloc)
     kernel, kw = _kernel(maxnreg, warps)
     kernel[((M // bm) * (K // bk),)](x, q_row, s_row, q_col, s_col, M, K, K // bk, TRANSPOSED=transposed, BM=bm,
-                                     BK=bk, MATH=math, TMA=tma, ROW=row, **kw)
+                                     BK=bk, MATH=math, TMA=tma, ROW=row, TRANS=trans, **kw)
     return q_row, s_row.t(), q_col if transposed else q_col.t(), s_col.t()
 
 
@@ -126,9 +139,9 @@ def sass():
 
     x = torch.randn(256, 2048, dtype=torch.bfloat16)
     out = torch.empty(256, 2048, dtype=torch.uint8)
-    for name, transposed, (bm, bk, warps), maxnreg, math, tma in VARIANTS:
+    for name, transposed, (bm, bk, warps), maxnreg, math, tma, *trans in VARIANTS:
         launch = sass_sm90.Launch(_dual_move, (1,), (x, out, out, out, out, 256, 2048, 2048 // bk),
-                                  {"TRANSPOSED": transposed, "BM": bm, "BK": bk, "MATH": math, "TMA": tma, "ROW": True,
+                                  {"TRANSPOSED": transposed, "BM": bm, "BK": bk, "MATH": math, "TMA": tma, "ROW": True, "TRANS": bool(trans),
                                    "num_warps": warps, "maxnreg": maxnreg})
         c = sass_sm90.compile_sm90(launch)
         mem = ", ".join(f"{n} {op}" for op, n in sorted(c.memory.items()))
