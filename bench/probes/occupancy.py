@@ -37,7 +37,8 @@ GRID = {
     "dual source": (lambda x: dispatch.quantize_dual_source(x, "rceil"), 2 + 66 / 32, dual, "SOURCE_CONFIG",
                     [None], [None, 112, 128]),
     "dual + both dequantized": (lambda x: dispatch.quantize_dual_source(x, "rceil", dequantized=torch.bfloat16),
-                                2 + 66 / 32 + 4, dual, "SOURCE_CONFIG", [None], [None, 152, 168]),
+                                2 + 66 / 32 + 4, dual, "SOURCE_CONFIG[dequantized]",
+                                [(32, 128, 2), (32, 64, 1), (32, 64, 2), (32, 256, 4), (32, 128, 4)], [None, 128]),
     "blocked": (lambda x: dispatch.quantize_blocked(x, "rceil"), 2 + 33 / 32, quantize, "BLOCKED_CONFIG",
                 [(128, 128, 4), (128, 64, 2), (128, 128, 8)], [None, 96, 128]),
 }
@@ -80,11 +81,21 @@ def main() -> None:
     for name, (fn, per_elem, mod, attr, tiles, caps) in GRID.items():
         if only and name not in only:
             continue
-        keep = getattr(mod, attr)
+        attr, _, key = attr.partition("[")  # "NAME[key]": one entry of a dict of configs
+        table = getattr(mod, attr)
+        key = key.rstrip("]")
+        keep = table[key] if key else table
+
+        def use(tile):
+            if key:
+                table[key] = tile
+            else:
+                setattr(mod, attr, tile)
+
         top = (0.0, None)
         for tile in tiles:
             if tile is not None:
-                setattr(mod, attr, tile)
+                use(tile)
             for cap in caps:
                 with_cap(cap)
                 d = digest(fn(special_input(torch.bfloat16)))
@@ -97,7 +108,7 @@ def main() -> None:
                 if min(fracs) > top[0]:
                     top = (min(fracs), (tile, cap))
                 torch.cuda.empty_cache()
-        setattr(mod, attr, keep)
+        use(keep)
         with_cap(None)
         best.append(f"{name}: {top[1]} {top[0]:.1f}%")
     print("best (worst shape): " + "; ".join(best), flush=True)
