@@ -143,6 +143,10 @@ def dequantize_lastdim(qdata: torch.Tensor, scales: torch.Tensor, dtype: torch.d
 
     ``x_hat = q * 2^(b - 127)`` computed in float32 (exact: E4M3 has 3 mantissa
     bits), then cast to ``dtype``. Shapes: qdata ``[..., K]``, scales ``[..., K // 32]``.
+
+    The cast follows torch: a value past ``dtype``'s range becomes inf. With float16 that can
+    happen to finite inputs near its top (65504 quantizes under rceil to 256 * 2^8 = 65536), so
+    dequantize MX tensors of float16 data to bfloat16 or float32 where that matters.
     """
     *lead, k = qdata.shape
     blocks = qdata.to(torch.float32).reshape(*lead, k // BLOCK_SIZE, BLOCK_SIZE)
