@@ -4,8 +4,8 @@
 * CUDA (skipped without a GPU): every Triton kernel against the CPU reference.
 * Triton interpreter (skipped without ``import triton``): small shapes on CPU
   tensors, in a subprocess with ``TRITON_INTERPRET=1``. The interpreter's
-  fp32 -> fp8 cast does not round to nearest even (Triton 3.6 rounds half up and
-  drops the carry into the exponent; values that underflow are wrong too) and it
+  fp32 -> fp8 cast does not round to nearest even (Triton 3.6 and 3.9 round half up and
+  drop the carry into the exponent; values that underflow are wrong too) and it
   flushes bf16 subnormals when widening to fp32, so these inputs are exactly
   representable after scaling; they check indexing, scales, special blocks and layouts.
 """
