@@ -193,8 +193,8 @@ def _variants():
         ("columnwise", quantize, col, 2 + 33 / 32, tiles, "COLWISE_CONFIG"),
         ("dual", dual, dl, 2 + 66 / 32, transposed, "TRANSPOSED_CONFIG"),
         ("columnwise_dual", dual, col_dual, 2 + 33 / 32, transposed, "TRANSPOSED_CONFIG"),
-        ("dual_source", dual, dls, 2 + 66 / 32, source, "SOURCE_CONFIG[2]"),
-        ("refresh", dual, refresh, 4 + 66 / 32 + 4, source, "SOURCE_CONFIG[4]", torch.float32),
+        ("dual_source", dual, dls, 2 + 66 / 32, source, "SOURCE_CONFIG[source]"),
+        ("refresh", dual, refresh, 4 + 66 / 32 + 4, source, "SOURCE_CONFIG[source fp32]", torch.float32),
         ("dual_source_form", dual, dls, 2 + 66 / 32, forms, "ADDRESS_FORM[source]"),
         ("dual_form", dual, dl, 2 + 66 / 32, forms, "ADDRESS_FORM[transposed]"),
         ("dual_blocked_form", dual, lambda x: dispatch.quantize_dual_blocked(x, "rceil"), 2 + 66 / 32, forms,
@@ -215,6 +215,18 @@ def _variants():
     ]
 
 
+def config_slot(mod, spec: str):
+    """``(current value, setter)`` of the config ``spec`` of module ``mod``: an attribute ``NAME``, or one entry
+    ``NAME[key]`` of a dict of configs (a key of digits is an int)."""
+    attr, _, key = spec.partition("[")
+    table = getattr(mod, attr)
+    key = key.rstrip("]")
+    if not key:
+        return table, lambda cfg: setattr(mod, attr, cfg)
+    key = int(key) if key.isdigit() else key
+    return table[key], lambda cfg: table.__setitem__(key, cfg)
+
+
 def sweep(copy_gbs: float) -> list[str]:
     """Time alternative tile configs of each kernel (MXFX_BENCH_SWEEP=1); prints the best of each."""
     lines = ["", "| config sweep | shape | (BR, BC, warps) | % of copy |", "|---|---|---|---|"]
@@ -223,18 +235,7 @@ def sweep(copy_gbs: float) -> list[str]:
     for name, mod, fn, per_elem, configs, attr, *dtype in _variants():
         if only != "1" and name not in only.split(","):
             continue
-        attr, _, key = attr.partition("[")  # "NAME[k]": entry k of a dict of configs
-        table = getattr(mod, attr)
-        key = key.rstrip("]")
-        key = (int(key) if key.isdigit() else key) if key else None
-        keep = table[key] if key is not None else table
-
-        def use(cfg):
-            if key is None:
-                setattr(mod, attr, cfg)
-            else:
-                table[key] = cfg
-
+        keep, use = config_slot(mod, attr)
         try:
             for cfg in configs:
                 use(cfg)

@@ -644,6 +644,8 @@ def _interpreter_checks():
     x3 = exact_input((2, 64, 96), seed=1)
     assert_same(quantize.quantize_lastdim(x3.transpose(-2, -1), "rceil"), mxf.quantize_lastdim(x3.transpose(-2, -1), "rceil"))
     assert_same(dual.quantize_dual(x3, "rceil"), (*mxf.quantize_lastdim(x3, "rceil"), *mxf.quantize_lastdim(x3.transpose(-2, -1), "rceil")))
+    x3b = x3.to(torch.bfloat16)  # K = 96: the dequantized pass's (32, 128) tile runs masked
+    check_dual_source(dual.quantize_dual_source(x3b, "rceil", dequantized=torch.bfloat16), x3b, "rceil", torch.bfloat16)
     for x3 in (exact_input((1, 64, 128), seed=2), exact_input((2, 64, 128), seed=3)):  # even tiles, one or two matrices
         assert_same(dual.quantize_dual(x3, "floor"),
                     (*mxf.quantize_lastdim(x3, "floor"), *mxf.quantize_lastdim(x3.transpose(-2, -1), "floor")))

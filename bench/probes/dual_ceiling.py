@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 from mxfx.kernels import dual, quantize  # noqa: E402
 from mxfx.kernels.dual import _store_tile  # noqa: E402
 from mxfx.kernels.mx_block import CVT_ALL, encode_blocks, load_tile, tile_origin, to_f32  # noqa: E402
+from variant_table import probe_main, same_bytes, time_variants, use_tma_scratch  # noqa: E402
 
 CVT = tl.constexpr(CVT_ALL)  # the module's transposed pass's conversion forms (dual.CVT)
 
@@ -40,8 +41,8 @@ CVT = tl.constexpr(CVT_ALL)  # the module's transposed pass's conversion forms (
 @triton.jit
 def _move(v, q_ptr, s_ptr, b, r0, c0, R, C, BR: tl.constexpr, BC: tl.constexpr, MATH: tl.constexpr,
           TMA: tl.constexpr):
-    """Store the fp32 tile ``v [BR, BC]`` (bf16 values, row blocks along C) as ``dual._encode_rows`` does. MATH: its real
-    E4M3 bytes and scales (rceil); else the high byte of each value and zero scales. TMA: the qdata go out through a
+    """Store the fp32 tile ``v [BR, BC]`` (bf16 values, row blocks along C) as ``dual._encode_rows`` does. MATH: its
+    real E4M3 bytes and scales (rceil); else the high byte of each value and zero scales. TMA: the qdata go out through a
     tensor-descriptor store (the TMA unit writes the [BR, BC] box from shared memory)."""
     if MATH:
         q3, s = encode_blocks(tl.reshape(v, [BR, BC // 32, 32]), 2, True, CVT)
@@ -113,10 +114,6 @@ def _kernel(maxnreg, warps):
     return triton.autotune([triton.Config({}, num_warps=warps, maxnreg=maxnreg)], key=[])(_dual_move), {}
 
 
-def _alloc(size, alignment, stream):  # global scratch for device-side tensor descriptors
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
 def run(x, transposed, cfg, maxnreg, math, tma, trans=False, row=True):
     """``(q_row, s_row, q_col, s_col)`` shaped as ``dual.quantize_dual`` (or ``_source``) returns them."""
     M, K = x.shape
@@ -127,7 +124,7 @@ def run(x, transposed, cfg, maxnreg, math, tma, trans=False, row=True):
     q_col = torch.empty((K, M) if transposed else (M, K), dtype=torch.uint8, device=dev)
     s_col = torch.empty(M // 32, K, dtype=torch.uint8, device=dev)
     if tma:
-        triton.set_allocator(_alloc)
+        use_tma_scratch()
     kernel, kw = _kernel(maxnreg, warps)
     kernel[((M // bm) * (K // bk),)](x, q_row, s_row, q_col, s_col, M, K, K // bk, TRANSPOSED=transposed, BM=bm,
                                      BK=bk, MATH=math, TMA=tma, ROW=row, TRANS=trans, **kw)
@@ -141,8 +138,8 @@ def sass():
     out = torch.empty(256, 2048, dtype=torch.uint8)
     for name, transposed, (bm, bk, warps), maxnreg, math, tma, *trans in VARIANTS:
         launch = sass_sm90.Launch(_dual_move, (1,), (x, out, out, out, out, 256, 2048, 2048 // bk),
-                                  {"TRANSPOSED": transposed, "BM": bm, "BK": bk, "MATH": math, "TMA": tma, "ROW": True, "TRANS": bool(trans),
-                                   "num_warps": warps, "maxnreg": maxnreg})
+                                  {"TRANSPOSED": transposed, "BM": bm, "BK": bk, "MATH": math, "TMA": tma, "ROW": True,
+                                   "TRANS": bool(trans and trans[0]), "num_warps": warps, "maxnreg": maxnreg})
         c = sass_sm90.compile_sm90(launch)
         mem = ", ".join(f"{n} {op}" for op, n in sorted(c.memory.items()))
         print(f"{name}: {c.total} instructions, {c.registers} registers, {c.counts.get('UTMASTG', 0)} TMA stores; "
@@ -150,14 +147,12 @@ def sass():
 
 
 def time_all():
-    from variant_table import time_variants
-
     def check(got, ref):
         """MX variants: byte-equal to the module's transposed pass. Movement only: the high byte of every bf16
         value in both qdata outputs (columnwise compared in its logical [K, M] orientation)."""
         x, math, out = got
         if math:
-            return all(torch.equal(u.view(torch.uint8), w.view(torch.uint8)) for u, w in zip(out, ref))
+            return same_bytes(out, ref)
         hi = (x.view(torch.int16) >> 8).to(torch.uint8)
         return torch.equal(out[0], hi) and torch.equal(out[2], hi.t())
 
@@ -176,12 +171,4 @@ def time_all():
 
 
 if __name__ == "__main__":
-    mode = sys.argv[1:]
-    if mode == ["sass"]:
-        sass()
-    elif mode:
-        sys.exit(f"dual_ceiling: unknown arguments {mode}; run with no argument (GPU) or 'sass'")
-    elif not torch.cuda.is_available():
-        sys.exit("dual_ceiling: timing needs a CUDA GPU ('sass' runs on CPU)")
-    else:
-        time_all()
+    probe_main("dual_ceiling", time_all, sass=sass)

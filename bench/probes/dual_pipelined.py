@@ -34,13 +34,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 from mxfx.kernels import dual  # noqa: E402
 from mxfx.kernels.dual import _encode_rows  # noqa: E402
 from mxfx.kernels.mx_block import CVT_ALL, load_tile, to_f32  # noqa: E402
+from variant_table import check_persistent, probe_main, same_bytes, time_variants, use_tma_scratch  # noqa: E402
 
 BM, BK = 32, 64
 
 
 @triton.jit
-def _dual_pipelined(x_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr, M, K, n_k_tiles, n_tiles, step, ITERS: tl.constexpr, STAGES: tl.constexpr,
-                    TMA: tl.constexpr, TRANS: tl.constexpr, CVT: tl.constexpr):
+def _dual_pipelined(x_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr, M, K, n_k_tiles, n_tiles, step, ITERS: tl.constexpr,
+                    STAGES: tl.constexpr, TMA: tl.constexpr, TRANS: tl.constexpr, CVT: tl.constexpr):
     """Contiguous bf16 ``x [M, K]`` (M % 32 == 0, K % 64 == 0); tile t is rows (t // n_k_tiles) * 32, columns
     (t % n_k_tiles) * 64; outputs as the module's transposed pass writes them."""
     pid = tl.program_id(0)
@@ -79,10 +80,6 @@ VARIANTS = [  # (name, stages, tma, trans, programs per SM, num_warps)
 ]
 
 
-def _alloc(size, alignment, stream):  # global scratch for device-side tensor descriptors
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
 def run(x, stages, tma, trans, per_sm, warps, sms=None):
     """The variant's ``(q_row, s_row, q_col, s_col)`` for contiguous bf16 ``x [M, K]``, as ``dual.quantize_dual``
     returns them. ``per_sm`` 0: one program per tile."""
@@ -100,29 +97,17 @@ def run(x, stages, tma, trans, per_sm, warps, sms=None):
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 2
     grid = (n_tiles if per_sm == 0 else min(n_tiles, sms * per_sm),)
     if tma and dev.type == "cuda":
-        triton.set_allocator(_alloc)
-    _dual_pipelined[grid](x, q_row, s_row, q_col, s_col, M, K, K // BK, n_tiles, grid[0], ITERS=triton.cdiv(n_tiles, grid[0]), STAGES=stages, TMA=tma, TRANS=trans,
-                          CVT=CVT_ALL, num_warps=warps)
+        use_tma_scratch()
+    _dual_pipelined[grid](x, q_row, s_row, q_col, s_col, M, K, K // BK, n_tiles, grid[0],
+                          ITERS=triton.cdiv(n_tiles, grid[0]), STAGES=stages, TMA=tma, TRANS=trans, CVT=CVT_ALL,
+                          num_warps=warps)
     return (q_row.view(torch.float8_e4m3fn), s_row.t(), q_col.view(torch.float8_e4m3fn), s_col.t())
 
 
-def same(a, b):
-    return all(torch.equal(u.view(torch.uint8), w.view(torch.uint8)) for u, w in zip(a, b))
-
-
 def check():
-    g = torch.Generator().manual_seed(0)
-    # not exactly representable in E4M3: the interpreter's rounding may differ from the reference's, but the
-    # variants and the module's kernel run the same encode under the same interpreter, so they must agree
-    for shape in ((64, 256), (96, 128)):
-        x = (torch.randint(-448, 449, shape, generator=g).float() / 4).to(torch.bfloat16)
-        ref = dual.quantize_dual(x, "rceil")
-        for name, *cfg in VARIANTS:
-            if cfg[1]:  # TMA descriptors: not in the interpreter
-                continue
-            for sms in (1, 3):
-                assert same(run(x, *cfg, sms=sms), ref), (name, shape, sms)
-    print("dual_pipelined check: every pointer-load variant equals the module under the interpreter")
+    # TMA descriptors do not run under the interpreter: the pointer-load variants only
+    check_persistent("dual_pipelined", [(name, lambda x, sms, cfg=cfg: run(x, *cfg, sms=sms))
+                                        for name, *cfg in VARIANTS if not cfg[1]])
 
 
 def sass():
@@ -132,7 +117,8 @@ def sass():
     x = torch.randn(256, 2048, dtype=torch.bfloat16)
     for name, stages, tma, trans, per_sm, warps in VARIANTS:
         launch = sass_sm90.Launch(_dual_pipelined, (1,), (x, x, x, x, x, 256, 2048, 32, 256, 132),
-                                  {"ITERS": 8, "STAGES": stages, "TMA": tma, "TRANS": trans, "CVT": CVT_ALL, "num_warps": warps})
+                                  {"ITERS": 8, "STAGES": stages, "TMA": tma, "TRANS": trans, "CVT": CVT_ALL,
+                                   "num_warps": warps})
         c = sass_sm90.compile_sm90(launch)
         mem = ", ".join(f"{n} {op}" for op, n in sorted(c.memory.items()))
         extra = {k: c.counts.get(k, 0) for k in ("LDGSTS", "UTMALDG", "SYNCS", "STL", "LDSM")}
@@ -141,24 +127,9 @@ def sass():
 
 
 def time_all():
-    from variant_table import time_variants
-
     time_variants("module transposed", lambda x: dual.quantize_dual(x, "rceil"),
-                  [(name, lambda x, cfg=cfg: run(x, *cfg)) for name, *cfg in VARIANTS], same)
+                  [(name, lambda x, cfg=cfg: run(x, *cfg)) for name, *cfg in VARIANTS], same_bytes)
 
 
 if __name__ == "__main__":
-    mode = sys.argv[1:]
-    if mode not in ([], ["check"], ["sass"]):
-        sys.exit(f"dual_pipelined: unknown arguments {mode}; run with no argument (GPU), 'check' or 'sass'")
-    if mode == ["check"]:
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            sys.exit("dual_pipelined: 'check' runs under Triton's interpreter: TRITON_INTERPRET=1 python "
-                     "bench/probes/dual_pipelined.py check")
-        check()
-    elif mode == ["sass"]:
-        sass()
-    elif not torch.cuda.is_available():
-        sys.exit("dual_pipelined: timing needs a CUDA GPU ('check' and 'sass' run on CPU)")
-    else:
-        time_all()
+    probe_main("dual_pipelined", time_all, check, sass)

@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 from mxfx.kernels import dual  # noqa: E402
 from mxfx.kernels.dual import _encode_rows  # noqa: E402
 from mxfx.kernels.mx_block import CVT_ALL, load_tile, to_f32  # noqa: E402
+from variant_table import check_persistent, probe_main, same_bytes, time_variants  # noqa: E402
 
 
 @triton.jit
@@ -98,21 +99,10 @@ def run(x, prefetch, per_sm, maxnreg, sms=None):
     return (q_row.view(torch.float8_e4m3fn), s_row.t(), q_col.view(torch.float8_e4m3fn), s_col.t())
 
 
-def same(a, b):
-    return all(torch.equal(u.view(torch.uint8), w.view(torch.uint8)) for u, w in zip(a, b))
-
-
 def check():
-    g = torch.Generator().manual_seed(0)
-    # not exactly representable in E4M3: the interpreter's rounding may differ from the reference's, but the
-    # variants and the module's kernel run the same encode under the same interpreter, so they must agree
-    for shape in ((64, 256), (96, 128)):
-        x = (torch.randint(-448, 449, shape, generator=g).float() / 4).to(torch.bfloat16)
-        ref = dual.quantize_dual(x, "rceil")
-        for name, *cfg in VARIANTS:
-            for sms in (1, 3):  # one program per tile or several tiles per program, and the clamped last prefetch
-                assert same(run(x, *cfg, sms=sms), ref), (name, shape, sms)
-    print("dual_prefetch check: every variant equals the module under the interpreter")
+    # the clamped last prefetch runs too: with three "SMs" a program walks several tiles
+    check_persistent("dual_prefetch", [(name, lambda x, sms, cfg=cfg: run(x, *cfg, sms=sms))
+                                       for name, *cfg in VARIANTS])
 
 
 def sass():
@@ -131,24 +121,9 @@ def sass():
 
 
 def time_all():
-    from variant_table import time_variants
-
     time_variants("module transposed", lambda x: dual.quantize_dual(x, "rceil"),
-                  [(name, lambda x, cfg=cfg: run(x, *cfg)) for name, *cfg in VARIANTS], same)
+                  [(name, lambda x, cfg=cfg: run(x, *cfg)) for name, *cfg in VARIANTS], same_bytes)
 
 
 if __name__ == "__main__":
-    mode = sys.argv[1:]
-    if mode not in ([], ["check"], ["sass"]):
-        sys.exit(f"dual_prefetch: unknown arguments {mode}; run with no argument (GPU), 'check' or 'sass'")
-    if mode == ["check"]:
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            sys.exit("dual_prefetch: 'check' runs the kernels under Triton's interpreter: TRITON_INTERPRET=1 python "
-                     "bench/probes/dual_prefetch.py check")
-        check()
-    elif mode == ["sass"]:
-        sass()
-    elif not torch.cuda.is_available():
-        sys.exit("dual_prefetch: timing needs a CUDA GPU ('check' and 'sass' run on CPU)")
-    else:
-        time_all()
+    probe_main("dual_prefetch", time_all, check, sass)

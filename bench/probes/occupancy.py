@@ -34,8 +34,8 @@ GRID = {
                      [(32, 64, 1), (32, 128, 1), (64, 64, 1), (128, 32, 1)], [None, 96, 128]),
     "columnwise": (lambda x: dispatch.quantize_lastdim(x.t(), "rceil"), 2 + 33 / 32, quantize, "COLWISE_CONFIG",
                    [(128, 32, 1), (64, 32, 1), (256, 32, 2)], [None, 64, 72, 80, 96]),
-    "dual source": (lambda x: dispatch.quantize_dual_source(x, "rceil"), 2 + 66 / 32, dual, "SOURCE_CONFIG",
-                    [None], [None, 112, 128]),
+    "dual source": (lambda x: dispatch.quantize_dual_source(x, "rceil"), 2 + 66 / 32, dual,
+                    "SOURCE_CONFIG[source]", [None], [None, 112, 128]),
     "dual + both dequantized": (lambda x: dispatch.quantize_dual_source(x, "rceil", dequantized=torch.bfloat16),
                                 2 + 66 / 32 + 4, dual, "SOURCE_CONFIG[dequantized]",
                                 [(32, 128, 2), (32, 64, 1), (32, 64, 2), (32, 256, 4), (32, 128, 4)], [None, 128]),
@@ -81,17 +81,7 @@ def main() -> None:
     for name, (fn, per_elem, mod, attr, tiles, caps) in GRID.items():
         if only and name not in only:
             continue
-        attr, _, key = attr.partition("[")  # "NAME[key]": one entry of a dict of configs
-        table = getattr(mod, attr)
-        key = key.rstrip("]")
-        keep = table[key] if key else table
-
-        def use(tile):
-            if key:
-                table[key] = tile
-            else:
-                setattr(mod, attr, tile)
-
+        keep, use = bench.config_slot(mod, attr)
         top = (0.0, None)
         for tile in tiles:
             if tile is not None:

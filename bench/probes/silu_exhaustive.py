@@ -264,7 +264,7 @@ def dual_rows(copy_gbs):
         nb = 2 * m * k + 2 * m * k * 33 / 32
         qr, qc = torch.empty(m, k, dtype=torch.uint8, device="cuda"), torch.empty(m, k, dtype=torch.uint8, device="cuda")
         sr, sc = torch.empty(k // 32, m, dtype=torch.uint8, device="cuda"), torch.empty(m // 32, k, dtype=torch.uint8, device="cuda")
-        bm, bk, warps = dual_mod.SOURCE_CONFIG[2]
+        bm, bk, warps = dual_mod.SOURCE_CONFIG["source"]
         n_k = triton.cdiv(k, bk)
         x3 = x.view(1, m, k)
 

@@ -46,12 +46,12 @@ from mxfx.kernels.mx_block import (CVT_ALL, CVT_BF16X2, blocked_offset, cvt_bits
                                    load_tile, tile_origin)
 from mxfx.layout import new_blocked_scales
 
-SOURCE_CONFIG = {2: (32, 64, 1), 4: (32, 64, 1), "dequantized": (32, 128, 2)}
-"""(BLOCK_M, BLOCK_K, num_warps) by input element size in bytes, columnwise pair in the source layout;
-"dequantized": a 16-bit input whose dequantized forms are written too (as in ``CVT``). That pass went from 90.0 / 90.0
-/ 89.3% of copy at (32, 64, 1) to 91.3 / 91.2 / 90.3% at (32, 128, 2) on the H200, and (32, 256, 4), (32, 128, 4),
-(64, 64, 2), (32, 32, 1) and caps of 128 registers all lost (``python bench/probes/occupancy.py "dual + both
-dequantized"``, BENCHMARKS.md 2026-12-02 late night)."""
+SOURCE_CONFIG = {"source": (32, 64, 1), "source fp32": (32, 64, 1), "dequantized": (32, 128, 2)}
+"""(BLOCK_M, BLOCK_K, num_warps) of the source-layout passes, named as in ``CVT``: a 16-bit input, a 32-bit one, and
+a 16-bit input whose dequantized forms are written too. That last pass went from 90.0 / 90.0 / 89.3% of copy at
+(32, 64, 1) to 91.3 / 91.2 / 90.3% at (32, 128, 2) on the H200, and (32, 256, 4), (32, 128, 4), (64, 64, 2),
+(32, 32, 1) and caps of 128 registers all lost (``python bench/probes/occupancy.py "dual + both dequantized"``,
+BENCHMARKS.md 2026-12-02 late night)."""
 TRANSPOSED_CONFIG = (32, 64, 1)
 """(BLOCK_M, BLOCK_K, num_warps), columnwise pair stored transposed."""
 TRANSPOSED_MAXNREG = 96
@@ -188,14 +188,12 @@ def _quantize_both(x, rule, op, *, row, col, dequantized, transposed, mx=True, b
         s_row, s_col = new_blocked_scales(M, K // 32, lead, dev), new_blocked_scales(K, M // 32, lead, dev)
     h_row = new((M, K), dequantized, row and dequantized is not None)
     h_col = new(col_shape, dequantized, col and dequantized is not None)
-    hat16 = dequantized is not None and x.element_size() == 2  # a 16-bit input with its dequantized forms
-    if transposed:
-        bm, bk, warps = TRANSPOSED_CONFIG
-    else:
-        bm, bk, warps = SOURCE_CONFIG["dequantized" if hat16 else 4 if x.element_size() == 4 else 2]
-    n_k = triton.cdiv(K, bk)
     layout = ("blocked" if blocked else "transposed" if transposed
               else "source fp32" if x.element_size() == 4 else "source")
+    # the pass as CVT and SOURCE_CONFIG name it: a 16-bit input writing its dequantized forms has its own
+    kind = "dequantized" if dequantized is not None and x.element_size() == 2 else layout
+    bm, bk, warps = TRANSPOSED_CONFIG if transposed else SOURCE_CONFIG[kind]
+    n_k = triton.cdiv(K, bk)
     contig, wide = ADDRESS_FORM[layout]
     if B * M * K > 0:
         # outputs not written get the (read-only) input as a placeholder pointer
@@ -205,7 +203,7 @@ def _quantize_both(x, rule, op, *, row, col, dequantized, transposed, mx=True, b
             RCEIL=rule == "rceil", ROW=row, COL=col, MX=mx, HAT=dequantized is not None, COL_T=transposed,
             BLOCKED=blocked, EVEN=M % bm == 0 and K % bk == 0, BATCHED=B > 1, BM=bm, BK=bk,
             CONTIG=contig and x3.stride(1) == K and x3.stride(2) == 1, WIDE=wide,
-            CVT=cvt_bits(CVT["dequantized" if hat16 else layout]),
+            CVT=cvt_bits(CVT[kind]),
             num_warps=warps,
             maxnreg=TRANSPOSED_MAXNREG if transposed and not blocked else None,
         )
