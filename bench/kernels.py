@@ -27,7 +27,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mxfx.kernels import dispatch, dual, quantize, swiglu  # noqa: E402
+from mxfx.kernels import device_path, dual, quantize, swiglu  # noqa: E402
 from mxfx.layout import to_blocked  # noqa: E402
 from _results import emit  # noqa: E402  (bench/ is on sys.path when a script runs)
 

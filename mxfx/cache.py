@@ -65,7 +65,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from mxfx import kernels
 from mxfx.format import BLOCK_SIZE, SCALE_RULES
 from mxfx.kernels.views import mn_major
-from mxfx.layout import blocked_numel, from_blocked
+from mxfx.device import colwise_in_source_layout
+from mxfx.layout import blocked_numel, from_blocked, is_blocked
 
 WEIGHT_KINDS = ("linear", "grouped_mm")
 """Precision-map kinds whose rewritten ops read weights through this cache."""
@@ -133,9 +134,7 @@ def _check(weight: torch.Tensor, rule: str, orientation: str) -> None:
 def source_layout(weight: torch.Tensor) -> bool:
     """Whether ``weight``'s dgrad forms are kept in the source layout (transpose views of ``[.., N, K]``
     tensors) rather than contiguous ``[.., K, N]``: where its GEMM is emulated
-    (:func:`mxfx.ops.gemm.colwise_in_source_layout`)."""
-    from mxfx.ops.gemm import colwise_in_source_layout
-
+    (:func:`mxfx.device.colwise_in_source_layout`)."""
     return colwise_in_source_layout(weight.device, "grouped_mm" if weight.dim() == 3 else "mm")
 
 
@@ -181,8 +180,6 @@ def blocked_scales(weight: torch.Tensor) -> bool:
 
 def _plain_scales(qdata: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``[R, K/32]`` scales of ``qdata [R, K]``, read back from the blocked layout if they are in it."""
-    from mxfx.ops.gemm import is_blocked
-
     if is_blocked(qdata, scales):
         return from_blocked(scales, qdata.shape[0], qdata.shape[1] // BLOCK_SIZE)
     return scales

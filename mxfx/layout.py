@@ -13,11 +13,16 @@ tile, scale ``(r, c)`` with ``r = 32 * g + i`` (row group ``g`` in 0..3, ``i`` i
 i.e. the tile is read as 32 lines of 16 bytes, line ``i`` holding rows
 ``i, i + 32, i + 64, i + 96`` with their 4 scales each. Rows are padded to a
 multiple of 128 and columns to a multiple of 4; padding bytes are zero.
+
+Also the other layout helpers: :func:`is_blocked` (are these scales in the blocked layout) and
+:func:`group_padding` (token groups padded to whole 32-row blocks).
 """
 
 from __future__ import annotations
 
 import torch
+
+from mxfx.format import BLOCK_SIZE
 
 TILE_ROWS = 128
 """Rows of scales per tile (four groups of 32)."""
@@ -140,3 +145,37 @@ def from_blocked(blocked: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     tiles = raw.view(prows // TILE_ROWS, pcols // TILE_COLS, ROW_GROUP, TILE_ROWS // ROW_GROUP, TILE_COLS)
     padded = tiles.permute(0, 3, 2, 1, 4).reshape(prows, pcols)
     return padded[:rows, :cols].contiguous().view(blocked.dtype)
+
+
+def is_blocked(qdata: torch.Tensor, scales: torch.Tensor) -> bool:
+    """True when ``scales`` of the 2D ``qdata [R, K]`` are already in the blocked layout: 1D with
+    ``blocked_numel(R, K/32)`` bytes, as ``mxfx.kernels.quantize_dual_blocked`` writes them."""
+    return (scales.dim() == 1 and qdata.dim() == 2
+            and scales.numel() == blocked_numel(qdata.shape[0], qdata.shape[1] // BLOCK_SIZE))
+
+
+def group_padding(offs: torch.Tensor, rows: int):
+    """Row map that pads every group of rows to a multiple of 32 rows (an MX block never mixes two groups).
+
+    Args:
+        offs: int32 ``[E]`` cumulative group ends; rows: S, the number of input rows.
+
+    Returns:
+        ``(dest, padded_offs, capacity)``: ``dest [S]`` int64 destination row of each
+        input row (rows past ``offs[-1]`` go to a trailing scratch block no group
+        reads), ``padded_offs [E]`` int32 group ends in the padded buffer, and the
+        static buffer size ``capacity = S + 31 E + 32`` rounded up to 32.
+    """
+    e = offs.shape[0]
+    ends = offs.to(torch.int64)
+    sizes = torch.diff(ends, prepend=ends.new_zeros(1))
+    padded = (sizes + BLOCK_SIZE - 1) // BLOCK_SIZE * BLOCK_SIZE
+    padded_ends = torch.cumsum(padded, 0)
+    capacity = (rows + (BLOCK_SIZE - 1) * e + BLOCK_SIZE + BLOCK_SIZE - 1) // BLOCK_SIZE * BLOCK_SIZE
+    r = torch.arange(rows, device=offs.device)
+    gid = torch.searchsorted(ends, r, right=True)
+    valid = gid < e
+    gid = gid.clamp(max=e - 1)
+    dest = r - (ends - sizes)[gid] + (padded_ends - padded)[gid]
+    dest = torch.where(valid, dest, capacity - BLOCK_SIZE + (r % BLOCK_SIZE))
+    return dest, padded_ends.to(torch.int32), capacity

@@ -24,8 +24,9 @@ from torchao.prototype.moe_training.kernels.mxfp8.quant import (
 from torchao.prototype.mx_formats.utils import from_blocked as ao_from_blocked
 from torchao.prototype.mx_formats.utils import to_blocked as ao_to_blocked
 
-from mxfx import cache, crossover
-from mxfx.kernels import ops as kops
+from mxfx import cache, crossover, layout
+from mxfx import device as mx_device
+from mxfx.kernels import custom_ops
 from mxfx.ops import gemm
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
 from mxfx.ops.linear import mx_linear
@@ -40,7 +41,7 @@ def ceil(n, m):
 
 def mx(shape, seed=0, scale=1.0):
     torch.manual_seed(seed)
-    return kops.quantize(torch.randn(shape) * scale, "rceil")
+    return custom_ops.quantize(torch.randn(shape) * scale, "rceil")
 
 
 def deq(q, s_bytes):
@@ -108,7 +109,7 @@ def fake_scaled_grouped_mm(mat_a, mat_b, scale_a, scale_b, offs=None, out_dtype=
 @pytest.fixture
 def native(monkeypatch):
     """Pretend to be a B200 (capability 10.0) with the native ops replaced by the decoders."""
-    monkeypatch.setattr(gemm, "_capability", lambda device: (10, 0))
+    monkeypatch.setattr(mx_device, "capability", lambda device: (10, 0))
     monkeypatch.setattr(torch, "_scaled_mm", fake_scaled_mm)
     monkeypatch.setattr(torch, "_scaled_grouped_mm", fake_scaled_grouped_mm)
     calls.update(mm=0, grouped=0)
@@ -124,7 +125,7 @@ def native(monkeypatch):
      ((9, 0), "emulated", "emulated"), ((8, 0), "emulated", "emulated"), (None, "emulated", "emulated")],
 )
 def test_selection_by_capability(monkeypatch, cap, mm, grouped):
-    monkeypatch.setattr(gemm, "_capability", lambda device: cap)
+    monkeypatch.setattr(mx_device, "capability", lambda device: cap)
     dev = torch.device("cpu")
     assert gemm.gemm_impl("mm", dev)[0] == mm
     assert gemm.gemm_impl("grouped_mm", dev)[0] == grouped
@@ -132,7 +133,7 @@ def test_selection_by_capability(monkeypatch, cap, mm, grouped):
 
 
 def test_cpu_selects_emulation_without_patching():
-    assert gemm.arch_of(gemm._capability(torch.device("cpu"))) == "cpu"
+    assert mx_device.arch_of(mx_device.capability(torch.device("cpu"))) == "cpu"
     assert gemm.gemm_impl("mm", torch.device("cpu"))[0] == "emulated"
 
 
@@ -140,7 +141,7 @@ def test_native_branch_calls_native_op_only_on_blackwell(monkeypatch, native):
     (aq, as_), (bq, bs) = mx((64, 64), 1), mx((32, 64), 2)
     gemm.mx_mm(aq, as_, bq, bs, torch.float32)
     assert native["mm"] == 1
-    monkeypatch.setattr(gemm, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(mx_device, "capability", lambda device: (9, 0))
     gemm.mx_mm(aq, as_, bq, bs, torch.float32)
     assert native["mm"] == 1  # Hopper: emulated, the native op is not called
 
@@ -152,7 +153,7 @@ def test_quantize_operand_writes_dequantized_form_where_emulated(monkeypatch, ca
     returns dequant(qdata, scales) in the emulation dtype, and a GEMM reading it equals one dequantizing A."""
     from mxfx import format as mxf
 
-    monkeypatch.setattr(gemm, "_capability", lambda device: cap)
+    monkeypatch.setattr(mx_device, "capability", lambda device: cap)
     x = torch.randn(64, 96, generator=torch.Generator().manual_seed(3))
     q, s, x_hat = gemm.quantize_operand(x, "rceil", op)
     rq, rs = mxf.quantize_lastdim(x, "rceil")
@@ -161,7 +162,7 @@ def test_quantize_operand_writes_dequantized_form_where_emulated(monkeypatch, ca
         assert x_hat is None  # native MX GEMM: nothing to dequantize
         return
     assert torch.equal(x_hat, mxf.dequantize_lastdim(rq, rs, torch.float32))  # fp32: CPU's emulation dtype
-    monkeypatch.setattr(gemm, "_capability", lambda device: None)  # run the emulated GEMM itself on CPU
+    monkeypatch.setattr(mx_device, "capability", lambda device: None)  # run the emulated GEMM itself on CPU
     bq, bs = mx((32, 96), 2)
     ref = gemm.mx_mm(q, s, bq, bs, torch.float32)
     assert torch.equal(gemm.mx_mm(q, s, bq, bs, torch.float32, None, x_hat), ref)
@@ -192,9 +193,9 @@ def test_native_mm_operands_take_blocked_scales():
     rows (N padded to 48 for qdata, to 128 for scales)."""
     x = torch.cat([torch.randn(50, 96), torch.zeros(14, 96)])
     w = torch.cat([torch.randn(40, 96), torch.zeros(24, 96)])
-    (aq, as_, *_), (bq, bs, *_) = kops.quantize_dual(x, "rceil"), kops.quantize_dual(w, "rceil")
-    (aq2, as2, *_), (bq2, bs2, *_) = kops.quantize_dual_blocked(x, "rceil"), kops.quantize_dual_blocked(w, "rceil")
-    assert gemm.is_blocked(aq2, as2) and not gemm.is_blocked(aq, as_)
+    (aq, as_, *_), (bq, bs, *_) = custom_ops.quantize_dual(x, "rceil"), custom_ops.quantize_dual(w, "rceil")
+    (aq2, as2, *_), (bq2, bs2, *_) = custom_ops.quantize_dual_blocked(x, "rceil"), custom_ops.quantize_dual_blocked(w, "rceil")
+    assert layout.is_blocked(aq2, as2) and not layout.is_blocked(aq, as_)
     want = gemm.native_mm_operands(aq[:50], as_[:50], bq[:40], bs[:40])
     got = gemm.native_mm_operands(aq2[:50], as2, bq2[:40], bs2)
     for field in ("mat_a", "mat_b", "scale_a", "scale_b"):
@@ -301,8 +302,8 @@ def test_native_ops_through_autograd(native, monkeypatch):
     from mxfx import layout
 
     blocked_passes, per_call_blocking = [], []
-    dual_blocked, to_blocked = kops.quantize_dual_blocked, layout.to_blocked
-    monkeypatch.setattr(kops, "quantize_dual_blocked", lambda *a: blocked_passes.append(a[0].shape) or dual_blocked(*a))
+    dual_blocked, to_blocked = custom_ops.quantize_dual_blocked, layout.to_blocked
+    monkeypatch.setattr(custom_ops, "quantize_dual_blocked", lambda *a: blocked_passes.append(a[0].shape) or dual_blocked(*a))
     monkeypatch.setattr(gemm.layout, "to_blocked", lambda s: per_call_blocking.append(s.shape) or to_blocked(s))
     torch.manual_seed(11)
     w = torch.randn(64, 96, requires_grad=True)
@@ -317,13 +318,13 @@ def test_native_ops_through_autograd(native, monkeypatch):
         q, s = cache.weight_operand(w, "rceil", orientation)
         rq, rs = mxfx.quantize(src.detach().contiguous(), rule="rceil")
         assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, to_blocked(rs.view(torch.uint8)))
-    gemm._capability, saved = (lambda device: None), gemm._capability
+    mx_device.capability, saved = (lambda device: None), mx_device.capability
     try:
         x.grad = w.grad = None
         y = mx_linear(x, w)
         y.square().sum().backward()
     finally:
-        gemm._capability = saved
+        mx_device.capability = saved
     for a, b in zip(got, (y.detach(), x.grad, w.grad)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
@@ -365,8 +366,8 @@ def test_keep_dequantized_weights_cache_forms_and_refresh():
     w = torch.randn(64, 96)
     fwd, dgrad = cache.weight_dequantized(w, "rceil", "forward"), cache.weight_dequantized(w, "rceil", "dgrad")
     assert fwd.dtype == torch.bfloat16 and fwd.shape == (64, 96) and dgrad.shape == (96, 64)
-    assert torch.equal(fwd.float(), kops.dequantize(*cache.weight_operand(w, "rceil", "forward"), torch.float32))
-    assert torch.equal(dgrad.float(), kops.dequantize(*cache.weight_operand(w, "rceil", "dgrad"), torch.float32))
+    assert torch.equal(fwd.float(), custom_ops.dequantize(*cache.weight_operand(w, "rceil", "forward"), torch.float32))
+    assert torch.equal(dgrad.float(), custom_ops.dequantize(*cache.weight_operand(w, "rceil", "dgrad"), torch.float32))
     with torch.no_grad():
         w.mul_(2)  # bumps the version: the dequantized forms are rebuilt with the MX forms
     assert torch.equal(cache.weight_dequantized(w, "rceil", "forward"), (fwd.float() * 2).bfloat16())
@@ -442,7 +443,7 @@ def test_dual_operand_values_only_where_emulated(monkeypatch):
         gemm.mx_mm(None, None, wq, ws, torch.float32, None, h.expand(2, 64, 96))
     with pytest.raises(ValueError, match=r"op='bogus' is not a GEMM op"):
         gemm.quantize_dual_operand(x, "rceil", op="bogus")
-    monkeypatch.setattr(gemm, "_capability", lambda device: (10, 0))  # native selection
+    monkeypatch.setattr(mx_device, "capability", lambda device: (10, 0))  # native selection
     q, s, h, qt, st, ht = gemm.quantize_dual_operand(x, "rceil")
     assert h is None and ht is None
     for got, want in ((q, rq), (s, to_blocked(rs)), (qt, cq), (st, to_blocked(cs))):  # dense: scales blocked

@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 
 import mxfx
-from mxfx.ops.grouped_mm import group_padding, mx_grouped_mm_op
+from mxfx.layout import group_padding
+from mxfx.ops.grouped_mm import mx_grouped_mm_op
 
 SIZES = [5, 0, 40, 19]  # an empty expert and groups that are not multiples of 32
 

@@ -1,6 +1,6 @@
 """MX kernels (mxfx.kernels) against the plain-torch reference (mxfx.format), bit for bit.
 
-* CPU: dispatch falls back to the reference and never imports Triton.
+* CPU: device-path selection falls back to the reference and never imports Triton.
 * CUDA (skipped without a GPU): every Triton kernel against the CPU reference.
 * Triton interpreter (skipped without ``import triton``): small shapes on CPU
   tensors, in a subprocess with ``TRITON_INTERPRET=1``. The interpreter's
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from mxfx import format as mxf
-from mxfx.kernels import dispatch
+from mxfx.kernels import device_path
 from mxfx.layout import to_blocked
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -75,12 +75,13 @@ def rand(shape, dtype, device="cuda", scale_rows=True):
 
 # ---- CPU ------------------------------------------------------------------------------
 
-def test_cpu_dispatch_never_loads_triton_kernels():
+def test_cpu_path_never_loads_triton_kernels():
     code = (
-        "import sys, torch; import mxfx.kernels.ops; from mxfx.kernels import dispatch as d;"
+        "import sys, torch; import mxfx.kernels.custom_ops; from mxfx.kernels import device_path as d;"
         "x = torch.randn(64, 64); d.quantize_lastdim(x, 'rceil'); d.quantize_blocked(x, 'rceil');"
         "bad = [m for m in sys.modules if m.startswith('mxfx.kernels.') and m not in "
-        "('mxfx.kernels.ops', 'mxfx.kernels.dispatch', 'mxfx.kernels.launch', 'mxfx.kernels.views', "
+        "('mxfx.kernels.custom_ops', 'mxfx.kernels.device_path', 'mxfx.kernels.checks', 'mxfx.kernels.launch', "
+        "'mxfx.kernels.views', "
         "'mxfx.kernels.silu')]; assert not bad, bad"  # silu: the plain-torch SiLU reference
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
@@ -89,29 +90,29 @@ def test_cpu_dispatch_never_loads_triton_kernels():
 def test_cpu_quantize_dual_source_reference_and_errors():
     """The CPU path: the reference values, the columnwise outputs in x's layout, and clear errors."""
     x = special_rows(rand((96, 64), torch.bfloat16, device="cpu"))
-    check_dual_source(dispatch.quantize_dual_source(x, "floor", dequantized=torch.float32), x, "floor", torch.float32)
-    check_dequantized_only(dispatch.quantize_dual_source, x, "rceil", torch.bfloat16)
+    check_dual_source(device_path.quantize_dual_source(x, "floor", dequantized=torch.float32), x, "floor", torch.float32)
+    check_dequantized_only(device_path.quantize_dual_source, x, "rceil", torch.bfloat16)
     with pytest.raises(ValueError, match=r"no output \(mx=False, dequantized=None\)"):
-        dispatch.quantize_dual_source(x, "rceil", mx=False)
+        device_path.quantize_dual_source(x, "rceil", mx=False)
     with pytest.raises(TypeError, match=r"quantize_dual_source: output dtype torch.int32 for x of shape \(96, 64\)"):
-        dispatch.quantize_dual_source(x, "rceil", dequantized=torch.int32)
+        device_path.quantize_dual_source(x, "rceil", dequantized=torch.int32)
     with pytest.raises(ValueError, match=r"2D \[M, K\].*\(64,\)"):
-        dispatch.quantize_dual_source(x[0], "rceil")
+        device_path.quantize_dual_source(x[0], "rceil")
     with pytest.raises(ValueError, match="at least one orientation"):
-        dispatch.quantize_dual_source(x, "rceil", row=False, col=False)
+        device_path.quantize_dual_source(x, "rceil", row=False, col=False)
 
 
 def test_cpu_quantize_blocked_reference():
     x = torch.randn(3, 100, 64)
-    q, b = dispatch.quantize_blocked(x, "rceil")
+    q, b = device_path.quantize_blocked(x, "rceil")
     rq, rs = mxf.quantize_lastdim(x, "rceil")
     assert same_bits(q, rq) and torch.equal(b, to_blocked(rs.reshape(300, 2)))
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    import mxfx.kernels.ops  # noqa: F401  (registers the ops)
+    import mxfx.kernels.custom_ops  # noqa: F401  (registers the ops)
 
     for shape in ((64, 0), (0, 64), (0, 0), (2, 64, 0), (1, 0, 96)):  # no rows or no columns: as the fake says
-        q, b = dispatch.quantize_blocked(torch.zeros(shape), "rceil")
+        q, b = device_path.quantize_blocked(torch.zeros(shape), "rceil")
         with FakeTensorMode() as mode:
             fq, fb = torch.ops.mxfx.quantize_blocked(mode.from_tensor(torch.zeros(shape)), "rceil")
         assert (q.shape, b.shape, q.dtype) == (fq.shape, fb.shape, fq.dtype) and b.numel() == 0, shape
@@ -120,27 +121,27 @@ def test_cpu_quantize_blocked_reference():
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
 def test_dispatch_errors_name_op_and_shape(device):
     with pytest.raises(ValueError, match=r"mxfx.quantize.*\(4, 48\)"):
-        dispatch.quantize_lastdim(torch.zeros(4, 48, device=device), "rceil")
+        device_path.quantize_lastdim(torch.zeros(4, 48, device=device), "rceil")
     with pytest.raises(TypeError, match=r"mxfx.quantize.*\(4, 64\).*float64"):
-        dispatch.quantize_lastdim(torch.zeros(4, 64, dtype=torch.float64, device=device), "rceil")
+        device_path.quantize_lastdim(torch.zeros(4, 64, dtype=torch.float64, device=device), "rceil")
     with pytest.raises(ValueError, match=r"quantize_dual.*\(40, 64\) \(M = 40 is not\); pad M .*token dim"):
-        dispatch.quantize_dual(torch.zeros(40, 64, device=device), "rceil")
+        device_path.quantize_dual(torch.zeros(40, 64, device=device), "rceil")
     with pytest.raises(ValueError, match=r"quantize_dual.*\(64, 48\) \(K = 48 is not\); pad K to a multiple of 32$"):
-        dispatch.quantize_dual(torch.zeros(64, 48, device=device), "rceil")
-    q, s = dispatch.quantize_lastdim(torch.zeros(4, 64, device=device), "rceil")
+        device_path.quantize_dual(torch.zeros(64, 48, device=device), "rceil")
+    q, s = device_path.quantize_lastdim(torch.zeros(4, 64, device=device), "rceil")
     with pytest.raises(ValueError, match=r"mxfx.dequantize.*\(4, 1\)"):
-        dispatch.dequantize_lastdim(q, s[:, :1], torch.bfloat16)
+        device_path.dequantize_lastdim(q, s[:, :1], torch.bfloat16)
     # the same checks on every device: rank, non-tensors, output dtypes (custom ops included)
     with pytest.raises(ValueError, match=r"quantize_dual: needs a 2D \[M, K\] or 3D.*\(2, 2, 64, 64\)"):
-        dispatch.quantize_dual(torch.zeros(2, 2, 64, 64, device=device), "rceil")
+        device_path.quantize_dual(torch.zeros(2, 2, 64, 64, device=device), "rceil")
     with pytest.raises(TypeError, match=r"quantize_dual: expected a torch.Tensor, got list"):
-        dispatch.quantize_dual([[1.0] * 32] * 32, "rceil")
+        device_path.quantize_dual([[1.0] * 32] * 32, "rceil")
     with pytest.raises(ValueError, match=r"quantize_dual_source: needs a 2D.*\(64,\); reshape it"):
-        dispatch.quantize_dual_source(torch.zeros(64, device=device), "rceil")
+        device_path.quantize_dual_source(torch.zeros(64, device=device), "rceil")
     with pytest.raises(TypeError, match=r"mxfx.dequantize: output dtype torch.int32 for qdata of shape \(4, 64\)"):
         torch.ops.mxfx.dequantize(q, s, torch.int32)
     with pytest.raises(TypeError, match=r"mxfx.quantize_dequantize: output dtype torch.int32 for input of shape"):
-        dispatch.quantize_dequantize(torch.zeros(4, 64, device=device), "rceil", torch.int32)
+        device_path.quantize_dequantize(torch.zeros(4, 64, device=device), "rceil", torch.int32)
 
 
 # ---- CUDA -----------------------------------------------------------------------------
@@ -155,7 +156,7 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 @pytest.mark.parametrize("shape", ROW_SHAPES)
 def test_quantize_rowwise(shape, dtype, rule):
     x = special_rows(rand(shape, dtype))
-    assert_same(dispatch.quantize_lastdim(x, rule), mxf.quantize_lastdim(x.cpu(), rule))
+    assert_same(device_path.quantize_lastdim(x, rule), mxf.quantize_lastdim(x.cpu(), rule))
 
 
 @cuda
@@ -164,14 +165,14 @@ def test_quantize_rowwise(shape, dtype, rule):
 def test_quantize_columnwise(shape, rule):
     x = special_rows(rand(shape, torch.bfloat16).transpose(-2, -1)).transpose(-2, -1)
     xt = x.transpose(-2, -1)  # blocks down dim -2 of x, output [.., K, M]
-    assert_same(dispatch.quantize_lastdim(xt, rule), mxf.quantize_lastdim(xt.cpu(), rule))
+    assert_same(device_path.quantize_lastdim(xt, rule), mxf.quantize_lastdim(xt.cpu(), rule))
 
 
 @cuda
 def test_quantize_noncontiguous_views():
     base = rand((128, 512), torch.bfloat16)
     for view in (base[:, ::2], base[::3], base[:, 64:192], base.view(4, 32, 512)[:, 5:20]):
-        assert_same(dispatch.quantize_lastdim(view, "rceil"), mxf.quantize_lastdim(view.contiguous().cpu(), "rceil"))
+        assert_same(device_path.quantize_lastdim(view, "rceil"), mxf.quantize_lastdim(view.contiguous().cpu(), "rceil"))
 
 
 @cuda
@@ -179,13 +180,13 @@ def test_quantize_no_recompile_per_token_count():
     from mxfx.kernels import quantize as tq
 
     x = rand((4096, 256), torch.bfloat16)
-    dispatch.quantize_lastdim(x[:96], "rceil")
+    device_path.quantize_lastdim(x[:96], "rceil")
     caches = getattr(tq._quantize_kernel, "device_caches", None)
     if not caches:
         pytest.skip("Triton's kernel cache layout changed")
     before = sum(len(c[0]) for c in caches.values())
     for m in (97, 1000, 1, 4095, 3333):
-        assert_same(dispatch.quantize_lastdim(x[:m], "rceil"), mxf.quantize_lastdim(x[:m].cpu(), "rceil"))
+        assert_same(device_path.quantize_lastdim(x[:m], "rceil"), mxf.quantize_lastdim(x[:m].cpu(), "rceil"))
     assert sum(len(c[0]) for c in caches.values()) == before
 
 
@@ -194,7 +195,7 @@ def test_quantize_no_recompile_per_token_count():
 @pytest.mark.parametrize("shape", [(96, 64), (256, 1024), (2, 64, 96), (32, 4096)])
 def test_quantize_dual(shape, rule):
     x = special_rows(rand(shape, torch.bfloat16))
-    got = dispatch.quantize_dual(x, rule)
+    got = device_path.quantize_dual(x, rule)
     xc = x.cpu()
     ref = (*mxf.quantize_lastdim(xc, rule), *mxf.quantize_lastdim(xc.transpose(-2, -1), rule))
     assert_same(got, ref)
@@ -204,9 +205,9 @@ def test_quantize_dual(shape, rule):
 def test_quantize_dual_strided_and_errors():
     x = rand((128, 512), torch.float32)[:, ::2]
     xc = x.cpu()
-    assert_same(dispatch.quantize_dual(x, "rceil"), (*mxf.quantize_lastdim(xc, "rceil"), *mxf.quantize_lastdim(xc.t(), "rceil")))
+    assert_same(device_path.quantize_dual(x, "rceil"), (*mxf.quantize_lastdim(xc, "rceil"), *mxf.quantize_lastdim(xc.t(), "rceil")))
     with pytest.raises(ValueError, match=r"quantize_dual.*\(96, 48\)"):
-        dispatch.quantize_dual(rand((96, 48), torch.bfloat16), "rceil")
+        device_path.quantize_dual(rand((96, 48), torch.bfloat16), "rceil")
 
 
 def dual_source_ref(x, rule, dtype=None):
@@ -245,23 +246,23 @@ def check_dual_source(got, x, rule, dtype=None):
 @pytest.mark.parametrize("shape", [(96, 64), (256, 1056), (2, 64, 96), (32, 4096), (4096, 288)])
 def test_quantize_dual_source(shape, dtype, rule):
     x = special_rows(rand(shape, dtype))
-    check_dual_source(dispatch.quantize_dual_source(x, rule), x, rule)
-    check_dual_source(dispatch.quantize_dual_source(x, rule, dequantized=torch.bfloat16), x, rule, torch.bfloat16)
-    check_dequantized_only(dispatch.quantize_dual_source, x, rule, torch.bfloat16)
+    check_dual_source(device_path.quantize_dual_source(x, rule), x, rule)
+    check_dual_source(device_path.quantize_dual_source(x, rule, dequantized=torch.bfloat16), x, rule, torch.bfloat16)
+    check_dequantized_only(device_path.quantize_dual_source, x, rule, torch.bfloat16)
 
 
 @cuda
 def test_quantize_dual_source_one_orientation_strided_and_errors():
     x = rand((128, 512), torch.float32)[:, ::2]
-    got = dispatch.quantize_dual_source(x, "floor", row=False, dequantized=torch.float32)
+    got = device_path.quantize_dual_source(x, "floor", row=False, dequantized=torch.float32)
     assert got[:3] == (None, None, None)
     tq, ts = mxf.quantize_lastdim(x.cpu().t(), "floor")
     assert_same(got[3:], (tq, ts, mxf.dequantize_lastdim(tq, ts, torch.float32)))
     rq, rs = mxf.quantize_lastdim(x.cpu(), "rceil")
-    got = dispatch.quantize_dual_source(x, "rceil", col=False)
+    got = device_path.quantize_dual_source(x, "rceil", col=False)
     assert_same(got[:2], (rq, rs)) and got[3:] == (None, None, None)
     with pytest.raises(ValueError, match=r"quantize_dual_source.*\(96, 48\)"):
-        dispatch.quantize_dual_source(rand((96, 48), torch.bfloat16), "rceil")
+        device_path.quantize_dual_source(rand((96, 48), torch.bfloat16), "rceil")
 
 
 @cuda
@@ -269,8 +270,8 @@ def test_quantize_dual_source_one_orientation_strided_and_errors():
 def test_dequantize_source_layout_keeps_it(shape):
     """A columnwise pair in the source layout dequantizes to the same values, in the same layout."""
     x = special_rows(rand(shape, torch.bfloat16))
-    q_col, s_col = dispatch.quantize_dual_source(x, "rceil", row=False)[3:5]
-    out = dispatch.dequantize_lastdim(q_col, s_col, torch.bfloat16)
+    q_col, s_col = device_path.quantize_dual_source(x, "rceil", row=False)[3:5]
+    out = device_path.dequantize_lastdim(q_col, s_col, torch.bfloat16)
     assert out.stride() == q_col.stride()
     ref_q, ref_s = mxf.quantize_lastdim(x.cpu().transpose(-2, -1), "rceil")
     assert same_bits(out, mxf.dequantize_lastdim(ref_q, ref_s, torch.bfloat16))
@@ -280,7 +281,7 @@ def test_dequantize_source_layout_keeps_it(shape):
 @pytest.mark.parametrize("shape", [(96, 64), (300, 1056), (2, 130, 64)])
 def test_quantize_blocked(shape):
     x = rand(shape, torch.bfloat16)
-    q, b = dispatch.quantize_blocked(x, "rceil")
+    q, b = device_path.quantize_blocked(x, "rceil")
     rq, rs = mxf.quantize_lastdim(x.cpu(), "rceil")
     assert same_bits(q, rq) and torch.equal(b.cpu(), to_blocked(rs.reshape(-1, rs.shape[-1])))
 
@@ -298,9 +299,9 @@ def test_blocked_scales_unpadded_every_byte_written():
     r3q, r3s = mxf.quantize_lastdim(x3.cpu(), "rceil")
     c3q, c3s = mxf.quantize_lastdim(x3.cpu().transpose(-2, -1), "rceil")
     stack = lambda t: torch.stack([to_blocked(m) for m in t])  # noqa: E731
-    for run, want in ((lambda: dispatch.quantize_blocked(x, "rceil"), (rq, to_blocked(rs))),
-                      (lambda: dispatch.quantize_dual_blocked(x, "rceil"), (rq, to_blocked(rs), cq, to_blocked(cs))),
-                      (lambda: dispatch.quantize_dual_blocked(x3, "rceil"), (r3q, stack(r3s), c3q, stack(c3s)))):
+    for run, want in ((lambda: device_path.quantize_blocked(x, "rceil"), (rq, to_blocked(rs))),
+                      (lambda: device_path.quantize_dual_blocked(x, "rceil"), (rq, to_blocked(rs), cq, to_blocked(cs))),
+                      (lambda: device_path.quantize_dual_blocked(x3, "rceil"), (r3q, stack(r3s), c3q, stack(c3s)))):
         torch.cuda.empty_cache()
         poison = [torch.full((1 << 20,), 0xAB, dtype=torch.uint8, device="cuda") for _ in range(8)]
         del poison
@@ -320,18 +321,18 @@ def test_conversion_forms_give_the_same_bytes(monkeypatch, cvt):
     g, u = rand((256, 512), torch.bfloat16, scale_rows=False) * 4, x
     xc = x.cpu()
     row, col = mxf.quantize_lastdim(xc, "rceil"), mxf.quantize_lastdim(xc.t(), "rceil")
-    assert_same(dispatch.quantize_lastdim(x, "rceil"), row)
-    assert_same(dispatch.quantize_lastdim(x.t(), "rceil"), col)
-    assert_same(dispatch.quantize_dual(x, "rceil"), (*row, *col))
-    assert_same(dispatch.quantize_dual_blocked(x, "rceil"), (row[0], to_blocked(row[1]), col[0], to_blocked(col[1])))
-    assert_same(dispatch.quantize_blocked(x, "rceil"), (row[0], to_blocked(row[1])))
-    assert_same(dispatch.quantize_dequantize(x, "rceil", torch.bfloat16), with_values(row, torch.bfloat16))
-    check_dual_source(dispatch.quantize_dual_source(x, "rceil", dequantized=torch.bfloat16), x, "rceil", torch.bfloat16)
-    check_dual_source(dispatch.quantize_dual_source(x.float(), "floor", dequantized=torch.bfloat16), x.float(), "floor",
+    assert_same(device_path.quantize_lastdim(x, "rceil"), row)
+    assert_same(device_path.quantize_lastdim(x.t(), "rceil"), col)
+    assert_same(device_path.quantize_dual(x, "rceil"), (*row, *col))
+    assert_same(device_path.quantize_dual_blocked(x, "rceil"), (row[0], to_blocked(row[1]), col[0], to_blocked(col[1])))
+    assert_same(device_path.quantize_blocked(x, "rceil"), (row[0], to_blocked(row[1])))
+    assert_same(device_path.quantize_dequantize(x, "rceil", torch.bfloat16), with_values(row, torch.bfloat16))
+    check_dual_source(device_path.quantize_dual_source(x, "rceil", dequantized=torch.bfloat16), x, "rceil", torch.bfloat16)
+    check_dual_source(device_path.quantize_dual_source(x.float(), "floor", dequantized=torch.bfloat16), x.float(), "floor",
                       torch.bfloat16)
-    got = dispatch.swiglu_quantize(g, u, "rceil")
+    got = device_path.swiglu_quantize(g, u, "rceil")
     assert_same(got, swiglu_ref(g, u, "rceil"))
-    assert_same(dispatch.swiglu_quantize(g, u, "rceil", torch.bfloat16, save_inputs=True),
+    assert_same(device_path.swiglu_quantize(g, u, "rceil", torch.bfloat16, save_inputs=True),
                 with_saved_inputs(with_values(got, torch.bfloat16), g, u, "rceil"))
 
 
@@ -342,9 +343,9 @@ def test_dequantize(shape, dtype):
     q = torch.randint(0, 256, shape, dtype=torch.uint8).view(torch.float8_e4m3fn)  # NaN bytes included
     s = torch.randint(0, 256, (*shape[:-1], shape[-1] // 32), dtype=torch.uint8)
     s.view(-1)[:4] = torch.tensor([0, 255, 254, 1], dtype=torch.uint8)
-    got = dispatch.dequantize_lastdim(q.cuda(), s.cuda(), dtype)
+    got = device_path.dequantize_lastdim(q.cuda(), s.cuda(), dtype)
     assert same_bits(got, mxf.dequantize_lastdim(q, s, dtype))
-    got_t = dispatch.dequantize_lastdim(q.cuda().transpose(0, -2)[..., :32], s.cuda().transpose(0, -2)[..., :1], dtype)
+    got_t = device_path.dequantize_lastdim(q.cuda().transpose(0, -2)[..., :32], s.cuda().transpose(0, -2)[..., :1], dtype)
     assert same_bits(got_t, mxf.dequantize_lastdim(q.transpose(0, -2)[..., :32], s.transpose(0, -2)[..., :1], dtype))
 
 
@@ -353,7 +354,7 @@ def test_quantize_dequantize_strided():
     x = special_rows(rand((128, 256), torch.bfloat16))
     for view in (x.t(), x[:, ::2], x[:, 32:96]):
         rq, rs = mxf.quantize_lastdim(view.cpu(), "rceil")
-        got = dispatch.quantize_dequantize(view, "rceil", torch.bfloat16)
+        got = device_path.quantize_dequantize(view, "rceil", torch.bfloat16)
         assert_same(got, (rq, rs, mxf.dequantize_lastdim(rq, rs, torch.bfloat16)))
 
 
@@ -362,7 +363,7 @@ def test_quantize_dequantize_strided():
 @pytest.mark.parametrize("shape", [(96, 64), (300, 2048), (2, 5, 96)])
 def test_quantize_dequantize(shape, out_dtype):
     x = special_rows(rand(shape, torch.bfloat16))
-    got = dispatch.quantize_dequantize(x, "rceil", out_dtype)
+    got = device_path.quantize_dequantize(x, "rceil", out_dtype)
     rq, rs = mxf.quantize_lastdim(x.cpu(), "rceil")
     assert_same(got, (rq, rs, mxf.dequantize_lastdim(rq, rs, out_dtype)))
 
@@ -400,16 +401,16 @@ def with_values(pair, dtype):
 def test_cpu_fused_quantize_dequantized_forms():
     """SwiGLU and route-weight quantize with ``dequantized=``: the pair, plus its values, on the CPU path."""
     g, u, w = torch.randn(40, 64) * 3, special_rows(torch.randn(40, 64)), torch.rand(40)
-    assert_same(dispatch.swiglu_quantize(g, u, "floor", torch.bfloat16), with_values(swiglu_ref(g, u, "floor"), torch.bfloat16))
+    assert_same(device_path.swiglu_quantize(g, u, "floor", torch.bfloat16), with_values(swiglu_ref(g, u, "floor"), torch.bfloat16))
     ref = mxf.quantize_lastdim(u * w[:, None], "rceil")
-    assert_same(dispatch.route_weight_quantize(u, w, "rceil", torch.float32), with_values(ref, torch.float32))
+    assert_same(device_path.route_weight_quantize(u, w, "rceil", torch.float32), with_values(ref, torch.float32))
     with pytest.raises(TypeError, match=r"route_weight_quantize: output dtype torch.int8 for dy of shape \(40, 64\)"):
-        dispatch.route_weight_quantize(u, w, "rceil", torch.int8)
+        device_path.route_weight_quantize(u, w, "rceil", torch.int8)
     with pytest.raises(ValueError, match=r"route_weight_quantize: expected dy \[S, D\].*\(40, 64\).*\(20,\)"):
-        dispatch.route_weight_quantize(u, w[:20], "rceil")
+        device_path.route_weight_quantize(u, w[:20], "rceil")
     with pytest.raises(TypeError, match="swiglu_quantize"):
-        dispatch.swiglu_quantize([1.0], u, "rceil", torch.bfloat16)
-    assert_same(dispatch.swiglu_quantize(g, u, "rceil", save_inputs=True), with_saved_inputs(swiglu_ref(g, u, "rceil"), g, u, "rceil"))
+        device_path.swiglu_quantize([1.0], u, "rceil", torch.bfloat16)
+    assert_same(device_path.swiglu_quantize(g, u, "rceil", save_inputs=True), with_saved_inputs(swiglu_ref(g, u, "rceil"), g, u, "rceil"))
 
 
 def with_saved_inputs(out, g, u, rule):
@@ -423,11 +424,11 @@ def with_saved_inputs(out, g, u, rule):
 @pytest.mark.parametrize("shape", [(96, 64), (300, 1408), (2, 33, 128)])
 def test_swiglu_quantize(shape, dtype, rule):
     g, u = rand(shape, dtype, scale_rows=False) * 4, special_rows(rand(shape, dtype))
-    got = dispatch.swiglu_quantize(g, u, rule)
+    got = device_path.swiglu_quantize(g, u, rule)
     assert_same(got, swiglu_ref(g, u, rule))  # torch's CUDA silu: the same fp32 arithmetic
-    assert_same(dispatch.swiglu_quantize(g, u, rule, torch.bfloat16), with_values(got, torch.bfloat16))
-    assert_same(dispatch.swiglu_quantize(g, u, rule, save_inputs=True), with_saved_inputs(got, g, u, rule))
-    assert_same(dispatch.swiglu_quantize(g, u, rule, torch.float32, save_inputs=True),
+    assert_same(device_path.swiglu_quantize(g, u, rule, torch.bfloat16), with_values(got, torch.bfloat16))
+    assert_same(device_path.swiglu_quantize(g, u, rule, save_inputs=True), with_saved_inputs(got, g, u, rule))
+    assert_same(device_path.swiglu_quantize(g, u, rule, torch.float32, save_inputs=True),
                 with_saved_inputs(with_values(got, torch.float32), g, u, rule))
     # against the CPU path: its expf may differ from CUDA's by an ulp, which moves an E4M3 rounding or a
     # block's scale now and then; a handful of bytes, never a pattern
@@ -459,8 +460,8 @@ def test_swiglu_silu_every_gate(dtype):
         ref = swiglu_ref(g, u, rule)
         plain = mxf.quantize_lastdim(F.silu(g.float()), rule)  # without the flush
         assert not torch.equal(ref[0].view(torch.uint8), plain[0].view(torch.uint8))  # the band is exercised
-        assert_same(dispatch.swiglu_quantize(g, u, rule), ref)
-        assert_same(dispatch.swiglu_quantize(g, u, rule, torch.bfloat16, save_inputs=True),
+        assert_same(device_path.swiglu_quantize(g, u, rule), ref)
+        assert_same(device_path.swiglu_quantize(g, u, rule, torch.bfloat16, save_inputs=True),
                     with_saved_inputs(with_values(ref, torch.bfloat16), g, u, rule))
 
 
@@ -468,12 +469,12 @@ def test_swiglu_silu_every_gate(dtype):
 def test_swiglu_quantize_fused_gate_up():
     gu = rand((3, 100, 2 * 512), torch.bfloat16, scale_rows=False) * 3
     g, u = gu.chunk(2, dim=-1)
-    assert_same(dispatch.swiglu_quantize(g, u, "rceil"), swiglu_ref(g, u, "rceil"))
+    assert_same(device_path.swiglu_quantize(g, u, "rceil"), swiglu_ref(g, u, "rceil"))
     g2, u2 = gu[..., ::2], gu[..., 1::2]  # interleaved halves
-    assert_same(dispatch.swiglu_quantize(g2, u2, "rceil"), swiglu_ref(g2, u2, "rceil"))
-    assert_same(dispatch.swiglu_quantize(g, u, "rceil", torch.float32), with_values(swiglu_ref(g, u, "rceil"), torch.float32))
+    assert_same(device_path.swiglu_quantize(g2, u2, "rceil"), swiglu_ref(g2, u2, "rceil"))
+    assert_same(device_path.swiglu_quantize(g, u, "rceil", torch.float32), with_values(swiglu_ref(g, u, "rceil"), torch.float32))
     for gate, up in ((g, u), (g2, u2)):  # the saved pairs of strided halves come out contiguous
-        got = dispatch.swiglu_quantize(gate, up, "rceil", torch.bfloat16, save_inputs=True)
+        got = device_path.swiglu_quantize(gate, up, "rceil", torch.bfloat16, save_inputs=True)
         assert_same(got, with_saved_inputs(with_values(swiglu_ref(gate, up, "rceil"), torch.bfloat16), gate, up, "rceil"))
         assert all(t.is_contiguous() for t in got)
 
@@ -485,8 +486,8 @@ def test_swiglu_quantize_block_streams(h):
     g, u = gu[..., :h], gu[..., h:]
     for gate, up in ((g, u), (g, u.contiguous()), (g.contiguous(), u)):  # halves, or one half and a contiguous partner
         ref = swiglu_ref(gate, up, "floor")
-        assert_same(dispatch.swiglu_quantize(gate, up, "floor"), ref)
-        assert_same(dispatch.swiglu_quantize(gate, up, "floor", torch.bfloat16, save_inputs=True),
+        assert_same(device_path.swiglu_quantize(gate, up, "floor"), ref)
+        assert_same(device_path.swiglu_quantize(gate, up, "floor", torch.bfloat16, save_inputs=True),
                     with_saved_inputs(with_values(ref, torch.bfloat16), gate, up, "floor"))
 
 
@@ -499,9 +500,9 @@ def test_route_weight_quantize(shape, w_shape, dy_dtype):
     w = torch.rand(shape[0], device="cuda")
     w = w if w_shape == "s" else w[:, None]
     ref = mxf.quantize_lastdim(dy.cpu().float() * w.cpu().float().reshape(-1, 1), "rceil")
-    assert_same(dispatch.route_weight_quantize(dy, w, "rceil"), ref)
-    assert_same(dispatch.route_weight_quantize(dy, w, "rceil", torch.bfloat16), with_values(ref, torch.bfloat16))
-    assert_same(dispatch.route_weight_quantize(dy, w.bfloat16(), "rceil"),
+    assert_same(device_path.route_weight_quantize(dy, w, "rceil"), ref)
+    assert_same(device_path.route_weight_quantize(dy, w, "rceil", torch.bfloat16), with_values(ref, torch.bfloat16))
+    assert_same(device_path.route_weight_quantize(dy, w.bfloat16(), "rceil"),
                 mxf.quantize_lastdim(dy.cpu().float() * w.cpu().bfloat16().float().reshape(-1, 1), "rceil"))
 
 
@@ -538,7 +539,7 @@ def scale_outputs(name, out):
 def check_layouts(run):
     """``run(name, args)`` (the implementation under test) gives the CPU path's bytes and strides."""
     for name, args, _ in layout_cases():
-        want = getattr(dispatch, "quantize_lastdim" if name == "quantize" else name)(*args)
+        want = getattr(device_path, "quantize_lastdim" if name == "quantize" else name)(*args)
         got = run(name, args)
         assert_same(got, want)
         for i, (g, r) in enumerate(zip(got, want)):
@@ -550,7 +551,7 @@ def test_cpu_scale_layouts_and_fakes_agree():
     trusts the fake: a wrong one would make compiled code read scales in the wrong order)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    import mxfx.kernels.ops  # noqa: F401  (registers the ops)
+    import mxfx.kernels.custom_ops  # noqa: F401  (registers the ops)
 
     for name, args, strides in layout_cases():
         real = getattr(torch.ops.mxfx, name)(*args)
@@ -564,7 +565,7 @@ def test_cpu_scale_layouts_and_fakes_agree():
         with FakeTensorMode() as mode:
             fake = getattr(torch.ops.mxfx, name)(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
         assert [t.stride() for t in fake] == [t.stride() for t in real], name
-    q_row, s_row, _, q_col, s_col, _ = dispatch.quantize_dual_source(exact_input((96, 128)), "rceil")
+    q_row, s_row, _, q_col, s_col, _ = device_path.quantize_dual_source(exact_input((96, 128)), "rceil")
     assert s_row.stride() == (1, 96) and s_col.stride() == (1, 128) and q_col.stride() == (1, 128)
     empty = torch.ops.mxfx.quantize_dual_blocked(torch.zeros(0, 32, 64), "rceil")  # no batch: empty, as the fake
     assert [tuple(t.shape) for t in empty] == [(0, 32, 64), (0, 512), (0, 64, 32), (0, 512)]
@@ -582,10 +583,10 @@ def test_cpu_reference_path_traces_every_view():
     not from a failing view) and gives eager's bytes and strides."""
     views = [torch.randn(3, 2, 64).permute(1, 0, 2), torch.randn(2, 64, 5).transpose(-2, -1),
              torch.randn(2, 2, 64, 3).transpose(-2, -1), torch.randn(64, 2, 3).permute(1, 2, 0)]
-    fn = torch.compile(lambda x: dispatch.quantize_dequantize(x, "rceil", torch.float32), backend="eager",
+    fn = torch.compile(lambda x: device_path.quantize_dequantize(x, "rceil", torch.float32), backend="eager",
                        fullgraph=True)
     for x in views:
-        got, want = fn(x), dispatch.quantize_dequantize(x, "rceil", torch.float32)
+        got, want = fn(x), device_path.quantize_dequantize(x, "rceil", torch.float32)
         assert_same(got, want)
         assert [t.stride() for t in got] == [t.stride() for t in want], x.shape
 
@@ -594,13 +595,13 @@ def test_cpu_reference_path_traces_every_view():
 def test_scale_layouts_match_cpu_path():
     """Triton kernels write every scale layout of the CPU path, bit for bit; MN-major scales dequantize."""
     def run(name, args):
-        fn = getattr(dispatch, "quantize_lastdim" if name == "quantize" else name)
+        fn = getattr(device_path, "quantize_lastdim" if name == "quantize" else name)
         return fn(*(a.cuda() if isinstance(a, torch.Tensor) else a for a in args))
 
     check_layouts(run)
     q, s, qt, st = run("quantize_dual", (exact_input((96, 128)), "rceil"))
     for pair in ((q, s), (qt, st)):
-        assert same_bits(dispatch.dequantize_lastdim(*pair, torch.float32),
+        assert same_bits(device_path.dequantize_lastdim(*pair, torch.float32),
                          mxf.dequantize_lastdim(*(t.cpu() for t in pair), torch.float32))
 
 
@@ -762,7 +763,7 @@ def test_traced_path_calls_the_ops_own_body(monkeypatch):
     """Each MX op callers use runs its custom op, or (when a CUDA graph is traced) the op's body: the
     same function with the same arguments. Forced to the body on CPU, every op gives the op's bytes."""
     from mxfx.kernels import launch
-    from mxfx.kernels import ops as kops
+    from mxfx.kernels import custom_ops
     from mxfx.ops import gemm
 
     g = torch.Generator().manual_seed(4)
@@ -771,13 +772,13 @@ def test_traced_path_calls_the_ops_own_body(monkeypatch):
     offs = torch.tensor([20, 20, 64], dtype=torch.int32)
 
     def run_all():
-        q, s = kops.quantize(x, "rceil")
-        wq, ws = kops.quantize(w, "rceil")
-        qt, st = kops.quantize(x.t().contiguous(), "rceil")
+        q, s = custom_ops.quantize(x, "rceil")
+        wq, ws = custom_ops.quantize(w, "rceil")
+        qt, st = custom_ops.quantize(x.t().contiguous(), "rceil")
         return [
-            q, s, kops.dequantize(q, s, torch.float32), *kops.quantize_dual(x, "floor"),
-            *kops.quantize_dequantize(x, "rceil", torch.float32), *kops.swiglu_quantize(x, u, "rceil"),
-            *kops.route_weight_quantize(x, rw, "rceil"), *kops.quantize_blocked(x, "rceil"),
+            q, s, custom_ops.dequantize(q, s, torch.float32), *custom_ops.quantize_dual(x, "floor"),
+            *custom_ops.quantize_dequantize(x, "rceil", torch.float32), *custom_ops.swiglu_quantize(x, u, "rceil"),
+            *custom_ops.route_weight_quantize(x, rw, "rceil"), *custom_ops.quantize_blocked(x, "rceil"),
             gemm.mx_mm(q, s, wq[0], ws[0], torch.float32),
             gemm.mx_grouped_mm(q, s, wq, ws, offs, torch.float32),
             gemm.mx_grouped_mm_wgrad(qt[:32], st[:32], qt, st, torch.tensor([32, 32, 96], dtype=torch.int32), torch.float32),

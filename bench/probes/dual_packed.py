@@ -29,7 +29,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
-from mxfx.kernels import dispatch  # noqa: E402
+from mxfx.kernels import device_path  # noqa: E402
 from mxfx.kernels.mx_block import encode_blocks  # noqa: E402
 
 

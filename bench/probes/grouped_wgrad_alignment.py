@@ -9,7 +9,8 @@ import torch
 import triton
 
 from mxfx.ops.gemm import hp_grouped_wgrad
-from mxfx.ops.grouped_mm import _pad_rows, group_padding
+from mxfx.layout import group_padding
+from mxfx.ops.grouped_mm import _pad_rows
 
 
 def ref(dy, x, offs):

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 from kernels import SHAPES, copy_bandwidth, median_ms  # noqa: E402
-from mxfx.kernels import dispatch  # noqa: E402
+from mxfx.kernels import device_path  # noqa: E402
 from mxfx.kernels.dual import _store_tile  # noqa: E402
 from mxfx.kernels.mx_block import blocked_offset, encode_blocks, load_blocks, load_tile, store_dequantized  # noqa: E402
 from mxfx.kernels.swiglu import _store_mx  # noqa: E402

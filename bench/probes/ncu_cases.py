@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from mxfx.kernels import dispatch  # noqa: E402
+from mxfx.kernels import device_path  # noqa: E402
 
 _DUAL_HAT = lambda x: dispatch.quantize_dual_source(x, "rceil", dequantized=torch.bfloat16)  # noqa: E731
 CASES = {  # name: (fn, input dtype)

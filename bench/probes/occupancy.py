@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 import kernels as bench  # noqa: E402
-from mxfx.kernels import dispatch, dual, quantize, swiglu  # noqa: E402
+from mxfx.kernels import device_path, dual, quantize, swiglu  # noqa: E402
 
 CAPS = [None, 64, 80, 96, 128]
 GRID = {

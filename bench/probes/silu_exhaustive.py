@@ -60,7 +60,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 from kernel_variants import swiglu_setup  # noqa: E402
 from kernels import SHAPES, copy_bandwidth, median_ms  # noqa: E402
-from mxfx.kernels import dispatch  # noqa: E402
+from mxfx.kernels import device_path  # noqa: E402
 from mxfx.kernels import dual as dual_mod  # noqa: E402
 from mxfx.kernels.mx_block import FLT_MAX, exp_f32, load_blocks, rcp_approx_ftz, silu_f32, store_dequantized  # noqa: E402
 from mxfx.kernels.silu import silu_fp32  # noqa: E402

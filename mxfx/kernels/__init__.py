@@ -2,10 +2,10 @@
 
 Every function here takes and returns plain tensors (scales as uint8 E8M0 bytes)
 and picks its implementation from the input's device. Graph code uses the torch
-custom ops registered in :mod:`mxfx.kernels.ops`, which wrap these functions.
+custom ops registered in :mod:`mxfx.kernels.custom_ops`, which wrap these functions.
 """
 
-from mxfx.kernels.dispatch import (  # noqa: F401
+from mxfx.kernels.device_path import (  # noqa: F401
     dequantize_lastdim,
     quantize_blocked,
     quantize_dequantize,
@@ -15,5 +15,4 @@ from mxfx.kernels.dispatch import (  # noqa: F401
     quantize_lastdim,
     route_weight_quantize,
     swiglu_quantize,
-    triton_available,
 )

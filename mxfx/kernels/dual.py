@@ -19,7 +19,7 @@ Both scale tensors are MN-major (:mod:`mxfx.kernels.views`): ``s_row [M, K/32]``
 view of a contiguous ``[K/32, M]`` tensor and ``s_col [K, M/32]`` that of a contiguous ``[M/32, K]``
 one, so a program's ``[32, BLOCK_K]`` tile writes its scales as whole 32-byte sectors. Emulated GEMMs (Hopper, which
   has no MX GEMM) read either layout at the same cost, so the weight caches there keep the
-  dgrad form in this one (``mxfx.ops.gemm.colwise_in_source_layout``). Optionally the same pass
+  dgrad form in this one (``mxfx.device.colwise_in_source_layout``). Optionally the same pass
   writes the dequantized values of each orientation, so one read of the FP32 main weight gives
   everything a Hopper weight-cache refresh builds.
 
@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from mxfx.kernels.launch import launch
-from mxfx.kernels.dispatch import TOKEN_DIM_HINT, check_dual_args
+from mxfx.kernels.checks import TOKEN_DIM_HINT, check_dual_args
 from mxfx.kernels.mx_block import (CVT_ALL, CVT_BF16X2, blocked_offset, cvt_bits, decode_scale, encode_blocks,
                                    load_tile, tile_origin)
 from mxfx.layout import new_blocked_scales
@@ -277,7 +277,7 @@ def quantize_dual_source(x: torch.Tensor, rule: str, *, row: bool = True, col: b
         ValueError: not 2D/3D, M or K not a multiple of 32, neither orientation asked for, or
             ``mx=False`` without ``dequantized``.
         TypeError: unsupported input or ``dequantized`` dtype
-            (see :func:`mxfx.kernels.dispatch.check_dual_args`).
+            (see :func:`mxfx.kernels.device_path.check_dual_args`).
     """
     return _quantize_both(x, rule, "mxfx.quantize_dual_source", row=row, col=col, dequantized=dequantized,
                           transposed=False, mx=mx)

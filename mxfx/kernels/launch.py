@@ -9,7 +9,7 @@ per-call cost of a custom op (the Python dispatcher, argument checks, the
 launcher's specialization lookup; about 65 us of host time per op measured on
 the H200, where the kernels themselves often take less). Inductor keeps each
 user kernel as written: it is neither fused with nor rewritten into generated
-code, so the dynamic-shape slow paths described in ``mxfx.kernels.ops`` do not
+code, so the dynamic-shape slow paths described in ``mxfx.kernels.custom_ops`` do not
 arise.
 
 Set ``MXFX_OPAQUE_KERNELS=1`` (read at every trace) to keep the custom ops in
@@ -25,7 +25,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 
-from mxfx.kernels.dispatch import triton_available
+from mxfx.device import triton_available
 
 
 def traced(t: torch.Tensor) -> bool:

@@ -3,7 +3,7 @@
 The device functions here are the Triton transcription of ``mxfx.format``
 (OCP MX v1.0 §6.3 with the rceil/floor rules and the special-block rules written
 there); ``tests/test_kernels.py`` holds them to that reference bit for bit.
-Importing this module imports Triton: only ``mxfx.kernels.dispatch`` imports it,
+Importing this module imports Triton: only ``mxfx.kernels.device_path`` imports it,
 lazily, once it knows a tensor is on CUDA.
 """
 

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mxfx.kernels.dispatch import check_route_args
+from mxfx.kernels.checks import check_route_args
 from mxfx.kernels.launch import launch
 from mxfx.format import check_block_axis, check_input, check_rule
 from mxfx.kernels.mx_block import (

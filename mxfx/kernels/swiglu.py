@@ -101,7 +101,7 @@ def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str, dequantized
     with ``dequantized``, ``(q, s, h_hat)``, h_hat = dequantize(q, s) in that dtype, from the same pass;
     with ``save_inputs``, followed by ``(gate_q, gate_s, up_q, up_s)``, the contiguous rowwise MX pairs of
     gate and up, also from the same pass. gate and up may differ in dtype (each is read as it is).
-    ``dequantized`` and the devices are checked by :func:`mxfx.kernels.dispatch.swiglu_quantize`, the entry
+    ``dequantized`` and the devices are checked by :func:`mxfx.kernels.device_path.swiglu_quantize`, the entry
     point; this function raises ValueError / TypeError for shapes, H and input dtypes."""
     op = "mxfx.swiglu_quantize"
     for t in (gate, up):

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from mxfx.format import BLOCK_SIZE, SCALE_RULES
-from mxfx.kernels import ops as kops
+from mxfx.kernels import custom_ops
 
 PRECISIONS = ("mxfp8", "bf16")
 _c10d = torch.ops._c10d_functional
@@ -86,9 +86,9 @@ def all_to_all_mx(
 def _transport(x, output_split_sizes, input_split_sizes, group_name, precision, rule):
     if precision != "mxfp8":
         return _all_to_all(x, output_split_sizes, input_split_sizes, group_name)
-    q, s = kops.quantize(x.contiguous(), rule)
+    q, s = custom_ops.quantize(x.contiguous(), rule)
     rq, rs = all_to_all_mx(q, s, output_split_sizes, input_split_sizes, group_name)
-    return kops.dequantize(rq, rs, x.dtype)
+    return custom_ops.dequantize(rq, rs, x.dtype)
 
 
 def _weighted_transport(dy, rw, x_dtype, output_split_sizes, input_split_sizes, group_name, precision, rule):
@@ -96,9 +96,9 @@ def _weighted_transport(dy, rw, x_dtype, output_split_sizes, input_split_sizes, 
     if precision != "mxfp8":
         scaled = (dy.float() * rw.float().reshape(-1, 1)).to(x_dtype)
         return _all_to_all(scaled, output_split_sizes, input_split_sizes, group_name)
-    q, s = kops.route_weight_quantize(dy.contiguous(), rw.reshape(-1).contiguous(), rule)
+    q, s = custom_ops.route_weight_quantize(dy.contiguous(), rw.reshape(-1).contiguous(), rule)
     rq, rs = all_to_all_mx(q, s, output_split_sizes, input_split_sizes, group_name)
-    return kops.dequantize(rq, rs, x_dtype)
+    return custom_ops.dequantize(rq, rs, x_dtype)
 
 
 class _MXAllToAll(torch.autograd.Function):
@@ -106,10 +106,10 @@ class _MXAllToAll(torch.autograd.Function):
     def forward(ctx, x, output_split_sizes, input_split_sizes, group_name, fwd, bwd, rule, return_mx, rw):
         ctx.route = (output_split_sizes, input_split_sizes, group_name, bwd, rule, x.dtype)
         if return_mx:
-            q, s = kops.quantize(x.contiguous(), rule)
+            q, s = custom_ops.quantize(x.contiguous(), rule)
             rq, rs = all_to_all_mx(q, s, output_split_sizes, input_split_sizes, group_name)
             ctx.mark_non_differentiable(rq, rs)
-            return kops.dequantize(rq, rs, x.dtype), rq, rs
+            return custom_ops.dequantize(rq, rs, x.dtype), rq, rs
         rows = _transport(x, output_split_sizes, input_split_sizes, group_name, fwd, rule)
         if rw is None:
             return rows

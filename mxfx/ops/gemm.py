@@ -5,30 +5,19 @@ Every GEMM of a linear is written in this one orientation (``docs/format.md``,
 ``dY[M,N] . (W^T)[K,N]^T``, wgrad ``dY^T[N,M] . X^T[K,M]^T``. Callers quantize
 each operand so that its last dim is the reduction dim.
 
-This module is the one dispatch point for MX GEMMs. Three custom ops
-(``mxfx::mm``, ``mxfx::grouped_mm``, ``mxfx::grouped_mm_wgrad``) pick an
-implementation at run time from :data:`GEMM_IMPLS`, keyed by ``(format, arch)``
-(arch from the CUDA capability of the operands' device, see :func:`arch_of`):
+Three custom ops (``mxfx::mm``, ``mxfx::grouped_mm``, ``mxfx::grouped_mm_wgrad``) pick an
+implementation at run time from :data:`GEMM_IMPLS`: native where :data:`mxfx.device.NATIVE_GEMMS`
+lists the op for the device's architecture, emulated elsewhere.
 
-* ``("mxfp8", "sm100")``, data-center Blackwell (capability 10.x): native
-  block-scaled GEMMs, ``torch._scaled_mm`` for dense and
-  ``torch._scaled_grouped_mm`` for grouped, with E8M0 scales in the blocked
-  layout of :mod:`mxfx.layout` (seed §11.1.1, §11.2.3). The operands they get
-  are built by :func:`native_mm_operands`, :func:`native_grouped_mm_operands`
-  and :func:`native_grouped_wgrad_operands`.
-* ``("mxfp8", "sm120")``, RTX Blackwell (12.x): native dense only (the MXFP8
-  grouped kernel in torch is FBGEMM's sm100 kernel); grouped ops emulate.
-* ``("mxfp8", "*")``, everything else (Hopper sm90, older GPUs, CPU): exact
-  emulation. Both operands are dequantized (fp32 on CPU; bf16 on CUDA, exact
-  since E4M3 x 2^e fits bf16 except for scales below 2^-118) and multiplied
-  with fp32 accumulation. Equal to a native MX GEMM up to summation order.
-  With ``Policy.keep_dequantized_weights`` the weight operand arrives already
-  dequantized (``b_dequantized``, from the weight cache) and the per-GEMM
-  weight dequantize is skipped (the Hopper speed option).
+* native (sm100 all three, sm120 dense only): ``torch._scaled_mm`` / ``torch._scaled_grouped_mm``
+  with E8M0 scales in the blocked layout of :mod:`mxfx.layout`; operands built by
+  :func:`native_mm_operands`, :func:`native_grouped_mm_operands`, :func:`native_grouped_wgrad_operands`.
+* emulated (Hopper, older GPUs, CPU): both operands dequantized exactly (fp32 on CPU, bf16 on CUDA,
+  exact for E4M3 x 2^e except scales below 2^-118) and multiplied with fp32 accumulation: equal to a
+  native MX GEMM up to summation order. Operands may arrive already dequantized (``a_dequantized``
+  from the quantize pass, ``b_dequantized`` from the weight cache under ``keep_dequantized_weights``).
 
-A further block-scaled format (e.g. FP8 with 1x128 blocks, native on Hopper) is
-added as another ``(format, arch)`` row of :data:`GEMM_IMPLS` with its own
-operand builder; the custom ops stay the same.
+A further block-scaled format adds its rows to :data:`GEMM_IMPLS` and :data:`mxfx.device.NATIVE_GEMMS`.
 """
 
 from __future__ import annotations
@@ -39,37 +28,13 @@ from typing import Callable, Optional
 import torch
 
 from mxfx import layout
-from mxfx.kernels import dequantize_lastdim, triton_available
-from mxfx.kernels import ops as kops
+from mxfx.device import FORMAT, emulated_operand_dtype, emulation_dtype, gemm_runs_natively, triton_available
+from mxfx.kernels import custom_ops, dequantize_lastdim
 from mxfx.kernels.launch import op_or_body
-
-FORMAT = "mxfp8"
-"""The block-scaled format the ``mxfx::*`` GEMM ops carry today (E4M3 payload, E8M0 scale per 32 values)."""
 
 _E8M0 = torch.float8_e8m0fnu
 _BLOCK = 32
 _MN_ALIGN = 16  # FP8 GEMMs need the non-reduction dims of B (output columns) in multiples of 16 bytes
-
-
-# --- architecture -----------------------------------------------------------------------------
-
-
-def _capability(device: torch.device) -> tuple[int, int] | None:
-    """CUDA compute capability of ``device``, None for non-CUDA devices (tests monkeypatch this)."""
-    if device.type != "cuda":
-        return None
-    return torch.cuda.get_device_capability(device)
-
-
-def arch_of(capability: tuple[int, int] | None) -> str:
-    """Architecture family of a compute capability: "cpu" (None), "sm90", "sm100", "sm120" or "other".
-
-    "sm100" covers every 10.x part (B200 10.0, B300 10.3): the ``tcgen05.mma``
-    block-scale family. "sm120" is RTX Blackwell (``mma.sync`` block scale).
-    """
-    if capability is None:
-        return "cpu"
-    return {9: "sm90", 10: "sm100", 12: "sm120"}.get(capability[0], "other")
 
 
 # --- emulation (any device) --------------------------------------------------------------------
@@ -84,10 +49,6 @@ def _device(*tensors) -> torch.device:
         "mxfx.gemm: A has neither an MX pair (qdata and scales) nor dequantized values; pass its qdata and scales, "
         "or a_dequantized to an emulated GEMM"
     )
-
-
-def _emulation_dtype(device: torch.device) -> torch.dtype:
-    return torch.float32 if device.type == "cpu" else torch.bfloat16
 
 
 def _dequantized(a_qdata, a_scales, b_qdata, b_scales, b_dequantized=None, a_dequantized=None, dims=None):
@@ -113,7 +74,7 @@ def _dequantized(a_qdata, a_scales, b_qdata, b_scales, b_dequantized=None, a_deq
                 f"mxfx.gemm: {name.lower()}_dequantized of shape {tuple(hat.shape)} is not the dequantization of "
                 f"{name}'s qdata of shape {tuple(q.shape)}; pass the values its quantize pass wrote"
             )
-    cdt = _emulation_dtype(_device(a_qdata, a_dequantized))
+    cdt = emulation_dtype(_device(a_qdata, a_dequantized))
     # Plain kernel calls, not the mxfx::dequantize op: this runs inside a GEMM op's own implementation
     # (or is traced into a CUDA graph), where a nested custom op would only add dispatcher overhead.
     a = dequantize_lastdim(a_qdata, a_scales, cdt) if a_dequantized is None else a_dequantized.to(cdt)
@@ -183,17 +144,10 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return out.view(t.dtype)
 
 
-def is_blocked(qdata: torch.Tensor, scales: torch.Tensor) -> bool:
-    """True when ``scales`` of the 2D ``qdata [R, K]`` are already in the blocked layout (:mod:`mxfx.layout`):
-    1D with ``blocked_numel(R, K/32)`` bytes, as ``mxfx.kernels.quantize_dual_blocked`` writes them."""
-    return (scales.dim() == 1 and qdata.dim() == 2
-            and scales.numel() == layout.blocked_numel(qdata.shape[0], qdata.shape[1] // _BLOCK))
-
-
 def _blocked_scales(qdata: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """E8M0 scales of ``qdata`` in the blocked layout. Its rows are padded to 128 with zero bytes, which also
     covers the operand's own padding to 16 rows (zero rows of qdata)."""
-    return (scales if is_blocked(qdata, scales) else layout.to_blocked(scales)).view(_E8M0)
+    return (scales if layout.is_blocked(qdata, scales) else layout.to_blocked(scales)).view(_E8M0)
 
 
 def _check_pair(name: str, qdata: torch.Tensor | None, scales: torch.Tensor | None) -> None:
@@ -205,7 +159,7 @@ def _check_pair(name: str, qdata: torch.Tensor | None, scales: torch.Tensor | No
     if qdata.dtype != torch.float8_e4m3fn or scales.dtype != torch.uint8:
         raise TypeError(f"mxfx.gemm: {name} must be float8_e4m3fn qdata with uint8 E8M0 scales, got {qdata.dtype}/{scales.dtype}")
     k = qdata.shape[-1]
-    if k % _BLOCK == 0 and is_blocked(qdata, scales):
+    if k % _BLOCK == 0 and layout.is_blocked(qdata, scales):
         return
     if k % _BLOCK or tuple(scales.shape) != (*qdata.shape[:-1], k // _BLOCK):
         raise ValueError(
@@ -311,14 +265,12 @@ def native_grouped_mm_operands(a_qdata, a_scales, b_qdata, b_scales, offs) -> Na
         the native result (rows past ``offs[-1]`` point at a scratch block and
         must be zeroed by the caller).
     """
-    from mxfx.ops.grouped_mm import group_padding  # grouped_mm imports this module
-
     _check_pair("A", a_qdata, a_scales)
     _check_pair("B", b_qdata, b_scales)
     s, k = a_qdata.shape
     e, n, _ = b_qdata.shape
     kb = k // _BLOCK
-    dest, padded_offs, capacity = group_padding(offs, s)
+    dest, padded_offs, capacity = layout.group_padding(offs, s)
     a_pad = a_qdata.new_zeros((capacity, k)).view(torch.uint8).index_copy(0, dest, a_qdata.view(torch.uint8))
     # scale row of each padded row: its group's 128-aligned start + its index inside the group
     p_starts, p_sizes = _group_starts(padded_offs)
@@ -424,7 +376,7 @@ def _native_grouped_wgrad(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype)
 
 @dataclass(frozen=True)
 class GemmImpl:
-    """Implementations of the three GEMM ops for one (format, arch); None falls back to ``(format, "*")``."""
+    """Implementations of the three GEMM ops of one kind ("native" or "emulated") for one format."""
 
     name: str
     mm: Callable | None = None
@@ -433,14 +385,10 @@ class GemmImpl:
 
 
 GEMM_IMPLS: dict[tuple[str, str], GemmImpl] = {
-    (FORMAT, "*"): GemmImpl("emulated", _emulated_mm, _emulated_grouped_mm, _emulated_grouped_wgrad),
-    (FORMAT, "sm100"): GemmImpl("native", _native_mm, _native_grouped_mm, _native_grouped_wgrad),
-    (FORMAT, "sm120"): GemmImpl("native", _native_mm),
+    (FORMAT, "emulated"): GemmImpl("emulated", _emulated_mm, _emulated_grouped_mm, _emulated_grouped_wgrad),
+    (FORMAT, "native"): GemmImpl("native", _native_mm, _native_grouped_mm, _native_grouped_wgrad),
 }
-"""``(format, arch) -> GemmImpl``; arch from :func:`arch_of`, ``"*"`` is the fallback every format must have."""
-
-
-GEMM_OPS = ("mm", "grouped_mm", "grouped_mm_wgrad")
+"""``(format, "native" | "emulated") -> GemmImpl``; which one a device gets is :data:`mxfx.device.NATIVE_GEMMS`."""
 
 
 def gemm_impl(op: str, device: torch.device, fmt: str = FORMAT) -> tuple[str, Callable]:
@@ -448,29 +396,9 @@ def gemm_impl(op: str, device: torch.device, fmt: str = FORMAT) -> tuple[str, Ca
 
     Raises:
         ValueError: ``op`` is not one of those three.
-        KeyError: ``fmt`` has no ``(fmt, "*")`` fallback row.
     """
-    if op not in GEMM_OPS:
-        raise ValueError(f"mxfx.gemm: op={op!r} is not a GEMM op; choose one of {GEMM_OPS}")
-    arch = arch_of(_capability(device))
-    row = GEMM_IMPLS.get((fmt, arch))
-    if row is not None and getattr(row, op) is not None:
-        return row.name, getattr(row, op)
-    fallback = GEMM_IMPLS[(fmt, "*")]
-    return fallback.name, getattr(fallback, op)
-
-
-def colwise_in_source_layout(device: torch.device, op: str = "mm") -> bool:
-    """Whether columnwise MX operands for GEMM ``op`` on ``device`` are kept in the source layout.
-
-    Native MX GEMMs read the columnwise operand ``[K, M]`` blocked along M as a contiguous
-    (K-major) tensor, so it is stored transposed. Emulated GEMMs dequantize it to BF16 and
-    hand cuBLAS either orientation at the same cost, so it stays in the layout of the tensor it
-    was quantized from (``q_col`` the transpose view of a contiguous ``[M, K]`` tensor; see
-    :mod:`mxfx.kernels.dual`): its quantize and dequantize then stream with no
-    transpose. True exactly where :func:`gemm_impl` picks emulation.
-    """
-    return gemm_impl(op, device)[0] == "emulated"
+    impl = GEMM_IMPLS[(fmt, "native" if gemm_runs_natively(op, device, fmt) else "emulated")]
+    return impl.name, getattr(impl, op)
 
 
 # --- the ops -----------------------------------------------------------------------------------
@@ -523,14 +451,7 @@ def quantize_operand(x: torch.Tensor, rule: str, op: str = "mm"):
     ``a_dequantized`` and the GEMM reads it instead of dequantizing A again. On native MX GEMMs
     ``x_hat`` is None. Same values either way.
     """
-    return a_operand(op, kops.quantize, kops.quantize_dequantize, x, rule)
-
-
-def emulated_operand_dtype(op: str, device: torch.device) -> torch.dtype | None:
-    """The dtype GEMM ``op`` reads its operands in where it is emulated on ``device`` (bf16 on CUDA,
-    fp32 on CPU), None where it runs natively. A quantize pass that makes an operand of an emulated
-    GEMM writes its dequantized values in this dtype too, so that no dequantize pass follows."""
-    return _emulation_dtype(device) if gemm_impl(op, device)[0] == "emulated" else None
+    return a_operand(op, custom_ops.quantize, custom_ops.quantize_dequantize, x, rule)
 
 
 def a_operand(op: str, quantize: Callable, quantize_with_values: Callable, x: torch.Tensor, *args):
@@ -567,9 +488,9 @@ def quantize_dual_operand(x: torch.Tensor, rule: str, op: str = "mm"):
     """
     dtype = emulated_operand_dtype(op, x.device)
     if dtype is not None:
-        row_hat, col_hat = kops.quantize_dual_dequantized(x, rule, dtype)
+        row_hat, col_hat = custom_ops.quantize_dual_dequantized(x, rule, dtype)
         return None, None, row_hat, None, None, col_hat.transpose(-2, -1)
-    dual = kops.quantize_dual_blocked if op == "mm" else kops.quantize_dual  # dense: scales blocked by the pass
+    dual = custom_ops.quantize_dual_blocked if op == "mm" else custom_ops.quantize_dual  # dense: scales blocked by the pass
     q, s, qt, st = dual(x, rule)
     return q, s, None, qt, st, None
 

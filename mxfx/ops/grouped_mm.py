@@ -28,42 +28,13 @@ from __future__ import annotations
 
 import torch
 
+from mxfx import layout
 from mxfx.cache import weight_operands
 from mxfx.format import check_input, check_rule
-from mxfx.kernels import ops as kops
+from mxfx.kernels import custom_ops
 from mxfx.ops import swiglu
 from mxfx.policy import check_precisions
 from mxfx.ops.gemm import a_operand, hp_grouped_wgrad, mx_grouped_mm, mx_grouped_mm_wgrad, quantize_operand
-
-BLOCK = 32
-
-
-def group_padding(offs: torch.Tensor, rows: int):
-    """Row map that pads every group to a multiple of 32 rows.
-
-    Args:
-        offs: int32 ``[E]`` cumulative group ends; rows: S, the number of input rows.
-
-    Returns:
-        ``(dest, padded_offs, capacity)``: ``dest [S]`` int64 destination row of each
-        input row (rows past ``offs[-1]`` go to a trailing scratch block no group
-        reads), ``padded_offs [E]`` int32 group ends in the padded buffer, and the
-        static buffer size ``capacity = S + 31 E + 32`` rounded up to 32.
-    """
-    e = offs.shape[0]
-    ends = offs.to(torch.int64)
-    sizes = torch.diff(ends, prepend=ends.new_zeros(1))
-    padded = (sizes + BLOCK - 1) // BLOCK * BLOCK
-    padded_ends = torch.cumsum(padded, 0)
-    capacity = (rows + (BLOCK - 1) * e + BLOCK + BLOCK - 1) // BLOCK * BLOCK
-    r = torch.arange(rows, device=offs.device)
-    gid = torch.searchsorted(ends, r, right=True)
-    valid = gid < e
-    gid = gid.clamp(max=e - 1)
-    dest = r - (ends - sizes)[gid] + (padded_ends - padded)[gid]
-    dest = torch.where(valid, dest, capacity - BLOCK + (r % BLOCK))
-    return dest, padded_ends.to(torch.int32), capacity
-
 
 def _pad_rows(t: torch.Tensor, dest: torch.Tensor, capacity: int) -> torch.Tensor:
     """``t [S, D]`` scattered to rows ``dest`` of a zero ``[capacity, D]`` buffer (groups padded to 32)."""
@@ -72,7 +43,7 @@ def _pad_rows(t: torch.Tensor, dest: torch.Tensor, capacity: int) -> torch.Tenso
 
 def _token_blocked(t: torch.Tensor, dest: torch.Tensor, capacity: int, rule: str):
     """MX of ``t [S, D]`` blocked along tokens per group: ``(q [D, C], s [D, C/32])``."""
-    return kops.quantize(_pad_rows(t, dest, capacity).t(), rule)
+    return custom_ops.quantize(_pad_rows(t, dest, capacity).t(), rule)
 
 
 def _weigh_rows(y: torch.Tensor, route_weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -98,7 +69,7 @@ class _MXGroupedMM(torch.autograd.Function):
         wq, ws, w_dq = weight_operands(weight, rule, "forward", keep_dq)
         y = mx_grouped_mm(xq, xs, wq, ws, offs, out_dtype, w_dq, x_hat)
         if wgrad == "mxfp8":
-            dest, _, capacity = group_padding(offs, s_rows)
+            dest, _, capacity = layout.group_padding(offs, s_rows)
             h = x if up is None else swiglu.swiglu_fp32(x, up)
             wgrad_input = _token_blocked(h, dest, capacity, rule)
         elif save == "mxfp8" or up is not None:
@@ -125,7 +96,7 @@ class _MXGroupedMM(torch.autograd.Function):
         if has_rw:
             d_rw = (dout.float() * y_unweighted.float()).sum(-1).reshape(route_weight.shape).to(route_weight.dtype)
             dyq, dys, dy_hat = a_operand(
-                "grouped_mm", kops.route_weight_quantize, kops.route_weight_quantize_dequantize,
+                "grouped_mm", custom_ops.route_weight_quantize, custom_ops.route_weight_quantize_dequantize,
                 dout, route_weight.reshape(-1), rule,
             )
             dy = dout.float() * route_weight.reshape(-1, 1).float()  # fp32: quantized once, never via bf16
@@ -142,12 +113,12 @@ class _MXGroupedMM(torch.autograd.Function):
         dw = None
         if ctx.needs_input_grad[2]:
             if wgrad == "mxfp8":
-                dest, padded_offs, capacity = group_padding(offs, dy.shape[0])
+                dest, padded_offs, capacity = layout.group_padding(offs, dy.shape[0])
                 dyq_t, dys_t = _token_blocked(dy, dest, capacity, rule)
                 xq_t, xs_t = wgrad_input
                 dw = mx_grouped_mm_wgrad(dyq_t, dys_t, xq_t, xs_t, padded_offs, weight.dtype)
             else:
-                x_saved = wgrad_input[0] if n_wgrad == 1 else kops.dequantize(*wgrad_input, torch.bfloat16)
+                x_saved = wgrad_input[0] if n_wgrad == 1 else custom_ops.dequantize(*wgrad_input, torch.bfloat16)
                 # no group padding: mxfx::grouped_wgrad_bf16 takes any group ends (see there)
                 dw = hp_grouped_wgrad(dy.to(dout.dtype), x_saved, offs, weight.dtype)
         return dx, dup, dw, None, d_rw, None, None, None, None, None, None, None, None
@@ -210,7 +181,7 @@ def mx_grouped_mm_op(
             its dequantization (rows received by an MX all-to-all, seed §11.1.3, or gathered
             from the MX of the tokens before the dispatch's row gather): the forward GEMM uses
             it instead of quantizing ``x`` again. Not with ``up``. A third element, the
-            dequantized values ``[S, K]`` in :func:`mxfx.ops.gemm.emulated_operand_dtype`,
+            dequantized values ``[S, K]`` in :func:`mxfx.device.emulated_operand_dtype`,
             is what an emulated GEMM reads instead of dequantizing the pair.
 
     Returns ``[S, N]``.

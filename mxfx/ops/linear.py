@@ -28,9 +28,10 @@ import torch
 import torch.nn.functional as F
 
 from mxfx.cache import weight_operands
-from mxfx.kernels import ops as kops
+from mxfx.kernels import custom_ops
 from mxfx.ops import swiglu
-from mxfx.ops.gemm import emulated_operand_dtype, hp_mm_t, mx_mm, quantize_dual_operand, quantize_operand
+from mxfx.device import emulated_operand_dtype
+from mxfx.ops.gemm import hp_mm_t, mx_mm, quantize_dual_operand, quantize_operand
 from mxfx.policy import check_precisions
 
 
@@ -49,7 +50,7 @@ class _MXLinear(torch.autograd.Function):
             # SwiGLU: fused rowwise quantize for the GEMM, writing the saved gate/up pairs in the same pass
             xq, xs, x_hat, packed = swiglu.quantize_input_and_pack(x2d, up, save, rule)
             if wgrad == "mxfp8":  # the token-blocked copy from the fp32 product
-                kind, wgrad_input = "mx_tokens", kops.quantize(_pad_tokens(swiglu.swiglu_fp32(x2d, up)).t(), rule)
+                kind, wgrad_input = "mx_tokens", custom_ops.quantize(_pad_tokens(swiglu.swiglu_fp32(x2d, up)).t(), rule)
             else:  # BF16 wgrad from the forward's own rowwise MX copy
                 kind, wgrad_input = "mx_rows", (xq, xs)
         elif wgrad == "mxfp8" and save == "mxfp8":
@@ -57,7 +58,7 @@ class _MXLinear(torch.autograd.Function):
             # both scale matrices in their blocked layout from the pass itself. Those are not cut to m rows:
             # the padded zero rows have scale byte 0, which is the layout's own padding.
             native = emulated_operand_dtype("mm", x2d.device) is None
-            xq, xs, xq_t, xs_t = (kops.quantize_dual_blocked if native else kops.quantize_dual)(_pad_tokens(x2d), rule)
+            xq, xs, xq_t, xs_t = (custom_ops.quantize_dual_blocked if native else custom_ops.quantize_dual)(_pad_tokens(x2d), rule)
             xq, xs = xq[:m], (xs if native else xs[:m])
             kind, wgrad_input = "mx_tokens", (xq_t, xs_t)
         else:
@@ -100,10 +101,10 @@ class _MXLinear(torch.autograd.Function):
         dw = None
         if mx_wgrad:
             if kind == "hp_tokens":
-                wgrad_input = kops.quantize(_pad_tokens(wgrad_input[0]).t(), rule)
+                wgrad_input = custom_ops.quantize(_pad_tokens(wgrad_input[0]).t(), rule)
             dw = mx_mm(dyq_t, dys_t, *wgrad_input, weight.dtype, None, dyt_hat)
         elif need_dw:
-            x_saved = wgrad_input[0] if kind == "hp" else kops.dequantize(*wgrad_input, out_dtype)
+            x_saved = wgrad_input[0] if kind == "hp" else custom_ops.dequantize(*wgrad_input, out_dtype)
             dw = hp_mm_t(dy.t(), x_saved.t(), weight.dtype)
         db = dy.float().sum(0).to(weight.dtype) if has_bias and ctx.needs_input_grad[3] else None
         return dx, dup, dw, db, None, None, None, None, None

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from mxfx.kernels import ops as kops
-from mxfx.ops.gemm import a_operand, emulated_operand_dtype, quantize_operand
+from mxfx.kernels import custom_ops
+from mxfx.device import emulated_operand_dtype
+from mxfx.ops.gemm import a_operand, quantize_operand
 
 
 def swiglu_fp32(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -31,7 +32,7 @@ def quantize_input(x: torch.Tensor, up: torch.Tensor | None, rule: str, op: str 
     """
     if up is None:
         return quantize_operand(x, rule, op)
-    return a_operand(op, kops.swiglu_quantize, kops.swiglu_quantize_dequantize, x, up, rule)
+    return a_operand(op, custom_ops.swiglu_quantize, custom_ops.swiglu_quantize_dequantize, x, up, rule)
 
 
 def quantize_input_and_pack(x: torch.Tensor, up: torch.Tensor, save: str, rule: str, op: str = "mm") -> tuple:
@@ -50,22 +51,22 @@ def quantize_input_and_pack(x: torch.Tensor, up: torch.Tensor, save: str, rule: 
         same bytes as three separate passes (OCP MX v1.0 §6.3 blocks, ``mxfx.format`` rules).
 
     Raises:
-        TypeError / ValueError: as :func:`mxfx.kernels.dispatch.swiglu_quantize` (dtype, shapes, rule).
+        TypeError / ValueError: as :func:`mxfx.kernels.device_path.swiglu_quantize` (dtype, shapes, rule).
     """
     if save != "mxfp8":
         return (*quantize_input(x, up, rule, op), pack(x, up, save, rule))
     dtype = emulated_operand_dtype(op, x.device)
     if dtype is None:
-        q, s, *packed = kops.swiglu_quantize_save(x, up, rule)
+        q, s, *packed = custom_ops.swiglu_quantize_save(x, up, rule)
         return q, s, None, tuple(packed)
-    q, s, x_hat, *packed = kops.swiglu_quantize_dequantize_save(x, up, rule, dtype)
+    q, s, x_hat, *packed = custom_ops.swiglu_quantize_dequantize_save(x, up, rule, dtype)
     return q, s, x_hat, tuple(packed)
 
 
 def pack(gate: torch.Tensor, up: torch.Tensor, save: str, rule: str) -> tuple:
     """What backward keeps of gate/up: MX pairs (``save="mxfp8"``) or the tensors themselves."""
     if save == "mxfp8":
-        return (*kops.quantize(gate, rule), *kops.quantize(up, rule))
+        return (*custom_ops.quantize(gate, rule), *custom_ops.quantize(up, rule))
     return (gate, up)
 
 
@@ -73,7 +74,7 @@ def unpack(saved: tuple) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of :func:`pack`, as fp32 tensors (on CUDA graphs decoded inside the backward's fused kernel)."""
     if len(saved) == 4:
         gq, gs, uq, us = saved
-        return kops.dequantize_fusible(gq, gs, torch.float32), kops.dequantize_fusible(uq, us, torch.float32)
+        return custom_ops.dequantize_fusible(gq, gs, torch.float32), custom_ops.dequantize_fusible(uq, us, torch.float32)
     gate, up = saved
     return gate.float(), up.float()
 

@@ -35,9 +35,9 @@ import operator
 import torch
 import torch.fx as fx
 
-from mxfx.kernels import ops as kops
+from mxfx.kernels import custom_ops
 from mxfx.ops.all_to_all import mx_all_to_all
-from mxfx.ops.gemm import emulated_operand_dtype
+from mxfx.device import emulated_operand_dtype
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
 from mxfx.passes.fx import example_value, is_call, known_size
 from mxfx.policy import Policy
@@ -126,9 +126,9 @@ def _hoist_local(gm: fx.GraphModule, pm: PrecisionMap) -> int:
         with gm.graph.inserting_before(chain[0]):
             tokens = gm.graph.call_method("detach", (src,))  # gradients flow through the BF16 rows
             if dtype is None:
-                mx = gm.graph.call_function(kops.quantize, (tokens, rule))
+                mx = gm.graph.call_function(custom_ops.quantize, (tokens, rule))
             else:
-                mx = gm.graph.call_function(kops.quantize_dequantize, (tokens, rule, dtype))
+                mx = gm.graph.call_function(custom_ops.quantize_dequantize, (tokens, rule, dtype))
             pair = [gm.graph.call_function(operator.getitem, (mx, i)) for i in range(2 if dtype is None else 3)]
         grouped.kwargs = {**grouped.kwargs, "x_mx": tuple(_gathered_mx(gm, chain, pair, grouped))}
         n_src, n_out = example_value(src).shape[0], example_value(grouped.args[0]).shape[0]

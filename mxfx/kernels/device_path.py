@@ -1,4 +1,4 @@
-"""Device dispatch for the MX kernels: Triton when the tensor is on CUDA, the reference otherwise.
+"""Device-path selection for the MX kernels: Triton when the tensor is on CUDA, the reference otherwise.
 
 The Triton modules (``mxfx.kernels.quantize``, ``dual``, ``dequantize``, ``swiglu``) are
 imported lazily, only once a CUDA tensor arrives and Triton imports, so
@@ -8,36 +8,14 @@ bytes (``tests/test_kernels.py``).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from mxfx import format as mxf
+from mxfx.device import triton_available
+from mxfx.kernels.checks import TOKEN_DIM_HINT, check_dual_args, check_lastdim_args, check_route_args
 from mxfx.kernels.silu import silu_fp32
 from mxfx.kernels.views import laid_out_as, lastdim_scales, mn_major
 from mxfx.layout import blocked_numel, to_blocked
-
-
-@functools.cache
-def _has_triton() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def triton_available(t: torch.Tensor) -> bool:
-    """True when ``t`` is a tensor on a CUDA device and Triton can be imported (anything else takes the
-    reference path, whose checks reject it by name)."""
-    return isinstance(t, torch.Tensor) and t.is_cuda and _has_triton()
-
-
-def _check(x: torch.Tensor, rule: str, op: str) -> None:
-    """The reference path's input checks for ops blocked along the last dim (the Triton wrappers make the same ones)."""
-    mxf.check_input(x, op)
-    mxf.check_rule(rule, op)
-    mxf.check_block_axis(x.shape, -1, op)
 
 
 def quantize_lastdim(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,7 +29,7 @@ def quantize_lastdim(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Te
         from mxfx.kernels import quantize as tq
 
         return tq.quantize_lastdim(x, rule)
-    _check(x, rule, "mxfx.quantize")
+    check_lastdim_args(x, rule, "mxfx.quantize")
     return _reference_lastdim(x, rule)
 
 
@@ -75,7 +53,7 @@ def quantize_blocked(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Te
         from mxfx.kernels import quantize as tq
 
         return tq.quantize_blocked(x, rule)
-    _check(x, rule, "mxfx.quantize_blocked")
+    check_lastdim_args(x, rule, "mxfx.quantize_blocked")
     q, s = mxf.quantize_lastdim(x, rule)
     return q, to_blocked(s.reshape(s.shape[:-1].numel(), s.shape[-1]))  # also with no rows or no scale columns
 
@@ -91,29 +69,6 @@ def dequantize_lastdim(qdata: torch.Tensor, scales: torch.Tensor, dtype: torch.d
     return mxf.dequantize_lastdim(qdata, scales, dtype)
 
 
-TOKEN_DIM_HINT = " (the token dim, for activations)"
-
-
-def check_dual_args(x, rule: str, op: str, *, row: bool = True, col: bool = True,
-                    dequantized: torch.dtype | None = None, mx: bool = True, hint: str = "") -> torch.Tensor:
-    """Checks of :func:`quantize_dual` / :func:`quantize_dual_source` on every device; returns x as ``[B, M, K]``.
-
-    Raises:
-        TypeError: x not a bf16/fp16/fp32 tensor, or ``dequantized`` not a floating dtype of 16+ bits.
-        ValueError: neither orientation asked for, neither the MX pairs nor the dequantized values
-            asked for (``mx=False`` without ``dequantized``), an unknown rule, or x not 2D/3D with M
-            and K multiples of 32 (see :func:`mxfx.format.check_both_axes`).
-    """
-    if not (row or col):
-        raise ValueError(f"{op}: asked for no orientation (row=False, col=False); ask for at least one orientation")
-    if not mx and dequantized is None:
-        raise ValueError(f"{op}: asked for no output (mx=False, dequantized=None); pass a dequantized dtype or mx=True")
-    x3 = mxf.check_both_axes(x, rule, op, hint)
-    if dequantized is not None:
-        mxf.check_output_dtype(dequantized, x, op, name="x")
-    return x3
-
-
 def quantize_dual(x: torch.Tensor, rule: str):
     """Both orientations of a 2D ``x [M, K]`` from one read.
 
@@ -123,7 +78,7 @@ def quantize_dual(x: torch.Tensor, rule: str):
     (transpose views of contiguous ``[K/32, M]`` / ``[M/32, K]`` tensors, :mod:`mxfx.kernels.views`).
     A 3D ``[B, M, K]`` input is handled per batch.
     On every device: ValueError unless x is 2D/3D with M and K multiples of 32 (naming the
-    shape), TypeError for a non-tensor or an unsupported dtype (:func:`check_dual_args`).
+    shape), TypeError for a non-tensor or an unsupported dtype (:func:`mxfx.kernels.checks.check_dual_args`).
     """
     if triton_available(x):
         from mxfx.kernels import dual
@@ -169,7 +124,7 @@ def quantize_dual_source(x: torch.Tensor, rule: str, *, row: bool = True, col: b
     and so are the pairs with ``mx=False`` (the dequantized values alone, one read, no MX writes).
     Raises ValueError unless x is 2D/3D with M and K multiples of 32, when neither orientation
     is asked for, or with ``mx=False`` and no ``dequantized``; TypeError for an input dtype other than
-    bf16/fp16/fp32 or a ``dequantized`` dtype that is not a float of 16+ bits (:func:`check_dual_args`,
+    bf16/fp16/fp32 or a ``dequantized`` dtype that is not a float of 16+ bits (:func:`mxfx.kernels.checks.check_dual_args`,
     the same on every device).
     """
     if triton_available(x):
@@ -198,7 +153,7 @@ def quantize_dequantize(x: torch.Tensor, rule: str, dtype: torch.dtype):
         from mxfx.kernels import quantize as tq
 
         return tq.quantize_dequantize(x, rule, dtype)
-    _check(x, rule, "mxfx.quantize_dequantize")
+    check_lastdim_args(x, rule, "mxfx.quantize_dequantize")
     return _with_dequantized(_reference_lastdim(x, rule), dtype)
 
 
@@ -226,21 +181,12 @@ def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str, dequantized
         from mxfx.kernels import swiglu
 
         return swiglu.swiglu_quantize(gate, up, rule, dequantized, save_inputs)
-    _check(gate, rule, "mxfx.swiglu_quantize")
-    _check(up, rule, "mxfx.swiglu_quantize")
+    check_lastdim_args(gate, rule, "mxfx.swiglu_quantize")
+    check_lastdim_args(up, rule, "mxfx.swiglu_quantize")
     if gate.shape != up.shape:
         raise ValueError(f"mxfx.swiglu_quantize: gate of shape {tuple(gate.shape)} and up of shape {tuple(up.shape)} must match")
     out = _with_dequantized(mxf.quantize_lastdim(silu_fp32(gate) * up.float(), rule), dequantized)
     return (*out, *mxf.quantize_lastdim(gate, rule), *mxf.quantize_lastdim(up, rule)) if save_inputs else out
-
-
-def check_route_args(dy: torch.Tensor, weight, op: str) -> None:
-    """Raise ValueError naming ``op`` unless ``dy`` is ``[S, D]`` and ``weight`` a tensor of S values ([S] or [S, 1])."""
-    if not isinstance(weight, torch.Tensor) or dy.dim() != 2 or weight.numel() != dy.shape[0]:
-        raise ValueError(
-            f"{op}: expected dy [S, D] and weight [S] or [S, 1], got dy of shape {tuple(dy.shape)} and weight "
-            f"of shape {tuple(getattr(weight, 'shape', ()))}"
-        )
 
 
 def route_weight_quantize(dy: torch.Tensor, weight: torch.Tensor, rule: str, dequantized: torch.dtype | None = None):
@@ -255,6 +201,6 @@ def route_weight_quantize(dy: torch.Tensor, weight: torch.Tensor, rule: str, deq
 
         return tq.route_weight_quantize(dy, weight, rule, dequantized)
     check_route_args(dy, weight, op)
-    _check(dy, rule, op)
+    check_lastdim_args(dy, rule, op)
     q, s = mxf.quantize_lastdim(dy.float() * weight.float().reshape(-1, 1), rule)
     return _with_dequantized((q, laid_out_as(s, lastdim_scales(dy))), dequantized)

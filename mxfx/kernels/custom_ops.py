@@ -20,6 +20,7 @@ import torch
 from mxfx import kernels
 from mxfx.format import BLOCK_SIZE, dequantize_lastdim
 from mxfx.kernels.launch import op_or_body
+from mxfx.layout import blocked_numel
 from mxfx.kernels.views import lastdim_scales, mn_major, scale_shape
 
 _E4M3 = torch.float8_e4m3fn
@@ -84,8 +85,6 @@ def _quantize_dual_blocked_op(x: torch.Tensor, rule: str) -> tuple[torch.Tensor,
 
 @_quantize_dual_blocked_op.register_fake
 def _(x, rule):
-    from mxfx.layout import blocked_numel
-
     *lead, m, k = x.shape
     return (
         x.new_empty(x.shape, dtype=_E4M3),
@@ -215,8 +214,6 @@ def _quantize_blocked_op(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torc
 
 @_quantize_blocked_op.register_fake
 def _(x, rule):
-    from mxfx.layout import blocked_numel
-
     rows = 1
     for d in x.shape[:-1]:
         rows = rows * d
