@@ -23,9 +23,9 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 from mxfx.format import SCALE_RULES
+from mxfx.settings import PRECISIONS, MXSettings
 
 OP_KINDS = ("linear", "grouped_mm", "swiglu", "router", "saved", "all_to_all", "weight_refresh")
-PRECISIONS = ("mxfp8", "bf16")
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 PASSES = ("linear", "grouped_mm", "swiglu", "combine", "saved", "all_to_all", "dispatch_mx", "weight_refresh")
 DUMP_ENV = "MXFX_DUMP_DIR"
@@ -159,6 +159,13 @@ class Decision:
     scale_rule: str
     rule: Rule | None  # the rule that matched, None for the built-in defaults
     reason: str = ""  # why precision is not mxfp8 ("" when it is)
+    keep_dequantized_weights: bool = False
+
+    @property
+    def settings(self) -> MXSettings:
+        """The settings the MX op of this decision runs with (read by the ops by name)."""
+        return MXSettings(scale_rule=self.scale_rule, wgrad=self.wgrad, save=self.save,
+                          keep_dequantized_weights=self.keep_dequantized_weights)
 
 
 @dataclass(frozen=True)
@@ -315,4 +322,5 @@ class Policy(_NamedFields):
             scale_rule=get("scale_rule") or self.scale_rule,
             rule=rule,
             reason=reason,
+            keep_dequantized_weights=self.keep_dequantized_weights,
         )

@@ -495,7 +495,7 @@ def quantize_dual_operand(x: torch.Tensor, rule: str, op: str = "mm"):
     return q, s, None, qt, st, None
 
 
-def hp_mm_t(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def hp_mm_transposed(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """High-precision ``a[M,K] @ b[N,K]^T`` with fp32 accumulation (the "bf16" wgrad path)."""
     if a.device.type == "cpu":
         return torch.mm(a.float(), b.float().t()).to(out_dtype)

@@ -30,11 +30,11 @@ import torch
 
 from mxfx import layout
 from mxfx.cache import weight_operands
-from mxfx.format import check_input, check_rule
+from mxfx.format import check_input
 from mxfx.kernels import custom_ops
 from mxfx.ops import swiglu
-from mxfx.policy import check_precisions
 from mxfx.ops.gemm import a_operand, hp_grouped_wgrad, mx_grouped_mm, mx_grouped_mm_wgrad, quantize_operand
+from mxfx.settings import MXSettings, resolve
 
 def _pad_rows(t: torch.Tensor, dest: torch.Tensor, capacity: int) -> torch.Tensor:
     """``t [S, D]`` scattered to rows ``dest`` of a zero ``[capacity, D]`` buffer (groups padded to 32)."""
@@ -59,15 +59,16 @@ def _weigh_rows(y: torch.Tensor, route_weight: torch.Tensor, out_dtype: torch.dt
 
 class _MXGroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, up, weight, offs, route_weight, out_dtype, rule, wgrad, save, keep_dq, x_q, x_s, x_v):
+    def forward(ctx, x, up, weight, offs, route_weight, out_dtype, settings: MXSettings, x_q, x_s, x_dequantized):
         s_rows = x.shape[0]
+        rule, wgrad, save = settings.scale_rule, settings.wgrad, settings.save
         if up is not None:
             xq, xs, x_hat, packed = swiglu.quantize_input_and_pack(x, up, save, rule, "grouped_mm")
         else:
-            xq, xs, x_hat = quantize_operand(x, rule, "grouped_mm") if x_q is None else (x_q, x_s, x_v)
+            xq, xs, x_hat = quantize_operand(x, rule, "grouped_mm") if x_q is None else (x_q, x_s, x_dequantized)
             packed = ()
-        wq, ws, w_dq = weight_operands(weight, rule, "forward", keep_dq)
-        y = mx_grouped_mm(xq, xs, wq, ws, offs, out_dtype, w_dq, x_hat)
+        wq, ws, w_dequantized = weight_operands(weight, rule, "forward", settings.keep_dequantized_weights)
+        y = mx_grouped_mm(xq, xs, wq, ws, offs, out_dtype, w_dequantized, x_hat)
         if wgrad == "mxfp8":
             dest, _, capacity = layout.group_padding(offs, s_rows)
             h = x if up is None else swiglu.swiglu_fp32(x, up)
@@ -81,12 +82,13 @@ class _MXGroupedMM(torch.autograd.Function):
             y_unweighted = (y,)
             y = _weigh_rows(y, route_weight, out_dtype)
         ctx.save_for_backward(weight, offs, route_weight, *y_unweighted, *wgrad_input, *packed)
-        ctx.meta = (len(wgrad_input), x.dtype, up is not None, rule, wgrad, route_weight is not None, keep_dq)
+        ctx.settings, ctx.n_wgrad_inputs, ctx.x_dtype = settings, len(wgrad_input), x.dtype
+        ctx.has_up, ctx.has_route_weight = up is not None, route_weight is not None
         return y
 
     @staticmethod
     def backward(ctx, dout):
-        n_wgrad, x_dtype, has_up, rule, wgrad, has_rw, keep_dq = ctx.meta
+        n_wgrad, x_dtype, has_rw, rule = ctx.n_wgrad_inputs, ctx.x_dtype, ctx.has_route_weight, ctx.settings.scale_rule
         weight, offs, route_weight, *rest = ctx.saved_tensors
         y_unweighted = rest[0] if has_rw else None
         rest = rest[1:] if has_rw else rest
@@ -103,16 +105,16 @@ class _MXGroupedMM(torch.autograd.Function):
         else:
             dyq, dys, dy_hat = quantize_operand(dout, rule, "grouped_mm")
             dy = dout
-        wq_t, ws_t, w_dq = weight_operands(weight, rule, "dgrad", keep_dq)
-        dh = mx_grouped_mm(dyq, dys, wq_t, ws_t, offs, x_dtype, w_dq, dy_hat)
+        wq_t, ws_t, w_dequantized = weight_operands(weight, rule, "dgrad", ctx.settings.keep_dequantized_weights)
+        dh = mx_grouped_mm(dyq, dys, wq_t, ws_t, offs, x_dtype, w_dequantized, dy_hat)
         dx = dup = None
-        if has_up:
+        if ctx.has_up:
             dx, dup = (t.to(x_dtype) for t in swiglu.backward(dh, packed))
         else:
             dx = dh
         dw = None
         if ctx.needs_input_grad[2]:
-            if wgrad == "mxfp8":
+            if ctx.settings.wgrad == "mxfp8":
                 dest, padded_offs, capacity = layout.group_padding(offs, dy.shape[0])
                 dyq_t, dys_t = _token_blocked(dy, dest, capacity, rule)
                 xq_t, xs_t = wgrad_input
@@ -121,7 +123,7 @@ class _MXGroupedMM(torch.autograd.Function):
                 x_saved = wgrad_input[0] if n_wgrad == 1 else custom_ops.dequantize(*wgrad_input, torch.bfloat16)
                 # no group padding: mxfx::grouped_wgrad_bf16 takes any group ends (see there)
                 dw = hp_grouped_wgrad(dy.to(dout.dtype), x_saved, offs, weight.dtype)
-        return dx, dup, dw, None, d_rw, None, None, None, None, None, None, None, None
+        return dx, dup, dw, None, d_rw, None, None, None, None, None
 
 
 def _check_x_mx(x_mx, x: torch.Tensor, up) -> tuple:
@@ -130,24 +132,25 @@ def _check_x_mx(x_mx, x: torch.Tensor, up) -> tuple:
         return None, None, None
     if not isinstance(x_mx, (tuple, list)) or len(x_mx) not in (2, 3):
         raise ValueError("mxfx.grouped_mm: x_mx must be (qdata, scales) or (qdata, scales, dequantized values)")
-    x_q, x_s, x_v = (*x_mx, None) if len(x_mx) == 2 else x_mx
+    x_q, x_s, x_dequantized = (*x_mx, None) if len(x_mx) == 2 else x_mx
     if not isinstance(x_q, torch.Tensor) or not isinstance(x_s, torch.Tensor) or x_q.dtype != torch.float8_e4m3fn:
         raise ValueError("mxfx.grouped_mm: x_mx needs x's qdata (float8_e4m3fn tensor) and scales (uint8 E8M0 tensor)")
-    if x_v is not None and (not isinstance(x_v, torch.Tensor) or not x_v.is_floating_point() or x_v.element_size() < 2):
+    if x_dequantized is not None and (not isinstance(x_dequantized, torch.Tensor) or not x_dequantized.is_floating_point()
+                                      or x_dequantized.element_size() < 2):
         raise TypeError(
             f"mxfx.grouped_mm: the values in x_mx must be the dequantized tensor (bf16/fp16/fp32), got "
-            f"{getattr(x_v, 'dtype', type(x_v).__name__)}"
+            f"{getattr(x_dequantized, 'dtype', type(x_dequantized).__name__)}"
         )
     k = x.shape[-1]
     if up is not None or x_q.shape != x.shape or x_s.shape != (*x.shape[:-1], k // 32) or (
-        x_v is not None and x_v.shape != x.shape
+        x_dequantized is not None and x_dequantized.shape != x.shape
     ):
         shapes = " / ".join(str(tuple(t.shape)) for t in x_mx if t is not None)
         raise ValueError(
             f"mxfx.grouped_mm: x_mx of shapes {shapes} must be the MX pair of x {tuple(x.shape)} ([S, K] / "
             f"[S, K/32], and values [S, K] if given) and cannot be combined with a SwiGLU up operand"
         )
-    return x_q, x_s, x_v
+    return x_q, x_s, x_dequantized
 
 
 def mx_grouped_mm_op(
@@ -157,12 +160,10 @@ def mx_grouped_mm_op(
     *,
     up: torch.Tensor | None = None,
     route_weight: torch.Tensor | None = None,
-    scale_rule: str = "rceil",
-    wgrad: str = "bf16",
-    save: str = "mxfp8",
     out_dtype: torch.dtype | None = None,
-    keep_dequantized_weights: bool = False,
     x_mx: tuple[torch.Tensor, ...] | None = None,
+    settings: MXSettings | None = None,
+    **setting_fields,
 ) -> torch.Tensor:
     """MXFP8 ``torch._grouped_mm(x, weight.transpose(-2, -1), offs)`` with optional SwiGLU input and route weights.
 
@@ -172,17 +173,16 @@ def mx_grouped_mm_op(
         offs: int32 ``[E]`` cumulative group ends.
         up: optional ``[S, K]`` SwiGLU up operand: the input becomes ``silu(x) * up``.
         route_weight: optional ``[S]`` or ``[S, 1]``: output rows are scaled by it.
-        scale_rule: "rceil" | "floor"; wgrad: "bf16" (default, seed) | "mxfp8";
-        save: "mxfp8" | "bf16", precision of activations kept for backward.
         out_dtype: result dtype (default ``x.dtype``).
-        keep_dequantized_weights: emulated GEMMs take the cached BF16 dequantized
-            expert weights (see :func:`mxfx.ops.linear.mx_linear`).
         x_mx: optional ``(qdata e4m3 [S, K], scales uint8 [S, K/32])`` with ``x`` exactly
             its dequantization (rows received by an MX all-to-all, seed §11.1.3, or gathered
             from the MX of the tokens before the dispatch's row gather): the forward GEMM uses
             it instead of quantizing ``x`` again. Not with ``up``. A third element, the
             dequantized values ``[S, K]`` in :func:`mxfx.device.emulated_operand_dtype`,
             is what an emulated GEMM reads instead of dequantizing the pair.
+        settings, **setting_fields: an :class:`mxfx.settings.MXSettings` and/or its fields by name
+            (``scale_rule``, ``wgrad`` (default "bf16", the routed recipe), ``save``,
+            ``keep_dequantized_weights``, ``format``); fields given by name override ``settings``.
 
     Returns ``[S, N]``.
 
@@ -193,13 +193,12 @@ def mx_grouped_mm_op(
         TypeError: x not a bf16/fp16/fp32 tensor, offs not a tensor, out_dtype not floating.
         ValueError: an unknown scale rule, shapes that do not pair up or are not multiples of 32,
             offs not int32, no experts, route_weight not [S] or [S, 1], a weight that
-            is not 3D, ``wgrad``/``save`` not "mxfp8" or "bf16", or ``x_mx`` given with
-            ``up`` or with shapes that do not match ``x``.
+            is not 3D, a settings value not valid, or ``x_mx`` given with ``up`` or with shapes
+            that do not match ``x``. TypeError also for a keyword that is not a settings field.
     """
     op = "mxfx.grouped_mm"
-    check_precisions(op, wgrad=wgrad, save=save)
+    settings = resolve(op, settings, setting_fields, wgrad_default="bf16")
     check_input(x, op)
-    check_rule(scale_rule, op)
     if not isinstance(offs, torch.Tensor):
         raise TypeError(f"{op}: offs must be an int32 tensor of cumulative group ends, got {type(offs).__name__}")
     if out_dtype is not None and (not isinstance(out_dtype, torch.dtype) or not out_dtype.is_floating_point):
@@ -225,13 +224,12 @@ def mx_grouped_mm_op(
             f"{op}: offs of shape {tuple(offs.shape)} has dtype {offs.dtype}; it holds the int32 cumulative "
             f"group ends, as torch._grouped_mm takes them: pass offs.to(torch.int32)"
         )
-    x_q, x_s, x_v = _check_x_mx(x_mx, x, up)
+    x_q, x_s, x_dequantized = _check_x_mx(x_mx, x, up)
     out_dtype = out_dtype or x.dtype
     if not torch.is_grad_enabled():  # inference graph: the forward GEMM only, nothing saved
-        xq, xs, x_hat = swiglu.quantize_input(x, up, scale_rule, "grouped_mm") if x_q is None else (x_q, x_s, x_v)
-        wq, ws, w_dq = weight_operands(weight, scale_rule, "forward", keep_dequantized_weights)
-        y = mx_grouped_mm(xq, xs, wq, ws, offs, out_dtype, w_dq, x_hat)
+        xq, xs, x_hat = (swiglu.quantize_input(x, up, settings.scale_rule, "grouped_mm") if x_q is None
+                         else (x_q, x_s, x_dequantized))
+        wq, ws, w_dequantized = weight_operands(weight, settings.scale_rule, "forward", settings.keep_dequantized_weights)
+        y = mx_grouped_mm(xq, xs, wq, ws, offs, out_dtype, w_dequantized, x_hat)
         return y if route_weight is None else _weigh_rows(y, route_weight, out_dtype)
-    return _MXGroupedMM.apply(
-        x, up, weight, offs, route_weight, out_dtype, scale_rule, wgrad, save, keep_dequantized_weights, x_q, x_s, x_v
-    )
+    return _MXGroupedMM.apply(x, up, weight, offs, route_weight, out_dtype, settings, x_q, x_s, x_dequantized)

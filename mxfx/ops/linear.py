@@ -31,8 +31,8 @@ from mxfx.cache import weight_operands
 from mxfx.kernels import custom_ops
 from mxfx.ops import swiglu
 from mxfx.device import emulated_operand_dtype
-from mxfx.ops.gemm import hp_mm_t, mx_mm, quantize_dual_operand, quantize_operand
-from mxfx.policy import check_precisions
+from mxfx.ops.gemm import hp_mm_transposed, mx_mm, quantize_dual_operand, quantize_operand
+from mxfx.settings import MXSettings, resolve
 
 
 def _pad_tokens(t: torch.Tensor) -> torch.Tensor:
@@ -42,8 +42,9 @@ def _pad_tokens(t: torch.Tensor) -> torch.Tensor:
 
 class _MXLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2d, up, weight, bias, out_dtype, rule, wgrad, save, keep_dq):
+    def forward(ctx, x2d, up, weight, bias, out_dtype, settings: MXSettings):
         m = x2d.shape[0]
+        rule, wgrad, save = settings.scale_rule, settings.wgrad, settings.save
         packed = ()
         x_hat = None  # dequant(xq, xs) from the quantize pass itself (emulated GEMMs), else None
         if up is not None:
@@ -67,17 +68,18 @@ class _MXLinear(torch.autograd.Function):
                 kind, wgrad_input = ("hp_tokens" if wgrad == "mxfp8" else "hp"), (x2d,)
             else:  # BF16 wgrad from the forward's own rowwise MX copy
                 kind, wgrad_input = "mx_rows", (xq, xs)
-        wq, ws, w_dq = weight_operands(weight, rule, "forward", keep_dq)
-        y = mx_mm(xq, xs, wq, ws, out_dtype, w_dq, x_hat)
+        wq, ws, w_dequantized = weight_operands(weight, rule, "forward", settings.keep_dequantized_weights)
+        y = mx_mm(xq, xs, wq, ws, out_dtype, w_dequantized, x_hat)
         if bias is not None:
             y = y + bias.to(out_dtype)
         ctx.save_for_backward(weight, *wgrad_input, *packed)
-        ctx.meta = (m, x2d.dtype, out_dtype, bias is not None, up is not None, rule, kind, len(wgrad_input), keep_dq)
+        ctx.settings, ctx.rows, ctx.x_dtype, ctx.out_dtype = settings, m, x2d.dtype, out_dtype
+        ctx.has_bias, ctx.has_up, ctx.wgrad_kind, ctx.n_wgrad_inputs = bias is not None, up is not None, kind, len(wgrad_input)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        m, x_dtype, out_dtype, has_bias, has_up, rule, kind, n_wgrad, keep_dq = ctx.meta
+        m, x_dtype, kind, n_wgrad, rule = ctx.rows, ctx.x_dtype, ctx.wgrad_kind, ctx.n_wgrad_inputs, ctx.settings.scale_rule
         weight, *saved = ctx.saved_tensors
         wgrad_input, packed = saved[:n_wgrad], tuple(saved[n_wgrad:])
         dy = dy.contiguous()
@@ -92,9 +94,9 @@ class _MXLinear(torch.autograd.Function):
             dyq, dys, dy_hat = quantize_operand(dy, rule)
         dx = dup = None
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            wq_t, ws_t, w_dq = weight_operands(weight, rule, "dgrad", keep_dq)
-            dh = mx_mm(dyq, dys, wq_t, ws_t, x_dtype, w_dq, dy_hat)
-            if has_up:
+            wq_t, ws_t, w_dequantized = weight_operands(weight, rule, "dgrad", ctx.settings.keep_dequantized_weights)
+            dh = mx_mm(dyq, dys, wq_t, ws_t, x_dtype, w_dequantized, dy_hat)
+            if ctx.has_up:
                 dx, dup = (t.to(x_dtype) for t in swiglu.backward(dh, packed))
             else:
                 dx = dh
@@ -104,10 +106,10 @@ class _MXLinear(torch.autograd.Function):
                 wgrad_input = custom_ops.quantize(_pad_tokens(wgrad_input[0]).t(), rule)
             dw = mx_mm(dyq_t, dys_t, *wgrad_input, weight.dtype, None, dyt_hat)
         elif need_dw:
-            x_saved = wgrad_input[0] if kind == "hp" else custom_ops.dequantize(*wgrad_input, out_dtype)
-            dw = hp_mm_t(dy.t(), x_saved.t(), weight.dtype)
-        db = dy.float().sum(0).to(weight.dtype) if has_bias and ctx.needs_input_grad[3] else None
-        return dx, dup, dw, db, None, None, None, None, None
+            x_saved = wgrad_input[0] if kind == "hp" else custom_ops.dequantize(*wgrad_input, ctx.out_dtype)
+            dw = hp_mm_transposed(dy.t(), x_saved.t(), weight.dtype)
+        db = dy.float().sum(0).to(weight.dtype) if ctx.has_bias and ctx.needs_input_grad[3] else None
+        return dx, dup, dw, db, None, None
 
 
 def mx_linear(
@@ -116,11 +118,9 @@ def mx_linear(
     bias: torch.Tensor | None = None,
     *,
     up: torch.Tensor | None = None,
-    scale_rule: str = "rceil",
-    wgrad: str = "mxfp8",
-    save: str = "mxfp8",
-    keep_dequantized_weights: bool = False,
     input_dtype: torch.dtype | None = None,
+    settings: MXSettings | None = None,
+    **setting_fields,
 ) -> torch.Tensor:
     """MXFP8 ``F.linear``: ``x [..., K] . weight [N, K]^T (+ bias [N])`` -> ``[..., N]``.
 
@@ -130,26 +130,21 @@ def mx_linear(
         weight: ``[N, K]`` (fp32 main weight or bf16); N a multiple of 32.
         bias: optional ``[N]``.
         up: optional SwiGLU up operand, x's shape (fused SwiGLU + quantize).
-        scale_rule: "rceil" or "floor".
-        wgrad: "mxfp8" (token-blocked MX GEMM) or "bf16".
-        save: "mxfp8" saves the wgrad input as MX (replacing a BF16 copy);
-            "bf16" keeps a reference to x (when x stays alive for another op anyway).
-        keep_dequantized_weights: emulated GEMMs (no native MX GEMM, e.g. Hopper)
-            take the weight's BF16 dequantized forward/dgrad forms from the weight
-            cache instead of dequantizing the weight per GEMM (same results, up to
-            BF16's flush of E4M3 subnormals on CPU; ``Policy.keep_dequantized_weights``).
         input_dtype: the dtype the linear's input had in the model, when it differs
             from ``x.dtype`` (a fused SwiGLU whose product the model cast, e.g.
             ``(silu(g) * u).to(torch.bfloat16)``): the output dtype follows it.
+        settings, **setting_fields: an :class:`mxfx.settings.MXSettings` and/or its fields by name
+            (``scale_rule``, ``wgrad`` (default "mxfp8": token-blocked MX GEMM), ``save``,
+            ``keep_dequantized_weights``, ``format``); fields given by name override ``settings``.
 
     Returns:
         ``[..., N]`` in the autocast dtype if autocast is on, else ``input_dtype or x.dtype``.
 
     Raises:
-        ValueError: K or N not a multiple of 32 (keep such a linear in BF16), or ``wgrad`` /
-            ``save`` not "mxfp8" or "bf16".
+        ValueError: K or N not a multiple of 32 (keep such a linear in BF16), or a settings value
+            not valid. TypeError: a keyword that is not a settings field.
     """
-    check_precisions("mxfx.mx_linear", wgrad=wgrad, save=save)
+    settings = resolve("mxfx.mx_linear", settings, setting_fields, wgrad_default="mxfp8")
     n, k = weight.shape
     if k % 32 or n % 32 or x.shape[-1] != k or (up is not None and up.shape != x.shape):
         raise ValueError(
@@ -161,10 +156,10 @@ def mx_linear(
     up2d = None if up is None else up.reshape(-1, k)
     with torch.autocast(dev, enabled=False):
         if not torch.is_grad_enabled():  # inference graph: the forward GEMM only, nothing saved
-            xq, xs, x_hat = swiglu.quantize_input(x.reshape(-1, k), up2d, scale_rule)
-            wq, ws, w_dq = weight_operands(weight, scale_rule, "forward", keep_dequantized_weights)
-            y = mx_mm(xq, xs, wq, ws, out_dtype, w_dq, x_hat)
+            xq, xs, x_hat = swiglu.quantize_input(x.reshape(-1, k), up2d, settings.scale_rule)
+            wq, ws, w_dequantized = weight_operands(weight, settings.scale_rule, "forward", settings.keep_dequantized_weights)
+            y = mx_mm(xq, xs, wq, ws, out_dtype, w_dequantized, x_hat)
             y = y if bias is None else y + bias.to(out_dtype)
             return y.reshape(*x.shape[:-1], n)
-        y = _MXLinear.apply(x.reshape(-1, k), up2d, weight, bias, out_dtype, scale_rule, wgrad, save, keep_dequantized_weights)
+        y = _MXLinear.apply(x.reshape(-1, k), up2d, weight, bias, out_dtype, settings)
     return y.reshape(*x.shape[:-1], n)

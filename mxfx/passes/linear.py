@@ -88,9 +88,7 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         if reason:
             pm.add(OpRecord(node.name, kind, module, shapes, "bf16", "bf16", "bf16", "bf16", "-", reason))
             continue
-        kwargs = {"scale_rule": d.scale_rule, "wgrad": d.wgrad, "save": d.save}
-        if policy.keep_dequantized_weights:
-            kwargs["keep_dequantized_weights"] = True
+        kwargs = d.settings.graph_kwargs()
         source, transposed = weight_source(w_node)
         weight = w_node if transposed else source  # quantize from the parameter itself, not a cast copy
         with gm.graph.inserting_before(node):
