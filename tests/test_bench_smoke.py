@@ -57,3 +57,13 @@ def test_scale_rule_study_tiny(monkeypatch, tmp_path):
     assert set(res["curves"]) == {"bf16", "mxfp8 rceil", "mxfp8 floor"}
     assert set(res["summary"]) == {"rceil", "floor"}
     assert (tmp_path / "scale_rule_study.png").stat().st_size > 0
+
+
+def test_movement_ceiling_variants_move_their_bytes():
+    """The movement-only variants ``bench/kernels.py`` rates each kernel against write the high byte of every
+    value (rowwise and transposed) under Triton's interpreter: a variant moving fewer bytes would flatter it."""
+    import os
+    import subprocess
+
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    subprocess.run([sys.executable, "-c", "from bench import movement; movement.check()"], check=True, cwd=ROOT, env=env)

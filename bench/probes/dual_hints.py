@@ -1,9 +1,9 @@
 """Probe: the dual quantize with streaming cache hints, and with several K tiles per program (software-pipelined).
 
 Usage:
-* ``python bench/probes/dual_hints.py`` on a GPU: % of a 2 GiB copy for the module's ``quantize_dual_source``
+* ``python -m bench.probes.dual_hints`` on a GPU: % of a 2 GiB copy for the module's ``quantize_dual_source``
   and ``quantize_dual`` and for each variant here, each checked byte for byte against the module;
-* ``TRITON_INTERPRET=1 python bench/probes/dual_hints.py check`` on CPU: every variant's bytes against the
+* ``TRITON_INTERPRET=1 python -m bench.probes.dual_hints check`` on CPU: every variant's bytes against the
   module's kernel under Triton's interpreter, on a small exactly representable input.
 
 Why: the dual passes sit at 77-89% of copy while the fused SwiGLU, with nearly twice the SASS per byte, reaches
@@ -25,13 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
-from mxfx.kernels import dual  # noqa: E402
-from mxfx.kernels.mx_block import encode_blocks  # noqa: E402
+from mxfx.kernels import dual
+from mxfx.kernels.mx_block import encode_blocks
 
 
 @triton.jit
@@ -116,7 +112,7 @@ def check():
 
 
 def time_all():
-    from kernels import SHAPES, copy_bandwidth, median_ms
+    from bench.kernels import SHAPES, copy_bandwidth, median_ms
 
     copy_gbs = copy_bandwidth()
     print(f"copy {copy_gbs:.0f} GB/s\n| variant | shape | % of copy | bytes |\n|---|---|---|---|")
@@ -142,7 +138,7 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["check"]:
         if os.environ.get("TRITON_INTERPRET") != "1":
             sys.exit("dual_hints: 'check' runs the kernels under Triton's interpreter: TRITON_INTERPRET=1 python "
-                     "bench/probes/dual_hints.py check")
+                     "-m bench.probes.dual_hints check")
         check()
     elif not torch.cuda.is_available():
         sys.exit("dual_hints: timing needs a CUDA GPU (TRITON_INTERPRET=1 ... check runs on CPU)")

@@ -1,7 +1,7 @@
 """Probe: which address form makes the module's source-layout dual quantize 4-5 points slower than dual_hints' plain kernel.
 
-Usage: ``python bench/probes/dual_source_addr.py`` on a GPU (% of a 2 GiB copy, every variant checked byte for
-byte against the module); ``TRITON_INTERPRET=1 python bench/probes/dual_source_addr.py check`` on CPU.
+Usage: ``python -m bench.probes.dual_source_addr`` on a GPU (% of a 2 GiB copy, every variant checked byte for
+byte against the module); ``TRITON_INTERPRET=1 python -m bench.probes.dual_source_addr check`` on CPU.
 
 Why: on the H200 the module's ``_dual_kernel`` (source layout, even tiles, one matrix) and ``dual_hints``' plain
 kernel compile to the same 992 SASS instructions per thread, the same registers and the same memory
@@ -25,14 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
-import dual_hints  # noqa: E402
-from dual_hints import same  # noqa: E402
-from mxfx.kernels.mx_block import encode_blocks  # noqa: E402
+from bench.probes import dual_hints
+from bench.probes.dual_hints import same
+from mxfx.kernels.mx_block import encode_blocks
 
 
 @triton.jit
@@ -101,7 +97,7 @@ def check():
 
 
 def time_all():
-    from variant_table import time_variants
+    from bench.probes.variant_table import time_variants
 
     time_variants("module `quantize_dual_source`", module,
                   [(name(flags), lambda x, flags=flags: run(x, flags)) for flags in VARIANTS], same)

@@ -1,7 +1,7 @@
 """Probe: run one MX kernel a few times at one shape, for Nsight Compute to profile (``ncu``).
 
 Usage: ``ncu --clock-control none --set full -k regex:^_ --launch-skip 2 --launch-count 1
-python bench/probes/ncu_cases.py CASE M K`` with CASE one of :data:`CASES`. The kernels run exactly
+python -m bench.probes.ncu_cases CASE M K`` with CASE one of :data:`CASES`. The kernels run exactly
 as ``bench/kernels.py`` times them; this script only gives each a name and a fixed call count, so that
 the profiler sees the third launch (after compilation and one warm call).
 """
@@ -13,20 +13,19 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from mxfx.kernels import device_path  # noqa: E402
+from mxfx.kernels import device_path
 
-_DUAL_HAT = lambda x: dispatch.quantize_dual_source(x, "rceil", dequantized=torch.bfloat16)  # noqa: E731
+_DUAL_HAT = lambda x: device_path.quantize_dual_source(x, "rceil", dequantized=torch.bfloat16)  # noqa: E731
 CASES = {  # name: (fn, input dtype)
-    "dual": (lambda x: dispatch.quantize_dual(x, "rceil"), torch.bfloat16),
-    "dual_source": (lambda x: dispatch.quantize_dual_source(x, "rceil"), torch.bfloat16),
-    "dual_blocked": (lambda x: dispatch.quantize_dual_blocked(x, "rceil"), torch.bfloat16),
+    "dual": (lambda x: device_path.quantize_dual(x, "rceil"), torch.bfloat16),
+    "dual_source": (lambda x: device_path.quantize_dual_source(x, "rceil"), torch.bfloat16),
+    "dual_blocked": (lambda x: device_path.quantize_dual_blocked(x, "rceil"), torch.bfloat16),
     "dual_hat": (_DUAL_HAT, torch.bfloat16),
     "refresh": (_DUAL_HAT, torch.float32),  # the fp32 main weight
-    "columnwise": (lambda x: dispatch.quantize_lastdim(x.t(), "rceil"), torch.bfloat16),
-    "blocked": (lambda x: dispatch.quantize_blocked(x, "rceil"), torch.bfloat16),
-    "rowwise": (lambda x: dispatch.quantize_lastdim(x, "rceil"), torch.bfloat16),
+    "columnwise": (lambda x: device_path.quantize_lastdim(x.t(), "rceil"), torch.bfloat16),
+    "blocked": (lambda x: device_path.quantize_blocked(x, "rceil"), torch.bfloat16),
+    "rowwise": (lambda x: device_path.quantize_lastdim(x, "rceil"), torch.bfloat16),
 }
 
 

@@ -1,6 +1,6 @@
 """Probe: tiles and register caps (``maxnreg``) for the MX kernels that miss their bandwidth goal.
 
-Usage: ``python bench/probes/occupancy.py [KERNEL ...]`` on a GPU (default: every kernel in :data:`GRID`).
+Usage: ``python -m bench.probes.occupancy [KERNEL ...]`` on a GPU (default: every kernel in :data:`GRID`).
 Prints, per kernel, tile config and cap, % of a 2 GiB copy at the three benchmark shapes and a digest of every
 output byte on a fixed input with NaN, +-Inf, zero, tiny and large blocks (equal within a kernel, or a
 config changed the bytes), then the best config by worst shape.
@@ -18,28 +18,25 @@ import sys
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
-import kernels as bench  # noqa: E402
-from mxfx.kernels import device_path, dual, quantize, swiglu  # noqa: E402
+from bench import kernels as bench
+from mxfx.kernels import device_path, dual, quantize, swiglu
 
 CAPS = [None, 64, 80, 96, 128]
 GRID = {
     # name: (fn, bytes per input element, module, config attribute, tiles, caps)
-    "dual transposed": (lambda x: dispatch.quantize_dual(x, "rceil"), 2 + 66 / 32, dual, "TRANSPOSED_CONFIG",
+    "dual transposed": (lambda x: device_path.quantize_dual(x, "rceil"), 2 + 66 / 32, dual, "TRANSPOSED_CONFIG",
                         [(32, 64, 1), (32, 32, 1), (64, 64, 1), (32, 128, 1), (64, 32, 1), (64, 64, 2)], CAPS),
-    "dual blocked": (lambda x: dispatch.quantize_dual_blocked(x, "rceil"), 2 + 66 / 32, dual, "TRANSPOSED_CONFIG",
+    "dual blocked": (lambda x: device_path.quantize_dual_blocked(x, "rceil"), 2 + 66 / 32, dual, "TRANSPOSED_CONFIG",
                      [(32, 64, 1), (32, 128, 1), (64, 64, 1), (128, 32, 1)], [None, 96, 128]),
-    "columnwise": (lambda x: dispatch.quantize_lastdim(x.t(), "rceil"), 2 + 33 / 32, quantize, "COLWISE_CONFIG",
+    "columnwise": (lambda x: device_path.quantize_lastdim(x.t(), "rceil"), 2 + 33 / 32, quantize, "COLWISE_CONFIG",
                    [(128, 32, 1), (64, 32, 1), (256, 32, 2)], [None, 64, 72, 80, 96]),
-    "dual source": (lambda x: dispatch.quantize_dual_source(x, "rceil"), 2 + 66 / 32, dual,
+    "dual source": (lambda x: device_path.quantize_dual_source(x, "rceil"), 2 + 66 / 32, dual,
                     "SOURCE_CONFIG[source]", [None], [None, 112, 128]),
-    "dual + both dequantized": (lambda x: dispatch.quantize_dual_source(x, "rceil", dequantized=torch.bfloat16),
+    "dual + both dequantized": (lambda x: device_path.quantize_dual_source(x, "rceil", dequantized=torch.bfloat16),
                                 2 + 66 / 32 + 4, dual, "SOURCE_CONFIG[dequantized]",
                                 [(32, 128, 2), (32, 64, 1), (32, 64, 2), (32, 256, 4), (32, 128, 4)], [None, 128]),
-    "blocked": (lambda x: dispatch.quantize_blocked(x, "rceil"), 2 + 33 / 32, quantize, "BLOCKED_CONFIG",
+    "blocked": (lambda x: device_path.quantize_blocked(x, "rceil"), 2 + 33 / 32, quantize, "BLOCKED_CONFIG",
                 [(128, 128, 4), (128, 64, 2), (128, 128, 8)], [None, 96, 128]),
 }
 

@@ -1,6 +1,6 @@
 """Probe: the sm90 SASS of mxfx's Triton kernels, compiled without a GPU, launch by launch.
 
-Usage: ``python bench/probes/sass_sm90.py`` (no GPU needed: Triton's wheel carries ``ptxas`` and ``nvdisasm``).
+Usage: ``python -m bench.probes.sass_sm90`` (no GPU needed: Triton's wheel carries ``ptxas`` and ``nvdisasm``).
 
 Each case calls a library entry point (``mxfx.kernels.quantize`` / ``dual`` / ``swiglu``) on CPU tensors with
 its ``launch`` replaced by a recorder, so the kernel, grid, arguments and constexprs are the ones the library
@@ -27,8 +27,6 @@ import tempfile
 import torch
 import triton
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 _TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.uint8: "u8",
                  torch.int8: "i8", torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv"}

@@ -1,6 +1,6 @@
 """Probe: a SwiGLU SiLU cheaper than ``div.rn``, checked against PyTorch's CUDA ``F.silu`` on every fp32 input.
 
-Usage: ``python bench/probes/silu_exhaustive.py [check] [points] [time] [dual] [sass]`` (check, points, time
+Usage: ``python -m bench.probes.silu_exhaustive [check] [points] [time] [dual] [sass]`` (check, points, time
 and dual by default; needs CUDA). ``SILU_TIMED=0,5`` picks the variants ``time`` runs (indices below).
 
 ``div.rn.f32`` computes a reciprocal, one Newton step and one quotient correction, then a range check
@@ -32,7 +32,7 @@ Sections:
   -88.7, -1e38, +-Inf, +-0, NaN), next to ``F.silu``'s: what the sign and size of each variant's zero are.
 * ``time``: % of a 2 GiB copy for the module's SwiGLU + quantize, and for a probe kernel of the module's
   streamed pass per variant and tile.
-* ``dual``: the dual-source quantize through ``dispatch.quantize_dual_source`` (new outputs per call)
+* ``dual``: the dual-source quantize through ``device_path.quantize_dual_source`` (new outputs per call)
   against its kernel launched into preallocated outputs: whether a timing gap is the kernel's or the
   allocations'.
 * ``sass``: the raw MUFU reciprocal of divisors around 2^126, and each variant's SASS as the installed
@@ -53,18 +53,12 @@ try:
 except ImportError:
     sys.exit("silu_exhaustive: needs Triton and a CUDA GPU (pip install -e '.[gpu]')")
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
-
-from kernel_variants import swiglu_setup  # noqa: E402
-from kernels import SHAPES, copy_bandwidth, median_ms  # noqa: E402
-from mxfx.kernels import device_path  # noqa: E402
-from mxfx.kernels import dual as dual_mod  # noqa: E402
-from mxfx.kernels.mx_block import FLT_MAX, exp_f32, load_blocks, rcp_approx_ftz, silu_f32, store_dequantized  # noqa: E402
-from mxfx.kernels.silu import silu_fp32  # noqa: E402
-from mxfx.kernels.swiglu import _store_mx  # noqa: E402
+from bench.kernels import SHAPES, copy_bandwidth, median_ms
+from mxfx.kernels import device_path
+from mxfx.kernels import dual as dual_mod
+from mxfx.kernels.mx_block import FLT_MAX, exp_f32, load_blocks, rcp_approx_ftz, silu_f32, store_dequantized
+from mxfx.kernels.silu import silu_fp32
+from mxfx.kernels.swiglu import _store_mx
 
 CHUNK = 1 << 28
 TIMED = tuple(int(v) for v in os.environ.get("SILU_TIMED", "0,5").split(","))
@@ -74,6 +68,28 @@ FLUSH_DIVISOR = 2.0**126  # from here on the reciprocal flushes to zero
 
 
 @triton.jit
+def swiglu_setup(m, k, copy_gbs):
+    """Print the module's three SwiGLU rows at [m, k], and return what the probe kernels take there:
+    ``(gu, outs, layouts, nbytes, save_bytes)``, outs = (q, s, h, gq, gs, uq, us) buffers, layouts =
+    [(name, (gate, up, RPR, gate row stride, up row stride))] for separate gate/up and gate_up halves,
+    and the bytes moved by the MX-only and the values + saved-pairs passes."""
+    gu = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
+    g, u = torch.randn(m, k, device="cuda", dtype=torch.bfloat16), torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    q, gq, uq = (torch.empty(m, k, dtype=torch.uint8, device="cuda") for _ in range(3))
+    s, gs, us = (torch.empty(m, k // 32, dtype=torch.uint8, device="cuda") for _ in range(3))
+    h = torch.empty(m, k, dtype=torch.bfloat16, device="cuda")
+    nbytes = 4 * m * k + m * k * 33 / 32
+    save_bytes = nbytes + 2 * m * k + 2 * m * k * 33 / 32
+    for name, fn, nb in (
+            ("module, separate", lambda: device_path.swiglu_quantize(g, u, "rceil"), nbytes),
+            ("module, halves", lambda: device_path.swiglu_quantize(gu[:, :k], gu[:, k:], "rceil"), nbytes),
+            ("module, halves + values + saved", lambda: device_path.swiglu_quantize(
+                gu[:, :k], gu[:, k:], "rceil", torch.bfloat16, save_inputs=True), save_bytes)):
+        print(f"| {name} | {m}x{k} | - | {100 * nb / median_ms(fn) / 1e6 / copy_gbs:.1f}% |", flush=True)
+    layouts = [("separate", (g, u, 1, 32, 32)), ("halves", (gu[:, :k], gu[:, k:], k // 32, 2 * k, 2 * k))]
+    return gu, (q, s, h, gq, gs, uq, us), layouts, nbytes, save_bytes
+
+
 def _newton(g, d, dc):
     """div.rn's fast path without its range check: reciprocal of d, one Newton step and one quotient
     correction against dc, the residual negated so that a zero g keeps its sign."""
@@ -249,8 +265,8 @@ def time_rows(copy_gbs):
                         pct = 100 * (save_bytes if save else nbytes) / median_ms(fn) / 1e6 / copy_gbs
                         print(f"| probe swiglu {layout} save={save} {VARIANTS[v]} | {m}x{k} | ({br}, {warps}) | "
                               f"{pct:.1f}% |", flush=True)
-        ref = dispatch.swiglu_quantize(gu[:, :k], gu[:, k:], "rceil")
-        want = dispatch.quantize_lastdim(silu_fp32(gu[:, :k]) * gu[:, k:].float(), "rceil")
+        ref = device_path.swiglu_quantize(gu[:, :k], gu[:, k:], "rceil")
+        want = device_path.quantize_lastdim(silu_fp32(gu[:, :k]) * gu[:, k:].float(), "rceil")
         print(f"module swiglu equals quantize(silu_fp32(g) * u) at {m}x{k}: "
               f"{[torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(ref, want)]}", flush=True)
         del gu, layouts, q, s, h, gq, gs, uq, us
@@ -274,11 +290,11 @@ def dual_rows(copy_gbs):
                 HAT=False, COL_T=False, BLOCKED=False, EVEN=m % bm == 0 and k % bk == 0, BATCHED=False, BM=bm, BK=bk,
                 num_warps=warps)
 
-        for name, fn in (("dispatch.quantize_dual_source (new outputs)", lambda: dispatch.quantize_dual_source(x, "rceil")),
+        for name, fn in (("device_path.quantize_dual_source (new outputs)", lambda: device_path.quantize_dual_source(x, "rceil")),
                          ("its kernel, preallocated outputs", direct)):
             print(f"| {name} | {m}x{k} | {bm, bk, warps} | {100 * nb / median_ms(fn) / 1e6 / copy_gbs:.1f}% |", flush=True)
         direct()
-        ref = dispatch.quantize_dual_source(x, "rceil")
+        ref = device_path.quantize_dual_source(x, "rceil")
         same = (torch.equal(qr, ref[0].view(torch.uint8)) and torch.equal(sr, ref[1].t())
                 and torch.equal(qc, ref[3].view(torch.uint8).t()) and torch.equal(sc, ref[4].t()))
         print(f"direct launch equals the module (all four outputs): {same}", flush=True)

@@ -57,7 +57,7 @@ def probe_main(name: str, time_all, check=None, sass=None) -> None:
     if mode == ["check"]:
         if os.environ.get("TRITON_INTERPRET") != "1":
             sys.exit(f"{name}: 'check' runs under Triton's interpreter: TRITON_INTERPRET=1 python "
-                     f"bench/probes/{name}.py check")
+                     f"-m bench.probes.{name} check")
         check()
     elif mode == ["sass"]:
         sass()
@@ -68,7 +68,7 @@ def probe_main(name: str, time_all, check=None, sass=None) -> None:
 
 
 def time_variants(title: str, module_fn, variants, same, per_elem: float = 2 + 66 / 32) -> None:
-    from kernels import SHAPES, copy_bandwidth, median_ms  # bench/ is on sys.path in the probes
+    from bench.kernels import SHAPES, copy_bandwidth, median_ms
 
     copy_gbs = copy_bandwidth()
     print(f"copy {copy_gbs:.0f} GB/s\n| variant | shape | % of copy | bytes |\n|---|---|---|---|")

@@ -26,6 +26,18 @@ from mxfx.kernels.views import lastdim_scales, mn_major, scale_shape
 _E4M3 = torch.float8_e4m3fn
 
 
+def _custom_op(name: str, fake):
+    """Decorator: the function becomes the custom op ``mxfx::<name>`` (no mutated arguments), ``fake`` its
+    fake implementation (output shapes, dtypes and strides for tracing)."""
+
+    def register(fn):
+        op = torch.library.custom_op(f"mxfx::{name}", mutates_args=())(fn)
+        op.register_fake(fake)
+        return op
+
+    return register
+
+
 def _pair_fake(x):
     """Fake rowwise MX pair of ``x [..., K]`` with contiguous rows: fresh ``(qdata e4m3 [..., K],
     scales uint8 [..., K/32])``, both contiguous (the SwiGLU outputs, whatever gate's strides)."""
@@ -38,26 +50,16 @@ def _lastdim_fake(x):
     return x.new_empty(x.shape, dtype=_E4M3), lastdim_scales(x)
 
 
-@torch.library.custom_op("mxfx::quantize", mutates_args=())
+@_custom_op("quantize", fake=lambda x, rule: _lastdim_fake(x))
 def _quantize_op(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [..., K]`` -> ``(qdata e4m3 [..., K], scales uint8 [..., K/32])``."""
     return kernels.quantize_lastdim(x, rule)
 
 
-@_quantize_op.register_fake
-def _(x, rule):
-    return _lastdim_fake(x)
-
-
-@torch.library.custom_op("mxfx::dequantize", mutates_args=())
+@_custom_op("dequantize", fake=lambda qdata, scales, dtype: qdata.new_empty(qdata.shape, dtype=dtype))
 def _dequantize_op(qdata: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``(qdata [..., K], scales [..., K/32])`` -> ``[..., K]`` of ``dtype``."""
     return kernels.dequantize_lastdim(qdata, scales, dtype).contiguous()  # the fake's layout, whatever the input's
-
-
-@_dequantize_op.register_fake
-def _(qdata, scales, dtype):
-    return qdata.new_empty(qdata.shape, dtype=dtype)
 
 
 @torch.library.custom_op("mxfx::quantize_dual", mutates_args=())
@@ -99,44 +101,31 @@ def _quantize_dual_dequantized(x: torch.Tensor, rule: str, dtype: torch.dtype) -
     return h_row, h_col.transpose(-2, -1)
 
 
-@torch.library.custom_op("mxfx::quantize_dual_dequantized", mutates_args=())
+@_custom_op(
+    "quantize_dual_dequantized", fake=lambda x, rule, dtype: (x.new_empty(x.shape, dtype=dtype), x.new_empty(x.shape, dtype=dtype))
+)
 def _quantize_dual_dequantized_op(x: torch.Tensor, rule: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, K]`` -> the dequantized values of its rowwise and its columnwise MX, both ``[M, K]`` of ``dtype``."""
     return _quantize_dual_dequantized(x, rule, dtype)
 
 
-@_quantize_dual_dequantized_op.register_fake
-def _(x, rule, dtype):
-    return x.new_empty(x.shape, dtype=dtype), x.new_empty(x.shape, dtype=dtype)
-
-
-@torch.library.custom_op("mxfx::quantize_dequantize", mutates_args=())
+@_custom_op("quantize_dequantize", fake=lambda x, rule, dtype: (*_lastdim_fake(x), x.new_empty(x.shape, dtype=dtype)))
 def _quantize_dequantize_op(x: torch.Tensor, rule: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x [..., K]`` -> ``(qdata, scales, x_hat)`` with ``x_hat`` the dequantized ``dtype`` tensor."""
     return kernels.quantize_dequantize(x, rule, dtype)
 
 
-@_quantize_dequantize_op.register_fake
-def _(x, rule, dtype):
-    return (*_lastdim_fake(x), x.new_empty(x.shape, dtype=dtype))
-
-
-@torch.library.custom_op("mxfx::swiglu_quantize", mutates_args=())
+@_custom_op("swiglu_quantize", fake=lambda gate, up, rule: _pair_fake(gate))
 def _swiglu_quantize_op(gate: torch.Tensor, up: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
     """MX quantize of ``silu(gate) * up`` (fp32 product): ``gate, up [..., H]`` -> ``(q [..., H], s [..., H/32])``."""
     return kernels.swiglu_quantize(gate, up, rule)
-
-
-@_swiglu_quantize_op.register_fake
-def _(gate, up, rule):
-    return _pair_fake(gate)
 
 
 def _mx_and_values_fake(x, dtype):
     return (*_pair_fake(x), x.new_empty(x.shape, dtype=dtype))
 
 
-@torch.library.custom_op("mxfx::swiglu_quantize_dequantize", mutates_args=())
+@_custom_op("swiglu_quantize_dequantize", fake=lambda gate, up, rule, dtype: _mx_and_values_fake(gate, dtype))
 def _swiglu_quantize_dequantize_op(
     gate: torch.Tensor, up: torch.Tensor, rule: str, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -144,17 +133,14 @@ def _swiglu_quantize_dequantize_op(
     return kernels.swiglu_quantize(gate, up, rule, dtype)
 
 
-@_swiglu_quantize_dequantize_op.register_fake
-def _(gate, up, rule, dtype):
-    return _mx_and_values_fake(gate, dtype)
-
-
 def _saved_pairs_fake(gate):
     """Fakes of the gate and up MX pairs: two fresh pairs (one pair repeated would alias gate's to up's)."""
     return _pair_fake(gate) + _pair_fake(gate)
 
 
-@torch.library.custom_op("mxfx::swiglu_quantize_save", mutates_args=())
+@_custom_op(
+    "swiglu_quantize_save", fake=lambda gate, up, rule: _swiglu_quantize_op(gate, up, rule) + _saved_pairs_fake(gate)
+)
 def _swiglu_quantize_save_op(
     gate: torch.Tensor, up: torch.Tensor, rule: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -162,12 +148,9 @@ def _swiglu_quantize_save_op(
     return kernels.swiglu_quantize(gate, up, rule, save_inputs=True)
 
 
-@_swiglu_quantize_save_op.register_fake
-def _(gate, up, rule):
-    return _swiglu_quantize_op(gate, up, rule) + _saved_pairs_fake(gate)
-
-
-@torch.library.custom_op("mxfx::swiglu_quantize_dequantize_save", mutates_args=())
+@_custom_op(
+    "swiglu_quantize_dequantize_save", fake=lambda gate, up, rule, dtype: _mx_and_values_fake(gate, dtype) + _saved_pairs_fake(gate)
+)
 def _swiglu_quantize_dequantize_save_op(
     gate: torch.Tensor, up: torch.Tensor, rule: str, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -175,12 +158,9 @@ def _swiglu_quantize_dequantize_save_op(
     return kernels.swiglu_quantize(gate, up, rule, dtype, save_inputs=True)
 
 
-@_swiglu_quantize_dequantize_save_op.register_fake
-def _(gate, up, rule, dtype):
-    return _mx_and_values_fake(gate, dtype) + _saved_pairs_fake(gate)
-
-
-@torch.library.custom_op("mxfx::route_weight_quantize_dequantize", mutates_args=())
+@_custom_op(
+    "route_weight_quantize_dequantize", fake=lambda dy, weight, rule, dtype: (*_lastdim_fake(dy), dy.new_empty(dy.shape, dtype=dtype))
+)
 def _route_weight_quantize_dequantize_op(
     dy: torch.Tensor, weight: torch.Tensor, rule: str, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -188,20 +168,10 @@ def _route_weight_quantize_dequantize_op(
     return kernels.route_weight_quantize(dy, weight, rule, dtype)
 
 
-@_route_weight_quantize_dequantize_op.register_fake
-def _(dy, weight, rule, dtype):
-    return (*_lastdim_fake(dy), dy.new_empty(dy.shape, dtype=dtype))
-
-
-@torch.library.custom_op("mxfx::route_weight_quantize", mutates_args=())
+@_custom_op("route_weight_quantize", fake=lambda dy, weight, rule: _lastdim_fake(dy))
 def _route_weight_quantize_op(dy: torch.Tensor, weight: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
     """MX quantize of ``dy [S, D] * weight [S]`` (fp32 product), the combine-backward gradient."""
     return kernels.route_weight_quantize(dy, weight, rule)
-
-
-@_route_weight_quantize_op.register_fake
-def _(dy, weight, rule):
-    return _lastdim_fake(dy)
 
 
 @torch.library.custom_op("mxfx::quantize_blocked", mutates_args=())

@@ -50,7 +50,7 @@ SOURCE_CONFIG = {"source": (32, 64, 1), "source fp32": (32, 64, 1), "dequantized
 """(BLOCK_M, BLOCK_K, num_warps) of the source-layout passes, named as in ``CVT``: a 16-bit input, a 32-bit one, and
 a 16-bit input whose dequantized forms are written too. That last pass went from 90.0 / 90.0 / 89.3% of copy at
 (32, 64, 1) to 91.3 / 91.2 / 90.3% at (32, 128, 2) on the H200, and (32, 256, 4), (32, 128, 4), (64, 64, 2),
-(32, 32, 1) and caps of 128 registers all lost (``python bench/probes/occupancy.py "dual + both dequantized"``,
+(32, 32, 1) and caps of 128 registers all lost (``python -m bench.probes.occupancy "dual + both dequantized"``,
 BENCHMARKS.md 2026-12-02 late night)."""
 TRANSPOSED_CONFIG = (32, 64, 1)
 """(BLOCK_M, BLOCK_K, num_warps), columnwise pair stored transposed."""
@@ -58,7 +58,7 @@ TRANSPOSED_MAXNREG = 96
 """Registers per thread for the transposed pass of compiled kernels (None: uncapped). Uncapped, ptxas gives
 it 147, which leaves 12 warps per SM; capped at 96 it went from 83.3 / 82.7 / 80.2% to 86.9 / 86.0 / 84.7% of
 copy on the H200. The blocked pass lost 1-3 points capped, and every other kernel lost or moved by less than a
-point (``python bench/probes/occupancy.py``, BENCHMARKS.md 2026-12-02). With the conversion forms of ``CVT`` in,
+point (``python -m bench.probes.occupancy``, BENCHMARKS.md 2026-12-02). With the conversion forms of ``CVT`` in,
 uncapped, 96 and 128 measured within the run-to-run spread of each other (ncu: the pass waits on its loads,
 BENCHMARKS.md 2026-12-02 night); 96 is kept."""
 ADDRESS_FORM = {"source": (True, True), "source fp32": (False, False), "transposed": (True, False),

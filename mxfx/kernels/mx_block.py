@@ -46,7 +46,7 @@ CVT_E4M3X4 = 1
 CVT_BF16X2 = 2
 """Bit of ``CVT``: widen bf16 inputs a register pair at a time (:func:`to_f32`).
 
-Both cut SASS instructions (sm90, Triton 3.6, ``python bench/probes/sass_sm90.py``): the transposed dual quantize
+Both cut SASS instructions (sm90, Triton 3.6, ``python -m bench.probes.sass_sm90``): the transposed dual quantize
 1256 -> 1096 per thread, the columnwise quantize 1312 -> 1064, every other kernel 3-6%. Yet ptxas then schedules
 some kernels' loads later, among the arithmetic, and those lose bandwidth: on the H200 the blocked-scale quantize
 went from 96 to 88% of copy with the E4M3 packing, the SwiGLU pass with saved pairs from 92 to 87-88% with either,

@@ -23,7 +23,7 @@ A further block-scaled format adds its rows to :data:`GEMM_IMPLS` and :data:`mxf
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
@@ -404,16 +404,12 @@ def gemm_impl(op: str, device: torch.device, fmt: str = FORMAT) -> tuple[str, Ca
 # --- the ops -----------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("mxfx::mm", mutates_args=())
-def _mm_op(
-    a_qdata: Optional[torch.Tensor],
-    a_scales: Optional[torch.Tensor],
-    b_qdata: Optional[torch.Tensor],
-    b_scales: Optional[torch.Tensor],
-    out_dtype: torch.dtype,
-    b_dequantized: Optional[torch.Tensor] = None,
-    a_dequantized: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
+_OPERANDS = "Tensor? a_qdata, Tensor? a_scales, Tensor? b_qdata, Tensor? b_scales"
+_DEQUANTIZED = "Tensor? b_dequantized=None, Tensor? a_dequantized=None"
+
+
+@torch.library.custom_op("mxfx::mm", mutates_args=(), schema=f"({_OPERANDS}, ScalarType out_dtype, {_DEQUANTIZED}) -> Tensor")
+def _mm_op(a_qdata, a_scales, b_qdata, b_scales, out_dtype, b_dequantized=None, a_dequantized=None) -> torch.Tensor:
     """``dequant(A)[M,K] @ dequant(B)[N,K]^T`` with fp32 accumulation, output ``[M, N]`` of ``out_dtype``.
 
     Args:
@@ -504,17 +500,10 @@ def hp_mm_transposed(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -
     return torch.mm(a, b.t().to(a.dtype)).to(out_dtype)
 
 
-@torch.library.custom_op("mxfx::grouped_mm", mutates_args=())
-def _grouped_mm_op(
-    a_qdata: Optional[torch.Tensor],
-    a_scales: Optional[torch.Tensor],
-    b_qdata: Optional[torch.Tensor],
-    b_scales: Optional[torch.Tensor],
-    offs: torch.Tensor,
-    out_dtype: torch.dtype,
-    b_dequantized: Optional[torch.Tensor] = None,
-    a_dequantized: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
+@torch.library.custom_op(
+    "mxfx::grouped_mm", mutates_args=(), schema=f"({_OPERANDS}, Tensor offs, ScalarType out_dtype, {_DEQUANTIZED}) -> Tensor"
+)
+def _grouped_mm_op(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, b_dequantized=None, a_dequantized=None) -> torch.Tensor:
     """Grouped MX GEMM: rows ``offs[e-1]:offs[e]`` of ``dequant(A)[S,K]`` times ``dequant(B)[e][N,K]^T``.
 
     Args:
