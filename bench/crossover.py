@@ -6,7 +6,7 @@ For each projection family ``K -> N`` and M = 128 .. 32768 (powers of 2), times:
   and forward+backward (dgrad and wgrad);
 * ``mx``: ``mxfx.ops.linear.mx_linear`` with an FP32 main weight: activation
   quantization included, weight operands from the weight cache (rebuilt once per
-  optimizer step, so not in the loop: the seed's "cached RHS, LHS Q included",
+  optimizer step, so not in the loop: the recipe's "cached RHS, LHS Q included",
   Table 22); forward, and forward+backward;
 * ``mxdq``: the same with ``keep_dequantized_weights=True`` (the Hopper option: the
   emulated GEMM takes the cached BF16 weight instead of dequantizing it per GEMM).

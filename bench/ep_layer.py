@@ -1,4 +1,4 @@
-"""Expert-parallel MoE layer on several processes: BF16 vs MXFP8 all-to-all transport (seed §11.1.3, §11.4.1).
+"""Expert-parallel MoE layer on several processes: BF16 vs MXFP8 all-to-all transport (the recipe, "Smaller Dispatch and Combine Payloads", "Routed Experts").
 
 Run under torchrun, on GPUs (NCCL) or CPU processes (gloo):
 

@@ -203,7 +203,7 @@ def _variants():
     col_dual = lambda x: dual._quantize_both(  # noqa: E731  (the columnwise pair alone, transposed)
         x, "rceil", "probe", row=False, col=True, dequantized=None, transposed=True)
 
-    forms = [(False, False), (True, False), (False, True), (True, True)]  # dual.ADDRESS_FORM
+    forms = [(False, False), (True, False), (False, True), (True, True)]  # dual.ADDRESS_FORMS
 
     def sw_halves(x, save=False):
         gu = x.view(x.shape[0] // 2, 2 * x.shape[1])
@@ -222,13 +222,13 @@ def _variants():
         ("columnwise_dual", dual, col_dual, 2 + 33 / 32, transposed, "TRANSPOSED_CONFIG"),
         ("dual_source", dual, dls, 2 + 66 / 32, source, "SOURCE_CONFIG[source]"),
         ("refresh", dual, refresh, 4 + 66 / 32 + 4, source, "SOURCE_CONFIG[source fp32]", torch.float32),
-        ("dual_source_form", dual, dls, 2 + 66 / 32, forms, "ADDRESS_FORM[source]"),
-        ("dual_form", dual, dl, 2 + 66 / 32, forms, "ADDRESS_FORM[transposed]"),
+        ("dual_source_form", dual, dls, 2 + 66 / 32, forms, "ADDRESS_FORMS[source]"),
+        ("dual_form", dual, dl, 2 + 66 / 32, forms, "ADDRESS_FORMS[transposed]"),
         ("dual_blocked_form", dual, lambda x: device_path.quantize_dual_blocked(x, "rceil"), 2 + 66 / 32, forms,
-         "ADDRESS_FORM[blocked]"),
+         "ADDRESS_FORMS[blocked]"),
         ("dual_hat_form", dual, lambda x: device_path.quantize_dual_source(x, "rceil", dequantized=torch.bfloat16),
-         2 + 66 / 32 + 4, forms, "ADDRESS_FORM[source]"),
-        ("refresh_form", dual, refresh, 4 + 66 / 32 + 4, forms, "ADDRESS_FORM[source fp32]", torch.float32),
+         2 + 66 / 32 + 4, forms, "ADDRESS_FORMS[source]"),
+        ("refresh_form", dual, refresh, 4 + 66 / 32 + 4, forms, "ADDRESS_FORMS[source fp32]", torch.float32),
         ("swiglu_even", swiglu, sw, 4 + 33 / 32, [False, True], "STREAM_EVEN"),
         ("swiglu_even halves", swiglu, sw_halves, (4 + 33 / 32) / 2, [False, True], "STREAM_EVEN"),
         ("swiglu_even saved halves", swiglu, lambda x: sw_halves(x, True), (4 + 33 / 32 + 2 + 66 / 32) / 2,

@@ -21,13 +21,13 @@ import triton
 import triton.language as tl
 
 from mxfx.kernels.dual import _store_tile
-from mxfx.kernels.mx_block import CVT_ALL, load_tile, tile_origin
+from mxfx.kernels.mx_block import CONVERT_ALL, load_tile, tile_origin
 
 STREAM_TILES = [(2048, 4), (4096, 4), (4096, 8), (8192, 8)]  # (values per program, warps)
 TRANSPOSED_TILES = [(32, 64, 1, 96), (64, 64, 2, None), (128, 64, 4, None)]  # (BM, BK, warps, register cap)
 COLUMNWISE_TILES = [(32, 128, 1, None), (32, 64, 1, None), (64, 64, 2, None)]
 SOURCE_TILES = [(32, 64, 1, None), (32, 128, 2, None)]
-CVT = tl.constexpr(CVT_ALL)
+CONVERSION_FORMS = tl.constexpr(CONVERT_ALL)
 
 
 @triton.jit
@@ -55,11 +55,11 @@ def _tiles(x_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr, M, K, n_k_tiles, TRANSPOSED: t
     b, m0, k0 = tile_origin(n_k_tiles, BM, BK)
     b = b * 0
     if ROW:
-        v = load_tile(x_ptr, b, m0, k0, M, K, 0, K, 1, BM, BK, True, False, CVT)
+        v = load_tile(x_ptr, b, m0, k0, M, K, 0, K, 1, BM, BK, True, False, CONVERT)
         _store_tile(qr_ptr, (v.to(tl.int32, bitcast=True) >> 24).to(tl.uint8), b, m0, k0, M, K, False, True, BM, BK)
         _store_tile(sr_ptr, tl.zeros([BM, BK // 32], tl.uint8), b, m0, k0 // 32, M, K // 32, True, True, BM, BK // 32)
     if TRANSPOSED:
-        vt = load_tile(x_ptr, b, k0, m0, K, M, 0, 1, K, BK, BM, True, False, CVT)
+        vt = load_tile(x_ptr, b, k0, m0, K, M, 0, 1, K, BK, BM, True, False, CONVERT)
         _store_tile(qc_ptr, (vt.to(tl.int32, bitcast=True) >> 24).to(tl.uint8), b, k0, m0, K, M, False, True, BK, BM)
         _store_tile(sc_ptr, tl.zeros([BK, BM // 32], tl.uint8), b, k0, m0 // 32, K, M // 32, True, True, BK, BM // 32)
     else:

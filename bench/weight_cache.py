@@ -1,4 +1,4 @@
-"""Weight caches vs per-call weight quantization in a training step (seed §11.3.2-11.3.4).
+"""Weight caches vs per-call weight quantization in a training step (the recipe, "Forward, Dgrad, and Wgrad Need Different Operands", "Autograd Must Carry qdata and Scales as One Value", "DDP Must Be MXFP8-Aware").
 
 A small MoE-ish model of ``nn.Linear`` layers (dense soft routing over experts, so
 the graph has no data-dependent shapes; the router stays BF16 by policy), trained

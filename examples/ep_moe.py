@@ -7,8 +7,8 @@ Run on CPU (gloo) or GPUs (NCCL), unchanged:
 
 Each rank holds ``n_experts / world`` experts and its own tokens. The layer is
 compiled twice: ``backend="mxfp8"`` with every all-to-all direction in BF16
-(the rows travel as written), and with the default MXFP8 transport (seed
-§11.1.3, §11.4.1: dispatch and combine, forward and backward). The script
+(the rows travel as written), and with the default MXFP8 transport (the recipe,
+"Smaller Dispatch and Combine Payloads", "Routed Experts": dispatch and combine, forward and backward). The script
 prints how far the MXFP8 output and gradients are from the BF16 ones and the
 row payload bytes each direction sent. Split sizes come from the routing counts
 (``.tolist()`` under ``capture_scalar_outputs``): one graph for every routing outcome.

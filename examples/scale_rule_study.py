@@ -1,4 +1,4 @@
-"""Scale-rule study (seed §11.3.5, Figure 56): one floor-trained checkpoint, three continuations.
+"""Scale-rule study (the recipe, "Scale Selection Is a Training Recipe", Figure 56): one floor-trained checkpoint, three continuations.
 
     python examples/scale_rule_study.py                      # CPU, toy model, < 3 minutes
     python examples/scale_rule_study.py --device cuda --d-model 1024 --layers 8 --experts 32 --topk 4 \\
@@ -12,7 +12,7 @@
 3. Report, for each MX branch vs BF16 over the continuation, the mean loss
    difference and the mean gradient-norm difference (relative, the pre-clip
    global norm), plot the three curves, and say whether the direction of the
-   seed's result reproduces: there rceil was +0.00048 loss / -1.9% grad norm from
+   recipe's result reproduces: there rceil was +0.00048 loss / -1.9% grad norm from
    BF16 and floor +0.022 / +51% (a 166.72B-total MoE, 1,178 steps).
 
 FP32 parameters, BF16 autocast, AdamW, clipping at 1.0, as in ``train_moe.py``.
@@ -130,7 +130,7 @@ def plot(curves, pre, path):
     ax2.set_ylabel("grad norm (pre-clip)")
     ax2.set_xlabel("step (continuation from the floor-trained checkpoint)")
     ax1.legend()
-    ax1.set_title("One floor-trained checkpoint, three continuations (seed Fig. 56 analogue)")
+    ax1.set_title("One floor-trained checkpoint, three continuations (the recipe, "Scale Selection Is a Training Recipe" (Fig. 56) analogue)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -160,7 +160,7 @@ def main():
     ref = curves["bf16"]
     summary = {}
     lines = ["", f"continuation of {a.steps} steps from the floor-trained checkpoint at step {a.pre_steps}, vs BF16:",
-             "| branch | mean loss diff | mean grad-norm diff | seed (166.72B MoE) |", "|---|---|---|---|"]
+             "| branch | mean loss diff | mean grad-norm diff | OLMo MXFP8 recipe (166.72B MoE) |", "|---|---|---|---|"]
     for rule in ("rceil", "floor"):
         c = curves[f"mxfp8 {rule}"]
         dl = sum(u - v for u, v in zip(c["loss"], ref["loss"])) / len(ref["loss"])
@@ -179,7 +179,7 @@ def main():
     for k, v in direction.items():
         lines.append(f"  {k}: {'yes' if v else 'no'}")
     verdict = "reproduces" if all(direction.values()) else ("partly reproduces" if any(direction.values()) else "does not reproduce")
-    lines.append(f"direction of the seed's result (rceil tracks BF16, floor degrades loss and inflates grad norm): {verdict} "
+    lines.append(f"direction of the recipe's result (rceil tracks BF16, floor degrades loss and inflates grad norm): {verdict} "
                  f"at this scale ({a.steps} steps; toy runs are noisy: treat as a smoke test of the experiment, not evidence)")
     text = "\n".join(lines)
     print(text)

@@ -1,7 +1,7 @@
 """MXFP8 weight caches: the forward and dgrad operands derived from one high-precision weight.
 
-The parameter (FP32 main weight, or BF16) is the only source of truth (seed
-§11.3.4, "Derived Representations of the FP32 Main Weight"). Each MX weight has
+The parameter (FP32 main weight, or BF16) is the only source of truth (the recipe,
+"DDP Must Be MXFP8-Aware": derived representations of the FP32 main weight). Each MX weight has
 up to two derived forms, each a ``(qdata e4m3, scales uint8 E8M0)`` pair:
 
 * ``"forward"``: ``W [..., N, K]`` blocked along its last dim (K);
@@ -25,7 +25,7 @@ per GEMM. Where the GEMM is emulated they replace the MX forms (written straight
 from the weight in one pass, :func:`weight_operands`); they are rebuilt by the
 same freshness logic.
 
-Freshness (seed §11.3.2-11.3.4: quantize once after each optimizer update, reuse
+Freshness (the recipe, "Forward, Dgrad, and Wgrad Need Different Operands", "Autograd Must Carry qdata and Scales as One Value", "DDP Must Be MXFP8-Aware": quantize once after each optimizer update, reuse
 across microbatches):
 
 * **Identity.** An entry belongs to one storage region: the storage (held through
@@ -296,7 +296,7 @@ def _(weight, rule, orientation):
 
 
 def weight_operand(weight: torch.Tensor, rule: str, orientation: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The MX operand of a weight for one GEMM orientation, from its cache (seed §11.3.2).
+    """The MX operand of a weight for one GEMM orientation, from its cache (the recipe, "Forward, Dgrad, and Wgrad Need Different Operands").
 
     A torch custom op (``mxfx::cached_weight_quantize``) with a fake
     implementation, so compiled graphs call it opaquely; its run-time body

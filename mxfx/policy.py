@@ -5,7 +5,7 @@ for each matched op the first rule whose module glob and op kind both match
 decides its precision (user rules first, then :data:`DEFAULT_RULES`). Settings a
 rule leaves unset fall back to the policy-wide value, then to the op kind's
 default (``wgrad``: "mxfp8" for dense linears, "bf16" for routed grouped GEMMs,
-as in the Olmo recipe, seed §11.4.1-11.4.2).
+as in the Olmo recipe, the recipe, "Routed Experts", "Dense and Shared-Expert Linears").
 
 ``torch.compile(model, backend="mxfp8", options={...})`` accepts a Policy or a
 plain dict of its fields (rules as dicts); :meth:`Policy.from_toml` reads the
@@ -32,7 +32,7 @@ DUMP_ENV = "MXFX_DUMP_DIR"
 
 KIND_DEFAULT_WGRAD = {"linear": "mxfp8", "grouped_mm": "bf16"}
 TRANSPORT_DIRECTIONS = ("dispatch_fwd", "combine_fwd", "combine_bwd", "dispatch_bwd")
-"""Expert-parallel all-to-all directions; all four travel as MXFP8 by default (seed §11.4.1)."""
+"""Expert-parallel all-to-all directions; all four travel as MXFP8 by default (the recipe, "Routed Experts")."""
 
 
 def _check_choice(what: str, value: Any, valid: tuple) -> None:
@@ -136,7 +136,7 @@ class Rule(_NamedFields):
 DEFAULT_RULES: tuple[Rule, ...] = (
     # Routers keep their own precision: routing decisions are sensitive and the GEMM is tiny.
     Rule(op="router", precision="bf16"),
-    # The vocabulary projection stays BF16 (seed: MXFP8 covers attention and MLP projections only).
+    # The vocabulary projection stays BF16 (the recipe: MXFP8 covers attention and MLP projections only).
     Rule(module="lm_head", precision="bf16"),
     Rule(module="*.lm_head", precision="bf16"),
     Rule(module="output", precision="bf16"),

@@ -85,7 +85,7 @@ def test_hf_moe_graph_counts_and_closeness(name):
     assert count_calls(fw, torch.ops.aten._grouped_mm.default) == 0  # no BF16 expert GEMM left
     assert count_calls(bw, OPS.mm.default) == 2 * n_linear  # dgrad + MX wgrad of every dense linear
     assert count_calls(bw, OPS.grouped_mm.default) == 2  # expert dgrads
-    assert count_calls(bw, OPS.grouped_wgrad_bf16.default) == 2  # routed wgrad in BF16 (seed Table 25)
+    assert count_calls(bw, OPS.grouped_wgrad_bf16.default) == 2  # routed wgrad in BF16 (the recipe, "Kernel Problems and Fusions" (Table 25))
     assert count_calls(bw, torch.ops.aten._grouped_mm.default) == 0
     assert count_calls(bw, OPS.route_weight_quantize_dequantize.default) == n_combine  # combine backward fused
     loss_bf16, g_bf16 = _loss_and_grads(model, "aot_eager")

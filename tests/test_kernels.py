@@ -311,12 +311,12 @@ def test_blocked_scales_unpadded_every_byte_written():
 @cuda
 @pytest.mark.parametrize("cvt", [0, 1, 2, 3])
 def test_conversion_forms_give_the_same_bytes(monkeypatch, cvt):
-    """Every combination of the conversion forms (``mx_block.CVT_*``: E4M3 bytes four to a register, bf16 widened
+    """Every combination of the conversion forms (``mx_block.CONVERT_*``: E4M3 bytes four to a register, bf16 widened
     a register pair at a time), forced into every kernel that takes them, gives the reference bytes; the kernels'
     own choices are speed choices only."""
     from mxfx.kernels import mx_block
 
-    monkeypatch.setattr(mx_block, "CVT_OVERRIDE", cvt)
+    monkeypatch.setattr(mx_block, "CONVERSION_OVERRIDE", cvt)
     x = special_rows(rand((256, 512), torch.bfloat16))
     g, u = rand((256, 512), torch.bfloat16, scale_rows=False) * 4, x
     xc = x.cpu()

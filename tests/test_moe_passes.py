@@ -58,7 +58,7 @@ def test_main_model_counts_and_attention_saved_rule():
     assert count_calls(fw, OPS.swiglu_quantize_dequantize_save.default) == 2
     assert count_calls(bw, OPS.route_weight_quantize_dequantize.default) == 1
     report = {(r.module, r.kind): r for r in mxfx.last_report().records}
-    # The seed's attention rule: the QKV input is saved as MXFP8, the output projection's stays BF16
+    # The recipe's attention rule: the QKV input is saved as MXFP8, the output projection's stays BF16
     # because attention backward keeps that activation alive anyway.
     assert report[("layers.0.attn.qkv", "linear")].saved == "mxfp8"
     assert report[("layers.0.attn.o_proj", "linear")].saved == "bf16"

@@ -190,7 +190,7 @@ def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str, dequantized
 
 
 def route_weight_quantize(dy: torch.Tensor, weight: torch.Tensor, rule: str, dequantized: torch.dtype | None = None):
-    """MX quantize of ``dy [S, D] * weight [S, 1]`` formed in fp32 (combine backward, seed Table 25):
+    """MX quantize of ``dy [S, D] * weight [S, 1]`` formed in fp32 (combine backward, the recipe, "Kernel Problems and Fusions" (Table 25)):
     ``(qdata, scales)``, or with ``dequantized`` also the dequantized values from the same pass."""
     op = "mxfx.route_weight_quantize"
     mxf.check_input(dy, op)

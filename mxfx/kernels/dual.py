@@ -8,9 +8,7 @@ wgrad of OCP MX v1.0 GEMMs need. The columnwise pair is stored either
   The program reads its tile a second time as the ``[BK, BM]`` tile of ``x^T`` (an L1 hit, no
   DRAM traffic) and encodes that one along its rows, as the columnwise quantize of ``x.t()`` does:
   the compiler then transposes the 16-bit input through shared memory 16 bytes at a time
-  (``LDSM``), where transposing the E4M3 result took 71 shared accesses of 1-2 bytes and 221
-  byte permutes per thread. On the H200 79.1 / 79.2 / 77.2% of copy became 83.6 / 83.0 / 80.1%
-  (BENCHMARKS.md, 2026-12-02 evening); or
+  (``LDSM``) rather than transposing the E4M3 result byte by byte; or
 * in the *source layout* (:func:`quantize_dual_source`): ``q_col`` is the ``.transpose(-2, -1)``
   view of a contiguous ``[M, K]`` byte tensor. Same values, no transpose: every load and store
   runs along K.
@@ -23,12 +21,8 @@ one, so a program's ``[32, BLOCK_K]`` tile writes its scales as whole 32-byte se
   writes the dequantized values of each orientation, so one read of the FP32 main weight gives
   everything a Hopper weight-cache refresh builds.
 
-One program quantizes a ``[32, BLOCK_K]`` tile: a column block's 32 rows. On the H200 the
-column amax is what costs: reduced across warps (4-8 warps per program) it went through shared
-memory with a barrier per step and these kernels reached 50-61% of copy bandwidth; with one or
-two warps per program, where each thread holds a strip of rows and the reduction stays in
-registers and shuffles, 65-92% (``MXFX_BENCH_SWEEP=dual,dual_source,refresh python bench/kernels.py``,
-BENCHMARKS.md).
+One program quantizes a ``[32, BLOCK_K]`` tile (a column block's 32 rows) with one or two warps, so the column
+amax reduction stays in registers and shuffles (docs/kernel-notes.md, "Kernel choices").
 
 Bit-identical to ``mxfx.format.quantize_lastdim`` of ``x`` and of ``x.transpose(-2, -1)``
 (OCP MX v1.0 §6.3, mxfx rules); the dequantized forms equal ``dequantize_lastdim``.
@@ -42,44 +36,27 @@ import triton.language as tl
 
 from mxfx.kernels.launch import launch
 from mxfx.kernels.checks import TOKEN_DIM_HINT, check_dual_args
-from mxfx.kernels.mx_block import (CVT_ALL, CVT_BF16X2, blocked_offset, cvt_bits, decode_scale, encode_blocks,
+from mxfx.kernels.mx_block import (CONVERT_ALL, CONVERT_BF16X2, blocked_offset, conversion_bits, decode_scale, encode_blocks,
                                    load_tile, tile_origin)
 from mxfx.layout import new_blocked_scales
 
 SOURCE_CONFIG = {"source": (32, 64, 1), "source fp32": (32, 64, 1), "dequantized": (32, 128, 2)}
-"""(BLOCK_M, BLOCK_K, num_warps) of the source-layout passes, named as in ``CVT``: a 16-bit input, a 32-bit one, and
-a 16-bit input whose dequantized forms are written too. That last pass went from 90.0 / 90.0 / 89.3% of copy at
-(32, 64, 1) to 91.3 / 91.2 / 90.3% at (32, 128, 2) on the H200, and (32, 256, 4), (32, 128, 4), (64, 64, 2),
-(32, 32, 1) and caps of 128 registers all lost (``python -m bench.probes.occupancy "dual + both dequantized"``,
-BENCHMARKS.md 2026-12-02 late night)."""
+"""(BLOCK_M, BLOCK_K, num_warps) of the source-layout passes, keyed as ``CONVERSION_FORMS``: a 16-bit input, a
+32-bit one, and a 16-bit input whose dequantized forms are written too (measured: docs/kernel-notes.md, "Kernel choices")."""
 TRANSPOSED_CONFIG = (32, 64, 1)
 """(BLOCK_M, BLOCK_K, num_warps), columnwise pair stored transposed."""
 TRANSPOSED_MAXNREG = 96
-"""Registers per thread for the transposed pass of compiled kernels (None: uncapped). Uncapped, ptxas gives
-it 147, which leaves 12 warps per SM; capped at 96 it went from 83.3 / 82.7 / 80.2% to 86.9 / 86.0 / 84.7% of
-copy on the H200. The blocked pass lost 1-3 points capped, and every other kernel lost or moved by less than a
-point (``python -m bench.probes.occupancy``, BENCHMARKS.md 2026-12-02). With the conversion forms of ``CVT`` in,
-uncapped, 96 and 128 measured within the run-to-run spread of each other (ncu: the pass waits on its loads,
-BENCHMARKS.md 2026-12-02 night); 96 is kept."""
-ADDRESS_FORM = {"source": (True, True), "source fp32": (False, False), "transposed": (True, False),
+"""Registers per thread for the transposed pass of compiled kernels (None: uncapped; measured: docs/kernel-notes.md, "Kernel choices")."""
+ADDRESS_FORMS = {"source": (True, True), "source fp32": (False, False), "transposed": (True, False),
                 "blocked": (False, True)}
-"""(CONTIG, WIDE) of ``_dual_kernel`` by output layout (the source layout split by input element size), as
-measured on the H200 (``MXFX_BENCH_SWEEP=dual_source_form,dual_form,dual_blocked_form,refresh_form,dual_hat_form
-python bench/kernels.py``). CONTIG: an x whose rows are contiguous (any batch stride) is read with the
-row stride K that the stores use, not a runtime stride; WIDE: tiles that divide x (EVEN) form every
-element's address in int64 from its row, not as an int64 tile base plus int32 offsets. The instruction
-counts stay within 3% of each other, yet ptxas schedules them differently: the bf16 source layout went from 90.1 / 90.2 / 88.3% to 94.7 / 94.7 / 92.1% of
-copy with both, transposed from 77.2 / 77.3 / 75.2% to 78.8 / 79.0 / 77.4% with CONTIG, blocked from 75.2 /
-75.0 / 72.4% to 78.4 / 78.2 / 75.6% with WIDE; the fp32 refresh moved by less than a point either way and
-keeps the plain form (BENCHMARKS.md, 2026-12-02)."""
+"""(CONTIG, WIDE) of ``_dual_kernel`` by output layout (the source layout split by input element size).
+CONTIG: an x whose rows are contiguous is read with the row stride K that the stores use, not a runtime stride;
+WIDE: tiles that divide x form every element's address in int64 from its row, not as an int64 tile base plus int32
+offsets. Same values either way; the choice per layout is measured (docs/kernel-notes.md, "Kernel choices")."""
 
-CVT = {"source": CVT_ALL, "source fp32": CVT_ALL, "transposed": CVT_ALL, "blocked": CVT_BF16X2, "dequantized": 0}
-"""Conversion forms (``mx_block.CVT_*`` bits) by output layout as in ``ADDRESS_FORM``, plus the forms for a 16-bit
-input whose dequantized forms are written too. With both, that last pass fell from 89.7 / 89.1 / 88.6% to 70.7 /
-71.3 / 70.8% of copy on the H200 (ptxas issued two of its loads behind the row pass's arithmetic, and it took 188
-registers instead of 168); the blocked pass measured best with the widening alone; the others moved by less than the
-run-to-run spread, the transposed pass too (86.2 / 86.0 / 85.0% without, 85.8 / 86.4 / 84.1% with, one run), although
-it runs 13% fewer instructions: it is bound by load latency, not by issue (BENCHMARKS.md, 2026-12-02, night)."""
+CONVERSION_FORMS = {"source": CONVERT_ALL, "source fp32": CONVERT_ALL, "transposed": CONVERT_ALL, "blocked": CONVERT_BF16X2, "dequantized": 0}
+"""Conversion forms (``mx_block.CONVERT_*`` bits) by output layout as in ``ADDRESS_FORMS``, plus those of a 16-bit
+input whose dequantized forms are written too (measured: docs/kernel-notes.md, "Kernel choices")."""
 
 
 @triton.jit
@@ -87,10 +64,10 @@ def _store_tile(ptr, vals, b, r0, c0, R, C, TRANSPOSE: tl.constexpr, EVEN: tl.co
                 BC: tl.constexpr, WIDE: tl.constexpr = False):
     """Store ``vals [BR, BC]`` at rows r0.., cols c0.. of batch b of a contiguous [B, R, C] tensor;
     TRANSPOSE: at [b, c0 + c, r0 + r] of a contiguous [B, C, R] tensor instead. EVEN: the tile lies inside
-    (no mask); with WIDE too, each element's offset is formed in int64 (``ADDRESS_FORM``)."""
+    (no mask); with WIDE too, each element's offset is formed in int64 (``ADDRESS_FORMS``)."""
     ar = tl.arange(0, BR)
     ac = tl.arange(0, BC)
-    if EVEN and WIDE:  # int64 offsets per element (see ADDRESS_FORM)
+    if EVEN and WIDE:  # int64 offsets per element (see ADDRESS_FORMS)
         if TRANSPOSE:
             offs = ptr + ((b * C + c0 + ac[None, :]).to(tl.int64) * R + r0 + ar[:, None])
         else:
@@ -122,11 +99,11 @@ def _store_blocked(ptr, vals, b, r0, c0, R, C, EVEN: tl.constexpr, BR: tl.conste
 @triton.jit
 def _encode_rows(v, q_ptr, s_ptr, h_ptr, b, r0, c0, R, C, RCEIL: tl.constexpr, MX: tl.constexpr, HAT: tl.constexpr,
                  BLOCKED: tl.constexpr, EVEN: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, WIDE: tl.constexpr,
-                 CVT: tl.constexpr):
+                 CONVERT: tl.constexpr):
     """Quantize the fp32 tile ``v [BR, BC]`` at rows r0.., cols c0.. of batch b of an [R, C] matrix in blocks of 32
     along C, and store its qdata into contiguous [B, R, C], its scales MN-major (storage [B, C/32, R]) or in the
     blocked layout of the [R, C/32] scale matrix (BLOCKED), and with HAT its dequantized values like the qdata."""
-    q, s = encode_blocks(tl.reshape(v, [BR, BC // 32, 32]), 2, RCEIL, CVT)
+    q, s = encode_blocks(tl.reshape(v, [BR, BC // 32, 32]), 2, RCEIL, CONVERT)
     if MX:
         _store_tile(q_ptr, tl.reshape(q, [BR, BC]), b, r0, c0, R, C, False, EVEN, BR, BC, WIDE)
         if BLOCKED:
@@ -144,7 +121,7 @@ def _dual_kernel(
     M, K, sxb, sxm, sxk, n_k_tiles,
     RCEIL: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, MX: tl.constexpr, HAT: tl.constexpr,
     COL_T: tl.constexpr, BLOCKED: tl.constexpr, EVEN: tl.constexpr, BATCHED: tl.constexpr, BM: tl.constexpr,
-    BK: tl.constexpr, CONTIG: tl.constexpr, WIDE: tl.constexpr, CVT: tl.constexpr,
+    BK: tl.constexpr, CONTIG: tl.constexpr, WIDE: tl.constexpr, CONVERT: tl.constexpr,
 ):
     b, m0, k0 = tile_origin(n_k_tiles, BM, BK)
     if not BATCHED:  # one matrix: b is 0, and its address terms fold away
@@ -152,14 +129,14 @@ def _dual_kernel(
     if CONTIG:  # rows of K contiguous values: the stores' row stride
         sxm = K
         sxk = 1
-    v = load_tile(x_ptr, b, m0, k0, M, K, sxb, sxm, sxk, BM, BK, EVEN, EVEN and WIDE, CVT)
+    v = load_tile(x_ptr, b, m0, k0, M, K, sxb, sxm, sxk, BM, BK, EVEN, EVEN and WIDE, CONVERT)
     if ROW:  # blocks of 32 along K: q_row [B, M, K], s_row [B, M, K/32]
-        _encode_rows(v, qr_ptr, sr_ptr, hr_ptr, b, m0, k0, M, K, RCEIL, MX, HAT, BLOCKED, EVEN, BM, BK, WIDE, CVT)
+        _encode_rows(v, qr_ptr, sr_ptr, hr_ptr, b, m0, k0, M, K, RCEIL, MX, HAT, BLOCKED, EVEN, BM, BK, WIDE, CONVERT)
     if COL and COL_T:  # blocks of 32 along M, stored [B, K, M]: the [BK, BM] tile of x^T read again (an L1 hit)
-        vt = load_tile(x_ptr, b, k0, m0, K, M, sxb, sxk, sxm, BK, BM, EVEN, EVEN and WIDE, CVT)
-        _encode_rows(vt, qc_ptr, sc_ptr, hc_ptr, b, k0, m0, K, M, RCEIL, MX, HAT, BLOCKED, EVEN, BK, BM, WIDE, CVT)
+        vt = load_tile(x_ptr, b, k0, m0, K, M, sxb, sxk, sxm, BK, BM, EVEN, EVEN and WIDE, CONVERT)
+        _encode_rows(vt, qc_ptr, sc_ptr, hc_ptr, b, k0, m0, K, M, RCEIL, MX, HAT, BLOCKED, EVEN, BK, BM, WIDE, CONVERT)
     elif COL:  # blocks of 32 along M, in the source layout: qdata storage [B, M, K], scales [B, M/32, K] (MN-major)
-        q, s = encode_blocks(tl.reshape(v, [BM // 32, 32, BK]), 1, RCEIL, CVT)
+        q, s = encode_blocks(tl.reshape(v, [BM // 32, 32, BK]), 1, RCEIL, CONVERT)
         if MX:
             _store_tile(qc_ptr, tl.reshape(q, [BM, BK]), b, m0, k0, M, K, False, EVEN, BM, BK, WIDE)
             _store_tile(sc_ptr, s, b, m0 // 32, k0, M // 32, K, False, EVEN, BM // 32, BK, WIDE)
@@ -190,11 +167,11 @@ def _quantize_both(x, rule, op, *, row, col, dequantized, transposed, mx=True, b
     h_col = new(col_shape, dequantized, col and dequantized is not None)
     layout = ("blocked" if blocked else "transposed" if transposed
               else "source fp32" if x.element_size() == 4 else "source")
-    # the pass as CVT and SOURCE_CONFIG name it: a 16-bit input writing its dequantized forms has its own
+    # the pass as CONVERSION_FORMS and SOURCE_CONFIG name it: a 16-bit input writing its dequantized forms has its own
     kind = "dequantized" if dequantized is not None and x.element_size() == 2 else layout
     bm, bk, warps = TRANSPOSED_CONFIG if transposed else SOURCE_CONFIG[kind]
     n_k = triton.cdiv(K, bk)
-    contig, wide = ADDRESS_FORM[layout]
+    contig, wide = ADDRESS_FORMS[layout]
     if B * M * K > 0:
         # outputs not written get the (read-only) input as a placeholder pointer
         args = [t if t is not None else x3 for t in (q_row, s_row, h_row, q_col, s_col, h_col)]
@@ -203,7 +180,7 @@ def _quantize_both(x, rule, op, *, row, col, dequantized, transposed, mx=True, b
             RCEIL=rule == "rceil", ROW=row, COL=col, MX=mx, HAT=dequantized is not None, COL_T=transposed,
             BLOCKED=blocked, EVEN=M % bm == 0 and K % bk == 0, BATCHED=B > 1, BM=bm, BK=bk,
             CONTIG=contig and x3.stride(1) == K and x3.stride(2) == 1, WIDE=wide,
-            CVT=cvt_bits(CVT[kind]),
+            CONVERT=conversion_bits(CONVERSION_FORMS[kind]),
             num_warps=warps,
             maxnreg=TRANSPOSED_MAXNREG if transposed and not blocked else None,
         )

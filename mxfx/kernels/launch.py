@@ -6,8 +6,7 @@ ops are not kept as opaque custom ops: their Python bodies are traced, and every
 kernel goes into the graph as a ``torch.library.wrap_triton`` call. Inductor
 then launches those kernels straight from its generated code, with none of the
 per-call cost of a custom op (the Python dispatcher, argument checks, the
-launcher's specialization lookup; about 65 us of host time per op measured on
-the H200, where the kernels themselves often take less). Inductor keeps each
+launcher's specialization lookup: often more than the kernel itself). Inductor keeps each
 user kernel as written: it is neither fused with nor rewritten into generated
 code, so the dynamic-shape slow paths described in ``mxfx.kernels.custom_ops`` do not
 arise.

@@ -26,7 +26,7 @@ FP32_MANT_MASK = tl.constexpr(0x7FFFFF)
 FP32_MANT_1_75 = tl.constexpr(0x600000)
 """Mantissa field of 1.75: above it, amax / 2^(floor(log2 amax) - 8) exceeds 448 and rceil steps up."""
 
-HW_E4M3_CVT = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "yes", "on"))
+HW_E4M3_CONVERSION = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "yes", "on"))
 """Compiled kernels convert fp32 to E4M3 with the hardware's ``cvt.rn.satfinite.e4m3x2.f32`` (sm89+, the only targets with Triton fp8e4nv), which rounds to
 nearest even, saturates at +-448 and turns NaN into the NaN byte 0x7F: the clamp and the per-value NaN
 select are then left out (a nonfinite block gets a NaN inverse scale instead), about a third fewer instructions
@@ -38,37 +38,31 @@ E4M3X4_PTX = tl.constexpr(
     "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
     "mov.b32 $0, {lo, hi}; }")
 """Four fp32 values ($1..$4) to their E4M3 bytes in one 32-bit register ($0, $1's byte lowest): the conversion
-``HW_E4M3_CVT`` describes, two values per instruction, the pairs merged by one ``mov``, where Triton's own fp8
+``HW_E4M3_CONVERSION`` describes, two values per instruction, the pairs merged by one ``mov``, where Triton's own fp8
 cast goes through 16-bit halves and byte permutes (``PRMT``) to pack the same bytes for a store."""
 
-CVT_E4M3X4 = 1
-"""Bit of a kernel's ``CVT`` constexpr: quantize through :data:`E4M3X4_PTX`."""
-CVT_BF16X2 = 2
-"""Bit of ``CVT``: widen bf16 inputs a register pair at a time (:func:`to_f32`).
+CONVERT_E4M3X4 = 1
+"""Bit of a kernel's ``CONVERT`` constexpr (its conversion forms): quantize through :data:`E4M3X4_PTX`."""
+CONVERT_BF16X2 = 2
+"""Bit of ``CONVERT``: widen bf16 inputs a register pair at a time (:func:`to_f32`). Each kernel takes the bits
+that measured fastest for it (its module's ``CONVERSION_FORMS``; ``docs/kernel-notes.md``, "Conversion forms")."""
+CONVERT_ALL = CONVERT_E4M3X4 | CONVERT_BF16X2
 
-Both cut SASS instructions (sm90, Triton 3.6, ``python -m bench.probes.sass_sm90``): the transposed dual quantize
-1256 -> 1096 per thread, the columnwise quantize 1312 -> 1064, every other kernel 3-6%. Yet ptxas then schedules
-some kernels' loads later, among the arithmetic, and those lose bandwidth: on the H200 the blocked-scale quantize
-went from 96 to 88% of copy with the E4M3 packing, the SwiGLU pass with saved pairs from 92 to 87-88% with either,
-the dual pass with dequantized forms from 89 to 71% with both. So each kernel takes the bits that measured fastest
-for it (``MXFX_KERNEL_CVT`` overrides them all for a benchmark run; BENCHMARKS.md, 2026-12-02, night)."""
-CVT_ALL = CVT_E4M3X4 | CVT_BF16X2
-
-_CVT_ENV = os.environ.get("MXFX_KERNEL_CVT", "").strip()
-if _CVT_ENV not in ("", "0", "1", "2", "3"):
-    raise ValueError(f"MXFX_KERNEL_CVT={_CVT_ENV!r}: expected 0-3 (bits {CVT_E4M3X4}: E4M3 packing, {CVT_BF16X2}: bf16 "
+_CONVERSION_ENV = os.environ.get("MXFX_KERNEL_CVT", "").strip()
+if _CONVERSION_ENV not in ("", "0", "1", "2", "3"):
+    raise ValueError(f"MXFX_KERNEL_CVT={_CONVERSION_ENV!r}: expected 0-3 (bits {CONVERT_E4M3X4}: E4M3 packing, {CONVERT_BF16X2}: bf16 "
                      "widening), or unset it to let each kernel use its own forms")
-CVT_OVERRIDE = int(_CVT_ENV) if _CVT_ENV else None
-"""``MXFX_KERNEL_CVT`` (0-3, CVT bits, read at import): use these bits in every kernel instead of each kernel's
+CONVERSION_OVERRIDE = int(_CONVERSION_ENV) if _CONVERSION_ENV else None
+"""``MXFX_KERNEL_CVT`` (0-3, ``CONVERT`` bits, read at import): use these bits in every kernel instead of each kernel's
 own choice. For benchmarks that compare the forms, and tests; unset in normal use. Other values raise ValueError."""
 
 
-def cvt_bits(chosen: int) -> int:
-    """The ``CVT`` bits a launch passes: the kernel's measured choice, or :data:`CVT_OVERRIDE` when set."""
-    return chosen if CVT_OVERRIDE is None else CVT_OVERRIDE
+def conversion_bits(chosen: int) -> int:
+    """The ``CONVERT`` bits a launch passes: the kernel's measured choice, or :data:`CONVERSION_OVERRIDE` when set."""
+    return chosen if CONVERSION_OVERRIDE is None else CONVERSION_OVERRIDE
 
 
-INTERPRETED = HW_E4M3_CVT.value is False
+INTERPRETED = HW_E4M3_CONVERSION.value is False
 """Triton's interpreter runs the kernels (``TRITON_INTERPRET=1``, CPU tests)."""
 
 E4M3_NAN_BYTE = tl.constexpr(0x7F)
@@ -134,11 +128,11 @@ else:
 
 
 @triton.jit
-def to_f32(v, CVT: tl.constexpr = 0):
-    """fp32 values of a loaded tile. With ``CVT & CVT_BF16X2``, compiled kernels widen bf16 pairs as they sit in
+def to_f32(v, CONVERT: tl.constexpr = 0):
+    """fp32 values of a loaded tile. With ``CONVERT & CONVERT_BF16X2``, compiled kernels widen bf16 pairs as they sit in
     one 32-bit register (``and`` keeps the high element, ``shl`` moves the low one up): two instructions per pair,
     where the generic ``cvt`` extracts each half first (``PRMT``, then a shift)."""
-    if (CVT & 2) != 0 and HW_E4M3_CVT and v.dtype == tl.bfloat16 and v.numel % 2 == 0:  # 2: CVT_BF16X2
+    if (CONVERT & 2) != 0 and HW_E4M3_CONVERSION and v.dtype == tl.bfloat16 and v.numel % 2 == 0:  # 2: CONVERT_BF16X2
         return tl.inline_asm_elementwise("{ and.b32 $1, $2, 0xFFFF0000; shl.b32 $0, $2, 16; }", "=r,=r,r", [v],
                                          dtype=tl.float32, is_pure=True, pack=2)
     return v.to(tl.float32)
@@ -165,23 +159,23 @@ def block_scale(amax, RCEIL: tl.constexpr):
     e = tl.where(biased == 0, -127, tl.maximum(e, -127))
     nonfinite = biased == 255
     inv_scale = ((127 - e) << FP32_EXP_SHIFT).to(tl.float32, bitcast=True)  # 127 - e in 7..254
-    if HW_E4M3_CVT:  # every value of a nonfinite block scales to NaN, which the conversion makes 0x7F
+    if HW_E4M3_CONVERSION:  # every value of a nonfinite block scales to NaN, which the conversion makes 0x7F
         inv_scale = tl.where(nonfinite, float("nan"), inv_scale)
     sbyte = tl.where(nonfinite, 255, e + 127).to(tl.uint8)
     return inv_scale, sbyte, nonfinite
 
 
 @triton.jit
-def to_e4m3_bits(v, inv_scale, nonfinite, CVT: tl.constexpr = 0):
+def to_e4m3_bits(v, inv_scale, nonfinite, CONVERT: tl.constexpr = 0):
     """E4M3 bytes of ``v * inv_scale`` (saturated at +-448, RNE); NaN bytes where ``nonfinite``.
 
-    ``inv_scale`` as :func:`block_scale` returns it (NaN in nonfinite blocks where ``HW_E4M3_CVT``).
-    ``CVT & CVT_E4M3X4``: four values a conversion call (:data:`E4M3X4_PTX`), same bytes.
+    ``inv_scale`` as :func:`block_scale` returns it (NaN in nonfinite blocks where ``HW_E4M3_CONVERSION``).
+    ``CONVERT & CONVERT_E4M3X4``: four values a conversion call (:data:`E4M3X4_PTX`), same bytes.
     """
-    if (CVT & 1) != 0 and HW_E4M3_CVT and v.numel % 4 == 0:  # 1: CVT_E4M3X4 (plain ints: launch arguments)
+    if (CONVERT & 1) != 0 and HW_E4M3_CONVERSION and v.numel % 4 == 0:  # 1: CONVERT_E4M3X4 (plain ints: launch arguments)
         return tl.inline_asm_elementwise(E4M3X4_PTX, "=r,f,f,f,f", [v * inv_scale], dtype=tl.uint8, is_pure=True,
                                          pack=4)
-    if HW_E4M3_CVT:
+    if HW_E4M3_CONVERSION:
         return (v * inv_scale).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     scaled = tl.minimum(tl.maximum(v * inv_scale, -448.0), 448.0)
     qbits = scaled.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
@@ -189,14 +183,14 @@ def to_e4m3_bits(v, inv_scale, nonfinite, CVT: tl.constexpr = 0):
 
 
 @triton.jit
-def encode_blocks(v, AXIS: tl.constexpr, RCEIL: tl.constexpr, CVT: tl.constexpr = 0):
+def encode_blocks(v, AXIS: tl.constexpr, RCEIL: tl.constexpr, CONVERT: tl.constexpr = 0):
     """Quantize fp32 ``v`` whose blocks of 32 run along ``AXIS`` (a reshaped 3D tile).
 
     Returns ``(qbits, sbyte)``: uint8 E4M3 bytes of ``v``'s shape and uint8 E8M0 bytes
     with ``AXIS`` reduced.
     """
     inv_scale, sbyte, nonfinite = block_scale(tl.max(abs_bits(v), axis=AXIS), RCEIL)
-    qbits = to_e4m3_bits(v, tl.expand_dims(inv_scale, AXIS), tl.expand_dims(nonfinite, AXIS), CVT)
+    qbits = to_e4m3_bits(v, tl.expand_dims(inv_scale, AXIS), tl.expand_dims(nonfinite, AXIS), CONVERT)
     return qbits, sbyte
 
 
@@ -226,11 +220,11 @@ def tile_origin(n_c_tiles, BR: tl.constexpr, BC: tl.constexpr):
 
 @triton.jit
 def load_tile(ptr, b, r0, c0, R, C, sb, sr, sc, BR: tl.constexpr, BC: tl.constexpr, EVEN: tl.constexpr = False,
-              WIDE: tl.constexpr = False, CVT: tl.constexpr = 0):
+              WIDE: tl.constexpr = False, CONVERT: tl.constexpr = 0):
     """fp32 tile ``[BR, BC]`` at rows r0.., cols c0.. of batch b of a strided [B, R, C] tensor (0 outside).
     EVEN: the caller knows the tile lies inside (BR divides R, BC divides C), and no mask is computed.
     WIDE: each element's offset formed in int64 from its row and column, rather than an int64 tile base plus
-    int32 offsets within the tile: the same values, scheduled differently by ptxas (see ``dual.ADDRESS_FORM``)."""
+    int32 offsets within the tile: the same values, scheduled differently by ptxas (see ``dual.ADDRESS_FORMS``)."""
     ar = tl.arange(0, BR)
     ac = tl.arange(0, BC)
     if WIDE:
@@ -242,7 +236,7 @@ def load_tile(ptr, b, r0, c0, R, C, sb, sr, sc, BR: tl.constexpr, BC: tl.constex
         v = tl.load(offs)
     else:
         v = tl.load(offs, mask=((r0 + ar) < R)[:, None] & ((c0 + ac) < C)[None, :], other=0.0)
-    return to_f32(v, CVT)
+    return to_f32(v, CONVERT)
 
 
 SCALES_ROW_MAJOR = tl.constexpr(0)
@@ -311,7 +305,7 @@ def store_dequantized(h_ptr, qbits, sbyte, b, r0, c0, R, C, BR: tl.constexpr, BC
 
 
 @triton.jit
-def load_blocks(ptr, j0, NBLK, RPR, sr, BR: tl.constexpr, EVEN: tl.constexpr = False, CVT: tl.constexpr = 0):
+def load_blocks(ptr, j0, NBLK, RPR, sr, BR: tl.constexpr, EVEN: tl.constexpr = False, CONVERT: tl.constexpr = 0):
     """fp32 tile ``[BR, 32]``: 32-value blocks j0.. of a [R, C] tensor with unit column stride and row
     stride ``sr`` (elements), numbered row-major: block j holds row j // RPR, columns 32 (j % RPR)..
     (RPR = C / 32); 0 for j >= NBLK. RPR = 1 with sr = 32 reads a contiguous tensor as one stream.
@@ -323,7 +317,7 @@ def load_blocks(ptr, j0, NBLK, RPR, sr, BR: tl.constexpr, EVEN: tl.constexpr = F
         v = tl.load(ptr + start[:, None] + tl.arange(0, 32)[None, :])
     else:
         v = tl.load(ptr + start[:, None] + tl.arange(0, 32)[None, :], mask=(j < NBLK)[:, None], other=0.0)
-    return to_f32(v, CVT)
+    return to_f32(v, CONVERT)
 
 
 def block_stream(x: torch.Tensor, one_stream: bool = True):

@@ -26,13 +26,13 @@ from mxfx.kernels.checks import check_route_args
 from mxfx.kernels.launch import launch
 from mxfx.format import check_block_axis, check_input, check_rule
 from mxfx.kernels.mx_block import (
-    CVT_ALL,
-    CVT_BF16X2,
+    CONVERT_ALL,
+    CONVERT_BF16X2,
     SCALES_BLOCKED,
     SCALES_MN_MAJOR,
     SCALES_ROW_MAJOR,
     as_brc,
-    cvt_bits,
+    conversion_bits,
     encode_blocks,
     flat_blocks,
     load_tile,
@@ -56,32 +56,27 @@ COLWISE_CONFIG = (128, 32, 1)
 (the model dim) by one block of 32 tokens, read as 32 runs of 256 bytes; the MN-major scales go out as one
 128-byte line per program (``MXFX_BENCH_SWEEP=columnwise python bench/kernels.py``)."""
 COLWISE_EVEN = True
-"""Columnwise, drop the masks when the tiles divide the view (COLWISE_CONFIG, or FLAT_CONFIG for 32
-tokens): 88.7% of copy at 16384x4096 against 87.1% with masks on the H200; a fixed boolean key, as token counts
-are multiples of 32 there. Reading a contiguous view's stride as R, per-element int64 offsets and grouped
-tile orders moved the three shapes by less than a point or lost (BENCHMARKS.md, 2026-12-02)."""
+"""Columnwise, drop the masks when the tiles divide the view (COLWISE_CONFIG, or FLAT_CONFIG for 32 tokens);
+a fixed boolean key, as token counts are multiples of 32 there (measured: docs/kernel-notes.md, "Kernel choices")."""
 
-CVT = {"quantize": CVT_ALL, "blocked": CVT_BF16X2, "dequantized": CVT_BF16X2}
-"""Conversion forms (``mx_block.CVT_*`` bits) by output: the plain quantize (rowwise, columnwise, route-weight) takes
-both, the blocked-scale and the quantize-dequantize passes only the bf16 widening. On the H200 the E4M3 packing took
-the blocked-scale pass from 96.3 / 96.5 / 91.3% to 87.9 / 86.5 / 81.6% of copy (its loads issued later), and the
-columnwise pass went from 93.0 / 91.8 / 89.0% to 93.6 / 93.1 / 89.4% with both, one run
-(``MXFX_KERNEL_CVT=N python bench/kernels.py``; BENCHMARKS.md, 2026-12-02, night)."""
+CONVERSION_FORMS = {"quantize": CONVERT_ALL, "blocked": CONVERT_BF16X2, "dequantized": CONVERT_BF16X2}
+"""Conversion forms (``mx_block.CONVERT_*`` bits) by output: the plain quantize (rowwise, columnwise, route-weight)
+takes both, the blocked-scale and the quantize-dequantize passes only the bf16 widening (measured: docs/kernel-notes.md, "Kernel choices")."""
 
 
 def _quantize(
     x_ptr, w_ptr, q_ptr, s_ptr, xhat_ptr,
     R, C, RPR, sxb, sxr, sxc, swr, n_c_tiles,
     RCEIL: tl.constexpr, ROW_WEIGHT: tl.constexpr, WRITE_XHAT: tl.constexpr, SCALES: tl.constexpr,
-    BR: tl.constexpr, BC: tl.constexpr, EVEN: tl.constexpr, CVT: tl.constexpr,
+    BR: tl.constexpr, BC: tl.constexpr, EVEN: tl.constexpr, CONVERT: tl.constexpr,
 ):
     b, r0, c0 = tile_origin(n_c_tiles, BR, BC)
-    v = load_tile(x_ptr, b, r0, c0, R, C, sxb, sxr, sxc, BR, BC, EVEN, CVT=CVT)
+    v = load_tile(x_ptr, b, r0, c0, R, C, sxb, sxr, sxc, BR, BC, EVEN, CONVERT=CONVERT)
     if ROW_WEIGHT:
         rows = r0 + tl.arange(0, BR)
         w = tl.load(w_ptr + (rows // RPR).to(tl.int64) * swr, mask=rows < R, other=0.0).to(tl.float32)
         v = v * w[:, None]
-    qbits, sbyte = encode_blocks(tl.reshape(v, [BR, BC // 32, 32]), 2, RCEIL, CVT)
+    qbits, sbyte = encode_blocks(tl.reshape(v, [BR, BC // 32, 32]), 2, RCEIL, CONVERT)
     store_rowwise(q_ptr, s_ptr, qbits, sbyte, b, r0, c0, R, C, RPR, SCALES, BR, BC, EVEN)
     if WRITE_XHAT:
         store_dequantized(xhat_ptr, qbits, sbyte, b, r0, c0, R, C, BR, BC)
@@ -128,7 +123,7 @@ def _launch(x, rule, *, weight=None, xhat_dtype=None, blocked=False, op="mxfx.qu
             RCEIL=rule == "rceil", ROW_WEIGHT=weight is not None, WRITE_XHAT=xhat_dtype is not None,
             SCALES=(SCALES_BLOCKED if blocked else SCALES_MN_MAJOR if mn_major else SCALES_ROW_MAJOR).value,
             BR=br, BC=bc, EVEN=even, num_warps=warps,
-            CVT=cvt_bits(CVT["blocked" if blocked else "dequantized" if xhat_dtype is not None else "quantize"]),
+            CONVERT=conversion_bits(CONVERSION_FORMS["blocked" if blocked else "dequantized" if xhat_dtype is not None else "quantize"]),
         )
     if mn_major:
         s = mn_major_view(s, scale_shape(x.shape))

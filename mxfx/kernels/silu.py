@@ -8,8 +8,8 @@ rest of its block is small enough for that product to survive, within E4M3's ran
 block's largest value (an ``up`` of 2^100 next to ordinary values, say), never in a training run's
 activations. The flush lets the GPU kernel divide with a
 hardware reciprocal, one Newton step and one correction, without ``div.rn``'s per-value range check and
-slow-path branch, which cost the issue-bound SwiGLU kernel 6 to 8 points of the copy bandwidth
-(``bench/probes/silu_exhaustive.py`` checks the kernel's SiLU against this rule on all 2^32 fp32 inputs).
+slow-path branch (measured: docs/kernel-notes.md, "Kernel choices")
+(``python -m bench.probes.silu_exhaustive`` checks the kernel's SiLU against this rule on all 2^32 fp32 inputs).
 A gate of +Inf gives NaN in the kernel where ``F.silu`` gives +Inf: the MX block is non-finite either way
 (``mxfx.format``: any NaN or Inf gives the NaN block).
 """

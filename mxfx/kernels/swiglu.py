@@ -6,9 +6,7 @@ values are below 2^-119), then an fp32 multiply by ``up``; no 16-bit intermediat
 up may be separate tensors or strided halves of one fused ``gate_up`` tensor (``gate_up[..., :H]``,
 ``gate_up[..., H:]``). Both of those are read as streams of 32-value blocks (``mx_block.load_blocks``),
 so every output is written as one contiguous stream whatever H is; other strides go through 2D tiles.
-The SiLU dominates the kernel's instructions; without ``div.rn``'s range check it streams at 91-99% of
-the H200's copy bandwidth (BENCHMARKS.md), and the fused forward equals ``quantize(silu_fp32(gate) * up)``
-bit for bit.
+The fused forward equals ``quantize(silu_fp32(gate) * up)`` bit for bit.
 The same pass can also write the MX pairs of gate and of up themselves (``save_inputs``):
 what the SwiGLU backward keeps, so that no second and third read of gate and up follows.
 Quantization follows ``mxfx.format`` (OCP MX v1.0 §6.3) bit for bit.
@@ -23,11 +21,11 @@ import triton.language as tl
 from mxfx.format import BLOCK_SIZE, check_block_axis, check_input, check_rule
 from mxfx.kernels.launch import launch
 from mxfx.kernels.mx_block import (
-    CVT_ALL,
+    CONVERT_ALL,
     SCALES_ROW_MAJOR,
     as_brc,
     block_stream,
-    cvt_bits,
+    conversion_bits,
     encode_blocks,
     load_blocks,
     load_tile,
@@ -41,33 +39,26 @@ from mxfx.kernels.mx_block import (
 FLAT_CONFIG = (32, 32, 1)
 """(BLOCK_R, BLOCK_C, num_warps) when gate and up read as streams of 32-value blocks (contiguous, or
 row-strided halves of a fused gate_up tensor) and only the MX pair is written: BLOCK_R blocks per program.
-One-warp programs of 32 values per thread ran fastest on the H200
-(``MXFX_BENCH_SWEEP=swiglu,"swiglu gate_up halves" python bench/kernels.py``; BENCHMARKS.md)."""
+One-warp programs of 32 values per thread (measured: docs/kernel-notes.md, "Kernel choices")."""
 FLAT_WIDE_CONFIG = (16, 32, 1)
 """The same when the pass also writes values or saved pairs (more bytes and registers per value): 16
 values per thread ran fastest (``MXFX_BENCH_SWEEP="swiglu saved halves"``)."""
 STREAM_EVEN = True
 """Drop the masks when gate and up are contiguous block streams whose block count the tile divides (a
-boolean key: token counts that change between calls give at most two compiled variants). On the H200
-this took separate gate/up from 97.1 / 97.4 / 93.5% to 99.1 / 99.2 / 94.3% of copy, while the gate_up
-halves lost 0.7-2.7 points and keep their masks, except at H = 32 (one block per row: a plain stream).
-The saved and dequantized passes of contiguous pairs drop them too, untimed
-(``MXFX_BENCH_SWEEP=swiglu_even``, BENCHMARKS.md)."""
-CVT = {"quantize": CVT_ALL, "wide": 0}
-"""Conversion forms (``mx_block.CVT_*`` bits): both for the pass that writes the MX pair alone, none where it also
-writes values or saved pairs. On the H200 the MX pair of gate_up halves went from 97.3 / 98.1 / 94.4% to 99.4 / 99.9 /
-95.4% of copy with both (one run), while the saved pass fell from 91.8 / 93.0 / 91.7% to 87.8 / 88.5 / 86.8% with
-both and to 87-89% with either (ptxas then issues the up loads after the gate's arithmetic; BENCHMARKS.md,
-2026-12-02, night)."""
+boolean key: token counts that change between calls give at most two compiled variants). Gate_up halves keep
+their masks, except at H = 32 (measured: docs/kernel-notes.md, "Kernel choices")."""
+CONVERSION_FORMS = {"quantize": CONVERT_ALL, "wide": 0}
+"""Conversion forms (``mx_block.CONVERT_*`` bits): both for the pass that writes the MX pair alone, none where it also
+writes values or saved pairs (measured: docs/kernel-notes.md, "Kernel choices")."""
 SWIGLU_CONFIG = (16, 256, 8)
 """(BLOCK_R, BLOCK_C, num_warps) for other strides (every other column, say)."""
 
 
 @triton.jit
 def _store_mx(q_ptr, s_ptr, v, b, r0, c0, R, C, RCEIL: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
-              EVEN: tl.constexpr, CVT: tl.constexpr):
+              EVEN: tl.constexpr, CONVERT: tl.constexpr):
     """Quantize the fp32 tile ``v [BR, BC]`` rowwise and store its pair into contiguous [B, R, C] / [B, R, C/32]."""
-    qbits, sbyte = encode_blocks(tl.reshape(v, [BR, BC // 32, 32]), 2, RCEIL, CVT)
+    qbits, sbyte = encode_blocks(tl.reshape(v, [BR, BC // 32, 32]), 2, RCEIL, CONVERT)
     store_rowwise(q_ptr, s_ptr, qbits, sbyte, b, r0, c0, R, C, 1, SCALES_ROW_MAJOR, BR, BC, EVEN)
     return qbits, sbyte
 
@@ -77,22 +68,22 @@ def _swiglu_quantize_kernel(
     g_ptr, u_ptr, q_ptr, s_ptr, h_ptr, gq_ptr, gs_ptr, uq_ptr, us_ptr, R, C, sgb, sgr, sgc, sub, sur, suc,
     n_c_tiles, RPR: tl.constexpr, RCEIL: tl.constexpr, WRITE_XHAT: tl.constexpr, SAVE_INPUTS: tl.constexpr,
     STREAM: tl.constexpr,
-    BR: tl.constexpr, BC: tl.constexpr, EVEN: tl.constexpr, CVT: tl.constexpr,
+    BR: tl.constexpr, BC: tl.constexpr, EVEN: tl.constexpr, CONVERT: tl.constexpr,
 ):
     b, r0, c0 = tile_origin(n_c_tiles, BR, BC)
     if STREAM:  # R blocks of C = 32 values; the outputs are contiguous, so they are stored as [R, 32] too
-        g = load_blocks(g_ptr, r0, R, RPR, sgr, BR, EVEN, CVT)
-        u = load_blocks(u_ptr, r0, R, RPR, sur, BR, EVEN, CVT)
+        g = load_blocks(g_ptr, r0, R, RPR, sgr, BR, EVEN, CONVERT)
+        u = load_blocks(u_ptr, r0, R, RPR, sur, BR, EVEN, CONVERT)
     else:
-        g = load_tile(g_ptr, b, r0, c0, R, C, sgb, sgr, sgc, BR, BC, CVT=CVT)
-        u = load_tile(u_ptr, b, r0, c0, R, C, sub, sur, suc, BR, BC, CVT=CVT)
+        g = load_tile(g_ptr, b, r0, c0, R, C, sgb, sgr, sgc, BR, BC, CONVERT=CONVERT)
+        u = load_tile(u_ptr, b, r0, c0, R, C, sub, sur, suc, BR, BC, CONVERT=CONVERT)
     v = silu_f32(g) * u
-    qbits, sbyte = _store_mx(q_ptr, s_ptr, v, b, r0, c0, R, C, RCEIL, BR, BC, EVEN, CVT)
+    qbits, sbyte = _store_mx(q_ptr, s_ptr, v, b, r0, c0, R, C, RCEIL, BR, BC, EVEN, CONVERT)
     if WRITE_XHAT:
         store_dequantized(h_ptr, qbits, sbyte, b, r0, c0, R, C, BR, BC, EVEN)
     if SAVE_INPUTS:
-        _store_mx(gq_ptr, gs_ptr, g, b, r0, c0, R, C, RCEIL, BR, BC, EVEN, CVT)
-        _store_mx(uq_ptr, us_ptr, u, b, r0, c0, R, C, RCEIL, BR, BC, EVEN, CVT)
+        _store_mx(gq_ptr, gs_ptr, g, b, r0, c0, R, C, RCEIL, BR, BC, EVEN, CONVERT)
+        _store_mx(uq_ptr, us_ptr, u, b, r0, c0, R, C, RCEIL, BR, BC, EVEN, CONVERT)
 
 
 def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str, dequantized: torch.dtype | None = None,
@@ -132,14 +123,13 @@ def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str, dequantized
     n_c = triton.cdiv(C, bc)
     if R * C > 0:
         # RPR (blocks per row of a stream: H / 32, fixed for a model; 1 for a contiguous pair) is a constexpr, so
-        # the block -> row division compiles to a shift or a multiply: 952 -> 912 SASS instructions per thread
-        # for gate_up halves (sm90, bench/probes/sass_sm90.py). Token counts (R) stay unspecialized.
+        # the block -> row division compiles to a shift or a multiply. Token counts (R) stay unspecialized.
         launch(
             _swiglu_quantize_kernel, (triton.cdiv(R, br) * n_c, B),
             g3, u3, q, s, h if h is not None else g3, *saved, R, C, *strides, n_c, RPR=rpr,
             RCEIL=rule == "rceil", WRITE_XHAT=h is not None, SAVE_INPUTS=save_inputs, STREAM=stream,
             BR=br, BC=bc, EVEN=STREAM_EVEN and stream and rpr == 1 and R % br == 0,
-            CVT=cvt_bits(CVT["wide" if save_inputs or h is not None else "quantize"]), num_warps=warps,
+            CONVERT=conversion_bits(CONVERSION_FORMS["wide" if save_inputs or h is not None else "quantize"]), num_warps=warps,
         )
     out = (q.view(torch.float8_e4m3fn), s) if h is None else (q.view(torch.float8_e4m3fn), s, h)
     if save_inputs:

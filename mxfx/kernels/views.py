@@ -9,9 +9,7 @@ The logical shape of the scales is always ``[..., C/32]`` (OCP MX v1.0 §5: one 
   (rowwise quantize of a contiguous tensor, SwiGLU, route-weight);
 * **MN-major** (the transpose view of a contiguous ``[..., C/32, R]`` tensor): tiles of a few
   blocks per row, which write a few scale bytes per row and one sector per row in row-major
-  order, but whole sectors here. On the H200 the row-major store cost the dual quantize 5-12
-  points of copy bandwidth and the columnwise quantize 8 (BENCHMARKS.md, "scales where a program
-  writes whole sectors"). :func:`lastdim_scales` says when ``quantize_lastdim`` writes them so
+  order, but whole sectors here (measured: docs/kernel-notes.md, "Kernel choices"). :func:`lastdim_scales` says when ``quantize_lastdim`` writes them so
   (a transposed input: the columnwise operand); both orientations of the dual quantizes
   always do.
 

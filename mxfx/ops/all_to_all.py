@@ -1,7 +1,7 @@
 """MXFP8 all-to-all: like ``all_to_all_single`` on token rows, but the rows travel as MXFP8 qdata + scales.
 
 Expert-parallel dispatch and combine move one hidden row per routed token-expert
-assignment (seed §11.1.3). A row of width ``d`` (a multiple of 32) crosses the
+assignment (the recipe, "Smaller Dispatch and Combine Payloads"). A row of width ``d`` (a multiple of 32) crosses the
 wire as ``d`` E4M3 bytes plus ``d/32`` E8M0 scale bytes, 33/32 bytes per value
 instead of BF16's 2 (48.4% less payload). Split sizes, route indices and route
 weights are not touched.
@@ -57,7 +57,7 @@ def all_to_all_mx(
 
     Two collectives with the same splits, each on a uint8 view: qdata
     ``[N, ..., D]`` (D bytes a row) and scales ``[N, ..., D/32]`` (D/32 bytes a row).
-    Source: seed §11.1.3 (qdata and scales need transfers of their own).
+    Source: the recipe, "Smaller Dispatch and Combine Payloads" (qdata and scales need transfers of their own).
 
     Args:
         qdata: ``torch.float8_e4m3fn [N_send, ..., D]``, rows blocked along the last dim.
@@ -147,7 +147,7 @@ def mx_all_to_all(
     (splits swapped). Each direction travels as MXFP8 (rows quantized with
     ``scale_rule``, dequantized on receive, so the result is ``dequantize(quantize(row))``
     of the row sent) or as written (``"bf16"``: the tensor's own dtype, unchanged).
-    Source: seed §11.1.3 and §11.4.1 (dispatch and combine, forward and backward).
+    Source: the recipe, "Smaller Dispatch and Combine Payloads" and "Routed Experts" (dispatch and combine, forward and backward).
 
     Args:
         x: bf16/fp16/fp32 rows, any trailing shape; last dim D a multiple of 32
@@ -163,7 +163,7 @@ def mx_all_to_all(
         route_weight: optional per-received-row weights ``[N_recv]`` or ``[N_recv, 1]``
             (the combine's route weights): the result is the received rows times them,
             in fp32, and the backward sends ``dy * route_weight`` formed inside the
-            transport quantize (``mxfx::route_weight_quantize``, seed Table 25), so no
+            transport quantize (``mxfx::route_weight_quantize``, the recipe, "Kernel Problems and Fusions" (Table 25)), so no
             weighted gradient is materialized in BF16 first. Not with ``return_mx``.
 
     Returns:

@@ -586,8 +586,7 @@ def _grouped_wgrad_bf16_op(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor
     (``bench/probes/grouped_wgrad_alignment.py``).
 
     The result is the BF16 GEMM's output (fp32 accumulation, rounded to bf16). The cast to the
-    weight's dtype stays outside the op (:func:`hp_grouped_wgrad`), where a compiler fuses it: an
-    eager cast of an FP32 expert-weight gradient ran at half of copy bandwidth on the H200.
+    weight's dtype stays outside the op (:func:`hp_grouped_wgrad`), where a compiler fuses it.
     Group ends must be non-decreasing and at most S (they are data: not checked on the host); rows past
     ``offs[-1]`` are ignored. On CUDA, N and K must be multiples of 8 (16-byte rows).
 
@@ -609,7 +608,7 @@ def _(dy, x, offs):
 
 
 def hp_grouped_wgrad(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """BF16 per-group ``dy[grp]^T @ x[grp]`` -> ``[E, N, K]`` (the routed "bf16" wgrad, seed Table 25).
+    """BF16 per-group ``dy[grp]^T @ x[grp]`` -> ``[E, N, K]`` (the routed "bf16" wgrad, the recipe, "Kernel Problems and Fusions" (Table 25)).
 
     ``mxfx::grouped_wgrad_bf16`` (see :func:`_grouped_wgrad_bf16_op`): no group padding needed;
     the result cast to ``out_dtype`` outside the op.

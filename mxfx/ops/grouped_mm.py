@@ -1,17 +1,17 @@
 """MXFP8 grouped expert GEMM: like ``torch._grouped_mm(x, W.transpose(-2, -1), offs)``.
 
-The routed-expert recipe of seed §11.4.1, for one projection:
+The routed-expert recipe of the recipe, "Routed Experts", for one projection:
 
 * forward ``Y[g] = MX(X[g]) . MX(W[g])^T``: X rowwise (along K), the expert
   weight ``W [E, N, K]`` blocked along K (forward weight cache);
 * dgrad ``dX[g] = MX(dY[g]) . MX(W[g])``: dY rowwise (along N), ``W^T [E, K, N]``
   blocked along N (dgrad weight cache);
 * wgrad ``dW[g] = dY[g]^T . X[g]``: by default a BF16 grouped GEMM on the
-  dequantized saved input (seed Table 25); with ``wgrad="mxfp8"`` both operands
+  dequantized saved input (the recipe, "Kernel Problems and Fusions" (Table 25)); with ``wgrad="mxfp8"`` both operands
   are blocked along tokens *per expert group*: each group is zero-padded to a
   multiple of 32 rows, so no 32-block mixes two experts' rows.
 
-Optional fusions on either side (seed §11.4.4):
+Optional fusions on either side (the recipe, "Kernel Problems and Fusions"):
 
 * ``up is not None``: the input is ``silu(x) * up`` (SwiGLU), quantized straight
   from gate and up; its backward runs in fp32 from gate/up saved per ``save``
@@ -175,7 +175,7 @@ def mx_grouped_mm_op(
         route_weight: optional ``[S]`` or ``[S, 1]``: output rows are scaled by it.
         out_dtype: result dtype (default ``x.dtype``).
         x_mx: optional ``(qdata e4m3 [S, K], scales uint8 [S, K/32])`` with ``x`` exactly
-            its dequantization (rows received by an MX all-to-all, seed §11.1.3, or gathered
+            its dequantization (rows received by an MX all-to-all, the recipe, "Smaller Dispatch and Combine Payloads", or gathered
             from the MX of the tokens before the dispatch's row gather): the forward GEMM uses
             it instead of quantizing ``x`` again. Not with ``up``. A third element, the
             dequantized values ``[S, K]`` in :func:`mxfx.device.emulated_operand_dtype`,

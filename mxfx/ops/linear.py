@@ -8,7 +8,7 @@ Operands are blocked along each GEMM's reduction dim (``docs/format.md``):
 * wgrad ``dW = MX(dY)^T . MX(X)``: both blocked along tokens (M, zero-padded to a
   multiple of 32), or a BF16 GEMM when ``wgrad="bf16"``.
 
-Saved for backward (``save``, decided by the pass per seed §11.1.2/§11.4.2):
+Saved for backward (``save``, decided by the pass per the recipe, "Smaller Saved Activations", "Dense and Shared-Expert Linears"):
 ``"mxfp8"`` keeps only an MX copy of X (33/32 bytes per value instead of BF16's
 2): token-blocked for an MX wgrad (made in the same read as the forward's
 rowwise copy), or the forward's rowwise copy, dequantized for a BF16 wgrad.

@@ -2,9 +2,9 @@
 
 When a SwiGLU feeds an MX linear or grouped GEMM, the GEMM's input operand is
 quantized straight from gate and up (``mxfx::swiglu_quantize``): no BF16 ``h``
-is written (seed §11.4.4, Table 25). The backward is computed in fp32 from the
+is written (the recipe, "Kernel Problems and Fusions", Table 25). The backward is computed in fp32 from the
 saved gate and up, which are stored in MXFP8 (rowwise, 33/32 bytes per value,
-as the seed's fused routed path does) or in their own dtype, per the policy's
+as the recipe's fused routed path does) or in their own dtype, per the policy's
 ``save`` precision.
 """
 

@@ -19,7 +19,7 @@ serves every routing outcome.
 Roles: an all-to-all whose splits are an earlier one's swapped (``out == in'``,
 ``in == out'``) is that one's **combine**; every other one is a **dispatch**.
 Forward precision comes from ``policy.transport[role + "_fwd"]``, backward from
-``role + "_bwd"`` (all MXFP8 by default, seed §11.4.1); the precision map shows
+``role + "_bwd"`` (all MXFP8 by default, the recipe, "Routed Experts"); the precision map shows
 the backward transport in its ``dgrad`` column.
 
 Replacement: ``mx_all_to_all(x, out_splits, in_splits, group, forward=, backward=)``.

@@ -10,7 +10,7 @@ Replacement: the grouped GEMM scales its output rows itself; in backward the
 gradient of that weighted sum, ``dOut * route_weight``, is formed inside the
 quantization that the down projection's dgrad consumes
 (``mxfx::route_weight_quantize``), so no route-expanded BF16 gradient is
-written (seed §11.4.1, Table 25). The route-weight gradient
+written (the recipe, "Routed Experts", Table 25). The route-weight gradient
 ``sum(dOut * Y, -1)`` is computed from the saved unweighted output, exactly as
 the multiply's own backward would.
 

@@ -12,7 +12,7 @@ Replacement: the all-to-all also returns the received pair
 scales), and the grouped op gets them as ``x_mx``. Valid because the rows the
 op would quantize are ``dequantize(qdata, scales)`` and re-quantizing those is
 exact (``tests/test_grouped.py``): the bytes the GEMM reads are unchanged, one
-dequantize-and-quantize round trip is gone (seed §11.1.3, dispatch consumed as
+dequantize-and-quantize round trip is gone (the recipe, "Smaller Dispatch and Combine Payloads", dispatch consumed as
 MX). The dequantized rows stay in the graph for autograd and for other
 consumers; when nothing reads them, the compiler drops their computation.
 

@@ -8,7 +8,7 @@ for the up/gate and down projections.
 Replacement: :func:`mxfx.ops.grouped_mm.mx_grouped_mm_op` on the *source*
 weight: casts and the transpose in front of the weight are walked back to the
 parameter ``W [E, N, K]``, so the MX weight operands are quantized from the
-FP32 main weight (seed §11.4.1) rather than from a BF16 copy. Valid because the
+FP32 main weight (the recipe, "Routed Experts") rather than from a BF16 copy. Valid because the
 op computes the same per-expert products with MX-rounded operands and fp32
 accumulation; the output dtype is the original call's.
 """

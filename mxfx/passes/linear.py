@@ -5,7 +5,7 @@ and ``F.linear`` both trace to it), 2D or 3D input, with or without bias.
 
 Replacement: ``mx_linear(x, W, b, scale_rule=..., wgrad=...)`` on the parameter
 itself (dtype casts in front of the weight are walked back, so the MX weight
-caches derive from the FP32 main weight, seed §11.3), an autograd
+caches derive from the FP32 main weight, the recipe, "Challenges in MXFP8 Training"), an autograd
 function whose forward, dgrad and wgrad are MX GEMMs with each operand blocked
 along its reduction dim. Valid because it computes the same product: only the
 operands' rounding changes (to MXFP8), accumulation stays fp32, bias and output

@@ -4,7 +4,7 @@ Selections: ``topk`` (Mixtral, OLMoE, DeepSeek), ``argmax`` / ``max(dim)`` (top-
 Switch-style), ``sort`` / ``argsort``.
 
 Routers decide which experts run; the policy keeps them in their own precision
-by default (seed §11.4.1: only expert, shared and attention GEMMs are MXFP8).
+by default (the recipe, "Routed Experts": only expert, shared and attention GEMMs are MXFP8).
 Found from graph structure (not names), so any MoE code is covered: HF
 transformers' and torchtitan's routers cast logits to fp32, may scale them,
 DeepSeek-V3 inserts group selection between the sigmoid and the topk, and

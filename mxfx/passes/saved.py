@@ -2,7 +2,7 @@
 
 An MX linear or grouped GEMM keeps its wgrad input for backward. Packing it as
 MXFP8 (33/32 bytes per value) saves memory only when no other backward
-consumer keeps the same BF16 tensor alive (seed §11.1.2, §11.4.2-11.4.3):
+consumer keeps the same BF16 tensor alive (the recipe, "Smaller Saved Activations", "Dense and Shared-Expert Linears", "MXFP8 Activation Saving Without MXFP8 Compute"):
 adding an MX copy next to a retained BF16 tensor costs 33/32 bytes more.
 
 Rule, per MX op input ``x`` (views, ``contiguous``, ``clone`` and row gathers,
@@ -12,7 +12,7 @@ nothing to keep when their tokens are kept anyway):
 
 * its base is the output of an op whose backward reads its own output
   (``scaled_dot_product_attention``, softmax, log_softmax, sigmoid, tanh, exp,
-  relu, sqrt, rsqrt, in any of their spellings): keep BF16 — this is the seed's
+  relu, sqrt, rsqrt, in any of their spellings): keep BF16 — this is the recipe's
   attention output projection;
 * another user of the base saves it for its backward (anything but additions,
   views, casts and concatenations): keep BF16;
@@ -26,7 +26,7 @@ nothing to keep when their tokens are kept anyway):
 * the MX copy would not be smaller: a linear with MXFP8 wgrad saves its input
   blocked along tokens, zero-padded to a multiple of 32 tokens, so at a few
   tokens the copy outgrows the tensor (judged at the traced token count): keep it;
-* otherwise pack MXFP8 — the QKV projection's input in the seed.
+* otherwise pack MXFP8 — the QKV projection's input in the recipe.
 
 Eligibility: floating dtype and a last dim that is a multiple of 32 (already
 required of an MX op's input); integer routing indices never reach an MX op.

@@ -8,9 +8,9 @@ user (else the BF16 ``h`` is needed anyway and fusing saves nothing).
 
 Replacement: the consumer takes gate and up and quantizes ``silu(gate) * up``
 formed in fp32 straight to MXFP8 (``mxfx::swiglu_quantize``): no BF16 ``h`` is
-written (seed §11.4.4, Table 25). The SwiGLU backward runs in fp32 from gate
+written (the recipe, "Kernel Problems and Fusions", Table 25). The SwiGLU backward runs in fp32 from gate
 and up, saved in the policy's ``save`` precision for op kind "swiglu"
-(MXFP8 by default, as the seed's fused routed path). Variants that are not
+(MXFP8 by default, as the recipe's fused routed path). Variants that are not
 plain silu (GPT-OSS's clamped ``g * sigmoid(1.702 g) * (u + 1)``) do not match
 and are left alone.
 """

@@ -13,7 +13,7 @@ Replacement: the same graph plus, right after the last parameter update,
 its in-place update reads the updated value (AOTAutograd functionalizes the
 graph: the op receives the new values that are then copied back into the
 parameters), so the op quantizes the weights the next forward will use, inside
-the same compiled region, once per step (seed §11.3.4: "after every optimizer
+the same compiled region, once per step (the recipe, "DDP Must Be MXFP8-Aware": "after every optimizer
 copy-back, rebuild all required MXFP8 caches"). ``plan`` names the parameter
 objects (weakly held by :mod:`mxfx.cache`); which of them have caches, and in
 which rule and orientations, is resolved at run time, so the step may be
