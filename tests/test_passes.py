@@ -1,0 +1,178 @@
+"""One section per graph pass of ``mxfx/passes/``: the pass matched (precision map or op count in the
+graphs the inner compiler receives), and the rewritten graph gives the result of the same compile with that
+pass turned off, within a stated bound.
+
+All sections run one training step of the main job's model (attention, shared expert, 4 routed experts top-2,
+bf16 autocast on CPU) through ``inner=GraphCapture`` (aot_autograd, no code generation) on the same weights
+and tokens. Bounds:
+
+* fusion passes (swiglu, combine, dispatch_mx, saved): the same MX GEMMs with an operand formed in fp32
+  instead of after a bf16 rounding, or saved as MX instead of bf16; a product rounded to bf16 first (2^-9
+  relative) can land on the other side of an E4M3 rounding boundary (2^-4 steps), so a few values move by one
+  E4M3 step: loss within 1e-3 relative, gradients within 5e-2 in relative norm;
+* rewriting passes (linear, grouped_mm) against BF16: both operands quantized to E4M3 (each value within 2^-4
+  relative), so loss within 2e-2 relative and gradients within 0.15 in relative norm, and not equal (the pass
+  changed something).
+
+all_to_all needs a process group: its section is ``tests/test_distributed.py``
+(``test_ep_all_to_all_mxfp8_matches_single_process``: matched count, and MXFP8 against BF16 transport).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+import mxfx
+from tests.helpers import GraphCapture, count_calls
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+from moe_model import MoEConfig, MoETransformer  # noqa: E402
+
+OPS = torch.ops.mxfx
+
+
+def _step(passes: dict | None = None, **policy):
+    """One step of the small model: ``(loss, grads by name, report records, captured graphs)``."""
+    torch.manual_seed(0)
+    model = MoETransformer(MoEConfig(d_model=64, n_layers=1, head_dim=32, n_experts=4, top_k=2, expert_hidden=64,
+                                     shared_hidden=64))
+    idx = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    cap = GraphCapture()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="mxfp8", options={"inner": cap, "passes": passes or {}, **policy})
+    with torch.autocast("cpu", torch.bfloat16):
+        _, loss = compiled(idx, idx)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads, mxfx.last_report().records, cap
+
+
+@pytest.fixture(scope="module")
+def all_on():
+    return _step()
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def _close(on, off, loss_bound, grad_bound):
+    (loss_on, g_on, _, _), (loss_off, g_off, _, _) = on, off
+    assert abs(loss_on - loss_off) / abs(loss_off) < loss_bound, (loss_on, loss_off)
+    assert g_on.keys() == g_off.keys()
+    worst = max(_rel(g_on[n], g_off[n]) for n in g_on)
+    assert worst < grad_bound, worst
+    return worst
+
+
+def _kinds(records, kind):
+    return [r for r in records if r.kind == kind and r.rewritten]
+
+
+# --- linear ------------------------------------------------------------------------------------------------
+
+def test_linear_pass(all_on):
+    records, cap = all_on[2], all_on[3]
+    assert {r.module for r in _kinds(records, "linear")} == {
+        "layers.0.attn.qkv", "layers.0.attn.o_proj", "layers.0.moe.shared_gate", "layers.0.moe.shared_up",
+        "layers.0.moe.shared_down"}
+    assert count_calls(cap.forward, OPS.mm.default) == 5
+    off = _step({"linear": False})
+    assert not _kinds(off[2], "linear") and count_calls(off[3].forward, OPS.mm.default) == 0
+    worst = _close(all_on, off, 2e-2, 0.15)
+    assert worst > 0  # MX GEMMs moved the gradients
+
+
+# --- grouped_mm --------------------------------------------------------------------------------------------
+
+def test_grouped_mm_pass(all_on):
+    assert len(_kinds(all_on[2], "grouped_mm")) == 2  # gate_up and down of the routed experts
+    assert count_calls(all_on[3].forward, OPS.grouped_mm.default) == 2
+    off = _step({"grouped_mm": False})
+    assert not _kinds(off[2], "grouped_mm") and count_calls(off[3].forward, OPS.grouped_mm.default) == 0
+    assert _close(all_on, off, 2e-2, 0.15) > 0
+
+
+# --- swiglu ------------------------------------------------------------------------------------------------
+
+def test_swiglu_pass(all_on):
+    assert len(_kinds(all_on[2], "swiglu")) == 2  # routed and shared SwiGLU, fused into their GEMM's quantize
+    assert count_calls(all_on[3].forward, OPS.swiglu_quantize_dequantize_save.default) == 2
+    off = _step({"swiglu": False})
+    assert not _kinds(off[2], "swiglu") and count_calls(off[3].forward, OPS.swiglu_quantize_dequantize_save.default) == 0
+    _close(all_on, off, 1e-3, 5e-2)
+
+
+# --- combine -----------------------------------------------------------------------------------------------
+
+def test_combine_pass(all_on):
+    assert len(_kinds(all_on[2], "combine")) == 1
+    assert count_calls(all_on[3].backward, OPS.route_weight_quantize_dequantize.default) == 1
+    off = _step({"combine": False})
+    assert not _kinds(off[2], "combine")
+    assert count_calls(off[3].backward, OPS.route_weight_quantize_dequantize.default) == 0
+    _close(all_on, off, 1e-3, 5e-2)
+
+
+# --- dispatch_mx -------------------------------------------------------------------------------------------
+
+def _hoisted(records) -> list[str]:
+    return [r.reason for r in records if r.kind == "grouped_mm" and "before the dispatch's row gather" in r.reason]
+
+
+def test_dispatch_mx_pass(all_on):
+    """The routed gate_up GEMM's operand is made from the 64 tokens, not from their 128 gathered copies."""
+    assert len(_hoisted(all_on[2])) == 1 and "(64 rows, not 128)" in _hoisted(all_on[2])[0]
+    made = [n.args[0].meta["val"].shape[0] for g in all_on[3].forward for n in g.graph.nodes
+            if n.target is OPS.quantize_dequantize.default]
+    assert 64 in made and 128 not in made, made
+    off = _step({"dispatch_mx": False})
+    assert not _hoisted(off[2])
+    assert 128 in [n.args[0].meta["val"].shape[0] for g in off[3].forward for n in g.graph.nodes
+                   if n.target is OPS.quantize_dequantize.default]
+    _close(all_on, off, 1e-3, 5e-2)
+
+
+# --- saved -------------------------------------------------------------------------------------------------
+
+def test_saved_pass(all_on):
+    saved = {r.module: r.saved for r in _kinds(all_on[2], "linear")}
+    assert saved["layers.0.attn.qkv"] == "mxfp8" and saved["layers.0.attn.o_proj"] == "bf16"  # attention keeps it
+    off = _step({"saved": False})
+    assert {r.module: r.saved for r in _kinds(off[2], "linear")}["layers.0.attn.o_proj"] == "mxfp8"
+    _close(all_on, off, 1e-3, 5e-2)
+
+
+# --- weight_refresh ----------------------------------------------------------------------------------------
+
+def test_weight_refresh_pass():
+    """A compiled optimizer step gets the cache refresh in its graph; the next forward then reads caches of the
+    updated weights, exactly as when the refresh runs from the step hook (pass off): bit-equal losses."""
+    def run(on: bool):
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(64, 64, bias=False)
+        opt = torch.optim.SGD(lin.parameters(), lr=0.5)
+        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(2))
+        torch._dynamo.reset()
+        fwd = torch.compile(lin, backend="mxfp8", options={"inner": "aot_eager"})
+        step = torch.compile(opt.step, backend="mxfp8", options={"inner": "aot_eager", "passes": {"weight_refresh": on}})
+        losses = []
+        for _ in range(2):
+            loss = fwd(x).square().mean()
+            loss.backward()
+            step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        records = [r for rep in mxfx.all_reports() for r in rep.records if r.kind == "weight_refresh" and r.rewritten]
+        return torch.stack(losses), records
+
+    before = len(mxfx.all_reports())
+    on, on_records = run(True)
+    assert on_records, "the weight_refresh pass did not match the compiled optimizer step"
+    off, _ = run(False)
+    assert len(mxfx.all_reports()) > before
+    assert torch.equal(on, off) and on[0] != on[1]  # the second step saw the updated weight either way
