@@ -130,7 +130,7 @@ def plot(curves, pre, path):
     ax2.set_ylabel("grad norm (pre-clip)")
     ax2.set_xlabel("step (continuation from the floor-trained checkpoint)")
     ax1.legend()
-    ax1.set_title("One floor-trained checkpoint, three continuations (the recipe, "Scale Selection Is a Training Recipe" (Fig. 56) analogue)")
+    ax1.set_title("One floor-trained checkpoint, three continuations (an analogue of the recipe's Fig. 56, 'Scale Selection Is a Training Recipe')")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
