@@ -27,7 +27,7 @@ STREAM_TILES = [(2048, 4), (4096, 4), (4096, 8), (8192, 8)]  # (values per progr
 TRANSPOSED_TILES = [(32, 64, 1, 96), (64, 64, 2, None), (128, 64, 4, None)]  # (BM, BK, warps, register cap)
 COLUMNWISE_TILES = [(32, 128, 1, None), (32, 64, 1, None), (64, 64, 2, None)]
 SOURCE_TILES = [(32, 64, 1, None), (32, 128, 2, None)]
-CONVERSION_FORMS = tl.constexpr(CONVERT_ALL)
+CONVERT = tl.constexpr(CONVERT_ALL)  # the conversion forms of the module's transposed pass
 
 
 @triton.jit
