@@ -109,7 +109,7 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
             "opaque custom op: mxfx cannot see which GEMMs it runs; register its pattern or keep the weight out of it"
             if opaque else "GEMM over a parameter that no mxfx pattern matches; it runs in the model's precision"
         )
-        pm.add(OpRecord(node.name, KIND, module_fqn(node), f"{p.name}{shape_str(example_value(p))}", "-", "-", "-", "-", "-",
+        pm.add(OpRecord(node.name, KIND, module_fqn(node), f"w{shape_str(example_value(p))}", "-", "-", "-", "-", "-",
                         f"not rewritten: {name}: {why}"))
         found.append(name)
     if found and not _warned:
