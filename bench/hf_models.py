@@ -91,8 +91,9 @@ def build_model(name: str, layers: int, smoke: bool, device: str) -> torch.nn.Mo
 
     cfg = model_config(name, layers, smoke)
     cls = {"olmoe": T.OlmoeForCausalLM, "qwen3": T.Qwen3MoeForCausalLM}[name]
-    torch.manual_seed(0)  # every arm starts from the same weights
-    return cls(cfg).to(device)
+    torch.manual_seed(0)  # every arm starts from the same weights (initialized on the device: seconds, not a minute)
+    with torch.device(device):
+        return cls(cfg)
 
 
 # ----------------------------------------------------------------------------- arms
