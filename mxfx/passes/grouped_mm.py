@@ -57,9 +57,10 @@ class GroupedOp:
 
 GROUPED_OPS: dict[object, GroupedOp] = {
     torch._grouped_mm: GroupedOp("torch._grouped_mm", ("mat_a", "mat_b", "offs", "bias", "out_dtype")),
-    F.grouped_mm: GroupedOp("torch.nn.functional.grouped_mm", ("mat_a", "mat_b")),
     "transformers::grouped_mm_fallback": GroupedOp("transformers::grouped_mm_fallback", ("mat_a", "mat_b", "offs")),
 }
+if hasattr(F, "grouped_mm"):  # torch >= 2.10
+    GROUPED_OPS[F.grouped_mm] = GroupedOp("torch.nn.functional.grouped_mm", ("mat_a", "mat_b"))
 """Known grouped GEMMs, by function or by custom-op qualified name (``namespace::op``)."""
 
 _ALIASES = {"input": "mat_a", "weight": "mat_b"}  # custom-op schema names -> the table's names

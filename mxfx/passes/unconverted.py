@@ -36,8 +36,10 @@ GEMM_FUNCTIONS = {
     torch.mm: "torch.mm", torch.bmm: "torch.bmm", torch.matmul: "torch.matmul", operator.matmul: "@",
     torch.einsum: "torch.einsum", torch.addmm: "torch.addmm", torch.baddbmm: "torch.baddbmm",
     torch.addbmm: "torch.addbmm", torch._C._nn.linear: "F.linear", F.linear: "F.linear",
-    torch._grouped_mm: "torch._grouped_mm", F.grouped_mm: "torch.nn.functional.grouped_mm",
+    torch._grouped_mm: "torch._grouped_mm",
 }
+if hasattr(F, "grouped_mm"):  # torch >= 2.10
+    GEMM_FUNCTIONS[F.grouped_mm] = "torch.nn.functional.grouped_mm"
 GEMM_METHODS = ("mm", "bmm", "matmul", "__matmul__", "addmm", "baddbmm")
 _PASS_THROUGH_METHODS = (*CASTS, "transpose", "t", "permute", "view", "reshape", "expand", "unsqueeze", "squeeze",
                          "flatten", "__getitem__", "chunk", "split", "narrow", "select")
