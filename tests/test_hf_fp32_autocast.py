@@ -154,34 +154,47 @@ def test_unknown_custom_op_over_a_weight_is_reported_and_warned(monkeypatch):
     assert len(mine) == 1 and "1 op(s)" in str(mine[0].message) and "mxfxtest::opaque_experts" in str(mine[0].message)
 
 
-class FallbackExperts(torch.nn.Module):
-    """One projection as transformers writes it for FP32 weights under compile: the opaque fallback op."""
+def _fallback(x, w, offs):
+    return torch.ops.transformers.grouped_mm_fallback(x, w, offs=offs)
 
-    def __init__(self):
+
+GROUPED_CALLS = {"transformers::grouped_mm_fallback": _fallback, "torch._grouped_mm": torch._grouped_mm}
+if hasattr(F, "grouped_mm"):
+    GROUPED_CALLS["torch.nn.functional.grouped_mm"] = F.grouped_mm
+
+
+class GroupedExperts(torch.nn.Module):
+    """One projection as transformers writes it (the input cast to the weights' dtype), with a chosen grouped op:
+    the fallback with FP32 weights, torch's grouped GEMMs with BF16 ones (they take BF16 only under compile)."""
+
+    def __init__(self, call, dtype):
         super().__init__()
-        self.w = torch.nn.Parameter(torch.randn(4, 96, 64))
+        self.call = call
+        self.w = torch.nn.Parameter(torch.randn(4, 96, 64, dtype=dtype))
 
     def forward(self, x, offs):
-        return torch.ops.transformers.grouped_mm_fallback(x.to(self.w.dtype), self.w.transpose(-2, -1), offs=offs)
+        return self.call(x.to(self.w.dtype), self.w.transpose(-2, -1), offs=offs)
 
 
-def test_fallback_rewrite_is_the_same_gemm_on_mx_operands():
+@pytest.mark.parametrize("op", list(GROUPED_CALLS))
+def test_grouped_rewrite_is_the_same_gemm_on_mx_operands(op):
     import transformers.integrations.moe  # noqa: F401  (registers transformers::grouped_mm_fallback)
 
     torch._dynamo.reset()
-    mod = FallbackExperts()
+    mod = GroupedExperts(GROUPED_CALLS[op], torch.float32 if "::" in op else torch.bfloat16)
     x = torch.randn(40, 64, dtype=torch.bfloat16)
     offs = torch.tensor([7, 7, 30, 40], dtype=torch.int32)  # an empty group, uneven sizes
     with torch.autocast("cpu", torch.bfloat16):
         y = torch.compile(mod, backend="mxfp8", options={"inner": "aot_eager"})(x, offs)
     rec = [r for r in mxfx.last_report().records if r.kind == "grouped_mm"]
     assert len(rec) == 1 and rec[0].forward == "mxfp8" and rec[0].shapes.endswith("-> bfloat16")
-    assert "transformers::grouped_mm_fallback" in rec[0].reason
+    assert mxfx.last_report().count(unconverted.KIND) == 0
     assert y.dtype == torch.bfloat16  # the autocast dtype, not the replaced op's float32
-    # the replaced op itself on the MX-rounded operands (x along K, each expert's W along K)
+    # the replaced op's per-expert products on the MX-rounded operands (x along K, each expert's W along K)
     q_dq = lambda t: mxfx.dequantize(*mxfx.quantize(t, axis=-1), axis=-1, dtype=torch.float32)  # noqa: E731
-    ref = torch.ops.transformers.grouped_mm_fallback(q_dq(x.float()), q_dq(mod.w.detach()).transpose(-2, -1), offs=offs)
+    xq, wq = q_dq(x.float()), q_dq(mod.w.detach().float())
+    ref = torch.cat([xq[s:e] @ wq[g].T for g, (s, e) in enumerate(zip([0, *offs.tolist()[:-1]], offs.tolist()))])
     # same products, fp32 accumulation in another order, then one bf16 rounding (relative 2^-8)
     torch.testing.assert_close(y.float(), ref.bfloat16().float(), rtol=2**-7, atol=1e-3)
-    plain = x.float() @ mod.w.detach()[0].T  # ... and MX rounding is visible against the unrounded GEMM
+    plain = x.float() @ mod.w.detach()[0].float().T  # ... and MX rounding is visible against the unrounded GEMM
     assert (plain[:7] - ref[:7]).abs().max() > 1e-2
