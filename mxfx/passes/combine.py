@@ -4,7 +4,9 @@ Pattern: the only user of an MX grouped GEMM (the routed down projection) is a
 multiply by a per-row tensor of shape ``[S, 1]`` — the route
 weights of the combine's weighted sum, as HF transformers and torchtitan write it —
 possibly behind ``masked_fill(rows, 0)`` ops (newer HF versions zero
-expert-parallel sentinel rows there; zeroing rows commutes with scaling rows).
+expert-parallel sentinel rows there; zeroing rows commutes with scaling rows)
+or behind the gather that undoes a sort by expert (then the route weights are
+sorted by the same permutation: ``y[inv] * w == (y * w[perm])[inv]``).
 
 Replacement: the grouped GEMM scales its output rows itself; in backward the
 gradient of that weighted sum, ``dOut * route_weight``, is formed inside the
@@ -37,6 +39,9 @@ from mxfx.policy import Policy
 from mxfx.report import OpRecord, PrecisionMap
 
 _MUL_FN = (operator.mul, torch.mul)
+UNSORT_META = "mxfx_unsort_of"
+"""Meta key on a row gather ``y[inv]`` that undoes a sort by expert: the sorting permutation's node
+(set by :mod:`mxfx.passes.batched_mm`), so the route weights can be sorted the same way."""
 
 
 def _route_weight(mul: fx.Node, out: fx.Node) -> fx.Node | None:
@@ -125,9 +130,16 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         last, mul = node, next(iter(node.users))
         while _is_zero_row_fill(mul) and len(mul.users) == 1:  # zeroing rows commutes with scaling rows
             last, mul = mul, next(iter(mul.users))
+        perm = mul.meta.get(UNSORT_META) if is_call(mul, (operator.getitem,)) and mul.args[0] is last else None
+        if perm is not None and len(mul.users) == 1:  # y[inv] * w == (y * w[perm])[inv]
+            last, mul = mul, next(iter(mul.users))
         rw = _route_weight(mul, last)
         if rw is None:
             continue
+        if perm is not None:
+            with gm.graph.inserting_before(mul):
+                rw = gm.graph.call_function(operator.getitem, (rw, perm))
+            rw.meta["example_value"] = example_value(rw.args[0])[example_value(perm)]
         out_dtype = example_value(mul).dtype
         node.kwargs = {**node.kwargs, "route_weight": rw, "out_dtype": out_dtype}
         mul.prepend(node)  # where the multiply stood: after the route weights and every input
@@ -135,6 +147,9 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
             _move_chain_after(node, last, mul)
         mul.replace_all_uses_with(last)
         gm.graph.erase_node(mul)
+        rec = pm.find(node.name, ("grouped_mm",))
+        if rec is not None and " -> " in rec.shapes:  # the GEMM now returns the product's dtype
+            rec.shapes = rec.shapes.rsplit(" -> ", 1)[0] + " -> " + str(out_dtype).removeprefix("torch.")
         module = module_fqn(node)
         pm.add(OpRecord(node.name, "combine", module, f"w{shape_str(example_value(rw))}", "bf16", "mxfp8", "-", "bf16", node.kwargs["scale_rule"], "route-weight multiply fused into the dgrad quantize"))
         fused += 1

@@ -1,85 +1,209 @@
-"""Grouped expert GEMM pass: ``torch._grouped_mm(x, W.transpose(-2, -1), offs)`` -> MX grouped GEMM.
+"""Grouped expert GEMM pass: any known grouped GEMM of ``x [S, K]`` by expert weights -> MX grouped GEMM.
 
-Pattern: a ``torch._grouped_mm`` call with a 2D input ``x [S, K]``, a 3D weight
-operand ``[E, K, N]`` and ``offs``, no bias — what HF transformers'
-``experts_implementation="grouped_mm"`` and torchtitan's ``GroupedExperts`` emit
-for the up/gate and down projections.
+Pattern: a call from :data:`GROUPED_OPS`, a table of the grouped-GEMM ops that
+expert code emits with their argument conventions:
+
+* ``torch._grouped_mm(x, W_t, offs)`` and ``torch.nn.functional.grouped_mm``
+  (HF transformers' ``experts_implementation="grouped_mm"`` with BF16 weights,
+  torchtitan's ``GroupedExperts``);
+* ``transformers::grouped_mm_fallback(x, W_t, offs)``, the opaque custom op
+  HF transformers calls under ``torch.compile`` when the expert weights are not
+  BF16 (FP32 main weights + autocast, the usual training recipe); its registered
+  backward goes away with it.
+
+Each is matched by what it computes, not by name alone: ``x`` a 2-D floating
+input sorted by expert, ``offs`` 1-D integer with one entry per expert, a 3-D
+floating weight operand ``[E, K, N]`` that walks back (through casts and a
+last-two-dim transpose) to a graph input (the parameter), output ``[S, N]``, no
+bias. A table op failing the check is reported with the failed condition.
 
 Replacement: :func:`mxfx.ops.grouped_mm.mx_grouped_mm_op` on the *source*
-weight: casts and the transpose in front of the weight are walked back to the
-parameter ``W [E, N, K]``, so the MX weight operands are quantized from the
-FP32 main weight (the recipe, "Routed Experts") rather than from a BF16 copy. Valid because the
-op computes the same per-expert products with MX-rounded operands and fp32
-accumulation; the output dtype is the original call's.
+weight ``W [E, N, K]`` (the FP32 main weight; the recipe, "Routed Experts") and the *source*
+input: a ``.to(weight.dtype)`` cast in front of ``x`` (HF casts the activation
+to the weight's dtype since grouped GEMMs are not autocast ops) is walked back,
+so MX quantizes from the activation itself. Valid because the op computes the
+same per-expert products with MX-rounded operands and fp32 accumulation.
+
+Output dtype: under autocast, the autocast dtype (BF16), which is what
+``F.linear`` returns there and what a BF16-weight model's grouped GEMM returns;
+it halves the bytes of the largest routed activation against the FP32 result
+of the replaced op. Outside autocast, the replaced op's own dtype. A later
+combine fusion sets the down projection's dtype to that of the route-weight
+product it absorbs (FP32 in HF's combine), so the top-k sum keeps its
+precision. The precision map's ``shapes`` column shows the chosen ``-> dtype``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
-from mxfx.passes.fx import erase_unused_chain, example_value, gemm_size, is_call, module_fqn, shape_str, size_hint, weight_source
+from mxfx.passes.fx import CASTS, erase_unused_chain, example_value, gemm_size, module_fqn, shape_str, size_hint, weight_source
 from mxfx.policy import Policy
 from mxfx.report import OpRecord, PrecisionMap
 
-def _skip_reason(x, b, offs, bias) -> str:
+
+@dataclass(frozen=True)
+class GroupedOp:
+    """Argument convention of one grouped-GEMM op: positional names, in order; the weight operand is ``[E, K, N]``."""
+
+    name: str
+    args: tuple[str, ...]
+
+
+GROUPED_OPS: dict[object, GroupedOp] = {
+    torch._grouped_mm: GroupedOp("torch._grouped_mm", ("mat_a", "mat_b", "offs", "bias", "out_dtype")),
+    "transformers::grouped_mm_fallback": GroupedOp("transformers::grouped_mm_fallback", ("mat_a", "mat_b", "offs")),
+}
+if hasattr(F, "grouped_mm"):  # torch >= 2.10
+    GROUPED_OPS[F.grouped_mm] = GroupedOp("torch.nn.functional.grouped_mm", ("mat_a", "mat_b"))
+"""Known grouped GEMMs, by function or by custom-op qualified name (``namespace::op``)."""
+
+_ALIASES = {"input": "mat_a", "weight": "mat_b"}  # custom-op schema names -> the table's names
+
+
+def op_key(target) -> object:
+    """The :data:`GROUPED_OPS` key of a call target: a custom op's ``namespace::name``, else the function."""
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return getattr(target, "_qualified_op_name", None) or target._schema.name
+    return target
+
+
+def grouped_op(node: fx.Node) -> GroupedOp | None:
+    """The table entry of ``node`` if it calls a known grouped GEMM, else None."""
+    if node.op != "call_function":
+        return None
+    try:
+        return GROUPED_OPS.get(op_key(node.target))
+    except TypeError:  # unhashable target
+        return None
+
+
+def _arguments(node: fx.Node, op: GroupedOp) -> dict:
+    args = dict(zip(op.args, node.args))
+    args.update({_ALIASES.get(k, k): v for k, v in node.kwargs.items()})
+    return args
+
+
+def _is_parameter(source) -> bool:
+    return isinstance(source, fx.Node) and source.op in ("placeholder", "get_attr")
+
+
+def _skip_reason(x, b, offs, out, args, source) -> str:
     if x is None or b is None or offs is None:
-        return "no example value for the operands"
-    if bias is not None:
+        return "no example value for the operands (needs x, a weight and offs)"
+    if args.get("bias") is not None:
         return "grouped GEMM with bias"
     if x.dim() != 2 or b.dim() != 3:
-        return f"operands of {x.dim()}D x {b.dim()}D (expected 2D x 3D)"
+        return f"operands of {x.dim()}D x {b.dim()}D (expected a 2D input and 3D expert weights)"
+    if not (x.is_floating_point() and b.is_floating_point()):
+        return f"operand dtypes {x.dtype}/{b.dtype} (MXFP8 takes floating operands)"
+    if offs.dim() != 1 or offs.is_floating_point() or offs.is_complex() or size_hint(offs.shape[0]) != size_hint(b.shape[0]):
+        return f"offs {offs.dtype}{shape_str(offs)} is not 1-D integer with one entry per expert ({size_hint(b.shape[0])})"
+    if size_hint(x.shape[1]) != size_hint(b.shape[1]):
+        return f"input features {size_hint(x.shape[1])} do not match the weight's K {size_hint(b.shape[1])}"
+    if out is not None and (out.dim() != 2 or size_hint(out.shape[1]) != size_hint(b.shape[2])):
+        return f"output {shape_str(out)} is not [S, N]"
+    if not _is_parameter(source):
+        return "weight is computed in the graph, not a parameter"
     k, n = size_hint(b.shape[1]), size_hint(b.shape[2])
     if k % 32 or n % 32:
         return f"features {k}->{n} are not multiples of 32"
     return ""
 
 
+def input_source(x_node: fx.Node) -> fx.Node:
+    """``x_node`` with single-use floating casts in front of it walked back (the activation the model cast)."""
+    while (
+        isinstance(x_node, fx.Node) and x_node.op == "call_method" and x_node.target in CASTS
+        and len(x_node.users) == 1 and isinstance(x_node.args[0], fx.Node)
+    ):
+        src = example_value(x_node.args[0])
+        if src is None or not src.is_floating_point():
+            break
+        x_node = x_node.args[0]
+    return x_node
+
+
+def output_dtype(x: torch.Tensor, replaced: torch.dtype) -> torch.dtype:
+    """The autocast dtype of ``x``'s device when autocast is on at compile time, else ``replaced``."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else replaced
+
+
+def insert_grouped(gm: fx.GraphModule, before: fx.Node, x_node, w_node, offs_node, d, policy: Policy, out_dtype):
+    """Insert ``mx_grouped_mm_op(x, W, offs)`` before ``before``; ``w_node`` is the ``[E, N, K]`` weight;
+    int64 offs are cast to the int32 the op takes."""
+    with gm.graph.inserting_before(before):
+        offs = example_value(offs_node)
+        if offs.dtype != torch.int32:
+            cast = gm.graph.call_method("to", (offs_node, torch.int32))
+            cast.meta["example_value"] = offs.to(torch.int32)
+            offs_node = cast
+        return gm.graph.call_function(
+            mx_grouped_mm_op,
+            (x_node, w_node, offs_node),
+            {
+                "scale_rule": d.scale_rule,
+                "wgrad": d.wgrad,
+                "save": d.save,
+                "out_dtype": out_dtype,
+                **({"keep_dequantized_weights": True} if policy.keep_dequantized_weights else {}),
+            },
+        )
+
+
+def decide(policy: Policy, module: str, x, e, n, k):
+    """The policy's decision for a grouped GEMM of ``x [S, K]`` over ``e`` experts of ``[N, K]``:
+    ``min_size="auto"`` judges one expert's GEMM, M = rows per expert."""
+    macs, gemm = gemm_size(x.shape[:1], n, k)
+    if gemm is not None:
+        gemm = (max(1, gemm[0] // max(size_hint(e), 1)), gemm[1], gemm[2])
+    return policy.decide("grouped_mm", module, macs, gemm)
+
+
 def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
     """Rewrite eligible grouped GEMMs in ``gm`` in place; returns how many were rewritten."""
     rewritten = 0
     for node in list(gm.graph.nodes):
-        if not is_call(node, (torch._grouped_mm,)):
+        op = grouped_op(node)
+        if op is None:
             continue
-        args = dict(zip(("mat_a", "mat_b", "offs", "bias", "out_dtype"), node.args))
-        args.update(node.kwargs)
+        args = _arguments(node, op)
         x_node, b_node, offs_node = args.get("mat_a"), args.get("mat_b"), args.get("offs")
-        x, b, offs = example_value(x_node), example_value(b_node), example_value(offs_node)
+        x, b, offs, out = example_value(x_node), example_value(b_node), example_value(offs_node), example_value(node)
+        source, transposed = weight_source(b_node)
         module = module_fqn(node)
         shapes = f"x{shape_str(x)} w{shape_str(b)}"
-        reason = _skip_reason(x, b, offs, args.get("bias"))
-        macs = gemm = None
+        reason = _skip_reason(x, b, offs, out, args, source)
+        d = None
         if not reason:
-            macs, gemm = gemm_size(x.shape[:1], b.shape[2], b.shape[1])
-            if gemm is not None:  # "auto" judges one expert's GEMM: M = rows per expert
-                gemm = (max(1, gemm[0] // max(size_hint(b.shape[0]), 1)), gemm[1], gemm[2])
-        d = policy.decide("grouped_mm", module, macs, gemm)
-        reason = d.reason or reason
+            d = decide(policy, module, x, b.shape[0], b.shape[2], b.shape[1])
+            reason = d.reason
         if reason:
-            pm.add(OpRecord(node.name, "grouped_mm", module, shapes, "bf16", "bf16", "bf16", "bf16", "-", reason))
+            pm.add(OpRecord(node.name, "grouped_mm", module, shapes, "bf16", "bf16", "bf16", "bf16", "-", f"{op.name}: {reason}"))
             continue
-        source, transposed = weight_source(b_node)
+        replaced = args.get("out_dtype") or (out.dtype if out is not None else x.dtype)
+        out_dtype = output_dtype(x, replaced)
+        x_src = input_source(x_node)
         with gm.graph.inserting_before(node):
             weight = source if transposed else gm.graph.call_method("transpose", (source, -2, -1))
             if not transposed:
                 weight.meta["example_value"] = example_value(source).transpose(-2, -1)
-            new = gm.graph.call_function(
-                mx_grouped_mm_op,
-                (x_node, weight, offs_node),
-                {
-                    "scale_rule": d.scale_rule,
-                    "wgrad": d.wgrad,
-                    "save": d.save,
-                    "out_dtype": args.get("out_dtype") or x.dtype,
-                    **({"keep_dequantized_weights": True} if policy.keep_dequantized_weights else {}),
-                },
-            )
+        new = insert_grouped(gm, node, x_src, weight, offs_node, d, policy, out_dtype)
         new.meta.update(node.meta)
+        if out is not None:
+            new.meta["example_value"] = out.to(out_dtype)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
         erase_unused_chain(gm, b_node)
-        pm.add(OpRecord(new.name, "grouped_mm", module, shapes, "mxfp8", "mxfp8", d.wgrad, d.save, d.scale_rule))
+        erase_unused_chain(gm, x_node)
+        shapes += f" -> {str(out_dtype).removeprefix('torch.')}"
+        note = f"was {op.name}" + (f" ({str(replaced).removeprefix('torch.')} out)" if replaced != out_dtype else "")
+        pm.add(OpRecord(new.name, "grouped_mm", module, shapes, "mxfp8", "mxfp8", d.wgrad, d.save, d.scale_rule, note))
         rewritten += 1
     return rewritten
-

@@ -2,7 +2,8 @@
 
 Pattern: the input of an MX linear or MX grouped GEMM (inserted by the earlier
 passes) is ``silu(gate) * up`` in either operand order, possibly followed by
-dtype casts, with gate/up coming from two matmuls or from ``chunk``/``split``
+dtype casts, or its rows gathered by a 1-D index (the sort of
+:mod:`mxfx.passes.batched_mm`: gate and up are gathered instead), with gate/up coming from two matmuls or from ``chunk``/``split``
 of one fused gate_up projection. The product and the silu must have no other
 user (else the BF16 ``h`` is needed anyway and fusing saves nothing).
 
@@ -40,12 +41,31 @@ def _silu_input(node) -> fx.Node | None:
     return None
 
 
-def match(x: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node]] | None:
-    """``(gate, up, dead_nodes)`` when ``x`` is ``silu(gate) * up`` (through casts), else None."""
-    dead = []
+def _casts_behind(x: fx.Node, dead: list) -> fx.Node:
     while x.op == "call_method" and x.target in CASTS and len(x.users) == 1:
         dead.append(x)
         x = x.args[0]
+    return x
+
+
+def _row_gather(x: fx.Node) -> fx.Node | None:
+    """``rows`` when ``x`` is ``t[rows]`` with ``rows`` a 1-D integer tensor (a row permutation or gather)."""
+    if not (is_call(x, (operator.getitem,)) and len(x.args) == 2 and len(x.users) == 1):
+        return None
+    rows = example_value(x.args[1])
+    ok = rows is not None and rows.dim() == 1 and not rows.is_floating_point() and rows.dtype != torch.bool
+    return x.args[1] if ok else None
+
+
+def match(x: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node], fx.Node | None] | None:
+    """``(gate, up, dead_nodes, rows)`` when ``x`` is ``silu(gate) * up`` (through casts), or that product's rows
+    ``[rows]`` (a row gather commutes with the elementwise SwiGLU: ``rows`` is then not None), else None."""
+    dead = []
+    x = _casts_behind(x, dead)
+    rows = _row_gather(x)
+    if rows is not None:
+        dead.append(x)
+        x = _casts_behind(x.args[0], dead)
     if not (is_call(x, _MUL_FN, ("mul",)) and len(x.users) == 1 and len(x.args) == 2):
         return None
     a, b = x.args
@@ -54,7 +74,7 @@ def match(x: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node]] | None:
         if gate is not None and isinstance(up, fx.Node):
             gv, uv = example_value(gate), example_value(up)
             if gv is not None and uv is not None and gv.shape == uv.shape and gv.dtype == uv.dtype:
-                return gate, up, [*dead, x, silu]
+                return gate, up, [*dead, x, silu], rows
     return None
 
 
@@ -67,15 +87,20 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         found = match(node.args[0])
         if found is None:
             continue
-        gate, up, dead = found
+        gate, up, dead, rows = found
         module = module_fqn(dead[-1]) or module_fqn(node)
         d = policy.decide("swiglu", module)
         shapes = f"gate{shape_str(example_value(gate))}"
         if d.precision != "mxfp8":
             pm.add(OpRecord(dead[-1].name, "swiglu", module, shapes, "bf16", "bf16", "-", "bf16", "-", d.reason))
             continue
-        kwargs = {**node.kwargs, "up": up, "save": d.save}
         h, g = example_value(node.args[0]), example_value(gate)
+        if rows is not None:  # (silu(g) * u)[rows] == silu(g[rows]) * u[rows]
+            with gm.graph.inserting_before(node):
+                gate, up = (gm.graph.call_function(operator.getitem, (t, rows)) for t in (gate, up))
+            for t in (gate, up):
+                t.meta["example_value"] = example_value(t.args[0])[example_value(rows)]
+        kwargs = {**node.kwargs, "up": up, "save": d.save}
         if node.target is mx_linear and h is not None and g is not None and h.dtype != g.dtype:
             kwargs["input_dtype"] = h.dtype  # the model cast the product: the output dtype follows the cast
         node.args = (gate, *node.args[1:])

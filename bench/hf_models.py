@@ -1,0 +1,286 @@
+"""Real-client training benchmark: HF transformers MoE models as users train them, BF16 vs mxfp8 vs torchao FP8.
+
+Models (random init, ``--layers`` decoder layers at the per-layer shapes of the released checkpoints,
+byte vocabulary 256 since the text is bytes):
+
+* ``olmoe``: ``OlmoeForCausalLM`` at OLMoE-1B-7B's shapes: hidden 2048, 16 heads, 64 experts top-8,
+  expert hidden 1024;
+* ``qwen3``: ``Qwen3MoeForCausalLM`` at Qwen3-30B-A3B's: hidden 2048, 32 heads / 4 KV heads of
+  head_dim 128, 128 experts top-8, expert hidden 768.
+
+Arms (:data:`ARMS`; one line each, a future ``fp8_block`` arm is one more entry), all in one
+process, same initial weights and the same batches of real text (``examples/data.py``),
+fused AdamW with linear LR warmup then cosine decay:
+
+* ``bf16-users``: FP32 parameters + ``torch.autocast(bfloat16)``, ``torch.compile`` (Inductor): what
+  HF ``Trainer(bf16=True)`` and most training scripts run (transformers then computes the experts
+  with its FP32 ``grouped_mm_fallback`` op);
+* ``bf16-weights``: parameters cast to BF16, no autocast, Inductor: the fastest BF16 transformers
+  offers (``torch._grouped_mm`` experts), without FP32 main weights;
+* ``mxfp8``: FP32 parameters + autocast, ``torch.compile(backend="mxfp8")``;
+* ``torchao-fp8-rowwise``: torchao's FP8 rowwise grouped GEMMs on the routed experts
+  (``quantize_(experts, Float8TrainingOpConfig())``, ``torchao.prototype.moe_training``), BF16
+  parameters: torchao's weight wrapper only intercepts ``torch._grouped_mm``, which transformers
+  calls under compile only for BF16 weights (with FP32 weights it calls its opaque fallback op and
+  the experts stay FP32 GEMMs), so BF16 parameters are the faster, and the only converting, choice.
+  Needs CUDA sm89+; elsewhere the arm reports why it could not run and the script goes on.
+
+Reported per arm: tokens/s (steady state, steps after the first ``--skip`` ones), peak memory,
+first-step time (compilation included), held-out loss at the end (mean over ``--eval-batches``
+held-out batches, forward only through the same compiled model), and for mxfp8 the precision map's
+count of expert GEMMs in MX and of ops reported ``not rewritten``. A markdown table is printed last;
+JSON goes to ``bench/results/hf_models.json`` (``--out`` to change the folder).
+
+    python bench/hf_models.py                      # H200: both models, all arms, 200 steps
+    python bench/hf_models.py --model olmoe --arms bf16-users,mxfp8 --steps 50
+    python bench/hf_models.py --smoke              # CPU, tiny dims, a few steps, aot_eager (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, ROOT)
+import data  # noqa: E402  (examples/data.py)
+import mxfx  # noqa: E402
+
+GIB = 2**30
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def model_config(name: str, layers: int, smoke: bool):
+    """The transformers config of ``name`` ("olmoe" | "qwen3") with ``layers`` layers (tiny dims with ``smoke``)."""
+    import transformers as T
+
+    common = dict(vocab_size=data.VOCAB_SIZE, num_hidden_layers=layers, max_position_embeddings=4096, tie_word_embeddings=False)
+    if name == "olmoe":
+        dims = dict(hidden_size=2048, intermediate_size=1024, num_attention_heads=16, num_key_value_heads=16,
+                    num_experts=64, num_experts_per_tok=8)
+        if smoke:
+            dims.update(hidden_size=64, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2, num_experts=4,
+                        num_experts_per_tok=2)
+        return T.OlmoeConfig(**dims, **common)
+    if name == "qwen3":
+        dims = dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_attention_heads=32,
+                    num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8)
+        if smoke:
+            dims.update(hidden_size=64, intermediate_size=64, moe_intermediate_size=64, num_attention_heads=2,
+                        num_key_value_heads=1, head_dim=32, num_experts=4, num_experts_per_tok=2)
+        return T.Qwen3MoeConfig(**dims, **common)
+    raise SystemExit(f"hf_models: unknown --model {name!r}; choose olmoe or qwen3")
+
+
+def build_model(name: str, layers: int, smoke: bool, device: str) -> torch.nn.Module:
+    import transformers as T
+
+    cfg = model_config(name, layers, smoke)
+    cls = {"olmoe": T.OlmoeForCausalLM, "qwen3": T.Qwen3MoeForCausalLM}[name]
+    torch.manual_seed(0)  # every arm starts from the same weights (initialized on the device: seconds, not a minute)
+    with torch.device(device):
+        return cls(cfg)
+
+
+# ----------------------------------------------------------------------------- arms
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One way to train: parameter dtype, autocast or not, and how the model is compiled.
+
+    ``prepare(model, compiler) -> callable`` returns the model compiled with ``compiler`` ("inductor";
+    "aot_eager" in the CPU smoke run, no C++ builds) behind it; it may convert the model in place
+    (torchao) and raises where the arm cannot run here.
+    """
+
+    name: str
+    param_dtype: torch.dtype
+    autocast: bool
+    prepare: Callable
+
+
+def _inductor(model, compiler: str):
+    return torch.compile(model, backend=compiler)
+
+
+def _mxfp8(model, compiler: str):
+    return torch.compile(model, backend="mxfp8", options={"inner": compiler})
+
+
+def _torchao_fp8_rowwise(model, compiler: str):
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        raise RuntimeError("torchao FP8 rowwise grouped GEMMs need a CUDA GPU with FP8 tensor cores (sm89+)")
+    from torchao.prototype.moe_training.config import Float8TrainingOpConfig
+    from torchao.quantization import quantize_
+
+    quantize_(model, Float8TrainingOpConfig(), filter_fn=lambda mod, fqn: fqn.endswith("mlp.experts"))
+    return torch.compile(model, backend=compiler)
+
+
+ARMS = {
+    arm.name: arm
+    for arm in (
+        Arm("bf16-users", torch.float32, True, _inductor),
+        Arm("bf16-weights", torch.bfloat16, False, _inductor),
+        Arm("mxfp8", torch.float32, True, _mxfp8),
+        Arm("torchao-fp8-rowwise", torch.bfloat16, False, _torchao_fp8_rowwise),
+        # Arm("fp8_block", torch.bfloat16, False, _torchao_fp8_blockwise),  # future: one line
+    )
+}
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def lr_at(step: int, steps: int, warmup: int, lr: float) -> float:
+    """Linear warmup over ``warmup`` steps, then cosine decay to 10% of ``lr`` at ``steps``."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    t = (step - warmup) / max(1, steps - warmup)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_arm(arm: Arm, args, train, val, device: str) -> dict:
+    """Train one arm for ``args.steps`` steps; returns its measurements (or the reason it could not run)."""
+    gc.collect()
+    torch._dynamo.reset()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    model = build_model(args.model, args.layers, args.smoke, device).to(arm.param_dtype)
+    n_maps = len(mxfx.report.all_reports())
+    res: dict = {"arm": arm.name, "param_dtype": str(arm.param_dtype).removeprefix("torch."), "autocast": arm.autocast}
+    try:
+        fn = arm.prepare(model, args.compiler)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    except Exception as e:  # the arm cannot run here: say why, go on
+        res["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        return res
+    amp = torch.autocast(device, torch.bfloat16) if arm.autocast else contextlib.nullcontext()
+    gen = torch.Generator().manual_seed(1234)  # same batches in every arm
+    batch = max(1, args.tokens // args.seq)
+    times, losses = [], []
+    try:
+        for step in range(args.steps):
+            x, y = data.get_batch(train, batch, args.seq, gen, device)
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, args.steps, args.warmup, args.lr)
+            _sync(device)
+            t0 = time.perf_counter()
+            with amp:
+                loss = fn(input_ids=x, labels=y).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+            if step % args.log_every == 0 or step == args.steps - 1:
+                losses.append((step, loss.item()))
+                print(f"  {args.model} {arm.name} step {step}: loss {losses[-1][1]:.4f}, {times[-1] * 1e3:.0f} ms", flush=True)
+        eval_gen = torch.Generator().manual_seed(99)
+        held = []
+        for _ in range(args.eval_batches):  # forward only, through the same compiled graph
+            x, y = data.get_batch(val, batch, args.seq, eval_gen, device)
+            with amp:
+                held.append(fn(input_ids=x, labels=y).loss.item())
+    except Exception as e:
+        traceback.print_exc()
+        res["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        return res
+    steady = times[args.skip:] or times[-1:]
+    res.update(
+        tokens_per_s=batch * args.seq / (sum(steady) / len(steady)),
+        first_step_s=times[0],
+        peak_gib=torch.cuda.max_memory_allocated() / GIB if device == "cuda" else None,
+        heldout_loss=sum(held) / len(held),
+        train_losses=losses,
+    )
+    if arm.name == "mxfp8":  # the precision maps of this arm's graphs (training and held-out forward)
+        maps = mxfx.report.all_reports()[n_maps:]
+        res["expert_gemms_mx"] = max((pm.count("grouped_mm", True) for pm in maps), default=0)
+        res["not_rewritten"] = sum(pm.count("not_rewritten") for pm in maps)
+    del fn, opt, model
+    return res
+
+
+def table(results: list[dict]) -> str:
+    """Markdown table of every arm of every model, tokens/s relative to that model's bf16-users arm."""
+    lines = ["| model | arm | params | tokens/s | vs bf16-users | peak GiB | first step s | held-out loss | note |",
+             "|---|---|---|---:|---:|---:|---:|---:|---|"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['arm']} | {r['param_dtype']} | - | - | - | - | - | could not run: {r['error']} |")
+            continue
+        base = next((b for b in results if b["model"] == r["model"] and b["arm"] == "bf16-users" and "error" not in b), None)
+        rel = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
+        peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
+        note = f"{r['expert_gemms_mx']} expert GEMMs MX, {r['not_rewritten']} not rewritten" if "expert_gemms_mx" in r else ""
+        lines.append(f"| {r['model']} | {r['arm']} | {r['param_dtype']} | {r['tokens_per_s']:,.0f} | {rel} | {peak} | "
+                     f"{r['first_step_s']:.1f} | {r['heldout_loss']:.4f} | {note} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="olmoe,qwen3", help="comma list of olmoe, qwen3")
+    p.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {', '.join(ARMS)}")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=20, help="LR warmup steps")
+    p.add_argument("--skip", type=int, default=5, help="steps left out of tokens/s (compilation, allocator warmup)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=8192, help="tokens per step")
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--eval-batches", type=int, default=4)
+    p.add_argument("--log-every", type=int, default=25)
+    p.add_argument("--compiler", default="inductor", help="torch.compile backend behind every arm (mxfp8's inner)")
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny dims, a few steps (CI)")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.steps, args.warmup, args.skip, args.tokens, args.seq, args.eval_batches, args.log_every = 3, 1, 1, 64, 32, 1, 1
+        args.compiler = "aot_eager"
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    arms = [a for a in args.arms.split(",") if a]
+    unknown = sorted(set(arms) - set(ARMS))
+    if unknown:
+        raise SystemExit(f"hf_models: unknown arm(s) {unknown}; choose from {', '.join(ARMS)}")
+    train, val = data.load_splits(code_bytes=400_000 if args.smoke else 4_000_000)
+    results = []
+    models = [m for m in args.model.split(",") if m]
+    for model in models:
+        for name in arms:
+            print(f"== {model} / {name}", flush=True)
+            args.model = model
+            results.append({"model": model, **run_arm(ARMS[name], args, train, val, device)})
+    args.model = ",".join(models)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "hf_models.json"), "w") as f:
+        json.dump({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "args": vars(args),
+                   "results": results}, f, indent=1)
+    print(table(results))
+    return results
+
+
+if __name__ == "__main__":
+    main()

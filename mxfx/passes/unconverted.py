@@ -1,0 +1,125 @@
+"""Unconverted-weight report: ops that read a weight mxfx would convert but that no pass rewrote.
+
+Runs last and rewrites nothing. An op is reported when one of its operands
+walks back (through casts, views, transposes and indexing) to a parameter that
+is a floating tensor of 2 or more dims, the op is not an mxfx op nor one a pass
+already recorded (kept routers, the vocabulary projection, skipped GEMMs), and
+it is either
+
+* a GEMM mxfx has no pattern for here (``mm``, ``bmm``, ``matmul`` / ``@``,
+  ``einsum``, ``addmm``, ``baddbmm``, a linear or grouped GEMM left over), or
+* an opaque custom op (``torch.ops.<namespace>.<op>`` outside ``aten``/``prims``/``mxfx``),
+  whose body mxfx cannot see.
+
+Each becomes a precision-map record of kind ``"not_rewritten"`` naming the op,
+the parameter and the reason; the first compile that finds any warns once per
+process with their count and op names (a silent FP32/BF16 GEMM is the failure
+this exists to prevent).
+"""
+
+from __future__ import annotations
+
+import operator
+import warnings
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from mxfx.passes.fx import CASTS, example_value, module_fqn, shape_str
+from mxfx.policy import Policy
+from mxfx.report import OpRecord, PrecisionMap
+
+KIND = "not_rewritten"
+
+GEMM_FUNCTIONS = {
+    torch.mm: "torch.mm", torch.bmm: "torch.bmm", torch.matmul: "torch.matmul", operator.matmul: "@",
+    torch.einsum: "torch.einsum", torch.addmm: "torch.addmm", torch.baddbmm: "torch.baddbmm",
+    torch.addbmm: "torch.addbmm", torch._C._nn.linear: "F.linear", F.linear: "F.linear",
+    torch._grouped_mm: "torch._grouped_mm",
+}
+if hasattr(F, "grouped_mm"):  # torch >= 2.10
+    GEMM_FUNCTIONS[F.grouped_mm] = "torch.nn.functional.grouped_mm"
+GEMM_METHODS = ("mm", "bmm", "matmul", "__matmul__", "addmm", "baddbmm")
+_PASS_THROUGH_METHODS = (*CASTS, "transpose", "t", "permute", "view", "reshape", "expand", "unsqueeze", "squeeze",
+                         "flatten", "__getitem__", "chunk", "split", "narrow", "select")
+_PASS_THROUGH_FUNCTIONS = (operator.getitem, torch.transpose, torch.permute, torch.reshape, torch.unsqueeze,
+                           torch.squeeze, torch.t, torch.flatten, torch.chunk, torch.split, torch.narrow, torch.select)
+_OWN_NAMESPACES = ("aten", "prims", "mxfx")
+
+_warned = False
+
+
+def _op_name(node: fx.Node) -> str | None:
+    """A printable name for a GEMM or opaque custom op at ``node``; None for any other op."""
+    if node.op == "call_method" and node.target in GEMM_METHODS:
+        return f"Tensor.{node.target}"
+    if node.op != "call_function":
+        return None
+    t = node.target
+    if isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        qualified = getattr(t, "_qualified_op_name", None) or t._schema.name
+        return None if qualified.split("::")[0] in _OWN_NAMESPACES else qualified
+    try:
+        return GEMM_FUNCTIONS.get(t)
+    except TypeError:  # unhashable target
+        return None
+
+
+def _parameter_behind(arg) -> fx.Node | None:
+    """The >=2-D floating parameter ``arg`` reads, through casts, views, transposes and indexing; else None."""
+    seen = 0
+    while isinstance(arg, fx.Node) and seen < 16:
+        val = example_value(arg)
+        if arg.op in ("placeholder", "get_attr"):
+            ok = isinstance(val, torch.nn.Parameter) and val.is_floating_point() and val.dim() >= 2
+            return arg if ok else None
+        passes = (arg.op == "call_method" and arg.target in _PASS_THROUGH_METHODS) or (
+            arg.op == "call_function" and arg.target in _PASS_THROUGH_FUNCTIONS
+        )
+        if not passes or not arg.args:
+            return None
+        arg, seen = arg.args[0], seen + 1
+    return None
+
+
+def _operands(node: fx.Node):
+    for a in (*node.args, *node.kwargs.values()):
+        if isinstance(a, (list, tuple)):
+            yield from a
+        else:
+            yield a
+
+
+def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
+    """Record every op reading a convertible weight that no pass rewrote or recorded; returns how many."""
+    global _warned
+    recorded = {r.node for r in pm.records}
+    found = []
+    for node in gm.graph.nodes:
+        if node.name in recorded:
+            continue
+        name = _op_name(node)
+        if name is None:
+            continue
+        params = [p for p in map(_parameter_behind, _operands(node)) if p is not None]
+        if not params:
+            continue
+        p = params[0]
+        opaque = "::" in name
+        why = (
+            "opaque custom op: mxfx cannot see which GEMMs it runs; register its pattern or keep the weight out of it"
+            if opaque else "GEMM over a parameter that no mxfx pattern matches; it runs in the model's precision"
+        )
+        pm.add(OpRecord(node.name, KIND, module_fqn(node), f"w{shape_str(example_value(p))}", "-", "-", "-", "-", "-",
+                        f"not rewritten: {name}: {why}"))
+        found.append(name)
+    if found and not _warned:
+        _warned = True
+        names = ", ".join(sorted(set(found)))
+        warnings.warn(
+            f"mxfx: {len(found)} op(s) read a weight mxfx would convert but were not rewritten ({names}); they run in "
+            f"the model's own precision. See mxfx.last_report() (kind 'not_rewritten') for each op and why.",
+            stacklevel=2,
+        )
+    return len(found)

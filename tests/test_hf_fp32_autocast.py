@@ -1,0 +1,200 @@
+"""Real clients as most users run them: HF MoE models in FP32 (main weights) under BF16 autocast.
+
+transformers then never reaches ``torch._grouped_mm`` under compile: its
+``grouped_mm`` experts call the opaque ``transformers::grouped_mm_fallback``
+(FP32 GEMMs), its ``batched_mm`` experts index the weights per row and ``bmm``.
+Both must become MX grouped GEMMs with the SwiGLU and combine fusions, and
+anything mxfx cannot convert must be reported, not skipped silently.
+"""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mxfx
+from mxfx.passes import unconverted
+
+T = pytest.importorskip("transformers")
+
+COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+
+# name -> (config, model class, fused SwiGLUs, fused combines); one routed MoE layer (2 grouped GEMMs) each
+FAMILIES = {
+    "olmoe": (lambda: T.OlmoeConfig(intermediate_size=64, num_experts=4, num_experts_per_tok=2, **COMMON), "OlmoeForCausalLM", 1, 1),
+    "qwen2_moe": (
+        lambda: T.Qwen2MoeConfig(intermediate_size=64, moe_intermediate_size=64, shared_expert_intermediate_size=64, num_experts=4,
+                                 num_experts_per_tok=2, **COMMON),
+        "Qwen2MoeForCausalLM", 2, 1,  # routed + shared expert SwiGLU
+    ),
+    "qwen3_moe": (
+        lambda: T.Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2, head_dim=32, **COMMON),
+        "Qwen3MoeForCausalLM", 1, 1,
+    ),
+    "mixtral": (lambda: T.MixtralConfig(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, **COMMON), "MixtralForCausalLM", 1, 1),
+    "deepseek_v3": (
+        lambda: T.DeepseekV3Config(
+            intermediate_size=64, moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+            first_k_dense_replace=0, n_shared_experts=1, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=32,
+            qk_nope_head_dim=32, v_head_dim=32, **COMMON,
+        ),
+        "DeepseekV3ForCausalLM", 2, 1,
+    ),
+    # expert biases (added in place after each GEMM, so no combine fusion) and a clamped SwiGLU (left as written)
+    "gpt_oss": (
+        lambda: T.GptOssConfig(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, head_dim=32,
+                               layer_types=["full_attention"], **COMMON),
+        "GptOssForCausalLM", 0, 0,
+    ),
+}
+
+
+def _model(name, impl):
+    make_cfg, cls, *_ = FAMILIES[name]
+    cfg = make_cfg()
+    cfg._experts_implementation = impl
+    torch.manual_seed(0)
+    return getattr(T, cls)(cfg)  # FP32 parameters
+
+
+def _loss_and_grads(model, options=None):
+    torch._dynamo.reset()
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    fn = torch.compile(model, backend="mxfp8", options=options) if options is not None else model
+    with torch.autocast("cpu", torch.bfloat16):
+        loss = fn(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.detach().float(), grads
+
+
+def _check(name, impl):
+    model = _model(name, impl)
+    _, _, n_swiglu, n_combine = FAMILIES[name]
+    loss_mx, g_mx = _loss_and_grads(model, {"inner": "aot_eager"})
+    pm = mxfx.last_report()
+    assert pm.count("grouped_mm", True) == 2 and pm.count("grouped_mm", False) == 0, pm.to_text()
+    assert pm.count("swiglu", True) == n_swiglu, pm.to_text()
+    assert pm.count("combine", True) == n_combine, pm.to_text()
+    assert pm.count(unconverted.KIND) == 0, pm.to_text()
+    for r in pm.records:
+        if r.kind == "grouped_mm":
+            assert r.shapes.endswith("-> bfloat16") or r.shapes.endswith("-> float32"), r.shapes
+    # The reference is the same FP32 model under autocast without mxfx (eager: transformers' own FP32 grouped
+    # GEMMs, the op the pass replaces). MX rounding of every GEMM operand (E4M3: 3 mantissa bits, relative
+    # step 2^-4) moves a 1-layer model's loss by well under 2% and keeps each expert weight's gradient
+    # aligned (cosine > 0.97) with the exact one; a wrong expert, order or missing scale fails both.
+    loss_ref, g_ref = _loss_and_grads(model)
+    assert loss_mx != loss_ref
+    assert abs(loss_mx - loss_ref) / loss_ref < 0.02
+    experts = [n for n in g_ref if ".experts." in n and g_ref[n].dim() == 3]
+    assert len(experts) == 2
+    for n in experts:
+        assert F.cosine_similarity(g_mx[n].flatten(), g_ref[n].flatten(), dim=0) > 0.97, n
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_fp32_autocast_grouped_fallback_rewritten(name):
+    _check(name, "grouped_mm")
+
+
+@pytest.mark.parametrize("name", ["olmoe", "gpt_oss"])  # [E, N, K] and transposed [E, K, N] weights with biases
+def test_fp32_autocast_batched_mm_rewritten(name):
+    _check(name, "batched_mm")
+
+
+def test_pass_off_reports_the_fallback_as_not_rewritten():
+    model = _model("olmoe", "grouped_mm")
+    _loss_and_grads(model, {"inner": "aot_eager", "passes": {"grouped_mm": False}})
+    pm = mxfx.last_report()
+    left = [r for r in pm.records if r.kind == unconverted.KIND]
+    assert len(left) == 2 and all("transformers::grouped_mm_fallback" in r.reason for r in left), pm.to_text()
+
+
+torch.library.define("mxfxtest::opaque_experts", "(Tensor x, Tensor w) -> Tensor")
+
+
+@torch.library.impl("mxfxtest::opaque_experts", "CompositeExplicitAutograd")
+def _opaque_experts(x, w):
+    return torch.einsum("sk,enk->sn", x, w)
+
+
+@torch.library.register_fake("mxfxtest::opaque_experts")
+def _opaque_experts_fake(x, w):
+    return x.new_empty(x.shape[0], w.shape[1])
+
+
+class OpaqueMoE(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(64, 64)
+        self.experts = torch.nn.Parameter(torch.randn(4, 64, 64) / 8)
+
+    def forward(self, x):
+        return torch.ops.mxfxtest.opaque_experts(self.proj(x), self.experts)
+
+
+def test_unknown_custom_op_over_a_weight_is_reported_and_warned(monkeypatch):
+    monkeypatch.setattr(unconverted, "_warned", False)
+    torch._dynamo.reset()
+    model = OpaqueMoE()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.compile(model, backend="mxfp8", options={"inner": "eager"})(torch.randn(32, 64))
+        torch._dynamo.reset()
+        torch.compile(model, backend="mxfp8", options={"inner": "eager"})(torch.randn(32, 64))
+    pm = mxfx.last_report()
+    rec = [r for r in pm.records if r.kind == unconverted.KIND]
+    assert len(rec) == 1 and "mxfxtest::opaque_experts" in rec[0].reason and "not rewritten" in rec[0].reason
+    assert "[4, 64, 64]" in rec[0].shapes
+    assert pm.count("linear", True) == 1  # the known op next to it is still rewritten
+    mine = [w for w in caught if "not rewritten" in str(w.message)]
+    assert len(mine) == 1 and "1 op(s)" in str(mine[0].message) and "mxfxtest::opaque_experts" in str(mine[0].message)
+
+
+def _fallback(x, w, offs):
+    return torch.ops.transformers.grouped_mm_fallback(x, w, offs=offs)
+
+
+GROUPED_CALLS = {"transformers::grouped_mm_fallback": _fallback, "torch._grouped_mm": torch._grouped_mm}
+if hasattr(F, "grouped_mm"):
+    GROUPED_CALLS["torch.nn.functional.grouped_mm"] = F.grouped_mm
+
+
+class GroupedExperts(torch.nn.Module):
+    """One projection as transformers writes it (the input cast to the weights' dtype), with a chosen grouped op:
+    the fallback with FP32 weights, torch's grouped GEMMs with BF16 ones (they take BF16 only under compile)."""
+
+    def __init__(self, call, dtype):
+        super().__init__()
+        self.call = call
+        self.w = torch.nn.Parameter(torch.randn(4, 96, 64, dtype=dtype))
+
+    def forward(self, x, offs):
+        return self.call(x.to(self.w.dtype), self.w.transpose(-2, -1), offs=offs)
+
+
+@pytest.mark.parametrize("op", list(GROUPED_CALLS))
+def test_grouped_rewrite_is_the_same_gemm_on_mx_operands(op):
+    import transformers.integrations.moe  # noqa: F401  (registers transformers::grouped_mm_fallback)
+
+    torch._dynamo.reset()
+    mod = GroupedExperts(GROUPED_CALLS[op], torch.float32 if "::" in op else torch.bfloat16)
+    x = torch.randn(40, 64, dtype=torch.bfloat16)
+    offs = torch.tensor([7, 7, 30, 40], dtype=torch.int32)  # an empty group, uneven sizes
+    with torch.autocast("cpu", torch.bfloat16):
+        y = torch.compile(mod, backend="mxfp8", options={"inner": "aot_eager"})(x, offs)
+    rec = [r for r in mxfx.last_report().records if r.kind == "grouped_mm"]
+    assert len(rec) == 1 and rec[0].forward == "mxfp8" and rec[0].shapes.endswith("-> bfloat16")
+    assert mxfx.last_report().count(unconverted.KIND) == 0
+    assert y.dtype == torch.bfloat16  # the autocast dtype, not the replaced op's float32
+    # the replaced op's per-expert products on the MX-rounded operands (x along K, each expert's W along K)
+    q_dq = lambda t: mxfx.dequantize(*mxfx.quantize(t, axis=-1), axis=-1, dtype=torch.float32)  # noqa: E731
+    xq, wq = q_dq(x.float()), q_dq(mod.w.detach().float())
+    ref = torch.cat([xq[s:e] @ wq[g].T for g, (s, e) in enumerate(zip([0, *offs.tolist()[:-1]], offs.tolist()))])
+    # same products, fp32 accumulation in another order, then one bf16 rounding (relative 2^-8)
+    torch.testing.assert_close(y.float(), ref.bfloat16().float(), rtol=2**-7, atol=1e-3)
+    plain = x.float() @ mod.w.detach()[0].float().T  # ... and MX rounding is visible against the unrounded GEMM
+    assert (plain[:7] - ref[:7]).abs().max() > 1e-2
