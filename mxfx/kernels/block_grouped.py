@@ -1,0 +1,160 @@
+"""Triton grouped GEMM on fp8_block operands: ``out[rows of group g] = A[rows] @ B[g]^T``.
+
+A is ``[S, K]`` E4M3 with 1x128 float32 scales ``[S, ceil(K/128)]`` (activations or gradients,
+tiled along the reduction dim K); B is ``[G, N, K]`` E4M3 with 128x128 float32 scales
+``[G, ceil(N/128), ceil(K/128)]`` (expert weights). Rows are grouped as ``torch._grouped_mm``
+groups them: ``offs`` int32 ``[G]`` holds cumulative group ends, group g owns rows
+``[offs[g-1], offs[g])``; empty groups and group sizes that are not multiples of anything are
+fine, and rows past ``offs[-1]`` are written as zeros.
+
+Design (the DeepGEMM one, written for Triton): every 128-wide step of K is one FP8 ``tl.dot``
+into a fresh FP32 partial sum, promoted once into the FP32 accumulator with the product of the
+row's A scale and the column's B scale: ``acc += partial * (sa[m] * sb[n])``. A tile of BLOCK_N
+columns may span several 128-column weight blocks; each column reads its own block's scale.
+The launch is persistent: one program per SM walks the tiles of all groups in one launch (group
+by group, tiles numbered globally, program p takes tiles p, p + P, ...), so group sizes never
+reach the host and nothing is synchronised.
+
+B is read through its strides: the forward passes the weight ``W [G, N, K]`` itself; dgrad
+(``dX = dY W``) passes the weight's transpose ``[G, K, N]`` with its scales transposed, either as
+a view (slower: non-K-major loads) or as a contiguous copy (the fast layout). Under the rceil
+rule the 128x128 scales of a block serve both orientations unchanged.
+
+Numerics: each partial sum holds exact E4M3 products summed in FP32 over 128 values (on Hopper
+the FP8 tensor cores accumulate with fewer mantissa bits, the reason for the per-128 promotion);
+the only other roundings are the scale product (exact for power-of-two scales inside FP32's
+normal range), the promotion FMA and the output cast.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from mxfx.block_format import TILE, n_tiles
+
+CONFIGS = [
+    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_stages=stages, num_warps=warps)
+    for bm, bn, stages, warps in (
+        (128, 128, 4, 8),
+        (128, 128, 3, 8),
+        (128, 128, 5, 8),
+        (64, 128, 4, 4),
+        (128, 64, 4, 4),
+        (64, 256, 3, 8),
+    )
+]
+"""A small sm90 set: 128-wide K steps; the accumulator and the 128-K partial sum each take BLOCK_M x BLOCK_N
+FP32 values, so tiles keep them at 64 registers per thread apiece (128x128 over 8 warps; compiled for sm90,
+128x256 and 128x128 over 4 warps use all 255 registers). Autotuned per (N, K, G, strides); token counts are not
+in the key (they change every step)."""
+
+
+def _grouped_body(
+    a_ptr, as_ptr, b_ptr, bs_ptr, offs_ptr, c_ptr,
+    S, N, K, G,
+    s_am, s_ak, s_asm, s_ask,
+    s_bg, s_bn, s_bk, s_bsg, s_bsn, s_bsk,
+    s_cm, s_cn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    k_steps = tl.cdiv(K, BLOCK_K)
+    tile = pid  # the next global tile number this program computes
+    seen = 0  # tiles of the groups walked so far
+    b_g = b_ptr  # group g's weight and scales (pointers advance: 64-bit offsets at any size)
+    bs_g = bs_ptr
+    for g in range(0, G + 1):  # group G is the tail past offs[-1]: zeros
+        m_start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
+        m_end = tl.load(offs_ptr + g, mask=g < G, other=S)
+        m_start = tl.minimum(m_start, S)
+        m_end = tl.maximum(tl.minimum(m_end, S), m_start)
+        group_tiles = tl.cdiv(m_end - m_start, BLOCK_M) * tiles_n
+        steps = tl.where(g < G, k_steps, 0)
+        while tile < seen + group_tiles:
+            t = tile - seen
+            rows = m_start + (t // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+            cols = (t % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+            row_ok = rows < m_end
+            col_ok = cols < N
+            ks = tl.arange(0, BLOCK_K)
+            a_ptrs = a_ptr + rows[:, None].to(tl.int64) * s_am + ks[None, :] * s_ak
+            b_ptrs = b_g + cols[None, :].to(tl.int64) * s_bn + ks[:, None] * s_bk
+            as_ptrs = as_ptr + rows.to(tl.int64) * s_asm
+            bs_ptrs = bs_g + (cols // 128) * s_bsn
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for kb in range(0, steps):
+                if EVEN_K:
+                    a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                    b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
+                else:
+                    k_ok = kb * BLOCK_K + ks < K
+                    a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                    b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+                partial = tl.dot(a, b, out_dtype=tl.float32)
+                sa = tl.load(as_ptrs + kb * s_ask, mask=row_ok, other=0.0)
+                sb = tl.load(bs_ptrs + kb * s_bsk, mask=col_ok, other=0.0)
+                acc += partial * (sa[:, None] * sb[None, :])
+                a_ptrs += BLOCK_K * s_ak
+                b_ptrs += BLOCK_K * s_bk
+            c_ptrs = c_ptr + rows[:, None].to(tl.int64) * s_cm + cols[None, :] * s_cn
+            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+            tile += num_programs
+        seen += group_tiles
+        b_g += s_bg
+        bs_g += s_bsg
+
+
+_kernel_tuned = triton.autotune(
+    configs=CONFIGS,
+    key=["N", "K", "G", "s_ak", "s_bn", "s_bk", "EVEN_K"],
+)(triton.jit(do_not_specialize=["S"])(_grouped_body))
+_kernel = triton.jit(do_not_specialize=["S"])(_grouped_body)
+
+INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 64}
+"""Tile of the untuned launch (the Triton interpreter, where autotuning would only slow tests)."""
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def grouped_mm(
+    a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor, offs: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16, *, tune: bool = True, config: dict | None = None,
+) -> torch.Tensor:
+    """Launch the grouped kernel (module docstring); arguments as :func:`mxfx.kernels.block_gemm.grouped_mm`
+    after its checks. ``tune=False`` (or a ``config`` of BLOCK_M/BLOCK_N, plus num_warps/num_stages)
+    launches one fixed tile instead of autotuning."""
+    S, K = a.shape
+    G, N, _ = b.shape
+    out = torch.empty((S, N), dtype=out_dtype, device=a.device)
+    if S == 0 or N == 0:
+        return out
+    interpret = a.device.type == "cpu"
+    programs_cap = 3 if interpret else _num_sms(a.device.index if a.device.index is not None else torch.cuda.current_device())
+    args = (
+        a, a_scales, b, b_scales, offs, out, S, N, K, G,
+        *a.stride(), *a_scales.stride(), *b.stride(), *b_scales.stride(), *out.stride(),
+    )
+    even_k = K % TILE == 0
+
+    def grid(meta):
+        # at most one program per SM (3 under the interpreter: each walks several tiles); fewer when the
+        # tiles are few (an upper bound on them, no sync)
+        tiles = (triton.cdiv(S, meta["BLOCK_M"]) + G) * triton.cdiv(N, meta["BLOCK_N"])
+        return (min(programs_cap, tiles),)
+
+    if tune and config is None and not interpret:
+        _kernel_tuned[grid](*args, BLOCK_K=TILE, EVEN_K=even_k)
+    else:
+        cfg = dict(config or INTERPRETER_CONFIG)
+        warps, stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 3)
+        _kernel[grid(cfg)](*args, BLOCK_K=TILE, EVEN_K=even_k, num_warps=warps, num_stages=stages, **cfg)
+    return out

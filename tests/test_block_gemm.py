@@ -1,0 +1,202 @@
+"""fp8_block GEMMs on CPU: the reference decode, and the Triton grouped GEMM and quantize kernels under
+``TRITON_INTERPRET=1`` (in a subprocess) against it.
+
+Bound used throughout: the reference is an FP32 GEMM on exactly dequantized operands, so another FP32
+summation order differs by at most ``K * 2^-24 * (|A| @ |B|^T)`` elementwise (the classic
+``gamma_K`` bound on the summed magnitudes), plus the output cast.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mxfx import block_format as bf
+from mxfx.kernels import block_gemm
+
+
+def summation_bound(a, sa, b, sb, b_dims=(-2, -1)):
+    """``K * 2^-24 * (|A_hat| @ |B_hat|^T)``: how far two FP32 summation orders may differ."""
+    x = bf.dequantize_values(a, sa, (-1,)).abs()
+    w = bf.dequantize_values(b, sb, b_dims).abs()
+    return a.shape[-1] * 2.0**-24 * (x @ w.t())
+
+
+def test_dense_reference_is_the_float64_product_of_exact_operands():
+    # operands that quantize exactly: the reference equals float64 matmul of the inputs within fp32 summation
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randint(-16, 17, (64, 384), generator=g).float()) * 2.0 ** torch.randint(-3, 3, (64, 1), generator=g)
+    x[:, ::128] = 256.0  # every tile's amax is 256: rceil scale 1
+    w = torch.randint(-16, 17, (256, 384), generator=g).float() / 8
+    w[::128, ::128] = 448.0  # one 448 per 128x128 block: scale 1
+    a, sa = bf.quantize_1x128(x)
+    b, sb = bf.quantize_128x128(w)
+    assert torch.equal(bf.dequantize_1x128(a, sa, dtype=torch.float32), x)
+    out = block_gemm.scaled_mm(a, sa, b, sb, torch.float32)
+    ref = (x.double() @ w.double().t()).float()
+    assert torch.equal(out, ref)  # small integers times powers of two: every fp32 sum is exact
+    # the same B as 1x128 tiles (wgrad's form) gives the same values
+    b1, sb1 = bf.quantize_1x128(w)
+    assert torch.equal(block_gemm.scaled_mm(a, sa, b1, sb1, torch.float32), ref)
+
+
+def test_grouped_reference_matches_dense_per_group():
+    g = torch.Generator().manual_seed(1)
+    sizes = [5, 0, 17, 40]
+    x = torch.randn(sum(sizes) + 3, 256, generator=g)
+    w = torch.randn(4, 192, 256, generator=g) * 0.1
+    a, sa = bf.quantize_1x128(x)
+    b, sb = bf.quantize_128x128(w)
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    out = block_gemm.grouped_mm(a, sa, b, sb, offs, torch.float32)
+    start = 0
+    for e, n in enumerate(sizes):
+        rows = slice(start, start + n)
+        assert torch.equal(out[rows], block_gemm.scaled_mm(a[rows], sa[rows], b[e], sb[e], torch.float32))
+        start += n
+    assert (out[start:] == 0).all()  # rows past offs[-1]
+
+
+def test_errors_name_the_problem():
+    a, sa = bf.quantize_1x128(torch.randn(8, 256))
+    b, sb = bf.quantize_128x128(torch.randn(2, 64, 256))
+    with pytest.raises(ValueError, match=r"grouped_mm: offs must be int32 of shape \(2,\)"):
+        block_gemm.grouped_mm(a, sa, b, sb, torch.tensor([4, 8]))
+    with pytest.raises(ValueError, match=r"A of shape \(8, 256\) needs scales of shape \(8, 2\)"):
+        block_gemm.grouped_mm(a, sa[:, :1], b, sb, torch.tensor([4, 8], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"non-decreasing"):
+        block_gemm.grouped_mm(a, sa, b, sb, torch.tensor([6, 4], dtype=torch.int32))
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        block_gemm.scaled_mm(a.float(), sa, b[0], sb[0])
+    with pytest.raises(ValueError, match=r"\(1, 2\) or \(64, 2\)"):
+        block_gemm.scaled_mm(a, sa, b[0], sb[0, :, :1].repeat(1, 2).repeat(2, 1))
+
+
+# ---- Triton interpreter ------------------------------------------------------------------
+
+def _interpreter_checks():
+    from mxfx.kernels import block_grouped, block_quantize
+
+    g = torch.Generator().manual_seed(0)
+    # unequal and empty groups, rows past offs[-1], K not a multiple of 128 (masked K), N with a partial
+    # 128-column scale block, forward (W) and dgrad (W^T as a view and as a copy sharing the scales)
+    for sizes, k, n in (([70, 0, 33, 150, 3], 384, 192), ([0, 41, 0], 200, 128)):
+        s = sum(sizes) + 5
+        x = torch.randn(s, k, generator=g) * 3
+        w = torch.randn(len(sizes), n, k, generator=g) * 0.05
+        offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+        a, sa = bf.quantize_1x128(x)
+        b, sb = bf.quantize_128x128(w)
+        ref = block_gemm.reference_grouped_mm(a, sa, b, sb, offs, torch.float32)
+        for out_dtype in (torch.float32, torch.bfloat16):
+            out = block_grouped.grouped_mm(a, sa, b, sb, offs, out_dtype)
+            _check_grouped(out, ref, a, sa, b, sb, sizes, out_dtype)
+        # dgrad: dX = dY W, B = W^T [G, K, N] reads the same 128x128 scales transposed
+        dy = torch.randn(s, n, generator=g)
+        a2, sa2 = bf.quantize_1x128(dy)
+        bt, sbt = b.transpose(1, 2), sb.transpose(1, 2)
+        ref2 = block_gemm.reference_grouped_mm(a2, sa2, bt, sbt, offs, torch.float32)
+        for operand in ((bt, sbt), (bt.contiguous(), sbt.contiguous())):
+            out = block_grouped.grouped_mm(a2, sa2, *operand, offs, torch.float32)
+            _check_grouped(out, ref2, a2, sa2, bt, sbt, sizes, torch.float32)
+    _interpreter_quantize_checks(block_quantize)
+    print("block interpreter checks passed")
+
+
+def _check_grouped(out, ref, a, sa, b, sb, sizes, out_dtype):
+    start = 0
+    for e, size in enumerate(sizes):
+        rows = slice(start, start + size)
+        bound = summation_bound(a[rows], sa[rows], b[e], sb[e])
+        if out_dtype != torch.float32:
+            # the bf16 output cast: the interpreter truncates (one ulp, 2^-7 relative); GPUs round (half that)
+            bound = bound + ref[rows].abs() * 2.0**-7
+        err = (out[rows].float() - ref[rows]).abs()
+        assert (err <= bound).all(), (sizes, e, (err - bound).max().item())
+        start += size
+    assert (out[start:] == 0).all()
+
+
+def _same(got, want, scaled=None):
+    """Bitwise equal pairs. With ``scaled`` (the exact quotients x / s), qdata may differ only where the
+    interpreter's E4M3 rounding fails: a value that rounds up onto a power of two (the carry into the next
+    binade) comes out a factor 2 off there (``mxfx.kernels.mx_block.HW_E4M3_CVT``); compiled kernels round
+    in hardware and the GPU test compares every byte."""
+    q, s = got
+    rq, rs = want
+    assert q.shape == rq.shape and s.shape == rs.shape, (q.shape, rq.shape, s.shape, rs.shape)
+    assert torch.equal(s.isnan(), rs.isnan()) and torch.equal(s.nan_to_num(), rs.nan_to_num()), "scales differ"
+    # NaN payloads compare as NaN: the interpreter's NaN byte may carry a sign (the GPU test wants 0x7F)
+    differ = (q.view(torch.uint8) != rq.view(torch.uint8)) & ~(q.float().isnan() & rq.float().isnan())
+    if scaled is not None:
+        r = rq.float().abs()
+        carry = (torch.frexp(r)[0] == 0.5) & (scaled.abs() < r)
+        differ &= ~carry
+    assert not differ.any(), f"qdata differs at {differ.nonzero()[:4].tolist()}"
+
+
+def _exact(shape, tiles, seed, specials=True):
+    """Data whose quantization is exact under both rules: E4M3 values times 2^e per tile (``tiles`` gives
+    the tile's extent per dim), each tile holding 448 x 2^e, plus special tiles (zero, NaN, Inf, tiny)."""
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.randint(0, 0x7F, shape, generator=g, dtype=torch.uint8)
+    bits |= torch.randint(0, 2, shape, generator=g, dtype=torch.uint8) << 7
+    v = bits.view(torch.float8_e4m3fn).float().clamp(-440, 440)
+    grid = [-(-n // t) for n, t in zip(shape, tiles)]
+    e = torch.randint(-20, 20, grid, generator=g).float()
+    for d, t in enumerate(tiles):
+        e = e.repeat_interleave(t, dim=d)
+    e = e[tuple(slice(0, n) for n in shape)]
+    v[tuple(slice(None, None, t) for t in tiles)] = 448.0  # one per tile, at its first corner
+    x = v * 2.0**e
+    if not specials:
+        return x
+    flat = x.view(-1, shape[-1])
+    flat[0, :] = 0.0  # zero tiles
+    flat[1, 3] = float("nan")
+    flat[2, -1] = float("inf")
+    flat[3] = 1.5 * 2.0**-120  # tiny tiles: the 2^-126 scale floor, payload 96 (normal in bf16: the interpreter
+    # flushes 16-bit subnormals)
+    return x
+
+
+def _interpreter_quantize_checks(bq):
+    from mxfx.kernels.silu import silu_fp32
+
+    g = torch.Generator().manual_seed(1)
+    for rule in bf.SCALE_RULES:
+        x = _exact((70, 320), (1, 128), seed=2)  # K = 320: a partial last tile
+        _same(bq.quantize_1x128(x, rule), bf.quantize_1x128(x, rule=rule))
+        _same(bq.quantize_1x128(x.bfloat16(), rule), bf.quantize_1x128(x.bfloat16(), rule=rule))
+        xr = torch.randn(40, 256, generator=g) * 30  # rounding: scales bitwise, qdata but for carries
+        ref = bf.quantize_1x128(xr, rule=rule)
+        _same(bq.quantize_1x128(xr, rule), ref, xr / ref[1].repeat_interleave(128, 1))
+        # columnwise (along tokens, for wgrad): qdata transposed [K, T], scales [K, ceil(T/128)]
+        xt = _exact((96, 300), (1, 128), seed=3).t()  # a transposed view: tiles along its tokens
+        _same(bq.quantize_1x128_colwise(xt, rule), bf.quantize_1x128(xt.t(), rule=rule))
+        w = _exact((2, 200, 260), (1, 128, 128), seed=4, specials=False)
+        w[0, :128, :128] = 0.0
+        w[0, :128, 128:256] = 1.5 * 2.0**-120
+        w[1, 5, 7], w[1, 150, 259] = float("nan"), float("-inf")
+        _same(bq.quantize_128x128(w, rule), bf.quantize_128x128(w, rule=rule))
+        # SwiGLU: gates >= 100 have silu(g) = g exactly in fp32, so the product of exact data is exact; the
+        # flush band gives -0. The SiLU's own rounding is compared on the GPU.
+        up = _exact((40, 256), (1, 128), seed=5)
+        gate = torch.full_like(up, 128.0)
+        gate[5, :128] = -90.0  # flush band: the tile is all -0 (scale 1)
+        want = bf.quantize_1x128(silu_fp32(gate) * up, rule=rule)
+        _same(bq.swiglu_quantize_1x128(gate, up, rule), want)
+
+
+def test_triton_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    subprocess.run([sys.executable, os.path.abspath(__file__), "--interpret"], check=True, env=env, cwd=root)
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--interpret"]:
+    _interpreter_checks()
