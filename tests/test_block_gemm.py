@@ -7,6 +7,7 @@ summation order differs by at most ``K * 2^-24 * (|A| @ |B|^T)`` elementwise (th
 """
 
 import os
+import re
 import subprocess
 import sys
 
@@ -200,3 +201,61 @@ def test_triton_interpreter():
 
 if __name__ == "__main__" and sys.argv[1:] == ["--interpret"]:
     _interpreter_checks()
+
+
+# ---- sm90 code generation (no GPU: Triton's bundled ptxas) -------------------------------
+
+class _Recorder:
+    """Stands in for a JITFunction: ``kernel[grid](...)`` records the launch instead of running it."""
+
+    def __init__(self, kernel, seen):
+        self.kernel, self.seen = kernel, seen
+
+    def __getitem__(self, grid):
+        def record(*args, **kwargs):
+            from sass_sm90 import Launch
+
+            self.seen.append(Launch(self.kernel, grid, args, kwargs))
+
+        return record
+
+
+def _sm90_launches(monkeypatch, module, name, fn, *args, **kwargs):
+    triton = pytest.importorskip("triton")
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or not os.access(os.path.join(bin_dir, "ptxas"), os.X_OK):
+        pytest.skip("needs Triton's bundled ptxas (Linux wheel), compiled mode")
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "probes"))
+    import sass_sm90
+
+    seen = []
+    kernel = getattr(module, name)
+    monkeypatch.setattr(module, name, _Recorder(kernel.kernel if isinstance(kernel, _Recorder) else kernel, seen))
+    fn(*args, **kwargs)
+    return [sass_sm90.compile_sm90(launch) for launch in seen]
+
+
+def test_grouped_kernel_compiles_to_fp8_wgmma(monkeypatch):
+    """For sm90 the grouped GEMM's ``tl.dot`` is an E4M3 x E4M3 warpgroup MMA (QGMMA) with FP32 accumulation,
+    in the autotuned configs' tile: FP8 tensor cores, not an upcast to BF16."""
+    from mxfx.kernels import block_grouped
+
+    s, k, n, g = 512, 512, 256, 4
+    a, sa = torch.zeros(s, k, dtype=torch.float8_e4m3fn), torch.ones(k // 128, s).t()
+    b, sb = torch.zeros(g, n, k, dtype=torch.float8_e4m3fn), torch.ones(g, n // 128, k // 128)
+    offs = torch.tensor([100, 100, 300, 512], dtype=torch.int32)
+    cfg = block_grouped.CONFIGS[0]
+    config = dict(cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    (c,) = _sm90_launches(monkeypatch, block_grouped, "_kernel", block_grouped.grouped_mm, a, sa, b, sb, offs, config=config)
+    mmas = set(re.findall(r"\b([HQ]GMMA\.[0-9x]+\.F32\.[A-Z0-9]+\.[A-Z0-9]+)", c.sass))
+    assert mmas and all(m.endswith("E4M3.E4M3") for m in mmas), mmas
+
+
+def test_quantize_kernels_compile_for_sm90(monkeypatch):
+    from mxfx.kernels import block_quantize as bq
+
+    x = torch.zeros(256, 384, dtype=torch.bfloat16)
+    for fn, args in ((bq.quantize_1x128, (x,)), (bq.quantize_1x128_colwise, (x,)), (bq.quantize_128x128, (x,)),
+                     (bq.swiglu_quantize_1x128, (x, x)), (bq.quantize_1x128, (x.float(), "amax"))):
+        (c,) = _sm90_launches(monkeypatch, bq, "_quantize_kernel", fn, *args)
+        assert c.counts.get("STG", 0) > 0, fn.__name__

@@ -100,9 +100,12 @@ def _cublas_mm(a, a_scales, b, b_scales, out_dtype):
     a_s = a_scales.t().contiguous().t()  # [M, K/128], stride (1, M)
     if not tiled_rows(b, b_scales):
         kt = b_scales.shape[1]
-        padded = b_scales.new_zeros(b_scales.shape[0], -(-kt // 4) * 4)
-        padded[:, :kt] = b_scales
-        candidates = [padded[:, :kt].t(), b_scales.contiguous().t()]
+        if kt % 4 == 0:  # both torch versions' layouts are the contiguous one
+            candidates = [b_scales.contiguous().t()]
+        else:
+            padded = b_scales.new_zeros(b_scales.shape[0], -(-kt // 4) * 4)
+            padded[:, :kt] = b_scales
+            candidates = [padded[:, :kt].t(), b_scales.contiguous().t()]
     else:
         sb = b_scales if b_q.shape[0] == n else F.pad(b_scales, (0, 0, 0, b_q.shape[0] - n), value=1.0)
         candidates = [sb.t().contiguous()]  # [K/128, N]: [N, K/128] column-major
