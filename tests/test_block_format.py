@@ -188,8 +188,8 @@ def test_columnwise_is_rowwise_of_transpose():
 @pytest.mark.parametrize("rule", bf.SCALE_RULES)
 def test_128x128_matches_oracle(rule):
     g = torch.Generator().manual_seed(4)
-    w = torch.randn(2, 200, 260, generator=g) * torch.tensor([1e-3, 5.0]).view(2, 1, 1)
-    w[1, 150, 10] = float("inf")
+    w = torch.randn(2, 136, 260, generator=g) * torch.tensor([1e-3, 5.0]).view(2, 1, 1)
+    w[1, 130, 10] = float("inf")
     q, s = bf.quantize_128x128(w, rule)
     assert q.shape == w.shape and s.shape == (2, 2, 3)
     qv = q.double()
@@ -238,3 +238,16 @@ def test_errors_name_op_and_shape():
         bf.dequantize_1x128(q, s.double())
     with pytest.raises(TypeError, match=r"qdata of shape \(4, 200\).*float8_e4m3fn"):
         bf.dequantize_1x128(q.float(), s)
+
+
+@pytest.mark.parametrize("rule", bf.SCALE_RULES)
+def test_rceil_retiling_is_exact(rule):
+    # a 128x128-quantized weight, dequantized and quantized again in 1x128 tiles along either dim: rceil keeps
+    # every value (power-of-two scales, finer tiles); amax rounds a second time
+    w = torch.randn(256, 384, generator=torch.Generator().manual_seed(7)) * torch.logspace(-3, 3, 384)
+    once = bf.dequantize_128x128(*bf.quantize_128x128(w, rule), dtype=torch.float32)
+    same = True
+    for axis in (-1, -2):
+        twice = bf.dequantize_1x128(*bf.quantize_1x128(once, axis=axis, rule=rule), axis=axis, dtype=torch.float32)
+        same &= torch.equal(once, twice)
+    assert same == (rule == "rceil")
