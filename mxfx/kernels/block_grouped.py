@@ -37,20 +37,21 @@ import triton.language as tl
 from mxfx.block_format import TILE, n_tiles
 
 CONFIGS = [
-    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_stages=stages, num_warps=warps)
-    for bm, bn, stages, warps in (
-        (128, 128, 4, 8),
-        (128, 128, 3, 8),
-        (128, 128, 5, 8),
-        (64, 128, 4, 4),
-        (128, 64, 4, 4),
-        (64, 256, 3, 8),
+    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "PROGRAMS_PER_SM": per_sm}, num_stages=stages, num_warps=warps)
+    for bm, bn, stages, warps, per_sm in (
+        (128, 128, 4, 8, 1),
+        (128, 128, 3, 8, 1),
+        (64, 128, 3, 4, 2),
+        (64, 128, 4, 4, 2),
+        (64, 256, 3, 8, 1),
+        (64, 64, 4, 4, 3),
     )
 ]
 """A small sm90 set: 128-wide K steps; the accumulator and the 128-K partial sum each take BLOCK_M x BLOCK_N
-FP32 values, so tiles keep them at 64 registers per thread apiece (128x128 over 8 warps; compiled for sm90,
-128x256 and 128x128 over 4 warps use all 255 registers). Autotuned per (N, K, G, strides); token counts are not
-in the key (they change every step)."""
+FP32 values. Compiled for sm90 (Triton's ptxas) the 8-warp tiles use 218-238 registers per thread (one program
+per SM), 64x128 over 4 warps 242 (two fit an SM's registers and shared memory), 64x64 166 (three): while one
+program promotes its partial sums on the CUDA cores, another's FP8 MMAs run. PROGRAMS_PER_SM sets the persistent
+grid to match. Autotuned per (N, K, G, strides); token counts are not in the key (they change every step)."""
 
 
 def _grouped_body(
@@ -60,6 +61,7 @@ def _grouped_body(
     s_bg, s_bn, s_bk, s_bsg, s_bsn, s_bsk,
     s_cm, s_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    PROGRAMS_PER_SM: tl.constexpr,  # read by the launch grid only
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -116,7 +118,7 @@ _kernel_tuned = triton.autotune(
 )(triton.jit(do_not_specialize=["S"])(_grouped_body))
 _kernel = triton.jit(do_not_specialize=["S"])(_grouped_body)
 
-INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 64}
+INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 64, "PROGRAMS_PER_SM": 1}
 """Tile of the untuned launch (the Triton interpreter, where autotuning would only slow tests)."""
 
 
@@ -146,15 +148,16 @@ def grouped_mm(
     even_k = K % TILE == 0
 
     def grid(meta):
-        # at most one program per SM (3 under the interpreter: each walks several tiles); fewer when the
-        # tiles are few (an upper bound on them, no sync)
+        # PROGRAMS_PER_SM programs per SM (3 in all under the interpreter: each walks several tiles); fewer
+        # when the tiles are few (an upper bound on them, no sync)
         tiles = (triton.cdiv(S, meta["BLOCK_M"]) + G) * triton.cdiv(N, meta["BLOCK_N"])
-        return (min(programs_cap, tiles),)
+        return (min(programs_cap * meta.get("PROGRAMS_PER_SM", 1), tiles),)
 
     if tune and config is None and not interpret:
         _kernel_tuned[grid](*args, BLOCK_K=TILE, EVEN_K=even_k)
     else:
         cfg = dict(config or INTERPRETER_CONFIG)
         warps, stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 3)
+        cfg.setdefault("PROGRAMS_PER_SM", 1)
         _kernel[grid(cfg)](*args, BLOCK_K=TILE, EVEN_K=even_k, num_warps=warps, num_stages=stages, **cfg)
     return out
