@@ -9,11 +9,12 @@ Dense (16384 tokens; 4096->4096 and 4096->14336), GEMM alone, operands already q
 * ``rowwise``: ``torch._scaled_mm`` with one FP32 scale per row of each operand (torchao's FP8 rowwise).
 
 Grouped (OLMoE-like: 64 experts, 65536 routed rows; 2048->2048 and 1024->2048; equal groups and unequal
-ones with empty experts and sizes that are not multiples of 16), forward and dgrad:
+ones with empty experts and sizes that are not multiples of 16), forward, dgrad and wgrad:
 
 * ``bf16``: ``torch._grouped_mm``; ``rowwise``: ``torch._scaled_grouped_mm`` (rowwise scales);
 * ``fp8_block``: the Triton grouped GEMM (``mxfx.kernels.block_grouped``, autotuned on first call),
-  dgrad reading the weight's transposed copy with the same 128x128 scales.
+  dgrad reading the weight's transposed copy with the same 128x128 scales, wgrad (``grouped_wgrad``, bf16
+  out, untuned) on operands tiled 1x128 along each group's tokens; rowwise has no wgrad arm here.
 
 Every FP8 result is first checked against its reference decode (dequantize exactly, FP32 GEMM):
 relative Frobenius error below 1e-2 (bf16 output rounding is ~2e-3), or the script stops.
@@ -125,16 +126,23 @@ def grouped_rows(s: int, e: int, k: int, n: int, equal: bool, g: torch.Generator
     cases = {
         "forward": (lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offs), (*xa, wq, ws)),
         "dgrad": (lambda: torch._grouped_mm(dy, w, offs=offs), (*dya, *wt)),
+        # dW[e] = dY_e^T X_e: both operands in 1x128 tiles along each group's tokens
+        "wgrad": (lambda: torch._grouped_mm(dy.t(), x, offs=offs),
+                  (*bq.quantize_1x128_grouped_tokens(dy, offs), *bq.quantize_1x128_grouped_tokens(x, offs))),
     }
     label = f"{e}x{s // e} {k}->{n}" if equal else f"{e} unequal {k}->{n}"
     rows = []
     for name, (bf16_fn, ops) in cases.items():
-        out = block_gemm.grouped_mm(*ops, offs)
-        ref = block_gemm.reference_grouped_mm(*ops, offs, torch.float32)
-        err = check(f"grouped {label} {name} fp8_block", out, ref)
-        t_row = _rowwise_grouped(name, x, w, dy, offs, label)
+        if name == "wgrad":
+            block_fn = lambda: block_gemm.grouped_wgrad(*ops, offs, torch.bfloat16)  # noqa: E731 (bf16 out, as BF16's)
+            ref = block_gemm.reference_grouped_wgrad(*ops, offs, torch.float32)
+        else:
+            block_fn = lambda: block_gemm.grouped_mm(*ops, offs)  # noqa: E731
+            ref = block_gemm.reference_grouped_mm(*ops, offs, torch.float32)
+        err = check(f"grouped {label} {name} fp8_block", block_fn(), ref)
+        t_row = _rowwise_grouped(name, x, w, dy, offs, label) if name != "wgrad" else None
         t_bf16 = bench(bf16_fn)
-        t_block = bench(lambda: block_gemm.grouped_mm(*ops, offs))
+        t_block = bench(block_fn)
         flops = 2 * s * k * n
         rows.append((label, name, t_bf16, t_block, t_row, flops, err))
     return rows

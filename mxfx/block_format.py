@@ -227,3 +227,47 @@ def _axis(x: torch.Tensor, axis, op: str) -> int:
     if not -x.dim() <= axis < x.dim():
         raise ValueError(f"{op}: axis {axis} is out of range for shape {tuple(x.shape)}")
     return axis % x.dim()
+
+
+def group_tile_capacity(rows: int, groups: int) -> int:
+    """Scale slots for 1x128 tiles along ``rows`` tokens that restart at each of ``groups`` group starts:
+    ``ceil(rows / 128) + groups`` bounds the sum of ``ceil(size_g / 128)`` whatever the sizes (no sync)."""
+    return n_tiles(rows) + groups
+
+
+def group_tile_starts(offs: torch.Tensor) -> torch.Tensor:
+    """First scale slot of each group's token tiles: the cumulative ``ceil(size_g / 128)`` before it (int64)."""
+    sizes = torch.diff(offs.to(torch.int64), prepend=offs.new_zeros(1, dtype=torch.int64))
+    tiles = (sizes + TILE - 1) // TILE
+    return torch.cumsum(tiles, 0) - tiles
+
+
+@torch.compiler.disable
+def quantize_1x128_grouped_tokens(
+    x: torch.Tensor, offs: torch.Tensor, rule: ScaleRule = "rceil"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """1x128 tiles down the token dim of ``x [S, K]``, restarting at every group start (grouped wgrad).
+
+    Group g owns rows ``[offs[g-1], offs[g])`` (``offs`` int32 cumulative ends, as ``torch._grouped_mm``);
+    its last tile is partial unless its size is a multiple of 128. Returns ``(qdata [S, K], scales
+    [group_tile_capacity(S, G), K])``: group g's tiles at slots ``group_tile_starts(offs)[g] + j``; the
+    slots past the last group's are 1.0. Rows past ``offs[-1]`` quantize as zeros' payload (+0).
+    """
+    op = "mxfx.block_format.quantize_1x128_grouped_tokens"
+    check_input(x, op, min_dim=2)
+    check_rule(rule, op)
+    if x.dim() != 2:
+        raise ValueError(f"{op}: needs x [S, K], got shape {tuple(x.shape)}")
+    s, k = x.shape
+    q = torch.zeros(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.ones(group_tile_capacity(s, offs.numel()), k, dtype=torch.float32, device=x.device)
+    start, slot = 0, 0
+    with torch.no_grad():
+        for end in offs.tolist():
+            if end > start:
+                gq, gs = quantize_1x128_lastdim(x[start:end].t(), rule)
+                q[start:end] = gq.t()
+                scales[slot : slot + gs.shape[1]] = gs.t()
+                slot += gs.shape[1]
+            start = end
+    return q, scales

@@ -89,6 +89,29 @@ def test_grouped_forward_and_dgrad_match_reference(out_dtype):
     _check_groups(out, block_gemm.reference_grouped_mm(*_cpu(a2, sa2, bt, sbt, offs), torch.float32), a2, sa2, bt, sbt, sizes)
 
 
+def test_grouped_wgrad_matches_reference():
+    from mxfx.kernels import block_quantize as bq
+
+    g = torch.Generator().manual_seed(5)
+    sizes = [300, 0, 129, 1000, 7]
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    x = torch.randn(sum(sizes), 384, generator=g).bfloat16()
+    dy = torch.randn(sum(sizes), 256, generator=g).bfloat16()
+    (xq, xs), (dq, ds) = (bq.quantize_1x128_grouped_tokens(t.cuda(), offs.cuda()) for t in (x, dy))
+    for got, t in (((xq, xs), x), ((dq, ds), dy)):  # bit-exact against the CPU reference, transposed
+        rq, rs = bf.quantize_1x128_grouped_tokens(t, offs)
+        _same(got, (rq.t(), rs.t()))
+    out = block_gemm.grouped_wgrad(dq, ds, xq, xs, offs.cuda())
+    ref = block_gemm.reference_grouped_wgrad(*_cpu(dq, ds, xq, xs), offs, torch.float32)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        dh = bf.dequantize_1x128(*bf.quantize_1x128(dy[start:end].float(), axis=0), axis=0, dtype=torch.float32)
+        xh = bf.dequantize_1x128(*bf.quantize_1x128(x[start:end].float(), axis=0), axis=0, dtype=torch.float32)
+        bound = 2.0**-10 * (dh.abs().t() @ xh.abs())
+        assert ((out[e].cpu() - ref[e]).abs() <= bound).all(), e
+        start = end
+
+
 def _check_groups(out, ref, a, sa, b, sb, sizes):
     start = 0
     for e, size in enumerate(sizes):

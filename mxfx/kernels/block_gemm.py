@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mxfx.block_format import dequantize_values, n_tiles
+from mxfx.block_format import dequantize_values, group_tile_capacity, group_tile_starts, n_tiles
 from mxfx.kernels.dispatch import triton_available
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -168,3 +168,48 @@ def reference_grouped_mm(a, a_scales, b, b_scales, offs, out_dtype=torch.bfloat1
         start = end
     return out.to(out_dtype)
 
+
+
+def grouped_wgrad(
+    a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor, offs: torch.Tensor,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Grouped wgrad ``dW[g] = A[:, tokens of g] @ B[:, tokens of g]^T``: ``[N, S] x [K, S] -> [G, N, K]``.
+
+    A (dY^T) and B (X^T) are E4M3 in 1x128 tiles along the tokens S that restart at each group start, as
+    ``mxfx.kernels.block_quantize.quantize_1x128_grouped_tokens`` writes them: scales ``[N, C]`` and ``[K, C]``
+    with ``C = mxfx.block_format.group_tile_capacity(S, G)``, group g's tiles at slots
+    ``group_tile_starts(offs)[g] + j``. An empty group's dW is zeros. Triton on CUDA, the reference decode
+    elsewhere.
+    """
+    op = "mxfx.block_gemm.grouped_wgrad"
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"{op}: needs A [N, S] and B [K, S] with one S, got {tuple(a.shape)} and {tuple(b.shape)}")
+    (n, s), k, g = a.shape, b.shape[0], offs.numel()
+    cap = group_tile_capacity(s, g)
+    _check_operand(a, a_scales, op, "A", [(n, cap)])
+    _check_operand(b, b_scales, op, "B", [(k, cap)])
+    _check_out_dtype(out_dtype, op)
+    if offs.dtype != torch.int32 or offs.dim() != 1 or offs.device != a.device or b.device != a.device:
+        raise ValueError(f"{op}: offs must be int32 [G] on {a.device} beside B on {b.device}; got {offs.dtype} "
+                         f"{tuple(offs.shape)} on {offs.device}")
+    if triton_available(a):
+        from mxfx.kernels import block_grouped
+
+        return block_grouped.grouped_wgrad(a, a_scales, b, b_scales, offs, out_dtype)
+    return reference_grouped_wgrad(a, a_scales, b, b_scales, offs, out_dtype)
+
+
+def reference_grouped_wgrad(a, a_scales, b, b_scales, offs, out_dtype=torch.float32) -> torch.Tensor:
+    """The reference decode of :func:`grouped_wgrad`: exact float32 operands per group, one float32 GEMM each."""
+    out = torch.zeros((offs.numel(), a.shape[0], b.shape[0]), dtype=torch.float32, device=a.device)
+    starts = group_tile_starts(offs).tolist()
+    start = 0
+    for gi, end in enumerate(offs.tolist()):
+        if end > start:
+            slots = slice(starts[gi], starts[gi] + n_tiles(end - start))
+            x = dequantize_values(a[:, start:end], a_scales[:, slots], (-1,))
+            w = dequantize_values(b[:, start:end], b_scales[:, slots], (-1,))
+            out[gi] = x @ w.t()
+        start = end
+    return out.to(out_dtype)

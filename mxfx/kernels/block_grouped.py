@@ -161,3 +161,70 @@ def grouped_mm(
         cfg.setdefault("PROGRAMS_PER_SM", 1)
         _kernel[grid(cfg)](*args, BLOCK_K=TILE, EVEN_K=even_k, num_warps=warps, num_stages=stages, **cfg)
     return out
+
+
+WGRAD_CONFIG = (128, 128, 3, 8)
+"""(BLOCK_N, BLOCK_K, num_stages, num_warps) of the grouped wgrad kernel: 128x128 output tiles of each expert,
+128 tokens per step (one scale slot). Untuned; compiled for sm90 it is the forward's 128x128 tile."""
+
+
+@triton.jit
+def _grouped_wgrad_kernel(
+    a_ptr, as_ptr, b_ptr, bs_ptr, offs_ptr, c_ptr,
+    N, K, G,
+    s_an, s_at, s_asn, s_ass, s_bk, s_bt, s_bsk, s_bss, s_cg, s_cn, s_ck,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """``C[g] = A[:, tokens of g] @ B[:, tokens of g]^T``: A ``[N, S]``, B ``[K, S]`` E4M3 with 1x128 scales per
+    group token tile (slot ``tile_start[g] + j``), one program per (output tile, group)."""
+    g = tl.program_id(1)
+    tiles_k = tl.cdiv(K, BLOCK_K)
+    ns = (tl.program_id(0) // tiles_k) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = (tl.program_id(0) % tiles_k) * BLOCK_K + tl.arange(0, BLOCK_K)
+    start = 0
+    end = 0
+    slot0 = 0
+    for f in range(0, G):  # this group's token range and first scale slot
+        f_start = tl.load(offs_ptr + f - 1, mask=f > 0, other=0)
+        f_end = tl.load(offs_ptr + f)
+        hit = f == g
+        start = tl.where(hit, f_start, start)
+        end = tl.where(hit, f_end, end)
+        slot0 += tl.where(f < g, tl.cdiv(f_end - f_start, BLOCK_T), 0)
+    n_ok = ns < N
+    k_ok = ks < K
+    ts = tl.arange(0, BLOCK_T)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for j in range(0, tl.cdiv(end - start, BLOCK_T)):
+        tok = start + j * BLOCK_T + ts
+        t_ok = tok < end
+        a = tl.load(a_ptr + ns[:, None].to(tl.int64) * s_an + tok[None, :] * s_at, mask=n_ok[:, None] & t_ok[None, :], other=0.0)
+        b = tl.load(b_ptr + ks[:, None].to(tl.int64) * s_bk + tok[None, :] * s_bt, mask=k_ok[:, None] & t_ok[None, :], other=0.0)
+        partial = tl.dot(a, tl.trans(b), out_dtype=tl.float32)
+        sa = tl.load(as_ptr + ns * s_asn + (slot0 + j) * s_ass, mask=n_ok, other=0.0)
+        sb = tl.load(bs_ptr + ks * s_bsk + (slot0 + j) * s_bss, mask=k_ok, other=0.0)
+        acc += partial * (sa[:, None] * sb[None, :])
+    c_ptrs = c_ptr + g.to(tl.int64) * s_cg + ns[:, None].to(tl.int64) * s_cn + ks[None, :] * s_ck
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
+
+
+def grouped_wgrad(
+    a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor, offs: torch.Tensor,
+    out_dtype: torch.dtype = torch.float32, *, config: tuple | None = None,
+) -> torch.Tensor:
+    """Launch the grouped wgrad kernel; arguments as :func:`mxfx.kernels.block_gemm.grouped_wgrad` after its checks."""
+    n, _ = a.shape
+    k = b.shape[0]
+    g = offs.numel()
+    out = torch.empty((g, n, k), dtype=out_dtype, device=a.device)
+    if out.numel() == 0:
+        return out
+    interpret = a.device.type == "cpu"
+    bn, bk, stages, warps = config or ((32, 64, 1, 4) if interpret else WGRAD_CONFIG)
+    grid = (triton.cdiv(n, bn) * triton.cdiv(k, bk), g)
+    _grouped_wgrad_kernel[grid](
+        a, a_scales, b, b_scales, offs, out, n, k, g,
+        *a.stride(), *a_scales.stride(), *b.stride(), *b_scales.stride(), *out.stride(),
+        BLOCK_N=bn, BLOCK_K=bk, BLOCK_T=TILE, num_stages=stages, num_warps=warps,
+    )
+    return out

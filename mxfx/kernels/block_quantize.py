@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mxfx.block_format import SCALE_RULES, TILE, check_input, check_rule, n_tiles
+from mxfx.block_format import SCALE_RULES, TILE, check_input, check_rule, group_tile_capacity, n_tiles
 from mxfx.kernels.mx_block import silu_f32
 
 ROWWISE_ROWS = 32
@@ -51,13 +51,30 @@ def _scales(amax, bad, RCEIL: tl.constexpr):
 
 @triton.jit
 def _quantize_kernel(
-    x_ptr, u_ptr, q_ptr, s_ptr,
-    R, C,
+    x_ptr, u_ptr, q_ptr, s_ptr, offs_ptr,
+    R, C, G,
     sxb, sxr, sxc, sqb, sqr, sqc, ssb, ssr, ssc,
-    AXIS: tl.constexpr, RCEIL: tl.constexpr, SWIGLU: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+    AXIS: tl.constexpr, RCEIL: tl.constexpr, SWIGLU: tl.constexpr, GROUPED: tl.constexpr,
+    BR: tl.constexpr, BC: tl.constexpr,
 ):
     b = tl.program_id(2)
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    if GROUPED:  # program 0-index = scale slot; find the group whose token tiles hold it (no host sync)
+        slot = tl.program_id(0)
+        r0 = 0
+        r_end = 0
+        seen = 0
+        for g in range(0, G):
+            start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
+            end = tl.load(offs_ptr + g)
+            n = tl.cdiv(end - start, BR)
+            hit = (slot >= seen) & (slot < seen + n)
+            r0 = tl.where(hit, start + (slot - seen) * BR, r0)
+            r_end = tl.where(hit, end, r_end)
+            seen += n
+        rows = r0 + tl.arange(0, BR)
+        R = r_end
+    else:
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     ok = (rows[:, None] < R) & (cols[None, :] < C)
     offs = b.to(tl.int64) * sxb + rows[:, None].to(tl.int64) * sxr + cols[None, :].to(tl.int64) * sxc
@@ -77,7 +94,7 @@ def _quantize_kernel(
         s = _scales(amax, bad, RCEIL)
         sv = s[None, :]
         s_offs = tl.program_id(0) * ssr + cols.to(tl.int64) * ssc
-        s_ok = cols < C
+        s_ok = tl.max(ok.to(tl.int32), axis=0) > 0  # a column with a row in range (grouped: unused slots stay)
     else:
         amax = tl.max(tl.max(tl.abs(v), axis=1), axis=0)
         bad = tl.max(tl.max(nonfinite, axis=1), axis=0) > 0
@@ -122,8 +139,9 @@ def _rowwise(x: torch.Tensor, up: torch.Tensor | None, rule: str, op: str):
     if m and k:
         grid = (triton.cdiv(m, ROWWISE_ROWS), n_tiles(k), 1)
         _quantize_kernel[grid](
-            x2, x2 if u2 is None else u2, q.view(torch.uint8), s, m, k, 0, *x2.stride(), 0, *q.stride(), 0, *s.stride(),
-            AXIS=_AXIS_ROW, RCEIL=rceil, SWIGLU=u2 is not None, BR=ROWWISE_ROWS, BC=TILE, num_warps=4,
+            x2, x2 if u2 is None else u2, q.view(torch.uint8), s, s, m, k, 0, 0, *x2.stride(), 0, *q.stride(), 0,
+            *s.stride(), AXIS=_AXIS_ROW, RCEIL=rceil, SWIGLU=u2 is not None, GROUPED=False, BR=ROWWISE_ROWS, BC=TILE,
+            num_warps=4,
         )
     return q.view(shape), s
 
@@ -163,8 +181,34 @@ def quantize_1x128_colwise(x: torch.Tensor, rule: str = "rceil") -> tuple[torch.
         grid = (n_tiles(t), triton.cdiv(k, COLWISE_COLS), 1)
         # the tile is [128 tokens, COLWISE_COLS features] of x; q is written through its transpose's strides
         _quantize_kernel[grid](
-            x, x, q.view(torch.uint8), s, t, k, 0, *x.stride(), 0, q.stride(1), q.stride(0), 0, *s.stride(),
-            AXIS=_AXIS_COL, RCEIL=rceil, SWIGLU=False, BR=TILE, BC=COLWISE_COLS, num_warps=4,
+            x, x, q.view(torch.uint8), s, s, t, k, 0, 0, *x.stride(), 0, q.stride(1), q.stride(0), 0, *s.stride(),
+            AXIS=_AXIS_COL, RCEIL=rceil, SWIGLU=False, GROUPED=False, BR=TILE, BC=COLWISE_COLS, num_warps=4,
+        )
+    return q, s.t()
+
+
+def quantize_1x128_grouped_tokens(x: torch.Tensor, offs: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
+    """Grouped wgrad operand: 1x128 tiles down the tokens of ``x [S, K]`` restarting at each group start
+    (``mxfx.block_format.quantize_1x128_grouped_tokens``), written transposed: qdata ``[K, S]`` (columns past
+    ``offs[-1]`` unwritten), scales ``[K, group_tile_capacity(S, G)]`` column-major (unused slots 1.0)."""
+    op = "mxfx.block_quantize.quantize_1x128_grouped_tokens"
+    check_input(x, op)
+    if x.dim() != 2 or offs.dtype != torch.int32 or offs.dim() != 1 or offs.device != x.device:
+        raise ValueError(
+            f"{op}: needs x [S, K] and int32 offs [G] on one device, got x {tuple(x.shape)} on {x.device}, offs "
+            f"{offs.dtype} {tuple(offs.shape)} on {offs.device}"
+        )
+    rceil = _rule(rule, op)
+    t, k = x.shape
+    slots = group_tile_capacity(t, offs.numel())
+    q = torch.empty((k, t), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.ones((slots, k), dtype=torch.float32, device=x.device)
+    if t and k and offs.numel():
+        grid = (slots, triton.cdiv(k, COLWISE_COLS), 1)
+        _quantize_kernel[grid](
+            x, x, q.view(torch.uint8), s, offs, t, k, offs.numel(), 0, *x.stride(), 0, q.stride(1), q.stride(0), 0,
+            *s.stride(), AXIS=_AXIS_COL, RCEIL=rceil, SWIGLU=False, GROUPED=True, BR=TILE, BC=COLWISE_COLS,
+            num_warps=4,
         )
     return q, s.t()
 
@@ -181,7 +225,7 @@ def quantize_128x128(w: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor
     if q.numel():
         grid = (n_tiles(n), n_tiles(k), w3.shape[0])
         _quantize_kernel[grid](
-            w3, w3, q.view(torch.uint8), s, n, k, *w3.stride(), *q.stride(), *s.stride(),
-            AXIS=_AXIS_BOTH, RCEIL=rceil, SWIGLU=False, BR=TILE, BC=TILE, num_warps=8,
+            w3, w3, q.view(torch.uint8), s, s, n, k, 0, *w3.stride(), *q.stride(), *s.stride(),
+            AXIS=_AXIS_BOTH, RCEIL=rceil, SWIGLU=False, GROUPED=False, BR=TILE, BC=TILE, num_warps=8,
         )
     return q.view(w.shape), s.view(*lead, n_tiles(n), n_tiles(k))
