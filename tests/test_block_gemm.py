@@ -329,3 +329,16 @@ def test_grouped_wgrad_kernel_compiles_to_fp8_wgmma(monkeypatch):
                           a, sa, b, sb, offs, config=block_grouped.WGRAD_CONFIG)
     mmas = set(re.findall(r"\b([HQ]GMMA\.[0-9x]+\.F32\.[A-Z0-9]+\.[A-Z0-9]+)", c.sass))
     assert mmas and all(m.endswith("E4M3.E4M3") for m in mmas), mmas
+
+
+def test_bench_gemm_cpu_smoke(monkeypatch, tmp_path):
+    """bench/gemm.py end to end on the CPU reference paths (toy shapes; the numbers mean nothing here)."""
+    import runpy
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.setenv("MXFX_BENCH_OUT", str(tmp_path))
+    monkeypatch.setattr(sys, "argv", ["bench/gemm.py", "--device", "cpu", "--quick"])
+    monkeypatch.syspath_prepend(os.path.join(root, "bench"))
+    runpy.run_path(os.path.join(root, "bench", "gemm.py"), run_name="__main__")
+    text = (tmp_path / "gemm.md").read_text()
+    assert text.count("| forward |") == 3 and text.count("| wgrad |") == 3, text
