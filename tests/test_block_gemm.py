@@ -312,7 +312,8 @@ def test_quantize_kernels_compile_for_sm90(monkeypatch):
 
     x = torch.zeros(256, 384, dtype=torch.bfloat16)
     for fn, args in ((bq.quantize_1x128, (x,)), (bq.quantize_1x128_colwise, (x,)), (bq.quantize_128x128, (x,)),
-                     (bq.swiglu_quantize_1x128, (x, x)), (bq.quantize_1x128, (x.float(), "amax"))):
+                     (bq.swiglu_quantize_1x128, (x, x)), (bq.quantize_1x128, (x.float(), "amax")),
+                     (bq.quantize_1x128_grouped_tokens, (x, torch.tensor([100, 256], dtype=torch.int32)))):
         (c,) = _sm90_launches(monkeypatch, bq, "_quantize_kernel", fn, *args)
         assert c.counts.get("STG", 0) > 0, fn.__name__
 
@@ -342,3 +343,34 @@ def test_bench_gemm_cpu_smoke(monkeypatch, tmp_path):
     runpy.run_path(os.path.join(root, "bench", "gemm.py"), run_name="__main__")
     text = (tmp_path / "gemm.md").read_text()
     assert text.count("| forward |") == 3 and text.count("| wgrad |") == 3, text
+
+
+def _fake_scaled_mm(a, b, scale_a, scale_b, out_dtype=None):
+    """``torch._scaled_mm``'s blockwise contract on sm90 as torch checks it (ScaledBlas.cpp: 1x128 scales
+    ``[rows, ceil(K/128)]`` with strides ``(1, rows)``; 128x128 scales ``[ceil(rows/128), ceil(K/128)]`` with
+    strides ``(round_up(ceil(K/128), 4), 1)``; B's scales given transposed), decoded in float32."""
+    (m, k), n = a.shape, b.shape[1]
+    kt = -(-k // 128)
+    assert a.stride() == (k, 1) and b.stride() == (1, k) and k % 16 == 0 and n % 16 == 0
+    assert scale_a.shape == (m, kt) and (scale_a.stride() == (1, m) or kt == 1), (scale_a.shape, scale_a.stride())
+    sbt = scale_b.t()
+    if sbt.shape == (-(-n // 128), kt):
+        assert sbt.stride(1) == 1 and (sbt.stride(0) == -(-kt // 4) * 4 or sbt.shape[0] == 1), sbt.stride()
+        b_hat = bf.dequantize_values(b.t(), sbt, (-2, -1))
+    else:
+        assert sbt.shape == (n, kt) and (sbt.stride() == (1, n) or kt == 1), (sbt.shape, sbt.stride())
+        b_hat = bf.dequantize_values(b.t(), sbt, (-1,))
+    return (bf.dequantize_values(a, scale_a, (-1,)) @ b_hat.t()).to(out_dtype)
+
+
+@pytest.mark.parametrize("m,n,k", [(200, 200, 640), (64, 384, 4096), (3, 17, 100)])
+def test_cublas_wrapper_builds_the_checked_scale_layouts(monkeypatch, m, n, k):
+    """The dense GPU path's operand and scale layouts (padding to 16, column-major 1x128 scales, the padded
+    128x128 row stride when ceil(K/128) is not a multiple of 4) against torch's checks, on CPU tensors."""
+    monkeypatch.setattr(torch, "_scaled_mm", _fake_scaled_mm)
+    g = torch.Generator().manual_seed(6)
+    a, sa = bf.quantize_1x128(torch.randn(m, k, generator=g))
+    for b, sb in (bf.quantize_128x128(torch.randn(n, k, generator=g)), bf.quantize_1x128(torch.randn(n, k, generator=g))):
+        out = block_gemm._cublas_mm(a, sa, b, sb, torch.float32)
+        assert out.shape == (m, n)
+        assert torch.allclose(out, block_gemm.reference_mm(a, sa, b, sb, torch.float32), rtol=1e-5, atol=1e-4)

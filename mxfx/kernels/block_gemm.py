@@ -94,10 +94,12 @@ def _pad_to(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
 
 def _cublas_mm(a, a_scales, b, b_scales, out_dtype):
     m, n = a.shape[0], b.shape[0]
-    # torch._scaled_mm wants K and N multiples of 16: zero-pad (the scale grids keep their shapes)
-    a_q = _pad_to(a, 1, 16).contiguous()
+    # torch._scaled_mm wants K and N multiples of 16; M is padded too, so the column-major scale strides (M, N)
+    # stay 16-byte aligned. Zero rows and columns (E4M3 +0, scale 1) add nothing; the output is sliced back.
+    a_q = _pad_to(_pad_to(a, 1, 16), 0, 16).contiguous()
     b_q = _pad_to(_pad_to(b, 1, 16), 0, 16).contiguous()
-    a_s = a_scales.t().contiguous().t()  # [M, K/128], stride (1, M)
+    a_s = a_scales if a_q.shape[0] == m else F.pad(a_scales, (0, 0, 0, a_q.shape[0] - m), value=1.0)
+    a_s = a_s.t().contiguous().t()  # [M, K/128], stride (1, M)
     if not tiled_rows(b, b_scales):
         kt = b_scales.shape[1]
         if kt % 4 == 0:  # both torch versions' layouts are the contiguous one
@@ -113,7 +115,7 @@ def _cublas_mm(a, a_scales, b, b_scales, out_dtype):
     for b_s in candidates:
         try:
             out = torch._scaled_mm(a_q, b_q.t(), a_s, b_s, out_dtype=out_dtype)
-            return out[:, :n] if out.shape[1] != n else out
+            return out[:m, :n] if out.shape != (m, n) else out
         except RuntimeError as e:  # the other torch version's 128x128 scale layout
             error = e
     raise RuntimeError(
