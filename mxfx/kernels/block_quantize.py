@@ -103,7 +103,9 @@ def _quantize_kernel(
         s_offs = tl.program_id(0) * ssr + tl.program_id(1) * ssc
         s_ok = True
     if RCEIL:
-        scaled = v * (1.0 / sv)  # 1 / 2^e is exact and finite for e in [-126, 120]
+        # 2^-e from the bits of 2^e (exact for e in [-126, 120]; a plain 1 / s would be an approximate division)
+        inv = ((254 << 23) - sv.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
+        scaled = v * inv
     else:
         scaled = tl.math.div_rn(v, sv)
     qbits = tl.minimum(tl.maximum(scaled, -448.0), 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
