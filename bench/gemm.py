@@ -1,0 +1,257 @@
+"""fp8_block GEMMs on the GPU against BF16 and rowwise FP8: a dense table and a grouped table, one run.
+
+Dense (16384 tokens; 4096->4096 and 4096->14336), GEMM alone, operands already quantized:
+
+* forward ``Y = X W^T``, dgrad ``dX = dY W``, wgrad ``dW = dY^T X``;
+* ``bf16``: cuBLAS BF16 (``torch.mm`` in the layouts a linear uses);
+* ``fp8_block``: ``mxfx.kernels.block_gemm.scaled_mm`` (cuBLAS blockwise FP8: 1x128 x 128x128, wgrad
+  1x128 x 1x128 along the tokens);
+* ``rowwise``: ``torch._scaled_mm`` with one FP32 scale per row of each operand (torchao's FP8 rowwise).
+
+Grouped (OLMoE-like: 64 experts, 65536 routed rows; 2048->2048 and 1024->2048; equal groups and unequal
+ones with empty experts and sizes that are not multiples of 16), forward, dgrad and wgrad:
+
+* ``bf16``: ``torch._grouped_mm``; ``rowwise``: ``torch._scaled_grouped_mm`` (rowwise scales);
+* ``fp8_block``: the Triton grouped GEMM (``mxfx.kernels.block_grouped``, autotuned on first call),
+  dgrad reading the weight's transposed copy with the same 128x128 scales, wgrad (``grouped_wgrad``, bf16
+  out, untuned) on operands tiled 1x128 along each group's tokens; rowwise has no wgrad arm here.
+
+Every FP8 result is first checked against its reference decode (dequantize exactly, FP32 GEMM):
+relative Frobenius error below 1e-2 (bf16 output rounding is ~2e-3), or the script stops.
+Times are ``triton.testing.do_bench`` medians (ms); ratios are BF16 time / arm time (> 1: faster).
+
+    python bench/gemm.py                        # H200: about 2-3 minutes
+    python bench/gemm.py --quick                # smaller shapes, seconds
+    python bench/gemm.py --device cpu --quick   # toy shapes on CPU (reference paths; a smoke run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench._results import emit  # noqa: E402
+from mxfx import block_format as bf  # noqa: E402
+from mxfx.kernels import block_gemm  # noqa: E402
+from mxfx.kernels import block_dispatch as bq  # noqa: E402
+
+E4M3 = torch.float8_e4m3fn
+
+
+DEVICE = "cuda"
+
+
+def bench(fn) -> float | None:
+    """Median ms of ``fn`` (``triton.testing.do_bench`` on CUDA, a few wall-clock runs on CPU); None when the
+    op refuses this device or shape (the arm is left out)."""
+    try:
+        fn()
+    except (RuntimeError, NotImplementedError) as err:
+        print(f"left out: {str(err).splitlines()[0][:120]}")
+        return None
+    if DEVICE != "cuda":
+        import time
+
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return sorted(times)[1]
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+
+
+def check(name: str, out: torch.Tensor, ref: torch.Tensor) -> float:
+    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    if not err < 1e-2:
+        raise SystemExit(f"bench/gemm.py: {name}: relative error {err:.3e} against the reference decode")
+    return err
+
+
+def rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 rowwise: one FP32 scale per row (amax / 448), E4M3 payload."""
+    s = (x.float().abs().amax(dim=1, keepdim=True) / 448.0).clamp_min(1e-12)
+    return (x.float() / s).clamp(-448, 448).to(E4M3), s
+
+
+def rowwise_mm(a, sa, b, sb):
+    """``A @ B^T`` for rowwise operands A [M, K], B [N, K] (scales [M, 1], [N, 1])."""
+    return torch._scaled_mm(a, b.t(), sa, sb.t(), out_dtype=torch.bfloat16)
+
+
+def rowwise_arm(name, a, sa, b, sb):
+    """Time of the rowwise FP8 GEMM after a check against its decode, or None where it is refused or wrong."""
+    try:
+        out = rowwise_mm(a, sa, b, sb)
+    except (RuntimeError, NotImplementedError) as err:
+        print(f"{name}: refused ({str(err).splitlines()[0][:100]})")
+        return None
+    ref = (a.float() * sa) @ (b.float() * sb).t()
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    if not err < 1e-2:  # not this library's kernel: report it and leave the arm out rather than stop
+        print(f"{name}: relative error {err:.3e} against its decode; left out")
+        return None
+    return bench(lambda: rowwise_mm(a, sa, b, sb))
+
+
+def dense_rows(m: int, k: int, n: int, g: torch.Generator) -> list[tuple]:
+    dev = DEVICE
+    x = torch.randn(m, k, device=dev, generator=g).bfloat16()
+    w = (torch.randn(n, k, device=dev, generator=g) * 0.02).bfloat16()
+    dy = torch.randn(m, n, device=dev, generator=g).bfloat16()
+    # fp8_block operands, as the layer would hold them: activations 1x128, weight 128x128 (one grid, both copies)
+    xa = bq.quantize_1x128(x)
+    dya = bq.quantize_1x128(dy)
+    wq, ws = bq.quantize_128x128(w)
+    wt = (wq.t().contiguous(), ws.t().contiguous())
+    dy_t, x_t = bq.quantize_1x128_colwise(dy), bq.quantize_1x128_colwise(x)
+    gemms = {
+        "forward": (lambda: x @ w.t(), (*xa, wq, ws)),
+        "dgrad": (lambda: dy @ w, (*dya, *wt)),
+        "wgrad": (lambda: dy.t() @ x, (*dy_t, *x_t)),
+    }
+    # rowwise FP8 operands: each operand's rows along the reduction dim
+    rw = {
+        "forward": (*rowwise(x), *rowwise(w)),
+        "dgrad": (*rowwise(dy), *rowwise(w.t().contiguous())),
+        "wgrad": (*rowwise(dy.t().contiguous()), *rowwise(x.t().contiguous())),
+    }
+    rows = []
+    for name, (bf16_fn, ops) in gemms.items():
+        out = block_gemm.scaled_mm(*ops)
+        err = check(f"dense {k}->{n} {name} fp8_block", out, block_gemm.reference_mm(*ops, torch.float32))
+        t_row = rowwise_arm(f"dense {k}->{n} {name} rowwise", *rw[name])
+        t_bf16 = bench(bf16_fn)
+        t_block = bench(lambda: block_gemm.scaled_mm(*ops))
+        flops = 2 * m * k * n
+        rows.append((f"{m}x{k}->{n}", name, t_bf16, t_block, t_row, flops, err))
+    return rows
+
+
+def group_sizes(total: int, groups: int, equal: bool, g: torch.Generator) -> list[int]:
+    if equal:
+        return [total // groups] * groups
+    # skewed routing: a few hot experts, some empty ones, sizes not multiples of 16
+    w = torch.rand(groups, generator=g) ** 3
+    w[torch.randperm(groups, generator=g)[: groups // 8]] = 0.0
+    sizes = (w / w.sum() * total).floor().long()
+    sizes[int(w.argmax())] += total - int(sizes.sum())
+    return sizes.tolist()
+
+
+def grouped_rows(s: int, e: int, k: int, n: int, equal: bool, g: torch.Generator) -> list[tuple]:
+    dev = DEVICE
+    sizes = group_sizes(s, e, equal, torch.Generator().manual_seed(7))
+    offs = torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32)
+    x = torch.randn(s, k, device=dev, generator=g).bfloat16()
+    w = (torch.randn(e, n, k, device=dev, generator=g) * 0.02).bfloat16()
+    dy = torch.randn(s, n, device=dev, generator=g).bfloat16()
+    xa, dya = bq.quantize_1x128(x), bq.quantize_1x128(dy)
+    wq, ws = bq.quantize_128x128(w)
+    wt = (wq.transpose(1, 2).contiguous(), ws.transpose(1, 2).contiguous())  # the dgrad copy: same scales
+    cases = {
+        "forward": (lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offs), (*xa, wq, ws)),
+        "dgrad": (lambda: torch._grouped_mm(dy, w, offs=offs), (*dya, *wt)),
+        # dW[e] = dY_e^T X_e: both operands in 1x128 tiles along each group's tokens
+        "wgrad": (lambda: torch._grouped_mm(dy.t(), x, offs=offs),
+                  (*bq.quantize_1x128_grouped_tokens(dy, offs), *bq.quantize_1x128_grouped_tokens(x, offs))),
+    }
+    label = f"{e}x{s // e} {k}->{n}" if equal else f"{e} unequal {k}->{n}"
+    rows = []
+    for name, (bf16_fn, ops) in cases.items():
+        if name == "wgrad":
+            block_fn = lambda: block_gemm.grouped_wgrad(*ops, offs, torch.bfloat16)  # noqa: E731 (bf16 out, as BF16's)
+            ref = block_gemm.reference_grouped_wgrad(*ops, offs, torch.float32)
+        else:
+            block_fn = lambda: block_gemm.grouped_mm(*ops, offs)  # noqa: E731
+            ref = block_gemm.reference_grouped_mm(*ops, offs, torch.float32)
+        err = check(f"grouped {label} {name} fp8_block", block_fn(), ref)
+        t_row = _rowwise_grouped(name, x, w, dy, offs, label) if name != "wgrad" else None
+        t_bf16 = bench(bf16_fn)
+        t_block = bench(block_fn)
+        flops = 2 * s * k * n
+        rows.append((label, name, t_bf16, t_block, t_row, flops, err))
+    return rows
+
+
+def _rowwise_grouped(name, x, w, dy, offs, label):
+    """``torch._scaled_grouped_mm`` time with rowwise scales, or None where it refuses the case."""
+    if name == "forward":
+        a, b3 = x, w  # A [S, K], B [E, N, K]: per-row scales along K
+    else:
+        a, b3 = dy, w.transpose(1, 2).contiguous()
+    aq, sa = rowwise(a)
+    e, n, k = b3.shape
+    bq_, sb = rowwise(b3.reshape(e * n, k))
+    bq_, sb = bq_.view(e, n, k), sb.view(e, n)
+    fn = lambda: torch._scaled_grouped_mm(aq, bq_.transpose(1, 2), sa.view(-1), sb, offs=offs, out_dtype=torch.bfloat16)  # noqa: E731
+    try:
+        out = fn()
+    except (RuntimeError, NotImplementedError) as err:
+        print(f"rowwise grouped {label} {name}: refused ({str(err).splitlines()[0][:100]})")
+        return None
+    ref = torch._grouped_mm((aq.float() * sa).bfloat16(), (bq_.float() * sb[..., None]).bfloat16().transpose(1, 2), offs=offs)
+    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    if not err < 1e-2:  # not this library's kernel: report it and leave the arm out rather than stop
+        print(f"rowwise grouped {label} {name}: relative error {err:.3e} against its decode; left out")
+        return None
+    return bench(fn)
+
+
+def table(title: str, rows: list[tuple]) -> str:
+    lines = [f"### {title}", "", "| shape | GEMM | bf16 ms | fp8_block ms | rowwise ms | fp8_block vs bf16 | rowwise vs bf16 "
+             "| fp8_block TFLOP/s | fp8_block rel. err |", "|---|---|---|---|---|---|---|---|---|"]
+
+    def ms(t):
+        return f"{t:.3f}" if t is not None else "n/a"
+
+    def ratio(base, t):
+        return f"{base / t:.2f}x" if base is not None and t is not None else "n/a"
+
+    for shape, name, tb, tk, tr, flops, err in rows:
+        tflops = f"{flops / tk / 1e9:.0f}" if tk is not None else "n/a"
+        lines.append(f"| {shape} | {name} | {ms(tb)} | {ms(tk)} | {ms(tr)} | {ratio(tb, tk)} | {ratio(tb, tr)} "
+                     f"| {tflops} | {err:.1e} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="small shapes (a smoke run)")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    args = p.parse_args()
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench/gemm.py needs a CUDA GPU (sm90+); --device cpu --quick runs the reference paths")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    toy = DEVICE == "cpu"
+    m = 128 if toy else 2048 if args.quick else 16384
+    dense_shapes = ((128, 256),) if toy else ((4096, 4096), (4096, 14336))
+    dense = []
+    for k, n in dense_shapes:
+        dense += dense_rows(m, k, n, g)
+    s, experts = (512, 4) if toy else (8192, 64) if args.quick else (65536, 64)
+    grouped_shapes = ((128, 256),) if toy else ((2048, 2048), (1024, 2048))
+    grouped = []
+    for k, n in grouped_shapes:
+        for equal in (True, False):
+            grouped += grouped_rows(s, experts, k, n, equal, g)
+    dev = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+    out = "\n\n".join([
+        f"bench/gemm.py on {dev}, torch {torch.__version__}" + (" (--quick)" if args.quick else ""),
+        table("Dense GEMMs (operands pre-quantized)", dense),
+        table(f"Grouped GEMMs ({experts} experts; fp8_block = Triton, rowwise = torch._scaled_grouped_mm)", grouped),
+    ])
+    emit("gemm.md", out)
+
+
+if __name__ == "__main__":
+    main()

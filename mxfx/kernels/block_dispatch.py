@@ -1,0 +1,60 @@
+"""Device dispatch for the fp8_block quantize kernels: Triton on CUDA, the ``mxfx.block_format`` reference elsewhere.
+
+Both paths give the same values and shapes (tests/test_block_gpu.py compares them byte for byte); scales of the
+1x128 operands are column-major on CUDA (what the GEMMs read) and row-major on CPU, which the CPU GEMMs read
+through their strides. ``mxfx.kernels.block_quantize`` (and so Triton) is imported only once a CUDA tensor
+arrives.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mxfx import block_format as bf
+from mxfx.kernels.dispatch import triton_available
+from mxfx.kernels.silu import silu_fp32
+
+
+def _triton():
+    from mxfx.kernels import block_quantize
+
+    return block_quantize
+
+
+def quantize_1x128(x: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
+    """1x128 along the last dim: ``(qdata [..., K], scales [M, ceil(K/128)])``, leading dims merged into M."""
+    if triton_available(x):
+        return _triton().quantize_1x128(x, rule)
+    q, s = bf.quantize_1x128(x, rule=rule)
+    return q, s.reshape(-1, s.shape[-1])
+
+
+def swiglu_quantize_1x128(gate: torch.Tensor, up: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_1x128` of ``silu(gate) * up`` formed in float32 (mxfx's SiLU)."""
+    if triton_available(gate):
+        return _triton().swiglu_quantize_1x128(gate, up, rule)
+    if gate.shape != up.shape:
+        raise ValueError(f"mxfx.block_dispatch.swiglu_quantize_1x128: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
+    return quantize_1x128(silu_fp32(gate) * up.float(), rule)
+
+
+def quantize_1x128_colwise(x: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
+    """1x128 along the tokens of ``x [T, K]``: ``(qdata [K, T], scales [K, ceil(T/128)])``."""
+    if triton_available(x):
+        return _triton().quantize_1x128_colwise(x, rule)
+    return bf.quantize_1x128(x.t(), rule=rule)
+
+
+def quantize_1x128_grouped_tokens(x: torch.Tensor, offs: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
+    """1x128 along each group's tokens of ``x [S, K]``: ``(qdata [K, S], scales [K, capacity])``."""
+    if triton_available(x):
+        return _triton().quantize_1x128_grouped_tokens(x, offs, rule)
+    q, s = bf.quantize_1x128_grouped_tokens(x, offs, rule)
+    return q.t().contiguous(), s.t()
+
+
+def quantize_128x128(w: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
+    """128x128 blocks over the last two dims: ``(qdata [..., N, K], scales [..., ceil(N/128), ceil(K/128)])``."""
+    if triton_available(w):
+        return _triton().quantize_128x128(w, rule)
+    return bf.quantize_128x128(w, rule)

@@ -1,0 +1,217 @@
+"""fp8_block GEMMs: dense through cuBLAS (``torch._scaled_mm``), grouped through Triton, plain torch on CPU.
+
+Both compute ``A @ B^T`` on operands tiled along the reduction dim K (``mxfx.block_format``):
+
+* :func:`scaled_mm`: A ``[M, K]`` with 1x128 scales ``[M, ceil(K/128)]``; B ``[N, K]`` with either
+  128x128 scales ``[ceil(N/128), ceil(K/128)]`` (a weight: forward and dgrad) or 1x128 scales
+  ``[N, ceil(K/128)]`` (wgrad, where both operands are tiled along the tokens).
+* :func:`grouped_mm`: A ``[S, K]`` 1x128, B ``[G, N, K]`` 128x128 per group, rows grouped by
+  cumulative ends ``offs`` (``torch._grouped_mm``'s convention); :mod:`mxfx.kernels.block_grouped`.
+
+On CUDA the dense GEMM is cuBLAS's blockwise FP8 GEMM (sm90+), the grouped one the Triton kernel;
+elsewhere (CPU) both are the reference decode: dequantize each operand to float32 exactly, then a
+float32 GEMM. GPU results agree with it up to float32 summation order and Hopper's FP8 accumulation
+(tests/test_block_gemm.py states the bounds).
+
+cuBLAS scale layouts (what ``torch._scaled_mm`` checks on sm90; a wrong one can be a silent wrong
+answer, so they are built here, never taken from the caller as is): A's 1x128 scales column-major
+(stride ``(1, M)``); B's 128x128 scales, seen as ``[ceil(N/128), ceil(K/128)]``, row-major with the
+row stride rounded up to a multiple of 4 (older torch wanted it unpadded: tried second); B's 1x128
+scales, seen as ``[N, ceil(K/128)]``, column-major.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mxfx.block_format import dequantize_values, group_tile_capacity, group_tile_starts, n_tiles
+from mxfx.kernels.dispatch import triton_available
+
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check_operand(t, s, op, name, scale_shapes):
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"{op}: {name} must be a torch.float8_e4m3fn tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+    if not isinstance(s, torch.Tensor) or s.dtype != torch.float32:
+        raise TypeError(f"{op}: {name} scales must be a float32 tensor, got {getattr(s, 'dtype', type(s).__name__)}")
+    if tuple(s.shape) not in [tuple(x) for x in scale_shapes]:
+        wanted = " or ".join(str(tuple(x)) for x in scale_shapes)
+        raise ValueError(f"{op}: {name} of shape {tuple(t.shape)} needs scales of shape {wanted}, got {tuple(s.shape)}")
+    if s.device != t.device:
+        raise ValueError(f"{op}: {name} is on {t.device} but its scales are on {s.device}; move them to one device")
+
+
+def _check_out_dtype(out_dtype, op):
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"{op}: out_dtype {out_dtype} is not one of bfloat16, float16, float32")
+
+
+def scaled_mm(
+    a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """``A @ B^T`` for fp8_block operands (module docstring): ``[M, K] x [N, K] -> [M, N]`` in ``out_dtype``.
+
+    Raises:
+        TypeError: operands not E4M3, scales not float32, unknown out_dtype.
+        ValueError: shapes or devices that do not pair up (the message names them).
+    """
+    op = "mxfx.block_gemm.scaled_mm"
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"{op}: needs A [M, K] and B [N, K] with one K, got {tuple(a.shape)} and {tuple(b.shape)}")
+    (m, k), n = a.shape, b.shape[0]
+    _check_operand(a, a_scales, op, "A", [(m, n_tiles(k))])
+    _check_operand(b, b_scales, op, "B", [(n_tiles(n), n_tiles(k)), (n, n_tiles(k))])
+    _check_out_dtype(out_dtype, op)
+    if a.device != b.device:
+        raise ValueError(f"{op}: A is on {a.device} but B is on {b.device}")
+    if a.is_cuda:
+        return _cublas_mm(a, a_scales, b, b_scales, out_dtype)
+    return reference_mm(a, a_scales, b, b_scales, out_dtype)
+
+
+def reference_mm(a, a_scales, b, b_scales, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """The reference decode of :func:`scaled_mm`: exact float32 operands, a float32 GEMM, one cast."""
+    b_dims = (-1,) if tiled_rows(b, b_scales) else (-2, -1)
+    return (dequantize_values(a, a_scales, (-1,)) @ dequantize_values(b, b_scales, b_dims).t()).to(out_dtype)
+
+
+def tiled_rows(b: torch.Tensor, b_scales: torch.Tensor) -> bool:
+    """True when B's scales are 1x128 (one row of scales per row of B), False for 128x128 blocks
+    (with one row of B the two read the same)."""
+    return b_scales.shape[0] == b.shape[0]
+
+
+def _pad_to(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
+    extra = -t.shape[dim] % multiple
+    if not extra:
+        return t
+    pad = [0, 0] * (t.dim() - dim - 1) + [0, extra]
+    return F.pad(t.view(torch.uint8), pad).view(t.dtype)  # zero bytes: E4M3 +0, adds nothing to the sums
+
+
+def _cublas_mm(a, a_scales, b, b_scales, out_dtype):
+    m, n = a.shape[0], b.shape[0]
+    # torch._scaled_mm wants K and N multiples of 16; M is padded too, so the column-major scale strides (M, N)
+    # stay 16-byte aligned. Zero rows and columns (E4M3 +0, scale 1) add nothing; the output is sliced back.
+    a_q = _pad_to(_pad_to(a, 1, 16), 0, 16).contiguous()
+    b_q = _pad_to(_pad_to(b, 1, 16), 0, 16).contiguous()
+    a_s = a_scales if a_q.shape[0] == m else F.pad(a_scales, (0, 0, 0, a_q.shape[0] - m), value=1.0)
+    a_s = a_s.t().contiguous().t()  # [M, K/128], stride (1, M)
+    if not tiled_rows(b, b_scales):
+        kt = b_scales.shape[1]
+        if kt % 4 == 0:  # both torch versions' layouts are the contiguous one
+            candidates = [b_scales.contiguous().t()]
+        else:
+            padded = b_scales.new_zeros(b_scales.shape[0], -(-kt // 4) * 4)
+            padded[:, :kt] = b_scales
+            candidates = [padded[:, :kt].t(), b_scales.contiguous().t()]
+    else:
+        sb = b_scales if b_q.shape[0] == n else F.pad(b_scales, (0, 0, 0, b_q.shape[0] - n), value=1.0)
+        candidates = [sb.t().contiguous()]  # [K/128, N]: [N, K/128] column-major
+    error = None
+    for b_s in candidates:
+        try:
+            out = torch._scaled_mm(a_q, b_q.t(), a_s, b_s, out_dtype=out_dtype)
+            return out[:m, :n] if out.shape != (m, n) else out
+        except RuntimeError as e:  # the other torch version's 128x128 scale layout
+            error = e
+    raise RuntimeError(
+        f"mxfx.block_gemm.scaled_mm: cuBLAS refused A {tuple(a.shape)} x B {tuple(b.shape)} with scales "
+        f"{tuple(a_scales.shape)} and {tuple(b_scales.shape)} (out {out_dtype}); blockwise FP8 needs sm90+ "
+        f"and a torch built with CUDA 12.9+"
+    ) from error
+
+
+def grouped_mm(
+    a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor, offs: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Grouped ``A @ B[g]^T`` for fp8_block operands (module docstring): ``[S, K] x [G, N, K] -> [S, N]``.
+
+    Group g owns rows ``[offs[g-1], offs[g])`` (``offs`` int32 ``[G]``, cumulative, non-decreasing,
+    at most S); rows past ``offs[-1]`` come out as zeros. Triton on CUDA, the reference decode elsewhere.
+
+    Raises:
+        TypeError / ValueError: dtypes, shapes or devices that do not pair up (named in the message).
+    """
+    op = "mxfx.block_gemm.grouped_mm"
+    if a.dim() != 2 or b.dim() != 3 or a.shape[1] != b.shape[2]:
+        raise ValueError(f"{op}: needs A [S, K] and B [G, N, K] with one K, got {tuple(a.shape)} and {tuple(b.shape)}")
+    (s, k), (g, n, _) = a.shape, b.shape
+    _check_operand(a, a_scales, op, "A", [(s, n_tiles(k))])
+    _check_operand(b, b_scales, op, "B", [(g, n_tiles(n), n_tiles(k))])
+    _check_out_dtype(out_dtype, op)
+    if offs.dtype != torch.int32 or tuple(offs.shape) != (g,) or offs.device != a.device or b.device != a.device:
+        raise ValueError(
+            f"{op}: offs must be int32 of shape ({g},) on {a.device} beside B on {b.device}; got {offs.dtype} "
+            f"{tuple(offs.shape)} on {offs.device}"
+        )
+    if triton_available(a):
+        from mxfx.kernels import block_grouped
+
+        return block_grouped.grouped_mm(a, a_scales, b, b_scales, offs, out_dtype)
+    return reference_grouped_mm(a, a_scales, b, b_scales, offs, out_dtype)
+
+
+def reference_grouped_mm(a, a_scales, b, b_scales, offs, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """The reference decode of :func:`grouped_mm`: exact float32 operands, one float32 GEMM per group."""
+    out = torch.zeros((a.shape[0], b.shape[1]), dtype=torch.float32, device=a.device)
+    ends = offs.tolist()
+    if any(e1 < e0 for e0, e1 in zip([0] + ends, ends)) or (ends and ends[-1] > a.shape[0]):
+        raise ValueError(f"mxfx.block_gemm.grouped_mm: offs {ends} must be non-decreasing and at most {a.shape[0]}")
+    x = dequantize_values(a, a_scales, (-1,))
+    w = dequantize_values(b, b_scales, (-2, -1))
+    start = 0
+    for gi, end in enumerate(ends):
+        out[start:end] = x[start:end] @ w[gi].t()
+        start = end
+    return out.to(out_dtype)
+
+
+
+def grouped_wgrad(
+    a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor, offs: torch.Tensor,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Grouped wgrad ``dW[g] = A[:, tokens of g] @ B[:, tokens of g]^T``: ``[N, S] x [K, S] -> [G, N, K]``.
+
+    A (dY^T) and B (X^T) are E4M3 in 1x128 tiles along the tokens S that restart at each group start, as
+    ``mxfx.kernels.block_quantize.quantize_1x128_grouped_tokens`` writes them: scales ``[N, C]`` and ``[K, C]``
+    with ``C = mxfx.block_format.group_tile_capacity(S, G)``, group g's tiles at slots
+    ``group_tile_starts(offs)[g] + j``. An empty group's dW is zeros. Triton on CUDA, the reference decode
+    elsewhere.
+    """
+    op = "mxfx.block_gemm.grouped_wgrad"
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"{op}: needs A [N, S] and B [K, S] with one S, got {tuple(a.shape)} and {tuple(b.shape)}")
+    (n, s), k, g = a.shape, b.shape[0], offs.numel()
+    cap = group_tile_capacity(s, g)
+    _check_operand(a, a_scales, op, "A", [(n, cap)])
+    _check_operand(b, b_scales, op, "B", [(k, cap)])
+    _check_out_dtype(out_dtype, op)
+    if offs.dtype != torch.int32 or offs.dim() != 1 or offs.device != a.device or b.device != a.device:
+        raise ValueError(f"{op}: offs must be int32 [G] on {a.device} beside B on {b.device}; got {offs.dtype} "
+                         f"{tuple(offs.shape)} on {offs.device}")
+    if triton_available(a):
+        from mxfx.kernels import block_grouped
+
+        return block_grouped.grouped_wgrad(a, a_scales, b, b_scales, offs, out_dtype)
+    return reference_grouped_wgrad(a, a_scales, b, b_scales, offs, out_dtype)
+
+
+def reference_grouped_wgrad(a, a_scales, b, b_scales, offs, out_dtype=torch.float32) -> torch.Tensor:
+    """The reference decode of :func:`grouped_wgrad`: exact float32 operands per group, one float32 GEMM each."""
+    out = torch.zeros((offs.numel(), a.shape[0], b.shape[0]), dtype=torch.float32, device=a.device)
+    starts = group_tile_starts(offs).tolist()
+    start = 0
+    for gi, end in enumerate(offs.tolist()):
+        if end > start:
+            slots = slice(starts[gi], starts[gi] + n_tiles(end - start))
+            x = dequantize_values(a[:, start:end], a_scales[:, slots], (-1,))
+            w = dequantize_values(b[:, start:end], b_scales[:, slots], (-1,))
+            out[gi] = x @ w.t()
+        start = end
+    return out.to(out_dtype)

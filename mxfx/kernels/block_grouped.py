@@ -1,0 +1,230 @@
+"""Triton grouped GEMM on fp8_block operands: ``out[rows of group g] = A[rows] @ B[g]^T``.
+
+A is ``[S, K]`` E4M3 with 1x128 float32 scales ``[S, ceil(K/128)]`` (activations or gradients,
+tiled along the reduction dim K); B is ``[G, N, K]`` E4M3 with 128x128 float32 scales
+``[G, ceil(N/128), ceil(K/128)]`` (expert weights). Rows are grouped as ``torch._grouped_mm``
+groups them: ``offs`` int32 ``[G]`` holds cumulative group ends, group g owns rows
+``[offs[g-1], offs[g])``; empty groups and group sizes that are not multiples of anything are
+fine, and rows past ``offs[-1]`` are written as zeros.
+
+Design (the DeepGEMM one, written for Triton): every 128-wide step of K is one FP8 ``tl.dot``
+into a fresh FP32 partial sum, promoted once into the FP32 accumulator with the product of the
+row's A scale and the column's B scale: ``acc += partial * (sa[m] * sb[n])``. A tile of BLOCK_N
+columns may span several 128-column weight blocks; each column reads its own block's scale.
+The launch is persistent: one program per SM walks the tiles of all groups in one launch (group
+by group, tiles numbered globally, program p takes tiles p, p + P, ...), so group sizes never
+reach the host and nothing is synchronised.
+
+B is read through its strides: the forward passes the weight ``W [G, N, K]`` itself; dgrad
+(``dX = dY W``) passes the weight's transpose ``[G, K, N]`` with its scales transposed, either as
+a view (slower: non-K-major loads) or as a contiguous copy (the fast layout). Under the rceil
+rule the 128x128 scales of a block serve both orientations unchanged.
+
+Numerics: each partial sum holds exact E4M3 products summed in FP32 over 128 values (on Hopper
+the FP8 tensor cores accumulate with fewer mantissa bits, the reason for the per-128 promotion);
+the only other roundings are the scale product (exact for power-of-two scales inside FP32's
+normal range), the promotion FMA and the output cast.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from mxfx.block_format import TILE, n_tiles
+
+CONFIGS = [
+    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "PROGRAMS_PER_SM": per_sm}, num_stages=stages, num_warps=warps)
+    for bm, bn, stages, warps, per_sm in (
+        (128, 128, 4, 8, 1),
+        (128, 128, 3, 8, 1),
+        (64, 128, 3, 4, 2),
+        (64, 128, 4, 4, 2),
+        (64, 256, 3, 8, 1),
+        (64, 64, 4, 4, 3),
+    )
+]
+"""A small sm90 set: 128-wide K steps; the accumulator and the 128-K partial sum each take BLOCK_M x BLOCK_N
+FP32 values. Compiled for sm90 (Triton's ptxas) the 8-warp tiles use 218-238 registers per thread (one program
+per SM), 64x128 over 4 warps 242 (two fit an SM's registers and shared memory), 64x64 166 (three): while one
+program promotes its partial sums on the CUDA cores, another's FP8 MMAs run. PROGRAMS_PER_SM sets the persistent
+grid to match. Autotuned per (N, K, G, strides); token counts are not in the key (they change every step)."""
+
+
+def _grouped_body(
+    a_ptr, as_ptr, b_ptr, bs_ptr, offs_ptr, c_ptr,
+    S, N, K, G,
+    s_am, s_ak, s_asm, s_ask,
+    s_bg, s_bn, s_bk, s_bsg, s_bsn, s_bsk,
+    s_cm, s_cn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    PROGRAMS_PER_SM: tl.constexpr,  # read by the launch grid only
+):
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    k_steps = tl.cdiv(K, BLOCK_K)
+    tile = pid  # the next global tile number this program computes
+    seen = 0  # tiles of the groups walked so far
+    b_g = b_ptr  # group g's weight and scales (pointers advance: 64-bit offsets at any size)
+    bs_g = bs_ptr
+    for g in range(0, G + 1):  # group G is the tail past offs[-1]: zeros
+        m_start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
+        m_end = tl.load(offs_ptr + g, mask=g < G, other=S)
+        m_start = tl.minimum(m_start, S)
+        m_end = tl.maximum(tl.minimum(m_end, S), m_start)
+        group_tiles = tl.cdiv(m_end - m_start, BLOCK_M) * tiles_n
+        steps = tl.where(g < G, k_steps, 0)
+        while tile < seen + group_tiles:
+            t = tile - seen
+            rows = m_start + (t // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+            cols = (t % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+            row_ok = rows < m_end
+            col_ok = cols < N
+            ks = tl.arange(0, BLOCK_K)
+            a_ptrs = a_ptr + rows[:, None].to(tl.int64) * s_am + ks[None, :] * s_ak
+            b_ptrs = b_g + cols[None, :].to(tl.int64) * s_bn + ks[:, None] * s_bk
+            as_ptrs = as_ptr + rows.to(tl.int64) * s_asm
+            bs_ptrs = bs_g + (cols // 128) * s_bsn
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for kb in range(0, steps):
+                if EVEN_K:
+                    a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                    b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
+                else:
+                    k_ok = kb * BLOCK_K + ks < K
+                    a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                    b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+                partial = tl.dot(a, b, out_dtype=tl.float32)
+                sa = tl.load(as_ptrs + kb * s_ask, mask=row_ok, other=0.0)
+                sb = tl.load(bs_ptrs + kb * s_bsk, mask=col_ok, other=0.0)
+                acc += partial * (sa[:, None] * sb[None, :])
+                a_ptrs += BLOCK_K * s_ak
+                b_ptrs += BLOCK_K * s_bk
+            c_ptrs = c_ptr + rows[:, None].to(tl.int64) * s_cm + cols[None, :] * s_cn
+            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+            tile += num_programs
+        seen += group_tiles
+        b_g += s_bg
+        bs_g += s_bsg
+
+
+_kernel_tuned = triton.autotune(
+    configs=CONFIGS,
+    key=["N", "K", "G", "s_ak", "s_bn", "s_bk", "EVEN_K"],
+)(triton.jit(do_not_specialize=["S"])(_grouped_body))
+_kernel = triton.jit(do_not_specialize=["S"])(_grouped_body)
+
+INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 64, "PROGRAMS_PER_SM": 1}
+"""Tile of the untuned launch (the Triton interpreter, where autotuning would only slow tests)."""
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def grouped_mm(
+    a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor, offs: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16, *, tune: bool = True, config: dict | None = None,
+) -> torch.Tensor:
+    """Launch the grouped kernel (module docstring); arguments as :func:`mxfx.kernels.block_gemm.grouped_mm`
+    after its checks. ``tune=False`` (or a ``config`` of BLOCK_M/BLOCK_N, plus num_warps/num_stages)
+    launches one fixed tile instead of autotuning."""
+    S, K = a.shape
+    G, N, _ = b.shape
+    out = torch.empty((S, N), dtype=out_dtype, device=a.device)
+    if S == 0 or N == 0:
+        return out
+    interpret = a.device.type == "cpu"
+    programs_cap = 3 if interpret else _num_sms(a.device.index if a.device.index is not None else torch.cuda.current_device())
+    args = (
+        a, a_scales, b, b_scales, offs, out, S, N, K, G,
+        *a.stride(), *a_scales.stride(), *b.stride(), *b_scales.stride(), *out.stride(),
+    )
+    even_k = K % TILE == 0
+
+    def grid(meta):
+        # PROGRAMS_PER_SM programs per SM (3 in all under the interpreter: each walks several tiles); fewer
+        # when the tiles are few (an upper bound on them, no sync)
+        tiles = (triton.cdiv(S, meta["BLOCK_M"]) + G) * triton.cdiv(N, meta["BLOCK_N"])
+        return (min(programs_cap * meta.get("PROGRAMS_PER_SM", 1), tiles),)
+
+    if tune and config is None and not interpret:
+        _kernel_tuned[grid](*args, BLOCK_K=TILE, EVEN_K=even_k)
+    else:
+        cfg = dict(config or INTERPRETER_CONFIG)
+        warps, stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 3)
+        cfg.setdefault("PROGRAMS_PER_SM", 1)
+        _kernel[grid(cfg)](*args, BLOCK_K=TILE, EVEN_K=even_k, num_warps=warps, num_stages=stages, **cfg)
+    return out
+
+
+WGRAD_CONFIG = (128, 128, 3, 8)
+"""(BLOCK_N, BLOCK_K, num_stages, num_warps) of the grouped wgrad kernel: 128x128 output tiles of each expert,
+128 tokens per step (one scale slot). Untuned; compiled for sm90 it is the forward's 128x128 tile."""
+
+
+@triton.jit
+def _grouped_wgrad_kernel(
+    a_ptr, as_ptr, b_ptr, bs_ptr, offs_ptr, c_ptr,
+    N, K, G,
+    s_an, s_at, s_asn, s_ass, s_bk, s_bt, s_bsk, s_bss, s_cg, s_cn, s_ck,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """``C[g] = A[:, tokens of g] @ B[:, tokens of g]^T``: A ``[N, S]``, B ``[K, S]`` E4M3 with 1x128 scales per
+    group token tile (slot ``tile_start[g] + j``), one program per (output tile, group)."""
+    g = tl.program_id(1)
+    tiles_k = tl.cdiv(K, BLOCK_K)
+    ns = (tl.program_id(0) // tiles_k) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = (tl.program_id(0) % tiles_k) * BLOCK_K + tl.arange(0, BLOCK_K)
+    start = 0
+    end = 0
+    slot0 = 0
+    for f in range(0, G):  # this group's token range and first scale slot
+        f_start = tl.load(offs_ptr + f - 1, mask=f > 0, other=0)
+        f_end = tl.load(offs_ptr + f)
+        hit = f == g
+        start = tl.where(hit, f_start, start)
+        end = tl.where(hit, f_end, end)
+        slot0 += tl.where(f < g, tl.cdiv(f_end - f_start, BLOCK_T), 0)
+    n_ok = ns < N
+    k_ok = ks < K
+    ts = tl.arange(0, BLOCK_T)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for j in range(0, tl.cdiv(end - start, BLOCK_T)):
+        tok = start + j * BLOCK_T + ts
+        t_ok = tok < end
+        a = tl.load(a_ptr + ns[:, None].to(tl.int64) * s_an + tok[None, :] * s_at, mask=n_ok[:, None] & t_ok[None, :], other=0.0)
+        b = tl.load(b_ptr + ks[:, None].to(tl.int64) * s_bk + tok[None, :] * s_bt, mask=k_ok[:, None] & t_ok[None, :], other=0.0)
+        partial = tl.dot(a, tl.trans(b), out_dtype=tl.float32)
+        sa = tl.load(as_ptr + ns * s_asn + (slot0 + j) * s_ass, mask=n_ok, other=0.0)
+        sb = tl.load(bs_ptr + ks * s_bsk + (slot0 + j) * s_bss, mask=k_ok, other=0.0)
+        acc += partial * (sa[:, None] * sb[None, :])
+    c_ptrs = c_ptr + g.to(tl.int64) * s_cg + ns[:, None].to(tl.int64) * s_cn + ks[None, :] * s_ck
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
+
+
+def grouped_wgrad(
+    a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor, offs: torch.Tensor,
+    out_dtype: torch.dtype = torch.float32, *, config: tuple | None = None,
+) -> torch.Tensor:
+    """Launch the grouped wgrad kernel; arguments as :func:`mxfx.kernels.block_gemm.grouped_wgrad` after its checks."""
+    n, _ = a.shape
+    k = b.shape[0]
+    g = offs.numel()
+    out = torch.empty((g, n, k), dtype=out_dtype, device=a.device)
+    if out.numel() == 0:
+        return out
+    interpret = a.device.type == "cpu"
+    bn, bk, stages, warps = config or ((32, 64, 1, 4) if interpret else WGRAD_CONFIG)
+    grid = (triton.cdiv(n, bn) * triton.cdiv(k, bk), g)
+    _grouped_wgrad_kernel[grid](
+        a, a_scales, b, b_scales, offs, out, n, k, g,
+        *a.stride(), *a_scales.stride(), *b.stride(), *b_scales.stride(), *out.stride(),
+        BLOCK_N=bn, BLOCK_K=bk, BLOCK_T=TILE, num_stages=stages, num_warps=warps,
+    )
+    return out

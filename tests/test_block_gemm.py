@@ -1,0 +1,376 @@
+"""fp8_block GEMMs on CPU: the reference decode, and the Triton grouped GEMM and quantize kernels under
+``TRITON_INTERPRET=1`` (in a subprocess) against it.
+
+Bound used throughout: the reference is an FP32 GEMM on exactly dequantized operands, so another FP32
+summation order differs by at most ``K * 2^-24 * (|A| @ |B|^T)`` elementwise (the classic
+``gamma_K`` bound on the summed magnitudes), plus the output cast.
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mxfx import block_format as bf
+from mxfx.kernels import block_gemm
+
+
+def summation_bound(a, sa, b, sb, b_dims=(-2, -1)):
+    """``K * 2^-24 * (|A_hat| @ |B_hat|^T)``: how far two FP32 summation orders may differ."""
+    x = bf.dequantize_values(a, sa, (-1,)).abs()
+    w = bf.dequantize_values(b, sb, b_dims).abs()
+    return a.shape[-1] * 2.0**-24 * (x @ w.t())
+
+
+def test_dense_reference_is_the_float64_product_of_exact_operands():
+    # operands that quantize exactly: the reference equals float64 matmul of the inputs within fp32 summation
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randint(-16, 17, (64, 384), generator=g).float()) * 2.0 ** torch.randint(-3, 3, (64, 1), generator=g)
+    x[:, ::128] = 256.0  # every tile's amax is 256: rceil scale 1
+    w = torch.randint(-16, 17, (256, 384), generator=g).float() / 8
+    w[::128, ::128] = 448.0  # one 448 per 128x128 block: scale 1
+    a, sa = bf.quantize_1x128(x)
+    b, sb = bf.quantize_128x128(w)
+    assert torch.equal(bf.dequantize_1x128(a, sa, dtype=torch.float32), x)
+    out = block_gemm.scaled_mm(a, sa, b, sb, torch.float32)
+    ref = (x.double() @ w.double().t()).float()
+    assert torch.equal(out, ref)  # small integers times powers of two: every fp32 sum is exact
+    # the same B as 1x128 tiles (wgrad's form) gives the same values
+    b1, sb1 = bf.quantize_1x128(w)
+    assert torch.equal(block_gemm.scaled_mm(a, sa, b1, sb1, torch.float32), ref)
+
+
+def test_grouped_reference_matches_dense_per_group():
+    g = torch.Generator().manual_seed(1)
+    sizes = [5, 0, 17, 40]
+    x = torch.randn(sum(sizes) + 3, 256, generator=g)
+    w = torch.randn(4, 192, 256, generator=g) * 0.1
+    a, sa = bf.quantize_1x128(x)
+    b, sb = bf.quantize_128x128(w)
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    out = block_gemm.grouped_mm(a, sa, b, sb, offs, torch.float32)
+    start = 0
+    for e, n in enumerate(sizes):
+        rows = slice(start, start + n)
+        assert torch.equal(out[rows], block_gemm.scaled_mm(a[rows], sa[rows], b[e], sb[e], torch.float32))
+        start += n
+    assert (out[start:] == 0).all()  # rows past offs[-1]
+
+
+def test_grouped_token_tiles_restart_at_each_group():
+    g = torch.Generator().manual_seed(5)
+    sizes = [130, 0, 5, 256]
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    x = torch.randn(sum(sizes) + 2, 64, generator=g)
+    q, s = bf.quantize_1x128_grouped_tokens(x, offs)
+    assert s.shape == (bf.group_tile_capacity(x.shape[0], 4), 64)
+    assert bf.group_tile_starts(offs).tolist() == [0, 2, 2, 3]
+    for (start, end), slot in (((0, 130), 0), ((130, 135), 2), ((135, 391), 3)):
+        rq, rs = bf.quantize_1x128(x[start:end], axis=0)
+        assert torch.equal(q[start:end].view(torch.uint8), rq.view(torch.uint8))
+        assert torch.equal(s[slot : slot + rs.shape[0]], rs)
+    assert (s[5:] == 1.0).all() and (q[391:].view(torch.uint8) == 0).all()
+    # the wgrad reference: per group dY^T X of the dequantized tiles
+    dy = torch.randn(x.shape[0], 32, generator=g)
+    dq, ds = bf.quantize_1x128_grouped_tokens(dy, offs)
+    out = block_gemm.grouped_wgrad(dq.t().contiguous(), ds.t(), q.t().contiguous(), s.t(), offs)
+    assert out.shape == (4, 32, 64) and (out[1] == 0).all()
+    xh = bf.dequantize_1x128(*bf.quantize_1x128(x[135:391], axis=0), axis=0, dtype=torch.float32)
+    dh = bf.dequantize_1x128(*bf.quantize_1x128(dy[135:391], axis=0), axis=0, dtype=torch.float32)
+    assert torch.allclose(out[3], dh.t() @ xh, rtol=1e-5, atol=1e-5)
+
+
+def test_errors_name_the_problem():
+    a, sa = bf.quantize_1x128(torch.randn(8, 256))
+    b, sb = bf.quantize_128x128(torch.randn(2, 64, 256))
+    with pytest.raises(ValueError, match=r"grouped_mm: offs must be int32 of shape \(2,\)"):
+        block_gemm.grouped_mm(a, sa, b, sb, torch.tensor([4, 8]))
+    with pytest.raises(ValueError, match=r"A of shape \(8, 256\) needs scales of shape \(8, 2\)"):
+        block_gemm.grouped_mm(a, sa[:, :1], b, sb, torch.tensor([4, 8], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"non-decreasing"):
+        block_gemm.grouped_mm(a, sa, b, sb, torch.tensor([6, 4], dtype=torch.int32))
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        block_gemm.scaled_mm(a.float(), sa, b[0], sb[0])
+    with pytest.raises(ValueError, match=r"\(1, 2\) or \(64, 2\)"):
+        block_gemm.scaled_mm(a, sa, b[0], sb[0, :, :1].repeat(1, 2).repeat(2, 1))
+
+
+# ---- Triton interpreter ------------------------------------------------------------------
+
+def _interpreter_checks():
+    from mxfx.kernels import block_grouped, block_quantize
+
+    g = torch.Generator().manual_seed(0)
+    # unequal and empty groups, rows past offs[-1], K not a multiple of 128 (masked K), N with a partial
+    # 128-column scale block, forward (W) and dgrad (W^T as a view and as a copy sharing the scales)
+    for sizes, k, n in (([70, 0, 33, 150, 3], 384, 192), ([0, 41, 0], 200, 128)):
+        s = sum(sizes) + 5
+        x = torch.randn(s, k, generator=g) * 3
+        w = torch.randn(len(sizes), n, k, generator=g) * 0.05
+        offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+        a, sa = bf.quantize_1x128(x)
+        b, sb = bf.quantize_128x128(w)
+        ref = block_gemm.reference_grouped_mm(a, sa, b, sb, offs, torch.float32)
+        for out_dtype in (torch.float32, torch.bfloat16):
+            out = block_grouped.grouped_mm(a, sa, b, sb, offs, out_dtype)
+            _check_grouped(out, ref, a, sa, b, sb, sizes, out_dtype)
+        # dgrad: dX = dY W, B = W^T [G, K, N] reads the same 128x128 scales transposed
+        dy = torch.randn(s, n, generator=g)
+        a2, sa2 = bf.quantize_1x128(dy)
+        bt, sbt = b.transpose(1, 2), sb.transpose(1, 2)
+        ref2 = block_gemm.reference_grouped_mm(a2, sa2, bt, sbt, offs, torch.float32)
+        for operand in ((bt, sbt), (bt.contiguous(), sbt.contiguous())):
+            out = block_grouped.grouped_mm(a2, sa2, *operand, offs, torch.float32)
+            _check_grouped(out, ref2, a2, sa2, bt, sbt, sizes, torch.float32)
+    _interpreter_wgrad_checks(block_grouped, block_quantize)
+    _interpreter_quantize_checks(block_quantize)
+    print("block interpreter checks passed")
+
+
+def token_scales(scales, offs):
+    """Per-token scales ``[S, K]`` of a group-token-tiled scale grid ``[capacity, K]``."""
+    starts = bf.group_tile_starts(offs).tolist()
+    rows, start = [], 0
+    for g, end in enumerate(offs.tolist()):
+        rows += [starts[g] + (t - start) // 128 for t in range(start, end)]
+        start = end
+    return scales[rows]
+
+
+def _interpreter_wgrad_checks(block_grouped, bq):
+    g = torch.Generator().manual_seed(3)
+    sizes = [70, 0, 200, 129, 3]
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    x = torch.randn(sum(sizes), 128, generator=g) * 3
+    dy = torch.randn(sum(sizes), 64, generator=g)
+    (xq, xs), (dq, ds) = (bf.quantize_1x128_grouped_tokens(t, offs) for t in (x, dy))
+    # the kernel's quantize: transposed qdata, the same scales (qdata but for the interpreter's carries)
+    q, s = bq.quantize_1x128_grouped_tokens(x, offs)
+    _same((q, s), (xq.t(), xs.t()), (x / token_scales(xs, offs)).t())
+    a, sa, b, sb = dq.t().contiguous(), ds.t(), xq.t().contiguous(), xs.t()
+    out = block_grouped.grouped_wgrad(a, sa, b, sb, offs)
+    ref = block_gemm.reference_grouped_wgrad(a, sa, b, sb, offs)
+    dh, xh = (bf.dequantize_values(t, token_scales(sc, offs), (-1,)).abs() for t, sc in ((dq, ds), (xq, xs)))
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        bound = (end - start) * 2.0**-24 * (dh[start:end].t() @ xh[start:end])
+        assert ((out[e] - ref[e]).abs() <= bound).all(), e
+        start = end
+
+
+def _check_grouped(out, ref, a, sa, b, sb, sizes, out_dtype):
+    start = 0
+    for e, size in enumerate(sizes):
+        rows = slice(start, start + size)
+        bound = summation_bound(a[rows], sa[rows], b[e], sb[e])
+        if out_dtype != torch.float32:
+            # the bf16 output cast: the interpreter truncates (one ulp, 2^-7 relative); GPUs round (half that)
+            bound = bound + ref[rows].abs() * 2.0**-7
+        err = (out[rows].float() - ref[rows]).abs()
+        assert (err <= bound).all(), (sizes, e, (err - bound).max().item())
+        start += size
+    assert (out[start:] == 0).all()
+
+
+def _same(got, want, scaled=None):
+    """Bitwise equal pairs. With ``scaled`` (the exact quotients x / s), qdata may differ only where the
+    interpreter's E4M3 rounding fails: a value that rounds up onto a power of two (the carry into the next
+    binade) comes out a factor 2 off there (``mxfx.kernels.mx_block.HW_E4M3_CVT``), and E4M3 subnormals
+    (below 2^-6) may round the wrong way; compiled kernels round in hardware and the GPU test compares every
+    byte."""
+    q, s = got
+    rq, rs = want
+    assert q.shape == rq.shape and s.shape == rs.shape, (q.shape, rq.shape, s.shape, rs.shape)
+    assert torch.equal(s.isnan(), rs.isnan()) and torch.equal(s.nan_to_num(), rs.nan_to_num()), "scales differ"
+    # NaN payloads compare as NaN: the interpreter's NaN byte may carry a sign (the GPU test wants 0x7F)
+    differ = (q.view(torch.uint8) != rq.view(torch.uint8)) & ~(q.float().isnan() & rq.float().isnan())
+    if scaled is not None:
+        r = rq.float().abs()
+        carry = (torch.frexp(r)[0] == 0.5) & (scaled.abs() < r)
+        differ &= ~(carry | (scaled.abs() < 2.0**-6))
+    assert not differ.any(), f"qdata differs at {differ.nonzero()[:4].tolist()}"
+
+
+def _exact(shape, tiles, seed, specials=True):
+    """Data whose quantization is exact under both rules: E4M3 values times 2^e per tile (``tiles`` gives
+    the tile's extent per dim), each tile holding 448 x 2^e, plus special tiles (zero, NaN, Inf, tiny)."""
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.randint(0, 0x7F, shape, generator=g, dtype=torch.uint8)
+    bits |= torch.randint(0, 2, shape, generator=g, dtype=torch.uint8) << 7
+    v = bits.view(torch.float8_e4m3fn).float().clamp(-440, 440)
+    grid = [-(-n // t) for n, t in zip(shape, tiles)]
+    e = torch.randint(-20, 20, grid, generator=g).float()
+    for d, t in enumerate(tiles):
+        e = e.repeat_interleave(t, dim=d)
+    e = e[tuple(slice(0, n) for n in shape)]
+    v[tuple(slice(None, None, t) for t in tiles)] = 448.0  # one per tile, at its first corner
+    x = v * 2.0**e
+    if not specials:
+        return x
+    flat = x.view(-1, shape[-1])
+    flat[0, :] = 0.0  # zero tiles
+    flat[1, 3] = float("nan")
+    flat[2, -1] = float("inf")
+    flat[3] = 1.5 * 2.0**-120  # tiny tiles: the 2^-126 scale floor, payload 96 (normal in bf16: the interpreter
+    # flushes 16-bit subnormals)
+    return x
+
+
+def _interpreter_quantize_checks(bq):
+    from mxfx.kernels.silu import silu_fp32
+
+    g = torch.Generator().manual_seed(1)
+    for rule in bf.SCALE_RULES:
+        x = _exact((70, 320), (1, 128), seed=2)  # K = 320: a partial last tile
+        _same(bq.quantize_1x128(x, rule), bf.quantize_1x128(x, rule=rule))
+        _same(bq.quantize_1x128(x.bfloat16(), rule), bf.quantize_1x128(x.bfloat16(), rule=rule))
+        xr = torch.randn(40, 256, generator=g) * 30  # rounding: scales bitwise, qdata but for carries
+        ref = bf.quantize_1x128(xr, rule=rule)
+        _same(bq.quantize_1x128(xr, rule), ref, xr / ref[1].repeat_interleave(128, 1))
+        # columnwise (along tokens, for wgrad): qdata transposed [K, T], scales [K, ceil(T/128)]
+        xt = _exact((96, 300), (1, 128), seed=3).t()  # a transposed view: tiles along its tokens
+        _same(bq.quantize_1x128_colwise(xt, rule), bf.quantize_1x128(xt.t(), rule=rule))
+        w = _exact((2, 200, 260), (1, 128, 128), seed=4, specials=False)
+        w[0, :128, :128] = 0.0
+        w[0, :128, 128:256] = 1.5 * 2.0**-120
+        w[1, 5, 7], w[1, 150, 259] = float("nan"), float("-inf")
+        _same(bq.quantize_128x128(w, rule), bf.quantize_128x128(w, rule=rule))
+        # SwiGLU: gates >= 100 have silu(g) = g exactly in fp32, so the product of exact data is exact; the
+        # flush band gives -0. The SiLU's own rounding is compared on the GPU.
+        up = _exact((40, 256), (1, 128), seed=5)
+        gate = torch.full_like(up, 128.0)
+        gate[5, :128] = -90.0  # flush band: the tile is all -0 (scale 1)
+        want = bf.quantize_1x128(silu_fp32(gate) * up, rule=rule)
+        _same(bq.swiglu_quantize_1x128(gate, up, rule), want)
+
+
+def test_triton_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    subprocess.run([sys.executable, os.path.abspath(__file__), "--interpret"], check=True, env=env, cwd=root)
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--interpret"]:
+    _interpreter_checks()
+
+
+# ---- sm90 code generation (no GPU: Triton's bundled ptxas) -------------------------------
+
+class _Recorder:
+    """Stands in for a JITFunction: ``kernel[grid](...)`` records the launch instead of running it."""
+
+    def __init__(self, kernel, seen):
+        self.kernel, self.seen = kernel, seen
+
+    def __getitem__(self, grid):
+        def record(*args, **kwargs):
+            from sass_sm90 import Launch
+
+            self.seen.append(Launch(self.kernel, grid, args, kwargs))
+
+        return record
+
+
+def _sm90_launches(monkeypatch, module, name, fn, *args, **kwargs):
+    triton = pytest.importorskip("triton")
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or not os.access(os.path.join(bin_dir, "ptxas"), os.X_OK):
+        pytest.skip("needs Triton's bundled ptxas (Linux wheel), compiled mode")
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "probes"))
+    import sass_sm90
+
+    seen = []
+    kernel = getattr(module, name)
+    monkeypatch.setattr(module, name, _Recorder(kernel.kernel if isinstance(kernel, _Recorder) else kernel, seen))
+    fn(*args, **kwargs)
+    return [sass_sm90.compile_sm90(launch) for launch in seen]
+
+
+def test_grouped_kernel_compiles_to_fp8_wgmma(monkeypatch):
+    """For sm90 the grouped GEMM's ``tl.dot`` is an E4M3 x E4M3 warpgroup MMA (QGMMA) with FP32 accumulation,
+    in the autotuned configs' tile: FP8 tensor cores, not an upcast to BF16."""
+    from mxfx.kernels import block_grouped
+
+    s, k, n, g = 512, 512, 256, 4
+    a, sa = torch.zeros(s, k, dtype=torch.float8_e4m3fn), torch.ones(k // 128, s).t()
+    b, sb = torch.zeros(g, n, k, dtype=torch.float8_e4m3fn), torch.ones(g, n // 128, k // 128)
+    offs = torch.tensor([100, 100, 300, 512], dtype=torch.int32)
+    cfg = block_grouped.CONFIGS[0]
+    config = dict(cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    (c,) = _sm90_launches(monkeypatch, block_grouped, "_kernel", block_grouped.grouped_mm, a, sa, b, sb, offs, config=config)
+    mmas = set(re.findall(r"\b([HQ]GMMA\.[0-9x]+\.F32\.[A-Z0-9]+\.[A-Z0-9]+)", c.sass))
+    assert mmas and all(m.endswith("E4M3.E4M3") for m in mmas), mmas
+
+
+def test_quantize_kernels_compile_for_sm90(monkeypatch):
+    from mxfx.kernels import block_quantize as bq
+
+    x = torch.zeros(256, 384, dtype=torch.bfloat16)
+    for fn, args in ((bq.quantize_1x128, (x,)), (bq.quantize_1x128_colwise, (x,)), (bq.quantize_128x128, (x,)),
+                     (bq.swiglu_quantize_1x128, (x, x)), (bq.quantize_1x128, (x.float(), "amax")),
+                     (bq.quantize_1x128_grouped_tokens, (x, torch.tensor([100, 256], dtype=torch.int32)))):
+        (c,) = _sm90_launches(monkeypatch, bq, "_quantize_kernel", fn, *args)
+        assert c.counts.get("STG", 0) > 0, fn.__name__
+
+
+def test_grouped_wgrad_kernel_compiles_to_fp8_wgmma(monkeypatch):
+    from mxfx.kernels import block_grouped
+
+    s, n, k = 512, 256, 256
+    a, b = torch.zeros(n, s, dtype=torch.float8_e4m3fn), torch.zeros(k, s, dtype=torch.float8_e4m3fn)
+    cap = bf.group_tile_capacity(s, 2)
+    sa, sb = torch.ones(cap, n).t(), torch.ones(cap, k).t()
+    offs = torch.tensor([200, 512], dtype=torch.int32)
+    (c,) = _sm90_launches(monkeypatch, block_grouped, "_grouped_wgrad_kernel", block_grouped.grouped_wgrad,
+                          a, sa, b, sb, offs, config=block_grouped.WGRAD_CONFIG)
+    mmas = set(re.findall(r"\b([HQ]GMMA\.[0-9x]+\.F32\.[A-Z0-9]+\.[A-Z0-9]+)", c.sass))
+    assert mmas and all(m.endswith("E4M3.E4M3") for m in mmas), mmas
+
+
+def test_bench_gemm_cpu_smoke(monkeypatch, tmp_path):
+    """bench/gemm.py end to end on the CPU reference paths (toy shapes; the numbers mean nothing here)."""
+    import runpy
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.setenv("MXFX_BENCH_OUT", str(tmp_path))
+    monkeypatch.setattr(sys, "argv", ["bench/gemm.py", "--device", "cpu", "--quick"])
+    monkeypatch.syspath_prepend(os.path.join(root, "bench"))
+    runpy.run_path(os.path.join(root, "bench", "gemm.py"), run_name="__main__")
+    text = (tmp_path / "gemm.md").read_text()
+    assert text.count("| forward |") == 3 and text.count("| wgrad |") == 3, text
+
+
+def _fake_scaled_mm(a, b, scale_a, scale_b, out_dtype=None):
+    """``torch._scaled_mm``'s blockwise contract on sm90 as torch checks it (ScaledBlas.cpp: 1x128 scales
+    ``[rows, ceil(K/128)]`` with strides ``(1, rows)``; 128x128 scales ``[ceil(rows/128), ceil(K/128)]`` with
+    strides ``(round_up(ceil(K/128), 4), 1)``; B's scales given transposed), decoded in float32."""
+    (m, k), n = a.shape, b.shape[1]
+    kt = -(-k // 128)
+    assert a.stride() == (k, 1) and b.stride() == (1, k) and k % 16 == 0 and n % 16 == 0
+    assert scale_a.shape == (m, kt) and (scale_a.stride() == (1, m) or kt == 1), (scale_a.shape, scale_a.stride())
+    sbt = scale_b.t()
+    if sbt.shape == (-(-n // 128), kt):
+        assert sbt.stride(1) == 1 and (sbt.stride(0) == -(-kt // 4) * 4 or sbt.shape[0] == 1), sbt.stride()
+        b_hat = bf.dequantize_values(b.t(), sbt, (-2, -1))
+    else:
+        assert sbt.shape == (n, kt) and (sbt.stride() == (1, n) or kt == 1), (sbt.shape, sbt.stride())
+        b_hat = bf.dequantize_values(b.t(), sbt, (-1,))
+    return (bf.dequantize_values(a, scale_a, (-1,)) @ b_hat.t()).to(out_dtype)
+
+
+@pytest.mark.parametrize("m,n,k", [(200, 200, 640), (64, 384, 4096), (3, 17, 100)])
+def test_cublas_wrapper_builds_the_checked_scale_layouts(monkeypatch, m, n, k):
+    """The dense GPU path's operand and scale layouts (padding to 16, column-major 1x128 scales, the padded
+    128x128 row stride when ceil(K/128) is not a multiple of 4) against torch's checks, on CPU tensors."""
+    monkeypatch.setattr(torch, "_scaled_mm", _fake_scaled_mm)
+    g = torch.Generator().manual_seed(6)
+    a, sa = bf.quantize_1x128(torch.randn(m, k, generator=g))
+    for b, sb in (bf.quantize_128x128(torch.randn(n, k, generator=g)), bf.quantize_1x128(torch.randn(n, k, generator=g))):
+        out = block_gemm._cublas_mm(a, sa, b, sb, torch.float32)
+        assert out.shape == (m, n)
+        assert torch.allclose(out, block_gemm.reference_mm(a, sa, b, sb, torch.float32), rtol=1e-5, atol=1e-4)

@@ -1,0 +1,177 @@
+"""fp8_block on the GPU (skips without CUDA): cuBLAS dense and Triton grouped GEMMs against the reference
+decode, the Triton quantize kernels against the CPU reference bit for bit, and the profiler's kernel names
+(an FP8 GEMM ran, no dequantize + BF16 GEMM stood in).
+
+GEMM bound: the reference is an FP32 GEMM of exactly dequantized operands. Hopper's FP8 tensor cores add
+products in a narrower accumulator inside each 128-K step (DeepSeek-V3 measured about 2^-14 relative), and the
+kernels promote to FP32 every 128; we allow ``2^-10 * (|A| @ |B|^T)`` for that and the FP32 summation order,
+plus half a bf16 ulp (2^-8 relative) for the output cast.
+"""
+
+import re
+
+import pytest
+import torch
+
+from mxfx import block_format as bf
+from mxfx.kernels import block_gemm
+from mxfx.kernels.silu import silu_fp32
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0), reason="needs an sm90+ CUDA GPU"
+)
+
+FP8_GEMM_NAME = re.compile(r"qq|e4m3|f8|fp8", re.I)
+"""cuBLAS names its FP8 GEMM kernels by operand types: ``nvjet_sm90_qqtst_...`` (q: E4M3), ``..._e4m3...``;
+its BF16 ones ``nvjet_sm90_tst_...``."""
+
+
+def _check(out, a, sa, b, sb, b_dims, ref):
+    x = bf.dequantize_values(a.cpu(), sa.cpu(), (-1,)).abs()
+    w = bf.dequantize_values(b.cpu(), sb.cpu(), b_dims).abs()
+    bound = 2.0**-10 * (x @ w.transpose(-2, -1)) + ref.abs() * 2.0**-8
+    err = (out.float().cpu() - ref).abs()
+    assert (err <= bound).all(), f"max excess {(err - bound).max().item():.3e}"
+
+
+def _cpu(*ts):
+    return [t.cpu() for t in ts]
+
+
+@pytest.mark.parametrize("m,n,k", [(256, 384, 640), (200, 256, 4096)])  # K/128 = 5: the padded B-scale stride
+def test_dense_forward_and_dgrad_match_reference(m, n, k):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(m, k, generator=g) * 2
+    w = torch.randn(n, k, generator=g) * 0.02
+    a, sa = bf.quantize_1x128(x.cuda())
+    b, sb = bf.quantize_128x128(w.cuda())
+    out = block_gemm.scaled_mm(a, sa, b, sb)
+    ref = block_gemm.reference_mm(*_cpu(a, sa, b, sb), torch.float32)
+    _check(out, a, sa, b, sb, (-2, -1), ref)
+    # dgrad: dX = dY W, the weight's transpose with its 128x128 scales transposed (rceil: orientation-free)
+    dy = torch.randn(m, n, generator=g)
+    a2, sa2 = bf.quantize_1x128(dy.cuda())
+    bt, sbt = b.t().contiguous(), sb.t().contiguous()
+    out = block_gemm.scaled_mm(a2, sa2, bt, sbt)
+    _check(out, a2, sa2, bt, sbt, (-2, -1), block_gemm.reference_mm(*_cpu(a2, sa2, bt, sbt), torch.float32))
+
+
+def test_dense_wgrad_1x128_both_operands():
+    from mxfx.kernels import block_quantize as bq
+
+    g = torch.Generator().manual_seed(1)
+    t, n, k = 640, 256, 384  # dW [N, K] = dY^T [N, T] X [T, K], both tiled along the tokens T
+    dy = torch.randn(t, n, generator=g).cuda().bfloat16()
+    x = torch.randn(t, k, generator=g).cuda().bfloat16()
+    a, sa = bq.quantize_1x128_colwise(dy)
+    b, sb = bq.quantize_1x128_colwise(x)
+    out = block_gemm.scaled_mm(a, sa, b, sb)
+    _check(out, a, sa, b, sb, (-1,), block_gemm.reference_mm(*_cpu(a, sa, b, sb), torch.float32))
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_grouped_forward_and_dgrad_match_reference(out_dtype):
+    g = torch.Generator().manual_seed(2)
+    sizes = [300, 0, 129, 1000, 7, 0]
+    s, k, n = sum(sizes) + 11, 512, 384
+    x = torch.randn(s, k, generator=g)
+    w = torch.randn(len(sizes), n, k, generator=g) * 0.05
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32).cuda()
+    a, sa = bf.quantize_1x128(x.cuda())
+    b, sb = bf.quantize_128x128(w.cuda())
+    out = block_gemm.grouped_mm(a, sa, b, sb, offs, out_dtype)
+    ref = block_gemm.reference_grouped_mm(*_cpu(a, sa, b, sb, offs), torch.float32)
+    _check_groups(out, ref, a, sa, b, sb, sizes)
+    dy = torch.randn(s, n, generator=g)
+    a2, sa2 = bf.quantize_1x128(dy.cuda())
+    bt, sbt = b.transpose(1, 2).contiguous(), sb.transpose(1, 2).contiguous()
+    out = block_gemm.grouped_mm(a2, sa2, bt, sbt, offs, out_dtype)
+    _check_groups(out, block_gemm.reference_grouped_mm(*_cpu(a2, sa2, bt, sbt, offs), torch.float32), a2, sa2, bt, sbt, sizes)
+
+
+def test_grouped_wgrad_matches_reference():
+    from mxfx.kernels import block_quantize as bq
+
+    g = torch.Generator().manual_seed(5)
+    sizes = [300, 0, 129, 1000, 7]
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    x = torch.randn(sum(sizes), 384, generator=g).bfloat16()
+    dy = torch.randn(sum(sizes), 256, generator=g).bfloat16()
+    (xq, xs), (dq, ds) = (bq.quantize_1x128_grouped_tokens(t.cuda(), offs.cuda()) for t in (x, dy))
+    for got, t in (((xq, xs), x), ((dq, ds), dy)):  # bit-exact against the CPU reference, transposed
+        rq, rs = bf.quantize_1x128_grouped_tokens(t, offs)
+        _same(got, (rq.t(), rs.t()))
+    out = block_gemm.grouped_wgrad(dq, ds, xq, xs, offs.cuda())
+    ref = block_gemm.reference_grouped_wgrad(*_cpu(dq, ds, xq, xs), offs, torch.float32)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        dh = bf.dequantize_1x128(*bf.quantize_1x128(dy[start:end].float(), axis=0), axis=0, dtype=torch.float32)
+        xh = bf.dequantize_1x128(*bf.quantize_1x128(x[start:end].float(), axis=0), axis=0, dtype=torch.float32)
+        bound = 2.0**-10 * (dh.abs().t() @ xh.abs())
+        assert ((out[e].cpu() - ref[e]).abs() <= bound).all(), e
+        start = end
+
+
+def _check_groups(out, ref, a, sa, b, sb, sizes):
+    start = 0
+    for e, size in enumerate(sizes):
+        rows = slice(start, start + size)
+        _check(out[rows], a[rows], sa[rows], b[e], sb[e], (-2, -1), ref[rows])
+        start += size
+    assert (out[start:] == 0).all()
+
+
+def _same(got, want):
+    q, s = (t.cpu() for t in got)
+    rq, rs = want
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+    assert torch.equal(s.isnan(), rs.isnan()) and torch.equal(s.nan_to_num(), rs.nan_to_num())
+
+
+@pytest.mark.parametrize("rule", bf.SCALE_RULES)
+def test_quantize_kernels_bit_exact(rule):
+    from mxfx.kernels import block_quantize as bq
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(300, 640, generator=g) * torch.logspace(-30, 30, 300).unsqueeze(1)
+    x[0, :128], x[1, 5], x[2, 200], x[3, :] = 0.0, float("nan"), float("-inf"), 1e-40
+    for dt in (torch.float32, torch.bfloat16):
+        xd = x.to(dt)
+        _same(bq.quantize_1x128(xd.cuda(), rule), bf.quantize_1x128(xd, rule=rule))
+        _same(bq.quantize_1x128_colwise(xd.cuda(), rule), bf.quantize_1x128(xd.t(), rule=rule))
+    w = torch.randn(3, 384, 200, generator=g) * 0.02
+    _same(bq.quantize_128x128(w.cuda(), rule), bf.quantize_128x128(w, rule=rule))
+    gate = (torch.randn(64, 512, generator=g) * 4).bfloat16()
+    up = torch.randn(64, 512, generator=g).bfloat16()
+    # the product formed on the GPU: mxfx's SiLU is CUDA's F.silu (libdevice expf), which CPU's may differ from by an ulp
+    want = bf.quantize_1x128(silu_fp32(gate.cuda()) * up.cuda().float(), rule=rule)
+    _same(bq.swiglu_quantize_1x128(gate.cuda(), up.cuda(), rule), tuple(t.cpu() for t in want))
+
+
+def _kernels(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def test_profiler_shows_fp8_gemm_kernels():
+    """The dense fp8_block GEMMs run a cuBLAS FP8 kernel and the grouped one the Triton kernel; no BF16 GEMM
+    kernel (the one ``torch.mm`` on bf16 runs at the same shape) and no dequantize stands in."""
+    g = torch.Generator().manual_seed(4)
+    m, n, k = 512, 512, 1024
+    a, sa = bf.quantize_1x128(torch.randn(m, k, generator=g).cuda())
+    b, sb = bf.quantize_128x128(torch.randn(n, k, generator=g).cuda())
+    bf16_names = set(_kernels(lambda: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) @ torch.randn(
+        k, n, device="cuda", dtype=torch.bfloat16)))
+    block_gemm.scaled_mm(a, sa, b, sb)  # warm-up: layouts, cuBLAS handles
+    dense = _kernels(lambda: block_gemm.scaled_mm(a, sa, b, sb))
+    gemms = [name for name in dense if FP8_GEMM_NAME.search(name)]
+    assert gemms, f"no FP8 GEMM kernel among {dense}"
+    assert not (set(dense) & {name for name in bf16_names if "gemm" in name.lower() or "nvjet" in name}), dense
+    offs = torch.tensor([100, 100, 512], dtype=torch.int32, device="cuda")
+    bg, sbg = bf.quantize_128x128(torch.randn(3, n, k, generator=g).cuda())
+    block_gemm.grouped_mm(a, sa, bg, sbg, offs)  # warm-up: autotuning
+    grouped = _kernels(lambda: block_gemm.grouped_mm(a, sa, bg, sbg, offs))
+    assert grouped == ["_grouped_body"], grouped  # one launch of the FP8 Triton kernel, nothing else
+    print("dense kernels:", dense, "| grouped:", grouped)
