@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench._results import emit  # noqa: E402
 from mxfx import block_format as bf  # noqa: E402
 from mxfx.kernels import block_gemm  # noqa: E402
-from mxfx.kernels import block_dispatch as bq  # noqa: E402
+from mxfx.kernels import block_device_path as bq  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from mxfx.block_format import dequantize_values, group_tile_capacity, group_tile_starts, n_tiles
-from mxfx.kernels.dispatch import triton_available
+from mxfx.device import triton_available
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from mxfx import block_format as bf
-from mxfx.kernels.dispatch import triton_available
+from mxfx.device import triton_available
 from mxfx.kernels.silu import silu_fp32
 
 
@@ -34,7 +34,7 @@ def swiglu_quantize_1x128(gate: torch.Tensor, up: torch.Tensor, rule: str = "rce
     if triton_available(gate):
         return _triton().swiglu_quantize_1x128(gate, up, rule)
     if gate.shape != up.shape:
-        raise ValueError(f"mxfx.block_dispatch.swiglu_quantize_1x128: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
+        raise ValueError(f"mxfx.kernels.block_device_path.swiglu_quantize_1x128: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
     return quantize_1x128(silu_fp32(gate) * up.float(), rule)
 
 
