@@ -10,7 +10,8 @@ weight: casts and the transpose in front of the weight are walked back to the
 parameter ``W [E, N, K]``, so the MX weight operands are quantized from the
 FP32 main weight (seed §11.4.1) rather than from a BF16 copy. Valid because the
 op computes the same per-expert products with MX-rounded operands and fp32
-accumulation; the output dtype is the original call's.
+accumulation; the output dtype is the original call's. Operands of different
+dtypes are left as written: eager rejects them, and so does the compiled graph.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import torch
 import torch.fx as fx
 
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
-from mxfx.passes.fx import erase_unused_chain, example_value, gemm_size, is_call, module_fqn, shape_str, size_hint, weight_source
+from mxfx.passes.fx import (
+    erase_unused_chain, example_value, gemm_size, is_call, mixed_dtype_reason, module_fqn, shape_str, size_hint, weight_source,
+)
 from mxfx.policy import Policy
 from mxfx.report import OpRecord, PrecisionMap
 
@@ -48,7 +51,9 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         x, b, offs = example_value(x_node), example_value(b_node), example_value(offs_node)
         module = module_fqn(node)
         shapes = f"x{shape_str(x)} w{shape_str(b)}"
-        reason = _skip_reason(x, b, offs, args.get("bias"))
+        # autocast does not cover torch._grouped_mm: eager rejects mixed operand dtypes in or out of it
+        reason = _skip_reason(x, b, offs, args.get("bias")) or mixed_dtype_reason(
+            "torch._grouped_mm", {"x": x, "weight": b}, autocast_on=False)
         macs = gemm = None
         if not reason:
             macs, gemm = gemm_size(x.shape[:1], b.shape[2], b.shape[1])
