@@ -15,9 +15,9 @@ import warnings
 import torch
 import torch.fx as fx
 
-from mxfx import cache, passes, report
+from mxfx import cache, passes, report, rule_check
 from mxfx.passes import weight_refresh
-from mxfx.passes.fx import example_value
+from mxfx.passes.fx import all_graphs, example_value
 from mxfx.policy import Policy
 
 log = logging.getLogger("mxfx")
@@ -33,8 +33,7 @@ def _warn_float16_once(gm: fx.GraphModule, pm: report.PrecisionMap) -> None:
     global _warned_float16
     if _warned_float16 or not pm.count(rewritten=True):
         return
-    graphs = [gm] + [m for m in gm.modules() if isinstance(m, fx.GraphModule) and m is not gm]
-    values = (example_value(n) for g in graphs for n in g.graph.nodes)
+    values = (example_value(n) for g in all_graphs(gm) for n in g.graph.nodes)
     if any(v is not None and v.dtype == torch.float16 for v in values):
         _warned_float16 = True
         warnings.warn(
@@ -94,8 +93,7 @@ def rewrite(gm: fx.GraphModule, policy: Policy) -> report.PrecisionMap:
     higher-order ops, held as GraphModule attributes) are rewritten too.
     """
     pm = report.PrecisionMap()
-    graphs = [gm] + [m for m in gm.modules() if isinstance(m, fx.GraphModule) and m is not gm]
-    for g in graphs:
+    for g in all_graphs(gm):
         for name, run in passes.PIPELINE:
             if policy.pass_enabled(name):
                 run(g, policy, pm)
@@ -116,6 +114,7 @@ def mxfp8_backend(gm: fx.GraphModule, example_inputs, options: Policy | dict | N
     """
     policy = Policy.from_options(options)
     before = gm.print_readable(print_output=False) if policy.dump_dir else ""
+    rule_check.observe(policy, rule_check.graph_modules(gm))  # judged over all graphs, at the first optimizer step
     pm = rewrite(gm, policy)
     _warn_float16_once(gm, pm)
     if not torch.is_grad_enabled():  # Dynamo calls the backend in the grad mode the graph was traced in

@@ -21,6 +21,11 @@ def normalize_fqn(dynamo_path: str) -> str:
     return path.strip(".")
 
 
+def all_graphs(gm: fx.GraphModule) -> list[fx.GraphModule]:
+    """``gm`` and its subgraphs (bodies of checkpoint regions and other higher-order ops, held as attributes)."""
+    return [gm] + [m for m in gm.modules() if isinstance(m, fx.GraphModule) and m is not gm]
+
+
 def module_fqn(node: fx.Node) -> str:
     """FQN of the innermost module a node was traced in ("" at the root or when unknown)."""
     stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
