@@ -28,7 +28,7 @@ def _warn_float16_once(gm: fx.GraphModule, pm: report.PrecisionMap) -> None:
     """Warn, on the first graph with MX ops and float16 tensors, that BF16 autocast is the supported precision.
 
     An MX value can exceed float16's largest finite value: 65504 rounds to 2^8 x 256 = 65536
-    under rceil (to 61440 under floor), which is inf in float16, where eager gives 65504.
+    under rceil, which is inf in float16, where eager gives 65504 (floor rounds it down, to 57344).
     """
     global _warned_float16
     if _warned_float16 or not pm.count(rewritten=True):
