@@ -43,6 +43,10 @@ def observe(policy: Policy, modules: set[str]) -> None:
     global _hook_handle
     if not any(r.module is not None for r in policy.rules):
         return
+    try:
+        hash(policy)
+    except TypeError:  # an unhashable inner compiler: such a policy is not judged
+        return
     with _lock:
         if policy in _judged:
             return
