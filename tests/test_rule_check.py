@@ -97,3 +97,14 @@ def test_per_block_compile_judges_all_blocks_together():
         warnings.simplefilter("error")  # once: a later step does not warn again
         rule_check.judge_pending()
         _step(model, model, torch.randn(4, 64))
+
+
+def test_inference_only_is_judged_at_exit():
+    """No optimizer step: the exit hook (judge_pending, registered with atexit) warns."""
+    model = Inner()
+    options = {"inner": "aot_eager", "rules": [{"module": "head", "precision": "bf16"}]}
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.compile(model, backend="mxfp8", options=options)(torch.randn(4, 64))
+    with pytest.warns(UserWarning, match=r"policy rule \(module='head', precision='bf16'\) matches no module"):
+        rule_check.judge_pending()
