@@ -12,9 +12,8 @@ Both arms start from the same initial weights (one seed) and see the same batche
 main weights. Arm "mxfp8" is ``torch.compile(model, backend="mxfp8")`` with the
 forward under BF16 autocast. The reference arm is the first of the others:
 
-* "fp32" (default): the model in eager PyTorch, no autocast and no compile: FP32
-  but for the routed experts' grouped GEMMs, which the model itself runs in BF16.
-  Fast on any CPU (BF16 autocast and Inductor's BF16 code are slow on CPUs without
+* "fp32" (default): the model in eager PyTorch, FP32 throughout, no autocast and
+  no compile. Fast on any CPU (BF16 autocast and Inductor's BF16 code are slow on CPUs without
   AVX512-BF16 or AMX), and no compile to wait for.
 * "bf16": ``torch.compile(model)`` (Inductor) under BF16 autocast: the arm that
   differs from "mxfp8" in the backend alone (slow on CPUs that emulate BF16).
@@ -108,7 +107,7 @@ def sync(device: str):
 
 
 ARMS = {
-    "fp32": "eager PyTorch, no autocast, no compile: FP32 but for the routed experts' grouped GEMMs (BF16 in the model)",
+    "fp32": "FP32 eager PyTorch, no autocast, no compile",
     "bf16": "torch.compile (Inductor) under BF16 autocast",
     "mxfp8": 'torch.compile(backend="mxfp8") under BF16 autocast',
 }
