@@ -10,8 +10,9 @@ ops it rewrites where an HF transformers / torchtitan MoE puts them:
 
 Parameters are FP32 (the main weights); run the forward under
 ``torch.autocast(dtype=torch.bfloat16)``. ``_grouped_mm`` is not covered by
-autocast and its fake kernel accepts only BF16, so the expert path casts to BF16
-itself. The router runs in FP32 with autocast off, as in OLMoE.
+autocast and its fake kernel accepts only BF16, so the expert path casts to the
+autocast dtype (BF16) itself, or to BF16 when compiled; eager without autocast it
+runs in the input's dtype (the FP32 reference arm of ``train_moe.py``). The router runs in FP32 with autocast off, as in OLMoE.
 """
 
 from __future__ import annotations
@@ -117,13 +118,18 @@ class MoE(nn.Module):
         counts = torch.histc(flat_experts.float(), bins=self.n_experts, min=-0.5, max=self.n_experts - 0.5)
         offs = counts.cumsum(0).to(torch.int32).contiguous()
 
-        x_sorted = x.to(torch.bfloat16)[token_of_slot].contiguous()  # [N*k, d]
-        gate_up = torch._grouped_mm(x_sorted, self.gate_up_proj.to(torch.bfloat16).transpose(-2, -1), offs=offs)
+        # autocast does not cover _grouped_mm, and its compiled (fake) kernel takes BF16 only: cast here,
+        # to the autocast dtype, or BF16 when compiled; eager without autocast keeps the input's dtype.
+        dev = x.device.type
+        dtype = (torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev)
+                 else torch.bfloat16 if torch.compiler.is_compiling() else x.dtype)
+        x_sorted = x.to(dtype)[token_of_slot].contiguous()  # [N*k, d]
+        gate_up = torch._grouped_mm(x_sorted, self.gate_up_proj.to(dtype).transpose(-2, -1), offs=offs)
         g, u = gate_up.chunk(2, dim=-1)
         h = (F.silu(g) * u).contiguous()  # [N*k, H]
-        y = torch._grouped_mm(h, self.down_proj.to(torch.bfloat16).transpose(-2, -1), offs=offs)  # [N*k, d]
+        y = torch._grouped_mm(h, self.down_proj.to(dtype).transpose(-2, -1), offs=offs)  # [N*k, d]
 
-        w_sorted = weights.reshape(-1)[order].to(torch.bfloat16).contiguous()
+        w_sorted = weights.reshape(-1)[order].to(dtype).contiguous()
         y = y * w_sorted[:, None]
         return torch.zeros(N, d, dtype=y.dtype, device=y.device).index_add(0, token_of_slot, y)
 

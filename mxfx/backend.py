@@ -15,11 +15,33 @@ import warnings
 import torch
 import torch.fx as fx
 
-from mxfx import cache, passes, report
+from mxfx import cache, passes, report, rule_check
 from mxfx.passes import weight_refresh
+from mxfx.passes.fx import all_graphs, example_value
 from mxfx.policy import Policy
 
 log = logging.getLogger("mxfx")
+_warned_float16 = False  # the float16 warning is given once per process
+
+
+def _warn_float16_once(gm: fx.GraphModule, pm: report.PrecisionMap) -> None:
+    """Warn, on the first graph with MX ops and float16 tensors, that BF16 autocast is the supported precision.
+
+    An MX value can exceed float16's largest finite value: 65504 rounds to 2^8 x 256 = 65536
+    under rceil, which is inf in float16, where eager gives 65504 (floor rounds it down, to 57344).
+    """
+    global _warned_float16
+    if _warned_float16 or not pm.count(rewritten=True):
+        return
+    values = (example_value(n) for g in all_graphs(gm) for n in g.graph.nodes)
+    if any(v is not None and v.dtype == torch.float16 for v in values):
+        _warned_float16 = True
+        warnings.warn(
+            "mxfx: this graph computes in float16; MXFP8 values near float16's top (65504 rounds to 65536 under "
+            "rceil) overflow to inf where eager does not. The supported precision is bf16 autocast "
+            "(torch.autocast(device, torch.bfloat16)) over FP32 parameters.",
+            stacklevel=3,
+        )
 
 
 def inductor_mode_options(mode: str | None) -> dict:
@@ -71,8 +93,7 @@ def rewrite(gm: fx.GraphModule, policy: Policy) -> report.PrecisionMap:
     higher-order ops, held as GraphModule attributes) are rewritten too.
     """
     pm = report.PrecisionMap()
-    graphs = [gm] + [m for m in gm.modules() if isinstance(m, fx.GraphModule) and m is not gm]
-    for g in graphs:
+    for g in all_graphs(gm):
         for name, run in passes.PIPELINE:
             if policy.pass_enabled(name):
                 run(g, policy, pm)
@@ -93,7 +114,9 @@ def mxfp8_backend(gm: fx.GraphModule, example_inputs, options: Policy | dict | N
     """
     policy = Policy.from_options(options)
     before = gm.print_readable(print_output=False) if policy.dump_dir else ""
+    rule_check.observe(policy, rule_check.graph_modules(gm))  # judged over all graphs, at the first optimizer step
     pm = rewrite(gm, policy)
+    _warn_float16_once(gm, pm)
     if not torch.is_grad_enabled():  # Dynamo calls the backend in the grad mode the graph was traced in
         pm.mark_inference()
     report.register(pm)

@@ -98,7 +98,11 @@ class Rule(_NamedFields):
 
     Attributes:
         module: fnmatch glob on the op's module FQN as ``named_modules()`` spells
-            it (``"layers.*.attn.qkv"``, ``"*lm_head"``); None matches any module.
+            it, matched against the whole name or any dotted suffix of it, so
+            ``"layers.0.*"`` matches ``layers.0.attn`` and a Hugging Face model's
+            ``model.layers.0.attn`` but not ``layers.10.attn`` or ``xlayers.0.attn``;
+            None matches any module. A glob that matches no module of any graph
+            compiled under the policy warns once (:mod:`mxfx.rule_check`).
         op: op kind, one of :data:`OP_KINDS`; None matches any kind.
         precision: forward/dgrad compute precision, "mxfp8" or "bf16" (bf16 means
             the op is left as the model wrote it).
@@ -130,23 +134,30 @@ class Rule(_NamedFields):
         _check_min_size(self.min_size)
 
     def matches(self, kind: str, module: str) -> bool:
-        return (self.op is None or self.op == kind) and (self.module is None or fnmatch.fnmatchcase(module, self.module))
+        """Whether the rule applies to an op of ``kind`` in module ``module`` (its op kind and module glob)."""
+        return (self.op is None or self.op == kind) and (self.module is None or self.matches_module(module))
+
+    def matches_module(self, module: str) -> bool:
+        """Whether the module glob matches ``module`` or one of its dotted suffixes (True without a glob)."""
+        if self.module is None:
+            return True
+        parts = module.split(".")
+        return any(fnmatch.fnmatchcase(".".join(parts[i:]), self.module) for i in range(len(parts)))
+
+    def describe(self) -> str:
+        """Compact form: only the fields the rule sets, e.g. ``(module='lm_head', precision='bf16')``."""
+        return "(" + ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+                               if getattr(self, f.name) is not None) + ")"
 
 
 DEFAULT_RULES: tuple[Rule, ...] = (
     # Routers keep their own precision: routing decisions are sensitive and the GEMM is tiny.
     Rule(op="router", precision="bf16"),
-    # The vocabulary projection stays BF16 (the recipe: MXFP8 covers attention and MLP projections only).
+    # The vocabulary projection stays BF16 (the recipe: MXFP8 covers attention and MLP projections only);
+    # a glob matches dotted suffixes, so these cover model.lm_head and attn.output too.
     Rule(module="lm_head", precision="bf16"),
-    Rule(module="*.lm_head", precision="bf16"),
     Rule(module="output", precision="bf16"),
-    Rule(module="*.output", precision="bf16"),
 )
-
-
-def _describe(rule: Rule) -> str:
-    """Compact form of a rule: only the fields it sets."""
-    return "(" + ", ".join(f"{f.name}={getattr(rule, f.name)!r}" for f in dataclasses.fields(rule) if getattr(rule, f.name) is not None) + ")"
 
 
 @dataclass(frozen=True)
@@ -303,7 +314,7 @@ class Policy(_NamedFields):
         reason = ""
         if precision != "mxfp8":
             origin = "default rule" if rule in DEFAULT_RULES else "policy rule"
-            reason = f"{origin} {_describe(rule)}"
+            reason = f"{origin} {rule.describe()}"
         elif min_size == "auto":
             if gemm is not None:
                 from mxfx.crossover import prefers_mxfp8

@@ -21,6 +21,11 @@ def normalize_fqn(dynamo_path: str) -> str:
     return path.strip(".")
 
 
+def all_graphs(gm: fx.GraphModule) -> list[fx.GraphModule]:
+    """``gm`` and its subgraphs (bodies of checkpoint regions and other higher-order ops, held as attributes)."""
+    return [gm] + [m for m in gm.modules() if isinstance(m, fx.GraphModule) and m is not gm]
+
+
 def module_fqn(node: fx.Node) -> str:
     """FQN of the innermost module a node was traced in ("" at the root or when unknown)."""
     stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
@@ -124,3 +129,42 @@ def erase_unused_chain(gm: fx.GraphModule, node) -> None:
         parent = node.args[0]
         gm.graph.erase_node(node)
         node = parent
+
+
+_ENTER_AUTOCAST = torch.amp.autocast_mode._enter_autocast
+_EXIT_AUTOCAST = torch.amp.autocast_mode._exit_autocast
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def autocast_devices(gm: fx.GraphModule) -> dict[fx.Node, frozenset[str]]:
+    """Per node of ``gm``, the device types ("cpu", "cuda") whose autocast is on where the node runs.
+
+    Starts from the global autocast state the backend is called under (the state the graph was
+    traced in) and follows the ``torch.autocast`` regions Dynamo keeps in the graph as
+    ``_enter_autocast`` / ``_exit_autocast`` calls (``enabled=False`` regions turn a device off).
+    """
+    stack = [frozenset(d for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d))]
+    state = {}
+    for node in gm.graph.nodes:
+        if is_call(node, (_ENTER_AUTOCAST,)) and len(node.args) >= 3:
+            device, _, enabled = node.args[:3]
+            stack.append(stack[-1] | {device} if enabled else stack[-1] - {device})
+        elif is_call(node, (_EXIT_AUTOCAST,)) and len(stack) > 1:
+            stack.pop()
+        state[node] = stack[-1]
+    return state
+
+
+def mixed_dtype_reason(op: str, operands: dict, autocast_on: bool) -> str:
+    """Why a GEMM whose floating operands differ in dtype is left as written ("" when they agree).
+
+    ``operands`` maps operand names to example values (None entries are ignored). Eager PyTorch
+    rejects such a GEMM (``mat1 and mat2 must have the same dtype``) unless autocast casts its
+    operands (``autocast_on``); left as written, the compiled graph fails exactly as eager does
+    instead of running in MXFP8 with a result dtype eager never gives.
+    """
+    dtypes = {name: t.dtype for name, t in operands.items() if t is not None}
+    if autocast_on or len(set(dtypes.values())) <= 1:
+        return ""
+    listed = ", ".join(f"{name} {str(d).removeprefix('torch.')}" for name, d in dtypes.items())
+    return f"operand dtypes differ ({listed}) outside autocast: left as written, where {op} rejects them as in eager"

@@ -30,7 +30,8 @@ it halves the bytes of the largest routed activation against the FP32 result
 of the replaced op. Outside autocast, the replaced op's own dtype. A later
 combine fusion sets the down projection's dtype to that of the route-weight
 product it absorbs (FP32 in HF's combine), so the top-k sum keeps its
-precision. The precision map's ``shapes`` column shows the chosen ``-> dtype``.
+precision. The precision map's ``shapes`` column shows the chosen ``-> dtype``. Operands of different dtypes
+outside autocast are left as written: eager rejects them, and so does the compiled graph.
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
-from mxfx.passes.fx import CASTS, erase_unused_chain, example_value, gemm_size, module_fqn, shape_str, size_hint, weight_source
+from mxfx.passes.fx import (
+    CASTS, erase_unused_chain, example_value, gemm_size, mixed_dtype_reason, module_fqn, shape_str, size_hint, weight_source,
+)
 from mxfx.policy import Policy
 from mxfx.report import OpRecord, PrecisionMap
 
@@ -179,7 +182,8 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         source, transposed = weight_source(b_node)
         module = module_fqn(node)
         shapes = f"x{shape_str(x)} w{shape_str(b)}"
-        reason = _skip_reason(x, b, offs, out, args, source)
+        # autocast does not cover grouped GEMMs: eager rejects mixed operand dtypes in or out of it
+        reason = _skip_reason(x, b, offs, out, args, source) or mixed_dtype_reason(op.name, {"x": x, "weight": b}, autocast_on=False)
         d = None
         if not reason:
             d = decide(policy, module, x, b.shape[0], b.shape[2], b.shape[1])

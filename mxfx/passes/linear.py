@@ -14,7 +14,9 @@ dtype follow ``F.linear`` under autocast.
 Kept as written (and reported): routers (:mod:`mxfx.passes.router`), ops a
 policy rule keeps in BF16 (the vocabulary projection by default: by name, or
 by a weight tied to an embedding lookup in the same graph), linears
-whose in/out features are not multiples of 32, non-floating operands.
+whose in/out features are not multiples of 32, non-floating operands, operands
+of different dtypes outside autocast (eager rejects them; left as written, the
+compiled graph raises the same error).
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ import torch
 import torch.fx as fx
 
 from mxfx.ops.linear import mx_linear
-from mxfx.passes.fx import erase_unused_chain, example_value, gemm_size, module_fqn, shape_str, size_hint, weight_source
+from mxfx.passes.fx import (
+    autocast_devices, erase_unused_chain, example_value, gemm_size, mixed_dtype_reason, module_fqn, shape_str, size_hint,
+    weight_source,
+)
 from mxfx.passes.router import is_router
 from mxfx.policy import Policy
 from mxfx.report import OpRecord, PrecisionMap
@@ -69,6 +74,7 @@ def _user_sets_precision(policy: Policy, kind: str, module: str) -> bool:
 def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
     """Rewrite eligible linears in ``gm`` in place; returns how many were rewritten."""
     rewritten = 0
+    autocast = autocast_devices(gm)
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in LINEAR_TARGETS:
             continue
@@ -77,7 +83,8 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         kind = "router" if is_router(node) else "linear"
         module = module_fqn(node)
         shapes = f"x{shape_str(x)} w{shape_str(w)}" + (" +bias" if b_node is not None else "")
-        reason = _skip_reason(x, w)
+        reason = _skip_reason(x, w) or mixed_dtype_reason(
+            "F.linear", {"x": x, "weight": w, "bias": example_value(b_node)}, x.device.type in autocast[node])
         macs = gemm = None
         if not reason:
             macs, gemm = gemm_size(x.shape[:-1], w.shape[0], w.shape[1])

@@ -1,0 +1,93 @@
+"""Policy rules whose module glob matches no module: warned once, judged against the whole model.
+
+A rule's module glob is judged against the module names of every graph compiled
+under the same policy (equal policies, e.g. the same ``options`` dict, count as
+one), not graph by graph: with one graph per block (FSDP2, per-block
+``torch.compile(block)``) a rule for one kind of block matches no module of
+another block's graph and is still right. Names are collected as each graph is
+compiled (the innermost module of each op, as the passes see it); a policy is
+judged once, at the first optimizer step after its first graph (a global
+optimizer step post-hook: by then every graph of a training step has been
+compiled), or at process exit when no optimizer step follows (inference). Graphs
+compiled after the judgment (a later recompile) are not judged again.
+
+The warning names the rule and a few of the module names that exist. Under
+per-block compile the names are the block's own (``attn.q_proj``, not
+``layers.0.attn.q_proj``): the graph is traced from the block, and blocks of one
+kind share it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+import warnings
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from mxfx.passes.fx import all_graphs, module_fqn
+from mxfx.policy import Policy
+
+EXAMPLES = 6
+"""How many existing module names a warning lists."""
+
+_lock = threading.Lock()
+_seen: dict[Policy, set[str]] = {}  # module names of the graphs compiled under each policy not yet judged
+_judged: set[Policy] = set()
+_hook_handle = None
+
+
+def observe(policy: Policy, modules: set[str]) -> None:
+    """Record the module names of one graph compiled under ``policy``; judged at the next optimizer step or at exit."""
+    global _hook_handle
+    if not any(r.module is not None for r in policy.rules):
+        return
+    try:
+        hash(policy)
+    except TypeError:  # an unhashable inner compiler: such a policy is not judged
+        return
+    with _lock:
+        if policy in _judged:
+            return
+        _seen.setdefault(policy, set()).update(modules)
+        if _hook_handle is None:
+            _hook_handle = register_optimizer_step_post_hook(_on_step)
+            atexit.register(judge_pending)
+
+
+def unmatched_rules(policy: Policy, modules: set[str]) -> list:
+    """The rules of ``policy`` with a module glob that matches none of ``modules``."""
+    return [r for r in policy.rules if r.module is not None and not any(r.matches_module(m) for m in modules)]
+
+
+def judge_pending() -> None:
+    """Warn once per unmatched rule of every policy seen since the last judgment, then forget their names."""
+    with _lock:
+        pending = list(_seen.items())
+        _seen.clear()
+        _judged.update(p for p, _ in pending)
+    for policy, modules in pending:
+        names = sorted(m for m in modules if m)
+        examples = ", ".join(repr(m) for m in names[:EXAMPLES]) + (", ..." if len(names) > EXAMPLES else "")
+        for rule in unmatched_rules(policy, modules):
+            warnings.warn(
+                f"mxfx: policy rule {rule.describe()} matches no module of the graphs compiled under this policy, "
+                f"so it changes nothing. Module names there ({len(names)}): {examples or 'none'}. A glob matches a "
+                f"name as named_modules() spells it or any dotted suffix of it (e.g. 'layers.0.*' matches "
+                f"'model.layers.0.mlp'); a graph compiled per block names modules from the block.",
+                stacklevel=2,
+            )
+
+
+def _on_step(optimizer, args, kwargs) -> None:
+    if _seen:
+        judge_pending()
+
+
+_on_step = torch.compiler.disable(_on_step, recursive=True)
+
+
+def graph_modules(gm: torch.fx.GraphModule) -> set[str]:
+    """The innermost module name of every op in ``gm`` and its subgraphs, as :func:`module_fqn` gives them."""
+    return {module_fqn(n) for g in all_graphs(gm) for n in g.graph.nodes if n.op in ("call_function", "call_method", "call_module")}

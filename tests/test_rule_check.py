@@ -1,0 +1,110 @@
+"""Policy rules: a module glob matches a name or a dotted suffix of it; a rule matching no module warns once,
+judged over all graphs compiled under the policy (whole-model and per-block compile)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import mxfx
+from mxfx import rule_check
+from mxfx.policy import Rule
+
+
+class Mlp(nn.Module):
+    def __init__(self, name: str):
+        super().__init__()
+        self.add_module(name, nn.Linear(64, 64))
+        self.name = name
+
+    def forward(self, x):
+        return torch.relu(getattr(self, self.name)(x))
+
+
+class Inner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([Mlp("up"), Mlp("proj")])  # two kinds of block
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class HFLike(nn.Module):
+    """Module names as a Hugging Face model spells them: model.layers.0.up, model.layers.1.proj."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = Inner()
+
+    def forward(self, x):
+        return self.model(x)
+
+
+def _step(model, compiled, x):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as during_forward:
+        warnings.simplefilter("always")
+        compiled(x).sum().backward()
+    opt.step()
+    return [w for w in during_forward if "policy rule" in str(w.message)]
+
+
+def _rule_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if "policy rule" in str(w.message)]
+
+
+def test_glob_matches_name_or_dotted_suffix():
+    rule = Rule(module="layers.0.*")
+    assert rule.matches_module("layers.0.up") and rule.matches_module("model.layers.0.up")
+    assert not rule.matches_module("model.layers.10.up") and not rule.matches_module("model.xlayers.0.up")
+    assert Rule(module="lm_head").matches_module("model.lm_head") and not Rule(module="lm_head").matches_module("lm_head_norm")
+
+
+def test_whole_model_readme_rule_works_on_hf_names_and_unmatched_rule_warns_at_first_step():
+    model = HFLike()
+    options = {"inner": "aot_eager", "rules": [{"module": "layers.0.*", "precision": "bf16"},
+                                               {"module": "blocks.*", "wgrad": "bf16"}]}
+    with pytest.warns(UserWarning, match="policy rule") as record:
+        early = _step(model, torch.compile(model, backend="mxfp8", options=options), torch.randn(4, 64))
+    assert not early, "judged before the optimizer step"
+    by_module = {r.module: r for r in mxfx.last_report().records}
+    assert by_module["model.layers.0.up"].forward == "bf16" and by_module["model.layers.1.proj"].forward == "mxfp8"
+    (message,) = _rule_warnings(record)
+    assert "(module='blocks.*', wgrad='bf16')" in message and "'model.layers.0.up'" in message
+
+
+def test_per_block_compile_judges_all_blocks_together():
+    """Block 0's graph has no 'proj': judged per graph, the 'proj' rule would warn; over both blocks it must not."""
+    model = Inner()
+    options = {"inner": "aot_eager", "rules": [{"module": "proj", "precision": "bf16"},
+                                               {"module": "layers.1.*", "precision": "bf16"}]}
+    for i, block in enumerate(model.layers):
+        model.layers[i] = torch.compile(block, backend="mxfp8", options=options)
+    with pytest.warns(UserWarning, match="policy rule") as record:
+        early = _step(model, model, torch.randn(4, 64))
+    assert not early, "judged before the optimizer step"
+    messages = _rule_warnings(record)
+    assert len(messages) == 1 and "(module='layers.1.*', precision='bf16')" in messages[0], messages
+    assert "'proj'" in messages[0] and "'up'" in messages[0]  # block-relative names, from both graphs
+    assert [pm.records[0].forward for pm in mxfx.all_reports()[-2:]] == ["mxfp8", "bf16"]  # the 'proj' rule applied
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: a later step does not warn again
+        rule_check.judge_pending()
+        _step(model, model, torch.randn(4, 64))
+
+
+def test_inference_only_is_judged_at_exit():
+    """No optimizer step: the exit hook (judge_pending, registered with atexit) warns."""
+    model = Inner()
+    options = {"inner": "aot_eager", "rules": [{"module": "head", "precision": "bf16"}]}
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.compile(model, backend="mxfp8", options=options)(torch.randn(4, 64))
+    with pytest.warns(UserWarning, match=r"policy rule \(module='head', precision='bf16'\) matches no module"):
+        rule_check.judge_pending()
