@@ -31,6 +31,13 @@ def test_fsdp2_trains_like_one_process(layout):
     assert log.count("TRAIN OK") == 2, log
 
 
+def test_fsdp2_gradients_clipping_accumulation_and_checkpoint():
+    """reduce_dtype reaches the reduce-scatter; accumulation without sync, clip_grad_norm_ over DTensor grads
+    and an in-place edit plus ``mxfx.cache.refresh`` match one process; DCP resume continues bit-identically."""
+    log = launch(__file__, "features", 2)
+    assert log.count("FEATURES OK") == 2, log
+
+
 # --------------------------------------------------------------------------- worker
 
 
@@ -139,13 +146,138 @@ def _worker_train(rank: int, world: int, layout: str):
     print("TRAIN OK", losses, ops)
 
 
+def _sharded(layout="per_block", mp=None, mesh=None):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    m = _model()
+    if layout == "per_block":
+        _compile_per_block(m)
+    kw = {"mp_policy": mp or MixedPrecisionPolicy(), "mesh": mesh}
+    for block in m.layers:
+        fully_shard(block, **kw)
+    fully_shard(m, **kw)
+    return m
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, what: str, rtol: float = LOSS_RTOL) -> None:
+    err = float((a - b).norm() / b.norm().clamp_min(1e-30))
+    assert err <= rtol, f"{what}: relative error {err:.2e} > {rtol}"
+
+
+def _full_params(m) -> dict:
+    return {n.replace("_orig_mod.", ""): p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+            for n, p in m.named_parameters()}
+
+
+def _worker_features(rank: int, world: int):
+    import tempfile
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import counting_pg
+    import mxfx
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    comm: list = []
+    counting_pg.register(comm)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    counted = DeviceMesh.from_group(dist.new_group(backend=counting_pg.BACKEND), "cpu")
+    xs, ts = _data(world)
+    shard = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    half = PER_RANK // 2
+
+    def loss_of(run, x, t):
+        return torch.nn.functional.mse_loss(run(x), t)
+
+    # reduce-scatter dtype follows MixedPrecisionPolicy.reduce_dtype (FP32 by default)
+    for reduce_dtype in (None, torch.bfloat16):
+        m = _sharded(mp=MixedPrecisionPolicy(reduce_dtype=reduce_dtype), mesh=counted)
+        comm.clear()
+        loss_of(m, xs[0][shard], ts[0][shard]).backward()
+        want = reduce_dtype or torch.float32
+        dtypes = {d for c, d, _ in comm if c == "reduce_scatter"}
+        assert dtypes == {want}, f"reduce_dtype={reduce_dtype}: reduce-scatter dtypes {dtypes}"
+
+    # gradient accumulation over 2 microbatches (sync only on the last) + clip_grad_norm_ over DTensor grads
+    ref, m = _model(), _sharded()
+    _compile_per_block(ref)
+    for mb in range(2):
+        rows = [slice(r * PER_RANK + mb * half, r * PER_RANK + (mb + 1) * half) for r in range(world)]
+        xr, tr = torch.cat([xs[0][s] for s in rows]), torch.cat([ts[0][s] for s in rows])
+        (loss_of(ref, xr, tr) / 2).backward()
+        m.set_requires_gradient_sync(mb == 1)
+        (loss_of(m, xs[0][rows[rank]], ts[0][rows[rank]]) / 2).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm=0.1)
+    norm = torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm=0.1)
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    _close(norm, ref_norm, "total gradient norm", 1e-5)
+    ref_grads = {n.replace("_orig_mod.", ""): p.grad for n, p in ref.named_parameters()}
+    for n, p in m.named_parameters():
+        _close(p.grad.full_tensor(), ref_grads[n.replace("_orig_mod.", "")], f"clipped accumulated grad {n}", 1e-5)
+
+    # an in-place edit of sharded parameters outside a step, then mxfx.cache.refresh: the next forward sees it
+    with torch.no_grad():
+        for p in list(m.parameters()) + list(ref.parameters()):
+            p.mul_(-0.5)
+    mxfx.cache.refresh(m.parameters())
+    with torch.no_grad():
+        y = m(xs[1][shard])
+        _close(y, ref(xs[1])[shard], "forward after an in-place edit", 1e-5)
+
+    # DCP: save after 2 steps, continue 2; a fresh model loaded from the checkpoint gives the same losses
+    def steps(model, opt, batches):
+        out = []
+        for x, t in batches:
+            opt.zero_grad()
+            loss = loss_of(model, x[shard], t[shard])
+            loss.backward()
+            opt.step()
+            out.append(loss.item())
+        return out
+
+    batches = list(zip(xs, ts))
+    m = _sharded()
+    opt = torch.optim.AdamW(m.parameters(), lr=LR)
+    steps(m, opt, batches[:2])
+    folder = [tempfile.mkdtemp(prefix="mxfx_dcp_") if rank == 0 else None]
+    dist.broadcast_object_list(folder, src=0)
+    msd, osd = get_state_dict(m, opt)
+    assert all(n.replace("_orig_mod.", "") in _full_params(m) for n in msd), sorted(msd)  # parameters only, no caches
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=folder[0])
+    expected = steps(m, opt, batches[2:4])
+
+    torch.manual_seed(5)
+    m2 = _sharded()
+    with torch.no_grad():
+        for p in m2.parameters():
+            p.normal_()
+    opt2 = torch.optim.AdamW(m2.parameters(), lr=LR)
+    m2(xs[0][shard]).sum().backward()  # build caches (and optimizer state) from the wrong weights first
+    opt2.step()
+    opt2.zero_grad()
+    msd2, osd2 = get_state_dict(m2, opt2)
+    state = {"model": msd2, "optim": osd2}
+    dcp.load(state, checkpoint_id=folder[0])
+    set_state_dict(m2, opt2, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    resumed = steps(m2, opt2, batches[2:4])
+    assert resumed == expected, f"resumed losses {resumed} vs uninterrupted {expected}"
+    dist.destroy_process_group()
+    print("FEATURES OK")
+
+
 if __name__ == "__main__":
     case, rank, world, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     import os
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     torch.set_num_threads(1)
-    if case.startswith("train_"):
+    if case == "features":
+        _worker_features(rank, world)
+    elif case.startswith("train_"):
         _worker_train(rank, world, case.removeprefix("train_"))
     else:
         raise SystemExit(f"unknown case {case}")
