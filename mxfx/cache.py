@@ -455,10 +455,10 @@ def refresh(tensors, *, force: bool = True) -> int:
     Args:
         tensors: a tensor or an iterable of tensors; the caches of every weight
             whose storage is one of theirs are rebuilt (a weight must lie inside
-            the tensor's span, or be that tensor). A tensor holding no weight's storage
-            (an FSDP2 sharded DTensor parameter) advances the step count instead: every
-            weight no step hook tracks (FSDP2's unsharded parameters) is rebuilt at its
-            next lookup.
+            the tensor's span, or be that tensor). A tensor subclass holding no weight's
+            storage (an FSDP2 sharded DTensor parameter) advances the step count instead:
+            every weight no step hook tracks (FSDP2's unsharded parameters) is rebuilt at
+            its next lookup.
         force: rebuild even when the version counter says the cache is fresh.
 
     Returns:
@@ -467,13 +467,13 @@ def refresh(tensors, *, force: bool = True) -> int:
     if isinstance(tensors, torch.Tensor):
         tensors = [tensors]
     global _step
-    done = 0
+    done, sharded = 0, False
     with _lock, torch.no_grad():
         for t in tensors:
             entries = _entries_on(t)
-            if not entries:
-                _step += 1
+            sharded |= not entries and type(t) not in (torch.Tensor, torch.nn.Parameter)  # a DTensor shard
             done += sum(_refresh_entry(e, t, force) for e in entries)
+        _step += sharded
     _stats["refresh"] += done
     return done
 
