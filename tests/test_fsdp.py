@@ -24,9 +24,10 @@ LOSS_RTOL = 1e-3  # MX rounding is the same on both sides; only fp32 summation o
 OPTS = {"inner": "aot_eager"}  # CPU compile time; the rewrite is the same under Inductor
 
 
-@pytest.mark.parametrize("layout", ["per_block", "whole"])
+@pytest.mark.parametrize("layout", ["per_block", "whole", "per_block_bf16"])
 def test_fsdp2_trains_like_one_process(layout):
-    """Per-step loss and final parameters of 2-process FSDP2 match one process within 1e-3 (stale caches drift ~6%)."""
+    """Per-step loss and final parameters of 2-process FSDP2 match one process within 1e-3 (stale caches drift ~6%);
+    with ``param_dtype=torch.bfloat16`` (caches quantized from the BF16 gather) losses within 5e-3."""
     log = launch(__file__, f"train_{layout}", 2)
     assert log.count("TRAIN OK") == 2, log
 
@@ -106,9 +107,16 @@ def _mx_ops(pm_list) -> list[tuple[str, str]]:
 
 def _worker_train(rank: int, world: int, layout: str):
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import mxfx
+
+    bf16 = layout.endswith("_bf16")
+    layout = layout.removesuffix("_bf16")
+    # Tolerance with BF16 gathers: the MX forms come from BF16-rounded weights (one process: from FP32)
+    # and the blocks compute in BF16: measured 1.1e-3 over 5 steps; stale caches drift >= 1.6% from step 1.
+    rtol = 5e-3 if bf16 else LOSS_RTOL
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None)
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     xs, ts = _data(world)
@@ -126,8 +134,8 @@ def _worker_train(rank: int, world: int, layout: str):
     if layout == "per_block":
         _compile_per_block(m)
     for block in m.layers:
-        fully_shard(block)
-    fully_shard(m)
+        fully_shard(block, mp_policy=mp)
+    fully_shard(m, mp_policy=mp)
     run = torch.compile(m, backend="mxfp8", options=OPTS) if layout == "whole" else m
 
     def mean_over_ranks(loss):
@@ -140,16 +148,16 @@ def _worker_train(rank: int, world: int, layout: str):
     ops = _mx_ops(mxfx.all_reports()[n0:])
 
     for step, (a, b) in enumerate(zip(losses, ref_losses)):
-        assert abs(a - b) <= LOSS_RTOL * abs(b), f"{layout} step {step}: loss {a:.6f} vs one process {b:.6f}\n{losses}\n{ref_losses}"
+        assert abs(a - b) <= rtol * abs(b), f"{layout} step {step}: loss {a:.6f} vs one process {b:.6f}\n{losses}\n{ref_losses}"
     ref_params = {n.replace("_orig_mod.", ""): p for n, p in ref.named_parameters()}
-    for name, p in m.named_parameters():
+    for name, p in m.named_parameters() if not bf16 else ():  # BF16: AdamW's sign-like early updates amplify rounding
         full = p.full_tensor()
         r = ref_params[name.replace("_orig_mod.", "")]
         err = float((full - r).norm() / r.norm())
-        assert err <= LOSS_RTOL, f"{layout} {name}: relative parameter error {err:.2e}"
+        assert err <= rtol, f"{layout} {name}: relative parameter error {err:.2e}"
     assert ops == ref_ops and ops.count(("linear", "mxfp8")) == n_linears, f"{layout}: MX ops {ops} vs one process {ref_ops}"
     dist.destroy_process_group()
-    print("TRAIN OK", losses, ops)
+    print("TRAIN OK", losses, ref_losses, ops)
 
 
 def _sharded(layout="per_block", mp=None, mesh=None):
