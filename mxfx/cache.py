@@ -488,12 +488,10 @@ def _step_post_hook(optimizer, args, kwargs) -> None:
     found here (FSDP2's unsharded parameters) are rebuilt at their next lookup.
     """
     global _step
-    _step += 1
-    if not _entries:
-        return
     done = 0
     with _lock, torch.no_grad():
-        for group in optimizer.param_groups:
+        _step += 1
+        for group in optimizer.param_groups if _entries else ():
             for p in group["params"]:
                 for entry in _entries_on(p):
                     entry.owned = True
