@@ -1,4 +1,4 @@
-"""A gloo process group that counts the bytes each collective hands to the transport (test helper).
+"""A gloo process group that counts the bytes each collective hands to the transport (for the distributed tests).
 
 :func:`register` adds the ``"mxfxcount"`` backend: a Python :class:`torch.distributed.ProcessGroup`
 that forwards every call to a gloo group and appends ``(collective, dtype, bytes)`` to ``log``
