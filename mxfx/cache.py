@@ -112,7 +112,7 @@ class _Entry:
 
 
 _entries: dict[tuple, _Entry] = {}
-_step = 0  # optimizer steps seen by the step hook, plus refresh() calls on tensors without caches of their own
+_step = 0  # optimizer steps seen by the step hook, plus refresh() calls on sharded (DTensor) parameters
 _by_storage: dict[int, set] = {}  # storage cdata -> keys of its entries
 
 
