@@ -46,6 +46,13 @@ across microbatches):
   that optimizer's parameters; a ``torch.compile(opt.step, backend="mxfp8")``
   graph rebuilds them in-graph (:mod:`mxfx.passes.weight_refresh`). Either way a
   forward never uses a stale cache: the version check catches every other path.
+* **Step count for weights no optimizer holds.** Every optimizer step also advances a
+  global step count. An entry that no step hook has found through its optimizer's
+  parameters (an FSDP2 unsharded parameter: the optimizer holds the sharded DTensor,
+  and FSDP refills the unsharded storage at each unshard with its version counter
+  preserved, so neither storage nor version says anything) is stale once the count
+  moved, and is rebuilt by its next lookup from the freshly gathered weight: once per
+  step, reused across microbatches and the backward's re-gather.
 
 Counters: :func:`stats` (quantizations per orientation, hits, refreshes) and
 :func:`persistent_bytes` (``2 x 33/32`` bytes per value with both forms, plus the blocked layout's
@@ -98,12 +105,15 @@ class _Entry:
     forms: dict = field(default_factory=dict)  # (rule, orientation) -> (qdata, scales), or (bf16,) for DEQUANTIZED
     graph_refreshed: bool = False  # rebuilt by a compiled step since the last eager step hook
     source_layout: bool | None = None  # source_layout(weight) when the forms were built: their layouts follow it
+    step: int = 0  # the global step count (_step) when the forms were built
+    owned: bool = False  # a step hook found it through its optimizer's parameters: refreshed there, ignores _step
 
     def nbytes(self) -> int:
         return sum(t.nbytes for form in self.forms.values() for t in form)
 
 
 _entries: dict[tuple, _Entry] = {}
+_step = 0  # optimizer steps seen by the step hook, plus refresh() calls on sharded (DTensor) parameters
 _by_storage: dict[int, set] = {}  # storage cdata -> keys of its entries
 
 
@@ -249,9 +259,10 @@ def lookup(weight: torch.Tensor, rule: str, orientation: str) -> tuple[torch.Ten
         entry = _entry_for(weight, create=True)
         entry.weight = weakref.ref(weight)
         form = (rule, orientation)
-        if entry.version != weight._version or entry.source_layout != source_layout(weight):
+        if (entry.version != weight._version or entry.source_layout != source_layout(weight)
+                or (not entry.owned and entry.step != _step)):
             _rebuild(entry, weight, form)
-            entry.version = weight._version
+            entry.version, entry.step = weight._version, _step
             _stats["stale"] += 1
         elif form not in entry.forms:
             entry.forms.update(_build(weight, rule, [orientation], have=entry.forms))
@@ -426,21 +437,25 @@ def _refresh_entry(entry: _Entry, t: torch.Tensor, force: bool) -> bool:
     if not force and entry.version == w._version:
         return False
     _rebuild(entry, w)
-    entry.version = w._version
+    entry.version, entry.step = w._version, _step
     return True
 
 
 def refresh(tensors, *, force: bool = True) -> int:
     """Rebuild, now, the caches of every weight stored in ``tensors`` (parameters or flat buffers).
 
-    Use after writes the version counter does not see (``p.data.copy_(...)``, a
-    buffer assigned with ``p.data = ...``); the optimizer hook and compiled steps
-    call the same machinery.
+    Use after writes outside any optimizer step that the version counter does not see
+    (``p.data.copy_(...)``, a buffer assigned with ``p.data = ...``), and after any write
+    outside an optimizer step to a parameter sharded by FSDP2; the optimizer hook and
+    compiled steps call the same machinery.
 
     Args:
         tensors: a tensor or an iterable of tensors; the caches of every weight
             whose storage is one of theirs are rebuilt (a weight must lie inside
-            the tensor's span, or be that tensor).
+            the tensor's span, or be that tensor). A tensor subclass holding no weight's
+            storage (an FSDP2 sharded DTensor parameter) advances the step count instead:
+            every weight no step hook tracks (FSDP2's unsharded parameters) is rebuilt at
+            its next lookup.
         force: rebuild even when the version counter says the cache is fresh.
 
     Returns:
@@ -448,10 +463,14 @@ def refresh(tensors, *, force: bool = True) -> int:
     """
     if isinstance(tensors, torch.Tensor):
         tensors = [tensors]
-    done = 0
+    global _step
+    done, sharded = 0, False
     with _lock, torch.no_grad():
         for t in tensors:
-            done += sum(_refresh_entry(e, t, force) for e in _entries_on(t))
+            entries = _entries_on(t)
+            sharded |= not entries and type(t) not in (torch.Tensor, torch.nn.Parameter)  # a DTensor shard
+            done += sum(_refresh_entry(e, t, force) for e in entries)
+        _step += sharded
     _stats["refresh"] += done
     return done
 
@@ -462,15 +481,17 @@ def _step_post_hook(optimizer, args, kwargs) -> None:
     Parameters with a gradient were stepped: rebuilt unconditionally (this also
     covers optimizers that write through ``.data``). Parameters without one are
     rebuilt only if their version changed. Weights a compiled step already
-    rebuilt in-graph are skipped.
+    rebuilt in-graph are skipped. Advances the step count, so weights that are not
+    found here (FSDP2's unsharded parameters) are rebuilt at their next lookup.
     """
-    if not _entries:
-        return
+    global _step
     done = 0
     with _lock, torch.no_grad():
-        for group in optimizer.param_groups:
+        _step += 1
+        for group in optimizer.param_groups if _entries else ():
             for p in group["params"]:
                 for entry in _entries_on(p):
+                    entry.owned = True
                     in_graph, entry.graph_refreshed = entry.graph_refreshed, False
                     done += _refresh_entry(entry, p, force=p.grad is not None and not in_graph)
     _stats["refresh_eager"] += done

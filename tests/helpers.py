@@ -31,3 +31,43 @@ class GraphCapture:
 def count_calls(graphs, target) -> int:
     """How many call_function nodes with ``target`` the graphs hold."""
     return sum(1 for g in graphs for n in g.graph.nodes if n.op == "call_function" and n.target == target)
+
+
+def launch(script: str, case: str, world: int, timeout_s: float = 150.0) -> str:
+    """Run ``python script CASE RANK WORLD PORT`` as ``world`` processes on a free port; returns their output.
+
+    Fails (showing every rank's output) when a rank exits non-zero or the launch runs past ``timeout_s``.
+    """
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    procs = [
+        subprocess.Popen([sys.executable, script, case, str(rank), str(world), str(port)],
+                         env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for rank in range(world)
+    ]
+    deadline = time.monotonic() + timeout_s
+    outputs, codes = [], []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            out, _ = p.communicate()
+            out += f"\n[timed out after {timeout_s} s]"
+        outputs.append(out)
+        codes.append(p.returncode)
+    log = "\n".join(f"----- rank {r} (rc {c}) -----\n{o}" for r, (o, c) in enumerate(zip(outputs, codes)))
+    assert all(c == 0 for c in codes), log
+    return log

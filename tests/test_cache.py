@@ -402,3 +402,28 @@ def test_checkpoint_roundtrip_rebuilds_caches():
     assert cache.stats()["quantize"] == q + N_WEIGHTS  # rebuilt from the loaded weights (forward orientation)
     torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
     assert (y - stale).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("compiled_step", [False, True])
+def test_params_made_views_of_a_flat_buffer_with_data_assignment(compiled_step):
+    """Megatron-style: ``p.data = flat[a:b].view(...)`` (each weight keeps its own version counter, which the
+    optimizer's writes to ``flat`` never bump); the step hook, or the compiled step, still refreshes them."""
+    model, x = _model(), _x()
+    params = list(model.parameters())
+    flat = nn.Parameter(torch.cat([p.detach().reshape(-1) for p in params]))
+    offset = 0
+    for p in params:
+        p.data = flat.detach()[offset: offset + p.numel()].view_as(p)
+        offset += p.numel()
+    cm = torch.compile(model, backend="mxfp8", options=OPTS)
+    opt = torch.optim.AdamW([flat], lr=0.05, foreach=True)
+    step = torch.compile(opt.step, backend="mxfp8", options=OPTS) if compiled_step else opt.step
+    versions = [p._version for p in params]
+    for _ in range(2):
+        _train_microbatches(cm, x, 1)
+        _flat_grad(model, flat)
+        with torch.no_grad():
+            before = cm(x)
+        step()
+        assert [p._version for p in params] == versions  # the weights' own counters never moved
+        _assert_fresh_and_not_stale(cm, model, x, before)

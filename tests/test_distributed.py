@@ -12,51 +12,21 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from helpers import launch  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 150  # per launch; a launch takes ~10-40 s on a loaded 2-core machine
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(case: str, world: int) -> str:
-    port = _free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, case, str(rank), str(world), str(port)],
-            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        for rank in range(world)
-    ]
-    deadline = time.monotonic() + TIMEOUT_S
-    outputs, codes = [], []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            out, _ = p.communicate()
-            out += f"\n[timed out after {TIMEOUT_S} s]"
-        outputs.append(out)
-        codes.append(p.returncode)
-    log = "\n".join(f"----- rank {r} (rc {c}) -----\n{o}" for r, (o, c) in enumerate(zip(outputs, codes)))
-    assert all(c == 0 for c in codes), log
-    return log
+    return launch(__file__, case, world, TIMEOUT_S)
 
 
 # --------------------------------------------------------------------------- tests

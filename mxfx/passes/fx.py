@@ -43,6 +43,15 @@ def example_value(node) -> torch.Tensor | None:
     return val if isinstance(val, torch.Tensor) else None
 
 
+def is_dtensor(t) -> bool:
+    """True for a DTensor (a tensor-parallel operand): MX ops take local tensors only."""
+    if t is None or not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor  # optional: torch builds without distributed
+
+    return isinstance(t, DTensor)
+
+
 def shape_str(t: torch.Tensor | None) -> str:
     """``[2, 16, 64]`` for the precision map ("?" without an example value); symbolic sizes print as symbols."""
     if t is None:

@@ -21,13 +21,15 @@ compiled graph raises the same error).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.fx as fx
 
 from mxfx.ops.linear import mx_linear
 from mxfx.passes.fx import (
-    autocast_devices, erase_unused_chain, example_value, gemm_size, mixed_dtype_reason, module_fqn, shape_str, size_hint,
-    weight_source,
+    autocast_devices, erase_unused_chain, example_value, gemm_size, is_dtensor, mixed_dtype_reason, module_fqn, shape_str,
+    size_hint, weight_source,
 )
 from mxfx.passes.router import is_router
 from mxfx.policy import Policy
@@ -35,6 +37,7 @@ from mxfx.report import OpRecord, PrecisionMap
 
 LINEAR_TARGETS = (torch._C._nn.linear, torch.nn.functional.linear)
 _FLOAT = (torch.float32, torch.bfloat16, torch.float16)
+DTENSOR_REASON = "DTensor operands (tensor parallel): MX GEMMs take local tensors; kept as written (BF16/FP32)"
 
 
 def _operands(node: fx.Node):
@@ -46,6 +49,8 @@ def _operands(node: fx.Node):
 def _skip_reason(x, w) -> str:
     if x is None or w is None:
         return "no example value for the operands"
+    if is_dtensor(x) or is_dtensor(w):
+        return DTENSOR_REASON
     if x.dtype not in _FLOAT or w.dtype not in _FLOAT:
         return f"operand dtypes {x.dtype}/{w.dtype}: MXFP8 takes bf16/fp16/fp32 operands (kept as written)"
     if w.dim() != 2:
@@ -72,8 +77,11 @@ def _user_sets_precision(policy: Policy, kind: str, module: str) -> bool:
 
 
 def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
-    """Rewrite eligible linears in ``gm`` in place; returns how many were rewritten."""
-    rewritten = 0
+    """Rewrite eligible linears in ``gm`` in place; returns how many were rewritten.
+
+    Warns, naming the modules, when linears are kept because their operands are DTensors.
+    """
+    rewritten, distributed = 0, []
     autocast = autocast_devices(gm)
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in LINEAR_TARGETS:
@@ -94,6 +102,8 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
             reason = "vocabulary projection (weight tied to an embedding); a policy rule with precision='mxfp8' overrides"
         if reason:
             pm.add(OpRecord(node.name, kind, module, shapes, "bf16", "bf16", "bf16", "bf16", "-", reason))
+            if reason == DTENSOR_REASON:
+                distributed.append(module or node.name)
             continue
         kwargs = d.settings.graph_kwargs()
         source, transposed = weight_source(w_node)
@@ -108,4 +118,7 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         saved = d.save
         pm.add(OpRecord(new.name, kind, module, shapes, "mxfp8", "mxfp8", d.wgrad, saved, d.scale_rule))
         rewritten += 1
+    if distributed:
+        warnings.warn(f"mxfx: linears left in BF16/FP32, not MXFP8 (DTensor operands, tensor parallel): {', '.join(distributed)}",
+                      stacklevel=2)
     return rewritten
