@@ -354,9 +354,10 @@ def _fake_scaled_mm(a, b, scale_a, scale_b, out_dtype=None):
     assert a.stride() == (k, 1) and b.stride() == (1, k) and k % 16 == 0 and n % 16 == 0
     assert scale_a.shape == (m, kt) and (scale_a.stride() == (1, m) or kt == 1), (scale_a.shape, scale_a.stride())
     sbt = scale_b.t()
-    if sbt.shape == (-(-n // 128), kt):
-        assert sbt.stride(1) == 1 and (sbt.stride(0) == -(-kt // 4) * 4 or sbt.shape[0] == 1), sbt.stride()
-        b_hat = bf.dequantize_values(b.t(), sbt, (-2, -1))
+    l4 = -(-kt // 4) * 4  # cuBLAS reads 128x128 scales as [round_up(K/128, 4), N/128], stride (1, round_up(K/128, 4))
+    if sbt.shape == (-(-n // 128), l4):
+        assert sbt.stride(1) == 1 and (sbt.stride(0) == l4 or sbt.shape[0] == 1), sbt.stride()
+        b_hat = bf.dequantize_values(b.t(), sbt[:, :kt], (-2, -1))
     else:
         assert sbt.shape == (n, kt) and (sbt.stride() == (1, n) or kt == 1), (sbt.shape, sbt.stride())
         b_hat = bf.dequantize_values(b.t(), sbt, (-1,))

@@ -107,7 +107,9 @@ def _cublas_mm(a, a_scales, b, b_scales, out_dtype):
         else:
             padded = b_scales.new_zeros(b_scales.shape[0], -(-kt // 4) * 4)
             padded[:, :kt] = b_scales
-            candidates = [padded[:, :kt].t(), b_scales.contiguous().t()]
+            # cuBLAS reads [round_up(K/128, 4), N/128] with stride (1, round_up(K/128, 4)); a [K/128, N/128]
+            # view of the same storage passes torch 2.11's checks but gives wrong sums there
+            candidates = [padded.t(), b_scales.contiguous().t()]
     else:
         sb = b_scales if b_q.shape[0] == n else F.pad(b_scales, (0, 0, 0, b_q.shape[0] - n), value=1.0)
         candidates = [sb.t().contiguous()]  # [K/128, N]: [N, K/128] column-major
