@@ -128,7 +128,9 @@ def _torchao_fp8_rowwise(model, compiler: str):
     from torchao.prototype.moe_training.config import Float8TrainingOpConfig
     from torchao.quantization import quantize_
 
-    quantize_(model, Float8TrainingOpConfig(), filter_fn=lambda mod, fqn: fqn.endswith("mlp.experts"))
+    # HF does not pad expert groups; torchao's FP8 grouped GEMMs need groups of a multiple of 16 rows
+    config = Float8TrainingOpConfig(pad_token_groups_for_grouped_mm=True)
+    quantize_(model, config, filter_fn=lambda mod, fqn: fqn.endswith("mlp.experts"))
     return torch.compile(model, backend=compiler)
 
 
