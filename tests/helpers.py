@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
@@ -71,3 +73,16 @@ def launch(script: str, case: str, world: int, timeout_s: float = 150.0) -> str:
     log = "\n".join(f"----- rank {r} (rc {c}) -----\n{o}" for r, (o, c) in enumerate(zip(outputs, codes)))
     assert all(c == 0 for c in codes), log
     return log
+
+
+def exit_worker() -> None:
+    """End a worker process of :func:`launch` at once, after its output is flushed.
+
+    Its process group is destroyed by then; skipping interpreter teardown avoids an abort
+    ("terminate called without an active exception", rc -6) seen now and then when a
+    Python-wrapped gloo group's threads are destroyed during finalization."""
+    import os
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

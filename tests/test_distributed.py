@@ -19,7 +19,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from helpers import launch  # noqa: E402
+from helpers import exit_worker, launch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 150  # per launch; a launch takes ~10-40 s on a loaded 2-core machine
@@ -468,3 +468,4 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     workers = {"ep": _worker_ep, "ddp": _worker_ddp, "dispatch_mx": _worker_dispatch_mx, "combine_rw": _worker_combine_rw}
     workers[case](rank, world)
+    exit_worker()

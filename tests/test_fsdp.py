@@ -17,7 +17,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from helpers import launch  # noqa: E402
+from helpers import exit_worker, launch  # noqa: E402
 
 D, HIDDEN, STEPS, PER_RANK, LR = 64, 128, 5, 16, 1e-2
 LOSS_RTOL = 1e-3  # MX rounding is the same on both sides; only fp32 summation order differs (and can flip a rounding)
@@ -335,3 +335,4 @@ if __name__ == "__main__":
         _worker_train(rank, world, case.removeprefix("train_"))
     else:
         raise SystemExit(f"unknown case {case}")
+    exit_worker()
