@@ -69,6 +69,21 @@ def gemm_runs_natively(op: str, device: torch.device, fmt: str = FORMAT) -> bool
     return op in NATIVE_GEMMS.get((fmt, arch_of(capability(device))), ())
 
 
+@functools.cache
+def _cpu_has_bf16_matmul() -> bool:
+    """Whether this CPU multiplies BF16 matrices in hardware (AVX512-BF16 or AMX); torch's own probes."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
+
+
+def native_bf16_matmul(device: torch.device) -> bool:
+    """Whether BF16 GEMMs run on native BF16 instructions on ``device``: always on CUDA; on CPU only with
+    AVX512-BF16 or AMX. Elsewhere (an AVX2-only CPU) BF16 GEMMs are emulated and much slower than FP32 ones,
+    so mxfx's own BF16 GEMMs run in FP32 there: BF16 operands are exact in FP32 and accumulation is FP32
+    either way, so the sums are the same up to summation order."""
+    return device.type != "cpu" or _cpu_has_bf16_matmul()
+
+
 def emulation_dtype(device: torch.device) -> torch.dtype:
     """The dtype emulated GEMMs dequantize into: fp32 on CPU, bf16 on CUDA (exact for E4M3 x 2^e)."""
     return torch.float32 if device.type == "cpu" else torch.bfloat16

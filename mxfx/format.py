@@ -117,18 +117,49 @@ def quantize_lastdim(x: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor
         ``(qdata, scales)``: qdata ``float8_e4m3fn [..., K]`` (contiguous),
         scales ``uint8 [..., K // 32]`` holding E8M0 bytes.
     """
-    *lead, k = x.shape
-    blocks = x.to(torch.float32).reshape(*lead, k // BLOCK_SIZE, BLOCK_SIZE)
-    amax = blocks.abs().amax(dim=-1)
+    q, s, _ = quantize_blocks(x, rule)
+    return q, s
+
+
+def quantize_blocks(
+    x: torch.Tensor, rule: str = "rceil", dim: int = -1, dequantized: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Reference MXFP8 quantize in blocks of 32 along ``dim``, -1 (rowwise) or -2 (columnwise, in x's
+    own layout: no transpose), optionally with the dequantized values from the same pass.
+
+    Args:
+        x: ``[..., M, K]`` bf16/fp16/fp32 (1D allowed with ``dim=-1``), the blocked dim a multiple of 32.
+        rule: ``"rceil"`` or ``"floor"``.
+        dim: -1 or -2.
+        dequantized: also return ``x_hat`` = :func:`dequantize_lastdim` of the pair in this dtype.
+
+    Returns:
+        ``(qdata, scales, x_hat)``: qdata ``float8_e4m3fn`` of x's shape, contiguous; scales uint8 of x's
+        shape with ``dim`` divided by 32, contiguous (``[..., M/32, K]`` for ``dim=-2``: the transpose of the
+        columnwise operand's ``[..., K, M/32]``); ``x_hat`` contiguous of x's shape, or None.
+    """
+    shape = x.shape
+    if dim in (-1, x.dim() - 1):
+        red, blocked = -1, (*shape[:-1], shape[-1] // BLOCK_SIZE, BLOCK_SIZE)
+    elif dim in (-2, x.dim() - 2):
+        red, blocked = -2, (*shape[:-2], shape[-2] // BLOCK_SIZE, BLOCK_SIZE, shape[-1])
+    else:
+        raise ValueError(f"mxfx.quantize_blocks: dim {dim} for shape {tuple(shape)} must be -1 or -2")
+    blocks = x.to(torch.float32).reshape(blocked)
+    amax = blocks.abs().amax(dim=red)
     nonfinite = ~torch.isfinite(amax)
     e = scale_exponent(amax, rule)
-    scaled = blocks * torch.exp2(-e.to(torch.float32)).unsqueeze(-1)  # exact: power-of-two multiply
-    scaled = scaled.clamp(-E4M3_MAX, E4M3_MAX)  # saturate; torch's cast would give NaN above 464
-    scaled = torch.where(nonfinite.unsqueeze(-1), torch.full_like(scaled, float("nan")), scaled)
-    qdata = scaled.to(torch.float8_e4m3fn).reshape(*lead, k)
-    scales = torch.where(nonfinite, torch.full_like(e, E8M0_NAN), e + E8M0_BIAS).to(torch.uint8)
-    # contiguous whatever the input's strides (a transposed view keeps them through the casts)
-    return qdata.contiguous(), scales.contiguous()
+    scaled = blocks * torch.exp2(-e.to(torch.float32)).unsqueeze(red)  # exact: power-of-two multiply
+    scaled.clamp_(-E4M3_MAX, E4M3_MAX)  # saturate; torch's cast would give NaN above 464
+    scaled.masked_fill_(nonfinite.unsqueeze(red), float("nan"))
+    qdata = scaled.to(torch.float8_e4m3fn)
+    scales = torch.where(nonfinite, E8M0_NAN, e + E8M0_BIAS).to(torch.uint8)
+    x_hat = None
+    if dequantized is not None:  # the arithmetic of dequantize_lastdim, on the blocks at hand
+        x_hat = qdata.to(torch.float32).mul_(scale_values(scales).unsqueeze(red)).reshape(shape).to(dequantized)
+        x_hat = x_hat.contiguous()
+    # contiguous whatever the input's strides (a strided input can reach here as a view, kept by the casts)
+    return qdata.reshape(shape).contiguous(), scales.contiguous(), x_hat
 
 
 def scale_values(scales: torch.Tensor) -> torch.Tensor:

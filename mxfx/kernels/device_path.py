@@ -133,15 +133,17 @@ def quantize_dual_source(x: torch.Tensor, rule: str, *, row: bool = True, col: b
         return dual.quantize_dual_source(x, rule, row=row, col=col, dequantized=dequantized, mx=mx)
     check_dual_args(x, rule, "mxfx.quantize_dual_source", row=row, col=col, dequantized=dequantized, mx=mx)
     out = []
-    for want, src in ((row, x), (col, x.transpose(-2, -1))):
+    for want, dim in ((row, -1), (col, -2)):
         if not want:
             out += [None, None, None]
             continue
-        q, s = mxf.quantize_lastdim(src, rule)
-        s = _mn_major(s)
-        if src is not x:  # the columnwise qdata, restrided into x's layout
-            q = q.transpose(-2, -1).contiguous().transpose(-2, -1)
-        h = None if dequantized is None else mxf.dequantize_lastdim(q, s, dequantized)
+        # columnwise blocked down M in x's own layout: qdata, scales and values come out as the contiguous
+        # [.., M, K] / [.., M/32, K] tensors whose transpose views are the source layout, no transpose made
+        q, s, h = mxf.quantize_blocks(x, rule, dim, dequantized)
+        if dim == -1:
+            s = _mn_major(s)
+        else:
+            q, s, h = q.transpose(-2, -1), s.transpose(-2, -1), (h.transpose(-2, -1) if h is not None else None)
         out += [q, s, h] if mx else [None, None, h]
     return tuple(out)
 
@@ -154,11 +156,14 @@ def quantize_dequantize(x: torch.Tensor, rule: str, dtype: torch.dtype):
 
         return tq.quantize_dequantize(x, rule, dtype)
     check_lastdim_args(x, rule, "mxfx.quantize_dequantize")
-    return _with_dequantized(_reference_lastdim(x, rule), dtype)
+    q, s, h = mxf.quantize_blocks(x, rule, dequantized=dtype)
+    return q, laid_out_as(s, lastdim_scales(x)), h
 
 
-def _with_dequantized(pair: tuple, dtype: torch.dtype | None) -> tuple:
-    return pair if dtype is None else (*pair, mxf.dequantize_lastdim(*pair, dtype))
+def _with_dequantized(x: torch.Tensor, rule: str, dtype: torch.dtype | None) -> tuple:
+    """Rowwise reference quantize of ``x``: ``(q, s)``, or ``(q, s, x_hat)`` with ``dtype``, from one pass."""
+    q, s, h = mxf.quantize_blocks(x, rule, dequantized=dtype)
+    return (q, s) if dtype is None else (q, s, h)
 
 
 def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str, dequantized: torch.dtype | None = None,
@@ -185,7 +190,7 @@ def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str, dequantized
     check_lastdim_args(up, rule, "mxfx.swiglu_quantize")
     if gate.shape != up.shape:
         raise ValueError(f"mxfx.swiglu_quantize: gate of shape {tuple(gate.shape)} and up of shape {tuple(up.shape)} must match")
-    out = _with_dequantized(mxf.quantize_lastdim(silu_fp32(gate) * up.float(), rule), dequantized)
+    out = _with_dequantized(silu_fp32(gate).mul_(up), rule, dequantized)
     return (*out, *mxf.quantize_lastdim(gate, rule), *mxf.quantize_lastdim(up, rule)) if save_inputs else out
 
 
@@ -202,5 +207,5 @@ def route_weight_quantize(dy: torch.Tensor, weight: torch.Tensor, rule: str, deq
         return tq.route_weight_quantize(dy, weight, rule, dequantized)
     check_route_args(dy, weight, op)
     check_lastdim_args(dy, rule, op)
-    q, s = mxf.quantize_lastdim(dy.float() * weight.float().reshape(-1, 1), rule)
-    return _with_dequantized((q, laid_out_as(s, lastdim_scales(dy))), dequantized)
+    q, s, *h = _with_dequantized(dy.float() * weight.float().reshape(-1, 1), rule, dequantized)
+    return (q, laid_out_as(s, lastdim_scales(dy)), *h)

@@ -28,7 +28,8 @@ from typing import Callable
 import torch
 
 from mxfx import layout
-from mxfx.device import FORMAT, emulated_operand_dtype, emulation_dtype, gemm_runs_natively, triton_available
+from mxfx.device import (FORMAT, emulated_operand_dtype, emulation_dtype, gemm_runs_natively, native_bf16_matmul,
+                         triton_available)
 from mxfx.kernels import custom_ops, dequantize_lastdim
 from mxfx.kernels.launch import op_or_body
 
@@ -599,6 +600,8 @@ def _grouped_wgrad_bf16_op(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor
             f"x {tuple(x.shape)}, offs {tuple(offs.shape)} {offs.dtype}"
         )
     dy, x = dy.to(torch.bfloat16).contiguous(), x.to(torch.bfloat16).contiguous()
+    if not native_bf16_matmul(dy.device):  # the same GEMM in FP32 (exact BF16 operands, FP32 accumulation)
+        return torch._grouped_mm(dy.float().t(), x.float(), offs=offs).to(torch.bfloat16)
     return torch._grouped_mm(dy.t(), x, offs=offs)
 
 
