@@ -107,6 +107,7 @@ class _Entry:
     source_layout: bool | None = None  # source_layout(weight) when the forms were built: their layouts follow it
     step: int = 0  # the global step count (_step) when the forms were built
     owned: bool = False  # a step hook found it through its optimizer's parameters: refreshed there, ignores _step
+    gathered: bool = False  # forms installed from an FSDP2 MX all-gather (install_forms): never built from the weight
 
     def nbytes(self) -> int:
         return sum(t.nbytes for form in self.forms.values() for t in form)
@@ -259,6 +260,12 @@ def lookup(weight: torch.Tensor, rule: str, orientation: str) -> tuple[torch.Ten
         entry = _entry_for(weight, create=True)
         entry.weight = weakref.ref(weight)
         form = (rule, orientation)
+        if entry.gathered and (form not in entry.forms or entry.step != _step):
+            raise RuntimeError(
+                f"mxfx.cache: the {orientation!r} form of a weight {tuple(weight.shape)} gathered as MX forms by FSDP2 "
+                f"(mxfx.fsdp.mx_all_gather) was not gathered since the last optimizer step; its unsharded values cannot rebuild it "
+                f"exactly. Keep this weight out of mx_all_gather (and Policy.keep_dequantized_weights is not "
+                f"supported with it)")
         if (entry.version != weight._version or entry.source_layout != source_layout(weight)
                 or (not entry.owned and entry.step != _step)):
             _rebuild(entry, weight, form)
@@ -721,5 +728,5 @@ def install_forms(weight: torch.Tensor, rule: str, pairs: dict) -> None:
                 sc = _fake_form(weight, orientation, torch.uint8, scales=True).copy_(s)
             entry.forms[(rule, orientation)] = (qd, sc)
         entry.source_layout = source_layout(weight)
-        entry.version, entry.step = weight._version, _step
+        entry.version, entry.step, entry.gathered = weight._version, _step, True
         _stats["installed"] += len(pairs)

@@ -27,13 +27,19 @@ Weights that are not eligible stay plain parameters and gather in their storage 
 
 from __future__ import annotations
 
+import weakref
+from collections import Counter
+
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 import torch.utils._pytree as pytree
 
 from mxfx import cache, kernels
 from mxfx.format import BLOCK_SIZE, SCALE_RULES
 
+stats: Counter = Counter()
+"""Gathers per form sent: ``gather_forward``, ``gather_dgrad`` (one per parameter per gather)."""
 _aten = torch.ops.aten
 _KEEP_SUBCLASS = {
     _aten.empty_like.default, _aten.new_zeros.default, _aten.slice.Tensor, _aten.copy_.default,
@@ -88,6 +94,10 @@ class MXWeight(torch.Tensor):
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
         return MXWeight(inner["_tensor"], meta["rule"])
 
+    def __reduce_ex__(self, protocol):
+        """Pickled (``torch.save``, DCP) as the plain FP32 tensor: checkpoints load without mxfx."""
+        return self._tensor.__reduce_ex__(protocol)
+
     def __repr__(self):
         return f"MXWeight(rule={self._rule}, {self._tensor!r})"
 
@@ -114,15 +124,11 @@ class MXWeight(torch.Tensor):
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         forms = self._forms()
-        group = getattr(module, "_get_fsdp_state", None)
-        reshards = True
-        if group is not None:
-            pg = group()._fsdp_param_group
-            reshards = pg is None or pg.post_forward_mesh_info is not None
-        if not reshards:
+        if not _reshards_after_forward(module):
             which = ("forward", "dgrad")  # gathered once per step: both forms
         else:
             which = ("dgrad",) if _in_backward() else ("forward",)
+        stats.update(f"gather_{o}" for o in which)
         outs = tuple(t for o in which for t in forms[o])
         return outs, (which, tuple(outer_size))
 
@@ -147,6 +153,34 @@ class MXWeight(torch.Tensor):
                 out.copy_(kernels.dequantize_lastdim(q, s, out.dtype))
         cache.install_forms(out, self._rule, pairs)
         return ret
+
+
+_roots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # owning module -> weakref to the model converted
+_units: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # owning module -> its FSDP unit
+
+
+def _unit(module: torch.nn.Module):
+    """The FSDP unit (the innermost ``FSDPModule`` containing ``module``) of a converted weight's module."""
+    unit = _units.get(module)
+    if unit is None:
+        root = _roots.get(module)
+        root = root() if root is not None else None
+        if root is None:
+            raise RuntimeError(f"mxfx.fsdp: {type(module).__name__} was not converted by mx_all_gather")
+        units = [m for m in root.modules() if isinstance(m, FSDPModule) and any(c is module for c in m.modules())]
+        if not units:
+            raise RuntimeError(f"mxfx.fsdp: no fully_shard module holds {type(module).__name__}")
+        unit = min(units, key=lambda m: sum(1 for _ in m.modules()))
+        _units[module] = unit
+    return unit
+
+
+def _reshards_after_forward(module: torch.nn.Module) -> bool:
+    """Whether FSDP frees ``module``'s unsharded weights after forward (so it gathers them again before
+    backward). FSDP2 exposes only a setter: read from its parameter group; if that is not there, False
+    (the one gather then sends both forms: exact, more bytes)."""
+    group = getattr(_unit(module)._get_fsdp_state(), "_fsdp_param_group", None)
+    return getattr(group, "post_forward_mesh_info", None) is not None
 
 
 def eligible(weight: torch.Tensor, world: int) -> bool:
@@ -188,5 +222,6 @@ def mx_all_gather(model: torch.nn.Module, *, rule: str = "rceil", world_size: in
                         f"or K not of 32)")
             continue
         mod.weight = torch.nn.Parameter(MXWeight(w.data, rule), requires_grad=w.requires_grad)
+        _roots[mod] = weakref.ref(model)
         out[key] = "mx"
     return out
