@@ -1,6 +1,6 @@
 """MX weight all-gather for FSDP2: the all-gather moves MX forms (qdata + scales), not FP32/BF16 weights.
 
-Opt in with one line before ``fully_shard``: ``mxfx.fsdp.mx_all_gather(model)``. Each eligible linear
+Opt in with one line before ``fully_shard``: ``mxfx.fsdp.mx_all_gather(model)`` (after ``import mxfx.fsdp``). Each eligible linear
 weight (``[N, K]``, N a multiple of ``32 x world``, K a multiple of 32) becomes an :class:`MXWeight`
 parameter, a tensor subclass around the FP32 main weight that implements FSDP2's public extension
 points ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``:
@@ -49,7 +49,12 @@ _KEEP_SUBCLASS = {
 
 
 def _in_backward() -> bool:
-    """Whether the autograd engine is running a backward on this thread (the gather is for dgrad)."""
+    """Whether the autograd engine is running a backward on this thread (the gather is for dgrad).
+
+    FSDP2 issues the pre-backward unshard and the backward prefetch from hooks the engine runs, and every
+    forward gather (pre-forward hook, forward prefetch, explicit ``unshard()``) outside it. torch has no
+    public query for this; ``_current_graph_task_id`` is -1 outside a running backward (checked on torch 2.13).
+    """
     return torch._C._current_graph_task_id() != -1
 
 
