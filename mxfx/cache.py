@@ -73,7 +73,7 @@ from mxfx import kernels
 from mxfx.format import BLOCK_SIZE, SCALE_RULES
 from mxfx.kernels.views import mn_major
 from mxfx.device import colwise_in_source_layout
-from mxfx.layout import blocked_numel, from_blocked, is_blocked
+from mxfx.layout import blocked_numel, from_blocked, is_blocked, to_blocked
 
 WEIGHT_KINDS = ("linear", "grouped_mm")
 """Precision-map kinds whose rewritten ops read weights through this cache."""
@@ -107,6 +107,7 @@ class _Entry:
     source_layout: bool | None = None  # source_layout(weight) when the forms were built: their layouts follow it
     step: int = 0  # the global step count (_step) when the forms were built
     owned: bool = False  # a step hook found it through its optimizer's parameters: refreshed there, ignores _step
+    gathered: bool = False  # forms installed from an FSDP2 MX all-gather (install_forms): never built from the weight
 
     def nbytes(self) -> int:
         return sum(t.nbytes for form in self.forms.values() for t in form)
@@ -259,6 +260,12 @@ def lookup(weight: torch.Tensor, rule: str, orientation: str) -> tuple[torch.Ten
         entry = _entry_for(weight, create=True)
         entry.weight = weakref.ref(weight)
         form = (rule, orientation)
+        if entry.gathered and (form not in entry.forms or entry.step != _step):
+            raise RuntimeError(
+                f"mxfx.cache: the {orientation!r} form of a weight {tuple(weight.shape)} gathered as MX forms by FSDP2 "
+                f"(mxfx.fsdp.mx_all_gather) was not gathered since the last optimizer step; its unsharded values cannot rebuild it "
+                f"exactly. Keep this weight out of mx_all_gather (and Policy.keep_dequantized_weights is not "
+                f"supported with it)")
         if (entry.version != weight._version or entry.source_layout != source_layout(weight)
                 or (not entry.owned and entry.step != _step)):
             _rebuild(entry, weight, form)
@@ -688,3 +695,38 @@ def clear() -> None:
         _entries.clear()
         _by_storage.clear()
         _pending.clear()
+
+
+# --- forms gathered by FSDP2 (mxfx.fsdp) ------------------------------------------------------
+
+
+def step_count() -> int:
+    """The global optimizer step count (advanced by every optimizer step and by :func:`refresh` on shards)."""
+    return _step
+
+
+def install_forms(weight: torch.Tensor, rule: str, pairs: dict) -> None:
+    """Make ``pairs`` (orientation -> ``(qdata e4m3, scales u8)``, row-major: forward ``[N, K]`` /
+    ``[N, K/32]``, dgrad ``[K, N]`` / ``[K, N/32]``) the cache forms of ``weight`` for this step.
+
+    For MX forms gathered by FSDP2 (:mod:`mxfx.fsdp`): they are copied into the layouts the GEMM
+    ops read (:func:`_fake_form`, blocked scales where :func:`blocked_scales`) and stamped fresh
+    for the current step; forms installed earlier in the same step (the forward form, when the
+    backward's gather brings the dgrad form) are kept.
+    """
+    with _lock, torch.no_grad():
+        entry = _entry_for(weight, create=True)
+        entry.weight = weakref.ref(weight)
+        if entry.step != _step or entry.source_layout != source_layout(weight):
+            entry.forms.clear()
+        for orientation, (q, s) in pairs.items():
+            _check(weight, rule, orientation)
+            qd = _fake_form(weight, orientation, _E4M3).copy_(q)
+            if blocked_scales(weight):
+                sc = to_blocked(s)
+            else:
+                sc = _fake_form(weight, orientation, torch.uint8, scales=True).copy_(s)
+            entry.forms[(rule, orientation)] = (qd, sc)
+        entry.source_layout = source_layout(weight)
+        entry.version, entry.step, entry.gathered = weight._version, _step, True
+        _stats["installed"] += len(pairs)
