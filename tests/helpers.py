@@ -86,3 +86,15 @@ def exit_worker() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def run_interpreter_checks(test_file: str) -> None:
+    """Run ``test_file --interpret`` in a fresh interpreter under ``TRITON_INTERPRET=1`` (Triton's CPU interpreter
+    is chosen at import time, so it needs its own process); raises CalledProcessError if the checks fail."""
+    import os
+    import subprocess
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    subprocess.run([sys.executable, os.path.abspath(test_file), "--interpret"], check=True, env=env, cwd=root)

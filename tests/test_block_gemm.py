@@ -8,7 +8,6 @@ summation order differs by at most ``K * 2^-24 * (|A| @ |B|^T)`` elementwise (th
 
 import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -16,6 +15,7 @@ import torch
 
 from mxfx import block_format as bf
 from mxfx.kernels import block_gemm
+from tests.helpers import run_interpreter_checks
 
 
 def summation_bound(a, sa, b, sb, b_dims=(-2, -1)):
@@ -249,10 +249,7 @@ def _interpreter_quantize_checks(bq):
 
 def test_triton_interpreter():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    subprocess.run([sys.executable, os.path.abspath(__file__), "--interpret"], check=True, env=env, cwd=root)
+    run_interpreter_checks(__file__)
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--interpret"]:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from mxfx import format as mxf
 from mxfx.kernels import device_path
 from mxfx.layout import to_blocked
+from tests.helpers import run_interpreter_checks
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -733,10 +734,7 @@ def _interpreter_swiglu_checks():
 
 def test_triton_interpreter():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    subprocess.run([sys.executable, os.path.abspath(__file__), "--interpret"], check=True, env=env, cwd=root)
+    run_interpreter_checks(__file__)
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--interpret"]:
