@@ -23,9 +23,14 @@ _graph_ids = itertools.count()
 _reports: list["PrecisionMap"] = []
 
 
+LOW_PRECISIONS = ("mxfp8", "fp8_block")
+"""Precision-map entries of a rewritten op: the block-scaled formats (``mxfx.settings.FORMATS``)."""
+
+
 @dataclass
 class OpRecord:
-    """One matched op. Precisions are "mxfp8", "bf16" (left as the model wrote it) or "-"."""
+    """One matched op. Precisions are a format of :data:`LOW_PRECISIONS` ("mxfp8", "fp8_block"), "bf16"
+    (left as the model wrote it) or "-"."""
 
     node: str
     kind: str
@@ -41,7 +46,7 @@ class OpRecord:
 
     @property
     def rewritten(self) -> bool:
-        return self.forward == "mxfp8" or self.dgrad == "mxfp8" or self.wgrad == "mxfp8" or self.saved == "mxfp8"
+        return any(p in LOW_PRECISIONS for p in (self.forward, self.dgrad, self.wgrad, self.saved))
 
     def add_note(self, note: str) -> None:
         """Append ``note`` to ``reason`` (``"; "``-separated): what a later pass did to this op."""
@@ -68,7 +73,7 @@ class PrecisionMap:
         """The graph was traced with grad disabled: its MX ops run the forward GEMM only, save nothing and
         have no backward, so dgrad/wgrad/saved read "-" and no saved bytes are claimed."""
         for r in self.records:
-            if r.forward == "mxfp8" and (r.dgrad, r.wgrad, r.saved) != ("-", "-", "-"):
+            if r.forward in LOW_PRECISIONS and (r.dgrad, r.wgrad, r.saved) != ("-", "-", "-"):
                 r.dgrad = r.wgrad = r.saved = "-"
                 r.saved_bytes = (0, 0)
                 r.add_note("inference graph (grad disabled): forward only")
@@ -105,7 +110,7 @@ class PrecisionMap:
 
     def to_html(self) -> str:
         """The precision map as an HTML table, cells coloured by precision (for people who would rather look)."""
-        colours = {"mxfp8": "#9be7a0", "bf16": "#f7d794", "fp32": "#9cc3f5", "-": "#eeeeee"}
+        colours = {"mxfp8": "#9be7a0", "fp8_block": "#7fd1c7", "bf16": "#f7d794", "fp32": "#9cc3f5", "-": "#eeeeee"}
         cols = ["kind", "module", "shapes", "forward", "dgrad", "wgrad", "saved", "scale_rule", "reason"]
         head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
         rows = []
