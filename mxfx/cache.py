@@ -198,21 +198,30 @@ def _build(weight: torch.Tensor, rule: str, forms, have: dict | None = None) -> 
     """Forms ``forms`` of one rule, keyed ``(rule, form)``: the fp8_block forms by :func:`_build_block`,
     the MX and BF16 forms by :func:`_build_mx`."""
     blocks = [f for f in forms if f in BLOCK_FORMS]
-    out = _build_block(weight, rule, blocks) if blocks else {}
+    out = _build_block(weight, rule, blocks, have or {}) if blocks else {}
     mx = [f for f in forms if f not in BLOCK_FORMS]
     return {**out, **_build_mx(weight, rule, mx, have)} if mx else out
 
 
-def _build_block(weight: torch.Tensor, rule: str, forms) -> dict:
-    """The fp8_block forms ``forms`` (:data:`BLOCK_FORMS`) from one 128x128 quantize of ``weight``."""
-    _stats["quantize_block"] += 1
-    _stats["quantize"] += 1
-    q, s = block_device_path.quantize_128x128(weight.detach(), rule)
+def _build_block(weight: torch.Tensor, rule: str, forms, have: dict) -> dict:
+    """The fp8_block forms ``forms`` (:data:`BLOCK_FORMS`): the transpose of the other form where ``have``
+    holds it, else from one 128x128 quantize of ``weight`` (which serves both)."""
+    other = {"block_forward": "block_dgrad", "block_dgrad": "block_forward"}
+    known = next((f for f in BLOCK_FORMS if (rule, f) in have), None)
+    if known is not None:
+        q, s = have[(rule, known)]
+        if known == "block_dgrad":
+            q, s = q.transpose(-2, -1), s.transpose(-2, -1)
+    else:
+        _stats["quantize_block"] += 1
+        _stats["quantize"] += 1
+        q, s = block_device_path.quantize_128x128(weight.detach(), rule)
     out = {}
-    if "block_forward" in forms:
-        out[(rule, "block_forward")] = (q.contiguous(), s.contiguous())
-    if "block_dgrad" in forms:
-        out[(rule, "block_dgrad")] = (q.transpose(-2, -1).contiguous(), s.transpose(-2, -1).contiguous())
+    for f in forms:
+        if f not in other:
+            continue
+        pair = (q, s) if f == "block_forward" else (q.transpose(-2, -1), s.transpose(-2, -1))
+        out[(rule, f)] = tuple(t.contiguous() for t in pair)
     return out
 
 
@@ -700,9 +709,10 @@ def stats() -> dict:
     ``quantize_dgrad``, ``hit`` (lookups served from the cache), ``stale``
     (lookups that found a changed version and rebuilt), ``refresh`` (weights
     rebuilt by :func:`refresh`), ``refresh_eager`` (by the optimizer hook),
-    ``refresh_graph`` (inside compiled optimizer steps).
+    ``refresh_graph`` (inside compiled optimizer steps), ``quantize_block`` (128x128 quantizes of
+    fp8_block weights, each serving both orientations).
     """
-    keys = ("quantize", "quantize_forward", "quantize_dgrad", "hit", "stale", "refresh", "refresh_eager", "refresh_graph")
+    keys = ("quantize", "quantize_forward", "quantize_dgrad", "quantize_block", "hit", "stale", "refresh", "refresh_eager", "refresh_graph")
     return {k: _stats.get(k, 0) for k in keys}
 
 

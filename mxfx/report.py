@@ -93,12 +93,17 @@ class PrecisionMap:
     def summary(self) -> str:
         """One line: rewritten/kept counts per op kind and nominal saved-input bytes before/after packing."""
         kinds = sorted({r.kind for r in self.records})
-        parts = [f"{k}: {self.count(k, True)} mxfp8 / {self.count(k, False)} kept" for k in kinds]
+        parts = [f"{k}: {self.count(k, True)} {self._formats(k)} / {self.count(k, False)} kept" for k in kinds]
         text = f"graph {self.graph_id}: " + ("; ".join(parts) if parts else "no matching ops")
         before, after = self.saved_bytes()
         if before:
             text += f"; saved MX-op inputs {before} B as BF16 -> {after} B ({1 - after / before:.1%} less, nominal)"
         return text
+
+    def _formats(self, kind: str) -> str:
+        """The low-precision formats the rewritten ops of ``kind`` run in, "+"-joined ("rewritten" when none)."""
+        found = {p for r in self.records if r.kind == kind for p in (r.forward, r.dgrad) if p in LOW_PRECISIONS}
+        return "+".join(sorted(found)) or "rewritten"
 
     def to_text(self) -> str:
         """The map as an aligned text table, one line per record (written as ``precision.txt``)."""
