@@ -7,6 +7,8 @@ Forward, dgrad and wgrad of the linear are cuBLAS blockwise FP8 GEMMs (``nvjet_s
 GEMM kernel may run: a dequantize followed by a BF16 GEMM would show up as one.
 """
 
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -65,3 +67,24 @@ def test_fp8_block_step_runs_fp8_gemms_only():
     ref = _step(model, x, offs)
     assert abs(loss - ref) / ref < 0.05, (loss, ref)
     print("kernels:", gemm_like)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9, reason="the note is sm90's")
+def test_sm90_mxfp8_compile_warns_once_naming_fp8_block(monkeypatch):
+    from mxfx import backend
+
+    monkeypatch.setattr(backend, "_warned_mx_emulated", False)
+    lin = nn.Linear(256, 256).cuda()
+    x = torch.randn(64, 256, device="cuda")
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning, match="format.*fp8_block"):
+        torch.compile(lin, backend="mxfp8", options={"inner": "aot_eager"})(x)
+    for options, reset in (({"inner": "aot_eager"}, False), ({"inner": "aot_eager", "format": "auto"}, True)):
+        # once per process; and never when the ops are fp8_block ("auto" on sm90)
+        torch._dynamo.reset()
+        if reset:
+            monkeypatch.setattr(backend, "_warned_mx_emulated", False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.compile(lin, backend="mxfp8", options=options)(x)
+        assert not [w for w in caught if "fp8_block" in str(w.message)], options
