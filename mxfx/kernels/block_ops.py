@@ -15,6 +15,8 @@ what cuBLAS reads; the fake implementations say so too), every qdata contiguous.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from mxfx.block_format import group_tile_capacity, n_tiles
@@ -91,10 +93,24 @@ def _(x, offs, rule):
     return x.new_empty((k, t), dtype=_E4M3), _fake_col_major(x, k, group_tile_capacity(t, offs.shape[0]))
 
 
+_fp32_out_refused: list[str] = []  # cuBLAS's refusal of a float32 output, once seen
+
+
 @torch.library.custom_op("mxfx::block_mm", mutates_args=())
 def block_mm(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
              out_dtype: torch.dtype) -> torch.Tensor:
-    return block_gemm.scaled_mm(a, a_scales, b, b_scales, out_dtype)
+    """:func:`mxfx.kernels.block_gemm.scaled_mm`. A float32 result (the weight gradient) that a cuBLAS build
+    refuses for blockwise scaling is computed in bf16 and widened, with a warning once per process."""
+    if not (a.is_cuda and out_dtype == torch.float32):
+        return block_gemm.scaled_mm(a, a_scales, b, b_scales, out_dtype)
+    if not _fp32_out_refused:
+        try:
+            return block_gemm.scaled_mm(a, a_scales, b, b_scales, out_dtype)
+        except RuntimeError as e:
+            _fp32_out_refused.append(str(e.__cause__ or e))
+            warnings.warn(f"mxfx::block_mm: cuBLAS refused a float32 output for blockwise FP8 ({_fp32_out_refused[0][:200]}); "
+                          f"weight gradients come out of the GEMM in bf16 and are widened to float32", stacklevel=2)
+    return block_gemm.scaled_mm(a, a_scales, b, b_scales, torch.bfloat16).float()
 
 
 @block_mm.register_fake
