@@ -198,7 +198,8 @@ class Policy(_NamedFields):
     the vocabulary projection still stays BF16 by the default rule.
 
     Attributes:
-        scale_rule: "rceil" (default) or "floor" for every op no rule overrides.
+        scale_rule: "rceil" (default) or "floor" for every op no rule overrides ("rceil" or "amax" for
+            fp8_block ops).
         format: the low-precision format of every op no rule overrides: "mxfp8" (default; native
             GEMMs on Blackwell, exact emulation on Hopper and CPU), "fp8_block" (E4M3 with FP32 scales
             per 1x128 activation/gradient tile and 128x128 weight block, the DeepSeek-V3 recipe; native
@@ -238,7 +239,6 @@ class Policy(_NamedFields):
     """
 
     scale_rule: str = "rceil"
-    format: str = "mxfp8"
     wgrad: str | None = None
     save: str = "mxfp8"
     min_size: int | str = 0
@@ -248,6 +248,7 @@ class Policy(_NamedFields):
     inner: str | Callable = "inductor"
     dump_dir: str | None = None
     transport: Mapping = field(default_factory=dict)
+    format: str = "mxfp8"
 
     def __post_init__(self):
         for name, valid in (("scale_rule", SCALE_RULES), ("save", PRECISIONS)):
