@@ -8,7 +8,7 @@ byte vocabulary 256 since the text is bytes):
 * ``qwen3``: ``Qwen3MoeForCausalLM`` at Qwen3-30B-A3B's: hidden 2048, 32 heads / 4 KV heads of
   head_dim 128, 128 experts top-8, expert hidden 768.
 
-Arms (:data:`ARMS`; one line each, a future ``fp8_block`` arm is one more entry), all in one
+Arms (:data:`ARMS`; one line each), all in one
 process, same initial weights and the same batches of real text (``examples/data.py``),
 fused AdamW with linear LR warmup then cosine decay:
 
@@ -18,6 +18,8 @@ fused AdamW with linear LR warmup then cosine decay:
 * ``bf16-weights``: parameters cast to BF16, no autocast, Inductor: the fastest BF16 transformers
   offers (``torch._grouped_mm`` experts), without FP32 main weights;
 * ``mxfp8``: FP32 parameters + autocast, ``torch.compile(backend="mxfp8")``;
+* ``fp8_block``: the same with ``options={"format": "fp8_block"}`` (FP8 1x128/128x128 blocks, native FP8
+  GEMMs on Hopper);
 * ``torchao-fp8-rowwise``: torchao's FP8 rowwise grouped GEMMs on the routed experts
   (``quantize_(experts, Float8TrainingOpConfig())``, ``torchao.prototype.moe_training``), BF16
   parameters: torchao's weight wrapper only intercepts ``torch._grouped_mm``, which transformers
@@ -122,6 +124,10 @@ def _mxfp8(model, compiler: str):
     return torch.compile(model, backend="mxfp8", options={"inner": compiler})
 
 
+def _fp8_block(model, compiler: str):
+    return torch.compile(model, backend="mxfp8", options={"inner": compiler, "format": "fp8_block"})
+
+
 def _torchao_fp8_rowwise(model, compiler: str):
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
         raise RuntimeError("torchao FP8 rowwise grouped GEMMs need a CUDA GPU with FP8 tensor cores (sm89+)")
@@ -141,7 +147,7 @@ ARMS = {
         Arm("bf16-weights", torch.bfloat16, False, _inductor),
         Arm("mxfp8", torch.float32, True, _mxfp8),
         Arm("torchao-fp8-rowwise", torch.bfloat16, False, _torchao_fp8_rowwise),
-        # Arm("fp8_block", torch.bfloat16, False, _torchao_fp8_blockwise),  # future: one line
+        Arm("fp8_block", torch.float32, True, _fp8_block),
     )
 }
 
@@ -217,7 +223,7 @@ def run_arm(arm: Arm, args, train, val, device: str) -> dict:
         heldout_loss=sum(held) / len(held),
         train_losses=losses,
     )
-    if arm.name == "mxfp8":  # the precision maps of this arm's graphs (training and held-out forward)
+    if arm.name in ("mxfp8", "fp8_block"):  # the precision maps of this arm's graphs (training and held-out forward)
         maps = mxfx.report.all_reports()[n_maps:]
         res["expert_gemms_mx"] = max((pm.count("grouped_mm", True) for pm in maps), default=0)
         res["not_rewritten"] = sum(pm.count("not_rewritten") for pm in maps)

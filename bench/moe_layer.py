@@ -10,6 +10,7 @@ step) its weight quantization is amortized away, as it is across microbatches in
     python bench/moe_layer.py                # H200
     python bench/moe_layer.py --arms bf16,mxfx,mxfxopaque   # also mxfx with its MX ops kept as custom ops
     python bench/moe_layer.py --arms bf16,mxfx,mxfxdq       # also mxfx with keep_dequantized_weights
+    python bench/moe_layer.py --arms bf16,fp8block          # BF16 against the Hopper-native fp8_block format
     python bench/moe_layer.py --device cpu --tokens 256 --d 128 --experts 8 --hidden 64 --topk 2
 """
 
@@ -93,7 +94,7 @@ def main():
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--arms", default="bf16,mxfx,torchao")
+    p.add_argument("--arms", default="bf16,mxfx,fp8block,torchao")
     p.add_argument("--profile", default="", help="comma-separated arms to profile for one more call (CUDA); "
                    "every device op goes to $MXFX_BENCH_OUT/profile_layer_<arm>.txt")
     a = p.parse_args()
@@ -112,11 +113,14 @@ def main():
         "mxfx, keep_dequantized_weights": lambda: torch.compile(
             routed_layer(lambda m, b, o: torch._grouped_mm(m, b, offs=o)), backend="mxfp8",
             options={"keep_dequantized_weights": True}),
+        "mxfx fp8_block (format=fp8_block)": lambda: torch.compile(
+            routed_layer(lambda m, b, o: torch._grouped_mm(m, b, offs=o)), backend="mxfp8", options={"format": "fp8_block"}),
         "torchao MXFP8 emulated (compile)": lambda: torch.compile(routed_layer(torchao_grouped_mm())),
     }
     arms["mxfx, MX ops as opaque custom ops"] = arms["mxfx (backend=mxfp8)"]
     keep = {"bf16": "bf16 (inductor)", "mxfx": "mxfx (backend=mxfp8)", "torchao": "torchao MXFP8 emulated (compile)",
-            "mxfxopaque": "mxfx, MX ops as opaque custom ops", "mxfxdq": "mxfx, keep_dequantized_weights"}
+            "mxfxopaque": "mxfx, MX ops as opaque custom ops", "mxfxdq": "mxfx, keep_dequantized_weights",
+            "fp8block": "mxfx fp8_block (format=fp8_block)"}
     rows, base_ms = [], None
     for key in a.arms.split(","):
         name = keep[key]

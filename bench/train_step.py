@@ -14,6 +14,8 @@ weights (one seed) and same batches:
       custom ops in the graph instead of Triton kernels launched by Inductor
       (``mxfx.kernels.launch``); shows what the host cost of custom ops was. Not in the
       default ``--arms``;
+  (b''') ``fp8block``: (b) with ``format="fp8_block"`` (1x128/128x128 FP8 blocks, the Hopper-native
+      format: cuBLAS blockwise and Triton grouped FP8 GEMMs). Not in the default ``--arms``;
   (c) ``torchao``: torchao 0.18's MXFP8 training functions in emulated mode
       (``KernelPreference.EMULATED``; its CUTLASS/CuTeDSL kernels are sm100-only)
       under ``torch.compile``: routed experts through
@@ -146,6 +148,8 @@ def build(arm: str, mcfg: MoEConfig, a) -> tuple:
         options = {"inner": a.inner} if a.inner != "inductor" else {}
         if arm == "mxfp8dq":
             options["keep_dequantized_weights"] = True
+        if arm == "fp8block":
+            options["format"] = "fp8_block"
         compiled = torch.compile(model, backend="mxfp8", options=options)
     else:
         compiled = torch.compile(model, backend=a.inner)
@@ -162,7 +166,7 @@ def batches(a, batch: int, n: int):
     return out
 
 
-MX_ARMS = ("mxfp8", "mxfp8dq", "mxfp8opaque")
+MX_ARMS = ("mxfp8", "mxfp8dq", "mxfp8opaque", "fp8block")
 
 
 def profile_step(step, *args, path: str | None = None) -> str:

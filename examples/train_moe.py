@@ -6,6 +6,7 @@
     python examples/train_moe.py --device cuda --d-model 1024 --layers 8 --experts 32 --topk 4 \\
         --expert-hidden 512 --seq 1024 --batch 32 --steps 2000
     python examples/train_moe.py --backend-options '{"inner": "aot_eager"}'
+    python examples/train_moe.py --format fp8_block       # the backend arm in the Hopper-native FP8 block format
 
 Both arms start from the same initial weights (one seed) and see the same batches
 (one data seed), with the same model code, AdamW and clipping in FP32 on FP32
@@ -69,6 +70,7 @@ class TrainConfig:
     # run
     arms: str = "fp32,mxfp8"  # reference arm first: "fp32" (eager) or "bf16" (Inductor, BF16 autocast)
     backend_options: str | None = None  # JSON dict passed as options= to the mxfp8 compile
+    format: str = "mxfp8"  # the mxfp8 arm's policy format: mxfp8, fp8_block or auto (a "format" in --backend-options wins)
     device: str = "cpu"
     seed: int = 1337
     data_seed: int = 0
@@ -133,22 +135,27 @@ def compile_arm(model, arm: str, cfg: TrainConfig):
         return model
     if arm == "bf16":
         return torch.compile(model)
-    options = json.loads(cfg.backend_options) if cfg.backend_options else None
-    return torch.compile(model, backend="mxfp8", options=options)
+    return torch.compile(model, backend="mxfp8", options=backend_options(cfg))
+
+
+def backend_options(cfg: TrainConfig) -> dict:
+    """The mxfp8 arm's ``options=``: ``--backend-options`` with ``--format`` as its default format."""
+    options = json.loads(cfg.backend_options) if cfg.backend_options else {}
+    return {"format": cfg.format, **options} if isinstance(options, dict) else options
 
 
 def check_backend_available(arms: list[str], cfg: TrainConfig):
     """Fail before any training if the mxfp8 backend cannot be found or its options do not parse."""
     if "mxfp8" not in arms:
         return
-    if cfg.backend_options:
+    if cfg.backend_options or cfg.format != "mxfp8":
         try:
-            options = json.loads(cfg.backend_options)
+            options = backend_options(cfg)
         except ValueError:
             options = None
         if not isinstance(options, dict):
             sys.exit(f"error: --backend-options must be a JSON object, got {cfg.backend_options!r}")
-        try:  # unknown keys and values fail here, not after the bf16 arm has trained
+        try:  # unknown keys and values (--format too) fail here, not after the bf16 arm has trained
             import mxfx
 
             mxfx.Policy.from_options(options)

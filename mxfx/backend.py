@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 
 from mxfx import cache, passes, report, rule_check
+from mxfx.device import mx_emulated_note
 from mxfx.passes import weight_refresh
 from mxfx.passes.fx import all_graphs, example_value
 from mxfx.policy import Policy
@@ -102,6 +103,21 @@ def rewrite(gm: fx.GraphModule, policy: Policy) -> report.PrecisionMap:
     return pm
 
 
+_warned_mx_emulated = False
+
+
+def _warn_mx_emulated(pm: report.PrecisionMap, example_inputs) -> None:
+    """Warn once per process when a graph on an sm90 GPU has MXFP8 ops (emulated there), naming format="fp8_block"."""
+    global _warned_mx_emulated
+    if _warned_mx_emulated or not any(r.rewritten and "mxfp8" in (r.forward, r.dgrad) for r in pm.records):
+        return
+    device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda), None)
+    note = device is not None and mx_emulated_note(device)
+    if note:
+        _warned_mx_emulated = True
+        warnings.warn(note, stacklevel=3)
+
+
 def mxfp8_backend(gm: fx.GraphModule, example_inputs, options: Policy | dict | None = None,
                   mode: str | None = None, **_unused):
     """torch.compile backend: MXFP8 rewrite of ``gm`` per ``options``, then the inner compiler.
@@ -120,6 +136,7 @@ def mxfp8_backend(gm: fx.GraphModule, example_inputs, options: Policy | dict | N
     if not torch.is_grad_enabled():  # Dynamo calls the backend in the grad mode the graph was traced in
         pm.mark_inference()
     report.register(pm)
+    _warn_mx_emulated(pm, example_inputs)
     log.info("mxfx: %s", pm.summary())
     if policy.dump_dir:
         folder = report.write_dump(policy.dump_dir, pm, before, gm.print_readable(print_output=False))

@@ -70,7 +70,9 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from mxfx import kernels
+from mxfx.block_format import SCALE_RULES as BLOCK_SCALE_RULES
 from mxfx.format import BLOCK_SIZE, SCALE_RULES
+from mxfx.kernels import block_device_path
 from mxfx.kernels.views import mn_major
 from mxfx.device import colwise_in_source_layout
 from mxfx.layout import blocked_numel, from_blocked, is_blocked, to_blocked
@@ -84,7 +86,13 @@ ORIENTATIONS = ("forward", "dgrad")
 DEQUANTIZED = {"forward_bf16": "forward", "dgrad_bf16": "dgrad"}
 """Dequantized BF16 forms -> the MX orientation whose values they hold."""
 
-FORMS = ORIENTATIONS + tuple(DEQUANTIZED)
+BLOCK_FORMS = {"block_forward": "forward", "block_dgrad": "dgrad"}
+"""fp8_block forms -> the GEMM orientation they serve. One 128x128 grid of W (``mxfx.block_format``) serves
+both: "block_forward" is ``(qdata [..., N, K], scales [..., N/128, K/128])``, "block_dgrad" the same qdata
+and scales transposed (``[..., K, N]`` contiguous, ``[..., K/128, N/128]``): a 128x128 block has no
+orientation, so the dgrad copy is W's forward grid read as W^T, quantized once."""
+
+FORMS = ORIENTATIONS + tuple(DEQUANTIZED) + tuple(BLOCK_FORMS)
 
 _E4M3 = torch.float8_e4m3fn
 _lock = threading.RLock()
@@ -131,9 +139,10 @@ def _drop_storage(cdata: int) -> None:
 def _check(weight: torch.Tensor, rule: str, orientation: str) -> None:
     if orientation not in FORMS:
         raise ValueError(f"mxfx.cache: orientation={orientation!r} is not valid; choose one of {FORMS}")
-    if rule not in SCALE_RULES:
-        raise ValueError(f"mxfx.cache: rule={rule!r} is not valid; choose one of {SCALE_RULES}")
-    if weight.dim() not in (2, 3) or weight.shape[-1] % BLOCK_SIZE or weight.shape[-2] % BLOCK_SIZE:
+    rules = BLOCK_SCALE_RULES if orientation in BLOCK_FORMS else SCALE_RULES
+    if rule not in rules:
+        raise ValueError(f"mxfx.cache: rule={rule!r} is not valid for {orientation!r}; choose one of {rules}")
+    if weight.dim() not in (2, 3) or (orientation not in BLOCK_FORMS and (weight.shape[-1] % BLOCK_SIZE or weight.shape[-2] % BLOCK_SIZE)):
         raise ValueError(
             f"mxfx.cache: weight of shape {tuple(weight.shape)} must be [N, K] or [E, N, K] with N and K multiples "
             f"of {BLOCK_SIZE} (both orientations are blocked by {BLOCK_SIZE})"
@@ -197,7 +206,38 @@ def _plain_scales(qdata: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def _build(weight: torch.Tensor, rule: str, forms, have: dict | None = None) -> dict:
-    """Forms ``forms`` of one rule, keyed ``(rule, form)``.
+    """Forms ``forms`` of one rule, keyed ``(rule, form)``: the fp8_block forms by :func:`_build_block`,
+    the MX and BF16 forms by :func:`_build_mx`."""
+    blocks = [f for f in forms if f in BLOCK_FORMS]
+    out = _build_block(weight, rule, blocks, have or {}) if blocks else {}
+    mx = [f for f in forms if f not in BLOCK_FORMS]
+    return {**out, **_build_mx(weight, rule, mx, have)} if mx else out
+
+
+def _build_block(weight: torch.Tensor, rule: str, forms, have: dict) -> dict:
+    """The fp8_block forms ``forms`` (:data:`BLOCK_FORMS`): the transpose of the other form where ``have``
+    holds it, else from one 128x128 quantize of ``weight`` (which serves both)."""
+    other = {"block_forward": "block_dgrad", "block_dgrad": "block_forward"}
+    known = next((f for f in BLOCK_FORMS if (rule, f) in have), None)
+    if known is not None:
+        q, s = have[(rule, known)]
+        if known == "block_dgrad":
+            q, s = q.transpose(-2, -1), s.transpose(-2, -1)
+    else:
+        _stats["quantize_block"] += 1
+        _stats["quantize"] += 1
+        q, s = block_device_path.quantize_128x128(weight.detach(), rule)
+    out = {}
+    for f in forms:
+        if f not in other:
+            continue
+        pair = (q, s) if f == "block_forward" else (q.transpose(-2, -1), s.transpose(-2, -1))
+        out[(rule, f)] = tuple(t.contiguous() for t in pair)
+    return out
+
+
+def _build_mx(weight: torch.Tensor, rule: str, forms, have: dict | None = None) -> dict:
+    """MX and BF16 forms ``forms`` of one rule, keyed ``(rule, form)``.
 
     Where the GEMM is emulated (:func:`source_layout`) a dequantized form is written straight
     from the weight, without its MX form (no emulated GEMM reads both); elsewhere it is the MX
@@ -404,6 +444,44 @@ def weight_operands(weight: torch.Tensor, rule: str, orientation: str, keep_dequ
         return None, None, weight_dequantized(weight, rule, orientation)
     qdata, scales = weight_operand(weight, rule, orientation)
     return qdata, scales, (weight_dequantized(weight, rule, orientation) if keep_dequantized else None)
+
+
+@torch.library.custom_op("mxfx::cached_weight_block", mutates_args=())
+def _cached_weight_block(weight: torch.Tensor, rule: str, orientation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_mx_orientation(orientation)
+    return lookup(weight, rule, "block_" + orientation)
+
+
+@_cached_weight_block.register_fake
+def _(weight, rule, orientation):
+    _check_mx_orientation(orientation)
+    _check(weight, rule, "block_" + orientation)
+    *lead, n, k = weight.shape
+    rows, cols = (n, k) if orientation == "forward" else (k, n)
+    q = weight.new_empty([*lead, rows, cols], dtype=_E4M3)
+    return q, weight.new_empty([*lead, -(-rows // 128), -(-cols // 128)], dtype=torch.float32)
+
+
+def block_weight_operand(weight: torch.Tensor, rule: str, orientation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp8_block operand of a weight for one GEMM orientation, from its cache (:data:`BLOCK_FORMS`).
+
+    A custom op (``mxfx::cached_weight_block``) like :func:`weight_operand`, with the same freshness: one
+    128x128 quantize of the weight per optimizer step serves both orientations.
+
+    Args:
+        weight: the high-precision parameter ``[N, K]`` or ``[E, N, K]`` (fp32/bf16/fp16), any dims.
+        rule: "rceil" or "floor" (``mxfx.block_format``).
+        orientation: "forward": qdata ``[..., N, K]``, scales ``[..., ceil(N/128), ceil(K/128)]``;
+            "dgrad": qdata ``[..., K, N]``, scales ``[..., ceil(K/128), ceil(N/128)]``.
+
+    Returns:
+        ``(qdata float8_e4m3fn, scales float32)``, contiguous; the cache itself: read-only.
+
+    Raises:
+        ValueError: unknown rule or orientation, a weight that is not 2D/3D or not a float of 16+ bits.
+    """
+    with torch.no_grad():
+        return _cached_weight_block(weight, rule, orientation)
 
 
 # --- refresh -------------------------------------------------------------------------------
@@ -659,9 +737,10 @@ def stats() -> dict:
     ``quantize_dgrad``, ``hit`` (lookups served from the cache), ``stale``
     (lookups that found a changed version and rebuilt), ``refresh`` (weights
     rebuilt by :func:`refresh`), ``refresh_eager`` (by the optimizer hook),
-    ``refresh_graph`` (inside compiled optimizer steps).
+    ``refresh_graph`` (inside compiled optimizer steps), ``quantize_block`` (128x128 quantizes of
+    fp8_block weights, each serving both orientations).
     """
-    keys = ("quantize", "quantize_forward", "quantize_dgrad", "hit", "stale", "refresh", "refresh_eager", "refresh_graph")
+    keys = ("quantize", "quantize_forward", "quantize_dgrad", "quantize_block", "hit", "stale", "refresh", "refresh_eager", "refresh_graph")
     return {k: _stats.get(k, 0) for k in keys}
 
 

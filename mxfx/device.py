@@ -22,6 +22,7 @@ GEMM_OPS = ("mm", "grouped_mm", "grouped_mm_wgrad")
 NATIVE_GEMMS: dict[tuple[str, str], frozenset[str]] = {
     (FORMAT, "sm100"): frozenset(GEMM_OPS),  # data-center Blackwell: torch._scaled_mm / _scaled_grouped_mm
     (FORMAT, "sm120"): frozenset({"mm"}),  # RTX Blackwell: dense only (torch's MX grouped kernel is sm100's)
+    ("fp8_block", "sm90"): frozenset(GEMM_OPS),  # Hopper: cuBLAS blockwise dense, Triton grouped (mxfx.kernels.block_gemm)
 }
 """``(format, arch) -> GEMM ops run natively``; arch from :func:`arch_of`. Absent pairs are emulated."""
 
@@ -105,3 +106,26 @@ def colwise_in_source_layout(device: torch.device, op: str = "mm") -> bool:
     where ``op`` is emulated.
     """
     return not gemm_runs_natively(op, device)
+
+
+def _current_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def resolve_format(fmt: str, device: torch.device | None = None) -> str:
+    """The format an op runs in: ``fmt`` itself, or for "auto" the one with native GEMMs on ``device``
+    (default: the current CUDA device, else CPU): "fp8_block" on sm90 (Hopper has no MX tensor cores),
+    "mxfp8" on sm100/sm120, CPU and anything else."""
+    if fmt != "auto":
+        return fmt
+    return "fp8_block" if arch_of(capability(device or _current_device())) == "sm90" else FORMAT
+
+
+def mx_emulated_note(device: torch.device | None = None) -> str | None:
+    """A one-line note when MXFP8 GEMMs are emulated on a GPU whose tensor cores run fp8_block natively
+    (sm90; default device as :func:`resolve_format`), naming ``format="fp8_block"``; None elsewhere."""
+    device = device or _current_device()
+    if arch_of(capability(device)) != "sm90":
+        return None
+    return ("mxfx: MXFP8 has no tensor cores on sm90 (Hopper): its GEMMs are emulated (dequantize + BF16 GEMM), "
+            "slower than BF16. Compile with options={'format': 'fp8_block'} (or 'auto') for native FP8 GEMMs.")

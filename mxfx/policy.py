@@ -22,13 +22,23 @@ from dataclasses import dataclass, field
 from collections.abc import Mapping
 from typing import Any, Callable
 
-from mxfx.format import SCALE_RULES
-from mxfx.settings import PRECISIONS, MXSettings
+from mxfx.device import resolve_format
+from mxfx.block_format import SCALE_RULES as BLOCK_SCALE_RULES
+from mxfx.format import SCALE_RULES as MX_SCALE_RULES
+from mxfx.settings import FORMATS, PRECISIONS, MXSettings
 
 OP_KINDS = ("linear", "grouped_mm", "swiglu", "router", "saved", "all_to_all", "weight_refresh")
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 PASSES = ("linear", "grouped_mm", "swiglu", "combine", "saved", "all_to_all", "dispatch_mx", "weight_refresh")
 DUMP_ENV = "MXFX_DUMP_DIR"
+
+FORMAT_CHOICES = (*FORMATS, "auto")
+"""Values of the ``format`` field: a format of :data:`mxfx.settings.FORMATS`, or "auto" (fp8_block on sm90,
+mxfp8 elsewhere: :func:`mxfx.device.resolve_format`)."""
+
+SCALE_RULES = tuple(dict.fromkeys(MX_SCALE_RULES + BLOCK_SCALE_RULES))
+"""Scale rules a policy takes: "rceil", "floor" (mxfp8 only) and "amax" (fp8_block only); an op whose
+format does not have its rule is an error at compile time, naming both."""
 
 KIND_DEFAULT_WGRAD = {"linear": "mxfp8", "grouped_mm": "bf16"}
 TRANSPORT_DIRECTIONS = ("dispatch_fwd", "combine_fwd", "combine_bwd", "dispatch_bwd")
@@ -111,6 +121,7 @@ class Rule(_NamedFields):
         scale_rule: "rceil" or "floor".
         min_size: smallest GEMM, in multiply-accumulates M*N*K, that is rewritten,
             or "auto" (see :class:`Policy`).
+        format: the op's low-precision format, one of :data:`FORMAT_CHOICES` (see :class:`Policy`).
     """
 
     _WHAT = "rule"
@@ -122,6 +133,7 @@ class Rule(_NamedFields):
     save: str | None = None
     scale_rule: str | None = None
     min_size: int | str | None = None
+    format: str | None = None
 
     def __post_init__(self):
         if self.module is not None and not isinstance(self.module, str):
@@ -132,6 +144,7 @@ class Rule(_NamedFields):
         _check_choice("save", self.save, PRECISIONS)
         _check_choice("scale_rule", self.scale_rule, SCALE_RULES)
         _check_min_size(self.min_size)
+        _check_choice("format", self.format, FORMAT_CHOICES)
 
     def matches(self, kind: str, module: str) -> bool:
         """Whether the rule applies to an op of ``kind`` in module ``module`` (its op kind and module glob)."""
@@ -171,12 +184,18 @@ class Decision:
     rule: Rule | None  # the rule that matched, None for the built-in defaults
     reason: str = ""  # why precision is not mxfp8 ("" when it is)
     keep_dequantized_weights: bool = False
+    format: str = "mxfp8"  # resolved: one of FORMATS, never "auto"
 
     @property
     def settings(self) -> MXSettings:
         """The settings the MX op of this decision runs with (read by the ops by name)."""
         return MXSettings(scale_rule=self.scale_rule, wgrad=self.wgrad, save=self.save,
-                          keep_dequantized_weights=self.keep_dequantized_weights)
+                          keep_dequantized_weights=self.keep_dequantized_weights, format=self.format)
+
+    def shown(self, precision: str) -> str:
+        """A precision as the precision map prints it: the low-precision choice ("mxfp8") named by this
+        op's format ("fp8_block"), "bf16" as is."""
+        return self.format if precision == "mxfp8" else precision
 
 
 @dataclass(frozen=True)
@@ -190,7 +209,15 @@ class Policy(_NamedFields):
     the vocabulary projection still stays BF16 by the default rule.
 
     Attributes:
-        scale_rule: "rceil" (default) or "floor" for every op no rule overrides.
+        scale_rule: "rceil" (default) or "floor" for every op no rule overrides ("rceil" or "amax" for
+            fp8_block ops).
+        format: the low-precision format of every op no rule overrides: "mxfp8" (default; native
+            GEMMs on Blackwell, exact emulation on Hopper and CPU), "fp8_block" (E4M3 with FP32 scales
+            per 1x128 activation/gradient tile and 128x128 weight block, the DeepSeek-V3 recipe; native
+            FP8 GEMMs on Hopper, exact emulation on CPU; ``docs/block_format.md``), or "auto" (fp8_block
+            on sm90, mxfp8 elsewhere, resolved per compile on the current CUDA device). The
+            precision values "mxfp8" of ``precision``/``wgrad``/``save`` mean "low precision in the
+            op's format".
         wgrad: overrides the per-kind wgrad default for every op no rule overrides.
         save: default saved-activation precision ("mxfp8": pack where it replaces BF16).
         min_size: default minimum GEMM size in multiply-accumulates (0: rewrite all
@@ -232,12 +259,16 @@ class Policy(_NamedFields):
     inner: str | Callable = "inductor"
     dump_dir: str | None = None
     transport: Mapping = field(default_factory=dict)
+    format: str = "mxfp8"
 
     def __post_init__(self):
         for name, valid in (("scale_rule", SCALE_RULES), ("save", PRECISIONS)):
             if getattr(self, name) not in valid:  # None is not a value here
                 raise ValueError(f"mxfx policy: {name}={getattr(self, name)!r} is not valid; choose one of {', '.join(map(repr, valid))}")
         _check_choice("wgrad", self.wgrad, PRECISIONS)
+        _check_choice("format", self.format, FORMAT_CHOICES)
+        if self.format is None:
+            raise ValueError(f"mxfx policy: format=None is not valid; choose one of {', '.join(map(repr, FORMAT_CHOICES))}")
         if not isinstance(self.rules, (list, tuple)) or not all(isinstance(r, (Rule, dict)) for r in self.rules):
             raise ValueError(f"mxfx policy: rules={self.rules!r} must be a list of mxfx.Rule or dicts of Rule fields")
         if not isinstance(self.passes, Mapping):
@@ -334,4 +365,5 @@ class Policy(_NamedFields):
             rule=rule,
             reason=reason,
             keep_dequantized_weights=self.keep_dequantized_weights,
+            format=resolve_format(get("format") or self.format),
         )

@@ -23,9 +23,14 @@ _graph_ids = itertools.count()
 _reports: list["PrecisionMap"] = []
 
 
+LOW_PRECISIONS = ("mxfp8", "fp8_block")
+"""Precision-map entries of a rewritten op: the block-scaled formats (``mxfx.settings.FORMATS``)."""
+
+
 @dataclass
 class OpRecord:
-    """One matched op. Precisions are "mxfp8", "bf16" (left as the model wrote it) or "-"."""
+    """One matched op. Precisions are a format of :data:`LOW_PRECISIONS` ("mxfp8", "fp8_block"), "bf16"
+    (left as the model wrote it) or "-"."""
 
     node: str
     kind: str
@@ -41,7 +46,7 @@ class OpRecord:
 
     @property
     def rewritten(self) -> bool:
-        return self.forward == "mxfp8" or self.dgrad == "mxfp8" or self.wgrad == "mxfp8" or self.saved == "mxfp8"
+        return any(p in LOW_PRECISIONS for p in (self.forward, self.dgrad, self.wgrad, self.saved))
 
     def add_note(self, note: str) -> None:
         """Append ``note`` to ``reason`` (``"; "``-separated): what a later pass did to this op."""
@@ -68,7 +73,7 @@ class PrecisionMap:
         """The graph was traced with grad disabled: its MX ops run the forward GEMM only, save nothing and
         have no backward, so dgrad/wgrad/saved read "-" and no saved bytes are claimed."""
         for r in self.records:
-            if r.forward == "mxfp8" and (r.dgrad, r.wgrad, r.saved) != ("-", "-", "-"):
+            if r.forward in LOW_PRECISIONS and (r.dgrad, r.wgrad, r.saved) != ("-", "-", "-"):
                 r.dgrad = r.wgrad = r.saved = "-"
                 r.saved_bytes = (0, 0)
                 r.add_note("inference graph (grad disabled): forward only")
@@ -88,12 +93,17 @@ class PrecisionMap:
     def summary(self) -> str:
         """One line: rewritten/kept counts per op kind and nominal saved-input bytes before/after packing."""
         kinds = sorted({r.kind for r in self.records})
-        parts = [f"{k}: {self.count(k, True)} mxfp8 / {self.count(k, False)} kept" for k in kinds]
+        parts = [f"{k}: {self.count(k, True)} {self._formats(k)} / {self.count(k, False)} kept" for k in kinds]
         text = f"graph {self.graph_id}: " + ("; ".join(parts) if parts else "no matching ops")
         before, after = self.saved_bytes()
         if before:
             text += f"; saved MX-op inputs {before} B as BF16 -> {after} B ({1 - after / before:.1%} less, nominal)"
         return text
+
+    def _formats(self, kind: str) -> str:
+        """The low-precision formats the rewritten ops of ``kind`` run in, "+"-joined ("rewritten" when none)."""
+        found = {p for r in self.records if r.kind == kind for p in (r.forward, r.dgrad) if p in LOW_PRECISIONS}
+        return "+".join(sorted(found)) or "rewritten"
 
     def to_text(self) -> str:
         """The map as an aligned text table, one line per record (written as ``precision.txt``)."""
@@ -105,7 +115,7 @@ class PrecisionMap:
 
     def to_html(self) -> str:
         """The precision map as an HTML table, cells coloured by precision (for people who would rather look)."""
-        colours = {"mxfp8": "#9be7a0", "bf16": "#f7d794", "fp32": "#9cc3f5", "-": "#eeeeee"}
+        colours = {"mxfp8": "#9be7a0", "fp8_block": "#7fd1c7", "bf16": "#f7d794", "fp32": "#9cc3f5", "-": "#eeeeee"}
         cols = ["kind", "module", "shapes", "forward", "dgrad", "wgrad", "saved", "scale_rule", "reason"]
         head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
         rows = []

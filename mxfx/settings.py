@@ -5,13 +5,17 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from mxfx.block_format import check_rule as check_block_rule
 from mxfx.format import check_rule
 
-FORMATS = ("mxfp8",)
-"""Block-scaled formats the ops carry ("mxfp8": E4M3 payload, one E8M0 scale per 32 values)."""
+FORMATS = ("mxfp8", "fp8_block")
+"""Block-scaled formats the ops carry: "mxfp8" (E4M3 payload, one E8M0 scale per 32 values) and
+"fp8_block" (E4M3 payload, one FP32 scale per 1x128 tile of activations and gradients and per
+128x128 block of weights, ``docs/block_format.md``)."""
 
 PRECISIONS = ("mxfp8", "bf16")
-"""Precisions of a wgrad GEMM or of activations saved for backward."""
+"""Precisions of a wgrad GEMM or of activations saved for backward. "mxfp8" is the low-precision
+choice: it means the op's own format (:data:`FORMATS`), e.g. FP8 1x128 tiles under "fp8_block"."""
 
 
 @dataclass(frozen=True)
@@ -19,7 +23,8 @@ class MXSettings:
     """How one MX op runs.
 
     Attributes:
-        scale_rule: "rceil" or "floor" (E8M0 scale rounding, ``docs/format.md``).
+        scale_rule: "rceil" or "floor" (E8M0 scale rounding, ``docs/format.md``); under "fp8_block"
+            "rceil" or "amax" (``docs/block_format.md``).
         wgrad: weight-gradient GEMM precision, "mxfp8" or "bf16".
         save: precision of activations saved for backward, "mxfp8" or "bf16" (a reference).
         keep_dequantized_weights: where the GEMM is emulated, read the weight cache's BF16
@@ -37,7 +42,10 @@ class MXSettings:
     format: str = "mxfp8"
 
     def __post_init__(self):
-        check_rule(self.scale_rule, "mxfx.MXSettings")
+        if self.format == "fp8_block":
+            check_block_rule(self.scale_rule, "mxfx.MXSettings (format='fp8_block')")
+        else:
+            check_rule(self.scale_rule, "mxfx.MXSettings")
         for name, valid in (("wgrad", PRECISIONS), ("save", PRECISIONS),
                             ("keep_dequantized_weights", (False, True)), ("format", FORMATS)):
             value = getattr(self, name)

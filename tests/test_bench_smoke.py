@@ -45,10 +45,10 @@ def test_train_step_quick(monkeypatch, tmp_path):
 
 def test_moe_layer_tiny(monkeypatch, tmp_path):
     monkeypatch.setenv("MXFX_BENCH_OUT", str(tmp_path))
-    run_script(monkeypatch, "bench/moe_layer.py", "--device", "cpu", "--tokens", "64", "--d", "64", "--experts", "4",
-               "--topk", "2", "--hidden", "64", "--arms", "bf16,mxfxdq")
+    run_script(monkeypatch, "bench/moe_layer.py", "--device", "cpu", "--tokens", "64", "--d", "128", "--experts", "4",
+               "--topk", "2", "--hidden", "128", "--arms", "bf16,mxfxdq,fp8block")
     rows = [r for r in (tmp_path / "moe_layer.md").read_text().splitlines() if r.startswith("| bf16") or r.startswith("| mxfx")]
-    assert len(rows) == 2 and not any("failed" in r for r in rows), rows
+    assert len(rows) == 3 and not any("failed" in r for r in rows), rows
 
 
 def test_scale_rule_study_tiny(monkeypatch, tmp_path):
@@ -76,8 +76,8 @@ def test_hf_models_smoke(monkeypatch, tmp_path):
     run_script(monkeypatch, "bench/hf_models.py", "--smoke", "--model", "olmoe", "--layers", "1", "--out", str(tmp_path))
     res = json.loads((tmp_path / "hf_models.json").read_text())["results"]
     by_arm = {r["arm"]: r for r in res}
-    assert set(by_arm) == {"bf16-users", "bf16-weights", "mxfp8", "torchao-fp8-rowwise"}
-    for arm in ("bf16-users", "bf16-weights", "mxfp8"):
+    assert set(by_arm) == {"bf16-users", "bf16-weights", "mxfp8", "fp8_block", "torchao-fp8-rowwise"}
+    for arm in ("bf16-users", "bf16-weights", "mxfp8", "fp8_block"):
         assert "error" not in by_arm[arm] and by_arm[arm]["tokens_per_s"] > 0, by_arm[arm]
     assert by_arm["mxfp8"]["expert_gemms_mx"] == 2 and by_arm["mxfp8"]["not_rewritten"] == 0
     assert "error" in by_arm["torchao-fp8-rowwise"]  # needs an FP8 GPU: reported, the run went on

@@ -33,6 +33,7 @@ from mxfx.cache import weight_operands
 from mxfx.format import check_input
 from mxfx.kernels import custom_ops
 from mxfx.ops import swiglu
+from mxfx.ops.block import block_grouped_mm, weigh_rows
 from mxfx.ops.gemm import a_operand, hp_grouped_wgrad, mx_grouped_mm, mx_grouped_mm_wgrad, quantize_operand
 from mxfx.settings import MXSettings, resolve
 
@@ -44,17 +45,6 @@ def _pad_rows(t: torch.Tensor, dest: torch.Tensor, capacity: int) -> torch.Tenso
 def _token_blocked(t: torch.Tensor, dest: torch.Tensor, capacity: int, rule: str):
     """MX of ``t [S, D]`` blocked along tokens per group: ``(q [D, C], s [D, C/32])``."""
     return custom_ops.quantize(_pad_rows(t, dest, capacity).t(), rule)
-
-
-def _weigh_rows(y: torch.Tensor, route_weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """Rows of the GEMM output ``y [S, N]`` (already in ``out_dtype``) scaled by ``route_weight [S]``.
-
-    The product is taken in fp32 and rounded once to ``out_dtype``. ``y`` itself is the GEMM's
-    ``out_dtype`` result, the tensor the model's own ``y * w`` would read, and the one backward
-    keeps for the route-weight gradient: an fp32 GEMM output would double the bytes of the
-    largest tensor of the routed block for a rounding the model does anyway.
-    """
-    return (y.float() * route_weight.reshape(-1, 1).float()).to(out_dtype)
 
 
 class _MXGroupedMM(torch.autograd.Function):
@@ -80,7 +70,7 @@ class _MXGroupedMM(torch.autograd.Function):
         y_unweighted = ()
         if route_weight is not None:
             y_unweighted = (y,)
-            y = _weigh_rows(y, route_weight, out_dtype)
+            y = weigh_rows(y, route_weight, out_dtype)
         ctx.save_for_backward(weight, offs, route_weight, *y_unweighted, *wgrad_input, *packed)
         ctx.settings, ctx.n_wgrad_inputs, ctx.x_dtype = settings, len(wgrad_input), x.dtype
         ctx.has_up, ctx.has_route_weight = up is not None, route_weight is not None
@@ -226,10 +216,14 @@ def mx_grouped_mm_op(
         )
     x_q, x_s, x_dequantized = _check_x_mx(x_mx, x, up)
     out_dtype = out_dtype or x.dtype
+    if settings.format == "fp8_block":
+        if x_mx is not None:
+            raise ValueError(f"{op}: x_mx carries an MXFP8 pair; format='fp8_block' quantizes x itself (drop x_mx)")
+        return block_grouped_mm(x, weight, offs, up, route_weight, out_dtype, settings)
     if not torch.is_grad_enabled():  # inference graph: the forward GEMM only, nothing saved
         xq, xs, x_hat = (swiglu.quantize_input(x, up, settings.scale_rule, "grouped_mm") if x_q is None
                          else (x_q, x_s, x_dequantized))
         wq, ws, w_dequantized = weight_operands(weight, settings.scale_rule, "forward", settings.keep_dequantized_weights)
         y = mx_grouped_mm(xq, xs, wq, ws, offs, out_dtype, w_dequantized, x_hat)
-        return y if route_weight is None else _weigh_rows(y, route_weight, out_dtype)
+        return y if route_weight is None else weigh_rows(y, route_weight, out_dtype)
     return _MXGroupedMM.apply(x, up, weight, offs, route_weight, out_dtype, settings, x_q, x_s, x_dequantized)

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from mxfx.cache import weight_operands
 from mxfx.kernels import custom_ops
 from mxfx.ops import swiglu
+from mxfx.ops.block import block_linear
 from mxfx.device import emulated_operand_dtype
 from mxfx.ops.gemm import hp_mm_transposed, mx_mm, quantize_dual_operand, quantize_operand
 from mxfx.settings import MXSettings, resolve
@@ -136,6 +137,7 @@ def mx_linear(
         settings, **setting_fields: an :class:`mxfx.settings.MXSettings` and/or its fields by name
             (``scale_rule``, ``wgrad`` (default "mxfp8": token-blocked MX GEMM), ``save``,
             ``keep_dequantized_weights``, ``format``); fields given by name override ``settings``.
+            ``format="fp8_block"`` runs :func:`mxfx.ops.block.block_linear` (K and N multiples of 128).
 
     Returns:
         ``[..., N]`` in the autocast dtype if autocast is on, else ``input_dtype or x.dtype``.
@@ -153,6 +155,9 @@ def mx_linear(
         )
     dev = x.device.type
     out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else (input_dtype or x.dtype)
+    if settings.format == "fp8_block":
+        with torch.autocast(dev, enabled=False):
+            return block_linear(x, weight, bias, up, out_dtype, settings)
     up2d = None if up is None else up.reshape(-1, k)
     with torch.autocast(dev, enabled=False):
         if not torch.is_grad_enabled():  # inference graph: the forward GEMM only, nothing saved

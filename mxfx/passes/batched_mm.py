@@ -163,7 +163,7 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
             if not dead.users:
                 gm.graph.erase_node(dead)
         shapes += f" -> {str(out.dtype).removeprefix('torch.')}"
-        pm.add(OpRecord(new.name, "grouped_mm", module, shapes, "mxfp8", "mxfp8", d.wgrad, d.save, d.scale_rule,
+        pm.add(OpRecord(new.name, "grouped_mm", module, shapes, d.format, d.format, d.shown(d.wgrad), d.shown(d.save), d.scale_rule,
                         "was batched_mm (W[ids] then bmm): rows sorted by expert"))
         rewritten += 1
     return rewritten

@@ -151,7 +151,7 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         if rec is not None and " -> " in rec.shapes:  # the GEMM now returns the product's dtype
             rec.shapes = rec.shapes.rsplit(" -> ", 1)[0] + " -> " + str(out_dtype).removeprefix("torch.")
         module = module_fqn(node)
-        pm.add(OpRecord(node.name, "combine", module, f"w{shape_str(example_value(rw))}", "bf16", "mxfp8", "-", "bf16", node.kwargs["scale_rule"], "route-weight multiply fused into the dgrad quantize"))
+        pm.add(OpRecord(node.name, "combine", module, f"w{shape_str(example_value(rw))}", "bf16", node.kwargs.get("format", "mxfp8"), "-", "bf16", node.kwargs["scale_rule"], "route-weight multiply fused into the dgrad quantize"))
         fused += 1
     return fused
 

@@ -62,7 +62,7 @@ def _path_to_grouped(rows: fx.Node) -> tuple[list[fx.Node], fx.Node] | None:
     while True:
         for user in cur.users:
             if user.target is mx_grouped_mm_op and user.args[0] is cur and user.kwargs.get("up") is None:
-                if user.kwargs.get("x_mx") is None:
+                if user.kwargs.get("x_mx") is None and user.kwargs.get("format", "mxfp8") == "mxfp8":
                     return chain, user
         nxt = [u for u in cur.users if _row_gather(u, cur)]
         if len(nxt) != 1:
@@ -115,8 +115,8 @@ def _hoist_local(gm: fx.GraphModule, pm: PrecisionMap) -> int:
     for grouped in list(gm.graph.nodes):
         if grouped.target is not mx_grouped_mm_op or grouped.kwargs.get("up") is not None:
             continue
-        if grouped.kwargs.get("x_mx") is not None:
-            continue
+        if grouped.kwargs.get("x_mx") is not None or grouped.kwargs.get("format", "mxfp8") != "mxfp8":
+            continue  # fp8_block GEMMs quantize their rows themselves (1x128 tiles, not MX blocks)
         found = _local_gathers(grouped)
         if found is None:
             continue

@@ -44,7 +44,8 @@ import torch.nn.functional as F
 
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
 from mxfx.passes.fx import (
-    CASTS, erase_unused_chain, example_value, gemm_size, mixed_dtype_reason, module_fqn, shape_str, size_hint, weight_source,
+    CASTS, erase_unused_chain, example_value, fit_format, gemm_size, mixed_dtype_reason, module_fqn, shape_str, size_hint,
+    weight_source,
 )
 from mxfx.policy import Policy
 from mxfx.report import OpRecord, PrecisionMap
@@ -150,13 +151,7 @@ def insert_grouped(gm: fx.GraphModule, before: fx.Node, x_node, w_node, offs_nod
         return gm.graph.call_function(
             mx_grouped_mm_op,
             (x_node, w_node, offs_node),
-            {
-                "scale_rule": d.scale_rule,
-                "wgrad": d.wgrad,
-                "save": d.save,
-                "out_dtype": out_dtype,
-                **({"keep_dequantized_weights": True} if policy.keep_dequantized_weights else {}),
-            },
+            {**d.settings.graph_kwargs(), "out_dtype": out_dtype},
         )
 
 
@@ -166,7 +161,7 @@ def decide(policy: Policy, module: str, x, e, n, k):
     macs, gemm = gemm_size(x.shape[:1], n, k)
     if gemm is not None:
         gemm = (max(1, gemm[0] // max(size_hint(e), 1)), gemm[1], gemm[2])
-    return policy.decide("grouped_mm", module, macs, gemm)
+    return fit_format(policy.decide("grouped_mm", module, macs, gemm), k, n)
 
 
 def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
@@ -208,6 +203,7 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         erase_unused_chain(gm, x_node)
         shapes += f" -> {str(out_dtype).removeprefix('torch.')}"
         note = f"was {op.name}" + (f" ({str(replaced).removeprefix('torch.')} out)" if replaced != out_dtype else "")
-        pm.add(OpRecord(new.name, "grouped_mm", module, shapes, "mxfp8", "mxfp8", d.wgrad, d.save, d.scale_rule, note))
+        pm.add(OpRecord(new.name, "grouped_mm", module, shapes, d.format, d.format, d.shown(d.wgrad), d.shown(d.save),
+                        d.scale_rule, note))
         rewritten += 1
     return rewritten

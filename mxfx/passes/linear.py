@@ -28,8 +28,8 @@ import torch.fx as fx
 
 from mxfx.ops.linear import mx_linear
 from mxfx.passes.fx import (
-    autocast_devices, erase_unused_chain, example_value, gemm_size, is_dtensor, mixed_dtype_reason, module_fqn, shape_str,
-    size_hint, weight_source,
+    autocast_devices, erase_unused_chain, example_value, fit_format, gemm_size, is_dtensor, mixed_dtype_reason, module_fqn,
+    shape_str, size_hint, weight_source,
 )
 from mxfx.passes.router import is_router
 from mxfx.policy import Policy
@@ -97,6 +97,8 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         if not reason:
             macs, gemm = gemm_size(x.shape[:-1], w.shape[0], w.shape[1])
         d = policy.decide(kind, module, macs, gemm)
+        if not reason:
+            d = fit_format(d, w.shape[1], w.shape[0])
         reason = d.reason or reason
         if not reason and _tied_to_embedding(w_node) and not _user_sets_precision(policy, kind, module):
             reason = "vocabulary projection (weight tied to an embedding); a policy rule with precision='mxfp8' overrides"
@@ -116,7 +118,7 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         if weight is not w_node:
             erase_unused_chain(gm, w_node)
         saved = d.save
-        pm.add(OpRecord(new.name, kind, module, shapes, "mxfp8", "mxfp8", d.wgrad, saved, d.scale_rule))
+        pm.add(OpRecord(new.name, kind, module, shapes, d.format, d.format, d.shown(d.wgrad), d.shown(saved), d.scale_rule))
         rewritten += 1
     if distributed:
         warnings.warn(f"mxfx: linears left in BF16/FP32, not MXFP8 (DTensor operands, tensor parallel): {', '.join(distributed)}",

@@ -171,6 +171,8 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
 def _mx_copy_bytes(node: fx.Node, x, numel: int) -> int:
     """Bytes of the MX copy ``node`` would save: qdata plus one scale per 32 values, its tokens
     zero-padded to a multiple of 32 where a linear's MXFP8 wgrad blocks them (``mxfx.ops.linear``)."""
+    if node.kwargs.get("format") == "fp8_block":  # E4M3 plus a 4-byte scale per 1x128 tile, no token padding
+        return numel + numel // 32
     if node.target is mx_linear and node.kwargs.get("wgrad") == "mxfp8" and x is not None and x.dim():
         k = size_hint(x.shape[-1])
         tokens = numel // k if k else 0

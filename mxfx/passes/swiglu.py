@@ -107,6 +107,8 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         node.kwargs = kwargs
         for n in dead:  # consumers first: mul after casts, silu last
             gm.graph.erase_node(n)
-        pm.add(OpRecord(node.name, "swiglu", module, shapes, "mxfp8", "fp32", "-", d.save, d.scale_rule, "fused into " + node.name))
+        fmt = node.kwargs.get("format", "mxfp8")  # the consumer's format quantizes the product
+        pm.add(OpRecord(node.name, "swiglu", module, shapes, fmt, "fp32", "-", fmt if d.save == "mxfp8" else d.save,
+                        d.scale_rule, "fused into " + node.name))
         fused += 1
     return fused
