@@ -15,8 +15,9 @@ import warnings
 import torch
 import torch.fx as fx
 
-from mxfx import cache, passes, report
+from mxfx import cache, cache_key, passes, report
 from mxfx.passes import weight_refresh
+from mxfx.passes.fx import fill_example_values
 from mxfx.policy import Policy
 
 log = logging.getLogger("mxfx")
@@ -56,7 +57,8 @@ def _inner_compile(inner, gm: fx.GraphModule, example_inputs, mode: str | None =
     if inner == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
-        return compile_fx(gm, example_inputs, config_patches=inductor_mode_options(mode))
+        patches = {**inductor_mode_options(mode), **cache_key.config_patches(gm)}
+        return compile_fx(gm, example_inputs, config_patches=patches)
     if inner == "aot_eager":
         from torch._dynamo.backends.debugging import aot_eager
 
@@ -76,6 +78,7 @@ def rewrite(gm: fx.GraphModule, policy: Policy) -> report.PrecisionMap:
         for name, run in passes.PIPELINE:
             if policy.pass_enabled(name):
                 run(g, policy, pm)
+        fill_example_values(g)  # AOTAutograd's cache needs them (mxfx.cache_key)
         g.graph.lint()
         g.recompile()
     return pm

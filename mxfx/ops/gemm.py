@@ -41,7 +41,7 @@ import torch
 from mxfx import layout
 from mxfx.kernels import dequantize_lastdim, triton_available
 from mxfx.kernels import ops as kops
-from mxfx.kernels.launch import op_or_body
+from mxfx.kernels.launch import name_op_functions, op_or_body
 
 FORMAT = "mxfp8"
 """The block-scaled format the ``mxfx::*`` GEMM ops carry today (E4M3 payload, E8M0 scale per 32 values)."""
@@ -662,6 +662,7 @@ mx_grouped_mm_wgrad = op_or_body(
     _grouped_mm_wgrad_op, _traced_body("grouped_mm_wgrad"),
     f"``mxfx::grouped_mm_wgrad`` (see :func:`_grouped_mm_wgrad_op`). {_TRACED}",
 )
+name_op_functions(globals())
 
 
 @torch.library.custom_op("mxfx::grouped_wgrad_bf16", mutates_args=())

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor
 
 _ROOT = re.compile(r"^L\['[^']*'\]\.?")
 _INDEX = re.compile(r"\[(\d+)\]")
@@ -124,3 +126,48 @@ def erase_unused_chain(gm: fx.GraphModule, node) -> None:
         parent = node.args[0]
         gm.graph.erase_node(node)
         node = parent
+
+
+def fill_example_values(gm: fx.GraphModule) -> int:
+    """Give every call node a pass inserted without ``meta["example_value"]`` one, by running its
+    target on its inputs' example values (Dynamo's fake tensors: no data, no kernels). Returns how many.
+
+    AOTAutograd's cache takes a method call (``x.view(...)``) as cache-safe only when its receiver
+    carries an example value, so a rewritten graph without them would never be cached. A node whose
+    target cannot run on fake inputs is left as it is (the graph then only misses that cache).
+    """
+    filled = 0
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method") or "example_value" in node.meta:
+            continue
+        missing = []
+
+        def value(a):
+            if not isinstance(a, fx.Node):
+                return a
+            if "example_value" not in a.meta:
+                missing.append(a)
+            return a.meta.get("example_value")
+
+        args, kwargs = fx.node.map_aggregate(node.args, value), fx.node.map_aggregate(node.kwargs, value)
+        if missing:
+            continue
+        fakes = [a for a in _tensors((args, kwargs)) if isinstance(a, FakeTensor)]
+        mode = fakes[0].fake_mode if fakes else contextlib.nullcontext()
+        try:
+            with torch.no_grad(), mode:
+                if node.op == "call_method":
+                    val = getattr(args[0], node.target)(*args[1:], **kwargs)
+                else:
+                    val = node.target(*args, **kwargs)
+        except Exception:  # not runnable on fake tensors: leave it
+            continue
+        node.meta["example_value"] = val
+        filled += 1
+    return filled
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    out = []
+    fx.node.map_aggregate(tree, lambda a: out.append(a) if isinstance(a, torch.Tensor) else None)
+    return out
