@@ -92,7 +92,10 @@ def measure(model_name: str, arm: str, layers: int, smoke: bool, per_block: bool
     first = time.perf_counter() - t0
     from torch._dynamo.utils import counters
 
-    return {"first_step_s": first, "frames": counters["stats"]["unique_graphs"], **cache_counters(),
+    import mxfx
+
+    mx_ops = sum(pm.count(rewritten=True) for pm in mxfx.report.all_reports())
+    return {"first_step_s": first, "frames": counters["stats"]["unique_graphs"], "mx_ops": mx_ops, **cache_counters(),
             "bypass": handler.reasons[0] if handler.reasons else ""}
 
 
