@@ -66,6 +66,16 @@ def _inner_compile(inner, gm: fx.GraphModule, example_inputs, mode: str | None =
     return gm.forward  # "eager": the rewritten ops are autograd functions and run as they are
 
 
+def trace_artifact(name: str, payload_fn, encoding: str = "string") -> None:
+    """Emit ``payload_fn()`` as a structured trace artifact ``name`` of the graph being compiled.
+
+    With ``TORCH_TRACE=<dir>`` the artifacts land in torch's structured trace beside Dynamo's and
+    Inductor's own, and ``tlparse`` shows them per compiled graph; otherwise ``payload_fn`` is not called.
+    """
+    torch._logging.trace_structured("artifact", metadata_fn=lambda: {"name": name, "encoding": encoding},
+                                    payload_fn=payload_fn)
+
+
 def rewrite(gm: fx.GraphModule, policy: Policy) -> report.PrecisionMap:
     """Run every enabled pass on ``gm`` in place and return its precision map.
 
@@ -96,11 +106,15 @@ def mxfp8_backend(gm: fx.GraphModule, example_inputs, options: Policy | dict | N
     """
     policy = Policy.from_options(options)
     before = gm.print_readable(print_output=False) if policy.dump_dir else ""
+    trace_artifact("mxfx_graph_before", lambda: before or gm.print_readable(print_output=False))
     pm = rewrite(gm, policy)
     if not torch.is_grad_enabled():  # Dynamo calls the backend in the grad mode the graph was traced in
         pm.mark_inference()
     report.register(pm)
     log.info("mxfx: %s", pm.summary())
+    trace_artifact("mxfx_precision_map", pm.to_text)
+    trace_artifact("mxfx_precision_map_json", pm.to_json, "json")
+    trace_artifact("mxfx_graph_after", lambda: gm.print_readable(print_output=False))
     if policy.dump_dir:
         folder = report.write_dump(policy.dump_dir, pm, before, gm.print_readable(print_output=False))
         log.info("mxfx: wrote %s", folder)
