@@ -15,9 +15,9 @@ import warnings
 import torch
 import torch.fx as fx
 
-from mxfx import cache, cache_key, passes, report
+from mxfx import cache, cache_key, names, passes, report
 from mxfx.passes import weight_refresh
-from mxfx.passes.fx import fill_example_values
+from mxfx.passes.fx import PREFIX_META, fill_example_values, parameter_placeholders
 from mxfx.policy import Policy
 
 log = logging.getLogger("mxfx")
@@ -107,6 +107,10 @@ def mxfp8_backend(gm: fx.GraphModule, example_inputs, options: Policy | dict | N
     policy = Policy.from_options(options)
     before = gm.print_readable(print_output=False) if policy.dump_dir else ""
     trace_artifact("mxfx_graph_before", lambda: before or gm.print_readable(print_output=False))
+    prefix = names.graph_prefix(parameter_placeholders(gm, example_inputs))
+    for g in gm.modules():  # module names behind the graph's place in the registered model (per-block compile)
+        if isinstance(g, fx.GraphModule):
+            g.meta[PREFIX_META] = prefix
     pm = rewrite(gm, policy)
     if not torch.is_grad_enabled():  # Dynamo calls the backend in the grad mode the graph was traced in
         pm.mark_inference()

@@ -23,13 +23,32 @@ def normalize_fqn(dynamo_path: str) -> str:
     return path.strip(".")
 
 
+PREFIX_META = "mxfx_module_prefix"  # gm.meta key: the graph's place in the whole model ("layers.3.")
+
+
 def module_fqn(node: fx.Node) -> str:
-    """FQN of the innermost module a node was traced in ("" at the root or when unknown)."""
+    """FQN of the innermost module a node was traced in, as the whole model's ``named_modules()``
+    spells it ("" at the root or when unknown): the graph's own name of it, behind the graph's
+    prefix (:data:`PREFIX_META`, set by the backend from :func:`mxfx.names.graph_prefix`)."""
     stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+    prefix = node.graph.owning_module.meta.get(PREFIX_META, "") if node.graph.owning_module is not None else ""
     if not stack:
-        return ""
-    path = list(stack.values())[-1][0]
-    return normalize_fqn(path)
+        return prefix.rstrip(".")
+    return prefix + normalize_fqn(list(stack.values())[-1][0])
+
+
+def parameter_placeholders(gm: fx.GraphModule, example_inputs) -> dict[str, torch.Tensor]:
+    """Graph-relative dotted name (``attn.qkv.weight``) -> real tensor of each placeholder Dynamo made
+    for a module parameter or buffer (its source path names it)."""
+    out = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, value in zip(placeholders, example_inputs):
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        name = getattr(source, "name", None)
+        name = name() if callable(name) else name
+        if isinstance(value, torch.Tensor) and isinstance(name, str) and ("_parameters[" in name or "_buffers[" in name):
+            out[normalize_fqn(name.replace("_parameters", "_modules").replace("_buffers", "_modules"))] = value
+    return out
 
 
 def example_value(node) -> torch.Tensor | None:
