@@ -8,6 +8,7 @@ inspection helpers.
 
 from mxfx.format import dequantize, quantize  # noqa: F401
 from mxfx.policy import DEFAULT_RULES, Policy, Rule  # noqa: F401
+from mxfx.names import name_modules  # noqa: F401
 from mxfx.report import all_reports, last_report  # noqa: F401
 from mxfx.ops import grouped_mm as _grouped_mm  # noqa: F401,E402  (registers every torch.ops.mxfx op)
 

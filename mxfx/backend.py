@@ -15,10 +15,10 @@ import warnings
 import torch
 import torch.fx as fx
 
-from mxfx import cache, passes, report, rule_check
+from mxfx import cache, cache_key, names, passes, report, rule_check
 from mxfx.device import mx_emulated_note
 from mxfx.passes import weight_refresh
-from mxfx.passes.fx import all_graphs, example_value
+from mxfx.passes.fx import PREFIX_META, all_graphs, example_value, fill_example_values, parameter_placeholders
 from mxfx.policy import Policy
 
 log = logging.getLogger("mxfx")
@@ -79,12 +79,23 @@ def _inner_compile(inner, gm: fx.GraphModule, example_inputs, mode: str | None =
     if inner == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
-        return compile_fx(gm, example_inputs, config_patches=inductor_mode_options(mode))
+        patches = {**inductor_mode_options(mode), **cache_key.config_patches(gm)}
+        return compile_fx(gm, example_inputs, config_patches=patches)
     if inner == "aot_eager":
         from torch._dynamo.backends.debugging import aot_eager
 
         return aot_eager(gm, example_inputs)
     return gm.forward  # "eager": the rewritten ops are autograd functions and run as they are
+
+
+def trace_artifact(name: str, payload_fn, encoding: str = "string") -> None:
+    """Emit ``payload_fn()`` as a structured trace artifact ``name`` of the graph being compiled.
+
+    With ``TORCH_TRACE=<dir>`` the artifacts land in torch's structured trace beside Dynamo's and
+    Inductor's own, and ``tlparse`` shows them per compiled graph; otherwise ``payload_fn`` is not called.
+    """
+    torch._logging.trace_structured("artifact", metadata_fn=lambda: {"name": name, "encoding": encoding},
+                                    payload_fn=payload_fn)
 
 
 def rewrite(gm: fx.GraphModule, policy: Policy) -> report.PrecisionMap:
@@ -98,6 +109,7 @@ def rewrite(gm: fx.GraphModule, policy: Policy) -> report.PrecisionMap:
         for name, run in passes.PIPELINE:
             if policy.pass_enabled(name):
                 run(g, policy, pm)
+        fill_example_values(g)  # AOTAutograd's cache needs them (mxfx.cache_key)
         g.graph.lint()
         g.recompile()
     return pm
@@ -131,6 +143,11 @@ def mxfp8_backend(gm: fx.GraphModule, example_inputs, options: Policy | dict | N
     policy = Policy.from_options(options)
     before = gm.print_readable(print_output=False) if policy.dump_dir else ""
     rule_check.observe(policy, rule_check.graph_modules(gm))  # judged over all graphs, at the first optimizer step
+    trace_artifact("mxfx_graph_before", lambda: before or gm.print_readable(print_output=False))
+    prefix = names.graph_prefix(parameter_placeholders(gm, example_inputs))
+    for g in gm.modules():  # module names behind the graph's place in the registered model (per-block compile)
+        if isinstance(g, fx.GraphModule):
+            g.meta[PREFIX_META] = prefix
     pm = rewrite(gm, policy)
     _warn_float16_once(gm, pm)
     if not torch.is_grad_enabled():  # Dynamo calls the backend in the grad mode the graph was traced in
@@ -138,6 +155,9 @@ def mxfp8_backend(gm: fx.GraphModule, example_inputs, options: Policy | dict | N
     report.register(pm)
     _warn_mx_emulated(pm, example_inputs)
     log.info("mxfx: %s", pm.summary())
+    trace_artifact("mxfx_precision_map", pm.to_text)
+    trace_artifact("mxfx_precision_map_json", pm.to_json, "json")
+    trace_artifact("mxfx_graph_after", lambda: gm.print_readable(print_output=False))
     if policy.dump_dir:
         folder = report.write_dump(policy.dump_dir, pm, before, gm.print_readable(print_output=False))
         log.info("mxfx: wrote %s", folder)

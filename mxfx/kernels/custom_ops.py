@@ -19,7 +19,7 @@ import torch
 
 from mxfx import kernels
 from mxfx.format import BLOCK_SIZE, dequantize_lastdim
-from mxfx.kernels.launch import op_or_body
+from mxfx.kernels.launch import name_op_functions, op_or_body
 from mxfx.layout import blocked_numel
 from mxfx.kernels.views import lastdim_scales, mn_major, scale_shape
 
@@ -231,3 +231,5 @@ route_weight_quantize = op_or_body(_route_weight_quantize_op, kernels.route_weig
 ``dy [S, D] * weight [S]`` formed in fp32 (``mxfx::route_weight_quantize``).""")
 quantize_blocked = op_or_body(_quantize_blocked_op, kernels.quantize_blocked, """``x [..., K]`` -> ``(qdata,
 blocked uint8 scales)`` (``mxfx::quantize_blocked``).""")
+
+name_op_functions(globals())

@@ -67,7 +67,18 @@ def op_or_body(op, body, doc: str):
         return body(*args, **kwargs) if inline_in_graph(first) else op(*args, **kwargs)
 
     call.__doc__ = doc
+    call.op_or_body = op
     return call
+
+
+def name_op_functions(namespace: dict) -> None:
+    """Give each :func:`op_or_body` function bound in a module's ``namespace`` (its ``globals()``) the
+    importable name it is bound to (``module.attr``). Graphs call these functions by reference, and
+    Inductor's and AOTAutograd's caches pickle a graph's targets by that name: a function named
+    ``op_or_body.<locals>.call`` cannot be found again, and would keep those caches from ever hitting."""
+    for attr, fn in list(namespace.items()):
+        if callable(fn) and getattr(fn, "op_or_body", None) is not None and fn.__name__ == "call":
+            fn.__module__, fn.__name__, fn.__qualname__ = namespace["__name__"], attr, attr
 
 
 _CAPPED: dict = {}

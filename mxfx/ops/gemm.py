@@ -31,7 +31,7 @@ from mxfx import layout
 from mxfx.device import (FORMAT, emulated_operand_dtype, emulation_dtype, gemm_runs_natively, native_bf16_matmul,
                          triton_available)
 from mxfx.kernels import custom_ops, dequantize_lastdim
-from mxfx.kernels.launch import op_or_body
+from mxfx.kernels.launch import name_op_functions, op_or_body
 
 _E8M0 = torch.float8_e8m0fnu
 _BLOCK = 32
@@ -573,6 +573,7 @@ mx_grouped_mm_wgrad = op_or_body(
     _grouped_mm_wgrad_op, _traced_body("grouped_mm_wgrad"),
     f"``mxfx::grouped_mm_wgrad`` (see :func:`_grouped_mm_wgrad_op`). {_TRACED}",
 )
+name_op_functions(globals())
 
 
 @torch.library.custom_op("mxfx::grouped_wgrad_bf16", mutates_args=())

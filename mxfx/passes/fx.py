@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import contextlib
 import re
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor
 
 _ROOT = re.compile(r"^L\['[^']*'\]\.?")
 _INDEX = re.compile(r"\[(\d+)\]")
@@ -25,15 +27,32 @@ def normalize_fqn(dynamo_path: str) -> str:
 def all_graphs(gm: fx.GraphModule) -> list[fx.GraphModule]:
     """``gm`` and its subgraphs (bodies of checkpoint regions and other higher-order ops, held as attributes)."""
     return [gm] + [m for m in gm.modules() if isinstance(m, fx.GraphModule) and m is not gm]
+PREFIX_META = "mxfx_module_prefix"  # gm.meta key: the graph's place in the whole model ("layers.3.")
 
 
 def module_fqn(node: fx.Node) -> str:
-    """FQN of the innermost module a node was traced in ("" at the root or when unknown)."""
+    """FQN of the innermost module a node was traced in, as the whole model's ``named_modules()``
+    spells it ("" at the root or when unknown): the graph's own name of it, behind the graph's
+    prefix (:data:`PREFIX_META`, set by the backend from :func:`mxfx.names.graph_prefix`)."""
     stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+    prefix = node.graph.owning_module.meta.get(PREFIX_META, "") if node.graph.owning_module is not None else ""
     if not stack:
-        return ""
-    path = list(stack.values())[-1][0]
-    return normalize_fqn(path)
+        return prefix.rstrip(".")
+    return prefix + normalize_fqn(list(stack.values())[-1][0])
+
+
+def parameter_placeholders(gm: fx.GraphModule, example_inputs) -> dict[str, torch.Tensor]:
+    """Graph-relative dotted name (``attn.qkv.weight``) -> real tensor of each placeholder Dynamo made
+    for a module parameter or buffer (its source path names it)."""
+    out = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, value in zip(placeholders, example_inputs):
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        name = getattr(source, "name", None)
+        name = name() if callable(name) else name
+        if isinstance(value, torch.Tensor) and isinstance(name, str) and ("_parameters[" in name or "_buffers[" in name):
+            out[normalize_fqn(name.replace("_parameters", "_modules").replace("_buffers", "_modules"))] = value
+    return out
 
 
 def example_value(node) -> torch.Tensor | None:
@@ -188,3 +207,48 @@ def mixed_dtype_reason(op: str, operands: dict, autocast_on: bool) -> str:
         return ""
     listed = ", ".join(f"{name} {str(d).removeprefix('torch.')}" for name, d in dtypes.items())
     return f"operand dtypes differ ({listed}) outside autocast: left as written, where {op} rejects them as in eager"
+
+
+def fill_example_values(gm: fx.GraphModule) -> int:
+    """Give every call node a pass inserted without ``meta["example_value"]`` one, by running its
+    target on its inputs' example values (Dynamo's fake tensors: no data, no kernels). Returns how many.
+
+    AOTAutograd's cache takes a method call (``x.view(...)``) as cache-safe only when its receiver
+    carries an example value, so a rewritten graph without them would never be cached. A node whose
+    target cannot run on fake inputs is left as it is (the graph then only misses that cache).
+    """
+    filled = 0
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method") or "example_value" in node.meta:
+            continue
+        missing = []
+
+        def value(a):
+            if not isinstance(a, fx.Node):
+                return a
+            if "example_value" not in a.meta:
+                missing.append(a)
+            return a.meta.get("example_value")
+
+        args, kwargs = fx.node.map_aggregate(node.args, value), fx.node.map_aggregate(node.kwargs, value)
+        if missing:
+            continue
+        fakes = [a for a in _tensors((args, kwargs)) if isinstance(a, FakeTensor)]
+        mode = fakes[0].fake_mode if fakes else contextlib.nullcontext()
+        try:
+            with torch.no_grad(), mode:
+                if node.op == "call_method":
+                    val = getattr(args[0], node.target)(*args[1:], **kwargs)
+                else:
+                    val = node.target(*args, **kwargs)
+        except Exception:  # not runnable on fake tensors: leave it
+            continue
+        node.meta["example_value"] = val
+        filled += 1
+    return filled
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    out = []
+    fx.node.map_aggregate(tree, lambda a: out.append(a) if isinstance(a, torch.Tensor) else None)
+    return out

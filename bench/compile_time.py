@@ -1,0 +1,167 @@
+"""First-step time with a cold and with a warm compile cache: BF16 Inductor against mxfx.
+
+Each measurement runs in a fresh Python process (nothing cached in memory), with
+``TORCHINDUCTOR_CACHE_DIR`` pointing at a folder of its own arm: the first process finds
+it empty (cold), the second finds what the first wrote (warm: Inductor's FX graph cache
+and AOTAutograd's cache should hit). The model is one of ``bench/hf_models.py``'s
+(``olmoe`` / ``qwen3`` at the released checkpoints' per-layer shapes), FP32 parameters
+under ``torch.autocast(bfloat16)``; the step is forward, backward and a fused AdamW step.
+
+Arms: ``bf16`` (``torch.compile`` with Inductor) and ``mxfp8`` (``backend="mxfp8"``);
+``--per-block`` compiles each decoder layer on its own (``layer.compile(...)``, as
+torchtitan does) instead of the whole model, where N identical layers should cost one
+layer's compile. Reported per arm and cache state: first-step seconds, FX graph cache
+and AOTAutograd cache hits / misses / bypasses, and the first bypass reason torch logged.
+Goals (issue: compile time): mxfx cold <= 1.5x BF16 cold, mxfx warm <= 2x BF16 warm.
+
+    python bench/compile_time.py                         # H200: olmoe, 4 layers, whole model and per block
+    python bench/compile_time.py --model qwen3 --layers 2
+    python bench/compile_time.py --smoke                 # CPU, tiny dims
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+sys.path.insert(0, ROOT)
+
+CACHE_LOGGERS = ("torch._inductor.codecache", "torch._functorch._aot_autograd.autograd_cache")
+
+
+class _Reasons(logging.Handler):
+    """Collects the bypass reasons Inductor and AOTAutograd log about their caches."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.reasons: list[str] = []
+
+    def emit(self, record):
+        msg = record.getMessage()
+        if "ypass" in msg:
+            self.reasons.append(" ".join(msg.split())[:200])
+
+
+def cache_counters() -> dict:
+    """Inductor's FX graph cache and AOTAutograd's cache counters of this process."""
+    from torch._dynamo.utils import counters
+
+    out = {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")}
+    out.update({k: v for k, v in counters["aot_autograd"].items() if k.startswith("autograd_cache")})
+    return out
+
+
+def measure(model_name: str, arm: str, layers: int, smoke: bool, per_block: bool, device: str) -> dict:
+    """One first training step of ``model_name`` under ``arm`` in this process; its time and the cache counters."""
+    import torch
+
+    import hf_models
+
+    handler = _Reasons()
+    for name in CACHE_LOGGERS:
+        lg = logging.getLogger(name)
+        lg.addHandler(handler)
+        lg.setLevel(logging.INFO)
+    model = hf_models.build_model(model_name, layers, smoke, device)
+    backend = "mxfp8" if arm == "mxfp8" else "inductor"
+    if per_block:
+        for layer in model.model.layers:
+            layer.compile(backend=backend)
+        fn = model
+    else:
+        fn = torch.compile(model, backend=backend)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
+    batch, seq = (2, 64) if smoke else (4, 2048)
+    x = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
+    t0 = time.perf_counter()
+    with torch.autocast(device, torch.bfloat16):
+        loss = fn(input_ids=x, labels=x).loss
+    loss.backward()
+    opt.step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    from torch._dynamo.utils import counters
+
+    import mxfx
+
+    mx_ops = sum(pm.count(rewritten=True) for pm in mxfx.report.all_reports())
+    return {"first_step_s": first, "frames": counters["stats"]["unique_graphs"], "mx_ops": mx_ops, **cache_counters(),
+            "bypass": handler.reasons[0] if handler.reasons else ""}
+
+
+def run_child(args, arm: str, cache_dir: str) -> dict:
+    """:func:`measure` in a fresh process with ``TORCHINDUCTOR_CACHE_DIR=cache_dir``."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", args.model, "--arms", arm,
+           "--layers", str(args.layers)] + (["--smoke"] if args.smoke else []) + (["--per-block"] if args.per_block_run else [])
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    line = next((ln for ln in reversed(out.stdout.splitlines()) if ln.startswith("{")), None)
+    if out.returncode or line is None:
+        return {"error": (out.stderr.strip().splitlines() or ["no output"])[-1][:200]}
+    return json.loads(line)
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown table: one line per (model, compile unit, arm, cache state), with the goal ratios."""
+    lines = ["| model | compiled | arm | cache | first step s | vs BF16 | goal | FX graph cache h/m/b | AOT cache h/m/b | graphs | "
+             "first bypass reason |", "|---|---|---|---|---:|---:|---:|---|---|---:|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['unit']} | {r['arm']} | {r['cache']} | - | - | - | - | - | - | error: {r['error']} |")
+            continue
+        base = next((b for b in rows if b["arm"] == "bf16" and b["cache"] == r["cache"] and b["unit"] == r["unit"]
+                     and b["model"] == r["model"] and "error" not in b), None)
+        ratio = f"{r['first_step_s'] / base['first_step_s']:.2f}x" if base and r["arm"] != "bf16" else "-"
+        goal = ("<= 1.5x" if r["cache"] == "cold" else "<= 2x") if r["arm"] != "bf16" else ""
+        fx = "/".join(str(r.get(f"fxgraph_cache_{k}", 0)) for k in ("hit", "miss", "bypass"))
+        aot = "/".join(str(r.get(f"autograd_cache_{k}", 0)) for k in ("hit", "miss", "bypass"))
+        lines.append(f"| {r['model']} | {r['unit']} | {r['arm']} | {r['cache']} | {r['first_step_s']:.1f} | {ratio} | {goal} | "
+                     f"{fx} | {aot} | {r['frames']} | {r['bypass']} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="olmoe", help="olmoe or qwen3 (bench/hf_models.py)")
+    p.add_argument("--arms", default="bf16,mxfp8")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--units", default="model,block", help="comma list: model (whole-model compile), block (per layer)")
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny dims")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--per-block", dest="per_block_run", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    if args.child:
+        print(json.dumps(measure(args.model, args.arms, args.layers, args.smoke, args.per_block_run, device)), flush=True)
+        return []
+    rows = []
+    for unit in args.units.split(","):
+        args.per_block_run = unit == "block"
+        for arm in args.arms.split(","):
+            with tempfile.TemporaryDirectory(prefix=f"compile_time_{arm}_") as cache_dir:
+                for state in ("cold", "warm"):
+                    r = {"model": args.model, "unit": unit, "arm": arm, "cache": state, **run_child(args, arm, cache_dir)}
+                    print(f"  {args.model} {unit} {arm} {state}: {r.get('first_step_s', r.get('error'))}", flush=True)
+                    rows.append(r)
+    from _results import emit
+
+    emit("compile_time.md", table(rows))
+    return rows
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        main()

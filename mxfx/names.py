@@ -1,0 +1,50 @@
+"""Full module names under per-block compile: where a compiled graph sits in the whole model.
+
+``torch.compile(block)`` (torchtitan compiles each transformer block on its own) hands the backend
+a graph whose module names are relative to the block (``attention.wq``), while policy rules are
+written against the whole model's ``named_modules()`` (``layers.3.attention.wq``). After
+:func:`name_modules` ``(model)``, the backend finds the block's place from its parameters, which
+arrive in the graph as placeholders holding the real tensors: the full name of one of them, minus
+its block-relative name, is the prefix of every module of that graph (:func:`graph_prefix`).
+
+The roots are held weakly and their parameters are looked up when a graph is compiled, so
+parameters replaced after registration (FSDP2's ``fully_shard`` and its unsharded parameters
+during forward, ``load_state_dict(assign=True)``) are still found.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+_roots: weakref.WeakSet = weakref.WeakSet()
+
+
+def name_modules(model: torch.nn.Module) -> torch.nn.Module:
+    """Register ``model`` as a root whose ``named_modules()`` spell the names policy rules match,
+    for graphs compiled from any of its submodules. Returns ``model`` (for chaining).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"mxfx.name_modules: expected an nn.Module, got {type(model).__name__}")
+    _roots.add(model)
+    return model
+
+
+def graph_prefix(params: dict[str, torch.Tensor]) -> str:
+    """The full-name prefix (``"layers.3."``, or ``""``) of a graph whose parameter placeholders are
+    ``params`` (graph-relative dotted name -> the real tensor). ``""`` when no registered root holds
+    one of them (the graph's own names are then the full names, as for a whole-model compile).
+    """
+    if not params or not _roots:
+        return ""
+    by_id = {id(t): rel for rel, t in params.items()}
+    for root in list(_roots):
+        for full, p in root.named_parameters(remove_duplicate=False):
+            rel = by_id.get(id(p))
+            if rel is not None and (full == rel or full.endswith("." + rel)):
+                return full[: len(full) - len(rel)]
+    return ""
