@@ -276,16 +276,15 @@ def main(argv=None) -> list[dict]:
     train, val = data.load_splits(code_bytes=400_000 if args.smoke else 4_000_000)
     results = []
     models = [m for m in args.model.split(",") if m]
+    os.makedirs(args.out, exist_ok=True)
     for model in models:
         for name in arms:
             print(f"== {model} / {name}", flush=True)
-            args.model = model
-            results.append({"model": model, **run_arm(ARMS[name], args, train, val, device)})
-    args.model = ",".join(models)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "hf_models.json"), "w") as f:
-        json.dump({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "args": vars(args),
-                   "results": results}, f, indent=1)
+            arm_args = argparse.Namespace(**{**vars(args), "model": model})
+            results.append({"model": model, **run_arm(ARMS[name], arm_args, train, val, device)})
+            with open(os.path.join(args.out, "hf_models.json"), "w") as f:  # after every arm: a cut run keeps its arms
+                json.dump({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                           "args": vars(args), "results": results}, f, indent=1)
     print(table(results))
     return results
 

@@ -6,7 +6,7 @@ Python callables that AOTAutograd traces through into ATen ops and mxfx's
 ``call_function`` target it cannot vouch for, unless the target is named in
 ``torch._inductor.config.unsafe_marked_cacheable_functions`` with a key string;
 that dict is part of the cache key, so the key must change whenever what the
-function traces to could change. :func:`source_key` is that key: a hash of
+function traces to could change. :func:`trace_key` is that key: a hash of
 mxfx's source files and the torch version, so editing mxfx invalidates every
 cached mxfx graph, and nothing that varies between processes (ids, counters)
 enters it.
@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 import torch.fx as fx
 
+from mxfx.kernels.launch import opaque_kernels
+
 _PACKAGE = Path(__file__).resolve().parent
 
 
@@ -32,6 +34,12 @@ def source_key() -> str:
         h.update(str(f.relative_to(_PACKAGE)).encode())
         h.update(f.read_bytes())
     return h.hexdigest()
+
+
+def trace_key() -> str:
+    """:func:`source_key` plus the process switches that change what mxfx's functions trace to
+    (``MXFX_OPAQUE_KERNELS``: custom ops kept opaque, or Triton kernels inlined in the graph)."""
+    return f"{source_key()};opaque_kernels={int(opaque_kernels())}"
 
 
 def mxfx_targets(gm: fx.GraphModule) -> set[str]:
@@ -48,12 +56,12 @@ def mxfx_targets(gm: fx.GraphModule) -> set[str]:
 
 
 def config_patches(gm: fx.GraphModule) -> dict:
-    """Inductor config patches marking ``gm``'s mxfx targets cacheable under :func:`source_key`."""
+    """Inductor config patches marking ``gm``'s mxfx targets cacheable under :func:`trace_key`."""
     names = mxfx_targets(gm)
     if not names:
         return {}
     import torch._inductor.config as inductor_config
 
     marked = dict(inductor_config.unsafe_marked_cacheable_functions)
-    marked.update(dict.fromkeys(sorted(names), source_key()))
+    marked.update(dict.fromkeys(sorted(names), trace_key()))
     return {"unsafe_marked_cacheable_functions": marked}

@@ -133,9 +133,10 @@ def _worker_train(rank: int, world: int, layout: str):
     m = _model()
     if layout == "per_block":
         _compile_per_block(m)
+    mesh = _cpu_mesh(world)
     for block in m.layers:
-        fully_shard(block, mp_policy=mp)
-    fully_shard(m, mp_policy=mp)
+        fully_shard(block, mp_policy=mp, mesh=mesh)
+    fully_shard(m, mp_policy=mp, mesh=mesh)
     run = torch.compile(m, backend="mxfp8", options=OPTS) if layout == "whole" else m
 
     def mean_over_ranks(loss):
@@ -160,13 +161,21 @@ def _worker_train(rank: int, world: int, layout: str):
     print("TRAIN OK", losses, ref_losses, ops)
 
 
+def _cpu_mesh(world: int):
+    """A 1-D CPU mesh: fully_shard's default mesh is the accelerator's where one exists, which would move
+    these CPU runs onto it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world,))
+
+
 def _sharded(layout="per_block", mp=None, mesh=None):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     m = _model()
     if layout == "per_block":
         _compile_per_block(m)
-    kw = {"mp_policy": mp or MixedPrecisionPolicy(), "mesh": mesh}
+    kw = {"mp_policy": mp or MixedPrecisionPolicy(), "mesh": mesh or _cpu_mesh(torch.distributed.get_world_size())}
     for block in m.layers:
         fully_shard(block, **kw)
     fully_shard(m, **kw)

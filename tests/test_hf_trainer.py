@@ -42,7 +42,7 @@ def _fresh_logits(state: dict) -> torch.Tensor:
 
 
 def _trainer(model, out, steps) -> T.Trainer:
-    args = hf_trainer.training_args(str(out), steps, per_device_train_batch_size=2, save_steps=2)
+    args = hf_trainer.training_args(str(out), steps, per_device_train_batch_size=2, save_steps=2, use_cpu=True)
     return T.Trainer(model=model, args=args, train_dataset=hf_trainer.ByteText(32, 32))
 
 

@@ -82,8 +82,8 @@ def test_cpu_path_never_loads_triton_kernels():
         "x = torch.randn(64, 64); d.quantize_lastdim(x, 'rceil'); d.quantize_blocked(x, 'rceil');"
         "bad = [m for m in sys.modules if m.startswith('mxfx.kernels.') and m not in "
         "('mxfx.kernels.custom_ops', 'mxfx.kernels.device_path', 'mxfx.kernels.checks', 'mxfx.kernels.launch', "
-        "'mxfx.kernels.views', "
-        "'mxfx.kernels.silu')]; assert not bad, bad"  # silu: the plain-torch SiLU reference
+        "'mxfx.kernels.views', 'mxfx.kernels.block_ops', 'mxfx.kernels.block_gemm', 'mxfx.kernels.block_device_path', "
+        "'mxfx.kernels.silu')]; assert not bad, bad"  # silu: the plain-torch SiLU reference; block_*: torch-only dispatch
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
 

@@ -13,11 +13,11 @@ elsewhere (CPU) both are the reference decode: dequantize each operand to float3
 float32 GEMM. GPU results agree with it up to float32 summation order and Hopper's FP8 accumulation
 (tests/test_block_gemm.py states the bounds).
 
-cuBLAS scale layouts (what ``torch._scaled_mm`` checks on sm90; a wrong one can be a silent wrong
-answer, so they are built here, never taken from the caller as is): A's 1x128 scales column-major
-(stride ``(1, M)``); B's 128x128 scales, seen as ``[ceil(N/128), ceil(K/128)]``, row-major with the
-row stride rounded up to a multiple of 4 (older torch wanted it unpadded: tried second); B's 1x128
-scales, seen as ``[N, ceil(K/128)]``, column-major.
+cuBLAS scale layouts (``torch.nn.functional.scaled_mm`` with explicit recipes, sm90; a wrong one can be
+a silent wrong answer, so they are built here, never taken from the caller as is): A's 1x128 scales
+column-major (stride ``(1, M)``); B's 128x128 scales, seen as ``[ceil(N/128), ceil(K/128)]``, row-major
+with the row stride rounded up to a multiple of 4 (zero padding); B's 1x128 scales, seen as
+``[N, ceil(K/128)]``, column-major. tests/test_block_gpu.py checks K/128 = 5 against the reference.
 """
 
 from __future__ import annotations
@@ -101,30 +101,25 @@ def _cublas_mm(a, a_scales, b, b_scales, out_dtype):
     a_s = a_scales if a_q.shape[0] == m else F.pad(a_scales, (0, 0, 0, a_q.shape[0] - m), value=1.0)
     a_s = a_s.t().contiguous().t()  # [M, K/128], stride (1, M)
     if not tiled_rows(b, b_scales):
+        # [ceil(K/128) padded to a multiple of 4, N/128] with stride (1, padded): the 128x128 grid, K blocks padded
+        # with zeros (never read). The explicit-recipe API: torch._scaled_mm infers the recipe from the shapes and
+        # takes an unpadded grid for K/128 not a multiple of 4 with wrong sums on torch 2.11
         kt = b_scales.shape[1]
-        if kt % 4 == 0:  # both torch versions' layouts are the contiguous one
-            candidates = [b_scales.contiguous().t()]
-        else:
-            padded = b_scales.new_zeros(b_scales.shape[0], -(-kt // 4) * 4)
-            padded[:, :kt] = b_scales
-            # cuBLAS reads [round_up(K/128, 4), N/128] with stride (1, round_up(K/128, 4)); a [K/128, N/128]
-            # view of the same storage passes torch 2.11's checks but gives wrong sums there
-            candidates = [padded.t(), b_scales.contiguous().t()]
+        padded = b_scales.new_zeros(b_scales.shape[0], -(-kt // 4) * 4)
+        padded[:, :kt] = b_scales
+        b_s, recipe_b = padded.t(), F.ScalingType.BlockWise128x128
     else:
         sb = b_scales if b_q.shape[0] == n else F.pad(b_scales, (0, 0, 0, b_q.shape[0] - n), value=1.0)
-        candidates = [sb.t().contiguous()]  # [K/128, N]: [N, K/128] column-major
-    error = None
-    for b_s in candidates:
-        try:
-            out = torch._scaled_mm(a_q, b_q.t(), a_s, b_s, out_dtype=out_dtype)
-            return out[:m, :n] if out.shape != (m, n) else out
-        except RuntimeError as e:  # the other torch version's 128x128 scale layout
-            error = e
-    raise RuntimeError(
-        f"mxfx.block_gemm.scaled_mm: cuBLAS refused A {tuple(a.shape)} x B {tuple(b.shape)} with scales "
-        f"{tuple(a_scales.shape)} and {tuple(b_scales.shape)} (out {out_dtype}); blockwise FP8 needs sm90+ "
-        f"and a torch built with CUDA 12.9+"
-    ) from error
+        b_s, recipe_b = sb.t().contiguous().t(), F.ScalingType.BlockWise1x128  # [N, K/128], stride (1, N)
+    try:
+        out = F.scaled_mm(a_q, b_q.t(), a_s, F.ScalingType.BlockWise1x128, b_s, recipe_b, output_dtype=out_dtype)
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"mxfx.block_gemm.scaled_mm: cuBLAS refused A {tuple(a.shape)} x B {tuple(b.shape)} with scales "
+            f"{tuple(a_scales.shape)} and {tuple(b_scales.shape)} (out {out_dtype}); blockwise FP8 needs sm90 "
+            f"and a torch built with CUDA 12.9+"
+        ) from e
+    return out[:m, :n] if out.shape != (m, n) else out
 
 
 def grouped_mm(

@@ -71,7 +71,8 @@ def _grouped_body(
     seen = 0  # tiles of the groups walked so far
     b_g = b_ptr  # group g's weight and scales (pointers advance: 64-bit offsets at any size)
     bs_g = bs_ptr
-    for g in range(0, G + 1):  # group G is the tail past offs[-1]: zeros
+    g = 0
+    while g <= G:  # group G is the tail past offs[-1]: zeros (a while: triton 3.6's interpreter cannot range over G)
         m_start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
         m_end = tl.load(offs_ptr + g, mask=g < G, other=S)
         m_start = tl.minimum(m_start, S)
@@ -110,6 +111,7 @@ def _grouped_body(
         seen += group_tiles
         b_g += s_bg
         bs_g += s_bsg
+        g += 1
 
 
 _kernel_tuned = triton.autotune(
