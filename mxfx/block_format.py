@@ -94,10 +94,17 @@ def block_scales(amax: torch.Tensor, rule: str) -> torch.Tensor:
     return torch.where(torch.isfinite(amax), s, torch.full_like(s, float("nan")))
 
 
+NAN_BYTE = 0x7F
+"""The E4M3 byte of every payload value of a NaN tile (positive NaN, S.1111.111)."""
+
+
 def encode(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """E4M3 payload of float32 ``blocks`` divided by ``scales`` (broadcast), saturating; NaN scale -> NaN."""
     scaled = (blocks / scales).clamp(-E4M3_MAX, E4M3_MAX)  # clamp keeps NaN; torch's cast gives NaN above 464
-    return scaled.to(torch.float8_e4m3fn)
+    q = scaled.to(torch.float8_e4m3fn).view(torch.uint8)
+    # a NaN tile: every byte 0x7F, whatever sign the NaN of each quotient carries (it varies by hardware)
+    q = torch.where(torch.isnan(scales).expand_as(q), torch.full_like(q, NAN_BYTE), q)
+    return q.view(torch.float8_e4m3fn)
 
 
 def quantize_1x128_lastdim(x: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor, torch.Tensor]:

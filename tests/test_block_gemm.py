@@ -342,30 +342,34 @@ def test_bench_gemm_cpu_smoke(monkeypatch, tmp_path):
     assert text.count("| forward |") == 3 and text.count("| wgrad |") == 3, text
 
 
-def _fake_scaled_mm(a, b, scale_a, scale_b, out_dtype=None):
-    """``torch._scaled_mm``'s blockwise contract on sm90 as torch checks it (ScaledBlas.cpp: 1x128 scales
-    ``[rows, ceil(K/128)]`` with strides ``(1, rows)``; 128x128 scales ``[ceil(rows/128), ceil(K/128)]`` with
-    strides ``(round_up(ceil(K/128), 4), 1)``; B's scales given transposed), decoded in float32."""
+def _fake_scaled_mm(a, b, scale_a, recipe_a, scale_b, recipe_b, output_dtype=None, **_):
+    """``torch.nn.functional.scaled_mm``'s blockwise contract on sm90, as measured against the reference decode
+    on an H200 (torch 2.11): 1x128 scales ``[rows, ceil(K/128)]`` with strides ``(1, rows)``; B's 128x128 scales
+    ``[round_up(ceil(K/128), 4), ceil(N/128)]`` with strides ``(1, round_up(ceil(K/128), 4))`` (the padded grid
+    transposed; unpadded, cuBLAS gave wrong sums); decoded in float32."""
     (m, k), n = a.shape, b.shape[1]
     kt = -(-k // 128)
+    ST = torch.nn.functional.ScalingType
+    assert recipe_a == ST.BlockWise1x128
     assert a.stride() == (k, 1) and b.stride() == (1, k) and k % 16 == 0 and n % 16 == 0
     assert scale_a.shape == (m, kt) and (scale_a.stride() == (1, m) or kt == 1), (scale_a.shape, scale_a.stride())
-    sbt = scale_b.t()
-    l4 = -(-kt // 4) * 4  # cuBLAS reads 128x128 scales as [round_up(K/128, 4), N/128], stride (1, round_up(K/128, 4))
-    if sbt.shape == (-(-n // 128), l4):
-        assert sbt.stride(1) == 1 and (sbt.stride(0) == l4 or sbt.shape[0] == 1), sbt.stride()
-        b_hat = bf.dequantize_values(b.t(), sbt[:, :kt], (-2, -1))
+    if recipe_b == ST.BlockWise128x128:
+        l4 = -(-kt // 4) * 4
+        assert scale_b.shape == (l4, -(-n // 128)), scale_b.shape
+        assert scale_b.stride(0) == 1 and (scale_b.stride(1) == l4 or scale_b.shape[1] == 1), scale_b.stride()
+        b_hat = bf.dequantize_values(b.t(), scale_b.t()[:, :kt], (-2, -1))
     else:
-        assert sbt.shape == (n, kt) and (sbt.stride() == (1, n) or kt == 1), (sbt.shape, sbt.stride())
-        b_hat = bf.dequantize_values(b.t(), sbt, (-1,))
-    return (bf.dequantize_values(a, scale_a, (-1,)) @ b_hat.t()).to(out_dtype)
+        assert recipe_b == ST.BlockWise1x128
+        assert scale_b.shape == (n, kt) and (scale_b.stride() == (1, n) or kt == 1), (scale_b.shape, scale_b.stride())
+        b_hat = bf.dequantize_values(b.t(), scale_b, (-1,))
+    return (bf.dequantize_values(a, scale_a, (-1,)) @ b_hat.t()).to(output_dtype)
 
 
 @pytest.mark.parametrize("m,n,k", [(200, 200, 640), (64, 384, 4096), (3, 17, 100)])
 def test_cublas_wrapper_builds_the_checked_scale_layouts(monkeypatch, m, n, k):
     """The dense GPU path's operand and scale layouts (padding to 16, column-major 1x128 scales, the padded
     128x128 row stride when ceil(K/128) is not a multiple of 4) against torch's checks, on CPU tensors."""
-    monkeypatch.setattr(torch, "_scaled_mm", _fake_scaled_mm)
+    monkeypatch.setattr(torch.nn.functional, "scaled_mm", _fake_scaled_mm)
     g = torch.Generator().manual_seed(6)
     a, sa = bf.quantize_1x128(torch.randn(m, k, generator=g))
     for b, sb in (bf.quantize_128x128(torch.randn(n, k, generator=g)), bf.quantize_1x128(torch.randn(n, k, generator=g))):

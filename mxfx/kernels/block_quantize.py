@@ -109,7 +109,10 @@ def _quantize_kernel(
     else:
         scaled = tl.math.div_rn(v, sv)
     qbits = tl.minimum(tl.maximum(scaled, -448.0), 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    qbits = tl.where(sv != sv, 0x7F, qbits)  # the NaN tile: every byte the NaN byte (explicit: the interpreter's cast differs)
+    # the NaN tile: every byte 0x7F (mxfx.block_format.NAN_BYTE); tested on the scale's bits, which no float
+    # comparison rewrite can drop
+    nan_tile = (sv.to(tl.int32, bitcast=True) & 0x7FFFFFFF) > 0x7F800000
+    qbits = tl.where(nan_tile, 0x7F, qbits)
     q_offs = b.to(tl.int64) * sqb + rows[:, None].to(tl.int64) * sqr + cols[None, :].to(tl.int64) * sqc
     tl.store(q_ptr + q_offs, qbits.to(tl.uint8), mask=ok)
     tl.store(s_ptr + b.to(tl.int64) * ssb + s_offs, s, mask=s_ok)
