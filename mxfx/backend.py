@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from mxfx import cache, cache_key, names, passes, report, rule_check
-from mxfx.device import mx_emulated_note
+from mxfx.device import fp8_block_gpu_note, mx_emulated_note
 from mxfx.passes import weight_refresh
 from mxfx.passes.fx import PREFIX_META, all_graphs, example_value, fill_example_values, parameter_placeholders
 from mxfx.policy import Policy
@@ -115,19 +115,22 @@ def rewrite(gm: fx.GraphModule, policy: Policy) -> report.PrecisionMap:
     return pm
 
 
-_warned_mx_emulated = False
+_warned_formats: set[str] = set()  # formats whose GPU note was given (once per process each)
 
 
-def _warn_mx_emulated(pm: report.PrecisionMap, example_inputs) -> None:
-    """Warn once per process when a graph on an sm90 GPU has MXFP8 ops (emulated there), naming format="fp8_block"."""
-    global _warned_mx_emulated
-    if _warned_mx_emulated or not any(r.rewritten and "mxfp8" in (r.forward, r.dgrad) for r in pm.records):
-        return
+def _warn_format_notes(pm: report.PrecisionMap, example_inputs) -> None:
+    """Warn once per process per format when a graph on a CUDA GPU has ops of that format with a note:
+    MXFP8 on sm90 (emulated there; names format="fp8_block"), fp8_block (experimental on CUDA)."""
     device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda), None)
-    note = device is not None and mx_emulated_note(device)
-    if note:
-        _warned_mx_emulated = True
-        warnings.warn(note, stacklevel=3)
+    if device is None:
+        return
+    for fmt, note_of in (("mxfp8", mx_emulated_note), ("fp8_block", fp8_block_gpu_note)):
+        if fmt in _warned_formats or not any(r.rewritten and fmt in (r.forward, r.dgrad) for r in pm.records):
+            continue
+        note = note_of(device)
+        if note:
+            _warned_formats.add(fmt)
+            warnings.warn(note, stacklevel=3)
 
 
 def mxfp8_backend(gm: fx.GraphModule, example_inputs, options: Policy | dict | None = None,
@@ -153,7 +156,7 @@ def mxfp8_backend(gm: fx.GraphModule, example_inputs, options: Policy | dict | N
     if not torch.is_grad_enabled():  # Dynamo calls the backend in the grad mode the graph was traced in
         pm.mark_inference()
     report.register(pm)
-    _warn_mx_emulated(pm, example_inputs)
+    _warn_format_notes(pm, example_inputs)
     log.info("mxfx: %s", pm.summary())
     trace_artifact("mxfx_precision_map", pm.to_text)
     trace_artifact("mxfx_precision_map_json", pm.to_json, "json")

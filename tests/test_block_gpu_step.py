@@ -71,21 +71,25 @@ def test_fp8_block_step_runs_fp8_gemms_only():
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9, reason="the note is sm90's")
-def test_sm90_mxfp8_compile_warns_once_naming_fp8_block(monkeypatch):
+def test_sm90_compile_notes_warn_once_per_format(monkeypatch):
+    """MXFP8 ops on sm90: one note naming format="fp8_block"; fp8_block ops ("auto" on sm90): one note that the
+    format is experimental on CUDA, never the MX one."""
     from mxfx import backend
 
-    monkeypatch.setattr(backend, "_warned_mx_emulated", False)
+    monkeypatch.setattr(backend, "_warned_formats", set())
     lin = nn.Linear(256, 256).cuda()
     x = torch.randn(64, 256, device="cuda")
     torch._dynamo.reset()
-    with pytest.warns(UserWarning, match="format.*fp8_block"):
+    with pytest.warns(UserWarning, match="no tensor cores on sm90.*fp8_block"):
         torch.compile(lin, backend="mxfp8", options={"inner": "aot_eager"})(x)
-    for options, reset in (({"inner": "aot_eager"}, False), ({"inner": "aot_eager", "format": "auto"}, True)):
-        # once per process; and never when the ops are fp8_block ("auto" on sm90)
+    for options, note in (({"inner": "aot_eager"}, None), ({"inner": "aot_eager", "format": "auto"}, "experimental"),
+                          ({"inner": "aot_eager", "format": "fp8_block"}, None)):
         torch._dynamo.reset()
-        if reset:
-            monkeypatch.setattr(backend, "_warned_mx_emulated", False)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.compile(lin, backend="mxfp8", options=options)(x)
-        assert not [w for w in caught if "fp8_block" in str(w.message)], options
+        messages = [str(w.message) for w in caught if str(w.message).startswith("mxfx: ")]
+        assert not [m for m in messages if "no tensor cores" in m], options  # once per process
+        assert [m for m in messages if "experimental" in m] == ([] if note is None else [m for m in messages if note in m])
+        if note:
+            assert len([m for m in messages if note in m]) == 1, messages
