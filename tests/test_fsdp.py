@@ -92,7 +92,7 @@ def _loss(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """MSE in FP32 of a model output (BF16 under ``param_dtype=torch.bfloat16``) against an FP32 target.
 
     The output is cast first: torch 2.11's ``mse_loss`` backward rejects a BF16 input with an FP32 target
-    ("Found dtype Float but expected BFloat16"); later torch promotes both to FP32, the same values as here.
+    ("Found dtype Float but expected BFloat16"); torch 2.13 promotes both to FP32, the same values as here.
     """
     return torch.nn.functional.mse_loss(out.float(), t)
 
