@@ -88,12 +88,21 @@ def _compile_per_block(m: Model) -> None:
         m.layers[i] = torch.compile(block, backend="mxfp8", options=OPTS, fullgraph=True)
 
 
+def _loss(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """MSE in FP32 of a model output (BF16 under ``param_dtype=torch.bfloat16``) against an FP32 target.
+
+    The output is cast first: torch 2.11's ``mse_loss`` backward rejects a BF16 input with an FP32 target
+    ("Found dtype Float but expected BFloat16"); torch 2.13 promotes both to FP32, the same values as here.
+    """
+    return torch.nn.functional.mse_loss(out.float(), t)
+
+
 def _train(m, run, xs, ts, shard, reduce_loss):
     opt = torch.optim.AdamW(m.parameters(), lr=LR)
     losses = []
     for x, t in zip(xs, ts):
         opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(run(x[shard]), t[shard])
+        loss = _loss(run(x[shard]), t[shard])
         loss.backward()
         opt.step()
         losses.append(reduce_loss(loss.detach()))
@@ -214,7 +223,7 @@ def _worker_features(rank: int, world: int):
     half = PER_RANK // 2
 
     def loss_of(run, x, t):
-        return torch.nn.functional.mse_loss(run(x), t)
+        return _loss(run(x), t)
 
     # reduce-scatter dtype follows MixedPrecisionPolicy.reduce_dtype (FP32 by default)
     for reduce_dtype in (None, torch.bfloat16):

@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from helpers import launch  # noqa: E402
-from test_fsdp import LOSS_RTOL, OPTS, PER_RANK, _compile_per_block, _data, _model, _train  # noqa: E402
+from test_fsdp import LOSS_RTOL, OPTS, PER_RANK, _compile_per_block, _data, _loss, _model, _train  # noqa: E402
 
 
 @pytest.mark.parametrize("layout", ["whole", "whole_reshard", "per_block", "per_block_bf16"])
@@ -126,7 +126,7 @@ def _worker(rank: int, world: int, layout: str):
 
     # byte identity of the gathered forms (forward form kept from the forward gather, dgrad from the backward's)
     block = m.layers[0]._orig_mod if hasattr(m.layers[0], "_orig_mod") else m.layers[0]
-    loss = torch.nn.functional.mse_loss(run(xs[0][shard]), ts[0][shard])
+    loss = _loss(run(xs[0][shard]), ts[0][shard])
     loss.backward()
     full = _full(m, "layers.0.up.weight")
     m.layers[0].unshard()  # the FSDP unit: the compiled wrapper per block
@@ -138,7 +138,7 @@ def _worker(rank: int, world: int, layout: str):
 
     def one_step():
         opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(run(xs[1][shard]), ts[1][shard])
+        loss = _loss(run(xs[1][shard]), ts[1][shard])
         loss.backward()
         opt.step()
         return avg(loss.detach())
