@@ -156,6 +156,9 @@ class MXWeight(torch.Tensor):
                 f"mxfx.fsdp: a weight {tuple(outer_size)} is sharded to {tuple(self.shape)}, not on dim 0; "
                 f"mx_all_gather decided its form for dim-0 shards: pass fully_shard's shard_placement_fn to "
                 f"mx_all_gather too (it gathers such weights in high precision)")
+        if tuple(self.shape) == tuple(outer_size):
+            # one shard: FSDP2 gathers nothing and copies only the first input; the cache quantizes the weight
+            return (self._tensor if mp_policy.param_dtype is None else self._tensor.to(mp_policy.param_dtype),), ((), tuple(outer_size))
         forms = self._forms()
         if self._format == "fp8_block":
             which = ("block",)  # one 128x128 grid serves forward and dgrad
@@ -171,6 +174,8 @@ class MXWeight(torch.Tensor):
         which, shape = metadata
         *lead, n, k = shape
         pairs, values = {}, None
+        if not which:  # one shard, sent as is
+            values = lambda dt: all_gather_outputs[0].view(shape).to(dt)  # noqa: E731
         for i, o in enumerate(which):
             q = all_gather_outputs[2 * i].view(torch.float8_e4m3fn).view(shape)
             s = all_gather_outputs[2 * i + 1]
@@ -193,7 +198,8 @@ class MXWeight(torch.Tensor):
         # a gather inside backward refills a tensor autograd saved: keep its version, as FSDP does for its own copy
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
             out.copy_(values(out.dtype))
-        cache.install_forms(out, self._rule, pairs)
+        if pairs:
+            cache.install_forms(out, self._rule, pairs)
         return ret
 
 
@@ -270,7 +276,9 @@ def mx_all_gather(model: torch.nn.Module, options=None, *, world_size: int | Non
     Args:
         model: the model (not sharded yet); pass only the compiled part if some linears run eagerly.
         options: the policy (``mxfx.Policy`` or dict) given to ``torch.compile(..., backend="mxfp8")``.
-        world_size: the size of the FSDP shard mesh dim (default: the default group's world size).
+        world_size: the size of the FSDP shard mesh dim (default: the default group's world size, which is
+            safe for every smaller mesh). Where experts shard over a smaller mesh (expert parallel), call it
+            first on the expert modules with that mesh's size, then on the model (converted weights are kept).
         shard_placement_fn: the function given to ``fully_shard`` (weights it shards on a dim other than 0
             gather in high precision).
 
@@ -292,6 +300,9 @@ def mx_all_gather(model: torch.nn.Module, options=None, *, world_size: int | Non
             if kind is None:
                 continue
             key = f"{mod_name}.{name}" if mod_name else name
+            if type(p.data) is MXWeight:  # converted by an earlier call (e.g. the experts, with their mesh's size)
+                out[key] = p.data._format
+                continue
             if type(p.data) is not torch.Tensor:
                 raise RuntimeError(f"mxfx.fsdp.mx_all_gather: {key} is a {type(p.data).__name__}; call it before fully_shard")
             out[key] = form = _decide(policy, kind, mod_name, p, world, shard_placement_fn)
