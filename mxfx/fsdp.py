@@ -173,23 +173,17 @@ class MXWeight(torch.Tensor):
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         which, shape = metadata
         *lead, n, k = shape
-        pairs, values = {}, None
-        if not which:  # one shard, sent as is
-            values = lambda dt: all_gather_outputs[0].view(shape).to(dt)  # noqa: E731
+        pairs = {}
         for i, o in enumerate(which):
             q = all_gather_outputs[2 * i].view(torch.float8_e4m3fn).view(shape)
             s = all_gather_outputs[2 * i + 1]
             if o == "block":
                 s = s.view(*lead, -1, block_format.n_tiles(k))
                 pairs["block_forward"], pairs["block_dgrad"] = (q, s), (q.transpose(-2, -1), s.transpose(-2, -1))
-                values = lambda dt, q=q, s=s: block_format.dequantize_128x128(q, s, dt)  # noqa: E731
             elif o == "forward":
                 pairs[o] = (q, s.view(*lead, n, k // BLOCK_SIZE))
-                values = lambda dt, q=q, s=pairs[o][1]: kernels.dequantize_lastdim(q, s, dt)  # noqa: E731
             else:
                 pairs[o] = (q.transpose(-2, -1), s.reshape(*lead, n // BLOCK_SIZE, k).transpose(-2, -1))
-                if values is None:  # dgrad only: the dgrad form's values, in W's layout
-                    values = lambda dt, p=pairs[o]: kernels.dequantize_lastdim(*p, dt).transpose(-2, -1)  # noqa: E731
         if out is None:
             out = torch.empty(shape, dtype=param_dtype or self._tensor.dtype, device=self._tensor.device)
             ret = (out, (out,))
@@ -197,10 +191,19 @@ class MXWeight(torch.Tensor):
             ret = None
         # a gather inside backward refills a tensor autograd saved: keep its version, as FSDP does for its own copy
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
-            out.copy_(values(out.dtype))
+            out.copy_(_values(pairs, out.dtype) if pairs else all_gather_outputs[0].view(shape))
         if pairs:
             cache.install_forms(out, self._rule, pairs)
         return ret
+
+
+def _values(pairs: dict, dtype: torch.dtype) -> torch.Tensor:
+    """The weight ``[..., N, K]`` dequantized from gathered forms (the forward form's values where gathered)."""
+    if "block_forward" in pairs:
+        return block_format.dequantize_128x128(*pairs["block_forward"], dtype)
+    if "forward" in pairs:
+        return kernels.dequantize_lastdim(*pairs["forward"], dtype)
+    return kernels.dequantize_lastdim(*pairs["dgrad"], dtype).transpose(-2, -1)
 
 
 _roots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # owning module -> weakref to the model converted
@@ -245,12 +248,12 @@ def _weight_kind(module: torch.nn.Module, name: str, p: torch.Tensor) -> str | N
     return None
 
 
-def gather_form(weight: torch.Tensor, fmt: str, world: int, shard_dim: int = 0) -> str:
+def _gather_form(weight: torch.Tensor, fmt: str, world: int, shard_dim: int = 0) -> str:
     """The form FSDP2 can gather ``weight`` (``[N, K]`` or ``[E, N, K]``) in exactly, sharded on ``shard_dim``
     over ``world`` ranks: ``fmt`` ("mxfp8" or "fp8_block") or ``"high precision (reason)"``."""
     shape = tuple(weight.shape)
     if fmt not in FORMS:
-        raise ValueError(f"mxfx.fsdp.gather_form: format {fmt!r} is not valid; choose one of {FORMS}")
+        raise ValueError(f"mxfx.fsdp._gather_form: format {fmt!r} is not valid; choose one of {FORMS}")
     if fmt == "mxfp8" and (shape[-1] % BLOCK_SIZE or shape[-2] % BLOCK_SIZE):
         return f"high precision (shape {shape}: N and K must be multiples of {BLOCK_SIZE})"
     if shard_dim % len(shape) != 0:
@@ -318,7 +321,7 @@ def mx_all_gather(model: torch.nn.Module, options=None, *, world_size: int | Non
 
 
 def _decide(policy: Policy, kind: str, module: str, p: torch.Tensor, world: int, shard_placement_fn) -> str:
-    """The gather form of one weight: the policy's format for its op, if :func:`gather_form` allows it."""
+    """The gather form of one weight: the policy's format for its op, if :func:`_gather_form` allows it."""
     decision = fit_format(policy.decide(kind, module), p.shape[-1], p.shape[-2])  # the passes' format fit
     if decision.precision != "mxfp8":
         return f"high precision (the op stays {decision.precision}: {decision.reason})"
@@ -330,4 +333,4 @@ def _decide(policy: Policy, kind: str, module: str, p: torch.Tensor, world: int,
     placement = shard_placement_fn(p) if shard_placement_fn is not None else None
     if placement is not None and not isinstance(placement, Shard):
         raise ValueError(f"mxfx.fsdp.mx_all_gather: shard_placement_fn returned {placement!r}; FSDP2 takes Shard(dim) or None")
-    return gather_form(p, decision.format, world, placement.dim if placement is not None else 0)
+    return _gather_form(p, decision.format, world, placement.dim if placement is not None else 0)
