@@ -50,7 +50,8 @@ def test_expert_weights_gather_low_precision():
     gathering FP32, and are within 1e-2 of one process (tests/test_fsdp.py's MoE bound); gathered expert and linear forms
     byte-identical to one-process quantization; the expert unit's all-gather moves 33/32 (mxfp8) or 1 + 4/128^2
     (fp8_block) bytes per value, <= 0.52x the BF16 FSDP2 run's. fp8_block: the dense ``down`` ([128, 256],
-    64-row shards) gathers in FP32, as the map says."""
+    64-row shards) gathers in FP32, as the map says. An expert weight that fully_shard shards on dim 1 while
+    mx_all_gather was told dim 0 raises at its gather."""
     log = launch(__file__, "moe", 2, timeout_s=300)
     assert log.count("MOEGATHER OK") == 2, log
 
@@ -370,6 +371,17 @@ def _worker_moe(rank: int, world: int):
         report.append(f"{fmt}: losses {losses} (one process: max gap {gap:.1e}); expert unit all_gather {expert} B vs bf16 {bf16_expert} B "
                       f"({expert / bf16_expert:.3f}x); all_gather per {MOE_STEPS} steps {ag} B vs bf16 {bf16_ag} B "
                       f"({ag / bf16_ag:.3f}x)")
+    # fully_shard told to shard experts on dim 1 while mx_all_gather assumed dim 0: a clear error at the gather
+    from torch.distributed.tensor import Shard
+
+    moe = _MoEModel().blocks[0].moe
+    assert mxfx.fsdp.mx_all_gather(moe, world_size=world)["gate_up"] == "mxfp8"
+    fully_shard(moe, mesh=mesh, shard_placement_fn=lambda p: Shard(1) if p.dim() == 3 else None)
+    try:
+        moe.unshard()
+        raise AssertionError("a gather sharded on dim 1 ran")
+    except RuntimeError as e:
+        assert "not on dim 0" in str(e) and "shard_placement_fn" in str(e), e
     print("MOEGATHER OK", *report, sep="\n")
     dist.destroy_process_group()
 
