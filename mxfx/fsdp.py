@@ -55,6 +55,7 @@ stats: Counter = Counter()
 per parameter per gather."""
 FORMS = ("mxfp8", "fp8_block")
 """Gather forms: the values of :func:`mx_all_gather`'s map for converted weights."""
+_ROW_MULTIPLE = {"mxfp8": BLOCK_SIZE, "fp8_block": block_format.TILE}  # rows of a block, per form
 _aten = torch.ops.aten
 _KEEP_SUBCLASS = {
     _aten.empty_like.default, _aten.new_zeros.default, _aten.slice.Tensor, _aten.copy_.default,
@@ -156,6 +157,12 @@ class MXWeight(torch.Tensor):
                 f"mxfx.fsdp: a weight {tuple(outer_size)} is sharded to {tuple(self.shape)}, not on dim 0; "
                 f"mx_all_gather decided its form for dim-0 shards: pass fully_shard's shard_placement_fn to "
                 f"mx_all_gather too (it gathers such weights in high precision)")
+        rows = _ROW_MULTIPLE[self._format]
+        if self.dim() == 2 and self.shape[0] % rows:
+            raise RuntimeError(
+                f"mxfx.fsdp: a weight {tuple(outer_size)} is sharded to {tuple(self.shape)}: {self.shape[0]} rows would "
+                f"cut a {rows}-row {self._format} block; mx_all_gather was told a smaller mesh: pass this mesh's size "
+                f"as world_size")
         if tuple(self.shape) == tuple(outer_size):
             # one shard: FSDP2 gathers nothing and copies only the first input; the cache quantizes the weight
             return (self._tensor if mp_policy.param_dtype is None else self._tensor.to(mp_policy.param_dtype),), ((), tuple(outer_size))
@@ -234,7 +241,6 @@ def _reshards_after_forward(module: torch.nn.Module) -> bool:
     return getattr(group, "post_forward_mesh_info", None) is not None
 
 
-_ROW_MULTIPLE = {"mxfp8": BLOCK_SIZE, "fp8_block": block_format.TILE}
 _NOT_EXPERTS = (torch.nn.Bilinear, torch.nn.Conv1d, torch.nn.ConvTranspose1d)
 
 
@@ -297,7 +303,7 @@ def mx_all_gather(model: torch.nn.Module, options=None, *, world_size: int | Non
     world = world_size or (dist.get_world_size() if dist.is_initialized() else 1)
     out = {}
     for mod_name, mod in model.named_modules():
-        mod_name = mod_name.replace("_orig_mod.", "").removesuffix("._orig_mod")  # compiled before: the user's names
+        mod_name = ".".join(a for a in mod_name.split(".") if a != "_orig_mod")  # compiled before: the user's names
         for name, p in list(mod.named_parameters(recurse=False)):
             kind = _weight_kind(mod, name, p)
             if kind is None:
