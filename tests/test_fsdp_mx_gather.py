@@ -1,7 +1,8 @@
-"""MX weight all-gather under FSDP2 (``mxfx.fsdp.mx_all_gather``) on 2 gloo processes, against one process.
+"""Low-precision weight all-gather under FSDP2 (``mxfx.fsdp.mx_all_gather``) on 2 gloo processes, against one process.
 
 Worker cases run this file as ``python tests/test_fsdp_mx_gather.py CASE RANK WORLD PORT`` (:func:`helpers.launch`).
-The model and data are tests/test_fsdp.py's (two residual MLP blocks of width 64 and a root projection).
+The dense model and data are tests/test_fsdp.py's (two residual MLP blocks of width 64 and a root projection); the
+MoE (``moe`` case, mxfp8 and fp8_block) is two blocks of examples/ep_moe.py's grouped-GEMM MoE plus a dense MLP.
 """
 
 from __future__ import annotations
