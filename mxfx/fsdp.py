@@ -11,7 +11,7 @@ policy's format for the weight's op:
   :func:`mxfx.cache.step_count` and the shard's version counter). A gather before forward sends the
   forward form (qdata ``[..., N, K]``, scales ``[..., N, K/32]`` of the shard, blocked along K); a
   gather inside backward the dgrad form (W^T blocked along N in 32-row groups: qdata in W's layout,
-  scales ``[..., N/32, K]`` sent as ``[..., N/32 * 32, K/32]`` so both forms have the same sizes and
+  scales ``[..., N/32, K]`` sent as ``[..., N, K/32]`` so both forms have the same sizes and
   FSDP reuses its buffers). 33/32 bytes per value per gather. A unit that FSDP does not reshard after
   forward (the root, by default) is gathered once per step and sends both forms then.
 * ``fp8_block``: one 128x128 grid (qdata ``[..., N, K]``, float32 scales ``[..., N/128, ceil(K/128)]``)
@@ -23,7 +23,8 @@ row shards of a linear weight start on multiples of 32 (mxfp8) or 128 (fp8_block
 that does not hold (uneven shards, row shards off those multiples, a ``shard_placement_fn`` that picks
 another dim: FSDP2 then chunk-concatenates every gathered tensor along that dim, which only tensors of
 the parameter's own shape survive), or whose op the policy keeps in BF16, stays a plain parameter and
-gathers in its storage dtype; :func:`mx_all_gather` returns the map saying which and why.
+gathers in its storage dtype; :func:`mx_all_gather` returns the map saying which and why. On a mesh of
+one (nothing to gather) a converted weight is sent as is and quantized by the cache as without this module.
 
 ``fsdp_post_all_gather`` hands the graph a plain ``[..., N, K]`` tensor holding the dequantized values
 of the gathered form (an op that reads the weight outside mxfx's GEMMs sees low-precision values) and
