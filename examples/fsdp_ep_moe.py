@@ -10,7 +10,8 @@ MoE (:class:`ep_moe.GroupedEPMoE`) whose routed experts are split over the ``"ep
 dispatch and combine all-to-alls move MXFP8 rows (qdata + one E8M0 scale per 32 values).
 FSDP2 shards the expert weights over ``"dp"`` (the ranks holding the same experts) and every
 other parameter (dense MLP, router) over all ranks. torchtitan's order: compile each block,
-then ``fully_shard`` the experts, the router, the block and the root.
+then ``fully_shard`` the experts, the router, the block and the root. Before sharding,
+``mxfx.fsdp.mx_all_gather`` makes FSDP's all-gathers move the weights' MXFP8 forms (qdata + scales).
 
 Gradient scaling: each rank's loss is the mean over its own tokens, so the global loss is their
 mean over all ranks. An expert's gradient on one rank already sums the contributions of every
@@ -79,19 +80,37 @@ def compile_blocks(model: Model, options: dict) -> None:
         model.blocks[i] = torch.compile(block, backend="mxfp8", options=options)
 
 
-def shard(model: Model, mesh) -> None:
-    """Step 2: experts over ``"dp"`` (divided by the world size), routers, blocks and root over all ranks."""
+def _moe(block):
+    return block._orig_mod.moe if hasattr(block, "_orig_mod") else block.moe
+
+
+def shard(model: Model, mesh, options: dict | None = None) -> dict[str, str]:
+    """Step 2: experts over ``"dp"`` (divided by the world size), routers, blocks and root over all ranks.
+
+    With ``options`` (the compile policy), the all-gathers move the weights' MXFP8 forms
+    (``mxfx.fsdp.mx_all_gather``: the experts told their ``"dp"`` mesh first, then the rest the world's);
+    returns its gather map.
+    """
     from torch.distributed.fsdp import fully_shard
 
+    import mxfx.fsdp
+
     world_mesh = mesh._flatten("dp_ep")
+    gather_map = {}
+    if options is not None:
+        for i, block in enumerate(model.blocks):
+            experts = mxfx.fsdp.mx_all_gather(_moe(block), options, world_size=mesh["dp"].size())
+            gather_map.update({f"blocks.{i}.moe.{k}": v for k, v in experts.items()})
+        gather_map.update(mxfx.fsdp.mx_all_gather(model, options, world_size=world_mesh.size()))
     for block in model.blocks:
-        moe = block._orig_mod.moe if hasattr(block, "_orig_mod") else block.moe
+        moe = _moe(block)
         fully_shard(moe.router, mesh=world_mesh)
         experts = fully_shard(moe, mesh=mesh["dp"])
         experts.set_gradient_divide_factor(float(mesh.size()))
         experts.set_force_sum_reduction_for_comms(True)  # SUM then divide: gloo has no PREMUL_SUM
         fully_shard(block, mesh=world_mesh)
     fully_shard(model, mesh=world_mesh)
+    return gather_map
 
 
 def batches(world: int, device):
@@ -123,7 +142,10 @@ def run(transport: str = "mxfp8", check: bool = False, device: str = "cpu") -> t
     if world % EP or EXPERTS % EP:
         raise ValueError(f"world size {world} and {EXPERTS} experts must be multiples of EP={EP}")
     mesh = init_device_mesh(device, (world // EP, EP), mesh_dim_names=("dp", "ep"))
-    options = {"inner": "aot_eager" if device == "cpu" else "inductor"}
+    # the router reads its weight outside mxfx's GEMMs (kept in its own precision): this rule also keeps its
+    # all-gather in FP32 (mx_all_gather follows the policy)
+    options = {"inner": "aot_eager" if device == "cpu" else "inductor",
+               "rules": [{"module": "*.router", "precision": "bf16"}]}
     if transport == "bf16":
         options["transport"] = dict.fromkeys(["dispatch_fwd", "combine_fwd", "combine_bwd", "dispatch_bwd"], "bf16")
     data = batches(world, device)
@@ -136,7 +158,9 @@ def run(transport: str = "mxfp8", check: bool = False, device: str = "cpu") -> t
 
     model = Model(ep_group=mesh["ep"].get_group()).to(device)
     compile_blocks(model, options)
-    shard(model, mesh)
+    gather_map = shard(model, mesh, options)
+    if rank == 0:
+        print("all-gather forms:", ", ".join(f"{k}: {v}" for k, v in gather_map.items()))
 
     def mean_over_ranks(loss):
         dist.all_reduce(loss, op=dist.ReduceOp.AVG)

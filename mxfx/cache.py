@@ -785,13 +785,15 @@ def step_count() -> int:
 
 
 def install_forms(weight: torch.Tensor, rule: str, pairs: dict) -> None:
-    """Make ``pairs`` (orientation -> ``(qdata e4m3, scales u8)``, row-major: forward ``[N, K]`` /
-    ``[N, K/32]``, dgrad ``[K, N]`` / ``[K, N/32]``) the cache forms of ``weight`` for this step.
+    """Make ``pairs`` the cache forms of ``weight`` (``[N, K]`` or ``[E, N, K]``) for this step.
 
-    For MX forms gathered by FSDP2 (:mod:`mxfx.fsdp`): they are copied into the layouts the GEMM
-    ops read (:func:`_fake_form`, blocked scales where :func:`blocked_scales`) and stamped fresh
-    for the current step; forms installed earlier in the same step (the forward form, when the
-    backward's gather brings the dgrad form) are kept.
+    ``pairs``: form -> ``(qdata e4m3, scales)``, any strides. MX forms (uint8 E8M0 scales): forward
+    ``[..., N, K]`` / ``[..., N, K/32]``, dgrad ``[..., K, N]`` / ``[..., K, N/32]``; fp8_block forms
+    (:data:`BLOCK_FORMS`, float32 scales): ``block_forward`` ``[..., N, K]`` / ``[..., N/128, K/128]``,
+    ``block_dgrad`` their transposes. For forms gathered by FSDP2 (:mod:`mxfx.fsdp`): they are copied
+    into the layouts the GEMM ops read (:func:`_fake_form`, blocked scales where :func:`blocked_scales`;
+    contiguous for fp8_block) and stamped fresh for the current step; forms installed earlier in the
+    same step (the forward form, when the backward's gather brings the dgrad form) are kept.
     """
     with _lock, torch.no_grad():
         entry = _entry_for(weight, create=True)
@@ -800,6 +802,9 @@ def install_forms(weight: torch.Tensor, rule: str, pairs: dict) -> None:
             entry.forms.clear()
         for orientation, (q, s) in pairs.items():
             _check(weight, rule, orientation)
+            if orientation in BLOCK_FORMS:
+                entry.forms[(rule, orientation)] = tuple(t.clone(memory_format=torch.contiguous_format) for t in (q, s))
+                continue
             qd = _fake_form(weight, orientation, _E4M3).copy_(q)
             if blocked_scales(weight):
                 sc = to_blocked(s)

@@ -1,28 +1,37 @@
-"""MX weight all-gather for FSDP2: the all-gather moves MX forms (qdata + scales), not FP32/BF16 weights.
+"""Low-precision weight all-gather for FSDP2: the all-gather moves MX or fp8_block forms, not FP32/BF16 weights.
 
-Opt in with one line before ``fully_shard``: ``mxfx.fsdp.mx_all_gather(model)`` (after ``import mxfx.fsdp``). Each eligible linear
-weight (``[N, K]``, N a multiple of ``32 x world``, K a multiple of 32) becomes an :class:`MXWeight`
-parameter, a tensor subclass around the FP32 main weight that implements FSDP2's public extension
-points ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``:
+Opt in with one line before ``fully_shard``: ``mxfx.fsdp.mx_all_gather(model, options)`` (after
+``import mxfx.fsdp``; ``options`` as given to ``torch.compile(..., backend="mxfp8")``). Each eligible
+weight, a linear weight ``[N, K]`` or a routed expert weight ``[E, N, K]`` of a grouped GEMM, becomes
+an :class:`MXWeight` parameter, a tensor subclass around the FP32 main weight that implements FSDP2's
+public extension points ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``. The form follows the
+policy's format for the weight's op:
 
-* The local shard ``[N/world, K]`` is quantized once per optimizer step (the refresh; keyed on
-  :func:`mxfx.cache.step_count` and the shard's version counter).
-* A gather before forward sends the forward form (qdata ``[N/w, K]``, scales ``[N/w, K/32]``, blocked
-  along K: dim-0 sharding never cuts a block); a gather inside backward sends the dgrad form (qdata
-  ``[N/w, K]``, scales of 32-row groups ``[N/(32 w), K]`` sent as ``[N/w, K/32]``): byte-identical to
-  quantizing the full weight on one process because shard boundaries fall on multiples of 32. Both
-  forms have the same sizes, so FSDP's buffers are reused. 33/32 bytes per value per gather.
-* The direction: a gather issued while the autograd engine runs a backward is the dgrad gather.
-  A module that FSDP does not reshard after forward (the root, by default) is gathered once per step
-  and sends both forms then.
-* ``fsdp_post_all_gather`` hands the graph a plain ``[N, K]`` tensor holding the dequantized forward
-  values (any op that reads the weight outside mxfx's GEMMs sees the MX values) and installs the
-  gathered forms as that tensor's cache forms (:func:`mxfx.cache.install_forms`), so the rewritten
-  GEMMs use them directly; the compiled graphs are unchanged.
+* ``mxfp8``: the local shard is quantized once per optimizer step (the refresh; keyed on
+  :func:`mxfx.cache.step_count` and the shard's version counter). A gather before forward sends the
+  forward form (qdata ``[..., N, K]``, scales ``[..., N, K/32]`` of the shard, blocked along K); a
+  gather inside backward the dgrad form (W^T blocked along N in 32-row groups: qdata in W's layout,
+  scales ``[..., N/32, K]`` sent as ``[..., N, K/32]`` so both forms have the same sizes and
+  FSDP reuses its buffers). 33/32 bytes per value per gather. A unit that FSDP does not reshard after
+  forward (the root, by default) is gathered once per step and sends both forms then.
+* ``fp8_block``: one 128x128 grid (qdata ``[..., N, K]``, float32 scales ``[..., N/128, ceil(K/128)]``)
+  serves forward and dgrad, so every gather sends it (1 + 4/128^2 bytes per value).
 
-Weights that are not eligible stay plain parameters and gather in their storage dtype (listed by
-:func:`mx_all_gather`'s return value). The subclass unwraps to its FP32 tensor for every other op, so
-``state_dict()`` and ``torch.distributed.checkpoint`` see the FP32 values; caches are never saved.
+Sharding is FSDP2's dim 0 (rows N of a linear weight, experts E of an expert weight). The gathered forms
+are byte-identical to quantizing the full weight on one process: no block crosses an expert, and the
+row shards of a linear weight start on multiples of 32 (mxfp8) or 128 (fp8_block). A weight for which
+that does not hold (uneven shards, row shards off those multiples, a ``shard_placement_fn`` that picks
+another dim: FSDP2 then chunk-concatenates every gathered tensor along that dim, which only tensors of
+the parameter's own shape survive), or whose op the policy keeps in BF16, stays a plain parameter and
+gathers in its storage dtype; :func:`mx_all_gather` returns the map saying which and why. On a mesh of
+one (nothing to gather) a converted weight is sent as is and quantized by the cache as without this module.
+
+``fsdp_post_all_gather`` hands the graph a plain ``[..., N, K]`` tensor holding the dequantized values
+of the gathered form (an op that reads the weight outside mxfx's GEMMs sees low-precision values) and
+installs the gathered forms as that tensor's cache forms (:func:`mxfx.cache.install_forms`), so the
+rewritten GEMMs use them directly; the compiled graphs are unchanged. The subclass unwraps to its FP32
+tensor for every other op, so ``state_dict()`` and ``torch.distributed.checkpoint`` see the FP32 values;
+caches are never saved.
 """
 
 from __future__ import annotations
@@ -33,13 +42,21 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import Shard
 import torch.utils._pytree as pytree
 
-from mxfx import cache, kernels
+from mxfx import block_format, cache, kernels
 from mxfx.format import BLOCK_SIZE, SCALE_RULES
+from mxfx.kernels import block_device_path
+from mxfx.passes.fx import fit_format
+from mxfx.policy import Policy
 
 stats: Counter = Counter()
-"""Gathers per form sent: ``gather_forward``, ``gather_dgrad`` (one per parameter per gather)."""
+"""Gathers per form sent: ``gather_forward``, ``gather_dgrad`` (mxfp8), ``gather_block`` (fp8_block); one
+per parameter per gather."""
+FORMS = ("mxfp8", "fp8_block")
+"""Gather forms: the values of :func:`mx_all_gather`'s map for converted weights."""
+_ROW_MULTIPLE = {"mxfp8": BLOCK_SIZE, "fp8_block": block_format.TILE}  # rows of a block, per form
 _aten = torch.ops.aten
 _KEEP_SUBCLASS = {
     _aten.empty_like.default, _aten.new_zeros.default, _aten.slice.Tensor, _aten.copy_.default,
@@ -59,77 +76,101 @@ def _in_backward() -> bool:
 
 
 class MXWeight(torch.Tensor):
-    """A linear weight ``[N, K]`` (FP32 main weight) whose FSDP2 all-gather moves its MX forms.
+    """A weight ``[N, K]`` or ``[E, N, K]`` (FP32 main weight) whose FSDP2 all-gather moves its ``fmt`` forms
+    (:data:`FORMS`) of scale rule ``rule``.
 
     Every op other than FSDP's gather sees the wrapped tensor (``_tensor``); ops that make a tensor
     of the same kind (views, copies, ``detach``) keep the subclass so FSDP's shard is one too.
     """
 
     @staticmethod
-    def __new__(cls, tensor: torch.Tensor, rule: str):
+    def __new__(cls, tensor: torch.Tensor, rule: str, fmt: str = "mxfp8"):
         return torch.Tensor._make_wrapper_subclass(
             cls, tensor.size(), strides=tensor.stride(), storage_offset=tensor.storage_offset(),
             dtype=tensor.dtype, layout=tensor.layout, device=tensor.device, requires_grad=tensor.requires_grad,
         )
 
-    def __init__(self, tensor: torch.Tensor, rule: str):
+    def __init__(self, tensor: torch.Tensor, rule: str, fmt: str = "mxfp8"):
         self._tensor = tensor
         self._rule = rule
-        self._shard_forms = None  # (step, version, {orientation: (qdata u8, scales u8)})
+        self._format = fmt
+        self._shard_forms = None  # (step, version, {form: (qdata u8, scales)})
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args, kwargs=None):
-        rule = None
+        meta = None
 
         def unwrap(t):
-            nonlocal rule
-            rule = t._rule
+            nonlocal meta
+            meta = (t._rule, t._format)
             return t._tensor
 
         args, kwargs = pytree.tree_map_only(MXWeight, unwrap, (args, kwargs or {}))
         out = func(*args, **kwargs)
         if func not in _KEEP_SUBCLASS:
             return out
-        return pytree.tree_map_only(torch.Tensor, lambda x: MXWeight(x, rule), out)
+        return pytree.tree_map_only(torch.Tensor, lambda x: MXWeight(x, *meta), out)
 
     def __tensor_flatten__(self):
-        return ["_tensor"], {"rule": self._rule}
+        return ["_tensor"], {"rule": self._rule, "fmt": self._format}
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
-        return MXWeight(inner["_tensor"], meta["rule"])
+        return MXWeight(inner["_tensor"], meta["rule"], meta["fmt"])
 
     def __reduce_ex__(self, protocol):
         """Pickled (``torch.save``, DCP) as the plain FP32 tensor: checkpoints load without mxfx."""
         return self._tensor.__reduce_ex__(protocol)
 
     def __repr__(self):
-        return f"MXWeight(rule={self._rule}, {self._tensor!r})"
+        return f"MXWeight(format={self._format}, rule={self._rule}, {self._tensor!r})"
 
     # --- FSDP2 extension points ---------------------------------------------------------------
 
     def _forms(self) -> dict:
-        """The shard's forward and dgrad forms, as the gather sends them (uint8, ``[N/w, K]`` and
-        ``[N/w, K/32]`` each): quantized once per optimizer step."""
+        """The shard's forms, as the gather sends them, quantized once per optimizer step. mxfp8:
+        ``forward`` and ``dgrad``, each (qdata u8 ``[..., N/w, K]``, scales u8 ``[..., N/w, K/32]``);
+        fp8_block: ``block`` (qdata u8 ``[..., N/w, K]``, scales f32 ``[..., N/(128w), ceil(K/128)]``)."""
         w = self._tensor
         stamp = (cache.step_count(), w._version)
         if self._shard_forms is None or self._shard_forms[:2] != stamp:
             with torch.no_grad():
-                n, k = w.shape
-                q, s = kernels.quantize_lastdim(w.detach(), self._rule)
-                qt, st = kernels.quantize_lastdim(w.detach().transpose(0, 1), self._rule)
-                forms = {
-                    "forward": (q.contiguous().view(torch.uint8), s.contiguous()),
-                    # dgrad: W^T [K, N/w] blocked along N -> sent in W's layout: qdata [N/w, K], scales [N/(32w), K]
-                    "dgrad": (qt.transpose(0, 1).contiguous().view(torch.uint8),
-                              st.transpose(0, 1).contiguous().view(n, k // BLOCK_SIZE)),
-                }
+                w = w.detach()
+                if self._format == "fp8_block":
+                    q, s = block_device_path.quantize_128x128(w, self._rule)
+                    forms = {"block": (q.contiguous().view(torch.uint8), s.contiguous())}
+                else:
+                    q, s = kernels.quantize_lastdim(w, self._rule)
+                    qt, st = kernels.quantize_lastdim(w.transpose(-2, -1), self._rule)
+                    forms = {
+                        "forward": (q.contiguous().view(torch.uint8), s.contiguous()),
+                        # dgrad: W^T [..., K, N] blocked along N -> sent in W's layout: qdata [..., N, K],
+                        # scales [..., N/32, K] viewed as [..., N, K/32]
+                        "dgrad": (qt.transpose(-2, -1).contiguous().view(torch.uint8),
+                                  st.transpose(-2, -1).contiguous().view(w.shape[:-1] + (w.shape[-1] // BLOCK_SIZE,))),
+                    }
             self._shard_forms = (*stamp, forms)
         return self._shard_forms[2]
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        if tuple(self.shape[1:]) != tuple(outer_size[1:]):
+            raise RuntimeError(
+                f"mxfx.fsdp: a weight {tuple(outer_size)} is sharded to {tuple(self.shape)}, not on dim 0; "
+                f"mx_all_gather decided its form for dim-0 shards: pass fully_shard's shard_placement_fn to "
+                f"mx_all_gather too (it gathers such weights in high precision)")
+        rows = _ROW_MULTIPLE[self._format]
+        if self.dim() == 2 and self.shape[0] % rows:
+            raise RuntimeError(
+                f"mxfx.fsdp: a weight {tuple(outer_size)} is sharded to {tuple(self.shape)}: {self.shape[0]} rows would "
+                f"cut a {rows}-row {self._format} block; mx_all_gather was told a smaller mesh: pass this mesh's size "
+                f"as world_size")
+        if tuple(self.shape) == tuple(outer_size):
+            # one shard: FSDP2 gathers nothing and copies only the first input; the cache quantizes the weight
+            return (self._tensor if mp_policy.param_dtype is None else self._tensor.to(mp_policy.param_dtype),), ((), tuple(outer_size))
         forms = self._forms()
-        if not _reshards_after_forward(module):
+        if self._format == "fp8_block":
+            which = ("block",)  # one 128x128 grid serves forward and dgrad
+        elif not _reshards_after_forward(module):
             which = ("forward", "dgrad")  # gathered once per step: both forms
         else:
             which = ("dgrad",) if _in_backward() else ("forward",)
@@ -138,26 +179,39 @@ class MXWeight(torch.Tensor):
         return outs, (which, tuple(outer_size))
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        which, (n, k) = metadata
+        which, shape = metadata
+        *lead, n, k = shape
         pairs = {}
         for i, o in enumerate(which):
-            q, s = all_gather_outputs[2 * i], all_gather_outputs[2 * i + 1]
-            q = q.view(torch.float8_e4m3fn).view(n, k)
-            if o == "forward":
-                pairs[o] = (q, s.view(n, k // BLOCK_SIZE))
+            q = all_gather_outputs[2 * i].view(torch.float8_e4m3fn).view(shape)
+            s = all_gather_outputs[2 * i + 1]
+            if o == "block":
+                s = s.view(*lead, -1, block_format.n_tiles(k))
+                pairs["block_forward"], pairs["block_dgrad"] = (q, s), (q.transpose(-2, -1), s.transpose(-2, -1))
+            elif o == "forward":
+                pairs[o] = (q, s.view(*lead, n, k // BLOCK_SIZE))
             else:
-                pairs[o] = (q.transpose(0, 1), s.reshape(n // BLOCK_SIZE, k).transpose(0, 1))
+                pairs[o] = (q.transpose(-2, -1), s.reshape(*lead, n // BLOCK_SIZE, k).transpose(-2, -1))
         if out is None:
-            out = torch.empty((n, k), dtype=param_dtype or self._tensor.dtype, device=self._tensor.device)
+            out = torch.empty(shape, dtype=param_dtype or self._tensor.dtype, device=self._tensor.device)
             ret = (out, (out,))
         else:
             ret = None
-        with torch.no_grad():
-            if "forward" in pairs:
-                q, s = pairs["forward"]
-                out.copy_(kernels.dequantize_lastdim(q, s, out.dtype))
-        cache.install_forms(out, self._rule, pairs)
+        # a gather inside backward refills a tensor autograd saved: keep its version, as FSDP does for its own copy
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
+            out.copy_(_values(pairs, out.dtype) if pairs else all_gather_outputs[0].view(shape))
+        if pairs:
+            cache.install_forms(out, self._rule, pairs)
         return ret
+
+
+def _values(pairs: dict, dtype: torch.dtype) -> torch.Tensor:
+    """The weight ``[..., N, K]`` dequantized from gathered forms (the forward form's values where gathered)."""
+    if "block_forward" in pairs:
+        return block_format.dequantize_128x128(*pairs["block_forward"], dtype)
+    if "forward" in pairs:
+        return kernels.dequantize_lastdim(*pairs["forward"], dtype)
+    return kernels.dequantize_lastdim(*pairs["dgrad"], dtype).transpose(-2, -1)
 
 
 _roots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # owning module -> weakref to the model converted
@@ -188,45 +242,102 @@ def _reshards_after_forward(module: torch.nn.Module) -> bool:
     return getattr(group, "post_forward_mesh_info", None) is not None
 
 
-def eligible(weight: torch.Tensor, world: int) -> bool:
-    """Whether ``weight``'s MX forms can be gathered exactly over ``world`` dim-0 shards: ``[N, K]``
-    with N a multiple of ``32 x world`` (even shards, boundaries on multiples of 32) and K of 32."""
-    return weight.dim() == 2 and weight.shape[0] % (BLOCK_SIZE * world) == 0 and weight.shape[1] % BLOCK_SIZE == 0
+_NOT_EXPERTS = (torch.nn.Bilinear, torch.nn.Conv1d, torch.nn.ConvTranspose1d)
 
 
-def mx_all_gather(model: torch.nn.Module, *, rule: str = "rceil", world_size: int | None = None,
-                  modules=(torch.nn.Linear,)) -> dict[str, str]:
-    """Make FSDP2's all-gather of ``model``'s linear weights move MX forms. Call before ``fully_shard``.
+def _weight_kind(module: torch.nn.Module, name: str, p: torch.Tensor) -> str | None:
+    """The op kind reading parameter ``name`` of ``module``: "linear" (an ``nn.Linear`` weight), "grouped_mm"
+    (a 3-D parameter of a module that is not a torch.nn layer with 3-D weights: routed experts), else None."""
+    if isinstance(module, torch.nn.Linear) and name == "weight":
+        return "linear"
+    if p.dim() == 3 and not isinstance(module, _NOT_EXPERTS):
+        return "grouped_mm"
+    return None
+
+
+def _gather_form(weight: torch.Tensor, fmt: str, world: int, shard_dim: int = 0) -> str:
+    """The form FSDP2 can gather ``weight`` (``[N, K]`` or ``[E, N, K]``) in exactly, sharded on ``shard_dim``
+    over ``world`` ranks: ``fmt`` ("mxfp8" or "fp8_block") or ``"high precision (reason)"``."""
+    shape = tuple(weight.shape)
+    if fmt not in FORMS:
+        raise ValueError(f"mxfx.fsdp._gather_form: format {fmt!r} is not valid; choose one of {FORMS}")
+    if fmt == "mxfp8" and (shape[-1] % BLOCK_SIZE or shape[-2] % BLOCK_SIZE):
+        return f"high precision (shape {shape}: N and K must be multiples of {BLOCK_SIZE})"
+    if shard_dim % len(shape) != 0:
+        return (f"high precision (Shard({shard_dim}): FSDP2 concatenates every gathered tensor along a "
+                f"non-zero shard dim, so only tensors of the parameter's shape can be gathered, not {fmt} scales)")
+    if shape[0] % world:
+        return f"high precision (shape {shape}: dim 0 does not split evenly over {world} shards)"
+    rows = _ROW_MULTIPLE[fmt]
+    if len(shape) == 2 and (shape[0] // world) % rows:
+        return (f"high precision (shape {shape}: {world} shards of {shape[0] // world} rows would cut a "
+                f"{rows}-row {fmt} block)")
+    return fmt
+
+
+def mx_all_gather(model: torch.nn.Module, options=None, *, world_size: int | None = None,
+                  shard_placement_fn=None) -> dict[str, str]:
+    """Make FSDP2's all-gather of ``model``'s weights move low-precision forms. Call before ``fully_shard``.
+
+    Converts ``nn.Linear`` weights and routed expert weights (3-D parameters ``[E, N, K]`` read by grouped
+    GEMMs) whose op the policy runs in low precision, each in the form of its op's format (mxfp8 or
+    fp8_block, with the op's scale rule), where the gathered forms equal one-process quantization.
 
     Args:
-        model: the model (not sharded yet).
-        rule: the scale rule of the policy's linears ("rceil" or "floor").
-        world_size: the size of the FSDP shard mesh dim (default: the default group's world size).
-        modules: module types whose ``weight`` is converted.
+        model: the model (not sharded yet); pass only the compiled part if some linears run eagerly.
+        options: the policy (``mxfx.Policy`` or dict) given to ``torch.compile(..., backend="mxfp8")``.
+        world_size: the size of the FSDP shard mesh dim (default: the default group's world size, which is
+            safe for every smaller mesh). Where experts shard over a smaller mesh (expert parallel), call it
+            first on the expert modules with that mesh's size, then on the model (converted weights are kept).
+        shard_placement_fn: the function given to ``fully_shard`` (weights it shards on a dim other than 0
+            gather in high precision).
 
     Returns:
-        ``{parameter name: "mx" | "high precision (reason)"}`` for every weight considered: the
-        gather precision map.
+        ``{parameter name: "mxfp8" | "fp8_block" | "high precision (reason)"}`` for every weight
+        considered: the gather precision map.
 
     Raises:
-        ValueError: unknown rule; RuntimeError: ``model`` is already sharded.
+        ValueError: an invalid policy or a scale rule the format does not have; RuntimeError: ``model``
+        is already sharded.
     """
-    if rule not in SCALE_RULES:
-        raise ValueError(f"mxfx.fsdp.mx_all_gather: rule={rule!r} is not valid; choose one of {SCALE_RULES}")
+    policy = Policy.from_options(options)
     world = world_size or (dist.get_world_size() if dist.is_initialized() else 1)
     out = {}
-    for name, mod in model.named_modules():
-        if not isinstance(mod, modules) or not isinstance(getattr(mod, "weight", None), torch.nn.Parameter):
-            continue
-        w = mod.weight
-        if type(w.data) is not torch.Tensor:
-            raise RuntimeError(f"mxfx.fsdp.mx_all_gather: {name}.weight is a {type(w.data).__name__}; call it before fully_shard")
-        key = f"{name}.weight" if name else "weight"
-        if not eligible(w, world):
-            out[key] = (f"high precision (shape {tuple(w.shape)}: N not a multiple of 32 x {world} shards, "
-                        f"or K not of 32)")
-            continue
-        mod.weight = torch.nn.Parameter(MXWeight(w.data, rule), requires_grad=w.requires_grad)
-        _roots[mod] = weakref.ref(model)
-        out[key] = "mx"
+    for mod_name, mod in model.named_modules():
+        mod_name = ".".join(a for a in mod_name.split(".") if a != "_orig_mod")  # compiled before: the user's names
+        for name, p in list(mod.named_parameters(recurse=False)):
+            kind = _weight_kind(mod, name, p)
+            if kind is None:
+                continue
+            key = f"{mod_name}.{name}" if mod_name else name
+            if type(p.data) is MXWeight:  # converted by an earlier call (e.g. the experts, with their mesh's size)
+                out[key] = p.data._format
+                continue
+            if type(p.data) is not torch.Tensor:
+                raise RuntimeError(f"mxfx.fsdp.mx_all_gather: {key} is a {type(p.data).__name__}; call it before fully_shard")
+            out[key] = form = _decide(policy, kind, mod_name, p, world, shard_placement_fn)
+            if form in FORMS:
+                rule = policy.decide(kind, mod_name).scale_rule
+                valid = block_format.SCALE_RULES if form == "fp8_block" else SCALE_RULES
+                if rule not in valid:
+                    raise ValueError(f"mxfx.fsdp.mx_all_gather: {key}: scale rule {rule!r} is not a {form} rule; "
+                                     f"choose one of {valid}")
+                setattr(mod, name, torch.nn.Parameter(MXWeight(p.data, rule, form), requires_grad=p.requires_grad))
+                _roots[mod] = weakref.ref(model)
     return out
+
+
+def _decide(policy: Policy, kind: str, module: str, p: torch.Tensor, world: int, shard_placement_fn) -> str:
+    """The gather form of one weight: the policy's format for its op, if :func:`_gather_form` allows it."""
+    decision = fit_format(policy.decide(kind, module), p.shape[-1], p.shape[-2])  # the passes' format fit
+    if decision.precision != "mxfp8":
+        return f"high precision (the op stays {decision.precision}: {decision.reason})"
+    sized = policy.decide(kind, module, macs=0).precision != "mxfp8"  # a min_size above 0 applies
+    if sized or policy.min_size == "auto" or any(r.min_size == "auto" for r in policy.rules if r.matches(kind, module)):
+        return "high precision (min_size: the op's precision is decided per GEMM size at compile time)"
+    if policy.keep_dequantized_weights:
+        return "high precision (keep_dequantized_weights: its BF16 forms are built from the unsharded weight)"
+    placement = shard_placement_fn(p) if shard_placement_fn is not None else None
+    if placement is not None and not isinstance(placement, Shard):
+        raise ValueError(f"mxfx.fsdp.mx_all_gather: shard_placement_fn returned {placement!r}; FSDP2 takes Shard(dim) or None")
+    return _gather_form(p, decision.format, world, placement.dim if placement is not None else 0)

@@ -40,9 +40,12 @@ def test_fsdp2_gradients_clipping_accumulation_and_checkpoint():
 
 
 def test_fsdp2_with_expert_parallel_example_2d_mesh():
-    """examples/fsdp_ep_moe.py on 4 processes (dp 2 x ep 2) trains like one process holding every expert."""
+    """examples/fsdp_ep_moe.py on 4 processes (dp 2 x ep 2) trains like one process holding every expert; its
+    all-gathers move the MXFP8 forms of the experts (over "dp") and of the dense weights that 4 shards split on
+    32-row boundaries."""
     log = launch(__file__, "fsdp_ep", 4, timeout_s=300)
     assert log.count("FSDP_EP OK") == 4, log
+    assert "blocks.1.moe.gate_up: mxfp8" in log and "blocks.1.up.weight: mxfp8" in log, log
 
 
 # --------------------------------------------------------------------------- worker

@@ -1,7 +1,8 @@
-"""MX weight all-gather under FSDP2 (``mxfx.fsdp.mx_all_gather``) on 2 gloo processes, against one process.
+"""Low-precision weight all-gather under FSDP2 (``mxfx.fsdp.mx_all_gather``) on 2 gloo processes, against one process.
 
 Worker cases run this file as ``python tests/test_fsdp_mx_gather.py CASE RANK WORLD PORT`` (:func:`helpers.launch`).
-The model and data are tests/test_fsdp.py's (two residual MLP blocks of width 64 and a root projection).
+The dense model and data are tests/test_fsdp.py's (two residual MLP blocks of width 64 and a root projection); the
+MoE (``moe`` case, mxfp8 and fp8_block) is two blocks of examples/ep_moe.py's grouped-GEMM MoE plus a dense MLP.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from helpers import launch  # noqa: E402
-from test_fsdp import LOSS_RTOL, OPTS, PER_RANK, _compile_per_block, _data, _loss, _model, _train  # noqa: E402
+from test_fsdp import LOSS_RTOL, LR, OPTS, PER_RANK, _compile_per_block, _data, _loss, _model, _train  # noqa: E402
 
 
 @pytest.mark.parametrize("layout", ["whole", "whole_reshard", "per_block", "per_block_bf16"])
@@ -36,22 +37,72 @@ def test_eligibility_fallback():
 
     m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 96))
     pmap = mxfx.fsdp.mx_all_gather(m, world_size=2)
-    assert pmap["0.weight"] == "mx" and pmap["1.weight"].startswith("high precision"), pmap
+    assert pmap["0.weight"] == "mxfp8" and pmap["1.weight"].startswith("high precision"), pmap
     assert type(m[0].weight.data).__name__ == "MXWeight" and type(m[1].weight.data) is torch.Tensor
     sd = m.state_dict()
     assert type(sd["0.weight"]).__name__ == "MXWeight" and torch.equal(sd["0.weight"]._tensor, m[0].weight._tensor)
     with pytest.raises(ValueError, match="rule"):
-        mxfx.fsdp.mx_all_gather(torch.nn.Linear(64, 64), rule="nearest")
+        mxfx.fsdp.mx_all_gather(torch.nn.Linear(64, 64), {"scale_rule": "nearest"})
 
 
-def _byte_identical(unsharded: torch.Tensor, full: torch.Tensor) -> None:
-    """The cache forms installed for the gathered ``unsharded`` weight equal one-process quantization of ``full``."""
-    from mxfx import cache, kernels
+def test_expert_weights_gather_low_precision():
+    """A small MoE (per-block compile, routed experts ``[E, N, K]`` in grouped GEMMs, sharded over experts), for
+    mxfp8 and fp8_block: with the low-precision gather, losses over 5 AdamW steps equal those of the same FSDP2 run
+    gathering FP32, and are within 1e-2 of one process (tests/test_fsdp.py's MoE bound); gathered expert and linear forms
+    byte-identical to one-process quantization; the expert unit's all-gather moves 33/32 (mxfp8) or 1 + 4/128^2
+    (fp8_block) bytes per value, <= 0.52x the BF16 FSDP2 run's. fp8_block: the dense ``down`` ([128, 256],
+    64-row shards) gathers in FP32, as the map says. An expert weight that fully_shard shards on dim 1 while
+    mx_all_gather was told dim 0 raises at its gather."""
+    log = launch(__file__, "moe", 2, timeout_s=300)
+    assert log.count("MOEGATHER OK") == 2, log
+
+
+def test_gather_map_follows_policy_and_sharding():
+    """The map: fp8_block needs 128-row shards, expert weights need experts split evenly, Shard(1) and BF16 ops
+    gather high precision; unconverted parameters stay plain tensors."""
+    import mxfx.fsdp
+    from torch.distributed.tensor import Shard
+
+    m = _MoEModel()
+    block = {"format": "fp8_block"}
+    assert mxfx.fsdp.mx_all_gather(_MoEModel(), world_size=2) == {
+        f"blocks.{i}.{n}": f for i in range(2) for n, f in (
+            ("moe.router.weight", "high precision (shape (4, 128): N and K must be multiples of 32)"),
+            ("moe.gate_up", "mxfp8"), ("moe.down", "mxfp8"), ("up.weight", "mxfp8"), ("down.weight", "mxfp8"))}
+    pmap = mxfx.fsdp.mx_all_gather(m, block, world_size=2)
+    assert [pmap[f"blocks.0.{n}"] for n in ("moe.gate_up", "moe.down", "up.weight")] == ["fp8_block"] * 3, pmap
+    assert pmap["blocks.0.down.weight"].startswith("high precision (shape (128, 256): 2 shards of 64 rows"), pmap
+    assert type(m.blocks[0].down.weight.data) is torch.Tensor and m.blocks[0].moe.gate_up._format == "fp8_block"
+    pmap = mxfx.fsdp.mx_all_gather(_MoEModel(), world_size=8)  # 4 experts over 8 ranks
+    assert pmap["blocks.0.moe.gate_up"].startswith("high precision (shape (4, 256, 128): dim 0"), pmap
+    pmap = mxfx.fsdp.mx_all_gather(torch.nn.Linear(64, 256), block, world_size=1)  # as the passes: K=64 stays BF16
+    assert pmap["weight"].startswith("high precision (the op stays bf16: features 64->256 are not multiples of 128"), pmap
+    pmap = mxfx.fsdp.mx_all_gather(_MoEModel(), world_size=2, shard_placement_fn=lambda p: Shard(1) if p.dim() == 3 else None)
+    assert pmap["blocks.0.moe.gate_up"].startswith("high precision (Shard(1)") and pmap["blocks.0.up.weight"] == "mxfp8"
+    pmap = mxfx.fsdp.mx_all_gather(_MoEModel(), {"rules": [{"module": "*.moe", "precision": "bf16"}]}, world_size=2)
+    assert pmap["blocks.1.moe.down"].startswith("high precision (the op stays bf16") and pmap["blocks.1.up.weight"] == "mxfp8"
+    m = _MoEModel()  # experts over a 4-rank mesh (converted first), the rest over 8 ranks
+    assert mxfx.fsdp.mx_all_gather(m.blocks[0].moe, world_size=4)["gate_up"] == "mxfp8"
+    pmap = mxfx.fsdp.mx_all_gather(m, world_size=8)
+    assert pmap["blocks.0.moe.gate_up"] == "mxfp8" and pmap["blocks.1.moe.gate_up"].startswith("high precision"), pmap
+    with pytest.raises(ValueError, match="not a fp8_block rule"):
+        mxfx.fsdp.mx_all_gather(_MoEModel(), {"format": "fp8_block", "scale_rule": "floor"}, world_size=2)
+
+
+def _byte_identical(unsharded: torch.Tensor, full: torch.Tensor, fmt: str = "mxfp8") -> None:
+    """The cache forms installed for the gathered ``unsharded`` weight (``[N, K]`` or ``[E, N, K]``) equal
+    one-process quantization of ``full`` (the format's spec reference)."""
+    from mxfx import block_format, cache, format
 
     entry = cache._entries[cache._key(unsharded)]
-    q, s = kernels.quantize_lastdim(full, "rceil")
-    qt, st = kernels.quantize_lastdim(full.transpose(0, 1), "rceil")
-    for o, (rq, rs) in (("forward", (q, s)), ("dgrad", (qt, st))):
+    assert entry.gathered
+    if fmt == "fp8_block":
+        q, s = block_format.quantize_128x128(full, "rceil")
+        refs = {"block_forward": (q, s), "block_dgrad": (q.transpose(-2, -1), s.transpose(-2, -1))}
+    else:
+        refs = {"forward": format.quantize_lastdim(full, "rceil"),
+                "dgrad": format.quantize_lastdim(full.transpose(-2, -1), "rceil")}
+    for o, (rq, rs) in refs.items():
         gq, gs = entry.forms[("rceil", o)]
         assert torch.equal(gq.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(gs, rs), f"{o} form differs"
 
@@ -110,7 +161,7 @@ def _worker(rank: int, world: int, layout: str):
         bf16_ag = counting_pg.total(comm, "all_gather")
 
     m, pmap, run = sharded(True, MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None))
-    assert list(pmap.values()) == ["mx"] * (5 if whole else 4), pmap
+    assert list(pmap.values()) == ["mxfp8"] * (5 if whole else 4), pmap
     comm.clear()
     mxfx.fsdp.stats.clear()
     losses = _train(m, run, xs, ts, shard, avg)
@@ -172,6 +223,170 @@ def _full(m, name: str) -> torch.Tensor:
     raise KeyError(name)
 
 
+# --------------------------------------------------------------------------- MoE worker
+
+MOE_D, MOE_EXPERTS, MOE_HIDDEN, MOE_STEPS, MOE_TOKENS = 128, 4, 128, 5, 16
+MOE_LOSS_RTOL = 1e-2
+
+
+class _MoEBlock(torch.nn.Module):
+    """``x + MoE(x)`` (examples/ep_moe.py's grouped-GEMM MoE, all experts local), then ``x + MLP(x)``."""
+
+    def __init__(self, index: int):
+        super().__init__()
+        from ep_moe import GroupedEPMoE
+
+        self.moe = GroupedEPMoE(MOE_D, MOE_EXPERTS, 2, MOE_HIDDEN, seed=index)  # gate_up [4, 256, 128], down [4, 128, 128]
+        self.up, self.down = torch.nn.Linear(MOE_D, 2 * MOE_D, bias=False), torch.nn.Linear(2 * MOE_D, MOE_D, bias=False)
+
+    def forward(self, x):
+        x = x + self.moe(x.bfloat16()).to(x.dtype)
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+class _MoEModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList([_MoEBlock(0), _MoEBlock(1)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+
+def _moe_train(m, xs, ts, shard, reduce_loss):
+    opt = torch.optim.AdamW(m.parameters(), lr=LR)
+    losses = []
+    for x, t in zip(xs, ts):
+        opt.zero_grad()
+        loss = _loss(m(x[shard]), t[shard])
+        loss.backward()
+        opt.step()
+        losses.append(reduce_loss(loss.detach()))
+    return losses
+
+
+def _worker_moe(rank: int, world: int):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import counting_pg
+    import mxfx.fsdp
+
+    comm: list = []
+    counting_pg.register(comm)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh = DeviceMesh.from_group(dist.new_group(backend=counting_pg.BACKEND), "cpu")
+    torch._dynamo.config.capture_scalar_outputs = True  # the MoE's split sizes are data
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(world * MOE_TOKENS, MOE_D, generator=g) for _ in range(MOE_STEPS)]
+    ts = [torch.randn(world * MOE_TOKENS, MOE_D, generator=g) for _ in range(MOE_STEPS)]
+    shard = slice(rank * MOE_TOKENS, (rank + 1) * MOE_TOKENS)
+
+    def model(opts):
+        m = _MoEModel()
+        for i, block in enumerate(m.blocks):
+            m.blocks[i] = torch.compile(block, backend="mxfp8", options=opts) if opts else block
+        return m
+
+    def sharded(opts, mx, mp=MixedPrecisionPolicy()):
+        m = model(opts)
+        pmap = mxfx.fsdp.mx_all_gather(m, opts) if mx else {}
+        for block in m.blocks:
+            fully_shard(block.moe.router, mesh=mesh, mp_policy=mp)  # the expert unit holds the experts alone
+            fully_shard(block.moe, mesh=mesh, mp_policy=mp)
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(m, mesh=mesh, mp_policy=mp)
+        return m, pmap
+
+    def avg(loss):
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+        return float(loss)
+
+    def expert_gather_bytes(m) -> int:
+        """All-gather bytes of one forward unshard of the first block's expert unit (gate_up and down)."""
+        n0 = len(comm)
+        m.blocks[0].moe.unshard()
+        m.blocks[0].moe.reshard()
+        return counting_pg.total(comm[n0:], "all_gather")
+
+    # BF16 FSDP2 baseline (eager: FSDP gathers the same whether or not the blocks are compiled)
+    bf16_model, _ = sharded(None, False, MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    bf16_expert = expert_gather_bytes(bf16_model)
+    comm.clear()
+    _moe_train(bf16_model, xs, ts, shard, avg)
+    bf16_ag = counting_pg.total(comm, "all_gather")
+
+    report = []
+    for fmt in ("mxfp8", "fp8_block"):
+        opts = {**OPTS, "format": fmt}
+        ref_losses = _moe_train(model(opts), xs, ts, slice(None), float)  # one process, the global batch
+        plain_losses = _moe_train(sharded(opts, False)[0], xs, ts, shard, avg)
+        m, pmap = sharded(opts, True)
+        rows_cut = fmt == "fp8_block"  # down [128, 256]: 64-row shards would cut a 128-row block
+        for i in range(2):
+            got = {n: pmap[f"blocks.{i}.{n}"] for n in ("moe.gate_up", "moe.down", "up.weight", "down.weight")}
+            assert got == {"moe.gate_up": fmt, "moe.down": fmt, "up.weight": fmt,
+                           "down.weight": got["down.weight"] if rows_cut else fmt}, pmap
+            assert not rows_cut or got["down.weight"].startswith("high precision (shape (128, 256)"), pmap
+        comm.clear()
+        mxfx.fsdp.stats.clear()
+        losses = _moe_train(m, xs, ts, shard, avg)
+        ag = counting_pg.total(comm, "all_gather")
+        # the gathered forms equal the forms the plain FSDP2 run quantizes from its gathered FP32 weights
+        assert losses == plain_losses, f"{fmt}: {losses} with the low-precision gather vs {plain_losses} without"
+        # one process: the bound of tests/test_fsdp.py's MoE case (routing flips and BF16 expert gradients summed
+        # per rank; the gap is the FP32-gather run's too, as the equality above shows)
+        gap = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+        assert gap <= MOE_LOSS_RTOL, f"{fmt}: losses {losses} vs one process {ref_losses}"
+        n_mx = 3 if rows_cut else 4  # per block; every unit reshards after forward: one form per gather
+        want = ({"gather_block": 2 * 2 * n_mx * MOE_STEPS} if rows_cut
+                else {"gather_forward": 2 * n_mx * MOE_STEPS, "gather_dgrad": 2 * n_mx * MOE_STEPS})
+        assert dict(mxfx.fsdp.stats) == want, dict(mxfx.fsdp.stats)
+
+        expert = expert_gather_bytes(m)
+        experts = [p.shape for p in (m.blocks[0].moe.gate_up, m.blocks[0].moe.down)]
+        values = sum(e * n * k for e, n, k in experts) // world  # per rank
+        # mxfp8: one E8M0 byte per 32 values; fp8_block: one float32 per 128x128 block
+        scale_bytes = sum(e * n * k // 128**2 * 4 for e, n, k in experts) // world if rows_cut else values // 32
+        assert expert == values + scale_bytes and bf16_expert == 2 * values, (expert, bf16_expert, values)
+        assert expert <= 0.52 * bf16_expert, (expert, bf16_expert)
+
+        # byte identity with one-process quantization (forward forms from this forward, dgrad from the backward)
+        _loss(m(xs[0][shard]), ts[0][shard]).backward()
+        names = ("moe.gate_up", "moe.down", "up.weight")
+        full = [_full(m, f"blocks.0.{n}") for n in names]
+        m.blocks[0].moe.unshard()
+        m.blocks[0].unshard()
+        block = m.blocks[0]._orig_mod
+        for w, f in zip((block.moe.gate_up, block.moe.down, block.up.weight), full):
+            _byte_identical(w, f, fmt)
+        m.blocks[0].reshard()
+        m.blocks[0].moe.reshard()
+        report.append(f"{fmt}: losses {losses} (one process: max gap {gap:.1e}); expert unit all_gather {expert} B vs bf16 {bf16_expert} B "
+                      f"({expert / bf16_expert:.3f}x); all_gather per {MOE_STEPS} steps {ag} B vs bf16 {bf16_ag} B "
+                      f"({ag / bf16_ag:.3f}x)")
+    # fully_shard told to shard experts on dim 1 while mx_all_gather assumed dim 0: a clear error at the gather
+    from torch.distributed.tensor import Shard
+
+    moe = _MoEModel().blocks[0].moe
+    assert mxfx.fsdp.mx_all_gather(moe, world_size=world)["gate_up"] == "mxfp8"
+    fully_shard(moe, mesh=mesh, shard_placement_fn=lambda p: Shard(1) if p.dim() == 3 else None)
+    try:
+        moe.unshard()
+        raise AssertionError("a gather sharded on dim 1 ran")
+    except RuntimeError as e:
+        assert "not on dim 0" in str(e) and "shard_placement_fn" in str(e), e
+    print("MOEGATHER OK", *report, sep="\n")
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     case, rank, world, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     import os
@@ -180,5 +395,7 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     if case.startswith("train_"):
         _worker(rank, world, case.removeprefix("train_"))
+    elif case == "moe":
+        _worker_moe(rank, world)
     else:
         raise SystemExit(f"unknown case {case}")
