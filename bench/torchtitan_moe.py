@@ -1,0 +1,144 @@
+"""torchtitan's trainer on its MoE debug models: ``--compile.backend inductor`` against ``mxfp8``.
+
+One process per run (``torchrun --standalone --nproc-per-node 1 -m torchtitan.train``), each
+block compiled on its own as torchtitan does. Arms: ``inductor`` (BF16), ``mxfp8`` (mxfx's
+default policy) and ``fp8_block`` (the mxfp8 backend with ``MXFX_POLICY`` naming a TOML file
+``format = "fp8_block"``: torchtitan passes the backend name only, no options). Every run uses
+``mxfx_overrides.sdpa_attention`` (torchtitan refuses non-Inductor backends on FlexAttention
+models) and ``--training.disable_cuda_graphs`` (mxfx refuses a whole-step CUDA graph capture).
+
+No network needed: a byte-level BPE tokenizer and a small text dataset are generated into a
+temporary folder. Prints one table row per run: tokens/s (mean over the logged steps after
+the first ``--skip`` ones) and the loss at the last step.
+
+    python bench/torchtitan_moe.py                      # qwen3 + deepseek_v3, 50 steps each
+    python bench/torchtitan_moe.py --models qwen3 --arms inductor,mxfp8 --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OVERRIDES = ROOT / "examples" / "torchtitan"
+MODELS = {  # --module, --config of torchtitan's MoE debug models
+    "qwen3": ("qwen3", "qwen3_moe_debug"),
+    "deepseek_v3": ("deepseek_v3", "deepseek_v3_debugmodel"),
+}
+ARMS = ("inductor", "mxfp8", "fp8_block")
+VOCAB = 2048  # the debug models' vocabulary size
+_LINE = re.compile(r"step:\s*(\d+).*?loss:\s*([0-9.naNinf]+).*?tps:\s*([0-9,]+)")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def write_assets(folder: Path, docs: int = 2000, seed: int = 0) -> tuple[Path, Path]:
+    """A BPE tokenizer (``tokenizer.json``, ``VOCAB`` tokens) and a JSON-lines text dataset, both synthetic."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    rng = random.Random(seed)
+    syllables = ["ka", "to", "ri", "mu", "sen", "lo", "var", "dex", "pi", "qua", "zo", "ne", "tal", "bru", "ix", "ome"]
+    words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(3000)]
+    weights = [1.0 / (i + 1) for i in range(len(words))]  # Zipf-like, so there is something to learn
+    texts = [" ".join(rng.choices(words, weights, k=rng.randint(200, 800))) + "." for _ in range(docs)]
+
+    tok_dir, data_dir = folder / "tokenizer", folder / "data"
+    tok_dir.mkdir(parents=True, exist_ok=True)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    special = ["<|begin_of_text|>", "<|end_of_text|>"]
+    tok.train_from_iterator(texts[:500], trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=special,
+                                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(tok_dir / "tokenizer.json"))
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": special[0], "eos_token": special[1], "add_bos_token": True, "add_eos_token": True}))
+    with open(data_dir / "train.jsonl", "w") as f:
+        for t in texts:
+            f.write(json.dumps({"text": t}) + "\n")
+    return tok_dir, data_dir
+
+
+def command(model: str, arm: str, steps: int, tok_dir: Path, data_dir: Path, dump: Path, extra: list[str]) -> list[str]:
+    module, config = MODELS[model]
+    backend = "inductor" if arm == "inductor" else "mxfp8"
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+            "-m", "torchtitan.train", "--module", module, "--config", config,
+            "--compile.enable", "--compile.backend", backend,
+            "--override.imports", "mxfx_overrides.sdpa_attention",
+            "--training.disable_cuda_graphs", "--training.steps", str(steps),
+            "--hf_assets_path", str(tok_dir), "--dataloader.dataset_path", str(data_dir),
+            "--metrics.log_freq", "1", "--dump_folder", str(dump), *extra]
+
+
+def parse(log: str, skip: int) -> tuple[float | None, float | None, int]:
+    """(mean tokens/s over steps > ``skip``, last loss, last step) from torchtitan's metrics lines."""
+    rows = [(int(s), float(l), float(t.replace(",", ""))) for s, l, t in _LINE.findall(_ANSI.sub("", log))]
+    if not rows:
+        return None, None, 0
+    tps = [t for s, _, t in rows if s > skip] or [rows[-1][2]]
+    return sum(tps) / len(tps), rows[-1][1], rows[-1][0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="qwen3,deepseek_v3")
+    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--skip", type=int, default=10, help="steps left out of the tokens/s mean (compile, warm-up)")
+    ap.add_argument("--timeout", type=int, default=300, help="seconds per run")
+    ap.add_argument("--extra", default="", help="more torchtitan flags for every run, e.g. '--training.seq_len 1024'")
+    ap.add_argument("--keep-logs", default=None, help="folder for the runs' logs")
+    args = ap.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="mxfx_titan_"))
+    tok_dir, data_dir = write_assets(work)
+    policy = work / "fp8_block.toml"
+    policy.write_text('format = "fp8_block"\n')
+    logs = Path(args.keep_logs) if args.keep_logs else work / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for model in args.models.split(","):
+        for arm in args.arms.split(","):
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(OVERRIDES), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+            env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+            env.pop("MXFX_POLICY", None)
+            if arm == "fp8_block":
+                env["MXFX_POLICY"] = str(policy)
+            cmd = command(model, arm, args.steps, tok_dir, data_dir, work / f"dump_{model}_{arm}", args.extra.split())
+            t0 = time.time()
+            try:
+                out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+                log, rc = out.stdout + out.stderr, out.returncode
+            except subprocess.TimeoutExpired as e:
+                log, rc = (e.stdout or b"").decode() + (e.stderr or b"").decode() if isinstance(e.stdout, bytes) else str(e.stdout or ""), "timeout"
+            wall = time.time() - t0
+            (logs / f"{model}_{arm}.log").write_text(" ".join(cmd) + "\n\n" + log)
+            tps, loss, last = parse(log, args.skip)
+            status = "ok" if rc == 0 and last == args.steps else f"rc={rc} step={last}"
+            if status != "ok":
+                tail = [ln for ln in _ANSI.sub("", log).splitlines() if ln.strip()][-3:]
+                print(f"[{model} {arm}] {status}:", *tail, sep="\n  ", flush=True)
+            rows.append((model, arm, tps, loss, wall, status))
+            print(f"[{model} {arm}] done in {wall:.0f}s", flush=True)
+
+    print(f"\ntorchtitan MoE debug models, {args.steps} steps, one GPU (logs: {logs})")
+    print(f"{'model':<12} {'arm':<10} {'tokens/s':>10} {'vs inductor':>11} {'loss':>8} {'wall s':>7}  status")
+    base = {m: t for m, a, t, *_ in rows if a == "inductor" and t}
+    for model, arm, tps, loss, wall, status in rows:
+        ratio = f"{tps / base[model]:.2f}x" if tps and base.get(model) else "-"
+        print(f"{model:<12} {arm:<10} {(f'{tps:,.0f}' if tps else '-'):>10} {ratio:>11} "
+              f"{(f'{loss:.4f}' if loss is not None else '-'):>8} {wall:>7.0f}  {status}")
+
+
+if __name__ == "__main__":
+    main()
