@@ -1,6 +1,6 @@
 """torchtitan config overrides for training its MoE debug models under ``--compile.backend mxfp8``.
 
-Activate with ``--override.imports mxfx_overrides.sdpa_attention`` (this directory on
+Activate with ``--override.imports mxfx_overrides.mxfx_model`` (this directory on
 ``PYTHONPATH``); torchtitan's override mechanism swaps configs before anything is built.
 
 - :func:`sdpa_attention`: torchtitan's language models default to FlexAttention, and torchtitan
@@ -8,14 +8,19 @@ Activate with ``--override.imports mxfx_overrides.sdpa_attention`` (this directo
   FlexAttention (it has only an Inductor lowering). This swaps it for causal SDPA, which
   torchtitan's trainer supports as its maskless attention (no per-document masks: packed
   documents attend to each other, the same in every compile backend).
-- :func:`small_experts`: a smaller expert hidden size (``hidden_dim`` kwarg) for quick CPU runs.
+- :func:`mxfx_model` (the one to use): the SDPA swap on the whole model, plus the model
+  registered with ``mxfx.name_modules`` so policy rules (``MXFX_POLICY``) match the whole model's
+  names (``layers.3.attention.wo``) although torchtitan compiles each block on its own; kwarg
+  ``expert_hidden_dim`` shrinks the routed experts for quick runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from torchtitan.config import override
+import mxfx
+from torchtitan.config import derive, override
+from torchtitan.models.common.decoder import Decoder
 from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
 from torchtitan.models.common.moe import GroupedExperts
 
@@ -25,6 +30,37 @@ def sdpa_attention(config: FlexAttention.Config) -> ScaledDotProductAttention.Co
     return ScaledDotProductAttention.Config()
 
 
-@override(target=GroupedExperts.Config, description="smaller routed experts (quick runs)")
-def small_experts(config: GroupedExperts.Config, hidden_dim: int = 64) -> GroupedExperts.Config:
-    return dataclasses.replace(config, hidden_dim=hidden_dim)
+_NAMED: dict[type, type] = {}
+
+
+def _named_class(cls: type) -> type:
+    """A subclass of the model config ``cls`` whose ``build()`` registers the model with ``mxfx.name_modules``."""
+    if cls not in _NAMED:
+        def build(self, **kwargs):
+            return mxfx.name_modules(cls.build(self, **kwargs))
+
+        _NAMED[cls] = type(cls.__name__, (cls,), {"build": build, "__module__": cls.__module__,
+                                                   "__qualname__": cls.__qualname__})
+    return _NAMED[cls]
+
+
+@override(target=Decoder.Config, description="mxfx: SDPA for FlexAttention, model registered with mxfx.name_modules")
+def mxfx_model(config: Decoder.Config, sdpa: bool = True, expert_hidden_dim: int | None = None) -> Decoder.Config:
+    """The whole model's config: :func:`sdpa_attention` on every FlexAttention in it (unless ``sdpa``
+    is false), routed experts of hidden size ``expert_hidden_dim`` when given (quick runs), and
+    ``build()`` registering the model with ``mxfx.name_modules``. One override, since torchtitan
+    refuses an override of a config nested in another override's."""
+    if sdpa:
+        for _, _, parent, attr in config.traverse(FlexAttention.Config):
+            _replace(parent, attr, sdpa_attention(None))
+    if expert_hidden_dim is not None:
+        for _, experts, parent, attr in config.traverse(GroupedExperts.Config):
+            _replace(parent, attr, dataclasses.replace(experts, hidden_dim=expert_hidden_dim))
+    return derive(config, _named_class(type(config)))
+
+
+def _replace(parent, attr, new) -> None:
+    if isinstance(parent, list):
+        parent[attr] = new
+    else:
+        setattr(parent, attr, new)

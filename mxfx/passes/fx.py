@@ -49,7 +49,7 @@ def module_fqn(node: fx.Node) -> str:
     prefix = node.graph.owning_module.meta.get(PREFIX_META, "") if node.graph.owning_module is not None else ""
     if not stack:
         return prefix.rstrip(".")
-    return prefix + normalize_fqn(list(stack.values())[-1][0])
+    return (prefix + normalize_fqn(list(stack.values())[-1][0])).rstrip(".")
 
 
 def parameter_placeholders(gm: fx.GraphModule, example_inputs) -> dict[str, torch.Tensor]:
