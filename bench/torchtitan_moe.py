@@ -1,18 +1,23 @@
 """torchtitan's trainer on its MoE debug models: ``--compile.backend inductor`` against ``mxfp8``.
 
 One process per run (``torchrun --standalone --nproc-per-node 1 -m torchtitan.train``), each
-block compiled on its own as torchtitan does. Arms: ``inductor`` (BF16), ``mxfp8`` (mxfx's
-default policy) and ``fp8_block`` (the mxfp8 backend with ``MXFX_POLICY`` naming a TOML file
-``format = "fp8_block"``: torchtitan passes the backend name only, no options). Every run uses
-``mxfx_overrides.sdpa_attention`` (torchtitan refuses non-Inductor backends on FlexAttention
-models) and ``--training.disable_cuda_graphs`` (mxfx refuses a whole-step CUDA graph capture).
+block compiled as torchtitan does. Arms: ``inductor`` (BF16), ``mxfp8`` (mxfx's default policy)
+and ``fp8_block`` (the mxfp8 backend with ``MXFX_POLICY`` naming a TOML file
+``format = "fp8_block"``: torchtitan passes the backend name only, no options).
+
+Works with torchtitan 0.2.2 (torch 2.11; ``--model.name/--model.flavor`` flags; its debug models
+use SDPA; it compiles each submodule of a MoE block and the experts' grouped GEMM function on
+their own) and 0.3.0 (torch 2.13; ``--module/--config``; plus ``--override.imports
+mxfx_overrides.mxfx_model``: SDPA for its default FlexAttention, which torchtitan refuses under a
+non-Inductor backend, and full module names; and ``--training.disable_cuda_graphs``, since mxfx
+refuses a whole-step CUDA graph capture).
 
 No network needed: a byte-level BPE tokenizer and a small text dataset are generated into a
 temporary folder. Prints one table row per run: tokens/s (mean over the logged steps after
 the first ``--skip`` ones) and the loss at the last step.
 
-    python bench/torchtitan_moe.py                      # qwen3 + deepseek_v3, 50 steps each
-    python bench/torchtitan_moe.py --models qwen3 --arms inductor,mxfp8 --steps 20
+    python bench/torchtitan_moe.py                      # qwen3 (3 arms) + deepseek_v3 (2 arms), 50 steps
+    python bench/torchtitan_moe.py --models llama4 --arms inductor,mxfp8 --steps 20   # torchtitan 0.2.2 only
 """
 
 from __future__ import annotations
@@ -30,10 +35,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OVERRIDES = ROOT / "examples" / "torchtitan"
-MODELS = {  # --module, --config of torchtitan's MoE debug models
-    "qwen3": ("qwen3", "qwen3_moe_debug"),
-    "deepseek_v3": ("deepseek_v3", "deepseek_v3_debugmodel"),
+MODELS = {  # torchtitan 0.3: --module, --config; 0.2: --model.name, --model.flavor
+    "0.3": {"qwen3": ("qwen3", "qwen3_moe_debug"), "deepseek_v3": ("deepseek_v3", "deepseek_v3_debugmodel")},
+    "0.2": {"qwen3": ("qwen3", "debugmodel_moe"), "deepseek_v3": ("deepseek_v3", "debugmodel"),
+            "llama4": ("llama4", "debugmodel")},
 }
+DEFAULT_RUNS = "qwen3:inductor,qwen3:mxfp8,qwen3:fp8_block,deepseek_v3:inductor,deepseek_v3:mxfp8"
 ARMS = ("inductor", "mxfp8", "fp8_block")
 VOCAB = 2048  # the debug models' vocabulary size
 _LINE = re.compile(r"step:\s*(\d+).*?loss:\s*([0-9.naNinf]+).*?tps:\s*([0-9,]+)")
@@ -68,16 +75,28 @@ def write_assets(folder: Path, docs: int = 2000, seed: int = 0) -> tuple[Path, P
     return tok_dir, data_dir
 
 
-def command(model: str, arm: str, steps: int, tok_dir: Path, data_dir: Path, dump: Path, extra: list[str]) -> list[str]:
-    module, config = MODELS[model]
+def torchtitan_series() -> str:
+    """"0.2" or "0.3": the installed torchtitan's command-line layout."""
+    from importlib.metadata import version
+
+    major, minor = version("torchtitan").split(".")[:2]
+    return "0.2" if (int(major), int(minor)) < (0, 3) else "0.3"
+
+
+def command(series: str, model: str, arm: str, steps: int, tok_dir: Path, data_dir: Path, dump: Path,
+            extra: list[str]) -> list[str]:
     backend = "inductor" if arm == "inductor" else "mxfp8"
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-            "-m", "torchtitan.train", "--module", module, "--config", config,
-            "--compile.enable", "--compile.backend", backend,
-            "--override.imports", "mxfx_overrides.sdpa_attention",
-            "--training.disable_cuda_graphs", "--training.steps", str(steps),
+    first, second = MODELS[series][model]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m", "torchtitan.train"]
+    common = ["--compile.enable", "--compile.backend", backend, "--training.steps", str(steps), "--metrics.log_freq", "1"]
+    if series == "0.2":
+        return [*launch, "--model.name", first, "--model.flavor", second, *common,
+                "--model.hf_assets_path", str(tok_dir), "--training.dataset", "c4_test",
+                "--training.dataset_path", str(data_dir), "--job.dump_folder", str(dump), *extra]
+    return [*launch, "--module", first, "--config", second, *common,
+            "--override.imports", "mxfx_overrides.mxfx_model", "--training.disable_cuda_graphs",
             "--hf_assets_path", str(tok_dir), "--dataloader.dataset_path", str(data_dir),
-            "--metrics.log_freq", "1", "--dump_folder", str(dump), *extra]
+            "--dump_folder", str(dump), *extra]
 
 
 def parse(log: str, skip: int) -> tuple[float | None, float | None, int]:
@@ -91,7 +110,8 @@ def parse(log: str, skip: int) -> tuple[float | None, float | None, int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="qwen3,deepseek_v3")
+    ap.add_argument("--runs", default=DEFAULT_RUNS, help="model:arm pairs; arms: " + ", ".join(ARMS))
+    ap.add_argument("--models", default=None, help="instead of --runs: these models, each with every --arms")
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--skip", type=int, default=10, help="steps left out of the tokens/s mean (compile, warm-up)")
@@ -106,32 +126,35 @@ def main() -> None:
     policy.write_text('format = "fp8_block"\n')
     logs = Path(args.keep_logs) if args.keep_logs else work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
+    series = torchtitan_series()
+    runs = ([(m, a) for m in args.models.split(",") for a in args.arms.split(",")] if args.models
+            else [tuple(r.split(":")) for r in args.runs.split(",")])
     rows = []
-    for model in args.models.split(","):
-        for arm in args.arms.split(","):
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(OVERRIDES), str(ROOT), os.environ.get("PYTHONPATH", "")]))
-            env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-            env.pop("MXFX_POLICY", None)
-            if arm == "fp8_block":
-                env["MXFX_POLICY"] = str(policy)
-            cmd = command(model, arm, args.steps, tok_dir, data_dir, work / f"dump_{model}_{arm}", args.extra.split())
-            t0 = time.time()
-            try:
-                out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-                log, rc = out.stdout + out.stderr, out.returncode
-            except subprocess.TimeoutExpired as e:
-                log, rc = (e.stdout or b"").decode() + (e.stderr or b"").decode() if isinstance(e.stdout, bytes) else str(e.stdout or ""), "timeout"
-            wall = time.time() - t0
-            (logs / f"{model}_{arm}.log").write_text(" ".join(cmd) + "\n\n" + log)
-            tps, loss, last = parse(log, args.skip)
-            status = "ok" if rc == 0 and last == args.steps else f"rc={rc} step={last}"
-            if status != "ok":
-                tail = [ln for ln in _ANSI.sub("", log).splitlines() if ln.strip()][-3:]
-                print(f"[{model} {arm}] {status}:", *tail, sep="\n  ", flush=True)
-            rows.append((model, arm, tps, loss, wall, status))
-            print(f"[{model} {arm}] done in {wall:.0f}s", flush=True)
+    for model, arm in runs:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(OVERRIDES), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+        env.pop("MXFX_POLICY", None)
+        if arm == "fp8_block":
+            env["MXFX_POLICY"] = str(policy)
+        cmd = command(series, model, arm, args.steps, tok_dir, data_dir, work / f"dump_{model}_{arm}", args.extra.split())
+        t0 = time.time()
+        try:
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+            log, rc = out.stdout + out.stderr, out.returncode
+        except subprocess.TimeoutExpired as e:
+            log = "".join(x.decode() if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))
+            rc = "timeout"
+        wall = time.time() - t0
+        (logs / f"{model}_{arm}.log").write_text(" ".join(cmd) + "\n\n" + log)
+        tps, loss, last = parse(log, args.skip)
+        status = "ok" if rc == 0 and last == args.steps else f"rc={rc} step={last}"
+        if status != "ok":
+            tail = [ln for ln in _ANSI.sub("", log).splitlines() if ln.strip()][-3:]
+            print(f"[{model} {arm}] {status}:", *tail, sep="\n  ", flush=True)
+        rows.append((model, arm, tps, loss, wall, status))
+        print(f"[{model} {arm}] done in {wall:.0f}s", flush=True)
 
-    print(f"\ntorchtitan MoE debug models, {args.steps} steps, one GPU (logs: {logs})")
+    print(f"\ntorchtitan {series} MoE debug models, {args.steps} steps, one GPU (logs: {logs})")
     print(f"{'model':<12} {'arm':<10} {'tokens/s':>10} {'vs inductor':>11} {'loss':>8} {'wall s':>7}  status")
     base = {m: t for m, a, t, *_ in rows if a == "inductor" and t}
     for model, arm, tps, loss, wall, status in rows:
