@@ -314,7 +314,7 @@ class Policy(_NamedFields):
             path = os.environ.get(POLICY_ENV, "").strip()
             if not path:
                 return cls()
-            if not os.path.isfile(path):
+            if not os.path.exists(path):
                 raise FileNotFoundError(f"mxfx policy: {POLICY_ENV}={path!r} is not a file; set it to a TOML file "
                                         f"of Policy fields (see mxfx.Policy.from_toml) or unset it")
             return cls.from_toml(path)
