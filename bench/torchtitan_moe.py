@@ -115,7 +115,8 @@ def main() -> None:
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--skip", type=int, default=10, help="steps left out of the tokens/s mean (compile, warm-up)")
-    ap.add_argument("--timeout", type=int, default=300, help="seconds per run")
+    ap.add_argument("--timeout", type=int, default=150, help="seconds per run")
+    ap.add_argument("--budget", type=int, default=225, help="seconds for all runs: later runs are skipped past it")
     ap.add_argument("--extra", default="", help="more torchtitan flags for every run, e.g. '--training.seq_len 1024'")
     ap.add_argument("--keep-logs", default=None, help="folder for the runs' logs")
     args = ap.parse_args()
@@ -130,7 +131,12 @@ def main() -> None:
     runs = ([(m, a) for m in args.models.split(",") for a in args.arms.split(",")] if args.models
             else [tuple(r.split(":")) for r in args.runs.split(",")])
     rows = []
+    start = time.time()
     for model, arm in runs:
+        left = args.budget - (time.time() - start)
+        if left < 30:
+            rows.append((model, arm, None, None, 0.0, "skipped (--budget)"))
+            continue
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(OVERRIDES), str(ROOT), os.environ.get("PYTHONPATH", "")]))
         env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
         env.pop("MXFX_POLICY", None)
@@ -139,7 +145,7 @@ def main() -> None:
         cmd = command(series, model, arm, args.steps, tok_dir, data_dir, work / f"dump_{model}_{arm}", args.extra.split())
         t0 = time.time()
         try:
-            out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=min(args.timeout, left))
             log, rc = out.stdout + out.stderr, out.returncode
         except subprocess.TimeoutExpired as e:
             log = "".join(x.decode() if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))
