@@ -8,29 +8,28 @@ not a CI dependency: its requirements pull in datasets, pyarrow, wandb and tenso
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
 import subprocess
 import sys
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="torchtitan is not installed")
+def _series() -> tuple[int, int] | None:
+    """(major, minor) of the installed torchtitan distribution, None when it is not installed."""
+    try:
+        return tuple(int(x) for x in version("torchtitan").split(".")[:2])
+    except PackageNotFoundError:
+        return None
 
 
-def _series() -> tuple[int, int]:
-    from importlib.metadata import version
-
-    return tuple(int(x) for x in version("torchtitan").split(".")[:2])
-
-
-needs_03 = pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None or _series() < (0, 3),
-                              reason="torchtitan 0.3's config registry and overrides")
-needs_02 = pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None or _series() >= (0, 3),
-                              reason="torchtitan 0.2's module-level experts function")
+SERIES = _series()
+pytestmark = pytest.mark.skipif(SERIES is None, reason="torchtitan is not installed")
+needs_03 = pytest.mark.skipif(SERIES is None or SERIES < (0, 3), reason="torchtitan 0.3's config registry and overrides")
+needs_02 = pytest.mark.skipif(SERIES is None or SERIES >= (0, 3), reason="torchtitan 0.2's module-level experts function")
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "torchtitan" / "cpu_steps.py"
