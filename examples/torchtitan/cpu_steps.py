@@ -42,13 +42,17 @@ CONFIGS = {"qwen3": "torchtitan.models.qwen3.config_registry:qwen3_moe_debug",
 
 
 def trainer_config(model: str, layers: int, expert_hidden_dim: int):
-    """torchtitan's ``Trainer.Config`` of ``model`` after the mxfx override, its model cut to ``layers`` blocks."""
+    """``(Trainer.Config, model config)`` of ``model`` after the mxfx override, the model cut to ``layers`` blocks.
+
+    The model config is taken before the overrides are applied, as torchtitan's trainer takes it.
+    """
     module, name = CONFIGS[model].split(":")
     cfg = getattr(__import__(module, fromlist=[name]), name)()
+    model_config = cfg.model_spec.model
     cfg.override.imports = [("mxfx_overrides.mxfx_model", {"expert_hidden_dim": expert_hidden_dim})]
     apply_overrides(cfg.override, cfg)
-    cfg.model_spec.model.layers = cfg.model_spec.model.layers[:layers]
-    return cfg
+    model_config.layers = model_config.layers[:layers]
+    return cfg, model_config
 
 
 def main() -> None:
@@ -66,9 +70,9 @@ def main() -> None:
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     dist.init_process_group("gloo", rank=0, world_size=1)
     torch.manual_seed(0)
-    cfg = trainer_config(args.model, args.layers, args.expert_hidden_dim)
+    cfg, model_config = trainer_config(args.model, args.layers, args.expert_hidden_dim)
     with torch.device("meta"):
-        model = cfg.model_spec.model.build()
+        model = model_config.build()
     model.to_empty(device="cpu")
     with torch.no_grad():
         model.init_weights(buffer_device=None)
@@ -80,7 +84,7 @@ def main() -> None:
                           reduce_dtype=torch.float32, pp_enabled=False)
     optimizers = cfg.optimizer.build(model_parts=[model])
 
-    vocab = cfg.model_spec.model.vocab_size
+    vocab = model_config.vocab_size
     tokens = torch.randint(0, vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(1))
     n_reports = len(mxfx.all_reports())
     losses = []

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 import mxfx
-from torchtitan.config import derive, override
+from torchtitan.config import override
 from torchtitan.models.common.decoder import Decoder
 from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
 from torchtitan.models.common.moe import GroupedExperts
@@ -34,12 +34,13 @@ _NAMED: dict[type, type] = {}
 
 
 def _named_class(cls: type) -> type:
-    """A subclass of the model config ``cls`` whose ``build()`` registers the model with ``mxfx.name_modules``."""
+    """A subclass of the model config ``cls``, of the same layout, whose ``build()`` registers the model
+    with ``mxfx.name_modules``."""
     if cls not in _NAMED:
         def build(self, **kwargs):
             return mxfx.name_modules(cls.build(self, **kwargs))
 
-        _NAMED[cls] = type(cls.__name__, (cls,), {"build": build, "__module__": cls.__module__,
+        _NAMED[cls] = type(cls.__name__, (cls,), {"__slots__": (), "build": build, "__module__": cls.__module__,
                                                    "__qualname__": cls.__qualname__})
     return _NAMED[cls]
 
@@ -49,14 +50,20 @@ def mxfx_model(config: Decoder.Config, sdpa: bool = True, expert_hidden_dim: int
     """The whole model's config: :func:`sdpa_attention` on every FlexAttention in it (unless ``sdpa``
     is false), routed experts of hidden size ``expert_hidden_dim`` when given (quick runs), and
     ``build()`` registering the model with ``mxfx.name_modules``. One override, since torchtitan
-    refuses an override of a config nested in another override's."""
+    refuses an override of a config nested in another override's.
+
+    Changes ``config`` in place and returns it: torchtitan's trainer holds the model config it
+    builds from before it applies overrides, so a new root object would not be built.
+    """
     if sdpa:
         for _, _, parent, attr in config.traverse(FlexAttention.Config):
             _replace(parent, attr, sdpa_attention(None))
     if expert_hidden_dim is not None:
         for _, experts, parent, attr in config.traverse(GroupedExperts.Config):
             _replace(parent, attr, dataclasses.replace(experts, hidden_dim=expert_hidden_dim))
-    return derive(config, _named_class(type(config)))
+    if type(config) not in _NAMED.values():
+        config.__class__ = _named_class(type(config))
+    return config
 
 
 def _replace(parent, attr, new) -> None:
