@@ -121,6 +121,11 @@ def main() -> None:
     ap.add_argument("--keep-logs", default=None, help="folder for the runs' logs")
     args = ap.parse_args()
 
+    from importlib.metadata import entry_points
+
+    if not any(ep.name == "mxfp8" for ep in entry_points(group="torch_dynamo_backends")):
+        sys.exit("bench/torchtitan_moe.py: no 'mxfp8' torch_dynamo_backends entry point (torchtitan looks the backend "
+                 "up by name); install mxfx first: python -m pip install --no-deps --no-build-isolation -e .")
     work = Path(tempfile.mkdtemp(prefix="mxfx_titan_"))
     tok_dir, data_dir = write_assets(work)
     policy = work / "fp8_block.toml"
