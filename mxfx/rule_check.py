@@ -93,7 +93,7 @@ def graph_modules(gm: torch.fx.GraphModule) -> set[str]:
     return {module_fqn(n) for g in all_graphs(gm) for n in g.graph.nodes if n.op in ("call_function", "call_method", "call_module")}
 
 
-_warned_shared: set[tuple[Policy, int]] = set()
+_warned_shared: set[tuple[int, int]] = set()  # (policy hash, rule index) already warned
 
 
 def warn_shared_graph_rules(policy: Policy, ops: set[tuple[str, str]], prefix: str, shared: list[str]) -> None:
@@ -105,14 +105,18 @@ def warn_shared_graph_rules(policy: Policy, ops: set[tuple[str, str]], prefix: s
     """
     if not prefix or not shared:
         return
+    try:
+        key = hash(policy)
+    except TypeError:  # an unhashable inner compiler: warned per graph
+        key = id(policy)
     for i, rule in enumerate(policy.rules):
-        if rule.module is None or (policy, i) in _warned_shared:
+        if rule.module is None or (key, i) in _warned_shared:
             continue
         differ = sorted({other for kind, module in ops if module.startswith(prefix)
                          for other in shared
                          if rule.matches(kind, module) != rule.matches(kind, other + module[len(prefix):])})
         if differ:
-            _warned_shared.add((policy, i))
+            _warned_shared.add((key, i))
             listed = ", ".join(p.rstrip(".") for p in differ[:EXAMPLES]) + (", ..." if len(differ) > EXAMPLES else "")
             warnings.warn(
                 f"mxfx: policy rule {rule.describe()} decides differently for {prefix.rstrip('.')} than for {listed}, "
