@@ -294,8 +294,17 @@ def _entry_for(weight: torch.Tensor, create: bool) -> _Entry | None:
 
 
 def lookup(weight: torch.Tensor, rule: str, orientation: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eager body of :func:`weight_operand`: the cached pair, rebuilt first if stale. See there."""
+    """Eager body of :func:`weight_operand`: the cached pair, rebuilt first if stale. See there.
+
+    Raises:
+        RuntimeError: called while a CUDA graph is being captured (a replay would skip this freshness check).
+    """
     _check(weight, rule, orientation)
+    if weight.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"mxfx.cache: a weight {tuple(weight.shape)} is looked up while a CUDA graph is being captured; a replay "
+            f"would skip the freshness check and reuse caches of the step it was captured in. Run the mxfp8 backend "
+            f"outside CUDA graphs (torchtitan: --training.disable_cuda_graphs)")
     with _lock:
         entry = _entry_for(weight, create=True)
         entry.weight = weakref.ref(weight)

@@ -7,6 +7,12 @@ written against the whole model's ``named_modules()`` (``layers.3.attention.wq``
 arrive in the graph as placeholders holding the real tensors: the full name of one of them, minus
 its block-relative name, is the prefix of every module of that graph (:func:`graph_prefix`).
 
+Dynamo compiles the code of identical blocks once and runs every block of that kind through the
+same graph (its parameters are graph inputs), so the graph carries the first compiled block's
+names; :func:`graph_place` also returns the places of the blocks sharing it, so that a rule
+deciding differently for one of them is reported (``mxfx.rule_check.warn_shared_graph_rules``).
+Activation-checkpoint wrappers are left out of names (``mxfx.passes.fx.strip_wrappers``).
+
 The roots are held weakly and their parameters are looked up when a graph is compiled, so
 parameters replaced after registration (FSDP2's ``fully_shard`` and its unsharded parameters
 during forward, ``load_state_dict(assign=True)``) are still found.
@@ -17,6 +23,8 @@ from __future__ import annotations
 import weakref
 
 import torch
+
+from mxfx.passes.fx import strip_wrappers
 
 _roots: weakref.WeakSet = weakref.WeakSet()
 
@@ -39,12 +47,36 @@ def graph_prefix(params: dict[str, torch.Tensor]) -> str:
     ``params`` (graph-relative dotted name -> the real tensor). ``""`` when no registered root holds
     one of them (the graph's own names are then the full names, as for a whole-model compile).
     """
+    return graph_place(params)[0]
+
+
+def graph_place(params: dict[str, torch.Tensor]) -> tuple[str, list[str]]:
+    """``(prefix, shared)``: the graph's prefix (:func:`graph_prefix`) and the prefixes of the other
+    modules of the registered root of the same class as the module at ``prefix`` (``["layers.1.",
+    ...]``), which per-block compile runs through the same graph. ``("", [])`` when no root holds
+    one of ``params``.
+    """
     if not params or not _roots:
-        return ""
+        return "", []
     by_id = {id(t): rel for rel, t in params.items()}
     for root in list(_roots):
         for full, p in root.named_parameters(remove_duplicate=False):
             rel = by_id.get(id(p))
+            full = strip_wrappers(full)
             if rel is not None and (full == rel or full.endswith("." + rel)):
-                return full[: len(full) - len(rel)]
-    return ""
+                prefix = full[: len(full) - len(rel)]
+                return prefix, _same_class(root, prefix)
+    return "", []
+
+
+def _same_class(root: torch.nn.Module, prefix: str) -> list[str]:
+    """Prefixes of the modules of ``root`` of the class of the (outermost) module named ``prefix``, but it."""
+    if not prefix:
+        return []
+    modules: dict[str, torch.nn.Module] = {}
+    for name, m in root.named_modules():
+        modules.setdefault(strip_wrappers(name), m)  # a wrapper comes before the module it wraps
+    block = modules.get(prefix.rstrip("."))
+    if block is None:
+        return []
+    return [n + "." for n, m in modules.items() if type(m) is type(block) and n + "." != prefix]

@@ -30,6 +30,8 @@ from mxfx.settings import FORMATS, PRECISIONS, MXSettings
 OP_KINDS = ("linear", "grouped_mm", "swiglu", "router", "saved", "all_to_all", "weight_refresh")
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 PASSES = ("linear", "grouped_mm", "swiglu", "combine", "saved", "all_to_all", "dispatch_mx", "weight_refresh")
+POLICY_ENV = "MXFX_POLICY"
+"""Environment variable: a TOML file of :class:`Policy` fields, the policy of compiles given no ``options``."""
 DUMP_ENV = "MXFX_DUMP_DIR"
 
 FORMAT_CHOICES = (*FORMATS, "auto")
@@ -300,9 +302,22 @@ class Policy(_NamedFields):
 
     @classmethod
     def from_options(cls, options: "Policy | dict | None") -> "Policy":
-        """Build a policy from ``torch.compile(..., options=...)``: a Policy, a dict, or None."""
+        """Build a policy from ``torch.compile(..., options=...)``: a Policy, a dict, or None.
+
+        None (a trainer that passes only the backend name, e.g. torchtitan's ``--compile.backend``)
+        gives the policy of the TOML file named by ``MXFX_POLICY`` when it is set, else the defaults.
+
+        Raises:
+            FileNotFoundError: ``MXFX_POLICY`` names no file.
+        """
         if options is None:
-            return cls()
+            path = os.environ.get(POLICY_ENV, "").strip()
+            if not path:
+                return cls()
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"mxfx policy: {POLICY_ENV}={path!r} is not a file; set it to a TOML file "
+                                        f"of Policy fields (see mxfx.Policy.from_toml) or unset it")
+            return cls.from_toml(path)
         if isinstance(options, Policy):
             return options
         if not isinstance(options, dict):

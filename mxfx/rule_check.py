@@ -91,3 +91,38 @@ _on_step = torch.compiler.disable(_on_step, recursive=True)
 def graph_modules(gm: torch.fx.GraphModule) -> set[str]:
     """The innermost module name of every op in ``gm`` and its subgraphs, as :func:`module_fqn` gives them."""
     return {module_fqn(n) for g in all_graphs(gm) for n in g.graph.nodes if n.op in ("call_function", "call_method", "call_module")}
+
+
+_warned_shared: set[tuple[int, int]] = set()  # (policy hash, rule index) already warned
+
+
+def warn_shared_graph_rules(policy: Policy, ops: set[tuple[str, str]], prefix: str, shared: list[str]) -> None:
+    """Warn, once per rule, when a rule decides differently for a block than for the blocks sharing its graph.
+
+    ``ops`` are ``(op kind, full module name)`` of one graph compiled for the block at ``prefix``;
+    ``shared`` the prefixes of the blocks Dynamo runs through the same graph (``mxfx.names.graph_place``).
+    Those blocks get this graph's decisions, so a rule that names one layer cannot apply as written.
+    """
+    if not prefix or not shared:
+        return
+    try:
+        key = hash(policy)
+    except TypeError:  # an unhashable inner compiler: warned per graph
+        key = id(policy)
+    for i, rule in enumerate(policy.rules):
+        if rule.module is None or (key, i) in _warned_shared:
+            continue
+        differ = sorted({other for kind, module in ops if module.startswith(prefix)
+                         for other in shared
+                         if rule.matches(kind, module) != rule.matches(kind, other + module[len(prefix):])})
+        if differ:
+            _warned_shared.add((key, i))
+            listed = ", ".join(p.rstrip(".") for p in differ[:EXAMPLES]) + (", ..." if len(differ) > EXAMPLES else "")
+            warnings.warn(
+                f"mxfx: policy rule {rule.describe()} decides differently for {prefix.rstrip('.')} than for {listed}, "
+                f"but torch.compile runs all of these blocks through the one graph compiled for "
+                f"{prefix.rstrip('.')} (same code; parameters are graph inputs), so they all get "
+                f"{prefix.rstrip('.')}'s decision. A rule for one layer needs a graph per layer: compile the whole "
+                f"model, or write the rule for every block of this kind (e.g. a glob without the layer index).",
+                stacklevel=2,
+            )

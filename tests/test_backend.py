@@ -84,6 +84,21 @@ def test_policy_decisions_first_match_wins(tmp_path):
     assert q.scale_rule == "floor" and q.decide("linear", "layers.3.o_proj").precision == "bf16"
 
 
+def test_policy_env_when_no_options(tmp_path, monkeypatch):
+    # A trainer that passes only the backend name (torchtitan's --compile.backend) gets MXFX_POLICY's file.
+    toml = tmp_path / "policy.toml"
+    toml.write_text('inner = "eager"\n[[rules]]\nmodule = "0"\nprecision = "bf16"\n')
+    monkeypatch.setenv("MXFX_POLICY", str(toml))
+    m = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64))
+    torch.compile(m, backend="mxfp8")(torch.randn(4, 32))
+    assert [r.forward for r in mxfx.last_report().records if r.kind == "linear"] == ["bf16", "mxfp8"]
+    assert Policy.from_options({}).rules == ()  # explicit options win over the file
+    monkeypatch.setenv("MXFX_POLICY", str(tmp_path / "missing.toml"))
+    with pytest.raises(FileNotFoundError, match="MXFX_POLICY=.*missing.toml' is not a file"):
+        Policy.from_options(None)
+    torch._dynamo.reset()
+
+
 def test_dump_dir_and_env(tmp_path, monkeypatch):
     m = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 48))
     torch.compile(m, backend="mxfp8", options={"inner": "eager", "dump_dir": str(tmp_path)})(torch.randn(4, 32))

@@ -10,7 +10,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 import mxfx
 
@@ -18,11 +20,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from moe_model import MoEConfig, MoETransformer  # noqa: E402
 
 
-def _per_block_maps(register: bool):
+def _per_block_maps(register: bool, rule: str = "layers.0.attn.qkv", wrap: bool = False):
     model = MoETransformer(MoEConfig(n_layers=2, d_model=64, head_dim=32, expert_hidden=64, shared_hidden=64, n_experts=4))
+    if wrap:  # activation checkpointing as torchtitan applies it: each block inside a CheckpointWrapper
+        for i, layer in enumerate(model.layers):
+            model.layers[i] = checkpoint_wrapper(layer)
     if register:
         mxfx.name_modules(model)
-    options = {"inner": "aot_eager", "rules": [{"module": "layers.0.attn.qkv", "precision": "bf16"}]}
+    options = {"inner": "aot_eager", "rules": [{"module": rule, "precision": "bf16"}]}
     for layer in model.layers:
         layer.compile(backend="mxfp8", options=options)
     n = len(mxfx.all_reports())
@@ -37,8 +42,9 @@ def _qkv(pm):
 
 def test_rule_targets_one_layer_under_per_block_compile():
     # Dynamo reuses layer 0's graph for the identical layer 1 (parameters are graph inputs), so one
-    # graph is compiled, named after layer 0. Open: a rule naming layer 1 only cannot apply there.
-    maps = _per_block_maps(register=True)
+    # graph is compiled, named after layer 0, and layer 1 runs layer 0's decisions: mxfx says so.
+    with pytest.warns(UserWarning, match="decides differently for layers.0 than for layers.1"):
+        maps = _per_block_maps(register=True)
     assert len(maps) == 1
     assert _qkv(maps[0]).module == "layers.0.attn.qkv" and _qkv(maps[0]).forward == "bf16"
     assert all(r.module.startswith("layers.0.") for r in maps[0].records if r.module)
@@ -48,3 +54,17 @@ def test_unregistered_model_keeps_block_relative_names():
     maps = _per_block_maps(register=False)
     assert len(maps) == 1 and _qkv(maps[0]).module == "attn.qkv"
     assert _qkv(maps[0]).forward == "mxfp8"  # the full-name rule matches nothing
+
+
+def test_checkpoint_wrapper_left_out_of_names():
+    # torchtitan wraps each block for activation checkpointing and compiles the wrapper; names (and the
+    # place found from the parameters) are those of state_dict(), without "_checkpoint_wrapped_module".
+    with pytest.warns(UserWarning, match="decides differently for layers.0 than for layers.1"):
+        maps = _per_block_maps(register=True, rule="layers.0.attn.*", wrap=True)
+    assert _qkv(maps[0]).module == "layers.0.attn.qkv" and _qkv(maps[0]).forward == "bf16"
+
+
+def test_rule_for_every_layer_gives_no_shared_graph_warning(recwarn):
+    maps = _per_block_maps(register=True, rule="layers.*.attn.qkv")
+    assert _qkv(maps[0]).forward == "bf16"
+    assert not [w for w in recwarn if "decides differently" in str(w.message)]

@@ -13,15 +13,26 @@ from torch._subclasses.fake_tensor import FakeTensor
 _ROOT = re.compile(r"^L\['[^']*'\]\.?")
 _INDEX = re.compile(r"\[(\d+)\]")
 _SUBSCRIPT = re.compile(r"\[['\"]([^'\"]+)['\"]\]")
+WRAPPER_NAMES = ("__dict__", "_checkpoint_wrapped_module")
+"""Path segments that name no module of their own: Dynamo's ``__dict__`` access and the inner module
+of torch's activation-checkpoint wrapper (``checkpoint_wrapper``, torchtitan's activation
+checkpointing), which ``state_dict()`` leaves out of parameter names as well."""
 
 
 def normalize_fqn(dynamo_path: str) -> str:
-    """Dynamo's ``L['self'].layers[0].attn`` -> ``layers.0.attn`` (as ``named_modules()`` spells it)."""
+    """Dynamo's ``L['self'].layers[0].attn`` -> ``layers.0.attn`` (as ``named_modules()`` spells it,
+    less activation-checkpoint wrappers: :func:`strip_wrappers`)."""
     path = _ROOT.sub("", dynamo_path)
     path = _INDEX.sub(r".\1", path)
     path = _SUBSCRIPT.sub(r".\1", path)
     path = path.replace("._modules.", ".").replace("_modules.", "")
-    return path.strip(".")
+    return strip_wrappers(path.strip("."))
+
+
+def strip_wrappers(fqn: str) -> str:
+    """``layers.0._checkpoint_wrapped_module.attention.wq`` -> ``layers.0.attention.wq``: a dotted
+    name without the :data:`WRAPPER_NAMES` segments (the name ``state_dict()`` gives it)."""
+    return ".".join(part for part in fqn.split(".") if part not in WRAPPER_NAMES)
 
 
 def all_graphs(gm: fx.GraphModule) -> list[fx.GraphModule]:
@@ -38,7 +49,7 @@ def module_fqn(node: fx.Node) -> str:
     prefix = node.graph.owning_module.meta.get(PREFIX_META, "") if node.graph.owning_module is not None else ""
     if not stack:
         return prefix.rstrip(".")
-    return prefix + normalize_fqn(list(stack.values())[-1][0])
+    return (prefix + normalize_fqn(list(stack.values())[-1][0])).rstrip(".")
 
 
 def parameter_placeholders(gm: fx.GraphModule, example_inputs) -> dict[str, torch.Tensor]:
