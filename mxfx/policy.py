@@ -47,6 +47,15 @@ TRANSPORT_DIRECTIONS = ("dispatch_fwd", "combine_fwd", "combine_bwd", "dispatch_
 """Expert-parallel all-to-all directions; all four travel as MXFP8 by default (the recipe, "Routed Experts")."""
 
 
+def _check_rule_fits_format(fmt: str, scale_rule: str, where: str) -> None:
+    """Raise ValueError when ``scale_rule`` is not a rule of format ``fmt`` ("auto" takes the rules of both)."""
+    valid = {"mxfp8": MX_SCALE_RULES, "fp8_block": BLOCK_SCALE_RULES,
+             "auto": tuple(r for r in MX_SCALE_RULES if r in BLOCK_SCALE_RULES)}.get(fmt, ())
+    if valid and scale_rule not in valid:
+        raise ValueError(f"mxfx policy: {where}: scale_rule={scale_rule!r} is not a rule of format={fmt!r}; choose one of "
+                         f"{', '.join(map(repr, valid))} (mxfp8: rceil/floor E8M0 scales; fp8_block: rceil/amax FP32 scales)")
+
+
 def _check_choice(what: str, value: Any, valid: tuple) -> None:
     if value is not None and value not in valid:
         raise ValueError(f"mxfx policy: {what}={value!r} is not valid; choose one of {', '.join(map(repr, valid))}")
@@ -284,6 +293,10 @@ class Policy(_NamedFields):
             raise ValueError(f"mxfx policy: inner={self.inner!r} is not valid; choose one of {', '.join(map(repr, INNER_COMPILERS))} or a backend callable")
         rules = tuple(r if isinstance(r, Rule) else Rule(**dict(r)) for r in self.rules)
         object.__setattr__(self, "rules", rules)
+        _check_rule_fits_format(self.format, self.scale_rule, "the policy")
+        for r in rules:
+            if r.format is not None or r.scale_rule is not None:
+                _check_rule_fits_format(r.format or self.format, r.scale_rule or self.scale_rule, f"rule {r}")
         for name, on in self.passes.items():
             _check_choice("passes", name, PASSES)
             if not isinstance(on, bool):

@@ -231,3 +231,13 @@ def test_hf_fp32_autocast_experts_with_fp8_block():
     assert len(experts) == 2
     for n in experts:
         assert F.cosine_similarity(grads[n].flatten(), grads_ref[n].flatten(), dim=0) > 0.97, n
+
+
+@pytest.mark.parametrize("kw", [dict(format="fp8_block", scale_rule="floor"), dict(scale_rule="amax"),
+                                dict(format="auto", scale_rule="floor"),
+                                dict(rules=[{"op": "linear", "format": "fp8_block", "scale_rule": "floor"}])])
+def test_policy_rejects_a_scale_rule_of_another_format(kw):
+    """At construction, not at the first compiled call: floor is MXFP8's only, amax fp8_block's only."""
+    with pytest.raises(ValueError, match="is not a rule of format"):
+        mxfx.Policy(**kw)
+    assert mxfx.Policy(format="fp8_block", scale_rule="amax").scale_rule == "amax"

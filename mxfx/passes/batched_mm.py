@@ -134,7 +134,7 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         shapes = f"x{shape_str(x)} w{shape_str(w)}"
         reason = "" if x.is_floating_point() else f"input dtype {x.dtype}"
         if not reason and (size_hint(k) % 32 or size_hint(n) % 32):
-            reason = f"features {size_hint(k)}->{size_hint(n)} are not multiples of 32"
+            reason = f"features {size_hint(k)}->{size_hint(n)} are not multiples of 32 (mxfp8 blocks; fp8_block needs 128)"
         d = None
         if not reason:
             d = decide(policy, module, x, e, n, k)

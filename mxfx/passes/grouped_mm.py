@@ -116,7 +116,7 @@ def _skip_reason(x, b, offs, out, args, source) -> str:
         return "weight is computed in the graph, not a parameter"
     k, n = size_hint(b.shape[1]), size_hint(b.shape[2])
     if k % 32 or n % 32:
-        return f"features {k}->{n} are not multiples of 32"
+        return f"features {k}->{n} are not multiples of 32 (mxfp8 blocks; fp8_block needs 128)"
     return ""
 
 

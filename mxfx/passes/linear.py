@@ -57,7 +57,7 @@ def _skip_reason(x, w) -> str:
         return f"weight has {w.dim()} dims"
     n, k = w.shape
     if size_hint(k) % 32 or size_hint(n) % 32:
-        return f"features {size_hint(k)}->{size_hint(n)} are not multiples of 32"
+        return f"features {size_hint(k)}->{size_hint(n)} are not multiples of 32 (mxfp8 blocks; fp8_block needs 128)"
     return ""
 
 
