@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from helpers import launch  # noqa: E402
-from test_fsdp import LOSS_RTOL, LR, OPTS, PER_RANK, _compile_per_block, _data, _loss, _model, _train  # noqa: E402
+from test_fsdp import LOSS_RTOL, OPTS, PER_RANK, _compile_per_block, _data, _loss, _model, _train  # noqa: E402
 
 
 @pytest.mark.parametrize("layout", ["whole", "whole_reshard", "per_block", "per_block_bf16"])
@@ -260,15 +260,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 
 def _moe_train(m, xs, ts, shard, reduce_loss):
-    opt = torch.optim.AdamW(m.parameters(), lr=LR)
-    losses = []
-    for x, t in zip(xs, ts):
-        opt.zero_grad()
-        loss = _loss(m(x[shard]), t[shard])
-        loss.backward()
-        opt.step()
-        losses.append(reduce_loss(loss.detach()))
-    return losses
+    """:func:`test_fsdp._train` of a model that runs itself (compiled per block or not at all)."""
+    return _train(m, m, xs, ts, shard, reduce_loss)
 
 
 def _worker_moe(rank: int, world: int):
