@@ -70,6 +70,25 @@ def inductor_mode_options(mode: str | None) -> dict:
     return opts
 
 
+CACHE_SAFE_INDUCTOR = {"allow_buffer_reuse": False, "inplace_buffers": False}
+"""Inductor settings of every graph that calls mxfx: no buffer reuse, no in-place reuse of a kernel's input.
+
+The weight-cache ops (``mxfx::cached_weight_*``) return the caches themselves, tensors that outlive the
+graph. Inductor treats an op's outputs as buffers it owns and, once they are dead, writes later buffers of
+the same size into them (seen on CUDA with torch 2.11: an expert weight's ``[64, 16, 8]`` fp32 scale grid
+became an RMSNorm's ``[4, 2048, 1]`` buffer, and every later forward read those values as scales). Freed
+buffers still go back to the CUDA caching allocator, which hands the same blocks out again, so the memory
+held is about the same."""
+
+
+def inductor_patches(gm: fx.GraphModule, mode: str | None = None) -> dict:
+    """Inductor config patches for the inner compile of rewritten graph ``gm``: the ``mode``'s settings
+    (:func:`inductor_mode_options`), then, where ``gm`` calls mxfx, :data:`CACHE_SAFE_INDUCTOR` and the cache
+    keys of :func:`mxfx.cache_key.config_patches`."""
+    keys = cache_key.config_patches(gm)
+    return {**inductor_mode_options(mode), **(CACHE_SAFE_INDUCTOR if keys else {}), **keys}
+
+
 def _inner_compile(inner, gm: fx.GraphModule, example_inputs, mode: str | None = None):
     if mode not in (None, "default") and inner != "inductor":
         warnings.warn(f"mxfx: torch.compile mode={mode!r} applies to the inner Inductor only; inner={inner!r} ignores it",
@@ -79,8 +98,7 @@ def _inner_compile(inner, gm: fx.GraphModule, example_inputs, mode: str | None =
     if inner == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
-        patches = {**inductor_mode_options(mode), **cache_key.config_patches(gm)}
-        return compile_fx(gm, example_inputs, config_patches=patches)
+        return compile_fx(gm, example_inputs, config_patches=inductor_patches(gm, mode))
     if inner == "aot_eager":
         from torch._dynamo.backends.debugging import aot_eager
 

@@ -327,6 +327,14 @@ def lookup(weight: torch.Tensor, rule: str, orientation: str) -> tuple[torch.Ten
         return entry.forms[form]
 
 
+def entry_forms(weight: torch.Tensor) -> dict:
+    """The forms cached for ``weight``'s storage region now, keyed ``(rule, form)`` (empty when none): the cache
+    tensors themselves, as they are, without a freshness check. For inspection and tests; treat as read-only."""
+    with _lock:
+        entry = _entry_for(weight, create=False)
+        return dict(entry.forms) if entry is not None else {}
+
+
 def _out_shape(shape, orientation: str) -> list:
     return list(shape) if orientation == "forward" else [*shape[:-2], shape[-1], shape[-2]]
 

