@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from mxfx import cache, cache_key, names, passes, report, rule_check
-from mxfx.device import fp8_block_gpu_note, mx_emulated_note
+from mxfx.device import mx_emulated_note
 from mxfx.passes import weight_refresh
 from mxfx.passes.fx import PREFIX_META, all_graphs, example_value, fill_example_values, parameter_placeholders
 from mxfx.policy import Policy
@@ -137,18 +137,17 @@ _warned_formats: set[str] = set()  # formats whose GPU note was given (once per 
 
 
 def _warn_format_notes(pm: report.PrecisionMap, example_inputs) -> None:
-    """Warn once per process per format when a graph on a CUDA GPU has ops of that format with a note:
-    MXFP8 on sm90 (emulated there; names format="fp8_block"), fp8_block (experimental on CUDA)."""
+    """Warn once per process when a graph on a CUDA GPU has MXFP8 ops that are emulated there (sm90; the note
+    names format="fp8_block")."""
     device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda), None)
-    if device is None:
+    if device is None or "mxfp8" in _warned_formats:
         return
-    for fmt, note_of in (("mxfp8", mx_emulated_note), ("fp8_block", fp8_block_gpu_note)):
-        if fmt in _warned_formats or not any(r.rewritten and fmt in (r.forward, r.dgrad) for r in pm.records):
-            continue
-        note = note_of(device)
-        if note:
-            _warned_formats.add(fmt)
-            warnings.warn(note, stacklevel=3)
+    if not any(r.rewritten and "mxfp8" in (r.forward, r.dgrad) for r in pm.records):
+        return
+    note = mx_emulated_note(device)
+    if note:
+        _warned_formats.add("mxfp8")
+        warnings.warn(note, stacklevel=3)
 
 
 def mxfp8_backend(gm: fx.GraphModule, example_inputs, options: Policy | dict | None = None,

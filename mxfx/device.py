@@ -127,15 +127,7 @@ def mx_emulated_note(device: torch.device | None = None) -> str | None:
     device = device or _current_device()
     if arch_of(capability(device)) != "sm90":
         return None
-    return ("mxfx: MXFP8 has no tensor cores on sm90 (Hopper): its GEMMs are emulated (dequantize + BF16 GEMM), "
-            "slower than BF16. options={'format': 'fp8_block'} (or 'auto') runs native FP8 GEMMs (experimental on "
-            "CUDA: see BENCHMARKS.md).")
+    return ("mxfx: MXFP8 has no tensor cores on sm90 (Hopper): its GEMMs are emulated (dequantize + BF16 GEMM). "
+            "options={'format': 'fp8_block'} (or 'auto') runs FP8 tensor-core GEMMs instead; BENCHMARKS.md has both "
+            "formats' measured speed and loss on the H200.")
 
-
-def fp8_block_gpu_note(device: torch.device) -> str | None:
-    """A one-line note for fp8_block GEMMs on a CUDA GPU: its end-to-end training there has not yet matched
-    BF16 (BENCHMARKS.md, hf_models), so the user is told to compare losses; None off CUDA."""
-    if device.type != "cuda":
-        return None
-    return ("mxfx: format='fp8_block' on CUDA is experimental: an end-to-end run has not yet matched BF16's held-out "
-            "loss (BENCHMARKS.md). Compare your loss against a BF16 run, or use format='mxfp8'.")

@@ -251,7 +251,8 @@ class Policy(_NamedFields):
         rules: user rules, checked in order before :data:`DEFAULT_RULES`.
         passes: per-pass on/off switches, e.g. ``{"linear": False}``.
         inner: compiler run after the rewrite: "inductor" (default), "aot_eager",
-            "eager", or any torch.compile backend callable ``(gm, example_inputs)``.
+            "eager", or any torch.compile backend callable ``(gm, example_inputs)``; a callable
+            that runs Inductor must turn its buffer reuse off (``mxfx.backend.CACHE_SAFE_INDUCTOR``).
         dump_dir: write before/after graphs and the precision map here
             (also taken from the ``MXFX_DUMP_DIR`` environment variable).
         transport: precision per expert-parallel all-to-all direction, keys from
