@@ -143,3 +143,19 @@ def _interpreter_loop_probe() -> None:
               f"{numpy.__version__} (triton-lang/triton#9171): install numpy<2.4 or a newer Triton to run these checks")
         sys.exit(_NO_TENSOR_LOOPS)
     assert out.item() == 3, out
+
+
+def lm_loss_and_grads(model, backend=None, options=None, *, seq: int = 32, autocast: bool = True):
+    """One forward and backward of causal LM ``model`` (Hugging Face signature) on fixed random ids ``[2, seq]``
+    (vocab 128): ``model`` itself with ``backend=None``, else ``torch.compile(model, backend=backend,
+    options=options)``; under CPU BF16 autocast unless ``autocast=False``. Returns ``(loss fp32, {name: grad fp32})``
+    and leaves the gradients cleared."""
+    torch._dynamo.reset()
+    ids = torch.randint(0, 128, (2, seq), generator=torch.Generator().manual_seed(1))
+    fn = model if backend is None else torch.compile(model, backend=backend, **({"options": options} if options else {}))
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        loss = fn(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.detach().float(), grads

@@ -14,6 +14,7 @@ from mxfx import cache, device
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
 from mxfx.ops.linear import mx_linear
 from mxfx.policy import Policy, Rule
+from tests.helpers import lm_loss_and_grads
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from moe_model import MoEConfig, MoETransformer  # noqa: E402
@@ -208,24 +209,12 @@ def test_hf_fp32_autocast_experts_with_fp8_block():
     cfg._experts_implementation = "grouped_mm"
     torch.manual_seed(0)
     model = T.OlmoeForCausalLM(cfg)  # FP32 parameters, BF16 autocast
-    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
-
-    def run(options):
-        torch._dynamo.reset()
-        fn = torch.compile(model, backend="mxfp8", options=options) if options else model
-        with torch.autocast("cpu", torch.bfloat16):
-            loss = fn(input_ids=ids, labels=ids).loss
-        loss.backward()
-        grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
-        model.zero_grad(set_to_none=True)
-        return loss.detach().float(), grads
-
-    loss, grads = run({"format": "fp8_block", "inner": "aot_eager"})
+    loss, grads = lm_loss_and_grads(model, "mxfp8", {"format": "fp8_block", "inner": "aot_eager"})
     pm = mxfx.last_report()
     grouped = [r for r in pm.records if r.kind == "grouped_mm"]
     assert len(grouped) == 2 and all(r.forward == "fp8_block" for r in grouped), pm.to_text()
     assert pm.count("swiglu", True) == 1 and pm.count("combine", True) == 1, pm.to_text()
-    loss_ref, grads_ref = run(None)  # transformers' own FP32 experts under autocast
+    loss_ref, grads_ref = lm_loss_and_grads(model)  # transformers' own FP32 experts under autocast
     assert loss != loss_ref and abs(loss - loss_ref) / loss_ref < 0.02
     experts = [n for n in grads_ref if ".experts." in n and grads_ref[n].dim() == 3]
     assert len(experts) == 2

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import mxfx
 from mxfx.passes import unconverted
+from tests.helpers import lm_loss_and_grads
 
 T = pytest.importorskip("transformers")
 
@@ -59,15 +60,7 @@ def _model(name, impl):
 
 
 def _loss_and_grads(model, options=None):
-    torch._dynamo.reset()
-    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
-    fn = torch.compile(model, backend="mxfp8", options=options) if options is not None else model
-    with torch.autocast("cpu", torch.bfloat16):
-        loss = fn(input_ids=ids, labels=ids).loss
-    loss.backward()
-    grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return loss.detach().float(), grads
+    return lm_loss_and_grads(model, None if options is None else "mxfp8", options)
 
 
 def _check(name, impl):

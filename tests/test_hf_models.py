@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import mxfx
-from tests.helpers import GraphCapture, count_calls
+from tests.helpers import GraphCapture, count_calls, lm_loss_and_grads
 
 T = pytest.importorskip("transformers")
 
@@ -60,14 +60,9 @@ def _model(name):
 
 
 def _loss_and_grads(model, backend, options=None):
-    torch._dynamo.reset()
-    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
-    fn = torch.compile(model, backend=backend, options=options) if options else (torch.compile(model, backend=backend) if backend else model)
-    loss = fn(input_ids=ids, labels=ids).loss
-    loss.backward()
-    grads = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
-    model.zero_grad(set_to_none=True)
-    return loss.detach().float(), grads
+    """BF16 model, no autocast: ``(loss, every gradient flattened into one fp32 vector)``."""
+    loss, grads = lm_loss_and_grads(model, backend, options, seq=16, autocast=False)
+    return loss, torch.cat([g.flatten() for g in grads.values()])
 
 
 @pytest.mark.parametrize("name", list(MODELS))
