@@ -170,6 +170,7 @@ def mxfp8_backend(gm: fx.GraphModule, example_inputs, options: Policy | dict | N
             g.meta[PREFIX_META] = prefix
     rule_check.observe(policy, rule_check.graph_modules(gm))  # judged over all graphs, at the first optimizer step
     pm = rewrite(gm, policy)
+    rule_check.warn_unmet_requests(policy, pm.records)
     rule_check.warn_shared_graph_rules(policy, {(r.kind, r.module) for r in pm.records}, prefix, shared)
     _warn_float16_once(gm, pm)
     if not torch.is_grad_enabled():  # Dynamo calls the backend in the grad mode the graph was traced in

@@ -1,4 +1,6 @@
-"""Policy rules whose module glob matches no module: warned once, judged against the whole model.
+"""Policy rules that do not apply as written: a module glob matching no module (warned once, judged against the
+whole model), a rule deciding one block of a shared graph (:func:`warn_shared_graph_rules`), and a rule asking
+for low precision that an op's shape refuses (:func:`warn_unmet_requests`).
 
 A rule's module glob is judged against the module names of every graph compiled
 under the same policy (equal policies, e.g. the same ``options`` dict, count as
@@ -75,7 +77,8 @@ def judge_pending() -> None:
                 f"mxfx: policy rule {rule.describe()} matches no module of the graphs compiled under this policy, "
                 f"so it changes nothing. Module names there ({len(names)}): {examples or 'none'}. A glob matches a "
                 f"name as named_modules() spells it or any dotted suffix of it (e.g. 'layers.0.*' matches "
-                f"'model.layers.0.mlp'); a graph compiled per block names modules from the block.",
+                f"'model.layers.0.mlp'), and the modules inside a matched one; a graph compiled per block names "
+                f"modules from the block.",
                 stacklevel=2,
             )
 
@@ -126,3 +129,36 @@ def warn_shared_graph_rules(policy: Policy, ops: set[tuple[str, str]], prefix: s
                 f"model, or write the rule for every block of this kind (e.g. a glob without the layer index).",
                 stacklevel=2,
             )
+
+
+REQUEST_KINDS = ("linear", "router", "grouped_mm")
+"""Op kinds whose precision a rule decides and whose shape can refuse it (a kept op of another kind is reported
+by its own pass)."""
+_warned_unmet: set[tuple] = set()  # (rule, kind, module, node) already warned
+
+
+def warn_unmet_requests(policy: Policy, records) -> None:
+    """Warn, once per rule and op, when an op a user rule asks to convert (:meth:`Policy.requesting_rule`) is kept
+    in BF16 (its shape, ``min_size`` or operands refuse it): one warning per rule per graph, naming each such op's
+    module, shapes and reason. Ops only the default rules would convert are not warned about (the precision map
+    gives their reasons)."""
+    unmet: dict = {}
+    for r in records:
+        if r.kind not in REQUEST_KINDS or r.rewritten:
+            continue
+        rule = policy.requesting_rule(r.kind, r.module)
+        key = (rule, r.kind, r.module, r.node)
+        if rule is None or key in _warned_unmet:
+            continue
+        _warned_unmet.add(key)
+        unmet.setdefault(rule, []).append(r)
+    for rule, ops in unmet.items():
+        fmt = policy.decide(ops[0].kind, ops[0].module).format
+        listed = "; ".join(f"{r.module or r.node} ({r.kind} {r.shapes}): {r.reason}" for r in ops[:EXAMPLES])
+        warnings.warn(
+            f"mxfx: policy rule {rule.describe()} asks for {fmt}, but {len(ops)} op(s) it matches stay BF16: {listed}"
+            f"{'; ...' if len(ops) > EXAMPLES else ''}. To convert them, pad their features to a multiple of the format's "
+            f"block (32 for mxfp8, 128 for fp8_block; format='mxfp8' takes features fp8_block refuses) or lower min_size "
+            f"(min_size=0 on the rule); otherwise drop the rule or narrow its module glob.",
+            stacklevel=2,
+        )
