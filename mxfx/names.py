@@ -20,6 +20,7 @@ during forward, ``load_state_dict(assign=True)``) are still found.
 
 from __future__ import annotations
 
+import sys
 import weakref
 
 import torch
@@ -80,3 +81,29 @@ def _same_class(root: torch.nn.Module, prefix: str) -> list[str]:
     if block is None:
         return []
     return [n + "." for n, m in modules.items() if type(m) is type(block) and n + "." != prefix]
+
+
+def whole_forward(params: dict[str, torch.Tensor]) -> bool:
+    """Whether a graph with parameter placeholders ``params`` (graph-relative name -> real tensor) is the whole
+    forward of the module being called: no module the calling Python frames hold (a caller's ``self`` or a
+    local) has one of its parameters and a parameter outside it, and one of them has all of them.
+
+    False for a block compiled on its own inside an eager model (the model's ``forward`` frame holds the
+    model), for each graph of a forward split by graph breaks, and for a graph without parameter placeholders.
+    """
+    graph = {id(t) for t in params.values() if isinstance(t, torch.nn.Parameter)}
+    if not graph:
+        return False
+    covered, seen = False, set()
+    frame = sys._getframe(1)
+    while frame is not None:
+        for value in frame.f_locals.values():
+            if isinstance(value, torch.nn.Module) and id(value) not in seen:
+                seen.add(id(value))
+                held = {id(p) for p in value.parameters()}
+                if held & graph:
+                    if held - graph:
+                        return False
+                    covered = covered or held >= graph
+        frame = frame.f_back
+    return covered

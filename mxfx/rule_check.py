@@ -8,9 +8,12 @@ one), not graph by graph: with one graph per block (FSDP2, per-block
 ``torch.compile(block)``) a rule for one kind of block matches no module of
 another block's graph and is still right. Names are collected as each graph is
 compiled (the innermost module of each op, as the passes see it); a policy is
-judged once, at the first optimizer step after its first graph (a global
+judged once: when a graph that is the whole forward of the module being called
+compiles (:func:`mxfx.names.whole_forward`: no module of the calling frames holds
+a parameter outside the graph, as for ``torch.compile(model)`` without graph
+breaks), else at the first optimizer step after its first graph (a global
 optimizer step post-hook: by then every graph of a training step has been
-compiled), or at process exit when no optimizer step follows (inference). Graphs
+compiled), or at process exit when neither comes (per-block inference). Graphs
 compiled after the judgment (a later recompile) are not judged again.
 
 The warning names the rule and a few of the module names that exist. Under
@@ -40,8 +43,10 @@ _judged: set[Policy] = set()
 _hook_handle = None
 
 
-def observe(policy: Policy, modules: set[str]) -> None:
-    """Record the module names of one graph compiled under ``policy``; judged at the next optimizer step or at exit."""
+def observe(policy: Policy, modules: set[str], whole: bool = False) -> None:
+    """Record the module names of one graph compiled under ``policy``; judged now when the graph is the ``whole``
+    forward of the module being called (:func:`mxfx.names.whole_forward`), else at the next optimizer step or at
+    exit."""
     global _hook_handle
     if not any(r.module is not None for r in policy.rules):
         return
@@ -56,6 +61,8 @@ def observe(policy: Policy, modules: set[str]) -> None:
         if _hook_handle is None:
             _hook_handle = register_optimizer_step_post_hook(_on_step)
             atexit.register(judge_pending)
+    if whole:
+        judge_pending(policy)
 
 
 def unmatched_rules(policy: Policy, modules: set[str]) -> list:
@@ -63,16 +70,16 @@ def unmatched_rules(policy: Policy, modules: set[str]) -> list:
     return [r for r in policy.rules if r.module is not None and not any(r.matches_module(m) for m in modules)]
 
 
-def judge_pending() -> None:
-    """Warn once per unmatched rule of every policy seen since the last judgment, then forget their names."""
+def judge_pending(policy: Policy | None = None) -> None:
+    """Warn once per unmatched rule of ``policy`` (of every policy seen since the last judgment when None), over
+    the module names of all its graphs so far, then forget those names."""
     with _lock:
-        pending = list(_seen.items())
-        _seen.clear()
+        pending = [(p, _seen.pop(p)) for p in list(_seen) if policy is None or p == policy]
         _judged.update(p for p, _ in pending)
-    for policy, modules in pending:
+    for judged, modules in pending:
         names = sorted(m for m in modules if m)
         examples = ", ".join(repr(m) for m in names[:EXAMPLES]) + (", ..." if len(names) > EXAMPLES else "")
-        for rule in unmatched_rules(policy, modules):
+        for rule in unmatched_rules(judged, modules):
             warnings.warn(
                 f"mxfx: policy rule {rule.describe()} matches no module of the graphs compiled under this policy, "
                 f"so it changes nothing. Module names there ({len(names)}): {examples or 'none'}. A glob matches a "
