@@ -163,12 +163,15 @@ def mxfp8_backend(gm: fx.GraphModule, example_inputs, options: Policy | dict | N
     policy = Policy.from_options(options)
     before = gm.print_readable(print_output=False) if policy.dump_dir else ""
     trace_artifact("mxfx_graph_before", lambda: before or gm.print_readable(print_output=False))
-    prefix, shared = names.graph_place(parameter_placeholders(gm, example_inputs))
+    params = parameter_placeholders(gm, example_inputs)
+    prefix, shared = names.graph_place(params)
     for g in gm.modules():  # module names behind the graph's place in the registered model (per-block compile)
         if isinstance(g, fx.GraphModule):
             g.meta[PREFIX_META] = prefix
-    rule_check.observe(policy, rule_check.graph_modules(gm))  # judged over all graphs, at the first optimizer step
+    # judged now for a whole-model graph, else over all graphs at the first optimizer step
+    rule_check.observe(policy, rule_check.graph_modules(gm), whole=not prefix and names.whole_forward(params))
     pm = rewrite(gm, policy)
+    rule_check.warn_unmet_requests(policy, pm.records)
     rule_check.warn_shared_graph_rules(policy, {(r.kind, r.module) for r in pm.records}, prefix, shared)
     _warn_float16_once(gm, pm)
     if not torch.is_grad_enabled():  # Dynamo calls the backend in the grad mode the graph was traced in

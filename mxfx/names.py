@@ -20,6 +20,7 @@ during forward, ``load_state_dict(assign=True)``) are still found.
 
 from __future__ import annotations
 
+import sys
 import weakref
 
 import torch
@@ -80,3 +81,34 @@ def _same_class(root: torch.nn.Module, prefix: str) -> list[str]:
     if block is None:
         return []
     return [n + "." for n, m in modules.items() if type(m) is type(block) and n + "." != prefix]
+
+
+_MODULE_CALLS = (torch.nn.Module._call_impl.__code__, torch.nn.Module._wrapped_call_impl.__code__)
+
+
+def whole_forward(params: dict[str, torch.Tensor]) -> bool:
+    """Whether a graph with parameter placeholders ``params`` (graph-relative name -> real tensor) is the whole
+    forward of the module being called: no module whose call is running around the compile has one of its
+    parameters and a parameter outside it, and one of them has all of them.
+
+    False for a block compiled on its own inside an eager model (the model's call is running and holds the
+    other blocks), for each graph of a forward split by graph breaks, and for a graph without parameter
+    placeholders. Only the ``self`` of ``nn.Module`` call frames is read (reading a frame's locals keeps them
+    alive until the frame returns, which a module call soon does).
+    """
+    graph = {id(t) for t in params.values() if isinstance(t, torch.nn.Parameter)}
+    if not graph:
+        return False
+    covered, seen = False, set()
+    frame = sys._getframe(1)
+    while frame is not None:
+        module = frame.f_locals.get("self") if frame.f_code in _MODULE_CALLS else None
+        if isinstance(module, torch.nn.Module) and id(module) not in seen:
+            seen.add(id(module))
+            held = {id(p) for p in module.parameters()}
+            if held & graph:
+                if held - graph:
+                    return False
+                covered = covered or held >= graph
+        frame = frame.f_back
+    return covered

@@ -118,10 +118,14 @@ class Rule(_NamedFields):
     """One policy rule; ``None`` fields do not constrain (match) or do not set (decide).
 
     Attributes:
-        module: fnmatch glob on the op's module FQN as ``named_modules()`` spells
-            it, matched against the whole name or any dotted suffix of it, so
+        module: fnmatch glob on module FQNs as ``named_modules()`` spells them,
+            matched against the whole name or any dotted suffix of it, so
             ``"layers.0.*"`` matches ``layers.0.attn`` and a Hugging Face model's
-            ``model.layers.0.attn`` but not ``layers.10.attn`` or ``xlayers.0.attn``;
+            ``model.layers.0.attn`` but not ``layers.10.attn`` or ``xlayers.0.attn``.
+            A rule for a module covers the ops of the modules inside it:
+            ``"layers.0.mlp"`` matches the ops of ``model.layers.0.mlp`` and of
+            ``model.layers.0.mlp.experts``, ``model.layers.0.mlp.gate``, ... (the glob is
+            matched against the op's module and each module enclosing it).
             None matches any module. A glob that matches no module of any graph
             compiled under the policy warns once (:mod:`mxfx.rule_check`).
         op: op kind, one of :data:`OP_KINDS`; None matches any kind.
@@ -162,11 +166,12 @@ class Rule(_NamedFields):
         return (self.op is None or self.op == kind) and (self.module is None or self.matches_module(module))
 
     def matches_module(self, module: str) -> bool:
-        """Whether the module glob matches ``module`` or one of its dotted suffixes (True without a glob)."""
+        """Whether the module glob matches ``module`` or a module enclosing it, whole or by a dotted suffix
+        (True without a glob): ``"mlp"`` matches ``layers.0.mlp`` and ``layers.0.mlp.experts``."""
         if self.module is None:
             return True
         parts = module.split(".")
-        return any(fnmatch.fnmatchcase(".".join(parts[i:]), self.module) for i in range(len(parts)))
+        return any(_glob_matches(self.module, ".".join(parts[:end])) for end in range(len(parts), 0, -1))
 
     def describe(self) -> str:
         """Compact form: only the fields the rule sets, e.g. ``(module='lm_head', precision='bf16')``."""
@@ -174,13 +179,29 @@ class Rule(_NamedFields):
                                if getattr(self, f.name) is not None) + ")"
 
 
+def _glob_matches(glob: str, name: str) -> bool:
+    """Whether ``glob`` matches the dotted name ``name`` whole or one of its dotted suffixes."""
+    parts = name.split(".")
+    return any(fnmatch.fnmatchcase(".".join(parts[i:]), glob) for i in range(len(parts)))
+
+
+@dataclass(frozen=True)
+class HeadRule(Rule):
+    """A rule for a vocabulary projection by name (:data:`DEFAULT_RULES`): matches a module of that name itself,
+    whole or by a dotted suffix, but not the modules inside one (``layer.0.output.dense`` of a BERT-style
+    encoder is a feed-forward projection, not the head)."""
+
+    def matches_module(self, module: str) -> bool:
+        return self.module is None or _glob_matches(self.module, module)
+
+
 DEFAULT_RULES: tuple[Rule, ...] = (
     # Routers keep their own precision: routing decisions are sensitive and the GEMM is tiny.
     Rule(op="router", precision="bf16"),
     # The vocabulary projection stays BF16 (the recipe: MXFP8 covers attention and MLP projections only);
-    # a glob matches dotted suffixes, so these cover model.lm_head and attn.output too.
-    Rule(module="lm_head", precision="bf16"),
-    Rule(module="output", precision="bf16"),
+    # a glob matches dotted suffixes, so these cover model.lm_head too (the projection itself, not modules inside).
+    HeadRule(module="lm_head", precision="bf16"),
+    HeadRule(module="output", precision="bf16"),
 )
 
 
@@ -354,6 +375,16 @@ class Policy(_NamedFields):
     def pass_enabled(self, name: str) -> bool:
         """Whether pass ``name`` runs (``passes`` switches; every pass is on by default)."""
         return self.passes.get(name, True)
+
+    def requesting_rule(self, kind: str, module: str) -> Rule | None:
+        """The user rule that asks for low precision for an op of ``kind`` in ``module``: the first matching rule
+        that sets ``precision`` when it says "mxfp8", else (no matching rule sets it) the first matching user rule
+        that sets ``format``; None when no user rule asks (the op is converted by default, or kept by a rule)."""
+        matching = [r for r in (*self.rules, *DEFAULT_RULES) if r.matches(kind, module)]
+        decider = next((r for r in matching if r.precision is not None), None)
+        if decider is not None:
+            return decider if decider.precision == "mxfp8" else None
+        return next((r for r in matching if r.format is not None), None)
 
     def decide(self, kind: str, module: str, macs: int | None = None, gemm: tuple[int, int, int] | None = None) -> Decision:
         """Resolve precision for an op of ``kind`` in module ``module`` with a GEMM of ``macs`` MACs.

@@ -1,4 +1,6 @@
-"""Policy rules whose module glob matches no module: warned once, judged against the whole model.
+"""Policy rules that do not apply as written: a module glob matching no module (warned once, judged against the
+whole model), a rule deciding one block of a shared graph (:func:`warn_shared_graph_rules`), and a rule asking
+for low precision that an op's shape refuses (:func:`warn_unmet_requests`).
 
 A rule's module glob is judged against the module names of every graph compiled
 under the same policy (equal policies, e.g. the same ``options`` dict, count as
@@ -6,9 +8,12 @@ one), not graph by graph: with one graph per block (FSDP2, per-block
 ``torch.compile(block)``) a rule for one kind of block matches no module of
 another block's graph and is still right. Names are collected as each graph is
 compiled (the innermost module of each op, as the passes see it); a policy is
-judged once, at the first optimizer step after its first graph (a global
+judged once: when a graph that is the whole forward of the module being called
+compiles (:func:`mxfx.names.whole_forward`: no module of the calling frames holds
+a parameter outside the graph, as for ``torch.compile(model)`` without graph
+breaks), else at the first optimizer step after its first graph (a global
 optimizer step post-hook: by then every graph of a training step has been
-compiled), or at process exit when no optimizer step follows (inference). Graphs
+compiled), or at process exit when neither comes (per-block inference). Graphs
 compiled after the judgment (a later recompile) are not judged again.
 
 The warning names the rule and a few of the module names that exist. Under
@@ -38,8 +43,10 @@ _judged: set[Policy] = set()
 _hook_handle = None
 
 
-def observe(policy: Policy, modules: set[str]) -> None:
-    """Record the module names of one graph compiled under ``policy``; judged at the next optimizer step or at exit."""
+def observe(policy: Policy, modules: set[str], whole: bool = False) -> None:
+    """Record the module names of one graph compiled under ``policy``; judged now when the graph is the ``whole``
+    forward of the module being called (:func:`mxfx.names.whole_forward`), else at the next optimizer step or at
+    exit."""
     global _hook_handle
     if not any(r.module is not None for r in policy.rules):
         return
@@ -54,6 +61,8 @@ def observe(policy: Policy, modules: set[str]) -> None:
         if _hook_handle is None:
             _hook_handle = register_optimizer_step_post_hook(_on_step)
             atexit.register(judge_pending)
+    if whole:
+        judge_pending(policy)
 
 
 def unmatched_rules(policy: Policy, modules: set[str]) -> list:
@@ -61,21 +70,22 @@ def unmatched_rules(policy: Policy, modules: set[str]) -> list:
     return [r for r in policy.rules if r.module is not None and not any(r.matches_module(m) for m in modules)]
 
 
-def judge_pending() -> None:
-    """Warn once per unmatched rule of every policy seen since the last judgment, then forget their names."""
+def judge_pending(policy: Policy | None = None) -> None:
+    """Warn once per unmatched rule of ``policy`` (of every policy seen since the last judgment when None), over
+    the module names of all its graphs so far, then forget those names."""
     with _lock:
-        pending = list(_seen.items())
-        _seen.clear()
+        pending = [(p, _seen.pop(p)) for p in list(_seen) if policy is None or p == policy]
         _judged.update(p for p, _ in pending)
-    for policy, modules in pending:
+    for judged, modules in pending:
         names = sorted(m for m in modules if m)
         examples = ", ".join(repr(m) for m in names[:EXAMPLES]) + (", ..." if len(names) > EXAMPLES else "")
-        for rule in unmatched_rules(policy, modules):
+        for rule in unmatched_rules(judged, modules):
             warnings.warn(
                 f"mxfx: policy rule {rule.describe()} matches no module of the graphs compiled under this policy, "
                 f"so it changes nothing. Module names there ({len(names)}): {examples or 'none'}. A glob matches a "
                 f"name as named_modules() spells it or any dotted suffix of it (e.g. 'layers.0.*' matches "
-                f"'model.layers.0.mlp'); a graph compiled per block names modules from the block.",
+                f"'model.layers.0.mlp'), and the modules inside a matched one; a graph compiled per block names "
+                f"modules from the block.",
                 stacklevel=2,
             )
 
@@ -126,3 +136,36 @@ def warn_shared_graph_rules(policy: Policy, ops: set[tuple[str, str]], prefix: s
                 f"model, or write the rule for every block of this kind (e.g. a glob without the layer index).",
                 stacklevel=2,
             )
+
+
+REQUEST_KINDS = ("linear", "router", "grouped_mm")
+"""Op kinds whose precision a rule decides and whose shape can refuse it (a kept op of another kind is reported
+by its own pass)."""
+_warned_unmet: set[tuple] = set()  # (rule, kind, module, node) already warned
+
+
+def warn_unmet_requests(policy: Policy, records) -> None:
+    """Warn, once per rule and op, when an op a user rule asks to convert (:meth:`Policy.requesting_rule`) is kept
+    in BF16 (its shape, ``min_size`` or operands refuse it): one warning per rule per graph, naming each such op's
+    module, shapes and reason. Ops only the default rules would convert are not warned about (the precision map
+    gives their reasons)."""
+    unmet: dict = {}
+    for r in records:
+        if r.kind not in REQUEST_KINDS or r.rewritten:
+            continue
+        rule = policy.requesting_rule(r.kind, r.module)
+        key = (rule, r.kind, r.module, r.node)
+        if rule is None or key in _warned_unmet:
+            continue
+        _warned_unmet.add(key)
+        unmet.setdefault(rule, []).append(r)
+    for rule, ops in unmet.items():
+        fmt = policy.decide(ops[0].kind, ops[0].module).format
+        listed = "; ".join(f"{r.module or r.node} ({r.kind} {r.shapes}): {r.reason}" for r in ops[:EXAMPLES])
+        warnings.warn(
+            f"mxfx: policy rule {rule.describe()} asks for {fmt}, but {len(ops)} op(s) it matches stay BF16: {listed}"
+            f"{'; ...' if len(ops) > EXAMPLES else ''}. To convert them, pad their features to a multiple of the format's "
+            f"block (32 for mxfp8, 128 for fp8_block; format='mxfp8' takes features fp8_block refuses) or lower min_size "
+            f"(min_size=0 on the rule); otherwise drop the rule or narrow its module glob.",
+            stacklevel=2,
+        )

@@ -1,5 +1,6 @@
-"""Policy rules: a module glob matches a name or a dotted suffix of it; a rule matching no module warns once,
-judged over all graphs compiled under the policy (whole-model and per-block compile)."""
+"""Policy rules: a module glob matches a name or a dotted suffix of it, and the modules inside; a rule matching no
+module warns once, judged over all graphs compiled under the policy: when a whole-model graph compiles, else at the
+first optimizer step (per-block compile) or at exit; a rule asking for low precision an op cannot take warns."""
 
 from __future__ import annotations
 
@@ -66,16 +67,17 @@ def test_glob_matches_name_or_dotted_suffix():
     assert Rule(module="lm_head").matches_module("model.lm_head") and not Rule(module="lm_head").matches_module("lm_head_norm")
 
 
-def test_whole_model_readme_rule_works_on_hf_names_and_unmatched_rule_warns_at_first_step():
+def test_whole_model_readme_rule_works_on_hf_names_and_unmatched_rule_warns_at_compile():
     model = HFLike()
     options = {"inner": "aot_eager", "rules": [{"module": "layers.0.*", "precision": "bf16"},
                                                {"module": "blocks.*", "wgrad": "bf16"}]}
-    with pytest.warns(UserWarning, match="policy rule") as record:
+    with warnings.catch_warnings(record=True) as at_step:
+        warnings.simplefilter("always")
         early = _step(model, torch.compile(model, backend="mxfp8", options=options), torch.randn(4, 64))
-    assert not early, "judged before the optimizer step"
+    (message,) = _rule_warnings(early)  # the whole model is one graph: judged when it compiles, in the forward
+    assert not _rule_warnings(at_step), "warned again at the optimizer step"
     by_module = {r.module: r for r in mxfx.last_report().records}
     assert by_module["model.layers.0.up"].forward == "bf16" and by_module["model.layers.1.proj"].forward == "mxfp8"
-    (message,) = _rule_warnings(record)
     assert "(module='blocks.*', wgrad='bf16')" in message and "'model.layers.0.up'" in message
 
 
@@ -99,12 +101,84 @@ def test_per_block_compile_judges_all_blocks_together():
         _step(model, model, torch.randn(4, 64))
 
 
-def test_inference_only_is_judged_at_exit():
-    """No optimizer step: the exit hook (judge_pending, registered with atexit) warns."""
+def test_inference_whole_model_is_judged_at_compile():
+    """No optimizer step: a whole-model graph is judged when it compiles, not at exit (nor under the next model)."""
     model = Inner()
     options = {"inner": "aot_eager", "rules": [{"module": "head", "precision": "bf16"}]}
+    with torch.no_grad(), pytest.warns(UserWarning, match=r"policy rule \(module='head', precision='bf16'\) matches no"):
+        torch.compile(model, backend="mxfp8", options=options)(torch.randn(4, 64))
+
+
+def test_per_block_inference_is_judged_at_exit():
+    """Blocks compiled on their own inside an eager model are not judged at compile (block 0's graph has no 'proj');
+    without an optimizer step, the exit hook (judge_pending, registered with atexit) judges them together."""
+    model = Inner()
+    options = {"inner": "aot_eager", "rules": [{"module": "proj", "precision": "bf16"}, {"module": "stem", "wgrad": "bf16"}]}
+    for i, block in enumerate(model.layers):
+        model.layers[i] = torch.compile(block, backend="mxfp8", options=options)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("error")
-        torch.compile(model, backend="mxfp8", options=options)(torch.randn(4, 64))
-    with pytest.warns(UserWarning, match=r"policy rule \(module='head', precision='bf16'\) matches no module"):
+        model(torch.randn(4, 64))
+    with pytest.warns(UserWarning, match="policy rule") as record:
         rule_check.judge_pending()
+    messages = [m for m in _rule_warnings(record) if "'stem'" in m or "'proj'" in m]  # other tests' policies may wait too
+    assert len(messages) == 1 and "(module='stem', wgrad='bf16') matches no module" in messages[0], messages
+
+
+def test_rule_naming_a_module_covers_the_modules_inside_it():
+    assert Rule(module="layers.0.mlp").matches_module("model.layers.0.mlp.experts")
+    assert Rule(module="layers.*.mlp").matches_module("model.layers.3.mlp.gate")
+    assert not Rule(module="layers.1").matches_module("model.layers.10.up")
+    assert not Rule(module="layers.1.*").matches_module("model.layers.10.up")
+    assert not Rule(module="mlp").matches_module("layers.0.mlp_norm")
+    # the default vocabulary-projection rules name the head itself, not modules inside one of that name
+    assert mxfx.Policy().decide("linear", "encoder.layer.0.output.dense").precision == "mxfp8"
+    assert mxfx.Policy().decide("linear", "model.lm_head").precision == "bf16"
+    model = HFLike()
+    options = {"inner": "aot_eager", "rules": [{"module": "model.layers.0", "precision": "bf16"}]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the rule matches: no "matches no module" warning
+        torch.compile(model, backend="mxfp8", options=options)(torch.randn(4, 64))
+    by_module = {r.module: r for r in mxfx.last_report().records}
+    assert by_module["model.layers.0.up"].forward == "bf16" and by_module["model.layers.1.proj"].forward == "mxfp8"
+    assert "(module='model.layers.0', precision='bf16')" in by_module["model.layers.0.up"].reason
+
+
+class Uneven(nn.Module):
+    """``up`` 64->64 is eligible; ``odd`` 64->40 and ``tail`` 40->64 are not (40 is not a multiple of 32)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.odd, self.tail = nn.Linear(64, 64), nn.Linear(64, 40), nn.Linear(40, 64)
+
+    def forward(self, x):
+        return self.tail(self.odd(self.up(x)))
+
+
+def _compile_warnings(options) -> list[str]:
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        torch.compile(Uneven(), backend="mxfp8", options=options)(torch.randn(4, 64))
+    return [str(w.message) for w in record if "asks for" in str(w.message)]
+
+
+def test_rule_asking_for_low_precision_warns_when_the_shape_refuses_it():
+    options = {"inner": "aot_eager", "rules": [{"module": "odd", "precision": "mxfp8", "wgrad": "mxfp8"},
+                                               {"module": "up", "format": "fp8_block"}]}
+    messages = _compile_warnings(options)
+    by_module = {r.module: r for r in mxfx.last_report().records}
+    assert [by_module[m].forward for m in ("up", "odd", "tail")] == ["bf16"] * 3
+    assert len(messages) == 2, messages  # not 'tail': only the default rules would convert it
+    odd, up = sorted(messages, key=lambda m: "'up'" in m)
+    assert "(module='odd', precision='mxfp8', wgrad='mxfp8') asks for mxfp8" in odd
+    assert "odd (linear x[4, 64] w[40, 64] +bias): features 64->40 are not multiples of 32" in odd and "pad" in odd
+    assert "(module='up', format='fp8_block') asks for fp8_block" in up and "not multiples of 128" in up
+    assert not any("tail" in m for m in messages)
+
+
+def test_rule_asking_for_low_precision_warns_below_min_size_once():
+    options = {"inner": "aot_eager", "min_size": 10**9, "rules": [{"module": "up", "precision": "mxfp8", "save": "mxfp8"}]}
+    (message,) = _compile_warnings(options)
+    assert "up (linear x[4, 64] w[64, 64] +bias): GEMM of 16384 MACs is below min_size 1000000000" in message
+    assert "min_size=0 on the rule" in message
+    assert not _compile_warnings(options)  # once per rule and op
