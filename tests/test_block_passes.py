@@ -231,3 +231,42 @@ def test_policy_rejects_a_scale_rule_of_another_format(kw):
     with pytest.raises(ValueError, match="is not a rule of format"):
         mxfx.Policy(**kw)
     assert mxfx.Policy(format="fp8_block", scale_rule="amax").scale_rule == "amax"
+
+
+def _saved_storages(out: torch.Tensor) -> dict:
+    """``{storage pointer: (bytes, dtype)}`` of every tensor the autograd graph behind ``out`` saved."""
+    found, seen, stack = {}, set(), [out.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for t in getattr(node, "saved_tensors", ()):
+            if isinstance(t, torch.Tensor):
+                found[t.untyped_storage().data_ptr()] = (t.untyped_storage().nbytes(), t.dtype)
+        stack.extend(f for f, _ in node.next_functions)
+    return found
+
+
+def test_compiled_fp8_block_swiglu_saves_fp8_gate_and_up():
+    """The SwiGLU inputs of a routed block are saved as FP8 pairs in the compiled graph, not as the BF16 gate_up
+    output: the quantizations are one op with the forward operand's, which the partitioner cannot move into the
+    backward (it moved a lone quantize there and saved its BF16 input instead)."""
+    s, d, e, h = 512, 128, 4, 128
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(s, d, generator=g).bfloat16().requires_grad_()
+    w_gate_up = (torch.randn(e, 2 * h, d, generator=g) * 0.05).bfloat16().requires_grad_()
+    w_down = (torch.randn(e, d, h, generator=g) * 0.05).bfloat16().requires_grad_()
+    offs = torch.tensor([100, 260, 260, 512], dtype=torch.int32)
+
+    def block(x, w_gate_up, w_down):
+        gate, up = torch._grouped_mm(x, w_gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(gate) * up, w_down.transpose(-2, -1), offs=offs)
+
+    torch._dynamo.reset()
+    out = torch.compile(block, backend="mxfp8", options={"format": "fp8_block", "inner": "aot_eager"})(x, w_gate_up, w_down)
+    assert mxfx.last_report().count("swiglu", True) == 1
+    saved = _saved_storages(out)
+    gate_up_bytes = s * 2 * h * 2
+    assert not [b for b, dt in saved.values() if dt == torch.bfloat16 and b >= gate_up_bytes], saved
+    assert sum(1 for b, dt in saved.values() if dt == torch.float8_e4m3fn and b == s * h) >= 2, saved  # gate, up

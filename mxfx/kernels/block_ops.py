@@ -10,6 +10,8 @@ what cuBLAS reads; the fake implementations say so too), every qdata contiguous.
 * ``block_quantize_tokens(x [T, K], rule)`` -> ``([K, T], [K, ceil(T/128)])``, 1x128 along tokens;
 * ``block_quantize_grouped_tokens(x [S, K], offs, rule)`` -> ``([K, S], [K, C])``, tiles restarting at every
   group start (``C = mxfx.block_format.group_tile_capacity(S, G)``);
+* ``block_forward_operands(x, up, tokens_src, offs, rule, pack)``: every quantization a forward makes of one
+  GEMM input, in one op (see there);
 * ``block_mm``, ``block_grouped_mm``, ``block_grouped_wgrad``: :mod:`mxfx.kernels.block_gemm`'s GEMMs.
 """
 
@@ -91,6 +93,44 @@ def _(x, offs, rule):
     _check_2d(x, "block_quantize_grouped_tokens")
     t, k = x.shape
     return x.new_empty((k, t), dtype=_E4M3), _fake_col_major(x, k, group_tile_capacity(t, offs.shape[0]))
+
+
+def _forward_operands(x, up, tokens_src, offs, rule, pack) -> list:
+    """Body of :func:`block_forward_operands`, real and fake alike (on fake tensors the ops it calls run their
+    own fake implementations)."""
+    _check_2d(x, "block_forward_operands")
+    if pack and up is None:
+        raise ValueError(f"mxfx::block_forward_operands: pack=True packs the SwiGLU gate and up; got gate {tuple(x.shape)} "
+                         f"and no up")
+    pairs = [block_swiglu_quantize(x, up, rule) if up is not None else block_quantize(x, rule)]
+    if tokens_src is not None:
+        pairs.append(block_quantize_tokens(tokens_src, rule) if offs is None
+                     else block_quantize_grouped_tokens(tokens_src, offs, rule))
+    if pack:
+        pairs += [block_quantize(x, rule), block_quantize(up, rule)]
+    return [t for pair in pairs for t in pair]
+
+
+@torch.library.custom_op("mxfx::block_forward_operands", mutates_args=())
+def block_forward_operands(x: torch.Tensor, up: torch.Tensor | None, tokens_src: torch.Tensor | None,
+                           offs: torch.Tensor | None, rule: str, pack: bool) -> list[torch.Tensor]:
+    """Every fp8_block quantization a forward makes of one GEMM input, as one op: ``[qdata, scales]`` of the
+    forward operand (``x``, or ``silu(x) * up`` with ``up``: :func:`block_quantize` / :func:`block_swiglu_quantize`),
+    then, with ``tokens_src``, its token-tiled wgrad operand (:func:`block_quantize_tokens`, or with ``offs``
+    :func:`block_quantize_grouped_tokens`), then, with ``pack``, the 1x128 pairs of ``x`` and ``up`` (the SwiGLU
+    inputs saved for backward).
+
+    One op because the forward reads its first pair: AOTAutograd's partitioner moves a forward op whose outputs
+    only the backward reads into the backward, and saves that op's input instead, in BF16 (twice the bytes of the
+    FP8 copy the policy asked to save).
+
+    Raises:
+        ValueError: a tensor that is not 2D, or ``pack`` without ``up``.
+    """
+    return _forward_operands(x, up, tokens_src, offs, rule, pack)
+
+
+block_forward_operands.register_fake(_forward_operands)
 
 
 _fp32_out_refused: list[str] = []  # cuBLAS's refusal of a float32 output, once seen

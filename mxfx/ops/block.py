@@ -48,10 +48,17 @@ def _input(x: torch.Tensor, up: torch.Tensor | None, rule: str):
     return block_ops.block_quantize(x, rule) if up is None else block_ops.block_swiglu_quantize(x, up, rule)
 
 
-def _pack_swiglu(gate: torch.Tensor, up: torch.Tensor, save: str, rule: str) -> tuple:
-    if save == "mxfp8":
-        return (*block_ops.block_quantize(gate, rule), *block_ops.block_quantize(up, rule))
-    return (gate, up)
+def _forward_operands(x: torch.Tensor, up: torch.Tensor | None, tokens_src: torch.Tensor | None,
+                      offs: torch.Tensor | None, save: str, rule: str) -> tuple:
+    """``(xq, xs, token-tiled pair or (), packed SwiGLU inputs or ())`` of a GEMM input, quantized in one op
+    (:func:`mxfx.kernels.block_ops.block_forward_operands`); the SwiGLU inputs are saved as FP8 pairs under
+    ``save="mxfp8"``, as given otherwise."""
+    pack = up is not None and save == "mxfp8"
+    out = block_ops.block_forward_operands(x, up, tokens_src, offs, rule, pack)
+    xq, xs, rest = out[0], out[1], out[2:]
+    tokens = tuple(rest[:2]) if tokens_src is not None else ()
+    packed = tuple(rest[len(tokens):]) if pack else ((x, up) if up is not None else ())
+    return xq, xs, tokens, packed
 
 
 def _swiglu_backward(dh: torch.Tensor, packed: tuple) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,18 +76,20 @@ class _BlockLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d, up, weight, bias, out_dtype, settings: MXSettings):
         rule, wgrad, save = settings.scale_rule, settings.wgrad, settings.save
-        xq, xs = _input(x2d, up, rule)
+        keep_x = save == "bf16" and up is None  # x stays alive elsewhere: keep a reference
+        fp8_tokens = wgrad == "mxfp8" and not keep_x
+        xq, xs, tokens, packed = _forward_operands(x2d, up, _wgrad_source(x2d, up) if fp8_tokens else None, None,
+                                                   save, rule)
         wq, ws = block_weight_operand(weight, rule, "forward")
         y = block_ops.block_mm(xq, xs, wq, ws, out_dtype)
         if bias is not None:
             y = y + bias.to(out_dtype)
-        if save == "bf16" and up is None:  # x stays alive elsewhere: keep a reference
+        if keep_x:
             kind, wgrad_input = ("hp_tokens" if wgrad == "mxfp8" else "hp"), (x2d,)
-        elif wgrad == "mxfp8":
-            kind, wgrad_input = "fp8_tokens", block_ops.block_quantize_tokens(_wgrad_source(x2d, up), rule)
+        elif fp8_tokens:
+            kind, wgrad_input = "fp8_tokens", tokens
         else:
             kind, wgrad_input = "rows", (xq, xs)
-        packed = _pack_swiglu(x2d, up, save, rule) if up is not None else ()
         ctx.save_for_backward(weight, *wgrad_input, *packed)
         ctx.settings, ctx.x_dtype, ctx.out_dtype, ctx.kind, ctx.n_wgrad = settings, x2d.dtype, out_dtype, kind, len(wgrad_input)
         ctx.has_bias, ctx.has_up = bias is not None, up is not None
@@ -152,11 +161,12 @@ class _BlockGroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, up, weight, offs, route_weight, out_dtype, settings: MXSettings):
         rule, wgrad, save = settings.scale_rule, settings.wgrad, settings.save
-        xq, xs = _input(x, up, rule)
+        xq, xs, tokens, packed = _forward_operands(x, up, _wgrad_source(x, up) if wgrad == "mxfp8" else None, offs,
+                                                   save, rule)
         wq, ws = block_weight_operand(weight, rule, "forward")
         y = block_ops.block_grouped_mm(xq, xs, wq, ws, offs, out_dtype)
         if wgrad == "mxfp8":
-            wgrad_input = block_ops.block_quantize_grouped_tokens(_wgrad_source(x, up), offs, rule)
+            wgrad_input = tokens
         elif save == "mxfp8" or up is not None:
             wgrad_input = (xq, xs)  # the forward's own FP8 copy: dequantized for the BF16 wgrad
         else:
@@ -165,7 +175,6 @@ class _BlockGroupedMM(torch.autograd.Function):
         if route_weight is not None:
             y_unweighted = (y,)
             y = weigh_rows(y, route_weight, out_dtype)
-        packed = _pack_swiglu(x, up, save, rule) if up is not None else ()
         ctx.save_for_backward(weight, offs, route_weight, *y_unweighted, *wgrad_input, *packed)
         ctx.settings, ctx.n_wgrad, ctx.x_dtype = settings, len(wgrad_input), x.dtype
         ctx.has_up, ctx.has_route_weight = up is not None, route_weight is not None
