@@ -270,3 +270,48 @@ def test_compiled_fp8_block_swiglu_saves_fp8_gate_and_up():
     gate_up_bytes = s * 2 * h * 2
     assert not [b for b, dt in saved.values() if dt == torch.bfloat16 and b >= gate_up_bytes], saved
     assert sum(1 for b, dt in saved.values() if dt == torch.float8_e4m3fn and b == s * h) >= 2, saved  # gate, up
+
+
+def _local_dispatch(x, router_w, w_gate_up, w_down):
+    """A routed block with local dispatch as HF writes it: each token gathered once per expert it is routed to."""
+    weights, experts = F.linear(x, router_w).float().softmax(-1).topk(2, dim=-1)
+    order = experts.reshape(-1).argsort(stable=True)
+    offs = torch.histc(experts.reshape(-1).float(), bins=w_down.shape[0], min=-0.5, max=w_down.shape[0] - 0.5)
+    offs = offs.cumsum(0).to(torch.int32)
+    gate, up = torch._grouped_mm(x[order // 2], w_gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(gate) * up, w_down.transpose(-2, -1), offs=offs)
+    y = y * weights.reshape(-1)[order].to(y.dtype)[:, None]
+    return torch.zeros_like(x).index_add(0, order // 2, y)
+
+
+def test_fp8_block_local_dispatch_quantizes_tokens_before_the_gather():
+    """x's 1x128 tiles gathered per routed row are the tiles of the gathered rows (a tile lies in one row), so
+    quantizing the tokens before the gather gives bit-identical outputs and gradients, and the BF16 gathered rows
+    are not saved for backward (the partitioner recomputes the gather)."""
+    g = torch.Generator().manual_seed(0)
+    args = [(torch.randn(256, 128, generator=g)).bfloat16(), (torch.randn(4, 128, generator=g) * 0.1).bfloat16(),
+            (torch.randn(4, 256, 128, generator=g) * 0.05).bfloat16(), (torch.randn(4, 128, 128, generator=g) * 0.05).bfloat16()]
+
+    def run(dispatch: bool):
+        torch._dynamo.reset()
+        leaves = [a.clone().requires_grad_() for a in args]
+        options = {"format": "fp8_block", "inner": "aot_eager", "passes": {"dispatch_mx": dispatch}}
+        out = torch.compile(_local_dispatch, backend="mxfp8", options=options)(*leaves)
+        saved = sum(b for b, _ in _saved_storages(out).values())
+        out.float().square().sum().backward()
+        return out.detach(), [t.grad for t in leaves], saved, mxfx.last_report()
+
+    out, grads, saved, pm = run(True)
+    out_ref, grads_ref, saved_ref, _ = run(False)
+    assert any("before the dispatch's row gather" in r.reason for r in pm.records if r.kind == "grouped_mm"), pm.to_text()
+    assert torch.equal(out, out_ref) and all(torch.equal(a, b) for a, b in zip(grads, grads_ref))
+    assert saved_ref - saved >= 512 * 128 * 2  # the BF16 gathered rows [512, 128]
+
+
+def test_fp8_block_refuses_an_mx_pair_as_x_tiles():
+    x = torch.randn(64, 128)
+    w = torch.randn(2, 128, 128)
+    offs = torch.tensor([30, 64], dtype=torch.int32)
+    mx = (x.to(torch.float8_e4m3fn), torch.zeros(64, 4, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"1x128 tiles.*\(64, 1\)"):
+        mx_grouped_mm_op(x, w, offs, format="fp8_block", x_mx=mx)

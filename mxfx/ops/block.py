@@ -157,12 +157,35 @@ def weigh_rows(y: torch.Tensor, route_weight: torch.Tensor, out_dtype: torch.dty
     return (y.float() * route_weight.reshape(-1, 1).float()).to(out_dtype)
 
 
+def check_x_tiles(x_tiles, x: torch.Tensor, up: torch.Tensor | None) -> tuple | None:
+    """``x_tiles`` of :func:`block_grouped_mm` checked against ``x``: None, or ``(qdata, scales)`` of x's 1x128
+    tiles (E4M3 ``[S, K]``, float32 ``[S, ceil(K/128)]``, any strides), never with ``up``.
+
+    Raises:
+        ValueError: another pair (an MXFP8 one: uint8 scales per 32), other shapes, or ``up`` given too.
+    """
+    if x_tiles is None:
+        return None
+    q, s = x_tiles if isinstance(x_tiles, (tuple, list)) and len(x_tiles) == 2 else (None, None)
+    want = (x.shape[0], -(-x.shape[-1] // TILE))
+    if (up is not None or not isinstance(q, torch.Tensor) or not isinstance(s, torch.Tensor) or q.dtype != torch.float8_e4m3fn
+            or s.dtype != torch.float32 or q.shape != x.shape or tuple(s.shape) != want):
+        got = " / ".join(f"{tuple(t.shape)} {t.dtype}" for t in (x_tiles or ()) if isinstance(t, torch.Tensor))
+        raise ValueError(f"mxfx.grouped_mm: under format='fp8_block' x_mx must be x's 1x128 tiles (qdata float8_e4m3fn "
+                         f"{tuple(x.shape)}, float32 scales {want}) and not combined with up; got {got or x_tiles!r}")
+    return q, s
+
+
 class _BlockGroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, up, weight, offs, route_weight, out_dtype, settings: MXSettings):
+    def forward(ctx, x, up, weight, offs, route_weight, out_dtype, settings: MXSettings, x_tiles):
         rule, wgrad, save = settings.scale_rule, settings.wgrad, settings.save
-        xq, xs, tokens, packed = _forward_operands(x, up, _wgrad_source(x, up) if wgrad == "mxfp8" else None, offs,
-                                                   save, rule)
+        tokens_src = _wgrad_source(x, up) if wgrad == "mxfp8" else None
+        if x_tiles is None:
+            xq, xs, tokens, packed = _forward_operands(x, up, tokens_src, offs, save, rule)
+        else:  # x quantized before the dispatch's row gather (mxfx.passes.dispatch_mx); up is None
+            (xq, xs), packed = x_tiles, ()
+            tokens = tuple(block_ops.block_quantize_grouped_tokens(tokens_src, offs, rule)) if tokens_src is not None else ()
         wq, ws = block_weight_operand(weight, rule, "forward")
         y = block_ops.block_grouped_mm(xq, xs, wq, ws, offs, out_dtype)
         if wgrad == "mxfp8":
@@ -209,14 +232,16 @@ class _BlockGroupedMM(torch.autograd.Function):
             else:
                 x_saved = wgrad_input[0] if ctx.n_wgrad == 1 else _dequantize(*wgrad_input, torch.bfloat16)
                 dw = hp_grouped_wgrad(dy.to(dout.dtype), x_saved, offs, weight.dtype)
-        return dx, dup, dw, None, d_rw, None, None
+        return dx, dup, dw, None, d_rw, None, None, None
 
 
 def block_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, up: torch.Tensor | None,
-                     route_weight: torch.Tensor | None, out_dtype: torch.dtype, settings: MXSettings) -> torch.Tensor:
+                     route_weight: torch.Tensor | None, out_dtype: torch.dtype, settings: MXSettings,
+                     x_tiles: tuple | None = None) -> torch.Tensor:
     """fp8_block ``torch._grouped_mm(x, weight.transpose(-2, -1), offs)`` (module docstring) for
     :func:`mxfx.ops.grouped_mm.mx_grouped_mm_op`, which checks the arguments: ``x [S, K]`` (the SwiGLU gate
-    with ``up``), ``weight [E, N, K]``, int32 ``offs [E]``, optional ``route_weight [S]`` -> ``[S, N]``.
+    with ``up``), ``weight [E, N, K]``, int32 ``offs [E]``, optional ``route_weight [S]`` -> ``[S, N]``; ``x_tiles``:
+    x's 1x128 tiles made before a row gather (:func:`check_x_tiles`), used instead of quantizing ``x``.
 
     Raises:
         ValueError: K or N not a multiple of 128.
@@ -224,7 +249,7 @@ def block_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, 
     _, n, k = weight.shape
     check_features("mxfx.grouped_mm", k, n)
     if not torch.is_grad_enabled():
-        y = block_ops.block_grouped_mm(*_input(x, up, settings.scale_rule),
+        y = block_ops.block_grouped_mm(*(x_tiles or _input(x, up, settings.scale_rule)),
                                        *block_weight_operand(weight, settings.scale_rule, "forward"), offs, out_dtype)
         return y if route_weight is None else weigh_rows(y, route_weight, out_dtype)
-    return _BlockGroupedMM.apply(x, up, weight, offs, route_weight, out_dtype, settings)
+    return _BlockGroupedMM.apply(x, up, weight, offs, route_weight, out_dtype, settings, x_tiles)

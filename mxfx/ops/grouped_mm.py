@@ -33,7 +33,7 @@ from mxfx.cache import weight_operands
 from mxfx.format import check_input
 from mxfx.kernels import custom_ops
 from mxfx.ops import swiglu
-from mxfx.ops.block import block_grouped_mm, weigh_rows
+from mxfx.ops.block import block_grouped_mm, check_x_tiles, weigh_rows
 from mxfx.ops.gemm import a_operand, hp_grouped_wgrad, mx_grouped_mm, mx_grouped_mm_wgrad, quantize_operand
 from mxfx.settings import MXSettings, resolve
 
@@ -169,7 +169,9 @@ def mx_grouped_mm_op(
             from the MX of the tokens before the dispatch's row gather): the forward GEMM uses
             it instead of quantizing ``x`` again. Not with ``up``. A third element, the
             dequantized values ``[S, K]`` in :func:`mxfx.device.emulated_operand_dtype`,
-            is what an emulated GEMM reads instead of dequantizing the pair.
+            is what an emulated GEMM reads instead of dequantizing the pair. Under
+            ``format="fp8_block"`` the pair is x's 1x128 tiles instead (qdata ``[S, K]``, float32
+            scales ``[S, K/128]``, any strides): x's own quantization, gathered rows included.
         settings, **setting_fields: an :class:`mxfx.settings.MXSettings` and/or its fields by name
             (``scale_rule``, ``wgrad`` (default "bf16", the routed recipe), ``save``,
             ``keep_dequantized_weights``, ``format``); fields given by name override ``settings``.
@@ -214,12 +216,10 @@ def mx_grouped_mm_op(
             f"{op}: offs of shape {tuple(offs.shape)} has dtype {offs.dtype}; it holds the int32 cumulative "
             f"group ends, as torch._grouped_mm takes them: pass offs.to(torch.int32)"
         )
-    x_q, x_s, x_dequantized = _check_x_mx(x_mx, x, up)
     out_dtype = out_dtype or x.dtype
     if settings.format == "fp8_block":
-        if x_mx is not None:
-            raise ValueError(f"{op}: x_mx carries an MXFP8 pair; format='fp8_block' quantizes x itself (drop x_mx)")
-        return block_grouped_mm(x, weight, offs, up, route_weight, out_dtype, settings)
+        return block_grouped_mm(x, weight, offs, up, route_weight, out_dtype, settings, x_tiles=check_x_tiles(x_mx, x, up))
+    x_q, x_s, x_dequantized = _check_x_mx(x_mx, x, up)
     if not torch.is_grad_enabled():  # inference graph: the forward GEMM only, nothing saved
         xq, xs, x_hat = (swiglu.quantize_input(x, up, settings.scale_rule, "grouped_mm") if x_q is None
                          else (x_q, x_s, x_dequantized))

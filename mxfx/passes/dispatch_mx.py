@@ -25,7 +25,9 @@ writes, which the GEMM reads instead of dequantizing the pair). Valid for the
 same reason: a gathered row's blocks and scales are those of its source row, so
 ``quantize(x)[idx] == quantize(x[idx])`` bit for bit. Taken only when the
 gathers make more rows than ``x`` has; the BF16 rows stay in the graph for
-autograd and, when the saved pass keeps them, for the BF16 wgrad.
+autograd and, when the saved pass keeps them, for the BF16 wgrad. Under
+``format="fp8_block"`` the same holds for x's 1x128 tiles (a tile lies inside one
+row): x is quantized in tiles and the gathered pair is handed on.
 """
 
 from __future__ import annotations
@@ -115,17 +117,20 @@ def _hoist_local(gm: fx.GraphModule, pm: PrecisionMap) -> int:
     for grouped in list(gm.graph.nodes):
         if grouped.target is not mx_grouped_mm_op or grouped.kwargs.get("up") is not None:
             continue
-        if grouped.kwargs.get("x_mx") is not None or grouped.kwargs.get("format", "mxfp8") != "mxfp8":
-            continue  # fp8_block GEMMs quantize their rows themselves (1x128 tiles, not MX blocks)
+        if grouped.kwargs.get("x_mx") is not None:
+            continue
         found = _local_gathers(grouped)
         if found is None:
             continue
         src, chain = found
         rule = grouped.kwargs.get("scale_rule", "rceil")
-        dtype = emulated_operand_dtype("grouped_mm", example_value(src).device)
+        block = grouped.kwargs.get("format", "mxfp8") == "fp8_block"
+        dtype = None if block else emulated_operand_dtype("grouped_mm", example_value(src).device)
         with gm.graph.inserting_before(chain[0]):
             tokens = gm.graph.call_method("detach", (src,))  # gradients flow through the BF16 rows
-            if dtype is None:
+            if block:
+                mx = gm.graph.call_function(torch.ops.mxfx.block_quantize.default, (tokens, rule))
+            elif dtype is None:
                 mx = gm.graph.call_function(custom_ops.quantize, (tokens, rule))
             else:
                 mx = gm.graph.call_function(custom_ops.quantize_dequantize, (tokens, rule, dtype))
