@@ -2,8 +2,10 @@
 
 Shape (default): 8192 tokens, d=2048, 64 experts top-8, expert hidden 1024 -> 65536 routed rows.
 All arms run in one process on the same inputs, weights and routing. Reports median time
-(triton.testing.do_bench when CUDA is present), peak memory, and activation memory
-(peak minus memory held before the forward). Weights are BF16 parameters in every arm;
+(triton.testing.do_bench when CUDA is present), peak memory, activation memory
+(peak minus memory held before the forward), and the bytes the autograd graph saved for backward
+(storages held by the graph after the forward, less the inputs, parameters and weight caches: on any
+device, so a CPU run shows it too). Weights are BF16 parameters in every arm;
 mxfx's weight caches are rebuilt once per optimizer step, so in this loop (no optimizer
 step) its weight quantization is amortized away, as it is across microbatches in training.
 
@@ -23,6 +25,8 @@ import time
 import torch
 import torch.nn.functional as F
 from _results import emit  # noqa: E402  (bench/ is on sys.path when a script runs)
+
+from mxfx import cache
 
 
 def routed_layer(grouped_mm):
@@ -55,16 +59,37 @@ def torchao_grouped_mm():
     return mm
 
 
+def saved_bytes(out: torch.Tensor, held: list[torch.Tensor]) -> int:
+    """Bytes of the storages the autograd graph behind ``out`` saved for backward, less those of ``held`` (inputs,
+    parameters) and of their weight caches (:func:`mxfx.cache.entry_forms`)."""
+    skip = {t.untyped_storage().data_ptr() for t in held}
+    skip |= {f.untyped_storage().data_ptr() for t in held for pair in cache.entry_forms(t).values() for f in pair}
+    found, seen, stack = {}, set(), [out.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for t in getattr(node, "saved_tensors", ()):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in skip:
+                found[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        stack.extend(f for f, _ in node.next_functions)
+    return sum(found.values())
+
+
 def measure(fn, args, device, profile_path=None):
-    """Median ms of forward+backward, peak and activation bytes (and, with ``profile_path``, every device
-    op of one more call written there)."""
+    """Median ms of forward+backward, peak, activation and saved-for-backward bytes (and, with
+    ``profile_path``, every device op of one more call written there)."""
 
     def step():
         out = fn(*args)
         out.float().square().mean().backward()
 
     step()  # compile
-    step()
+    out = fn(*args)
+    saved = saved_bytes(out, [a for a in args if isinstance(a, torch.Tensor)])
+    out.float().square().mean().backward()
+    del out
     if device == "cuda":
         import triton.testing
 
@@ -79,11 +104,11 @@ def measure(fn, args, device, profile_path=None):
             from train_step import profile_step
 
             print(profile_step(step, path=profile_path), flush=True)
-        return ms, peak, peak - base
+        return ms, peak, peak - base, saved
     t0 = time.perf_counter()
     for _ in range(3):
         step()
-    return (time.perf_counter() - t0) / 3 * 1e3, float("nan"), float("nan")
+    return (time.perf_counter() - t0) / 3 * 1e3, float("nan"), float("nan"), saved
 
 
 def main():
@@ -131,18 +156,19 @@ def main():
             path = None
             if key in a.profile.split(","):
                 path = os.path.join(os.environ.get("MXFX_BENCH_OUT", "."), f"profile_layer_{key}.txt")
-            ms, peak, act = measure(arms[name](), args, dev, path)
+            ms, peak, act, saved = measure(arms[name](), args, dev, path)
         except Exception as e:  # a peer that cannot run here is reported, not fatal
-            rows.append(f"| {name} | failed: {type(e).__name__}: {str(e)[:80]} | | | |")
+            rows.append(f"| {name} | failed: {type(e).__name__}: {str(e)[:80]} | | | | |")
             continue
         finally:
             os.environ.pop("MXFX_OPAQUE_KERNELS", None)
         base_ms = base_ms or ms
-        rows.append(f"| {name} | {ms:.3f} | {base_ms / ms:.2f}x | {peak / 2**30:.2f} | {act / 2**30:.2f} |")
+        rows.append(f"| {name} | {ms:.3f} | {base_ms / ms:.2f}x | {peak / 2**30:.2f} | {act / 2**30:.2f} | {saved / 2**30:.3f} |")
         for t in (x, *params):
             t.grad = None
     head = f"MoE layer fwd+bwd: {a.tokens} tokens, d={a.d}, {a.experts} experts top-{a.topk}, hidden {a.hidden}, device {torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'}, torch {torch.__version__}"
-    table = "\n".join([head, "", "| arm | ms | speed vs bf16 | peak GiB | activation GiB |", "|---|---|---|---|---|", *rows])
+    table = "\n".join([head, "", "| arm | ms | speed vs bf16 | peak GiB | activation GiB | saved for backward GiB |",
+                       "|---|---|---|---|---|---|", *rows])
     emit("moe_layer.md", table)
 
 
