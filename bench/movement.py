@@ -2,7 +2,7 @@
 
 A movement-only variant issues the loads and stores of a kernel's access pattern with no MX arithmetic: its
 "encode" is each value's high byte, its scales zeros. What it reaches, as % of a 2 GiB copy, is the most the
-pattern can move in Triton on this GPU; ``bench/kernels.py`` times it in the same run as the kernel and prints
+pattern can move in Triton on this GPU; ``bench/mx_kernels.py`` times it in the same run as the kernel and prints
 both (goal: each kernel within 2 points of its own ceiling). Two patterns:
 
 * :func:`stream`: flat streams, each input byte read once, H 16-bit and Q byte outputs of the same length

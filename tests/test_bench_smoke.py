@@ -62,7 +62,7 @@ def test_scale_rule_study_tiny(monkeypatch, tmp_path):
 
 
 def test_movement_ceiling_variants_move_their_bytes():
-    """The movement-only variants ``bench/kernels.py`` rates each kernel against write the high byte of every
+    """The movement-only variants ``bench/mx_kernels.py`` rates each kernel against write the high byte of every
     value (rowwise and transposed) under Triton's interpreter: a variant moving fewer bytes would flatter it."""
     import os
     import subprocess

@@ -112,7 +112,7 @@ def check():
 
 
 def time_all():
-    from bench.kernels import SHAPES, copy_bandwidth, median_ms
+    from bench.mx_kernels import SHAPES, copy_bandwidth, median_ms
 
     copy_gbs = copy_bandwidth()
     print(f"copy {copy_gbs:.0f} GB/s\n| variant | shape | % of copy | bytes |\n|---|---|---|---|")

@@ -2,7 +2,7 @@
 
 Usage: ``ncu --clock-control none --set full -k regex:^_ --launch-skip 2 --launch-count 1
 python -m bench.probes.ncu_cases CASE M K`` with CASE one of :data:`CASES`. The kernels run exactly
-as ``bench/kernels.py`` times them; this script only gives each a name and a fixed call count, so that
+as ``bench/mx_kernels.py`` times them; this script only gives each a name and a fixed call count, so that
 the profiler sees the third launch (after compilation and one warm call).
 """
 

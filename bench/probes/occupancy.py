@@ -19,7 +19,7 @@ import sys
 import torch
 
 
-from bench import kernels as bench
+from bench import mx_kernels as bench
 from mxfx.kernels import device_path, dual, quantize, swiglu
 
 CAPS = [None, 64, 80, 96, 128]

@@ -53,7 +53,7 @@ try:
 except ImportError:
     sys.exit("silu_exhaustive: needs Triton and a CUDA GPU (pip install -e '.[gpu]')")
 
-from bench.kernels import SHAPES, copy_bandwidth, median_ms
+from bench.mx_kernels import SHAPES, copy_bandwidth, median_ms
 from mxfx.kernels import device_path
 from mxfx.kernels import dual as dual_mod
 from mxfx.kernels.mx_block import FLT_MAX, exp_f32, load_blocks, rcp_approx_ftz, silu_f32, store_dequantized

@@ -1,10 +1,10 @@
 """What the dual-quantize probes share: a timing table of the module's kernel and each variant side by side, the
 byte-equality check, the interpreter check of persistent variants, TMA scratch, and the command line.
 
-``time_variants(title, module_fn, variants, same)`` prints, for each benchmark shape of ``bench/kernels.py``
+``time_variants(title, module_fn, variants, same)`` prints, for each benchmark shape of ``bench/mx_kernels.py``
 (bf16 input), the % of a 2 GiB copy of ``module_fn(x)`` and of every ``(name, fn)`` in ``variants``, and whether
 the variant's outputs equal the module's (``same(got, ref)``). Bytes counted: ``per_elem`` per input value; by
-default the bf16 input read once and both MX pairs written (2 + 2 x 33/32), as ``bench/kernels.py`` counts the dual
+default the bf16 input read once and both MX pairs written (2 + 2 x 33/32), as ``bench/mx_kernels.py`` counts the dual
 passes.
 
 ``probe_main(name, time_all, check, sass)`` is each probe's command line: no argument times on a GPU, ``check``
@@ -68,7 +68,7 @@ def probe_main(name: str, time_all, check=None, sass=None) -> None:
 
 
 def time_variants(title: str, module_fn, variants, same, per_elem: float = 2 + 66 / 32) -> None:
-    from bench.kernels import SHAPES, copy_bandwidth, median_ms
+    from bench.mx_kernels import SHAPES, copy_bandwidth, median_ms
 
     copy_gbs = copy_bandwidth()
     print(f"copy {copy_gbs:.0f} GB/s\n| variant | shape | % of copy | bytes |\n|---|---|---|---|")

@@ -12,7 +12,7 @@ no MX arithmetic; ``bench/movement.py``), as % of the same copy. Goal: each kern
 Also torchao's ``to_mx`` under ``torch.compile``, shapes called in sequence so the
 dynamic-shape recompile happens as it would for a user.
 
-Usage: ``python bench/kernels.py`` (CUDA + Triton); ``MXFX_BENCH_SWEEP=1`` also times
+Usage: ``python bench/mx_kernels.py`` (CUDA + Triton); ``MXFX_BENCH_SWEEP=1`` also times
 alternative tile configs (``MXFX_BENCH_SWEEP=rowwise,dual`` only those kernels). Prints a markdown table; writes it to ``$MXFX_BENCH_OUT/kernels.md`` when
 that variable is set.
 """
