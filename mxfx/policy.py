@@ -125,8 +125,10 @@ class Rule(_NamedFields):
             A rule for a module covers the ops of the modules inside it:
             ``"layers.0.mlp"`` matches the ops of ``model.layers.0.mlp`` and of
             ``model.layers.0.mlp.experts``, ``model.layers.0.mlp.gate``, ... (the glob is
-            matched against the op's module and each module enclosing it).
-            None matches any module. A glob that matches no module of any graph
+            matched against the op's module and each module enclosing it), except
+            the ops a default rule keeps (routers, the vocabulary projection): those
+            only a rule naming them changes (its op kind, or a glob matching their own
+            module; :meth:`Rule.names`). None matches any module. A glob that matches no module of any graph
             compiled under the policy warns once (:mod:`mxfx.rule_check`).
         op: op kind, one of :data:`OP_KINDS`; None matches any kind.
         precision: forward/dgrad compute precision, "mxfp8" or "bf16" (bf16 means
@@ -172,6 +174,12 @@ class Rule(_NamedFields):
             return True
         parts = module.split(".")
         return any(_glob_matches(self.module, ".".join(parts[:end])) for end in range(len(parts), 0, -1))
+
+    def names(self, kind: str, module: str) -> bool:
+        """Whether the rule names an op of ``kind`` in ``module`` itself: by its op kind, or by a glob matching the
+        op's own module (not only a module enclosing it). Only such a rule overrides a default rule
+        (:data:`DEFAULT_RULES`: routers, the vocabulary projection)."""
+        return self.op == kind or (self.module is not None and _glob_matches(self.module, module))
 
     def describe(self) -> str:
         """Compact form: only the fields the rule sets, e.g. ``(module='lm_head', precision='bf16')``."""
@@ -376,11 +384,19 @@ class Policy(_NamedFields):
         """Whether pass ``name`` runs (``passes`` switches; every pass is on by default)."""
         return self.passes.get(name, True)
 
+    def _matching(self, kind: str, module: str) -> list[Rule]:
+        """The rules that apply to an op, in order: user rules, then default rules. Where a default rule matches
+        (a router, the vocabulary projection), only user rules that name the op (:meth:`Rule.names`) come before
+        it: a rule for a whole block (``layers.0``) or for every op does not switch its router or head."""
+        defaults = [r for r in DEFAULT_RULES if r.matches(kind, module)]
+        user = [r for r in self.rules if r.matches(kind, module) and (not defaults or r.names(kind, module))]
+        return [*user, *defaults]
+
     def requesting_rule(self, kind: str, module: str) -> Rule | None:
         """The user rule that asks for low precision for an op of ``kind`` in ``module``: the first matching rule
         that sets ``precision`` when it says "mxfp8", else (no matching rule sets it) the first matching user rule
         that sets ``format``; None when no user rule asks (the op is converted by default, or kept by a rule)."""
-        matching = [r for r in (*self.rules, *DEFAULT_RULES) if r.matches(kind, module)]
+        matching = self._matching(kind, module)
         decider = next((r for r in matching if r.precision is not None), None)
         if decider is not None:
             return decider if decider.precision == "mxfp8" else None
@@ -393,7 +409,7 @@ class Policy(_NamedFields):
         (without it an "auto" op is rewritten).
         """
         _check_choice("op", kind, OP_KINDS)
-        matching = [r for r in (*self.rules, *DEFAULT_RULES) if r.matches(kind, module)]
+        matching = self._matching(kind, module)
 
         def first(name):  # each setting comes from the first matching rule that sets it
             return next(((getattr(r, name), r) for r in matching if getattr(r, name) is not None), (None, None))

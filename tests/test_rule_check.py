@@ -182,3 +182,21 @@ def test_rule_asking_for_low_precision_warns_below_min_size_once():
     assert "up (linear x[4, 64] w[64, 64] +bias): GEMM of 16384 MACs is below min_size 1000000000" in message
     assert "min_size=0 on the rule" in message
     assert not _compile_warnings(options)  # once per rule and op
+
+
+def test_a_block_rule_does_not_switch_the_router_or_head():
+    """A rule for a whole block or for every op leaves the ops the default rules keep (routers, the vocabulary
+    projection) as they are; a rule naming them (op kind, or their own module) changes them."""
+    from mxfx.policy import Policy
+
+    block = Policy(rules=[{"module": "layers.0", "precision": "mxfp8"}])
+    assert block.decide("router", "model.layers.0.mlp.gate").precision == "bf16"
+    assert block.decide("linear", "model.layers.0.mlp.up").precision == "mxfp8"
+    assert block.requesting_rule("router", "model.layers.0.mlp.gate") is None  # so no "stays BF16" warning
+    every = Policy(rules=[{"precision": "mxfp8"}])
+    assert every.decide("linear", "m.lm_head").precision == "bf16"
+    assert Policy(rules=[{"op": "router", "precision": "mxfp8"}]).decide("router", "model.layers.0.mlp.gate").precision == "mxfp8"
+    assert Policy(rules=[{"module": "mlp.gate", "precision": "mxfp8"}]).decide("router", "model.layers.0.mlp.gate").precision == "mxfp8"
+    assert Policy(rules=[{"module": "lm_head", "precision": "mxfp8"}]).decide("linear", "m.lm_head").precision == "mxfp8"
+    # a BF16 block rule still keeps everything in it, router included
+    assert Policy(rules=[{"module": "layers.0", "precision": "bf16"}]).decide("linear", "layers.0.mlp.up").precision == "bf16"
