@@ -20,7 +20,7 @@ forward under BF16 autocast. The reference arm is the first of the others:
   differs from "mxfp8" in the backend alone (slow on CPUs that emulate BF16).
 
 With ``--check`` (the default) the script exits non-zero unless the MXFP8
-held-out loss is within ``--tolerance`` (3%) of the reference and not
+held-out loss is within ``--tolerance`` (5%) of the reference and not
 bit-identical to it, both arms end below 0.8x the untrained model's held-out
 loss, and the backend rewrote ops to MXFP8.
 """
@@ -78,7 +78,10 @@ class TrainConfig:
     log_every: int = 25
     out: str = "runs"
     check: bool = True
-    tolerance: float = 0.03  # max relative held-out loss gap, mxfp8 vs the reference arm
+    # max relative held-out loss gap, mxfp8 vs the reference arm. Two mxfp8 runs of this job in two processes
+    # ended 3.4% apart (2.4707 vs 2.3897, the reference 2.3981): last-bit float differences between processes
+    # (from step 3 on) that 100 steps of training amplify; 3% failed one fresh run
+    tolerance: float = 0.05
     trained_frac: float = 0.8  # each arm must reach held-out loss < trained_frac * untrained
 
 
