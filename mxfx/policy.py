@@ -162,6 +162,16 @@ class Rule(_NamedFields):
         _check_choice("scale_rule", self.scale_rule, SCALE_RULES)
         _check_min_size(self.min_size)
         _check_choice("format", self.format, FORMAT_CHOICES)
+        settings = ("precision", "wgrad", "save", "scale_rule", "min_size", "format")
+        if all(getattr(self, f) is None for f in settings):
+            raise ValueError(f"mxfx policy: rule {self.describe()} matches ops but sets nothing; give it one of "
+                             f"{', '.join(settings)} (e.g. precision='bf16')")
+        moot = [f for f in ("wgrad", "save") if getattr(self, f) == "mxfp8"]
+        moot += [f for f in ("scale_rule", "min_size", "format") if getattr(self, f) is not None]
+        if self.precision == "bf16" and moot:
+            raise ValueError(f"mxfx policy: rule {self.describe()} keeps its ops as the model wrote them "
+                             f"(precision='bf16'), so {', '.join(moot)} would do nothing; drop "
+                             f"{'it' if len(moot) == 1 else 'them'} or use precision='mxfp8'")
 
     def matches(self, kind: str, module: str) -> bool:
         """Whether the rule applies to an op of ``kind`` in module ``module`` (its op kind and module glob)."""

@@ -61,10 +61,10 @@ def _rule_warnings(record) -> list[str]:
 
 
 def test_glob_matches_name_or_dotted_suffix():
-    rule = Rule(module="layers.0.*")
+    rule = Rule(module="layers.0.*", precision="bf16")
     assert rule.matches_module("layers.0.up") and rule.matches_module("model.layers.0.up")
     assert not rule.matches_module("model.layers.10.up") and not rule.matches_module("model.xlayers.0.up")
-    assert Rule(module="lm_head").matches_module("model.lm_head") and not Rule(module="lm_head").matches_module("lm_head_norm")
+    assert Rule(module="lm_head", precision="bf16").matches_module("model.lm_head") and not Rule(module="lm_head", precision="bf16").matches_module("lm_head_norm")
 
 
 def test_whole_model_readme_rule_works_on_hf_names_and_unmatched_rule_warns_at_compile():
@@ -126,11 +126,11 @@ def test_per_block_inference_is_judged_at_exit():
 
 
 def test_rule_naming_a_module_covers_the_modules_inside_it():
-    assert Rule(module="layers.0.mlp").matches_module("model.layers.0.mlp.experts")
-    assert Rule(module="layers.*.mlp").matches_module("model.layers.3.mlp.gate")
-    assert not Rule(module="layers.1").matches_module("model.layers.10.up")
-    assert not Rule(module="layers.1.*").matches_module("model.layers.10.up")
-    assert not Rule(module="mlp").matches_module("layers.0.mlp_norm")
+    assert Rule(module="layers.0.mlp", precision="bf16").matches_module("model.layers.0.mlp.experts")
+    assert Rule(module="layers.*.mlp", precision="bf16").matches_module("model.layers.3.mlp.gate")
+    assert not Rule(module="layers.1", precision="bf16").matches_module("model.layers.10.up")
+    assert not Rule(module="layers.1.*", precision="bf16").matches_module("model.layers.10.up")
+    assert not Rule(module="mlp", precision="bf16").matches_module("layers.0.mlp_norm")
     # the default vocabulary-projection rules name the head itself, not modules inside one of that name
     assert mxfx.Policy().decide("linear", "encoder.layer.0.output.dense").precision == "mxfp8"
     assert mxfx.Policy().decide("linear", "model.lm_head").precision == "bf16"
@@ -200,3 +200,13 @@ def test_a_block_rule_does_not_switch_the_router_or_head():
     assert Policy(rules=[{"module": "lm_head", "precision": "mxfp8"}]).decide("linear", "m.lm_head").precision == "mxfp8"
     # a BF16 block rule still keeps everything in it, router included
     assert Policy(rules=[{"module": "layers.0", "precision": "bf16"}]).decide("linear", "layers.0.mlp.up").precision == "bf16"
+
+
+@pytest.mark.parametrize("rule, what", [({"module": "layers.0"}, "sets nothing"), ({"op": "linear"}, "sets nothing"),
+                                        ({"module": "x", "precision": "bf16", "wgrad": "mxfp8"}, "wgrad would do nothing"),
+                                        ({"precision": "bf16", "format": "fp8_block"}, "format would do nothing")])
+def test_a_rule_that_would_do_nothing_is_refused(rule, what):
+    from mxfx.policy import Policy
+
+    with pytest.raises(ValueError, match=what):
+        Policy(rules=[rule])
