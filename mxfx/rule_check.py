@@ -164,8 +164,18 @@ def warn_unmet_requests(policy: Policy, records) -> None:
         listed = "; ".join(f"{r.module or r.node} ({r.kind} {r.shapes}): {r.reason}" for r in ops[:EXAMPLES])
         warnings.warn(
             f"mxfx: policy rule {rule.describe()} asks for {fmt}, but {len(ops)} op(s) it matches stay BF16: {listed}"
-            f"{'; ...' if len(ops) > EXAMPLES else ''}. To convert them, pad their features to a multiple of the format's "
-            f"block (32 for mxfp8, 128 for fp8_block; format='mxfp8' takes features fp8_block refuses) or lower min_size "
-            f"(min_size=0 on the rule); otherwise drop the rule or narrow its module glob.",
+            f"{'; ...' if len(ops) > EXAMPLES else ''}. To convert them, {_remedy(ops, fmt)}; otherwise drop the rule or "
+            f"narrow its module glob.",
             stacklevel=2,
         )
+
+
+def _remedy(ops, fmt: str) -> str:
+    """What converts the ops ``ops`` (precision-map records kept in BF16) under format ``fmt``, from their reasons."""
+    fixes = []
+    if any("min_size" in r.reason for r in ops):
+        fixes.append("lower min_size (min_size=0 on the rule)")
+    if any("multiple" in r.reason for r in ops):
+        block = "128 (fp8_block; format='mxfp8' needs 32)" if fmt == "fp8_block" else "32"
+        fixes.append(f"pad their features to a multiple of {block}")
+    return " or ".join(fixes) or "see the reasons above"
