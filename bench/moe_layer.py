@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from _results import emit  # noqa: E402  (bench/ is on sys.path when a script runs)
 
 from mxfx import cache
+from mxfx.report import saved_for_backward
 
 
 def routed_layer(grouped_mm):
@@ -64,17 +65,7 @@ def saved_bytes(out: torch.Tensor, held: list[torch.Tensor]) -> int:
     parameters) and of their weight caches (:func:`mxfx.cache.entry_forms`)."""
     skip = {t.untyped_storage().data_ptr() for t in held}
     skip |= {f.untyped_storage().data_ptr() for t in held for pair in cache.entry_forms(t).values() for f in pair}
-    found, seen, stack = {}, set(), [out.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        for t in getattr(node, "saved_tensors", ()):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in skip:
-                found[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        stack.extend(f for f, _ in node.next_functions)
-    return sum(found.values())
+    return sum(t.untyped_storage().nbytes() for t in saved_for_backward(out) if t.untyped_storage().data_ptr() not in skip)
 
 
 def measure(fn, args, device, profile_path=None):

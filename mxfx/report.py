@@ -5,7 +5,8 @@ module name, op kind, shapes, the precision of forward/dgrad/wgrad and saved
 tensors, and why it was skipped. ``mxfx.last_report()`` returns the map of the
 most recently compiled graph; ``options={"dump_dir": PATH}`` (or the
 ``MXFX_DUMP_DIR`` environment variable) writes, per compiled graph,
-``graph_NNN/before.py``, ``after.py`` and ``precision.txt``.
+``graph_NNN/before.py``, ``after.py`` and ``precision.txt``. :func:`saved_for_backward` lists what an
+autograd graph holds for its backward (the activation memory the ``save`` settings decide).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
+import torch
 from torch._dynamo.utils import counters
 
 _graph_ids = itertools.count()
@@ -161,3 +163,21 @@ def write_dump(dump_dir: str, pm: PrecisionMap, before: str, after: str) -> str:
         with open(os.path.join(folder, name), "w") as f:
             f.write(text)
     return folder
+
+
+def saved_for_backward(out: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors the autograd graph behind ``out`` saved for its backward (compiled graphs included), one per
+    storage: call it after the forward, before the backward. Their storages' ``nbytes()`` sum to the memory the
+    backward keeps alive, inputs, parameters and weight caches included (they are saved too)."""
+    found, seen, stack = {}, set(), [out.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for t in getattr(node, "saved_tensors", ()):
+            if isinstance(t, torch.Tensor):
+                found.setdefault(t.untyped_storage().data_ptr(), t)
+        stack.extend(f for f, _ in node.next_functions)
+    return list(found.values())
+

@@ -235,17 +235,7 @@ def test_policy_rejects_a_scale_rule_of_another_format(kw):
 
 def _saved_storages(out: torch.Tensor) -> dict:
     """``{storage pointer: (bytes, dtype)}`` of every tensor the autograd graph behind ``out`` saved."""
-    found, seen, stack = {}, set(), [out.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        for t in getattr(node, "saved_tensors", ()):
-            if isinstance(t, torch.Tensor):
-                found[t.untyped_storage().data_ptr()] = (t.untyped_storage().nbytes(), t.dtype)
-        stack.extend(f for f, _ in node.next_functions)
-    return found
+    return {t.untyped_storage().data_ptr(): (t.untyped_storage().nbytes(), t.dtype) for t in mxfx.report.saved_for_backward(out)}
 
 
 def test_compiled_fp8_block_swiglu_saves_fp8_gate_and_up():
