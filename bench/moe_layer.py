@@ -60,6 +60,20 @@ def torchao_grouped_mm():
     return mm
 
 
+def torchao_fp8_rowwise_grouped_mm():
+    """torchao's FP8 rowwise grouped GEMM (cuBLAS ``torch._scaled_grouped_mm``), the Hopper peer of fp8_block.
+
+    torchao 0.18 refuses its own group padding here and asks for groups of a multiple of 16 rows; routed groups
+    are not, so this arm is a timing peer (the forward is exact for any groups; the wgrad's group bounds are not).
+    """
+    from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm
+
+    def mm(a, b_t, offs):
+        return _to_fp8_rowwise_then_scaled_grouped_mm(a, b_t, offs, pad_token_groups_for_grouped_mm=False)
+
+    return mm
+
+
 def saved_bytes(out: torch.Tensor, held: list[torch.Tensor]) -> int:
     """Bytes of the storages the autograd graph behind ``out`` saved for backward, less those of ``held`` (inputs,
     parameters) and of their weight caches (:func:`mxfx.cache.entry_forms`)."""
@@ -110,7 +124,7 @@ def main():
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--arms", default="bf16,mxfx,fp8block,torchao")
+    p.add_argument("--arms", default="bf16,mxfx,fp8block,torchao,torchao8")
     p.add_argument("--profile", default="", help="comma-separated arms to profile for one more call (CUDA); "
                    "every device op goes to $MXFX_BENCH_OUT/profile_layer_<arm>.txt")
     a = p.parse_args()
@@ -132,11 +146,12 @@ def main():
         "mxfx fp8_block (format=fp8_block)": lambda: torch.compile(
             routed_layer(lambda m, b, o: torch._grouped_mm(m, b, offs=o)), backend="mxfp8", options={"format": "fp8_block"}),
         "torchao MXFP8 emulated (compile)": lambda: torch.compile(routed_layer(torchao_grouped_mm())),
+        "torchao FP8 rowwise (compile)": lambda: torch.compile(routed_layer(torchao_fp8_rowwise_grouped_mm())),
     }
     arms["mxfx, MX ops as opaque custom ops"] = arms["mxfx (backend=mxfp8)"]
     keep = {"bf16": "bf16 (inductor)", "mxfx": "mxfx (backend=mxfp8)", "torchao": "torchao MXFP8 emulated (compile)",
             "mxfxopaque": "mxfx, MX ops as opaque custom ops", "mxfxdq": "mxfx, keep_dequantized_weights",
-            "fp8block": "mxfx fp8_block (format=fp8_block)"}
+            "fp8block": "mxfx fp8_block (format=fp8_block)", "torchao8": "torchao FP8 rowwise (compile)"}
     rows, base_ms = [], None
     for key in a.arms.split(","):
         name = keep[key]
