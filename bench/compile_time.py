@@ -7,7 +7,9 @@ and AOTAutograd's cache should hit). The model is one of ``bench/hf_models.py``'
 (``olmoe`` / ``qwen3`` at the released checkpoints' per-layer shapes), FP32 parameters
 under ``torch.autocast(bfloat16)``; the step is forward, backward and a fused AdamW step.
 
-Arms: ``bf16`` (``torch.compile`` with Inductor) and ``mxfp8`` (``backend="mxfp8"``);
+Arms: ``bf16`` (``torch.compile`` with Inductor), ``mxfp8`` (``backend="mxfp8"``), ``mxfp8-opaque``
+(the same with ``MXFX_OPAQUE_KERNELS=1``: the MX kernels stay opaque custom ops instead of ``wrap_triton`` calls
+that Inductor analyses and compiles per call site) and ``fp8_block`` (``options={"format": "fp8_block"}``);
 ``--per-block`` compiles each decoder layer on its own (``layer.compile(...)``, as
 torchtitan does) instead of the whole model, where N identical layers should cost one
 layer's compile. Reported per arm and cache state: first-step seconds, FX graph cache
@@ -17,12 +19,21 @@ Goals (issue: compile time): mxfx cold <= 1.5x BF16 cold, mxfx warm <= 2x BF16 w
     python bench/compile_time.py                         # H200: olmoe, 4 layers, whole model and per block
     python bench/compile_time.py --model qwen3 --layers 2
     python bench/compile_time.py --smoke                 # CPU, tiny dims
+    python bench/compile_time.py --units model --arms bf16,mxfp8,mxfp8-opaque --profile 30   # where cold time goes
+
+``--profile N`` also writes, per arm, the N functions with the most cumulative time in the cold first step (all, then
+those of Inductor's user-kernel analysis and of mxfx, then the N with the most time of their own)
+(``cProfile``, main process only: Inductor's compile workers are not in it) to ``$MXFX_BENCH_OUT``
+(default ``bench/results``) as ``compile_profile_<unit>_<arm>.txt``.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
+import io
+import pstats
 import json
 import logging
 import os
@@ -35,6 +46,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 sys.path.insert(0, ROOT)
 
+ARMS = {  # arm -> (backend, options, extra environment)
+    "bf16": ("inductor", None, {}),
+    "mxfp8": ("mxfp8", None, {}),
+    "mxfp8-opaque": ("mxfp8", None, {"MXFX_OPAQUE_KERNELS": "1"}),
+    "fp8_block": ("mxfp8", {"format": "fp8_block"}, {}),
+}
 CACHE_LOGGERS = ("torch._inductor.codecache", "torch._functorch._aot_autograd.autograd_cache")
 
 
@@ -60,8 +77,10 @@ def cache_counters() -> dict:
     return out
 
 
-def measure(model_name: str, arm: str, layers: int, smoke: bool, per_block: bool, device: str) -> dict:
-    """One first training step of ``model_name`` under ``arm`` in this process; its time and the cache counters."""
+def measure(model_name: str, arm: str, layers: int, smoke: bool, per_block: bool, device: str,
+            profile: int = 0) -> dict:
+    """One first training step of ``model_name`` under ``arm`` in this process; its time and the cache counters
+    (and, with ``profile``, the text of its ``profile`` costliest functions by cumulative time, key ``profile``)."""
     import torch
 
     import hf_models
@@ -72,38 +91,49 @@ def measure(model_name: str, arm: str, layers: int, smoke: bool, per_block: bool
         lg.addHandler(handler)
         lg.setLevel(logging.INFO)
     model = hf_models.build_model(model_name, layers, smoke, device)
-    backend = "mxfp8" if arm == "mxfp8" else "inductor"
+    backend, options, _ = ARMS[arm]
     if per_block:
         for layer in model.model.layers:
-            layer.compile(backend=backend)
+            layer.compile(backend=backend, options=options)
         fn = model
     else:
-        fn = torch.compile(model, backend=backend)
+        fn = torch.compile(model, backend=backend, options=options)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
     batch, seq = (2, 64) if smoke else (4, 2048)
     x = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
+    prof = cProfile.Profile() if profile else None
     t0 = time.perf_counter()
-    with torch.autocast(device, torch.bfloat16):
-        loss = fn(input_ids=x, labels=x).loss
-    loss.backward()
-    opt.step()
-    if device == "cuda":
-        torch.cuda.synchronize()
+    with prof or contextlib.nullcontext():
+        with torch.autocast(device, torch.bfloat16):
+            loss = fn(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
     first = time.perf_counter() - t0
+    text = ""
+    if prof is not None:
+        buf = io.StringIO()
+        stats = pstats.Stats(prof, stream=buf)
+        stats.sort_stats("cumulative").print_stats(profile)  # where the time goes, top down
+        stats.sort_stats("cumulative").print_stats("triton_kernel_wrap|mxfx", profile)  # user-kernel analysis, mxfx
+        stats.sort_stats("tottime").print_stats(profile)  # the leaves that spend it
+        text = buf.getvalue()
     from torch._dynamo.utils import counters
 
     import mxfx
 
     mx_ops = sum(pm.count(rewritten=True) for pm in mxfx.report.all_reports())
     return {"first_step_s": first, "frames": counters["stats"]["unique_graphs"], "mx_ops": mx_ops, **cache_counters(),
-            "bypass": handler.reasons[0] if handler.reasons else ""}
+            "bypass": handler.reasons[0] if handler.reasons else "", **({"profile": text} if text else {})}
 
 
-def run_child(args, arm: str, cache_dir: str) -> dict:
-    """:func:`measure` in a fresh process with ``TORCHINDUCTOR_CACHE_DIR=cache_dir``."""
+def run_child(args, arm: str, cache_dir: str, profile: int = 0) -> dict:
+    """:func:`measure` in a fresh process with ``TORCHINDUCTOR_CACHE_DIR=cache_dir`` and the arm's environment."""
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", args.model, "--arms", arm,
-           "--layers", str(args.layers)] + (["--smoke"] if args.smoke else []) + (["--per-block"] if args.per_block_run else [])
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
+           "--layers", str(args.layers), "--profile", str(profile)]
+    cmd += (["--smoke"] if args.smoke else []) + (["--per-block"] if args.per_block_run else [])
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir, **ARMS[arm][2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     line = next((ln for ln in reversed(out.stdout.splitlines()) if ln.startswith("{")), None)
@@ -134,10 +164,11 @@ def table(rows: list[dict]) -> str:
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="olmoe", help="olmoe or qwen3 (bench/hf_models.py)")
-    p.add_argument("--arms", default="bf16,mxfp8")
+    p.add_argument("--arms", default="bf16,mxfp8", help="comma list of " + ", ".join(ARMS))
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--units", default="model,block", help="comma list: model (whole-model compile), block (per layer)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny dims")
+    p.add_argument("--profile", type=int, default=0, help="write the N costliest functions of each cold first step")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--per-block", dest="per_block_run", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -145,15 +176,26 @@ def main(argv=None) -> list[dict]:
 
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     if args.child:
-        print(json.dumps(measure(args.model, args.arms, args.layers, args.smoke, args.per_block_run, device)), flush=True)
+        print(json.dumps(measure(args.model, args.arms, args.layers, args.smoke, args.per_block_run, device,
+                                 args.profile)), flush=True)
         return []
+    unknown = set(args.arms.split(",")) - set(ARMS)
+    if unknown:
+        p.error(f"unknown arm(s) {sorted(unknown)}; choose from {', '.join(ARMS)}")
+    out_dir = os.environ.get("MXFX_BENCH_OUT", os.path.join(ROOT, "bench", "results"))
     rows = []
     for unit in args.units.split(","):
         args.per_block_run = unit == "block"
         for arm in args.arms.split(","):
             with tempfile.TemporaryDirectory(prefix=f"compile_time_{arm}_") as cache_dir:
                 for state in ("cold", "warm"):
-                    r = {"model": args.model, "unit": unit, "arm": arm, "cache": state, **run_child(args, arm, cache_dir)}
+                    profile = args.profile if state == "cold" else 0
+                    r = {"model": args.model, "unit": unit, "arm": arm, "cache": state,
+                         **run_child(args, arm, cache_dir, profile)}
+                    if "profile" in r:
+                        os.makedirs(out_dir, exist_ok=True)
+                        with open(os.path.join(out_dir, f"compile_profile_{unit}_{arm}.txt"), "w") as f:
+                            f.write(r.pop("profile"))
                     print(f"  {args.model} {unit} {arm} {state}: {r.get('first_step_s', r.get('error'))}", flush=True)
                     rows.append(r)
     from _results import emit
