@@ -51,6 +51,36 @@ def test_moe_layer_tiny(monkeypatch, tmp_path):
     assert len(rows) == 3 and not any("failed" in r for r in rows), rows
 
 
+def test_moe_layer_padded_groups_are_exact(monkeypatch):
+    """The torchao FP8 rowwise arm pads routed groups to 16 rows: the GEMM must see 16-row groups, and the layer
+    the products and gradients of the unpadded groups (empty, 1-row and already aligned groups included)."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    from moe_layer import padded_groups
+
+    def loop_mm(a, b, offs):  # per-group reference, float64 so row blocking cannot differ
+        starts = [0, *offs.tolist()[:-1]]
+        return torch.cat([a[s:e] @ b[g] for g, (s, e) in enumerate(zip(starts, offs.tolist()))])
+
+    seen = []
+
+    def aligned_mm(a, b, offs):
+        seen.append(offs)
+        return loop_mm(a, b, offs)
+
+    g = torch.Generator().manual_seed(0)
+    offs = torch.tensor([0, 37, 16, 1, 100, 0, 146]).cumsum(0).to(torch.int32)
+    a = torch.randn(300, 64, generator=g, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(7, 64, 48, generator=g, dtype=torch.float64, requires_grad=True)
+    out, ref = padded_groups(aligned_mm)(a, b, offs), loop_mm(a, b, offs)
+    assert seen[0].tolist() == [0, 48, 64, 80, 192, 192, 352]
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    dy = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    for got, want in zip(torch.autograd.grad(out, (a, b), dy), torch.autograd.grad(ref, (a, b), dy)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
 def test_scale_rule_study_tiny(monkeypatch, tmp_path):
     run_script(monkeypatch, "examples/scale_rule_study.py", "--d-model", "64", "--layers", "1", "--experts", "4",
                "--expert-hidden", "64", "--shared-hidden", "64", "--seq", "32", "--batch", "2",
