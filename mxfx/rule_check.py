@@ -74,9 +74,10 @@ def observe(policy: Policy, modules: set[str], ops: set[tuple[str, str]] = froze
 
 
 def rule_ops(records) -> set[tuple[str, str]]:
-    """``(op kind, module)`` of the ops a rule can decide among precision-map ``records``: those of an op kind of
-    :data:`OP_KINDS`, plus ``("saved", module)`` where a rewritten op has a saved input (``op="saved"`` rules)."""
-    ops = {(r.kind, r.module) for r in records if r.kind in OP_KINDS}
+    """``(op kind, module)`` of every op among precision-map ``records``, plus ``("saved", module)`` where a rewritten
+    op has a saved input (what ``op="saved"`` rules decide). Only kinds of :data:`OP_KINDS` are ops a rule decides;
+    the others (``combine``, ``not_rewritten``) are listed in warnings as found."""
+    ops = {(r.kind, r.module) for r in records}
     return ops | {("saved", r.module) for r in records if r.kind in OP_KINDS and r.rewritten and r.saved != "-"}
 
 
@@ -89,7 +90,7 @@ def opless_rules(policy: Policy, modules: set[str], ops: set[tuple[str, str]]) -
     """The rules of ``policy`` whose glob matches one of ``modules`` (or that have none) but that match none of
     ``ops``: they change nothing."""
     unmatched = unmatched_rules(policy, modules)
-    return [r for r in policy.rules if r not in unmatched and not any(r.matches(k, m) for k, m in ops)]
+    return [r for r in policy.rules if r not in unmatched and not any(k in OP_KINDS and r.matches(k, m) for k, m in ops)]
 
 
 def judge_pending(policy: Policy | None = None) -> None:
@@ -139,11 +140,11 @@ def _opless_message(policy: Policy, rule, modules: set[str], ops: set[tuple[str,
     else:
         advice = (f"{'The ' + rule.op + ' ops' if rule.op else 'Ops a rule decides'} are in {_listed(holders)}: point "
                   f"the module glob there")
-        if rule.op and found:
+        if rule.op and found & set(OP_KINDS):
             advice += ", or set op to a kind found there (or leave op out to match every kind)"
         advice += ", or drop the rule"
     return (f"mxfx: policy rule {rule.describe()} {head}, so it changes nothing. Op kinds found there: "
-            f"{', '.join(k for k in OP_KINDS if k in found) or 'none'}. {advice}.")
+            f"{', '.join([k for k in OP_KINDS if k in found] + sorted(found - set(OP_KINDS))) or 'none'}. {advice}.")
 
 
 _FORWARD_KINDS = ("linear", "grouped_mm", "swiglu", "router", "all_to_all")
