@@ -168,9 +168,10 @@ def mxfp8_backend(gm: fx.GraphModule, example_inputs, options: Policy | dict | N
     for g in gm.modules():  # module names behind the graph's place in the registered model (per-block compile)
         if isinstance(g, fx.GraphModule):
             g.meta[PREFIX_META] = prefix
-    # judged now for a whole-model graph, else over all graphs at the first optimizer step
-    rule_check.observe(policy, rule_check.graph_modules(gm), whole=not prefix and names.whole_forward(params))
+    modules = rule_check.graph_modules(gm)
     pm = rewrite(gm, policy)
+    # judged now for a whole-model graph, else over all graphs at the first optimizer step
+    rule_check.observe(policy, modules, rule_check.rule_ops(pm.records), whole=not prefix and names.whole_forward(params))
     rule_check.warn_unmet_requests(policy, pm.records)
     rule_check.warn_shared_graph_rules(policy, {(r.kind, r.module) for r in pm.records}, prefix, shared)
     _warn_float16_once(gm, pm)

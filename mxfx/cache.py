@@ -335,6 +335,14 @@ def entry_forms(weight: torch.Tensor) -> dict:
         return dict(entry.forms) if entry is not None else {}
 
 
+def cached_formats(weights) -> set[str]:
+    """The formats ("mxfp8", "fp8_block") of the forms cached now for any of ``weights`` (empty when none): what a
+    rebuild of their caches produces. Dequantized BF16 forms count as "mxfp8" (they hold MX values)."""
+    with _lock:
+        entries = [_entry_for(w, create=False) for w in weights]
+        return {"fp8_block" if form in BLOCK_FORMS else "mxfp8" for e in entries if e is not None for _, form in e.forms}
+
+
 def _out_shape(shape, orientation: str) -> list:
     return list(shape) if orientation == "forward" else [*shape[:-2], shape[-1], shape[-2]]
 

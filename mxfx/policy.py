@@ -129,7 +129,8 @@ class Rule(_NamedFields):
             the ops a default rule keeps (routers, the vocabulary projection): those
             only a rule naming them changes (its op kind, or a glob matching their own
             module; :meth:`Rule.names`). None matches any module. A glob that matches no module of any graph
-            compiled under the policy warns once (:mod:`mxfx.rule_check`).
+            compiled under the policy warns once, as does a rule matching no op of those graphs (a module
+            without a GEMM, an ``op`` kind its modules lack) (:mod:`mxfx.rule_check`).
         op: op kind, one of :data:`OP_KINDS`; None matches any kind.
         precision: forward/dgrad compute precision, "mxfp8" or "bf16" (bf16 means
             the op is left as the model wrote it).

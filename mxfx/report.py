@@ -31,8 +31,9 @@ LOW_PRECISIONS = ("mxfp8", "fp8_block")
 
 @dataclass
 class OpRecord:
-    """One matched op. Precisions are a format of :data:`LOW_PRECISIONS` ("mxfp8", "fp8_block"), "bf16"
-    (left as the model wrote it) or "-"."""
+    """One matched op. Precisions are a format of :data:`LOW_PRECISIONS` ("mxfp8", "fp8_block"; "+"-joined when
+    an op covers weights of both, as a weight_refresh can), "bf16" (left as the model wrote it) or "-" (absent:
+    no such GEMM or tensor, e.g. no dgrad in an inference graph)."""
 
     node: str
     kind: str
@@ -48,7 +49,8 @@ class OpRecord:
 
     @property
     def rewritten(self) -> bool:
-        return any(p in LOW_PRECISIONS for p in (self.forward, self.dgrad, self.wgrad, self.saved))
+        """Whether a column names a low-precision format (a "+"-joined pair, "fp8_block+mxfp8", counts)."""
+        return any(f in LOW_PRECISIONS for p in (self.forward, self.dgrad, self.wgrad, self.saved) for f in p.split("+"))
 
     def add_note(self, note: str) -> None:
         """Append ``note`` to ``reason`` (``"; "``-separated): what a later pass did to this op."""
@@ -72,10 +74,12 @@ class PrecisionMap:
         return next((r for r in self.records if r.node == node and r.kind in kinds), None)
 
     def mark_inference(self) -> None:
-        """The graph was traced with grad disabled: its MX ops run the forward GEMM only, save nothing and
-        have no backward, so dgrad/wgrad/saved read "-" and no saved bytes are claimed."""
+        """The graph was traced with grad disabled: its ops run forward only, save nothing and have no backward, so
+        dgrad/wgrad/saved read "-" for every op, MX or kept in BF16, and no saved bytes are claimed. A
+        weight_refresh record (an optimizer step, traced without grad) is left as it is: its columns name the
+        cache forms it rebuilds, not a backward."""
         for r in self.records:
-            if r.forward in LOW_PRECISIONS and (r.dgrad, r.wgrad, r.saved) != ("-", "-", "-"):
+            if r.kind != "weight_refresh" and (r.dgrad, r.wgrad, r.saved) != ("-", "-", "-"):
                 r.dgrad = r.wgrad = r.saved = "-"
                 r.saved_bytes = (0, 0)
                 r.add_note("inference graph (grad disabled): forward only")
@@ -104,7 +108,8 @@ class PrecisionMap:
 
     def _formats(self, kind: str) -> str:
         """The low-precision formats the rewritten ops of ``kind`` run in, "+"-joined ("rewritten" when none)."""
-        found = {p for r in self.records if r.kind == kind for p in (r.forward, r.dgrad) if p in LOW_PRECISIONS}
+        found = {f for r in self.records if r.kind == kind for p in (r.forward, r.dgrad) for f in p.split("+")
+                 if f in LOW_PRECISIONS}
         return "+".join(sorted(found)) or "rewritten"
 
     def to_text(self) -> str:

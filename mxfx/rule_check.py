@@ -1,6 +1,7 @@
-"""Policy rules that do not apply as written: a module glob matching no module (warned once, judged against the
-whole model), a rule deciding one block of a shared graph (:func:`warn_shared_graph_rules`), and a rule asking
-for low precision that an op's shape refuses (:func:`warn_unmet_requests`).
+"""Policy rules that do not apply as written: a module glob matching no module, or a rule matching no op mxfx
+decides (its modules hold no such op, or none of its ``op`` kind; both warned once, judged against the whole
+model), a rule deciding one block of a shared graph (:func:`warn_shared_graph_rules`), and a rule asking for low
+precision that an op's shape refuses (:func:`warn_unmet_requests`).
 
 A rule's module glob is judged against the module names of every graph compiled
 under the same policy (equal policies, e.g. the same ``options`` dict, count as
@@ -16,7 +17,12 @@ optimizer step post-hook: by then every graph of a training step has been
 compiled), or at process exit when neither comes (per-block inference). Graphs
 compiled after the judgment (a later recompile) are not judged again.
 
-The warning names the rule and a few of the module names that exist. Under
+A rule whose glob matches modules is judged the same way against the ops the passes recorded there (the precision
+map's records of the op kinds a rule decides, :data:`mxfx.policy.OP_KINDS`; "saved" where an MX op saves its
+input): a rule matching no op of any graph compiled under the policy (a norm module, ``op="grouped_mm"`` on an
+attention module) changes nothing and warns, naming the modules it matches and the op kinds found there.
+
+The unmatched-module warning names the rule and a few of the module names that exist. Under
 per-block compile the names are the block's own (``attn.q_proj``, not
 ``layers.0.attn.q_proj``): the graph is traced from the block, and blocks of one
 kind share it.
@@ -32,23 +38,23 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from mxfx.passes.fx import all_graphs, module_fqn
-from mxfx.policy import Policy
+from mxfx.policy import OP_KINDS, Policy
 
 EXAMPLES = 6
 """How many existing module names a warning lists."""
 
 _lock = threading.Lock()
-_seen: dict[Policy, set[str]] = {}  # module names of the graphs compiled under each policy not yet judged
+_seen: dict[Policy, tuple[set[str], set[tuple[str, str]]]] = {}  # (module names, ops) of the graphs not yet judged
 _judged: set[Policy] = set()
 _hook_handle = None
 
 
-def observe(policy: Policy, modules: set[str], whole: bool = False) -> None:
-    """Record the module names of one graph compiled under ``policy``; judged now when the graph is the ``whole``
-    forward of the module being called (:func:`mxfx.names.whole_forward`), else at the next optimizer step or at
-    exit."""
+def observe(policy: Policy, modules: set[str], ops: set[tuple[str, str]] = frozenset(), whole: bool = False) -> None:
+    """Record the module names and the ``(op kind, module)`` ops (:func:`rule_ops`) of one graph compiled under
+    ``policy``; judged now when the graph is the ``whole`` forward of the module being called
+    (:func:`mxfx.names.whole_forward`), else at the next optimizer step or at exit."""
     global _hook_handle
-    if not any(r.module is not None for r in policy.rules):
+    if not policy.rules:
         return
     try:
         hash(policy)
@@ -57,7 +63,9 @@ def observe(policy: Policy, modules: set[str], whole: bool = False) -> None:
     with _lock:
         if policy in _judged:
             return
-        _seen.setdefault(policy, set()).update(modules)
+        seen_modules, seen_ops = _seen.setdefault(policy, (set(), set()))
+        seen_modules.update(modules)
+        seen_ops.update(ops)
         if _hook_handle is None:
             _hook_handle = register_optimizer_step_post_hook(_on_step)
             atexit.register(judge_pending)
@@ -65,20 +73,35 @@ def observe(policy: Policy, modules: set[str], whole: bool = False) -> None:
         judge_pending(policy)
 
 
+def rule_ops(records) -> set[tuple[str, str]]:
+    """``(op kind, module)`` of every op among precision-map ``records``, plus ``("saved", module)`` where a rewritten
+    op has a saved input (what ``op="saved"`` rules decide). Only kinds of :data:`OP_KINDS` are ops a rule decides;
+    the others (``combine``, ``not_rewritten``) are listed in warnings as found."""
+    ops = {(r.kind, r.module) for r in records}
+    return ops | {("saved", r.module) for r in records if r.kind in OP_KINDS and r.rewritten and r.saved != "-"}
+
+
 def unmatched_rules(policy: Policy, modules: set[str]) -> list:
     """The rules of ``policy`` with a module glob that matches none of ``modules``."""
     return [r for r in policy.rules if r.module is not None and not any(r.matches_module(m) for m in modules)]
 
 
+def opless_rules(policy: Policy, modules: set[str], ops: set[tuple[str, str]]) -> list:
+    """The rules of ``policy`` whose glob matches one of ``modules`` (or that have none) but that match none of
+    ``ops``: they change nothing."""
+    unmatched = unmatched_rules(policy, modules)
+    return [r for r in policy.rules if r not in unmatched and not any(k in OP_KINDS and r.matches(k, m) for k, m in ops)]
+
+
 def judge_pending(policy: Policy | None = None) -> None:
     """Warn once per unmatched rule of ``policy`` (of every policy seen since the last judgment when None), over
-    the module names of all its graphs so far, then forget those names."""
+    the module names and ops of all its graphs so far, then forget them."""
     with _lock:
-        pending = [(p, _seen.pop(p)) for p in list(_seen) if policy is None or p == policy]
-        _judged.update(p for p, _ in pending)
-    for judged, modules in pending:
+        pending = [(p, *_seen.pop(p)) for p in list(_seen) if policy is None or p == policy]
+        _judged.update(p for p, _, _ in pending)
+    for judged, modules, ops in pending:
         names = sorted(m for m in modules if m)
-        examples = ", ".join(repr(m) for m in names[:EXAMPLES]) + (", ..." if len(names) > EXAMPLES else "")
+        examples = _listed(names)
         for rule in unmatched_rules(judged, modules):
             warnings.warn(
                 f"mxfx: policy rule {rule.describe()} matches no module of the graphs compiled under this policy, "
@@ -88,6 +111,53 @@ def judge_pending(policy: Policy | None = None) -> None:
                 f"modules from the block.",
                 stacklevel=2,
             )
+        for rule in opless_rules(judged, modules, ops):
+            warnings.warn(_opless_message(judged, rule, modules, ops), stacklevel=2)
+
+
+def _listed(names) -> str:
+    """Up to :data:`EXAMPLES` of ``names``, quoted and comma-separated, with ", ..." when there are more."""
+    names = list(names)
+    return ", ".join(repr(m) for m in names[:EXAMPLES]) + (", ..." if len(names) > EXAMPLES else "")
+
+
+def _opless_message(policy: Policy, rule, modules: set[str], ops: set[tuple[str, str]]) -> str:
+    """The warning for a rule that matches no op (:func:`opless_rules`): where it looks, the op kinds found
+    there, where ops of its kind are, and what to do."""
+    if rule.module is None:
+        found = {k for k, _ in ops}
+        head = f"matches no {rule.op + ' ' if rule.op else ''}op of the graphs compiled under this policy"
+    else:
+        matched = sorted({_matched_prefix(rule, m) for m in modules if m and rule.matches_module(m)})
+        found = {k for k, m in ops if rule.matches_module(m)}
+        wanted = f"{rule.op} op" if rule.op else f"op a rule decides ({', '.join(_FORWARD_KINDS)})"
+        head = f"matches module{'s' if len(matched) > 1 else ''} {_listed(matched)}, but there is no {wanted} there"
+    holders = sorted({m for k, m in ops if m and (k == rule.op if rule.op else k in _FORWARD_KINDS)})
+    if not holders:
+        advice = f"The graphs compiled under this policy have no {rule.op + ' op at all' if rule.op else 'op a rule decides'}"
+        off = [p for p in ([_PASS_OF.get(rule.op, rule.op)] if rule.op else []) if not policy.pass_enabled(p)]
+        advice += f" (the {off[0]!r} pass is off in this policy's passes); drop the rule" if off else "; drop the rule"
+    else:
+        advice = (f"{'The ' + rule.op + ' ops' if rule.op else 'Ops a rule decides'} are in {_listed(holders)}: point "
+                  f"the module glob there")
+        if rule.op and found & set(OP_KINDS):
+            advice += ", or set op to a kind found there (or leave op out to match every kind)"
+        advice += ", or drop the rule"
+    return (f"mxfx: policy rule {rule.describe()} {head}, so it changes nothing. Op kinds found there: "
+            f"{', '.join([k for k in OP_KINDS if k in found] + sorted(found - set(OP_KINDS))) or 'none'}. {advice}.")
+
+
+_FORWARD_KINDS = ("linear", "grouped_mm", "swiglu", "router", "all_to_all")
+"""Op kinds of :data:`mxfx.policy.OP_KINDS` that are ops of the forward itself (not ``saved`` inputs, nor the
+``weight_refresh`` of an optimizer step)."""
+_PASS_OF = {"router": "linear"}
+"""The pass of :data:`mxfx.policy.PASSES` that rewrites an op kind, where its name differs from the kind."""
+
+
+def _matched_prefix(rule, module: str) -> str:
+    """The outermost module enclosing (or being) ``module`` that ``rule``'s glob matches."""
+    parts = module.split(".")
+    return next(".".join(parts[:end]) for end in range(1, len(parts) + 1) if rule.matches_module(".".join(parts[:end])))
 
 
 def _on_step(optimizer, args, kwargs) -> None:

@@ -193,6 +193,21 @@ def test_inference_graph_report_claims_no_backward():
         ("mxfp8", "mxfp8", "mxfp8"), ("mxfp8", "mxfp8", "bf16")]
 
 
+def test_inference_graph_report_kept_ops_claim_no_backward_either():
+    """Ops kept in BF16 (features 40, not a multiple of 32; a BF16 rule) read "-" for dgrad/wgrad/saved under
+    no_grad as the MX ops do, and "bf16" with grad."""
+    m = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 40), nn.ReLU(), nn.Linear(40, 64))
+    options = {"inner": "eager", "rules": [{"module": "0", "precision": "bf16"}]}
+    x = torch.randn(32, 64)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(m, backend="mxfp8", options=options)(x)
+    assert [(r.forward, r.dgrad, r.wgrad, r.saved) for r in mxfx.last_report().records] == [("bf16", "-", "-", "-")] * 3
+    torch._dynamo.reset()
+    torch.compile(m, backend="mxfp8", options=options)(x)
+    assert [(r.forward, r.dgrad, r.wgrad, r.saved) for r in mxfx.last_report().records] == [("bf16",) * 4] * 3
+
+
 def test_policy_is_read_only_after_validation():
     """Validated once: the frozen Policy's mappings cannot be edited into invalid values afterwards."""
     p = Policy(passes={"linear": False}, transport={"dispatch_bwd": "bf16"})

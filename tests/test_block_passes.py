@@ -140,6 +140,30 @@ def test_weight_cache_one_grid_for_forward_and_dgrad_per_step():
     assert torch.equal(cache.block_weight_operand(w, "rceil", "forward")[1], 2 * sf)  # rceil: scales double, payload kept
 
 
+def test_weight_refresh_record_names_the_format_of_the_caches():
+    """A compiled optimizer step of an fp8_block model: its refresh record reads fp8_block, whether the step's policy
+    says so or, compiled without options after the first forward, the caches it finds do."""
+    def refresh_record(step_options, forward_first: bool):
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(128, 128, bias=False)
+        opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+        torch._dynamo.reset()
+        cache.clear()
+        fwd = torch.compile(lin, backend="mxfp8", options={"inner": "aot_eager", "format": "fp8_block"})
+        step = torch.compile(opt.step, backend="mxfp8", options=step_options)
+        if forward_first:
+            fwd(torch.randn(32, 128)).sum().backward()
+        else:
+            lin.weight.grad = torch.ones_like(lin.weight)  # the step compiles before any cache exists
+        step()
+        return next(r for rep in reversed(mxfx.all_reports()) for r in rep.records if r.kind == "weight_refresh")
+
+    own = refresh_record({"inner": "aot_eager", "format": "fp8_block"}, forward_first=False)
+    assert (own.forward, own.dgrad) == ("fp8_block", "fp8_block") and "format of this policy" in own.reason
+    found = refresh_record({"inner": "aot_eager"}, forward_first=True)  # the step's policy says mxfp8
+    assert (found.forward, found.dgrad) == ("fp8_block", "fp8_block") and "caches held" in found.reason
+
+
 # --- passes --------------------------------------------------------------------------------------
 
 

@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import mxfx
 from mxfx import rule_check
@@ -210,3 +211,81 @@ def test_a_rule_that_would_do_nothing_is_refused(rule, what):
 
     with pytest.raises(ValueError, match=what):
         Policy(rules=[rule])
+
+
+class GluBlock(nn.Module):
+    """A dense block as models spell it: a norm (no GEMM), an attention-like projection and a SwiGLU MLP."""
+
+    def __init__(self, glu: bool = True):
+        super().__init__()
+        self.input_layernorm, self.attn = nn.LayerNorm(64), nn.Linear(64, 64)
+        self.gate, self.down = nn.Linear(64, 64), nn.Linear(64, 64)
+        self.up = nn.Linear(64, 64) if glu else None  # every parameter in the graph: a whole forward, judged at compile
+        self.glu = glu
+
+    def forward(self, x):
+        x = x + self.attn(self.input_layernorm(x))
+        h = F.silu(self.gate(x)) * self.up(x) if self.glu else torch.relu(self.gate(x))
+        return x + self.down(h)
+
+
+class GluModel(nn.Module):
+    def __init__(self, glu=(True, True)):
+        super().__init__()
+        self.layers = nn.ModuleList([GluBlock(g) for g in glu])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _compile_rule_warnings(model, rules) -> list[str]:
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        torch.compile(model, backend="mxfp8", options={"inner": "aot_eager", "rules": rules})(torch.randn(4, 64))
+    return _rule_warnings(record)
+
+
+def test_rule_for_a_module_without_a_gemm_warns_at_compile():
+    """The norm module exists (no "matches no module" warning), but holds no op a rule decides."""
+    (message,) = _compile_rule_warnings(GluModel(), [{"module": "layers.0.input_layernorm", "precision": "mxfp8"}])
+    assert message.startswith("mxfx: policy rule (module='layers.0.input_layernorm', precision='mxfp8') matches "
+                              "module 'layers.0.input_layernorm', but there is no op a rule decides"), message
+    assert "so it changes nothing. Op kinds found there: none." in message
+    assert "Ops a rule decides are in 'layers.0', 'layers.0.attn', 'layers.0.down'" in message  # swiglu, linears
+    assert "point the module glob there, or drop the rule." in message and "matches no module" not in message
+    assert all(r.forward == "mxfp8" for r in mxfx.last_report().records if r.kind == "linear")  # nothing changed
+
+
+def test_rule_for_an_op_kind_its_module_lacks_warns_once():
+    """op='swiglu' on the attention projection, and on a block without SwiGLU (layer 1 uses ReLU)."""
+    rules = [{"module": "attn", "op": "swiglu", "precision": "bf16"}, {"module": "layers.1", "op": "swiglu", "save": "bf16"}]
+    attn, dense = _compile_rule_warnings(GluModel(glu=(True, False)), rules)
+    assert ("(module='attn', op='swiglu', precision='bf16') matches modules 'layers.0.attn', 'layers.1.attn', "
+            "but there is no swiglu op there, so it changes nothing. Op kinds found there: linear, saved.") in attn
+    assert "The swiglu ops are in 'layers.0': point the module glob there, or set op to a kind found there" in attn
+    assert "(module='layers.1', op='swiglu', save='bf16') matches module 'layers.1', but there is no swiglu op" in dense
+    swiglu = [r for r in mxfx.last_report().records if r.kind == "swiglu"]
+    assert [(r.module, r.forward) for r in swiglu] == [("layers.0", "mxfp8")]  # the rules changed nothing
+    rules = [{"module": "attn", "op": "grouped_mm", "precision": "bf16"}]
+    (message,) = _compile_rule_warnings(GluModel(), rules)
+    assert "The graphs compiled under this policy have no grouped_mm op at all; drop the rule." in message
+
+
+def test_rule_matching_an_op_in_any_graph_does_not_warn():
+    """Per-block compile: block 0's graph has no SwiGLU and no 'up', block 1's has both; judged over both at the
+    optimizer step, the rules for them matched and do not warn, while the norm rule (no op in any graph) does."""
+    model = GluModel(glu=(False, True))
+    options = {"inner": "aot_eager", "rules": [{"op": "swiglu", "save": "bf16"}, {"module": "up", "op": "linear", "wgrad": "bf16"},
+                                               {"module": "input_layernorm", "precision": "bf16"}]}
+    for i, block in enumerate(model.layers):
+        model.layers[i] = torch.compile(block, backend="mxfp8", options=options)
+    with pytest.warns(UserWarning, match="policy rule") as record:
+        early = _step(model, model, torch.randn(4, 64))
+    assert not early, "judged before the optimizer step"
+    messages = [m for m in _rule_warnings(record) if "input_layernorm" in m or "op='swiglu'" in m or "'up'" in m]
+    assert len(messages) == 1, messages
+    assert "(module='input_layernorm', precision='bf16') matches module 'input_layernorm', but there is no op" in messages[0]
+    by_kind_module = {(r.kind, r.module): r for r in mxfx.last_report().records}
+    assert by_kind_module["swiglu", "down"].saved == "bf16" and by_kind_module["linear", "up"].wgrad == "bf16"  # applied

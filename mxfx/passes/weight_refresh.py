@@ -22,6 +22,9 @@ AOTAutograd nor Inductor drops or reorders it. Once the compiled step returns
 (the parameters now hold the new values and versions), the backend's wrapper
 stamps the rebuilt caches fresh (:func:`mxfx.cache.after_step`).
 
+The precision-map record names the format the caches are rebuilt in: that of the caches the parameters hold
+when the step compiles (usually after a first forward), else the policy's ``format``.
+
 Valid because the caches are pure functions of the weights: rebuilding them
 from the updated values gives exactly what the next forward would have built.
 """
@@ -33,6 +36,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from mxfx import cache
+from mxfx.device import resolve_format
 from mxfx.policy import Policy
 from mxfx.report import OpRecord, PrecisionMap
 
@@ -96,11 +100,21 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         new = gm.graph.call_function(REFRESH, (plan, nodes))
     gm.meta.setdefault(PLANS_META, []).append(plan)
     dtypes = sorted({str(p.dtype).replace("torch.", "") for p in params.values()})
+    fmt, where = _refresh_format(policy, params.values())
     pm.add(
         OpRecord(
             new.name, "weight_refresh", "", f"{len(nodes)} params ({', '.join(dtypes)})",
-            "mxfp8", "mxfp8", "-", "-", "-",
-            f"after {last.name}; caches of the parameters that have them are rebuilt (resolved at run time)",
+            fmt, fmt, "-", "-", "-",
+            f"after {last.name}; caches of the parameters that have them are rebuilt (resolved at run time); {where}",
         )
     )
     return 1
+
+
+def _refresh_format(policy: Policy, params) -> tuple[str, str]:
+    """``(format, where it comes from)`` for the precision map: the formats of the caches the parameters hold now
+    ("+"-joined when both), else the policy's format (no cache built yet when the step compiles)."""
+    held = cache.cached_formats(params)
+    if held:
+        return "+".join(sorted(held)), "format of the caches held when the step compiled"
+    return resolve_format(policy.format), "no cache held when the step compiled: format of this policy"
