@@ -5,7 +5,10 @@ the graph has no data-dependent shapes; the router stays BF16 by policy), traine
 with ``torch.compile(model, backend="mxfp8")``, 4 microbatches per step and an
 AdamW (foreach) step. Two modes:
 
-* ``cached``: :mod:`mxfx.cache`, forward/dgrad weight operands rebuilt once per step.
+* ``cached``: :mod:`mxfx.cache`, forward/dgrad weight operands rebuilt once per step: the forward
+  forms at the refresh, the dgrad forms by the first backward (the default).
+* ``cached-at-refresh``: the same with ``mxfx.cache.set_dgrad_at_refresh(True)``: both forms at the
+  refresh (one pass over each weight where the GEMM is emulated).
 * ``per-call``: every GEMM quantizes its weight (the linear op's ``weight_operands``
   patched back to the pre-cache behaviour): 2 quantizations per weight per microbatch.
 
@@ -110,6 +113,7 @@ def run_mode(mode, args, device):
     _per_call_count[0] = 0
     original, original_cache_quantize = mx_linear_mod.weight_operands, cache._quantize
     cache._quantize = _ranged_quantize(original_cache_quantize)
+    previous = cache.set_dgrad_at_refresh(mode == "cached-at-refresh")
     if mode == "per-call":
         mx_linear_mod.weight_operands = per_call_weight_operands
     try:
@@ -148,7 +152,7 @@ def run_mode(mode, args, device):
         for ev in prof.key_averages():
             if ev.key == RANGE:
                 q_us += ev.device_time_total if device.type == "cuda" else ev.cpu_time_total
-        calls = cache.stats()["quantize"] if mode == "cached" else _per_call_count[0]
+        calls = _per_call_count[0] if mode == "per-call" else cache.stats()["quantize"]
         peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else float("nan")
         return {
             "mode": mode,
@@ -161,6 +165,7 @@ def run_mode(mode, args, device):
         }
     finally:
         mx_linear_mod.weight_operands, cache._quantize = original, original_cache_quantize
+        cache.set_dgrad_at_refresh(previous)
 
 
 def main():
@@ -186,7 +191,7 @@ def main():
             setattr(args, k, v)
     args.inner = args.inner or ("inductor" if gpu else "aot_eager")
 
-    rows = [run_mode(m, args, device) for m in ("per-call", "cached")]
+    rows = [run_mode(m, args, device) for m in ("per-call", "cached", "cached-at-refresh")]
     title = (
         f"weight caches, {device.type} ({torch.cuda.get_device_name() if gpu else 'cpu'}), inner={args.inner}, "
         f"d={args.d} h={args.h} experts={args.experts} layers={args.layers} tokens/microbatch={args.tokens}, "
