@@ -497,7 +497,7 @@ def weight_operands(weight: torch.Tensor, rule: str, orientation: str, keep_dequ
     :func:`weight_dequantized` under ``Policy.keep_dequantized_weights``, else None.
     Where the GEMM is emulated (Hopper, CPU; :func:`source_layout`) and the BF16 form is kept,
     ``qdata`` and ``scales`` are None and the cache holds no MX form of the weight: the emulated
-    GEMM reads only the BF16 values (the same values), so the refresh writes 8 bytes per
+    GEMM reads only the BF16 values (the same values), so each step writes 8 bytes per
     parameter instead of the 10 of MX plus BF16 forms, and the cache holds 4 (against about 2
     for the MX forms alone, without the option).
     Shapes, dtypes and errors as for those two functions.
