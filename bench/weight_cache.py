@@ -2,17 +2,20 @@
 
 A small MoE-ish model of ``nn.Linear`` layers (dense soft routing over experts, so
 the graph has no data-dependent shapes; the router stays BF16 by policy), trained
-with ``torch.compile(model, backend="mxfp8")``, 4 microbatches per step and an
-AdamW (foreach) step. Two modes:
+with ``torch.compile(model, backend="mxfp8")``, 4 microbatches per step (``--microbatches``) and an
+AdamW (foreach) step. Modes:
 
-* ``cached``: :mod:`mxfx.cache`, forward/dgrad weight operands rebuilt once per step.
+* ``cached``: :mod:`mxfx.cache`, forward/dgrad weight operands rebuilt once per step: the forward
+  forms at the refresh, the dgrad forms by the first backward (the default).
+* ``cached-at-refresh``: the same with ``mxfx.cache.set_dgrad_at_refresh(True)``: both forms at the
+  refresh (one pass over each weight where the GEMM is emulated).
 * ``per-call``: every GEMM quantizes its weight (the linear op's ``weight_operands``
   patched back to the pre-cache behaviour): 2 quantizations per weight per microbatch.
 
 Weight-quantization time is the profiler total of a ``weight_quantize`` range wrapped
 around each weight quantization (device time on CUDA, CPU time otherwise).
 
-Usage: ``python bench/weight_cache.py`` (CUDA, ~1 min on an H200) or
+Usage: ``python bench/weight_cache.py`` (CUDA, ~1.5 min on an H200) or
 ``python bench/weight_cache.py --device cpu`` (toy size). Prints a markdown table;
 writes it to ``$MXFX_BENCH_OUT/weight_cache.md`` when that variable is set.
 """
@@ -35,7 +38,6 @@ from mxfx import cache, kernels  # noqa: E402
 from mxfx.ops import linear as mx_linear_mod  # noqa: E402
 from _results import emit  # noqa: E402  (bench/ is on sys.path when a script runs)
 
-MICROBATCHES = 4
 RANGE = "weight_quantize"
 
 
@@ -110,6 +112,7 @@ def run_mode(mode, args, device):
     _per_call_count[0] = 0
     original, original_cache_quantize = mx_linear_mod.weight_operands, cache._quantize
     cache._quantize = _ranged_quantize(original_cache_quantize)
+    previous = cache.set_dgrad_at_refresh(mode == "cached-at-refresh")
     if mode == "per-call":
         mx_linear_mod.weight_operands = per_call_weight_operands
     try:
@@ -118,7 +121,7 @@ def run_mode(mode, args, device):
         cm = torch.compile(model, backend="mxfp8", options={"inner": args.inner})
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
         step_fn = torch.compile(opt.step, backend="mxfp8", options={"inner": args.inner}) if args.compiled_step else opt.step
-        xs = [torch.randn(args.tokens, args.d, device=device) for _ in range(MICROBATCHES)]
+        xs = [torch.randn(args.tokens, args.d, device=device) for _ in range(args.microbatches)]
 
         def train_step():
             for x in xs:
@@ -148,7 +151,7 @@ def run_mode(mode, args, device):
         for ev in prof.key_averages():
             if ev.key == RANGE:
                 q_us += ev.device_time_total if device.type == "cuda" else ev.cpu_time_total
-        calls = cache.stats()["quantize"] if mode == "cached" else _per_call_count[0]
+        calls = _per_call_count[0] if mode == "per-call" else cache.stats()["quantize"]
         peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else float("nan")
         return {
             "mode": mode,
@@ -161,6 +164,7 @@ def run_mode(mode, args, device):
         }
     finally:
         mx_linear_mod.weight_operands, cache._quantize = original, original_cache_quantize
+        cache.set_dgrad_at_refresh(previous)
 
 
 def main():
@@ -170,6 +174,8 @@ def main():
     ap.add_argument("--compiled-step", action="store_true", help="also compile optimizer.step with the mxfp8 backend")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--microbatches", type=int, default=4,
+                    help="per optimizer step; with 1, the forward's peak is where building dgrad forms at first use saves")
     ap.add_argument("--d", type=int, default=None)
     ap.add_argument("--h", type=int, default=None)
     ap.add_argument("--experts", type=int, default=None)
@@ -186,11 +192,11 @@ def main():
             setattr(args, k, v)
     args.inner = args.inner or ("inductor" if gpu else "aot_eager")
 
-    rows = [run_mode(m, args, device) for m in ("per-call", "cached")]
+    rows = [run_mode(m, args, device) for m in ("per-call", "cached", "cached-at-refresh")]
     title = (
         f"weight caches, {device.type} ({torch.cuda.get_device_name() if gpu else 'cpu'}), inner={args.inner}, "
         f"d={args.d} h={args.h} experts={args.experts} layers={args.layers} tokens/microbatch={args.tokens}, "
-        f"{MICROBATCHES} microbatches/step, {'compiled' if args.compiled_step else 'eager'} AdamW step, "
+        f"{args.microbatches} microbatches/step, {'compiled' if args.compiled_step else 'eager'} AdamW step, "
         f"{rows[0]['weights']} MX weights"
     )
     lines = [

@@ -46,6 +46,15 @@ across microbatches):
   that optimizer's parameters; a ``torch.compile(opt.step, backend="mxfp8")``
   graph rebuilds them in-graph (:mod:`mxfx.passes.weight_refresh`). Either way a
   forward never uses a stale cache: the version check catches every other path.
+* **Dgrad forms at their first use.** A refresh (and a lookup that finds the caches stale)
+  rebuilds the forward-side forms and drops the stale dgrad-side ones (:data:`DGRAD_SIDE`),
+  freeing their memory; the first dgrad lookup after it, in the backward of the step's first
+  microbatch, builds them from the same weight (fresh by the same checks) and later
+  microbatches reuse them. A forward's peak memory then holds no dgrad form, and they appear
+  layer by layer as the backward frees activations. The cost: where one pass writes both MX
+  forms (the emulated GEMM's source layout) the weight is read twice per step instead of
+  once; fp8_block's dgrad form is the forward form transposed. :func:`set_dgrad_at_refresh`
+  rebuilds both at the refresh instead. Forms gathered by FSDP2 are never dropped.
 * **Step count for weights no optimizer holds.** Every optimizer step also advances a
   global step count. An entry that no step hook has found through its optimizer's
   parameters (an FSDP2 unsharded parameter: the optimizer holds the sharded DTensor,
@@ -55,8 +64,8 @@ across microbatches):
   step, reused across microbatches and the backward's re-gather.
 
 Counters: :func:`stats` (quantizations per orientation, hits, refreshes) and
-:func:`persistent_bytes` (``2 x 33/32`` bytes per value with both forms, plus the blocked layout's
-padding where scales are kept blocked).
+:func:`persistent_bytes` (``2 x 33/32`` bytes per value with both forms, half that between a refresh and
+the next backward, plus the blocked layout's padding where scales are kept blocked).
 """
 
 from __future__ import annotations
@@ -94,9 +103,14 @@ orientation, so the dgrad copy is W's forward grid read as W^T, quantized once."
 
 FORMS = ORIENTATIONS + tuple(DEQUANTIZED) + tuple(BLOCK_FORMS)
 
+DGRAD_SIDE = ("dgrad", "dgrad_bf16", "block_dgrad")
+"""Forms only a backward reads: a refresh drops them, their first lookup after it builds them
+(:func:`set_dgrad_at_refresh`)."""
+
 _E4M3 = torch.float8_e4m3fn
 _lock = threading.RLock()
 _stats: Counter = Counter()
+_dgrad_at_refresh = False  # set_dgrad_at_refresh
 
 
 @dataclass(eq=False)
@@ -266,9 +280,40 @@ def _build_mx(weight: torch.Tensor, rule: str, forms, have: dict | None = None) 
     return out
 
 
+def set_dgrad_at_refresh(enabled: bool) -> bool:
+    """Choose when the dgrad-side forms (:data:`DGRAD_SIDE`) are rebuilt after a weight changed; returns the
+    previous choice.
+
+    ``False`` (the default): a refresh rebuilds the forward-side forms only and drops the stale dgrad-side
+    ones; the first dgrad lookup after it (the backward of the step's first microbatch) builds them, so a
+    forward's peak memory does not hold them. ``True``: a refresh rebuilds every form, so each MX weight is
+    read once per step (one pass writes both forms where the GEMM is emulated) instead of twice.
+
+    Raises:
+        TypeError: ``enabled`` is not a bool.
+    """
+    global _dgrad_at_refresh
+    if not isinstance(enabled, bool):
+        raise TypeError(f"mxfx.cache.set_dgrad_at_refresh: enabled={enabled!r} must be True or False")
+    with _lock:
+        previous, _dgrad_at_refresh = _dgrad_at_refresh, enabled
+    return previous
+
+
+def dgrad_at_refresh() -> bool:
+    """Whether a refresh rebuilds the dgrad-side forms too (:func:`set_dgrad_at_refresh`)."""
+    return _dgrad_at_refresh
+
+
 def _rebuild(entry: _Entry, weight: torch.Tensor, extra: tuple | None = None) -> None:
-    """Rebuild every form of ``entry`` (plus ``extra`` = (rule, orientation)) from ``weight``."""
+    """Rebuild the forms of ``entry`` (plus ``extra`` = (rule, orientation)) from ``weight``: every form, or,
+    unless :func:`set_dgrad_at_refresh`, the forward-side ones and ``extra``, the stale dgrad-side forms
+    dropped (their next lookup builds them). Forms gathered by FSDP2 cannot be built later: all rebuilt."""
     wanted = set(entry.forms) | ({extra} if extra else set())
+    if not (_dgrad_at_refresh or entry.gathered):
+        deferred = {f for f in wanted if f[1] in DGRAD_SIDE and f != extra}
+        wanted -= deferred
+        _stats["deferred_dgrad"] += len(deferred)
     entry.forms.clear()  # free the stale forms before allocating the new ones
     entry.source_layout = source_layout(weight)
     for rule in sorted({r for r, _ in wanted}):
@@ -384,8 +429,8 @@ def weight_operand(weight: torch.Tensor, rule: str, orientation: str) -> tuple[t
     A torch custom op (``mxfx::cached_weight_quantize``) with a fake
     implementation, so compiled graphs call it opaquely; its run-time body
     returns the cached pair when the cache is fresh (same storage region, same
-    ``weight._version``) and re-quantizes every cached form of the weight when
-    it is stale.
+    ``weight._version``), builds it when it is missing (a dgrad form after a
+    refresh), and rebuilds the weight's forms when they are stale.
 
     Args:
         weight: the high-precision parameter (fp32 main weight, bf16 or fp16),
@@ -460,7 +505,7 @@ def weight_operands(weight: torch.Tensor, rule: str, orientation: str, keep_dequ
     :func:`weight_dequantized` under ``Policy.keep_dequantized_weights``, else None.
     Where the GEMM is emulated (Hopper, CPU; :func:`source_layout`) and the BF16 form is kept,
     ``qdata`` and ``scales`` are None and the cache holds no MX form of the weight: the emulated
-    GEMM reads only the BF16 values (the same values), so the refresh writes 8 bytes per
+    GEMM reads only the BF16 values (the same values), so each step writes 8 bytes per
     parameter instead of the 10 of MX plus BF16 forms, and the cache holds 4 (against about 2
     for the MX forms alone, without the option).
     Shapes, dtypes and errors as for those two functions.
@@ -763,9 +808,11 @@ def stats() -> dict:
     (lookups that found a changed version and rebuilt), ``refresh`` (weights
     rebuilt by :func:`refresh`), ``refresh_eager`` (by the optimizer hook),
     ``refresh_graph`` (inside compiled optimizer steps), ``quantize_block`` (128x128 quantizes of
-    fp8_block weights, each serving both orientations).
+    fp8_block weights, each serving both orientations), ``deferred_dgrad`` (stale dgrad-side forms a
+    rebuild dropped for their next lookup to build, :func:`set_dgrad_at_refresh`).
     """
-    keys = ("quantize", "quantize_forward", "quantize_dgrad", "quantize_block", "hit", "stale", "refresh", "refresh_eager", "refresh_graph")
+    keys = ("quantize", "quantize_forward", "quantize_dgrad", "quantize_block", "hit", "stale", "refresh", "refresh_eager",
+            "refresh_graph", "deferred_dgrad")
     return {k: _stats.get(k, 0) for k in keys}
 
 
@@ -776,7 +823,8 @@ def reset_stats() -> None:
 def persistent_bytes(weight: torch.Tensor | None = None) -> int:
     """Bytes held by weight caches: all of them, or those of ``weight`` (0 when it has none).
 
-    With both MX forms of one rule, ``2 x 33/32`` bytes per weight value (plus the blocked layout's
+    With both MX forms of one rule, ``2 x 33/32`` bytes per weight value, ``33/32`` with the forward form
+    alone (from a refresh to the next backward, :func:`set_dgrad_at_refresh`) (plus the blocked layout's
     padding of rows to 128 and scale columns to 4, where :func:`blocked_scales` holds); each
     dequantized form of ``keep_dequantized_weights`` holds 2 (where the GEMM is
     emulated, instead of the MX forms; elsewhere on top of them).

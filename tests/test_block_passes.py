@@ -164,6 +164,29 @@ def test_weight_refresh_record_names_the_format_of_the_caches():
     assert (found.forward, found.dgrad) == ("fp8_block", "fp8_block") and "caches held" in found.reason
 
 
+def test_weight_cache_step_keeps_the_forward_grid_and_the_backward_transposes_it():
+    """An optimizer step rebuilds ``block_forward`` and drops ``block_dgrad``; the next backward makes it by
+    transposing the forward grid (no second 128x128 quantize), equal to a from-scratch dgrad form."""
+    cache.clear()
+    cache.install()
+    w = torch.randn(256, 128, requires_grad=True)
+    x = torch.randn(32, 128, requires_grad=True)
+    opt = torch.optim.SGD([w], lr=0.1)
+    mx_linear(x, w, format="fp8_block").sum().backward()
+    opt.step()
+    forms = cache.entry_forms(w)
+    assert set(forms) == {("rceil", "block_forward")}
+    assert cache.persistent_bytes(w) == w.numel() + 4 * 2 * 1  # e4m3 payload + f32 scales [2, 1]
+    cache.reset_stats()
+    mx_linear(x, w, format="fp8_block").sum().backward()
+    assert cache.stats()["quantize_block"] == 0 and cache.stats()["stale"] == 0
+    qd, sd = cache.entry_forms(w)[("rceil", "block_dgrad")]
+    assert cache.entry_forms(w)[("rceil", "block_forward")][0] is forms[("rceil", "block_forward")][0]
+    ref_q, ref_s = bf.quantize_128x128(w.detach(), "rceil")
+    assert torch.equal(qd.view(torch.uint8), ref_q.transpose(-2, -1).contiguous().view(torch.uint8))
+    assert torch.equal(sd, ref_s.transpose(-2, -1).contiguous())
+
+
 # --- passes --------------------------------------------------------------------------------------
 
 

@@ -36,6 +36,7 @@ def _fresh_cache():
     cache.install()
     yield
     cache.install()  # tests that disable the hook put it back
+    cache.set_dgrad_at_refresh(False)  # and those that build dgrad forms at the refresh, the default
 
 
 def _model(seed=0, dtype=torch.float32):
@@ -177,7 +178,9 @@ def test_memory_and_entries_die_with_the_parameter():
 # --- once per step, accumulation -------------------------------------------------------------
 
 
-def test_one_quantize_per_weight_per_orientation_per_step():
+@pytest.mark.parametrize("at_refresh", [False, True], ids=["dgrad_at_first_use", "dgrad_at_refresh"])
+def test_one_quantize_per_weight_per_orientation_per_step(at_refresh):
+    cache.set_dgrad_at_refresh(at_refresh)
     model, x = _model(), _x()
     cm = torch.compile(model, backend="mxfp8", options=OPTS)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
@@ -189,14 +192,88 @@ def test_one_quantize_per_weight_per_orientation_per_step():
         opt.step()
         opt.zero_grad()
         after = cache.stats()
-        # The step's hook rebuilds forward + dgrad of each weight once, for the next step's microbatches.
+        # The step's hook rebuilds the forward form of each weight once, and the dgrad form too, or drops it.
         assert after["quantize_forward"] - during["quantize_forward"] == N_WEIGHTS
-        assert after["quantize_dgrad"] - during["quantize_dgrad"] == N_WEIGHTS
+        assert after["quantize_dgrad"] - during["quantize_dgrad"] == (N_WEIGHTS if at_refresh else 0)
+        assert after["deferred_dgrad"] - during["deferred_dgrad"] == (0 if at_refresh else N_WEIGHTS)
         assert after["refresh_eager"] == N_WEIGHTS
         if step == 0:  # first use: built once by the first microbatch, read by the other three
             assert during["quantize_forward"] == N_WEIGHTS and during["quantize_dgrad"] == N_WEIGHTS
-        else:  # built by the previous step's hook: the microbatches only read them
+        elif at_refresh:  # built by the previous step's hook: the microbatches only read them
             assert during["quantize"] == 0 and during["hit"] == 2 * N_WEIGHTS * n_micro
+        else:  # forward forms from the hook; dgrad forms built by the first backward, read by the other three
+            assert during["quantize_forward"] == 0 and during["quantize_dgrad"] == N_WEIGHTS
+            assert during["hit"] == 2 * N_WEIGHTS * n_micro - N_WEIGHTS
+
+
+def _mx_bytes(model, forms):
+    """Persistent bytes of ``forms`` MX forms (33/32 bytes per value each) of every weight of ``model``."""
+    return forms * sum(p.numel() for p in model.parameters() if p.dim() == 2) * 33 // 32
+
+
+@pytest.mark.parametrize("compiled_step", [False, True])
+def test_refresh_keeps_forward_forms_and_the_backward_builds_dgrad_forms(compiled_step):
+    """After an optimizer step (eager hook or in-graph refresh) a weight holds its forward form only; the
+    next backward builds the dgrad form once (a second microbatch reuses it), bit-identical to a dgrad form
+    built from scratch, and the training matches building both at the refresh."""
+    runs = {}
+    for at_refresh in (False, True):
+        cache.clear()
+        cache.set_dgrad_at_refresh(at_refresh)
+        model, x = _model(), _x()
+        cm = torch.compile(model, backend="mxfp8", options=OPTS)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05, foreach=True)
+        step = torch.compile(opt.step, backend="mxfp8", options=OPTS) if compiled_step else opt.step
+        _train_microbatches(cm, x, 1)
+        assert cache.persistent_bytes() == _mx_bytes(model, 2)
+        for _ in range(2):
+            step()
+            opt.zero_grad()
+            assert cache.persistent_bytes() == _mx_bytes(model, 2 if at_refresh else 1)
+            if not at_refresh:
+                assert {f for p in model.parameters() for _, f in cache.entry_forms(p)} == {"forward"}
+            cache.reset_stats()
+            with torch.no_grad():
+                cm(x)  # a forward alone builds nothing more
+            assert cache.persistent_bytes() == _mx_bytes(model, 2 if at_refresh else 1)
+            _train_microbatches(cm, x, 2)
+            assert cache.persistent_bytes() == _mx_bytes(model, 2)
+            stats = cache.stats()
+            assert stats["quantize_forward"] == 0 and stats["stale"] == 0
+            assert stats["quantize_dgrad"] == (0 if at_refresh else N_WEIGHTS)  # once per step, 2 microbatches
+        for p in (model.up.weight, model.down.weight):
+            qt, st = cache.entry_forms(p)[("rceil", "dgrad")]
+            rqt, rst = mxfx.quantize(p.detach().transpose(-2, -1).contiguous(), axis=-1, rule="rceil")
+            assert torch.equal(qt.view(torch.uint8), rqt.view(torch.uint8)) and torch.equal(st, rst.view(torch.uint8))
+        runs[at_refresh] = [p.detach().clone() for p in model.parameters()] + [p.grad.clone() for p in model.parameters()]
+    for a, b in zip(runs[False], runs[True]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("keep_dequantized", [False, True])
+def test_refresh_drops_dgrad_side_forms_of_every_kind(keep_dequantized):
+    """``refresh()`` keeps the forward-side forms (MX, BF16) and drops the dgrad-side ones; their lookup
+    rebuilds them from the current weight, equal to the forms of a fresh cache."""
+    w = torch.randn(3, 64, 96)
+    kinds = ("_bf16",) if keep_dequantized else ("",)
+    for o in ("forward", "dgrad"):
+        cache.weight_operands(w, "rceil", o, keep_dequantized)
+    assert {f for _, f in cache.entry_forms(w)} == {"forward" + k for k in kinds} | {"dgrad" + k for k in kinds}
+    w.data.mul_(-0.5)
+    assert cache.refresh(w) == 1 and cache.stats()["deferred_dgrad"] == 1
+    assert {f for _, f in cache.entry_forms(w)} == {"forward" + k for k in kinds}
+    assert cache.persistent_bytes(w) == w.numel() * (2 if keep_dequantized else 33 / 32)
+    got = {o: cache.weight_operands(w, "rceil", o, keep_dequantized) for o in ("forward", "dgrad")}
+    fresh = w.detach().clone()
+    for o in ("forward", "dgrad"):
+        for a, b in zip(got[o], cache.weight_operands(fresh, "rceil", o, keep_dequantized)):
+            assert (a is None and b is None) or torch.equal(a.float(), b.float())  # exact: e4m3/bf16/u8 in fp32
+
+
+def test_set_dgrad_at_refresh_rejects_non_bool():
+    with pytest.raises(TypeError, match="set_dgrad_at_refresh: enabled=1 must be True or False"):
+        cache.set_dgrad_at_refresh(1)
+    assert cache.dgrad_at_refresh() is False
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -257,7 +334,7 @@ def test_compiled_step_refreshes_in_graph_without_the_hook(make_opt):
     assert cache.stats()["refresh_graph"] == N_WEIGHTS and cache.stats()["refresh_eager"] == 0
     # Fresh after the step: the forward reads the in-graph caches, no re-quantization...
     stats = _assert_fresh_and_not_stale(cm, model, x, before)
-    assert stats["quantize"] == 2 * N_WEIGHTS and stats["stale"] == 0
+    assert stats["quantize"] == N_WEIGHTS and stats["stale"] == 0  # forward forms; dgrad forms wait for a backward
     # ... and again on the next step (the compiled step is reused).
     _train_microbatches(cm, x, 1)
     with torch.no_grad():
@@ -265,7 +342,7 @@ def test_compiled_step_refreshes_in_graph_without_the_hook(make_opt):
     cache.reset_stats()
     step()
     stats = _assert_fresh_and_not_stale(cm, model, x, before)
-    assert stats["refresh_graph"] == N_WEIGHTS and stats["stale"] == 0 and stats["quantize"] == 2 * N_WEIGHTS
+    assert stats["refresh_graph"] == N_WEIGHTS and stats["stale"] == 0 and stats["quantize"] == N_WEIGHTS
 
 
 def test_compiled_step_with_hook_refreshes_once():
@@ -277,7 +354,7 @@ def test_compiled_step_with_hook_refreshes_once():
     cache.reset_stats()
     step()
     assert cache.stats()["refresh_graph"] == N_WEIGHTS and cache.stats()["refresh_eager"] == 0
-    assert cache.stats()["quantize"] == 2 * N_WEIGHTS
+    assert cache.stats()["quantize"] == N_WEIGHTS and cache.stats()["deferred_dgrad"] == N_WEIGHTS
 
 
 def test_compiled_step_default_pipeline_updates_parameters():
@@ -306,9 +383,18 @@ def test_compiled_step_inductor():
     assert cache.stats()["refresh_graph"] == N_WEIGHTS
     with torch.no_grad():
         y = cm(x)
-    assert cache.stats()["quantize"] == 2 * N_WEIGHTS and cache.stats()["stale"] == 0
+    assert cache.stats()["quantize"] == N_WEIGHTS and cache.stats()["stale"] == 0  # the forward forms, in-graph
     torch.testing.assert_close(y, _fresh_output(model, x, {**OPTS, "inner": "eager"}), rtol=0, atol=0)
     assert (y - before).abs().max() > 1e-3
+    # The Inductor backward builds the dgrad forms (in the layout its graph was compiled for).
+    x.grad, stats = None, cache.stats()
+    cm(x).float().sum().backward()
+    assert cache.stats()["quantize_dgrad"] - stats["quantize_dgrad"] == N_WEIGHTS
+    assert cache.stats()["stale"] == stats["stale"]
+    fresh, x2 = MLP(), x.detach().clone().requires_grad_()
+    fresh.load_state_dict(model.state_dict())
+    torch.compile(fresh, backend="mxfp8", options={**OPTS, "inner": "eager"})(x2).float().sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, rtol=0, atol=0)
 
 
 def test_load_state_dict_and_manual_edits_are_seen():

@@ -371,7 +371,10 @@ def test_keep_dequantized_weights_cache_forms_and_refresh():
     with torch.no_grad():
         w.mul_(2)  # bumps the version: the dequantized forms are rebuilt with the MX forms
     assert torch.equal(cache.weight_dequantized(w, "rceil", "forward"), (fwd.float() * 2).bfloat16())
-    assert cache.persistent_bytes(w) == w.numel() * 2 * 33 // 32 + 4 * w.numel(), "asked for both kinds: both kept"
+    assert cache.persistent_bytes(w) == w.numel() * 33 // 32 + 2 * w.numel(), "forward MX and BF16 forms rebuilt..."
+    assert torch.equal(cache.weight_dequantized(w, "rceil", "dgrad"), (dgrad.float() * 2).bfloat16())
+    assert torch.equal(custom_ops.dequantize(*cache.weight_operand(w, "rceil", "dgrad"), torch.float32), dgrad.float() * 2)
+    assert cache.persistent_bytes(w) == w.numel() * 2 * 33 // 32 + 4 * w.numel(), "... dgrad forms at their lookups"
     w2 = torch.randn(64, 96)
     cache.weight_dequantized(w2, "rceil", "dgrad")
     assert cache.persistent_bytes(w2) == 2 * w2.numel(), "emulated: a dequantized form alone, no MX form"
