@@ -22,11 +22,14 @@ fused AdamW with linear LR warmup then cosine decay:
 * ``bf16-weights``: parameters cast to BF16, no autocast, Inductor: the fastest BF16 transformers
   offers (``torch._grouped_mm`` experts), without FP32 main weights;
 * ``bf16-grouped``: FP32 parameters + autocast, the experts as BF16 ``torch._grouped_mm`` on their
-  weights cast to BF16 (what autocast does for a linear; transformers' own ``grouped_mm`` experts code,
-  registered as the ``bf16_grouped`` experts implementation), compiled with ``backend="mxfp8"`` under a
-  policy that keeps every op in BF16 (``rules=[{"precision": "bf16"}]``): BF16 expert GEMMs from FP32
-  main weights, no low precision. Against ``bf16-users`` it measures what BF16 (not FP32) expert GEMMs
-  cost; against ``mxfp8`` what the E4M3 rounding costs on top;
+  weights cast to BF16 (what autocast does for a linear), compiled with ``backend="mxfp8"`` under a
+  policy that keeps every op as written (``rules=[{"precision": "bf16"}]``): BF16 expert GEMMs from
+  FP32 main weights, nothing in low precision. The policy alone cannot ask for it: an op kept BF16 is
+  left as the model wrote it, and with FP32 weights transformers writes its FP32 fallback; so the
+  arm registers transformers' own ``grouped_mm`` experts code, reading BF16 casts of the weights, as
+  the ``bf16_grouped`` experts implementation (the top-k sum is then BF16, as for BF16 weights).
+  Against ``bf16-users`` it measures what BF16 (not FP32) expert GEMMs cost; against ``mxfp8`` what
+  the E4M3 rounding costs on top;
 * ``mxfp8``: FP32 parameters + autocast, ``torch.compile(backend="mxfp8")``;
 * ``fp8_block``: the same with ``options={"format": "fp8_block"}`` (FP8 1x128/128x128 blocks, native FP8
   GEMMs on Hopper);
@@ -39,8 +42,9 @@ fused AdamW with linear LR warmup then cosine decay:
 
 Reported per arm: tokens/s (steady state, steps after the first ``--skip`` ones), peak memory,
 first-step time (compilation included), held-out loss at the end (mean over ``--eval-batches``
-held-out batches, forward only through the same compiled model), and for mxfp8 the precision map's
-count of expert GEMMs in MX and of ops reported ``not rewritten``. A markdown table is printed last;
+held-out batches, forward only through the same compiled model), and for the arms compiled by mxfx the
+precision map's count of expert GEMMs in MX, of those kept as written and of ops reported ``not rewritten``.
+``--compiler aot_eager_fp32_gemms`` (CPU) runs each BF16 GEMM as an FP32 GEMM of its BF16 operands. A markdown table is printed last;
 JSON goes to ``bench/results/hf_models.json`` (``--out`` to change the folder).
 
     python bench/hf_models.py                      # H200: both models, all arms, 200 steps
