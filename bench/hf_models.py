@@ -72,9 +72,11 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
 sys.path.insert(0, ROOT)
 import data  # noqa: E402  (examples/data.py)
 import mxfx  # noqa: E402
+from bf16_experts import bf16_grouped_experts  # noqa: E402  (bench/bf16_experts.py)
 
 GIB = 2**30
 
@@ -187,27 +189,6 @@ def _backend(compiler: str):
 
 def _inductor(model, compiler: str):
     return torch.compile(model, backend=_backend(compiler))
-
-
-class _BF16ExpertWeights:
-    """An experts module as transformers' experts code reads it, with its 3-D expert weights cast to BF16."""
-
-    def __init__(self, experts: torch.nn.Module):
-        self._experts = experts
-
-    def __getattr__(self, name):
-        value = getattr(self._experts, name)
-        if isinstance(value, torch.nn.Parameter) and value.dim() == 3:
-            return value.to(torch.bfloat16)
-        return value
-
-
-def bf16_grouped_experts(experts, hidden_states, top_k_index, top_k_weights):
-    """transformers' ``grouped_mm`` experts forward on BF16 casts of the expert weights: under compile it then calls
-    BF16 ``torch._grouped_mm`` (as for a BF16-weight model), the gradient flowing back to the FP32 weights."""
-    from transformers.integrations.moe import grouped_mm_experts_forward
-
-    return grouped_mm_experts_forward(_BF16ExpertWeights(experts), hidden_states, top_k_index, top_k_weights)
 
 
 KEEP_ALL_BF16 = {"rules": [{"precision": "bf16"}]}
