@@ -90,7 +90,7 @@ def measure(model_name: str, arm: str, layers: int, smoke: bool, per_block: bool
         lg = logging.getLogger(name)
         lg.addHandler(handler)
         lg.setLevel(logging.INFO)
-    model = hf_models.build_model(model_name, layers, smoke, device)
+    model = hf_models.build_model(model_name, layers, "smoke" if smoke else "real", device)
     backend, options, _ = ARMS[arm]
     if per_block:
         for layer in model.model.layers:

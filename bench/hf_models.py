@@ -1,12 +1,16 @@
 """Real-client training benchmark: HF transformers MoE models as users train them, BF16 vs mxfp8 vs torchao FP8.
 
-Models (random init, ``--layers`` decoder layers at the per-layer shapes of the released checkpoints,
-byte vocabulary 256 since the text is bytes):
+Models (random init, ``--layers`` decoder layers at the per-layer shapes of the released checkpoints
+(``--dims real``, the default), byte vocabulary 256 since the text is bytes):
 
 * ``olmoe``: ``OlmoeForCausalLM`` at OLMoE-1B-7B's shapes: hidden 2048, 16 heads, 64 experts top-8,
   expert hidden 1024;
 * ``qwen3``: ``Qwen3MoeForCausalLM`` at Qwen3-30B-A3B's: hidden 2048, 32 heads / 4 KV heads of
   head_dim 128, 128 experts top-8, expert hidden 768.
+
+``--dims small`` shrinks both to what a CPU trains in minutes (hidden 128, 2 heads of 64, 16 experts
+top-4, expert hidden 128: feature dims multiples of 128, so fp8_block converts every GEMM too);
+``--smoke`` uses tiny dims.
 
 Arms (:data:`ARMS`; one line each), all in one
 process, same initial weights and the same batches of real text (``examples/data.py``),
@@ -17,6 +21,15 @@ fused AdamW with linear LR warmup then cosine decay:
   with its FP32 ``grouped_mm_fallback`` op);
 * ``bf16-weights``: parameters cast to BF16, no autocast, Inductor: the fastest BF16 transformers
   offers (``torch._grouped_mm`` experts), without FP32 main weights;
+* ``bf16-grouped``: FP32 parameters + autocast, the experts as BF16 ``torch._grouped_mm`` on their
+  weights cast to BF16 (what autocast does for a linear), compiled with ``backend="mxfp8"`` under a
+  policy that keeps every op as written (``rules=[{"precision": "bf16"}]``): BF16 expert GEMMs from
+  FP32 main weights, nothing in low precision. The policy alone cannot ask for it: an op kept BF16 is
+  left as the model wrote it, and with FP32 weights transformers writes its FP32 fallback; so the
+  arm registers transformers' own ``grouped_mm`` experts code, reading BF16 casts of the weights, as
+  the ``bf16_grouped`` experts implementation (the top-k sum is then BF16, as for BF16 weights).
+  Against ``bf16-users`` it measures what BF16 (not FP32) expert GEMMs cost; against ``mxfp8`` what
+  the E4M3 rounding costs on top;
 * ``mxfp8``: FP32 parameters + autocast, ``torch.compile(backend="mxfp8")``;
 * ``fp8_block``: the same with ``options={"format": "fp8_block"}`` (FP8 1x128/128x128 blocks, native FP8
   GEMMs on Hopper);
@@ -29,13 +42,16 @@ fused AdamW with linear LR warmup then cosine decay:
 
 Reported per arm: tokens/s (steady state, steps after the first ``--skip`` ones), peak memory,
 first-step time (compilation included), held-out loss at the end (mean over ``--eval-batches``
-held-out batches, forward only through the same compiled model), and for mxfp8 the precision map's
-count of expert GEMMs in MX and of ops reported ``not rewritten``. A markdown table is printed last;
+held-out batches, forward only through the same compiled model), and for the arms compiled by mxfx the
+precision map's count of expert GEMMs in MX, of those kept as written and of ops reported ``not rewritten``.
+``--compiler aot_eager_fp32_gemms`` (CPU) runs each BF16 GEMM as an FP32 GEMM of its BF16 operands. A markdown table is printed last;
 JSON goes to ``bench/results/hf_models.json`` (``--out`` to change the folder).
 
     python bench/hf_models.py                      # H200: both models, all arms, 200 steps
     python bench/hf_models.py --model olmoe --arms bf16-users,mxfp8 --steps 50
     python bench/hf_models.py --smoke              # CPU, tiny dims, a few steps, aot_eager (CI)
+    python bench/hf_models.py --dims small --compiler aot_eager_fp32_gemms --tokens 1024 --seq 128 \
+        --arms bf16-users,bf16-grouped,mxfp8,fp8_block   # CPU: a precision study in minutes per arm
 """
 
 from __future__ import annotations
@@ -56,9 +72,11 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
 sys.path.insert(0, ROOT)
 import data  # noqa: E402  (examples/data.py)
 import mxfx  # noqa: E402
+from bf16_experts import bf16_grouped_experts  # noqa: E402  (bench/bf16_experts.py)
 
 GIB = 2**30
 
@@ -66,34 +84,45 @@ GIB = 2**30
 # ----------------------------------------------------------------------------- models
 
 
-def model_config(name: str, layers: int, smoke: bool):
-    """The transformers config of ``name`` ("olmoe" | "qwen3") with ``layers`` layers (tiny dims with ``smoke``)."""
+DIMS = ("real", "small", "smoke")
+
+
+def model_config(name: str, layers: int, dims: str = "real"):
+    """The transformers config of ``name`` ("olmoe" | "qwen3") with ``layers`` layers at ``dims`` (:data:`DIMS`)."""
     import transformers as T
 
+    if dims not in DIMS:
+        raise SystemExit(f"hf_models: unknown --dims {dims!r}; choose one of {', '.join(DIMS)}")
     common = dict(vocab_size=data.VOCAB_SIZE, num_hidden_layers=layers, max_position_embeddings=4096, tie_word_embeddings=False)
     if name == "olmoe":
-        dims = dict(hidden_size=2048, intermediate_size=1024, num_attention_heads=16, num_key_value_heads=16,
-                    num_experts=64, num_experts_per_tok=8)
-        if smoke:
-            dims.update(hidden_size=64, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2, num_experts=4,
-                        num_experts_per_tok=2)
-        return T.OlmoeConfig(**dims, **common)
+        dims_of = {
+            "real": dict(hidden_size=2048, intermediate_size=1024, num_attention_heads=16, num_key_value_heads=16,
+                         num_experts=64, num_experts_per_tok=8),
+            "small": dict(hidden_size=128, intermediate_size=128, num_attention_heads=2, num_key_value_heads=2,
+                          num_experts=16, num_experts_per_tok=4),
+            "smoke": dict(hidden_size=64, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2, num_experts=4,
+                          num_experts_per_tok=2),
+        }
+        return T.OlmoeConfig(**dims_of[dims], **common)
     if name == "qwen3":
-        dims = dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_attention_heads=32,
-                    num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8)
-        if smoke:
-            dims.update(hidden_size=64, intermediate_size=64, moe_intermediate_size=64, num_attention_heads=2,
-                        num_key_value_heads=1, head_dim=32, num_experts=4, num_experts_per_tok=2)
-        return T.Qwen3MoeConfig(**dims, **common)
+        dims_of = {
+            "real": dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_attention_heads=32,
+                         num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8),
+            "small": dict(hidden_size=128, intermediate_size=384, moe_intermediate_size=128, num_attention_heads=2,
+                          num_key_value_heads=2, head_dim=64, num_experts=16, num_experts_per_tok=4),
+            "smoke": dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=64, num_attention_heads=2,
+                          num_key_value_heads=1, head_dim=32, num_experts=4, num_experts_per_tok=2),
+        }
+        return T.Qwen3MoeConfig(**dims_of[dims], **common)
     raise SystemExit(f"hf_models: unknown --model {name!r}; choose olmoe or qwen3")
 
 
-def build_model(name: str, layers: int, smoke: bool, device: str) -> torch.nn.Module:
+def build_model(name: str, layers: int, dims: str, device: str, seed: int = 0) -> torch.nn.Module:
     import transformers as T
 
-    cfg = model_config(name, layers, smoke)
+    cfg = model_config(name, layers, dims)
     cls = {"olmoe": T.OlmoeForCausalLM, "qwen3": T.Qwen3MoeForCausalLM}[name]
-    torch.manual_seed(0)  # every arm starts from the same weights (initialized on the device: seconds, not a minute)
+    torch.manual_seed(seed)  # every arm starts from the same weights (initialized on the device: seconds, not a minute)
     with torch.device(device):
         return cls(cfg)
 
@@ -116,16 +145,70 @@ class Arm:
     prepare: Callable
 
 
+BF16_GEMMS = ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm")
+"""ATen GEMMs that ``--compiler aot_eager_fp32_gemms`` runs in FP32 when they are given BF16 operands."""
+
+
+def _fp32_gemms(gm: torch.fx.GraphModule, example_inputs):
+    """An ATen graph with every BF16 GEMM of :data:`BF16_GEMMS` run as an FP32 GEMM of the same (exactly
+    converted) BF16 operands, its result rounded to BF16: a BF16 GEMM's products and FP32 accumulation, up to
+    summation order, on CPUs without BF16 matmul instructions (AVX2 only), where BF16 GEMMs run ~50x slower."""
+    from functorch.compile import make_boxed_func
+
+    convert = torch.ops.prims.convert_element_type.default
+    targets = {getattr(torch.ops.aten, name).default for name in BF16_GEMMS}
+    graph = gm.graph
+    for node in list(graph.nodes):
+        val = node.meta.get("val")
+        if node.op != "call_function" or node.target not in targets or getattr(val, "dtype", None) != torch.bfloat16:
+            continue
+        with graph.inserting_before(node):
+            node.args = tuple(graph.call_function(convert, (a, torch.float32))
+                              if isinstance(a, torch.fx.Node) and a.meta["val"].is_floating_point() else a for a in node.args)
+        if "out_dtype" in node.kwargs:
+            node.kwargs = {**node.kwargs, "out_dtype": torch.float32}
+        with graph.inserting_after(node):
+            out = graph.call_function(convert, (node, torch.bfloat16))
+        node.replace_all_uses_with(out, delete_user_cb=lambda user: user is not out)
+    gm.recompile()
+    return make_boxed_func(gm.forward)
+
+
+COMPILERS = ("inductor", "aot_eager", "aot_eager_fp32_gemms")
+"""``--compiler`` choices; ``aot_eager_fp32_gemms`` is aot_eager with :func:`_fp32_gemms` on both graphs (CPU)."""
+
+
+def _backend(compiler: str):
+    """The torch.compile backend of a ``--compiler`` name (mxfp8's ``inner``)."""
+    if compiler == "aot_eager_fp32_gemms":
+        from torch._dynamo.backends.common import aot_autograd
+
+        return aot_autograd(fw_compiler=_fp32_gemms, bw_compiler=_fp32_gemms)
+    return compiler
+
+
 def _inductor(model, compiler: str):
-    return torch.compile(model, backend=compiler)
+    return torch.compile(model, backend=_backend(compiler))
+
+
+KEEP_ALL_BF16 = {"rules": [{"precision": "bf16"}]}
+"""A policy that keeps every op as the model wrote it (BF16 under autocast): mxfx rewrites nothing."""
+
+
+def _bf16_grouped(model, compiler: str):
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register("bf16_grouped", bf16_grouped_experts)
+    model.set_experts_implementation("bf16_grouped")
+    return torch.compile(model, backend="mxfp8", options={"inner": _backend(compiler), **KEEP_ALL_BF16})
 
 
 def _mxfp8(model, compiler: str):
-    return torch.compile(model, backend="mxfp8", options={"inner": compiler})
+    return torch.compile(model, backend="mxfp8", options={"inner": _backend(compiler)})
 
 
 def _fp8_block(model, compiler: str):
-    return torch.compile(model, backend="mxfp8", options={"inner": compiler, "format": "fp8_block"})
+    return torch.compile(model, backend="mxfp8", options={"inner": _backend(compiler), "format": "fp8_block"})
 
 
 def _torchao_fp8_rowwise(model, compiler: str):
@@ -138,7 +221,7 @@ def _torchao_fp8_rowwise(model, compiler: str):
     # runs them as they come (the forward is exact for any group; torchao asks for 16-row groups in the wgrad)
     config = Float8TrainingOpConfig()
     quantize_(model, config, filter_fn=lambda mod, fqn: fqn.endswith("mlp.experts"))
-    return torch.compile(model, backend=compiler)
+    return torch.compile(model, backend=_backend(compiler))
 
 
 ARMS = {
@@ -146,6 +229,7 @@ ARMS = {
     for arm in (
         Arm("bf16-users", torch.float32, True, _inductor),
         Arm("bf16-weights", torch.bfloat16, False, _inductor),
+        Arm("bf16-grouped", torch.float32, True, _bf16_grouped),
         Arm("mxfp8", torch.float32, True, _mxfp8),
         Arm("torchao-fp8-rowwise", torch.bfloat16, False, _torchao_fp8_rowwise),
         Arm("fp8_block", torch.float32, True, _fp8_block),
@@ -176,7 +260,7 @@ def run_arm(arm: Arm, args, train, val, device: str) -> dict:
     if device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    model = build_model(args.model, args.layers, args.smoke, device).to(arm.param_dtype)
+    model = build_model(args.model, args.layers, args.dims, device, args.seed).to(arm.param_dtype)
     n_maps = len(mxfx.report.all_reports())
     res: dict = {"arm": arm.name, "param_dtype": str(arm.param_dtype).removeprefix("torch."), "autocast": arm.autocast}
     try:
@@ -186,7 +270,7 @@ def run_arm(arm: Arm, args, train, val, device: str) -> dict:
         res["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
         return res
     amp = torch.autocast(device, torch.bfloat16) if arm.autocast else contextlib.nullcontext()
-    gen = torch.Generator().manual_seed(1234)  # same batches in every arm
+    gen = torch.Generator().manual_seed(1234 + args.seed)  # same batches in every arm
     batch = max(1, args.tokens // args.seq)
     times, losses = [], []
     try:
@@ -224,9 +308,10 @@ def run_arm(arm: Arm, args, train, val, device: str) -> dict:
         heldout_loss=sum(held) / len(held),
         train_losses=losses,
     )
-    if arm.name in ("mxfp8", "fp8_block"):  # the precision maps of this arm's graphs (training and held-out forward)
+    if arm.name in ("bf16-grouped", "mxfp8", "fp8_block"):  # the precision maps of this arm's graphs (training and held-out forward)
         maps = mxfx.report.all_reports()[n_maps:]
         res["expert_gemms_mx"] = max((pm.count("grouped_mm", True) for pm in maps), default=0)
+        res["expert_gemms_kept"] = max((pm.count("grouped_mm", False) for pm in maps), default=0)
         res["not_rewritten"] = sum(pm.count("not_rewritten") for pm in maps)
     del fn, opt, model
     return res
@@ -243,7 +328,8 @@ def table(results: list[dict]) -> str:
         base = next((b for b in results if b["model"] == r["model"] and b["arm"] == "bf16-users" and "error" not in b), None)
         rel = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
         peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
-        note = f"{r['expert_gemms_mx']} expert GEMMs MX, {r['not_rewritten']} not rewritten" if "expert_gemms_mx" in r else ""
+        note = (f"{r['expert_gemms_mx']} expert GEMMs MX, {r['expert_gemms_kept']} kept, {r['not_rewritten']} not rewritten"
+                if "expert_gemms_mx" in r else "")
         lines.append(f"| {r['model']} | {r['arm']} | {r['param_dtype']} | {r['tokens_per_s']:,.0f} | {rel} | {peak} | "
                      f"{r['first_step_s']:.1f} | {r['heldout_loss']:.4f} | {note} |")
     return "\n".join(lines)
@@ -262,13 +348,16 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--eval-batches", type=int, default=4)
     p.add_argument("--log-every", type=int, default=25)
-    p.add_argument("--compiler", default="inductor", help="torch.compile backend behind every arm (mxfp8's inner)")
+    p.add_argument("--compiler", default="inductor", choices=COMPILERS,
+                   help="torch.compile backend behind every arm (mxfp8's inner); aot_eager_fp32_gemms: CPUs without BF16 GEMMs")
+    p.add_argument("--dims", default="real", choices=DIMS, help="model dims: the checkpoints' (real), CPU-sized (small)")
+    p.add_argument("--seed", type=int, default=0, help="initial weights (seed) and batches (seed + 1234)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny dims, a few steps (CI)")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     args = p.parse_args(argv)
     if args.smoke:
         args.steps, args.warmup, args.skip, args.tokens, args.seq, args.eval_batches, args.log_every = 3, 1, 1, 64, 32, 1, 1
-        args.compiler = "aot_eager"
+        args.compiler, args.dims = "aot_eager", "smoke"
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     arms = [a for a in args.arms.split(",") if a]
     unknown = sorted(set(arms) - set(ARMS))

@@ -106,8 +106,48 @@ def test_hf_models_smoke(monkeypatch, tmp_path):
     run_script(monkeypatch, "bench/hf_models.py", "--smoke", "--model", "olmoe", "--layers", "1", "--out", str(tmp_path))
     res = json.loads((tmp_path / "hf_models.json").read_text())["results"]
     by_arm = {r["arm"]: r for r in res}
-    assert set(by_arm) == {"bf16-users", "bf16-weights", "mxfp8", "fp8_block", "torchao-fp8-rowwise"}
-    for arm in ("bf16-users", "bf16-weights", "mxfp8", "fp8_block"):
+    assert set(by_arm) == {"bf16-users", "bf16-weights", "bf16-grouped", "mxfp8", "fp8_block", "torchao-fp8-rowwise"}
+    for arm in ("bf16-users", "bf16-weights", "bf16-grouped", "mxfp8", "fp8_block"):
         assert "error" not in by_arm[arm] and by_arm[arm]["tokens_per_s"] > 0, by_arm[arm]
     assert by_arm["mxfp8"]["expert_gemms_mx"] == 2 and by_arm["mxfp8"]["not_rewritten"] == 0
+    # BF16 torch._grouped_mm experts, seen by mxfx as grouped GEMMs and kept by the policy (no FP32 fallback left)
+    grouped = by_arm["bf16-grouped"]
+    assert grouped["expert_gemms_mx"] == 0 and grouped["expert_gemms_kept"] == 2 and grouped["not_rewritten"] == 0
     assert "error" in by_arm["torchao-fp8-rowwise"]  # needs an FP8 GPU: reported, the run went on
+
+
+def test_fp32_gemms_compiler_is_a_bf16_gemm():
+    """``--compiler aot_eager_fp32_gemms`` runs BF16 GEMMs as FP32 GEMMs of the BF16 operands, BF16 out: the same
+    products and FP32 accumulation as a BF16 GEMM (up to summation order), forward and backward."""
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import hf_models
+
+    torch.manual_seed(0)
+    a, b = torch.randn(40, 64, dtype=torch.bfloat16), torch.randn(64, 96, dtype=torch.bfloat16)
+    gm = make_fx(torch.mm)(a, b)
+    hf_models._fp32_gemms(gm, [a, b])
+    (mm,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default]
+    assert all(arg.args[1] is torch.float32 for arg in mm.args)  # FP32 operands ...
+    y = gm(a, b)
+    assert y.dtype == torch.bfloat16  # ... BF16 result: one rounding of the FP32 sums
+    torch.testing.assert_close(y, (a.float() @ b.float()).bfloat16(), rtol=2**-7, atol=0)
+
+    w = torch.randn(96, 64, requires_grad=True)  # under autocast, through aot_autograd: forward and backward
+    x = torch.randn(40, 64)
+
+    def f(x, w):
+        with torch.autocast("cpu", torch.bfloat16):
+            return torch.nn.functional.linear(x, w)
+
+    torch._dynamo.reset()
+    y = torch.compile(f, backend=hf_models._backend("aot_eager_fp32_gemms"))(x, w)
+    y.float().square().sum().backward()
+    g, w.grad = w.grad, None
+    y_ref = f(x, w)
+    y_ref.float().square().sum().backward()
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, y_ref, rtol=2**-7, atol=1e-2)  # the BF16 GEMM, up to summation order
+    torch.testing.assert_close(g, w.grad, rtol=2**-6, atol=1e-1)
