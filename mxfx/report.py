@@ -112,6 +112,10 @@ class PrecisionMap:
                  if f in LOW_PRECISIONS}
         return "+".join(sorted(found)) or "rewritten"
 
+    def __str__(self) -> str:
+        """``print(report)`` shows :meth:`to_text`'s table."""
+        return self.to_text()
+
     def to_text(self) -> str:
         """The map as an aligned text table, one line per record (written as ``precision.txt``)."""
         cols = ["node", "kind", "module", "shapes", "forward", "dgrad", "wgrad", "saved", "scale_rule", "reason"]

@@ -33,6 +33,7 @@ from __future__ import annotations
 import atexit
 import threading
 import warnings
+from dataclasses import dataclass
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -41,6 +42,7 @@ from mxfx.passes.fx import all_graphs, module_fqn
 from mxfx.policy import OP_KINDS, Policy
 
 EXAMPLES = 6
+DEFAULT_FORMAT = Policy.format  # "mxfp8": the default asks for nothing
 """How many existing module names a warning lists."""
 
 _lock = threading.Lock()
@@ -214,16 +216,30 @@ by its own pass)."""
 _warned_unmet: set[tuple] = set()  # (rule, kind, module, node) already warned
 
 
+@dataclass(frozen=True)
+class PolicyWideFormat:
+    """A policy-wide ``format`` other than the default, as a request: the ops it matches are every op no rule
+    decides, and those its block shape refuses are worth a warning (the user chose the format)."""
+
+    format: str
+
+    def describe(self) -> str:
+        return f"(policy-wide format={self.format!r})"
+
+
 def warn_unmet_requests(policy: Policy, records) -> None:
     """Warn, once per rule and op, when an op a user rule asks to convert (:meth:`Policy.requesting_rule`) is kept
     in BF16 (its shape, ``min_size`` or operands refuse it): one warning per rule per graph, naming each such op's
-    module, shapes and reason. Ops only the default rules would convert are not warned about (the precision map
-    gives their reasons)."""
+    module, shapes and reason. A policy-wide ``format`` other than ``"mxfp8"`` counts as such a rule for the ops its
+    block shape refuses (features not multiples of 128 under fp8_block). Ops only the default rules would convert
+    are not warned about otherwise (the precision map gives their reasons)."""
     unmet: dict = {}
     for r in records:
         if r.kind not in REQUEST_KINDS or r.rewritten:
             continue
         rule = policy.requesting_rule(r.kind, r.module)
+        if rule is None and policy.format != DEFAULT_FORMAT and "multiple" in r.reason:
+            rule = PolicyWideFormat(policy.format)
         key = (rule, r.kind, r.module, r.node)
         if rule is None or key in _warned_unmet:
             continue

@@ -176,6 +176,18 @@ def test_dynamic_token_counts_one_graph():
     assert compiles[0].code.count("mx_linear(") == 2
 
 
+def test_printing_a_report_shows_its_table():
+    """``print(mxfx.last_report())`` (the README's recipe) prints the table, one line per op, not a dataclass repr."""
+    m = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    torch._dynamo.reset()
+    torch.compile(m, backend="mxfp8", options={"inner": "eager"})(torch.randn(32, 64))
+    text = str(mxfx.last_report())
+    lines = text.splitlines()
+    assert text == mxfx.last_report().to_text() and lines[0].startswith("# mxfx precision map")
+    assert lines[1].split()[:3] == ["node", "kind", "module"]
+    assert len(lines) == 2 + 2 and all(" linear " in ln and " mxfp8 " in ln for ln in lines[2:]), text
+
+
 def test_inference_graph_report_claims_no_backward():
     """Under no_grad the MX linears run the forward GEMM only: the map shows no dgrad/wgrad/saved and no savings."""
     m = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))

@@ -177,6 +177,16 @@ def test_rule_asking_for_low_precision_warns_when_the_shape_refuses_it():
     assert not any("tail" in m for m in messages)
 
 
+def test_policy_wide_fp8_block_warns_for_ops_its_tiles_refuse():
+    """A policy-wide format="fp8_block" is the user's request too: ops whose features are not multiples of 128 stay
+    BF16 and are named in one warning (up, odd, tail: 64 and 40 features); the default format warns of none."""
+    messages = _compile_warnings({"inner": "aot_eager", "format": "fp8_block"})
+    assert len(messages) == 1, messages
+    assert "(policy-wide format='fp8_block') asks for fp8_block, but 3 op(s)" in messages[0]
+    assert "not multiples of 128" in messages[0] and "pad their features to a multiple of 128" in messages[0]
+    assert not _compile_warnings({"inner": "aot_eager"})  # the default format asks for nothing
+
+
 def test_rule_asking_for_low_precision_warns_below_min_size_once():
     options = {"inner": "aot_eager", "min_size": 10**9, "rules": [{"module": "up", "precision": "mxfp8", "save": "mxfp8"}]}
     (message,) = _compile_warnings(options)
