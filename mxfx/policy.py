@@ -334,7 +334,7 @@ class Policy(_NamedFields):
             raise ValueError(f"mxfx policy: inner={self.inner!r} is not valid; choose one of {', '.join(map(repr, INNER_COMPILERS))} or a backend callable")
         rules = tuple(r if isinstance(r, Rule) else Rule(**dict(r)) for r in self.rules)
         object.__setattr__(self, "rules", rules)
-        _check_rule_fits_format(self.format, self.scale_rule, "the policy")
+        _check_rule_fits_format(self.format, self.scale_rule, "policy-wide")
         for r in rules:
             if r.format is not None or r.scale_rule is not None:
                 _check_rule_fits_format(r.format or self.format, r.scale_rule or self.scale_rule, f"rule {r}")
