@@ -74,3 +74,16 @@ def test_trainer_trains_resumes_and_reloads_with_fresh_caches(tmp_path):
     reloaded = T.OlmoeForCausalLM.from_pretrained(tmp_path / "pretrained")
     reloaded.compile(backend="mxfp8", options=OPTIONS)
     torch.testing.assert_close(_logits(reloaded), _logits(resumed), rtol=0, atol=0)
+
+
+def test_module_names_under_accelerates_wrapped_forward():
+    """Accelerate's mixed precision wraps ``model.forward`` and passes the model as its first argument, so Dynamo
+    names modules ``L['args'][0].model...``; the precision map (and rules) still see ``named_modules()``'s names."""
+    accelerate = pytest.importorskip("accelerate")
+    model = hf_trainer.tiny_olmoe()
+    model.compile(backend="mxfp8", options=OPTIONS)
+    model = accelerate.Accelerator(mixed_precision="bf16", cpu=True).prepare(model)
+    model(input_ids=X, labels=X).loss.backward()
+    names = {r.module for r in mxfx.last_report().records}
+    assert "model.layers.0.mlp.experts" in names and "lm_head" in names, names
+    assert names <= {n for n, _ in model.named_modules()}, names

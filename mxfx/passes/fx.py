@@ -10,7 +10,8 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-_ROOT = re.compile(r"^L\['[^']*'\]\.?")
+_ROOT = re.compile(r"^L\['(?!self')[^']*'\]\[0\]\.?|^L\['[^']*'\]\.?")  # L['self'], or the module as the first
+# positional argument of a wrapped forward (Accelerate's autocast wrapper: L['args'][0])
 _INDEX = re.compile(r"\[(\d+)\]")
 _SUBSCRIPT = re.compile(r"\[['\"]([^'\"]+)['\"]\]")
 WRAPPER_NAMES = ("__dict__", "_checkpoint_wrapped_module")
@@ -20,8 +21,9 @@ checkpointing), which ``state_dict()`` leaves out of parameter names as well."""
 
 
 def normalize_fqn(dynamo_path: str) -> str:
-    """Dynamo's ``L['self'].layers[0].attn`` -> ``layers.0.attn`` (as ``named_modules()`` spells it,
-    less activation-checkpoint wrappers: :func:`strip_wrappers`)."""
+    """Dynamo's ``L['self'].layers[0].attn`` (or ``L['args'][0].layers[0].attn``, where a wrapped forward received
+    the module as its first argument) -> ``layers.0.attn`` (as ``named_modules()`` spells it, less
+    activation-checkpoint wrappers: :func:`strip_wrappers`)."""
     path = _ROOT.sub("", dynamo_path)
     path = _INDEX.sub(r".\1", path)
     path = _SUBSCRIPT.sub(r".\1", path)
