@@ -104,7 +104,11 @@ def judge_pending(policy: Policy | None = None) -> None:
     for judged, modules, ops in pending:
         names = sorted(m for m in modules if m)
         examples = _listed(names)
+        # a rule already warned as naming one of several blocks that share a graph: that warning says why
+        shared = {judged.rules[i] for k, i in _warned_shared if k == hash(judged)}
         for rule in unmatched_rules(judged, modules):
+            if rule in shared:
+                continue
             warnings.warn(
                 f"mxfx: policy rule {rule.describe()} matches no module of the graphs compiled under this policy, "
                 f"so it changes nothing. Module names there ({len(names)}): {examples or 'none'}. A glob matches a "
@@ -114,7 +118,8 @@ def judge_pending(policy: Policy | None = None) -> None:
                 stacklevel=2,
             )
         for rule in opless_rules(judged, modules, ops):
-            warnings.warn(_opless_message(judged, rule, modules, ops), stacklevel=2)
+            if rule not in shared:
+                warnings.warn(_opless_message(judged, rule, modules, ops), stacklevel=2)
 
 
 def _listed(names) -> str:

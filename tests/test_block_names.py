@@ -8,6 +8,7 @@ must apply to that layer's graph only.
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 import mxfx
+from mxfx import rule_check
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from moe_model import MoEConfig, MoETransformer  # noqa: E402
@@ -68,3 +70,14 @@ def test_rule_for_every_layer_gives_no_shared_graph_warning(recwarn):
     maps = _per_block_maps(register=True, rule="layers.*.attn.qkv")
     assert _qkv(maps[0]).forward == "bf16"
     assert not [w for w in recwarn if "decides differently" in str(w.message)]
+
+
+def test_rule_for_a_later_layer_gets_one_warning_not_two():
+    """A rule naming layer 1 when layer 0's graph serves both: the shared-graph warning says why it cannot apply;
+    the unmatched-rule judgment (graph names are layer 0's) must not add a second warning saying it matches nothing."""
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        _per_block_maps(register=True, rule="layers.1.attn.qkv")
+        rule_check.judge_pending()
+    messages = [str(w.message) for w in record if "layers.1.attn.qkv" in str(w.message)]
+    assert len(messages) == 1 and "decides differently for layers.0 than for layers.1" in messages[0], messages
