@@ -189,4 +189,3 @@ def saved_for_backward(out: torch.Tensor) -> list[torch.Tensor]:
                 found.setdefault(t.untyped_storage().data_ptr(), t)
         stack.extend(f for f, _ in node.next_functions)
     return list(found.values())
-

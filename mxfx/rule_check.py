@@ -42,7 +42,6 @@ from mxfx.passes.fx import all_graphs, module_fqn
 from mxfx.policy import OP_KINDS, Policy
 
 EXAMPLES = 6
-DEFAULT_FORMAT = Policy.format  # "mxfp8": the default asks for nothing
 """How many existing module names a warning lists."""
 
 _lock = threading.Lock()
@@ -223,8 +222,8 @@ _warned_unmet: set[tuple] = set()  # (rule, kind, module, node) already warned
 
 @dataclass(frozen=True)
 class PolicyWideFormat:
-    """A policy-wide ``format`` other than the default, as a request: the ops it matches are every op no rule
-    decides, and those its block shape refuses are worth a warning (the user chose the format)."""
+    """A policy-wide ``format`` that resolves to fp8_block (the user chose it; the default is mxfp8), as a request:
+    the ops it covers are every op no rule decides, and those its 128-wide tiles refuse are worth a warning."""
 
     format: str
 
@@ -235,15 +234,15 @@ class PolicyWideFormat:
 def warn_unmet_requests(policy: Policy, records) -> None:
     """Warn, once per rule and op, when an op a user rule asks to convert (:meth:`Policy.requesting_rule`) is kept
     in BF16 (its shape, ``min_size`` or operands refuse it): one warning per rule per graph, naming each such op's
-    module, shapes and reason. A policy-wide ``format`` other than ``"mxfp8"`` counts as such a rule for the ops its
-    block shape refuses (features not multiples of 128 under fp8_block). Ops only the default rules would convert
+    module, shapes and reason. A policy-wide ``format`` that resolves to fp8_block counts as such a rule for the ops
+    its tiles refuse (features not multiples of 128). Ops only the default rules would convert
     are not warned about otherwise (the precision map gives their reasons)."""
     unmet: dict = {}
     for r in records:
         if r.kind not in REQUEST_KINDS or r.rewritten:
             continue
         rule = policy.requesting_rule(r.kind, r.module)
-        if rule is None and policy.format != DEFAULT_FORMAT and "multiple" in r.reason:
+        if rule is None and "multiple" in r.reason and policy.decide(r.kind, r.module).format == "fp8_block":
             rule = PolicyWideFormat(policy.format)
         key = (rule, r.kind, r.module, r.node)
         if rule is None or key in _warned_unmet:

@@ -61,6 +61,17 @@ def _rule_warnings(record) -> list[str]:
     return [str(w.message) for w in record if "policy rule" in str(w.message)]
 
 
+def _per_block_judged(model, options) -> list[str]:
+    """Compile each of ``model.layers`` on its own under ``options`` and train one step: the rule warnings, all
+    issued at the optimizer step (none during the forward and backward, when not every graph is known yet)."""
+    for i, block in enumerate(model.layers):
+        model.layers[i] = torch.compile(block, backend="mxfp8", options=options)
+    with pytest.warns(UserWarning, match="policy rule") as record:
+        early = _step(model, model, torch.randn(4, 64))
+    assert not early, "judged before the optimizer step"
+    return _rule_warnings(record)
+
+
 def test_glob_matches_name_or_dotted_suffix():
     rule = Rule(module="layers.0.*", precision="bf16")
     assert rule.matches_module("layers.0.up") and rule.matches_module("model.layers.0.up")
@@ -87,12 +98,7 @@ def test_per_block_compile_judges_all_blocks_together():
     model = Inner()
     options = {"inner": "aot_eager", "rules": [{"module": "proj", "precision": "bf16"},
                                                {"module": "layers.1.*", "precision": "bf16"}]}
-    for i, block in enumerate(model.layers):
-        model.layers[i] = torch.compile(block, backend="mxfp8", options=options)
-    with pytest.warns(UserWarning, match="policy rule") as record:
-        early = _step(model, model, torch.randn(4, 64))
-    assert not early, "judged before the optimizer step"
-    messages = _rule_warnings(record)
+    messages = _per_block_judged(model, options)
     assert len(messages) == 1 and "(module='layers.1.*', precision='bf16')" in messages[0], messages
     assert "'proj'" in messages[0] and "'up'" in messages[0]  # block-relative names, from both graphs
     assert [pm.records[0].forward for pm in mxfx.all_reports()[-2:]] == ["mxfp8", "bf16"]  # the 'proj' rule applied
@@ -289,12 +295,7 @@ def test_rule_matching_an_op_in_any_graph_does_not_warn():
     model = GluModel(glu=(False, True))
     options = {"inner": "aot_eager", "rules": [{"op": "swiglu", "save": "bf16"}, {"module": "up", "op": "linear", "wgrad": "bf16"},
                                                {"module": "input_layernorm", "precision": "bf16"}]}
-    for i, block in enumerate(model.layers):
-        model.layers[i] = torch.compile(block, backend="mxfp8", options=options)
-    with pytest.warns(UserWarning, match="policy rule") as record:
-        early = _step(model, model, torch.randn(4, 64))
-    assert not early, "judged before the optimizer step"
-    messages = [m for m in _rule_warnings(record) if "input_layernorm" in m or "op='swiglu'" in m or "'up'" in m]
+    messages = [m for m in _per_block_judged(model, options) if "input_layernorm" in m or "op='swiglu'" in m or "'up'" in m]
     assert len(messages) == 1, messages
     assert "(module='input_layernorm', precision='bf16') matches module 'input_layernorm', but there is no op" in messages[0]
     by_kind_module = {(r.kind, r.module): r for r in mxfx.last_report().records}
