@@ -46,15 +46,19 @@ across microbatches):
   that optimizer's parameters; a ``torch.compile(opt.step, backend="mxfp8")``
   graph rebuilds them in-graph (:mod:`mxfx.passes.weight_refresh`). Either way a
   forward never uses a stale cache: the version check catches every other path.
-* **Dgrad forms at their first use.** A refresh (and a lookup that finds the caches stale)
+* **Dgrad forms at their use.** A refresh (and a lookup that finds the caches stale)
   rebuilds the forward-side forms and drops the stale dgrad-side ones (:data:`DGRAD_SIDE`),
-  freeing their memory; the first dgrad lookup after it, in the backward of the step's first
-  microbatch, builds them from the same weight (fresh by the same checks) and later
-  microbatches reuse them. A forward's peak memory then holds no dgrad form, and they appear
-  layer by layer as the backward frees activations. The cost: where one pass writes both MX
-  forms (the emulated GEMM's source layout) the weight is read twice per step instead of
-  once; fp8_block's dgrad form is the forward form transposed. :func:`set_dgrad_at_refresh`
-  rebuilds both at the refresh instead. Forms gathered by FSDP2 are never dropped.
+  freeing their memory. The backward builds them from the same weight (fresh by the same
+  checks). A weight whose dgrad form was looked up once per step (one microbatch per optimizer
+  step) gets it built for that one GEMM and not kept: between backwards the weight holds its
+  forward form alone, through the optimizer step too. Once a second lookup in one step shows
+  several microbatches, the form is kept from its first lookup of each step on, and later
+  microbatches reuse it (once per step again; that first step builds it twice). A forward's
+  peak memory holds no dgrad form, and the backward's holds one layer's at a time with one
+  microbatch. The cost: where one pass writes both MX forms (the emulated GEMM's source
+  layout) the weight is read twice per step instead of once; fp8_block's dgrad form is the
+  forward form transposed. :func:`set_dgrad_at_refresh` rebuilds both at the refresh and keeps
+  them instead. Forms gathered by FSDP2 are never dropped.
 * **Step count for weights no optimizer holds.** Every optimizer step also advances a
   global step count. An entry that no step hook has found through its optimizer's
   parameters (an FSDP2 unsharded parameter: the optimizer holds the sharded DTensor,
@@ -130,6 +134,8 @@ class _Entry:
     step: int = 0  # the global step count (_step) when the forms were built
     owned: bool = False  # a step hook found it through its optimizer's parameters: refreshed there, ignores _step
     gathered: bool = False  # forms installed from an FSDP2 MX all-gather (install_forms): never built from the weight
+    dgrad_seen: set = field(default_factory=set)  # dgrad-side forms built unkept since the last rebuild
+    dgrad_kept: bool = False  # a dgrad-side form was looked up twice in one step: keep them from their first lookup
 
     def nbytes(self) -> int:
         return sum(t.nbytes for form in self.forms.values() for t in form)
@@ -285,9 +291,10 @@ def set_dgrad_at_refresh(enabled: bool) -> bool:
     previous choice.
 
     ``False`` (the default): a refresh rebuilds the forward-side forms only and drops the stale dgrad-side
-    ones; the first dgrad lookup after it (the backward of the step's first microbatch) builds them, so a
-    forward's peak memory does not hold them. ``True``: a refresh rebuilds every form, so each MX weight is
-    read once per step (one pass writes both forms where the GEMM is emulated) instead of twice.
+    ones; the backward builds them at their lookup, keeping them only where a step has several
+    microbatches (module docstring), so a forward's peak memory does not hold them. ``True``: a refresh
+    rebuilds every form and keeps it, so each MX weight is read once per step (one pass writes both forms
+    where the GEMM is emulated) instead of twice.
 
     Raises:
         TypeError: ``enabled`` is not a bool.
@@ -315,6 +322,7 @@ def _rebuild(entry: _Entry, weight: torch.Tensor, extra: tuple | None = None) ->
         wanted -= deferred
         _stats["deferred_dgrad"] += len(deferred)
     entry.forms.clear()  # free the stale forms before allocating the new ones
+    entry.dgrad_seen.clear()
     entry.source_layout = source_layout(weight)
     for rule in sorted({r for r, _ in wanted}):
         entry.forms.update(_build(weight, rule, [f for r, f in wanted if r == rule]))
@@ -366,7 +374,14 @@ def lookup(weight: torch.Tensor, rule: str, orientation: str) -> tuple[torch.Ten
             entry.version, entry.step = weight._version, _step
             _stats["stale"] += 1
         elif form not in entry.forms:
-            entry.forms.update(_build(weight, rule, [orientation], have=entry.forms))
+            built = _build(weight, rule, [orientation], have=entry.forms)
+            if orientation in DGRAD_SIDE and not (_dgrad_at_refresh or entry.gathered or entry.dgrad_kept):
+                if form not in entry.dgrad_seen:  # the step's first backward: built for this GEMM alone
+                    entry.dgrad_seen.add(form)
+                    _stats["transient_dgrad"] += 1
+                    return built[form]
+                entry.dgrad_kept = True  # a second microbatch: keep them, from each step's first lookup on
+            entry.forms.update(built)
         else:
             _stats["hit"] += 1
         return entry.forms[form]
@@ -809,10 +824,11 @@ def stats() -> dict:
     rebuilt by :func:`refresh`), ``refresh_eager`` (by the optimizer hook),
     ``refresh_graph`` (inside compiled optimizer steps), ``quantize_block`` (128x128 quantizes of
     fp8_block weights, each serving both orientations), ``deferred_dgrad`` (stale dgrad-side forms a
-    rebuild dropped for their next lookup to build, :func:`set_dgrad_at_refresh`).
+    rebuild dropped for their next lookup to build, :func:`set_dgrad_at_refresh`), ``transient_dgrad``
+    (dgrad-side forms built for one GEMM and not kept: one microbatch per step so far).
     """
     keys = ("quantize", "quantize_forward", "quantize_dgrad", "quantize_block", "hit", "stale", "refresh", "refresh_eager",
-            "refresh_graph", "deferred_dgrad")
+            "refresh_graph", "deferred_dgrad", "transient_dgrad")
     return {k: _stats.get(k, 0) for k in keys}
 
 
@@ -824,7 +840,8 @@ def persistent_bytes(weight: torch.Tensor | None = None) -> int:
     """Bytes held by weight caches: all of them, or those of ``weight`` (0 when it has none).
 
     With both MX forms of one rule, ``2 x 33/32`` bytes per weight value, ``33/32`` with the forward form
-    alone (from a refresh to the next backward, :func:`set_dgrad_at_refresh`) (plus the blocked layout's
+    alone (from a refresh to the next backward, and throughout with one microbatch per step: module
+    docstring) (plus the blocked layout's
     padding of rows to 128 and scale columns to 4, where :func:`blocked_scales` holds); each
     dequantized form of ``keep_dequantized_weights`` holds 2 (where the GEMM is
     emulated, instead of the MX forms; elsewhere on top of them).

@@ -302,6 +302,13 @@ def test_grouped_kernel_compiles_to_fp8_wgmma(monkeypatch):
     (c,) = _sm90_launches(monkeypatch, block_grouped, "_kernel", block_grouped.grouped_mm, a, sa, b, sb, offs, config=config)
     mmas = set(re.findall(r"\b([HQ]GMMA\.[0-9x]+\.F32\.[A-Z0-9]+\.[A-Z0-9]+)", c.sass))
     assert mmas and all(m.endswith("E4M3.E4M3") for m in mmas), mmas
+    # K-major operands (weights and their dgrad copies, quantized activations) are read by TMA; a transposed
+    # view (not K-major) falls back to pointer loads and still runs FP8 MMAs
+    assert "UTMALDG" in c.sass
+    bt, sbt = b.transpose(1, 2), sb.transpose(1, 2)
+    (v,) = _sm90_launches(monkeypatch, block_grouped, "_kernel", block_grouped.grouped_mm, a[:, :256], sa[:, :2], bt,
+                          sbt, offs, config=config)
+    assert "UTMALDG" not in v.sass and any(m.startswith("QGMMA") for m in re.findall(r"\b([HQ]GMMA\S*)", v.sass))
 
 
 def test_quantize_kernels_compile_for_sm90(monkeypatch):

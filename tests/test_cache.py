@@ -157,7 +157,7 @@ def test_weight_operand_errors():
 def test_memory_and_entries_die_with_the_parameter():
     model, x = _model(), _x()
     cm = torch.compile(model, backend="mxfp8", options=OPTS)
-    _train_microbatches(cm, x, 1)
+    _train_microbatches(cm, x, 2)  # a second microbatch keeps the dgrad forms too
     per_weight = {n: cache.persistent_bytes(p) for n, p in model.named_parameters()}
     assert per_weight["up.weight"] == 2 * H * D * 33 // 32 and per_weight["down.weight"] == 2 * OUT * H * 33 // 32
     assert per_weight["up.bias"] == 0
@@ -197,13 +197,43 @@ def test_one_quantize_per_weight_per_orientation_per_step(at_refresh):
         assert after["quantize_dgrad"] - during["quantize_dgrad"] == (N_WEIGHTS if at_refresh else 0)
         assert after["deferred_dgrad"] - during["deferred_dgrad"] == (0 if at_refresh else N_WEIGHTS)
         assert after["refresh_eager"] == N_WEIGHTS
-        if step == 0:  # first use: built once by the first microbatch, read by the other three
-            assert during["quantize_forward"] == N_WEIGHTS and during["quantize_dgrad"] == N_WEIGHTS
+        if step == 0:  # first use: the forward form built once; the dgrad form built for the first microbatch
+            # alone, then again and kept by the second (several microbatches seen), read by the other two
+            assert during["quantize_forward"] == N_WEIGHTS
+            assert during["quantize_dgrad"] == (1 if at_refresh else 2) * N_WEIGHTS
         elif at_refresh:  # built by the previous step's hook: the microbatches only read them
             assert during["quantize"] == 0 and during["hit"] == 2 * N_WEIGHTS * n_micro
         else:  # forward forms from the hook; dgrad forms built by the first backward, read by the other three
             assert during["quantize_forward"] == 0 and during["quantize_dgrad"] == N_WEIGHTS
             assert during["hit"] == 2 * N_WEIGHTS * n_micro - N_WEIGHTS
+
+
+@pytest.mark.parametrize("compiled_step", [False, True])
+def test_one_microbatch_per_step_keeps_no_dgrad_form(compiled_step):
+    """With one microbatch per step the backward builds each dgrad form for its GEMM and does not keep it: a
+    weight holds its forward form alone after the backward and through the optimizer step, each form is still
+    quantized once per step, and training is bit-identical to keeping both forms from the refresh."""
+    runs = {}
+    for at_refresh in (False, True):
+        cache.clear()
+        cache.set_dgrad_at_refresh(at_refresh)
+        model, x = _model(), _x()
+        cm = torch.compile(model, backend="mxfp8", options=OPTS)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05, foreach=True)
+        step = torch.compile(opt.step, backend="mxfp8", options=OPTS) if compiled_step else opt.step
+        for i in range(3):
+            cache.reset_stats()
+            _train_microbatches(cm, x, 1)
+            stats = cache.stats()
+            assert cache.persistent_bytes() == _mx_bytes(model, 2 if at_refresh else 1)
+            assert stats["transient_dgrad"] == (0 if at_refresh else N_WEIGHTS)
+            assert stats["quantize_dgrad"] == (N_WEIGHTS if i == 0 or not at_refresh else 0)
+            step()
+            opt.zero_grad()
+            assert cache.persistent_bytes() == _mx_bytes(model, 2 if at_refresh else 1)
+        runs[at_refresh] = [p.detach().clone() for p in model.parameters()]
+    for a, b in zip(runs[False], runs[True]):
+        assert torch.equal(a, b)
 
 
 def _mx_bytes(model, forms):
@@ -224,7 +254,7 @@ def test_refresh_keeps_forward_forms_and_the_backward_builds_dgrad_forms(compile
         cm = torch.compile(model, backend="mxfp8", options=OPTS)
         opt = torch.optim.AdamW(model.parameters(), lr=0.05, foreach=True)
         step = torch.compile(opt.step, backend="mxfp8", options=OPTS) if compiled_step else opt.step
-        _train_microbatches(cm, x, 1)
+        _train_microbatches(cm, x, 2)  # two microbatches: the dgrad forms are kept
         assert cache.persistent_bytes() == _mx_bytes(model, 2)
         for _ in range(2):
             step()
@@ -256,7 +286,7 @@ def test_refresh_drops_dgrad_side_forms_of_every_kind(keep_dequantized):
     rebuilds them from the current weight, equal to the forms of a fresh cache."""
     w = torch.randn(3, 64, 96)
     kinds = ("_bf16",) if keep_dequantized else ("",)
-    for o in ("forward", "dgrad"):
+    for o in ("forward", "dgrad", "dgrad"):  # a second dgrad lookup (microbatch) keeps the dgrad form
         cache.weight_operands(w, "rceil", o, keep_dequantized)
     assert {f for _, f in cache.entry_forms(w)} == {"forward" + k for k in kinds} | {"dgrad" + k for k in kinds}
     w.data.mul_(-0.5)
@@ -350,7 +380,7 @@ def test_compiled_step_with_hook_refreshes_once():
     opt = torch.optim.Adam(model.parameters(), lr=0.05, foreach=True)
     step = torch.compile(opt.step, backend="mxfp8", options=OPTS)
     cm = torch.compile(model, backend="mxfp8", options=OPTS)
-    _train_microbatches(cm, x, 1)
+    _train_microbatches(cm, x, 2)  # two microbatches keep the dgrad forms: the refresh drops them
     cache.reset_stats()
     step()
     assert cache.stats()["refresh_graph"] == N_WEIGHTS and cache.stats()["refresh_eager"] == 0

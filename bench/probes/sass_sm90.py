@@ -26,6 +26,7 @@ import tempfile
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 
 _TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.uint8: "u8",
@@ -85,6 +86,8 @@ def _specialize(kernel, args, kwargs):
             signature[p.name] = "*" + _TRITON_TYPES[v.dtype]
             if v.data_ptr() % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, TensorDescriptor):  # host TMA descriptor: element type and block shape
+            signature[p.name] = f"tensordesc<{_TRITON_TYPES[v.base.dtype]}{list(v.block_shape)}>"
         elif isinstance(v, bool):
             signature[p.name] = "i1"
         elif isinstance(v, int):

@@ -9,15 +9,22 @@ fine, and rows past ``offs[-1]`` are written as zeros.
 
 Design (the DeepGEMM one, written for Triton): every 128-wide step of K is one FP8 ``tl.dot``
 into a fresh FP32 partial sum, promoted once into the FP32 accumulator with the product of the
-row's A scale and the column's B scale: ``acc += partial * (sa[m] * sb[n])``. A tile of BLOCK_N
-columns may span several 128-column weight blocks; each column reads its own block's scale.
-The launch is persistent: one program per SM walks the tiles of all groups in one launch (group
-by group, tiles numbered globally, program p takes tiles p, p + P, ...), so group sizes never
-reach the host and nothing is synchronised.
+row's A scale and the tile's B scale: ``acc += partial * (sa[m] * sb)``. A tile is at most 128
+columns wide and starts on a multiple of its width, so it lies inside one 128-column weight block:
+the B scale is one scalar per K step, folded into the row scales (one FMA per accumulator value per
+step). The launch is persistent: one program per SM (or two, three for the smaller tiles) walks the
+tiles of all groups in one launch (group by group, tiles numbered globally, program p takes tiles
+p, p + P, ...), so group sizes never reach the host and nothing is synchronised.
+
+Loads: where A and B are K-major with 16-byte aligned rows (every cached weight form and every
+quantized activation of the passes) both are read through TMA tensor descriptors: A over ``[S, K]``
+(rows past a group's end are read and never stored), B over ``[G * N, K]`` (K past its end reads as
+zeros). Otherwise (a transposed view, K not a multiple of 16) they are read through pointers with
+masks.
 
 B is read through its strides: the forward passes the weight ``W [G, N, K]`` itself; dgrad
 (``dX = dY W``) passes the weight's transpose ``[G, K, N]`` with its scales transposed, either as
-a view (slower: non-K-major loads) or as a contiguous copy (the fast layout). Under the rceil
+a view (slower: non-K-major loads) or as a contiguous copy (the fast layout, TMA). Under the rceil
 rule the 128x128 scales of a block serve both orientations unchanged.
 
 Numerics: each partial sum holds exact E4M3 products summed in FP32 over 128 values (on Hopper
@@ -33,36 +40,46 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-from mxfx.block_format import TILE, n_tiles
+from mxfx.block_format import TILE
+
+def _descriptor_blocks(nargs: dict) -> None:
+    """Autotune pre-hook: the TMA descriptors' block shapes follow the config's tile."""
+    if nargs.get("a_desc") is not None:
+        nargs["a_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
+        nargs["b_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
+
 
 CONFIGS = [
-    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "PROGRAMS_PER_SM": per_sm}, num_stages=stages, num_warps=warps)
+    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "PROGRAMS_PER_SM": per_sm}, num_stages=stages, num_warps=warps,
+                  pre_hook=_descriptor_blocks)
     for bm, bn, stages, warps, per_sm in (
         (128, 128, 4, 8, 1),
         (128, 128, 3, 8, 1),
         (64, 128, 3, 4, 2),
         (64, 128, 4, 4, 2),
-        (64, 256, 3, 8, 1),
+        (128, 64, 4, 4, 2),
         (64, 64, 4, 4, 3),
     )
 ]
-"""A small sm90 set: 128-wide K steps; the accumulator and the 128-K partial sum each take BLOCK_M x BLOCK_N
-FP32 values. Compiled for sm90 (Triton's ptxas) the 8-warp tiles use 218-238 registers per thread (one program
-per SM), 64x128 over 4 warps 242 (two fit an SM's registers and shared memory), 64x64 166 (three): while one
-program promotes its partial sums on the CUDA cores, another's FP8 MMAs run. PROGRAMS_PER_SM sets the persistent
-grid to match. Autotuned per (N, K, G, strides); token counts are not in the key (they change every step)."""
+"""A small sm90 set: 128-wide K steps, tiles at most 128 columns wide (one weight block, module docstring); the
+accumulator and the 128-K partial sum each take BLOCK_M x BLOCK_N FP32 values. 8-warp tiles run one program per
+SM, 4-warp tiles two or three, so that while one program promotes its partial sums on the CUDA cores another's
+FP8 MMAs run. PROGRAMS_PER_SM sets the persistent grid to match. Autotuned per (N, K, G, layout); token counts
+are not in the key (they change every step). Measured tiles and variants: docs/kernel-notes.md."""
 
 
 def _grouped_body(
-    a_ptr, as_ptr, b_ptr, bs_ptr, offs_ptr, c_ptr,
+    a_ptr, a_desc, as_ptr, b_ptr, b_desc, bs_ptr, offs_ptr, c_ptr,
     S, N, K, G,
     s_am, s_ak, s_asm, s_ask,
     s_bg, s_bn, s_bk, s_bsg, s_bsn, s_bsk,
     s_cm, s_cn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
     PROGRAMS_PER_SM: tl.constexpr,  # read by the launch grid only
 ):
+    tl.static_assert(128 % BLOCK_N == 0, "a tile must lie inside one 128-column weight block")
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -81,18 +98,23 @@ def _grouped_body(
         steps = tl.where(g < G, k_steps, 0)
         while tile < seen + group_tiles:
             t = tile - seen
-            rows = m_start + (t // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
-            cols = (t % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+            m0 = m_start + (t // tiles_n) * BLOCK_M
+            n0 = (t % tiles_n) * BLOCK_N
+            rows = m0 + tl.arange(0, BLOCK_M)
+            cols = n0 + tl.arange(0, BLOCK_N)
             row_ok = rows < m_end
             col_ok = cols < N
             ks = tl.arange(0, BLOCK_K)
             a_ptrs = a_ptr + rows[:, None].to(tl.int64) * s_am + ks[None, :] * s_ak
             b_ptrs = b_g + cols[None, :].to(tl.int64) * s_bn + ks[:, None] * s_bk
             as_ptrs = as_ptr + rows.to(tl.int64) * s_asm
-            bs_ptrs = bs_g + (cols // 128) * s_bsn
+            bs_ptrs = bs_g + (n0 // 128) * s_bsn  # the tile's weight block row
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for kb in range(0, steps):
-                if EVEN_K:
+                if TMA:
+                    a = a_desc.load([m0, kb * BLOCK_K])
+                    b = b_desc.load([g * N + n0, kb * BLOCK_K]).T
+                elif EVEN_K:
                     a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
                     b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
                 else:
@@ -101,8 +123,7 @@ def _grouped_body(
                     b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
                 partial = tl.dot(a, b, out_dtype=tl.float32)
                 sa = tl.load(as_ptrs + kb * s_ask, mask=row_ok, other=0.0)
-                sb = tl.load(bs_ptrs + kb * s_bsk, mask=col_ok, other=0.0)
-                acc += partial * (sa[:, None] * sb[None, :])
+                acc += partial * (sa * tl.load(bs_ptrs + kb * s_bsk))[:, None]
                 a_ptrs += BLOCK_K * s_ak
                 b_ptrs += BLOCK_K * s_bk
             c_ptrs = c_ptr + rows[:, None].to(tl.int64) * s_cm + cols[None, :] * s_cn
@@ -116,7 +137,7 @@ def _grouped_body(
 
 _kernel_tuned = triton.autotune(
     configs=CONFIGS,
-    key=["N", "K", "G", "s_ak", "s_bn", "s_bk", "EVEN_K"],
+    key=["N", "K", "G", "s_ak", "s_bn", "s_bk", "EVEN_K", "TMA"],
 )(triton.jit(do_not_specialize=["S"])(_grouped_body))
 _kernel = triton.jit(do_not_specialize=["S"])(_grouped_body)
 
@@ -143,8 +164,12 @@ def grouped_mm(
         return out
     interpret = a.device.type == "cpu"
     programs_cap = 3 if interpret else _num_sms(a.device.index if a.device.index is not None else torch.cuda.current_device())
+    tma = _tma_ready(a) and _tma_ready(b)
+    # block shapes here are placeholders: the launch sets them from its tile (the autotune pre-hook, or below)
+    a_desc = TensorDescriptor.from_tensor(a, [16, TILE]) if tma else None
+    b_desc = TensorDescriptor.from_tensor(b.view(G * N, K), [16, TILE]) if tma else None
     args = (
-        a, a_scales, b, b_scales, offs, out, S, N, K, G,
+        a, a_desc, a_scales, b, b_desc, b_scales, offs, out, S, N, K, G,
         *a.stride(), *a_scales.stride(), *b.stride(), *b_scales.stride(), *out.stride(),
     )
     even_k = K % TILE == 0
@@ -156,13 +181,19 @@ def grouped_mm(
         return (min(programs_cap * meta.get("PROGRAMS_PER_SM", 1), tiles),)
 
     if tune and config is None and not interpret:
-        _kernel_tuned[grid](*args, BLOCK_K=TILE, EVEN_K=even_k)
+        _kernel_tuned[grid](*args, BLOCK_K=TILE, EVEN_K=even_k, TMA=tma)
     else:
         cfg = dict(config or INTERPRETER_CONFIG)
         warps, stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 3)
         cfg.setdefault("PROGRAMS_PER_SM", 1)
-        _kernel[grid(cfg)](*args, BLOCK_K=TILE, EVEN_K=even_k, num_warps=warps, num_stages=stages, **cfg)
+        _descriptor_blocks({"a_desc": a_desc, "b_desc": b_desc, "BLOCK_K": TILE, **cfg})
+        _kernel[grid(cfg)](*args, BLOCK_K=TILE, EVEN_K=even_k, TMA=tma, num_warps=warps, num_stages=stages, **cfg)
     return out
+
+
+def _tma_ready(t: torch.Tensor) -> bool:
+    """A tensor TMA can read whole: contiguous (K-major, rows one after another) with 16-byte aligned rows and base."""
+    return t.is_contiguous() and t.shape[-1] % 16 == 0 and t.data_ptr() % 16 == 0
 
 
 WGRAD_CONFIG = (128, 128, 3, 8)
