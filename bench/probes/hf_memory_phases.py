@@ -1,0 +1,71 @@
+"""Probe: where an arm of ``bench/hf_models.py`` reaches its peak memory: forward, backward or optimizer step.
+
+Runs a few steps of the named arms (same model, data and optimizer as the benchmark) and prints, per step and
+phase, the peak allocated GiB inside the phase and the allocated GiB at its end, plus the weight caches' bytes.
+
+    python bench/probes/hf_memory_phases.py --model qwen3 --arms mxfp8,fp8_block --steps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from bench import hf_models  # noqa: E402
+from mxfx import cache  # noqa: E402
+
+GIB = 2**30
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="qwen3")
+    p.add_argument("--arms", default="mxfp8,fp8_block")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--seq", type=int, default=2048)
+    args = p.parse_args()
+    for name in args.arms.split(","):
+        arm = hf_models.ARMS[name]
+        gc.collect()
+        torch._dynamo.reset()
+        cache.clear()
+        torch.cuda.empty_cache()
+        model = hf_models.build_model(args.model, args.layers, "real", "cuda").to(arm.param_dtype)
+        fn = arm.prepare(model, "inductor")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        gen = torch.Generator().manual_seed(1234)
+        batch = args.tokens // args.seq
+        amp = torch.autocast("cuda", torch.bfloat16, enabled=arm.autocast)
+        print(f"== {args.model} / {name}: parameters {sum(p.nbytes for p in model.parameters()) / GIB:.2f} GiB")
+        for step in range(args.steps):
+            x = torch.randint(0, model.config.vocab_size, (batch, args.seq), generator=gen).cuda()
+            phases = []
+
+            def phase(label, run):
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                out = run()
+                torch.cuda.synchronize()
+                phases.append(f"{label} peak {torch.cuda.max_memory_allocated() / GIB:.2f} end "
+                              f"{torch.cuda.memory_allocated() / GIB:.2f}")
+                return out
+
+            with amp:
+                loss = phase("forward", lambda: fn(input_ids=x, labels=x).loss)
+            phase("backward", loss.backward)
+            del loss
+            phase("step", opt.step)
+            phase("zero_grad", lambda: opt.zero_grad(set_to_none=True))
+            print(f"  step {step}: " + "; ".join(phases) + f"; caches {cache.persistent_bytes() / GIB:.2f} GiB", flush=True)
+        del model, fn, opt
+
+
+if __name__ == "__main__":
+    main()
