@@ -46,19 +46,21 @@ across microbatches):
   that optimizer's parameters; a ``torch.compile(opt.step, backend="mxfp8")``
   graph rebuilds them in-graph (:mod:`mxfx.passes.weight_refresh`). Either way a
   forward never uses a stale cache: the version check catches every other path.
-* **Dgrad forms at their use.** A refresh (and a lookup that finds the caches stale)
-  rebuilds the forward-side forms and drops the stale dgrad-side ones (:data:`DGRAD_SIDE`),
-  freeing their memory. The backward builds them from the same weight (fresh by the same
-  checks). A weight whose dgrad form was looked up once per step (one microbatch per optimizer
-  step) gets it built for that one GEMM and not kept: between backwards the weight holds its
-  forward form alone, through the optimizer step too. Once a second lookup in one step shows
-  several microbatches, the form is kept from its first lookup of each step on, and later
-  microbatches reuse it (once per step again; that first step builds it twice). A forward's
-  peak memory holds no dgrad form, and the backward's holds one layer's at a time with one
-  microbatch. The cost: where one pass writes both MX forms (the emulated GEMM's source
-  layout) the weight is read twice per step instead of once; fp8_block's dgrad form is the
-  forward form transposed. :func:`set_dgrad_at_refresh` rebuilds both at the refresh and keeps
-  them instead. Forms gathered by FSDP2 are never dropped.
+* **Dgrad forms at their use; nothing kept past its last use.** A refresh (and a lookup that
+  finds the caches stale) rebuilds the forward-side forms and drops the stale dgrad-side ones
+  (:data:`DGRAD_SIDE`), freeing their memory. The backward builds the dgrad forms from the same
+  weight (fresh by the same checks). While each step has run one microbatch, a weight's first
+  dgrad lookup of a step builds its dgrad form for that one GEMM and drops the forward forms too:
+  the forward is done with them and the next refresh rebuilds them, so past its backward a weight
+  holds no cache until the refresh. Once a step shows several microbatches (a second dgrad lookup,
+  or a forward lookup after the backward dropped the forms), every form is kept from its first
+  build of each step on and later microbatches reuse it: once per step again (that first step
+  builds the forms twice). A forward's peak memory then holds no dgrad form, and the backward's
+  holds the forms of the layers it has not reached yet. The cost: where one pass writes both MX
+  forms (the emulated GEMM's source layout) the weight is read twice per step instead of once;
+  fp8_block's dgrad form is the forward form transposed, made before the forward form is dropped.
+  :func:`set_dgrad_at_refresh` rebuilds both at the refresh and keeps them instead. Forms gathered
+  by FSDP2 are never dropped.
 * **Step count for weights no optimizer holds.** Every optimizer step also advances a
   global step count. An entry that no step hook has found through its optimizer's
   parameters (an FSDP2 unsharded parameter: the optimizer holds the sharded DTensor,
@@ -135,7 +137,8 @@ class _Entry:
     owned: bool = False  # a step hook found it through its optimizer's parameters: refreshed there, ignores _step
     gathered: bool = False  # forms installed from an FSDP2 MX all-gather (install_forms): never built from the weight
     dgrad_seen: set = field(default_factory=set)  # dgrad-side forms built unkept since the last rebuild
-    dgrad_kept: bool = False  # a dgrad-side form was looked up twice in one step: keep them from their first lookup
+    dropped: set = field(default_factory=set)  # forward-side forms the backward dropped: the next rebuild makes them
+    dgrad_kept: bool = False  # a step with several microbatches was seen: keep every form (_single_use)
 
     def nbytes(self) -> int:
         return sum(t.nbytes for form in self.forms.values() for t in form)
@@ -291,10 +294,10 @@ def set_dgrad_at_refresh(enabled: bool) -> bool:
     previous choice.
 
     ``False`` (the default): a refresh rebuilds the forward-side forms only and drops the stale dgrad-side
-    ones; the backward builds them at their lookup, keeping them only where a step has several
-    microbatches (module docstring), so a forward's peak memory does not hold them. ``True``: a refresh
-    rebuilds every form and keeps it, so each MX weight is read once per step (one pass writes both forms
-    where the GEMM is emulated) instead of twice.
+    ones; the backward builds them at their lookup, and with one microbatch per step drops every form of
+    the weight there (module docstring), so a forward's peak memory holds no dgrad form and the backward's
+    none of the layers it is done with. ``True``: a refresh rebuilds every form and keeps it, so each MX
+    weight is read once per step (one pass writes both forms where the GEMM is emulated) instead of twice.
 
     Raises:
         TypeError: ``enabled`` is not a bool.
@@ -316,16 +319,23 @@ def _rebuild(entry: _Entry, weight: torch.Tensor, extra: tuple | None = None) ->
     """Rebuild the forms of ``entry`` (plus ``extra`` = (rule, orientation)) from ``weight``: every form, or,
     unless :func:`set_dgrad_at_refresh`, the forward-side ones and ``extra``, the stale dgrad-side forms
     dropped (their next lookup builds them). Forms gathered by FSDP2 cannot be built later: all rebuilt."""
-    wanted = set(entry.forms) | ({extra} if extra else set())
+    wanted = set(entry.forms) | entry.dropped | ({extra} if extra else set())
     if not (_dgrad_at_refresh or entry.gathered):
         deferred = {f for f in wanted if f[1] in DGRAD_SIDE and f != extra}
         wanted -= deferred
         _stats["deferred_dgrad"] += len(deferred)
     entry.forms.clear()  # free the stale forms before allocating the new ones
     entry.dgrad_seen.clear()
+    entry.dropped.clear()
     entry.source_layout = source_layout(weight)
     for rule in sorted({r for r, _ in wanted}):
         entry.forms.update(_build(weight, rule, [f for r, f in wanted if r == rule]))
+
+
+def _single_use(entry: _Entry) -> bool:
+    """Whether ``entry``'s forms are dropped at the backward's first dgrad lookup (module docstring): no
+    :func:`set_dgrad_at_refresh`, not gathered by FSDP2, and no step with several microbatches seen."""
+    return not (_dgrad_at_refresh or entry.gathered or entry.dgrad_kept)
 
 
 def _entry_for(weight: torch.Tensor, create: bool) -> _Entry | None:
@@ -375,12 +385,18 @@ def lookup(weight: torch.Tensor, rule: str, orientation: str) -> tuple[torch.Ten
             _stats["stale"] += 1
         elif form not in entry.forms:
             built = _build(weight, rule, [orientation], have=entry.forms)
-            if orientation in DGRAD_SIDE and not (_dgrad_at_refresh or entry.gathered or entry.dgrad_kept):
-                if form not in entry.dgrad_seen:  # the step's first backward: built for this GEMM alone
+            if _single_use(entry):
+                if orientation in DGRAD_SIDE and form not in entry.dgrad_seen:
+                    # the step's first backward: the dgrad form serves this GEMM alone, and the forward is
+                    # done with the forward forms (the next refresh rebuilds them)
                     entry.dgrad_seen.add(form)
                     _stats["transient_dgrad"] += 1
+                    for f in [f for f in entry.forms if f[1] not in DGRAD_SIDE]:
+                        del entry.forms[f]
+                        entry.dropped.add(f)
                     return built[form]
-                entry.dgrad_kept = True  # a second microbatch: keep them, from each step's first lookup on
+                if entry.dgrad_seen:  # a second backward, or a forward after one: several microbatches
+                    entry.dgrad_kept = True
             entry.forms.update(built)
         else:
             _stats["hit"] += 1
@@ -596,7 +612,7 @@ def _region(entry: _Entry, source: torch.Tensor, values: torch.Tensor) -> torch.
 
 def _refresh_entry(entry: _Entry, t: torch.Tensor, force: bool) -> bool:
     """Rebuild ``entry`` (a weight stored in ``t``'s storage) now; False when it was fresh or unreadable."""
-    if not entry.forms:
+    if not (entry.forms or entry.dropped):
         return False
     w = entry.weight()
     if w is None or _key(w) != (entry.storage.cdata, entry.offset, entry.shape, entry.stride, entry.dtype):
@@ -732,7 +748,7 @@ def _refresh_weight_caches(plan: int, values: list[torch.Tensor]) -> torch.Tenso
             if p is None:
                 continue
             for entry in _entries_on(p):
-                if not entry.forms:
+                if not (entry.forms or entry.dropped):
                     continue
                 w = _region(entry, p, value)
                 if w is None:  # layout we cannot map: leave it to the version check
@@ -825,7 +841,8 @@ def stats() -> dict:
     ``refresh_graph`` (inside compiled optimizer steps), ``quantize_block`` (128x128 quantizes of
     fp8_block weights, each serving both orientations), ``deferred_dgrad`` (stale dgrad-side forms a
     rebuild dropped for their next lookup to build, :func:`set_dgrad_at_refresh`), ``transient_dgrad``
-    (dgrad-side forms built for one GEMM and not kept: one microbatch per step so far).
+    (dgrad-side forms built for one GEMM and not kept, the forward forms dropped with them: one microbatch
+    per step so far).
     """
     keys = ("quantize", "quantize_forward", "quantize_dgrad", "quantize_block", "hit", "stale", "refresh", "refresh_eager",
             "refresh_graph", "deferred_dgrad", "transient_dgrad")
@@ -840,8 +857,8 @@ def persistent_bytes(weight: torch.Tensor | None = None) -> int:
     """Bytes held by weight caches: all of them, or those of ``weight`` (0 when it has none).
 
     With both MX forms of one rule, ``2 x 33/32`` bytes per weight value, ``33/32`` with the forward form
-    alone (from a refresh to the next backward, and throughout with one microbatch per step: module
-    docstring) (plus the blocked layout's
+    alone (from a refresh to the next backward), none past the backward with one microbatch per step
+    (module docstring) (plus the blocked layout's
     padding of rows to 128 and scale columns to 4, where :func:`blocked_scales` holds); each
     dequantized form of ``keep_dequantized_weights`` holds 2 (where the GEMM is
     emulated, instead of the MX forms; elsewhere on top of them).

@@ -79,6 +79,7 @@ def _assert_fresh_and_not_stale(cm, model, x, before):
 
 @pytest.mark.parametrize("shape", [(64, 96), (3, 64, 96)])
 def test_weight_operand_orientations_and_reuse(shape):
+    cache.set_dgrad_at_refresh(True)  # keep every form: reuse across orientations (the default drops them in a backward)
     w = torch.randn(shape)
     q, s = cache.weight_operand(w, "rceil", "forward")
     rq, rs = mxfx.quantize(w, axis=-1, rule="rceil")
@@ -199,7 +200,8 @@ def test_one_quantize_per_weight_per_orientation_per_step(at_refresh):
         assert after["refresh_eager"] == N_WEIGHTS
         if step == 0:  # first use: the forward form built once; the dgrad form built for the first microbatch
             # alone, then again and kept by the second (several microbatches seen), read by the other two
-            assert during["quantize_forward"] == N_WEIGHTS
+            # (the first backward dropped the forward form too: the second forward builds it again)
+            assert during["quantize_forward"] == (1 if at_refresh else 2) * N_WEIGHTS
             assert during["quantize_dgrad"] == (1 if at_refresh else 2) * N_WEIGHTS
         elif at_refresh:  # built by the previous step's hook: the microbatches only read them
             assert during["quantize"] == 0 and during["hit"] == 2 * N_WEIGHTS * n_micro
@@ -210,9 +212,9 @@ def test_one_quantize_per_weight_per_orientation_per_step(at_refresh):
 
 @pytest.mark.parametrize("compiled_step", [False, True])
 def test_one_microbatch_per_step_keeps_no_dgrad_form(compiled_step):
-    """With one microbatch per step the backward builds each dgrad form for its GEMM and does not keep it: a
-    weight holds its forward form alone after the backward and through the optimizer step, each form is still
-    quantized once per step, and training is bit-identical to keeping both forms from the refresh."""
+    """With one microbatch per step the backward builds each dgrad form for its GEMM and does not keep it, and
+    drops the forward form: past its backward a weight holds no cache, the refresh rebuilds the forward form,
+    each form is still quantized once per step, and training is bit-identical to keeping both forms."""
     runs = {}
     for at_refresh in (False, True):
         cache.clear()
@@ -225,8 +227,9 @@ def test_one_microbatch_per_step_keeps_no_dgrad_form(compiled_step):
             cache.reset_stats()
             _train_microbatches(cm, x, 1)
             stats = cache.stats()
-            assert cache.persistent_bytes() == _mx_bytes(model, 2 if at_refresh else 1)
+            assert cache.persistent_bytes() == _mx_bytes(model, 2 if at_refresh else 0)  # the backward dropped them
             assert stats["transient_dgrad"] == (0 if at_refresh else N_WEIGHTS)
+            assert stats["quantize_forward"] == (N_WEIGHTS if i == 0 else 0)  # later: built by the refresh
             assert stats["quantize_dgrad"] == (N_WEIGHTS if i == 0 or not at_refresh else 0)
             step()
             opt.zero_grad()
@@ -286,7 +289,7 @@ def test_refresh_drops_dgrad_side_forms_of_every_kind(keep_dequantized):
     rebuilds them from the current weight, equal to the forms of a fresh cache."""
     w = torch.randn(3, 64, 96)
     kinds = ("_bf16",) if keep_dequantized else ("",)
-    for o in ("forward", "dgrad", "dgrad"):  # a second dgrad lookup (microbatch) keeps the dgrad form
+    for o in ("forward", "dgrad", "forward", "dgrad"):  # a second microbatch: every form kept
         cache.weight_operands(w, "rceil", o, keep_dequantized)
     assert {f for _, f in cache.entry_forms(w)} == {"forward" + k for k in kinds} | {"dgrad" + k for k in kinds}
     w.data.mul_(-0.5)

@@ -332,6 +332,15 @@ def test_native_ops_through_autograd(native, monkeypatch):
 # --- keep_dequantized_weights -------------------------------------------------------------------
 
 
+@pytest.fixture
+def keep_every_form():
+    """These tests read from the cache the forms a backward used: keep every form (by default a weight's
+    forms are dropped at its backward with one microbatch per step, mxfx.cache)."""
+    previous = cache.set_dgrad_at_refresh(True)
+    yield
+    cache.set_dgrad_at_refresh(previous)
+
+
 def _linear_grads(keep):
     torch.manual_seed(12)
     w = torch.randn(64, 96, requires_grad=True)
@@ -352,18 +361,17 @@ def _grouped_grads(keep):
 
 
 @pytest.mark.parametrize("run", [_linear_grads, _grouped_grads])
-def test_keep_dequantized_weights_identical(run):
+def test_keep_dequantized_weights_identical(run, keep_every_form):
     *off, bytes_off = run(False)
     *on, bytes_on = run(True)
     for a, b in zip(off, on):
         assert torch.equal(a, b)
     numel = off[2].numel()
-    # one backward: the dgrad form is built for its GEMM and not kept (cache module docstring)
-    assert bytes_off == numel * 33 // 32, "the forward MX form"
-    assert bytes_on == 2 * numel, "emulated GEMMs: a bf16 forward form, no MX form"
+    assert bytes_off == 2 * numel * 33 // 32, "the forward and dgrad MX forms"
+    assert bytes_on == 2 * 2 * numel, "emulated GEMMs: a bf16 forward and a bf16 dgrad form, no MX form"
 
 
-def test_keep_dequantized_weights_cache_forms_and_refresh():
+def test_keep_dequantized_weights_cache_forms_and_refresh(keep_every_form):
     w = torch.randn(64, 96)
     fwd, dgrad = cache.weight_dequantized(w, "rceil", "forward"), cache.weight_dequantized(w, "rceil", "dgrad")
     assert fwd.dtype == torch.bfloat16 and fwd.shape == (64, 96) and dgrad.shape == (96, 64)
@@ -372,13 +380,11 @@ def test_keep_dequantized_weights_cache_forms_and_refresh():
     with torch.no_grad():
         w.mul_(2)  # bumps the version: the dequantized forms are rebuilt with the MX forms
     assert torch.equal(cache.weight_dequantized(w, "rceil", "forward"), (fwd.float() * 2).bfloat16())
-    assert cache.persistent_bytes(w) == w.numel() * 33 // 32 + 2 * w.numel(), "forward MX and BF16 forms rebuilt..."
+    # every form rebuilt at the first lookup after the change (keep_every_form: set_dgrad_at_refresh)
+    assert cache.persistent_bytes(w) == w.numel() * 2 * 33 // 32 + 4 * w.numel(), "all forms rebuilt..."
     assert torch.equal(cache.weight_dequantized(w, "rceil", "dgrad"), (dgrad.float() * 2).bfloat16())
     assert torch.equal(custom_ops.dequantize(*cache.weight_operand(w, "rceil", "dgrad"), torch.float32), dgrad.float() * 2)
-    assert cache.persistent_bytes(w) == w.numel() * 33 // 32 + 2 * w.numel(), "... dgrad forms built, not kept"
-    cache.weight_dequantized(w, "rceil", "dgrad")  # a second lookup in the step (microbatch) keeps them
-    cache.weight_operand(w, "rceil", "dgrad")
-    assert cache.persistent_bytes(w) == w.numel() * 2 * 33 // 32 + 4 * w.numel(), "... and kept from the second"
+    assert cache.persistent_bytes(w) == w.numel() * 2 * 33 // 32 + 4 * w.numel(), "... dgrad forms at their lookups"
     w2 = torch.randn(64, 96)
     cache.weight_dequantized(w2, "rceil", "dgrad")
     assert cache.persistent_bytes(w2) == 2 * w2.numel(), "emulated: a dequantized form alone, no MX form"
@@ -386,7 +392,7 @@ def test_keep_dequantized_weights_cache_forms_and_refresh():
         cache.weight_dequantized(w, "rceil", "forward_bf16")
 
 
-def test_keep_dequantized_weights_compiled():
+def test_keep_dequantized_weights_compiled(keep_every_form):
     """The option threads through the backend into compiled graphs (custom-op args) with identical results."""
 
     class M(torch.nn.Module):
@@ -414,7 +420,7 @@ def test_keep_dequantized_weights_compiled():
     assert torch.equal(y0, y1) and all(torch.equal(u, v) for u, v in zip(g0, g1))
     assert a0 == model.a.weight.numel() * 33 // 32, "first layer: no dgrad (its input needs no grad), forward MX form"
     assert a1 == 2 * model.a.weight.numel(), "... or its forward bf16 form alone"
-    assert b1 == 2 * model.b.weight.numel(), "second layer: its forward bf16 form (dgrad built, not kept), no MX form"
+    assert b1 == 2 * 2 * model.b.weight.numel(), "second layer: forward and dgrad bf16 forms, no MX form"
 
 
 def test_dual_operand_values_only_where_emulated(monkeypatch):
