@@ -1,7 +1,9 @@
-"""Probe: where an arm of ``bench/hf_models.py`` reaches its peak memory: forward, backward or optimizer step.
+"""Probe: where an arm of ``bench/hf_models.py`` spends its step and reaches its peak memory: forward, backward,
+optimizer step.
 
-Runs a few steps of the named arms (same model, data and optimizer as the benchmark) and prints, per step and
-phase, the peak allocated GiB inside the phase and the allocated GiB at its end, plus the weight caches' bytes.
+Runs a few steps of the named arms (same model and optimizer as the benchmark, random tokens) and prints, per step
+and phase, the wall time (synchronized), the peak allocated GiB inside the phase and the allocated GiB at its end,
+plus the weight caches' bytes.
 
     python bench/probes/hf_memory_phases.py --model qwen3 --arms mxfp8,fp8_block --steps 3
 """
@@ -12,6 +14,7 @@ import argparse
 import gc
 import os
 import sys
+import time
 
 import torch
 
@@ -51,10 +54,11 @@ def main() -> None:
             def phase(label, run):
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
+                t0 = time.perf_counter()
                 out = run()
                 torch.cuda.synchronize()
-                phases.append(f"{label} peak {torch.cuda.max_memory_allocated() / GIB:.2f} end "
-                              f"{torch.cuda.memory_allocated() / GIB:.2f}")
+                phases.append(f"{label} {(time.perf_counter() - t0) * 1e3:.1f} ms peak "
+                              f"{torch.cuda.max_memory_allocated() / GIB:.2f} end {torch.cuda.memory_allocated() / GIB:.2f}")
                 return out
 
             with amp:
