@@ -44,6 +44,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mxfx.block_format import TILE
 
+
 def _descriptor_blocks(nargs: dict) -> None:
     """Autotune pre-hook: the TMA descriptors' block shapes follow the config's tile."""
     if nargs.get("a_desc") is not None:
