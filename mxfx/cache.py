@@ -51,15 +51,14 @@ across microbatches):
   (:data:`DGRAD_SIDE`), freeing their memory. The backward builds the dgrad forms from the same
   weight (fresh by the same checks). While each step has run one microbatch, a weight's first
   dgrad lookup of a step builds its dgrad form for that one GEMM and drops the forward forms too:
-  the forward is done with them. A refresh then marks such a weight stale instead of rebuilding it,
-  and the next forward's lookup builds the forward forms from the updated weight: from its
-  backward's dgrad GEMM to its next forward a weight holds no cache (a weight whose backward runs
-  no dgrad GEMM, its input needing no gradient, keeps its forward forms, rebuilt at the refresh).
-  Once a step shows several microbatches (a second dgrad lookup, or a forward lookup after the
-  backward dropped the forms: gradient accumulation, or an evaluation between a backward and its
-  step), every form is kept from its first build of each step on and later microbatches reuse
-  it: once per step again (that first step builds the forms twice). This switch is per weight and
-  for the rest of the process (:func:`clear` resets it). A forward's peak memory then holds no dgrad form, and the backward's
+  the forward is done with them and the next refresh rebuilds them, so from its backward's dgrad
+  GEMM to the refresh a weight holds no cache (a weight whose backward runs no dgrad GEMM, its
+  input needing no gradient, keeps its forward forms). Once a step shows several microbatches (a
+  second dgrad lookup, or a forward lookup after the backward dropped the forms: gradient
+  accumulation, or an evaluation between a backward and its step), every form is kept from its
+  first build of each step on and later microbatches reuse it: once per step again (that first
+  step builds the forms twice). This switch is per weight and for the rest of the process
+  (:func:`clear` resets it). A forward's peak memory then holds no dgrad form, and the backward's
   holds the forms of the layers it has not reached yet. The cost: where one pass writes both MX
   forms (the emulated GEMM's source layout) the weight is read twice per step instead of once;
   fp8_block's dgrad form is the forward form transposed, made before the forward form is dropped.
@@ -249,7 +248,7 @@ def _build_block(weight: torch.Tensor, rule: str, forms, have: dict) -> dict:
     if known is not None:
         q, s = have[(rule, known)]
         if known == "block_dgrad":
-            q, s = q.transpose(-2, -1), s.transpose(-2, -1)
+            q, s = block_device_path.transpose_qdata(q), s.transpose(-2, -1)
     else:
         _stats["quantize_block"] += 1
         _stats["quantize"] += 1
@@ -258,8 +257,10 @@ def _build_block(weight: torch.Tensor, rule: str, forms, have: dict) -> dict:
     for f in forms:
         if f not in other:
             continue
-        pair = (q, s) if f == "block_forward" else (q.transpose(-2, -1), s.transpose(-2, -1))
-        out[(rule, f)] = tuple(t.contiguous() for t in pair)
+        if f == "block_forward":
+            out[(rule, f)] = (q.contiguous(), s.contiguous())
+        else:
+            out[(rule, f)] = (block_device_path.transpose_qdata(q), s.transpose(-2, -1).contiguous())
     return out
 
 
@@ -334,18 +335,6 @@ def _rebuild(entry: _Entry, weight: torch.Tensor, extra: tuple | None = None) ->
     entry.source_layout = source_layout(weight)
     for rule in sorted({r for r, _ in wanted}):
         entry.forms.update(_build(weight, rule, [f for r, f in wanted if r == rule]))
-
-
-def _defer(entry: _Entry) -> bool:
-    """At a refresh: if the backward dropped every form of ``entry`` (one microbatch per step), mark it stale
-    instead of rebuilding, so the next forward lookup builds the dropped forms from the updated weight and the
-    optimizer step's peak memory holds none of them. True when deferred."""
-    if entry.forms or not entry.dropped:
-        return False
-    if entry.version is not None:  # counted once when both a compiled step and the eager hook see it
-        _stats["deferred_forward"] += 1
-    entry.version = None
-    return True
 
 
 def _single_use(entry: _Entry) -> bool:
@@ -638,8 +627,6 @@ def _refresh_entry(entry: _Entry, t: torch.Tensor, force: bool) -> bool:
         return False
     if not force and entry.version == w._version:
         return False
-    if _defer(entry):
-        return False
     _rebuild(entry, w)
     entry.version, entry.step = w._version, _step
     return True
@@ -766,7 +753,7 @@ def _refresh_weight_caches(plan: int, values: list[torch.Tensor]) -> torch.Tenso
             if p is None:
                 continue
             for entry in _entries_on(p):
-                if not (entry.forms or entry.dropped) or _defer(entry):
+                if not (entry.forms or entry.dropped):
                     continue
                 w = _region(entry, p, value)
                 if w is None:  # layout we cannot map: leave it to the version check
@@ -860,11 +847,10 @@ def stats() -> dict:
     fp8_block weights, each serving both orientations), ``deferred_dgrad`` (stale dgrad-side forms a
     rebuild dropped for their next lookup to build, :func:`set_dgrad_at_refresh`), ``transient_dgrad``
     (dgrad-side forms built for one GEMM and not kept, the forward forms dropped with them: one microbatch
-    per step so far), ``deferred_forward`` (weights a refresh found with every form dropped and marked
-    stale: their next forward lookup builds them).
+    per step so far).
     """
     keys = ("quantize", "quantize_forward", "quantize_dgrad", "quantize_block", "hit", "stale", "refresh", "refresh_eager",
-            "refresh_graph", "deferred_dgrad", "transient_dgrad", "deferred_forward")
+            "refresh_graph", "deferred_dgrad", "transient_dgrad")
     return {k: _stats.get(k, 0) for k in keys}
 
 
@@ -876,8 +862,8 @@ def persistent_bytes(weight: torch.Tensor | None = None) -> int:
     """Bytes held by weight caches: all of them, or those of ``weight`` (0 when it has none).
 
     With both MX forms of one rule, ``2 x 33/32`` bytes per weight value, ``33/32`` with the forward form
-    alone (from a refresh or forward to the next backward), none from a dgrad GEMM to the next forward with
-    one microbatch per step (module docstring); fp8_block ``1 + 4/128**2`` bytes per value per form, its
+    alone (from a refresh to the next backward), none from a dgrad GEMM to the refresh with one microbatch
+    per step (module docstring); fp8_block ``1 + 4/128**2`` bytes per value per form, its
     dgrad form the forward grid transposed into a second copy (plus, for MX, the blocked layout's
     padding of rows to 128 and scale columns to 4, where :func:`blocked_scales` holds); each
     dequantized form of ``keep_dequantized_weights`` holds 2 (where the GEMM is

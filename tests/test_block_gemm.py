@@ -127,7 +127,21 @@ def _interpreter_checks():
             _check_grouped(out, ref2, a2, sa2, bt, sbt, sizes, torch.float32)
     _interpreter_wgrad_checks(block_grouped, block_quantize)
     _interpreter_quantize_checks(block_quantize)
+    _interpreter_transpose_checks()
     print("block interpreter checks passed")
+
+
+def _interpreter_transpose_checks():
+    """The payload transpose, byte for byte: tiles cut at both edges, a batch, a non-contiguous input, NaN bytes."""
+    from mxfx.kernels import transpose
+
+    g = torch.Generator().manual_seed(7)
+    for shape in ((70, 130), (3, 64, 200), (1, 1)):
+        q = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8).view(torch.float8_e4m3fn)
+        for src in (q, q.transpose(-2, -1)):
+            out = transpose.transpose_lastdims(src)
+            assert out.is_contiguous() and out.dtype == src.dtype
+            assert torch.equal(out.view(torch.uint8), src.view(torch.uint8).transpose(-2, -1)), shape
 
 
 def token_scales(scales, offs):

@@ -194,3 +194,16 @@ def test_profiler_shows_fp8_gemm_kernels():
     grouped = _kernels(lambda: block_gemm.grouped_mm(a, sa, bg, sbg, offs))
     assert grouped == ["_grouped_body"], grouped  # one launch of the FP8 Triton kernel, nothing else
     print("dense kernels:", dense, "| grouped:", grouped)
+
+
+def test_payload_transpose_matches_torch_byte_for_byte():
+    """The dgrad weight copy's transpose kernel on the GPU: an expert stack with edges cut at both tile sides,
+    and a transposed (non-contiguous) input."""
+    from mxfx.kernels import transpose
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 256, (5, 200, 130), generator=g, dtype=torch.uint8).view(torch.float8_e4m3fn).cuda()
+    for src in (q, q.transpose(-2, -1)):
+        out = transpose.transpose_lastdims(src)
+        assert out.is_contiguous() and out.shape == src.transpose(-2, -1).shape
+        assert torch.equal(out.view(torch.uint8), src.view(torch.uint8).transpose(-2, -1))

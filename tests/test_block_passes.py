@@ -169,7 +169,7 @@ def test_weight_refresh_record_names_the_format_of_the_caches():
 def test_weight_cache_step_keeps_the_forward_grid_and_the_backward_transposes_it():
     """An optimizer step rebuilds ``block_forward`` and drops ``block_dgrad``; the next backward makes it by
     transposing the forward grid (no second 128x128 quantize), equal to a from-scratch dgrad form; with one
-    microbatch per step it is not kept, and the forward grid is dropped with it until the next forward."""
+    microbatch per step it is not kept, and the forward grid is dropped with it until the next step."""
     cache.clear()
     cache.install()
     w = torch.randn(256, 128, requires_grad=True)
@@ -188,11 +188,7 @@ def test_weight_cache_step_keeps_the_forward_grid_and_the_backward_transposes_it
     # the dgrad GEMM read the forward grid transposed: x.grad is the reference decode's
     assert torch.equal(x.grad, _decode_rows(torch.ones(32, 256)) @ _decode_weight(w.detach().t()).t())
     opt.step()
-    assert cache.entry_forms(w) == {} and cache.stats()["deferred_forward"] == 1  # marked stale, not rebuilt
-    cache.reset_stats()
-    y = mx_linear(x, w, format="fp8_block")  # the next forward builds the grid from the updated weight
-    assert cache.stats()["quantize_block"] == 1 and set(cache.entry_forms(w)) == {("rceil", "block_forward")}
-    assert torch.equal(y, _decode_rows(x.detach()) @ _decode_weight(w.detach()).t())
+    assert set(cache.entry_forms(w)) == {("rceil", "block_forward")}  # the refresh rebuilt the dropped grid
 
 
 # --- passes --------------------------------------------------------------------------------------

@@ -3,9 +3,11 @@ optimizer step.
 
 Runs a few steps of the named arms (same model and optimizer as the benchmark, random tokens) and prints, per step
 and phase, the wall time (synchronized), the peak allocated GiB inside the phase and the allocated GiB at its end,
-plus the weight caches' bytes.
+plus the weight caches' bytes and the allocator's device allocations and retries in the step. ``--cache-modes``
+runs each arm with the default caches (``drop``: one microbatch per step frees a weight's caches at its backward)
+and/or with every form kept (``keep``: ``mxfx.cache.set_dgrad_at_refresh(True)``).
 
-    python bench/probes/hf_memory_phases.py --model qwen3 --arms mxfp8,fp8_block --steps 3
+    python bench/probes/hf_memory_phases.py --model qwen3 --arms mxfp8,fp8_block --steps 3 --cache-modes drop,keep
 """
 
 from __future__ import annotations
@@ -33,9 +35,12 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--cache-modes", default="drop", help="comma list of drop, keep")
+    p.add_argument("--profile", action="store_true", help="print the kernels of the last step by GPU time")
     args = p.parse_args()
-    for name in args.arms.split(","):
+    for name, mode in [(n, m) for n in args.arms.split(",") for m in args.cache_modes.split(",")]:
         arm = hf_models.ARMS[name]
+        cache.set_dgrad_at_refresh({"drop": False, "keep": True}[mode])
         gc.collect()
         torch._dynamo.reset()
         cache.clear()
@@ -46,16 +51,22 @@ def main() -> None:
         gen = torch.Generator().manual_seed(1234)
         batch = args.tokens // args.seq
         amp = torch.autocast("cuda", torch.bfloat16, enabled=arm.autocast)
-        print(f"== {args.model} / {name}: parameters {sum(p.nbytes for p in model.parameters()) / GIB:.2f} GiB")
+        print(f"== {args.model} / {name} / caches {mode}: parameters {sum(p.nbytes for p in model.parameters()) / GIB:.2f} GiB")
         for step in range(args.steps):
             x = torch.randint(0, model.config.vocab_size, (batch, args.seq), generator=gen).cuda()
             phases = []
+            before = torch.cuda.memory_stats()
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+            if args.profile and step == args.steps - 1:
+                prof.start()
+            t_step = time.perf_counter()
 
             def phase(label, run):
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
                 t0 = time.perf_counter()
-                out = run()
+                with torch.profiler.record_function(f"phase:{label}"):
+                    out = run()
                 torch.cuda.synchronize()
                 phases.append(f"{label} {(time.perf_counter() - t0) * 1e3:.1f} ms peak "
                               f"{torch.cuda.max_memory_allocated() / GIB:.2f} end {torch.cuda.memory_allocated() / GIB:.2f}")
@@ -67,7 +78,14 @@ def main() -> None:
             del loss
             phase("step", opt.step)
             phase("zero_grad", lambda: opt.zero_grad(set_to_none=True))
-            print(f"  step {step}: " + "; ".join(phases) + f"; caches {cache.persistent_bytes() / GIB:.2f} GiB", flush=True)
+            after = torch.cuda.memory_stats()
+            if args.profile and step == args.steps - 1:
+                prof.stop()
+                print(prof.key_averages().table(sort_by="device_time_total", row_limit=30, max_name_column_width=70))
+            alloc = {k: after.get(k, 0) - before.get(k, 0) for k in ("num_device_alloc", "num_alloc_retries")}
+            print(f"  step {step}: {(time.perf_counter() - t_step) * 1e3:.1f} ms: " + "; ".join(phases)
+                  + f"; caches {cache.persistent_bytes() / GIB:.2f} GiB; device allocs {alloc['num_device_alloc']}, "
+                  f"retries {alloc['num_alloc_retries']}", flush=True)
         del model, fn, opt
 
 

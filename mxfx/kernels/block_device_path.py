@@ -58,3 +58,13 @@ def quantize_128x128(w: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor
     if triton_available(w):
         return _triton().quantize_128x128(w, rule)
     return bf.quantize_128x128(w, rule)
+
+
+def transpose_qdata(q: torch.Tensor) -> torch.Tensor:
+    """``q [..., R, C]`` E4M3 qdata -> contiguous ``[..., C, R]``, the same bytes (``mxfx.kernels.transpose`` on
+    CUDA, torch's strided copy elsewhere)."""
+    if triton_available(q):
+        from mxfx.kernels import transpose
+
+        return transpose.transpose_lastdims(q)
+    return q.transpose(-2, -1).contiguous()
