@@ -187,10 +187,13 @@ class Rule(_NamedFields):
         return any(_glob_matches(self.module, ".".join(parts[:end])) for end in range(len(parts), 0, -1))
 
     def names(self, kind: str, module: str) -> bool:
-        """Whether the rule names an op of ``kind`` in ``module`` itself: by its op kind, or by a glob matching the
-        op's own module (not only a module enclosing it). Only such a rule overrides a default rule
+        """Whether the rule names an op of ``kind`` in ``module`` itself: by its op kind, or by a module name without
+        wildcards matching the op's own module (not only a module enclosing it: ``layers.*`` covers a router whose
+        own module is ``layers.0.moe`` but does not name it). Only such a rule overrides a default rule
         (:data:`DEFAULT_RULES`: routers, the vocabulary projection)."""
-        return self.op == kind or (self.module is not None and _glob_matches(self.module, module))
+        if self.op == kind:
+            return True
+        return self.module is not None and not any(c in self.module for c in "*?[") and _glob_matches(self.module, module)
 
     def describe(self) -> str:
         """Compact form: only the fields the rule sets, e.g. ``(module='lm_head', precision='bf16')``."""
@@ -335,6 +338,10 @@ class Policy(_NamedFields):
         rules = tuple(r if isinstance(r, Rule) else Rule(**dict(r)) for r in self.rules)
         object.__setattr__(self, "rules", rules)
         _check_rule_fits_format(self.format, self.scale_rule, "policy-wide")
+        if self.keep_dequantized_weights and self.format == "fp8_block" and not any(r.format in ("mxfp8", "auto") for r in rules):
+            raise ValueError("mxfx policy: keep_dequantized_weights=True would do nothing with format='fp8_block' (it caches BF16 "
+                             "weights for emulated MX GEMMs; fp8_block GEMMs read FP8): drop it, or give the ops it is for a "
+                             "format='mxfp8' rule")
         for r in rules:
             if r.format is not None or r.scale_rule is not None:
                 _check_rule_fits_format(r.format or self.format, r.scale_rule or self.scale_rule, f"rule {r}")

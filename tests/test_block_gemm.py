@@ -192,7 +192,7 @@ def _check_grouped(out, ref, a, sa, b, sb, sizes, out_dtype):
 def _same(got, want, scaled=None):
     """Bitwise equal pairs. With ``scaled`` (the exact quotients x / s), qdata may differ only where the
     interpreter's E4M3 rounding fails: a value that rounds up onto a power of two (the carry into the next
-    binade) comes out a factor 2 off there (``mxfx.kernels.mx_block.HW_E4M3_CVT``), and E4M3 subnormals
+    binade) comes out a factor 2 off there (``mxfx.kernels.mx_block.HW_E4M3_CONVERSION``), and E4M3 subnormals
     (below 2^-6) may round the wrong way; compiled kernels round in hardware and the GPU test compares every
     byte."""
     q, s = got

@@ -83,6 +83,8 @@ def test_linear_pass(all_on):
     assert count_calls(cap.forward, OPS.mm.default) == 5
     off = _step({"linear": False})
     assert not _kinds(off[2], "linear") and count_calls(off[3].forward, OPS.mm.default) == 0
+    left = [r for r in off[2] if r.kind == "not_rewritten"]  # reported, with the switch as the reason
+    assert left and all("the 'linear' pass is switched off" in r.reason for r in left), [r.reason for r in left]
     worst = _close(all_on, off, 2e-2, 0.15)
     assert worst > 0  # MX GEMMs moved the gradients
 
@@ -94,6 +96,8 @@ def test_grouped_mm_pass(all_on):
     assert count_calls(all_on[3].forward, OPS.grouped_mm.default) == 2
     off = _step({"grouped_mm": False})
     assert not _kinds(off[2], "grouped_mm") and count_calls(off[3].forward, OPS.grouped_mm.default) == 0
+    left = [r for r in off[2] if r.kind == "not_rewritten"]
+    assert len(left) == 2 and all("the 'grouped_mm' pass is switched off" in r.reason for r in left)
     assert _close(all_on, off, 2e-2, 0.15) > 0
 
 

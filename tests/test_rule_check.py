@@ -215,6 +215,11 @@ def test_a_block_rule_does_not_switch_the_router_or_head():
     assert Policy(rules=[{"op": "router", "precision": "mxfp8"}]).decide("router", "model.layers.0.mlp.gate").precision == "mxfp8"
     assert Policy(rules=[{"module": "mlp.gate", "precision": "mxfp8"}]).decide("router", "model.layers.0.mlp.gate").precision == "mxfp8"
     assert Policy(rules=[{"module": "lm_head", "precision": "mxfp8"}]).decide("linear", "m.lm_head").precision == "mxfp8"
+    # a wildcard covers the router's own module without naming it (a router computed in its MoE block's forward
+    # is attributed to that block: layers.* would otherwise switch it)
+    assert Policy(rules=[{"module": "layers.*", "precision": "mxfp8"}]).decide("router", "layers.0.moe").precision == "bf16"
+    assert Policy(rules=[{"module": "layers.0.moe", "precision": "mxfp8"}]).decide("router", "layers.0.moe").precision == "mxfp8"
+    assert Policy(rules=[{"module": "*head", "precision": "mxfp8"}]).decide("linear", "m.lm_head").precision == "bf16"
     # a BF16 block rule still keeps everything in it, router included
     assert Policy(rules=[{"module": "layers.0", "precision": "bf16"}]).decide("linear", "layers.0.mlp.up").precision == "bf16"
 
@@ -300,3 +305,13 @@ def test_rule_matching_an_op_in_any_graph_does_not_warn():
     assert "(module='input_layernorm', precision='bf16') matches module 'input_layernorm', but there is no op" in messages[0]
     by_kind_module = {(r.kind, r.module): r for r in mxfx.last_report().records}
     assert by_kind_module["swiglu", "down"].saved == "bf16" and by_kind_module["linear", "up"].wgrad == "bf16"  # applied
+
+
+def test_keep_dequantized_weights_with_only_fp8_block_is_refused():
+    """keep_dequantized_weights serves emulated MX GEMMs only: with every op in fp8_block it would do nothing."""
+    from mxfx.policy import Policy
+
+    with pytest.raises(ValueError, match="keep_dequantized_weights=True would do nothing"):
+        Policy(format="fp8_block", keep_dequantized_weights=True)
+    mixed = Policy(format="fp8_block", keep_dequantized_weights=True, rules=[{"module": "attn", "format": "mxfp8"}])
+    assert mixed.decide("linear", "layers.0.attn.qkv").keep_dequantized_weights

@@ -40,6 +40,8 @@ GEMM_FUNCTIONS = {
 }
 if hasattr(F, "grouped_mm"):  # torch >= 2.10
     GEMM_FUNCTIONS[F.grouped_mm] = "torch.nn.functional.grouped_mm"
+PASS_OF = {"F.linear": "linear", "torch._grouped_mm": "grouped_mm", "torch.nn.functional.grouped_mm": "grouped_mm"}
+"""GEMMs a pass would rewrite: where that pass is switched off (``Policy.passes``) the report says so."""
 GEMM_METHODS = ("mm", "bmm", "matmul", "__matmul__", "addmm", "baddbmm")
 _PASS_THROUGH_METHODS = (*CASTS, "transpose", "t", "permute", "view", "reshape", "expand", "unsqueeze", "squeeze",
                          "flatten", "__getitem__", "chunk", "split", "narrow", "select")
@@ -106,11 +108,13 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         if not params:
             continue
         p = params[0]
-        opaque = "::" in name
-        why = (
-            "opaque custom op: mxfx cannot see which GEMMs it runs; register its pattern or keep the weight out of it"
-            if opaque else "GEMM over a parameter that no mxfx pattern matches; it runs in the model's precision"
-        )
+        off = PASS_OF.get(name)
+        if off is not None and not policy.pass_enabled(off):
+            why = f"the {off!r} pass is switched off (passes={{{off!r}: False}}); it runs in the model's precision"
+        elif "::" in name:
+            why = "opaque custom op: mxfx cannot see which GEMMs it runs; register its pattern or keep the weight out of it"
+        else:
+            why = "GEMM over a parameter that no mxfx pattern matches; it runs in the model's precision"
         pm.add(OpRecord(node.name, KIND, module_fqn(node), f"w{shape_str(example_value(p))}", "-", "-", "-", "-", "-",
                         f"not rewritten: {name}: {why}"))
         found.append(name)
