@@ -841,7 +841,7 @@ def stats() -> dict:
 
     Keys: ``quantize`` (orientations quantized, all paths), ``quantize_forward``,
     ``quantize_dgrad``, ``hit`` (lookups served from the cache), ``stale``
-    (lookups that found a changed version and rebuilt), ``refresh`` (weights
+    (lookups that found no fresh caches, a weight's first lookup included, and rebuilt), ``refresh`` (weights
     rebuilt by :func:`refresh`), ``refresh_eager`` (by the optimizer hook),
     ``refresh_graph`` (inside compiled optimizer steps), ``quantize_block`` (128x128 quantizes of
     fp8_block weights, each serving both orientations), ``deferred_dgrad`` (stale dgrad-side forms a

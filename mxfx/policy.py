@@ -187,13 +187,10 @@ class Rule(_NamedFields):
         return any(_glob_matches(self.module, ".".join(parts[:end])) for end in range(len(parts), 0, -1))
 
     def names(self, kind: str, module: str) -> bool:
-        """Whether the rule names an op of ``kind`` in ``module`` itself: by its op kind, or by a module name without
-        wildcards matching the op's own module (not only a module enclosing it: ``layers.*`` covers a router whose
-        own module is ``layers.0.moe`` but does not name it). Only such a rule overrides a default rule
+        """Whether the rule names an op of ``kind`` in ``module`` itself: by its op kind, or by a glob matching the
+        op's own module (not only a module enclosing it). Only such a rule overrides a default rule
         (:data:`DEFAULT_RULES`: routers, the vocabulary projection)."""
-        if self.op == kind:
-            return True
-        return self.module is not None and not any(c in self.module for c in "*?[") and _glob_matches(self.module, module)
+        return self.op == kind or (self.module is not None and _glob_matches(self.module, module))
 
     def describe(self) -> str:
         """Compact form: only the fields the rule sets, e.g. ``(module='lm_head', precision='bf16')``."""

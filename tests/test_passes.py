@@ -35,10 +35,10 @@ from moe_model import MoEConfig, MoETransformer  # noqa: E402
 OPS = torch.ops.mxfx
 
 
-def _step(passes: dict | None = None, **policy):
+def _step(passes: dict | None = None, n_experts: int = 4, **policy):
     """One step of the small model: ``(loss, grads by name, report records, captured graphs)``."""
     torch.manual_seed(0)
-    model = MoETransformer(MoEConfig(d_model=64, n_layers=1, head_dim=32, n_experts=4, top_k=2, expert_hidden=64,
+    model = MoETransformer(MoEConfig(d_model=64, n_layers=1, head_dim=32, n_experts=n_experts, top_k=2, expert_hidden=64,
                                      shared_hidden=64))
     idx = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
     cap = GraphCapture()
@@ -180,3 +180,26 @@ def test_weight_refresh_pass():
     off, _ = run(False)
     assert len(mxfx.all_reports()) > before
     assert torch.equal(on, off) and on[0] != on[1]  # the second step saw the updated weight either way
+
+
+def test_wildcard_rule_switching_a_router_warns_once():
+    """The example's router is computed in its MoE block's forward, so its module is ``layers.0.moe``: a ``layers.*``
+    rule names it and switches it to MXFP8 (documented), with a warning naming the rule; a rule for op="router"
+    first keeps it BF16 with no warning."""
+    import warnings
+
+    from mxfx.passes import linear
+
+    linear._warned_routers.clear()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        records = _step(n_experts=32, rules=[{"module": "layers.*", "precision": "mxfp8"}])[2]  # router 64->32
+    routers = [r for r in records if r.kind == "router"]
+    assert routers and all(r.rewritten for r in routers)
+    said = [str(w.message) for w in record if "switches the router" in str(w.message)]
+    assert len(said) == 1 and "layers.0.moe" in said[0] and "'op': 'router'" in said[0], said
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        records = _step(n_experts=32, rules=[{"op": "router", "precision": "bf16"}, {"module": "layers.*", "precision": "mxfp8"}])[2]
+    assert all(not r.rewritten for r in records if r.kind == "router")
+    assert not [w for w in record if "switches the router" in str(w.message)]

@@ -117,6 +117,8 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         gm.graph.erase_node(node)
         if weight is not w_node:
             erase_unused_chain(gm, w_node)
+        if kind == "router":
+            _warn_wildcard_router(d.rule, module)
         saved = d.save
         pm.add(OpRecord(new.name, kind, module, shapes, d.format, d.format, d.shown(d.wgrad), d.shown(saved), d.scale_rule))
         rewritten += 1
@@ -124,3 +126,19 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         warnings.warn(f"mxfx: linears left in BF16/FP32, not MXFP8 (DTensor operands, tensor parallel): {', '.join(distributed)}",
                       stacklevel=2)
     return rewritten
+
+
+_warned_routers: set = set()
+
+
+def _warn_wildcard_router(rule, module: str) -> None:
+    """Warn once per rule when a module glob with wildcards, not ``op="router"``, switched a router to low precision:
+    a router computed in its MoE block's own forward belongs to that block, so ``layers.*`` names it."""
+    if rule is None or rule.op == "router" or rule.module is None or not any(c in rule.module for c in "*?["):
+        return
+    if rule in _warned_routers:
+        return
+    _warned_routers.add(rule)
+    warnings.warn(f"mxfx: rule {rule.describe()} switches the router at {module!r} out of its own precision: its glob matches "
+                  f"the router's module. Routers keep their precision unless a rule names them; to keep it, put "
+                  f"{{'op': 'router', 'precision': 'bf16'}} before this rule or narrow the glob", stacklevel=3)
