@@ -56,8 +56,9 @@ def main() -> None:
             x = torch.randint(0, model.config.vocab_size, (batch, args.seq), generator=gen).cuda()
             phases = []
             before = torch.cuda.memory_stats()
-            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+            prof = None
             if args.profile and step == args.steps - 1:
+                prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
                 prof.start()
             t_step = time.perf_counter()
 
@@ -79,7 +80,7 @@ def main() -> None:
             phase("step", opt.step)
             phase("zero_grad", lambda: opt.zero_grad(set_to_none=True))
             after = torch.cuda.memory_stats()
-            if args.profile and step == args.steps - 1:
+            if prof is not None:
                 prof.stop()
                 print(prof.key_averages().table(sort_by="device_time_total", row_limit=30, max_name_column_width=70))
             alloc = {k: after.get(k, 0) - before.get(k, 0) for k in ("num_device_alloc", "num_alloc_retries")}
