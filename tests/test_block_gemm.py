@@ -259,6 +259,17 @@ def _interpreter_quantize_checks(bq):
         gate[5, :128] = -90.0  # flush band: the tile is all -0 (scale 1)
         want = bf.quantize_1x128(silu_fp32(gate) * up, rule=rule)
         _same(bq.swiglu_quantize_1x128(gate, up, rule), want)
+        # the same product with the pairs of gate and up themselves, from one read
+        saved = bq.swiglu_quantize_1x128_save(gate, up, rule)
+        _same(saved[:2], want)
+        _same(saved[2:4], bf.quantize_1x128(gate, rule=rule))
+        _same(saved[4:], bf.quantize_1x128(up, rule=rule))
+        # both 1x128 tilings of one [T, K] from one read; partial tiles along both dims
+        xd = torch.randn(200, 320, generator=g) * 7
+        q, s, qt, st = bq.quantize_1x128_dual(xd, rule)
+        for got, src in (((q, s), xd), ((qt, st), xd.t())):
+            ref = bf.quantize_1x128(src, rule=rule)
+            _same(got, ref, src / ref[1].repeat_interleave(128, 1)[:, : src.shape[1]])
 
 
 def test_triton_interpreter():

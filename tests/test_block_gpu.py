@@ -8,6 +8,7 @@ kernels promote to FP32 every 128; we allow ``2^-10 * (|A| @ |B|^T)`` for that a
 plus half a bf16 ulp (2^-8 relative) for the output cast.
 """
 
+import copy
 import re
 
 import pytest
@@ -139,17 +140,23 @@ def test_quantize_kernels_bit_exact(rule):
         xd = x.to(dt)
         _same(bq.quantize_1x128(xd.cuda(), rule), bf.quantize_1x128(xd, rule=rule))
         _same(bq.quantize_1x128_colwise(xd.cuda(), rule), bf.quantize_1x128(xd.t(), rule=rule))
+        q, sc, qt, st = bq.quantize_1x128_dual(xd.cuda(), rule)  # both tilings from one read
+        _same((q, sc), bf.quantize_1x128(xd, rule=rule))
+        _same((qt, st), bf.quantize_1x128(xd.t(), rule=rule))
     w = torch.randn(3, 384, 200, generator=g) * 0.02
     _same(bq.quantize_128x128(w.cuda(), rule), bf.quantize_128x128(w, rule=rule))
     gate = (torch.randn(64, 512, generator=g) * 4).bfloat16()
     up = torch.randn(64, 512, generator=g).bfloat16()
     # the product formed on the GPU: mxfx's SiLU is CUDA's F.silu (libdevice expf), which CPU's may differ from by an ulp
     want = tuple(t.cpu() for t in bf.quantize_1x128(silu_fp32(gate.cuda()) * up.cuda().float(), rule=rule))
-    got = bq.swiglu_quantize_1x128(gate.cuda(), up.cuda(), rule)
-    if rule == "rceil":
-        _same(got, want)
-    else:
-        _same_up_to_an_ulp_of_amax(got, want)
+    saved = bq.swiglu_quantize_1x128_save(gate.cuda(), up.cuda(), rule)
+    for got in (bq.swiglu_quantize_1x128(gate.cuda(), up.cuda(), rule), saved[:2]):
+        if rule == "rceil":
+            _same(got, want)
+        else:
+            _same_up_to_an_ulp_of_amax(got, want)
+    _same(saved[2:4], bf.quantize_1x128(gate, rule=rule))  # the SwiGLU inputs' own pairs
+    _same(saved[4:], bf.quantize_1x128(up, rule=rule))
 
 
 def _same_up_to_an_ulp_of_amax(got, want):
@@ -207,3 +214,75 @@ def test_payload_transpose_matches_torch_byte_for_byte():
         out = transpose.transpose_lastdims(src)
         assert out.is_contiguous() and out.shape == src.transpose(-2, -1).shape
         assert torch.equal(out.view(torch.uint8), src.view(torch.uint8).transpose(-2, -1))
+
+
+class _Block(torch.nn.Module):
+    """A dense GELU MLP (the attention projections' case: linears with an FP8 wgrad) and routed SwiGLU experts on
+    tokens already sorted by expert (deterministic on CUDA: no scatter), FP32 parameters, sizes multiples of 128."""
+
+    def __init__(self, d=128, h=256, experts=4):
+        super().__init__()
+        self.up = torch.nn.Linear(d, h, bias=False)
+        self.down = torch.nn.Linear(h, d, bias=False)
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(experts, 2 * h, d) * d**-0.5)
+        self.down_proj = torch.nn.Parameter(torch.randn(experts, d, h) * h**-0.5)
+
+    def forward(self, x, offs, route_weight):
+        x = x + self.down(torch.nn.functional.gelu(self.up(x)))
+        gu = torch._grouped_mm(x.to(torch.bfloat16), self.gate_up_proj.to(torch.bfloat16).transpose(-2, -1), offs=offs)
+        g, u = gu.chunk(2, dim=-1)
+        y = torch._grouped_mm(torch.nn.functional.silu(g) * u, self.down_proj.to(torch.bfloat16).transpose(-2, -1), offs=offs)
+        return (y * route_weight[:, None]).float().square().mean()
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compiled_fp8_block_launches_its_kernels_itself(monkeypatch, dynamic):
+    """Traced on CUDA, the fp8_block quantize kernels enter the graph through ``wrap_triton`` and the dense
+    GEMMs as ``_scaled_mm``, launched by Inductor's own code: no ``mxfx::block_*`` quantize op is left, only the
+    grouped GEMMs and float32-output (wgrad) dense GEMMs stay ops (and, not in this model, a dense SwiGLU's
+    operands with an FP8 wgrad, which no single kernel writes). Loss and gradients match the opaque compile
+    (bounds as in the MX test of tests/test_gpu_ops.py: the graphs around the ops differ, so Inductor may fuse
+    the fp32 reductions differently), and the routed SwiGLU still saves gate and up as FP8 pairs, not its BF16
+    input."""
+    from torch._inductor.utils import run_and_get_code
+
+    import mxfx
+
+    torch.manual_seed(0)
+    model = _Block().cuda()
+    s, h = 256, 256
+    x = torch.randn(s, 128, device="cuda")
+    offs = torch.tensor([64, 64, 200, s], dtype=torch.int32, device="cuda")
+    route_weight = torch.rand(s, device="cuda", dtype=torch.bfloat16)
+
+    def step(opaque: bool):
+        monkeypatch.setenv("MXFX_OPAQUE_KERNELS", "1" if opaque else "0")
+        torch._dynamo.reset()
+        m = copy.deepcopy(model)
+        compiled = torch.compile(m, backend="mxfp8", dynamic=dynamic, options={"format": "fp8_block"})
+        saved = {}
+
+        def run():
+            with torch.autocast("cuda", torch.bfloat16):
+                loss = compiled(x, offs, route_weight)
+            saved["tensors"] = mxfx.report.saved_for_backward(loss)
+            loss.backward()
+            return loss
+
+        loss, code = run_and_get_code(run)
+        return loss.detach(), [p.grad for p in m.parameters()], "\n".join(code), saved["tensors"]
+
+    loss_i, grads_i, code_i, saved_i = step(opaque=False)
+    loss_o, grads_o, code_o, _ = step(opaque=True)
+    assert "mxfx.block_forward_operands" in code_o and "mxfx.block_mm" in code_o  # the opaque arm holds the ops
+    for op in ("block_quantize", "block_swiglu_quantize", "block_quantize_tokens", "block_quantize_dual",
+               "block_forward_operands"):
+        assert f"torch.ops.mxfx.{op}.default" not in code_i, op
+    assert "_scaled_mm" in code_i and code_i.count("mxfx.block_mm.default") < code_o.count("mxfx.block_mm.default")
+    assert "mxfx.block_grouped_mm" in code_i
+    fp8 = [t for t in saved_i if t.dtype == torch.float8_e4m3fn and t.numel() == s * h]
+    bf16_gate_up = [t for t in saved_i if t.dtype == torch.bfloat16 and t.numel() >= s * 2 * h]
+    assert len(fp8) >= 2 and not bf16_gate_up, [(t.dtype, tuple(t.shape)) for t in saved_i]
+    assert ((loss_i - loss_o).abs() / loss_o.abs()).item() < 1e-5
+    for gi, go in zip(grads_i, grads_o):
+        assert gi is not None and ((gi - go).norm() / go.norm()).item() < 1e-2

@@ -38,6 +38,24 @@ def swiglu_quantize_1x128(gate: torch.Tensor, up: torch.Tensor, rule: str = "rce
     return quantize_1x128(silu_fp32(gate) * up.float(), rule)
 
 
+def swiglu_quantize_1x128_save(gate: torch.Tensor, up: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor, ...]:
+    """:func:`swiglu_quantize_1x128` plus the 1x128 pairs of gate and up (the SwiGLU inputs saved for backward), from
+    one read on CUDA: ``(q, s, gate_q, gate_s, up_q, up_s)``, leading dims merged."""
+    if triton_available(gate):
+        return _triton().swiglu_quantize_1x128_save(gate, up, rule)
+    k = gate.shape[-1]
+    q, s = swiglu_quantize_1x128(gate, up, rule)
+    return (q.reshape(-1, k), s, *quantize_1x128(gate.reshape(-1, k), rule), *quantize_1x128(up.reshape(-1, k), rule))
+
+
+def quantize_1x128_dual(x: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor, ...]:
+    """:func:`quantize_1x128` and :func:`quantize_1x128_colwise` of ``x [T, K]``, from one read on CUDA:
+    ``(q [T, K], s [T, ceil(K/128)], qt [K, T], st [K, ceil(T/128)])``."""
+    if triton_available(x):
+        return _triton().quantize_1x128_dual(x, rule)
+    return (*quantize_1x128(x, rule), *quantize_1x128_colwise(x, rule))
+
+
 def quantize_1x128_colwise(x: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
     """1x128 along the tokens of ``x [T, K]``: ``(qdata [K, T], scales [K, ceil(T/128)])``."""
     if triton_available(x):

@@ -23,6 +23,7 @@ import torch
 
 from mxfx.block_format import group_tile_capacity, n_tiles
 from mxfx.kernels import block_device_path, block_gemm
+from mxfx.kernels.launch import name_op_functions, op_or_body
 
 _E4M3 = torch.float8_e4m3fn
 
@@ -40,107 +41,158 @@ def _check_2d(x: torch.Tensor, op: str) -> None:
         raise ValueError(f"mxfx::{op}: needs a 2D tensor, got shape {tuple(x.shape)}; flatten the leading dims first")
 
 
-@torch.library.custom_op("mxfx::block_quantize", mutates_args=())
-def block_quantize(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
     _check_2d(x, "block_quantize")
     q, s = block_device_path.quantize_1x128(x, rule)
     return q.contiguous(), _col_major(s)
 
 
-@block_quantize.register_fake
+@torch.library.custom_op("mxfx::block_quantize", mutates_args=())
+def _block_quantize_op(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quantize(x, rule)
+
+
+@_block_quantize_op.register_fake
 def _(x, rule):
     _check_2d(x, "block_quantize")
     return torch.empty_like(x, dtype=_E4M3, memory_format=torch.contiguous_format), _fake_col_major(x, x.shape[0], n_tiles(x.shape[1]))
 
 
-@torch.library.custom_op("mxfx::block_swiglu_quantize", mutates_args=())
-def block_swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
     _check_2d(gate, "block_swiglu_quantize")
     q, s = block_device_path.swiglu_quantize_1x128(gate, up, rule)
     return q.contiguous(), _col_major(s)
 
 
-@block_swiglu_quantize.register_fake
+@torch.library.custom_op("mxfx::block_swiglu_quantize", mutates_args=())
+def _block_swiglu_quantize_op(gate: torch.Tensor, up: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return _swiglu_quantize(gate, up, rule)
+
+
+@_block_swiglu_quantize_op.register_fake
 def _(gate, up, rule):
     _check_2d(gate, "block_swiglu_quantize")
     return (torch.empty_like(gate, dtype=_E4M3, memory_format=torch.contiguous_format),
             _fake_col_major(gate, gate.shape[0], n_tiles(gate.shape[1])))
 
 
-@torch.library.custom_op("mxfx::block_quantize_tokens", mutates_args=())
-def block_quantize_tokens(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_tokens(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
     _check_2d(x, "block_quantize_tokens")
     q, s = block_device_path.quantize_1x128_colwise(x, rule)
     return q.contiguous(), _col_major(s)
 
 
-@block_quantize_tokens.register_fake
-def _(x, rule):
-    _check_2d(x, "block_quantize_tokens")
+@torch.library.custom_op("mxfx::block_quantize_tokens", mutates_args=())
+def _block_quantize_tokens_op(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quantize_tokens(x, rule)
+
+
+def _tokens_fake(x):
     t, k = x.shape
     return x.new_empty((k, t), dtype=_E4M3), _fake_col_major(x, k, n_tiles(t))
 
 
-@torch.library.custom_op("mxfx::block_quantize_grouped_tokens", mutates_args=())
-def block_quantize_grouped_tokens(x: torch.Tensor, offs: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+@_block_quantize_tokens_op.register_fake
+def _(x, rule):
+    _check_2d(x, "block_quantize_tokens")
+    return _tokens_fake(x)
+
+
+def _quantize_dual(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_2d(x, "block_quantize_dual")
+    q, s, qt, st = block_device_path.quantize_1x128_dual(x, rule)
+    return q.contiguous(), _col_major(s), qt.contiguous(), _col_major(st)
+
+
+@torch.library.custom_op("mxfx::block_quantize_dual", mutates_args=())
+def _block_quantize_dual_op(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _quantize_dual(x, rule)
+
+
+@_block_quantize_dual_op.register_fake
+def _(x, rule):
+    _check_2d(x, "block_quantize_dual")
+    return (torch.empty_like(x, dtype=_E4M3, memory_format=torch.contiguous_format),
+            _fake_col_major(x, x.shape[0], n_tiles(x.shape[1])), *_tokens_fake(x))
+
+
+def _quantize_grouped_tokens(x: torch.Tensor, offs: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
     _check_2d(x, "block_quantize_grouped_tokens")
     q, s = block_device_path.quantize_1x128_grouped_tokens(x, offs, rule)
     return q.contiguous(), _col_major(s)
 
 
-@block_quantize_grouped_tokens.register_fake
+@torch.library.custom_op("mxfx::block_quantize_grouped_tokens", mutates_args=())
+def _block_quantize_grouped_tokens_op(x: torch.Tensor, offs: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quantize_grouped_tokens(x, offs, rule)
+
+
+@_block_quantize_grouped_tokens_op.register_fake
 def _(x, offs, rule):
     _check_2d(x, "block_quantize_grouped_tokens")
     t, k = x.shape
     return x.new_empty((k, t), dtype=_E4M3), _fake_col_major(x, k, group_tile_capacity(t, offs.shape[0]))
 
 
-def _forward_operands(x, up, tokens_src, offs, rule, pack) -> list:
-    """Body of :func:`block_forward_operands`, real and fake alike (on fake tensors the ops it calls run their
-    own fake implementations)."""
+def _check_forward_operands(x, up, pack) -> None:
     _check_2d(x, "block_forward_operands")
     if pack and up is None:
         raise ValueError(f"mxfx::block_forward_operands: pack=True packs the SwiGLU gate and up; got gate {tuple(x.shape)} "
                          f"and no up")
-    pairs = [block_swiglu_quantize(x, up, rule) if up is not None else block_quantize(x, rule)]
+
+
+def _fused_forward_operands(x, up, tokens_src, offs, rule, pack) -> list | None:
+    """:func:`block_forward_operands` from one kernel, where one kernel writes every pair asked for: ``x`` alone,
+    ``x`` with its token-tiled copy (``tokens_src is x``), or the SwiGLU product with or without the packed inputs;
+    None otherwise."""
+    if tokens_src is None and not pack:
+        return list(_quantize(x, rule) if up is None else _swiglu_quantize(x, up, rule))
+    if tokens_src is None:
+        q, s, gq, gs, uq, us = block_device_path.swiglu_quantize_1x128_save(x, up, rule)
+        return [q, _col_major(s), gq, _col_major(gs), uq, _col_major(us)]
+    if up is None and not pack and offs is None and tokens_src is x:
+        return list(_quantize_dual(x, rule))
+    return None
+
+
+def _forward_operands_composed(x, up, tokens_src, offs, rule, pack) -> list:
+    """:func:`block_forward_operands` through the single-pair ops (on fake tensors these run their own fake
+    implementations: the op's fake)."""
+    _check_forward_operands(x, up, pack)
+    pairs = [_block_swiglu_quantize_op(x, up, rule) if up is not None else _block_quantize_op(x, rule)]
     if tokens_src is not None:
-        pairs.append(block_quantize_tokens(tokens_src, rule) if offs is None
-                     else block_quantize_grouped_tokens(tokens_src, offs, rule))
+        pairs.append(_block_quantize_tokens_op(tokens_src, rule) if offs is None
+                     else _block_quantize_grouped_tokens_op(tokens_src, offs, rule))
     if pack:
-        pairs += [block_quantize(x, rule), block_quantize(up, rule)]
+        pairs += [_block_quantize_op(x, rule), _block_quantize_op(up, rule)]
     return [t for pair in pairs for t in pair]
 
 
 @torch.library.custom_op("mxfx::block_forward_operands", mutates_args=())
-def block_forward_operands(x: torch.Tensor, up: torch.Tensor | None, tokens_src: torch.Tensor | None,
-                           offs: torch.Tensor | None, rule: str, pack: bool) -> list[torch.Tensor]:
-    """Every fp8_block quantization a forward makes of one GEMM input, as one op: ``[qdata, scales]`` of the
-    forward operand (``x``, or ``silu(x) * up`` with ``up``: :func:`block_quantize` / :func:`block_swiglu_quantize`),
-    then, with ``tokens_src``, its token-tiled wgrad operand (:func:`block_quantize_tokens`, or with ``offs``
-    :func:`block_quantize_grouped_tokens`), then, with ``pack``, the 1x128 pairs of ``x`` and ``up`` (the SwiGLU
-    inputs saved for backward).
-
-    One op because the forward reads its first pair: AOTAutograd's partitioner moves a forward op whose outputs
-    only the backward reads into the backward, and saves that op's input instead, in BF16 (twice the bytes of the
-    FP8 copy the policy asked to save).
-
-    Raises:
-        ValueError: a tensor that is not 2D, or ``pack`` without ``up``.
-    """
-    return _forward_operands(x, up, tokens_src, offs, rule, pack)
+def _block_forward_operands_op(x: torch.Tensor, up: torch.Tensor | None, tokens_src: torch.Tensor | None,
+                               offs: torch.Tensor | None, rule: str, pack: bool) -> list[torch.Tensor]:
+    _check_forward_operands(x, up, pack)
+    fused = _fused_forward_operands(x, up, tokens_src, offs, rule, pack)
+    return fused if fused is not None else _forward_operands_composed(x, up, tokens_src, offs, rule, pack)
 
 
-block_forward_operands.register_fake(_forward_operands)
+_block_forward_operands_op.register_fake(_forward_operands_composed)
+
+
+def _forward_operands_traced(x, up, tokens_src, offs, rule, pack) -> list:
+    """Traced on CUDA: the one kernel of :func:`_fused_forward_operands` enters the graph; a combination no single
+    kernel writes stays the opaque op (separate kernels would let the partitioner move the pairs only the backward
+    reads into the backward, see :func:`block_forward_operands`)."""
+    _check_forward_operands(x, up, pack)
+    fused = _fused_forward_operands(x, up, tokens_src, offs, rule, pack)
+    return fused if fused is not None else _block_forward_operands_op(x, up, tokens_src, offs, rule, pack)
 
 
 _fp32_out_refused: list[str] = []  # cuBLAS's refusal of a float32 output, once seen
 
 
-@torch.library.custom_op("mxfx::block_mm", mutates_args=())
-def block_mm(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
-             out_dtype: torch.dtype) -> torch.Tensor:
-    """:func:`mxfx.kernels.block_gemm.scaled_mm`. A float32 result (the weight gradient) that a cuBLAS build
-    refuses for blockwise scaling is computed in bf16 and widened, with a warning once per process."""
+def _mm(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
+        out_dtype: torch.dtype) -> torch.Tensor:
     if not (a.is_cuda and out_dtype == torch.float32):
         return block_gemm.scaled_mm(a, a_scales, b, b_scales, out_dtype)
     if not _fp32_out_refused:
@@ -153,14 +205,30 @@ def block_mm(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales:
     return block_gemm.scaled_mm(a, a_scales, b, b_scales, torch.bfloat16).float()
 
 
-@block_mm.register_fake
+@torch.library.custom_op("mxfx::block_mm", mutates_args=())
+def _block_mm_op(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
+                 out_dtype: torch.dtype) -> torch.Tensor:
+    return _mm(a, a_scales, b, b_scales, out_dtype)
+
+
+@_block_mm_op.register_fake
 def _(a, a_scales, b, b_scales, out_dtype):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+def _mm_traced(a, a_scales, b, b_scales, out_dtype):
+    """Traced on CUDA: cuBLAS's blockwise GEMM (``torch._scaled_mm``) and its operand layouts enter the graph; a
+    float32 output stays the opaque op, which can fall back where cuBLAS refuses it."""
+    if out_dtype == torch.float32:
+        return _block_mm_op(a, a_scales, b, b_scales, out_dtype)
+    return block_gemm.scaled_mm(a, a_scales, b, b_scales, out_dtype)
 
 
 @torch.library.custom_op("mxfx::block_grouped_mm", mutates_args=())
 def block_grouped_mm(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
                      offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """:func:`mxfx.kernels.block_gemm.grouped_mm`, always an opaque op: its Triton launch builds host TMA
+    descriptors and autotunes with a pre-hook, which ``wrap_triton`` cannot trace."""
     return block_gemm.grouped_mm(a, a_scales, b, b_scales, offs, out_dtype)
 
 
@@ -172,9 +240,42 @@ def _(a, a_scales, b, b_scales, offs, out_dtype):
 @torch.library.custom_op("mxfx::block_grouped_wgrad", mutates_args=())
 def block_grouped_wgrad(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
                         offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """:func:`mxfx.kernels.block_gemm.grouped_wgrad` (an opaque op: not on the default policy's hot path)."""
     return block_gemm.grouped_wgrad(a, a_scales, b, b_scales, offs, out_dtype)
 
 
 @block_grouped_wgrad.register_fake
 def _(a, a_scales, b, b_scales, offs, out_dtype):
     return a.new_empty((offs.shape[0], a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+# --- what callers use: the custom op, or its body when traced on CUDA (mxfx.kernels.launch) ---------
+
+block_quantize = op_or_body(_block_quantize_op, _quantize, """``x [M, K]`` -> ``(qdata [M, K], scales
+[M, ceil(K/128)])``, 1x128 along K (``mxfx::block_quantize``).""")
+block_swiglu_quantize = op_or_body(_block_swiglu_quantize_op, _swiglu_quantize, """:func:`block_quantize` of
+``silu(gate) * up`` formed in fp32 (``mxfx::block_swiglu_quantize``).""")
+block_quantize_tokens = op_or_body(_block_quantize_tokens_op, _quantize_tokens, """``x [T, K]`` -> ``(qdata [K, T],
+scales [K, ceil(T/128)])``, 1x128 along the tokens (``mxfx::block_quantize_tokens``).""")
+block_quantize_dual = op_or_body(_block_quantize_dual_op, _quantize_dual, """:func:`block_quantize` and
+:func:`block_quantize_tokens` of ``x [T, K]`` from one read (``mxfx::block_quantize_dual``).""")
+block_quantize_grouped_tokens = op_or_body(_block_quantize_grouped_tokens_op, _quantize_grouped_tokens, """``x [S, K]``,
+``offs`` -> ``(qdata [K, S], scales [K, C])``, 1x128 along each group's tokens
+(``mxfx::block_quantize_grouped_tokens``).""")
+block_forward_operands = op_or_body(_block_forward_operands_op, _forward_operands_traced, """Every fp8_block
+quantization a forward makes of one GEMM input, as one op (``mxfx::block_forward_operands``): ``[qdata, scales]``
+of the forward operand (``x``, or ``silu(x) * up`` with ``up``), then, with ``tokens_src``, its token-tiled wgrad
+operand (:func:`block_quantize_tokens`, or with ``offs`` :func:`block_quantize_grouped_tokens`), then, with
+``pack``, the 1x128 pairs of ``x`` and ``up`` (the SwiGLU inputs saved for backward).
+
+One op (one kernel where one writes them all) because the forward reads its first pair: AOTAutograd's
+partitioner moves a forward op whose outputs only the backward reads into the backward, and saves that op's input
+instead, in BF16 (twice the bytes of the FP8 copy the policy asked to save).
+
+Raises:
+    ValueError: a tensor that is not 2D, or ``pack`` without ``up``.""")
+block_mm = op_or_body(_block_mm_op, _mm_traced, """:func:`mxfx.kernels.block_gemm.scaled_mm` (``mxfx::block_mm``).
+A float32 result (the weight gradient) that a cuBLAS build refuses for blockwise scaling is computed in bf16 and
+widened, with a warning once per process.""")
+
+name_op_functions(globals())

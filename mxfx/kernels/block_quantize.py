@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from mxfx.block_format import SCALE_RULES, TILE, check_input, check_rule, group_tile_capacity, n_tiles
+from mxfx.kernels.launch import launch
 from mxfx.kernels.mx_block import silu_f32
 
 ROWWISE_ROWS = 32
@@ -47,6 +48,41 @@ def _scales(amax, bad, RCEIL: tl.constexpr):
         s = tl.maximum(tl.math.div_rn(amax, 448.0), 1.1754943508222875e-38)  # 2^-126
     s = tl.where(amax == 0.0, 1.0, s)
     return tl.where(bad, float("nan"), s)
+
+
+@triton.jit
+def _encode(v, sv, RCEIL: tl.constexpr):
+    """E4M3 bytes (uint8) of the float32 tile ``v`` divided by its scales ``sv`` (broadcast against ``v``)."""
+    if RCEIL:
+        # 2^-e from the bits of 2^e (exact for e in [-126, 120]; a plain 1 / s would be an approximate division)
+        inv = ((254 << 23) - sv.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
+        scaled = v * inv
+    else:
+        scaled = tl.math.div_rn(v, sv)
+    qbits = tl.minimum(tl.maximum(scaled, -448.0), 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    # the NaN tile: every byte 0x7F (mxfx.block_format.NAN_BYTE); tested on the scale's bits, which no float
+    # comparison rewrite can drop
+    nan_tile = (sv.to(tl.int32, bitcast=True) & 0x7FFFFFFF) > 0x7F800000
+    return tl.where(nan_tile, 0x7F, qbits).to(tl.uint8)
+
+
+@triton.jit
+def _nonfinite(v):
+    return ((v != v) | (tl.abs(v) == float("inf"))).to(tl.int32)
+
+
+@triton.jit
+def _row_tiles(v, RCEIL: tl.constexpr):
+    """``(qbits, scales [BR])`` of a ``[BR, 128]`` tile, one 1x128 tile per row."""
+    s = _scales(tl.max(tl.abs(v), axis=1), tl.max(_nonfinite(v), axis=1) > 0, RCEIL)
+    return _encode(v, s[:, None], RCEIL), s
+
+
+@triton.jit
+def _col_tiles(v, RCEIL: tl.constexpr):
+    """``(qbits, scales [BC])`` of a ``[128, BC]`` tile, one 1x128 tile per column."""
+    s = _scales(tl.max(tl.abs(v), axis=0), tl.max(_nonfinite(v), axis=0) > 0, RCEIL)
+    return _encode(v, s[None, :], RCEIL), s
 
 
 @triton.jit
@@ -82,40 +118,73 @@ def _quantize_kernel(
     if SWIGLU:
         up = tl.load(u_ptr + offs, mask=ok, other=0.0).to(tl.float32)
         v = silu_f32(v) * up
-    nonfinite = ((v != v) | (tl.abs(v) == float("inf"))).to(tl.int32)
     if AXIS == 1:
-        amax, bad = tl.max(tl.abs(v), axis=1), tl.max(nonfinite, axis=1) > 0
-        s = _scales(amax, bad, RCEIL)
-        sv = s[:, None]
+        qbits, s = _row_tiles(v, RCEIL)
         s_offs = rows.to(tl.int64) * ssr + tl.program_id(1) * ssc
         s_ok = rows < R
     elif AXIS == 0:
-        amax, bad = tl.max(tl.abs(v), axis=0), tl.max(nonfinite, axis=0) > 0
-        s = _scales(amax, bad, RCEIL)
-        sv = s[None, :]
+        qbits, s = _col_tiles(v, RCEIL)
         s_offs = tl.program_id(0) * ssr + cols.to(tl.int64) * ssc
         s_ok = tl.max(ok.to(tl.int32), axis=0) > 0  # a column with a row in range (grouped: unused slots stay)
     else:
         amax = tl.max(tl.max(tl.abs(v), axis=1), axis=0)
-        bad = tl.max(tl.max(nonfinite, axis=1), axis=0) > 0
+        bad = tl.max(tl.max(_nonfinite(v), axis=1), axis=0) > 0
         s = _scales(amax, bad, RCEIL)
-        sv = s
+        qbits = _encode(v, s, RCEIL)
         s_offs = tl.program_id(0) * ssr + tl.program_id(1) * ssc
         s_ok = True
-    if RCEIL:
-        # 2^-e from the bits of 2^e (exact for e in [-126, 120]; a plain 1 / s would be an approximate division)
-        inv = ((254 << 23) - sv.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
-        scaled = v * inv
-    else:
-        scaled = tl.math.div_rn(v, sv)
-    qbits = tl.minimum(tl.maximum(scaled, -448.0), 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    # the NaN tile: every byte 0x7F (mxfx.block_format.NAN_BYTE); tested on the scale's bits, which no float
-    # comparison rewrite can drop
-    nan_tile = (sv.to(tl.int32, bitcast=True) & 0x7FFFFFFF) > 0x7F800000
-    qbits = tl.where(nan_tile, 0x7F, qbits)
     q_offs = b.to(tl.int64) * sqb + rows[:, None].to(tl.int64) * sqr + cols[None, :].to(tl.int64) * sqc
-    tl.store(q_ptr + q_offs, qbits.to(tl.uint8), mask=ok)
+    tl.store(q_ptr + q_offs, qbits, mask=ok)
     tl.store(s_ptr + b.to(tl.int64) * ssb + s_offs, s, mask=s_ok)
+
+
+@triton.jit
+def _swiglu_save_kernel(
+    g_ptr, u_ptr, q_ptr, s_ptr, gq_ptr, gs_ptr, uq_ptr, us_ptr,
+    R, C, sxr, sxc, ssr, ssc,
+    RCEIL: tl.constexpr, BR: tl.constexpr,
+):
+    """1x128 rows of ``silu(gate) * up``, of gate and of up from one read: qdata ``[R, C]`` contiguous, scales
+    ``[R, ceil(C/128)]`` through ``(ssr, ssc)``, the same layout for all three."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.program_id(1) * 128 + tl.arange(0, 128)
+    ok = (rows[:, None] < R) & (cols[None, :] < C)
+    offs = rows[:, None].to(tl.int64) * sxr + cols[None, :].to(tl.int64) * sxc
+    gate = tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(u_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    q_offs = rows[:, None].to(tl.int64) * C + cols[None, :]
+    s_offs = rows.to(tl.int64) * ssr + tl.program_id(1) * ssc
+    s_ok = rows < R
+    qbits, s = _row_tiles(silu_f32(gate) * up, RCEIL)
+    tl.store(q_ptr + q_offs, qbits, mask=ok)
+    tl.store(s_ptr + s_offs, s, mask=s_ok)
+    qbits, s = _row_tiles(gate, RCEIL)
+    tl.store(gq_ptr + q_offs, qbits, mask=ok)
+    tl.store(gs_ptr + s_offs, s, mask=s_ok)
+    qbits, s = _row_tiles(up, RCEIL)
+    tl.store(uq_ptr + q_offs, qbits, mask=ok)
+    tl.store(us_ptr + s_offs, s, mask=s_ok)
+
+
+@triton.jit
+def _dual_kernel(
+    x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr,
+    T, K, sxr, sxc, ssr, ssc, sstr, sstc,
+    RCEIL: tl.constexpr,
+):
+    """Both 1x128 tilings of a ``[128 tokens, 128 features]`` tile of ``x [T, K]`` from one read: along K into
+    ``q [T, K]`` / ``s [T, ceil(K/128)]``, along the tokens into ``qt [K, T]`` / ``st [K, ceil(T/128)]`` (scales
+    through their strides)."""
+    rows = tl.program_id(0) * 128 + tl.arange(0, 128)
+    cols = tl.program_id(1) * 128 + tl.arange(0, 128)
+    ok = (rows[:, None] < T) & (cols[None, :] < K)
+    v = tl.load(x_ptr + rows[:, None].to(tl.int64) * sxr + cols[None, :].to(tl.int64) * sxc, mask=ok, other=0.0).to(tl.float32)
+    qbits, s = _row_tiles(v, RCEIL)
+    tl.store(q_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], qbits, mask=ok)
+    tl.store(s_ptr + rows.to(tl.int64) * ssr + tl.program_id(1) * ssc, s, mask=rows < T)
+    qbits, s = _col_tiles(v, RCEIL)
+    tl.store(qt_ptr + cols[None, :].to(tl.int64) * T + rows[:, None], qbits, mask=ok)
+    tl.store(st_ptr + cols.to(tl.int64) * sstr + tl.program_id(0) * sstc, s, mask=cols < K)
 
 
 def _rule(rule: str, op: str) -> bool:
@@ -131,24 +200,46 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor:
         return x.reshape(-1, x.shape[-1])
 
 
-def _rowwise(x: torch.Tensor, up: torch.Tensor | None, rule: str, op: str):
-    rceil = _rule(rule, op)
-    shape = x.shape
+def _rows_with(x: torch.Tensor, up: torch.Tensor | None):
+    """``x`` (and ``up``) as 2D ``[M, K]`` views sharing one set of strides (copies where they would not)."""
     x2 = _as_rows(x)
     u2 = None if up is None else _as_rows(up)
     if u2 is not None and u2.stride() != x2.stride():
         x2, u2 = x2.contiguous(), u2.contiguous()
+    return x2, u2
+
+
+def _new_rows_pair(m: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fresh ``(qdata uint8 [M, K], scale storage float32 [ceil(K/128), M])``: the kernels write the bytes and the
+    storage; callers return ``q.view(e4m3)`` and ``s.t()`` (column-major ``[M, ceil(K/128)]``), views made after the
+    launch so that a traced launch mutates whole tensors."""
+    return (torch.empty((m, k), dtype=torch.uint8, device=device),
+            torch.empty((n_tiles(k), m), dtype=torch.float32, device=device))
+
+
+def _rowwise(x: torch.Tensor, up: torch.Tensor | None, rule: str, op: str):
+    rceil = _rule(rule, op)
+    shape = x.shape
+    x2, u2 = _rows_with(x, up)
     m, k = x2.shape
-    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty((n_tiles(k), m), dtype=torch.float32, device=x.device).t()  # [M, K/128] column-major
-    if m and k:
+    q, s = _new_rows_pair(m, k, x.device)
+    if m * k > 0:
         grid = (triton.cdiv(m, ROWWISE_ROWS), n_tiles(k), 1)
-        _quantize_kernel[grid](
-            x2, x2 if u2 is None else u2, q.view(torch.uint8), s, s, m, k, 0, 0, *x2.stride(), 0, *q.stride(), 0,
-            *s.stride(), AXIS=_AXIS_ROW, RCEIL=rceil, SWIGLU=u2 is not None, GROUPED=False, BR=ROWWISE_ROWS, BC=TILE,
-            num_warps=4,
+        launch(
+            _quantize_kernel, grid, x2, x2 if u2 is None else u2, q, s, s, m, k, 0, 0, *x2.stride(), 0, k, 1, 0, 1, m,
+            AXIS=_AXIS_ROW, RCEIL=rceil, SWIGLU=u2 is not None, GROUPED=False, BR=ROWWISE_ROWS, BC=TILE, num_warps=4,
         )
-    return q.view(shape), s
+    return q.view(torch.float8_e4m3fn).view(shape), s.t()
+
+
+def _check_pair(gate: torch.Tensor, up: torch.Tensor, op: str) -> None:
+    check_input(gate, op)
+    check_input(up, op)
+    if gate.shape != up.shape or gate.device != up.device:
+        raise ValueError(
+            f"{op}: gate of shape {tuple(gate.shape)} on {gate.device} and up of shape {tuple(up.shape)} on "
+            f"{up.device} must match"
+        )
 
 
 def quantize_1x128(x: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,14 +252,42 @@ def quantize_1x128(x: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor, 
 def swiglu_quantize_1x128(gate: torch.Tensor, up: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize_1x128(silu(gate) * up)`` in one pass, the product formed in FP32 (mxfx's SiLU)."""
     op = "mxfx.block_quantize.swiglu_quantize_1x128"
-    check_input(gate, op)
-    check_input(up, op)
-    if gate.shape != up.shape or gate.device != up.device:
-        raise ValueError(
-            f"{op}: gate of shape {tuple(gate.shape)} on {gate.device} and up of shape {tuple(up.shape)} on "
-            f"{up.device} must match"
-        )
+    _check_pair(gate, up, op)
     return _rowwise(gate, up, rule, op)
+
+
+def swiglu_quantize_1x128_save(gate: torch.Tensor, up: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor, ...]:
+    """:func:`swiglu_quantize_1x128` and the 1x128 pairs of ``gate`` and ``up`` themselves (what the SwiGLU
+    backward keeps), from one read: ``(q, s, gate_q, gate_s, up_q, up_s)``, qdata ``[M, K]`` (leading dims merged),
+    scales ``[M, ceil(K/128)]`` column-major."""
+    op = "mxfx.block_quantize.swiglu_quantize_1x128_save"
+    _check_pair(gate, up, op)
+    rceil = _rule(rule, op)
+    g2, u2 = _rows_with(gate, up)
+    m, k = g2.shape
+    out = [t for _ in range(3) for t in _new_rows_pair(m, k, gate.device)]
+    if m * k > 0:
+        launch(_swiglu_save_kernel, (triton.cdiv(m, ROWWISE_ROWS), n_tiles(k)), g2, u2, *out, m, k, *g2.stride(), 1, m,
+               RCEIL=rceil, BR=ROWWISE_ROWS, num_warps=4)
+    return tuple(t.view(torch.float8_e4m3fn) if i % 2 == 0 else t.t() for i, t in enumerate(out))
+
+
+def quantize_1x128_dual(x: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor, ...]:
+    """Both 1x128 tilings of ``x [T, K]`` from one read: :func:`quantize_1x128` (along K) and
+    :func:`quantize_1x128_colwise` (along the tokens), ``(q [T, K], s [T, ceil(K/128)], qt [K, T],
+    st [K, ceil(T/128)])``, both scale matrices column-major."""
+    op = "mxfx.block_quantize.quantize_1x128_dual"
+    check_input(x, op)
+    if x.dim() != 2:
+        raise ValueError(f"{op}: needs a 2D [T, K] tensor, got shape {tuple(x.shape)}; merge the token dims first")
+    rceil = _rule(rule, op)
+    t, k = x.shape
+    q, s = _new_rows_pair(t, k, x.device)
+    qt, st = _new_rows_pair(k, t, x.device)
+    if t * k > 0:
+        launch(_dual_kernel, (n_tiles(t), n_tiles(k)), x, q, s, qt, st, t, k, *x.stride(), 1, t, 1, k,
+               RCEIL=rceil, num_warps=8)
+    return q.view(torch.float8_e4m3fn), s.t(), qt.view(torch.float8_e4m3fn), st.t()
 
 
 def quantize_1x128_colwise(x: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,16 +299,15 @@ def quantize_1x128_colwise(x: torch.Tensor, rule: str = "rceil") -> tuple[torch.
         raise ValueError(f"{op}: needs a 2D [T, K] tensor, got shape {tuple(x.shape)}; merge the token dims first")
     rceil = _rule(rule, op)
     t, k = x.shape
-    q = torch.empty((k, t), dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty((n_tiles(t), k), dtype=torch.float32, device=x.device)  # its transpose is the result
-    if t and k:
+    q, s = _new_rows_pair(k, t, x.device)  # s: [ceil(T/128), K], its transpose is the result
+    if t * k > 0:
         grid = (n_tiles(t), triton.cdiv(k, COLWISE_COLS), 1)
         # the tile is [128 tokens, COLWISE_COLS features] of x; q is written through its transpose's strides
-        _quantize_kernel[grid](
-            x, x, q.view(torch.uint8), s, s, t, k, 0, 0, *x.stride(), 0, q.stride(1), q.stride(0), 0, *s.stride(),
+        launch(
+            _quantize_kernel, grid, x, x, q, s, s, t, k, 0, 0, *x.stride(), 0, 1, t, 0, k, 1,
             AXIS=_AXIS_COL, RCEIL=rceil, SWIGLU=False, GROUPED=False, BR=TILE, BC=COLWISE_COLS, num_warps=4,
         )
-    return q, s.t()
+    return q.view(torch.float8_e4m3fn), s.t()
 
 
 def quantize_1x128_grouped_tokens(x: torch.Tensor, offs: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,16 +324,15 @@ def quantize_1x128_grouped_tokens(x: torch.Tensor, offs: torch.Tensor, rule: str
     rceil = _rule(rule, op)
     t, k = x.shape
     slots = group_tile_capacity(t, offs.numel())
-    q = torch.empty((k, t), dtype=torch.float8_e4m3fn, device=x.device)
+    q = torch.empty((k, t), dtype=torch.uint8, device=x.device)
     s = torch.ones((slots, k), dtype=torch.float32, device=x.device)
-    if t and k and offs.numel():
+    if t * k * offs.numel() > 0:
         grid = (slots, triton.cdiv(k, COLWISE_COLS), 1)
-        _quantize_kernel[grid](
-            x, x, q.view(torch.uint8), s, offs, t, k, offs.numel(), 0, *x.stride(), 0, q.stride(1), q.stride(0), 0,
-            *s.stride(), AXIS=_AXIS_COL, RCEIL=rceil, SWIGLU=False, GROUPED=True, BR=TILE, BC=COLWISE_COLS,
-            num_warps=4,
+        launch(
+            _quantize_kernel, grid, x, x, q, s, offs, t, k, offs.numel(), 0, *x.stride(), 0, 1, t, 0, k, 1,
+            AXIS=_AXIS_COL, RCEIL=rceil, SWIGLU=False, GROUPED=True, BR=TILE, BC=COLWISE_COLS, num_warps=4,
         )
-    return q, s.t()
+    return q.view(torch.float8_e4m3fn), s.t()
 
 
 def quantize_128x128(w: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,12 +342,12 @@ def quantize_128x128(w: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor
     rceil = _rule(rule, op)
     *lead, n, k = w.shape
     w3 = w.reshape(-1, n, k)
-    q = torch.empty(w3.shape, dtype=torch.float8_e4m3fn, device=w.device)
+    q = torch.empty(w3.shape, dtype=torch.uint8, device=w.device)
     s = torch.empty((w3.shape[0], n_tiles(n), n_tiles(k)), dtype=torch.float32, device=w.device)
     if q.numel():
         grid = (n_tiles(n), n_tiles(k), w3.shape[0])
-        _quantize_kernel[grid](
-            w3, w3, q.view(torch.uint8), s, s, n, k, 0, *w3.stride(), *q.stride(), *s.stride(),
+        launch(
+            _quantize_kernel, grid, w3, w3, q, s, s, n, k, 0, *w3.stride(), *q.stride(), *s.stride(),
             AXIS=_AXIS_BOTH, RCEIL=rceil, SWIGLU=False, GROUPED=False, BR=TILE, BC=TILE, num_warps=8,
         )
-    return q.view(w.shape), s.view(*lead, n_tiles(n), n_tiles(k))
+    return q.view(torch.float8_e4m3fn).view(w.shape), s.view(*lead, n_tiles(n), n_tiles(k))

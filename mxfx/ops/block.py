@@ -102,8 +102,15 @@ class _BlockLinear(torch.autograd.Function):
         wgrad_input, packed = saved[: ctx.n_wgrad], tuple(saved[ctx.n_wgrad:])
         dy = dy.contiguous()
         dx = dup = dw = db = None
-        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+        need_dx = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        dy_tokens = ctx.needs_input_grad[2] and kind in ("fp8_tokens", "hp_tokens")
+        if need_dx and dy_tokens:  # both tilings of dY from one read
+            dyq, dys, dyq_t, dys_t = block_ops.block_quantize_dual(dy, rule)
+        elif need_dx:
             dyq, dys = block_ops.block_quantize(dy, rule)
+        elif dy_tokens:
+            dyq_t, dys_t = block_ops.block_quantize_tokens(dy, rule)
+        if need_dx:
             wq_t, ws_t = block_weight_operand(weight, rule, "dgrad")
             dh = block_ops.block_mm(dyq, dys, wq_t, ws_t, ctx.x_dtype)
             if ctx.has_up:
@@ -111,8 +118,7 @@ class _BlockLinear(torch.autograd.Function):
             else:
                 dx = dh
         if ctx.needs_input_grad[2]:
-            if kind in ("fp8_tokens", "hp_tokens"):
-                dyq_t, dys_t = block_ops.block_quantize_tokens(dy, rule)
+            if dy_tokens:
                 if kind == "hp_tokens":
                     wgrad_input = block_ops.block_quantize_tokens(wgrad_input[0], rule)
                 dw = block_ops.block_mm(dyq_t, dys_t, *wgrad_input, weight.dtype)
