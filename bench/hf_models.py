@@ -315,6 +315,7 @@ def run_arm(arm: Arm, args, train, val, device: str) -> dict:
     if arm.name in ("bf16-grouped", "mxfp8", "fp8_block"):  # the precision maps of this arm's graphs (training and held-out forward)
         maps = mxfx.report.all_reports()[n_maps:]
         res["expert_gemms_mx"] = max((pm.count("grouped_mm", True) for pm in maps), default=0)
+        res["expert_format"] = {"mxfp8": "MX", "fp8_block": "fp8_block"}.get(arm.name, "rewritten")
         res["expert_gemms_kept"] = max((pm.count("grouped_mm", False) for pm in maps), default=0)
         res["not_rewritten"] = sum(pm.count("not_rewritten") for pm in maps)
     del fn, opt, model
@@ -332,7 +333,7 @@ def table(results: list[dict]) -> str:
         base = next((b for b in results if b["model"] == r["model"] and b["arm"] == "bf16-users" and "error" not in b), None)
         rel = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
         peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
-        note = (f"{r['expert_gemms_mx']} expert GEMMs MX, {r['expert_gemms_kept']} kept, {r['not_rewritten']} not rewritten"
+        note = (f"{r['expert_gemms_mx']} expert GEMMs {r.get('expert_format', 'MX')}, {r['expert_gemms_kept']} kept, {r['not_rewritten']} not rewritten"
                 if "expert_gemms_mx" in r else "")
         lines.append(f"| {r['model']} | {r['arm']} | {r['param_dtype']} | {r['tokens_per_s']:,.0f} | {rel} | {peak} | "
                      f"{r['first_step_s']:.1f} | {r['heldout_loss']:.4f} | {note} |")

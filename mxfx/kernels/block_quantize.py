@@ -272,16 +272,19 @@ def swiglu_quantize_1x128_save(gate: torch.Tensor, up: torch.Tensor, rule: str =
     return tuple(t.view(torch.float8_e4m3fn) if i % 2 == 0 else t.t() for i, t in enumerate(out))
 
 
+def _tokens_input(x: torch.Tensor, rule: str, op: str) -> tuple[bool, tuple[int, int]]:
+    """Checks of a ``[T, K]`` input tiled along its tokens: ``(rceil, (T, K))``; ValueError naming ``op`` otherwise."""
+    check_input(x, op)
+    if x.dim() != 2:
+        raise ValueError(f"{op}: needs a 2D [T, K] tensor, got shape {tuple(x.shape)}; merge the token dims first")
+    return _rule(rule, op), tuple(x.shape)
+
+
 def quantize_1x128_dual(x: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor, ...]:
     """Both 1x128 tilings of ``x [T, K]`` from one read: :func:`quantize_1x128` (along K) and
     :func:`quantize_1x128_colwise` (along the tokens), ``(q [T, K], s [T, ceil(K/128)], qt [K, T],
     st [K, ceil(T/128)])``, both scale matrices column-major."""
-    op = "mxfx.block_quantize.quantize_1x128_dual"
-    check_input(x, op)
-    if x.dim() != 2:
-        raise ValueError(f"{op}: needs a 2D [T, K] tensor, got shape {tuple(x.shape)}; merge the token dims first")
-    rceil = _rule(rule, op)
-    t, k = x.shape
+    rceil, (t, k) = _tokens_input(x, rule, "mxfx.block_quantize.quantize_1x128_dual")
     q, s = _new_rows_pair(t, k, x.device)
     qt, st = _new_rows_pair(k, t, x.device)
     if t * k > 0:
@@ -293,12 +296,7 @@ def quantize_1x128_dual(x: torch.Tensor, rule: str = "rceil") -> tuple[torch.Ten
 def quantize_1x128_colwise(x: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
     """1x128 tiles along the tokens of ``x [T, K]``: qdata ``[K, T]`` row-major, scales ``[K, ceil(T/128)]``
     column-major (the wgrad operands of ``scaled_mm``)."""
-    op = "mxfx.block_quantize.quantize_1x128_colwise"
-    check_input(x, op)
-    if x.dim() != 2:
-        raise ValueError(f"{op}: needs a 2D [T, K] tensor, got shape {tuple(x.shape)}; merge the token dims first")
-    rceil = _rule(rule, op)
-    t, k = x.shape
+    rceil, (t, k) = _tokens_input(x, rule, "mxfx.block_quantize.quantize_1x128_colwise")
     q, s = _new_rows_pair(k, t, x.device)  # s: [ceil(T/128), K], its transpose is the result
     if t * k > 0:
         grid = (n_tiles(t), triton.cdiv(k, COLWISE_COLS), 1)
