@@ -136,9 +136,19 @@ def rewrite(gm: fx.GraphModule, policy: Policy) -> report.PrecisionMap:
 _warned_formats: set[str] = set()  # formats whose GPU note was given (once per process each)
 
 
-def _warn_format_notes(pm: report.PrecisionMap, example_inputs) -> None:
+def _warn_format_notes(pm: report.PrecisionMap, example_inputs, policy: Policy) -> None:
     """Warn once per process when a graph on a CUDA GPU has MXFP8 ops that are emulated there (sm90; the note
-    names format="fp8_block")."""
+    names format="fp8_block"), and when ``keep_dequantized_weights`` is set but no converted op of a graph runs
+    MXFP8 (``format="auto"`` on sm90 picks fp8_block for all of them), where the switch does nothing."""
+    converted = [r for r in pm.records if r.rewritten and r.kind in cache.WEIGHT_KINDS]
+    if (policy.keep_dequantized_weights and converted and "keep_dequantized" not in _warned_formats
+            and not any("mxfp8" in (r.forward, r.dgrad) for r in converted)):
+        _warned_formats.add("keep_dequantized")
+        formats = sorted({f for r in converted for f in (r.forward, r.dgrad) if f not in ("", "-")})
+        warnings.warn(f"mxfx: keep_dequantized_weights=True keeps BF16 copies for emulated MXFP8 GEMMs, but the "
+                      f"{len(converted)} converted op(s) of this graph run {'/'.join(formats)} (format="
+                      f"{policy.format!r}), so it does nothing here; drop it, or add a rule with format='mxfp8'",
+                      stacklevel=3)
     device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda), None)
     if device is None or "mxfp8" in _warned_formats:
         return
@@ -178,7 +188,7 @@ def mxfp8_backend(gm: fx.GraphModule, example_inputs, options: Policy | dict | N
     if not torch.is_grad_enabled():  # Dynamo calls the backend in the grad mode the graph was traced in
         pm.mark_inference()
     report.register(pm)
-    _warn_format_notes(pm, example_inputs)
+    _warn_format_notes(pm, example_inputs, policy)
     log.info("mxfx: %s", pm.summary())
     trace_artifact("mxfx_precision_map", pm.to_text)
     trace_artifact("mxfx_precision_map_json", pm.to_json, "json")

@@ -3,6 +3,7 @@ weight cache, and every pass on the main job's MoE model and on an HF model in F
 
 import os
 import sys
+import warnings
 
 import pytest
 import torch
@@ -356,3 +357,24 @@ def test_fp8_block_refuses_an_mx_pair_as_x_tiles():
     mx = (x.to(torch.float8_e4m3fn), torch.zeros(64, 4, dtype=torch.uint8))
     with pytest.raises(ValueError, match=r"1x128 tiles.*\(64, 1\)"):
         mx_grouped_mm_op(x, w, offs, format="fp8_block", x_mx=mx)
+
+
+def test_keep_dequantized_weights_with_no_mxfp8_op_warns(monkeypatch):
+    """keep_dequantized_weights acts on emulated MXFP8 GEMMs only. A graph whose converted ops all run fp8_block (here
+    a rule; format="auto" on sm90 does the same to every op) would leave it doing nothing silently: the compile
+    warns once, naming the formats. With an MXFP8 op in the graph it does not."""
+    from mxfx import backend
+
+    model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Linear(128, 128))
+    x = torch.randn(4, 128)
+    for rules, warns in (([{"op": "linear", "format": "fp8_block"}], True), ([], False)):
+        monkeypatch.setattr(backend, "_warned_formats", set())
+        torch._dynamo.reset()
+        options = {"format": "auto", "keep_dequantized_weights": True, "rules": rules, "inner": "aot_eager"}
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.compile(model, backend="mxfp8", options=options)(x).sum().backward()
+        notes = [str(w.message) for w in seen if "keep_dequantized_weights=True" in str(w.message)]
+        assert len(notes) == int(warns), notes
+        if warns:
+            assert "2 converted op(s)" in notes[0] and "fp8_block" in notes[0] and "format='mxfp8'" in notes[0]
