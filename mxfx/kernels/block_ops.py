@@ -21,9 +21,9 @@ import warnings
 
 import torch
 
-from mxfx.block_format import group_tile_capacity, n_tiles
+from mxfx.block_format import check_input, check_rule, group_tile_capacity, n_tiles
 from mxfx.kernels import block_device_path, block_gemm
-from mxfx.kernels.launch import name_op_functions, op_or_body
+from mxfx.kernels.launch import name_op_functions, op_or_body, traced
 
 _E4M3 = torch.float8_e4m3fn
 
@@ -41,8 +41,35 @@ def _check_2d(x: torch.Tensor, op: str) -> None:
         raise ValueError(f"mxfx::{op}: needs a 2D tensor, got shape {tuple(x.shape)}; flatten the leading dims first")
 
 
+def _check_inputs(op: str, rule: str, *tensors: torch.Tensor) -> None:
+    """The checks every quantize op makes before its kernel, named by the op: 2D bf16/fp16/fp32 inputs and an
+    fp8_block scale rule."""
+    for t in tensors:
+        check_input(t, f"mxfx::{op}")
+        _check_2d(t, op)
+    check_rule(rule, f"mxfx::{op}")
+
+
+def _check_pair(op: str, x: torch.Tensor, other: torch.Tensor, name: str) -> None:
+    """``other`` (up, or the token-tiled source) has ``x``'s shape."""
+    if other.shape != x.shape:
+        raise ValueError(f"mxfx::{op}: {name} of shape {tuple(other.shape)} must have x's shape {tuple(x.shape)}")
+
+
+def _check_offs(op: str, offs: torch.Tensor, x: torch.Tensor) -> None:
+    """Group ends: int32 ``[G]`` on x's device; on the CPU also non-decreasing and at most x's rows (on a GPU their
+    values are read by the kernels, never synced to the host)."""
+    if offs.dtype != torch.int32 or offs.dim() != 1 or offs.device != x.device:
+        raise ValueError(f"mxfx::{op}: offs must be int32 [G] on {x.device}, got {offs.dtype} {tuple(offs.shape)} on "
+                         f"{offs.device}")
+    if offs.device.type == "cpu" and not traced(offs):  # host values: checked here, as the CPU reference reads them
+        ends = offs.tolist()
+        if any(b < a for a, b in zip([0] + ends, ends)) or (ends and ends[-1] > x.shape[0]):
+            raise ValueError(f"mxfx::{op}: offs {ends} must be non-decreasing and at most the {x.shape[0]} rows of x")
+
+
 def _quantize(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_2d(x, "block_quantize")
+    _check_inputs("block_quantize", rule, x)
     q, s = block_device_path.quantize_1x128(x, rule)
     return q.contiguous(), _col_major(s)
 
@@ -59,7 +86,8 @@ def _(x, rule):
 
 
 def _swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_2d(gate, "block_swiglu_quantize")
+    _check_inputs("block_swiglu_quantize", rule, gate, up)
+    _check_pair("block_swiglu_quantize", gate, up, "up")
     q, s = block_device_path.swiglu_quantize_1x128(gate, up, rule)
     return q.contiguous(), _col_major(s)
 
@@ -77,7 +105,7 @@ def _(gate, up, rule):
 
 
 def _quantize_tokens(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_2d(x, "block_quantize_tokens")
+    _check_inputs("block_quantize_tokens", rule, x)
     q, s = block_device_path.quantize_1x128_colwise(x, rule)
     return q.contiguous(), _col_major(s)
 
@@ -99,7 +127,7 @@ def _(x, rule):
 
 
 def _quantize_dual(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    _check_2d(x, "block_quantize_dual")
+    _check_inputs("block_quantize_dual", rule, x)
     q, s, qt, st = block_device_path.quantize_1x128_dual(x, rule)
     return q.contiguous(), _col_major(s), qt.contiguous(), _col_major(st)
 
@@ -117,7 +145,8 @@ def _(x, rule):
 
 
 def _quantize_grouped_tokens(x: torch.Tensor, offs: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_2d(x, "block_quantize_grouped_tokens")
+    _check_inputs("block_quantize_grouped_tokens", rule, x)
+    _check_offs("block_quantize_grouped_tokens", offs, x)
     q, s = block_device_path.quantize_1x128_grouped_tokens(x, offs, rule)
     return q.contiguous(), _col_major(s)
 
@@ -134,8 +163,14 @@ def _(x, offs, rule):
     return x.new_empty((k, t), dtype=_E4M3), _fake_col_major(x, k, group_tile_capacity(t, offs.shape[0]))
 
 
-def _check_forward_operands(x, up, pack) -> None:
-    _check_2d(x, "block_forward_operands")
+def _check_forward_operands(x, up, tokens_src, offs, rule, pack) -> None:
+    op = "block_forward_operands"
+    _check_inputs(op, rule, *(t for t in (x, up, tokens_src) if t is not None))
+    for other, name in ((up, "up"), (tokens_src, "tokens_src")):
+        if other is not None:
+            _check_pair(op, x, other, name)
+    if offs is not None:
+        _check_offs(op, offs, x)
     if pack and up is None:
         raise ValueError(f"mxfx::block_forward_operands: pack=True packs the SwiGLU gate and up; got gate {tuple(x.shape)} "
                          f"and no up")
@@ -158,7 +193,7 @@ def _fused_forward_operands(x, up, tokens_src, offs, rule, pack) -> list | None:
 def _forward_operands_composed(x, up, tokens_src, offs, rule, pack) -> list:
     """:func:`block_forward_operands` through the single-pair ops (on fake tensors these run their own fake
     implementations: the op's fake)."""
-    _check_forward_operands(x, up, pack)
+    _check_forward_operands(x, up, tokens_src, offs, rule, pack)
     pairs = [_block_swiglu_quantize_op(x, up, rule) if up is not None else _block_quantize_op(x, rule)]
     if tokens_src is not None:
         pairs.append(_block_quantize_tokens_op(tokens_src, rule) if offs is None
@@ -171,7 +206,7 @@ def _forward_operands_composed(x, up, tokens_src, offs, rule, pack) -> list:
 @torch.library.custom_op("mxfx::block_forward_operands", mutates_args=())
 def _block_forward_operands_op(x: torch.Tensor, up: torch.Tensor | None, tokens_src: torch.Tensor | None,
                                offs: torch.Tensor | None, rule: str, pack: bool) -> list[torch.Tensor]:
-    _check_forward_operands(x, up, pack)
+    _check_forward_operands(x, up, tokens_src, offs, rule, pack)
     fused = _fused_forward_operands(x, up, tokens_src, offs, rule, pack)
     return fused if fused is not None else _forward_operands_composed(x, up, tokens_src, offs, rule, pack)
 
@@ -183,7 +218,7 @@ def _forward_operands_traced(x, up, tokens_src, offs, rule, pack) -> list:
     """Traced on CUDA: the one kernel of :func:`_fused_forward_operands` enters the graph; a combination no single
     kernel writes stays the opaque op (separate kernels would let the partitioner move the pairs only the backward
     reads into the backward, see :func:`block_forward_operands`)."""
-    _check_forward_operands(x, up, pack)
+    _check_forward_operands(x, up, tokens_src, offs, rule, pack)
     fused = _fused_forward_operands(x, up, tokens_src, offs, rule, pack)
     return fused if fused is not None else _block_forward_operands_op(x, up, tokens_src, offs, rule, pack)
 

@@ -76,15 +76,18 @@ class _BlockLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d, up, weight, bias, out_dtype, settings: MXSettings):
         rule, wgrad, save = settings.scale_rule, settings.wgrad, settings.save
-        keep_x = save == "bf16" and up is None  # x stays alive elsewhere: keep a reference
-        fp8_tokens = wgrad == "mxfp8" and not keep_x
+        need_dw = ctx.needs_input_grad[2]  # a frozen weight: nothing is kept or quantized for a wgrad
+        keep_x = save == "bf16" and up is None and need_dw  # x stays alive elsewhere: keep a reference
+        fp8_tokens = wgrad == "mxfp8" and not keep_x and need_dw
         xq, xs, tokens, packed = _forward_operands(x2d, up, _wgrad_source(x2d, up) if fp8_tokens else None, None,
                                                    save, rule)
         wq, ws = block_weight_operand(weight, rule, "forward")
         y = block_ops.block_mm(xq, xs, wq, ws, out_dtype)
         if bias is not None:
             y = y + bias.to(out_dtype)
-        if keep_x:
+        if not need_dw:
+            kind, wgrad_input = "none", ()
+        elif keep_x:
             kind, wgrad_input = ("hp_tokens" if wgrad == "mxfp8" else "hp"), (x2d,)
         elif fp8_tokens:
             kind, wgrad_input = "fp8_tokens", tokens
@@ -186,7 +189,8 @@ class _BlockGroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, up, weight, offs, route_weight, out_dtype, settings: MXSettings, x_tiles):
         rule, wgrad, save = settings.scale_rule, settings.wgrad, settings.save
-        tokens_src = _wgrad_source(x, up) if wgrad == "mxfp8" else None
+        need_dw = ctx.needs_input_grad[2]  # a frozen expert stack: nothing is kept or quantized for a wgrad
+        tokens_src = _wgrad_source(x, up) if wgrad == "mxfp8" and need_dw else None
         if x_tiles is None:
             xq, xs, tokens, packed = _forward_operands(x, up, tokens_src, offs, save, rule)
         else:  # x quantized before the dispatch's row gather (mxfx.passes.dispatch_mx); up is None
@@ -194,7 +198,9 @@ class _BlockGroupedMM(torch.autograd.Function):
             tokens = tuple(block_ops.block_quantize_grouped_tokens(tokens_src, offs, rule)) if tokens_src is not None else ()
         wq, ws = block_weight_operand(weight, rule, "forward")
         y = block_ops.block_grouped_mm(xq, xs, wq, ws, offs, out_dtype)
-        if wgrad == "mxfp8":
+        if not need_dw:
+            wgrad_input = ()
+        elif wgrad == "mxfp8":
             wgrad_input = tokens
         elif save == "mxfp8" or up is not None:
             wgrad_input = (xq, xs)  # the forward's own FP8 copy: dequantized for the BF16 wgrad
@@ -223,14 +229,15 @@ class _BlockGroupedMM(torch.autograd.Function):
             dy = dout.float() * route_weight.reshape(-1, 1).float()  # fp32: quantized once, never via bf16
         else:
             dy = dout
-        dyq, dys = block_ops.block_quantize(dy, rule)
-        wq_t, ws_t = block_weight_operand(weight, rule, "dgrad")
-        dh = block_ops.block_grouped_mm(dyq, dys, wq_t, ws_t, offs, ctx.x_dtype)
         dx = dup = dw = None
-        if ctx.has_up:
-            dx, dup = (t.to(ctx.x_dtype) for t in _swiglu_backward(dh, packed))
-        else:
-            dx = dh
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+            dyq, dys = block_ops.block_quantize(dy, rule)
+            wq_t, ws_t = block_weight_operand(weight, rule, "dgrad")
+            dh = block_ops.block_grouped_mm(dyq, dys, wq_t, ws_t, offs, ctx.x_dtype)
+            if ctx.has_up:
+                dx, dup = (t.to(ctx.x_dtype) for t in _swiglu_backward(dh, packed))
+            else:
+                dx = dh
         if ctx.needs_input_grad[2]:
             if ctx.settings.wgrad == "mxfp8":
                 dyq_t, dys_t = block_ops.block_quantize_grouped_tokens(dy, offs, rule)

@@ -59,7 +59,9 @@ class _MXGroupedMM(torch.autograd.Function):
             packed = ()
         wq, ws, w_dequantized = weight_operands(weight, rule, "forward", settings.keep_dequantized_weights)
         y = mx_grouped_mm(xq, xs, wq, ws, offs, out_dtype, w_dequantized, x_hat)
-        if wgrad == "mxfp8":
+        if not ctx.needs_input_grad[2]:  # a frozen expert stack: nothing is kept or quantized for a wgrad
+            wgrad_input = ()
+        elif wgrad == "mxfp8":
             dest, _, capacity = layout.group_padding(offs, s_rows)
             h = x if up is None else swiglu.swiglu_fp32(x, up)
             wgrad_input = _token_blocked(h, dest, capacity, rule)
@@ -84,25 +86,27 @@ class _MXGroupedMM(torch.autograd.Function):
         rest = rest[1:] if has_rw else rest
         wgrad_input, packed = rest[:n_wgrad], tuple(rest[n_wgrad:])
         dout = dout.contiguous()
-        d_rw = None
+        d_rw = dx = dup = dw = None
+        need_dx = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         if has_rw:
             d_rw = (dout.float() * y_unweighted.float()).sum(-1).reshape(route_weight.shape).to(route_weight.dtype)
-            dyq, dys, dy_hat = a_operand(
-                "grouped_mm", custom_ops.route_weight_quantize, custom_ops.route_weight_quantize_dequantize,
-                dout, route_weight.reshape(-1), rule,
-            )
+            if need_dx:
+                dyq, dys, dy_hat = a_operand(
+                    "grouped_mm", custom_ops.route_weight_quantize, custom_ops.route_weight_quantize_dequantize,
+                    dout, route_weight.reshape(-1), rule,
+                )
             dy = dout.float() * route_weight.reshape(-1, 1).float()  # fp32: quantized once, never via bf16
         else:
-            dyq, dys, dy_hat = quantize_operand(dout, rule, "grouped_mm")
+            if need_dx:
+                dyq, dys, dy_hat = quantize_operand(dout, rule, "grouped_mm")
             dy = dout
-        wq_t, ws_t, w_dequantized = weight_operands(weight, rule, "dgrad", ctx.settings.keep_dequantized_weights)
-        dh = mx_grouped_mm(dyq, dys, wq_t, ws_t, offs, x_dtype, w_dequantized, dy_hat)
-        dx = dup = None
-        if ctx.has_up:
-            dx, dup = (t.to(x_dtype) for t in swiglu.backward(dh, packed))
-        else:
-            dx = dh
-        dw = None
+        if need_dx:
+            wq_t, ws_t, w_dequantized = weight_operands(weight, rule, "dgrad", ctx.settings.keep_dequantized_weights)
+            dh = mx_grouped_mm(dyq, dys, wq_t, ws_t, offs, x_dtype, w_dequantized, dy_hat)
+            if ctx.has_up:
+                dx, dup = (t.to(x_dtype) for t in swiglu.backward(dh, packed))
+            else:
+                dx = dh
         if ctx.needs_input_grad[2]:
             if ctx.settings.wgrad == "mxfp8":
                 dest, padded_offs, capacity = layout.group_padding(offs, dy.shape[0])
