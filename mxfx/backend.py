@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from mxfx import cache, cache_key, names, passes, report, rule_check
-from mxfx.device import mx_emulated_note
+from mxfx.device import mx_emulated_note, resolve_format
 from mxfx.passes import weight_refresh
 from mxfx.passes.fx import PREFIX_META, all_graphs, example_value, fill_example_values, parameter_placeholders
 from mxfx.policy import Policy
@@ -138,18 +138,21 @@ _warned_formats: set[str] = set()  # formats whose GPU note was given (once per 
 
 def _warn_format_notes(pm: report.PrecisionMap, example_inputs, policy: Policy) -> None:
     """Warn once per process when a graph on a CUDA GPU has MXFP8 ops that are emulated there (sm90; the note
-    names format="fp8_block"), and when ``keep_dequantized_weights`` is set but no converted op of a graph runs
-    MXFP8 (``format="auto"`` on sm90 picks fp8_block for all of them), where the switch does nothing."""
-    converted = [r for r in pm.records if r.rewritten and r.kind in cache.WEIGHT_KINDS]
-    if (policy.keep_dequantized_weights and converted and "keep_dequantized" not in _warned_formats
-            and not any("mxfp8" in (r.forward, r.dgrad) for r in converted)):
-        _warned_formats.add("keep_dequantized")
-        formats = sorted({f for r in converted for f in (r.forward, r.dgrad) if f not in ("", "-")})
-        warnings.warn(f"mxfx: keep_dequantized_weights=True keeps BF16 copies for emulated MXFP8 GEMMs, but the "
-                      f"{len(converted)} converted op(s) of this graph run {'/'.join(formats)} (format="
-                      f"{policy.format!r}), so it does nothing here; drop it, or add a rule with format='mxfp8'",
-                      stacklevel=3)
+    names format="fp8_block"), and when ``keep_dequantized_weights`` is set but can act nowhere: a graph's converted
+    ops all run fp8_block and neither the policy's format nor any rule's resolves to MXFP8 on this device (so no
+    other graph has an MXFP8 op either; ``format="auto"`` on sm90)."""
     device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda), None)
+    on = device or torch.device("cpu")
+    converted = [r for r in pm.records if r.rewritten and r.kind in cache.WEIGHT_KINDS]
+    formats = sorted({f for r in converted for f in (r.forward, r.dgrad) if f not in ("", "-")})
+    mx_possible = any(resolve_format(f, on) == "mxfp8" for f in [policy.format, *(r.format for r in policy.rules if r.format)])
+    if (policy.keep_dequantized_weights and converted and "mxfp8" not in formats and not mx_possible
+            and "keep_dequantized" not in _warned_formats):
+        _warned_formats.add("keep_dequantized")
+        warnings.warn(f"mxfx: keep_dequantized_weights=True keeps BF16 weight copies for emulated MXFP8 GEMMs, but no op "
+                      f"runs MXFP8 here: the policy's format {policy.format!r} and its rules resolve to "
+                      f"{'/'.join(formats)} on {on.type}, which reads FP8 weights directly, so it does nothing; drop it, "
+                      f"or add a rule with format='mxfp8'", stacklevel=3)
     if device is None or "mxfp8" in _warned_formats:
         return
     if not any(r.rewritten and "mxfp8" in (r.forward, r.dgrad) for r in pm.records):

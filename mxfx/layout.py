@@ -179,3 +179,11 @@ def group_padding(offs: torch.Tensor, rows: int):
     dest = r - (ends - sizes)[gid] + (padded_ends - padded)[gid]
     dest = torch.where(valid, dest, capacity - BLOCK_SIZE + (r % BLOCK_SIZE))
     return dest, padded_ends.to(torch.int32), capacity
+
+
+def check_group_ends(ends: list[int], rows: int, op: str) -> None:
+    """Raise ValueError naming ``op`` unless the cumulative group ends ``ends`` (``offs`` read on the host, as
+    ``torch._grouped_mm`` takes them) are non-negative, non-decreasing and at most ``rows``."""
+    if any(b < a for a, b in zip([0] + ends, ends)) or (ends and ends[-1] > rows):
+        raise ValueError(f"{op}: offs {ends} must be non-decreasing cumulative group ends of at most the {rows} rows "
+                         f"of x, as torch._grouped_mm takes them")

@@ -156,18 +156,28 @@ def test_block_ops_name_themselves_in_their_errors():
     """The fp8_block ops check their inputs before the reference or kernel does, and say which op refused what."""
     ops = torch.ops.mxfx
     x = torch.randn(6, 128)
-    with pytest.raises(TypeError, match=r"mxfx::block_quantize_dual: input of shape \(6, 128\) has dtype torch.int32"):
+    with pytest.raises(TypeError, match=r"mxfx::block_quantize_dual \(x\): input of shape \(6, 128\) has dtype torch.int32"):
         ops.block_quantize_dual(x.int(), "rceil")
     with pytest.raises(ValueError, match="mxfx::block_quantize: unknown fp8_block scale rule 'floor'"):
         ops.block_quantize(x, "floor")
-    with pytest.raises(TypeError, match="mxfx::block_forward_operands"):
+    with pytest.raises(TypeError, match=r"mxfx::block_forward_operands \(up\)"):
         ops.block_forward_operands(x, x.long(), None, None, "rceil", False)
+    with pytest.raises(ValueError, match=r"no features to quantize"):
+        ops.block_quantize(torch.randn(6, 0), "rceil")
+    with torch._subclasses.fake_tensor.FakeTensorMode():  # the fake implementations check as the ops do
+        with pytest.raises(ValueError, match="mxfx::block_swiglu_quantize: up of shape"):
+            ops.block_swiglu_quantize(torch.empty(4, 128), torch.empty(3, 128), "rceil")
+        with pytest.raises(ValueError, match="unknown fp8_block scale rule"):
+            ops.block_quantize(torch.empty(4, 128), "nope")
     with pytest.raises(ValueError, match=r"tokens_src of shape \(5, 128\) must have x's shape \(6, 128\)"):
         ops.block_forward_operands(x, None, torch.randn(5, 128), None, "rceil", False)
     with pytest.raises(ValueError, match="offs must be int32"):
         ops.block_forward_operands(x, None, x, torch.tensor([2, 6]), "rceil", False)
-    with pytest.raises(ValueError, match=r"offs \[2, 9\] must be non-decreasing and at most the 6 rows"):
+    with pytest.raises(ValueError, match=r"mxfx::block_quantize_grouped_tokens: offs \[2, 9\] must be non-decreasing .* at most the 6 rows"):
         ops.block_quantize_grouped_tokens(x, torch.tensor([2, 9], dtype=torch.int32), "rceil")
+    for fmt in ("fp8_block", "mxfp8"):  # the public op names itself, in both formats
+        with pytest.raises(ValueError, match=r"mxfx.grouped_mm: offs \[4, 9\] must be non-decreasing"):
+            mx_grouped_mm_op(torch.randn(8, 128), torch.randn(2, 128, 128), torch.tensor([4, 9], dtype=torch.int32), format=fmt)
     with pytest.raises(ValueError, match="needs a 2D tensor"):
         ops.block_swiglu_quantize(x[None], x[None], "rceil")
 
@@ -431,22 +441,39 @@ def test_fp8_block_refuses_an_mx_pair_as_x_tiles():
         mx_grouped_mm_op(x, w, offs, format="fp8_block", x_mx=mx)
 
 
-def test_keep_dequantized_weights_with_no_mxfp8_op_warns(monkeypatch):
-    """keep_dequantized_weights acts on emulated MXFP8 GEMMs only. A graph whose converted ops all run fp8_block (here
-    a rule; format="auto" on sm90 does the same to every op) would leave it doing nothing silently: the compile
-    warns once, naming the formats. With an MXFP8 op in the graph it does not."""
+class _TwoLinears(torch.nn.Module):
+    """Two linears, optionally with a graph break between them (two graphs, one op each)."""
+
+    def __init__(self, graph_break: bool):
+        super().__init__()
+        self.a, self.b, self.graph_break = torch.nn.Linear(128, 128), torch.nn.Linear(128, 128), graph_break
+
+    def forward(self, x):
+        x = self.a(x)
+        if self.graph_break:
+            torch._dynamo.graph_break()
+        return self.b(x)
+
+
+@pytest.mark.parametrize("rules,graph_break,warns", [
+    ([], False, True),  # format="auto" on sm90: every op fp8_block, nothing the switch can act on
+    ([{"module": "b", "format": "mxfp8"}], True, False),  # graph a has no MXFP8 op, graph b has: no warning
+    ([{"op": "linear", "format": "mxfp8"}], False, False),
+])
+def test_keep_dequantized_weights_that_can_act_nowhere_warns(monkeypatch, rules, graph_break, warns):
+    """keep_dequantized_weights acts on emulated MXFP8 GEMMs only. Where the policy's format and rules can put no op in
+    MXFP8 on this device (format="auto" on sm90, here by a patched capability), the compile warns once that it does
+    nothing; a graph without an MXFP8 op in a model whose rules put another graph's op in MXFP8 does not warn."""
     from mxfx import backend
 
-    model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Linear(128, 128))
-    x = torch.randn(4, 128)
-    for rules, warns in (([{"op": "linear", "format": "fp8_block"}], True), ([], False)):
-        monkeypatch.setattr(backend, "_warned_formats", set())
-        torch._dynamo.reset()
-        options = {"format": "auto", "keep_dequantized_weights": True, "rules": rules, "inner": "aot_eager"}
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            torch.compile(model, backend="mxfp8", options=options)(x).sum().backward()
-        notes = [str(w.message) for w in seen if "keep_dequantized_weights=True" in str(w.message)]
-        assert len(notes) == int(warns), notes
-        if warns:
-            assert "2 converted op(s)" in notes[0] and "fp8_block" in notes[0] and "format='mxfp8'" in notes[0]
+    monkeypatch.setattr(device, "capability", lambda d=None: (9, 0))
+    monkeypatch.setattr(backend, "_warned_formats", set())
+    torch._dynamo.reset()
+    options = {"format": "auto", "keep_dequantized_weights": True, "rules": rules, "inner": "aot_eager"}
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.compile(_TwoLinears(graph_break), backend="mxfp8", options=options)(torch.randn(4, 128)).sum().backward()
+    notes = [str(w.message) for w in seen if "keep_dequantized_weights=True" in str(w.message)]
+    assert len(notes) == int(warns), notes
+    if warns:
+        assert "'auto'" in notes[0] and "fp8_block on cpu" in notes[0] and "format='mxfp8'" in notes[0]

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from mxfx.block_format import dequantize_values, group_tile_capacity, group_tile_starts, n_tiles
 from mxfx.device import triton_available
+from mxfx.layout import check_group_ends
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -157,8 +158,7 @@ def reference_grouped_mm(a, a_scales, b, b_scales, offs, out_dtype=torch.bfloat1
     """The reference decode of :func:`grouped_mm`: exact float32 operands, one float32 GEMM per group."""
     out = torch.zeros((a.shape[0], b.shape[1]), dtype=torch.float32, device=a.device)
     ends = offs.tolist()
-    if any(e1 < e0 for e0, e1 in zip([0] + ends, ends)) or (ends and ends[-1] > a.shape[0]):
-        raise ValueError(f"mxfx.block_gemm.grouped_mm: offs {ends} must be non-decreasing and at most {a.shape[0]}")
+    check_group_ends(ends, a.shape[0], "mxfx.block_gemm.grouped_mm")
     x = dequantize_values(a, a_scales, (-1,))
     w = dequantize_values(b, b_scales, (-2, -1))
     start = 0

@@ -24,6 +24,7 @@ import torch
 from mxfx.block_format import check_input, check_rule, group_tile_capacity, n_tiles
 from mxfx.kernels import block_device_path, block_gemm
 from mxfx.kernels.launch import name_op_functions, op_or_body, traced
+from mxfx.layout import check_group_ends
 
 _E4M3 = torch.float8_e4m3fn
 
@@ -41,12 +42,16 @@ def _check_2d(x: torch.Tensor, op: str) -> None:
         raise ValueError(f"mxfx::{op}: needs a 2D tensor, got shape {tuple(x.shape)}; flatten the leading dims first")
 
 
-def _check_inputs(op: str, rule: str, *tensors: torch.Tensor) -> None:
-    """The checks every quantize op makes before its kernel, named by the op: 2D bf16/fp16/fp32 inputs and an
-    fp8_block scale rule."""
-    for t in tensors:
-        check_input(t, f"mxfx::{op}")
+def _check_inputs(op: str, rule: str, **tensors: torch.Tensor | None) -> None:
+    """The checks every quantize op (and its fake) makes before its kernel, naming the op and the argument: 2D
+    bf16/fp16/fp32 inputs with at least one feature, and an fp8_block scale rule."""
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        check_input(t, f"mxfx::{op} ({name})")
         _check_2d(t, op)
+        if t.shape[1] == 0:
+            raise ValueError(f"mxfx::{op}: {name} of shape {tuple(t.shape)} has no features to quantize (K = 0)")
     check_rule(rule, f"mxfx::{op}")
 
 
@@ -63,13 +68,11 @@ def _check_offs(op: str, offs: torch.Tensor, x: torch.Tensor) -> None:
         raise ValueError(f"mxfx::{op}: offs must be int32 [G] on {x.device}, got {offs.dtype} {tuple(offs.shape)} on "
                          f"{offs.device}")
     if offs.device.type == "cpu" and not traced(offs):  # host values: checked here, as the CPU reference reads them
-        ends = offs.tolist()
-        if any(b < a for a, b in zip([0] + ends, ends)) or (ends and ends[-1] > x.shape[0]):
-            raise ValueError(f"mxfx::{op}: offs {ends} must be non-decreasing and at most the {x.shape[0]} rows of x")
+        check_group_ends(offs.tolist(), x.shape[0], f"mxfx::{op}")
 
 
 def _quantize(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_inputs("block_quantize", rule, x)
+    _check_inputs("block_quantize", rule, x=x)
     q, s = block_device_path.quantize_1x128(x, rule)
     return q.contiguous(), _col_major(s)
 
@@ -81,12 +84,12 @@ def _block_quantize_op(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.
 
 @_block_quantize_op.register_fake
 def _(x, rule):
-    _check_2d(x, "block_quantize")
+    _check_inputs("block_quantize", rule, x=x)
     return torch.empty_like(x, dtype=_E4M3, memory_format=torch.contiguous_format), _fake_col_major(x, x.shape[0], n_tiles(x.shape[1]))
 
 
 def _swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_inputs("block_swiglu_quantize", rule, gate, up)
+    _check_inputs("block_swiglu_quantize", rule, gate=gate, up=up)
     _check_pair("block_swiglu_quantize", gate, up, "up")
     q, s = block_device_path.swiglu_quantize_1x128(gate, up, rule)
     return q.contiguous(), _col_major(s)
@@ -99,13 +102,14 @@ def _block_swiglu_quantize_op(gate: torch.Tensor, up: torch.Tensor, rule: str) -
 
 @_block_swiglu_quantize_op.register_fake
 def _(gate, up, rule):
-    _check_2d(gate, "block_swiglu_quantize")
+    _check_inputs("block_swiglu_quantize", rule, gate=gate, up=up)
+    _check_pair("block_swiglu_quantize", gate, up, "up")
     return (torch.empty_like(gate, dtype=_E4M3, memory_format=torch.contiguous_format),
             _fake_col_major(gate, gate.shape[0], n_tiles(gate.shape[1])))
 
 
 def _quantize_tokens(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_inputs("block_quantize_tokens", rule, x)
+    _check_inputs("block_quantize_tokens", rule, x=x)
     q, s = block_device_path.quantize_1x128_colwise(x, rule)
     return q.contiguous(), _col_major(s)
 
@@ -122,12 +126,12 @@ def _tokens_fake(x):
 
 @_block_quantize_tokens_op.register_fake
 def _(x, rule):
-    _check_2d(x, "block_quantize_tokens")
+    _check_inputs("block_quantize_tokens", rule, x=x)
     return _tokens_fake(x)
 
 
 def _quantize_dual(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    _check_inputs("block_quantize_dual", rule, x)
+    _check_inputs("block_quantize_dual", rule, x=x)
     q, s, qt, st = block_device_path.quantize_1x128_dual(x, rule)
     return q.contiguous(), _col_major(s), qt.contiguous(), _col_major(st)
 
@@ -139,13 +143,13 @@ def _block_quantize_dual_op(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, t
 
 @_block_quantize_dual_op.register_fake
 def _(x, rule):
-    _check_2d(x, "block_quantize_dual")
+    _check_inputs("block_quantize_dual", rule, x=x)
     return (torch.empty_like(x, dtype=_E4M3, memory_format=torch.contiguous_format),
             _fake_col_major(x, x.shape[0], n_tiles(x.shape[1])), *_tokens_fake(x))
 
 
 def _quantize_grouped_tokens(x: torch.Tensor, offs: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_inputs("block_quantize_grouped_tokens", rule, x)
+    _check_inputs("block_quantize_grouped_tokens", rule, x=x)
     _check_offs("block_quantize_grouped_tokens", offs, x)
     q, s = block_device_path.quantize_1x128_grouped_tokens(x, offs, rule)
     return q.contiguous(), _col_major(s)
@@ -158,14 +162,15 @@ def _block_quantize_grouped_tokens_op(x: torch.Tensor, offs: torch.Tensor, rule:
 
 @_block_quantize_grouped_tokens_op.register_fake
 def _(x, offs, rule):
-    _check_2d(x, "block_quantize_grouped_tokens")
+    _check_inputs("block_quantize_grouped_tokens", rule, x=x)
+    _check_offs("block_quantize_grouped_tokens", offs, x)
     t, k = x.shape
     return x.new_empty((k, t), dtype=_E4M3), _fake_col_major(x, k, group_tile_capacity(t, offs.shape[0]))
 
 
 def _check_forward_operands(x, up, tokens_src, offs, rule, pack) -> None:
     op = "block_forward_operands"
-    _check_inputs(op, rule, *(t for t in (x, up, tokens_src) if t is not None))
+    _check_inputs(op, rule, x=x, up=up, tokens_src=tokens_src)
     for other, name in ((up, "up"), (tokens_src, "tokens_src")):
         if other is not None:
             _check_pair(op, x, other, name)
@@ -308,7 +313,10 @@ partitioner moves a forward op whose outputs only the backward reads into the ba
 instead, in BF16 (twice the bytes of the FP8 copy the policy asked to save).
 
 Raises:
-    ValueError: a tensor that is not 2D, or ``pack`` without ``up``.""")
+    TypeError: an input that is not bfloat16, float16 or float32 (the message names it).
+    ValueError: a tensor that is not 2D or has no features, ``up`` or ``tokens_src`` not of ``x``'s shape, ``offs``
+        not int32 ``[G]`` on x's device (on the CPU also decreasing or past x's rows), an unknown rule, or ``pack``
+        without ``up``.""")
 block_mm = op_or_body(_block_mm_op, _mm_traced, """:func:`mxfx.kernels.block_gemm.scaled_mm` (``mxfx::block_mm``).
 A float32 result (the weight gradient) that a cuBLAS build refuses for blockwise scaling is computed in bf16 and
 widened, with a warning once per process.""")

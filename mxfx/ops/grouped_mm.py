@@ -32,6 +32,7 @@ from mxfx import layout
 from mxfx.cache import weight_operands
 from mxfx.format import check_input
 from mxfx.kernels import custom_ops
+from mxfx.kernels.launch import traced
 from mxfx.ops import swiglu
 from mxfx.ops.block import block_grouped_mm, check_x_tiles, weigh_rows
 from mxfx.ops.gemm import a_operand, hp_grouped_wgrad, mx_grouped_mm, mx_grouped_mm_wgrad, quantize_operand
@@ -182,13 +183,13 @@ def mx_grouped_mm_op(
 
     Returns ``[S, N]``.
 
-    offs values are not checked (that would need a device sync); like ``torch._grouped_mm``, group
-    ends must be non-decreasing and at most S.
+    Like ``torch._grouped_mm``, group ends must be non-decreasing and at most S: checked for CPU tensors in eager
+    code; on a GPU, or inside a traced graph, offs values are not read (that would need a device sync).
 
     Raises:
         TypeError: x not a bf16/fp16/fp32 tensor, offs not a tensor, out_dtype not floating.
         ValueError: an unknown scale rule, shapes that do not pair up or are not multiples of 32,
-            offs not int32, no experts, route_weight not [S] or [S, 1], a weight that
+            offs not int32 (or, on the CPU, not non-decreasing ends of at most S rows), no experts, route_weight not [S] or [S, 1], a weight that
             is not 3D, a settings value not valid, or ``x_mx`` given with ``up`` or with shapes
             that do not match ``x``. TypeError also for a keyword that is not a settings field.
     """
@@ -220,6 +221,8 @@ def mx_grouped_mm_op(
             f"{op}: offs of shape {tuple(offs.shape)} has dtype {offs.dtype}; it holds the int32 cumulative "
             f"group ends, as torch._grouped_mm takes them: pass offs.to(torch.int32)"
         )
+    if offs.device.type == "cpu" and not traced(offs):  # host values: checked here (on a GPU it would be a sync)
+        layout.check_group_ends(offs.tolist(), x.shape[0], op)
     out_dtype = out_dtype or x.dtype
     if settings.format == "fp8_block":
         return block_grouped_mm(x, weight, offs, up, route_weight, out_dtype, settings, x_tiles=check_x_tiles(x_mx, x, up))
