@@ -136,23 +136,31 @@ def rewrite(gm: fx.GraphModule, policy: Policy) -> report.PrecisionMap:
 _warned_formats: set[str] = set()  # formats whose GPU note was given (once per process each)
 
 
-def _warn_format_notes(pm: report.PrecisionMap, example_inputs, policy: Policy) -> None:
-    """Warn once per process when a graph on a CUDA GPU has MXFP8 ops that are emulated there (sm90; the note
-    names format="fp8_block"), and when ``keep_dequantized_weights`` is set but can act nowhere: a graph's converted
-    ops all run fp8_block and neither the policy's format nor any rule's resolves to MXFP8 on this device (so no
-    other graph has an MXFP8 op either; ``format="auto"`` on sm90)."""
-    device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda), None)
-    on = device or torch.device("cpu")
+def _warn_keep_dequantized_unused(pm: report.PrecisionMap, policy: Policy, on: torch.device) -> None:
+    """Warn once per process when ``keep_dequantized_weights`` can act nowhere: this graph's converted ops all run
+    fp8_block and neither the policy's format nor any rule's resolves to MXFP8 on ``on`` (so no other graph has an
+    MXFP8 op either; ``format="auto"`` on sm90)."""
+    if not policy.keep_dequantized_weights or "keep_dequantized" in _warned_formats:
+        return
     converted = [r for r in pm.records if r.rewritten and r.kind in cache.WEIGHT_KINDS]
     formats = sorted({f for r in converted for f in (r.forward, r.dgrad) if f not in ("", "-")})
-    mx_possible = any(resolve_format(f, on) == "mxfp8" for f in [policy.format, *(r.format for r in policy.rules if r.format)])
-    if (policy.keep_dequantized_weights and converted and "mxfp8" not in formats and not mx_possible
-            and "keep_dequantized" not in _warned_formats):
-        _warned_formats.add("keep_dequantized")
-        warnings.warn(f"mxfx: keep_dequantized_weights=True keeps BF16 weight copies for emulated MXFP8 GEMMs, but no op "
-                      f"runs MXFP8 here: the policy's format {policy.format!r} and its rules resolve to "
-                      f"{'/'.join(formats)} on {on.type}, which reads FP8 weights directly, so it does nothing; drop it, "
-                      f"or add a rule with format='mxfp8'", stacklevel=3)
+    if not converted or "mxfp8" in formats:
+        return
+    if any(resolve_format(f, on) == "mxfp8" for f in [policy.format, *(r.format for r in policy.rules if r.format)]):
+        return
+    _warned_formats.add("keep_dequantized")
+    warnings.warn(f"mxfx: keep_dequantized_weights=True keeps BF16 weight copies for emulated MXFP8 GEMMs, but no op "
+                  f"runs MXFP8 here: the policy's format {policy.format!r} and its rules resolve to "
+                  f"{'/'.join(formats)} on {on.type}, which reads FP8 weights directly, so it does nothing; drop it, "
+                  f"or add a rule with format='mxfp8'", stacklevel=4)
+
+
+def _warn_format_notes(pm: report.PrecisionMap, example_inputs, policy: Policy) -> None:
+    """Warn once per process when a graph on a CUDA GPU has MXFP8 ops that are emulated there (sm90; the note
+    names format="fp8_block"), and when ``keep_dequantized_weights`` can act nowhere
+    (:func:`_warn_keep_dequantized_unused`)."""
+    device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda), None)
+    _warn_keep_dequantized_unused(pm, policy, device or torch.device("cpu"))
     if device is None or "mxfp8" in _warned_formats:
         return
     if not any(r.rewritten and "mxfp8" in (r.forward, r.dgrad) for r in pm.records):

@@ -259,7 +259,8 @@ def swiglu_quantize_1x128(gate: torch.Tensor, up: torch.Tensor, rule: str = "rce
 def swiglu_quantize_1x128_save(gate: torch.Tensor, up: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor, ...]:
     """:func:`swiglu_quantize_1x128` and the 1x128 pairs of ``gate`` and ``up`` themselves (what the SwiGLU
     backward keeps), from one read: ``(q, s, gate_q, gate_s, up_q, up_s)``, qdata ``[M, K]`` (leading dims merged),
-    scales ``[M, ceil(K/128)]`` column-major."""
+    scales ``[M, ceil(K/128)]`` column-major. Raises TypeError / ValueError naming this function for inputs that
+    are not bf16/fp16/fp32, shapes or devices that differ, or an unknown rule."""
     op = "mxfx.block_quantize.swiglu_quantize_1x128_save"
     _check_pair(gate, up, op)
     rceil = _rule(rule, op)
@@ -283,7 +284,8 @@ def _tokens_input(x: torch.Tensor, rule: str, op: str) -> tuple[bool, tuple[int,
 def quantize_1x128_dual(x: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor, ...]:
     """Both 1x128 tilings of ``x [T, K]`` from one read: :func:`quantize_1x128` (along K) and
     :func:`quantize_1x128_colwise` (along the tokens), ``(q [T, K], s [T, ceil(K/128)], qt [K, T],
-    st [K, ceil(T/128)])``, both scale matrices column-major."""
+    st [K, ceil(T/128)])``, both scale matrices column-major. Raises TypeError / ValueError naming this function for
+    an input that is not 2D bf16/fp16/fp32, or an unknown rule."""
     rceil, (t, k) = _tokens_input(x, rule, "mxfx.block_quantize.quantize_1x128_dual")
     q, s = _new_rows_pair(t, k, x.device)
     qt, st = _new_rows_pair(k, t, x.device)

@@ -106,7 +106,7 @@ class _BlockLinear(torch.autograd.Function):
         dy = dy.contiguous()
         dx = dup = dw = db = None
         need_dx = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        dy_tokens = ctx.needs_input_grad[2] and kind in ("fp8_tokens", "hp_tokens")
+        dy_tokens = kind in ("fp8_tokens", "hp_tokens")  # set by the forward only where the weight needs a gradient
         if need_dx and dy_tokens:  # both tilings of dY from one read
             dyq, dys, dyq_t, dys_t = block_ops.block_quantize_dual(dy, rule)
         elif need_dx:
