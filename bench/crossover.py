@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from mxfx import cache, crossover  # noqa: E402
+from mxfx.runtime import cache  # noqa: E402
+from mxfx.runtime import crossover  # noqa: E402
 from mxfx.ops.linear import mx_linear  # noqa: E402
 
 FAMILIES = [(1024, 1024), (2048, 2048), (4096, 4096), (4096, 14336), (2048, 1024)]  # (K, N)

@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench._results import emit  # noqa: E402
-from mxfx import block_format as bf  # noqa: E402
+from mxfx.numerics import block as bf  # noqa: E402
 from mxfx.kernels import block_gemm  # noqa: E402
 from mxfx.kernels import block_device_path as bq  # noqa: E402
 

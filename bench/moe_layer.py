@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from _results import emit  # noqa: E402  (bench/ is on sys.path when a script runs)
 
-from mxfx import cache
+from mxfx.runtime import cache
 from mxfx.report import saved_for_backward
 
 
@@ -98,7 +98,7 @@ def torchao_fp8_rowwise_grouped_mm():
 
 def saved_bytes(out: torch.Tensor, held: list[torch.Tensor]) -> int:
     """Bytes of the storages the autograd graph behind ``out`` saved for backward, less those of ``held`` (inputs,
-    parameters) and of their weight caches (:func:`mxfx.cache.entry_forms`)."""
+    parameters) and of their weight caches (:func:`mxfx.runtime.cache.entry_forms`)."""
     skip = {t.untyped_storage().data_ptr() for t in held}
     skip |= {f.untyped_storage().data_ptr() for t in held for pair in cache.entry_forms(t).values() for f in pair}
     return sum(t.untyped_storage().nbytes() for t in saved_for_backward(out) if t.untyped_storage().data_ptr() not in skip)

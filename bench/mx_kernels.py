@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from bench import movement  # noqa: E402
 from bench._results import emit  # noqa: E402
 from mxfx.kernels import device_path, dual, quantize, swiglu  # noqa: E402
-from mxfx.layout import to_blocked  # noqa: E402
+from mxfx.numerics.layout import to_blocked  # noqa: E402
 
 SHAPES = [(65536, 2048), (131072, 1024), (16384, 4096)]
 GOAL_POINTS = 2.0  # a kernel's goal: within this many points (% of copy) of its movement ceiling

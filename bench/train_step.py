@@ -264,7 +264,7 @@ def run_arm(arm: str, mcfg: MoEConfig, a, batch: int) -> dict:
         if opaque_before is not None:
             os.environ["MXFX_OPAQUE_KERNELS"] = opaque_before
         if arm in MX_ARMS:
-            from mxfx import cache
+            from mxfx.runtime import cache
 
             cache.clear()
         free(dev)

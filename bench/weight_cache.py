@@ -5,9 +5,9 @@ the graph has no data-dependent shapes; the router stays BF16 by policy), traine
 with ``torch.compile(model, backend="mxfp8")``, 4 microbatches per step (``--microbatches``) and an
 AdamW (foreach) step. Modes:
 
-* ``cached``: :mod:`mxfx.cache`, forward/dgrad weight operands rebuilt once per step: the forward
+* ``cached``: :mod:`mxfx.runtime.cache`, forward/dgrad weight operands rebuilt once per step: the forward
   forms at the refresh, the dgrad forms by the first backward (the default).
-* ``cached-at-refresh``: the same with ``mxfx.cache.set_dgrad_at_refresh(True)``: both forms at the
+* ``cached-at-refresh``: the same with ``mxfx.runtime.cache.set_dgrad_at_refresh(True)``: both forms at the
   refresh (one pass over each weight where the GEMM is emulated).
 * ``per-call``: every GEMM quantizes its weight (the linear op's ``weight_operands``
   patched back to the pre-cache behaviour): 2 quantizations per weight per microbatch.
@@ -34,7 +34,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mxfx import cache, kernels  # noqa: E402
+from mxfx import kernels  # noqa: E402
+from mxfx.runtime import cache  # noqa: E402
 from mxfx.ops import linear as mx_linear_mod  # noqa: E402
 from _results import emit  # noqa: E402  (bench/ is on sys.path when a script runs)
 

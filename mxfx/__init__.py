@@ -6,7 +6,7 @@ reference (:func:`quantize`, :func:`dequantize`), the :class:`Policy`, and the
 inspection helpers.
 """
 
-from mxfx.format import dequantize, quantize  # noqa: F401
+from mxfx.numerics.mx import dequantize, quantize  # noqa: F401
 from mxfx.policy import DEFAULT_RULES, Policy, Rule  # noqa: F401
 from mxfx.names import name_modules  # noqa: F401
 from mxfx.report import all_reports, last_report  # noqa: F401

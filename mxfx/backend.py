@@ -15,8 +15,9 @@ import warnings
 import torch
 import torch.fx as fx
 
-from mxfx import cache, cache_key, names, passes, report, rule_check
-from mxfx.device import mx_emulated_note, resolve_format
+from mxfx import cache_key, names, passes, report, rule_check
+from mxfx.runtime import cache
+from mxfx.kernels.device import mx_emulated_note, resolve_format
 from mxfx.passes import weight_refresh
 from mxfx.passes.fx import PREFIX_META, all_graphs, example_value, fill_example_values, parameter_placeholders
 from mxfx.policy import Policy

@@ -8,7 +8,7 @@ public extension points ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``. The 
 policy's format for the weight's op:
 
 * ``mxfp8``: the local shard is quantized once per optimizer step (the refresh; keyed on
-  :func:`mxfx.cache.step_count` and the shard's version counter). A gather before forward sends the
+  :func:`mxfx.runtime.cache.step_count` and the shard's version counter). A gather before forward sends the
   forward form (qdata ``[..., N, K]``, scales ``[..., N, K/32]`` of the shard, blocked along K); a
   gather inside backward the dgrad form (W^T blocked along N in 32-row groups: qdata in W's layout,
   scales ``[..., N/32, K]`` sent as ``[..., N, K/32]`` so both forms have the same sizes and
@@ -28,7 +28,7 @@ one (nothing to gather) a converted weight is sent as is and quantized by the ca
 
 ``fsdp_post_all_gather`` hands the graph a plain ``[..., N, K]`` tensor holding the dequantized values
 of the gathered form (an op that reads the weight outside mxfx's GEMMs sees low-precision values) and
-installs the gathered forms as that tensor's cache forms (:func:`mxfx.cache.install_forms`), so the
+installs the gathered forms as that tensor's cache forms (:func:`mxfx.runtime.cache.install_forms`), so the
 rewritten GEMMs use them directly; the compiled graphs are unchanged. The subclass unwraps to its FP32
 tensor for every other op, so ``state_dict()`` and ``torch.distributed.checkpoint`` see the FP32 values;
 caches are never saved.
@@ -45,8 +45,10 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import Shard
 import torch.utils._pytree as pytree
 
-from mxfx import block_format, cache, kernels
-from mxfx.format import BLOCK_SIZE, SCALE_RULES
+from mxfx import kernels
+from mxfx.numerics import block as block_format
+from mxfx.runtime import cache
+from mxfx.numerics.mx import BLOCK_SIZE, SCALE_RULES
 from mxfx.kernels import block_device_path
 from mxfx.passes.fx import fit_format
 from mxfx.policy import Policy

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from collections.abc import Mapping
 from typing import Any, Callable
 
-from mxfx.device import resolve_format
-from mxfx.block_format import SCALE_RULES as BLOCK_SCALE_RULES
-from mxfx.format import SCALE_RULES as MX_SCALE_RULES
-from mxfx.settings import FORMATS, PRECISIONS, MXSettings
+from mxfx.kernels.device import resolve_format
+from mxfx.numerics.block import SCALE_RULES as BLOCK_SCALE_RULES
+from mxfx.numerics.mx import SCALE_RULES as MX_SCALE_RULES
+from mxfx.ops.settings import FORMATS, PRECISIONS, MXSettings
 
 OP_KINDS = ("linear", "grouped_mm", "swiglu", "router", "saved", "all_to_all", "weight_refresh")
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
@@ -35,8 +35,8 @@ POLICY_ENV = "MXFX_POLICY"
 DUMP_ENV = "MXFX_DUMP_DIR"
 
 FORMAT_CHOICES = (*FORMATS, "auto")
-"""Values of the ``format`` field: a format of :data:`mxfx.settings.FORMATS`, or "auto" (fp8_block on sm90,
-mxfp8 elsewhere: :func:`mxfx.device.resolve_format`)."""
+"""Values of the ``format`` field: a format of :data:`mxfx.ops.settings.FORMATS`, or "auto" (fp8_block on sm90,
+mxfp8 elsewhere: :func:`mxfx.kernels.device.resolve_format`)."""
 
 SCALE_RULES = tuple(dict.fromkeys(MX_SCALE_RULES + BLOCK_SCALE_RULES))
 """Scale rules a policy takes: "rceil", "floor" (mxfp8 only) and "amax" (fp8_block only); an op whose
@@ -276,7 +276,7 @@ class Policy(_NamedFields):
             crossover table of the current device (``mxfx/data/crossover_sm<cc>.json``,
             written by ``bench/crossover.py``) says MXFP8 forward+backward beats BF16
             at the nearest measured projection family and token count
-            (:func:`mxfx.crossover.prefers_mxfp8`); routed grouped GEMMs use the
+            (:func:`mxfx.runtime.crossover.prefers_mxfp8`); routed grouped GEMMs use the
             average rows per expert as M. Without a table for the device it warns
             once and rewrites everything eligible.
         keep_dequantized_weights: where the GEMM is emulated (no native MX GEMM:
@@ -439,7 +439,7 @@ class Policy(_NamedFields):
             reason = f"{origin} {rule.describe()}"
         elif min_size == "auto":
             if gemm is not None:
-                from mxfx.crossover import prefers_mxfp8
+                from mxfx.runtime.crossover import prefers_mxfp8
 
                 faster, why = prefers_mxfp8(*gemm, keep_dequantized=self.keep_dequantized_weights)
                 if not faster:

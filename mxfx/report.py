@@ -26,7 +26,7 @@ _reports: list["PrecisionMap"] = []
 
 
 LOW_PRECISIONS = ("mxfp8", "fp8_block")
-"""Precision-map entries of a rewritten op: the block-scaled formats (``mxfx.settings.FORMATS``)."""
+"""Precision-map entries of a rewritten op: the block-scaled formats (``mxfx.ops.settings.FORMATS``)."""
 
 
 @dataclass

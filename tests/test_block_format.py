@@ -1,4 +1,4 @@
-"""fp8_block format semantics of the plain-torch reference (mxfx.block_format), on CPU.
+"""fp8_block format semantics of the plain-torch reference (mxfx.numerics.block), on CPU.
 
 The oracle below is written from docs/block_format.md in Python float64 and integer math (its own
 E4M3 rounding, no torch casts), one tile at a time; hand-worked bytes cover the special cases.
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from mxfx import block_format as bf
+from mxfx.numerics import block as bf
 
 E4M3 = torch.float8_e4m3fn
 NAN_BYTE = 0x7F

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from mxfx import block_format as bf
+from mxfx.numerics import block as bf
 from mxfx.kernels import block_gemm
 from tests.helpers import run_interpreter_checks
 

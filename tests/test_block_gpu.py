@@ -14,7 +14,7 @@ import re
 import pytest
 import torch
 
-from mxfx import block_format as bf
+from mxfx.numerics import block as bf
 from mxfx.kernels import block_gemm
 from mxfx.kernels.silu import silu_fp32
 

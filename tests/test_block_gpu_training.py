@@ -19,7 +19,7 @@ import copy
 import pytest
 import torch
 
-from mxfx import cache
+from mxfx.runtime import cache
 from mxfx.kernels import block_device_path
 
 pytestmark = pytest.mark.skipif(

@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 
 import mxfx
-from mxfx import block_format as bf
-from mxfx import cache, device
+from mxfx.numerics import block as bf
+from mxfx.runtime import cache
+from mxfx.kernels import device
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
 from mxfx.ops.linear import mx_linear
 from mxfx.policy import Policy, Rule

@@ -1,4 +1,4 @@
-"""Weight caches (mxfx.cache): quantize once per optimizer step, refreshed on every path that changes a weight."""
+"""Weight caches (mxfx.runtime.cache): quantize once per optimizer step, refreshed on every path that changes a weight."""
 
 import gc
 import io
@@ -9,8 +9,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import torch.nn as nn
 
 import mxfx
-from mxfx import cache
-from mxfx.layout import to_blocked
+from mxfx.runtime import cache
+from mxfx.numerics.layout import to_blocked
 
 D, H, OUT = 64, 96, 32
 OPTS = {"inner": "aot_eager"}
@@ -102,7 +102,7 @@ def test_dgrad_form_layout_follows_the_gemm_path(monkeypatch, shape, native):
     """Emulated GEMMs keep the dgrad forms in the source layout (transpose views of [.., N, K]), as their
     fakes say; a native MX GEMM path keeps them contiguous [.., K, N], a 2D weight's scales in the blocked
     layout. One refresh builds the BF16 forms in the same pass, equal to dequantizing the MX forms."""
-    from mxfx import device as mx_device
+    from mxfx.kernels import device as mx_device
 
     if native:  # pretend the GEMMs of this device run natively (the layout choice only; nothing is multiplied)
         monkeypatch.setattr(mx_device, "capability", lambda device: (10, 0))
@@ -449,7 +449,7 @@ def test_load_state_dict_and_manual_edits_are_seen():
 
 
 def test_untracked_data_write_needs_refresh():
-    """``p.data`` writes bypass the version counter: mxfx.cache.refresh() rebuilds the caches."""
+    """``p.data`` writes bypass the version counter: mxfx.runtime.cache.refresh() rebuilds the caches."""
     model, x = _model(), _x()
     cm = torch.compile(model, backend="mxfp8", options=OPTS)
     with torch.no_grad():

@@ -1,6 +1,6 @@
 """The CPU reference paths take shortcuts that must not change a value.
 
-* ``mxfx.format.quantize_blocks`` blocks down dim -2 in x's own layout (no transpose) and writes
+* ``mxfx.numerics.mx.quantize_blocks`` blocks down dim -2 in x's own layout (no transpose) and writes
   the dequantized values from the same pass: bit-identical to ``quantize_lastdim`` of the transpose
   and to ``dequantize_lastdim`` of the pair (special blocks included).
 * ``mxfx::grouped_wgrad_bf16`` runs in FP32 on CPUs without native BF16 GEMMs: the same sums as the
@@ -11,7 +11,7 @@
 import pytest
 import torch
 
-from mxfx import format as mxf
+from mxfx.numerics import mx as mxf
 from mxfx.ops import gemm
 
 

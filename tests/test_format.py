@@ -1,4 +1,4 @@
-"""MXFP8 format semantics of the plain-torch reference (mxfx.format), on CPU.
+"""MXFP8 format semantics of the plain-torch reference (mxfx.numerics.mx), on CPU.
 
 Expected bytes are worked out by hand from the project's written-out conversion rules (OCP MX v1.0
 §6.3 with the rceil and floor rules); torchao's ``to_mx`` is a second opinion on
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import mxfx
-from mxfx import format as mxf
+from mxfx.numerics import mx as mxf
 
 E4M3 = torch.float8_e4m3fn
 

@@ -34,7 +34,7 @@ def test_fsdp2_trains_like_one_process(layout):
 
 def test_fsdp2_gradients_clipping_accumulation_and_checkpoint():
     """reduce_dtype reaches the reduce-scatter; accumulation without sync, clip_grad_norm_ over DTensor grads
-    and an in-place edit plus ``mxfx.cache.refresh`` match one process; DCP resume continues bit-identically."""
+    and an in-place edit plus ``mxfx.runtime.cache.refresh`` match one process; DCP resume continues bit-identically."""
     log = launch(__file__, "features", 2)
     assert log.count("FEATURES OK") == 2, log
 
@@ -254,11 +254,11 @@ def _worker_features(rank: int, world: int):
     for n, p in m.named_parameters():
         _close(p.grad.full_tensor(), ref_grads[n.replace("_orig_mod.", "")], f"clipped accumulated grad {n}", 1e-5)
 
-    # an in-place edit of sharded parameters outside a step, then mxfx.cache.refresh: the next forward sees it
+    # an in-place edit of sharded parameters outside a step, then mxfx.runtime.cache.refresh: the next forward sees it
     with torch.no_grad():
         for p in list(m.parameters()) + list(ref.parameters()):
             p.mul_(-0.5)
-    mxfx.cache.refresh(m.parameters())
+    mxfx.runtime.cache.refresh(m.parameters())
     with torch.no_grad():
         y = m(xs[1][shard])
         _close(y, ref(xs[1])[shard], "forward after an in-place edit", 1e-5)

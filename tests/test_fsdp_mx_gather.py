@@ -92,7 +92,9 @@ def test_gather_map_follows_policy_and_sharding():
 def _byte_identical(unsharded: torch.Tensor, full: torch.Tensor, fmt: str = "mxfp8") -> None:
     """The cache forms installed for the gathered ``unsharded`` weight (``[N, K]`` or ``[E, N, K]``) equal
     one-process quantization of ``full`` (the format's spec reference)."""
-    from mxfx import block_format, cache, format
+    from mxfx.numerics import block as block_format
+    from mxfx.runtime import cache
+    from mxfx.numerics import mx as format
 
     entry = cache._entries[cache._key(unsharded)]
     assert entry.gathered

@@ -24,8 +24,10 @@ from torchao.prototype.moe_training.kernels.mxfp8.quant import (
 from torchao.prototype.mx_formats.utils import from_blocked as ao_from_blocked
 from torchao.prototype.mx_formats.utils import to_blocked as ao_to_blocked
 
-from mxfx import cache, crossover, layout
-from mxfx import device as mx_device
+from mxfx.runtime import cache
+from mxfx.runtime import crossover
+from mxfx.numerics import layout
+from mxfx.kernels import device as mx_device
 from mxfx.kernels import custom_ops
 from mxfx.ops import gemm
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
@@ -151,7 +153,7 @@ def test_native_branch_calls_native_op_only_on_blackwell(monkeypatch, native):
 def test_quantize_operand_writes_dequantized_form_where_emulated(monkeypatch, cap, op, fused):
     """The Hopper path's one-pass activation quantize: where the GEMM is emulated, the quantize pass also
     returns dequant(qdata, scales) in the emulation dtype, and a GEMM reading it equals one dequantizing A."""
-    from mxfx import format as mxf
+    from mxfx.numerics import mx as mxf
 
     monkeypatch.setattr(mx_device, "capability", lambda device: cap)
     x = torch.randn(64, 96, generator=torch.Generator().manual_seed(3))
@@ -299,7 +301,7 @@ def test_native_ops_through_autograd(native, monkeypatch):
     the native GEMMs take their blocked scales from the dual passes themselves, and the weight's from its
     cache, which keeps them blocked (``cache.blocked_scales``): no GEMM call blocks scales itself."""
     import mxfx
-    from mxfx import layout
+    from mxfx.numerics import layout
 
     blocked_passes, per_call_blocking = [], []
     dual_blocked, to_blocked = custom_ops.quantize_dual_blocked, layout.to_blocked
@@ -335,7 +337,7 @@ def test_native_ops_through_autograd(native, monkeypatch):
 @pytest.fixture
 def keep_every_form():
     """These tests read from the cache the forms a backward used: keep every form (by default a weight's
-    forms are dropped at its backward with one microbatch per step, mxfx.cache)."""
+    forms are dropped at its backward with one microbatch per step, mxfx.runtime.cache)."""
     previous = cache.set_dgrad_at_refresh(True)
     yield
     cache.set_dgrad_at_refresh(previous)
@@ -426,8 +428,8 @@ def test_keep_dequantized_weights_compiled(keep_every_form):
 def test_dual_operand_values_only_where_emulated(monkeypatch):
     """Emulated GEMMs get both orientations as dequantized values alone (one pass, no MX pair); a GEMM
     given A or B that way equals the one given the pairs; native GEMMs get the pairs and refuse None."""
-    from mxfx import format as mxf
-    from mxfx.layout import to_blocked
+    from mxfx.numerics import mx as mxf
+    from mxfx.numerics.layout import to_blocked
 
     torch.manual_seed(15)
     x, w = torch.randn(64, 96), torch.randn(32, 96)

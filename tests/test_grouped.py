@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import mxfx
-from mxfx.layout import group_padding
+from mxfx.numerics.layout import group_padding
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
 
 SIZES = [5, 0, 40, 19]  # an empty expert and groups that are not multiples of 32

@@ -1,4 +1,4 @@
-"""MX kernels (mxfx.kernels) against the plain-torch reference (mxfx.format), bit for bit.
+"""MX kernels (mxfx.kernels) against the plain-torch reference (mxfx.numerics.mx), bit for bit.
 
 * CPU: device-path selection falls back to the reference and never imports Triton.
 * CUDA (skipped without a GPU): every Triton kernel against the CPU reference.
@@ -18,9 +18,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mxfx import format as mxf
+from mxfx.numerics import mx as mxf
 from mxfx.kernels import device_path
-from mxfx.layout import to_blocked
+from mxfx.numerics.layout import to_blocked
 from tests.helpers import run_interpreter_checks
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

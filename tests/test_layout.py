@@ -1,9 +1,9 @@
-"""Blocked scale layout (mxfx.layout) against its definition and torchao's to_blocked."""
+"""Blocked scale layout (mxfx.numerics.layout) against its definition and torchao's to_blocked."""
 
 import pytest
 import torch
 
-from mxfx.layout import blocked_numel, blocked_offset, from_blocked, to_blocked
+from mxfx.numerics.layout import blocked_numel, blocked_offset, from_blocked, to_blocked
 
 
 def rand_scales(rows, cols, seed=0):

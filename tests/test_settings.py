@@ -5,7 +5,7 @@ import torch
 
 from mxfx.ops.linear import mx_linear
 from mxfx.policy import Policy, Rule
-from mxfx.settings import MXSettings, resolve
+from mxfx.ops.settings import MXSettings, resolve
 
 
 def test_invalid_fields_are_named():

@@ -1,13 +1,13 @@
 """Probe: ``quantize_dual``, launched with a register cap (``dual.TRANSPOSED_MAXNREG``), eager and compiled.
 
 Usage: ``python -m bench.probes.compile_capped`` on a GPU. Prints True per path when every output byte equals the
-CPU reference (``mxfx.format.quantize_lastdim`` of x and x^T), NaN and zero blocks included: eager, compiled with
+CPU reference (``mxfx.numerics.mx.quantize_lastdim`` of x and x^T), NaN and zero blocks included: eager, compiled with
 the kernels inline (``wrap_triton`` of the one-config autotuner that carries the cap) and as the opaque
 ``mxfx::quantize_dual`` op, each at a second shape under ``dynamic=True``.
 """
 import os, torch
 from mxfx.kernels import custom_ops, device_path
-from mxfx import format as mxf
+from mxfx.numerics import mx as mxf
 x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
 x[3, 7] = float("nan"); x[64:96, 32:64] = 0
 ref = (*mxf.quantize_lastdim(x.cpu(), "rceil"), *mxf.quantize_lastdim(x.cpu().t(), "rceil"))

@@ -9,7 +9,7 @@ import torch
 import triton
 
 from mxfx.ops.gemm import hp_grouped_wgrad
-from mxfx.layout import group_padding
+from mxfx.numerics.layout import group_padding
 from mxfx.ops.grouped_mm import _pad_rows
 
 

@@ -5,7 +5,7 @@ Runs a few steps of the named arms (same model and optimizer as the benchmark, r
 and phase, the wall time (synchronized), the peak allocated GiB inside the phase and the allocated GiB at its end,
 plus the weight caches' bytes and the allocator's device allocations and retries in the step. ``--cache-modes``
 runs each arm with the default caches (``drop``: one microbatch per step frees a weight's caches at its backward)
-and/or with every form kept (``keep``: ``mxfx.cache.set_dgrad_at_refresh(True)``).
+and/or with every form kept (``keep``: ``mxfx.runtime.cache.set_dgrad_at_refresh(True)``).
 
     python bench/probes/hf_memory_phases.py --model qwen3 --arms mxfp8,fp8_block --steps 3 --cache-modes drop,keep
 """
@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from bench import hf_models  # noqa: E402
-from mxfx import cache  # noqa: E402
+from mxfx.runtime import cache  # noqa: E402
 
 GIB = 2**30
 

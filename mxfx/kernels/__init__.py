@@ -1,4 +1,4 @@
-"""MX kernels: Triton on CUDA, the plain-torch reference (``mxfx.format``) elsewhere.
+"""MX kernels: Triton on CUDA, the plain-torch reference (``mxfx.numerics.mx``) elsewhere.
 
 Every function here takes and returns plain tensors (scales as uint8 E8M0 bytes)
 and picks its implementation from the input's device. Graph code uses the torch

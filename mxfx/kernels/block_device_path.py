@@ -1,4 +1,4 @@
-"""Device dispatch for the fp8_block quantize kernels: Triton on CUDA, the ``mxfx.block_format`` reference elsewhere.
+"""Device dispatch for the fp8_block quantize kernels: Triton on CUDA, the ``mxfx.numerics.block`` reference elsewhere.
 
 Both paths give the same values and shapes (tests/test_block_gpu.py compares them byte for byte); scales of the
 1x128 operands are column-major on CUDA (what the GEMMs read) and row-major on CPU, which the CPU GEMMs read
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from mxfx import block_format as bf
-from mxfx.device import triton_available
+from mxfx.numerics import block as bf
+from mxfx.kernels.device import triton_available
 from mxfx.kernels.silu import silu_fp32
 
 

@@ -1,6 +1,6 @@
 """fp8_block GEMMs: dense through cuBLAS (``torch._scaled_mm``), grouped through Triton, plain torch on CPU.
 
-Both compute ``A @ B^T`` on operands tiled along the reduction dim K (``mxfx.block_format``):
+Both compute ``A @ B^T`` on operands tiled along the reduction dim K (``mxfx.numerics.block``):
 
 * :func:`scaled_mm`: A ``[M, K]`` with 1x128 scales ``[M, ceil(K/128)]``; B ``[N, K]`` with either
   128x128 scales ``[ceil(N/128), ceil(K/128)]`` (a weight: forward and dgrad) or 1x128 scales
@@ -25,9 +25,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mxfx.block_format import dequantize_values, group_tile_capacity, group_tile_starts, n_tiles
-from mxfx.device import triton_available
-from mxfx.layout import check_group_ends
+from mxfx.numerics.block import dequantize_values, group_tile_capacity, group_tile_starts, n_tiles
+from mxfx.kernels.device import triton_available
+from mxfx.numerics.layout import check_group_ends
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -177,7 +177,7 @@ def grouped_wgrad(
 
     A (dY^T) and B (X^T) are E4M3 in 1x128 tiles along the tokens S that restart at each group start, as
     ``mxfx.kernels.block_quantize.quantize_1x128_grouped_tokens`` writes them: scales ``[N, C]`` and ``[K, C]``
-    with ``C = mxfx.block_format.group_tile_capacity(S, G)``, group g's tiles at slots
+    with ``C = mxfx.numerics.block.group_tile_capacity(S, G)``, group g's tiles at slots
     ``group_tile_starts(offs)[g] + j``. An empty group's dW is zeros. Triton on CUDA, the reference decode
     elsewhere.
     """

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from mxfx.block_format import TILE
+from mxfx.numerics.block import TILE
 
 
 def _descriptor_blocks(nargs: dict) -> None:

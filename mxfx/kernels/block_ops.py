@@ -9,7 +9,7 @@ what cuBLAS reads; the fake implementations say so too), every qdata contiguous.
 * ``block_swiglu_quantize(gate, up, rule)``: the same of ``silu(gate) * up`` formed in fp32;
 * ``block_quantize_tokens(x [T, K], rule)`` -> ``([K, T], [K, ceil(T/128)])``, 1x128 along tokens;
 * ``block_quantize_grouped_tokens(x [S, K], offs, rule)`` -> ``([K, S], [K, C])``, tiles restarting at every
-  group start (``C = mxfx.block_format.group_tile_capacity(S, G)``);
+  group start (``C = mxfx.numerics.block.group_tile_capacity(S, G)``);
 * ``block_forward_operands(x, up, tokens_src, offs, rule, pack)``: every quantization a forward makes of one
   GEMM input, in one op (see there);
 * ``block_mm``, ``block_grouped_mm``, ``block_grouped_wgrad``: :mod:`mxfx.kernels.block_gemm`'s GEMMs.
@@ -21,10 +21,10 @@ import warnings
 
 import torch
 
-from mxfx.block_format import check_input, check_rule, group_tile_capacity, n_tiles
+from mxfx.numerics.block import check_input, check_rule, group_tile_capacity, n_tiles
 from mxfx.kernels import block_device_path, block_gemm
 from mxfx.kernels.launch import name_op_functions, op_or_body, traced
-from mxfx.layout import check_group_ends
+from mxfx.numerics.layout import check_group_ends
 
 _E4M3 = torch.float8_e4m3fn
 

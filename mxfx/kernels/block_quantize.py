@@ -1,7 +1,7 @@
 """Triton fp8_block quantize kernels: 1x128 rowwise, 1x128 columnwise (along tokens), 128x128, SwiGLU.
 
 One kernel reads a ``[B, R, C]`` view through its strides and encodes tiles of it with the rules of
-``mxfx.block_format`` (bit for bit; the interpreter test in tests/test_block_gemm.py checks it):
+``mxfx.numerics.block`` (bit for bit; the interpreter test in tests/test_block_gemm.py checks it):
 
 * :func:`quantize_1x128`: ``x [..., K]`` -> qdata ``[..., K]``, scales ``[M, ceil(K/128)]`` over the
   leading dims merged, column-major (stride ``(1, M)``: what cuBLAS's blockwise GEMM and the grouped
@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mxfx.block_format import SCALE_RULES, TILE, check_input, check_rule, group_tile_capacity, n_tiles
+from mxfx.numerics.block import SCALE_RULES, TILE, check_input, check_rule, group_tile_capacity, n_tiles
 from mxfx.kernels.launch import launch
 from mxfx.kernels.mx_block import silu_f32
 
@@ -37,7 +37,7 @@ _AXIS_ROW, _AXIS_COL, _AXIS_BOTH = 1, 0, 2
 
 @triton.jit
 def _scales(amax, bad, RCEIL: tl.constexpr):
-    """float32 scales from float32 amax (>= 0, finite where ``bad`` is false): the rules of mxfx.block_format."""
+    """float32 scales from float32 amax (>= 0, finite where ``bad`` is false): the rules of mxfx.numerics.block."""
     if RCEIL:
         bits = amax.to(tl.int32, bitcast=True)
         # amax in [2^(E-127), 2^(E-126)); one step up when its significand exceeds 1.75 (field 0x600000)
@@ -60,7 +60,7 @@ def _encode(v, sv, RCEIL: tl.constexpr):
     else:
         scaled = tl.math.div_rn(v, sv)
     qbits = tl.minimum(tl.maximum(scaled, -448.0), 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    # the NaN tile: every byte 0x7F (mxfx.block_format.NAN_BYTE); tested on the scale's bits, which no float
+    # the NaN tile: every byte 0x7F (mxfx.numerics.block.NAN_BYTE); tested on the scale's bits, which no float
     # comparison rewrite can drop
     nan_tile = (sv.to(tl.int32, bitcast=True) & 0x7FFFFFFF) > 0x7F800000
     return tl.where(nan_tile, 0x7F, qbits).to(tl.uint8)
@@ -312,7 +312,7 @@ def quantize_1x128_colwise(x: torch.Tensor, rule: str = "rceil") -> tuple[torch.
 
 def quantize_1x128_grouped_tokens(x: torch.Tensor, offs: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
     """Grouped wgrad operand: 1x128 tiles down the tokens of ``x [S, K]`` restarting at each group start
-    (``mxfx.block_format.quantize_1x128_grouped_tokens``), written transposed: qdata ``[K, S]`` (columns past
+    (``mxfx.numerics.block.quantize_1x128_grouped_tokens``), written transposed: qdata ``[K, S]`` (columns past
     ``offs[-1]`` unwritten), scales ``[K, group_tile_capacity(S, G)]`` column-major (unused slots 1.0)."""
     op = "mxfx.block_quantize.quantize_1x128_grouped_tokens"
     check_input(x, op)

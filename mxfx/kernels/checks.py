@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mxfx import format as mxf
+from mxfx.numerics import mx as mxf
 
 TOKEN_DIM_HINT = " (the token dim, for activations)"
 
@@ -24,7 +24,7 @@ def check_dual_args(x, rule: str, op: str, *, row: bool = True, col: bool = True
         TypeError: x not a bf16/fp16/fp32 tensor, or ``dequantized`` not a floating dtype of 16+ bits.
         ValueError: neither orientation asked for, neither the MX pairs nor the dequantized values
             asked for (``mx=False`` without ``dequantized``), an unknown rule, or x not 2D/3D with M
-            and K multiples of 32 (see :func:`mxfx.format.check_both_axes`).
+            and K multiples of 32 (see :func:`mxfx.numerics.mx.check_both_axes`).
     """
     if not (row or col):
         raise ValueError(f"{op}: asked for no orientation (row=False, col=False); ask for at least one orientation")

@@ -18,9 +18,9 @@ import functools
 import torch
 
 from mxfx import kernels
-from mxfx.format import BLOCK_SIZE, dequantize_lastdim
+from mxfx.numerics.mx import BLOCK_SIZE, dequantize_lastdim
 from mxfx.kernels.launch import name_op_functions, op_or_body
-from mxfx.layout import blocked_numel
+from mxfx.numerics.layout import blocked_numel
 from mxfx.kernels.views import lastdim_scales, mn_major, scale_shape
 
 _E4M3 = torch.float8_e4m3fn
@@ -81,7 +81,7 @@ def _(x, rule):
 
 @torch.library.custom_op("mxfx::quantize_dual_blocked", mutates_args=())
 def _quantize_dual_blocked_op(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`_quantize_dual_op` with both scale matrices in the blocked layout of :mod:`mxfx.layout`."""
+    """:func:`_quantize_dual_op` with both scale matrices in the blocked layout of :mod:`mxfx.numerics.layout`."""
     return kernels.quantize_dual_blocked(x, rule)
 
 
@@ -177,7 +177,7 @@ def _route_weight_quantize_op(dy: torch.Tensor, weight: torch.Tensor, rule: str)
 @torch.library.custom_op("mxfx::quantize_blocked", mutates_args=())
 def _quantize_blocked_op(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [..., K]`` -> ``(qdata e4m3 [..., K], blocked uint8 scales)``: the scale matrix of
-    ``x.reshape(-1, K)`` in the blocked layout of :mod:`mxfx.layout` (rows padded to 128,
+    ``x.reshape(-1, K)`` in the blocked layout of :mod:`mxfx.numerics.layout` (rows padded to 128,
     scale columns to 4, padding zero), as Blackwell block-scaled GEMMs consume it."""
     return kernels.quantize_blocked(x, rule)
 
@@ -198,14 +198,14 @@ dequantize = op_or_body(_dequantize_op, kernels.dequantize_lastdim, """``(qdata 
 dtype)`` -> ``[..., K]`` of ``dtype`` (``mxfx::dequantize``).""")
 dequantize_fusible = op_or_body(_dequantize_op, dequantize_lastdim, """:func:`dequantize` for values that feed
 elementwise math (the SwiGLU backward): while a CUDA graph is traced, the plain-torch reference of
-``mxfx.format`` enters the graph instead of the Triton kernel, so Inductor fuses the decode into its consumer
+``mxfx.numerics.mx`` enters the graph instead of the Triton kernel, so Inductor fuses the decode into its consumer
 and no dequantized tensor is written; elsewhere ``mxfx::dequantize``. Same values either way (the kernels
 equal that reference bit for bit).""")
 quantize_dual = op_or_body(_quantize_dual_op, kernels.quantize_dual, """``x [M, K]`` -> rowwise ``(q [M, K],
 s [M, K/32])`` and columnwise ``(q [K, M], s [K, M/32])`` (``mxfx::quantize_dual``).""")
 quantize_dual_blocked = op_or_body(_quantize_dual_blocked_op, kernels.quantize_dual_blocked, """``x [M, K]`` ->
 ``(q [M, K], s_row blocked, q_t [K, M], s_col blocked)``: :func:`quantize_dual` with both scale matrices in the
-blocked layout of :mod:`mxfx.layout` (``mxfx::quantize_dual_blocked``).""")
+blocked layout of :mod:`mxfx.numerics.layout` (``mxfx::quantize_dual_blocked``).""")
 quantize_dual_dequantized = op_or_body(_quantize_dual_dequantized_op, _quantize_dual_dequantized, """``(x [M, K],
 rule, dtype)`` -> ``(row_hat, col_hat)``, both contiguous ``[M, K]`` of ``dtype``: the dequantized values of
 x's rowwise MX (blocks along K) and of its columnwise MX (blocks down M), from one read, no MX pair written

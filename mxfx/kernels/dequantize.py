@@ -4,7 +4,7 @@ A pair in the source layout (``q`` the transpose view of a contiguous ``[.., M, 
 tensor, ``s`` of ``[.., M/32, K]``; see :mod:`mxfx.kernels.dual`) is read
 along its storage rows and written in that same layout: no transpose either way.
 
-Bit-identical to ``mxfx.format.dequantize_lastdim`` (OCP MX v1.0 §6.3 / §5.3: E8M0
+Bit-identical to ``mxfx.numerics.mx.dequantize_lastdim`` (OCP MX v1.0 §6.3 / §5.3: E8M0
 byte 255 is NaN, byte 0 is 2^-127).
 """
 
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mxfx.format import check_pair
+from mxfx.numerics.mx import check_pair
 from mxfx.kernels.launch import launch
 from mxfx.kernels.mx_block import as_brc, decode_scale, flat_blocks, tile_origin
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from mxfx import format as mxf
-from mxfx.device import triton_available
+from mxfx.numerics import mx as mxf
+from mxfx.kernels.device import triton_available
 from mxfx.kernels.checks import TOKEN_DIM_HINT, check_dual_args, check_lastdim_args, check_route_args
 from mxfx.kernels.silu import silu_fp32
 from mxfx.kernels.views import laid_out_as, lastdim_scales, mn_major
-from mxfx.layout import blocked_numel, to_blocked
+from mxfx.numerics.layout import blocked_numel, to_blocked
 
 
 def quantize_lastdim(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,7 +34,7 @@ def quantize_lastdim(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Te
 
 
 def _reference_lastdim(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``mxfx.format.quantize_lastdim`` with the kernels' scale layout (:func:`lastdim_scales`)."""
+    """``mxfx.numerics.mx.quantize_lastdim`` with the kernels' scale layout (:func:`lastdim_scales`)."""
     q, s = mxf.quantize_lastdim(x, rule)
     return q, laid_out_as(s, lastdim_scales(x))
 
@@ -45,7 +45,7 @@ def _mn_major(s: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_blocked(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rowwise quantize with scales in the blocked layout (:mod:`mxfx.layout`) of ``x.reshape(-1, K)``.
+    """Rowwise quantize with scales in the blocked layout (:mod:`mxfx.numerics.layout`) of ``x.reshape(-1, K)``.
 
     Returns ``(qdata e4m3 [..., K], blocked uint8 [blocked_numel(rows, K/32)])``, padding zero.
     """
@@ -91,7 +91,7 @@ def quantize_dual(x: torch.Tensor, rule: str):
 
 
 def quantize_dual_blocked(x: torch.Tensor, rule: str):
-    """:func:`quantize_dual` with both scale matrices in the blocked layout of ``mxfx.layout``, as
+    """:func:`quantize_dual` with both scale matrices in the blocked layout of ``mxfx.numerics.layout``, as
     Blackwell MX GEMMs read them: ``(q_row [.., M, K], s_row [.., blocked_numel(M, K/32)], q_col [.., K, M],
     s_col [.., blocked_numel(K, M/32)])``, the scales ``to_blocked`` of quantize_dual's, per batch for a
     3D x (padding zero). One pass on CUDA, no ``to_blocked`` pass after it. Raises as :func:`quantize_dual`.

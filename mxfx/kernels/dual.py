@@ -17,14 +17,14 @@ Both scale tensors are MN-major (:mod:`mxfx.kernels.views`): ``s_row [M, K/32]``
 view of a contiguous ``[K/32, M]`` tensor and ``s_col [K, M/32]`` that of a contiguous ``[M/32, K]``
 one, so a program's ``[32, BLOCK_K]`` tile writes its scales as whole 32-byte sectors. Emulated GEMMs (Hopper, which
   has no MX GEMM) read either layout at the same cost, so the weight caches there keep the
-  dgrad form in this one (``mxfx.device.colwise_in_source_layout``). Optionally the same pass
+  dgrad form in this one (``mxfx.kernels.device.colwise_in_source_layout``). Optionally the same pass
   writes the dequantized values of each orientation, so one read of the FP32 main weight gives
   everything a Hopper weight-cache refresh builds.
 
 One program quantizes a ``[32, BLOCK_K]`` tile (a column block's 32 rows) with one or two warps, so the column
 amax reduction stays in registers and shuffles (docs/kernel-notes.md, "Kernel choices").
 
-Bit-identical to ``mxfx.format.quantize_lastdim`` of ``x`` and of ``x.transpose(-2, -1)``
+Bit-identical to ``mxfx.numerics.mx.quantize_lastdim`` of ``x`` and of ``x.transpose(-2, -1)``
 (OCP MX v1.0 §6.3, mxfx rules); the dequantized forms equal ``dequantize_lastdim``.
 """
 
@@ -38,7 +38,7 @@ from mxfx.kernels.launch import launch
 from mxfx.kernels.checks import TOKEN_DIM_HINT, check_dual_args
 from mxfx.kernels.mx_block import (CONVERT_ALL, CONVERT_BF16X2, blocked_offset, conversion_bits, decode_scale, encode_blocks,
                                    load_tile, tile_origin)
-from mxfx.layout import new_blocked_scales
+from mxfx.numerics.layout import new_blocked_scales
 
 SOURCE_CONFIG = {"source": (32, 64, 1), "source fp32": (32, 64, 1), "dequantized": (32, 128, 2)}
 """(BLOCK_M, BLOCK_K, num_warps) of the source-layout passes, keyed as ``CONVERSION_FORMS``: a 16-bit input, a
@@ -85,7 +85,7 @@ def _store_tile(ptr, vals, b, r0, c0, R, C, TRANSPOSE: tl.constexpr, EVEN: tl.co
 @triton.jit
 def _store_blocked(ptr, vals, b, r0, c0, R, C, EVEN: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     """Store ``vals [BR, BC]``, entries (r0.., c0..) of an [R, C] scale matrix, into batch b's blocked layout
-    (``mxfx.layout``). EVEN: no mask."""
+    (``mxfx.numerics.layout``). EVEN: no mask."""
     rr = (r0 + tl.arange(0, BR))[:, None]
     cc = (c0 + tl.arange(0, BC))[None, :]
     numel = ((R + 127) // 128 * 128) * ((C + 3) // 4 * 4)
@@ -208,7 +208,7 @@ def quantize_dual(x: torch.Tensor, rule: str):
 
     Raises:
         ValueError: not 2D/3D, or M or K not a multiple of 32.
-        TypeError: unsupported dtype (see ``mxfx.format.check_input``).
+        TypeError: unsupported dtype (see ``mxfx.numerics.mx.check_input``).
     """
     q_row, s_row, _, q_col, s_col, _ = _quantize_both(
         x, rule, "mxfx.quantize_dual", row=True, col=True, dequantized=None, transposed=True, hint=TOKEN_DIM_HINT)
@@ -217,7 +217,7 @@ def quantize_dual(x: torch.Tensor, rule: str):
 
 def quantize_dual_blocked(x: torch.Tensor, rule: str):
     """:func:`quantize_dual` with both scale matrices written straight into the blocked layout that
-    Blackwell MX GEMMs read (``mxfx.layout``: 128x4 tiles, padding zero), from the same single read.
+    Blackwell MX GEMMs read (``mxfx.numerics.layout``: 128x4 tiles, padding zero), from the same single read.
 
     Returns ``(q_row [.., M, K], s_row_blocked [.., blocked_numel(M, K/32)], q_col [.., K, M],
     s_col_blocked [.., blocked_numel(K, M/32)])``: qdata as :func:`quantize_dual` writes it, scales

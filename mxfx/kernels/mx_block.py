@@ -1,6 +1,6 @@
 """Pieces shared by every MX Triton kernel: encode/decode of 32-value blocks, and the [B, R, C] input view.
 
-The device functions here are the Triton transcription of ``mxfx.format``
+The device functions here are the Triton transcription of ``mxfx.numerics.mx``
 (OCP MX v1.0 §6.3 with the rceil/floor rules and the special-block rules written
 there); ``tests/test_kernels.py`` holds them to that reference bit for bit.
 Importing this module imports Triton: only ``mxfx.kernels.device_path`` imports it,
@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from mxfx.format import BLOCK_SIZE
+from mxfx.numerics.mx import BLOCK_SIZE
 from mxfx.kernels.silu import SILU_FLUSH_GATE
 from mxfx.kernels.views import as_brc, scale_shape  # noqa: F401  (the kernels' input views)
 
@@ -204,7 +204,7 @@ def decode_scale(sbyte):
 
 @triton.jit
 def blocked_offset(r, c, SCALE_COLS):
-    """Byte offset of scale (r, c) in the blocked layout (see ``mxfx.layout``); SCALE_COLS = K / 32."""
+    """Byte offset of scale (r, c) in the blocked layout (see ``mxfx.numerics.layout``); SCALE_COLS = K / 32."""
     col_tiles = (SCALE_COLS + 3) // 4
     tile = (r // 128) * col_tiles + c // 4
     return tile * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
@@ -245,7 +245,7 @@ int, which Inductor can write into the code it generates for a traced launch): c
 SCALES_MN_MAJOR = tl.constexpr(1)
 """storage [B, C/32, R] (the transpose view is the logical [B, R, C/32]);"""
 SCALES_BLOCKED = tl.constexpr(2)
-"""the blocked layout of ``mxfx.layout`` (B must be 1)."""
+"""the blocked layout of ``mxfx.numerics.layout`` (B must be 1)."""
 
 
 @triton.jit

@@ -5,11 +5,11 @@ One kernel, four host entry points:
 * :func:`quantize_lastdim`: rowwise; a transposed view quantizes columnwise and
   writes the transposed layout (``quantize_lastdim(x.t())`` -> ``[K, M]``).
 * :func:`quantize_blocked`: rowwise with scales written straight into the blocked
-  layout of :mod:`mxfx.layout`.
+  layout of :mod:`mxfx.numerics.layout`.
 * :func:`quantize_dequantize`: also writes ``x_hat`` = dequantize(q, s) in one pass.
 * :func:`route_weight_quantize`: quantizes ``dy * weight[:, None]`` formed in fp32.
 
-Bit-identical to ``mxfx.format.quantize_lastdim`` (OCP MX v1.0 §6.3, mxfx rules).
+Bit-identical to ``mxfx.numerics.mx.quantize_lastdim`` (OCP MX v1.0 §6.3, mxfx rules).
 Token counts change every call, so no launch may specialize on them beyond a
 fixed key: rowwise, R (tokens) is not specialized at all; for a transposed input
 (columnwise), the tokens are C, a multiple of 32 (always "divisible by 16"), and R
@@ -24,7 +24,7 @@ import triton.language as tl
 
 from mxfx.kernels.checks import check_route_args
 from mxfx.kernels.launch import launch
-from mxfx.format import check_block_axis, check_input, check_rule
+from mxfx.numerics.mx import check_block_axis, check_input, check_rule
 from mxfx.kernels.mx_block import (
     CONVERT_ALL,
     CONVERT_BF16X2,
@@ -41,7 +41,7 @@ from mxfx.kernels.mx_block import (
     tile_origin,
 )
 from mxfx.kernels.views import mn_major_storage_shape, mn_major_view, scale_shape
-from mxfx.layout import new_blocked_scales
+from mxfx.numerics.layout import new_blocked_scales
 
 FLAT_CONFIG = (64, 32, 2)
 """(BLOCK_R, BLOCK_C, num_warps) for contiguous inputs seen as a stream of 32-value blocks:

@@ -9,7 +9,7 @@ so every output is written as one contiguous stream whatever H is; other strides
 The fused forward equals ``quantize(silu_fp32(gate) * up)`` bit for bit.
 The same pass can also write the MX pairs of gate and of up themselves (``save_inputs``):
 what the SwiGLU backward keeps, so that no second and third read of gate and up follows.
-Quantization follows ``mxfx.format`` (OCP MX v1.0 §6.3) bit for bit.
+Quantization follows ``mxfx.numerics.mx`` (OCP MX v1.0 §6.3) bit for bit.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mxfx.format import BLOCK_SIZE, check_block_axis, check_input, check_rule
+from mxfx.numerics.mx import BLOCK_SIZE, check_block_axis, check_input, check_rule
 from mxfx.kernels.launch import launch
 from mxfx.kernels.mx_block import (
     CONVERT_ALL,

@@ -1,6 +1,6 @@
 """Triton transpose of 1-byte payloads: ``q [..., R, C]`` -> a new contiguous ``[..., C, R]``.
 
-fp8_block's dgrad weight copy is the forward copy's E4M3 qdata transposed (``mxfx.cache``). torch's strided copy
+fp8_block's dgrad weight copy is the forward copy's E4M3 qdata transposed (``mxfx.runtime.cache``). torch's strided copy
 moves one byte per thread with scattered writes; this kernel loads a ``TILE x TILE`` tile along its rows,
 transposes it in registers and shared memory (``tl.trans``) and stores it along the output's rows, so both sides
 are coalesced. Bytes move unchanged (qdata is viewed as ``uint8``): the result equals

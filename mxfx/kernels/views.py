@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from mxfx.format import BLOCK_SIZE
+from mxfx.numerics.mx import BLOCK_SIZE
 
 try:
     from torch.fx.experimental.symbolic_shapes import guard_or_false

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from mxfx.format import BLOCK_SIZE, SCALE_RULES
+from mxfx.numerics.mx import BLOCK_SIZE, SCALE_RULES
 from mxfx.kernels import custom_ops
 
 PRECISIONS = ("mxfp8", "bf16")

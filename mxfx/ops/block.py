@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import torch
 
-from mxfx.block_format import dequantize_values
-from mxfx.cache import block_weight_operand
+from mxfx.numerics.block import dequantize_values
+from mxfx.runtime.cache import block_weight_operand
 from mxfx.kernels import block_ops
 from mxfx.ops import swiglu
 from mxfx.ops.gemm import hp_grouped_wgrad, hp_mm_transposed
-from mxfx.settings import MXSettings
+from mxfx.ops.settings import MXSettings
 
 TILE = 128
 

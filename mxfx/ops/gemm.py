@@ -6,18 +6,18 @@ Every GEMM of a linear is written in this one orientation (``docs/format.md``,
 each operand so that its last dim is the reduction dim.
 
 Three custom ops (``mxfx::mm``, ``mxfx::grouped_mm``, ``mxfx::grouped_mm_wgrad``) pick an
-implementation at run time from :data:`GEMM_IMPLS`: native where :data:`mxfx.device.NATIVE_GEMMS`
+implementation at run time from :data:`GEMM_IMPLS`: native where :data:`mxfx.kernels.device.NATIVE_GEMMS`
 lists the op for the device's architecture, emulated elsewhere.
 
 * native (sm100 all three, sm120 dense only): ``torch._scaled_mm`` / ``torch._scaled_grouped_mm``
-  with E8M0 scales in the blocked layout of :mod:`mxfx.layout`; operands built by
+  with E8M0 scales in the blocked layout of :mod:`mxfx.numerics.layout`; operands built by
   :func:`native_mm_operands`, :func:`native_grouped_mm_operands`, :func:`native_grouped_wgrad_operands`.
 * emulated (Hopper, older GPUs, CPU): both operands dequantized exactly (fp32 on CPU, bf16 on CUDA,
   exact for E4M3 x 2^e except scales below 2^-118) and multiplied with fp32 accumulation: equal to a
   native MX GEMM up to summation order. Operands may arrive already dequantized (``a_dequantized``
   from the quantize pass, ``b_dequantized`` from the weight cache under ``keep_dequantized_weights``).
 
-A further block-scaled format adds its rows to :data:`GEMM_IMPLS` and :data:`mxfx.device.NATIVE_GEMMS`.
+A further block-scaled format adds its rows to :data:`GEMM_IMPLS` and :data:`mxfx.kernels.device.NATIVE_GEMMS`.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from typing import Callable
 
 import torch
 
-from mxfx import layout
-from mxfx.device import (FORMAT, emulated_operand_dtype, emulation_dtype, gemm_runs_natively, native_bf16_matmul,
+from mxfx.numerics import layout
+from mxfx.kernels.device import (FORMAT, emulated_operand_dtype, emulation_dtype, gemm_runs_natively, native_bf16_matmul,
                          triton_available)
 from mxfx.kernels import custom_ops, dequantize_lastdim
 from mxfx.kernels.launch import name_op_functions, op_or_body
@@ -176,7 +176,7 @@ class NativeOperands:
     Attributes:
         mat_a: float8_e4m3fn, row-major (2D).
         mat_b: float8_e4m3fn, ``[K, N]`` (or ``[E, K, N]``) column-major: ``B^T`` of the logical operand.
-        scale_a, scale_b: float8_e8m0fnu scales in the blocked layout (:mod:`mxfx.layout`).
+        scale_a, scale_b: float8_e8m0fnu scales in the blocked layout (:mod:`mxfx.numerics.layout`).
         offs: int32 group ends the native grouped call gets (None for dense).
         rows: int64 ``[S]`` row of the native result holding each logical output row (None: rows 0..M-1).
         cols: number of logical output columns (the native result may have zero-padded extra columns).
@@ -194,7 +194,7 @@ class NativeOperands:
 def native_mm_operands(a_qdata, a_scales, b_qdata, b_scales) -> NativeOperands:
     """Operands of ``torch._scaled_mm`` for ``dequant(A)[M,K] @ dequant(B)[N,K]^T``.
 
-    Scales go to the blocked layout (:func:`mxfx.layout.to_blocked`: rows padded
+    Scales go to the blocked layout (:func:`mxfx.numerics.layout.to_blocked`: rows padded
     to 128, scale columns to 4, padding bytes zero) and are viewed as
     ``float8_e8m0fnu``, which is how ``_scaled_mm`` recognises the MXFP8 recipe
     (torch ``check_mxfp8_recipe``: e4m3 operands, one BlockWise1x32 e8m0 scale
@@ -252,7 +252,7 @@ def native_grouped_mm_operands(a_qdata, a_scales, b_qdata, b_scales, offs) -> Na
     * A's scales are blocked *per group*: group g's scale rows start on a
       128-row tile boundary (at the sum of the earlier groups' sizes rounded up
       to 128), so the whole matrix equals the concatenation of each group's
-      :func:`~mxfx.layout.to_blocked` (torchao ``torch_to_blocked_2d_M_groups``);
+      :func:`~mxfx.numerics.layout.to_blocked` (torchao ``torch_to_blocked_2d_M_groups``);
       shape ``[R, ceil4(K/32)]`` with a static ``R`` (S + 31E + 32 rounded to 32, plus 128 E);
     * B's scales are blocked per expert: ``[E, blocked_numel(N, K/32)]``.
 
@@ -303,7 +303,7 @@ def k_groups_blocked(scales: torch.Tensor, scale_offs: torch.Tensor) -> torch.Te
     """Blocked layout of scales whose reduction dim is cut into groups (the 2D x 2D wgrad).
 
     Group g (scale columns ``scale_offs[g-1]:scale_offs[g]``) is laid out as its own
-    :func:`~mxfx.layout.to_blocked` matrix ``[ceil128(rows), ceil4(cols_g)]``,
+    :func:`~mxfx.numerics.layout.to_blocked` matrix ``[ceil128(rows), ceil4(cols_g)]``,
     starting at byte ``ceil128(rows) * (sum of earlier ceil4(cols))``; as torchao's
     ``torch_to_blocked_2d_K_groups``. Output ``[ceil128(rows), cols + 4 E]`` uint8.
     """
@@ -389,7 +389,7 @@ GEMM_IMPLS: dict[tuple[str, str], GemmImpl] = {
     (FORMAT, "emulated"): GemmImpl("emulated", _emulated_mm, _emulated_grouped_mm, _emulated_grouped_wgrad),
     (FORMAT, "native"): GemmImpl("native", _native_mm, _native_grouped_mm, _native_grouped_wgrad),
 }
-"""``(format, "native" | "emulated") -> GemmImpl``; which one a device gets is :data:`mxfx.device.NATIVE_GEMMS`."""
+"""``(format, "native" | "emulated") -> GemmImpl``; which one a device gets is :data:`mxfx.kernels.device.NATIVE_GEMMS`."""
 
 
 def gemm_impl(op: str, device: torch.device, fmt: str = FORMAT) -> tuple[str, Callable]:

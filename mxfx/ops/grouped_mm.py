@@ -28,15 +28,15 @@ from __future__ import annotations
 
 import torch
 
-from mxfx import layout
-from mxfx.cache import weight_operands
-from mxfx.format import check_input
+from mxfx.numerics import layout
+from mxfx.runtime.cache import weight_operands
+from mxfx.numerics.mx import check_input
 from mxfx.kernels import custom_ops
 from mxfx.kernels.launch import traced
 from mxfx.ops import swiglu
 from mxfx.ops.block import block_grouped_mm, check_x_tiles, weigh_rows
 from mxfx.ops.gemm import a_operand, hp_grouped_wgrad, mx_grouped_mm, mx_grouped_mm_wgrad, quantize_operand
-from mxfx.settings import MXSettings, resolve
+from mxfx.ops.settings import MXSettings, resolve
 
 def _pad_rows(t: torch.Tensor, dest: torch.Tensor, capacity: int) -> torch.Tensor:
     """``t [S, D]`` scattered to rows ``dest`` of a zero ``[capacity, D]`` buffer (groups padded to 32)."""
@@ -173,11 +173,11 @@ def mx_grouped_mm_op(
             its dequantization (rows received by an MX all-to-all, the recipe, "Smaller Dispatch and Combine Payloads", or gathered
             from the MX of the tokens before the dispatch's row gather): the forward GEMM uses
             it instead of quantizing ``x`` again. Not with ``up``. A third element, the
-            dequantized values ``[S, K]`` in :func:`mxfx.device.emulated_operand_dtype`,
+            dequantized values ``[S, K]`` in :func:`mxfx.kernels.device.emulated_operand_dtype`,
             is what an emulated GEMM reads instead of dequantizing the pair. Under
             ``format="fp8_block"`` the pair is x's 1x128 tiles instead (qdata ``[S, K]``, float32
             scales ``[S, K/128]``, any strides): x's own quantization, gathered rows included.
-        settings, **setting_fields: an :class:`mxfx.settings.MXSettings` and/or its fields by name
+        settings, **setting_fields: an :class:`mxfx.ops.settings.MXSettings` and/or its fields by name
             (``scale_rule``, ``wgrad`` (default "bf16", the routed recipe), ``save``,
             ``keep_dequantized_weights``, ``format``); fields given by name override ``settings``.
 

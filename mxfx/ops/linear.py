@@ -27,13 +27,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mxfx.cache import weight_operands
+from mxfx.runtime.cache import weight_operands
 from mxfx.kernels import custom_ops
 from mxfx.ops import swiglu
 from mxfx.ops.block import block_linear
-from mxfx.device import emulated_operand_dtype
+from mxfx.kernels.device import emulated_operand_dtype
 from mxfx.ops.gemm import hp_mm_transposed, mx_mm, quantize_dual_operand, quantize_operand
-from mxfx.settings import MXSettings, resolve
+from mxfx.ops.settings import MXSettings, resolve
 
 
 def _pad_tokens(t: torch.Tensor) -> torch.Tensor:
@@ -134,7 +134,7 @@ def mx_linear(
         input_dtype: the dtype the linear's input had in the model, when it differs
             from ``x.dtype`` (a fused SwiGLU whose product the model cast, e.g.
             ``(silu(g) * u).to(torch.bfloat16)``): the output dtype follows it.
-        settings, **setting_fields: an :class:`mxfx.settings.MXSettings` and/or its fields by name
+        settings, **setting_fields: an :class:`mxfx.ops.settings.MXSettings` and/or its fields by name
             (``scale_rule``, ``wgrad`` (default "mxfp8": token-blocked MX GEMM), ``save``,
             ``keep_dequantized_weights``, ``format``); fields given by name override ``settings``.
             ``format="fp8_block"`` runs :func:`mxfx.ops.block.block_linear` (K and N multiples of 128).

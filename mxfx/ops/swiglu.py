@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from mxfx.kernels import custom_ops
-from mxfx.device import emulated_operand_dtype
+from mxfx.kernels.device import emulated_operand_dtype
 from mxfx.ops.gemm import a_operand, quantize_operand
 
 
@@ -48,7 +48,7 @@ def quantize_input_and_pack(x: torch.Tensor, up: torch.Tensor, save: str, rule: 
         (x_hat its values in the emulation dtype where ``op`` is emulated) and what :func:`unpack` reads.
         With ``save="mxfp8"`` one pass reads gate and up once and writes the operand and both saved MX
         pairs (``mxfx::swiglu_quantize_save``, or ``..._dequantize_save`` where ``op`` is emulated): the
-        same bytes as three separate passes (OCP MX v1.0 §6.3 blocks, ``mxfx.format`` rules).
+        same bytes as three separate passes (OCP MX v1.0 §6.3 blocks, ``mxfx.numerics.mx`` rules).
 
     Raises:
         TypeError / ValueError: as :func:`mxfx.kernels.device_path.swiglu_quantize` (dtype, shapes, rule).

@@ -40,7 +40,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from mxfx.format import BLOCK_SIZE
+from mxfx.numerics.mx import BLOCK_SIZE
 from mxfx.ops.all_to_all import mx_all_to_all
 from mxfx.passes.fx import example_value, is_call, module_fqn, shape_str
 from mxfx.policy import Policy

@@ -39,7 +39,7 @@ import torch.fx as fx
 
 from mxfx.kernels import custom_ops
 from mxfx.ops.all_to_all import mx_all_to_all
-from mxfx.device import emulated_operand_dtype
+from mxfx.kernels.device import emulated_operand_dtype
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
 from mxfx.passes.fx import example_value, is_call, known_size
 from mxfx.policy import Policy

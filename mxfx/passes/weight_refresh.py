@@ -15,12 +15,12 @@ graph: the op receives the new values that are then copied back into the
 parameters), so the op quantizes the weights the next forward will use, inside
 the same compiled region, once per step (the recipe, "DDP Must Be MXFP8-Aware": "after every optimizer
 copy-back, rebuild all required MXFP8 caches"). ``plan`` names the parameter
-objects (weakly held by :mod:`mxfx.cache`); which of them have caches, and in
+objects (weakly held by :mod:`mxfx.runtime.cache`); which of them have caches, and in
 which rule and orientations, is resolved at run time, so the step may be
 compiled before the model. The op carries an ordered effect token, so neither
 AOTAutograd nor Inductor drops or reorders it. Once the compiled step returns
 (the parameters now hold the new values and versions), the backend's wrapper
-stamps the rebuilt caches fresh (:func:`mxfx.cache.after_step`).
+stamps the rebuilt caches fresh (:func:`mxfx.runtime.cache.after_step`).
 
 The precision-map record names the format the caches are rebuilt in: that of the caches the parameters hold
 when the step compiles (usually after a first forward), else the policy's ``format``.
@@ -35,8 +35,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from mxfx import cache
-from mxfx.device import resolve_format
+from mxfx.runtime import cache
+from mxfx.kernels.device import resolve_format
 from mxfx.policy import Policy
 from mxfx.report import OpRecord, PrecisionMap
 

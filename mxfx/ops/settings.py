@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from mxfx.block_format import check_rule as check_block_rule
-from mxfx.format import check_rule
+from mxfx.numerics.block import check_rule as check_block_rule
+from mxfx.numerics.mx import check_rule
 
 FORMATS = ("mxfp8", "fp8_block")
 """Block-scaled formats the ops carry: "mxfp8" (E4M3 payload, one E8M0 scale per 32 values) and

@@ -8,7 +8,7 @@ activation or gradient, along the GEMM's reduction dim, or per **128x128 block**
 Scale rules (``rule``):
 
 * ``"rceil"`` (default): the scale is a power of two, 2^e with e the smallest integer such that
-  amax / 2^e <= 448 (the MX rceil rule of :func:`mxfx.format.scale_exponent`, with scales kept
+  amax / 2^e <= 448 (the MX rceil rule of :func:`mxfx.numerics.mx.scale_exponent`, with scales kept
   as float32). Rescaling by a power of two is exact, so the only rounding is the E4M3 one; the
   scale is an exponent alone (DeepSeek-V3's later UE8M0 scales, TransformerEngine's default
   ``power_2_scale``), and one 128x128 grid of power-of-two scales dequantizes to the same values
@@ -25,7 +25,7 @@ Special tiles and blocks (both rules):
 * all zeros (amax = 0): scale 1.0, payload ±0 (each zero keeps its sign).
 * any NaN or ±Inf: scale NaN and every payload byte the E4M3 NaN 0x7F, so the whole tile
   dequantizes to NaN and a GEMM that reads it gives NaN in the rows/columns it touches (as in
-  :mod:`mxfx.format`: no infinity fits E4M3 and none should be silently clamped to 448).
+  :mod:`mxfx.numerics.mx`: no infinity fits E4M3 and none should be silently clamped to 448).
 * tiny tiles: scales never go below 2^-126, the smallest normal float32 (GPU code may flush
   subnormal float32 scales to zero); the payload is computed with that stored scale (possibly an
   E4M3 subnormal or zero). Scales never exceed 2^120 for finite data (no clamp needed above).
@@ -45,7 +45,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from mxfx.format import E4M3_MAX, INPUT_DTYPES, check_output_dtype, scale_exponent
+from mxfx.numerics.mx import E4M3_MAX, INPUT_DTYPES, check_output_dtype, scale_exponent
 
 TILE = 128
 """Values along the reduction dim sharing one scale: a 1x128 tile, or each side of a 128x128 block."""
@@ -88,7 +88,7 @@ def block_scales(amax: torch.Tensor, rule: str) -> torch.Tensor:
         e = scale_exponent(amax, "rceil").clamp_min(MIN_SCALE_EXP)
         s = torch.exp2(e.to(torch.float32))
     else:
-        check_rule(rule, "mxfx.block_format")
+        check_rule(rule, "mxfx.numerics.block")
         s = (amax / E4M3_MAX).clamp_min(2.0**MIN_SCALE_EXP)
     s = torch.where(amax == 0, torch.ones_like(s), s)
     return torch.where(torch.isfinite(amax), s, torch.full_like(s, float("nan")))
@@ -177,7 +177,7 @@ def quantize_1x128(x: torch.Tensor, axis: int = -1, rule: ScaleRule = "rceil") -
         ``(qdata, scales)``: qdata float8_e4m3fn of x's shape; scales float32 of x's shape with
         ``axis`` replaced by ``ceil(x.shape[axis] / 128)``.
     """
-    op = "mxfx.block_format.quantize_1x128"
+    op = "mxfx.numerics.block.quantize_1x128"
     check_input(x, op)
     check_rule(rule, op)
     axis = _axis(x, axis, op)
@@ -193,7 +193,7 @@ def quantize_128x128(w: torch.Tensor, rule: ScaleRule = "rceil") -> tuple[torch.
     Returns ``(qdata float8_e4m3fn [..., N, K], scales float32 [..., ceil(N/128), ceil(K/128)])``.
     Under ``"rceil"`` the same pair, transposed, is the 128x128 quantize of ``w`` transposed.
     """
-    op = "mxfx.block_format.quantize_128x128"
+    op = "mxfx.numerics.block.quantize_128x128"
     check_input(w, op, min_dim=2)
     check_rule(rule, op)
     with torch.no_grad():
@@ -205,7 +205,7 @@ def dequantize_1x128(
     qdata: torch.Tensor, scales: torch.Tensor, axis: int = -1, dtype: torch.dtype = torch.bfloat16
 ) -> torch.Tensor:
     """Dequantize a 1x128 pair tiled along ``axis``: ``qdata * scale`` formed in float32, cast to ``dtype``."""
-    op = "mxfx.block_format.dequantize_1x128"
+    op = "mxfx.numerics.block.dequantize_1x128"
     axis = _axis(qdata, axis, op)
     expected = list(qdata.shape)
     expected[axis] = n_tiles(expected[axis])
@@ -217,7 +217,7 @@ def dequantize_1x128(
 @torch.compiler.disable
 def dequantize_128x128(qdata: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Dequantize a 128x128 pair over the last two dims: ``qdata * scale`` in float32, cast to ``dtype``."""
-    op = "mxfx.block_format.dequantize_128x128"
+    op = "mxfx.numerics.block.dequantize_128x128"
     if qdata.dim() < 2:
         raise ValueError(f"{op}: qdata of shape {tuple(qdata.shape)} needs at least 2 dims [..., N, K]")
     expected = (*qdata.shape[:-2], n_tiles(qdata.shape[-2]), n_tiles(qdata.shape[-1]))
@@ -260,7 +260,7 @@ def quantize_1x128_grouped_tokens(
     [group_tile_capacity(S, G), K])``: group g's tiles at slots ``group_tile_starts(offs)[g] + j``; the
     slots past the last group's are 1.0. Rows past ``offs[-1]`` quantize as zeros' payload (+0).
     """
-    op = "mxfx.block_format.quantize_1x128_grouped_tokens"
+    op = "mxfx.numerics.block.quantize_1x128_grouped_tokens"
     check_input(x, op, min_dim=2)
     check_rule(rule, op)
     if x.dim() != 2:

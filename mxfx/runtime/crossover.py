@@ -30,7 +30,7 @@ from functools import lru_cache
 
 import torch
 
-DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
 """Where the tables live (``crossover_sm90.json``, ...)."""
 
 _warned: set = set()
@@ -54,7 +54,7 @@ def _load(path: str, mtime: float) -> dict:
         table = json.load(f)
     for fam in table.get("families", ()):
         if not {"K", "N", "points"} <= set(fam) or not fam["points"]:
-            raise ValueError(f"mxfx.crossover: family {fam.get('name')!r} in {path} needs K, N and points")
+            raise ValueError(f"mxfx.runtime.crossover: family {fam.get('name')!r} in {path} needs K, N and points")
     return table
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from mxfx.format import BLOCK_SIZE
+from mxfx.numerics.mx import BLOCK_SIZE
 
 TILE_ROWS = 128
 """Rows of scales per tile (four groups of 32)."""
@@ -94,12 +94,12 @@ def to_blocked(scales: torch.Tensor) -> torch.Tensor:
     """
     if scales.dim() != 2:
         raise ValueError(
-            f"mxfx.layout.to_blocked: expected a 2D [rows, cols] scale matrix, got shape {tuple(scales.shape)}; "
+            f"mxfx.numerics.layout.to_blocked: expected a 2D [rows, cols] scale matrix, got shape {tuple(scales.shape)}; "
             f"flatten leading dims first (scales.reshape(-1, scales.shape[-1]))"
         )
     if scales.dtype not in (torch.uint8, torch.float8_e8m0fnu):
         raise TypeError(
-            f"mxfx.layout.to_blocked: scales of shape {tuple(scales.shape)} have dtype {scales.dtype}; "
+            f"mxfx.numerics.layout.to_blocked: scales of shape {tuple(scales.shape)} have dtype {scales.dtype}; "
             f"expected uint8 E8M0 bytes or torch.float8_e8m0fnu"
         )
     rows, cols = scales.shape
@@ -130,14 +130,14 @@ def from_blocked(blocked: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
             ``blocked_numel(rows, cols)`` bytes.
     """
     if blocked.element_size() != 1:
-        raise TypeError(f"mxfx.layout.from_blocked: blocked scales must be bytes (uint8 or float8_e8m0fnu), got "
+        raise TypeError(f"mxfx.numerics.layout.from_blocked: blocked scales must be bytes (uint8 or float8_e8m0fnu), got "
                         f"{blocked.dtype} of shape {tuple(blocked.shape)}")
     if rows < 0 or cols < 0:
-        raise ValueError(f"mxfx.layout.from_blocked: rows and cols must be >= 0, got [{rows}, {cols}]")
+        raise ValueError(f"mxfx.numerics.layout.from_blocked: rows and cols must be >= 0, got [{rows}, {cols}]")
     prows, pcols = _ceil_to(rows, TILE_ROWS), _ceil_to(cols, TILE_COLS)
     if blocked.numel() != prows * pcols:
         raise ValueError(
-            f"mxfx.layout.from_blocked: blocked scales of shape {tuple(blocked.shape)} hold {blocked.numel()} "
+            f"mxfx.numerics.layout.from_blocked: blocked scales of shape {tuple(blocked.shape)} hold {blocked.numel()} "
             f"bytes; a [{rows}, {cols}] matrix needs {prows} x {pcols} = {prows * pcols} (rows padded to "
             f"{TILE_ROWS}, cols to {TILE_COLS})"
         )

@@ -88,12 +88,12 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from mxfx import kernels
-from mxfx.block_format import SCALE_RULES as BLOCK_SCALE_RULES
-from mxfx.format import BLOCK_SIZE, SCALE_RULES
+from mxfx.numerics.block import SCALE_RULES as BLOCK_SCALE_RULES
+from mxfx.numerics.mx import BLOCK_SIZE, SCALE_RULES
 from mxfx.kernels import block_device_path
 from mxfx.kernels.views import mn_major
-from mxfx.device import colwise_in_source_layout
-from mxfx.layout import blocked_numel, from_blocked, is_blocked, to_blocked
+from mxfx.kernels.device import colwise_in_source_layout
+from mxfx.numerics.layout import blocked_numel, from_blocked, is_blocked, to_blocked
 
 WEIGHT_KINDS = ("linear", "grouped_mm")
 """Precision-map kinds whose rewritten ops read weights through this cache."""
@@ -105,7 +105,7 @@ DEQUANTIZED = {"forward_bf16": "forward", "dgrad_bf16": "dgrad"}
 """Dequantized BF16 forms -> the MX orientation whose values they hold."""
 
 BLOCK_FORMS = {"block_forward": "forward", "block_dgrad": "dgrad"}
-"""fp8_block forms -> the GEMM orientation they serve. One 128x128 grid of W (``mxfx.block_format``) serves
+"""fp8_block forms -> the GEMM orientation they serve. One 128x128 grid of W (``mxfx.numerics.block``) serves
 both: "block_forward" is ``(qdata [..., N, K], scales [..., N/128, K/128])``, "block_dgrad" the same qdata
 and scales transposed (``[..., K, N]`` contiguous, ``[..., K/128, N/128]``): a 128x128 block has no
 orientation, so the dgrad copy is W's forward grid read as W^T, quantized once."""
@@ -164,23 +164,23 @@ def _drop_storage(cdata: int) -> None:
 
 def _check(weight: torch.Tensor, rule: str, orientation: str) -> None:
     if orientation not in FORMS:
-        raise ValueError(f"mxfx.cache: orientation={orientation!r} is not valid; choose one of {FORMS}")
+        raise ValueError(f"mxfx.runtime.cache: orientation={orientation!r} is not valid; choose one of {FORMS}")
     rules = BLOCK_SCALE_RULES if orientation in BLOCK_FORMS else SCALE_RULES
     if rule not in rules:
-        raise ValueError(f"mxfx.cache: rule={rule!r} is not valid for {orientation!r}; choose one of {rules}")
+        raise ValueError(f"mxfx.runtime.cache: rule={rule!r} is not valid for {orientation!r}; choose one of {rules}")
     if weight.dim() not in (2, 3) or (orientation not in BLOCK_FORMS and (weight.shape[-1] % BLOCK_SIZE or weight.shape[-2] % BLOCK_SIZE)):
         raise ValueError(
-            f"mxfx.cache: weight of shape {tuple(weight.shape)} must be [N, K] or [E, N, K] with N and K multiples "
+            f"mxfx.runtime.cache: weight of shape {tuple(weight.shape)} must be [N, K] or [E, N, K] with N and K multiples "
             f"of {BLOCK_SIZE} (both orientations are blocked by {BLOCK_SIZE})"
         )
     if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"mxfx.cache: weight dtype {weight.dtype} is not a high-precision float (fp32/bf16/fp16)")
+        raise ValueError(f"mxfx.runtime.cache: weight dtype {weight.dtype} is not a high-precision float (fp32/bf16/fp16)")
 
 
 def source_layout(weight: torch.Tensor) -> bool:
     """Whether ``weight``'s dgrad forms are kept in the source layout (transpose views of ``[.., N, K]``
     tensors) rather than contiguous ``[.., K, N]``: where its GEMM is emulated
-    (:func:`mxfx.device.colwise_in_source_layout`)."""
+    (:func:`mxfx.kernels.device.colwise_in_source_layout`)."""
     return colwise_in_source_layout(weight.device, "grouped_mm" if weight.dim() == 3 else "mm")
 
 
@@ -217,7 +217,7 @@ def _quantize(weight: torch.Tensor, rule: str, mx, hats=()) -> tuple[dict, dict]
 
 
 def blocked_scales(weight: torch.Tensor) -> bool:
-    """Whether ``weight``'s MX forms keep their scales in the blocked layout (:mod:`mxfx.layout`, 1D): a 2D
+    """Whether ``weight``'s MX forms keep their scales in the blocked layout (:mod:`mxfx.numerics.layout`, 1D): a 2D
     weight whose dense GEMM runs natively (Blackwell), which reads that layout. Stored so once per refresh,
     it saves a ``to_blocked`` per GEMM call. Expert weights keep plain scales: the grouped native operands
     lay each expert's out in their own padded layout."""
@@ -309,7 +309,7 @@ def set_dgrad_at_refresh(enabled: bool) -> bool:
     """
     global _dgrad_at_refresh
     if not isinstance(enabled, bool):
-        raise TypeError(f"mxfx.cache.set_dgrad_at_refresh: enabled={enabled!r} must be True or False")
+        raise TypeError(f"mxfx.runtime.cache.set_dgrad_at_refresh: enabled={enabled!r} must be True or False")
     with _lock:
         previous, _dgrad_at_refresh = _dgrad_at_refresh, enabled
     return previous
@@ -370,7 +370,7 @@ def lookup(weight: torch.Tensor, rule: str, orientation: str) -> tuple[torch.Ten
     _check(weight, rule, orientation)
     if weight.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
-            f"mxfx.cache: a weight {tuple(weight.shape)} is looked up while a CUDA graph is being captured; a replay "
+            f"mxfx.runtime.cache: a weight {tuple(weight.shape)} is looked up while a CUDA graph is being captured; a replay "
             f"would skip the freshness check and reuse caches of the step it was captured in. Run the mxfp8 backend "
             f"outside CUDA graphs (torchtitan: --training.disable_cuda_graphs)")
     with _lock:
@@ -379,7 +379,7 @@ def lookup(weight: torch.Tensor, rule: str, orientation: str) -> tuple[torch.Ten
         form = (rule, orientation)
         if entry.gathered and (form not in entry.forms or entry.step != _step):
             raise RuntimeError(
-                f"mxfx.cache: the {orientation!r} form of a weight {tuple(weight.shape)} gathered as MX forms by FSDP2 "
+                f"mxfx.runtime.cache: the {orientation!r} form of a weight {tuple(weight.shape)} gathered as MX forms by FSDP2 "
                 f"(mxfx.fsdp.mx_all_gather) was not gathered since the last optimizer step; its unsharded values cannot rebuild it "
                 f"exactly. Keep this weight out of mx_all_gather (and Policy.keep_dequantized_weights is not "
                 f"supported with it)")
@@ -443,7 +443,7 @@ def _fake_form(weight: torch.Tensor, orientation: str, dtype: torch.dtype, scale
 
 def _check_mx_orientation(orientation: str) -> None:
     if orientation not in ORIENTATIONS:
-        raise ValueError(f"mxfx.cache: orientation={orientation!r} is not valid; choose one of {ORIENTATIONS}")
+        raise ValueError(f"mxfx.runtime.cache: orientation={orientation!r} is not valid; choose one of {ORIENTATIONS}")
 
 
 @torch.library.custom_op("mxfx::cached_weight_quantize", mutates_args=())
@@ -576,7 +576,7 @@ def block_weight_operand(weight: torch.Tensor, rule: str, orientation: str) -> t
 
     Args:
         weight: the high-precision parameter ``[N, K]`` or ``[E, N, K]`` (fp32/bf16/fp16), any dims.
-        rule: "rceil" or "amax" (``mxfx.block_format.SCALE_RULES``).
+        rule: "rceil" or "amax" (``mxfx.numerics.block.SCALE_RULES``).
         orientation: "forward": qdata ``[..., N, K]``, scales ``[..., ceil(N/128), ceil(K/128)]``;
             "dgrad": qdata ``[..., K, N]``, scales ``[..., ceil(K/128), ceil(N/128)]``.
 
@@ -743,9 +743,9 @@ def _refresh_weight_caches(plan: int, values: list[torch.Tensor]) -> torch.Tenso
     """
     params = _plans.get(plan)
     if params is None:
-        raise RuntimeError(f"mxfx.cache: unknown refresh plan {plan}")
+        raise RuntimeError(f"mxfx.runtime.cache: unknown refresh plan {plan}")
     if len(params) != len(values):
-        raise RuntimeError(f"mxfx.cache: refresh plan {plan} has {len(params)} parameters, got {len(values)} values")
+        raise RuntimeError(f"mxfx.runtime.cache: refresh plan {plan} has {len(params)} parameters, got {len(values)} values")
     n = 0
     with _lock, torch.no_grad():
         for ref, value in zip(params, values):
