@@ -111,8 +111,8 @@ def run_mode(mode, args, device):
     cache.clear()
     cache.reset_stats()
     _per_call_count[0] = 0
-    original, original_cache_quantize = mx_linear_mod.weight_operands, cache._quantize
-    cache._quantize = _ranged_quantize(original_cache_quantize)
+    original, original_cache_quantize = mx_linear_mod.weight_operands, cache.forms._quantize
+    cache.forms._quantize = _ranged_quantize(original_cache_quantize)
     previous = cache.set_dgrad_at_refresh(mode == "cached-at-refresh")
     if mode == "per-call":
         mx_linear_mod.weight_operands = per_call_weight_operands
@@ -164,7 +164,7 @@ def run_mode(mode, args, device):
             "weights": sum(1 for n, p in model.named_parameters() if p.dim() == 2 and "router" not in n),
         }
     finally:
-        mx_linear_mod.weight_operands, cache._quantize = original, original_cache_quantize
+        mx_linear_mod.weight_operands, cache.forms._quantize = original, original_cache_quantize
         cache.set_dgrad_at_refresh(previous)
 
 

@@ -96,7 +96,7 @@ def _byte_identical(unsharded: torch.Tensor, full: torch.Tensor, fmt: str = "mxf
     from mxfx.runtime import cache
     from mxfx.numerics import mx as format
 
-    entry = cache._entries[cache._key(unsharded)]
+    entry = cache.store.state.entries[cache.store._key(unsharded)]
     assert entry.gathered
     if fmt == "fp8_block":
         q, s = block_format.quantize_128x128(full, "rceil")
