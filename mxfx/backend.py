@@ -17,7 +17,8 @@ import torch.fx as fx
 
 from mxfx import cache_key, names, passes, report, rule_check
 from mxfx.runtime import cache
-from mxfx.kernels.device import mx_emulated_note, resolve_format
+from mxfx import formats
+from mxfx.kernels.device import arch_of, capability
 from mxfx.passes import weight_refresh
 from mxfx.passes.fx import PREFIX_META, all_graphs, example_value, fill_example_values, parameter_placeholders
 from mxfx.policy import Policy
@@ -138,38 +139,43 @@ _warned_formats: set[str] = set()  # formats whose GPU note was given (once per 
 
 
 def _warn_keep_dequantized_unused(pm: report.PrecisionMap, policy: Policy, on: torch.device) -> None:
-    """Warn once per process when ``keep_dequantized_weights`` can act nowhere: this graph's converted ops all run
-    fp8_block and neither the policy's format nor any rule's resolves to MXFP8 on ``on`` (so no other graph has an
-    MXFP8 op either; ``format="auto"`` on sm90)."""
+    """Warn once per process when ``keep_dequantized_weights`` can act nowhere: no converted op of this graph runs a
+    format with BF16 dequantized weight forms, and neither the policy's format nor any rule's resolves to one on
+    ``on`` (so no other graph has such an op either; e.g. ``format="auto"`` on sm90)."""
     if not policy.keep_dequantized_weights or "keep_dequantized" in _warned_formats:
         return
     converted = [r for r in pm.records if r.rewritten and r.kind in cache.WEIGHT_KINDS]
-    formats = sorted({f for r in converted for f in (r.forward, r.dgrad) if f not in ("", "-")})
-    if not converted or "mxfp8" in formats:
+    names = sorted({f for r in converted for f in (r.forward, r.dgrad) if f in formats.NAMES})
+    if not converted or any(formats.get(f).dequantized_weight_forms for f in names):
         return
-    if any(resolve_format(f, on) == "mxfp8" for f in [policy.format, *(r.format for r in policy.rules if r.format)]):
+    if any(formats.get(f, on).dequantized_weight_forms for f in [policy.format, *(r.format for r in policy.rules if r.format)]):
         return
     _warned_formats.add("keep_dequantized")
-    warnings.warn(f"mxfx: keep_dequantized_weights=True keeps BF16 weight copies for emulated MXFP8 GEMMs, but no op "
-                  f"runs MXFP8 here: the policy's format {policy.format!r} and its rules resolve to "
-                  f"{'/'.join(formats)} on {on.type}, which reads FP8 weights directly, so it does nothing; drop it, "
-                  f"or add a rule with format='mxfp8'", stacklevel=4)
+    warnings.warn(f"mxfx: keep_dequantized_weights=True keeps BF16 weight copies for emulated GEMMs, but no op runs a "
+                  f"format that has them here: the policy's format {policy.format!r} and its rules resolve to "
+                  f"{'/'.join(names)} on {on.type}, which reads its low-precision weights directly, so it does nothing; "
+                  f"drop it, or add a rule with format="
+                  f"{next(n for n in formats.NAMES if formats.get(n).dequantized_weight_forms)!r}", stacklevel=4)
 
 
 def _warn_format_notes(pm: report.PrecisionMap, example_inputs, policy: Policy) -> None:
-    """Warn once per process when a graph on a CUDA GPU has MXFP8 ops that are emulated there (sm90; the note
-    names format="fp8_block"), and when ``keep_dequantized_weights`` can act nowhere
-    (:func:`_warn_keep_dequantized_unused`)."""
+    """Warn once per process and format when a graph on a CUDA GPU has ops of a format whose GEMMs are emulated
+    there while another format runs natively (MXFP8 on sm90: the note names fp8_block), and when
+    ``keep_dequantized_weights`` can act nowhere (:func:`_warn_keep_dequantized_unused`)."""
     device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda), None)
     _warn_keep_dequantized_unused(pm, policy, device or torch.device("cpu"))
-    if device is None or "mxfp8" in _warned_formats:
+    if device is None:
         return
-    if not any(r.rewritten and "mxfp8" in (r.forward, r.dgrad) for r in pm.records):
-        return
-    note = mx_emulated_note(device)
-    if note:
-        _warned_formats.add("mxfp8")
-        warnings.warn(note, stacklevel=3)
+    arch = arch_of(capability(device))
+    native = formats.get(formats.AUTO, device)
+    used = {f for r in pm.records if r.rewritten for f in (r.forward, r.dgrad) if f in formats.NAMES}
+    for fmt in map(formats.get, sorted(used - _warned_formats)):
+        if arch in fmt.native_archs or arch not in native.native_archs:
+            continue
+        _warned_formats.add(fmt.name)
+        warnings.warn(f"mxfx: {fmt.name} has no tensor cores on {arch}: its GEMMs are emulated (dequantize + BF16 "
+                      f"GEMM). options={{'format': {native.name!r}}} (or 'auto') runs {native.name} tensor-core GEMMs "
+                      f"instead; BENCHMARKS.md has both formats' measured speed and loss on the H200.", stacklevel=3)
 
 
 def mxfp8_backend(gm: fx.GraphModule, example_inputs, options: Policy | dict | None = None,

@@ -45,20 +45,14 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import Shard
 import torch.utils._pytree as pytree
 
-from mxfx import kernels
-from mxfx.numerics import block as block_format
-from mxfx.runtime import cache
-from mxfx.numerics.mx import BLOCK_SIZE, SCALE_RULES
-from mxfx.kernels import block_device_path
-from mxfx.passes.fx import fit_format
+from mxfx import formats
+from mxfx.formats import Format
 from mxfx.policy import Policy
+from mxfx.runtime import cache
 
 stats: Counter = Counter()
-"""Gathers per form sent: ``gather_forward``, ``gather_dgrad`` (mxfp8), ``gather_block`` (fp8_block); one
-per parameter per gather."""
-FORMS = ("mxfp8", "fp8_block")
-"""Gather forms: the values of :func:`mx_all_gather`'s map for converted weights."""
-_ROW_MULTIPLE = {"mxfp8": BLOCK_SIZE, "fp8_block": block_format.TILE}  # rows of a block, per form
+"""Gathers per form sent (:meth:`mxfx.formats.Format.gather_forms`): ``gather_forward``, ``gather_dgrad`` (mxfp8),
+``gather_block`` (fp8_block); one per parameter per gather."""
 _aten = torch.ops.aten
 _KEEP_SUBCLASS = {
     _aten.empty_like.default, _aten.new_zeros.default, _aten.slice.Tensor, _aten.copy_.default,
@@ -78,24 +72,24 @@ def _in_backward() -> bool:
 
 
 class MXWeight(torch.Tensor):
-    """A weight ``[N, K]`` or ``[E, N, K]`` (FP32 main weight) whose FSDP2 all-gather moves its ``fmt`` forms
-    (:data:`FORMS`) of scale rule ``rule``.
+    """A weight ``[N, K]`` or ``[E, N, K]`` (FP32 main weight) whose FSDP2 all-gather moves the forms of format
+    ``fmt`` (:meth:`mxfx.formats.Format.gather_forms`) of scale rule ``rule``.
 
     Every op other than FSDP's gather sees the wrapped tensor (``_tensor``); ops that make a tensor
     of the same kind (views, copies, ``detach``) keep the subclass so FSDP's shard is one too.
     """
 
     @staticmethod
-    def __new__(cls, tensor: torch.Tensor, rule: str, fmt: str = "mxfp8"):
+    def __new__(cls, tensor: torch.Tensor, rule: str, fmt: Format | str = formats.DEFAULT):
         return torch.Tensor._make_wrapper_subclass(
             cls, tensor.size(), strides=tensor.stride(), storage_offset=tensor.storage_offset(),
             dtype=tensor.dtype, layout=tensor.layout, device=tensor.device, requires_grad=tensor.requires_grad,
         )
 
-    def __init__(self, tensor: torch.Tensor, rule: str, fmt: str = "mxfp8"):
+    def __init__(self, tensor: torch.Tensor, rule: str, fmt: Format | str = formats.DEFAULT):
         self._tensor = tensor
-        self._rule = rule
-        self._format = fmt
+        self._format = formats.get(fmt)
+        self._rule = self._format.rule(rule, "mxfx.fsdp.MXWeight")
         self._shard_forms = None  # (step, version, {form: (qdata u8, scales)})
 
     @classmethod
@@ -114,7 +108,7 @@ class MXWeight(torch.Tensor):
         return pytree.tree_map_only(torch.Tensor, lambda x: MXWeight(x, *meta), out)
 
     def __tensor_flatten__(self):
-        return ["_tensor"], {"rule": self._rule, "fmt": self._format}
+        return ["_tensor"], {"rule": self._rule.value, "fmt": self._format.name}
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
@@ -125,32 +119,18 @@ class MXWeight(torch.Tensor):
         return self._tensor.__reduce_ex__(protocol)
 
     def __repr__(self):
-        return f"MXWeight(format={self._format}, rule={self._rule}, {self._tensor!r})"
+        return f"MXWeight(format={self._format.name}, rule={self._rule.value}, {self._tensor!r})"
 
     # --- FSDP2 extension points ---------------------------------------------------------------
 
     def _forms(self) -> dict:
-        """The shard's forms, as the gather sends them, quantized once per optimizer step. mxfp8:
-        ``forward`` and ``dgrad``, each (qdata u8 ``[..., N/w, K]``, scales u8 ``[..., N/w, K/32]``);
-        fp8_block: ``block`` (qdata u8 ``[..., N/w, K]``, scales f32 ``[..., N/(128w), ceil(K/128)]``)."""
+        """The shard's forms, as the gather sends them (:meth:`mxfx.formats.Format.gather_forms`), quantized once
+        per optimizer step."""
         w = self._tensor
         stamp = (cache.step_count(), w._version)
         if self._shard_forms is None or self._shard_forms[:2] != stamp:
             with torch.no_grad():
-                w = w.detach()
-                if self._format == "fp8_block":
-                    q, s = block_device_path.quantize_128x128(w, self._rule)
-                    forms = {"block": (q.contiguous().view(torch.uint8), s.contiguous())}
-                else:
-                    q, s = kernels.quantize_lastdim(w, self._rule)
-                    qt, st = kernels.quantize_lastdim(w.transpose(-2, -1), self._rule)
-                    forms = {
-                        "forward": (q.contiguous().view(torch.uint8), s.contiguous()),
-                        # dgrad: W^T [..., K, N] blocked along N -> sent in W's layout: qdata [..., N, K],
-                        # scales [..., N/32, K] viewed as [..., N, K/32]
-                        "dgrad": (qt.transpose(-2, -1).contiguous().view(torch.uint8),
-                                  st.transpose(-2, -1).contiguous().view(w.shape[:-1] + (w.shape[-1] // BLOCK_SIZE,))),
-                    }
+                forms = self._format.gather_forms(w.detach(), self._rule)
             self._shard_forms = (*stamp, forms)
         return self._shard_forms[2]
 
@@ -160,40 +140,24 @@ class MXWeight(torch.Tensor):
                 f"mxfx.fsdp: a weight {tuple(outer_size)} is sharded to {tuple(self.shape)}, not on dim 0; "
                 f"mx_all_gather decided its form for dim-0 shards: pass fully_shard's shard_placement_fn to "
                 f"mx_all_gather too (it gathers such weights in high precision)")
-        rows = _ROW_MULTIPLE[self._format]
+        rows = self._format.gather_row_multiple
         if self.dim() == 2 and self.shape[0] % rows:
             raise RuntimeError(
                 f"mxfx.fsdp: a weight {tuple(outer_size)} is sharded to {tuple(self.shape)}: {self.shape[0]} rows would "
-                f"cut a {rows}-row {self._format} block; mx_all_gather was told a smaller mesh: pass this mesh's size "
+                f"cut a {rows}-row {self._format.name} block; mx_all_gather was told a smaller mesh: pass this mesh's size "
                 f"as world_size")
         if tuple(self.shape) == tuple(outer_size):
             # one shard: FSDP2 gathers nothing and copies only the first input; the cache quantizes the weight
             return (self._tensor if mp_policy.param_dtype is None else self._tensor.to(mp_policy.param_dtype),), ((), tuple(outer_size))
         forms = self._forms()
-        if self._format == "fp8_block":
-            which = ("block",)  # one 128x128 grid serves forward and dgrad
-        elif not _reshards_after_forward(module):
-            which = ("forward", "dgrad")  # gathered once per step: both forms
-        else:
-            which = ("dgrad",) if _in_backward() else ("forward",)
+        which = self._format.gather_which(_reshards_after_forward(module), _in_backward())
         stats.update(f"gather_{o}" for o in which)
         outs = tuple(t for o in which for t in forms[o])
         return outs, (which, tuple(outer_size))
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         which, shape = metadata
-        *lead, n, k = shape
-        pairs = {}
-        for i, o in enumerate(which):
-            q = all_gather_outputs[2 * i].view(torch.float8_e4m3fn).view(shape)
-            s = all_gather_outputs[2 * i + 1]
-            if o == "block":
-                s = s.view(*lead, -1, block_format.n_tiles(k))
-                pairs["block_forward"], pairs["block_dgrad"] = (q, s), (q.transpose(-2, -1), s.transpose(-2, -1))
-            elif o == "forward":
-                pairs[o] = (q, s.view(*lead, n, k // BLOCK_SIZE))
-            else:
-                pairs[o] = (q.transpose(-2, -1), s.reshape(*lead, n // BLOCK_SIZE, k).transpose(-2, -1))
+        pairs = self._format.gathered_pairs(which, all_gather_outputs, shape) if which else {}
         if out is None:
             out = torch.empty(shape, dtype=param_dtype or self._tensor.dtype, device=self._tensor.device)
             ret = (out, (out,))
@@ -201,19 +165,10 @@ class MXWeight(torch.Tensor):
             ret = None
         # a gather inside backward refills a tensor autograd saved: keep its version, as FSDP does for its own copy
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
-            out.copy_(_values(pairs, out.dtype) if pairs else all_gather_outputs[0].view(shape))
+            out.copy_(self._format.gathered_values(pairs, out.dtype) if pairs else all_gather_outputs[0].view(shape))
         if pairs:
-            cache.install_forms(out, self._rule, pairs)
+            cache.install_forms(out, self._rule.value, pairs)
         return ret
-
-
-def _values(pairs: dict, dtype: torch.dtype) -> torch.Tensor:
-    """The weight ``[..., N, K]`` dequantized from gathered forms (the forward form's values where gathered)."""
-    if "block_forward" in pairs:
-        return block_format.dequantize_128x128(*pairs["block_forward"], dtype)
-    if "forward" in pairs:
-        return kernels.dequantize_lastdim(*pairs["forward"], dtype)
-    return kernels.dequantize_lastdim(*pairs["dgrad"], dtype).transpose(-2, -1)
 
 
 _roots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # owning module -> weakref to the model converted
@@ -257,24 +212,27 @@ def _weight_kind(module: torch.nn.Module, name: str, p: torch.Tensor) -> str | N
     return None
 
 
-def _gather_form(weight: torch.Tensor, fmt: str, world: int, shard_dim: int = 0) -> str:
+def _gather_form(weight: torch.Tensor, fmt: Format | str, world: int, shard_dim: int = 0) -> str:
     """The form FSDP2 can gather ``weight`` (``[N, K]`` or ``[E, N, K]``) in exactly, sharded on ``shard_dim``
-    over ``world`` ranks: ``fmt`` ("mxfp8" or "fp8_block") or ``"high precision (reason)"``."""
+    over ``world`` ranks: the name of format ``fmt`` or ``"high precision (reason)"``.
+
+    Raises:
+        ValueError: ``fmt`` is not a format (:func:`mxfx.formats.get`)."""
+    fmt = formats.get(fmt)
     shape = tuple(weight.shape)
-    if fmt not in FORMS:
-        raise ValueError(f"mxfx.fsdp._gather_form: format {fmt!r} is not valid; choose one of {FORMS}")
-    if fmt == "mxfp8" and (shape[-1] % BLOCK_SIZE or shape[-2] % BLOCK_SIZE):
-        return f"high precision (shape {shape}: N and K must be multiples of {BLOCK_SIZE})"
+    unfit = fmt.unfit_reason(shape[-1], shape[-2])
+    if unfit:
+        return f"high precision (shape {shape}: {unfit})"
     if shard_dim % len(shape) != 0:
         return (f"high precision (Shard({shard_dim}): FSDP2 concatenates every gathered tensor along a "
-                f"non-zero shard dim, so only tensors of the parameter's shape can be gathered, not {fmt} scales)")
+                f"non-zero shard dim, so only tensors of the parameter's shape can be gathered, not {fmt.name} scales)")
     if shape[0] % world:
         return f"high precision (shape {shape}: dim 0 does not split evenly over {world} shards)"
-    rows = _ROW_MULTIPLE[fmt]
+    rows = fmt.gather_row_multiple
     if len(shape) == 2 and (shape[0] // world) % rows:
         return (f"high precision (shape {shape}: {world} shards of {shape[0] // world} rows would cut a "
-                f"{rows}-row {fmt} block)")
-    return fmt
+                f"{rows}-row {fmt.name} block)")
+    return fmt.name
 
 
 def mx_all_gather(model: torch.nn.Module, options=None, *, world_size: int | None = None,
@@ -295,7 +253,7 @@ def mx_all_gather(model: torch.nn.Module, options=None, *, world_size: int | Non
             gather in high precision).
 
     Returns:
-        ``{parameter name: "mxfp8" | "fp8_block" | "high precision (reason)"}`` for every weight
+        ``{parameter name: format name ("mxfp8", "fp8_block") | "high precision (reason)"}`` for every weight
         considered: the gather precision map.
 
     Raises:
@@ -313,17 +271,13 @@ def mx_all_gather(model: torch.nn.Module, options=None, *, world_size: int | Non
                 continue
             key = f"{mod_name}.{name}" if mod_name else name
             if type(p.data) is MXWeight:  # converted by an earlier call (e.g. the experts, with their mesh's size)
-                out[key] = p.data._format
+                out[key] = p.data._format.name
                 continue
             if type(p.data) is not torch.Tensor:
                 raise RuntimeError(f"mxfx.fsdp.mx_all_gather: {key} is a {type(p.data).__name__}; call it before fully_shard")
             out[key] = form = _decide(policy, kind, mod_name, p, world, shard_placement_fn)
-            if form in FORMS:
-                rule = policy.decide(kind, mod_name).scale_rule
-                valid = block_format.SCALE_RULES if form == "fp8_block" else SCALE_RULES
-                if rule not in valid:
-                    raise ValueError(f"mxfx.fsdp.mx_all_gather: {key}: scale rule {rule!r} is not a {form} rule; "
-                                     f"choose one of {valid}")
+            if form in formats.NAMES:
+                rule = policy.decide(kind, mod_name).scale_rule  # judged by the op's format there
                 setattr(mod, name, torch.nn.Parameter(MXWeight(p.data, rule, form), requires_grad=p.requires_grad))
                 _roots[mod] = weakref.ref(model)
     return out
@@ -331,7 +285,7 @@ def mx_all_gather(model: torch.nn.Module, options=None, *, world_size: int | Non
 
 def _decide(policy: Policy, kind: str, module: str, p: torch.Tensor, world: int, shard_placement_fn) -> str:
     """The gather form of one weight: the policy's format for its op, if :func:`_gather_form` allows it."""
-    decision = fit_format(policy.decide(kind, module), p.shape[-1], p.shape[-2])  # the passes' format fit
+    decision = policy.decide(kind, module).fit(p.shape[-1], p.shape[-2])  # the passes' format fit
     if decision.precision != "mxfp8":
         return f"high precision (the op stays {decision.precision}: {decision.reason})"
     sized = policy.decide(kind, module, macs=0).precision != "mxfp8"  # a min_size above 0 applies

@@ -22,10 +22,9 @@ from dataclasses import dataclass, field
 from collections.abc import Mapping
 from typing import Any, Callable
 
-from mxfx.kernels.device import resolve_format
-from mxfx.numerics.block import SCALE_RULES as BLOCK_SCALE_RULES
-from mxfx.numerics.mx import SCALE_RULES as MX_SCALE_RULES
-from mxfx.ops.settings import FORMATS, PRECISIONS, MXSettings
+from mxfx import formats
+from mxfx.formats import Format, ScaleRule
+from mxfx.ops.settings import PRECISIONS, OpSettings
 
 OP_KINDS = ("linear", "grouped_mm", "swiglu", "router", "saved", "all_to_all", "weight_refresh")
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
@@ -34,13 +33,14 @@ POLICY_ENV = "MXFX_POLICY"
 """Environment variable: a TOML file of :class:`Policy` fields, the policy of compiles given no ``options``."""
 DUMP_ENV = "MXFX_DUMP_DIR"
 
-FORMAT_CHOICES = (*FORMATS, "auto")
-"""Values of the ``format`` field: a format of :data:`mxfx.ops.settings.FORMATS`, or "auto" (fp8_block on sm90,
-mxfp8 elsewhere: :func:`mxfx.kernels.device.resolve_format`)."""
+FORMAT_CHOICES = formats.CHOICES
+"""Values of the ``format`` field: a registered format's name (:mod:`mxfx.formats`), or "auto" (per compile, the
+format with native GEMMs on the current device: fp8_block on sm90, mxfp8 elsewhere)."""
 
-SCALE_RULES = tuple(dict.fromkeys(MX_SCALE_RULES + BLOCK_SCALE_RULES))
-"""Scale rules a policy takes: "rceil", "floor" (mxfp8 only) and "amax" (fp8_block only); an op whose
-format does not have its rule is an error at compile time, naming both."""
+SCALE_RULES = formats.SCALE_RULES
+"""Scale rules a policy takes: "rceil", "floor" (mxfp8 only) and "amax" (fp8_block only). Each format judges
+its own (:meth:`mxfx.formats.Format.rule`): at ``Policy(...)`` where a rule or the policy-wide values fix both
+fields, else when an op's decision is made, naming the rules that combined and the module."""
 
 KIND_DEFAULT_WGRAD = {"linear": "mxfp8", "grouped_mm": "bf16"}
 TRANSPORT_DIRECTIONS = ("dispatch_fwd", "combine_fwd", "combine_bwd", "dispatch_bwd")
@@ -48,12 +48,19 @@ TRANSPORT_DIRECTIONS = ("dispatch_fwd", "combine_fwd", "combine_bwd", "dispatch_
 
 
 def _check_rule_fits_format(fmt: str, scale_rule: str, where: str) -> None:
-    """Raise ValueError when ``scale_rule`` is not a rule of format ``fmt`` ("auto" takes the rules of both)."""
-    valid = {"mxfp8": MX_SCALE_RULES, "fp8_block": BLOCK_SCALE_RULES,
-             "auto": tuple(r for r in MX_SCALE_RULES if r in BLOCK_SCALE_RULES)}.get(fmt, ())
-    if valid and scale_rule not in valid:
+    """Raise ValueError when ``scale_rule`` is not a rule of format ``fmt`` ("auto": a rule of every format)."""
+    valid = formats.rules_of(fmt)
+    if scale_rule not in valid:
+        kinds = "; ".join(f.description for f in (formats.get(n) for n in formats.NAMES))
         raise ValueError(f"mxfx policy: {where}: scale_rule={scale_rule!r} is not a rule of format={fmt!r}; choose one of "
-                         f"{', '.join(map(repr, valid))} (mxfp8: rceil/floor E8M0 scales; fp8_block: rceil/amax FP32 scales)")
+                         f"{', '.join(map(repr, valid))} ({kinds})")
+
+
+def _may_keep_dequantized(fmt: str | None) -> bool:
+    """Whether ops of policy value ``fmt`` may run in a format with BF16 dequantized weight forms ("auto" may)."""
+    if fmt is None:
+        return False
+    return fmt == formats.AUTO or formats.get(fmt).dequantized_weight_forms
 
 
 def _check_choice(what: str, value: Any, valid: tuple) -> None:
@@ -136,7 +143,7 @@ class Rule(_NamedFields):
             the op is left as the model wrote it).
         wgrad: weight-gradient precision, "mxfp8" or "bf16".
         save: precision of activations saved for backward, "mxfp8" or "bf16".
-        scale_rule: "rceil" or "floor".
+        scale_rule: a scale rule of the op's format ("rceil", "floor" for mxfp8, "amax" for fp8_block).
         min_size: smallest GEMM, in multiply-accumulates M*N*K, that is rewritten,
             or "auto" (see :class:`Policy`).
         format: the op's low-precision format, one of :data:`FORMAT_CHOICES` (see :class:`Policy`).
@@ -231,22 +238,32 @@ class Decision:
     precision: str
     wgrad: str
     save: str
-    scale_rule: str
+    scale_rule: ScaleRule
     rule: Rule | None  # the rule that matched, None for the built-in defaults
     reason: str = ""  # why precision is not mxfp8 ("" when it is)
     keep_dequantized_weights: bool = False
-    format: str = "mxfp8"  # resolved: one of FORMATS, never "auto"
+    format: Format = formats.DEFAULT  # resolved on the current device, never "auto"
 
     @property
-    def settings(self) -> MXSettings:
-        """The settings the MX op of this decision runs with (read by the ops by name)."""
-        return MXSettings(scale_rule=self.scale_rule, wgrad=self.wgrad, save=self.save,
+    def settings(self) -> OpSettings:
+        """The settings the op of this decision runs with."""
+        return OpSettings(scale_rule=self.scale_rule, wgrad=self.wgrad, save=self.save,
                           keep_dequantized_weights=self.keep_dequantized_weights, format=self.format)
 
     def shown(self, precision: str) -> str:
         """A precision as the precision map prints it: the low-precision choice ("mxfp8") named by this
-        op's format ("fp8_block"), "bf16" as is."""
-        return self.format if precision == "mxfp8" else precision
+        op's format (e.g. "fp8_block"), "bf16" as is."""
+        return self.format.name if precision == "mxfp8" else precision
+
+    def fit(self, k: int, n: int) -> "Decision":
+        """This decision for a GEMM of ``k`` in / ``n`` out features: turned BF16 with the format's reason when
+        its blocks cannot tile them; unchanged otherwise."""
+        why = self.format.unfit_reason(k, n) if self.precision == "mxfp8" else ""
+        if not why:
+            return self
+        smaller = [f.name for f in (formats.get(n_) for n_ in formats.NAMES) if not f.unfit_reason(k, n)]
+        hint = f"; a rule with format={smaller[0]!r} takes them" if smaller else "; pad the features or keep it in BF16"
+        return dataclasses.replace(self, precision="bf16", reason=why + hint)
 
 
 @dataclass(frozen=True)
@@ -335,13 +352,14 @@ class Policy(_NamedFields):
         rules = tuple(r if isinstance(r, Rule) else Rule(**dict(r)) for r in self.rules)
         object.__setattr__(self, "rules", rules)
         _check_rule_fits_format(self.format, self.scale_rule, "policy-wide")
-        if self.keep_dequantized_weights and self.format == "fp8_block" and not any(r.format in ("mxfp8", "auto") for r in rules):
-            raise ValueError("mxfx policy: keep_dequantized_weights=True would do nothing with format='fp8_block' (it caches BF16 "
-                             "weights for emulated MX GEMMs; fp8_block GEMMs read FP8): drop it, or give the ops it is for a "
-                             "format='mxfp8' rule")
+        if self.keep_dequantized_weights and not any(_may_keep_dequantized(f) for f in [self.format, *(r.format for r in rules)]):
+            raise ValueError(f"mxfx policy: keep_dequantized_weights=True would do nothing with format={self.format!r} (it "
+                             f"caches BF16 weights for emulated GEMMs of a format that has such forms; this one reads its "
+                             f"own low-precision forms): drop it, or give the ops it is for a rule with a format that has "
+                             f"them ({', '.join(repr(n) for n in formats.NAMES if _may_keep_dequantized(n))})")
         for r in rules:
             if r.format is not None or r.scale_rule is not None:
-                _check_rule_fits_format(r.format or self.format, r.scale_rule or self.scale_rule, f"rule {r}")
+                _check_rule_fits_format(r.format or self.format, r.scale_rule or self.scale_rule, f"rule {r.describe()}")
         for name, on in self.passes.items():
             _check_choice("passes", name, PASSES)
             if not isinstance(on, bool):
@@ -448,13 +466,36 @@ class Policy(_NamedFields):
             precision, reason = "bf16", f"GEMM of {macs} MACs is below min_size {min_size}"
         get = lambda name: first(name)[0]  # noqa: E731
         rule = rule or size_rule or (matching[0] if matching else None)
+        fmt = formats.get(get("format") or self.format)
+        if kind == "all_to_all":  # the payload travels in the transport format of the op's format
+            fmt = formats.get(fmt.transport)
         return Decision(
             precision=precision,
             wgrad=get("wgrad") or self.wgrad or KIND_DEFAULT_WGRAD.get(kind, "mxfp8"),
             save=get("save") or self.save,
-            scale_rule=get("scale_rule") or self.scale_rule,
+            scale_rule=(self._judged_rule(fmt, first("format")[1], first("scale_rule")[1], kind, module)
+                        if precision == "mxfp8" else ScaleRule(get("scale_rule") or self.scale_rule)),
             rule=rule,
             reason=reason,
             keep_dequantized_weights=self.keep_dequantized_weights,
-            format=resolve_format(get("format") or self.format),
+            format=fmt,
         )
+
+    def _judged_rule(self, fmt: Format, format_rule: Rule | None, rule_rule: Rule | None, kind: str, module: str) -> ScaleRule:
+        """The scale rule of an op, judged by its format: each field may come from a different rule (or the
+        policy-wide value), so some combinations only meet for some modules.
+
+        Raises:
+            ValueError: naming the op, the module and where the format and the scale rule came from, with a fix.
+        """
+        scale_rule = (rule_rule.scale_rule if rule_rule is not None else None) or self.scale_rule
+        try:
+            return fmt.rule(scale_rule, "mxfx policy")
+        except ValueError as e:
+            origin = lambda r, f: f"rule {r.describe()}" if r is not None else f"policy-wide {f}"  # noqa: E731
+            transport = " (the all-to-all's transport format)" if kind == "all_to_all" else ""
+            raise ValueError(
+                f"{e}; for the {kind} op of module {module!r}, format {fmt.name!r}{transport} comes from "
+                f"{origin(format_rule, 'format=' + repr(self.format))} and scale_rule={scale_rule!r} from "
+                f"{origin(rule_rule, 'scale_rule')}: add a rule for this module or op that sets both "
+                f"(e.g. {{'module': {module!r}, 'op': {kind!r}, 'scale_rule': {fmt.scale_rules[0].value!r}}})") from None

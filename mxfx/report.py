@@ -21,12 +21,14 @@ from dataclasses import dataclass, field
 import torch
 from torch._dynamo.utils import counters
 
+from mxfx import formats
+
 _graph_ids = itertools.count()
 _reports: list["PrecisionMap"] = []
 
 
-LOW_PRECISIONS = ("mxfp8", "fp8_block")
-"""Precision-map entries of a rewritten op: the block-scaled formats (``mxfx.ops.settings.FORMATS``)."""
+LOW_PRECISIONS = formats.NAMES
+"""Precision-map entries of a rewritten op: the registered formats' names (:mod:`mxfx.formats`)."""
 
 
 @dataclass
@@ -46,6 +48,9 @@ class OpRecord:
     scale_rule: str
     reason: str = ""
     saved_bytes: tuple[int, int] = (0, 0)  # nominal bytes of the saved input: (as BF16, as chosen)
+
+    def __post_init__(self):
+        self.scale_rule = str(self.scale_rule)  # a ScaleRule prints as its value
 
     @property
     def rewritten(self) -> bool:
@@ -126,7 +131,7 @@ class PrecisionMap:
 
     def to_html(self) -> str:
         """The precision map as an HTML table, cells coloured by precision (for people who would rather look)."""
-        colours = {"mxfp8": "#9be7a0", "fp8_block": "#7fd1c7", "bf16": "#f7d794", "fp32": "#9cc3f5", "-": "#eeeeee"}
+        colours = {**{n: formats.get(n).colour for n in formats.NAMES}, "bf16": "#f7d794", "fp32": "#9cc3f5", "-": "#eeeeee"}
         cols = ["kind", "module", "shapes", "forward", "dgrad", "wgrad", "saved", "scale_rule", "reason"]
         head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
         rows = []

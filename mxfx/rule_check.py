@@ -38,8 +38,12 @@ from dataclasses import dataclass
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from mxfx import formats
+from mxfx.formats import Format
 from mxfx.passes.fx import all_graphs, module_fqn
 from mxfx.policy import OP_KINDS, Policy
+
+_DEFAULT_FORMAT = Policy.__dataclass_fields__["format"].default
 
 EXAMPLES = 6
 """How many existing module names a warning lists."""
@@ -242,7 +246,7 @@ def warn_unmet_requests(policy: Policy, records) -> None:
         if r.kind not in REQUEST_KINDS or r.rewritten:
             continue
         rule = policy.requesting_rule(r.kind, r.module)
-        if rule is None and "multiple" in r.reason and policy.decide(r.kind, r.module).format == "fp8_block":
+        if rule is None and "multiple" in r.reason and policy.format != _DEFAULT_FORMAT:  # the user's policy-wide format
             rule = PolicyWideFormat(policy.format)
         key = (rule, r.kind, r.module, r.node)
         if rule is None or key in _warned_unmet:
@@ -253,19 +257,21 @@ def warn_unmet_requests(policy: Policy, records) -> None:
         fmt = policy.decide(ops[0].kind, ops[0].module).format
         listed = "; ".join(f"{r.module or r.node} ({r.kind} {r.shapes}): {r.reason}" for r in ops[:EXAMPLES])
         warnings.warn(
-            f"mxfx: policy rule {rule.describe()} asks for {fmt}, but {len(ops)} op(s) it matches stay BF16: {listed}"
+            f"mxfx: policy rule {rule.describe()} asks for {fmt.name}, but {len(ops)} op(s) it matches stay BF16: {listed}"
             f"{'; ...' if len(ops) > EXAMPLES else ''}. To convert them, {_remedy(ops, fmt)}; otherwise drop the rule or "
             f"narrow its module glob.",
             stacklevel=2,
         )
 
 
-def _remedy(ops, fmt: str) -> str:
+def _remedy(ops, fmt: Format) -> str:
     """What converts the ops ``ops`` (precision-map records kept in BF16) under format ``fmt``, from their reasons."""
     fixes = []
     if any("min_size" in r.reason for r in ops):
         fixes.append("lower min_size (min_size=0 on the rule)")
     if any("multiple" in r.reason for r in ops):
-        block = "128 (fp8_block; format='mxfp8' needs 32)" if fmt == "fp8_block" else "32"
+        finer = [f for f in map(formats.get, formats.NAMES) if f.feature_multiple < fmt.feature_multiple]
+        others = "".join(f"; format={f.name!r} needs {f.feature_multiple}" for f in finer)
+        block = f"{fmt.feature_multiple} ({fmt.name}{others})" if finer else f"{fmt.feature_multiple}"
         fixes.append(f"pad their features to a multiple of {block}")
     return " or ".join(fixes) or "see the reasons above"

@@ -106,7 +106,7 @@ def test_grouped_mm_rejects_unaligned():
 
 def test_grouped_wgrad_bf16_any_group_ends_and_errors():
     """Empty groups and rows past the last end: per-group dy^T x of the BF16 operands, fp32 accumulation."""
-    from mxfx.ops.gemm import hp_grouped_wgrad
+    from mxfx.kernels.mx_gemm import hp_grouped_wgrad
 
     g = torch.Generator().manual_seed(3)
     dy, x = torch.randn(45, 32, generator=g), torch.randn(45, 64, generator=g)
@@ -143,7 +143,7 @@ def test_grouped_op_argument_errors():
         mx_grouped_mm_op(x, w[:0], offs[:0])
     with pytest.raises(TypeError, match=r"mxfx.grouped_mm: input of shape \(40, 64\) has dtype torch.float64"):
         mx_grouped_mm_op(x.double(), w, offs)
-    with pytest.raises(ValueError, match=r"mxfx.grouped_mm: unknown scale rule 'round'"):
+    with pytest.raises(ValueError, match=r"mxfx.grouped_mm: scale_rule='round' is not a rule of format='mxfp8'"):
         mx_grouped_mm_op(x, w, offs, scale_rule="round")
     from mxfx.ops.linear import mx_linear
 

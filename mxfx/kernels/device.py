@@ -108,23 +108,20 @@ def colwise_in_source_layout(device: torch.device, op: str = "mm") -> bool:
     return not gemm_runs_natively(op, device)
 
 
-def _current_device() -> torch.device:
+def current_device() -> torch.device:
+    """The current CUDA device where CUDA is available, else the CPU."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def resolve_format(fmt: str, device: torch.device | None = None) -> str:
-    """The format an op runs in: ``fmt`` itself, or for "auto" the one with native GEMMs on ``device``
-    (default: the current CUDA device, else CPU): "fp8_block" on sm90 (Hopper has no MX tensor cores),
-    "mxfp8" on sm100/sm120, CPU and anything else."""
-    if fmt != "auto":
-        return fmt
-    return "fp8_block" if arch_of(capability(device or _current_device())) == "sm90" else FORMAT
+def current_device() -> torch.device:
+    """The current CUDA device where CUDA is available, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def mx_emulated_note(device: torch.device | None = None) -> str | None:
     """A one-line note when MXFP8 GEMMs are emulated on a GPU whose tensor cores run fp8_block natively
-    (sm90; default device as :func:`resolve_format`), naming ``format="fp8_block"``; None elsewhere."""
-    device = device or _current_device()
+    (sm90; default: the current device), naming ``format="fp8_block"``; None elsewhere."""
+    device = device or current_device()
     if arch_of(capability(device)) != "sm90":
         return None
     return ("mxfx: MXFP8 has no tensor cores on sm90 (Hopper): its GEMMs are emulated (dequantize + BF16 GEMM). "

@@ -1,84 +1,83 @@
-"""Per-op MX settings: the one object the policy's decision produces and the MX ops read by name."""
+"""Per-op settings: the one object a policy decision produces and the autograd ops read."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
-from mxfx.numerics.block import check_rule as check_block_rule
-from mxfx.numerics.mx import check_rule
-
-FORMATS = ("mxfp8", "fp8_block")
-"""Block-scaled formats the ops carry: "mxfp8" (E4M3 payload, one E8M0 scale per 32 values) and
-"fp8_block" (E4M3 payload, one FP32 scale per 1x128 tile of activations and gradients and per
-128x128 block of weights, ``docs/block_format.md``)."""
+from mxfx import formats
+from mxfx.formats import Format, ScaleRule
 
 PRECISIONS = ("mxfp8", "bf16")
 """Precisions of a wgrad GEMM or of activations saved for backward. "mxfp8" is the low-precision
-choice: it means the op's own format (:data:`FORMATS`), e.g. FP8 1x128 tiles under "fp8_block"."""
+choice: it means the op's own format, e.g. FP8 1x128 tiles under ``format="fp8_block"``."""
 
 
 @dataclass(frozen=True)
-class MXSettings:
-    """How one MX op runs.
+class OpSettings:
+    """How one low-precision op runs.
 
     Attributes:
-        scale_rule: "rceil" or "floor" (E8M0 scale rounding, ``docs/format.md``); under "fp8_block"
-            "rceil" or "amax" (``docs/block_format.md``).
-        wgrad: weight-gradient GEMM precision, "mxfp8" or "bf16".
-        save: precision of activations saved for backward, "mxfp8" or "bf16" (a reference).
+        format: the :class:`~mxfx.formats.Format` (a name or ``"auto"`` is turned into the object).
+        scale_rule: a :class:`~mxfx.formats.ScaleRule` of that format (its string value is accepted).
+        wgrad: weight-gradient GEMM precision, "mxfp8" (the format's) or "bf16".
+        save: precision of activations saved for backward, "mxfp8" (the format's) or "bf16" (a reference).
         keep_dequantized_weights: where the GEMM is emulated, read the weight cache's BF16
-            dequantized forms instead of dequantizing the MX forms per GEMM.
-        format: the block-scaled format, one of :data:`FORMATS`.
+            dequantized forms instead of dequantizing the low-precision forms per GEMM (formats without
+            emulated GEMMs ignore it).
 
     Raises:
-        ValueError: a value outside those listed, naming the field.
+        ValueError: a value outside those listed, or a scale rule the format does not take, naming the field.
     """
 
-    scale_rule: str = "rceil"
+    scale_rule: ScaleRule | str = ScaleRule.RCEIL
     wgrad: str = "mxfp8"
     save: str = "mxfp8"
     keep_dequantized_weights: bool = False
-    format: str = "mxfp8"
+    format: Format | str = formats.DEFAULT
 
     def __post_init__(self):
-        if self.format == "fp8_block":
-            check_block_rule(self.scale_rule, "mxfx.MXSettings (format='fp8_block')")
-        else:
-            check_rule(self.scale_rule, "mxfx.MXSettings")
-        for name, valid in (("wgrad", PRECISIONS), ("save", PRECISIONS),
-                            ("keep_dequantized_weights", (False, True)), ("format", FORMATS)):
+        object.__setattr__(self, "format", formats.get(self.format))
+        object.__setattr__(self, "scale_rule", self.format.rule(self.scale_rule, "mxfx.OpSettings"))
+        for name, valid in (("wgrad", PRECISIONS), ("save", PRECISIONS), ("keep_dequantized_weights", (False, True))):
             value = getattr(self, name)
             if value not in valid or (name == "keep_dequantized_weights") != isinstance(value, bool):
-                raise ValueError(f"mxfx.MXSettings: {name}={value!r} is not valid; choose one of "
+                raise ValueError(f"mxfx.OpSettings: {name}={value!r} is not valid; choose one of "
                                  f"{', '.join(map(repr, valid))}")
 
     def graph_kwargs(self) -> dict:
-        """The keyword arguments of an MX op call in a rewritten graph (the defaults of the last two left out)."""
-        out = {"scale_rule": self.scale_rule, "wgrad": self.wgrad, "save": self.save}
+        """The keyword arguments of an op call in a rewritten graph: plain values (the defaults of the last two
+        left out)."""
+        out = {"scale_rule": self.scale_rule.value, "wgrad": self.wgrad, "save": self.save}
         if self.keep_dequantized_weights:
             out["keep_dequantized_weights"] = True
-        if self.format != "mxfp8":
-            out["format"] = self.format
+        if self.format is not formats.DEFAULT:
+            out["format"] = self.format.name
         return out
 
 
-FIELDS = tuple(f.name for f in dataclasses.fields(MXSettings))
+FIELDS = tuple(f.name for f in dataclasses.fields(OpSettings))
 
 
-def resolve(op: str, settings: MXSettings | None, fields: dict, wgrad_default: str) -> MXSettings:
+def settings_of(kwargs: dict) -> OpSettings:
+    """The settings an op call of a rewritten graph carries in its keyword arguments (:meth:`OpSettings.graph_kwargs`)."""
+    return OpSettings(**{k: kwargs[k] for k in FIELDS if k in kwargs})
+
+
+def resolve(op: str, settings: OpSettings | None, fields: dict, wgrad_default: str) -> OpSettings:
     """The settings of one op call: ``settings`` with ``fields`` (keyword arguments named as
-    :class:`MXSettings` fields) replacing its values; without ``settings``, the defaults with
+    :class:`OpSettings` fields) replacing its values; without ``settings``, the defaults with
     ``wgrad=wgrad_default``.
 
     Raises:
         TypeError: a keyword that is not a settings field, naming ``op``.
-        ValueError: an invalid value (see :class:`MXSettings`), prefixed by ``op``.
+        ValueError: an invalid value (see :class:`OpSettings`), prefixed by ``op``.
     """
     unknown = sorted(set(fields) - set(FIELDS))
     if unknown:
         raise TypeError(f"{op}: unknown keyword(s) {unknown}; settings keywords are {', '.join(FIELDS)}")
+    base = settings if settings is not None else OpSettings(wgrad=wgrad_default)
     try:
-        return dataclasses.replace(settings if settings is not None else MXSettings(wgrad=wgrad_default), **fields)
+        return dataclasses.replace(base, **fields)
     except ValueError as e:
-        raise ValueError(str(e).replace("mxfx.MXSettings", op)) from None
+        raise ValueError(str(e).replace("mxfx.OpSettings", op)) from None

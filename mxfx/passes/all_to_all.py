@@ -40,7 +40,6 @@ import operator
 import torch
 import torch.fx as fx
 
-from mxfx.numerics.mx import BLOCK_SIZE
 from mxfx.ops.all_to_all import mx_all_to_all
 from mxfx.passes.fx import example_value, is_call, module_fqn, shape_str
 from mxfx.policy import Policy
@@ -170,16 +169,19 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
                 reason = "no example value for the payload; kept as written"
             elif x.dtype not in _FLOAT:
                 reason = f"{x.dtype} payload (split metadata or indices); kept as written"
-            elif x.dim() < 2 or not isinstance(x.shape[-1], int) or x.shape[-1] % BLOCK_SIZE:
-                reason = f"hidden size {x.shape[-1] if x.dim() else '?'} is not a multiple of {BLOCK_SIZE}; rows stay BF16"
             elif not isinstance(group, str):
                 reason = f"group {group!r} is not a registered group name; kept as written"
-        d = policy.decide("all_to_all", module)
         fwd = policy.transport_precision(f"{role}_fwd")
         bwd = policy.transport_precision(f"{role}_bwd")
-        reason = reason or d.reason
         if not reason and fwd != "mxfp8" and bwd != "mxfp8":
             reason = f"policy transport keeps {role}_fwd and {role}_bwd as written"
+        d = None
+        if not reason:  # the decision names the transport format (and judges its scale rule)
+            d = policy.decide("all_to_all", module)
+            reason = d.reason
+        if not reason and (x.dim() < 2 or not isinstance(x.shape[-1], int) or x.shape[-1] % d.format.block):
+            reason = (f"hidden size {x.shape[-1] if x.dim() else '?'} is not a multiple of {d.format.block} "
+                      f"({d.format.name} blocks); rows stay BF16")
         if reason:
             shapes = shapes if x is None or x.dtype in _FLOAT else f"x{shape_str(x)}"
             pm.add(OpRecord(node.name, "all_to_all", module, shapes, "bf16", "bf16", "-", "-", "-", reason))
@@ -190,7 +192,7 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
             new = gm.graph.call_function(
                 mx_all_to_all,
                 (x_node, list(out_splits), list(in_splits), group),
-                {"forward": fwd, "backward": bwd, "scale_rule": d.scale_rule},
+                {"forward": fwd, "backward": bwd, "scale_rule": d.scale_rule.value},
             )
         new.meta.update(last.meta)
         for r in results:
@@ -201,7 +203,7 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         gm.graph.erase_node(node)
         _fold_inplace_copy(gm, new)
         note = "" if fwd == bwd else f"forward {fwd}, backward {bwd} (policy transport)"
-        pm.add(OpRecord(new.name, "all_to_all", module, shapes, fwd, bwd, "-", "-", d.scale_rule, note))
+        pm.add(OpRecord(new.name, "all_to_all", module, shapes, fwd, bwd, "-", "-", d.scale_rule.value, note))
         rewritten += 1
     if rewritten:
         gm.delete_all_unused_submodules()

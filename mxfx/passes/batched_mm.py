@@ -133,8 +133,6 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         module = module_fqn(node)
         shapes = f"x{shape_str(x)} w{shape_str(w)}"
         reason = "" if x.is_floating_point() else f"input dtype {x.dtype}"
-        if not reason and (size_hint(k) % 32 or size_hint(n) % 32):
-            reason = f"features {size_hint(k)}->{size_hint(n)} are not multiples of 32 (mxfp8 blocks; fp8_block needs 128)"
         d = None
         if not reason:
             d = decide(policy, module, x, e, n, k)
@@ -163,7 +161,7 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
             if not dead.users:
                 gm.graph.erase_node(dead)
         shapes += f" -> {str(out.dtype).removeprefix('torch.')}"
-        pm.add(OpRecord(new.name, "grouped_mm", module, shapes, d.format, d.format, d.shown(d.wgrad), d.shown(d.save), d.scale_rule,
+        pm.add(OpRecord(new.name, "grouped_mm", module, shapes, d.format.name, d.format.name, d.shown(d.wgrad), d.shown(d.save), d.scale_rule,
                         "was batched_mm (W[ids] then bmm): rows sorted by expert"))
         rewritten += 1
     return rewritten

@@ -34,6 +34,7 @@ import torch.fx as fx
 
 from mxfx.ops.all_to_all import mx_all_to_all
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
+from mxfx.ops.settings import settings_of
 from mxfx.passes.fx import example_value, is_call, module_fqn, shape_str
 from mxfx.policy import Policy
 from mxfx.report import OpRecord, PrecisionMap
@@ -151,7 +152,7 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         if rec is not None and " -> " in rec.shapes:  # the GEMM now returns the product's dtype
             rec.shapes = rec.shapes.rsplit(" -> ", 1)[0] + " -> " + str(out_dtype).removeprefix("torch.")
         module = module_fqn(node)
-        pm.add(OpRecord(node.name, "combine", module, f"w{shape_str(example_value(rw))}", "bf16", node.kwargs.get("format", "mxfp8"), "-", "bf16", node.kwargs["scale_rule"], "route-weight multiply fused into the dgrad quantize"))
+        pm.add(OpRecord(node.name, "combine", module, f"w{shape_str(example_value(rw))}", "bf16", settings_of(node.kwargs).format.name, "-", "bf16", node.kwargs["scale_rule"], "route-weight multiply fused into the dgrad quantize"))
         fused += 1
     return fused
 

@@ -37,10 +37,9 @@ import operator
 import torch
 import torch.fx as fx
 
-from mxfx.kernels import custom_ops
 from mxfx.ops.all_to_all import mx_all_to_all
-from mxfx.kernels.device import emulated_operand_dtype
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
+from mxfx.ops.settings import settings_of
 from mxfx.passes.fx import example_value, is_call, known_size
 from mxfx.policy import Policy
 from mxfx.report import PrecisionMap
@@ -64,7 +63,8 @@ def _path_to_grouped(rows: fx.Node) -> tuple[list[fx.Node], fx.Node] | None:
     while True:
         for user in cur.users:
             if user.target is mx_grouped_mm_op and user.args[0] is cur and user.kwargs.get("up") is None:
-                if user.kwargs.get("x_mx") is None and user.kwargs.get("format", "mxfp8") == "mxfp8":
+                fmt = settings_of(user.kwargs).format
+                if user.kwargs.get("x_mx") is None and fmt.transport == fmt.name:  # its all-to-all carries its own pairs
                     return chain, user
         nxt = [u for u in cur.users if _row_gather(u, cur)]
         if len(nxt) != 1:
@@ -123,18 +123,12 @@ def _hoist_local(gm: fx.GraphModule, pm: PrecisionMap) -> int:
         if found is None:
             continue
         src, chain = found
-        rule = grouped.kwargs.get("scale_rule", "rceil")
-        block = grouped.kwargs.get("format", "mxfp8") == "fp8_block"
-        dtype = None if block else emulated_operand_dtype("grouped_mm", example_value(src).device)
+        settings = settings_of(grouped.kwargs)
+        target, args, n_out = settings.format.rows_quantize_call(settings.scale_rule, example_value(src).device)
         with gm.graph.inserting_before(chain[0]):
             tokens = gm.graph.call_method("detach", (src,))  # gradients flow through the BF16 rows
-            if block:
-                mx = gm.graph.call_function(torch.ops.mxfx.block_quantize.default, (tokens, rule))
-            elif dtype is None:
-                mx = gm.graph.call_function(custom_ops.quantize, (tokens, rule))
-            else:
-                mx = gm.graph.call_function(custom_ops.quantize_dequantize, (tokens, rule, dtype))
-            pair = [gm.graph.call_function(operator.getitem, (mx, i)) for i in range(2 if dtype is None else 3)]
+            mx = gm.graph.call_function(target, (tokens, *args))
+            pair = [gm.graph.call_function(operator.getitem, (mx, i)) for i in range(n_out)]
         grouped.kwargs = {**grouped.kwargs, "x_mx": tuple(_gathered_mx(gm, chain, pair, grouped))}
         n_src, n_out = example_value(src).shape[0], example_value(grouped.args[0]).shape[0]
         record = pm.find(grouped.name)

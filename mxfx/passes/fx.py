@@ -122,16 +122,6 @@ def gemm_size(m_dims, n, k) -> tuple[int | None, tuple[int, int, int] | None]:
     return m * sizes[-2] * sizes[-1], (m, sizes[-2], sizes[-1])
 
 
-def fit_format(d, k, n):
-    """Decision ``d`` for a GEMM of ``k`` in / ``n`` out features, turned BF16 with a reason when its format
-    cannot tile them: fp8_block needs multiples of 128 (``mxfx.ops.block``). Returned unchanged otherwise."""
-    if d.precision == "mxfp8" and d.format == "fp8_block" and (size_hint(k) % 128 or size_hint(n) % 128):
-        return dataclasses.replace(d, precision="bf16", reason=(
-            f"features {size_hint(k)}->{size_hint(n)} are not multiples of 128 (fp8_block tiles); "
-            f"a rule with format='mxfp8' takes multiples of 32"))
-    return d
-
-
 def is_call(node: fx.Node, functions: tuple = (), methods: tuple = ()) -> bool:
     """True when ``node`` calls one of ``functions`` or a Tensor method named in ``methods``."""
     if node.op == "call_function":

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
 from mxfx.passes.fx import (
-    CASTS, erase_unused_chain, example_value, fit_format, gemm_size, mixed_dtype_reason, module_fqn, shape_str, size_hint,
+    CASTS, erase_unused_chain, example_value, gemm_size, mixed_dtype_reason, module_fqn, shape_str, size_hint,
     weight_source,
 )
 from mxfx.policy import Policy
@@ -114,9 +114,6 @@ def _skip_reason(x, b, offs, out, args, source) -> str:
         return f"output {shape_str(out)} is not [S, N]"
     if not _is_parameter(source):
         return "weight is computed in the graph, not a parameter"
-    k, n = size_hint(b.shape[1]), size_hint(b.shape[2])
-    if k % 32 or n % 32:
-        return f"features {k}->{n} are not multiples of 32 (mxfp8 blocks; fp8_block needs 128)"
     return ""
 
 
@@ -161,7 +158,7 @@ def decide(policy: Policy, module: str, x, e, n, k):
     macs, gemm = gemm_size(x.shape[:1], n, k)
     if gemm is not None:
         gemm = (max(1, gemm[0] // max(size_hint(e), 1)), gemm[1], gemm[2])
-    return fit_format(policy.decide("grouped_mm", module, macs, gemm), k, n)
+    return policy.decide("grouped_mm", module, macs, gemm).fit(size_hint(k), size_hint(n))
 
 
 def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
@@ -203,7 +200,7 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         erase_unused_chain(gm, x_node)
         shapes += f" -> {str(out_dtype).removeprefix('torch.')}"
         note = f"was {op.name}" + (f" ({str(replaced).removeprefix('torch.')} out)" if replaced != out_dtype else "")
-        pm.add(OpRecord(new.name, "grouped_mm", module, shapes, d.format, d.format, d.shown(d.wgrad), d.shown(d.save),
+        pm.add(OpRecord(new.name, "grouped_mm", module, shapes, d.format.name, d.format.name, d.shown(d.wgrad), d.shown(d.save),
                         d.scale_rule, note))
         rewritten += 1
     return rewritten

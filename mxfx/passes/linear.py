@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from mxfx.ops.linear import mx_linear
 from mxfx.passes.fx import (
-    autocast_devices, erase_unused_chain, example_value, fit_format, gemm_size, is_dtensor, mixed_dtype_reason, module_fqn,
+    autocast_devices, erase_unused_chain, example_value, gemm_size, is_dtensor, mixed_dtype_reason, module_fqn,
     shape_str, size_hint, weight_source,
 )
 from mxfx.passes.router import is_router
@@ -55,9 +55,6 @@ def _skip_reason(x, w) -> str:
         return f"operand dtypes {x.dtype}/{w.dtype}: MXFP8 takes bf16/fp16/fp32 operands (kept as written)"
     if w.dim() != 2:
         return f"weight has {w.dim()} dims"
-    n, k = w.shape
-    if size_hint(k) % 32 or size_hint(n) % 32:
-        return f"features {size_hint(k)}->{size_hint(n)} are not multiples of 32 (mxfp8 blocks; fp8_block needs 128)"
     return ""
 
 
@@ -98,7 +95,7 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
             macs, gemm = gemm_size(x.shape[:-1], w.shape[0], w.shape[1])
         d = policy.decide(kind, module, macs, gemm)
         if not reason:
-            d = fit_format(d, w.shape[1], w.shape[0])
+            d = d.fit(size_hint(w.shape[1]), size_hint(w.shape[0]))
         reason = d.reason or reason
         if not reason and _tied_to_embedding(w_node) and not _user_sets_precision(policy, kind, module):
             reason = "vocabulary projection (weight tied to an embedding); a policy rule with precision='mxfp8' overrides"
@@ -120,7 +117,7 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         if kind == "router":
             _warn_wildcard_router(d.rule, module)
         saved = d.save
-        pm.add(OpRecord(new.name, kind, module, shapes, d.format, d.format, d.shown(d.wgrad), d.shown(saved), d.scale_rule))
+        pm.add(OpRecord(new.name, kind, module, shapes, d.format.name, d.format.name, d.shown(d.wgrad), d.shown(saved), d.scale_rule))
         rewritten += 1
     if distributed:
         warnings.warn(f"mxfx: linears left in BF16/FP32, not MXFP8 (DTensor operands, tensor parallel): {', '.join(distributed)}",

@@ -47,6 +47,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
+from mxfx.ops.settings import settings_of
 from mxfx.ops.linear import mx_linear
 from mxfx.passes.fx import example_value, is_call, module_fqn, size_hint
 from mxfx.policy import Policy
@@ -169,12 +170,10 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
 
 
 def _mx_copy_bytes(node: fx.Node, x, numel: int) -> int:
-    """Bytes of the MX copy ``node`` would save: qdata plus one scale per 32 values, its tokens
-    zero-padded to a multiple of 32 where a linear's MXFP8 wgrad blocks them (``mxfx.ops.linear``)."""
-    if node.kwargs.get("format") == "fp8_block":  # E4M3 plus a 4-byte scale per 1x128 tile, no token padding
-        return numel + numel // 32
+    """Bytes of the low-precision copy ``node`` would save, as its format counts them
+    (:meth:`mxfx.formats.Format.saved_bytes`: the tokens of a linear whose low-precision wgrad blocks them)."""
+    fmt = settings_of(node.kwargs).format
     if node.target is mx_linear and node.kwargs.get("wgrad") == "mxfp8" and x is not None and x.dim():
         k = size_hint(x.shape[-1])
-        tokens = numel // k if k else 0
-        numel = -(-tokens // 32) * 32 * k
-    return numel + numel // 32
+        return fmt.saved_bytes(numel, numel // k if k else 0, k)
+    return fmt.saved_bytes(numel)

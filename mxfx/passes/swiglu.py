@@ -25,6 +25,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
+from mxfx.ops.settings import settings_of
 from mxfx.ops.linear import mx_linear
 from mxfx.passes.fx import CASTS, example_value, is_call, module_fqn, shape_str
 from mxfx.policy import Policy
@@ -107,7 +108,7 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         node.kwargs = kwargs
         for n in dead:  # consumers first: mul after casts, silu last
             gm.graph.erase_node(n)
-        fmt = node.kwargs.get("format", "mxfp8")  # the consumer's format quantizes the product
+        fmt = settings_of(node.kwargs).format.name  # the consumer's format quantizes the product
         pm.add(OpRecord(node.name, "swiglu", module, shapes, fmt, "fp32", "-", fmt if d.save == "mxfp8" else d.save,
                         d.scale_rule, "fused into " + node.name))
         fused += 1

@@ -36,7 +36,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from mxfx.runtime import cache
-from mxfx.kernels.device import resolve_format
+from mxfx import formats
 from mxfx.policy import Policy
 from mxfx.report import OpRecord, PrecisionMap
 
@@ -117,4 +117,4 @@ def _refresh_format(policy: Policy, params) -> tuple[str, str]:
     held = cache.cached_formats(params)
     if held:
         return "+".join(sorted(held)), "format of the caches held when the step compiled"
-    return resolve_format(policy.format), "no cache held when the step compiled: format of this policy"
+    return formats.get(policy.format).name, "no cache held when the step compiled: format of this policy"

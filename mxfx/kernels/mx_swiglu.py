@@ -14,7 +14,7 @@ import torch
 
 from mxfx.kernels import custom_ops
 from mxfx.kernels.device import emulated_operand_dtype
-from mxfx.ops.gemm import a_operand, quantize_operand
+from mxfx.kernels.mx_gemm import a_operand, quantize_operand
 
 
 def swiglu_fp32(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -26,9 +26,9 @@ def swiglu_fp32(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def quantize_input(x: torch.Tensor, up: torch.Tensor | None, rule: str, op: str = "mm") -> tuple:
     """Rowwise MX of the input of GEMM ``op`` ("mm" or "grouped_mm"): ``(qdata, scales, x_hat or None)``.
 
-    ``x`` itself through :func:`mxfx.ops.gemm.quantize_operand`, or ``silu(x) * up`` with the fused
+    ``x`` itself through :func:`mxfx.kernels.mx_gemm.quantize_operand`, or ``silu(x) * up`` with the fused
     SwiGLU quantize when ``up`` is given; either pass also writes the dequantized form where the GEMM
-    is emulated (:func:`mxfx.ops.gemm.a_operand`).
+    is emulated (:func:`mxfx.kernels.mx_gemm.a_operand`).
     """
     if up is None:
         return quantize_operand(x, rule, op)

@@ -1,0 +1,61 @@
+"""Low-precision formats: one :class:`~mxfx.formats.base.Format` object per format, one module each.
+
+* :mod:`mxfx.formats.mxfp8`: MXFP8, E4M3 + one E8M0 scale per 32 values (OCP MX v1.0), native on Blackwell.
+* :mod:`mxfx.formats.fp8_block`: E4M3 + FP32 scales per 1x128 tile / 128x128 weight block, native on Hopper.
+
+:func:`get` turns a policy's ``format`` value into the object (``"auto"``: the first format native on the
+device, else MXFP8). A further format (NVFP4, say) is one new module here plus its kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mxfx.formats import mxfp8  # noqa: I001 (registration order: the default format first)
+from mxfx.formats import fp8_block
+from mxfx.formats.base import Format, ScaleRule, registered
+from mxfx.kernels.device import arch_of, capability, current_device
+
+AUTO = "auto"
+"""The ``format`` value that picks, per compile, the format with native GEMMs on the current device."""
+
+DEFAULT = mxfp8.FORMAT
+"""The format of a policy that names none, and of ``"auto"`` where no format runs natively (CPU)."""
+
+NAMES: tuple[str, ...] = tuple(registered())
+"""Names of the registered formats, as policies spell them."""
+
+CHOICES: tuple[str, ...] = (*NAMES, AUTO)
+"""Values a policy's ``format`` field takes."""
+
+SCALE_RULES: tuple[str, ...] = tuple(dict.fromkeys(r.value for f in registered().values() for r in f.scale_rules))
+"""Every scale rule some format takes (which format takes which: its ``scale_rules``)."""
+
+
+def get(fmt: "str | Format", device: torch.device | None = None) -> Format:
+    """The format object of a policy value: a format's name, ``"auto"`` (resolved on ``device``, default the
+    current CUDA device, else CPU) or a :class:`Format` (returned as is).
+
+    Raises:
+        ValueError: an unknown name, listing :data:`CHOICES`.
+    """
+    if isinstance(fmt, Format):
+        return fmt
+    if fmt == AUTO:
+        arch = arch_of(capability(device or current_device()))
+        return next((f for f in registered().values() if arch in f.native_archs), DEFAULT)
+    found = registered().get(fmt)
+    if found is None:
+        raise ValueError(f"mxfx: format={fmt!r} is not valid; choose one of {', '.join(map(repr, CHOICES))}")
+    return found
+
+
+def rules_of(fmt: str) -> tuple[str, ...]:
+    """Scale rules a policy value of ``format`` takes: its format's, or for ``"auto"`` those of every format."""
+    if fmt == AUTO:
+        common = [r.value for r in DEFAULT.scale_rules]
+        return tuple(r for r in common if all(any(r == s.value for s in f.scale_rules) for f in registered().values()))
+    return tuple(r.value for r in get(fmt).scale_rules)
+
+
+__all__ = ["AUTO", "CHOICES", "DEFAULT", "Format", "NAMES", "SCALE_RULES", "ScaleRule", "get", "rules_of"]

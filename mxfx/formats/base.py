@@ -1,0 +1,225 @@
+"""What a low-precision format is to the rest of mxfx: :class:`ScaleRule` and the :class:`Format` contract.
+
+A format is one object (:mod:`mxfx.formats.mxfp8`, :mod:`mxfx.formats.fp8_block`). The policy picks one per op;
+the passes, the autograd ops (:mod:`mxfx.ops`), the weight caches and FSDP2 ask it for facts (scale rules,
+block shapes, feature multiple, bytes per value) and for operands and GEMMs, and never branch on its name.
+
+Operands are opaque tuples of tensors owned by the format that made them (e.g. ``(qdata, scales, values)``):
+the ops save them for backward and hand them back to the same format. Every ``rule`` argument is a
+:class:`ScaleRule` or its string value; ``save`` and ``wgrad`` are "mxfp8" (low precision, in this format) or
+"bf16".
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+
+class ScaleRule(str, enum.Enum):
+    """How a block's scale is chosen from its absolute maximum (amax).
+
+    * ``RCEIL``: the smallest power of two 2^e with amax / 2^e <= 448 (no value saturates).
+    * ``FLOOR``: 2^(floor(log2 amax) - 8), OCP MX v1.0 §6.3 (values above 448 x 2^e saturate).
+    * ``AMAX``: amax / 448 as a float32 scale (FP32-scaled formats only).
+    """
+
+    RCEIL = "rceil"
+    FLOOR = "floor"
+    AMAX = "amax"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+Operand = tuple
+"""A GEMM operand as a format makes it: a tuple of tensors (entries may be None), read only by that format."""
+
+
+class Format:
+    """A block-scaled FP8 format: its facts, and the operands and GEMMs of a linear and a grouped expert GEMM.
+
+    Facts (class attributes): ``name`` (as policies spell it), ``scale_rules`` (the :class:`ScaleRule` it
+    takes, default first), ``block`` (values per activation/gradient scale, along the reduction dim),
+    ``weight_block`` (rows x cols of a weight's scale block), ``feature_multiple`` (in/out features a GEMM
+    needs), ``bytes_per_value`` (payload plus scale, amortized), ``scale_dtype``, ``transport`` (the format its
+    expert-parallel all-to-all payload travels in: a format name), ``native_archs`` (GPU architectures,
+    as :func:`mxfx.kernels.device.arch_of` names them, whose tensor cores run its GEMMs; emulated elsewhere), ``dequantized_weight_forms`` (whether its weight
+    cache has BF16 dequantized forms for emulated GEMMs, ``Policy.keep_dequantized_weights``),
+    ``description`` and ``colour`` (how reports show it), ``gather_row_multiple`` (rows of a weight shard that FSDP2 can gather exactly: whole scale blocks down N).
+
+    Operand methods (the autograd ops in :mod:`mxfx.ops` call them in this order):
+
+    * forward: :meth:`input_operand` (inference) or :meth:`forward_operands` (training), :meth:`weight_operand`
+      ("forward"), :meth:`mm` / :meth:`grouped_mm`;
+    * dgrad: :meth:`grad_operands` / :meth:`grouped_grad_operand`, :meth:`weight_operand` ("dgrad"), the same GEMM,
+      :meth:`swiglu_backward` for a fused SwiGLU input;
+    * wgrad: :meth:`tokens_operand` and :meth:`wgrad_mm` / :meth:`grouped_wgrad` (low precision), or
+      :meth:`dequantize` of the forward's saved copy for a BF16 wgrad.
+    """
+
+    name: str = ""
+    scale_rules: tuple[ScaleRule, ...] = ()
+    block: int = 0
+    weight_block: tuple[int, int] = (0, 0)
+    feature_multiple: int = 0
+    bytes_per_value: float = 0.0
+    scale_dtype: torch.dtype = torch.float32
+    transport: str = ""
+    native_archs: tuple[str, ...] = ()
+    dequantized_weight_forms: bool = False
+    gather_row_multiple: int = 0
+    description: str = ""
+    colour: str = "#dddddd"
+
+    def __repr__(self) -> str:
+        return f"mxfx.formats.{self.name}"
+
+    def __reduce__(self):  # one object per format, also across pickling (policies, compiled-graph caches)
+        return (_by_name, (self.name,))
+
+    # --- facts -------------------------------------------------------------------------------------
+
+    def rule(self, rule, where: str) -> ScaleRule:
+        """``rule`` as a :class:`ScaleRule` of this format.
+
+        Raises:
+            ValueError: not a rule of this format; the message starts with ``where`` and lists the valid rules.
+        """
+        value = rule.value if isinstance(rule, ScaleRule) else rule
+        for r in self.scale_rules:
+            if r.value == value:
+                return r
+        raise ValueError(f"{where}: scale_rule={value!r} is not a rule of format={self.name!r}; choose one of "
+                         f"{', '.join(repr(r.value) for r in self.scale_rules)} ({self.description})")
+
+    def unfit_reason(self, k: int, n: int) -> str:
+        """Why a GEMM of ``k`` in / ``n`` out features cannot run in this format ("" when it can)."""
+        m = self.feature_multiple
+        if k % m or n % m:
+            return f"features {k}->{n} are not multiples of {m} ({self.name} blocks)"
+        return ""
+
+    def check_features(self, op: str, k: int, n: int) -> None:
+        """Raise ValueError naming ``op`` unless in/out features ``k``/``n`` fit this format's blocks."""
+        if self.unfit_reason(k, n):
+            raise ValueError(f"{op}: format={self.name!r} needs in/out features that are multiples of "
+                             f"{self.feature_multiple}, got {k}->{n}; pad the layer or keep this GEMM in BF16 "
+                             f"(a policy rule with precision='bf16')")
+
+    def saved_bytes(self, numel: int, tokens: int | None = None, k: int | None = None) -> int:
+        """Bytes of this format's copy of a saved activation of ``numel`` values (``tokens`` x ``k`` when it is
+        a linear input whose wgrad blocks the tokens)."""
+        return numel + int(numel * (self.bytes_per_value - 1))
+
+    # --- operands (implemented per format) ------------------------------------------------------------
+
+    def input_operand(self, x, up, rule, op: str) -> Operand:
+        """The forward GEMM's A operand of ``x`` (``silu(x) * up`` when ``up`` is given); ``op``: "mm" or "grouped_mm"."""
+        raise NotImplementedError
+
+    def forward_operands(self, x, up, rule, save: str, tokens: bool, offs=None, given: Operand | None = None):
+        """``(a, tokens or None, packed)``: the forward's A operand, the token-blocked wgrad operand of the GEMM
+        input when ``tokens`` (per expert group when ``offs`` is given), and what the SwiGLU backward needs of
+        gate and up (``()`` without ``up``). ``given``: A already made (rows quantized before a gather)."""
+        raise NotImplementedError
+
+    def weight_operand(self, weight, rule, orientation: str, keep_dequantized: bool = False) -> Operand:
+        """The cached operand of ``weight`` (``[N, K]`` or ``[E, N, K]``) for "forward" or "dgrad"."""
+        raise NotImplementedError
+
+    def mm(self, a: Operand, b: Operand, out_dtype: torch.dtype):
+        """``A [M, K] @ B [N, K]^T`` with FP32 accumulation, in ``out_dtype``."""
+        raise NotImplementedError
+
+    def grouped_mm(self, a: Operand, b: Operand, offs, out_dtype: torch.dtype):
+        """Per expert group g: ``A[offs[g-1]:offs[g]] @ B[g]^T`` -> ``[S, N]``."""
+        raise NotImplementedError
+
+    def grad_operands(self, dy, rule, rows: bool, tokens: bool):
+        """``(dgrad A operand or None, token-blocked wgrad operand or None)`` of a linear's ``dy [M, N]``."""
+        raise NotImplementedError
+
+    def grouped_grad_operand(self, dout, route_weight, rule):
+        """``(dgrad A operand, dy)`` of a grouped GEMM's output gradient: ``dy`` is ``dout`` times the route
+        weights when given (FP32), the tensor the wgrad reads."""
+        raise NotImplementedError
+
+    def tokens_operand(self, x, rule) -> Operand:
+        """Token-blocked wgrad operand of a linear input ``x [M, K]`` kept in high precision."""
+        raise NotImplementedError
+
+    def wgrad_mm(self, dy_tokens: Operand, x_tokens: Operand, out_dtype: torch.dtype):
+        """``dW = dY^T @ X`` of a linear from both token-blocked operands."""
+        raise NotImplementedError
+
+    def grouped_wgrad(self, dy, x_tokens: Operand, offs, rule, out_dtype: torch.dtype):
+        """``dW[g] = dY[g]^T @ X[g]`` per expert group, ``dy`` quantized here along each group's tokens."""
+        raise NotImplementedError
+
+    def dequantize(self, a: Operand, dtype: torch.dtype):
+        """The values of a rowwise operand ``a`` (the forward's saved copy) in ``dtype``."""
+        raise NotImplementedError
+
+    def saved_rows(self, a: Operand) -> Operand:
+        """What the forward keeps of its A operand ``a`` for a BF16 wgrad (read back by :meth:`dequantize`)."""
+        raise NotImplementedError
+
+    def swiglu_backward(self, dh, packed: tuple):
+        """FP32 ``(d gate, d up)`` of ``silu(gate) * up`` from ``dh`` and :meth:`forward_operands`' ``packed``."""
+        raise NotImplementedError
+
+    def rows_quantize_call(self, rule, device: torch.device) -> tuple:
+        """``(op, extra args, outputs)`` of the graph call that quantizes token rows ``x [S, K]`` into the A operand
+        of a grouped GEMM on ``device`` (``op(x, *extra args)``, a tuple of ``outputs`` tensors): what a pass inserts
+        before a row gather so that the gathered rows arrive quantized (:mod:`mxfx.passes.dispatch_mx`)."""
+        raise NotImplementedError
+
+    # --- FSDP2 all-gather forms (mxfx.fsdp) ---------------------------------------------------------
+
+    def gather_forms(self, w, rule) -> dict:
+        """The forms a shard ``w [..., N/world, K]`` sends in FSDP2's all-gather, by name: ``(qdata as uint8,
+        scales)`` each, laid out so that concatenating shards along dim 0 gives the whole weight's forms."""
+        raise NotImplementedError
+
+    def gather_which(self, reshards_after_forward: bool, in_backward: bool) -> tuple[str, ...]:
+        """Which :meth:`gather_forms` one gather sends: what the GEMMs until the next gather read."""
+        raise NotImplementedError
+
+    def gathered_pairs(self, which, outputs, shape) -> dict:
+        """The weight-cache forms (:func:`mxfx.runtime.cache.install_forms`) of the whole weight of ``shape`` from the
+        gathered ``outputs`` (two per name of ``which``)."""
+        raise NotImplementedError
+
+    def gathered_values(self, pairs: dict, dtype: torch.dtype):
+        """The weight ``[..., N, K]`` in ``dtype``, dequantized from :meth:`gathered_pairs`."""
+        raise NotImplementedError
+
+    def given_input(self, given, x, up) -> Operand | None:
+        """``given`` (the ``x_mx`` argument of :func:`mxfx.grouped_mm`: x's quantized rows) checked against ``x``.
+
+        Raises:
+            ValueError: a pair of another format, other shapes, or combined with ``up``.
+        """
+        raise NotImplementedError
+
+
+_REGISTRY: dict[str, Format] = {}
+
+
+def register(fmt: Format) -> Format:
+    """Add ``fmt`` to the formats policies can name; returns it."""
+    if fmt.name in _REGISTRY:
+        raise ValueError(f"mxfx.formats: a format named {fmt.name!r} is already registered")
+    _REGISTRY[fmt.name] = fmt
+    return fmt
+
+
+def _by_name(name: str) -> Format:
+    return _REGISTRY[name]
+
+
+def registered() -> dict[str, Format]:
+    """The registered formats by name."""
+    return dict(_REGISTRY)

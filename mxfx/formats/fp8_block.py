@@ -1,0 +1,138 @@
+"""fp8_block: an E4M3 payload and one FP32 scale per 1x128 tile of an activation or gradient (along the GEMM's
+reduction dim) and per 128x128 block of a weight; the DeepSeek-V3 / Float8BlockScaling recipe, native on Hopper
+(``docs/block_format.md``, reference math :mod:`mxfx.numerics.block`).
+
+Every GEMM is ``A @ B^T`` with both operands tiled along its reduction dim:
+
+* forward ``Y = Q(X) . Q(W)^T``: X in 1x128 tiles along K, W in 128x128 blocks (the "forward" weight cache);
+* dgrad ``dX = Q(dY) . Q(W^T)^T``: dY 1x128 along N, the same 128x128 grid read as W^T ("dgrad");
+* wgrad ``dW = Q(dY^T) . Q(X^T)^T``: both operands in 1x128 tiles along the tokens (for routed experts
+  restarting at every group start).
+
+An operand is ``(qdata float8_e4m3fn, scales float32)``. On sm90 the GEMMs are FP8 tensor-core GEMMs (cuBLAS
+blockwise dense, Triton grouped), on CPU the exact FP32 decode.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mxfx.formats.base import Format, ScaleRule, register
+from mxfx.kernels import block_device_path, block_ops, mx_swiglu
+from mxfx.numerics.block import TILE, dequantize_128x128, dequantize_values, n_tiles
+from mxfx.runtime.cache import block_weight_operand
+
+
+class FP8Block(Format):
+    name = "fp8_block"
+    scale_rules = (ScaleRule.RCEIL, ScaleRule.AMAX)
+    block = TILE
+    weight_block = (TILE, TILE)
+    feature_multiple = TILE
+    bytes_per_value = 1 + 4 / TILE
+    scale_dtype = torch.float32
+    transport = "mxfp8"  # no fp8_block all-to-all kernel: expert-parallel payloads travel as MXFP8
+    native_archs = ("sm90",)
+    gather_row_multiple = TILE
+    colour = "#7fd1c7"
+    description = "fp8_block: rceil/amax FP32 scales per 1x128 tile and 128x128 weight block"
+
+    def saved_bytes(self, numel, tokens=None, k=None):
+        return numel + numel // (TILE // 4)  # E4M3 plus a 4-byte scale per 1x128 tile, no token padding
+
+    def input_operand(self, x, up, rule, op):
+        rule = str(rule)
+        return block_ops.block_quantize(x, rule) if up is None else block_ops.block_swiglu_quantize(x, up, rule)
+
+    def forward_operands(self, x, up, rule, save, tokens, offs=None, given=None):
+        rule = str(rule)
+        source = (x if up is None else mx_swiglu.swiglu_fp32(x, up)) if tokens else None
+        if given is not None:  # x quantized before the dispatch's row gather (mxfx.passes.dispatch_mx); up is None
+            t = tuple(block_ops.block_quantize_grouped_tokens(source, offs, rule)) if tokens else None
+            return tuple(given), t, ()
+        pack = up is not None and save == "mxfp8"
+        out = block_ops.block_forward_operands(x, up, source, offs, rule, pack)  # every pair from one read
+        a, rest = (out[0], out[1]), out[2:]
+        t = tuple(rest[:2]) if tokens else None
+        packed = tuple(rest[2 if tokens else 0:]) if pack else ((x, up) if up is not None else ())
+        return a, t, packed
+
+    def weight_operand(self, weight, rule, orientation, keep_dequantized=False):
+        return block_weight_operand(weight, str(rule), orientation)
+
+    def mm(self, a, b, out_dtype):
+        return block_ops.block_mm(a[0], a[1], b[0], b[1], out_dtype)
+
+    def grouped_mm(self, a, b, offs, out_dtype):
+        return block_ops.block_grouped_mm(a[0], a[1], b[0], b[1], offs, out_dtype)
+
+    def grad_operands(self, dy, rule, rows, tokens):
+        rule = str(rule)
+        if rows and tokens:  # both tilings of dY from one read
+            q, s, qt, st = block_ops.block_quantize_dual(dy, rule)
+            return (q, s), (qt, st)
+        if rows:
+            return tuple(block_ops.block_quantize(dy, rule)), None
+        return None, (tuple(block_ops.block_quantize_tokens(dy, rule)) if tokens else None)
+
+    def grouped_grad_operand(self, dout, route_weight, rule):
+        dy = dout if route_weight is None else dout.float() * route_weight.reshape(-1, 1).float()
+        return tuple(block_ops.block_quantize(dy, str(rule))), dy
+
+    def tokens_operand(self, x, rule):
+        return tuple(block_ops.block_quantize_tokens(x, str(rule)))
+
+    def wgrad_mm(self, dy_tokens, x_tokens, out_dtype):
+        return block_ops.block_mm(dy_tokens[0], dy_tokens[1], x_tokens[0], x_tokens[1], out_dtype)
+
+    def grouped_wgrad(self, dy, x_tokens, offs, rule, out_dtype):
+        dq, ds = block_ops.block_quantize_grouped_tokens(dy, offs, str(rule))
+        return block_ops.block_grouped_wgrad(dq, ds, x_tokens[0], x_tokens[1], offs, out_dtype)
+
+    def dequantize(self, a, dtype):
+        return dequantize_values(a[0], a[1], (-1,)).to(dtype)
+
+    def saved_rows(self, a):
+        return a
+
+    def swiglu_backward(self, dh, packed):
+        if len(packed) == 4:
+            gq, gs, uq, us = packed
+            packed = (self.dequantize((gq, gs), torch.float32), self.dequantize((uq, us), torch.float32))
+        return mx_swiglu.backward(dh, packed)
+
+    def rows_quantize_call(self, rule, device):
+        return torch.ops.mxfx.block_quantize.default, (str(rule),), 2
+
+    def gather_forms(self, w, rule):
+        q, s = block_device_path.quantize_128x128(w, str(rule))
+        return {"block": (q.contiguous().view(torch.uint8), s.contiguous())}
+
+    def gather_which(self, reshards_after_forward, in_backward):
+        return ("block",)  # one 128x128 grid serves forward and dgrad
+
+    def gathered_pairs(self, which, outputs, shape):
+        *lead, n, k = shape
+        q = outputs[0].view(torch.float8_e4m3fn).view(shape)
+        s = outputs[1].view(*lead, -1, n_tiles(k))
+        return {"block_forward": (q, s), "block_dgrad": (q.transpose(-2, -1), s.transpose(-2, -1))}
+
+    def gathered_values(self, pairs, dtype):
+        return dequantize_128x128(*pairs["block_forward"], dtype)
+
+    def given_input(self, given, x, up):
+        if given is None:
+            return None
+        q, s = given if isinstance(given, (tuple, list)) and len(given) == 2 else (None, None)
+        want = (x.shape[0], -(-x.shape[-1] // TILE))
+        if (up is not None or not isinstance(q, torch.Tensor) or not isinstance(s, torch.Tensor)
+                or q.dtype != torch.float8_e4m3fn or s.dtype != torch.float32 or q.shape != x.shape
+                or tuple(s.shape) != want):
+            got = " / ".join(f"{tuple(t.shape)} {t.dtype}" for t in (given or ()) if isinstance(t, torch.Tensor))
+            raise ValueError(f"mxfx.grouped_mm: under format='fp8_block' x_mx must be x's 1x128 tiles (qdata "
+                             f"float8_e4m3fn {tuple(x.shape)}, float32 scales {want}) and not combined with up; "
+                             f"got {got or given!r}")
+        return q, s
+
+
+FORMAT = register(FP8Block())

@@ -1,0 +1,155 @@
+"""The Format abstraction: behaviour shared by every format, each rule x format combination judged in one place,
+and no code outside mxfx/formats deciding by a format's identity."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from mxfx import formats
+from mxfx.formats import ScaleRule
+from mxfx.ops.grouped_mm import mx_grouped_mm_op
+from mxfx.ops.linear import mx_linear
+from mxfx.policy import Policy
+
+FORMATS = [formats.get(n) for n in formats.NAMES]
+PACKAGE = Path(__file__).resolve().parents[1] / "mxfx"
+
+
+class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):
+    """Counts the bytes autograd saves (tensors other than the parameters themselves)."""
+
+    def __init__(self, exclude):
+        self.nbytes, ptrs = 0, {t.data_ptr() for t in exclude}
+
+        def pack(t):
+            if t.data_ptr() not in ptrs:
+                self.nbytes += t.numel() * t.element_size()
+            return t
+
+        super().__init__(pack, lambda t: t)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("save", ["mxfp8", "bf16"])
+def test_frozen_weight_saves_and_computes_no_wgrad(fmt, save):
+    """A frozen weight (requires_grad=False) with a low-precision wgrad: nothing is saved or quantized for a weight
+    gradient, in every format (MXFP8 saved 67,584 bytes of token-blocked X for it before the one autograd op), and
+    the input gradient equals that of the same op with a trainable weight."""
+    x = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
+    w = torch.randn(256, 256, generator=torch.Generator().manual_seed(1)) / 16
+    kw = dict(format=fmt.name, wgrad="mxfp8", save=save)
+    xf = x.clone().requires_grad_()
+    with (frozen := _SavedBytes([xf, w])):
+        y = mx_linear(xf, w, **kw)
+    assert frozen.nbytes == 0  # the weight is a parameter saved by reference; X needs saving only for a wgrad
+    y.square().sum().backward()
+    assert w.grad is None
+
+    xt, wt = x.clone().requires_grad_(), w.clone().requires_grad_()
+    with (trained := _SavedBytes([xt, wt])):
+        yt = mx_linear(xt, wt, **kw)
+    assert trained.nbytes > 0 if save == "mxfp8" else trained.nbytes == 0  # save="bf16" keeps X by reference
+    yt.square().sum().backward()
+    assert torch.equal(y, yt) and torch.equal(xf.grad, xt.grad) and wt.grad is not None
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("wgrad", ["mxfp8", "bf16"])
+def test_grouped_frozen_experts_and_inputs_without_grad(fmt, wgrad):
+    """Grouped GEMM: a frozen expert stack keeps nothing for a wgrad; an input without grad gets no dgrad; the
+    gradients that are asked for match those of the op computing everything (same operands, same kernels)."""
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(320, 256, generator=g), torch.randn(3, 128, 256, generator=g) / 16
+    offs = torch.tensor([100, 100, 320], dtype=torch.int32)  # an empty group, unaligned ends
+    kw = dict(format=fmt.name, wgrad=wgrad, save="mxfp8")
+    xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+    mx_grouped_mm_op(xa, wa, offs, **kw).square().sum().backward()
+
+    xf = x.clone().requires_grad_()
+    with (frozen := _SavedBytes([xf, w, offs])):
+        y = mx_grouped_mm_op(xf, w, offs, **kw)
+    assert frozen.nbytes == 0
+    y.square().sum().backward()
+    assert torch.equal(xf.grad, xa.grad)
+
+    wn = w.clone().requires_grad_()
+    mx_grouped_mm_op(x, wn, offs, **kw).square().sum().backward()
+    assert torch.equal(wn.grad, wa.grad)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_format_facts_agree_with_its_operands(fmt):
+    """A format's stated bytes per value and feature multiple are what its operands hold and what its ops accept."""
+    k = n = 2 * fmt.feature_multiple
+    x = torch.randn(4 * fmt.block, k)
+    a = fmt.input_operand(x, None, fmt.scale_rules[0], "mm")
+    q, s = fmt.saved_rows(a)
+    assert q.dtype == torch.float8_e4m3fn and s.dtype == fmt.scale_dtype
+    held = q.numel() * q.element_size() + s.numel() * s.element_size()
+    assert held == pytest.approx(x.numel() * fmt.bytes_per_value) == fmt.saved_bytes(x.numel())
+    assert fmt.unfit_reason(k, n) == "" and fmt.unfit_reason(k + fmt.feature_multiple // 2, n)
+    with pytest.raises(ValueError, match=rf"mxfx.mx_linear: format='{fmt.name}' needs in/out features that are "
+                                         rf"multiples of {fmt.feature_multiple}"):
+        mx_linear(torch.randn(8, k), torch.randn(n + fmt.feature_multiple // 2, k), format=fmt.name)
+
+
+def test_amax_with_fp8_block_judges_the_all_to_all_transport():
+    """fp8_block with the amax rule: the expert-parallel all-to-all travels in MXFP8, which has no amax rule. The
+    decision for the all-to-all names that at compile time, with the rules that combined and a fix; before, it
+    validated and the first call failed inside mxfx.mx_all_to_all."""
+    policy = Policy(format="fp8_block", scale_rule="amax")
+    assert policy.decide("grouped_mm", "layers.0.experts").scale_rule is ScaleRule.AMAX
+    with pytest.raises(ValueError, match=r"scale_rule='amax' is not a rule of format='mxfp8'.*all_to_all op of module "
+                                         r"'layers.0.moe'.*transport format.*policy-wide format='fp8_block'"):
+        policy.decide("all_to_all", "layers.0.moe")
+    fixed = Policy(format="fp8_block", scale_rule="amax", rules=[{"op": "all_to_all", "scale_rule": "rceil"}])
+    d = fixed.decide("all_to_all", "layers.0.moe")
+    assert (d.format.name, d.scale_rule) == ("mxfp8", ScaleRule.RCEIL)
+    assert Policy(format="fp8_block", scale_rule="amax", transport={"dispatch_fwd": "bf16"}).decide(
+        "grouped_mm", "x").format.name == "fp8_block"
+
+
+def test_rule_and_format_from_different_rules_fail_per_module():
+    """Fields are settled per module by the first rule that sets each: a floor rule and an fp8_block rule only meet
+    for modules both match. The policy builds; the decision for such a module fails naming both rules."""
+    policy = Policy(rules=[{"module": "a*", "scale_rule": "floor"}, {"module": "*b", "format": "fp8_block"}])
+    assert policy.decide("linear", "ax").scale_rule is ScaleRule.FLOOR
+    assert policy.decide("linear", "xb").format.name == "fp8_block"
+    with pytest.raises(ValueError, match=r"scale_rule='floor' is not a rule of format='fp8_block'.*module 'ab'.*"
+                                         r"rule \(module='\*b', format='fp8_block'\).*rule \(module='a\*', "
+                                         r"scale_rule='floor'\)"):
+        policy.decide("linear", "ab")
+    with pytest.raises(ValueError, match=r"rule \(module='a\*', scale_rule='amax'\): scale_rule='amax' is not a rule of "
+                                         r"format='mxfp8'"):
+        Policy(rules=[{"module": "a*", "scale_rule": "amax"}])  # judged where one rule fixes both
+
+
+def test_unknown_format_and_auto():
+    with pytest.raises(ValueError, match=r"format='nvfp4' is not valid; choose one of 'mxfp8', 'fp8_block', 'auto'"):
+        formats.get("nvfp4")
+    assert formats.get("auto", torch.device("cpu")) is formats.DEFAULT
+    assert formats.get(formats.get("fp8_block")) is formats.get("fp8_block")
+
+
+# Patterns of code that decides by a format's identity: comparing a format's name or a format-valued field with a
+# literal, a format name as a dict key, or a type check against a format class. Display strings are fine.
+_IDENTITY = [
+    re.compile(r"""(format|fmt|\.name)\w*\s*(==|!=)\s*["'](mxfp8|fp8_block)["']"""),
+    re.compile(r"""["'](mxfp8|fp8_block)["']\s*(==|!=)\s*\w*(format|fmt)"""),
+    re.compile(r"""\{\s*["'](mxfp8|fp8_block)["']\s*:"""),
+    re.compile(r"""isinstance\([^)]*(MXFP8|FP8Block)\b"""),
+    re.compile(r"""kwargs\.get\(\s*["']format["']"""),
+]
+
+
+def test_no_code_outside_the_formats_decides_by_format_identity():
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.parent.name == "formats":
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if any(p.search(line) for p in _IDENTITY):
+                offenders.append(f"{path.relative_to(PACKAGE.parent)}:{i}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
