@@ -68,21 +68,35 @@ def _step_post_hook(optimizer, args, kwargs) -> None:
     """Global optimizer step post-hook: rebuild the caches of the weights this optimizer holds.
 
     Parameters with a gradient were stepped: rebuilt unconditionally (this also
-    covers optimizers that write through ``.data``). Parameters without one are
-    rebuilt only if their version changed. Weights a compiled step already
-    rebuilt in-graph are skipped. Advances the step count, so weights that are not
-    found here (FSDP2's unsharded parameters) are rebuilt at their next lookup.
+    covers optimizers that write through ``.data``). Weights a compiled step already
+    rebuilt in-graph are rebuilt only if their version changed since. Parameters
+    without a gradient cannot be proven fresh: the step may have written them where
+    their version counter does not see it (through another view of their storage, a
+    flat buffer their ``.data`` was set to, or ``.data`` itself), so their caches are
+    marked stale and rebuilt at their next lookup (not at all if no forward reads
+    them again). Advances the step count, so weights that are not found here
+    (FSDP2's unsharded parameters, weights copied in by a wrapper after an inner
+    optimizer's step) are rebuilt at their next lookup.
     """
-    done = 0
+    done = unproven = 0
     with state.lock, torch.no_grad():
         state.step += 1
+        found: dict[int, list] = {}  # id(entry) -> [entry, a tensor holding it, stepped]: each entry once
         for group in optimizer.param_groups if state.entries else ():
             for p in group["params"]:
                 for entry in _entries_on(p):
-                    entry.owned = True
-                    in_graph, entry.graph_refreshed = entry.graph_refreshed, False
-                    done += _refresh_entry(entry, p, force=p.grad is not None and not in_graph)
+                    seen = found.setdefault(id(entry), [entry, p, False])
+                    seen[2] |= p.grad is not None
+        for entry, p, stepped in found.values():
+            entry.owned = True
+            in_graph, entry.graph_refreshed = entry.graph_refreshed, False
+            if in_graph or stepped:
+                done += _refresh_entry(entry, p, force=not in_graph)
+            elif entry.forms or entry.dropped:
+                entry.version = None  # the next lookup rebuilds it from the weight as it is then
+                unproven += 1
     state.stats["refresh_eager"] += done
+    state.stats["stale_after_step"] += unproven
 
 
 _step_post_hook = torch.compiler.disable(_step_post_hook, recursive=True)
