@@ -18,7 +18,7 @@ import torch.fx as fx
 from mxfx import cache_key, names, passes, report, rule_check
 from mxfx.runtime import cache
 from mxfx import formats
-from mxfx.kernels.device import arch_of, capability
+from mxfx.kernels import device as devices
 from mxfx.passes import weight_refresh
 from mxfx.passes.fx import PREFIX_META, all_graphs, example_value, fill_example_values, parameter_placeholders
 from mxfx.policy import Policy
@@ -166,7 +166,7 @@ def _warn_format_notes(pm: report.PrecisionMap, example_inputs, policy: Policy) 
     _warn_keep_dequantized_unused(pm, policy, device or torch.device("cpu"))
     if device is None:
         return
-    arch = arch_of(capability(device))
+    arch = devices.arch_of(devices.capability(device))
     native = formats.get(formats.AUTO, device)
     used = {f for r in pm.records if r.rewritten for f in (r.forward, r.dgrad) if f in formats.NAMES}
     for fmt in map(formats.get, sorted(used - _warned_formats)):

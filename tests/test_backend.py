@@ -39,7 +39,7 @@ def test_import_registers_every_custom_op():
     assert _last_line_of_fresh_process(
         "import torch, mxfx\n"
         "names = ['quantize', 'dequantize', 'quantize_dual', 'mm', 'grouped_mm', 'grouped_mm_wgrad',\n"
-        "         'grouped_wgrad_bf16', 'cached_weight_quantize', 'cached_weight_dequantized',\n"
+        "         'grouped_wgrad_bf16', 'cached_weight', 'block_quantize', 'block_mm', 'block_grouped_mm',\n"
         "         'quantize_dual_dequantized', 'swiglu_quantize_dequantize', 'route_weight_quantize_dequantize',\n"
         "         'swiglu_quantize_save', 'swiglu_quantize_dequantize_save']\n"
         "print('missing', [n for n in names if not hasattr(torch.ops.mxfx, n)])\n"

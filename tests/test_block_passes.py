@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import mxfx
 from mxfx.numerics import block as bf
+from mxfx import formats
 from mxfx.runtime import cache
 from mxfx.kernels import device
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
@@ -35,29 +36,24 @@ def _decode_weight(w):
 
 
 def test_policy_format_global_per_rule_and_auto(monkeypatch):
-    assert Policy().decide("linear", "a").settings.format == "mxfp8"
-    assert Policy(format="fp8_block").decide("linear", "a").settings.format == "fp8_block"
+    assert Policy().decide("linear", "a").settings.format.name == "mxfp8"
+    assert Policy(format="fp8_block").decide("linear", "a").settings.format.name == "fp8_block"
     p = Policy(rules=[{"op": "grouped_mm", "format": "fp8_block"}])
-    assert (p.decide("linear", "a").format, p.decide("grouped_mm", "e").format) == ("mxfp8", "fp8_block")
+    assert (p.decide("linear", "a").format.name, p.decide("grouped_mm", "e").format.name) == ("mxfp8", "fp8_block")
     with pytest.raises(ValueError, match="format='fp4'"):
         Policy(format="fp4")
     with pytest.raises(ValueError, match="format"):
         Rule(format="mx")
-    # floor is an MX scale rule: the fp8_block settings refuse it, naming the format
-    with pytest.raises(ValueError, match="fp8_block"):
-        Policy(format="fp8_block", scale_rule="floor").decide("linear", "a").settings
+    # floor is an MX scale rule: the decision for an fp8_block op refuses it, naming the format
+    with pytest.raises(ValueError, match="scale_rule='floor' is not a rule of format='fp8_block'"):
+        Policy(format="fp8_block", scale_rule="floor").decide("linear", "a")
     assert Policy(format="fp8_block", scale_rule="amax").decide("linear", "a").settings.scale_rule == "amax"
     # "auto": fp8_block where the GPU is Hopper, mxfp8 on Blackwell and CPU
-    assert device.resolve_format("auto", torch.device("cpu")) == "mxfp8"
-    assert Policy(format="auto").decide("linear", "a").format == ("mxfp8" if not torch.cuda.is_available() else
-                                                                   device.resolve_format("auto"))
+    assert formats.get("auto", torch.device("cpu")).name == "mxfp8"
+    assert Policy(format="auto").decide("linear", "a").format is formats.get("auto")
     for cap, fmt in (((9, 0), "fp8_block"), ((10, 0), "mxfp8"), ((12, 0), "mxfp8")):
         monkeypatch.setattr(device, "capability", lambda d, cap=cap: cap)
-        assert device.resolve_format("auto", torch.device("cuda", 0)) == fmt
-        note = device.mx_emulated_note(torch.device("cuda", 0))
-        assert (note is not None) == (cap == (9, 0))
-    monkeypatch.setattr(device, "capability", lambda d: (9, 0))
-    assert "format" in device.mx_emulated_note(torch.device("cuda", 0)) and "fp8_block" in device.mx_emulated_note(torch.device("cuda", 0))
+        assert formats.get("auto", torch.device("cuda", 0)).name == fmt
 
 
 # --- ops against the reference decode ------------------------------------------------------------
@@ -215,14 +211,14 @@ def test_weight_cache_one_grid_for_forward_and_dgrad_per_step():
     mx_linear(x, w, format="fp8_block").sum().backward()
     assert cache.stats().get("quantize_block") == 1  # forward and dgrad from one 128x128 quantize
     cache.set_dgrad_at_refresh(True)  # keep the forms read below (a backward drops them with one microbatch)
-    qf, sf = cache.block_weight_operand(w, "rceil", "forward")
-    qd, sd = cache.block_weight_operand(w, "rceil", "dgrad")
+    qf, sf = cache.weight_form(w, "rceil", "block_forward")
+    qd, sd = cache.weight_form(w, "rceil", "block_dgrad")
     assert torch.equal(qd.view(torch.uint8), qf.t().view(torch.uint8)) and torch.equal(sd, sf.t())
     with torch.no_grad():
         w.mul_(2.0)  # an optimizer step: the version counter moves
     mx_linear(x, w, format="fp8_block").sum().backward()
     assert cache.stats()["quantize_block"] == 3  # the lookups after the backward, then the changed weight
-    assert torch.equal(cache.block_weight_operand(w, "rceil", "forward")[1], 2 * sf)  # rceil: scales double, payload kept
+    assert torch.equal(cache.weight_form(w, "rceil", "block_forward")[1], 2 * sf)  # rceil: scales double, payload kept
     cache.set_dgrad_at_refresh(False)
 
 

@@ -11,6 +11,7 @@ import torch.nn as nn
 import mxfx
 from mxfx.runtime import cache
 from mxfx.numerics.layout import to_blocked
+from mxfx.formats.mxfp8 import FORMAT as MXFP8
 
 D, H, OUT = 64, 96, 32
 OPTS = {"inner": "aot_eager"}
@@ -81,18 +82,18 @@ def _assert_fresh_and_not_stale(cm, model, x, before):
 def test_weight_operand_orientations_and_reuse(shape):
     cache.set_dgrad_at_refresh(True)  # keep every form: reuse across orientations (the default drops them in a backward)
     w = torch.randn(shape)
-    q, s = cache.weight_operand(w, "rceil", "forward")
+    q, s = cache.weight_form(w, "rceil", "forward")
     rq, rs = mxfx.quantize(w, axis=-1, rule="rceil")
     assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs.view(torch.uint8))
-    qt, st = cache.weight_operand(w, "rceil", "dgrad")
+    qt, st = cache.weight_form(w, "rceil", "dgrad")
     rqt, rst = mxfx.quantize(w.transpose(-2, -1).contiguous(), axis=-1, rule="rceil")
     assert qt.shape == (*shape[:-2], shape[-1], shape[-2]) and st.shape == (*shape[:-2], shape[-1], shape[-2] // 32)
     assert torch.equal(qt.view(torch.uint8), rqt.view(torch.uint8)) and torch.equal(st, rst.view(torch.uint8))
     assert cache.stats()["quantize"] == 2
-    q2, _ = cache.weight_operand(w, "rceil", "forward")
+    q2, _ = cache.weight_form(w, "rceil", "forward")
     assert q2 is q and cache.stats()["quantize"] == 2 and cache.stats()["hit"] == 1
     # floor is its own form of the same weight
-    cache.weight_operand(w, "floor", "forward")
+    cache.weight_form(w, "floor", "forward")
     assert cache.stats()["quantize"] == 3 and cache.num_entries() == 1
 
 
@@ -107,52 +108,55 @@ def test_dgrad_form_layout_follows_the_gemm_path(monkeypatch, shape, native):
     if native:  # pretend the GEMMs of this device run natively (the layout choice only; nothing is multiplied)
         monkeypatch.setattr(mx_device, "capability", lambda device: (10, 0))
     w = torch.randn(shape)
-    qt, st = cache.weight_operand(w, "rceil", "dgrad")
-    dq = cache.weight_dequantized(w, "rceil", "dgrad")
+    qt, st = cache.weight_form(w, "rceil", "dgrad")
+    dq = cache.weight_form(w, "rceil", "dgrad_bf16")[0]
     with FakeTensorMode() as mode:
         fw = mode.from_tensor(w)
-        fakes = (*torch.ops.mxfx.cached_weight_quantize(fw, "rceil", "dgrad"),
-                 torch.ops.mxfx.cached_weight_dequantized(fw, "rceil", "dgrad"))
+        fakes = (*torch.ops.mxfx.cached_weight(fw, "rceil", "dgrad"),
+                 torch.ops.mxfx.cached_weight(fw, "rceil", "dgrad_bf16")[0])
     for got, fake in zip((qt, st, dq), fakes):
         assert got.shape == fake.shape and got.stride() == fake.stride(), (got.stride(), fake.stride())
         assert got.is_contiguous() == native
     rqt, rst = mxfx.quantize(w.transpose(-2, -1).contiguous(), axis=-1, rule="rceil")
     want_st = rst.view(torch.uint8)
-    if native and w.dim() == 2:  # a native dense GEMM's weight keeps its scales blocked (cache.blocked_scales)
+    if native and w.dim() == 2:  # a native dense GEMM's weight keeps its scales blocked (blocked_scales)
         want_st = to_blocked(want_st)
     assert torch.equal(qt.view(torch.uint8), rqt.view(torch.uint8)) and torch.equal(st, want_st)
     assert torch.equal(dq, mxfx.dequantize(rqt, rst, dtype=torch.bfloat16))
     before = cache.stats()["quantize"]
     with torch.no_grad():
         w.add_(1.0)  # a new version: the refresh rebuilds MX and BF16 forms
-    q2, _ = cache.weight_operand(w, "rceil", "dgrad")
-    dq2 = cache.weight_dequantized(w, "rceil", "dgrad")
+    q2, _ = cache.weight_form(w, "rceil", "dgrad")
+    dq2 = cache.weight_form(w, "rceil", "dgrad_bf16")[0]
     assert cache.stats()["quantize"] == before + 1 and torch.equal(dq2, mxfx.dequantize(*mxfx.quantize(
         w.transpose(-2, -1).contiguous(), rule="rceil"), dtype=torch.bfloat16))
-    q, s = cache.weight_operand(w, "rceil", "forward")
+    q, s = cache.weight_form(w, "rceil", "forward")
     with FakeTensorMode() as mode:
-        fakes = torch.ops.mxfx.cached_weight_quantize(mode.from_tensor(w), "rceil", "forward")
+        fakes = torch.ops.mxfx.cached_weight(mode.from_tensor(w), "rceil", "forward")
     for got, fake in zip((q, s), fakes):  # forward scales: MN-major where emulated, blocked for a native 2D weight
         assert got.shape == fake.shape and got.stride() == fake.stride(), (got.shape, fake.shape, got.stride(), fake.stride())
     assert s.dim() == (1 if native and w.dim() == 2 else w.dim())
 
 
-def test_weight_operand_errors_for_bf16_forms_and_fp64():
-    with pytest.raises(ValueError, match=r"orientation='dgrad_bf16'.*\('forward', 'dgrad'\)"):
-        cache.weight_operand(torch.randn(64, 64), "rceil", "dgrad_bf16")
+def test_weight_form_errors_for_unknown_forms_and_fp64():
+    with pytest.raises(ValueError, match=r"form='wgrad' is not valid; choose one of \('forward', 'dgrad', 'forward_bf16', "
+                                         r"'dgrad_bf16', 'block_forward', 'block_dgrad'\)"):
+        cache.weight_form(torch.randn(64, 64), "rceil", "wgrad")
+    with pytest.raises(ValueError, match=r"rule='amax' is not valid for 'forward'"):
+        cache.weight_form(torch.randn(64, 64), "amax", "forward")
     with pytest.raises(ValueError, match="float64 is not a high-precision float"):
-        cache.weight_operand(torch.randn(64, 64, dtype=torch.float64), "rceil", "dgrad")
+        cache.weight_form(torch.randn(64, 64, dtype=torch.float64), "rceil", "dgrad")
 
 
 def test_weight_operand_errors():
-    with pytest.raises(ValueError, match="orientation"):
-        cache.weight_operand(torch.randn(64, 64), "rceil", "wgrad")
+    with pytest.raises(ValueError, match="form"):
+        cache.weight_form(torch.randn(64, 64), "rceil", "wgrad")
     with pytest.raises(ValueError, match="rule"):
-        cache.weight_operand(torch.randn(64, 64), "ceil", "forward")
+        cache.weight_form(torch.randn(64, 64), "ceil", "forward")
     with pytest.raises(ValueError, match="multiples of 32"):
-        cache.weight_operand(torch.randn(40, 64), "rceil", "forward")
+        cache.weight_form(torch.randn(40, 64), "rceil", "forward")
     with pytest.raises(ValueError, match="high-precision"):
-        cache.weight_operand(torch.zeros(64, 64, dtype=torch.int32), "rceil", "forward")
+        cache.weight_form(torch.zeros(64, 64, dtype=torch.int32), "rceil", "forward")
 
 
 def test_memory_and_entries_die_with_the_parameter():
@@ -290,16 +294,16 @@ def test_refresh_drops_dgrad_side_forms_of_every_kind(keep_dequantized):
     w = torch.randn(3, 64, 96)
     kinds = ("_bf16",) if keep_dequantized else ("",)
     for o in ("forward", "dgrad", "forward", "dgrad"):  # a second microbatch: every form kept
-        cache.weight_operands(w, "rceil", o, keep_dequantized)
+        MXFP8.weight_operand(w, "rceil", o, keep_dequantized)
     assert {f for _, f in cache.entry_forms(w)} == {"forward" + k for k in kinds} | {"dgrad" + k for k in kinds}
     w.data.mul_(-0.5)
     assert cache.refresh(w) == 1 and cache.stats()["deferred_dgrad"] == 1
     assert {f for _, f in cache.entry_forms(w)} == {"forward" + k for k in kinds}
     assert cache.persistent_bytes(w) == w.numel() * (2 if keep_dequantized else 33 / 32)
-    got = {o: cache.weight_operands(w, "rceil", o, keep_dequantized) for o in ("forward", "dgrad")}
+    got = {o: MXFP8.weight_operand(w, "rceil", o, keep_dequantized) for o in ("forward", "dgrad")}
     fresh = w.detach().clone()
     for o in ("forward", "dgrad"):
-        for a, b in zip(got[o], cache.weight_operands(fresh, "rceil", o, keep_dequantized)):
+        for a, b in zip(got[o], MXFP8.weight_operand(fresh, "rceil", o, keep_dequantized)):
             assert (a is None and b is None) or torch.equal(a.float(), b.float())  # exact: e4m3/bf16/u8 in fp32
 
 

@@ -1,6 +1,6 @@
 """The weight caches are never a buffer Inductor may reuse.
 
-The ``mxfx::cached_weight_*`` ops return the caches themselves, tensors that outlive the graph; Inductor
+The ``mxfx::cached_weight`` op returns the caches themselves, tensors that outlive the graph; Inductor
 frees an op's outputs after their last use and writes later buffers of the same size into them
 (``# reuse`` lines of its generated code). On CUDA with torch 2.11 an expert weight's fp32 scale grid became
 an RMSNorm buffer that way, and every later forward read those values as scales

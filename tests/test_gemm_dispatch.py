@@ -29,7 +29,7 @@ from mxfx.runtime import crossover
 from mxfx.numerics import layout
 from mxfx.kernels import device as mx_device
 from mxfx.kernels import custom_ops
-from mxfx.ops import gemm
+from mxfx.kernels import mx_gemm as gemm
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
 from mxfx.ops.linear import mx_linear
 from mxfx.policy import Policy
@@ -299,7 +299,7 @@ def test_native_wgrad_decoded_equals_emulation(native):
 def test_native_ops_through_autograd(native, monkeypatch):
     """mx_linear forward+backward on the native branch equals the emulated branch (operands, slicing, wgrad);
     the native GEMMs take their blocked scales from the dual passes themselves, and the weight's from its
-    cache, which keeps them blocked (``cache.blocked_scales``): no GEMM call blocks scales itself."""
+    cache, which keeps them blocked (``mxfx.formats.mxfp8.blocked_scales``): no GEMM call blocks scales itself."""
     import mxfx
     from mxfx.numerics import layout
 
@@ -317,7 +317,7 @@ def test_native_ops_through_autograd(native, monkeypatch):
     assert blocked_passes == [(64, 96), (64, 64)]  # forward x, backward dY (both 50 tokens padded to 64)
     assert per_call_blocking == []
     for orientation, src in (("forward", w), ("dgrad", w.t())):
-        q, s = cache.weight_operand(w, "rceil", orientation)
+        q, s = cache.weight_form(w, "rceil", orientation)
         rq, rs = mxfx.quantize(src.detach().contiguous(), rule="rceil")
         assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, to_blocked(rs.view(torch.uint8)))
     mx_device.capability, saved = (lambda device: None), mx_device.capability
@@ -375,23 +375,23 @@ def test_keep_dequantized_weights_identical(run, keep_every_form):
 
 def test_keep_dequantized_weights_cache_forms_and_refresh(keep_every_form):
     w = torch.randn(64, 96)
-    fwd, dgrad = cache.weight_dequantized(w, "rceil", "forward"), cache.weight_dequantized(w, "rceil", "dgrad")
+    fwd, dgrad = cache.weight_form(w, "rceil", "forward_bf16")[0], cache.weight_form(w, "rceil", "dgrad_bf16")[0]
     assert fwd.dtype == torch.bfloat16 and fwd.shape == (64, 96) and dgrad.shape == (96, 64)
-    assert torch.equal(fwd.float(), custom_ops.dequantize(*cache.weight_operand(w, "rceil", "forward"), torch.float32))
-    assert torch.equal(dgrad.float(), custom_ops.dequantize(*cache.weight_operand(w, "rceil", "dgrad"), torch.float32))
+    assert torch.equal(fwd.float(), custom_ops.dequantize(*cache.weight_form(w, "rceil", "forward"), torch.float32))
+    assert torch.equal(dgrad.float(), custom_ops.dequantize(*cache.weight_form(w, "rceil", "dgrad"), torch.float32))
     with torch.no_grad():
         w.mul_(2)  # bumps the version: the dequantized forms are rebuilt with the MX forms
-    assert torch.equal(cache.weight_dequantized(w, "rceil", "forward"), (fwd.float() * 2).bfloat16())
+    assert torch.equal(cache.weight_form(w, "rceil", "forward_bf16")[0], (fwd.float() * 2).bfloat16())
     # every form rebuilt at the first lookup after the change (keep_every_form: set_dgrad_at_refresh)
     assert cache.persistent_bytes(w) == w.numel() * 2 * 33 // 32 + 4 * w.numel(), "all forms rebuilt..."
-    assert torch.equal(cache.weight_dequantized(w, "rceil", "dgrad"), (dgrad.float() * 2).bfloat16())
-    assert torch.equal(custom_ops.dequantize(*cache.weight_operand(w, "rceil", "dgrad"), torch.float32), dgrad.float() * 2)
+    assert torch.equal(cache.weight_form(w, "rceil", "dgrad_bf16")[0], (dgrad.float() * 2).bfloat16())
+    assert torch.equal(custom_ops.dequantize(*cache.weight_form(w, "rceil", "dgrad"), torch.float32), dgrad.float() * 2)
     assert cache.persistent_bytes(w) == w.numel() * 2 * 33 // 32 + 4 * w.numel(), "... dgrad forms at their lookups"
     w2 = torch.randn(64, 96)
-    cache.weight_dequantized(w2, "rceil", "dgrad")
+    cache.weight_form(w2, "rceil", "dgrad_bf16")[0]
     assert cache.persistent_bytes(w2) == 2 * w2.numel(), "emulated: a dequantized form alone, no MX form"
-    with pytest.raises(ValueError, match="orientation"):
-        cache.weight_dequantized(w, "rceil", "forward_bf16")
+    with pytest.raises(ValueError, match="form='forward_bf16_bf16' is not valid"):
+        cache.weight_form(w, "rceil", "forward_bf16_bf16")
 
 
 def test_keep_dequantized_weights_compiled(keep_every_form):

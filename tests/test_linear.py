@@ -215,7 +215,7 @@ def test_policy_wgrad_bf16_and_module_rule():
     assert count_calls(cap.backward, torch.ops.mxfx.quantize_dequantize.default) == 1
     assert count_calls(cap.backward, torch.ops.mxfx.quantize.default) == 0
     assert count_calls(cap.backward, torch.ops.mxfx.dequantize.default) == 1  # BF16 wgrad: the saved MX copy of X
-    assert count_calls(cap.backward, torch.ops.mxfx.cached_weight_quantize.default) == 1  # the dgrad weight (mxfx.runtime.cache)
+    assert count_calls(cap.backward, torch.ops.mxfx.cached_weight.default) == 1  # the dgrad weight (mxfx.runtime.cache)
 
 
 def test_compiled_inductor_equals_eager_rewrite_and_differs_from_bf16():

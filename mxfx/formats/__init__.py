@@ -14,7 +14,7 @@ import torch
 from mxfx.formats import mxfp8  # noqa: I001 (registration order: the default format first)
 from mxfx.formats import fp8_block
 from mxfx.formats.base import Format, ScaleRule, registered
-from mxfx.kernels.device import arch_of, capability, current_device
+from mxfx.kernels import device as _device
 
 AUTO = "auto"
 """The ``format`` value that picks, per compile, the format with native GEMMs on the current device."""
@@ -42,7 +42,7 @@ def get(fmt: "str | Format", device: torch.device | None = None) -> Format:
     if isinstance(fmt, Format):
         return fmt
     if fmt == AUTO:
-        arch = arch_of(capability(device or current_device()))
+        arch = _device.arch_of(_device.capability(device or _device.current_device()))
         return next((f for f in registered().values() if arch in f.native_archs), DEFAULT)
     found = registered().get(fmt)
     if found is None:

@@ -20,7 +20,54 @@ import torch
 from mxfx.formats.base import Format, ScaleRule, register
 from mxfx.kernels import block_device_path, block_ops, mx_swiglu
 from mxfx.numerics.block import TILE, dequantize_128x128, dequantize_values, n_tiles
-from mxfx.runtime.cache import block_weight_operand
+from mxfx.runtime import cache
+
+
+# --- weight forms (mxfx.runtime.cache) -------------------------------------------------------------
+#
+# One 128x128 grid of W serves both GEMMs: "block_forward" is ``(qdata [..., N, K], scales [..., ceil(N/128),
+# ceil(K/128)])``, "block_dgrad" the same qdata and scales transposed (``[..., K, N]`` contiguous): a 128x128
+# block has no orientation, so the dgrad copy is W's forward grid read as W^T, quantized once.
+
+_FORMS = {"block_forward": "forward", "block_dgrad": "dgrad"}
+
+
+def _build(weight: torch.Tensor, rule: str, forms, have: dict) -> dict:
+    """The forms ``forms``: the transpose of the other form where ``have`` holds it, else from one 128x128
+    quantize of ``weight`` (which serves both)."""
+    known = next((f for f in _FORMS if (rule, f) in have), None)
+    if known is not None:
+        q, s = have[(rule, known)]
+        if known == "block_dgrad":
+            q, s = block_device_path.transpose_qdata(q), s.transpose(-2, -1)
+    else:
+        cache.counts["quantize_block"] += 1
+        cache.counts["quantize"] += 1
+        q, s = block_device_path.quantize_128x128(weight.detach(), rule)
+    out = {}
+    for f in forms:
+        if f == "block_forward":
+            out[(rule, f)] = (q.contiguous(), s.contiguous())
+        else:
+            out[(rule, f)] = (block_device_path.transpose_qdata(q), s.transpose(-2, -1).contiguous())
+    return out
+
+
+def _fake(weight: torch.Tensor, form: str) -> tuple:
+    *lead, n, k = weight.shape
+    rows, cols = (n, k) if _FORMS[form] == "forward" else (k, n)
+    q = weight.new_empty([*lead, rows, cols], dtype=torch.float8_e4m3fn)
+    return q, weight.new_empty([*lead, n_tiles(rows), n_tiles(cols)], dtype=torch.float32)
+
+
+def _install(weight: torch.Tensor, form: str, qdata: torch.Tensor, scales: torch.Tensor) -> tuple:
+    return tuple(t.clone(memory_format=torch.contiguous_format) for t in (qdata, scales))
+
+
+FORMS = cache.register(cache.FormFamily(
+    name="fp8_block", forms=tuple(_FORMS), dgrad_side=frozenset({"block_dgrad"}), rules=("rceil", "amax"),
+    build=_build, fake=_fake, install=_install, layout=lambda weight: None, check=lambda weight, form: None,
+))
 
 
 class FP8Block(Format):
@@ -58,7 +105,7 @@ class FP8Block(Format):
         return a, t, packed
 
     def weight_operand(self, weight, rule, orientation, keep_dequantized=False):
-        return block_weight_operand(weight, str(rule), orientation)
+        return cache.weight_form(weight, str(rule), "block_" + orientation)
 
     def mm(self, a, b, out_dtype):
         return block_ops.block_mm(a[0], a[1], b[0], b[1], out_dtype)

@@ -24,9 +24,12 @@ from mxfx.kernels import custom_ops, mx_swiglu
 from mxfx.kernels.device import emulated_operand_dtype
 from mxfx.kernels.mx_gemm import (a_operand, mx_grouped_mm, mx_grouped_mm_wgrad, mx_mm, quantize_dual_operand,
                                   quantize_operand)
+from mxfx.kernels.device import colwise_in_source_layout
+from mxfx.kernels.views import mn_major
 from mxfx.numerics import layout
+from mxfx.numerics.layout import blocked_numel, from_blocked, is_blocked, to_blocked
 from mxfx.numerics.mx import BLOCK_SIZE
-from mxfx.runtime.cache import weight_operands
+from mxfx.runtime import cache
 
 
 def _pad_tokens(t: torch.Tensor) -> torch.Tensor:
@@ -40,6 +43,138 @@ def _token_blocked(t: torch.Tensor, offs: torch.Tensor, rule: str):
     dest, _, capacity = layout.group_padding(offs, t.shape[0])
     padded = t.new_zeros((capacity, t.shape[1])).index_copy(0, dest, t)
     return (*custom_ops.quantize(padded.t(), rule), None)
+
+
+# --- weight forms (mxfx.runtime.cache) -------------------------------------------------------------
+#
+# Up to four forms per weight and scale rule, each rebuilt once per optimizer step:
+#
+# * "forward": ``(qdata [..., N, K], scales [..., N, K/32])``, W blocked along K;
+# * "dgrad": ``(qdata [..., K, N], scales [..., K, N/32])``, W^T blocked along N, quantized from W itself
+#   (``docs/format.md``, "GEMM operand orientation");
+# * "forward_bf16", "dgrad_bf16": ``(values bf16,)`` of those two, for ``Policy.keep_dequantized_weights``.
+#
+# Where the GEMM is emulated (Hopper, CPU; :func:`source_layout`) the dgrad forms stay in W's own layout
+# (transpose views of ``[..., N, K]`` tensors) and one non-transposing pass writes every form asked for;
+# a BF16 form is then written straight from W, without its MX form (no emulated GEMM reads both). Where
+# the dense GEMM runs natively (Blackwell) a 2D weight's scales are kept in the blocked layout that GEMM
+# reads (:func:`blocked_scales`), written by the refresh pass itself.
+
+_PAIRS = ("forward", "dgrad")
+_VALUES = {"forward_bf16": "forward", "dgrad_bf16": "dgrad"}
+
+
+def source_layout(weight: torch.Tensor) -> bool:
+    """Whether ``weight``'s dgrad forms are kept in the source layout (transpose views of ``[.., N, K]``
+    tensors) rather than contiguous ``[.., K, N]``: where its GEMM is emulated
+    (:func:`mxfx.kernels.device.colwise_in_source_layout`)."""
+    return colwise_in_source_layout(weight.device, "grouped_mm" if weight.dim() == 3 else "mm")
+
+
+def blocked_scales(weight: torch.Tensor) -> bool:
+    """Whether ``weight``'s MX forms keep their scales in the blocked layout (:mod:`mxfx.numerics.layout`, 1D): a
+    2D weight whose dense GEMM runs natively (Blackwell), which reads that layout. Expert weights keep plain
+    scales: the grouped native operands lay each expert's out in their own padded layout."""
+    return weight.dim() == 2 and not source_layout(weight)
+
+
+def _plain_scales(qdata: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``[R, K/32]`` scales of ``qdata [R, K]``, read back from the blocked layout if they are in it."""
+    if is_blocked(qdata, scales):
+        return from_blocked(scales, qdata.shape[0], qdata.shape[1] // BLOCK_SIZE)
+    return scales
+
+
+def _quantize_weight(weight: torch.Tensor, rule: str, pairs, values=()) -> tuple[dict, dict]:
+    """``weight`` quantized into the orientations ``pairs`` (both from one read where possible): ``(pairs,
+    BF16 values)`` keyed by orientation. In the source layout one pass also writes the BF16 values of the
+    orientations ``values`` (the values alone when ``pairs`` is empty); elsewhere ``values`` must be empty."""
+    w = weight.detach()
+    want = set(pairs) | set(values)
+    cache.counts.update({f"quantize_{o}": 1 for o in want})
+    cache.counts["quantize"] += len(want)
+    if source_layout(w):
+        q, s, h, qt, st, ht = kernels.quantize_dual_source(
+            w, rule, row="forward" in want, col="dgrad" in want,
+            dequantized=torch.bfloat16 if values else None, mx=bool(pairs),
+        )
+        return ({o: p for o, p in (("forward", (q, s)), ("dgrad", (qt, st))) if o in pairs},
+                {o: t for o, t in (("forward", h), ("dgrad", ht)) if o in values})
+    out = {}
+    blocked = blocked_scales(w)
+    if set(pairs) == set(_PAIRS):
+        q, s, qt, st = (kernels.quantize_dual_blocked if blocked else kernels.quantize_dual)(w, rule)
+        out["forward"], out["dgrad"] = (q.contiguous(), s.contiguous()), (qt.contiguous(), st.contiguous())
+    else:
+        for o in pairs:
+            src = w if o == "forward" else w.transpose(-2, -1)
+            q, s = (kernels.quantize_blocked if blocked else kernels.quantize_lastdim)(src, rule)
+            out[o] = (q.contiguous(), s.contiguous())
+    return out, {}
+
+
+def _build(weight: torch.Tensor, rule: str, forms, have: dict) -> dict:
+    """The forms ``forms`` of one rule, keyed ``(rule, form)``, reusing MX pairs in ``have``."""
+    pairs_wanted = {f for f in forms if f in _PAIRS}
+    values_wanted = {_VALUES[f] for f in forms if f in _VALUES}
+    direct = source_layout(weight)
+    if not direct:
+        pairs_wanted |= values_wanted  # BF16 values are the MX pairs dequantized
+    pairs = {o: have[(rule, o)] for o in pairs_wanted | values_wanted if (rule, o) in have}
+    pairs_missing = [o for o in _PAIRS if o in pairs_wanted and o not in pairs]
+    values_missing = [o for o in _PAIRS if o in values_wanted and o not in pairs] if direct else []
+    values = {}
+    if pairs_missing or values_missing:
+        new_pairs, values = _quantize_weight(weight, rule, pairs_missing, values_missing)
+        pairs.update(new_pairs)
+    out = {(rule, o): pairs[o] for o in pairs_wanted}
+    for o in values_wanted:
+        if o in values:
+            out[(rule, o + "_bf16")] = (values[o],)
+        else:
+            q, sc = pairs[o]
+            out[(rule, o + "_bf16")] = (kernels.dequantize_lastdim(q, _plain_scales(q, sc), torch.bfloat16),)
+    return out
+
+
+def _fake_tensor(weight: torch.Tensor, orientation: str, dtype: torch.dtype, scales: bool = False) -> torch.Tensor:
+    """An empty tensor with the shape and strides of the ``orientation`` form's qdata (its scales when ``scales``,
+    or its BF16 values with ``dtype=torch.bfloat16``)."""
+    if orientation == "forward" or not source_layout(weight):
+        shape = list(weight.shape) if orientation == "forward" else [*weight.shape[:-2], weight.shape[-1], weight.shape[-2]]
+        if scales and blocked_scales(weight):
+            return weight.new_empty([blocked_numel(shape[0], shape[1] // BLOCK_SIZE)], dtype=dtype)
+        if scales and source_layout(weight):  # quantize_dual_source's rowwise scales are MN-major
+            return mn_major([*shape[:-1], shape[-1] // BLOCK_SIZE], weight)
+        return weight.new_empty([*shape[:-1], shape[-1] // BLOCK_SIZE] if scales else shape, dtype=dtype)
+    *lead, n, k = weight.shape
+    return weight.new_empty([*lead, n // BLOCK_SIZE if scales else n, k], dtype=dtype).transpose(-2, -1)
+
+
+def _fake(weight: torch.Tensor, form: str) -> tuple:
+    if form in _VALUES:
+        return (_fake_tensor(weight, _VALUES[form], torch.bfloat16),)
+    return _fake_tensor(weight, form, torch.float8_e4m3fn), _fake_tensor(weight, form, torch.uint8, scales=True)
+
+
+def _install(weight: torch.Tensor, form: str, qdata: torch.Tensor, scales: torch.Tensor) -> tuple:
+    """A gathered pair copied into the layout of the cache's form (blocked scales where :func:`blocked_scales`)."""
+    q = _fake_tensor(weight, form, torch.float8_e4m3fn).copy_(qdata)
+    if blocked_scales(weight):
+        return q, to_blocked(scales)
+    return q, _fake_tensor(weight, form, torch.uint8, scales=True).copy_(scales)
+
+
+def _check_weight(weight: torch.Tensor, form: str) -> None:
+    if weight.shape[-1] % BLOCK_SIZE or weight.shape[-2] % BLOCK_SIZE:
+        raise ValueError(f"mxfx.runtime.cache: weight of shape {tuple(weight.shape)} must be [N, K] or [E, N, K] with N "
+                         f"and K multiples of {BLOCK_SIZE} (both orientations are blocked by {BLOCK_SIZE})")
+
+
+FORMS = cache.register(cache.FormFamily(
+    name="mxfp8", forms=(*_PAIRS, *_VALUES), dgrad_side=frozenset({"dgrad", "dgrad_bf16"}), rules=("rceil", "floor"),
+    build=_build, fake=_fake, install=_install, layout=source_layout, check=_check_weight,
+))
 
 
 class MXFP8(Format):
@@ -93,7 +228,13 @@ class MXFP8(Format):
         return a, _token_blocked(h, offs, rule), packed
 
     def weight_operand(self, weight, rule, orientation, keep_dequantized=False):
-        return weight_operands(weight, str(rule), orientation, keep_dequantized)
+        # (qdata, scales, BF16 values or None); under keep_dequantized_weights an emulated GEMM reads the values
+        # alone, so the cache holds no MX pair of the weight (8 bytes written per parameter per step, not 10)
+        rule, values = str(rule), orientation + "_bf16"
+        if keep_dequantized and source_layout(weight):
+            return None, None, cache.weight_form(weight, rule, values)[0]
+        q, s = cache.weight_form(weight, rule, orientation)
+        return q, s, (cache.weight_form(weight, rule, values)[0] if keep_dequantized else None)
 
     def mm(self, a, b, out_dtype):
         return mx_mm(a[0], a[1], b[0], b[1], out_dtype, b[2], a[2])

@@ -1,4 +1,4 @@
-"""MXFP8 and fp8_block weight caches: the forward and dgrad operands derived from one high-precision weight.
+"""Weight caches: the forward and dgrad operands (forms) derived from one high-precision weight, per format.
 
 The parameter (FP32 main weight, or BF16) is the only source of truth (the recipe,
 "DDP Must Be MXFP8-Aware": derived representations of the FP32 main weight). The caches are
@@ -10,15 +10,13 @@ describes the behaviour for users.
 
 Modules, by concern:
 
-* :mod:`~mxfx.runtime.cache.forms`: the forms of a weight and their builders (MX forward and
-  dgrad pairs, their dequantized BF16 values, the fp8_block forms), their layouts
-  (:func:`source_layout`, :func:`blocked_scales`).
+* :mod:`~mxfx.runtime.cache.forms`: the registry of form families: each format registers the forms it
+  builds and how (:mod:`mxfx.formats`); the cache routes requests to them.
 * :mod:`~mxfx.runtime.cache.store`: one entry per weight (storage region), its identity and
   freshness (version counter, step count), :func:`lookup`, :func:`set_dgrad_at_refresh`, and
   the shared mutable state (``store.state``).
-* :mod:`~mxfx.runtime.cache.operands`: the custom ops the GEMM ops call
-  (:func:`weight_operand`, :func:`weight_dequantized`, :func:`weight_operands`,
-  :func:`block_weight_operand`).
+* :mod:`~mxfx.runtime.cache.operands`: the custom op the formats' GEMM operands call
+  (:func:`weight_form`).
 * :mod:`~mxfx.runtime.cache.refreshing`: :func:`refresh` and the global optimizer step
   post-hook (:func:`install`).
 * :mod:`~mxfx.runtime.cache.compiled_step`: the refresh inside a compiled optimizer step
@@ -29,9 +27,8 @@ Modules, by concern:
   :func:`step_count`).
 """
 
-from mxfx.runtime.cache.forms import BLOCK_FORMS, DEQUANTIZED, FORMS, ORIENTATIONS, blocked_scales, source_layout
+from mxfx.runtime.cache.forms import FormFamily, all_forms, counts, register
 from mxfx.runtime.cache.store import (
-    DGRAD_SIDE,
     WEIGHT_KINDS,
     cached_formats,
     dgrad_at_refresh,
@@ -39,16 +36,15 @@ from mxfx.runtime.cache.store import (
     lookup,
     set_dgrad_at_refresh,
 )
-from mxfx.runtime.cache.operands import block_weight_operand, weight_dequantized, weight_operand, weight_operands
+from mxfx.runtime.cache.operands import weight_form
 from mxfx.runtime.cache.compiled_step import after_step, new_plan, stamp_pending
 from mxfx.runtime.cache.refreshing import hook_installed, install, refresh, uninstall
 from mxfx.runtime.cache.inspect import clear, num_entries, persistent_bytes, reset_stats, stats
 from mxfx.runtime.cache.gathered import install_forms, step_count
 
 __all__ = [
-    "BLOCK_FORMS", "DEQUANTIZED", "DGRAD_SIDE", "FORMS", "ORIENTATIONS", "WEIGHT_KINDS",
-    "after_step", "block_weight_operand", "blocked_scales", "cached_formats", "clear", "dgrad_at_refresh",
+    "FormFamily", "WEIGHT_KINDS", "after_step", "all_forms", "cached_formats", "clear", "counts", "dgrad_at_refresh",
     "entry_forms", "hook_installed", "install", "install_forms", "lookup", "new_plan", "num_entries",
-    "persistent_bytes", "refresh", "reset_stats", "set_dgrad_at_refresh", "source_layout", "stamp_pending",
-    "stats", "step_count", "uninstall", "weight_dequantized", "weight_operand", "weight_operands",
+    "persistent_bytes", "refresh", "register", "reset_stats", "set_dgrad_at_refresh", "stamp_pending", "stats",
+    "step_count", "uninstall", "weight_form",
 ]

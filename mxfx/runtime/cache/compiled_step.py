@@ -11,7 +11,7 @@ import weakref
 
 import torch
 
-from mxfx.runtime.cache import operands  # noqa: F401  (registers the mxfx::cached_weight_* ops lowered here)
+from mxfx.runtime.cache import operands  # noqa: F401  (registers the mxfx::cached_weight op lowered here)
 from mxfx.runtime.cache.store import _entries_on, _key, _rebuild, _region, state
 
 
@@ -109,7 +109,7 @@ def _register_inductor_lowerings() -> None:
         from torch._inductor.virtualized import V
     except ImportError:  # pragma: no cover - inductor unavailable
         return
-    for op in (torch.ops.mxfx.cached_weight_quantize.default, torch.ops.mxfx.cached_weight_dequantized.default):
+    for op in (torch.ops.mxfx.cached_weight.default,):
         if op in lowerings:
             continue
         fallback = fallback_handler(op, add_to_fallback_set=False)

@@ -1,195 +1,117 @@
-"""Form builders: the cached forms of one high-precision weight, built from it (or from forms already held).
+"""Form families: what the weight cache asks of a format to build, lay out and check a weight's cached forms.
 
-Each MX weight has up to two derived forms, each a ``(qdata e4m3, scales uint8 E8M0)`` pair:
+A form is one derived representation of a high-precision weight ``[N, K]`` or ``[E, N, K]`` (the FP32 main
+weight): a tuple of tensors, e.g. an MXFP8 ``(qdata, scales)`` pair blocked for the forward GEMM, or its
+BF16 values. Each format registers one :class:`FormFamily` naming its forms (names are unique across
+families) and the functions that make them (:mod:`mxfx.formats.mxfp8`, :mod:`mxfx.formats.fp8_block`).
 
-* ``"forward"``: ``W [..., N, K]`` blocked along its last dim (K);
-* ``"dgrad"``: ``W.transpose(-2, -1) [..., K, N]`` blocked along its last dim (N),
-  quantized from W itself (``docs/format.md``, "GEMM operand orientation"). Where the
-  GEMM is emulated (Hopper, CPU) it is stored in W's own layout (a transpose view,
-  :func:`source_layout`), so one non-transposing pass writes both forms.
-
-Where the dense GEMM runs natively (Blackwell), a 2D weight's scales are kept in the
-blocked layout that GEMM reads (:func:`blocked_scales`), written by the refresh pass
-itself, so no GEMM call blocks them again.
-
-``[N, K]`` linear weights and ``[E, N, K]`` expert weights use the same rule. The
-caches are plain tensors held here, never parameters: no gradients, not in
-``state_dict``, invisible to the optimizer. A form is keyed by ``(rule,
-orientation)``. Two more orientations hold the *dequantized* operands in BF16,
-``"forward_bf16"`` and ``"dgrad_bf16"`` (the values of the MX forms, one tensor
-each), for ``Policy.keep_dequantized_weights`` on GPUs without native MX GEMMs:
-2 bytes per value per orientation of persistent memory, no weight dequantize
-per GEMM. Where the GEMM is emulated they replace the MX forms (written straight
-from the weight in one pass, :func:`weight_operands`); they are rebuilt by the
-same freshness logic. The fp8_block forms are :data:`BLOCK_FORMS`.
-
-Nothing here knows about entries or freshness (:mod:`mxfx.runtime.cache.store`): these functions
-take a weight and return forms. They count their quantizations in :data:`counts`.
+Nothing here knows about entries or freshness (:mod:`mxfx.runtime.cache.store`) nor about any format's
+layout: these functions route a request to the family that owns the form. Builders count their
+quantizations in :data:`counts`.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from mxfx import kernels
-from mxfx.numerics.mx import BLOCK_SIZE
-from mxfx.kernels import block_device_path
-from mxfx.kernels.views import mn_major
-from mxfx.kernels.device import colwise_in_source_layout
-from mxfx.numerics.layout import blocked_numel, from_blocked, is_blocked
-
-ORIENTATIONS = ("forward", "dgrad")
-"""Derived forms of a weight: "forward" (W blocked along its last dim) and "dgrad" (W^T likewise)."""
-
-DEQUANTIZED = {"forward_bf16": "forward", "dgrad_bf16": "dgrad"}
-"""Dequantized BF16 forms -> the MX orientation whose values they hold."""
-
-BLOCK_FORMS = {"block_forward": "forward", "block_dgrad": "dgrad"}
-"""fp8_block forms -> the GEMM orientation they serve. One 128x128 grid of W (``mxfx.numerics.block``) serves
-both: "block_forward" is ``(qdata [..., N, K], scales [..., N/128, K/128])``, "block_dgrad" the same qdata
-and scales transposed (``[..., K, N]`` contiguous, ``[..., K/128, N/128]``): a 128x128 block has no
-orientation, so the dgrad copy is W's forward grid read as W^T, quantized once."""
-
-FORMS = ORIENTATIONS + tuple(DEQUANTIZED) + tuple(BLOCK_FORMS)
-
-_E4M3 = torch.float8_e4m3fn
-
 counts: Counter = Counter()
-"""The cache's counters (:func:`mxfx.runtime.cache.inspect.stats`): the builders here count quantizations,
+"""The cache's counters (:func:`mxfx.runtime.cache.inspect.stats`): the family builders count quantizations,
 the lookups of :mod:`mxfx.runtime.cache.store` count hits and rebuilds in the same object."""
 
 
-def source_layout(weight: torch.Tensor) -> bool:
-    """Whether ``weight``'s dgrad forms are kept in the source layout (transpose views of ``[.., N, K]``
-    tensors) rather than contiguous ``[.., K, N]``: where its GEMM is emulated
-    (:func:`mxfx.kernels.device.colwise_in_source_layout`)."""
-    return colwise_in_source_layout(weight.device, "grouped_mm" if weight.dim() == 3 else "mm")
+@dataclass(frozen=True)
+class FormFamily:
+    """One format's weight forms.
 
-
-def _quantize(weight: torch.Tensor, rule: str, mx, hats=()) -> tuple[dict, dict]:
-    """Quantize ``weight`` into the MX orientations ``mx`` (both from one read where possible).
-
-    Returns ``(pairs, dequantized forms)``, keyed by orientation. In the source layout one pass
-    writes every orientation of ``mx`` and the BF16 values of every orientation of ``hats``
-    (the BF16 values alone when ``mx`` is empty); otherwise ``hats`` must be empty (the caller
-    dequantizes the pairs).
+    Attributes:
+        name: the format's name (what :func:`mxfx.runtime.cache.cached_formats` reports).
+        forms: form names this family builds; ``dgrad_side``: those only a backward reads (a refresh drops
+            them and their first lookup builds them, :func:`mxfx.runtime.cache.set_dgrad_at_refresh`).
+        rules: scale rules (string values) its forms take.
+        build: ``(weight, rule, forms, have) -> {(rule, form): tuple of tensors}``: the forms ``forms`` of
+            ``weight``, reusing forms in ``have`` (same keys) where that is cheaper; counts in :data:`counts`.
+        fake: ``(weight, form) -> tuple of tensors``: empty tensors with the shapes, dtypes and strides the
+            form has (the fake implementation of the cache op).
+        install: ``(weight, form, qdata, scales) -> tuple``: a pair gathered by FSDP2, in the form's layout.
+        layout: ``(weight) -> hashable``: the layout the forms of ``weight`` are built in on its device (the
+            cache rebuilds a weight whose layout changed).
+        check: ``(weight, form) -> None``: raise ValueError naming the shape when the family cannot build it.
     """
-    w = weight.detach()
-    want = set(mx) | set(hats)
-    counts.update({f"quantize_{o}": 1 for o in want})
-    counts["quantize"] += len(want)
-    if source_layout(w):
-        q, s, h, qt, st, ht = kernels.quantize_dual_source(
-            w, rule, row="forward" in want, col="dgrad" in want,
-            dequantized=torch.bfloat16 if hats else None, mx=bool(mx),
-        )
-        pairs = {o: p for o, p in (("forward", (q, s)), ("dgrad", (qt, st))) if o in mx}
-        return pairs, {o: t for o, t in (("forward", h), ("dgrad", ht)) if o in hats}
-    out = {}
-    blocked = blocked_scales(w)
-    if set(mx) == set(ORIENTATIONS):
-        q, s, qt, st = (kernels.quantize_dual_blocked if blocked else kernels.quantize_dual)(w, rule)
-        out["forward"], out["dgrad"] = (q.contiguous(), s.contiguous()), (qt.contiguous(), st.contiguous())
-    else:
-        for o in mx:
-            src = w if o == "forward" else w.transpose(-2, -1)
-            q, s = (kernels.quantize_blocked if blocked else kernels.quantize_lastdim)(src, rule)
-            out[o] = (q.contiguous(), s.contiguous())
-    return out, {}
+
+    name: str
+    forms: tuple[str, ...]
+    dgrad_side: frozenset
+    rules: tuple[str, ...]
+    build: Callable[..., dict]
+    fake: Callable[..., tuple]
+    install: Callable[..., tuple]
+    layout: Callable[[torch.Tensor], object]
+    check: Callable[[torch.Tensor, str], None]
 
 
-def blocked_scales(weight: torch.Tensor) -> bool:
-    """Whether ``weight``'s MX forms keep their scales in the blocked layout (:mod:`mxfx.numerics.layout`, 1D): a 2D
-    weight whose dense GEMM runs natively (Blackwell), which reads that layout. Stored so once per refresh,
-    it saves a ``to_blocked`` per GEMM call. Expert weights keep plain scales: the grouped native operands
-    lay each expert's out in their own padded layout."""
-    return weight.dim() == 2 and not source_layout(weight)
+_families: dict[str, FormFamily] = {}  # form name -> the family that builds it
 
 
-def _plain_scales(qdata: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``[R, K/32]`` scales of ``qdata [R, K]``, read back from the blocked layout if they are in it."""
-    if is_blocked(qdata, scales):
-        return from_blocked(scales, qdata.shape[0], qdata.shape[1] // BLOCK_SIZE)
-    return scales
+def register(family: FormFamily) -> FormFamily:
+    """Make ``family``'s forms buildable by the cache; returns it.
+
+    Raises:
+        ValueError: a form name another family already registered.
+    """
+    taken = [f for f in family.forms if f in _families]
+    if taken:
+        raise ValueError(f"mxfx.runtime.cache: forms {taken} of {family.name} are already registered")
+    for f in family.forms:
+        _families[f] = family
+    return family
 
 
-def _build(weight: torch.Tensor, rule: str, forms, have: dict | None = None) -> dict:
-    """Forms ``forms`` of one rule, keyed ``(rule, form)``: the fp8_block forms by :func:`_build_block`,
-    the MX and BF16 forms by :func:`_build_mx`."""
-    blocks = [f for f in forms if f in BLOCK_FORMS]
-    out = _build_block(weight, rule, blocks, have or {}) if blocks else {}
-    mx = [f for f in forms if f not in BLOCK_FORMS]
-    return {**out, **_build_mx(weight, rule, mx, have)} if mx else out
+def all_forms() -> tuple[str, ...]:
+    """Every registered form name."""
+    return tuple(_families)
 
 
-def _build_block(weight: torch.Tensor, rule: str, forms, have: dict) -> dict:
-    """The fp8_block forms ``forms`` (:data:`BLOCK_FORMS`): the transpose of the other form where ``have``
-    holds it, else from one 128x128 quantize of ``weight`` (which serves both)."""
-    other = {"block_forward": "block_dgrad", "block_dgrad": "block_forward"}
-    known = next((f for f in BLOCK_FORMS if (rule, f) in have), None)
-    if known is not None:
-        q, s = have[(rule, known)]
-        if known == "block_dgrad":
-            q, s = block_device_path.transpose_qdata(q), s.transpose(-2, -1)
-    else:
-        counts["quantize_block"] += 1
-        counts["quantize"] += 1
-        q, s = block_device_path.quantize_128x128(weight.detach(), rule)
-    out = {}
-    for f in forms:
-        if f not in other:
-            continue
-        if f == "block_forward":
-            out[(rule, f)] = (q.contiguous(), s.contiguous())
-        else:
-            out[(rule, f)] = (block_device_path.transpose_qdata(q), s.transpose(-2, -1).contiguous())
+def family_of(form: str) -> FormFamily:
+    """The family that builds ``form``.
+
+    Raises:
+        ValueError: an unknown form, listing the registered ones.
+    """
+    family = _families.get(form)
+    if family is None:
+        raise ValueError(f"mxfx.runtime.cache: form={form!r} is not valid; choose one of {all_forms()}")
+    return family
+
+
+def check(weight: torch.Tensor, rule: str, form: str) -> None:
+    """Raise ValueError unless ``form`` of ``weight`` with scale rule ``rule`` can be built (naming what fails)."""
+    family = family_of(form)
+    if rule not in family.rules:
+        raise ValueError(f"mxfx.runtime.cache: rule={rule!r} is not valid for {form!r}; choose one of {family.rules}")
+    if weight.dim() not in (2, 3):
+        raise ValueError(f"mxfx.runtime.cache: weight of shape {tuple(weight.shape)} must be [N, K] or [E, N, K]")
+    if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"mxfx.runtime.cache: weight dtype {weight.dtype} is not a high-precision float (fp32/bf16/fp16)")
+    family.check(weight, form)
+
+
+def build(weight: torch.Tensor, rule: str, forms, have: dict | None = None) -> dict:
+    """Forms ``forms`` of one rule, keyed ``(rule, form)``, each built by its family (from ``have`` where it can)."""
+    out, have = {}, have or {}
+    for family in {id(f): f for f in map(family_of, forms)}.values():
+        out.update(family.build(weight, rule, [f for f in forms if f in family.forms], have))
     return out
 
 
-def _build_mx(weight: torch.Tensor, rule: str, forms, have: dict | None = None) -> dict:
-    """MX and BF16 forms ``forms`` of one rule, keyed ``(rule, form)``.
-
-    Where the GEMM is emulated (:func:`source_layout`) a dequantized form is written straight
-    from the weight, without its MX form (no emulated GEMM reads both); elsewhere it is the MX
-    form dequantized, and the MX form is kept too. MX pairs already in ``have`` are reused.
-    """
-    have = have or {}
-    mx = {f for f in forms if f in ORIENTATIONS}
-    hat = {DEQUANTIZED[f] for f in forms if f in DEQUANTIZED}
-    direct = source_layout(weight)
-    if not direct:
-        mx |= hat
-    pairs = {o: have[(rule, o)] for o in mx | hat if (rule, o) in have}
-    mx_missing = [o for o in ORIENTATIONS if o in mx and o not in pairs]
-    hat_missing = [o for o in ORIENTATIONS if o in hat and o not in pairs] if direct else []
-    hats = {}
-    if mx_missing or hat_missing:
-        new_pairs, hats = _quantize(weight, rule, mx_missing, hat_missing)
-        pairs.update(new_pairs)
-    out = {(rule, o): pairs[o] for o in mx}
-    for o in hat:
-        if o in hats:
-            out[(rule, o + "_bf16")] = (hats[o],)
-        else:
-            q, sc = pairs[o]
-            out[(rule, o + "_bf16")] = (kernels.dequantize_lastdim(q, _plain_scales(q, sc), torch.bfloat16),)
-    return out
+def layout_key(weight: torch.Tensor) -> tuple:
+    """The layouts every family builds ``weight``'s forms in now (a change means the cached forms are stale)."""
+    return tuple(f.layout(weight) for f in {id(f): f for f in _families.values()}.values())
 
 
-def _out_shape(shape, orientation: str) -> list:
-    return list(shape) if orientation == "forward" else [*shape[:-2], shape[-1], shape[-2]]
-
-
-def _fake_form(weight: torch.Tensor, orientation: str, dtype: torch.dtype, scales: bool = False) -> torch.Tensor:
-    """An empty tensor with the shape and strides the cache's form has (its scales when ``scales``)."""
-    if orientation == "forward" or not source_layout(weight):
-        shape = _out_shape(weight.shape, orientation)
-        if scales and blocked_scales(weight):
-            return weight.new_empty([blocked_numel(shape[0], shape[1] // BLOCK_SIZE)], dtype=dtype)
-        if scales and source_layout(weight):  # quantize_dual_source's rowwise scales are MN-major
-            return mn_major([*shape[:-1], shape[-1] // BLOCK_SIZE], weight)
-        return weight.new_empty([*shape[:-1], shape[-1] // BLOCK_SIZE] if scales else shape, dtype=dtype)
-    *lead, n, k = weight.shape
-    return weight.new_empty([*lead, n // BLOCK_SIZE if scales else n, k], dtype=dtype).transpose(-2, -1)
+def dgrad_side(form: str) -> bool:
+    """Whether only a backward reads ``form``."""
+    return form in family_of(form).dgrad_side
