@@ -47,12 +47,15 @@ Reported per arm: tokens/s (steady state, steps after the first ``--skip`` ones)
 first-step time (compilation included), held-out loss at the end (mean over ``--eval-batches``
 held-out batches, forward only through the same compiled model), and for the arms compiled by mxfx the
 precision map's count of expert GEMMs in MX, of those kept as written and of ops reported ``not rewritten``.
+``--phases`` also prints, per step, the wall time (synchronized) of forward, backward and optimizer step and, on
+CUDA, the peak and end allocated GiB of each; ``--profile`` the last step's kernels by GPU time.
 ``--compiler aot_eager_fp32_gemms`` (CPU) runs each BF16 GEMM as an FP32 GEMM of its BF16 operands. A markdown table is printed last;
 JSON goes to ``bench/results/hf_models.json`` (``--out`` to change the folder).
 
     python bench/hf_models.py                      # H200: both models, all arms, 200 steps
     python bench/hf_models.py --model olmoe --arms bf16-users,mxfp8 --steps 50
     python bench/hf_models.py --smoke              # CPU, tiny dims, a few steps, aot_eager (CI)
+    python bench/hf_models.py --model qwen3 --arms fp8_block,bf16-weights --steps 4 --phases --profile  # where a step goes
     python bench/hf_models.py --dims small --compiler aot_eager_fp32_gemms --tokens 1024 --seq 128 \
         --arms bf16-users,bf16-grouped,mxfp8,fp8_block   # CPU: a precision study in minutes per arm
 """
@@ -257,6 +260,43 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+class Phases:
+    """The phases of a training step, timed and measured when ``on`` (``--phases``).
+
+    ``run(label, fn)`` returns ``fn()``; when on, it also records the phase's wall ms (synchronized) and, on CUDA,
+    its peak and end allocated GiB in ``parts``. ``peak_bytes`` keeps the run's peak across the per-phase resets.
+    """
+
+    def __init__(self, on: bool, device: str):
+        self.on, self.cuda, self.parts, self.peak_bytes = on, device == "cuda", [], 0
+
+    def run(self, label: str, fn):
+        if not self.on:
+            return fn()
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.peak_bytes = max(self.peak_bytes, torch.cuda.max_memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        out = fn()
+        if self.cuda:
+            torch.cuda.synchronize()
+        part = f"{label} {(time.perf_counter() - t0) * 1e3:.1f} ms"
+        if self.cuda:
+            self.peak_bytes = max(self.peak_bytes, torch.cuda.max_memory_allocated())
+            part += (f", peak {torch.cuda.max_memory_allocated() / GIB:.2f} GiB, "
+                     f"end {torch.cuda.memory_allocated() / GIB:.2f} GiB")
+        self.parts.append(part)
+        return out
+
+
+def _profiler(device: str):
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=activities)
+
+
 def run_arm(arm: Arm, args, train, val, device: str) -> dict:
     """Train one arm for ``args.steps`` steps; returns its measurements (or the reason it could not run)."""
     gc.collect()
@@ -277,20 +317,29 @@ def run_arm(arm: Arm, args, train, val, device: str) -> dict:
     gen = torch.Generator().manual_seed(1234 + args.seed)  # same batches in every arm
     batch = max(1, args.tokens // args.seq)
     times, losses = [], []
+    phases = Phases(args.phases, device)
     try:
         for step in range(args.steps):
             x, y = data.get_batch(train, batch, args.seq, gen, device)
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, args.steps, args.warmup, args.lr)
-            _sync(device)
-            t0 = time.perf_counter()
-            with amp:
-                loss = fn(input_ids=x, labels=y).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            _sync(device)
+            profiled = args.profile and step == args.steps - 1
+            with _profiler(device) if profiled else contextlib.nullcontext() as prof:
+                _sync(device)
+                t0 = time.perf_counter()
+                with amp:
+                    loss = phases.run("forward", lambda: fn(input_ids=x, labels=y).loss)
+                phases.run("backward", loss.backward)
+                phases.run("optimizer step", opt.step)
+                opt.zero_grad(set_to_none=True)
+                _sync(device)
             times.append(time.perf_counter() - t0)
+            if phases.parts:
+                print(f"  {args.model} {arm.name} step {step}: " + "; ".join(phases.parts), flush=True)
+                phases.parts = []
+            if profiled:
+                sort = "device_time_total" if device == "cuda" else "cpu_time_total"
+                print(prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=70), flush=True)
             if step % args.log_every == 0 or step == args.steps - 1:
                 losses.append((step, loss.item()))
                 print(f"  {args.model} {arm.name} step {step}: loss {losses[-1][1]:.4f}, {times[-1] * 1e3:.0f} ms", flush=True)
@@ -308,7 +357,7 @@ def run_arm(arm: Arm, args, train, val, device: str) -> dict:
     res.update(
         tokens_per_s=batch * args.seq / (sum(steady) / len(steady)),
         first_step_s=times[0],
-        peak_gib=torch.cuda.max_memory_allocated() / GIB if device == "cuda" else None,
+        peak_gib=max(phases.peak_bytes, torch.cuda.max_memory_allocated()) / GIB if device == "cuda" else None,
         heldout_loss=sum(held) / len(held),
         train_losses=losses,
     )
@@ -357,6 +406,9 @@ def main(argv=None) -> list[dict]:
                    help="torch.compile backend behind every arm (mxfp8's inner); aot_eager_fp32_gemms: CPUs without BF16 GEMMs")
     p.add_argument("--dims", default="real", choices=DIMS, help="model dims: the checkpoints' (real), CPU-sized (small)")
     p.add_argument("--seed", type=int, default=0, help="initial weights (seed) and batches (seed + 1234)")
+    p.add_argument("--phases", action="store_true",
+                   help="print each step's forward, backward and optimizer step: ms and, on CUDA, peak / end GiB")
+    p.add_argument("--profile", action="store_true", help="print the last step's kernels by GPU time (the profiler slows that step)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny dims, a few steps (CI)")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     args = p.parse_args(argv)

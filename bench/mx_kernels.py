@@ -13,12 +13,20 @@ Also torchao's ``to_mx`` under ``torch.compile``, shapes called in sequence so t
 dynamic-shape recompile happens as it would for a user.
 
 Usage: ``python bench/mx_kernels.py`` (CUDA + Triton); ``MXFX_BENCH_SWEEP=1`` also times
-alternative tile configs (``MXFX_BENCH_SWEEP=rowwise,dual`` only those kernels). Prints a markdown table; writes it to ``$MXFX_BENCH_OUT/kernels.md`` when
-that variable is set.
+alternative tile configs (``MXFX_BENCH_SWEEP=rowwise,dual`` only those kernels), each checked byte for byte against
+the kernel's own config on an input with NaN, +-Inf, zero, tiny and large blocks; ``MXFX_BENCH_MAXNREG=96,128``
+times every config of the sweep also with those register caps. Prints a markdown table; writes it to
+``$MXFX_BENCH_OUT/kernels.md`` when that variable is set.
+
+``python bench/mx_kernels.py --launch KERNEL M K`` only calls sweep kernel ``KERNEL`` four times at ``[M, K]``, for
+a profiler to read its third launch (after compilation and one warm call):
+``ncu --clock-control none --set full -k regex:^_ --launch-skip 2 --launch-count 1 python bench/mx_kernels.py
+--launch dual 65536 2048``.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -254,35 +262,76 @@ def config_slot(mod, spec: str):
     return table[key], lambda cfg: table.__setitem__(key, cfg)
 
 
+def special_input(dtype) -> torch.Tensor:
+    """[256, 512] with NaN, +-Inf, all-zero, tiny and large blocks in both orientations, on the GPU."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(256, 512, generator=g) * torch.exp2(torch.randint(-20, 20, (256, 512), generator=g).float())
+    x[3, 7], x[40, 100], x[77, 300] = float("nan"), float("inf"), float("-inf")
+    x[64:96, 32:64], x[128:160, 64:96], x[200, 480:512] = 0.0, 1e-30, 3e4
+    return x.to(dtype).cuda()
+
+
+def output_bytes(out) -> list[torch.Tensor]:
+    """Every tensor of ``out`` (a tensor or a sequence) as CPU bytes, for a byte-for-byte comparison."""
+    outs = out if isinstance(out, (tuple, list)) else [out]
+    return [t.contiguous().view(torch.uint8).cpu() for t in outs if isinstance(t, torch.Tensor)]
+
+
+def register_cap(mod, cap: int | None) -> None:
+    """Launch every kernel of ``mod`` with ``maxnreg=cap`` (None: the module's own launch)."""
+    own = getattr(mod, "_own_launch", mod.launch)
+    mod._own_launch = own
+    mod.launch = own if cap is None else (lambda k, g, *a, _own=own, **kw: _own(k, g, *a, **{**kw, "maxnreg": cap}))
+
+
 def sweep(copy_gbs: float) -> list[str]:
-    """Time alternative tile configs of each kernel (MXFX_BENCH_SWEEP=1); prints the best of each."""
-    lines = ["", "| config sweep | shape | (BR, BC, warps) | % of copy |", "|---|---|---|---|"]
+    """Time alternative tile configs (and register caps) of each kernel (MXFX_BENCH_SWEEP); prints the best of each."""
+    lines = ["", "| config sweep | shape | (BR, BC, warps) | maxnreg | % of copy | bytes |", "|" + "---|" * 6]
     best = {}
     only = os.environ.get("MXFX_BENCH_SWEEP", "1")
+    caps = [None] + [int(c) for c in os.environ.get("MXFX_BENCH_MAXNREG", "").split(",") if c]
     for name, mod, fn, per_elem, configs, attr, *dtype in _variants():
         if only != "1" and name not in only.split(","):
             continue
+        dtype = (dtype or [torch.bfloat16])[0]
         keep, use = config_slot(mod, attr)
+        want = output_bytes(fn(special_input(dtype)))
         try:
-            for cfg in configs:
+            for cfg, cap in [(cfg, cap) for cfg in configs for cap in caps]:
                 use(cfg)
+                register_cap(mod, cap)
+                same = all(torch.equal(a, b) for a, b in zip(output_bytes(fn(special_input(dtype))), want))
                 fracs = []
                 for m, k in SHAPES:
-                    x = torch.randn(m, k, device="cuda", dtype=(dtype or [torch.bfloat16])[0])
+                    x = torch.randn(m, k, device="cuda", dtype=dtype)
                     frac = per_elem * m * k / median_ms(lambda: fn(x)) / 1e6 / copy_gbs
                     fracs.append(frac)
-                    lines.append(f"| {name} | {m}x{k} | {cfg} | {100 * frac:.1f}% |")
+                    lines.append(f"| {name} | {m}x{k} | {cfg} | {cap} | {100 * frac:.1f}% | "
+                                 f"{'same' if same else 'DIFFER'} |")
                 worst = min(fracs)
-                if worst > best.get(name, (0,))[0]:
-                    best[name] = (worst, cfg)
+                if same and worst > best.get(name, (0,))[0]:
+                    best[name] = (worst, (cfg, cap))
                 print("\n".join(lines[-len(SHAPES):]), flush=True)
         finally:
             use(keep)
+            register_cap(mod, None)
             torch.cuda.empty_cache()
-    lines += ["", "best config per kernel (highest worst-shape %): "
+    lines += ["", "best (config, maxnreg) per kernel (highest worst-shape %, same bytes): "
               + "; ".join(f"{n}: {c} {100 * w:.1f}%" for n, (w, c) in best.items())]
     print(lines[-1], flush=True)
     return lines
+
+
+def launch_only(name: str, m: int, k: int, calls: int = 4) -> None:
+    """Call sweep kernel ``name`` (a name of :func:`_variants`) ``calls`` times at ``[m, k]`` and nothing else."""
+    kernels = {v[0]: v for v in _variants()}
+    if name not in kernels:
+        raise SystemExit(f"mx_kernels: unknown kernel {name!r}; choose from {', '.join(kernels)}")
+    _, _, fn, _, _, _, *dtype = kernels[name]
+    x = torch.randn(m, k, device="cuda", dtype=(dtype or [torch.bfloat16])[0])
+    for _ in range(calls):
+        fn(x)
+    torch.cuda.synchronize()
 
 
 def main() -> None:
@@ -330,4 +379,11 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli = argparse.ArgumentParser(description="Bandwidth of the MX kernels against a copy and their movement ceilings.")
+    cli.add_argument("--launch", nargs=3, metavar=("KERNEL", "M", "K"),
+                     help="only call sweep kernel KERNEL four times at [M, K] (for a profiler)")
+    args = cli.parse_args()
+    if args.launch:
+        launch_only(args.launch[0], int(args.launch[1]), int(args.launch[2]))
+    else:
+        main()

@@ -291,7 +291,7 @@ class _Recorder:
 
     def __getitem__(self, grid):
         def record(*args, **kwargs):
-            from sass_sm90 import Launch
+            from sass import Launch
 
             self.seen.append(Launch(self.kernel, grid, args, kwargs))
 
@@ -303,14 +303,14 @@ def _sm90_launches(monkeypatch, module, name, fn, *args, **kwargs):
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or not os.access(os.path.join(bin_dir, "ptxas"), os.X_OK):
         pytest.skip("needs Triton's bundled ptxas (Linux wheel), compiled mode")
-    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "probes"))
-    import sass_sm90
+    monkeypatch.syspath_prepend(os.path.dirname(os.path.abspath(__file__)))
+    import sass
 
     seen = []
     kernel = getattr(module, name)
     monkeypatch.setattr(module, name, _Recorder(kernel.kernel if isinstance(kernel, _Recorder) else kernel, seen))
     fn(*args, **kwargs)
-    return [sass_sm90.compile_sm90(launch) for launch in seen]
+    return [sass.compile_sm90(launch) for launch in seen]
 
 
 def test_grouped_kernel_compiles_to_fp8_wgmma(monkeypatch):

@@ -2,7 +2,7 @@
 
 Those kernels run near the copy bandwidth only while every global load moves 16 bytes; a lost
 divisibility hint or a changed index expression silently turns them into 2-byte loads (16 instead
-of 2 per thread and row of 16 values, and an issue-bound kernel). ``bench/probes/sass_sm90.py`` captures
+of 2 per thread and row of 16 values, and an issue-bound kernel). ``tests/sass.py`` captures
 the launch the library makes on CPU tensors, specializes it as Triton's launcher does, and compiles it
 with the ptxas that Triton's wheel carries; these tests read the resulting SASS.
 """
@@ -18,8 +18,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "bench", "probes"))
-sass = pytest.importorskip("sass_sm90")
+sys.path.insert(0, HERE)
+sass = pytest.importorskip("sass")
 
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 pytestmark = pytest.mark.skipif(

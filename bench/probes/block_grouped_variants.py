@@ -1,13 +1,13 @@
 """Probe: variants of the fp8_block grouped GEMM (``mxfx.kernels.block_grouped``) side by side with BF16
-``torch._grouped_mm``, rowwise ``torch._scaled_grouped_mm`` and the module's kernel.
+``torch._grouped_mm`` and the module's kernel.
 
 Variants of one kernel body (constexpr switches), persistent over the tiles of all groups as the module's:
 
-* ``ptr``: pointer loads, each column's weight-block scale loaded as a vector (the module's design);
+* ``ptr``: pointer loads, each column's weight-block scale loaded as a vector (the module's design until 2026-12-03);
 * ``ptr_sb``: pointer loads, the tile inside one 128-wide weight block so its B scale is one scalar per K step,
   folded into the row scales (one FMA per accumulator value per K step instead of a multiply and an FMA);
 * ``tma_sb``: ``ptr_sb`` with A and B read through TMA tensor descriptors (A rows past a group's end are read and
-  never stored; B is the ``[G * N, K]`` view);
+  never stored; B is the ``[G * N, K]`` view): the module's design since;
 * ``tma_sb_skew``: ``tma_sb`` promoting step k's partial sum after issuing step k+1's MMA (two partials live);
 * ``tma_sb_ws``: ``tma_sb`` with Triton's warp specialization on the K loop.
 

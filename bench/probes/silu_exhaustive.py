@@ -1,7 +1,7 @@
 """Probe: a SwiGLU SiLU cheaper than ``div.rn``, checked against PyTorch's CUDA ``F.silu`` on every fp32 input.
 
-Usage: ``python -m bench.probes.silu_exhaustive [check] [points] [time] [dual] [sass]`` (check, points, time
-and dual by default; needs CUDA). ``SILU_TIMED=0,5`` picks the variants ``time`` runs (indices below).
+Usage: ``python -m bench.probes.silu_exhaustive [check] [points] [time] [sass]`` (check, points and time by
+default; needs CUDA). ``SILU_TIMED=0,5`` picks the variants ``time`` runs (indices below).
 
 ``div.rn.f32`` computes a reciprocal, one Newton step and one quotient correction, then a range check
 (``FCHK``) and a branch to a slow path per value, which made the issue-bound SwiGLU kernel slower than
@@ -32,9 +32,6 @@ Sections:
   -88.7, -1e38, +-Inf, +-0, NaN), next to ``F.silu``'s: what the sign and size of each variant's zero are.
 * ``time``: % of a 2 GiB copy for the module's SwiGLU + quantize, and for a probe kernel of the module's
   streamed pass per variant and tile.
-* ``dual``: the dual-source quantize through ``device_path.quantize_dual_source`` (new outputs per call)
-  against its kernel launched into preallocated outputs: whether a timing gap is the kernel's or the
-  allocations'.
 * ``sass``: the raw MUFU reciprocal of divisors around 2^126, and each variant's SASS as the installed
   Triton compiles it.
 """
@@ -55,19 +52,19 @@ except ImportError:
 
 from bench.mx_kernels import SHAPES, copy_bandwidth, median_ms
 from mxfx.kernels import device_path
-from mxfx.kernels import dual as dual_mod
-from mxfx.kernels.mx_block import FLT_MAX, exp_f32, load_blocks, rcp_approx_ftz, silu_f32, store_dequantized
+from mxfx.kernels import swiglu
+from mxfx.kernels.mx_block import (FLT_MAX, conversion_bits, exp_f32, load_blocks, rcp_approx_ftz, silu_f32,
+                                   store_dequantized)
 from mxfx.kernels.silu import silu_fp32
 from mxfx.kernels.swiglu import _store_mx
 
 CHUNK = 1 << 28
 TIMED = tuple(int(v) for v in os.environ.get("SILU_TIMED", "0,5").split(","))
-"""Variants the ``time`` section runs (indices into VARIANTS; the others' figures: BENCHMARKS.md, 2026-12-01)."""
+"""Variants the ``time`` section runs (indices into VARIANTS; the others' figures: docs/kernel-notes.md, 2026-12-01)."""
 VARIANTS = ("div_rn", "fast", "fast, inf clamp", "fast, quarter", "fast, clamp 2^126", "module")
 FLUSH_DIVISOR = 2.0**126  # from here on the reciprocal flushes to zero
 
 
-@triton.jit
 def swiglu_setup(m, k, copy_gbs):
     """Print the module's three SwiGLU rows at [m, k], and return what the probe kernels take there:
     ``(gu, outs, layouts, nbytes, save_bytes)``, outs = (q, s, h, gq, gs, uq, us) buffers, layouts =
@@ -90,6 +87,7 @@ def swiglu_setup(m, k, copy_gbs):
     return gu, (q, s, h, gq, gs, uq, us), layouts, nbytes, save_bytes
 
 
+@triton.jit
 def _newton(g, d, dc):
     """div.rn's fast path without its range check: reciprocal of d, one Newton step and one quotient
     correction against dc, the residual negated so that a zero g keeps its sign."""
@@ -137,16 +135,16 @@ def _silu_points(g_ptr, out_ptr, ROWS, V: tl.constexpr):
 
 @triton.jit(do_not_specialize=["R"])
 def _swiglu_v(g_ptr, u_ptr, q_ptr, s_ptr, h_ptr, gq_ptr, gs_ptr, uq_ptr, us_ptr, R, RPR, sgr, sur,
-              V: tl.constexpr, SAVE: tl.constexpr, BR: tl.constexpr):
+              V: tl.constexpr, SAVE: tl.constexpr, BR: tl.constexpr, EVEN: tl.constexpr, CONVERT: tl.constexpr):
     """The module's streamed SwiGLU pass (MX only, or with values and saved pairs) with SiLU variant V."""
     r0, b = tl.program_id(0) * BR, tl.program_id(1)
-    g = load_blocks(g_ptr, r0, R, RPR, sgr, BR)
-    u = load_blocks(u_ptr, r0, R, RPR, sur, BR)
-    qbits, sbyte = _store_mx(q_ptr, s_ptr, silu_variant(g, V) * u, b, r0, 0, R, 32, True, BR, 32)
+    g = load_blocks(g_ptr, r0, R, RPR, sgr, BR, EVEN, CONVERT)
+    u = load_blocks(u_ptr, r0, R, RPR, sur, BR, EVEN, CONVERT)
+    qbits, sbyte = _store_mx(q_ptr, s_ptr, silu_variant(g, V) * u, b, r0, 0, R, 32, True, BR, 32, EVEN, CONVERT)
     if SAVE:
-        store_dequantized(h_ptr, qbits, sbyte, b, r0, 0, R, 32, BR, 32)
-        _store_mx(gq_ptr, gs_ptr, g, b, r0, 0, R, 32, True, BR, 32)
-        _store_mx(uq_ptr, us_ptr, u, b, r0, 0, R, 32, True, BR, 32)
+        store_dequantized(h_ptr, qbits, sbyte, b, r0, 0, R, 32, BR, 32, EVEN)
+        _store_mx(gq_ptr, gs_ptr, g, b, r0, 0, R, 32, True, BR, 32, EVEN, CONVERT)
+        _store_mx(uq_ptr, us_ptr, u, b, r0, 0, R, 32, True, BR, 32, EVEN, CONVERT)
 
 
 def _clamp_126(g, ref):
@@ -260,8 +258,11 @@ def time_rows(copy_gbs):
             for save in (False, True):
                 for v in TIMED:
                     for br, warps in ((16, 1), (32, 2)):
+                        even = swiglu.STREAM_EVEN and rpr == 1 and nblk % br == 0  # the module's masks and forms
+                        convert = conversion_bits(swiglu.CONVERSION_FORMS["wide" if save else "quantize"])
                         fn = lambda: _swiglu_v[(triton.cdiv(nblk, br),)](
-                            a, b, q, s, h, gq, gs, uq, us, nblk, rpr, sa, sb, V=v, SAVE=save, BR=br, num_warps=warps)
+                            a, b, q, s, h, gq, gs, uq, us, nblk, rpr, sa, sb, V=v, SAVE=save, BR=br, EVEN=even,
+                            CONVERT=convert, num_warps=warps)
                         pct = 100 * (save_bytes if save else nbytes) / median_ms(fn) / 1e6 / copy_gbs
                         print(f"| probe swiglu {layout} save={save} {VARIANTS[v]} | {m}x{k} | ({br}, {warps}) | "
                               f"{pct:.1f}% |", flush=True)
@@ -273,51 +274,21 @@ def time_rows(copy_gbs):
         torch.cuda.empty_cache()
 
 
-def dual_rows(copy_gbs):
-    print("| dual source | shape | tile | % of copy |\n|---|---|---|---|")
-    for m, k in SHAPES:
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        nb = 2 * m * k + 2 * m * k * 33 / 32
-        qr, qc = torch.empty(m, k, dtype=torch.uint8, device="cuda"), torch.empty(m, k, dtype=torch.uint8, device="cuda")
-        sr, sc = torch.empty(k // 32, m, dtype=torch.uint8, device="cuda"), torch.empty(m // 32, k, dtype=torch.uint8, device="cuda")
-        bm, bk, warps = dual_mod.SOURCE_CONFIG["source"]
-        n_k = triton.cdiv(k, bk)
-        x3 = x.view(1, m, k)
-
-        def direct():
-            dual_mod._dual_kernel[(triton.cdiv(m, bm) * n_k, 1)](
-                x3, qr, sr, x3, qc, sc, x3, m, k, *x3.stride(), n_k, RCEIL=True, ROW=True, COL=True, MX=True,
-                HAT=False, COL_T=False, BLOCKED=False, EVEN=m % bm == 0 and k % bk == 0, BATCHED=False, BM=bm, BK=bk,
-                num_warps=warps)
-
-        for name, fn in (("device_path.quantize_dual_source (new outputs)", lambda: device_path.quantize_dual_source(x, "rceil")),
-                         ("its kernel, preallocated outputs", direct)):
-            print(f"| {name} | {m}x{k} | {bm, bk, warps} | {100 * nb / median_ms(fn) / 1e6 / copy_gbs:.1f}% |", flush=True)
-        direct()
-        ref = device_path.quantize_dual_source(x, "rceil")
-        same = (torch.equal(qr, ref[0].view(torch.uint8)) and torch.equal(sr, ref[1].t())
-                and torch.equal(qc, ref[3].view(torch.uint8).t()) and torch.equal(sc, ref[4].t()))
-        print(f"direct launch equals the module (all four outputs): {same}", flush=True)
-        del x, qr, qc, sr, sc
-        torch.cuda.empty_cache()
-
-
-SECTIONS = ("check", "points", "time", "dual", "sass")
+SECTIONS = ("check", "points", "time", "sass")
 
 
 def main():
-    sections = sys.argv[1:] or ["check", "points", "time", "dual"]
+    sections = sys.argv[1:] or ["check", "points", "time"]
     unknown = [n for n in sections if n not in SECTIONS]
     if unknown:
         sys.exit(f"silu_exhaustive: unknown section(s) {unknown}; choose from {SECTIONS}")
     if not torch.cuda.is_available():
         sys.exit("silu_exhaustive: needs a CUDA GPU (it compares Triton kernels with torch's CUDA F.silu)")
-    copy_gbs = copy_bandwidth() if {"time", "dual"} & set(sections) else None
+    copy_gbs = copy_bandwidth() if "time" in sections else None
     if copy_gbs:
         print(f"copy {copy_gbs:.0f} GB/s", flush=True)
     for name in sections:
-        {"check": check, "points": points, "time": lambda: time_rows(copy_gbs), "dual": lambda: dual_rows(copy_gbs),
-         "sass": sass}[name]()
+        {"check": check, "points": points, "time": lambda: time_rows(copy_gbs), "sass": sass}[name]()
 
 
 if __name__ == "__main__":

@@ -1,17 +1,14 @@
-"""Probe: the sm90 SASS of mxfx's Triton kernels, compiled without a GPU, launch by launch.
+"""sm90 SASS of mxfx's Triton kernels, compiled without a GPU from the launches the library makes.
 
-Usage: ``python -m bench.probes.sass_sm90`` (no GPU needed: Triton's wheel carries ``ptxas`` and ``nvdisasm``).
+:func:`captured_launches` runs a library entry point on CPU tensors with its module's ``launch`` recording the
+kernel, grid and arguments instead of running them; :func:`compile_sm90` specializes one launch as Triton's launcher
+does (integers equal to 1 become constants, integers and aligned pointers divisible by 16 get
+``tt.divisibility = 16``, ``do_not_specialize`` honoured), compiles it for sm90 with the ``ptxas`` of Triton's wheel
+and disassembles it. Needs Triton's bundled ``ptxas``, ``nvdisasm`` and ``cuobjdump`` (Linux wheel), no GPU.
 
-Each case calls a library entry point (``mxfx.kernels.quantize`` / ``dual`` / ``swiglu``) on CPU tensors with
-its ``launch`` replaced by a recorder, so the kernel, grid, arguments and constexprs are the ones the library
-passes. The arguments are specialized the way Triton's launcher does (integers equal to 1 become constants,
-integers and aligned pointers divisible by 16 get ``tt.divisibility = 16``; ``do_not_specialize`` is
-honoured), compiled for sm90 and disassembled. Printed per case: SASS instructions in all, global and
-shared memory instructions by width, and the shared memory the kernel asks for.
-
-What it is for: the MX kernels are issue-bound on the H200 (BENCHMARKS.md), so instruction counts and
-access widths explain most of their bandwidth, and a change can be read here before it is timed.
-``tests/test_kernel_codegen.py`` uses it to hold the streamed kernels to 128-bit global loads.
+``python tests/sass.py`` prints, per case of :func:`cases`, the SASS instructions, global and shared memory
+instructions by width, and shared bytes: the MX kernels are issue-bound on the H200, so these counts explain most
+of their bandwidth and a change can be read here before it is timed.
 """
 
 from __future__ import annotations
@@ -21,7 +18,6 @@ import dataclasses
 import os
 import re
 import subprocess
-import sys
 import tempfile
 
 import torch
@@ -98,7 +94,7 @@ def _specialize(kernel, args, kwargs):
             if not p.do_not_specialize and v % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
         else:
-            raise TypeError(f"sass probe: argument {p.name} of type {type(v).__name__} is not handled")
+            raise TypeError(f"sass: argument {p.name} of type {type(v).__name__} is not handled")
     return signature, constexprs, attrs
 
 
