@@ -159,3 +159,24 @@ def lm_loss_and_grads(model, backend=None, options=None, *, seq: int = 32, autoc
     grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return loss.detach().float(), grads
+
+
+def load_example(name: str):
+    """``examples/<name>.py`` as a module, for tests of the examples themselves. ``examples/`` is a folder of
+    scripts (each puts its own folder on ``sys.path`` when run), not a package: the module is loaded from its
+    path, once, and kept in ``sys.modules`` as ``example_<name>``; ``sys.path`` is left as it is."""
+    import importlib.util
+    from pathlib import Path
+
+    key = f"example_{name}"
+    if key not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(key, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module  # before running it: dataclasses look their module up there
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[key]
+            raise
+    return sys.modules[key]

@@ -7,9 +7,7 @@ must apply to that layer's graph only.
 
 from __future__ import annotations
 
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,12 +16,11 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 import mxfx
 from mxfx import rule_check
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from moe_model import MoEConfig, MoETransformer  # noqa: E402
+from tests.models import MoETransformer, tiny_config
 
 
 def _per_block_maps(register: bool, rule: str = "layers.0.attn.qkv", wrap: bool = False):
-    model = MoETransformer(MoEConfig(n_layers=2, d_model=64, head_dim=32, expert_hidden=64, shared_hidden=64, n_experts=4))
+    model = MoETransformer(tiny_config(n_layers=2))
     if wrap:  # activation checkpointing as torchtitan applies it: each block inside a CheckpointWrapper
         for i, layer in enumerate(model.layers):
             model.layers[i] = checkpoint_wrapper(layer)

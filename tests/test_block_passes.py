@@ -1,8 +1,6 @@
 """format="fp8_block" behind the passes: the policy field, the ops against the format's reference decode, the
 weight cache, and every pass on the main job's MoE model and on an HF model in FP32 under autocast."""
 
-import os
-import sys
 import warnings
 
 import pytest
@@ -18,9 +16,7 @@ from mxfx.ops.grouped_mm import mx_grouped_mm_op
 from mxfx.ops.linear import mx_linear
 from mxfx.policy import Policy, Rule
 from tests.helpers import lm_loss_and_grads
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-from moe_model import MoEConfig, MoETransformer  # noqa: E402
+from tests.models import MoETransformer, tiny_config
 
 
 def _decode_rows(x):
@@ -276,9 +272,7 @@ def test_weight_cache_step_keeps_the_forward_grid_and_the_backward_transposes_it
 
 def _moe(**kw):
     torch.manual_seed(0)
-    cfg = MoEConfig(**{"d_model": 128, "n_layers": 1, "head_dim": 32, "n_experts": 4, "top_k": 2,
-                       "expert_hidden": 128, "shared_hidden": 128, "vocab_size": 256, **kw})
-    return MoETransformer(cfg)
+    return MoETransformer(tiny_config(**{"d_model": 128, "expert_hidden": 128, "shared_hidden": 128, **kw}))
 
 
 def _loss(model, options, ids):

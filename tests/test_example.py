@@ -1,16 +1,19 @@
-"""The MoE example: eager training works, the grouped-GEMM MoE matches a per-expert loop, data splits are disjoint."""
+"""The MoE example (``examples/moe_model.py``, ``examples/data.py``, loaded from their paths): eager training
+works, the grouped-GEMM MoE matches a per-expert loop, data splits are disjoint, and the tests' model
+(``tests/models.py``) is this model."""
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from data import get_batch, load_splits, pydoc_topics, stdlib_code  # noqa: E402
-from moe_model import MoE, MoEConfig, MoETransformer  # noqa: E402
+import tests.models
+from tests.helpers import load_example
+
+data = load_example("data")
+example = load_example("moe_model")
+MoE, MoEConfig, MoETransformer = example.MoE, example.MoEConfig, example.MoETransformer
+get_batch, load_splits, pydoc_topics, stdlib_code = data.get_batch, data.load_splits, data.pydoc_topics, data.stdlib_code
 
 TINY = MoEConfig(d_model=64, n_layers=1, head_dim=32, n_experts=4, top_k=2, expert_hidden=64, shared_hidden=32)
 
@@ -74,3 +77,25 @@ def test_moe_example():
     x1, y1 = get_batch(train, 4, 16, torch.Generator().manual_seed(0))
     x2, _ = get_batch(train, 4, 16, torch.Generator().manual_seed(0))
     assert x1.dtype == torch.int64 and torch.equal(x1, x2) and torch.equal(x1[:, 1:], y1[:, :-1])
+
+
+def test_tests_model_is_the_example_model():
+    """The passes are tested on ``tests.models``; the example trains ``examples/moe_model.py``. From one state
+    dict the two hold the same parameters and give the same logits, loss and gradients (bit for bit: the same
+    ops in the same order), default config and a small one."""
+    for kw in ({}, {"d_model": 64, "n_layers": 2, "n_experts": 4, "top_k": 1, "expert_hidden": 64, "shared_hidden": 32}):
+        torch.manual_seed(0)
+        ours, theirs = tests.models.MoETransformer(tests.models.MoEConfig(**kw)), MoETransformer(MoEConfig(**kw))
+        assert tests.models.MoEConfig(**kw) == tests.models.MoEConfig(**vars(MoEConfig(**kw)))
+        shapes = {n: p.shape for n, p in theirs.named_parameters()}
+        assert {n: p.shape for n, p in ours.named_parameters()} == shapes
+        ours.load_state_dict(theirs.state_dict())
+        idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+        results = []
+        for model in (ours, theirs):
+            with torch.autocast("cpu", torch.bfloat16):
+                logits, loss = model(idx, idx)
+            loss.backward()
+            results.append((logits, loss, [p.grad for p in model.parameters()]))
+        (la, xa, ga), (lb, xb, gb) = results
+        assert torch.equal(la, lb) and torch.equal(xa, xb) and all(torch.equal(a, b) for a, b in zip(ga, gb)), kw

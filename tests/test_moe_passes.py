@@ -1,8 +1,5 @@
 """The MoE rewrite on the main job's model: counts, the attention saved-input rule, saved bytes, special graphs."""
 
-import os
-import sys
-
 import pytest
 import torch
 import torch.nn as nn
@@ -10,16 +7,14 @@ import torch.nn.functional as F
 
 import mxfx
 from tests.helpers import GraphCapture, count_calls
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-from moe_model import MoE, MoEConfig, MoETransformer  # noqa: E402
+from tests.models import MoE, MoETransformer, tiny_config
 
 OPS = torch.ops.mxfx
 E4M3 = torch.float8_e4m3fn
 
 
 def _cfg(**kw):
-    return MoEConfig(**{"d_model": 64, "n_layers": 1, "head_dim": 32, "n_experts": 4, "top_k": 2, "expert_hidden": 64, "shared_hidden": 64, **kw})
+    return tiny_config(**kw)
 
 
 def _train_step(model, backend, options, *inputs):

@@ -20,17 +20,12 @@ all_to_all needs a process group: its section is ``tests/test_distributed.py``
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
 import mxfx
 from tests.helpers import GraphCapture, count_calls
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-from moe_model import MoEConfig, MoETransformer  # noqa: E402
+from tests.models import MoETransformer, tiny_config
 
 OPS = torch.ops.mxfx
 
@@ -38,8 +33,7 @@ OPS = torch.ops.mxfx
 def _step(passes: dict | None = None, n_experts: int = 4, **policy):
     """One step of the small model: ``(loss, grads by name, report records, captured graphs)``."""
     torch.manual_seed(0)
-    model = MoETransformer(MoEConfig(d_model=64, n_layers=1, head_dim=32, n_experts=n_experts, top_k=2, expert_hidden=64,
-                                     shared_hidden=64))
+    model = MoETransformer(tiny_config(n_experts=n_experts))
     idx = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
     cap = GraphCapture()
     torch._dynamo.reset()
