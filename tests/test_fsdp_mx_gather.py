@@ -67,12 +67,13 @@ def test_gather_map_follows_policy_and_sharding():
     block = {"format": "fp8_block"}
     assert mxfx.fsdp.mx_all_gather(_MoEModel(), world_size=2) == {
         f"blocks.{i}.{n}": f for i in range(2) for n, f in (
-            ("moe.router.weight", "high precision (shape (4, 128): N and K must be multiples of 32)"),
+            ("moe.router.weight", "high precision (the op stays bf16: features 128->4 are not multiples of 32 (mxfp8 blocks); "
+                                  "pad the features or keep it in BF16)"),
             ("moe.gate_up", "mxfp8"), ("moe.down", "mxfp8"), ("up.weight", "mxfp8"), ("down.weight", "mxfp8"))}
     pmap = mxfx.fsdp.mx_all_gather(m, block, world_size=2)
     assert [pmap[f"blocks.0.{n}"] for n in ("moe.gate_up", "moe.down", "up.weight")] == ["fp8_block"] * 3, pmap
     assert pmap["blocks.0.down.weight"].startswith("high precision (shape (128, 256): 2 shards of 64 rows"), pmap
-    assert type(m.blocks[0].down.weight.data) is torch.Tensor and m.blocks[0].moe.gate_up._format == "fp8_block"
+    assert type(m.blocks[0].down.weight.data) is torch.Tensor and m.blocks[0].moe.gate_up._format.name == "fp8_block"
     pmap = mxfx.fsdp.mx_all_gather(_MoEModel(), world_size=8)  # 4 experts over 8 ranks
     assert pmap["blocks.0.moe.gate_up"].startswith("high precision (shape (4, 256, 128): dim 0"), pmap
     pmap = mxfx.fsdp.mx_all_gather(torch.nn.Linear(64, 256), block, world_size=1)  # as the passes: K=64 stays BF16

@@ -83,7 +83,7 @@ def test_cpu_path_never_loads_triton_kernels():
         "bad = [m for m in sys.modules if m.startswith('mxfx.kernels.') and m not in "
         "('mxfx.kernels.custom_ops', 'mxfx.kernels.device_path', 'mxfx.kernels.checks', 'mxfx.kernels.launch', "
         "'mxfx.kernels.views', 'mxfx.kernels.block_ops', 'mxfx.kernels.block_gemm', 'mxfx.kernels.block_device_path', "
-        "'mxfx.kernels.silu')]; assert not bad, bad"  # silu: the plain-torch SiLU reference; block_*: torch-only dispatch
+        "'mxfx.kernels.silu', 'mxfx.kernels.device', 'mxfx.kernels.mx_gemm', 'mxfx.kernels.mx_swiglu')]; assert not bad, bad"  # silu: the plain-torch SiLU reference; block_*, device, mx_*: torch-only dispatch
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
 
@@ -762,7 +762,7 @@ def test_traced_path_calls_the_ops_own_body(monkeypatch):
     same function with the same arguments. Forced to the body on CPU, every op gives the op's bytes."""
     from mxfx.kernels import launch
     from mxfx.kernels import custom_ops
-    from mxfx.ops import gemm
+    from mxfx.kernels import mx_gemm as gemm
 
     g = torch.Generator().manual_seed(4)
     x, u = torch.randn(64, 96, generator=g), torch.randn(64, 96, generator=g)

@@ -29,7 +29,7 @@ across microbatches):
   to the weight itself, and :func:`refresh` the rest.
 * **Dgrad forms at their use; nothing kept past its last use.** A refresh (and a lookup that
   finds the caches stale) rebuilds the forward-side forms and drops the stale dgrad-side ones
-  (:data:`DGRAD_SIDE`), freeing their memory. The backward builds the dgrad forms from the same
+  (each family's ``dgrad_side`` forms), freeing their memory. The backward builds the dgrad forms from the same
   weight (fresh by the same checks). While each step has run one microbatch, a weight's first
   dgrad lookup of a step builds its dgrad form for that one GEMM and drops the forward forms too:
   the forward is done with them and the next refresh rebuilds them, so from its backward's dgrad
@@ -68,16 +68,10 @@ from dataclasses import dataclass, field
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from mxfx.numerics.block import SCALE_RULES as BLOCK_SCALE_RULES
-from mxfx.numerics.mx import BLOCK_SIZE, SCALE_RULES
-from mxfx.runtime.cache.forms import BLOCK_FORMS, FORMS, _build, counts, source_layout
+from mxfx.runtime.cache.forms import build, check, counts, dgrad_side, family_of, layout_key
 
 WEIGHT_KINDS = ("linear", "grouped_mm")
 """Precision-map kinds whose rewritten ops read weights through this cache."""
-
-DGRAD_SIDE = ("dgrad", "dgrad_bf16", "block_dgrad")
-"""Forms only a backward reads: a refresh drops them, their first lookup after it builds them
-(:func:`set_dgrad_at_refresh`)."""
 
 
 @dataclass(eq=False)
@@ -93,7 +87,7 @@ class _Entry:
     version: int | None = None  # weight._version the forms were built at; None: stale
     forms: dict = field(default_factory=dict)  # (rule, orientation) -> (qdata, scales), or (bf16,) for DEQUANTIZED
     graph_refreshed: bool = False  # rebuilt by a compiled step since the last eager step hook
-    source_layout: bool | None = None  # source_layout(weight) when the forms were built: their layouts follow it
+    source_layout: tuple | None = None  # forms.layout_key(weight) when the forms were built: their layouts follow it
     step: int = 0  # the global step count (state.step) when the forms were built
     owned: bool = False  # a step hook found it through its optimizer's parameters: refreshed there, ignores state.step
     gathered: bool = False  # forms installed from an FSDP2 MX all-gather (install_forms): never built from the weight
@@ -103,7 +97,6 @@ class _Entry:
 
     def nbytes(self) -> int:
         return sum(t.nbytes for form in self.forms.values() for t in form)
-
 
 
 @dataclass(eq=False)
@@ -134,23 +127,8 @@ def _drop_storage(cdata: int) -> None:
             state.entries.pop(key, None)
 
 
-def _check(weight: torch.Tensor, rule: str, orientation: str) -> None:
-    if orientation not in FORMS:
-        raise ValueError(f"mxfx.runtime.cache: orientation={orientation!r} is not valid; choose one of {FORMS}")
-    rules = BLOCK_SCALE_RULES if orientation in BLOCK_FORMS else SCALE_RULES
-    if rule not in rules:
-        raise ValueError(f"mxfx.runtime.cache: rule={rule!r} is not valid for {orientation!r}; choose one of {rules}")
-    if weight.dim() not in (2, 3) or (orientation not in BLOCK_FORMS and (weight.shape[-1] % BLOCK_SIZE or weight.shape[-2] % BLOCK_SIZE)):
-        raise ValueError(
-            f"mxfx.runtime.cache: weight of shape {tuple(weight.shape)} must be [N, K] or [E, N, K] with N and K multiples "
-            f"of {BLOCK_SIZE} (both orientations are blocked by {BLOCK_SIZE})"
-        )
-    if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"mxfx.runtime.cache: weight dtype {weight.dtype} is not a high-precision float (fp32/bf16/fp16)")
-
-
 def set_dgrad_at_refresh(enabled: bool) -> bool:
-    """Choose when the dgrad-side forms (:data:`DGRAD_SIDE`) are rebuilt after a weight changed; returns the
+    """Choose when the dgrad-side forms (each family's ``dgrad_side`` forms) are rebuilt after a weight changed; returns the
     previous choice.
 
     ``False`` (the default): a refresh rebuilds the forward-side forms only and drops the stale dgrad-side
@@ -180,15 +158,15 @@ def _rebuild(entry: _Entry, weight: torch.Tensor, extra: tuple | None = None) ->
     dropped (their next lookup builds them). Forms gathered by FSDP2 cannot be built later: all rebuilt."""
     wanted = set(entry.forms) | entry.dropped | ({extra} if extra else set())
     if not (state.dgrad_at_refresh or entry.gathered):
-        deferred = {f for f in wanted if f[1] in DGRAD_SIDE and f != extra}
+        deferred = {f for f in wanted if dgrad_side(f[1]) and f != extra}
         wanted -= deferred
         state.stats["deferred_dgrad"] += len(deferred)
     entry.forms.clear()  # free the stale forms before allocating the new ones
     entry.dgrad_seen.clear()
     entry.dropped.clear()
-    entry.source_layout = source_layout(weight)
+    entry.source_layout = layout_key(weight)
     for rule in sorted({r for r, _ in wanted}):
-        entry.forms.update(_build(weight, rule, [f for r, f in wanted if r == rule]))
+        entry.forms.update(build(weight, rule, [f for r, f in wanted if r == rule]))
 
 
 def _single_use(entry: _Entry) -> bool:
@@ -221,7 +199,7 @@ def lookup(weight: torch.Tensor, rule: str, orientation: str) -> tuple[torch.Ten
     Raises:
         RuntimeError: called while a CUDA graph is being captured (a replay would skip this freshness check).
     """
-    _check(weight, rule, orientation)
+    check(weight, rule, orientation)
     if weight.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             f"mxfx.runtime.cache: a weight {tuple(weight.shape)} is looked up while a CUDA graph is being captured; a replay "
@@ -237,20 +215,20 @@ def lookup(weight: torch.Tensor, rule: str, orientation: str) -> tuple[torch.Ten
                 f"(mxfx.fsdp.mx_all_gather) was not gathered since the last optimizer step; its unsharded values cannot rebuild it "
                 f"exactly. Keep this weight out of mx_all_gather (and Policy.keep_dequantized_weights is not "
                 f"supported with it)")
-        if (entry.version != weight._version or entry.source_layout != source_layout(weight)
+        if (entry.version != weight._version or entry.source_layout != layout_key(weight)
                 or (not entry.owned and entry.step != state.step)):
             _rebuild(entry, weight, form)
             entry.version, entry.step = weight._version, state.step
             state.stats["stale"] += 1
         elif form not in entry.forms:
-            built = _build(weight, rule, [orientation], have=entry.forms)
+            built = build(weight, rule, [orientation], have=entry.forms)
             if _single_use(entry):
-                if orientation in DGRAD_SIDE and form not in entry.dgrad_seen:
+                if dgrad_side(orientation) and form not in entry.dgrad_seen:
                     # the step's first backward: the dgrad form serves this GEMM alone, and the forward is
                     # done with the forward forms (the next refresh rebuilds them)
                     entry.dgrad_seen.add(form)
                     state.stats["transient_dgrad"] += 1
-                    for f in [f for f in entry.forms if f[1] not in DGRAD_SIDE]:
+                    for f in [f for f in entry.forms if not dgrad_side(f[1])]:
                         del entry.forms[f]
                         entry.dropped.add(f)
                     return built[form]
@@ -275,7 +253,7 @@ def cached_formats(weights) -> set[str]:
     rebuild of their caches produces. Dequantized BF16 forms count as "mxfp8" (they hold MX values)."""
     with state.lock:
         entries = [_entry_for(w, create=False) for w in weights]
-        return {"fp8_block" if form in BLOCK_FORMS else "mxfp8" for e in entries if e is not None for _, form in e.forms}
+        return {family_of(form).name for e in entries if e is not None for _, form in e.forms}
 
 
 def _entries_on(t: torch.Tensor) -> list[_Entry]:
