@@ -15,7 +15,7 @@ import warnings
 import torch
 import torch.fx as fx
 
-from mxfx import cache_key, names, passes, report, rule_check
+from mxfx import cache_key, coverage, names, passes, report, rule_check
 from mxfx.runtime import cache
 from mxfx import formats
 from mxfx.kernels import device as devices
@@ -197,15 +197,18 @@ def mxfp8_backend(gm: fx.GraphModule, example_inputs, options: Policy | dict | N
         if isinstance(g, fx.GraphModule):
             g.meta[PREFIX_META] = prefix
     modules = rule_check.graph_modules(gm)
+    scope = coverage.model_scope(coverage.model_of(params))  # the model's warnings: once per model, complete
     pm = rewrite(gm, policy)
+    whole = not prefix and names.whole_forward(params)
     # judged now for a whole-model graph, else over all graphs at the first optimizer step
-    rule_check.observe(policy, modules, rule_check.rule_ops(pm.records), whole=not prefix and names.whole_forward(params))
-    rule_check.warn_unmet_requests(policy, pm.records)
+    rule_check.observe(policy, modules, rule_check.rule_ops(pm.records), whole=whole)
+    rule_check.warn_unmet_requests(policy, pm.records, scope.warned)
     rule_check.warn_shared_graph_rules(policy, {(r.kind, r.module) for r in pm.records}, prefix, shared)
     _warn_float16_once(gm, pm)
     if not torch.is_grad_enabled():  # Dynamo calls the backend in the grad mode the graph was traced in
         pm.mark_inference()
     report.register(pm)
+    coverage.observe(scope, gm, example_inputs, pm, policy, whole=whole)
     _warn_format_notes(pm, example_inputs, policy)
     log.info("mxfx: %s", pm.summary())
     trace_artifact("mxfx_precision_map", pm.to_text)

@@ -235,23 +235,33 @@ class PolicyWideFormat:
         return f"(policy-wide format={self.format!r})"
 
 
-def warn_unmet_requests(policy: Policy, records) -> None:
-    """Warn, once per rule and op, when an op a user rule asks to convert (:meth:`Policy.requesting_rule`) is kept
+def requesting(policy: Policy, record):
+    """The user rule that asked to convert the op of precision-map ``record`` (:meth:`Policy.requesting_rule`), or a
+    :class:`PolicyWideFormat` where the user's policy-wide ``format`` is refused by the op's features; None when only
+    the default rules would convert it."""
+    rule = policy.requesting_rule(record.kind, record.module)
+    if rule is None and "multiple" in record.reason and policy.format != _DEFAULT_FORMAT:  # the user's policy-wide format
+        rule = PolicyWideFormat(policy.format)
+    return rule
+
+
+def warn_unmet_requests(policy: Policy, records, warned: set | None = None) -> None:
+    """Warn, once per rule and op, when an op a user rule asks to convert (:func:`requesting`) is kept
     in BF16 (its shape, ``min_size`` or operands refuse it): one warning per rule per graph, naming each such op's
     module, shapes and reason. A policy-wide ``format`` that resolves to fp8_block counts as such a rule for the ops
     its tiles refuse (features not multiples of 128). Ops only the default rules would convert
-    are not warned about otherwise (the precision map gives their reasons)."""
+    are warned about by :mod:`mxfx.coverage`. ``warned`` holds the ops already warned about: the model's
+    (:func:`mxfx.coverage.model_scope`), so that every model gets its complete warning; process-wide when None."""
     unmet: dict = {}
+    warned = _warned_unmet if warned is None else warned
     for r in records:
         if r.kind not in REQUEST_KINDS or r.rewritten:
             continue
-        rule = policy.requesting_rule(r.kind, r.module)
-        if rule is None and "multiple" in r.reason and policy.format != _DEFAULT_FORMAT:  # the user's policy-wide format
-            rule = PolicyWideFormat(policy.format)
+        rule = requesting(policy, r)
         key = (rule, r.kind, r.module, r.node)
-        if rule is None or key in _warned_unmet:
+        if rule is None or key in warned:
             continue
-        _warned_unmet.add(key)
+        warned.add(key)
         unmet.setdefault(rule, []).append(r)
     for rule, ops in unmet.items():
         fmt = policy.decide(ops[0].kind, ops[0].module).format

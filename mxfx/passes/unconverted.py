@@ -12,15 +12,14 @@ it is either
   whose body mxfx cannot see.
 
 Each becomes a precision-map record of kind ``"not_rewritten"`` naming the op,
-the parameter and the reason; the first compile that finds any warns once per
-process with their count and op names (a silent FP32/BF16 GEMM is the failure
-this exists to prevent).
+the parameter and the reason (:func:`op_of` reads the op back); :mod:`mxfx.coverage`
+warns once per model with their count and op names (a silent FP32/BF16 GEMM is the
+failure this exists to prevent).
 """
 
 from __future__ import annotations
 
 import operator
-import warnings
 
 import torch
 import torch.fx as fx
@@ -44,12 +43,14 @@ PASS_OF = {"F.linear": "linear", "torch._grouped_mm": "grouped_mm", "torch.nn.fu
 """GEMMs a pass would rewrite: where that pass is switched off (``Policy.passes``) the report says so."""
 GEMM_METHODS = ("mm", "bmm", "matmul", "__matmul__", "addmm", "baddbmm")
 _PASS_THROUGH_METHODS = (*CASTS, "transpose", "t", "permute", "view", "reshape", "expand", "unsqueeze", "squeeze",
-                         "flatten", "__getitem__", "chunk", "split", "narrow", "select")
+                         "flatten", "__getitem__", "chunk", "split", "narrow", "select", "unbind")
 _PASS_THROUGH_FUNCTIONS = (operator.getitem, torch.transpose, torch.permute, torch.reshape, torch.unsqueeze,
-                           torch.squeeze, torch.t, torch.flatten, torch.chunk, torch.split, torch.narrow, torch.select)
+                           torch.squeeze, torch.t, torch.flatten, torch.chunk, torch.split, torch.narrow, torch.select,
+                           torch.unbind)
+_PASS_THROUGH_ATTRIBUTES = ("T", "mT", "H", "mH")
+"""Transposes read as attributes (``w.T``): Dynamo records them as ``getattr(w, "T")``."""
 _OWN_NAMESPACES = ("aten", "prims", "mxfx")
-
-_warned = False
+_PREFIX = "not rewritten: "
 
 
 def _op_name(node: fx.Node) -> str | None:
@@ -68,7 +69,7 @@ def _op_name(node: fx.Node) -> str | None:
         return None
 
 
-def _parameter_behind(arg) -> fx.Node | None:
+def parameter_behind(arg) -> fx.Node | None:
     """The >=2-D floating parameter ``arg`` reads, through casts, views, transposes and indexing; else None."""
     seen = 0
     while isinstance(arg, fx.Node) and seen < 16:
@@ -78,14 +79,15 @@ def _parameter_behind(arg) -> fx.Node | None:
             return arg if ok else None
         passes = (arg.op == "call_method" and arg.target in _PASS_THROUGH_METHODS) or (
             arg.op == "call_function" and arg.target in _PASS_THROUGH_FUNCTIONS
-        )
+        ) or (arg.op == "call_function" and arg.target is getattr and arg.args[1:2] in [(a,) for a in _PASS_THROUGH_ATTRIBUTES])
         if not passes or not arg.args:
             return None
         arg, seen = arg.args[0], seen + 1
     return None
 
 
-def _operands(node: fx.Node):
+def operands(node: fx.Node):
+    """The arguments of ``node``, members of list arguments one by one."""
     for a in (*node.args, *node.kwargs.values()):
         if isinstance(a, (list, tuple)):
             yield from a
@@ -95,7 +97,6 @@ def _operands(node: fx.Node):
 
 def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
     """Record every op reading a convertible weight that no pass rewrote or recorded; returns how many."""
-    global _warned
     recorded = {r.node for r in pm.records}
     found = []
     for node in gm.graph.nodes:
@@ -104,7 +105,7 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         name = _op_name(node)
         if name is None:
             continue
-        params = [p for p in map(_parameter_behind, _operands(node)) if p is not None]
+        params = [p for p in map(parameter_behind, operands(node)) if p is not None]
         if not params:
             continue
         p = params[0]
@@ -116,14 +117,11 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         else:
             why = "GEMM over a parameter that no mxfx pattern matches; it runs in the model's precision"
         pm.add(OpRecord(node.name, KIND, module_fqn(node), f"w{shape_str(example_value(p))}", "-", "-", "-", "-", "-",
-                        f"not rewritten: {name}: {why}"))
+                        f"{_PREFIX}{name}: {why}"))
         found.append(name)
-    if found and not _warned:
-        _warned = True
-        names = ", ".join(sorted(set(found)))
-        warnings.warn(
-            f"mxfx: {len(found)} op(s) read a weight mxfx would convert but were not rewritten ({names}); they run in "
-            f"the model's own precision. See mxfx.last_report() (kind 'not_rewritten') for each op and why.",
-            stacklevel=2,
-        )
     return len(found)
+
+
+def op_of(record: OpRecord) -> str:
+    """The op a ``not_rewritten`` record names (``"torch.mm"``, ``"mxfx_test::experts"``)."""
+    return record.reason[len(_PREFIX):].split(": ", 1)[0] if record.reason.startswith(_PREFIX) else record.reason

@@ -1,0 +1,216 @@
+"""What a compiled model leaves unconverted is said once per model (mxfx.coverage): layers whose shapes do not fit,
+MoE experts no compiled graph saw, and every model's complete list, whatever names an earlier model shared."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import mxfx
+
+OPTS = {"inner": "aot_eager"}
+
+
+def _mxfx_warnings(fn, *args) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn(*args)
+    return [str(w.message) for w in caught if str(w.message).startswith("mxfx")]
+
+
+def _compile_and_run(model, x, options=OPTS):
+    torch._dynamo.reset()
+    torch.compile(model, backend="mxfp8", options=options)(x).float().sum().backward()
+
+
+class Narrow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(100, 60)
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+class Partly(nn.Module):
+    """``up`` fits MXFP8's 32-blocks; ``out`` (256 -> 40) does not."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.out = nn.Linear(256, 256), nn.Linear(256, 40)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.up(x)))
+
+
+def test_a_model_that_converts_nothing_says_so_once():
+    model = Narrow()
+    messages = _mxfx_warnings(_compile_and_run, model, torch.randn(8, 100))
+    (message,) = [m for m in messages if "converted no op" in m]
+    assert "model Narrow" in message and "its 1 GEMM op(s) all stay in BF16" in message
+    assert "features 100->60 are not multiples of 32" in message and "'proj'" in message
+    assert mxfx.last_report().count("linear", rewritten=True) == 0
+    assert not _mxfx_warnings(_compile_and_run, model, torch.randn(8, 100))  # the same model: said once
+
+
+def test_layers_whose_shapes_do_not_fit_are_counted_and_named():
+    model = Partly()
+    messages = _mxfx_warnings(_compile_and_run, model, torch.randn(64, 256))
+    (message,) = [m for m in messages if "shapes do not fit" in m]
+    assert "model Partly: 1 of its 2 GEMM op(s) stay in BF16" in message
+    assert "features 256->40 are not multiples of 32" in message and "'out'" in message and "'up'" not in message
+    assert mxfx.last_report().count("linear", rewritten=True) == 1
+    # a rule keeping it in BF16 on purpose is an answer: no warning
+    kept = {**OPTS, "rules": [{"module": "out", "precision": "bf16"}]}
+    assert not [m for m in _mxfx_warnings(_compile_and_run, Partly(), torch.randn(64, 256), kept) if "fit" in m]
+
+
+class LoopExperts(nn.Module):
+    """Experts applied one by one over views of a stacked weight, with a graph break before the loop: the views
+    reach the resumed graph as plain tensors (Dbrx's pattern), or the whole forward runs eagerly."""
+
+    def __init__(self, eager: bool):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(4, 64, 64) / 8)
+        self.eager = eager
+
+    def forward(self, x):
+        if self.eager:
+            return _eager_experts(x, self.w1)
+        ws = self.w1.unbind(0)
+        torch._dynamo.graph_break()
+        return sum(x @ w.T for w in ws)
+
+
+@torch.compiler.disable
+def _eager_experts(x, w1):
+    return sum(x @ w.T for w in w1.unbind(0))
+
+
+class LoopMoE(nn.Module):
+    def __init__(self, eager: bool):
+        super().__init__()
+        self.proj = nn.Linear(64, 64)
+        self.experts = LoopExperts(eager)
+
+    def forward(self, x):
+        return self.experts(self.proj(x))
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["graph_break", "eager_fallback"])
+def test_experts_no_compiled_graph_read_are_named_at_the_step(eager):
+    model = LoopMoE(eager)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = len(mxfx.all_reports())
+    compiled = _mxfx_warnings(_compile_and_run, model, torch.randn(32, 64))
+    assert not [m for m in compiled if "expert" in m]  # not the whole forward: judged at the step
+    assert sum(pm.count("linear", rewritten=True) for pm in mxfx.all_reports()[before:]) == 1  # proj
+    messages = _mxfx_warnings(opt.step)
+    (message,) = [m for m in messages if "read by no GEMM" in m]
+    assert "model LoopMoE: 1 weight(s) of its MoE expert modules" in message and "'experts.w1'" in message
+    assert "proj" not in message  # converted, in a compiled graph
+    assert not _mxfx_warnings(opt.step)  # once
+
+
+def test_experts_in_the_graph_are_not_named():
+    """The same loop without the break: the GEMMs over the weight's views are in the graph (reported as not
+    rewritten there), so the weight is not among those no graph read."""
+
+    class InGraph(LoopExperts):
+        def forward(self, x):
+            return sum(x @ w.T for w in self.w1.unbind(0))
+
+    model = LoopMoE(False)
+    model.experts = InGraph(False)
+    messages = _mxfx_warnings(_compile_and_run, model, torch.randn(32, 64))  # the whole forward: judged at compile
+    (message,) = [m for m in messages if "were not rewritten" in m]
+    assert "model LoopMoE: 4 op(s)" in message and "(@)" in message
+    assert not [m for m in messages if "read by no GEMM" in m]
+
+
+def test_dbrx_experts_outside_the_graph_are_named():
+    """Dbrx loops over its experts in Python (graph breaks): its expert weights reach no compiled GEMM; the first
+    optimizer step names them (FP32 without autocast: transformers' own eager loop rejects BF16 autocast there)."""
+    T = pytest.importorskip("transformers")
+    cfg = T.DbrxConfig(d_model=64, n_heads=2, n_layers=1, max_seq_len=64, vocab_size=128,
+                       attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+                       ffn_config={"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2})
+    torch.manual_seed(0)
+    model = T.DbrxForCausalLM(cfg)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    before = len(mxfx.all_reports())
+
+    def run():
+        torch._dynamo.reset()
+        torch.compile(model, backend="mxfp8", options=OPTS)(input_ids=ids, labels=ids).loss.backward()
+
+    assert not [m for m in _mxfx_warnings(run) if "expert" in m]
+    assert not [r for pm in mxfx.all_reports()[before:] for r in pm.records if ".experts" in r.module]
+    (message,) = [m for m in _mxfx_warnings(torch.optim.SGD(model.parameters(), lr=0.1).step) if "read by no GEMM" in m]
+    assert "model DbrxForCausalLM: 3 weight(s)" in message
+    assert all(f"'transformer.blocks.0.ffn.experts.mlp.{w}'" in message for w in ("w1", "v1", "w2")), message
+
+
+class Uneven2(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.odd = nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.odd(self.up(x))
+
+
+class Uneven4(Uneven2):
+    """Two more layers, and the first model's module names."""
+
+    def __init__(self):
+        super().__init__()
+        self.tail, self.extra = nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.extra(self.tail(super().forward(x)))
+
+
+def test_a_second_model_gets_its_complete_warning():
+    """fp8_block's 128-tiles refuse every 64-feature layer: the second model, which shares two module names with the
+    first, is told about all four of its layers, not the two the first did not have."""
+    fp8_block = {**OPTS, "format": "fp8_block"}
+    first = _mxfx_warnings(_compile_and_run, Uneven2(), torch.randn(4, 64), fp8_block)
+    assert [m for m in first if "asks for fp8_block, but 2 op(s)" in m]
+    second = _mxfx_warnings(_compile_and_run, Uneven4(), torch.randn(4, 64), fp8_block)
+    (message,) = [m for m in second if "asks for fp8_block" in m]
+    assert "but 4 op(s)" in message and all(f"{m} (linear" in message for m in ("up", "odd", "tail", "extra"))
+
+
+torch.library.define("mxfxcov::opaque", "(Tensor x, Tensor w) -> Tensor")
+
+
+@torch.library.impl("mxfxcov::opaque", "CompositeExplicitAutograd")
+def _opaque(x, w):
+    return x @ w.T
+
+
+@torch.library.register_fake("mxfxcov::opaque")
+def _opaque_fake(x, w):
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
+class Opaque(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(64, 64) / 8)
+        self.proj = nn.Linear(64, 64)
+
+    def forward(self, x):
+        return torch.ops.mxfxcov.opaque(self.proj(x), self.w)
+
+
+def test_ops_not_rewritten_are_warned_for_every_model():
+    def run(model):
+        torch._dynamo.reset()
+        torch.compile(model, backend="mxfp8", options=OPTS)(torch.randn(8, 64))
+
+    for model in (Opaque(), Opaque()):
+        (message,) = [m for m in _mxfx_warnings(run, model) if "not rewritten" in m]
+        assert "model Opaque: 1 op(s)" in message and "mxfxcov::opaque" in message
