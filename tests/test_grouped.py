@@ -1,4 +1,4 @@
-"""MX grouped expert GEMM (+ SwiGLU input, + route weights) against a per-expert hand reference."""
+"""Grouped expert GEMM (+ SwiGLU input, + route weights) against a per-expert hand reference in every format."""
 
 import pytest
 import torch
@@ -7,43 +7,41 @@ import torch.nn.functional as F
 import mxfx
 from mxfx.numerics.layout import group_padding
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
+from tests import format_refs as refs
 
 SIZES = [5, 0, 40, 19]  # an empty expert and groups that are not multiples of 32
 
 
 def q_dq(t, axis, rule="rceil"):
-    q, s = mxfx.quantize(t, axis=axis, rule=rule)
-    return mxfx.dequantize(q, s, axis=axis, dtype=torch.float32)
+    return refs.act("mxfp8", t, axis, rule)
 
 
-def per_group_tokens_q_dq(t, sizes, rule):
-    """Quantize ``t [S, D]`` along tokens within each group (zero-padded to 32), fp32 back."""
+def per_group_tokens_q_dq(fmt, t, sizes, rule):
+    """``t [S, D]`` quantized along tokens within each group (as the format pads them), fp32 back."""
     out, start = [], 0
     for n in sizes:
-        g = t[start : start + n]
-        gp = F.pad(g, (0, 0, 0, (-n) % 32))
-        out.append(q_dq(gp, 0, rule)[:n] if n else g.float())
+        out.append(refs.tokens(fmt, t[start : start + n], rule))
         start += n
     return torch.cat(out)
 
 
-def reference(x, up, w, rw, dout, sizes, rule, wgrad, save):
-    """Forward and gradients, one expert at a time, operands quantized per docs/format.md."""
+def reference(fmt, x, up, w, rw, dout, sizes, rule, wgrad, save):
+    """Forward and gradients, one expert at a time, operands quantized per docs/format.md in format ``fmt``."""
     gate32, up32 = x.float(), None if up is None else up.float()
     h = x.float() if up is None else F.silu(gate32) * up32
-    hq = q_dq(h, -1, rule)  # input blocked along K (rowwise)
+    hq = refs.act(fmt, h, -1, rule)  # input blocked along K (rowwise)
     y, dh, dw = [], [], []
     dy = dout.float() * (rw.float()[:, None] if rw is not None else 1)
-    dyq = q_dq(dy, -1, rule)  # gradient blocked along N (rowwise)
+    dyq = refs.act(fmt, dy, -1, rule)  # gradient blocked along N (rowwise)
     if wgrad == "mxfp8":
-        h_w, dy_w = per_group_tokens_q_dq(h, sizes, rule), per_group_tokens_q_dq(dy, sizes, rule)
+        h_w, dy_w = per_group_tokens_q_dq(fmt, h, sizes, rule), per_group_tokens_q_dq(fmt, dy, sizes, rule)
     else:  # BF16 grouped GEMM on the dequantized saved input and the bf16 gradient
         h_w, dy_w = hq.bfloat16().float(), dy.bfloat16().float()
     start = 0
     for e, n in enumerate(sizes):
         sl = slice(start, start + n)
-        y.append(hq[sl] @ q_dq(w[e], -1, rule).T)  # W[e] [N, K] along K
-        dh.append(dyq[sl] @ q_dq(w[e], 0, rule))  # W[e] along N (down its columns)
+        y.append(hq[sl] @ refs.weight(fmt, w[e], -1, rule).T)  # W[e] [N, K] along K
+        dh.append(dyq[sl] @ refs.weight(fmt, w[e], -2, rule))  # W[e] along N (down its columns)
         dw.append(dy_w[sl].T @ h_w[sl])
         start += n
     y, dh, dw = torch.cat(y), torch.cat(dh), torch.stack(dw)
@@ -53,7 +51,7 @@ def reference(x, up, w, rw, dout, sizes, rule, wgrad, save):
         y = y * rw.float()[:, None]
     if up is None:
         return y, dh, None, dw, drw
-    gate_s, up_s = (q_dq(gate32, -1, rule), q_dq(up32, -1, rule)) if save == "mxfp8" else (gate32, up32)
+    gate_s, up_s = (refs.act(fmt, gate32, -1, rule), refs.act(fmt, up32, -1, rule)) if save == "mxfp8" else (gate32, up32)
     s = torch.sigmoid(gate_s)
     return y, dh * up_s * s * (1 + gate_s * (1 - s)), dh * gate_s * s, dw, drw
 
@@ -62,9 +60,10 @@ def reference(x, up, w, rw, dout, sizes, rule, wgrad, save):
     "swiglu,routed,wgrad,save",
     [(False, False, "bf16", "mxfp8"), (False, True, "mxfp8", "bf16"), (True, False, "mxfp8", "mxfp8"), (True, True, "bf16", "bf16")],
 )
-def test_grouped_mm_matches_per_expert_reference(swiglu, routed, wgrad, save):
+@pytest.mark.parametrize("fmt", refs.FORMATS)
+def test_grouped_mm_matches_per_expert_reference(fmt, swiglu, routed, wgrad, save):
     g = torch.Generator().manual_seed(1)
-    s_rows, k, n, e = sum(SIZES), 64, 96, len(SIZES)
+    s_rows, k, n, e = sum(SIZES), 128, 256, len(SIZES)
     x = torch.randn(s_rows, k, generator=g).bfloat16()
     up = torch.randn(s_rows, k, generator=g).bfloat16() if swiglu else None
     w = torch.randn(e, n, k, generator=g) * 0.1
@@ -72,9 +71,10 @@ def test_grouped_mm_matches_per_expert_reference(swiglu, routed, wgrad, save):
     offs = torch.cumsum(torch.tensor(SIZES), 0).to(torch.int32)
     dout = torch.randn(s_rows, n, generator=g).bfloat16()
     leaves = [t.clone().requires_grad_() if t is not None else None for t in (x, up, w, rw)]
-    y = mx_grouped_mm_op(leaves[0], leaves[2], offs, up=leaves[1], route_weight=leaves[3], wgrad=wgrad, save=save)
+    y = mx_grouped_mm_op(leaves[0], leaves[2], offs, up=leaves[1], route_weight=leaves[3], wgrad=wgrad, save=save,
+                         format=fmt)
     y.backward(dout)
-    ry, rdx, rdup, rdw, rdrw = reference(x, up, w, rw, dout, SIZES, "rceil", wgrad, save)
+    ry, rdx, rdup, rdw, rdrw = reference(fmt, x, up, w, rw, dout, SIZES, "rceil", wgrad, save)
     # bf16 output and bf16 input gradients: one bf16 rounding (2^-8 relative) on top of identical MX products.
     torch.testing.assert_close(y.float(), ry, rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(leaves[0].grad.float(), rdx, rtol=1e-2, atol=1e-2)
