@@ -16,11 +16,11 @@ import torch
 import torch.fx as fx
 
 from mxfx import cache_key, coverage, names, passes, report, rule_check
-from mxfx.runtime import cache
+from mxfx.runtime import cache, stats
 from mxfx import formats
 from mxfx.kernels import device as devices
 from mxfx.passes import weight_refresh
-from mxfx.passes.fx import PREFIX_META, all_graphs, example_value, fill_example_values, parameter_placeholders
+from mxfx.passes.fx import PREFIX_META, all_graphs, example_value, fill_example_values, parameter_placeholders, stats_sites
 from mxfx.policy import Policy
 
 log = logging.getLogger("mxfx")
@@ -132,6 +132,7 @@ def rewrite(gm: fx.GraphModule, policy: Policy) -> report.PrecisionMap:
         fill_example_values(g)  # AOTAutograd's cache needs them (mxfx.cache_key)
         g.graph.lint()
         g.recompile()
+    pm.stats_sites = stats_sites(gm)
     return pm
 
 
@@ -219,6 +220,8 @@ def mxfp8_backend(gm: fx.GraphModule, example_inputs, options: Policy | dict | N
         log.info("mxfx: wrote %s", folder)
     if any(r.rewritten and r.kind in cache.WEIGHT_KINDS for r in pm.records):
         cache.install()  # step post-hook + Inductor lowering for the weight caches
+    if pm.stats_sites:  # quantization statistics: their samples go to this policy's dump dir (or nowhere)
+        stats.set_output(policy.dump_dir)
     compiled = _inner_compile(policy.inner, gm, example_inputs, mode)
     if gm.meta.get(weight_refresh.PLANS_META):  # an optimizer step that rebuilds caches in-graph
         compiled = cache.after_step(compiled)

@@ -32,6 +32,11 @@ PASSES = ("linear", "grouped_mm", "swiglu", "combine", "saved", "all_to_all", "d
 POLICY_ENV = "MXFX_POLICY"
 """Environment variable: a TOML file of :class:`Policy` fields, the policy of compiles given no ``options``."""
 DUMP_ENV = "MXFX_DUMP_DIR"
+STATS_ENV = "MXFX_STATS"
+"""Environment variable: the ``stats`` of a policy that sets none, as ``every=100,modules=layers.*`` (either key may
+be left out; "1" or "on" alone: the defaults, :data:`STATS_DEFAULTS`)."""
+STATS_DEFAULTS = {"every": 100, "modules": "*"}
+"""The ``stats`` keys a policy may give and their defaults: sample every 100 optimizer steps, every module."""
 
 FORMAT_CHOICES = formats.CHOICES
 """Values of the ``format`` field: a registered format's name (:mod:`mxfx.formats`), or "auto" (per compile, the
@@ -73,6 +78,54 @@ def check_precisions(op: str, **choices: str) -> None:
     for name, value in choices.items():
         if value not in PRECISIONS:
             raise ValueError(f"{op}: {name}={value!r} is not valid; choose one of {', '.join(map(repr, PRECISIONS))}")
+
+
+def _check_stats(value: Any) -> "ReadOnlyDict | None":
+    """A policy's ``stats`` value, validated, with the defaults of :data:`STATS_DEFAULTS` filled in (None: off).
+
+    Raises:
+        ValueError: not a dict, an unknown key, ``every`` not an int >= 1, ``modules`` not a glob string.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"mxfx policy: stats={value!r} must be a dict like {{'every': 100, 'modules': 'layers.*'}} or None")
+    unknown = sorted(set(value) - set(STATS_DEFAULTS))
+    if unknown:
+        raise ValueError(f"mxfx policy: unknown stats key(s) {unknown}; valid keys: {', '.join(STATS_DEFAULTS)}")
+    out = {**STATS_DEFAULTS, **value}
+    every, modules = out["every"], out["modules"]
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        raise ValueError(f"mxfx policy: stats['every']={every!r} must be an int >= 1 (optimizer steps between samples)")
+    if not isinstance(modules, str) or not modules:
+        raise ValueError(f"mxfx policy: stats['modules']={modules!r} must be a module glob such as 'layers.*.mlp.*'")
+    return ReadOnlyDict(out)
+
+
+def parse_stats_env(text: str) -> dict:
+    """The ``stats`` dict of the :data:`STATS_ENV` value ``text``: ``key=value`` pairs separated by commas
+    (``every=100,modules=layers.*``), or "1"/"on"/"true" alone for the defaults.
+
+    Raises:
+        ValueError: a pair without "=" or an ``every`` that is not an integer, naming the variable.
+    """
+    text = text.strip()
+    if text.lower() in ("1", "on", "true", "yes"):
+        return {}
+    out: dict = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"mxfx policy: {STATS_ENV}={text!r}: {item!r} is not key=value; write e.g. "
+                             f"{STATS_ENV}='every=100,modules=layers.*'")
+        key, value = key.strip(), value.strip()
+        if key == "every":
+            try:
+                value = int(value)
+            except ValueError:
+                raise ValueError(f"mxfx policy: {STATS_ENV}={text!r}: every={value!r} is not an integer") from None
+        out[key] = value
+    return out
 
 
 def _check_min_size(value: Any, allow_none: bool = True) -> None:
@@ -188,10 +241,7 @@ class Rule(_NamedFields):
     def matches_module(self, module: str) -> bool:
         """Whether the module glob matches ``module`` or a module enclosing it, whole or by a dotted suffix
         (True without a glob): ``"mlp"`` matches ``layers.0.mlp`` and ``layers.0.mlp.experts``."""
-        if self.module is None:
-            return True
-        parts = module.split(".")
-        return any(_glob_matches(self.module, ".".join(parts[:end])) for end in range(len(parts), 0, -1))
+        return self.module is None or _covers(self.module, module)
 
     def names(self, kind: str, module: str) -> bool:
         """Whether the rule names an op of ``kind`` in ``module`` itself: by its op kind, or by a glob matching the
@@ -209,6 +259,12 @@ def _glob_matches(glob: str, name: str) -> bool:
     """Whether ``glob`` matches the dotted name ``name`` whole or one of its dotted suffixes."""
     parts = name.split(".")
     return any(fnmatch.fnmatchcase(".".join(parts[i:]), glob) for i in range(len(parts)))
+
+
+def _covers(glob: str, module: str) -> bool:
+    """Whether ``glob`` matches ``module`` or a module enclosing it, whole or by a dotted suffix."""
+    parts = module.split(".")
+    return any(_glob_matches(glob, ".".join(parts[:end])) for end in range(len(parts), 0, -1))
 
 
 @dataclass(frozen=True)
@@ -243,12 +299,15 @@ class Decision:
     reason: str = ""  # why precision is not mxfp8 ("" when it is)
     keep_dequantized_weights: bool = False
     format: Format = formats.DEFAULT  # resolved on the current device, never "auto"
+    stats: str = ""  # site prefix of the op's quantization statistics ("": none), Policy.stats
+    stats_every: int = 100
 
     @property
     def settings(self) -> OpSettings:
         """The settings the op of this decision runs with."""
         return OpSettings(scale_rule=self.scale_rule, wgrad=self.wgrad, save=self.save,
-                          keep_dequantized_weights=self.keep_dequantized_weights, format=self.format)
+                          keep_dequantized_weights=self.keep_dequantized_weights, format=self.format,
+                          stats=self.stats, stats_every=self.stats_every)
 
     def shown(self, precision: str) -> str:
         """A precision as the precision map prints it: the low-precision choice ("mxfp8") named by this
@@ -316,6 +375,12 @@ class Policy(_NamedFields):
             :data:`TRANSPORT_DIRECTIONS`, values "mxfp8" or "bf16"; unset
             directions are MXFP8, e.g. ``{"dispatch_bwd": "bf16"}``. A rule with
             ``op="all_to_all", precision="bf16"`` keeps a module's all-to-alls as written.
+        stats: quantization statistics per quantize site (:mod:`mxfx.runtime.stats`, ``docs/numerics.md``), or None
+            (default, also taken from the ``MXFX_STATS`` environment variable, :data:`STATS_ENV`): a dict with
+            ``every`` (sample every this many optimizer steps, default 100) and ``modules`` (a glob matched as a
+            rule's module glob, default every module), e.g. ``{"every": 100, "modules": "layers.*.mlp.*"}``. The
+            rewritten ops of matching modules carry a statistics op whose body samples on the steps it names;
+            None leaves the compiled graphs as they are without it.
     """
 
     scale_rule: str = "rceil"
@@ -329,6 +394,7 @@ class Policy(_NamedFields):
     dump_dir: str | None = None
     transport: Mapping = field(default_factory=dict)
     format: str = "mxfp8"
+    stats: Mapping | None = None
 
     def __post_init__(self):
         for name, valid in (("scale_rule", SCALE_RULES), ("save", PRECISIONS)):
@@ -375,6 +441,10 @@ class Policy(_NamedFields):
         object.__setattr__(self, "transport", ReadOnlyDict(self.transport))
         if self.dump_dir is None and os.environ.get(DUMP_ENV):
             object.__setattr__(self, "dump_dir", os.environ[DUMP_ENV])
+        stats = self.stats
+        if stats is None and os.environ.get(STATS_ENV, "").strip():
+            stats = parse_stats_env(os.environ[STATS_ENV])
+        object.__setattr__(self, "stats", _check_stats(stats))
 
     @classmethod
     def from_options(cls, options: "Policy | dict | None") -> "Policy":
@@ -407,6 +477,13 @@ class Policy(_NamedFields):
 
         with open(path, "rb") as f:
             return cls.from_options(tomllib.load(f))
+
+    def stats_site(self, module: str) -> str:
+        """The statistics site prefix of the ops of ``module`` (its name, ``"<root>"`` for the model's own ops) when
+        ``stats`` is on and its ``modules`` glob covers the module, else ""."""
+        if self.stats is None or not _covers(self.stats["modules"], module or "<root>"):
+            return ""
+        return module or "<root>"
 
     def transport_precision(self, direction: str) -> str:
         """Precision of one all-to-all direction (one of :data:`TRANSPORT_DIRECTIONS`)."""
@@ -479,6 +556,8 @@ class Policy(_NamedFields):
             reason=reason,
             keep_dequantized_weights=self.keep_dequantized_weights,
             format=fmt,
+            stats=self.stats_site(module) if precision == "mxfp8" else "",
+            stats_every=self.stats["every"] if self.stats is not None else 100,
         )
 
     def _judged_rule(self, fmt: Format, format_rule: Rule | None, rule_rule: Rule | None, kind: str, module: str) -> ScaleRule:

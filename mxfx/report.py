@@ -22,6 +22,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from mxfx import formats
+from mxfx.runtime import stats
 
 _graph_ids = itertools.count()
 _reports: list["PrecisionMap"] = []
@@ -68,6 +69,7 @@ class PrecisionMap:
 
     graph_id: int = field(default_factory=lambda: next(_graph_ids))
     records: list[OpRecord] = field(default_factory=list)
+    stats_sites: list[str] = field(default_factory=list)  # statistics site prefixes of the graph's ops (Policy.stats)
 
     def add(self, record: OpRecord) -> None:
         """Append ``record`` and bump ``torch._dynamo.utils.counters["mxfx"]["<kind>_rewritten|skipped"]``."""
@@ -121,13 +123,20 @@ class PrecisionMap:
         """``print(report)`` shows :meth:`to_text`'s table."""
         return self.to_text()
 
+    def stats_summary(self) -> str:
+        """One line on the quantization statistics of this graph's sites so far (:func:`mxfx.runtime.stats.summary`:
+        the sites over 1% underflow or clipped); "" when the graph has none (``Policy.stats`` off)."""
+        return stats.summary(self.stats_sites) if self.stats_sites else ""
+
     def to_text(self) -> str:
-        """The map as an aligned text table, one line per record (written as ``precision.txt``)."""
+        """The map as an aligned text table, one line per record (written as ``precision.txt``), after a header
+        line and, with statistics on, a line of :meth:`stats_summary`."""
         cols = ["node", "kind", "module", "shapes", "forward", "dgrad", "wgrad", "saved", "scale_rule", "reason"]
         rows = [cols] + [[str(getattr(r, c)) for c in cols] for r in self.records]
         widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-        return "\n".join([f"# mxfx precision map, {self.summary()}", *lines]) + "\n"
+        head = [f"# mxfx precision map, {self.summary()}"] + ([f"# {self.stats_summary()}"] if self.stats_sites else [])
+        return "\n".join([*head, *lines]) + "\n"
 
     def to_html(self) -> str:
         """The precision map as an HTML table, cells coloured by precision (for people who would rather look)."""

@@ -16,6 +16,10 @@ import enum
 
 import torch
 
+from mxfx.kernels.mx_swiglu import swiglu_fp32
+from mxfx.kernels.silu import silu_fp32
+from mxfx.runtime import stats
+
 
 class ScaleRule(str, enum.Enum):
     """How a block's scale is chosen from its absolute maximum (amax).
@@ -57,6 +61,9 @@ class Format:
       :meth:`swiglu_backward` for a fused SwiGLU input;
     * wgrad: :meth:`tokens_operand` and :meth:`wgrad_mm` / :meth:`grouped_wgrad` (low precision), or
       :meth:`dequantize` of the forward's saved copy for a BF16 wgrad.
+
+    Statistics (:mod:`mxfx.runtime.stats`, on sampled steps): :meth:`quant_stats` compares an operand with the
+    values it was made from.
     """
 
     name: str = ""
@@ -176,6 +183,42 @@ class Format:
         before a row gather so that the gathered rows arrive quantized (:mod:`mxfx.passes.dispatch_mx`)."""
         raise NotImplementedError
 
+    # --- quantization statistics (mxfx.runtime.stats) ------------------------------------------------
+
+    def stats_values(self, source, combine: str, layout: str = "rows") -> torch.Tensor:
+        """The float32 values a quantize read, formed from ``source`` as ``combine`` says
+        (:data:`mxfx.runtime.stats.COMBINES`): ``source[0]`` itself, ``silu(gate) * up`` in fp32 ("swiglu": for
+        ``layout="rows"`` the fused SwiGLU quantizes' product, mxfx's SiLU :func:`mxfx.kernels.silu.silu_fp32`; for
+        "tokens" the product the wgrad operand is quantized from, :func:`mxfx.kernels.mx_swiglu.swiglu_fp32`), or
+        rows times route weights in fp32 ("route_weight").
+
+        Raises:
+            ValueError: an unknown ``combine``.
+        """
+        if combine == "":
+            return source[0].detach().float()
+        if combine == "swiglu":
+            gate, up = source[0].detach(), source[1].detach()
+            return swiglu_fp32(gate, up) if layout == "tokens" else silu_fp32(gate) * up.float()
+        if combine == "route_weight":
+            return source[0].detach().float() * source[1].detach().reshape(-1, 1).float()
+        raise ValueError(f"mxfx.formats: combine={combine!r} is not valid; choose one of {stats.COMBINES}")
+
+    def quant_stats(self, source, combine: str, operand: Operand, rule, layout: str) -> stats.Parts:
+        """What the statistics of one quantize are computed from: ``operand`` (as this format made it, any of its
+        layouts: blocked or plain scales, values only where an emulated GEMM reads nothing else) against the
+        values it was made from (:meth:`stats_values` of ``source`` and ``combine``), laid out per ``layout``
+        (:data:`mxfx.runtime.stats.LAYOUTS`). Where the operand holds no qdata or scales, they are those of this
+        format's reference quantize of the values with scale rule ``rule`` (the bytes its kernels write).
+
+        Returns:
+            :class:`mxfx.runtime.stats.Parts`, on the operand's device.
+
+        Raises:
+            ValueError: an unknown ``layout``.
+        """
+        raise NotImplementedError
+
     # --- FSDP2 all-gather forms (mxfx.fsdp) ---------------------------------------------------------
 
     def gather_forms(self, w, rule) -> dict:
@@ -209,10 +252,12 @@ _REGISTRY: dict[str, Format] = {}
 
 
 def register(fmt: Format) -> Format:
-    """Add ``fmt`` to the formats policies can name; returns it."""
+    """Add ``fmt`` to the formats policies can name, and its :meth:`Format.quant_stats` to the statistics
+    (:func:`mxfx.runtime.stats.register_format`); returns it."""
     if fmt.name in _REGISTRY:
         raise ValueError(f"mxfx.formats: a format named {fmt.name!r} is already registered")
     _REGISTRY[fmt.name] = fmt
+    stats.register_format(fmt.name, fmt.quant_stats)
     return fmt
 
 

@@ -16,11 +16,13 @@ blockwise dense, Triton grouped), on CPU the exact FP32 decode.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from mxfx.formats.base import Format, ScaleRule, register
 from mxfx.kernels import block_device_path, block_ops, mx_swiglu
 from mxfx.numerics.block import TILE, dequantize_128x128, dequantize_values, n_tiles
-from mxfx.runtime import cache
+from mxfx.numerics.mx import E4M3_MAX
+from mxfx.runtime import cache, stats
 
 
 # --- weight forms (mxfx.runtime.cache) -------------------------------------------------------------
@@ -166,6 +168,28 @@ class FP8Block(Format):
 
     def gathered_values(self, pairs, dtype):
         return dequantize_128x128(*pairs["block_forward"], dtype)
+
+    def quant_stats(self, source, combine, operand, rule, layout):
+        # rows [..., K] in 1x128 tiles along K, the wgrad operand of x [T, K] as x^T [K, T] in 1x128 tiles along the
+        # tokens, a weight [..., N, K] in 128x128 blocks; a dim that 128 does not divide ends in a shorter tile
+        x = self.stats_values(source, combine, layout)
+        if layout == "tokens":
+            x = x.t()
+        elif layout not in ("rows", "weight"):
+            raise ValueError(f"mxfx.formats.fp8_block: layout={layout!r} is not valid; choose one of {stats.LAYOUTS}")
+        q, s = operand[0], operand[1]
+        *lead, n, k = x.shape
+        if layout == "weight":
+            padded = F.pad(x, (0, n_tiles(k) * TILE - k, 0, n_tiles(n) * TILE - n)).abs()
+            amax = padded.reshape(*lead, n_tiles(n), TILE, n_tiles(k), TILE).amax(dim=(-3, -1))
+            dq = dequantize_values(q, s, (-2, -1))
+        else:
+            padded = F.pad(x, (0, n_tiles(k) * TILE - k)).abs()
+            amax = padded.reshape(*lead, n, n_tiles(k), TILE).amax(-1)
+            dq = dequantize_values(q, s, (-1,))
+        live = torch.isfinite(amax) & (amax > 0)  # an all-zero tile's scale (1.0) says nothing
+        exponents = torch.frexp(s[live])[1] - 1  # floor(log2 scale): exact for rceil's powers of two
+        return stats.Parts(x, dq, q.float().abs() == E4M3_MAX, exponents)
 
     def given_input(self, given, x, up):
         if given is None:

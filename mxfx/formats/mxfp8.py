@@ -28,8 +28,8 @@ from mxfx.kernels.device import colwise_in_source_layout
 from mxfx.kernels.views import mn_major
 from mxfx.numerics import layout
 from mxfx.numerics.layout import blocked_numel, from_blocked, is_blocked, to_blocked
-from mxfx.numerics.mx import BLOCK_SIZE
-from mxfx.runtime import cache
+from mxfx.numerics.mx import BLOCK_SIZE, E4M3_MAX, E8M0_BIAS, dequantize_lastdim, quantize_blocks
+from mxfx.runtime import cache, stats
 
 
 def _pad_tokens(t: torch.Tensor) -> torch.Tensor:
@@ -318,6 +318,24 @@ class MXFP8(Format):
         if "forward" in pairs:
             return kernels.dequantize_lastdim(*pairs["forward"], dtype)
         return kernels.dequantize_lastdim(*pairs["dgrad"], dtype).transpose(-2, -1)
+
+    def quant_stats(self, source, combine, operand, rule, layout):
+        # every layout is blocked along its last dim: rows [..., K], a weight [..., N, K] along K, and the
+        # wgrad operand of x [M, K] as it is made, the tokens zero-padded to a multiple of 32 and transposed [K, M']
+        x = self.stats_values(source, combine, layout)
+        if layout == "tokens":
+            x = _pad_tokens(x).t()
+        elif layout not in ("rows", "weight"):
+            raise ValueError(f"mxfx.formats.mxfp8: layout={layout!r} is not valid; choose one of {stats.LAYOUTS}")
+        q, s, values = (*operand, None, None, None)[:3]
+        if q is None or s is None:  # an emulated GEMM's values alone: the reference's bytes (its kernels' too)
+            q, s, _ = quantize_blocks(x, str(rule))
+        elif is_blocked(q, s):  # a native dense GEMM's scale layout
+            s = from_blocked(s, q.shape[0], q.shape[1] // BLOCK_SIZE)
+        dq = values.float() if values is not None else dequantize_lastdim(q, s, torch.float32)
+        blocks = x.reshape(*x.shape[:-1], x.shape[-1] // BLOCK_SIZE, BLOCK_SIZE).abs().amax(-1)
+        live = torch.isfinite(blocks) & (blocks > 0)  # an all-zero block's scale says nothing
+        return stats.Parts(x, dq, q.float().abs() == E4M3_MAX, s.to(torch.int32)[live] - E8M0_BIAS)
 
     def given_input(self, given, x, up):
         if given is None:

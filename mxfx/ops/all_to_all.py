@@ -27,8 +27,11 @@ import torch
 
 from mxfx.numerics.mx import BLOCK_SIZE, SCALE_RULES
 from mxfx.kernels import custom_ops
+from mxfx.runtime import stats as quant_stats
 
 PRECISIONS = ("mxfp8", "bf16")
+PAYLOAD_FORMAT = "mxfp8"
+"""The format the rows travel in (the name its statistics are filed under)."""
 _c10d = torch.ops._c10d_functional
 
 
@@ -83,34 +86,45 @@ def all_to_all_mx(
     return q.view(torch.float8_e4m3fn), s
 
 
-def _transport(x, output_split_sizes, input_split_sizes, group_name, precision, rule):
+def _observe(site: tuple, direction: str, rule: str, source, pair, combine: str = "") -> None:
+    """Statistics of a payload quantize (:func:`mxfx.runtime.stats.observe`) at ``<site prefix>_<direction>``;
+    ``site``: ``(prefix, every)``, prefix "" for none."""
+    if site[0]:
+        quant_stats.observe(f"{site[0]}_{direction}", PAYLOAD_FORMAT, rule, "rows", source, pair, site[1], combine)
+
+
+def _transport(x, output_split_sizes, input_split_sizes, group_name, precision, rule, site=("", 1), direction="fwd"):
     if precision != "mxfp8":
         return _all_to_all(x, output_split_sizes, input_split_sizes, group_name)
     q, s = custom_ops.quantize(x.contiguous(), rule)
+    _observe(site, direction, rule, (x,), (q, s))
     rq, rs = all_to_all_mx(q, s, output_split_sizes, input_split_sizes, group_name)
     return custom_ops.dequantize(rq, rs, x.dtype)
 
 
-def _weighted_transport(dy, rw, x_dtype, output_split_sizes, input_split_sizes, group_name, precision, rule):
+def _weighted_transport(dy, rw, x_dtype, output_split_sizes, input_split_sizes, group_name, precision, rule,
+                        site=("", 1)):
     """Send ``dy * rw`` (rows scaled in fp32) back along the route; MXFP8 forms the product inside the quantize."""
     if precision != "mxfp8":
         scaled = (dy.float() * rw.float().reshape(-1, 1)).to(x_dtype)
         return _all_to_all(scaled, output_split_sizes, input_split_sizes, group_name)
     q, s = custom_ops.route_weight_quantize(dy.contiguous(), rw.reshape(-1).contiguous(), rule)
+    _observe(site, "bwd", rule, (dy, rw), (q, s), "route_weight")
     rq, rs = all_to_all_mx(q, s, output_split_sizes, input_split_sizes, group_name)
     return custom_ops.dequantize(rq, rs, x_dtype)
 
 
 class _MXAllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, output_split_sizes, input_split_sizes, group_name, fwd, bwd, rule, return_mx, rw):
-        ctx.route = (output_split_sizes, input_split_sizes, group_name, bwd, rule, x.dtype)
+    def forward(ctx, x, output_split_sizes, input_split_sizes, group_name, fwd, bwd, rule, return_mx, rw, site):
+        ctx.route = (output_split_sizes, input_split_sizes, group_name, bwd, rule, x.dtype, site)
         if return_mx:
             q, s = custom_ops.quantize(x.contiguous(), rule)
+            _observe(site, "fwd", rule, (x,), (q, s))
             rq, rs = all_to_all_mx(q, s, output_split_sizes, input_split_sizes, group_name)
             ctx.mark_non_differentiable(rq, rs)
             return custom_ops.dequantize(rq, rs, x.dtype), rq, rs
-        rows = _transport(x, output_split_sizes, input_split_sizes, group_name, fwd, rule)
+        rows = _transport(x, output_split_sizes, input_split_sizes, group_name, fwd, rule, site)
         if rw is None:
             return rows
         ctx.save_for_backward(rows, rw)
@@ -118,15 +132,15 @@ class _MXAllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, *_):
-        out_splits, in_splits, group_name, bwd, rule, x_dtype = ctx.route
+        out_splits, in_splits, group_name, bwd, rule, x_dtype, site = ctx.route
         d_rw = None
         if ctx.saved_tensors:  # route-weighted combine: the weight multiply is formed in the backward quantize
             rows, rw = ctx.saved_tensors
             d_rw = (dy.float() * rows.float()).sum(-1).reshape(rw.shape).to(rw.dtype)
-            dx = _weighted_transport(dy, rw, x_dtype, in_splits, out_splits, group_name, bwd, rule)
+            dx = _weighted_transport(dy, rw, x_dtype, in_splits, out_splits, group_name, bwd, rule, site)
         else:
-            dx = _transport(dy, in_splits, out_splits, group_name, bwd, rule)  # the reverse route
-        return dx, None, None, None, None, None, None, None, d_rw
+            dx = _transport(dy, in_splits, out_splits, group_name, bwd, rule, site, "bwd")  # the reverse route
+        return dx, None, None, None, None, None, None, None, d_rw, None
 
 
 def mx_all_to_all(
@@ -140,6 +154,8 @@ def mx_all_to_all(
     scale_rule: str = "rceil",
     return_mx: bool = False,
     route_weight: torch.Tensor | None = None,
+    stats: str = "",
+    stats_every: int = 100,
 ):
     """``all_to_all_single`` of token rows with MXFP8 transport: ``x [N_send, ..., D]`` -> ``[N_recv, ..., D]``.
 
@@ -165,6 +181,9 @@ def mx_all_to_all(
             in fp32, and the backward sends ``dy * route_weight`` formed inside the
             transport quantize (``mxfx::route_weight_quantize``, the recipe, "Kernel Problems and Fusions" (Table 25)), so no
             weighted gradient is materialized in BF16 first. Not with ``return_mx``.
+        stats, stats_every: quantization statistics of the MXFP8 payloads (:mod:`mxfx.runtime.stats`) every
+            ``stats_every`` optimizer steps, at sites ``<stats>_fwd`` and ``<stats>_bwd`` (the pass gives
+            ``<module>/all_to_all/<role>``); "" (default): none.
 
     Returns:
         The received rows in ``x.dtype`` (fp32 rows scaled by ``route_weight`` when given); with ``return_mx``, ``(rows, qdata e4m3
@@ -173,7 +192,7 @@ def mx_all_to_all(
 
     Raises:
         ValueError: unknown precision or scale rule, or D not a multiple of 32 with
-            an MXFP8 direction (keep such rows in BF16).
+            an MXFP8 direction (keep such rows in BF16), or ``stats_every`` not an int >= 1.
     """
     for what, value, valid in (("forward", forward, PRECISIONS), ("backward", backward, PRECISIONS), ("scale_rule", scale_rule, SCALE_RULES)):
         if value not in valid:
@@ -190,7 +209,10 @@ def mx_all_to_all(
             f"mxfx.mx_all_to_all: route_weight of shape {tuple(route_weight.shape)} must be [N_recv] or [N_recv, 1] "
             f"(one weight per received row) and cannot be combined with return_mx"
         )
+    if not isinstance(stats, str) or not isinstance(stats_every, int) or isinstance(stats_every, bool) or stats_every < 1:
+        raise ValueError(f"mxfx.mx_all_to_all: stats={stats!r} must be a site prefix string ('' for none) and "
+                         f"stats_every={stats_every!r} an int >= 1")
     return _MXAllToAll.apply(
         x, list(output_split_sizes), list(input_split_sizes), _group_name(group), forward, backward, scale_rule,
-        return_mx, route_weight,
+        return_mx, route_weight, (stats, stats_every),
     )

@@ -43,6 +43,17 @@ def weigh_rows(y: torch.Tensor, route_weight: torch.Tensor, out_dtype: torch.dty
     return (y.float() * route_weight.reshape(-1, 1).float()).to(out_dtype)
 
 
+def _observe_forward(settings: OpSettings, x, up, given, a, weight, w) -> None:
+    """Statistics of a forward's quantizes (:meth:`OpSettings.observe`): the input against its A operand ``a``
+    (not where ``a`` is ``given``: rows quantized before a gather, of which ``x`` is the dequantization), the
+    weight against its forward form ``w``. The token-blocked wgrad operands are not observed: x's is padded per
+    expert group, dY's is made inside the grouped wgrad."""
+    if given is None:
+        source, combine = ((x,), "") if up is None else ((x, up), "swiglu")
+        settings.observe("grouped_mm", "forward_x", "rows", source, a, combine)
+    settings.observe("grouped_mm", "forward_w", "weight", (weight,), w)
+
+
 class _GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, up, weight, offs, route_weight, out_dtype, settings: OpSettings, given):
@@ -50,8 +61,9 @@ class _GroupedMM(torch.autograd.Function):
         need_dw = ctx.needs_input_grad[2]  # a frozen expert stack: nothing is kept or quantized for a wgrad
         tokens = need_dw and wgrad == "mxfp8"
         a, x_tokens, packed = fmt.forward_operands(x, up, rule, save, tokens, offs=offs, given=given)
-        y = fmt.grouped_mm(a, fmt.weight_operand(weight, rule, "forward", settings.keep_dequantized_weights), offs,
-                           out_dtype)
+        w = fmt.weight_operand(weight, rule, "forward", settings.keep_dequantized_weights)
+        _observe_forward(settings, x, up, given, a, weight, w)
+        y = fmt.grouped_mm(a, w, offs, out_dtype)
         if not need_dw:
             wgrad_input = ()
         elif tokens:
@@ -84,6 +96,7 @@ class _GroupedMM(torch.autograd.Function):
         need_dx = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         if need_dx:
             dy_rows, dy = fmt.grouped_grad_operand(dout, route_weight, rule)
+            settings.observe("grouped_mm", "dgrad_dy", "rows", (dy,), dy_rows)
             w = fmt.weight_operand(weight, rule, "dgrad", settings.keep_dequantized_weights)
             dh = fmt.grouped_mm(dy_rows, w, offs, ctx.x_dtype)
             if ctx.has_up:
@@ -134,7 +147,8 @@ def mx_grouped_mm_op(
             scales ``[S, K/128]``, any strides): x's own quantization, gathered rows included.
         settings, **setting_fields: an :class:`mxfx.ops.settings.OpSettings` and/or its fields by name
             (``format``, ``scale_rule``, ``wgrad`` (default "bf16", the routed recipe), ``save``,
-            ``keep_dequantized_weights``); fields given by name override ``settings``.
+            ``keep_dequantized_weights``, ``stats`` / ``stats_every``: quantization statistics of sites
+            ``<stats>/grouped_mm/<direction>``, :mod:`mxfx.runtime.stats`); fields given by name override ``settings``.
 
     Returns ``[S, N]``.
 
@@ -186,6 +200,7 @@ def mx_grouped_mm_op(
         return _GroupedMM.apply(x, up, weight, offs, route_weight, out_dtype, settings, given)
     # inference graph: the forward GEMM only, nothing saved
     a = given if given is not None else fmt.input_operand(x, up, settings.scale_rule, "grouped_mm")
-    y = fmt.grouped_mm(a, fmt.weight_operand(weight, settings.scale_rule, "forward", settings.keep_dequantized_weights),
-                       offs, out_dtype)
+    w = fmt.weight_operand(weight, settings.scale_rule, "forward", settings.keep_dequantized_weights)
+    _observe_forward(settings, x, up, given, a, weight, w)
+    y = fmt.grouped_mm(a, w, offs, out_dtype)
     return y if route_weight is None else weigh_rows(y, route_weight, out_dtype)

@@ -30,6 +30,17 @@ from mxfx.ops.settings import OpSettings, resolve
 _KINDS = ("none", "hp", "hp_tokens", "tokens", "rows")
 
 
+def _observe_forward(settings: OpSettings, x, up, a, weight, w, x_tokens, kind: str = "linear") -> None:
+    """Statistics of a forward's quantizes (:meth:`OpSettings.observe`): the input ``x`` (``silu(x) * up`` with
+    ``up``) against its A operand ``a`` and its token-blocked wgrad operand ``x_tokens`` (when made), the weight
+    against its forward form ``w``."""
+    source, combine = ((x,), "") if up is None else ((x, up), "swiglu")
+    settings.observe(kind, "forward_x", "rows", source, a, combine)
+    settings.observe(kind, "forward_w", "weight", (weight,), w)
+    if x_tokens is not None:
+        settings.observe(kind, "wgrad_x", "tokens", source, x_tokens, combine)
+
+
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d, up, weight, bias, out_dtype, settings: OpSettings):
@@ -38,7 +49,9 @@ class _Linear(torch.autograd.Function):
         keep_x = need_dw and save == "bf16" and up is None  # x stays alive elsewhere: keep a reference
         tokens = need_dw and wgrad == "mxfp8" and not keep_x
         a, x_tokens, packed = fmt.forward_operands(x2d, up, rule, save, tokens)
-        y = fmt.mm(a, fmt.weight_operand(weight, rule, "forward", settings.keep_dequantized_weights), out_dtype)
+        w = fmt.weight_operand(weight, rule, "forward", settings.keep_dequantized_weights)
+        _observe_forward(settings, x2d, up, a, weight, w, x_tokens)
+        y = fmt.mm(a, w, out_dtype)
         if bias is not None:
             y = y + bias.to(out_dtype)
         if not need_dw:
@@ -64,6 +77,10 @@ class _Linear(torch.autograd.Function):
         need_dx = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         dy_tokens = kind in ("tokens", "hp_tokens")  # set by the forward only where the weight needs a gradient
         dy_rows, dy_t = fmt.grad_operands(dy, rule, rows=need_dx, tokens=dy_tokens)
+        if dy_rows is not None:
+            settings.observe("linear", "dgrad_dy", "rows", (dy,), dy_rows)
+        if dy_t is not None:
+            settings.observe("linear", "wgrad_dy", "tokens", (dy,), dy_t)
         dx = dup = dw = db = None
         if need_dx:
             w = fmt.weight_operand(weight, rule, "dgrad", settings.keep_dequantized_weights)
@@ -74,7 +91,10 @@ class _Linear(torch.autograd.Function):
                 dx = dh
         if ctx.needs_input_grad[2]:
             if dy_tokens:
-                x_tokens = fmt.tokens_operand(wgrad_input[0], rule) if kind == "hp_tokens" else wgrad_input
+                x_tokens = wgrad_input
+                if kind == "hp_tokens":
+                    x_tokens = fmt.tokens_operand(wgrad_input[0], rule)
+                    settings.observe("linear", "wgrad_x", "tokens", wgrad_input, x_tokens)
                 dw = fmt.wgrad_mm(dy_t, x_tokens, weight.dtype)
             else:
                 x_saved = wgrad_input[0] if kind == "hp" else fmt.dequantize(wgrad_input, ctx.out_dtype)
@@ -108,7 +128,9 @@ def mx_linear(
             follows it.
         settings, **setting_fields: an :class:`mxfx.ops.settings.OpSettings` and/or its fields by name
             (``format`` (default MXFP8), ``scale_rule``, ``wgrad`` (default "mxfp8": token-blocked
-            low-precision GEMM), ``save``, ``keep_dequantized_weights``); fields given by name override ``settings``.
+            low-precision GEMM), ``save``, ``keep_dequantized_weights``, ``stats`` / ``stats_every``: quantization
+            statistics of sites ``<stats>/linear/<direction>``, :mod:`mxfx.runtime.stats`); fields given by name
+            override ``settings``.
 
     Returns:
         ``[..., N]`` in the autocast dtype if autocast is on, else ``input_dtype or x.dtype``.
@@ -134,7 +156,8 @@ def mx_linear(
             y = _Linear.apply(x2d, up2d, weight, bias, out_dtype, settings)
         else:  # inference graph: the forward GEMM only, nothing saved
             a = fmt.input_operand(x2d, up2d, settings.scale_rule, "mm")
-            y = fmt.mm(a, fmt.weight_operand(weight, settings.scale_rule, "forward", settings.keep_dequantized_weights),
-                       out_dtype)
+            w = fmt.weight_operand(weight, settings.scale_rule, "forward", settings.keep_dequantized_weights)
+            _observe_forward(settings, x2d, up2d, a, weight, w, None)
+            y = fmt.mm(a, w, out_dtype)
             y = y if bias is None else y + bias.to(out_dtype)
     return y.reshape(*x.shape[:-1], n)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from mxfx import formats
 from mxfx.formats import Format, ScaleRule
+from mxfx.runtime import stats
 
 PRECISIONS = ("mxfp8", "bf16")
 """Precisions of a wgrad GEMM or of activations saved for backward. "mxfp8" is the low-precision
@@ -25,6 +26,9 @@ class OpSettings:
         keep_dequantized_weights: where the GEMM is emulated, read the weight cache's BF16
             dequantized forms instead of dequantizing the low-precision forms per GEMM (formats without
             emulated GEMMs ignore it).
+        stats: quantization statistics (:mod:`mxfx.runtime.stats`): the site prefix of the op's quantizes
+            (its module's name; sites ``<stats>/<op kind>/<direction>``), "" (default) for none.
+        stats_every: sample every this many optimizer steps (an int >= 1; read only with ``stats``).
 
     Raises:
         ValueError: a value outside those listed, or a scale rule the format does not take, naming the field.
@@ -35,10 +39,18 @@ class OpSettings:
     save: str = "mxfp8"
     keep_dequantized_weights: bool = False
     format: Format | str = formats.DEFAULT
+    stats: str = ""
+    stats_every: int = 100
 
     def __post_init__(self):
         object.__setattr__(self, "format", formats.get(self.format))
         object.__setattr__(self, "scale_rule", self.format.rule(self.scale_rule, "mxfx.OpSettings"))
+        if not isinstance(self.stats, str):
+            raise ValueError(f"mxfx.OpSettings: stats={self.stats!r} must be a site prefix string (a module name), "
+                             f"or '' for no statistics")
+        if not isinstance(self.stats_every, int) or isinstance(self.stats_every, bool) or self.stats_every < 1:
+            raise ValueError(f"mxfx.OpSettings: stats_every={self.stats_every!r} must be an int >= 1 (optimizer steps "
+                             f"between samples)")
         for name, valid in (("wgrad", PRECISIONS), ("save", PRECISIONS), ("keep_dequantized_weights", (False, True))):
             value = getattr(self, name)
             if value not in valid or (name == "keep_dequantized_weights") != isinstance(value, bool):
@@ -46,14 +58,23 @@ class OpSettings:
                                  f"{', '.join(map(repr, valid))}")
 
     def graph_kwargs(self) -> dict:
-        """The keyword arguments of an op call in a rewritten graph: plain values (the defaults of the last two
-        left out)."""
+        """The keyword arguments of an op call in a rewritten graph: plain values (the defaults of the last
+        ones left out: without statistics, the call is that of an op without the ``stats`` fields)."""
         out = {"scale_rule": self.scale_rule.value, "wgrad": self.wgrad, "save": self.save}
         if self.keep_dequantized_weights:
             out["keep_dequantized_weights"] = True
         if self.format is not formats.DEFAULT:
             out["format"] = self.format.name
+        if self.stats:
+            out["stats"], out["stats_every"] = self.stats, self.stats_every
         return out
+
+    def observe(self, kind: str, direction: str, layout: str, source, operand, combine: str = "") -> None:
+        """Sample the quantize site ``<stats>/<kind>/<direction>`` (:func:`mxfx.runtime.stats.observe`): ``operand``,
+        made by this op's format, against ``source``; nothing when ``stats`` is ""."""
+        if self.stats:
+            stats.observe(f"{self.stats}/{kind}/{direction}", self.format.name, self.scale_rule.value, layout, source,
+                          operand, self.stats_every, combine)
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(OpSettings))

@@ -41,7 +41,7 @@ import torch
 import torch.fx as fx
 
 from mxfx.ops.all_to_all import mx_all_to_all
-from mxfx.passes.fx import example_value, is_call, module_fqn, shape_str
+from mxfx.passes.fx import example_value, is_call, module_fqn, shape_str, unique_stats_site
 from mxfx.policy import Policy
 from mxfx.report import OpRecord, PrecisionMap
 
@@ -188,12 +188,12 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
             continue
 
         last = results[0]
+        kwargs = {"forward": fwd, "backward": bwd, "scale_rule": d.scale_rule.value}
+        if d.stats:  # sites <module>/all_to_all/<role>_fwd and _bwd
+            site = unique_stats_site(gm, {"stats": d.stats}, f"all_to_all/{role}")["stats"]
+            kwargs.update(stats=f"{site}/all_to_all/{role}", stats_every=d.stats_every)
         with gm.graph.inserting_after(node):
-            new = gm.graph.call_function(
-                mx_all_to_all,
-                (x_node, list(out_splits), list(in_splits), group),
-                {"forward": fwd, "backward": bwd, "scale_rule": d.scale_rule.value},
-            )
+            new = gm.graph.call_function(mx_all_to_all, (x_node, list(out_splits), list(in_splits), group), kwargs)
         new.meta.update(last.meta)
         for r in results:
             r.replace_all_uses_with(new)

@@ -41,6 +41,29 @@ def all_graphs(gm: fx.GraphModule) -> list[fx.GraphModule]:
     """``gm`` and its subgraphs (bodies of checkpoint regions and other higher-order ops, held as attributes)."""
     return [gm] + [m for m in gm.modules() if isinstance(m, fx.GraphModule) and m is not gm]
 PREFIX_META = "mxfx_module_prefix"  # gm.meta key: the graph's place in the whole model ("layers.3.")
+STATS_SITES_META = "mxfx_stats_sites"  # gm.meta key: statistics site prefixes given to ops of the graph so far
+
+
+def unique_stats_site(gm: fx.GraphModule, kwargs: dict, kind: str) -> dict:
+    """``kwargs`` of a new op call of ``kind`` whose ``stats`` site prefix (:meth:`mxfx.ops.settings.OpSettings.observe`,
+    a module name) an earlier op of the same kind in ``gm`` already has, with ``#1``, ``#2``... appended: sites name
+    one op each (a module that calls ``F.linear`` twice). ``kwargs`` as they are without ``stats``."""
+    site = kwargs.get("stats")
+    if not site:
+        return kwargs
+    taken = gm.meta.setdefault(STATS_SITES_META, set())
+    n, unique = 0, site
+    while (unique, kind) in taken:
+        n += 1
+        unique = f"{site}#{n}"
+    taken.add((unique, kind))
+    return {**kwargs, "stats": unique}
+
+
+def stats_sites(gm: fx.GraphModule) -> list[str]:
+    """The statistics site prefixes of the op calls in ``gm`` and its subgraphs, in graph order."""
+    return [n.kwargs["stats"] for g in all_graphs(gm) for n in g.graph.nodes
+            if n.op == "call_function" and isinstance(n.kwargs.get("stats"), str) and n.kwargs["stats"]]
 
 
 def module_fqn(node: fx.Node) -> str:

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
 from mxfx.passes.fx import (
     CASTS, erase_unused_chain, example_value, gemm_size, mixed_dtype_reason, module_fqn, shape_str, size_hint,
-    weight_source,
+    unique_stats_site, weight_source,
 )
 from mxfx.policy import Policy
 from mxfx.report import OpRecord, PrecisionMap
@@ -148,7 +148,7 @@ def insert_grouped(gm: fx.GraphModule, before: fx.Node, x_node, w_node, offs_nod
         return gm.graph.call_function(
             mx_grouped_mm_op,
             (x_node, w_node, offs_node),
-            {**d.settings.graph_kwargs(), "out_dtype": out_dtype},
+            {**unique_stats_site(gm, d.settings.graph_kwargs(), "grouped_mm"), "out_dtype": out_dtype},
         )
 
 

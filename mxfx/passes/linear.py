@@ -29,7 +29,7 @@ import torch.fx as fx
 from mxfx.ops.linear import mx_linear
 from mxfx.passes.fx import (
     autocast_devices, erase_unused_chain, example_value, gemm_size, is_dtensor, mixed_dtype_reason, module_fqn,
-    shape_str, size_hint, weight_source,
+    shape_str, size_hint, unique_stats_site, weight_source,
 )
 from mxfx.passes.router import is_router
 from mxfx.policy import Policy
@@ -104,7 +104,7 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
             if reason == DTENSOR_REASON:
                 distributed.append(module or node.name)
             continue
-        kwargs = d.settings.graph_kwargs()
+        kwargs = unique_stats_site(gm, d.settings.graph_kwargs(), "linear")
         source, transposed = weight_source(w_node)
         weight = w_node if transposed else source  # quantize from the parameter itself, not a cast copy
         with gm.graph.inserting_before(node):

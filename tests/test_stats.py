@@ -1,0 +1,360 @@
+"""Quantization statistics (``Policy.stats``, ``mxfx.stats()``): every statistic of both formats against a plain-torch
+computation on the same tensors, through the formats, the eager ops and compiled graphs (aot_eager, Inductor);
+sampling switched at run time without recompiling; the graph without statistics; warnings, JSONL, TensorBoard,
+the report line, the environment variable and the all-to-all payload."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+import mxfx
+from mxfx import formats
+from mxfx.numerics import block as block_ref
+from mxfx.numerics.layout import to_blocked
+from mxfx.ops.grouped_mm import mx_grouped_mm_op
+from mxfx.ops.linear import mx_linear
+from mxfx.kernels.silu import silu_fp32
+from mxfx.runtime import cache, stats
+
+from helpers import GraphCapture
+
+pytestmark = pytest.mark.filterwarnings("ignore:mxfx. quantize site")  # the data are made to cross the thresholds
+
+MX, BLOCK = formats.get("mxfp8"), formats.get("fp8_block")
+RULES = [(MX, "rceil"), (MX, "floor"), (BLOCK, "rceil"), (BLOCK, "amax")]
+IDS = [f"{f.name}-{r}" for f, r in RULES]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_stats():
+    stats.reset()
+    stats.set_output(None)
+    stats.set_sampling(True)
+    yield
+    stats.reset()
+    stats.set_output(None)
+    stats.set_sampling(True)
+
+
+def _data(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """Values that reach every statistic: normal values, blocks with one huge value over tiny ones (underflow),
+    amaxes just under a power of two (floor clips them), an all-zero row (a zero block) and exact zeros."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g)
+    x[1] = 2.0**-10 * torch.randn(cols, generator=g)
+    x[1, ::32] = 2.0**20  # one huge value per 32 and per 128: the rest flush to zero
+    x[2] *= 1e-3
+    x[2, ::32] = 1.96 * 2.0**3  # floor's scale leaves 1.96 * 2^8 > 448: clipped
+    x[3] = 0.0  # all-zero blocks: no scale exponent
+    x[4, ::3] = 0.0
+    return x
+
+
+def _reference(x: torch.Tensor, fmt, rule: str, layout: str) -> dict:
+    """The statistics of quantizing ``x`` in ``layout`` computed here in plain torch: the reference quantize of
+    mxfx.numerics (the bytes the kernels write), decoded by hand."""
+    x = x.detach().float()
+    if layout == "tokens":
+        x = F.pad(x, (0, 0, 0, (-x.shape[0]) % 32)).t() if fmt is MX else x.t()
+    if fmt is MX:
+        q, s = mxfx.quantize(x, -1, rule)
+        e = s.view(torch.uint8).int() - 127
+        dq = q.float() * torch.exp2(e.float()).repeat_interleave(32, -1)
+        amax = x.abs().reshape(*x.shape[:-1], -1, 32).amax(-1)
+    elif layout == "weight":
+        q, s = block_ref.quantize_128x128(x, rule)
+        dq = q.float() * s.repeat_interleave(128, -2).repeat_interleave(128, -1)[: x.shape[0], : x.shape[1]]
+        amax = F.pad(x.abs(), (0, (-x.shape[1]) % 128, 0, (-x.shape[0]) % 128)).reshape(
+            s.shape[0], 128, s.shape[1], 128).amax(dim=(1, 3))
+        e = torch.floor(torch.log2(s)).int()
+    else:
+        q, s = block_ref.quantize_1x128(x, -1, rule)
+        dq = q.float() * s.repeat_interleave(128, -1)[:, : x.shape[1]]
+        amax = F.pad(x.abs(), (0, (-x.shape[1]) % 128)).reshape(x.shape[0], -1, 128).amax(-1)
+        e = torch.floor(torch.log2(s)).int()
+    exps = e[amax > 0].tolist()
+    sat = q.float().abs() == 448
+    nonzero = x != 0
+    return {
+        "values": x.numel(), "nonzero": int(nonzero.sum()), "underflow_count": int((nonzero & (dq == 0)).sum()),
+        "saturated_count": int(sat.sum()), "clipped_count": int((sat & (x.abs() > dq.abs())).sum()),
+        "rms_error": math.sqrt(float(((dq.double() - x.double()) ** 2).sum() / (x.double() ** 2).sum())),
+        "amax": float(x.abs().max()), "scale_exp_min": min(exps), "scale_exp_max": max(exps),
+        "scale_exp_hist": {str(k): v for k, v in Counter(exps).items()},
+    }
+
+
+def _check(sample: dict, ref: dict) -> None:
+    for key in ("values", "nonzero", "underflow_count", "saturated_count", "clipped_count", "amax", "scale_exp_min",
+                "scale_exp_max", "scale_exp_hist"):
+        assert sample[key] == ref[key], (key, sample[key], ref[key])
+    assert sample["nonfinite"] == 0
+    assert sample["rms_error"] == pytest.approx(ref["rms_error"], rel=1e-6)
+    assert sample["underflow"] == ref["underflow_count"] / ref["nonzero"]
+    assert sample["saturation"] == ref["saturated_count"] / ref["values"]
+
+
+def _sample(fmt, rule, layout, source, operand, combine="") -> dict:
+    vector = stats.reduce_parts(fmt.quant_stats(source, combine, operand, rule, layout))
+    return stats._sample(vector.tolist(), "s", fmt.name, rule, 0)
+
+
+@pytest.mark.parametrize("fmt,rule", RULES, ids=IDS)
+def test_every_statistic_of_every_operand_matches_plain_torch(fmt, rule):
+    """Each layout and each way a format makes an operand (plain, fused SwiGLU, the one-read dual of forward and
+    dgrad, values only where the GEMM is emulated, blocked scales of a native GEMM, the weight cache's forms)."""
+    x, w = _data(48, 256), _data(128, 256, seed=1) * 0.05
+    up = torch.randn(48, 256, generator=torch.Generator().manual_seed(2))
+    h = silu_fp32(x) * up  # the fp32 product the fused SwiGLU quantizes read (mxfx's SiLU)
+    cases = [
+        ("rows", (x,), "", fmt.input_operand(x, None, rule, "mm"), x),
+        ("rows", (x, up), "swiglu", fmt.input_operand(x, up, rule, "mm"), h),
+        ("tokens", (x,), "", fmt.tokens_operand(x, rule), x),
+        ("weight", (w,), "", fmt.weight_operand(w, rule, "forward"), w),
+    ]
+    a, x_tokens, _ = fmt.forward_operands(x, None, rule, "mxfp8", tokens=True)
+    rows, tokens = fmt.grad_operands(x, rule, rows=True, tokens=True)  # on CPU: MXFP8's values only
+    cases += [("rows", (x,), "", a, x), ("tokens", (x,), "", x_tokens, x), ("rows", (x,), "", rows, x),
+              ("tokens", (x,), "", tokens, x)]
+    if fmt is MX:
+        q, s, _ = fmt.input_operand(x, None, rule, "mm")
+        cases += [("rows", (x,), "", (q, to_blocked(s), None), x),  # a native dense GEMM's scale layout
+                  ("weight", (w,), "", fmt.weight_operand(w, rule, "forward", keep_dequantized=True), w)]
+        assert rows[0] is None and rows[2] is not None  # the values-only path is among the cases
+    for layout, source, combine, operand, values in cases:
+        _check(_sample(fmt, rule, layout, source, operand, combine), _reference(values, fmt, rule, layout))
+    ref = _reference(x, fmt, rule, "rows")  # the data reach every statistic
+    assert ref["underflow_count"] > 0 and ref["saturated_count"] > 0 and len(ref["scale_exp_hist"]) > 3
+    assert ref["clipped_count"] > 0 if rule == "floor" else rule == "amax" or ref["clipped_count"] == 0  # rceil: none
+
+
+def test_nonfinite_values_are_counted_apart():
+    x = _data(8, 64)
+    x[0, 5] = float("inf")
+    got = _sample(MX, "rceil", "rows", (x,), MX.input_operand(x, None, "rceil", "mm"))
+    assert got["nonfinite"] == 32 and got["values"] == x.numel() - 32  # the inf's block dequantizes to NaN
+    zeroed = x.clone()
+    zeroed[0, :32] = 0.0  # the same statistics as a block that counts nowhere
+    ref = _reference(zeroed, MX, "rceil", "rows")
+    for key in ("nonzero", "underflow_count", "saturated_count", "amax"):
+        assert got[key] == ref[key], key
+    assert got["rms_error"] == pytest.approx(ref["rms_error"], rel=1e-6)
+
+
+class _Lin(torch.nn.Module):
+    def __init__(self, fmt):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(256, 128, bias=False)
+        self.fmt = fmt
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+def _run_linear(mode: str, fmt, rule: str):
+    """One forward/backward of a 256->128 linear in ``mode`` with statistics every step; returns its tensors."""
+    model = _Lin(fmt)
+    x = _data(48, 256).requires_grad_(True)
+    dy = _data(48, 128, seed=3)
+    if mode == "eager":
+        y = mx_linear(x, model.proj.weight, format=fmt, scale_rule=rule, stats="proj", stats_every=1)
+    else:
+        policy = {"inner": mode, "format": fmt.name, "scale_rule": rule, "stats": {"every": 1}}
+        y = torch.compile(model, backend="mxfp8", options=policy)(x)
+    y.backward(dy)
+    return x, model.proj.weight, dy
+
+
+@pytest.mark.parametrize("mode", ["eager", "aot_eager", "inductor"])
+@pytest.mark.parametrize("fmt,rule", [RULES[1], RULES[3]], ids=[IDS[1], IDS[3]])
+def test_linear_sites_eager_and_compiled(mode, fmt, rule):
+    x, w, dy = _run_linear(mode, fmt, rule)
+    table = mxfx.stats()
+    expected = {"forward_x": (x, "rows"), "forward_w": (w, "weight"), "dgrad_dy": (dy, "rows"),
+                "wgrad_x": (x, "tokens"), "wgrad_dy": (dy, "tokens")}
+    assert sorted(r.site for r in table.rows) == sorted(f"proj/linear/{d}" for d in expected)
+    for direction, (t, layout) in expected.items():
+        row = table.row(f"proj/linear/{direction}")
+        assert (row.format, row.scale_rule, row.samples) == (fmt.name, rule, 1)
+        _check(row.last, _reference(t, fmt, rule, layout))
+    assert f"proj/linear/forward_x" in str(table)
+
+
+class _Experts(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(0.05 * _data(2 * 128, 256, seed=4).reshape(2, 128, 256))
+
+    def forward(self, x, offs):
+        return torch._grouped_mm(x.to(torch.bfloat16), self.w.to(torch.bfloat16).transpose(-2, -1), offs=offs)
+
+
+@pytest.mark.parametrize("fmt,rule", [RULES[0], RULES[2]], ids=[IDS[0], IDS[2]])
+def test_grouped_sites_compiled(fmt, rule):
+    model, x = _Experts(), _data(48, 256).requires_grad_(True)
+    offs = torch.tensor([20, 48], dtype=torch.int32)
+    policy = {"inner": "aot_eager", "format": fmt.name, "scale_rule": rule, "stats": {"every": 1, "modules": "*"}}
+    y = torch.compile(model, backend="mxfp8", options=policy)(x, offs)
+    dy = _data(48, 128, seed=5).to(torch.bfloat16)
+    y.backward(dy)
+    table = mxfx.stats()
+    site = "<root>/grouped_mm/"
+    assert sorted(r.site for r in table.rows) == [site + d for d in ("dgrad_dy", "forward_w", "forward_x")]
+    _check(table.row(site + "forward_x").last, _reference(x, fmt, rule, "rows"))
+    _check(table.row(site + "dgrad_dy").last, _reference(dy, fmt, rule, "rows"))
+    # the blocks of each expert [128, 256] (rows of 32 along K, or 128x128) are those of the experts stacked
+    _check(table.row(site + "forward_w").last, _reference(model.w.reshape(256, 256), fmt, rule, "weight"))
+
+
+def test_grouped_eager_swiglu_and_route_weights():
+    """The fused SwiGLU input and the dgrad's dY times the route weights."""
+    g, up = _data(48, 256), torch.randn(48, 256)
+    w = 0.05 * torch.randn(2, 128, 256, requires_grad=True)
+    rw, offs = torch.rand(48), torch.tensor([20, 48], dtype=torch.int32)
+    y = mx_grouped_mm_op(g, w, offs, up=up.requires_grad_(True), route_weight=rw, stats="e", stats_every=1)
+    dout = _data(48, 128, seed=6)
+    y.backward(dout)
+    table = mxfx.stats()
+    _check(table.row("e/grouped_mm/forward_x").last, _reference(silu_fp32(g) * up, MX, "rceil", "rows"))
+    _check(table.row("e/grouped_mm/dgrad_dy").last, _reference(dout * rw[:, None], MX, "rceil", "rows"))
+
+
+def test_sampling_follows_the_step_count_without_recompiling():
+    model = _Lin(MX)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    compiled = torch.compile(model, backend="mxfp8", options={"inner": "aot_eager", "stats": {"every": 2}})
+    sampled, graphs, recompiles = [], [], []
+    for i in range(5):
+        if i == 4:
+            stats.set_sampling(False)  # switched off at run time: the graph's op stays, its body does nothing
+        was = sum(r.samples for r in mxfx.stats().rows)
+        step = cache.step_count()
+        compiled(torch.randn(32, 256, requires_grad=True)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        sampled.append((step % 2 == 0 and i < 4, sum(r.samples for r in mxfx.stats().rows) - was))
+        graphs.append(counters["stats"]["unique_graphs"])
+        recompiles.append(sum(counters["recompiles"].values()))
+    assert all((n == 5) if want else (n == 0) for want, n in sampled), sampled  # 5 sites per sampled step
+    assert sum(want for want, _ in sampled) == 2
+    assert len(set(graphs)) == 1 and len(set(recompiles)) == 1, (graphs, recompiles)
+    steps = {r.last["step"] for r in mxfx.stats().rows}
+    assert all(s % 2 == 0 for s in steps)
+
+
+def test_stats_off_leaves_the_graph_as_it_was(tmp_path):
+    """Without ``stats`` (or with a glob that matches nothing) the rewritten graph and the ATen graphs are the same,
+    with no statistics op; with it, every site is an op of the forward or backward graph."""
+    torch._dynamo.utils.counters.clear()
+    code, ops = {}, {}
+    for name, extra in (("off", {}), ("unmatched", {"stats": {"modules": "nothing.*"}}), ("on", {"stats": {"every": 3}})):
+        torch._dynamo.reset()
+        capture = GraphCapture()
+        model = _Lin(MX)
+        opts = {"inner": capture, "dump_dir": str(tmp_path / name), **extra}
+        torch.compile(model, backend="mxfp8", options=opts)(torch.randn(32, 256, requires_grad=True)).sum().backward()
+        code[name] = (next((tmp_path / name).glob("graph_*/after.py")).read_text(),
+                      [g.code for g in capture.forward + capture.backward])
+        ops[name] = sum(str(n.args).count("quant_stats") for g in capture.forward + capture.backward for n in g.graph.nodes)
+    assert code["off"] == code["unmatched"]
+    assert "stats = " not in code["off"][0] and ops["off"] == 0
+    assert "stats = 'proj', stats_every = 3" in code["on"][0]
+    assert ops["on"] == 5
+
+
+def test_warns_once_per_site_and_statistic():
+    x, w = _data(48, 256), 0.05 * torch.randn(128, 256)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            mx_linear(x, w, scale_rule="floor", stats="p", stats_every=1)
+            mxfx.stats()
+    messages = [str(c.message) for c in caught if "quantize site" in str(c.message)]
+    underflow = _reference(x, MX, "floor", "rows")
+    assert len(messages) == 2, messages  # forward_x: underflow and clipped, once each
+    assert any(f"p/linear/forward_x" in m and f"underflow {underflow['underflow_count'] / underflow['nonzero']:.2%}" in m
+               for m in messages)
+    assert any("clipped" in m for m in messages)
+
+
+def test_jsonl_tensorboard_and_report_line(tmp_path, monkeypatch):
+    scalars = []
+
+    class Writer:
+        def add_scalar(self, tag, value, step):
+            scalars.append((tag, value, step))
+
+        def flush(self):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(stats, "_tensorboard_writer", lambda log_dir: Writer())
+    model = _Lin(MX)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    policy = mxfx.Policy(inner="aot_eager", dump_dir=str(tmp_path), stats={"every": 1, "modules": "proj"})
+    compiled = torch.compile(model, backend="mxfp8", options=policy)
+    x = _data(32, 256).requires_grad_(True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled(x).sum().backward()
+        opt.step()  # the step post-hook reads the samples back and writes them
+    lines = [json.loads(line) for line in (tmp_path / stats.JSONL).read_text().splitlines()]
+    assert sorted(s["site"] for s in lines) == sorted(r.site for r in mxfx.stats().rows) and len(lines) == 5
+    assert all(s == mxfx.stats().row(s["site"]).last for s in lines)
+    fx = mxfx.stats().row("proj/linear/forward_x").last
+    assert fx["underflow"] > 0.01
+    assert ("mxfx_stats/proj/linear/forward_x/underflow", fx["underflow"], fx["step"]) in scalars
+    report = str(mxfx.last_report())
+    assert "# quantization stats" in report and "proj/linear/forward_x" in report and "underflow > 1%" in report
+
+
+def test_policy_field_and_environment_variable(monkeypatch):
+    assert mxfx.Policy().stats is None
+    assert dict(mxfx.Policy(stats={"modules": "layers.*"}).stats) == {"every": 100, "modules": "layers.*"}
+    monkeypatch.setenv("MXFX_STATS", "every=7,modules=layers.*.mlp.*")
+    policy = mxfx.Policy()
+    assert dict(policy.stats) == {"every": 7, "modules": "layers.*.mlp.*"}
+    d = policy.decide("linear", "model.layers.0.mlp.up")
+    assert (d.settings.stats, d.settings.stats_every) == ("model.layers.0.mlp.up", 7)
+    assert policy.decide("linear", "model.layers.0.attn.q").settings.graph_kwargs() == mxfx.Policy(
+        stats=None).decide("linear", "x").settings.graph_kwargs()
+    assert policy.decide("linear", "model.layers.0.mlp.up", macs=1, gemm=None).stats
+    monkeypatch.setenv("MXFX_STATS", "on")
+    assert dict(mxfx.Policy().stats) == {"every": 100, "modules": "*"}
+    for bad, match in (({"every": 0}, r"stats\['every'\]=0 must be an int >= 1"),
+                       ({"often": 1}, r"unknown stats key\(s\) \['often'\]"), ({"modules": 3}, "module glob")):
+        with pytest.raises(ValueError, match=match):
+            mxfx.Policy(stats=bad)
+    monkeypatch.setenv("MXFX_STATS", "every")
+    with pytest.raises(ValueError, match="MXFX_STATS='every'.*not key=value"):
+        mxfx.Policy()
+    with pytest.raises(ValueError, match="stats_every=0 must be an int >= 1"):
+        mx_linear(torch.randn(4, 32), torch.randn(32, 32), stats="p", stats_every=0)
+
+
+def test_all_to_all_payload_sites():
+    import torch.distributed as dist
+
+    from mxfx.ops.all_to_all import mx_all_to_all
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        x, rw, dy = _data(8, 64).requires_grad_(True), torch.rand(8), _data(8, 64, seed=7)
+        y = mx_all_to_all(x, [8], [8], dist.group.WORLD, route_weight=rw, stats="moe/all_to_all/combine", stats_every=1)
+        y.backward(dy)
+    finally:
+        dist.destroy_process_group()
+    table = mxfx.stats()
+    _check(table.row("moe/all_to_all/combine_fwd").last, _reference(x, MX, "rceil", "rows"))
+    _check(table.row("moe/all_to_all/combine_bwd").last, _reference(dy * rw[:, None], MX, "rceil", "rows"))
