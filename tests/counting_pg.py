@@ -42,13 +42,20 @@ def _flatten(x):
     return [x]
 
 
+_target: list = []  # [the log the groups append to]: register() points it at its caller's list
+
+
 def register(log: list) -> None:
-    """Register the counting backend; each rank appends ``(collective, dtype, bytes sent)`` to ``log``."""
+    """Register the counting backend (once per process); from now on every rank's counting groups append
+    ``(collective, dtype, bytes sent)`` to ``log``, those created before this call included."""
+    _target[:] = [log]
+    if BACKEND in dist.Backend.backend_list:
+        return
 
     def counted(name, collective, index):
         def method(self, *args, **kwargs):
             for t in _flatten(args[index]):
-                log.append((collective, t.dtype, t.numel() * t.element_size()))
+                _target[0].append((collective, t.dtype, t.numel() * t.element_size()))
             inner = getattr(self.inner, name, None)
             if inner is not None:
                 return inner(*args, **kwargs)

@@ -35,26 +35,33 @@ def count_calls(graphs, target) -> int:
     return sum(1 for g in graphs for n in g.graph.nodes if n.op == "call_function" and n.target == target)
 
 
-def launch(script: str, case: str, world: int, timeout_s: float = 150.0) -> str:
-    """Run ``python script CASE RANK WORLD PORT`` as ``world`` processes on a free port; returns their output.
+def launch(script: str, case: str, world: int, timeout_s: float = 150.0, check: bool = True) -> str:
+    """Run ``python script CASES RANK WORLD PORTS`` as ``world`` processes; returns their output.
 
-    Fails (showing every rank's output) when a rank exits non-zero or the launch runs past ``timeout_s``.
+    ``case`` names one worker case or several, comma-separated: :func:`run_worker` runs them in order in the
+    same processes (one start and one import of torch per rank for all of them), each case on a free port of
+    its own (``PORTS``, comma-separated: a process group's store outlives its group while FSDP or a device mesh
+    still holds it, and a second group on its port would meet the first one's keys). With ``check`` (the default)
+    fails, showing every rank's output, when a rank exits non-zero; either way a launch running past
+    ``timeout_s`` is killed, with a note in the output.
     """
     import os
     import socket
     import subprocess
-    import sys
     import time
     from pathlib import Path
 
-    with socket.socket() as s:
+    sockets = [socket.socket() for _ in case.split(",")]
+    for s in sockets:  # all bound at once: distinct ports
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    ports = ",".join(str(s.getsockname()[1]) for s in sockets)
+    for s in sockets:
+        s.close()
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
     procs = [
-        subprocess.Popen([sys.executable, script, case, str(rank), str(world), str(port)],
+        subprocess.Popen([sys.executable, script, case, str(rank), str(world), ports],
                          env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for rank in range(world)
     ]
@@ -71,8 +78,44 @@ def launch(script: str, case: str, world: int, timeout_s: float = 150.0) -> str:
         outputs.append(out)
         codes.append(p.returncode)
     log = "\n".join(f"----- rank {r} (rc {c}) -----\n{o}" for r, (o, c) in enumerate(zip(outputs, codes)))
-    assert all(c == 0 for c in codes), log
+    assert not check or all(c == 0 for c in codes), log
     return log
+
+
+def run_worker(workers: dict) -> None:
+    """The worker side of :func:`launch`: ``sys.argv`` is ``script CASES RANK WORLD PORTS``; runs each case
+    ``workers[name](rank, world)`` in order, with ``MASTER_PORT`` its port, then ends the process
+    (:func:`exit_worker`).
+
+    Each case starts from a fresh Dynamo (no compiled code or recompile count carried over) and Dynamo's
+    config as it found it, and sets up and destroys its own process group. A case that raises prints its
+    traceback and ``CASE <name> FAILED`` and the process exits with status 1 at once, so its peers' next
+    collective fails too and later cases do not run; a test reads the line its case prints on success.
+    """
+    import os
+    import traceback
+    import warnings
+
+    names, rank, world, ports = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4].split(",")
+    unknown = [n for n in names if n not in workers]
+    if unknown:
+        raise SystemExit(f"unknown case(s) {unknown}; cases: {sorted(workers)}")
+    torch.set_num_threads(1)
+    config = torch._dynamo.config.save_config()
+    for name, port in zip(names, ports, strict=True):
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        torch._dynamo.reset()
+        with warnings.catch_warnings():  # restoring deprecated keys warns
+            warnings.simplefilter("ignore")
+            torch._dynamo.config.load_config(config)
+        try:
+            workers[name](rank, world)
+        except BaseException:
+            traceback.print_exc()
+            print(f"CASE {name} FAILED", flush=True)
+            sys.stderr.flush()
+            os._exit(1)
+    exit_worker()
 
 
 def exit_worker() -> None:

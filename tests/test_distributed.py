@@ -1,60 +1,54 @@
 """Distributed tests on CPU (gloo): MXFP8 expert-parallel all-to-all, and DDP under ``backend="mxfp8"``.
 
-Each distributed test starts ``world`` Python processes running this file as a
-worker (``python tests/test_distributed.py CASE RANK WORLD PORT``) on a free
-port, with a time limit; the worker asserts and exits non-zero on failure, and
-the test shows its output. Bytes are counted at the process group: the workers
+The 2-process cases run in one launch of 2 Python processes running this file as a
+worker (``python tests/test_distributed.py CASE,CASE,... RANK WORLD PORTS``,
+:func:`tests.helpers.launch`), one case after the other, with a time limit; each test
+reads the line its case prints on success and shows the output otherwise. The 4-process
+case has a launch of its own. A worker asserts and exits non-zero on failure. Bytes are counted at the process group: the workers
 run a gloo group wrapped in a Python ``ProcessGroup`` that records every tensor
 handed to ``alltoall_base``.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from helpers import exit_worker, launch  # noqa: E402
+from tests.helpers import launch, load_example, run_worker
 
-ROOT = Path(__file__).resolve().parents[1]
-TIMEOUT_S = 150  # per launch; a launch takes ~10-40 s on a loaded 2-core machine
+TIMEOUT_S = 150  # per case; a case takes ~5-40 s on a loaded 2-core machine
 
 
-def _launch(case: str, world: int) -> str:
-    return launch(__file__, case, world, TIMEOUT_S)
+@pytest.fixture(scope="module")
+def two_ranks() -> str:
+    """The output of one 2-process launch running every 2-process case of this file."""
+    cases = ["ep", "ddp", "dispatch_mx", "combine_rw"]
+    return launch(__file__, ",".join(cases), 2, TIMEOUT_S * len(cases), check=False)
 
 
 # --------------------------------------------------------------------------- tests
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_ep_all_to_all_mxfp8_matches_single_process(world):
+def test_ep_all_to_all_mxfp8_matches_single_process(request, world):
     """Outputs/grads equal the single-process reference with the same MX rounding; one graph; bytes = 33/32 per value."""
-    log = _launch("ep", world)
+    log = request.getfixturevalue("two_ranks") if world == 2 else launch(__file__, "ep", world, TIMEOUT_S)
     assert log.count("EP OK") == world, log
 
 
-def test_ddp_compiled_mxfp8_matches_single_process():
+def test_ddp_compiled_mxfp8_matches_single_process(two_ranks):
     """DDP (graph split at bucket boundaries) + backend="mxfp8" trains like one process on the global batch."""
-    log = _launch("ddp", 2)
-    assert log.count("DDP OK") == 2, log
+    assert two_ranks.count("DDP OK") == 2, two_ranks
 
 
-def test_dispatched_mx_rows_feed_grouped_gemm_without_requantizing():
+def test_dispatched_mx_rows_feed_grouped_gemm_without_requantizing(two_ranks):
     """Received MX pairs go straight into the grouped GEMM: same bits as DQ->Q, one quantize fewer per dispatch."""
-    log = _launch("dispatch_mx", 2)
-    assert log.count("DISPATCH_MX OK") == 2, log
+    assert two_ranks.count("DISPATCH_MX OK") == 2, two_ranks
 
 
-def test_combine_route_weights_fused_into_backward_transport():
+def test_combine_route_weights_fused_into_backward_transport(two_ranks):
     """torchtitan-style ``back.float() * w`` after the combine: dOut * w is formed inside the transport quantize."""
-    log = _launch("combine_rw", 2)
-    assert log.count("COMBINE_RW OK") == 2, log
+    assert two_ranks.count("COMBINE_RW OK") == 2, two_ranks
 
 
 def test_pass_keeps_collective_whose_wait_is_in_another_graph():
@@ -101,13 +95,6 @@ def test_mx_all_to_all_rejects_unblockable_rows():
 
 
 # --------------------------------------------------------------------------- worker side
-
-
-def _load_example():
-    spec = importlib.util.spec_from_file_location("ep_moe", ROOT / "examples" / "ep_moe.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _register_counting_backend(log: list):
@@ -175,7 +162,7 @@ def _worker_ep(rank: int, world: int):
 
     import mxfx
 
-    ex = _load_example()
+    ex = load_example("ep_moe")
     log: list = []
     _register_counting_backend(log)
     dist.init_process_group("mxfxcount", rank=rank, world_size=world)
@@ -408,7 +395,7 @@ def _ep_layer(rank: int, world: int, seed: int, tokens: int):
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch._dynamo.config.capture_scalar_outputs = True
-    layer = _load_example().GroupedEPMoE(64, 2 * world, 2, 64, group=dist.group.WORLD, seed=seed)
+    layer = load_example("ep_moe").GroupedEPMoE(64, 2 * world, 2, 64, group=dist.group.WORLD, seed=seed)
     x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(seed + 1 + rank)).bfloat16()
     return layer, x
 
@@ -463,9 +450,4 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 if __name__ == "__main__":
-    case, rank, world, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    torch.set_num_threads(1)
-    workers = {"ep": _worker_ep, "ddp": _worker_ddp, "dispatch_mx": _worker_dispatch_mx, "combine_rw": _worker_combine_rw}
-    workers[case](rank, world)
-    exit_worker()
+    run_worker({"ep": _worker_ep, "ddp": _worker_ddp, "dispatch_mx": _worker_dispatch_mx, "combine_rw": _worker_combine_rw})

@@ -1,8 +1,9 @@
 """FSDP2 (``fully_shard``) under ``backend="mxfp8"`` on CPU (gloo), against one process.
 
-Each test starts ``world`` processes running this file as a worker
-(``python tests/test_fsdp.py CASE RANK WORLD PORT``, :func:`tests.helpers.launch`); the
-worker asserts and exits non-zero on failure. The model is two residual MLP blocks of
+The 2-process cases run in one launch of 2 processes running this file as a worker
+(``python tests/test_fsdp.py CASE,CASE,... RANK WORLD PORT``, :func:`tests.helpers.launch`), one
+case after the other; each test reads the line its case prints on success. The 4-process case has
+a launch of its own. A worker asserts and exits non-zero on failure. The model is two residual MLP blocks of
 width 64, trained 5 AdamW steps on a global batch split over the ranks; the reference is
 the same model, compiled the same way, on one process with the global batch (FSDP averages
 gradients over ranks, so the update is the same up to float summation order).
@@ -10,33 +11,38 @@ gradients over ranks, so the update is the same up to float summation order).
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from helpers import exit_worker, launch  # noqa: E402
+from tests.helpers import launch, load_example, run_worker
 
 D, HIDDEN, STEPS, PER_RANK, LR = 64, 128, 5, 16, 1e-2
 LOSS_RTOL = 1e-3  # MX rounding is the same on both sides; only fp32 summation order differs (and can flip a rounding)
 OPTS = {"inner": "aot_eager"}  # CPU compile time; the rewrite is the same under Inductor
 
 
-@pytest.mark.parametrize("layout", ["per_block", "whole", "per_block_bf16"])
-def test_fsdp2_trains_like_one_process(layout):
+LAYOUTS = ["per_block", "whole", "per_block_bf16"]
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> str:
+    """The output of one 2-process launch running every 2-process case of this file."""
+    return launch(__file__, ",".join([*(f"train_{layout}" for layout in LAYOUTS), "features"]), 2, timeout_s=400,
+                  check=False)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fsdp2_trains_like_one_process(two_ranks, layout):
     """Per-step loss and final parameters of 2-process FSDP2 match one process within 1e-3 (stale caches drift ~6%);
     with ``param_dtype=torch.bfloat16`` (caches quantized from the BF16 gather) losses within 5e-3."""
-    log = launch(__file__, f"train_{layout}", 2)
-    assert log.count("TRAIN OK") == 2, log
+    assert two_ranks.count(f"TRAIN OK {layout} ") == 2, two_ranks
 
 
-def test_fsdp2_gradients_clipping_accumulation_and_checkpoint():
+def test_fsdp2_gradients_clipping_accumulation_and_checkpoint(two_ranks):
     """reduce_dtype reaches the reduce-scatter; accumulation without sync, clip_grad_norm_ over DTensor grads
     and an in-place edit plus ``mxfx.runtime.cache.refresh`` match one process; DCP resume continues bit-identically."""
-    log = launch(__file__, "features", 2)
-    assert log.count("FEATURES OK") == 2, log
+    assert two_ranks.count("FEATURES OK") == 2, two_ranks
 
 
 def test_fsdp2_with_expert_parallel_example_2d_mesh():
@@ -117,12 +123,32 @@ def _mx_ops(pm_list) -> list[tuple[str, str]]:
     return sorted((r.kind, r.forward) for pm in pm_list for r in pm.records if r.kind in ("linear", "grouped_mm"))
 
 
+_REFERENCE: dict = {}  # layout -> (losses, MX ops, parameters) of the one-process run: the same for FP32 and BF16
+
+
+def _reference(layout: str, xs, ts):
+    """The one-process run of ``layout`` ("per_block" or "whole") on the global batch, once per worker."""
+    import mxfx
+
+    if layout not in _REFERENCE:
+        ref = _model()
+        if layout == "per_block":
+            _compile_per_block(ref)
+        ref_run = torch.compile(ref, backend="mxfp8", options=OPTS) if layout == "whole" else ref
+        n0 = len(mxfx.all_reports())
+        losses = _train(ref, ref_run, xs, ts, slice(None), float)
+        params = {n.replace("_orig_mod.", ""): p.detach().clone() for n, p in ref.named_parameters()}
+        _REFERENCE[layout] = losses, _mx_ops(mxfx.all_reports()[n0:]), params
+    return _REFERENCE[layout]
+
+
 def _worker_train(rank: int, world: int, layout: str):
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import mxfx
 
+    name = layout
     bf16 = layout.endswith("_bf16")
     layout = layout.removesuffix("_bf16")
     # Tolerance with BF16 gathers: the MX forms come from BF16-rounded weights (one process: from FP32)
@@ -133,13 +159,7 @@ def _worker_train(rank: int, world: int, layout: str):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     xs, ts = _data(world)
 
-    ref = _model()
-    if layout == "per_block":
-        _compile_per_block(ref)
-    ref_run = torch.compile(ref, backend="mxfp8", options=OPTS) if layout == "whole" else ref
-    n0 = len(mxfx.all_reports())
-    ref_losses = _train(ref, ref_run, xs, ts, slice(None), float)
-    ref_ops = _mx_ops(mxfx.all_reports()[n0:])
+    ref_losses, ref_ops, ref_params = _reference(layout, xs, ts)
 
     n_linears = 4 if layout == "per_block" else 5  # per block: the root's projection runs eagerly
     m = _model()
@@ -162,15 +182,14 @@ def _worker_train(rank: int, world: int, layout: str):
 
     for step, (a, b) in enumerate(zip(losses, ref_losses)):
         assert abs(a - b) <= rtol * abs(b), f"{layout} step {step}: loss {a:.6f} vs one process {b:.6f}\n{losses}\n{ref_losses}"
-    ref_params = {n.replace("_orig_mod.", ""): p for n, p in ref.named_parameters()}
-    for name, p in m.named_parameters() if not bf16 else ():  # BF16: AdamW's sign-like early updates amplify rounding
+    for pname, p in m.named_parameters() if not bf16 else ():  # BF16: AdamW's sign-like early updates amplify rounding
         full = p.full_tensor()
-        r = ref_params[name.replace("_orig_mod.", "")]
+        r = ref_params[pname.replace("_orig_mod.", "")]
         err = float((full - r).norm() / r.norm())
-        assert err <= rtol, f"{layout} {name}: relative parameter error {err:.2e}"
+        assert err <= rtol, f"{layout} {pname}: relative parameter error {err:.2e}"
     assert ops == ref_ops and ops.count(("linear", "mxfp8")) == n_linears, f"{layout}: MX ops {ops} vs one process {ref_ops}"
     dist.destroy_process_group()
-    print("TRAIN OK", losses, ref_losses, ops)
+    print("TRAIN OK", name, losses, ref_losses, ops)
 
 
 def _cpu_mesh(world: int):
@@ -212,8 +231,8 @@ def _worker_features(rank: int, world: int):
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    import counting_pg
     import mxfx
+    from tests import counting_pg
 
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -318,16 +337,11 @@ def _worker_features(rank: int, world: int):
 
 
 def _worker_fsdp_ep(rank: int, world: int):
-    import importlib.util
-
     import torch.distributed as dist
 
     import mxfx
 
-    path = Path(__file__).resolve().parents[1] / "examples" / "fsdp_ep_moe.py"
-    spec = importlib.util.spec_from_file_location("fsdp_ep_moe", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = load_example("fsdp_ep_moe")
     dist.init_process_group("gloo", rank=rank, world_size=world)
     n0 = len(mxfx.all_reports())
     losses, reference = example.run("mxfp8", check=True)
@@ -343,17 +357,5 @@ def _worker_fsdp_ep(rank: int, world: int):
 
 
 if __name__ == "__main__":
-    case, rank, world, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    import os
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    torch.set_num_threads(1)
-    if case == "fsdp_ep":
-        _worker_fsdp_ep(rank, world)
-    elif case == "features":
-        _worker_features(rank, world)
-    elif case.startswith("train_"):
-        _worker_train(rank, world, case.removeprefix("train_"))
-    else:
-        raise SystemExit(f"unknown case {case}")
-    exit_worker()
+    run_worker({"fsdp_ep": _worker_fsdp_ep, "features": _worker_features,
+                **{f"train_{layout}": lambda r, w, layout=layout: _worker_train(r, w, layout) for layout in LAYOUTS}})

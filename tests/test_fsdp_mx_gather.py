@@ -1,25 +1,31 @@
 """Low-precision weight all-gather under FSDP2 (``mxfx.fsdp.mx_all_gather``) on 2 gloo processes, against one process.
 
-Worker cases run this file as ``python tests/test_fsdp_mx_gather.py CASE RANK WORLD PORT`` (:func:`helpers.launch`).
-The dense model and data are tests/test_fsdp.py's (two residual MLP blocks of width 64 and a root projection); the
-MoE (``moe`` case, mxfp8 and fp8_block) is two blocks of examples/ep_moe.py's grouped-GEMM MoE plus a dense MLP.
+The worker cases run in one launch of 2 processes running this file
+(``python tests/test_fsdp_mx_gather.py CASE,CASE,... RANK WORLD PORTS``, :func:`tests.helpers.launch`), one case after
+the other; each test reads the line its case prints on success. The dense model, data and one-process reference are
+tests/test_fsdp.py's (two residual MLP blocks of width 64 and a root projection); the MoE (``moe`` case, mxfp8 and
+fp8_block) is two blocks of examples/ep_moe.py's grouped-GEMM MoE plus a dense MLP.
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from helpers import launch  # noqa: E402
-from test_fsdp import LOSS_RTOL, OPTS, PER_RANK, _compile_per_block, _data, _loss, _model, _train  # noqa: E402
+from tests.helpers import launch, load_example, run_worker
+from tests.test_fsdp import LOSS_RTOL, OPTS, PER_RANK, _compile_per_block, _data, _loss, _model, _reference, _train
+
+LAYOUTS = ["whole", "whole_reshard", "per_block", "per_block_bf16"]
 
 
-@pytest.mark.parametrize("layout", ["whole", "whole_reshard", "per_block", "per_block_bf16"])
-def test_mx_all_gather_trains_like_one_process(layout):
+@pytest.fixture(scope="module")
+def two_ranks() -> str:
+    """The output of one 2-process launch running every worker case of this file."""
+    return launch(__file__, ",".join([*(f"train_{layout}" for layout in LAYOUTS), "moe"]), 2, timeout_s=600, check=False)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mx_all_gather_trains_like_one_process(two_ranks, layout):
     """Losses within 1e-3 of one-process mxfp8 over 5 AdamW steps; gathered forms byte-identical to quantizing
     the full weight on one process; forward form in forward, dgrad form in backward; DCP save/load resumes
     bit-identically. ``whole``: the root (not resharded after forward, FSDP's default) gathers both forms once;
@@ -27,8 +33,7 @@ def test_mx_all_gather_trains_like_one_process(layout):
     still come from the FP32 shards): losses within 5e-3 as in tests/test_fsdp.py. ``whole_reshard``: the root
     reshards too, and all-gather bytes per step are <= 0.55x the BF16 FSDP2 run's
     (same sharding) (asserted; the FP32 biases keep it above 33/64)."""
-    log = launch(__file__, f"train_{layout}", 2, timeout_s=240)
-    assert log.count("MXGATHER OK") == 2, log
+    assert two_ranks.count(f"MXGATHER OK {layout} ") == 2, two_ranks
 
 
 def test_eligibility_fallback():
@@ -45,7 +50,7 @@ def test_eligibility_fallback():
         mxfx.fsdp.mx_all_gather(torch.nn.Linear(64, 64), {"scale_rule": "nearest"})
 
 
-def test_expert_weights_gather_low_precision():
+def test_expert_weights_gather_low_precision(two_ranks):
     """A small MoE (per-block compile, routed experts ``[E, N, K]`` in grouped GEMMs, sharded over experts), for
     mxfp8 and fp8_block: with the low-precision gather, losses over 5 AdamW steps equal those of the same FSDP2 run
     gathering FP32, and are within 1e-2 of one process (tests/test_fsdp.py's MoE bound); gathered expert and linear forms
@@ -53,8 +58,7 @@ def test_expert_weights_gather_low_precision():
     (fp8_block) bytes per value, <= 0.52x the BF16 FSDP2 run's. fp8_block: the dense ``down`` ([128, 256],
     64-row shards) gathers in FP32, as the map says. An expert weight that fully_shard shards on dim 1 while
     mx_all_gather was told dim 0 raises at its gather."""
-    log = launch(__file__, "moe", 2, timeout_s=300)
-    assert log.count("MOEGATHER OK") == 2, log
+    assert two_ranks.count("MOEGATHER OK") == 2, two_ranks
 
 
 def test_gather_map_follows_policy_and_sharding():
@@ -119,14 +123,15 @@ def _worker(rank: int, world: int, layout: str):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    import counting_pg
     import mxfx.fsdp
+    from tests import counting_pg
 
     comm: list = []
     counting_pg.register(comm)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     mesh = DeviceMesh.from_group(dist.new_group(backend=counting_pg.BACKEND), "cpu")
     xs, ts = _data(world)
+    name = layout
     shard = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
     bf16 = layout.endswith("_bf16")
     layout = layout.removesuffix("_bf16")
@@ -150,11 +155,7 @@ def _worker(rank: int, world: int, layout: str):
         fully_shard(m, mesh=mesh, mp_policy=mp, **root_kw)
         return m, pmap, (torch.compile(m, backend="mxfp8", options=OPTS) if whole else m)
 
-    ref = _model()
-    if not whole:
-        _compile_per_block(ref)
-    ref_losses = _train(ref, torch.compile(ref, backend="mxfp8", options=OPTS) if whole else ref,
-                        xs, ts, slice(None), float)
+    ref_losses = _reference("whole" if whole else "per_block", xs, ts)[0]
 
     bf16_ag = 0
     if layout == "whole_reshard":  # the BF16 FSDP2 baseline, same sharding
@@ -212,7 +213,7 @@ def _worker(rank: int, world: int, layout: str):
     set_state_dict(m, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     again = [one_step(), one_step()]
     assert first == again, f"DCP resume: {first} vs {again}"
-    print("MXGATHER OK", layout, losses, ref_losses, f"all_gather {ag} B vs bf16 {bf16_ag} B;"
+    print("MXGATHER OK", name, losses, ref_losses, f"all_gather {ag} B vs bf16 {bf16_ag} B;"
           f" reduce_scatter {rs} B; all_to_all {a2a} B")
     dist.destroy_process_group()
 
@@ -237,9 +238,7 @@ class _MoEBlock(torch.nn.Module):
 
     def __init__(self, index: int):
         super().__init__()
-        from ep_moe import GroupedEPMoE
-
-        self.moe = GroupedEPMoE(MOE_D, MOE_EXPERTS, 2, MOE_HIDDEN, seed=index)  # gate_up [4, 256, 128], down [4, 128, 128]
+        self.moe = load_example("ep_moe").GroupedEPMoE(MOE_D, MOE_EXPERTS, 2, MOE_HIDDEN, seed=index)  # gate_up [4, 256, 128], down [4, 128, 128]
         self.up, self.down = torch.nn.Linear(MOE_D, 2 * MOE_D, bias=False), torch.nn.Linear(2 * MOE_D, MOE_D, bias=False)
 
     def forward(self, x):
@@ -259,9 +258,6 @@ class _MoEModel(torch.nn.Module):
         return x
 
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-
-
 def _moe_train(m, xs, ts, shard, reduce_loss):
     """:func:`test_fsdp._train` of a model that runs itself (compiled per block or not at all)."""
     return _train(m, m, xs, ts, shard, reduce_loss)
@@ -272,8 +268,8 @@ def _worker_moe(rank: int, world: int):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    import counting_pg
     import mxfx.fsdp
+    from tests import counting_pg
 
     comm: list = []
     counting_pg.register(comm)
@@ -384,14 +380,5 @@ def _worker_moe(rank: int, world: int):
 
 
 if __name__ == "__main__":
-    case, rank, world, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    import os
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    torch.set_num_threads(1)
-    if case.startswith("train_"):
-        _worker(rank, world, case.removeprefix("train_"))
-    elif case == "moe":
-        _worker_moe(rank, world)
-    else:
-        raise SystemExit(f"unknown case {case}")
+    run_worker({"moe": _worker_moe,
+                **{f"train_{layout}": lambda r, w, layout=layout: _worker(r, w, layout) for layout in LAYOUTS}})
