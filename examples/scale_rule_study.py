@@ -14,6 +14,10 @@
    global norm), plot the three curves, and say whether the direction of the
    recipe's result reproduces: there rceil was +0.00048 loss / -1.9% grad norm from
    BF16 and floor +0.022 / +51% (a 166.72B-total MoE, 1,178 steps).
+4. Per layer, the quantization statistics of the MX branches (``Policy.stats``, sampled every
+   ``--stats-every`` optimizer steps; ``docs/numerics.md``): the worst site's clipped and underflow fractions
+   and the mean relative RMS error, printed per layer and plotted over the steps, so the two rules' clipping
+   (floor cuts block maxima above 448 x scale; rceil never does) shows next to their loss.
 
 FP32 parameters, BF16 autocast, AdamW, clipping at 1.0, as in ``train_moe.py``.
 On CPU the compiles use ``aot_eager`` (``--compiler``) to keep the run short;
@@ -29,8 +33,11 @@ import math
 import os
 import sys
 import time
+import warnings
 
 import torch
+
+import mxfx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from data import VOCAB_SIZE, get_batch, load_splits  # noqa: E402
@@ -57,6 +64,8 @@ def parse_args():
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--compiler", default=None, help="inner compiler (default: aot_eager on CPU, inductor on CUDA)")
+    p.add_argument("--stats-every", type=int, default=5,
+                   help="quantization statistics of the MX branches every this many steps (0: off)")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--data-seed", type=int, default=0)
     p.add_argument("--out", default="runs/scale_rule_study")
@@ -65,11 +74,45 @@ def parse_args():
     return a
 
 
-def compile_branch(model, branch: str, a):
+def compile_branch(model, branch: str, a, stats: bool = False):
     if branch == "bf16":
         return torch.compile(model, backend=a.compiler)
     rule = branch.split()[-1]
-    return torch.compile(model, backend="mxfp8", options={"scale_rule": rule, "inner": a.compiler})
+    options = {"scale_rule": rule, "inner": a.compiler}
+    if stats and a.stats_every:
+        options["stats"] = {"every": a.stats_every}
+    return torch.compile(model, backend="mxfp8", options=options)
+
+
+def layer_of(site: str) -> str:
+    """``layers.0.attn.qkv/linear/forward_x`` -> ``layers.0``: the block a quantize site belongs to."""
+    parts = site.split("/")[0].split(".")
+    return ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
+
+
+def new_samples(seen: dict, step: int) -> list[dict]:
+    """The samples of ``mxfx.stats()`` not seen yet (each site's latest), tagged with the study's ``step``."""
+    out = []
+    for r in mxfx.stats().rows:
+        if seen.get(r.site) != r.last["step"]:
+            seen[r.site] = r.last["step"]
+            out.append({"step": step, "site": r.site, "layer": layer_of(r.site), "clipped": r.last["clipped"],
+                        "underflow": r.last["underflow"], "saturation": r.last["saturation"],
+                        "rms_error": r.last["rms_error"], "scale_exp_min": r.last["scale_exp_min"],
+                        "scale_exp_max": r.last["scale_exp_max"]})
+    return out
+
+
+def per_layer(samples: list[dict]) -> dict:
+    """Per layer and sampled step: the worst site's clipped and underflow fractions and the mean RMS error."""
+    out: dict = {}
+    for s in samples:
+        cell = out.setdefault(s["layer"], {}).setdefault(s["step"], {"clipped": 0.0, "underflow": 0.0, "rms": []})
+        cell["clipped"] = max(cell["clipped"], s["clipped"])
+        cell["underflow"] = max(cell["underflow"], s["underflow"])
+        cell["rms"].append(s["rms_error"])
+    return {layer: {step: {"clipped": c["clipped"], "underflow": c["underflow"], "rms_error": sum(c["rms"]) / len(c["rms"])}
+                    for step, c in sorted(steps.items())} for layer, steps in sorted(out.items())}
 
 
 def make_opt(model, lr):
@@ -86,17 +129,19 @@ def lr_at(step: int, total: int, a) -> float:
     return a.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def train(branch, mcfg, state, opt_state, data, first_step, total, a, label):
-    """Run ``branch`` from ``state`` over ``data``; returns (losses, grad norms, final model state, opt state)."""
+def train(branch, mcfg, state, opt_state, data, first_step, total, a, label, stats=False):
+    """Run ``branch`` from ``state`` over ``data``; returns (losses, grad norms, final model state, opt state,
+    quantization samples: one dict per site and sampled step, with ``stats``)."""
     torch._dynamo.reset()
+    mxfx.reset_stats()
     model = MoETransformer(mcfg).to(a.device)
     model.load_state_dict(state)
     opt = make_opt(model, a.lr)
     if opt_state is not None:
         opt.load_state_dict(opt_state)
-    compiled = compile_branch(model, branch, a)
+    compiled = compile_branch(model, branch, a, stats)
     dev_type = torch.device(a.device).type
-    losses, norms = [], []
+    losses, norms, samples, seen = [], [], [], {}
     t0 = time.perf_counter()
     for i, (x, y) in enumerate(data):
         for g in opt.param_groups:
@@ -105,31 +150,48 @@ def train(branch, mcfg, state, opt_state, data, first_step, total, a, label):
             _, loss = compiled(x, y)
         loss.backward()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip).item())
-        opt.step()
+        opt.step()  # reads the step's quantization samples back, if it was sampled
         opt.zero_grad(set_to_none=True)
+        if stats:
+            samples += new_samples(seen, first_step + i)
         losses.append(loss.item())
         if not math.isfinite(losses[-1]):
             sys.exit(f"error: {label} loss is {losses[-1]} at step {first_step + i}")
     print(f"{label:>22}: {len(data)} steps in {time.perf_counter() - t0:.0f} s, loss {losses[0]:.4f} -> {losses[-1]:.4f}",
           flush=True)
-    return losses, norms, copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    return losses, norms, copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()), samples
 
 
-def plot(curves, pre, path):
+def plot(curves, pre, path, layers=None):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    layers = layers or {}
+    rows = 4 if layers else 2
+    fig, axes = plt.subplots(rows, 1, figsize=(9, 3.5 * rows), sharex=True)
+    ax1, ax2 = axes[0], axes[1]
     x = list(range(pre, pre + len(next(iter(curves.values()))["loss"])))
     for name, c in curves.items():
         ax1.plot(x, c["loss"], lw=1, label=name)
         ax2.plot(x, c["grad_norm"], lw=1, label=name)
     ax1.set_ylabel("train loss")
     ax2.set_ylabel("grad norm (pre-clip)")
-    ax2.set_xlabel("step (continuation from the floor-trained checkpoint)")
     ax1.legend()
+    if layers:
+        colours = {name: f"C{i}" for i, name in enumerate(curves)}
+        styles = ["-", "--", ":", "-."]
+        for branch, per in layers.items():
+            for j, (layer, steps) in enumerate(per.items()):
+                xs = list(steps)
+                kw = dict(color=colours.get(branch), ls=styles[j % len(styles)], marker=".", lw=1, label=f"{branch} {layer}")
+                axes[2].plot(xs, [100 * v["clipped"] for v in steps.values()], **kw)
+                axes[3].plot(xs, [100 * v["underflow"] for v in steps.values()], **kw)
+        axes[2].set_ylabel("clipped % (worst site)")
+        axes[3].set_ylabel("underflow % (worst site)")
+        axes[2].legend(fontsize=7, ncol=2)
+    axes[-1].set_xlabel("step (continuation from the floor-trained checkpoint)")
     ax1.set_title("One floor-trained checkpoint, three continuations (an analogue of the recipe's Fig. 56, 'Scale Selection Is a Training Recipe')")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -138,6 +200,8 @@ def plot(curves, pre, path):
 
 def main():
     a = parse_args()
+    # floor clips block maxima at many sites: the per-layer table below reports them, one warning each is noise here
+    warnings.filterwarnings("ignore", message="mxfx: quantize site")
     t_start = time.perf_counter()
     train_data, _ = load_splits()
     mcfg = MoEConfig(vocab_size=VOCAB_SIZE, d_model=a.d_model, n_layers=a.layers, head_dim=a.head_dim, n_experts=a.experts,
@@ -151,11 +215,15 @@ def main():
     print(f"model: {mcfg}\n{a.pre_steps} floor steps to the checkpoint, then {a.steps} steps per branch, "
           f"batch {a.batch}x{a.seq}, device {a.device}, compiler {a.compiler}")
 
-    _, _, ckpt, ckpt_opt = train("mxfp8 floor", mcfg, init, None, pre_data, 0, total, a, "checkpoint (mxfp8 floor)")
-    curves = {}
+    _, _, ckpt, ckpt_opt, _ = train("mxfp8 floor", mcfg, init, None, pre_data, 0, total, a, "checkpoint (mxfp8 floor)")
+    curves, samples = {}, {}
     for branch in ("bf16", "mxfp8 rceil", "mxfp8 floor"):
-        losses, norms, _, _ = train(branch, mcfg, ckpt, ckpt_opt, cont_data, a.pre_steps, total, a, branch)
+        losses, norms, _, _, found = train(branch, mcfg, ckpt, ckpt_opt, cont_data, a.pre_steps, total, a, branch,
+                                           stats=branch != "bf16")
         curves[branch] = {"loss": losses, "grad_norm": norms}
+        if found:
+            samples[branch] = found
+    layers = {branch: per_layer(found) for branch, found in samples.items()}
 
     ref = curves["bf16"]
     summary = {}
@@ -181,12 +249,23 @@ def main():
     verdict = "reproduces" if all(direction.values()) else ("partly reproduces" if any(direction.values()) else "does not reproduce")
     lines.append(f"direction of the recipe's result (rceil tracks BF16, floor degrades loss and inflates grad norm): {verdict} "
                  f"at this scale ({a.steps} steps; toy runs are noisy: treat as a smoke test of the experiment, not evidence)")
+    if layers:
+        lines += ["", f"quantization statistics per layer, sampled every {a.stats_every} steps (mean over the samples of "
+                      f"the worst site's fraction; rms error: mean over sites; docs/numerics.md):",
+                  "| branch | layer | clipped | underflow | rms error | samples |", "|---|---|---|---|---|---|"]
+        for branch, per in layers.items():
+            for layer, steps in per.items():
+                n = len(steps)
+                mean = lambda k: sum(v[k] for v in steps.values()) / n  # noqa: E731
+                lines.append(f"| {branch} | {layer} | {mean('clipped'):.3%} | {mean('underflow'):.3%} | "
+                             f"{mean('rms_error'):.3e} | {n} |")
     text = "\n".join(lines)
     print(text)
     os.makedirs(a.out, exist_ok=True)
-    plot(curves, a.pre_steps, os.path.join(a.out, "scale_rule_study.png"))
+    plot(curves, a.pre_steps, os.path.join(a.out, "scale_rule_study.png"), layers)
     with open(os.path.join(a.out, "scale_rule_study.json"), "w") as fh:
-        json.dump(dict(args=vars(a), curves=curves, summary=summary, direction=direction, verdict=verdict), fh, indent=1)
+        json.dump(dict(args=vars(a), curves=curves, summary=summary, direction=direction, verdict=verdict,
+                       stats=samples, stats_per_layer=layers), fh, indent=1)
     print(f"wrote {a.out}/scale_rule_study.png and .json; total {time.perf_counter() - t_start:.0f} s")
 
 

@@ -84,10 +84,13 @@ def test_moe_layer_padded_groups_are_exact(monkeypatch):
 def test_scale_rule_study_tiny(monkeypatch, tmp_path):
     run_script(monkeypatch, "examples/scale_rule_study.py", "--d-model", "64", "--layers", "1", "--experts", "4",
                "--expert-hidden", "64", "--shared-hidden", "64", "--seq", "32", "--batch", "2",
-               "--pre-steps", "2", "--steps", "2", "--warmup", "1", "--out", str(tmp_path))
+               "--pre-steps", "2", "--steps", "2", "--warmup", "1", "--stats-every", "1", "--out", str(tmp_path))
     res = json.loads((tmp_path / "scale_rule_study.json").read_text())
     assert set(res["curves"]) == {"bf16", "mxfp8 rceil", "mxfp8 floor"}
     assert set(res["summary"]) == {"rceil", "floor"}
+    assert set(res["stats_per_layer"]) == {"mxfp8 rceil", "mxfp8 floor"}  # quantization statistics per layer
+    assert all(len(steps) == 2 for per in res["stats_per_layer"].values() for steps in per.values())
+    assert max(v["clipped"] for v in res["stats_per_layer"]["mxfp8 rceil"]["layers.0"].values()) == 0  # rceil never clips
     assert (tmp_path / "scale_rule_study.png").stat().st_size > 0
 
 
