@@ -201,19 +201,23 @@ def reduce_parts(parts: Parts) -> torch.Tensor:
     whose magnitude was above the largest the block's scale represents (the clamp cut them; under rceil none)."""
     x, dq = parts.values.float(), parts.dequantized.float()
     ok = torch.isfinite(x) & torch.isfinite(dq)
-    nonzero = ok & (x != 0)
-    diff = torch.where(ok, dq.double() - x.double(), 0.0)
-    ref = torch.where(ok, x.double(), 0.0)
+    x, dq = x.masked_fill(~ok, 0.0), dq.masked_fill(~ok, 0.0)
+    # dq - x is exact in fp32 (a quantized value is within a factor 2 of its value, or 0); squares and sums in fp64
+    diff = dq - x
+    nonzero = x != 0
+    saturated = ok & parts.saturated
     e = parts.exponents.reshape(-1).to(torch.int64)
     hist = torch.bincount((e - HIST_MIN).clamp(0, HIST_BINS - 1), minlength=HIST_BINS)[:HIST_BINS]
     big = torch.tensor(float("inf"), dtype=torch.float64, device=x.device)
+    n_ok = torch.count_nonzero(ok)
     counts = torch.stack([
-        ok.sum(), nonzero.sum(), (nonzero & (dq == 0)).sum(), (ok & parts.saturated).sum(),
-        (ok & parts.saturated & (x.abs() > dq.abs())).sum(), (~ok).sum(),
+        n_ok, torch.count_nonzero(nonzero), torch.count_nonzero(nonzero & (dq == 0)), torch.count_nonzero(saturated),
+        torch.count_nonzero(saturated & (x.abs() > dq.abs())), x.numel() - n_ok,
     ]).double()
-    magnitudes = torch.cat([torch.where(ok, x.abs(), 0.0).reshape(-1), x.new_zeros(1)])  # amax 0 when empty
+    d64, x64 = diff.reshape(-1).double(), x.reshape(-1).double()
     sums = torch.stack([
-        (diff * diff).sum(), (ref * ref).sum(), magnitudes.amax().double(),
+        torch.dot(d64, d64), torch.dot(x64, x64),
+        torch.cat([x.abs().reshape(-1), x.new_zeros(1)]).amax().double(),  # 0 when empty
         e.min().double() if e.numel() else big, e.max().double() if e.numel() else -big,
     ])
     return torch.cat([counts, sums, hist.double()])
