@@ -43,6 +43,9 @@ fused AdamW with linear LR warmup then cosine decay:
   torchao refuses its own padding on this path (``bench/moe_layer.py`` pads them for its torchao arm). It
   always runs last, since the assert ends the process's CUDA context.
 
+Each optimizer step runs ``--microbatches`` gradient-accumulation microbatches of ``--tokens`` tokens (the OLMo
+recipe's throughput benchmark: 8 per step), the weight caches built once per step and reused by all of them.
+
 Reported per arm: tokens/s (steady state, steps after the first ``--skip`` ones), peak memory,
 first-step time (compilation included), held-out loss at the end (mean over ``--eval-batches``
 held-out batches, forward only through the same compiled model), and for the arms compiled by mxfx the
@@ -55,6 +58,8 @@ JSON goes to ``bench/results/hf_models.json`` (``--out`` to change the folder).
     python bench/hf_models.py                      # H200: both models, all arms, 200 steps
     python bench/hf_models.py --model olmoe --arms bf16-users,mxfp8 --steps 50
     python bench/hf_models.py --smoke              # CPU, tiny dims, a few steps, aot_eager (CI)
+    python bench/hf_models.py --steps 20           # H200: the recipe's operating point, 8 microbatches per step
+    python bench/hf_models.py --microbatches 1 --steps 200  # held-out loss after 200 single-microbatch steps
     python bench/hf_models.py --model qwen3 --arms fp8_block,bf16-weights --steps 4 --phases --profile  # where a step goes
     python bench/hf_models.py --dims small --compiler aot_eager_fp32_gemms --tokens 1024 --seq 128 \
         --arms bf16-users,bf16-grouped,mxfp8,fp8_block   # CPU: a precision study in minutes per arm
@@ -323,16 +328,17 @@ def run_arm(arm: Arm, args, train, val, device: str) -> dict:
         for step in range(args.steps):
             # a step whose forward samples quantization statistics (--stats-every; Policy.stats)
             sampled.append(bool(args.stats_every) and step_count() % args.stats_every == 0)
-            x, y = data.get_batch(train, batch, args.seq, gen, device)
+            micro = [data.get_batch(train, batch, args.seq, gen, device) for _ in range(args.microbatches)]
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, args.steps, args.warmup, args.lr)
             profiled = args.profile and step == args.steps - 1
             with _profiler(device) if profiled else contextlib.nullcontext() as prof:
                 _sync(device)
                 t0 = time.perf_counter()
-                with amp:
-                    loss = phases.run("forward", lambda: fn(input_ids=x, labels=y).loss)
-                phases.run("backward", loss.backward)
+                for x, y in micro:  # gradient accumulation: the weight caches are built once per step, then reused
+                    with amp:
+                        loss = phases.run("forward", lambda: fn(input_ids=x, labels=y).loss)
+                    phases.run("backward", lambda: (loss / args.microbatches).backward())
                 phases.run("optimizer step", opt.step)
                 opt.zero_grad(set_to_none=True)
                 _sync(device)
@@ -367,7 +373,8 @@ def run_arm(arm: Arm, args, train, val, device: str) -> dict:
                   f"unsampled {res['stats_unsampled_step_s'] * 1e3:.1f} ms ({len(off)}): "
                   f"x{res['stats_sampled_over_unsampled']:.3f}", flush=True)
     res.update(
-        tokens_per_s=batch * args.seq / (sum(steady) / len(steady)),
+        tokens_per_s=args.microbatches * batch * args.seq / (sum(steady) / len(steady)),
+        microbatches=args.microbatches,
         first_step_s=times[0],
         peak_gib=max(phases.peak_bytes, torch.cuda.max_memory_allocated()) / GIB if device == "cuda" else None,
         heldout_loss=sum(held) / len(held),
@@ -409,7 +416,10 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--warmup", type=int, default=20, help="LR warmup steps")
     p.add_argument("--skip", type=int, default=5, help="steps left out of tokens/s (compilation, allocator warmup)")
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--tokens", type=int, default=8192, help="tokens per step")
+    p.add_argument("--tokens", type=int, default=8192, help="tokens per microbatch")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="gradient-accumulation microbatches per optimizer step (default: 8, the recipe's operating "
+                        "point, on CUDA; 1 elsewhere)")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--eval-batches", type=int, default=4)
@@ -431,6 +441,10 @@ def main(argv=None) -> list[dict]:
         args.steps, args.warmup, args.skip, args.tokens, args.seq, args.eval_batches, args.log_every = 3, 1, 1, 64, 32, 1, 1
         args.compiler, args.dims = "aot_eager", "smoke"
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    if args.microbatches is None:
+        args.microbatches = 8 if device == "cuda" else 1
+    if args.microbatches < 1:
+        p.error(f"--microbatches {args.microbatches}: give at least 1")
     if args.stats_every:  # every mxfx arm's policy takes it (Policy.stats from MXFX_STATS)
         os.environ["MXFX_STATS"] = f"every={args.stats_every}"
     arms = [a for a in args.arms.split(",") if a]

@@ -106,12 +106,14 @@ def test_movement_ceiling_variants_move_their_bytes():
 
 def test_hf_models_smoke(monkeypatch, tmp_path):
     pytest.importorskip("transformers")
-    run_script(monkeypatch, "bench/hf_models.py", "--smoke", "--model", "olmoe", "--layers", "1", "--out", str(tmp_path))
+    run_script(monkeypatch, "bench/hf_models.py", "--smoke", "--model", "olmoe", "--layers", "1", "--microbatches", "2",
+               "--out", str(tmp_path))
     res = json.loads((tmp_path / "hf_models.json").read_text())["results"]
     by_arm = {r["arm"]: r for r in res}
     assert set(by_arm) == {"bf16-users", "bf16-weights", "bf16-grouped", "mxfp8", "fp8_block", "torchao-fp8-rowwise"}
     for arm in ("bf16-users", "bf16-weights", "bf16-grouped", "mxfp8", "fp8_block"):
         assert "error" not in by_arm[arm] and by_arm[arm]["tokens_per_s"] > 0, by_arm[arm]
+        assert by_arm[arm]["microbatches"] == 2
     assert by_arm["mxfp8"]["expert_gemms_mx"] == 2 and by_arm["mxfp8"]["not_rewritten"] == 0
     # BF16 torch._grouped_mm experts, seen by mxfx as grouped GEMMs and kept by the policy (no FP32 fallback left)
     grouped = by_arm["bf16-grouped"]
