@@ -251,6 +251,24 @@ def test_sampling_follows_the_step_count_without_recompiling():
     assert all(s % 2 == 0 for s in steps)
 
 
+def test_eager_ops_sample_once_per_sampled_step():
+    """Outside the backend too: the optimizer steps advance the step count, and a site samples once per sampled step
+    (the first microbatch of a step that accumulates two)."""
+    w = torch.nn.Parameter(0.05 * torch.randn(128, 256))
+    opt = torch.optim.SGD([w], lr=1e-3)
+    every = 2
+    expected, got = [], []
+    for _ in range(4):
+        step = cache.step_count()
+        for _ in range(2):  # two microbatches
+            mx_linear(torch.randn(32, 256), w, stats="m", stats_every=every).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        expected.append(1 if step % every == 0 else 0)
+        got.append(mxfx.stats().row("m/linear/forward_w").samples if mxfx.stats().rows else 0)
+    assert [b - a for a, b in zip([0, *got], got)] == expected and sum(expected) == 2, (expected, got)
+
+
 def test_stats_off_leaves_the_graph_as_it_was(tmp_path):
     """Without ``stats`` (or with a glob that matches nothing) the rewritten graph and the ATen graphs are the same,
     with no statistics op; with it, every site is an op of the forward or backward graph."""

@@ -11,7 +11,8 @@ Mechanism: the autograd ops call :func:`observe` where they made an operand. It 
 ``mxfx::quant_stats``, registered with an ORDERED effect so that AOTAutograd and Inductor keep it although its
 result is unused. Its body reads at run time whether this step is sampled (the global optimizer step count,
 :func:`mxfx.runtime.cache.step_count`, a multiple of ``every``, and sampling not switched off by
-:func:`set_sampling`), so sampling on or off never recompiles. On a sampled step it asks the op's format (each
+:func:`set_sampling`), so sampling on or off never recompiles; a site samples once per sampled step (the first
+microbatch under gradient accumulation). On a sampled step it asks the op's format (each
 format registers its :meth:`mxfx.formats.base.Format.quant_stats` here, :func:`register_format`) for the values,
 their dequantization, the saturated payload values and the scale exponents (:class:`Parts`), reduces them to one
 float64 vector on the tensors' device and queues it: no host sync per call. The queue is read back (one sync) at
@@ -37,7 +38,7 @@ import torch.distributed as dist
 from torch._library.effects import EffectType
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from mxfx.runtime.cache import step_count
+from mxfx.runtime.cache import install as install_step_hook, step_count
 
 LAYOUTS = ("rows", "tokens", "weight")
 """How an operand lays out its source's values: ``rows`` blocked along the source's last dim (an A operand,
@@ -155,6 +156,7 @@ class _State:
     queue: list = field(default_factory=list)  # (site, format, rule, step, vector on its device)
     rows: dict = field(default_factory=dict)  # site -> Row
     warned: set = field(default_factory=set)  # (site, statistic) warned about
+    taken: dict = field(default_factory=dict)  # site -> the step of its latest sample (one per site and step)
     output: str | None = None  # dump dir: stats.jsonl and TensorBoard there
     writer: object = None  # TensorBoard SummaryWriter of ``output``, False where it cannot be made
     hook_handle: object = None
@@ -249,12 +251,15 @@ def _sample(vector: list[float], site: str, fmt: str, rule: str, step: int) -> d
 @torch.library.custom_op("mxfx::quant_stats", mutates_args=())
 def _quant_stats(source: list[torch.Tensor], combine: str, operand: list[torch.Tensor | None], format: str, rule: str,
                  layout: str, site: str, every: int) -> torch.Tensor:
-    """Queue one sample of ``site`` when this step is sampled (:func:`sampled`); returns an empty tensor."""
-    if sampled(every):
+    """Queue one sample of ``site`` when this step is sampled (:func:`sampled`) and the site has none of this step yet
+    (the first microbatch's, under gradient accumulation); returns an empty tensor."""
+    step = step_count()
+    if sampled(every) and state.taken.get(site) != step:
+        state.taken[site] = step
         with torch.no_grad():
             vector = reduce_parts(_formats[format](source, combine, operand, rule, layout))
         with state.lock:
-            state.queue.append((site, format, rule, step_count(), vector))
+            state.queue.append((site, format, rule, step, vector))
             if state.hook_handle is None:
                 install()
     return source[0].new_empty(0)
@@ -384,6 +389,7 @@ def reset() -> None:
         state.queue.clear()
         state.rows.clear()
         state.warned.clear()
+        state.taken.clear()
 
 
 def summary(prefixes=None) -> str:
@@ -415,8 +421,10 @@ _step_post_hook = torch.compiler.disable(_step_post_hook, recursive=True)
 
 
 def install() -> None:
-    """Read the queue back at every optimizer step (a global step post-hook; idempotent). Called at the first
-    sample."""
+    """Read the queue back at every optimizer step (a global step post-hook; idempotent), and make the optimizer
+    steps advance the step count (the weight cache's hook, :func:`mxfx.runtime.cache.install`: ops called outside
+    the backend too). Called at the first sample."""
     with state.lock:
         if state.hook_handle is None:
+            install_step_hook()
             state.hook_handle = register_optimizer_step_post_hook(_step_post_hook)
