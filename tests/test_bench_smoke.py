@@ -127,8 +127,7 @@ def test_fp32_gemms_compiler_is_a_bf16_gemm():
     import torch
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    sys.path.insert(0, str(ROOT / "bench"))
-    import hf_models
+    from bench import hf_models  # it puts bench/ and examples/ on sys.path itself, as its script run does
 
     torch.manual_seed(0)
     a, b = torch.randn(40, 64, dtype=torch.bfloat16), torch.randn(64, 96, dtype=torch.bfloat16)

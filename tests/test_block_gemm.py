@@ -325,7 +325,7 @@ class _Recorder:
 
     def __getitem__(self, grid):
         def record(*args, **kwargs):
-            from sass import Launch
+            from tests.sass import Launch
 
             self.seen.append(Launch(self.kernel, grid, args, kwargs))
 
@@ -337,8 +337,7 @@ def _sm90_launches(monkeypatch, module, name, fn, *args, **kwargs):
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or not os.access(os.path.join(bin_dir, "ptxas"), os.X_OK):
         pytest.skip("needs Triton's bundled ptxas (Linux wheel), compiled mode")
-    monkeypatch.syspath_prepend(os.path.dirname(os.path.abspath(__file__)))
-    import sass
+    from tests import sass
 
     seen = []
     kernel = getattr(module, name)

@@ -10,9 +10,6 @@ same weights bit for bit (a stale weight cache would differ: the weights moved).
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -20,9 +17,9 @@ T = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 
 import mxfx  # noqa: E402
+from tests.helpers import load_example  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-import hf_trainer  # noqa: E402  (examples/hf_trainer.py)
+hf_trainer = load_example("hf_trainer")
 
 OPTIONS = {"inner": "aot_eager"}
 X = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(7))

@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 
 import pytest
 import torch
 
 triton = pytest.importorskip("triton")
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sass = pytest.importorskip("sass")
+sass = pytest.importorskip("tests.sass")
 
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 pytestmark = pytest.mark.skipif(
