@@ -21,15 +21,11 @@ fused AdamW with linear LR warmup then cosine decay:
   with its FP32 ``grouped_mm_fallback`` op);
 * ``bf16-weights``: parameters cast to BF16, no autocast, Inductor: the fastest BF16 transformers
   offers (``torch._grouped_mm`` experts), without FP32 main weights;
-* ``bf16-grouped``: FP32 parameters + autocast, the experts as BF16 ``torch._grouped_mm`` on their
-  weights cast to BF16 (what autocast does for a linear), compiled with ``backend="mxfp8"`` under a
-  policy that keeps every op as written (``rules=[{"precision": "bf16"}]``): BF16 expert GEMMs from
-  FP32 main weights, nothing in low precision. The policy alone cannot ask for it: an op kept BF16 is
-  left as the model wrote it, and with FP32 weights transformers writes its FP32 fallback; so the
-  arm registers transformers' own ``grouped_mm`` experts code, reading BF16 casts of the weights, as
-  the ``bf16_grouped`` experts implementation (the top-k sum is then BF16, as for BF16 weights).
-  Against ``bf16-users`` it measures what BF16 (not FP32) expert GEMMs cost; against ``mxfp8`` what
-  the E4M3 rounding costs on top;
+* ``bf16-grouped``: FP32 parameters + autocast, ``backend="mxfp8"`` with ``format="bf16_gemm"``: the same
+  recipe as the low-precision arms with BF16 GEMMs (linears and routed experts, transformers' FP32 expert
+  fallback included) from BF16 copies of the FP32 main weights cast once per step, the weight caches of the
+  other formats. Against ``bf16-users`` it measures what BF16 (not FP32) expert GEMMs cost; against ``mxfp8``
+  and ``fp8_block`` what their rounding costs and their GEMMs gain, at equal recipe;
 * ``mxfp8``: FP32 parameters + autocast, ``torch.compile(backend="mxfp8")``;
 * ``fp8_block``: the same with ``options={"format": "fp8_block"}`` (FP8 1x128/128x128 blocks, native FP8
   GEMMs on Hopper);
@@ -88,7 +84,6 @@ sys.path.insert(0, ROOT)
 import data  # noqa: E402  (examples/data.py)
 import mxfx  # noqa: E402
 from mxfx.runtime.cache import step_count  # noqa: E402
-from bf16_experts import bf16_grouped_experts  # noqa: E402  (bench/bf16_experts.py)
 
 GIB = 2**30
 
@@ -203,16 +198,8 @@ def _inductor(model, compiler: str):
     return torch.compile(model, backend=_backend(compiler))
 
 
-KEEP_ALL_BF16 = {"rules": [{"precision": "bf16"}]}
-"""A policy that keeps every op as the model wrote it (BF16 under autocast): mxfx rewrites nothing."""
-
-
 def _bf16_grouped(model, compiler: str):
-    from transformers.integrations.moe import ExpertsInterface
-
-    ExpertsInterface.register("bf16_grouped", bf16_grouped_experts)
-    model.set_experts_implementation("bf16_grouped")
-    return torch.compile(model, backend="mxfp8", options={"inner": _backend(compiler), **KEEP_ALL_BF16})
+    return torch.compile(model, backend="mxfp8", options={"inner": _backend(compiler), "format": "bf16_gemm"})
 
 
 def _mxfp8(model, compiler: str):
@@ -383,7 +370,7 @@ def run_arm(arm: Arm, args, train, val, device: str) -> dict:
     if arm.name in ("bf16-grouped", "mxfp8", "fp8_block"):  # the precision maps of this arm's graphs (training and held-out forward)
         maps = mxfx.report.all_reports()[n_maps:]
         res["expert_gemms_mx"] = max((pm.count("grouped_mm", True) for pm in maps), default=0)
-        res["expert_format"] = {"mxfp8": "MX", "fp8_block": "fp8_block"}.get(arm.name, "rewritten")
+        res["expert_format"] = {"mxfp8": "MX", "fp8_block": "fp8_block", "bf16-grouped": "bf16_gemm"}.get(arm.name, "rewritten")
         res["expert_gemms_kept"] = max((pm.count("grouped_mm", False) for pm in maps), default=0)
         res["not_rewritten"] = sum(pm.count("not_rewritten") for pm in maps)
     del fn, opt, model

@@ -220,6 +220,8 @@ def _gather_form(weight: torch.Tensor, fmt: Format | str, world: int, shard_dim:
         ValueError: ``fmt`` is not a format (:func:`mxfx.formats.get`)."""
     fmt = formats.get(fmt)
     shape = tuple(weight.shape)
+    if not fmt.gather_row_multiple:
+        return f"high precision ({fmt.name} has no gather forms: the parameter is gathered as it is stored)"
     unfit = fmt.unfit_reason(shape[-1], shape[-2])
     if unfit:
         return f"high precision (shape {shape}: {unfit})"

@@ -320,7 +320,7 @@ class Decision:
         why = self.format.unfit_reason(k, n) if self.precision == "mxfp8" else ""
         if not why:
             return self
-        smaller = [f.name for f in (formats.get(n_) for n_ in formats.NAMES) if not f.unfit_reason(k, n)]
+        smaller = [f.name for f in (formats.get(n_) for n_ in formats.NAMES) if f.low_precision and not f.unfit_reason(k, n)]
         hint = f"; a rule with format={smaller[0]!r} takes them" if smaller else "; pad the features or keep it in BF16"
         return dataclasses.replace(self, precision="bf16", reason=why + hint)
 
@@ -341,10 +341,12 @@ class Policy(_NamedFields):
         format: the low-precision format of every op no rule overrides: "mxfp8" (default; native
             GEMMs on Blackwell, exact emulation on Hopper and CPU), "fp8_block" (E4M3 with FP32 scales
             per 1x128 activation/gradient tile and 128x128 weight block, the DeepSeek-V3 recipe; native
-            FP8 GEMMs on Hopper, exact emulation on CPU; ``docs/block_format.md``), or "auto" (fp8_block
-            on sm90, mxfp8 elsewhere, resolved per compile on the current CUDA device). The
-            precision values "mxfp8" of ``precision``/``wgrad``/``save`` mean "low precision in the
-            op's format".
+            FP8 GEMMs on Hopper, exact emulation on CPU; ``docs/block_format.md``), "bf16_gemm" (BF16
+            GEMMs from BF16 copies of the FP32 main weights cast once per step: the BF16 baseline at the same
+            recipe, and the way to get BF16 routed-expert GEMMs where autocast cannot reach them), or "auto"
+            (fp8_block on sm90, mxfp8 elsewhere, resolved per compile on the current CUDA device). The
+            precision values "mxfp8" of ``precision``/``wgrad``/``save`` mean "in the op's format";
+            ``precision="bf16"`` leaves an op exactly as the model wrote it.
         wgrad: overrides the per-kind wgrad default for every op no rule overrides.
         save: default saved-activation precision ("mxfp8": pack where it replaces BF16).
         min_size: default minimum GEMM size in multiply-accumulates (0: rewrite all

@@ -280,7 +280,7 @@ def _remedy(ops, fmt: Format) -> str:
     if any("min_size" in r.reason for r in ops):
         fixes.append("lower min_size (min_size=0 on the rule)")
     if any("multiple" in r.reason for r in ops):
-        finer = [f for f in map(formats.get, formats.NAMES) if f.feature_multiple < fmt.feature_multiple]
+        finer = [f for f in map(formats.get, formats.NAMES) if f.low_precision and f.feature_multiple < fmt.feature_multiple]
         others = "".join(f"; format={f.name!r} needs {f.feature_multiple}" for f in finer)
         block = f"{fmt.feature_multiple} ({fmt.name}{others})" if finer else f"{fmt.feature_multiple}"
         fixes.append(f"pad their features to a multiple of {block}")

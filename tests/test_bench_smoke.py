@@ -115,9 +115,9 @@ def test_hf_models_smoke(monkeypatch, tmp_path):
         assert "error" not in by_arm[arm] and by_arm[arm]["tokens_per_s"] > 0, by_arm[arm]
         assert by_arm[arm]["microbatches"] == 2
     assert by_arm["mxfp8"]["expert_gemms_mx"] == 2 and by_arm["mxfp8"]["not_rewritten"] == 0
-    # BF16 torch._grouped_mm experts, seen by mxfx as grouped GEMMs and kept by the policy (no FP32 fallback left)
+    # format="bf16_gemm": transformers' FP32 expert fallback rewritten into BF16 grouped GEMMs from cached casts
     grouped = by_arm["bf16-grouped"]
-    assert grouped["expert_gemms_mx"] == 0 and grouped["expert_gemms_kept"] == 2 and grouped["not_rewritten"] == 0
+    assert grouped["expert_gemms_mx"] == 2 and grouped["expert_gemms_kept"] == 0 and grouped["not_rewritten"] == 0
     assert "error" in by_arm["torchao-fp8-rowwise"]  # needs an FP8 GPU: reported, the run went on
 
 

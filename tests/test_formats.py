@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import mxfx
 from mxfx import formats
 from mxfx.formats import ScaleRule
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
@@ -87,12 +88,13 @@ def test_grouped_frozen_experts_and_inputs_without_grad(fmt, wgrad, monkeypatch)
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_format_facts_agree_with_its_operands(fmt):
     """A format's stated bytes per value and feature multiple are what its operands hold and what its ops accept."""
-    k = n = 2 * fmt.feature_multiple
+    k = n = 2 * max(fmt.feature_multiple, 32)
     x = torch.randn(4 * fmt.block, k)
-    a = fmt.input_operand(x, None, fmt.scale_rules[0], "mm")
-    q, s = fmt.saved_rows(a)
-    assert q.dtype == torch.float8_e4m3fn and s.dtype == fmt.scale_dtype
-    held = q.numel() * q.element_size() + s.numel() * s.element_size()
+    a = fmt.input_operand(x, None, "rceil", "mm")
+    saved = fmt.saved_rows(a)
+    assert saved[0].dtype == (torch.float8_e4m3fn if fmt.low_precision else torch.bfloat16)
+    assert saved[-1].dtype == fmt.scale_dtype  # the scales (the BF16 values themselves for a format without scales)
+    held = sum(t.numel() * t.element_size() for t in saved)
     assert held == pytest.approx(x.numel() * fmt.bytes_per_value) == fmt.saved_bytes(x.numel())
     assert fmt.unfit_reason(k, n) == "" and fmt.unfit_reason(k + fmt.feature_multiple // 2, n)
     with pytest.raises(ValueError, match=rf"mxfx.mx_linear: format='{fmt.name}' needs in/out features that are "
@@ -132,7 +134,7 @@ def test_rule_and_format_from_different_rules_fail_per_module():
 
 
 def test_unknown_format_and_auto():
-    with pytest.raises(ValueError, match=r"format='nvfp4' is not valid; choose one of 'mxfp8', 'fp8_block', 'auto'"):
+    with pytest.raises(ValueError, match=r"format='nvfp4' is not valid; choose one of 'mxfp8', 'fp8_block', 'bf16_gemm', 'auto'"):
         formats.get("nvfp4")
     assert formats.get("auto", torch.device("cpu")) is formats.DEFAULT
     assert formats.get(formats.get("fp8_block")) is formats.get("fp8_block")
@@ -158,3 +160,43 @@ def test_no_code_outside_the_formats_decides_by_format_identity():
             if any(p.search(line) for p in _IDENTITY):
                 offenders.append(f"{path.relative_to(PACKAGE.parent)}:{i}: {line.strip()}")
     assert not offenders, "\n".join(offenders)
+
+
+def test_bf16_gemm_routed_experts_from_fp32_weights_cast_once_per_step():
+    """BF16 GEMMs as a product path: a policy rule with format='bf16_gemm' on the routed experts of an FP32 model
+    under autocast runs them as BF16 grouped GEMMs whose weights are cast once per optimizer step (the cache's
+    counter: one cast per expert weight per step, whatever the microbatches), and the precision map says so;
+    precision='bf16' keeps the model's own ops and says 'bf16'. Losses of the two stay within 2% (BF16 GEMMs both,
+    from the same weights; they differ in where the casts round)."""
+    from mxfx.runtime import cache
+    from tests.models import MoETransformer, tiny_config
+
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    losses = {}
+    for name, rule in (("cast", {"op": "grouped_mm", "format": "bf16_gemm"}), ("as_written", {"op": "grouped_mm", "precision": "bf16"})):
+        torch._dynamo.reset()
+        cache.clear()
+        torch.manual_seed(0)
+        model = MoETransformer(tiny_config())
+        cm = torch.compile(model, backend="mxfp8", options={"inner": "aot_eager", "rules": [rule]})
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        casts = []
+        for step in range(3):
+            cache.reset_stats()
+            for _ in range(3):  # microbatches
+                with torch.autocast("cpu", torch.bfloat16):
+                    loss = cm(ids, ids)[1]
+                (loss / 3).backward()
+            opt.step()  # its hook casts the weights again for the next step
+            opt.zero_grad()
+            casts.append(cache.stats().get("quantize_bf16", 0))
+        losses[name] = loss.item()
+        grouped = [r for r in mxfx.last_report().records if r.kind == "grouped_mm"]
+        assert len(grouped) == 2, grouped
+        if name == "cast":
+            assert all(r.forward == r.dgrad == "bf16_gemm" and r.rewritten for r in grouped), grouped
+            assert casts[1:] == [2, 2], casts  # gate_up and down, once per step (the first step builds them twice)
+        else:
+            assert all(r.forward == "bf16" and not r.rewritten for r in grouped), grouped
+            assert casts == [0, 0, 0]
+    assert abs(losses["cast"] - losses["as_written"]) < 0.02 * losses["as_written"], losses

@@ -2,6 +2,8 @@
 
 * :mod:`mxfx.formats.mxfp8`: MXFP8, E4M3 + one E8M0 scale per 32 values (OCP MX v1.0), native on Blackwell.
 * :mod:`mxfx.formats.fp8_block`: E4M3 + FP32 scales per 1x128 tile / 128x128 weight block, native on Hopper.
+* :mod:`mxfx.formats.bf16_gemm`: BF16 GEMMs from BF16 copies of the FP32 main weights cached once per step (the
+  BF16 baseline at the same recipe; ``precision="bf16"`` instead leaves an op as the model wrote it).
 
 :func:`get` turns a policy's ``format`` value into the object (``"auto"``: the first format native on the
 device, else MXFP8). A further format (NVFP4, say) is one new module here plus its kernels.
@@ -13,6 +15,7 @@ import torch
 
 from mxfx.formats import mxfp8  # noqa: I001 (registration order: the default format first)
 from mxfx.formats import fp8_block
+from mxfx.formats import bf16_gemm
 from mxfx.formats.base import Format, ScaleRule, registered
 from mxfx.kernels import device as _device
 
@@ -51,11 +54,13 @@ def get(fmt: "str | Format", device: torch.device | None = None) -> Format:
 
 
 def rules_of(fmt: str) -> tuple[str, ...]:
-    """Scale rules a policy value of ``format`` takes: its format's, or for ``"auto"`` those of every format."""
+    """Scale rules a policy value of ``format`` takes: its format's (every rule for a format without scales), or for
+    ``"auto"`` those of every format it may resolve to (the natively running ones and the default)."""
     if fmt == AUTO:
-        common = [r.value for r in DEFAULT.scale_rules]
-        return tuple(r for r in common if all(any(r == s.value for s in f.scale_rules) for f in registered().values()))
-    return tuple(r.value for r in get(fmt).scale_rules)
+        candidates = [f for f in registered().values() if f.native_archs] + [DEFAULT]
+        return tuple(r for r in rules_of(DEFAULT.name) if all(r in rules_of(f.name) for f in candidates))
+    found = get(fmt)
+    return tuple(r.value for r in (found.scale_rules or ScaleRule))
 
 
 __all__ = ["AUTO", "CHOICES", "DEFAULT", "Format", "NAMES", "SCALE_RULES", "ScaleRule", "get", "rules_of"]

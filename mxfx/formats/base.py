@@ -51,7 +51,8 @@ class Format:
     expert-parallel all-to-all payload travels in: a format name), ``native_archs`` (GPU architectures,
     as :func:`mxfx.kernels.device.arch_of` names them, whose tensor cores run its GEMMs; emulated elsewhere), ``dequantized_weight_forms`` (whether its weight
     cache has BF16 dequantized forms for emulated GEMMs, ``Policy.keep_dequantized_weights``),
-    ``description`` and ``colour`` (how reports show it), ``gather_row_multiple`` (rows of a weight shard that FSDP2 can gather exactly: whole scale blocks down N).
+    ``description`` and ``colour`` (how reports show it), ``gather_row_multiple`` (rows of a weight shard that FSDP2
+    can gather exactly: whole scale blocks down N; 0: no gather forms, FSDP2 gathers the parameter as stored).
 
     Operand methods (the autograd ops in :mod:`mxfx.ops` call them in this order):
 
@@ -95,11 +96,18 @@ class Format:
             ValueError: not a rule of this format; the message starts with ``where`` and lists the valid rules.
         """
         value = rule.value if isinstance(rule, ScaleRule) else rule
+        if not self.scale_rules and value in ScaleRule._value2member_map_:  # no scales: any rule, changing nothing
+            return ScaleRule(value)
         for r in self.scale_rules:
             if r.value == value:
                 return r
         raise ValueError(f"{where}: scale_rule={value!r} is not a rule of format={self.name!r}; choose one of "
                          f"{', '.join(repr(r.value) for r in self.scale_rules)} ({self.description})")
+
+    @property
+    def low_precision(self) -> bool:
+        """Whether a value takes fewer bytes than BF16's two (a scaled 8-bit format, not BF16 GEMMs)."""
+        return self.bytes_per_value < 2
 
     def unfit_reason(self, k: int, n: int) -> str:
         """Why a GEMM of ``k`` in / ``n`` out features cannot run in this format ("" when it can)."""
@@ -180,7 +188,8 @@ class Format:
     def rows_quantize_call(self, rule, device: torch.device) -> tuple:
         """``(op, extra args, outputs)`` of the graph call that quantizes token rows ``x [S, K]`` into the A operand
         of a grouped GEMM on ``device`` (``op(x, *extra args)``, a tuple of ``outputs`` tensors): what a pass inserts
-        before a row gather so that the gathered rows arrive quantized (:mod:`mxfx.passes.dispatch_mx`)."""
+        before a row gather so that the gathered rows arrive quantized (:mod:`mxfx.passes.dispatch_mx`); None where
+        that saves nothing."""
         raise NotImplementedError
 
     # --- quantization statistics (mxfx.runtime.stats) ------------------------------------------------

@@ -124,7 +124,10 @@ def _hoist_local(gm: fx.GraphModule, pm: PrecisionMap) -> int:
             continue
         src, chain = found
         settings = settings_of(grouped.kwargs)
-        target, args, n_out = settings.format.rows_quantize_call(settings.scale_rule, example_value(src).device)
+        call = settings.format.rows_quantize_call(settings.scale_rule, example_value(src).device)
+        if call is None:
+            continue
+        target, args, n_out = call
         with gm.graph.inserting_before(chain[0]):
             tokens = gm.graph.call_method("detach", (src,))  # gradients flow through the BF16 rows
             mx = gm.graph.call_function(target, (tokens, *args))

@@ -15,14 +15,15 @@ def stats() -> dict:
     (lookups that found no fresh caches, a weight's first lookup included, and rebuilt), ``refresh`` (weights
     rebuilt by :func:`refresh`), ``refresh_eager`` (by the optimizer hook),
     ``refresh_graph`` (inside compiled optimizer steps), ``quantize_block`` (128x128 quantizes of
-    fp8_block weights, each serving both orientations), ``deferred_dgrad`` (stale dgrad-side forms a
+    fp8_block weights, each serving both orientations), ``quantize_bf16`` (BF16 casts of bf16_gemm weights, each
+    serving both orientations), ``deferred_dgrad`` (stale dgrad-side forms a
     rebuild dropped for their next lookup to build, :func:`set_dgrad_at_refresh`), ``transient_dgrad``
     (dgrad-side forms built for one GEMM and not kept, the forward forms dropped with them: one microbatch
     per step so far), ``stale_after_step`` (weights an optimizer step held without a gradient, so that it
     could not prove them fresh: marked stale by its hook and rebuilt at their next lookup, counted there as
     ``stale`` too).
     """
-    keys = ("quantize", "quantize_forward", "quantize_dgrad", "quantize_block", "hit", "stale", "refresh", "refresh_eager",
+    keys = ("quantize", "quantize_forward", "quantize_dgrad", "quantize_block", "quantize_bf16", "hit", "stale", "refresh", "refresh_eager",
             "refresh_graph", "deferred_dgrad", "transient_dgrad", "stale_after_step")
     return {k: state.stats.get(k, 0) for k in keys}
 

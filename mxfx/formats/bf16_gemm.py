@@ -1,0 +1,126 @@
+"""bf16_gemm: BF16 GEMMs from BF16 copies of the FP32 main weights, no scales.
+
+What autocast does for a linear, made explicit and cached: each weight is cast to BF16 once per optimizer step (the
+weight cache, forms "bf16_forward" and its transpose view "bf16_dgrad"), activations and gradients are cast to BF16
+per GEMM, products accumulate in FP32 and a routed wgrad is widened into the FP32 gradient. It is what a policy asks
+for where it wants BF16 GEMMs that autocast cannot reach (transformers' FP32 grouped-GEMM fallback for routed
+experts with FP32 main weights), and the fair BF16 baseline of the low-precision formats: same recipe, same caches.
+
+``precision="bf16"`` is another thing: the op is left exactly as the model wrote it. An operand is ``(values bf16,)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mxfx.formats.base import Format, ScaleRule, register
+from mxfx.kernels import mx_swiglu
+from mxfx.kernels.mx_gemm import hp_grouped_wgrad, hp_mm_transposed
+from mxfx.runtime import cache, stats
+
+_BF16 = torch.bfloat16
+
+
+# --- weight forms (mxfx.runtime.cache) -------------------------------------------------------------
+#
+# "bf16_forward": ``(W.to(bf16) [..., N, K],)``; "bf16_dgrad": its transpose view ``[..., K, N]`` (no second copy).
+
+def _build(weight: torch.Tensor, rule: str, forms, have: dict) -> dict:
+    forward = have.get((rule, "bf16_forward"))
+    if forward is None:
+        cache.counts["quantize_bf16"] += 1
+        cache.counts["quantize"] += 1
+        forward = (weight.detach().to(_BF16).contiguous(),)
+    return {(rule, f): forward if f == "bf16_forward" else (forward[0].transpose(-2, -1),) for f in forms}
+
+
+def _fake(weight: torch.Tensor, form: str) -> tuple:
+    w = weight.new_empty(weight.shape, dtype=_BF16)
+    return (w if form == "bf16_forward" else w.transpose(-2, -1),)
+
+
+def _install(weight, form, qdata, scales):
+    raise RuntimeError("mxfx.formats.bf16_gemm: weights are not gathered in this format (FSDP2 gathers them as parameters)")
+
+
+FORMS = cache.register(cache.FormFamily(
+    name="bf16_gemm", forms=("bf16_forward", "bf16_dgrad"), dgrad_side=frozenset({"bf16_dgrad"}),
+    rules=tuple(r.value for r in ScaleRule), build=_build, fake=_fake, install=_install,
+    layout=lambda weight: None, check=lambda weight, form: None,
+))
+
+
+class BF16Gemm(Format):
+    name = "bf16_gemm"
+    scale_rules = ()  # no scales: any rule is accepted and changes nothing
+    block = 1
+    weight_block = (1, 1)
+    feature_multiple = 8  # 16-byte aligned rows, as CUDA's grouped GEMM needs
+    bytes_per_value = 2.0
+    scale_dtype = _BF16
+    transport = "mxfp8"  # the expert-parallel all-to-all is decided by Policy.transport
+    gather_row_multiple = 0  # FSDP2 gathers these weights as parameters
+    colour = "#f2c57c"
+    description = "bf16_gemm: BF16 GEMMs from BF16 copies of the FP32 main weights, no scales"
+
+    def input_operand(self, x, up, rule, op):
+        return ((x if up is None else mx_swiglu.swiglu_fp32(x, up)).to(_BF16),)
+
+    def forward_operands(self, x, up, rule, save, tokens, offs=None, given=None):
+        a = self.input_operand(x, up, rule, "mm")
+        return a, (a if tokens else None), (() if up is None else (x, up))
+
+    def weight_operand(self, weight, rule, orientation, keep_dequantized=False):
+        return cache.weight_form(weight, str(rule), "bf16_" + orientation)
+
+    def mm(self, a, b, out_dtype):
+        return hp_mm_transposed(a[0], b[0], out_dtype)
+
+    def grouped_mm(self, a, b, offs, out_dtype):
+        return torch._grouped_mm(a[0], b[0].transpose(-2, -1), offs).to(out_dtype)
+
+    def grad_operands(self, dy, rule, rows, tokens):
+        a = (dy.to(_BF16),) if rows or tokens else None
+        return (a if rows else None), (a if tokens else None)
+
+    def grouped_grad_operand(self, dout, route_weight, rule):
+        dy = dout if route_weight is None else dout.float() * route_weight.reshape(-1, 1).float()
+        return (dy.to(_BF16),), dy
+
+    def tokens_operand(self, x, rule):
+        return (x.to(_BF16),)
+
+    def wgrad_mm(self, dy_tokens, x_tokens, out_dtype):
+        return hp_mm_transposed(dy_tokens[0].t(), x_tokens[0].t(), out_dtype)
+
+    def grouped_wgrad(self, dy, x_tokens, offs, rule, out_dtype):
+        return hp_grouped_wgrad(dy.to(_BF16), x_tokens[0], offs, out_dtype)
+
+    def dequantize(self, a, dtype):
+        return a[0].to(dtype)
+
+    def saved_rows(self, a):
+        return a
+
+    def swiglu_backward(self, dh, packed):
+        return mx_swiglu.backward(dh, packed)
+
+    def rows_quantize_call(self, rule, device):
+        return None  # a BF16 copy made before a row gather saves nothing
+
+    def quant_stats(self, source, combine, operand, rule, layout):
+        x = self.stats_values(source, combine, layout)
+        if layout == "tokens":
+            x = x.t()
+        dq = operand[0].float()
+        dq = dq.t() if layout == "tokens" else dq
+        return stats.Parts(x, dq, torch.zeros_like(x, dtype=torch.bool), x.new_empty(0, dtype=torch.int32))
+
+    def given_input(self, given, x, up):
+        if given is not None:
+            raise ValueError(f"mxfx.grouped_mm: format='bf16_gemm' takes no quantized rows (x_mx); got "
+                             f"{type(given).__name__} for x {tuple(x.shape)}")
+        return None
+
+
+FORMAT = register(BF16Gemm())
