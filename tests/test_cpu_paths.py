@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mxfx.numerics import mx as mxf
-from mxfx.ops import gemm
+from mxfx.kernels import mx_gemm as gemm
 
 
 def _special(x: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ import torch
 from mxfx.kernels.launch import traced
 from mxfx.kernels.mx_gemm import hp_grouped_wgrad
 from mxfx.numerics import layout
-from mxfx.numerics.mx import check_input
+from mxfx.numerics.mx import INPUT_DTYPES
 from mxfx.ops.settings import OpSettings, resolve
 
 
@@ -164,7 +164,9 @@ def mx_grouped_mm_op(
     """
     op = "mxfx.grouped_mm"
     settings = resolve(op, settings, setting_fields, wgrad_default="bf16")
-    check_input(x, op)
+    if not isinstance(x, torch.Tensor) or x.dtype not in INPUT_DTYPES:
+        what = f"input of shape {tuple(x.shape)} has dtype {x.dtype}" if isinstance(x, torch.Tensor) else f"input is a {type(x).__name__}"
+        raise TypeError(f"{op}: {what}; its GEMMs quantize a bfloat16, float16 or float32 tensor (cast it first)")
     if not isinstance(offs, torch.Tensor):
         raise TypeError(f"{op}: offs must be an int32 tensor of cumulative group ends, got {type(offs).__name__}")
     if out_dtype is not None and (not isinstance(out_dtype, torch.dtype) or not out_dtype.is_floating_point):
