@@ -16,6 +16,7 @@ import torch
 from mxfx.formats.base import Format, ScaleRule, register
 from mxfx.kernels import mx_swiglu
 from mxfx.kernels.mx_gemm import hp_grouped_wgrad, hp_mm_transposed
+from mxfx.kernels.silu import silu_fp32
 from mxfx.runtime import cache, stats
 
 _BF16 = torch.bfloat16
@@ -64,7 +65,8 @@ class BF16Gemm(Format):
     description = "bf16_gemm: BF16 GEMMs from BF16 copies of the FP32 main weights, no scales"
 
     def input_operand(self, x, up, rule, op):
-        return ((x if up is None else mx_swiglu.swiglu_fp32(x, up)).to(_BF16),)
+        # a SwiGLU product with mxfx's fp32 SiLU, as the other formats' fused SwiGLU quantizes form it
+        return ((x if up is None else silu_fp32(x) * up.float()).to(_BF16),)
 
     def forward_operands(self, x, up, rule, save, tokens, offs=None, given=None):
         a = self.input_operand(x, up, rule, "mm")
