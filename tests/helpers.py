@@ -85,7 +85,8 @@ def launch(script: str, case: str, world: int, timeout_s: float = 150.0, check: 
 def run_worker(workers: dict) -> None:
     """The worker side of :func:`launch`: ``sys.argv`` is ``script CASES RANK WORLD PORTS``; runs each case
     ``workers[name](rank, world)`` in order, with ``MASTER_PORT`` its port, then ends the process
-    (:func:`exit_worker`).
+    (:func:`exit_worker`). A case named ``module:name`` is ``WORKERS[name]`` of ``tests/module.py``, so one launch
+    can carry the cases of several test files.
 
     Each case starts from a fresh Dynamo (no compiled code or recompile count carried over) and Dynamo's
     config as it found it, and sets up and destroys its own process group. A case that raises prints its
@@ -96,20 +97,26 @@ def run_worker(workers: dict) -> None:
     import traceback
     import warnings
 
+    import importlib
+
+    def worker(name):
+        if ":" in name:
+            module, name = name.split(":")
+            return importlib.import_module(f"tests.{module}").WORKERS[name]
+        return workers[name]
+
     names, rank, world, ports = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4].split(",")
-    unknown = [n for n in names if n not in workers]
-    if unknown:
-        raise SystemExit(f"unknown case(s) {unknown}; cases: {sorted(workers)}")
+    cases = [worker(name) for name in names]  # KeyError: an unknown case, before any starts
     torch.set_num_threads(1)
     config = torch._dynamo.config.save_config()
-    for name, port in zip(names, ports, strict=True):
+    for name, case, port in zip(names, cases, ports, strict=True):
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         torch._dynamo.reset()
         with warnings.catch_warnings():  # restoring deprecated keys warns
             warnings.simplefilter("ignore")
             torch._dynamo.config.load_config(config)
         try:
-            workers[name](rank, world)
+            case(rank, world)
         except BaseException:
             traceback.print_exc()
             print(f"CASE {name} FAILED", flush=True)

@@ -4,7 +4,8 @@ The 2-process cases run in one launch of 2 Python processes running this file as
 worker (``python tests/test_distributed.py CASE,CASE,... RANK WORLD PORTS``,
 :func:`tests.helpers.launch`), one case after the other, with a time limit; each test
 reads the line its case prints on success and shows the output otherwise. The 4-process
-case has a launch of its own. A worker asserts and exits non-zero on failure. Bytes are counted at the process group: the workers
+case shares a 4-process launch with tests/test_fsdp.py's (``four_ranks`` in tests/conftest.py).
+A worker asserts and exits non-zero on failure. Bytes are counted at the process group: the workers
 run a gloo group wrapped in a Python ``ProcessGroup`` that records every tensor
 handed to ``alltoall_base``.
 """
@@ -32,8 +33,8 @@ def two_ranks() -> str:
 @pytest.mark.parametrize("world", [2, 4])
 def test_ep_all_to_all_mxfp8_matches_single_process(request, world):
     """Outputs/grads equal the single-process reference with the same MX rounding; one graph; bytes = 33/32 per value."""
-    log = request.getfixturevalue("two_ranks") if world == 2 else launch(__file__, "ep", world, TIMEOUT_S)
-    assert log.count("EP OK") == world, log
+    log = request.getfixturevalue("two_ranks" if world == 2 else "four_ranks")
+    assert sum(line.startswith("EP OK") for line in log.splitlines()) == world, log
 
 
 def test_ddp_compiled_mxfp8_matches_single_process(two_ranks):
@@ -449,5 +450,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+WORKERS = {"ep": _worker_ep, "ddp": _worker_ddp, "dispatch_mx": _worker_dispatch_mx, "combine_rw": _worker_combine_rw}
+
 if __name__ == "__main__":
-    run_worker({"ep": _worker_ep, "ddp": _worker_ddp, "dispatch_mx": _worker_dispatch_mx, "combine_rw": _worker_combine_rw})
+    run_worker(WORKERS)

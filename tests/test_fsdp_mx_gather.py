@@ -379,6 +379,7 @@ def _worker_moe(rank: int, world: int):
     dist.destroy_process_group()
 
 
+WORKERS = {"moe": _worker_moe, **{f"train_{layout}": lambda r, w, layout=layout: _worker(r, w, layout) for layout in LAYOUTS}}
+
 if __name__ == "__main__":
-    run_worker({"moe": _worker_moe,
-                **{f"train_{layout}": lambda r, w, layout=layout: _worker(r, w, layout) for layout in LAYOUTS}})
+    run_worker(WORKERS)
