@@ -1,5 +1,3 @@
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -13,10 +11,16 @@ def _fresh_dynamo():
 
 
 @pytest.fixture(scope="session")
-def four_ranks() -> str:
-    """The output of one 4-process launch carrying every 4-process case: tests/test_distributed.py's expert-parallel
-    all-to-all and tests/test_fsdp.py's FSDP2 x expert-parallel example (4 processes start once, not per file)."""
-    from tests.helpers import launch
+def two_ranks(request) -> str:
+    """The output of one 2-process launch carrying the ``TWO_RANKS`` worker cases of every collected test file."""
+    from tests.helpers import launch_declared_cases
 
-    return launch(str(Path(__file__).with_name("test_distributed.py")), "test_distributed:ep,test_fsdp:fsdp_ep", 4,
-                  timeout_s=450, check=False)
+    return launch_declared_cases(request.session, "TWO_RANKS", 2)
+
+
+@pytest.fixture(scope="session")
+def four_ranks(request) -> str:
+    """The output of one 4-process launch carrying the ``FOUR_RANKS`` worker cases of every collected test file."""
+    from tests.helpers import launch_declared_cases
+
+    return launch_declared_cases(request.session, "FOUR_RANKS", 4)

@@ -82,6 +82,10 @@ def launch(script: str, case: str, world: int, timeout_s: float = 150.0, check: 
     return log
 
 
+CASE_TIMEOUT_S = 240
+"""A worker case running longer than this prints every thread's stack and ends its process (a hang, not a test)."""
+
+
 def run_worker(workers: dict) -> None:
     """The worker side of :func:`launch`: ``sys.argv`` is ``script CASES RANK WORLD PORTS``; runs each case
     ``workers[name](rank, world)`` in order, with ``MASTER_PORT`` its port, then ends the process
@@ -90,14 +94,17 @@ def run_worker(workers: dict) -> None:
 
     Each case starts from a fresh Dynamo (no compiled code or recompile count carried over) and Dynamo's
     config as it found it, and sets up and destroys its own process group. A case that raises prints its
-    traceback and ``CASE <name> FAILED`` and the process exits with status 1 at once, so its peers' next
-    collective fails too and later cases do not run; a test reads the line its case prints on success.
+    traceback and ``CASE <name> FAILED`` and destroys its process group, which fails its peers' pending
+    collectives at once, so every rank goes on to the next case together; the process then exits with status 1.
+    A test reads the line its case prints on success.
     """
+    import faulthandler
+    import importlib
     import os
     import traceback
     import warnings
 
-    import importlib
+    import torch.distributed as dist
 
     def worker(name):
         if ":" in name:
@@ -109,20 +116,45 @@ def run_worker(workers: dict) -> None:
     cases = [worker(name) for name in names]  # KeyError: an unknown case, before any starts
     torch.set_num_threads(1)
     config = torch._dynamo.config.save_config()
+    failed = False
     for name, case, port in zip(names, cases, ports, strict=True):
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         torch._dynamo.reset()
         with warnings.catch_warnings():  # restoring deprecated keys warns
             warnings.simplefilter("ignore")
             torch._dynamo.config.load_config(config)
+        faulthandler.dump_traceback_later(CASE_TIMEOUT_S, exit=True)
         try:
             case(rank, world)
-        except BaseException:
+        except Exception:
+            failed = True
             traceback.print_exc()
             print(f"CASE {name} FAILED", flush=True)
-            sys.stderr.flush()
-            os._exit(1)
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+    if failed:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     exit_worker()
+
+
+def launch_declared_cases(session, attr: str, world: int) -> str:
+    """One :func:`launch` of ``world`` processes carrying the worker cases that the collected test files declare
+    in their module-level list ``attr`` (``TWO_RANKS``, ``FOUR_RANKS``): the processes start and import torch once
+    for all of those files. Returns the output; each test reads its case's line from it."""
+    from pathlib import Path
+
+    modules = {}
+    for item in session.items:
+        module = getattr(item, "module", None)
+        if module is not None and getattr(module, attr, None):
+            modules[Path(module.__file__).stem] = module
+    cases = [f"{stem}:{case}" for stem, module in sorted(modules.items()) for case in getattr(module, attr)]
+    script = modules[sorted(modules)[0]].__file__
+    return launch(script, ",".join(cases), world, timeout_s=CASE_TIMEOUT_S * len(cases) + 60, check=False)
 
 
 def exit_worker() -> None:

@@ -1,13 +1,12 @@
 """Distributed tests on CPU (gloo): MXFP8 expert-parallel all-to-all, and DDP under ``backend="mxfp8"``.
 
-The 2-process cases run in one launch of 2 Python processes running this file as a
-worker (``python tests/test_distributed.py CASE,CASE,... RANK WORLD PORTS``,
-:func:`tests.helpers.launch`), one case after the other, with a time limit; each test
-reads the line its case prints on success and shows the output otherwise. The 4-process
-case shares a 4-process launch with tests/test_fsdp.py's (``four_ranks`` in tests/conftest.py).
-A worker asserts and exits non-zero on failure. Bytes are counted at the process group: the workers
-run a gloo group wrapped in a Python ``ProcessGroup`` that records every tensor
-handed to ``alltoall_base``.
+The worker cases (``TWO_RANKS``, ``FOUR_RANKS``) run in one launch of 2 (4) Python processes shared
+with the other distributed test files (``two_ranks`` and ``four_ranks`` in tests/conftest.py:
+``python tests/test_distributed.py CASE,CASE,... RANK WORLD PORTS``, :func:`tests.helpers.run_worker`),
+one case after the other, with a time limit; each test reads the line its case prints on success and
+shows the output otherwise. A worker case asserts; a failure prints ``CASE <name> FAILED``. Bytes are
+counted at the process group: the workers run a gloo group wrapped in a Python ``ProcessGroup`` that
+records every tensor handed to the all-to-all (tests/counting_pg.py).
 """
 
 from __future__ import annotations
@@ -15,16 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import launch, load_example, run_worker
+from tests.helpers import load_example, run_worker
 
-TIMEOUT_S = 150  # per case; a case takes ~5-40 s on a loaded 2-core machine
-
-
-@pytest.fixture(scope="module")
-def two_ranks() -> str:
-    """The output of one 2-process launch running every 2-process case of this file."""
-    cases = ["ep", "ddp", "dispatch_mx", "combine_rw"]
-    return launch(__file__, ",".join(cases), 2, TIMEOUT_S * len(cases), check=False)
+TWO_RANKS = ["ep", "ddp", "dispatch_mx", "combine_rw"]
+FOUR_RANKS = ["ep"]
 
 
 # --------------------------------------------------------------------------- tests
@@ -98,35 +91,6 @@ def test_mx_all_to_all_rejects_unblockable_rows():
 # --------------------------------------------------------------------------- worker side
 
 
-def _register_counting_backend(log: list):
-    """A gloo group wrapped in a Python ProcessGroup that records what reaches ``alltoall_base``."""
-    import torch.distributed as dist
-
-    class CountingPG(dist.ProcessGroup):
-        def __init__(self, inner):
-            super().__init__(inner.rank(), inner.size())
-            self.inner = inner
-
-        def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts):
-            log.append((input.dtype, input.numel() * input.element_size()))
-            return self.inner.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
-
-        def barrier(self, opts=None):
-            return self.inner.barrier() if opts is None else self.inner.barrier(opts)
-
-        def getBackendName(self):
-            return "mxfxcount"
-
-        @property
-        def group_name(self):
-            return dist.distributed_c10d._world.pg_names[self]
-
-    def create(store, rank, world, timeout):
-        return CountingPG(dist.ProcessGroupGloo(store, rank, world, timeout))
-
-    dist.Backend.register_backend("mxfxcount", create, devices=["cpu"])
-
-
 class _QDQRows(torch.autograd.Function):
     """Single-process stand-in for an MXFP8 all-to-all: each row becomes dequantize(quantize(row)), both ways."""
 
@@ -164,9 +128,11 @@ def _worker_ep(rank: int, world: int):
     import mxfx
 
     ex = load_example("ep_moe")
-    log: list = []
-    _register_counting_backend(log)
-    dist.init_process_group("mxfxcount", rank=rank, world_size=world)
+    from tests import counting_pg
+
+    log: list = []  # (collective, dtype, bytes sent) of every collective, tests/counting_pg.py
+    counting_pg.register(log)
+    dist.init_process_group(counting_pg.BACKEND, rank=rank, world_size=world)
     torch._dynamo.config.capture_scalar_outputs = True
     D, E_LOCAL = 64, 2
     n_exp = world * E_LOCAL
@@ -206,10 +172,10 @@ def _worker_ep(rank: int, world: int):
         xs, ws = data(idx_per_rank, d)
         y, x = step(layer, xs[rank], idx_per_rank[rank], ws[rank])
         g_out = torch.linspace(-2, 3, y.numel()).view_as(y)
-        fwd_log = list(log)
+        fwd_log = [(dtype, n) for c, dtype, n in log if c == "all_to_all"]
         log.clear()
         y.backward(g_out)
-        bwd_log = list(log)
+        bwd_log = [(dtype, n) for c, dtype, n in log if c == "all_to_all"]
         log.clear()
         # single-process reference on the global batch
         ref.zero_grad()

@@ -1,9 +1,9 @@
 """FSDP2 (``fully_shard``) under ``backend="mxfp8"`` on CPU (gloo), against one process.
 
-The 2-process cases run in one launch of 2 processes running this file as a worker
-(``python tests/test_fsdp.py CASE,CASE,... RANK WORLD PORTS``, :func:`tests.helpers.launch`), one
-case after the other; each test reads the line its case prints on success. The 4-process case
-shares a 4-process launch with tests/test_distributed.py's (``four_ranks`` in tests/conftest.py). A worker asserts and exits non-zero on failure. The model is two residual MLP blocks of
+The worker cases (``TWO_RANKS``, ``FOUR_RANKS``) run in one launch of 2 (4) processes shared with the
+other distributed test files (``two_ranks`` and ``four_ranks`` in tests/conftest.py,
+:func:`tests.helpers.run_worker`), one case after the other; each test reads the line its case prints
+on success. A worker asserts and exits non-zero on failure. The model is two residual MLP blocks of
 width 64, trained 5 AdamW steps on a global batch split over the ranks; the reference is
 the same model, compiled the same way, on one process with the global batch (FSDP averages
 gradients over ranks, so the update is the same up to float summation order).
@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import launch, load_example, run_worker
+from tests.helpers import load_example, run_worker
 
 D, HIDDEN, STEPS, PER_RANK, LR = 64, 128, 5, 16, 1e-2
 LOSS_RTOL = 1e-3  # MX rounding is the same on both sides; only fp32 summation order differs (and can flip a rounding)
@@ -23,13 +23,8 @@ OPTS = {"inner": "aot_eager"}  # CPU compile time; the rewrite is the same under
 
 
 LAYOUTS = ["per_block", "whole", "per_block_bf16"]
-
-
-@pytest.fixture(scope="module")
-def two_ranks() -> str:
-    """The output of one 2-process launch running every 2-process case of this file."""
-    return launch(__file__, ",".join([*(f"train_{layout}" for layout in LAYOUTS), "features"]), 2, timeout_s=400,
-                  check=False)
+TWO_RANKS = [*(f"train_{layout}" for layout in LAYOUTS), "features"]
+FOUR_RANKS = ["fsdp_ep"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

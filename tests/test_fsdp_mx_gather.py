@@ -1,8 +1,8 @@
 """Low-precision weight all-gather under FSDP2 (``mxfx.fsdp.mx_all_gather``) on 2 gloo processes, against one process.
 
-The worker cases run in one launch of 2 processes running this file
-(``python tests/test_fsdp_mx_gather.py CASE,CASE,... RANK WORLD PORTS``, :func:`tests.helpers.launch`), one case after
-the other; each test reads the line its case prints on success. The dense model, data and one-process reference are
+The worker cases (``TWO_RANKS``) run in one launch of 2 processes shared with the other distributed test files
+(``two_ranks`` in tests/conftest.py, :func:`tests.helpers.run_worker`), one case after the other; each test reads
+the line its case prints on success. The dense model, data and one-process reference are
 tests/test_fsdp.py's (two residual MLP blocks of width 64 and a root projection); the MoE (``moe`` case, mxfp8 and
 fp8_block) is two blocks of examples/ep_moe.py's grouped-GEMM MoE plus a dense MLP.
 """
@@ -12,16 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import launch, load_example, run_worker
+from tests.helpers import load_example, run_worker
 from tests.test_fsdp import LOSS_RTOL, OPTS, PER_RANK, _compile_per_block, _data, _loss, _model, _reference, _train
 
 LAYOUTS = ["whole", "whole_reshard", "per_block", "per_block_bf16"]
-
-
-@pytest.fixture(scope="module")
-def two_ranks() -> str:
-    """The output of one 2-process launch running every worker case of this file."""
-    return launch(__file__, ",".join([*(f"train_{layout}" for layout in LAYOUTS), "moe"]), 2, timeout_s=600, check=False)
+TWO_RANKS = [*(f"train_{layout}" for layout in LAYOUTS), "moe"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
