@@ -44,11 +44,13 @@ def test_train_step_quick(monkeypatch, tmp_path):
 
 
 def test_moe_layer_tiny(monkeypatch, tmp_path):
+    # the two mxfx arms with options of their own (each arm is the same measuring loop; the BF16 arm, torch's own
+    # Inductor compile of the layer, adds a cold compile and nothing of the script or of mxfx)
     monkeypatch.setenv("MXFX_BENCH_OUT", str(tmp_path))
     run_script(monkeypatch, "bench/moe_layer.py", "--device", "cpu", "--tokens", "64", "--d", "128", "--experts", "4",
-               "--topk", "2", "--hidden", "128", "--arms", "bf16,mxfxdq,fp8block")
-    rows = [r for r in (tmp_path / "moe_layer.md").read_text().splitlines() if r.startswith("| bf16") or r.startswith("| mxfx")]
-    assert len(rows) == 3 and not any("failed" in r for r in rows), rows
+               "--topk", "2", "--hidden", "128", "--arms", "mxfxdq,fp8block")
+    rows = [r for r in (tmp_path / "moe_layer.md").read_text().splitlines() if r.startswith("| mxfx")]
+    assert len(rows) == 2 and not any("failed" in r for r in rows), rows
 
 
 def test_moe_layer_padded_groups_are_exact(monkeypatch):
