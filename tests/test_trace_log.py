@@ -1,6 +1,7 @@
 """The rewrite in torch's own logs: ``TORCH_TRACE`` artifacts and the ``mxfx`` logger under ``TORCH_LOGS``.
 
-Both are read at torch's import, so each case compiles a small linear model in a fresh process.
+Both are read at torch's import, so a fresh process with both set compiles a small linear model once; each
+test reads its part of what that process wrote.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = """
@@ -27,8 +30,15 @@ def _run(**env) -> subprocess.CompletedProcess:
     return out
 
 
-def test_precision_map_and_graphs_in_torch_trace(tmp_path):
-    _run(TORCH_TRACE=str(tmp_path))
+@pytest.fixture(scope="module")
+def logged(tmp_path_factory):
+    """``(stderr, trace folder)`` of one run of :data:`SCRIPT` under ``TORCH_TRACE`` and ``TORCH_LOGS="+mxfx"``."""
+    trace = tmp_path_factory.mktemp("trace")
+    return _run(TORCH_TRACE=str(trace), TORCH_LOGS="+mxfx").stderr, trace
+
+
+def test_precision_map_and_graphs_in_torch_trace(logged):
+    _, tmp_path = logged
     artifacts = {}
     for f in tmp_path.glob("*.log"):
         lines = f.read_text().splitlines()
@@ -48,7 +58,7 @@ def test_precision_map_and_graphs_in_torch_trace(tmp_path):
     assert "mx_linear" in artifacts["mxfx_graph_after"] and "mx_linear" not in artifacts["mxfx_graph_before"]
 
 
-def test_one_line_per_graph_under_torch_logs():
-    err = _run(TORCH_LOGS="+mxfx").stderr
+def test_one_line_per_graph_under_torch_logs(logged):
+    err, _ = logged
     lines = [ln for ln in err.splitlines() if "mxfx: graph" in ln]
     assert len(lines) == 1 and "linear: 2 mxfp8 / 0 kept" in lines[0], err[-2000:]
