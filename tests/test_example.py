@@ -80,15 +80,15 @@ def test_moe_example():
 
 
 def test_tests_model_is_the_example_model():
-    """The passes are tested on ``tests.models``; the example trains ``examples/moe_model.py``. From one state
-    dict the two hold the same parameters and give the same logits, loss and gradients (bit for bit: the same
-    ops in the same order), default config and a small one."""
-    for kw in ({}, {"d_model": 64, "n_layers": 2, "n_experts": 4, "top_k": 1, "expert_hidden": 64, "shared_hidden": 32}):
+    """The passes are tested on ``tests.models``; the example trains ``examples/moe_model.py``. Their configs have
+    the same fields and defaults, and from one state dict the two models hold the same parameters and give the same
+    logits, loss and gradients (bit for bit: the same ops in the same order), top-2 and top-1, one and two layers."""
+    assert vars(tests.models.MoEConfig()) == vars(MoEConfig())
+    for kw in ({}, {"n_layers": 2, "top_k": 1, "shared_hidden": 32}):
+        cfg = tests.models.tiny_config(**kw)
         torch.manual_seed(0)
-        ours, theirs = tests.models.MoETransformer(tests.models.MoEConfig(**kw)), MoETransformer(MoEConfig(**kw))
-        assert tests.models.MoEConfig(**kw) == tests.models.MoEConfig(**vars(MoEConfig(**kw)))
-        shapes = {n: p.shape for n, p in theirs.named_parameters()}
-        assert {n: p.shape for n, p in ours.named_parameters()} == shapes
+        ours, theirs = tests.models.MoETransformer(cfg), MoETransformer(MoEConfig(**vars(cfg)))
+        assert {n: p.shape for n, p in ours.named_parameters()} == {n: p.shape for n, p in theirs.named_parameters()}
         ours.load_state_dict(theirs.state_dict())
         idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
         results = []
