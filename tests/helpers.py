@@ -96,11 +96,12 @@ def run_worker(workers: dict) -> None:
     config as it found it, and sets up and destroys its own process group. A case that raises prints its
     traceback and ``CASE <name> FAILED`` and destroys its process group, which fails its peers' pending
     collectives at once, so every rank goes on to the next case together; the process then exits with status 1.
-    A test reads the line its case prints on success.
+    A test reads the line its case prints on success; every case's time is printed too (``case NAME: S s``).
     """
     import faulthandler
     import importlib
     import os
+    import time
     import traceback
     import warnings
 
@@ -124,6 +125,7 @@ def run_worker(workers: dict) -> None:
             warnings.simplefilter("ignore")
             torch._dynamo.config.load_config(config)
         faulthandler.dump_traceback_later(CASE_TIMEOUT_S, exit=True)
+        start = time.perf_counter()
         try:
             case(rank, world)
         except Exception:
@@ -134,6 +136,7 @@ def run_worker(workers: dict) -> None:
                 dist.destroy_process_group()
         finally:
             faulthandler.cancel_dump_traceback_later()
+            print(f"case {name}: {time.perf_counter() - start:.1f} s", flush=True)
     if failed:
         sys.stdout.flush()
         sys.stderr.flush()
