@@ -35,7 +35,8 @@ def count_calls(graphs, target) -> int:
     return sum(1 for g in graphs for n in g.graph.nodes if n.op == "call_function" and n.target == target)
 
 
-def launch(script: str, case: str, world: int, timeout_s: float = 150.0, check: bool = True) -> str:
+def launch(script: str, case: str, world: int, timeout_s: float = 150.0, check: bool = True,
+           started: list | None = None) -> str:
     """Run ``python script CASES RANK WORLD PORTS`` as ``world`` processes; returns their output.
 
     ``case`` names one worker case or several, comma-separated: :func:`run_worker` runs them in order in the
@@ -43,7 +44,8 @@ def launch(script: str, case: str, world: int, timeout_s: float = 150.0, check: 
     its own (``PORTS``, comma-separated: a process group's store outlives its group while FSDP or a device mesh
     still holds it, and a second group on its port would meet the first one's keys). With ``check`` (the default)
     fails, showing every rank's output, when a rank exits non-zero; either way a launch running past
-    ``timeout_s`` is killed, with a note in the output.
+    ``timeout_s`` is killed, with a note in the output. The processes are appended to ``started`` (when given)
+    as they start, for a caller that may have to stop them.
     """
     import os
     import socket
@@ -65,6 +67,8 @@ def launch(script: str, case: str, world: int, timeout_s: float = 150.0, check: 
                          env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for rank in range(world)
     ]
+    if started is not None:
+        started.extend(procs)
     deadline = time.monotonic() + timeout_s
     outputs, codes = [], []
     for p in procs:
@@ -144,20 +148,58 @@ def run_worker(workers: dict) -> None:
     exit_worker()
 
 
-def launch_declared_cases(session, attr: str, world: int) -> str:
-    """One :func:`launch` of ``world`` processes carrying the worker cases that the collected test files declare
-    in their module-level list ``attr`` (``TWO_RANKS``, ``FOUR_RANKS``): the processes start and import torch once
-    for all of those files. Returns the output; each test reads its case's line from it."""
-    from pathlib import Path
+class DistributedLaunches:
+    """The session's distributed worker cases: one :func:`launch` per process count carrying the cases that the
+    collected test files declare in their module-level lists ``TWO_RANKS`` (2 processes) and ``FOUR_RANKS``
+    (4 processes), so the processes start and import torch once for all of those files.
 
-    modules = {}
-    for item in session.items:
-        module = getattr(item, "module", None)
-        if module is not None and getattr(module, attr, None):
-            modules[Path(module.__file__).stem] = module
-    cases = [f"{stem}:{case}" for stem, module in sorted(modules.items()) for case in getattr(module, attr)]
-    script = modules[sorted(modules)[0]].__file__
-    return launch(script, ",".join(cases), world, timeout_s=CASE_TIMEOUT_S * len(cases) + 60, check=False)
+    The launches start when collection ends and run one after the other in a background thread, beside the
+    tests collected before the distributed ones (whose single process leaves the second core mostly idle); a
+    test waits for its launch's output (:meth:`output`) and reads its case's line from it.
+    """
+
+    WORLDS = {"TWO_RANKS": 2, "FOUR_RANKS": 4}
+
+    def __init__(self, session):
+        import threading
+        from pathlib import Path
+
+        self.specs = {}
+        for attr, world in self.WORLDS.items():
+            modules = {}
+            for item in session.items:
+                module = getattr(item, "module", None)
+                if module is not None and getattr(module, attr, None):
+                    modules[Path(module.__file__).stem] = module
+            if modules:
+                cases = [f"{stem}:{case}" for stem, module in sorted(modules.items()) for case in getattr(module, attr)]
+                self.specs[attr] = (modules[sorted(modules)[0]].__file__, ",".join(cases), world, len(cases))
+        self.outputs: dict = {}
+        self.done = {attr: threading.Event() for attr in self.specs}
+        self.procs: list = []
+        if self.specs:
+            threading.Thread(target=self._run, name="distributed launches", daemon=True).start()
+
+    def _run(self):
+        for attr, (script, cases, world, n) in self.specs.items():
+            try:
+                self.outputs[attr] = launch(script, cases, world, timeout_s=CASE_TIMEOUT_S * n + 60, check=False,
+                                            started=self.procs)
+            except Exception as e:  # the launch itself failed: every test of these cases shows why
+                self.outputs[attr] = f"launch of {cases} on {world} processes failed: {e!r}"
+            finally:
+                self.done[attr].set()
+
+    def output(self, attr: str) -> str:
+        """The output of the launch of ``attr``'s cases, once it has ended."""
+        self.done[attr].wait()
+        return self.outputs[attr]
+
+    def stop(self):
+        """Kill the processes of a launch still running (the session ended early)."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
 
 
 def exit_worker() -> None:
