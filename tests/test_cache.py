@@ -140,7 +140,7 @@ def test_dgrad_form_layout_follows_the_gemm_path(monkeypatch, shape, native):
 
 def test_weight_form_errors_for_unknown_forms_and_fp64():
     with pytest.raises(ValueError, match=r"form='wgrad' is not valid; choose one of \('forward', 'dgrad', 'forward_bf16', "
-                                         r"'dgrad_bf16', 'block_forward', 'block_dgrad'\)"):
+                                         r"'dgrad_bf16', 'block_forward', 'block_dgrad', 'bf16_forward', 'bf16_dgrad'\)"):
         cache.weight_form(torch.randn(64, 64), "rceil", "wgrad")
     with pytest.raises(ValueError, match=r"rule='amax' is not valid for 'forward'"):
         cache.weight_form(torch.randn(64, 64), "amax", "forward")
