@@ -578,5 +578,5 @@ class Policy(_NamedFields):
             raise ValueError(
                 f"{e}; for the {kind} op of module {module!r}, format {fmt.name!r}{transport} comes from "
                 f"{origin(format_rule, 'format=' + repr(self.format))} and scale_rule={scale_rule!r} from "
-                f"{origin(rule_rule, 'scale_rule')}: add a rule for this module or op that sets both "
+                f"{origin(rule_rule, 'scale_rule')}: add before those rules (the first rule that sets a field wins) a rule for this module or op that sets both "
                 f"(e.g. {{'module': {module!r}, 'op': {kind!r}, 'scale_rule': {fmt.scale_rules[0].value!r}}})") from None

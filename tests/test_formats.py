@@ -200,3 +200,15 @@ def test_bf16_gemm_routed_experts_from_fp32_weights_cast_once_per_step():
             assert all(r.forward == "bf16" and not r.rewritten for r in grouped), grouped
             assert casts == [0, 0, 0]
     assert abs(losses["cast"] - losses["as_written"]) < 0.02 * losses["as_written"], losses
+
+
+def test_precision_map_of_a_frozen_weight_has_no_wgrad():
+    """A frozen linear weight is rewritten (forward and dgrad in the format) and the map says it has no wgrad and
+    saves nothing for one, as the op does."""
+    lin = torch.nn.Linear(256, 256, bias=False).requires_grad_(False)
+    x = torch.randn(64, 256, requires_grad=True)
+    torch._dynamo.reset()
+    torch.compile(lin, backend="mxfp8", options={"inner": "aot_eager"})(x).sum().backward()
+    (record,) = [r for r in mxfx.last_report().records if r.kind == "linear"]
+    assert (record.forward, record.dgrad, record.wgrad, record.saved) == ("mxfp8", "mxfp8", "-", "-"), record
+    assert "frozen weight" in record.reason and x.grad is not None

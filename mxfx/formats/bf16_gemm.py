@@ -51,6 +51,15 @@ FORMS = cache.register(cache.FormFamily(
 ))
 
 
+def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b^T`` of BF16 operands with FP32 accumulation. On the CPU the GEMM itself reads BF16 (a BF16 result,
+    widened): an FP32 GEMM of their upcasts would let Inductor fold each cast away, and the operands would not be
+    BF16 at all."""
+    if a.device.type == "cpu":
+        return torch.mm(a, b.t()).to(out_dtype)
+    return hp_mm_transposed(a, b, out_dtype)
+
+
 class BF16Gemm(Format):
     name = "bf16_gemm"
     scale_rules = ()  # no scales: any rule is accepted and changes nothing
@@ -76,7 +85,7 @@ class BF16Gemm(Format):
         return cache.weight_form(weight, str(rule), "bf16_" + orientation)
 
     def mm(self, a, b, out_dtype):
-        return hp_mm_transposed(a[0], b[0], out_dtype)
+        return _mm(a[0], b[0], out_dtype)
 
     def grouped_mm(self, a, b, offs, out_dtype):
         return torch._grouped_mm(a[0], b[0].transpose(-2, -1), offs).to(out_dtype)
@@ -93,7 +102,7 @@ class BF16Gemm(Format):
         return (x.to(_BF16),)
 
     def wgrad_mm(self, dy_tokens, x_tokens, out_dtype):
-        return hp_mm_transposed(dy_tokens[0].t(), x_tokens[0].t(), out_dtype)
+        return _mm(dy_tokens[0].t(), x_tokens[0].t(), out_dtype)
 
     def grouped_wgrad(self, dy, x_tokens, offs, rule, out_dtype):
         return hp_grouped_wgrad(dy.to(_BF16), x_tokens[0], offs, out_dtype)

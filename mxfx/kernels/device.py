@@ -22,7 +22,6 @@ GEMM_OPS = ("mm", "grouped_mm", "grouped_mm_wgrad")
 NATIVE_GEMMS: dict[tuple[str, str], frozenset[str]] = {
     (FORMAT, "sm100"): frozenset(GEMM_OPS),  # data-center Blackwell: torch._scaled_mm / _scaled_grouped_mm
     (FORMAT, "sm120"): frozenset({"mm"}),  # RTX Blackwell: dense only (torch's MX grouped kernel is sm100's)
-    ("fp8_block", "sm90"): frozenset(GEMM_OPS),  # Hopper: cuBLAS blockwise dense, Triton grouped (mxfx.kernels.block_gemm)
 }
 """``(format, arch) -> GEMM ops run natively``; arch from :func:`arch_of`. Absent pairs are emulated."""
 
@@ -111,20 +110,3 @@ def colwise_in_source_layout(device: torch.device, op: str = "mm") -> bool:
 def current_device() -> torch.device:
     """The current CUDA device where CUDA is available, else the CPU."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def current_device() -> torch.device:
-    """The current CUDA device where CUDA is available, else the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def mx_emulated_note(device: torch.device | None = None) -> str | None:
-    """A one-line note when MXFP8 GEMMs are emulated on a GPU whose tensor cores run fp8_block natively
-    (sm90; default: the current device), naming ``format="fp8_block"``; None elsewhere."""
-    device = device or current_device()
-    if arch_of(capability(device)) != "sm90":
-        return None
-    return ("mxfx: MXFP8 has no tensor cores on sm90 (Hopper): its GEMMs are emulated (dequantize + BF16 GEMM). "
-            "options={'format': 'fp8_block'} (or 'auto') runs FP8 tensor-core GEMMs instead; BENCHMARKS.md has both "
-            "formats' measured speed and loss on the H200.")
-

@@ -200,7 +200,10 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         erase_unused_chain(gm, x_node)
         shapes += f" -> {str(out_dtype).removeprefix('torch.')}"
         note = f"was {op.name}" + (f" ({str(replaced).removeprefix('torch.')} out)" if replaced != out_dtype else "")
-        pm.add(OpRecord(new.name, "grouped_mm", module, shapes, d.format.name, d.format.name, d.shown(d.wgrad), d.shown(d.save),
+        trained = b is not None and b.requires_grad  # a frozen expert stack: no wgrad, nothing saved for one
+        wgrad, saved = (d.shown(d.wgrad), d.shown(d.save)) if trained else ("-", "-")
+        note = note if trained else f"{note}; frozen weight: no weight gradient"
+        pm.add(OpRecord(new.name, "grouped_mm", module, shapes, d.format.name, d.format.name, wgrad, saved,
                         d.scale_rule, note))
         rewritten += 1
     return rewritten

@@ -116,8 +116,10 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
             erase_unused_chain(gm, w_node)
         if kind == "router":
             _warn_wildcard_router(d.rule, module)
-        saved = d.save
-        pm.add(OpRecord(new.name, kind, module, shapes, d.format.name, d.format.name, d.shown(d.wgrad), d.shown(saved), d.scale_rule))
+        trained = w is not None and w.requires_grad  # a frozen weight: no wgrad, nothing saved for one
+        wgrad, saved = (d.shown(d.wgrad), d.shown(d.save)) if trained else ("-", "-")
+        pm.add(OpRecord(new.name, kind, module, shapes, d.format.name, d.format.name, wgrad, saved, d.scale_rule,
+                        "" if trained else "frozen weight: no weight gradient"))
         rewritten += 1
     if distributed:
         warnings.warn(f"mxfx: linears left in BF16/FP32, not MXFP8 (DTensor operands, tensor parallel): {', '.join(distributed)}",
