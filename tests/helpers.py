@@ -148,14 +148,18 @@ def run_worker(workers: dict) -> None:
     exit_worker()
 
 
-class DistributedLaunches:
-    """The session's distributed worker cases: one :func:`launch` per process count carrying the cases that the
-    collected test files declare in their module-level lists ``TWO_RANKS`` (2 processes) and ``FOUR_RANKS``
-    (4 processes), so the processes start and import torch once for all of those files.
+class SessionJobs:
+    """Work that the collected tests take from other processes, started when collection ends and run one job after
+    the other in a background thread, beside the tests before them (a pytest process keeps about one core busy; the
+    jobs' processes use the other). The jobs, in this order:
 
-    The launches start when collection ends and run one after the other in a background thread, beside the
-    tests collected before the distributed ones (whose single process leaves the second core mostly idle); a
-    test waits for its launch's output (:meth:`output`) and reads its case's line from it.
+    * ``stem:name`` for each entry of a collected test file's module-level ``BACKGROUND_JOBS`` (name -> function of
+      no arguments): the function's return value, or the exception it raised;
+    * ``TWO_RANKS`` and ``FOUR_RANKS``: one :func:`launch` of 2 (4) processes carrying the worker cases that the
+      collected test files list under those names, so the processes start and import torch once for all of those
+      files: the launch's output, from which each test reads its case's line.
+
+    A test waits for its job with :meth:`result`.
     """
 
     WORLDS = {"TWO_RANKS": 2, "FOUR_RANKS": 4}
@@ -164,36 +168,45 @@ class DistributedLaunches:
         import threading
         from pathlib import Path
 
-        self.specs = {}
+        modules = {}
+        for item in session.items:
+            module = getattr(item, "module", None)
+            if module is not None:
+                modules[Path(module.__file__).stem] = module
+        self.jobs = {}
+        for stem, module in sorted(modules.items()):
+            for name, fn in getattr(module, "BACKGROUND_JOBS", {}).items():
+                self.jobs[f"{stem}:{name}"] = fn
         for attr, world in self.WORLDS.items():
-            modules = {}
-            for item in session.items:
-                module = getattr(item, "module", None)
-                if module is not None and getattr(module, attr, None):
-                    modules[Path(module.__file__).stem] = module
-            if modules:
-                cases = [f"{stem}:{case}" for stem, module in sorted(modules.items()) for case in getattr(module, attr)]
-                self.specs[attr] = (modules[sorted(modules)[0]].__file__, ",".join(cases), world, len(cases))
-        self.outputs: dict = {}
-        self.done = {attr: threading.Event() for attr in self.specs}
+            declared = {stem: m for stem, m in sorted(modules.items()) if getattr(m, attr, None)}
+            if declared:
+                cases = [f"{stem}:{case}" for stem, m in declared.items() for case in getattr(m, attr)]
+                script = next(iter(declared.values())).__file__
+                self.jobs[attr] = (lambda script=script, cases=cases, world=world: launch(
+                    script, ",".join(cases), world, timeout_s=CASE_TIMEOUT_S * len(cases) + 60, check=False,
+                    started=self.procs))
+        self.results: dict = {}
+        self.done = {name: threading.Event() for name in self.jobs}
         self.procs: list = []
-        if self.specs:
-            threading.Thread(target=self._run, name="distributed launches", daemon=True).start()
+        if self.jobs:
+            threading.Thread(target=self._run, name="session jobs", daemon=True).start()
 
     def _run(self):
-        for attr, (script, cases, world, n) in self.specs.items():
+        for name, fn in self.jobs.items():
             try:
-                self.outputs[attr] = launch(script, cases, world, timeout_s=CASE_TIMEOUT_S * n + 60, check=False,
-                                            started=self.procs)
-            except Exception as e:  # the launch itself failed: every test of these cases shows why
-                self.outputs[attr] = f"launch of {cases} on {world} processes failed: {e!r}"
+                self.results[name] = (fn(), None)
+            except BaseException as e:  # the test of this job raises it
+                self.results[name] = (None, e)
             finally:
-                self.done[attr].set()
+                self.done[name].set()
 
-    def output(self, attr: str) -> str:
-        """The output of the launch of ``attr``'s cases, once it has ended."""
-        self.done[attr].wait()
-        return self.outputs[attr]
+    def result(self, name: str):
+        """The result of job ``name`` once it has ended (its exception raised here)."""
+        self.done[name].wait()
+        value, error = self.results[name]
+        if error is not None:
+            raise error
+        return value
 
     def stop(self):
         """Kill the processes of a launch still running (the session ended early)."""

@@ -7,7 +7,8 @@ rewritten graph holds every kind of node the passes write (MX linears, grouped G
 route-weight combine, the local dispatch quantize, MX saved activations). The first process misses both caches
 and writes them; the second must hit Inductor's FX graph cache (forward and backward graphs) and AOTAutograd's
 cache, with no bypass: a bypass means something in the rewritten graph is not cache-safe (a target AOTAutograd
-cannot vouch for or pickle, a node without an example value, an unpicklable config patch).
+cannot vouch for or pickle, a node without an example value, an unpicklable config patch). The two processes
+run in the background from the start of the session (``BACKGROUND_JOBS``, tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -25,8 +27,17 @@ ROOT = Path(__file__).resolve().parents[1]
 KINDS = {"linear": 3, "grouped_mm": 2, "swiglu": 2, "combine": 1}  # rewritten ops of the layer's graph, by kind
 
 
-def test_second_process_hits_compile_caches(tmp_path):
-    cold, warm = _run(tmp_path), _run(tmp_path)
+def _cold_and_warm() -> tuple[dict, dict]:
+    """:func:`_first_step` in a process finding an empty cache folder, then in one finding what the first wrote."""
+    with tempfile.TemporaryDirectory(prefix="mxfx_compile_cache_") as cache_dir:
+        return _run(cache_dir), _run(cache_dir)
+
+
+BACKGROUND_JOBS = {"cold_and_warm": _cold_and_warm}
+
+
+def test_second_process_hits_compile_caches(session_job):
+    cold, warm = session_job("test_compile_cache:cold_and_warm")
     assert cold["mx_ops"] == KINDS and warm["mx_ops"] == KINDS, (cold, warm)  # really rewritten, both times
     assert cold.get("fxgraph_cache_miss", 0) == 2 and cold.get("autograd_cache_miss", 0) == 1, cold
     assert warm.get("fxgraph_cache_hit", 0) == 2 and warm.get("fxgraph_cache_miss", 0) == 0, warm
