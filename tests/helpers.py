@@ -36,7 +36,7 @@ def count_calls(graphs, target) -> int:
 
 
 def launch(script: str, case: str, world: int, timeout_s: float = 150.0, check: bool = True,
-           started: list | None = None) -> str:
+           started: list | None = None, environ: dict | None = None) -> str:
     """Run ``python script CASES RANK WORLD PORTS`` as ``world`` processes; returns their output.
 
     ``case`` names one worker case or several, comma-separated: :func:`run_worker` runs them in order in the
@@ -45,7 +45,7 @@ def launch(script: str, case: str, world: int, timeout_s: float = 150.0, check: 
     still holds it, and a second group on its port would meet the first one's keys). With ``check`` (the default)
     fails, showing every rank's output, when a rank exits non-zero; either way a launch running past
     ``timeout_s`` is killed, with a note in the output. The processes are appended to ``started`` (when given)
-    as they start, for a caller that may have to stop them.
+    as they start, for a caller that may have to stop them; they get ``environ`` (default: this process's).
     """
     import os
     import socket
@@ -60,7 +60,7 @@ def launch(script: str, case: str, world: int, timeout_s: float = 150.0, check: 
     for s in sockets:
         s.close()
     root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ if environ is None else environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
     procs = [
         subprocess.Popen([sys.executable, script, case, str(rank), str(world), ports],
@@ -154,20 +154,24 @@ class SessionJobs:
     jobs' processes use the other). The jobs, in this order:
 
     * ``stem:name`` for each entry of a collected test file's module-level ``BACKGROUND_JOBS`` (name -> function of
-      no arguments): the function's return value, or the exception it raised;
+      the environment its processes get): the function's return value, or the exception it raised;
     * ``TWO_RANKS`` and ``FOUR_RANKS``: one :func:`launch` of 2 (4) processes carrying the worker cases that the
       collected test files list under those names, so the processes start and import torch once for all of those
       files: the launch's output, from which each test reads its case's line.
 
-    A test waits for its job with :meth:`result`.
+    The jobs' processes get the environment as it was when collection ended: a test running meanwhile may set a
+    variable for itself (``monkeypatch.setenv("MXFX_POLICY", ...)``) that must not reach them. A test waits for
+    its job with :meth:`result`.
     """
 
     WORLDS = {"TWO_RANKS": 2, "FOUR_RANKS": 4}
 
     def __init__(self, session):
+        import os
         import threading
         from pathlib import Path
 
+        self.environ = dict(os.environ)
         modules = {}
         for item in session.items:
             module = getattr(item, "module", None)
@@ -176,7 +180,7 @@ class SessionJobs:
         self.jobs = {}
         for stem, module in sorted(modules.items()):
             for name, fn in getattr(module, "BACKGROUND_JOBS", {}).items():
-                self.jobs[f"{stem}:{name}"] = fn
+                self.jobs[f"{stem}:{name}"] = lambda fn=fn: fn(self.environ)
         for attr, world in self.WORLDS.items():
             declared = {stem: m for stem, m in sorted(modules.items()) if getattr(m, attr, None)}
             if declared:
@@ -184,7 +188,7 @@ class SessionJobs:
                 script = next(iter(declared.values())).__file__
                 self.jobs[attr] = (lambda script=script, cases=cases, world=world: launch(
                     script, ",".join(cases), world, timeout_s=CASE_TIMEOUT_S * len(cases) + 60, check=False,
-                    started=self.procs))
+                    started=self.procs, environ=self.environ))
         self.results: dict = {}
         self.done = {name: threading.Event() for name in self.jobs}
         self.procs: list = []

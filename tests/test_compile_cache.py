@@ -27,10 +27,10 @@ ROOT = Path(__file__).resolve().parents[1]
 KINDS = {"linear": 3, "grouped_mm": 2, "swiglu": 2, "combine": 1}  # rewritten ops of the layer's graph, by kind
 
 
-def _cold_and_warm() -> tuple[dict, dict]:
+def _cold_and_warm(environ) -> tuple[dict, dict]:
     """:func:`_first_step` in a process finding an empty cache folder, then in one finding what the first wrote."""
     with tempfile.TemporaryDirectory(prefix="mxfx_compile_cache_") as cache_dir:
-        return _run(cache_dir), _run(cache_dir)
+        return _run(cache_dir, environ), _run(cache_dir, environ)
 
 
 BACKGROUND_JOBS = {"cold_and_warm": _cold_and_warm}
@@ -45,9 +45,9 @@ def test_second_process_hits_compile_caches(session_job):
     assert cold["bypass"] == warm["bypass"] == [], (cold["bypass"], warm["bypass"])
 
 
-def _run(cache_dir) -> dict:
-    """:func:`_first_step` in a fresh process with ``TORCHINDUCTOR_CACHE_DIR=cache_dir``."""
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache_dir))
+def _run(cache_dir, environ) -> dict:
+    """:func:`_first_step` in a fresh process with ``environ`` and ``TORCHINDUCTOR_CACHE_DIR=cache_dir``."""
+    env = dict(environ, TORCHINDUCTOR_CACHE_DIR=str(cache_dir))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     out = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     line = next((ln for ln in reversed(out.stdout.splitlines()) if ln.startswith("{")), None)
