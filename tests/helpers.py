@@ -151,13 +151,13 @@ def run_worker(workers: dict) -> None:
 class SessionJobs:
     """Work that the collected tests take from other processes, started when collection ends and run one job after
     the other in a background thread, beside the tests before them (a pytest process keeps about one core busy; the
-    jobs' processes use the other). The jobs, in this order:
+    jobs' processes use the other). The jobs, by test file (the order the tests need them in):
 
     * ``stem:name`` for each entry of a collected test file's module-level ``BACKGROUND_JOBS`` (name -> function of
       the environment its processes get): the function's return value, or the exception it raised;
-    * ``TWO_RANKS`` and ``FOUR_RANKS``: one :func:`launch` of 2 (4) processes carrying the worker cases that the
-      collected test files list under those names, so the processes start and import torch once for all of those
-      files: the launch's output, from which each test reads its case's line.
+    * ``TWO_RANKS`` and ``FOUR_RANKS``, at the first test file declaring them: one :func:`launch` of 2 (4) processes
+      carrying the worker cases that the collected test files list under those names, so the processes start and
+      import torch once for all of those files: the launch's output, from which each test reads its case's line.
 
     The jobs' processes get the environment as it was when collection ended: a test running meanwhile may set a
     variable for itself (``monkeypatch.setenv("MXFX_POLICY", ...)``) that must not reach them. A test waits for
@@ -172,6 +172,7 @@ class SessionJobs:
         from pathlib import Path
 
         self.environ = dict(os.environ)
+        self.procs: list = []
         modules = {}
         for item in session.items:
             module = getattr(item, "module", None)
@@ -179,27 +180,28 @@ class SessionJobs:
                 modules[Path(module.__file__).stem] = module
         self.jobs = {}
         for stem, module in sorted(modules.items()):
+            for attr, world in self.WORLDS.items():
+                if getattr(module, attr, None) and attr not in self.jobs:
+                    self.jobs[attr] = self._launch(world, {s: m for s, m in sorted(modules.items()) if getattr(m, attr, None)},
+                                                   attr)
             for name, fn in getattr(module, "BACKGROUND_JOBS", {}).items():
                 self.jobs[f"{stem}:{name}"] = lambda fn=fn: fn(self.environ)
-        for attr, world in self.WORLDS.items():
-            declared = {stem: m for stem, m in sorted(modules.items()) if getattr(m, attr, None)}
-            if declared:
-                cases = [f"{stem}:{case}" for stem, m in declared.items() for case in getattr(m, attr)]
-                script = next(iter(declared.values())).__file__
-                self.jobs[attr] = (lambda script=script, cases=cases, world=world: launch(
-                    script, ",".join(cases), world, timeout_s=CASE_TIMEOUT_S * len(cases) + 60, check=False,
-                    started=self.procs, environ=self.environ))
         self.results: dict = {}
         self.done = {name: threading.Event() for name in self.jobs}
-        self.procs: list = []
         if self.jobs:
             threading.Thread(target=self._run, name="session jobs", daemon=True).start()
+
+    def _launch(self, world: int, declared: dict, attr: str):
+        cases = [f"{stem}:{case}" for stem, m in declared.items() for case in getattr(m, attr)]
+        script = next(iter(declared.values())).__file__
+        return lambda: launch(script, ",".join(cases), world, timeout_s=CASE_TIMEOUT_S * len(cases) + 60, check=False,
+                              started=self.procs, environ=self.environ)
 
     def _run(self):
         for name, fn in self.jobs.items():
             try:
                 self.results[name] = (fn(), None)
-            except BaseException as e:  # the test of this job raises it
+            except BaseException as e:  # the test of this job raises it (a skip too)
                 self.results[name] = (None, e)
             finally:
                 self.done[name].set()
@@ -232,7 +234,7 @@ def exit_worker() -> None:
     os._exit(0)
 
 
-def run_interpreter_checks(test_file: str) -> None:
+def run_interpreter_checks(test_file: str, environ: dict | None = None) -> None:
     """Run ``test_file --interpret`` in a fresh interpreter under ``TRITON_INTERPRET=1`` (Triton's CPU interpreter
     is chosen at import time, so it needs its own process); raises CalledProcessError if the checks fail.
 
@@ -244,7 +246,8 @@ def run_interpreter_checks(test_file: str) -> None:
 
     import pytest
 
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    pytest.importorskip("triton")
+    env = dict(os.environ if environ is None else environ, TRITON_INTERPRET="1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     try:

@@ -306,9 +306,11 @@ def _interpreter_quantize_checks(bq):
             _same(got, ref, src / ref[1].repeat_interleave(128, 1)[:, : src.shape[1]])
 
 
-def test_triton_interpreter():
-    pytest.importorskip("triton")
-    run_interpreter_checks(__file__)
+BACKGROUND_JOBS = {"interpreter": lambda environ: run_interpreter_checks(__file__, environ)}  # tests/conftest.py
+
+
+def test_triton_interpreter(session_job):
+    session_job("test_block_gemm:interpreter")  # run_interpreter_checks in a fresh process, from the start of the session
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--interpret"]:

@@ -732,9 +732,11 @@ def _interpreter_swiglu_checks():
                 assert_same(ref[3:], (*mxf.quantize_lastdim(g, "rceil"), *mxf.quantize_lastdim(u, "rceil")))
 
 
-def test_triton_interpreter():
-    pytest.importorskip("triton")
-    run_interpreter_checks(__file__)
+BACKGROUND_JOBS = {"interpreter": lambda environ: run_interpreter_checks(__file__, environ)}  # tests/conftest.py
+
+
+def test_triton_interpreter(session_job):
+    session_job("test_kernels:interpreter")  # run_interpreter_checks in a fresh process, from the start of the session
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--interpret"]:

@@ -1,7 +1,7 @@
 """The rewrite in torch's own logs: ``TORCH_TRACE`` artifacts and the ``mxfx`` logger under ``TORCH_LOGS``.
 
-Both are read at torch's import, so a fresh process with both set compiles a small linear model once; each
-test reads its part of what that process wrote.
+Both are read at torch's import, so a fresh process with both set compiles a small linear model once, from the start
+of the session (``BACKGROUND_JOBS``, tests/conftest.py); each test reads its part of what that process wrote.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -23,18 +24,25 @@ c(torch.randn(32, 64)).sum().backward()
 """
 
 
-def _run(**env) -> subprocess.CompletedProcess:
-    full = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p), **env)
+def _run(environ, **env) -> subprocess.CompletedProcess:
+    full = dict(environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), environ.get("PYTHONPATH")) if p), **env)
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=full, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     return out
 
 
-@pytest.fixture(scope="module")
-def logged(tmp_path_factory):
+def _logged(environ) -> tuple[str, Path]:
     """``(stderr, trace folder)`` of one run of :data:`SCRIPT` under ``TORCH_TRACE`` and ``TORCH_LOGS="+mxfx"``."""
-    trace = tmp_path_factory.mktemp("trace")
-    return _run(TORCH_TRACE=str(trace), TORCH_LOGS="+mxfx").stderr, trace
+    trace = Path(tempfile.mkdtemp(prefix="mxfx_torch_trace_"))
+    return _run(environ, TORCH_TRACE=str(trace), TORCH_LOGS="+mxfx").stderr, trace
+
+
+BACKGROUND_JOBS = {"logged": _logged}
+
+
+@pytest.fixture(scope="module")
+def logged(session_job):
+    return session_job("test_trace_log:logged")
 
 
 def test_precision_map_and_graphs_in_torch_trace(logged):
