@@ -156,8 +156,9 @@ class SessionJobs:
     * ``stem:name`` for each entry of a collected test file's module-level ``BACKGROUND_JOBS`` (name -> function of
       the environment its processes get): the function's return value, or the exception it raised;
     * ``TWO_RANKS`` and ``FOUR_RANKS``, at the first test file declaring them: one :func:`launch` of 2 (4) processes
-      carrying the worker cases that the collected test files list under those names, so the processes start and
-      import torch once for all of those files: the launch's output, from which each test reads its case's line.
+      carrying the worker cases that the test files list under those names, for the files with a selected test
+      taking the ``two_ranks`` (``four_ranks``) fixture, so the processes start and import torch once for all of
+      those files: the launch's output, from which each test reads its case's line.
 
     The jobs' processes get the environment as it was when collection ended: a test running meanwhile may set a
     variable for itself (``monkeypatch.setenv("MXFX_POLICY", ...)``) that must not reach them. A test waits for
@@ -173,17 +174,20 @@ class SessionJobs:
 
         self.environ = dict(os.environ)
         self.procs: list = []
-        modules = {}
+        modules, needs = {}, {attr: set() for attr in self.WORLDS}
         for item in session.items:
             module = getattr(item, "module", None)
             if module is not None:
-                modules[Path(module.__file__).stem] = module
+                stem = Path(module.__file__).stem
+                modules[stem] = module
+                for attr in self.WORLDS:  # a selected test that takes the launch's fixture (or any, by request)
+                    if getattr(module, attr, None) and ({attr.lower(), "request"} & set(item.fixturenames)):
+                        needs[attr].add(stem)
         self.jobs = {}
         for stem, module in sorted(modules.items()):
             for attr, world in self.WORLDS.items():
-                if getattr(module, attr, None) and attr not in self.jobs:
-                    self.jobs[attr] = self._launch(world, {s: m for s, m in sorted(modules.items()) if getattr(m, attr, None)},
-                                                   attr)
+                if stem in needs[attr] and attr not in self.jobs:
+                    self.jobs[attr] = self._launch(world, {s: modules[s] for s in sorted(needs[attr])}, attr)
             for name, fn in getattr(module, "BACKGROUND_JOBS", {}).items():
                 self.jobs[f"{stem}:{name}"] = lambda fn=fn: fn(self.environ)
         self.results: dict = {}
