@@ -5,8 +5,8 @@ Bound used throughout: the reference is an FP32 GEMM on exactly dequantized oper
 exact in FP32 (E4M3 times E4M3 times powers of two: at most 8 significant bits). A sum of K such products in
 any order is within ``gamma_{K-1} * sum|a*b|`` of the exact sum (``gamma_n = n*u / (1 - n*u)``, ``u = 2^-24``),
 so two FP32 summation orders differ by at most ``2 * gamma_{K-1} * sum|a*b| <= K * 2^-23 * (|A| @ |B|^T)``
-elementwise (for ``K <= 4096``: then ``K(K-1)u <= 1``), plus the output cast. No other bound holds on every CPU and GPU: the order
-is the BLAS's or the kernel's choice.
+elementwise (for ``K <= 4096``: then ``K(K-1)u <= 1``), plus the output cast. No other bound holds on every CPU
+and GPU: the order is the BLAS's or the kernel's choice.
 """
 
 import os
