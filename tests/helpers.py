@@ -44,10 +44,12 @@ def launch(script: str, case: str, world: int, timeout_s: float = 150.0, check: 
     its own (``PORTS``, comma-separated: a process group's store outlives its group while FSDP or a device mesh
     still holds it, and a second group on its port would meet the first one's keys). With ``check`` (the default)
     fails, showing every rank's output, when a rank exits non-zero; either way a launch running past
-    ``timeout_s`` is killed, with a note in the output. The processes are appended to ``started`` (when given)
-    as they start, for a caller that may have to stop them; they get ``environ`` (default: this process's).
+    ``timeout_s`` prints every rank's stacks and is killed, with a note in the output. The processes are appended
+    to ``started`` (when given) as they start, for a caller that may have to stop them; they get ``environ``
+    (default: this process's).
     """
     import os
+    import signal
     import socket
     import subprocess
     import time
@@ -71,14 +73,20 @@ def launch(script: str, case: str, world: int, timeout_s: float = 150.0, check: 
         started.extend(procs)
     deadline = time.monotonic() + timeout_s
     outputs, codes = [], []
+    timed_out = False
     for p in procs:
         try:
-            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            out, _ = p.communicate(timeout=None if timed_out else max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            timed_out = True
+            for q in procs:  # every rank's stacks (run_worker's faulthandler), then the end
+                if q.poll() is None:
+                    q.send_signal(signal.SIGUSR1)
+            time.sleep(3.0)
             for q in procs:
                 q.kill()
             out, _ = p.communicate()
-            out += f"\n[timed out after {timeout_s} s]"
+            out += f"\n[timed out after {timeout_s} s: the stacks above are each rank's at that moment]"
         outputs.append(out)
         codes.append(p.returncode)
     log = "\n".join(f"----- rank {r} (rc {c}) -----\n{o}" for r, (o, c) in enumerate(zip(outputs, codes)))
@@ -105,6 +113,7 @@ def run_worker(workers: dict) -> None:
     import faulthandler
     import importlib
     import os
+    import signal
     import time
     import traceback
     import warnings
@@ -120,6 +129,7 @@ def run_worker(workers: dict) -> None:
     names, rank, world, ports = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4].split(",")
     cases = [worker(name) for name in names]  # KeyError: an unknown case, before any starts
     torch.set_num_threads(1)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # launch() asks for the stacks of a launch past its limit
     config = torch._dynamo.config.save_config()
     failed = False
     for name, case, port in zip(names, cases, ports, strict=True):
@@ -149,69 +159,111 @@ def run_worker(workers: dict) -> None:
 
 
 class SessionJobs:
-    """Work that the collected tests take from other processes, started when collection ends and run one job after
-    the other in a background thread, beside the tests before them (a pytest process keeps about one core busy; the
-    jobs' processes use the other). The jobs, by test file (the order the tests need them in):
+    """Work that the collected tests take from other processes. The jobs, by test file (the order the tests need
+    them in):
 
     * ``stem:name`` for each entry of a collected test file's module-level ``BACKGROUND_JOBS`` (name -> function of
       the environment its processes get): the function's return value, or the exception it raised;
-    * ``TWO_RANKS`` and ``FOUR_RANKS``, at the first test file declaring them: one :func:`launch` of 2 (4) processes
-      carrying the worker cases that the test files list under those names, for the files with a selected test
-      taking the ``two_ranks`` (``four_ranks``) fixture, so the processes start and import torch once for all of
-      those files: the launch's output, from which each test reads its case's line.
+    * the launches of the worker cases that test files list under ``TWO_RANKS`` and ``FOUR_RANKS`` (2 and 4
+      processes, :func:`launch`), for the files with a selected test taking the ``two_ranks`` (``four_ranks``)
+      fixture: the launch's output, from which each test reads its case's line.
+
+    In a plain run (``lazy=False``) the jobs start when collection ends and run one after the other in a background
+    thread, beside the tests before them (a pytest process keeps about one core busy; the jobs' processes use the
+    other), and each launch carries the cases of every file declaring it (``TWO_RANKS``, ``FOUR_RANKS``), so its
+    processes start and import torch once. Under pytest-xdist (``lazy=True``) every worker collects every test, so
+    nothing starts at collection: a job runs on the worker that asks for it first, in that test, and each file has
+    launches of its own (``stem:TWO_RANKS``), so that the files' launches run in parallel on several workers; the
+    ``xdist_group`` mark (:meth:`group_of`, with ``--dist loadgroup``) sends every test reading one job to one worker.
 
     The jobs' processes get the environment as it was when collection ended: a test running meanwhile may set a
     variable for itself (``monkeypatch.setenv("MXFX_POLICY", ...)``) that must not reach them. A test waits for
-    its job with :meth:`result`.
+    its job with :meth:`result`; a launch that outlives its limit prints its processes' stacks and is killed
+    (:func:`launch`). Under pytest-timeout (``--timeout T``) a lazy launch's limit is ``T`` less a margin, so the
+    test fails with the processes' output rather than with the timeout's.
     """
 
     WORLDS = {"TWO_RANKS": 2, "FOUR_RANKS": 4}
 
-    def __init__(self, session):
+    def __init__(self, session, lazy: bool = False):
         import os
         import threading
-        from pathlib import Path
 
         self.environ = dict(os.environ)
+        self.lazy = lazy
         self.procs: list = []
+        timeout = getattr(session.config.option, "timeout", None)  # pytest-timeout's, when installed
+        self.test_timeout_s = float(timeout) if timeout else None
         modules, needs = {}, {attr: set() for attr in self.WORLDS}
         for item in session.items:
             module = getattr(item, "module", None)
             if module is not None:
-                stem = Path(module.__file__).stem
+                stem = _stem(module)
                 modules[stem] = module
-                for attr in self.WORLDS:  # a selected test that takes the launch's fixture (or any, by request)
-                    if getattr(module, attr, None) and ({attr.lower(), "request"} & set(item.fixturenames)):
+                for attr in self.WORLDS:  # a selected test that takes the launch's fixture
+                    if getattr(module, attr, None) and attr.lower() in item.fixturenames:
                         needs[attr].add(stem)
         self.jobs = {}
         for stem, module in sorted(modules.items()):
             for attr, world in self.WORLDS.items():
-                if stem in needs[attr] and attr not in self.jobs:
-                    self.jobs[attr] = self._launch(world, {s: modules[s] for s in sorted(needs[attr])}, attr)
+                if stem in needs[attr]:
+                    if lazy:
+                        self.jobs[f"{stem}:{attr}"] = self._launch(world, {stem: module}, attr)
+                    elif attr not in self.jobs:
+                        self.jobs[attr] = self._launch(world, {s: modules[s] for s in sorted(needs[attr])}, attr)
             for name, fn in getattr(module, "BACKGROUND_JOBS", {}).items():
                 self.jobs[f"{stem}:{name}"] = lambda fn=fn: fn(self.environ)
         self.results: dict = {}
+        self.lock = threading.Lock()
         self.done = {name: threading.Event() for name in self.jobs}
-        if self.jobs:
+        if self.jobs and not lazy:
             threading.Thread(target=self._run, name="session jobs", daemon=True).start()
+
+    @classmethod
+    def group_of(cls, item) -> str | None:
+        """The ``xdist_group`` of a test reading a job: ``stem:TWO_RANKS`` / ``stem:FOUR_RANKS`` for the launch
+        fixtures, ``stem:jobs`` for ``session_job``; ``None`` for any other test."""
+        module = getattr(item, "module", None)
+        if module is None:
+            return None
+        for attr in cls.WORLDS:
+            if attr.lower() in item.fixturenames:
+                return f"{_stem(module)}:{attr}"
+        return f"{_stem(module)}:jobs" if "session_job" in item.fixturenames else None
+
+    def launch_of(self, attr: str, module) -> str:
+        """The job name of the ``attr`` (``TWO_RANKS``, ``FOUR_RANKS``) launch carrying ``module``'s cases."""
+        return f"{_stem(module)}:{attr}" if self.lazy else attr
 
     def _launch(self, world: int, declared: dict, attr: str):
         cases = [f"{stem}:{case}" for stem, m in declared.items() for case in getattr(m, attr)]
         script = next(iter(declared.values())).__file__
-        return lambda: launch(script, ",".join(cases), world, timeout_s=CASE_TIMEOUT_S * len(cases) + 60, check=False,
-                              started=self.procs, environ=self.environ)
+        limit = CASE_TIMEOUT_S * len(cases) + 60
+        if self.lazy and self.test_timeout_s:
+            limit = min(limit, max(10.0, self.test_timeout_s - 20))
+        return lambda: launch(script, ",".join(cases), world, timeout_s=limit, check=False, started=self.procs,
+                              environ=self.environ)
+
+    def _run_one(self, name: str):
+        try:
+            self.results[name] = (self.jobs[name](), None)
+        except BaseException as e:  # the tests of this job raise it (a skip too; under pytest-timeout, its failure)
+            self.results[name] = (None, e)
+        finally:
+            self.done[name].set()
 
     def _run(self):
-        for name, fn in self.jobs.items():
-            try:
-                self.results[name] = (fn(), None)
-            except BaseException as e:  # the test of this job raises it (a skip too)
-                self.results[name] = (None, e)
-            finally:
-                self.done[name].set()
+        for name in self.jobs:
+            self._run_one(name)
 
     def result(self, name: str):
-        """The result of job ``name`` once it has ended (its exception raised here)."""
+        """The result of job ``name`` once it has ended (its exception raised here); a lazy job runs now, once."""
+        if name not in self.jobs:
+            raise KeyError(f"no session job {name!r}: the collected jobs are {sorted(self.jobs)}")
+        if self.lazy:
+            with self.lock:
+                if not self.done[name].is_set():
+                    self._run_one(name)
         self.done[name].wait()
         value, error = self.results[name]
         if error is not None:
@@ -223,6 +275,12 @@ class SessionJobs:
         for p in self.procs:
             if p.poll() is None:
                 p.kill()
+
+
+def _stem(module) -> str:
+    from pathlib import Path
+
+    return Path(module.__file__).stem
 
 
 def exit_worker() -> None:
@@ -240,10 +298,10 @@ def exit_worker() -> None:
 
 def run_interpreter_checks(test_file: str, environ: dict | None = None) -> None:
     """Run ``test_file --interpret`` in a fresh interpreter under ``TRITON_INTERPRET=1`` (Triton's CPU interpreter
-    is chosen at import time, so it needs its own process); raises CalledProcessError if the checks fail.
+    is chosen at import time, so it needs its own process); fails with the checks' output if they fail.
 
-    Skips instead where the checks failed and this Triton's interpreter cannot run a loop with a tensor bound
-    at all (:func:`_interpreter_loop_probe`): Triton 3.6 (torch 2.11's) under NumPy 2.4+ (triton-lang/triton#9171).
+    Skips, with one line saying why, where this Triton's interpreter cannot run a loop with a tensor bound at all
+    (:func:`_interpreter_loop_probe`, run first): Triton 3.6 (torch 2.11's) under NumPy 2.4+ (triton-lang/triton#9171).
     """
     import os
     import subprocess
@@ -254,14 +312,14 @@ def run_interpreter_checks(test_file: str, environ: dict | None = None) -> None:
     env = dict(os.environ if environ is None else environ, TRITON_INTERPRET="1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    try:
-        subprocess.run([sys.executable, os.path.abspath(test_file), "--interpret"], check=True, env=env, cwd=root)
-    except subprocess.CalledProcessError:
-        probe = subprocess.run([sys.executable, "-c", "from tests.helpers import _interpreter_loop_probe as p; p()"],
-                               env=env, cwd=root, capture_output=True, text=True)
-        if probe.returncode == _NO_TENSOR_LOOPS:
-            pytest.skip(probe.stdout.strip())
-        raise
+    probe = subprocess.run([sys.executable, "-c", "from tests.helpers import _interpreter_loop_probe as p; p()"],
+                           env=env, cwd=root, capture_output=True, text=True)
+    if probe.returncode == _NO_TENSOR_LOOPS:
+        pytest.skip(probe.stdout.strip())
+    assert probe.returncode == 0, f"the Triton interpreter probe failed:\n{probe.stdout}{probe.stderr}"
+    checks = subprocess.run([sys.executable, os.path.abspath(test_file), "--interpret"], env=env, cwd=root,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert checks.returncode == 0, f"{test_file} --interpret failed:\n{checks.stdout[-8000:]}"
 
 
 _NO_TENSOR_LOOPS = 3

@@ -22,6 +22,7 @@ def _last_line_of_fresh_process(code: str) -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_entry_point_without_importing_mxfx():
     err = float(_last_line_of_fresh_process(
         "import sys, torch\n"
@@ -34,6 +35,7 @@ def test_entry_point_without_importing_mxfx():
     assert 0 < err < 0.1  # quantized (not identical to fp32) but close
 
 
+@pytest.mark.slow
 def test_import_registers_every_custom_op():
     """``import mxfx`` alone makes every ``torch.ops.mxfx`` op callable (a fresh process imports nothing else)."""
     assert _last_line_of_fresh_process(
@@ -244,6 +246,7 @@ def test_policy_is_hashable_and_equal_by_settings():
     assert dataclasses.asdict(a)["passes"] == {"linear": False}
 
 
+@pytest.mark.slow
 def test_compile_mode_reaches_inner_inductor_without_cuda_graphs():
     """torch.compile(mode=...) is not dropped: Inductor gets the mode's settings, less the CUDA graphs that
     would replay past the weight caches' freshness checks (said in a warning)."""

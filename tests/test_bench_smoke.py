@@ -30,6 +30,7 @@ def test_crossover_quick(monkeypatch, tmp_path):
     assert (tmp_path / "crossover.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_train_step_quick(monkeypatch, tmp_path):
     import torch._dynamo.config as dynamo_config
 
@@ -43,6 +44,7 @@ def test_train_step_quick(monkeypatch, tmp_path):
     assert res["phase1"]["mxfp8"]["rewritten"] > 0
 
 
+@pytest.mark.slow
 def test_moe_layer_tiny(monkeypatch, tmp_path):
     # the two mxfx arms with options of their own (each arm is the same measuring loop; the BF16 arm, torch's own
     # Inductor compile of the layer, adds a cold compile and nothing of the script or of mxfx)
@@ -83,6 +85,7 @@ def test_moe_layer_padded_groups_are_exact(monkeypatch):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_scale_rule_study_tiny(monkeypatch, tmp_path):
     run_script(monkeypatch, "examples/scale_rule_study.py", "--d-model", "64", "--layers", "1", "--experts", "4",
                "--expert-hidden", "64", "--shared-hidden", "64", "--seq", "32", "--batch", "2",
@@ -106,6 +109,7 @@ def test_movement_ceiling_variants_move_their_bytes():
     subprocess.run([sys.executable, "-c", "from bench import movement; movement.check()"], check=True, cwd=ROOT, env=env)
 
 
+@pytest.mark.slow
 def test_hf_models_smoke(monkeypatch, tmp_path):
     pytest.importorskip("transformers")
     run_script(monkeypatch, "bench/hf_models.py", "--smoke", "--model", "olmoe", "--layers", "1", "--microbatches", "2",

@@ -236,6 +236,7 @@ class _Block(torch.nn.Module):
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.slow
 def test_compiled_fp8_block_launches_its_kernels_itself(monkeypatch, dynamic):
     """Traced on CUDA, the fp8_block quantize kernels enter the graph through ``wrap_triton`` and the dense
     GEMMs as ``_scaled_mm``, launched by Inductor's own code: no ``mxfx::block_*`` quantize op is left, only the

@@ -42,6 +42,7 @@ def _step(fn, x, offs):
     return loss.detach()
 
 
+@pytest.mark.slow
 def test_fp8_block_step_runs_fp8_gemms_only():
     torch.manual_seed(0)
     model = LinearThenExperts().cuda()

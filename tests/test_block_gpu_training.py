@@ -75,6 +75,7 @@ def _train(model, fn, batches):
     return losses
 
 
+@pytest.mark.slow
 def test_fp8_block_trains_like_bf16_and_refreshed_caches_equal_fresh_ones():
     batches = _batches(STEPS + 1)
     held_out = batches.pop()

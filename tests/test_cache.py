@@ -405,6 +405,7 @@ def test_compiled_step_default_pipeline_updates_parameters():
     assert not torch.equal(model.up.weight, w)
 
 
+@pytest.mark.slow
 def test_compiled_step_inductor():
     model, x = _model(), _x()
     opts = {**OPTS, "inner": "inductor"}

@@ -40,6 +40,7 @@ def _generated(backend_name: str, **kw) -> str:
 
 
 @pytest.mark.parametrize("fmt", ["mxfp8", "fp8_block"])
+@pytest.mark.slow
 def test_no_buffer_of_an_mxfx_graph_is_reused(fmt):
     plain = _generated("inductor")
     assert "# reuse" in plain  # the graph has buffers Inductor would reuse

@@ -107,6 +107,7 @@ class _Block(torch.nn.Module):
 
 @cuda
 @pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.slow
 def test_compiled_cuda_graph_launches_mx_kernels_itself(monkeypatch, dynamic):
     """Traced on CUDA, the MX ops go into the graph as Triton kernels that Inductor launches from its own
     code: the generated code calls no mxfx:: custom op except the weight-cache lookups, and loss and

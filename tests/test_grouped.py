@@ -7,6 +7,7 @@ import torch.nn.functional as F
 import mxfx
 from mxfx.numerics.layout import group_padding
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
+from mxfx.ops.linear import mx_linear
 from tests import format_refs as refs
 
 SIZES = [5, 0, 40, 19]  # an empty expert and groups that are not multiples of 32
@@ -170,3 +171,27 @@ def test_swiglu_grouped_compiled_equals_eager():
         grads.append((gu.grad.clone(), w.grad.clone()))
     for eager, compiled in zip(*grads):
         assert torch.equal(eager, compiled)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "fp8_block"])
+def test_ops_called_in_user_code_compile_whole_under_dynamo(fmt):
+    """User code calling the public ops itself under ``torch.compile(fullgraph=True)`` (any backend: no mxfx rewrite)
+    traces without a graph break, the default settings included (a Format built from dataclass defaults is an
+    object Dynamo cannot create; the CPU group-ends check must not read offs values while Dynamo traces), and gives
+    eager's result: the same ops run (bf16 outputs: a bound of one bf16 rounding, for GEMM kernels that may
+    split their sums differently once traced)."""
+    g = torch.Generator().manual_seed(0)
+    sizes = [70, 0, 33, 150, 3]
+    x = torch.randn(sum(sizes), 128, generator=g).bfloat16()
+    w = torch.randn(len(sizes), 256, 128, generator=g) * 0.05
+    rw = torch.rand(sum(sizes), 1, generator=g).bfloat16()
+    lw = torch.randn(256, 128, generator=g) * 0.05
+    offs = torch.cumsum(torch.tensor(sizes), 0).to(torch.int32)
+    kw = {} if fmt == "mxfp8" else {"format": fmt}  # the default settings, or a format by name
+
+    def fn(x, w, rw, lw):
+        return mx_grouped_mm_op(x, w, offs, route_weight=rw, **kw), mx_linear(x, lw, None, **kw)
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    for got, want in zip(compiled(x, w, rw, lw), fn(x, w, rw, lw)):
+        torch.testing.assert_close(got, want, rtol=2**-7, atol=0)

@@ -43,6 +43,7 @@ def _trainer(model, out, steps) -> T.Trainer:
     return T.Trainer(model=model, args=args, train_dataset=hf_trainer.ByteText(32, 32))
 
 
+@pytest.mark.slow
 def test_trainer_trains_resumes_and_reloads_with_fresh_caches(tmp_path):
     model = hf_trainer.tiny_olmoe()
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -217,6 +217,7 @@ def test_policy_wgrad_bf16_and_module_rule():
     assert count_calls(cap.backward, torch.ops.mxfx.cached_weight.default) == 1  # the dgrad weight (mxfx.runtime.cache)
 
 
+@pytest.mark.slow
 def test_compiled_inductor_equals_eager_rewrite_and_differs_from_bf16():
     torch.manual_seed(0)
     model, x = Block(), torch.randn(2, 48, 64)

@@ -176,6 +176,7 @@ def _run_linear(mode: str, fmt, rule: str):
 
 @pytest.mark.parametrize("mode", ["eager", "aot_eager", "inductor"])
 @pytest.mark.parametrize("fmt,rule", [RULES[1], RULES[3]], ids=[IDS[1], IDS[3]])
+@pytest.mark.slow
 def test_linear_sites_eager_and_compiled(mode, fmt, rule):
     x, w, dy = _run_linear(mode, fmt, rule)
     table = mxfx.stats()

@@ -23,7 +23,7 @@ import torch
 
 from mxfx.numerics.block import check_input, check_rule, group_tile_capacity, n_tiles
 from mxfx.kernels import block_device_path, block_gemm
-from mxfx.kernels.launch import name_op_functions, op_or_body, traced
+from mxfx.kernels.launch import name_op_functions, op_or_body, readable_on_host
 from mxfx.numerics.layout import check_group_ends
 
 _E4M3 = torch.float8_e4m3fn
@@ -67,7 +67,7 @@ def _check_offs(op: str, offs: torch.Tensor, x: torch.Tensor) -> None:
     if offs.dtype != torch.int32 or offs.dim() != 1 or offs.device != x.device:
         raise ValueError(f"mxfx::{op}: offs must be int32 [G] on {x.device}, got {offs.dtype} {tuple(offs.shape)} on "
                          f"{offs.device}")
-    if offs.device.type == "cpu" and not traced(offs):  # host values: checked here, as the CPU reference reads them
+    if readable_on_host(offs):  # host values: checked here, as the CPU reference reads them
         check_group_ends(offs.tolist(), x.shape[0], f"mxfx::{op}")
 
 

@@ -32,6 +32,13 @@ def traced(t: torch.Tensor) -> bool:
     return isinstance(t, (FakeTensor, FunctionalTensor))
 
 
+def readable_on_host(t: torch.Tensor) -> bool:
+    """True where ``t``'s values can be read now without a device sync or a trace-time guard: a CPU tensor of
+    data, neither a tracing stand-in (:func:`traced`) nor a tensor Dynamo is tracing (code calling an mxfx op
+    compiled with ``torch.compile``)."""
+    return t.device.type == "cpu" and not traced(t) and not torch.compiler.is_compiling()
+
+
 _ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
 

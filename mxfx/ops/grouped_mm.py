@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from mxfx.kernels.launch import traced
+from mxfx.kernels.launch import readable_on_host
 from mxfx.kernels.mx_gemm import hp_grouped_wgrad
 from mxfx.numerics import layout
 from mxfx.numerics.mx import INPUT_DTYPES
@@ -192,7 +192,7 @@ def mx_grouped_mm_op(
             f"{op}: offs of shape {tuple(offs.shape)} has dtype {offs.dtype}; it holds the int32 cumulative "
             f"group ends, as torch._grouped_mm takes them: pass offs.to(torch.int32)"
         )
-    if offs.device.type == "cpu" and not traced(offs):  # host values: checked here (on a GPU it would be a sync)
+    if readable_on_host(offs):  # host values: checked here (on a GPU it would be a sync)
         layout.check_group_ends(offs.tolist(), x.shape[0], op)
     out_dtype = out_dtype or x.dtype
     fmt = settings.format

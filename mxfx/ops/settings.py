@@ -85,6 +85,12 @@ def settings_of(kwargs: dict) -> OpSettings:
     return OpSettings(**{k: kwargs[k] for k in FIELDS if k in kwargs})
 
 
+_DEFAULTS = {wgrad: OpSettings(wgrad=wgrad) for wgrad in PRECISIONS}
+"""The default settings by wgrad precision, built once: an op traced by Dynamo (``torch.compile`` of code calling
+the op itself) then reads a module global instead of building a Format from the dataclass defaults, an object
+Dynamo cannot create without a source."""
+
+
 def resolve(op: str, settings: OpSettings | None, fields: dict, wgrad_default: str) -> OpSettings:
     """The settings of one op call: ``settings`` with ``fields`` (keyword arguments named as
     :class:`OpSettings` fields) replacing its values; without ``settings``, the defaults with
@@ -97,7 +103,9 @@ def resolve(op: str, settings: OpSettings | None, fields: dict, wgrad_default: s
     unknown = sorted(set(fields) - set(FIELDS))
     if unknown:
         raise TypeError(f"{op}: unknown keyword(s) {unknown}; settings keywords are {', '.join(FIELDS)}")
-    base = settings if settings is not None else OpSettings(wgrad=wgrad_default)
+    base = settings if settings is not None else _DEFAULTS[wgrad_default]
+    if not fields:
+        return base
     try:
         return dataclasses.replace(base, **fields)
     except ValueError as e:
