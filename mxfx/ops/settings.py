@@ -38,7 +38,7 @@ class OpSettings:
     wgrad: str = "mxfp8"
     save: str = "mxfp8"
     keep_dequantized_weights: bool = False
-    format: Format | str = formats.DEFAULT
+    format: Format | str = formats.DEFAULT.name  # a name, not the object: Dynamo reads defaults without a source
     stats: str = ""
     stats_every: int = 100
 
