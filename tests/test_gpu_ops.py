@@ -73,7 +73,7 @@ def test_grouped_cuda_matches_cpu(swiglu, wgrad, compiled):
 @cuda
 @pytest.mark.parametrize("rows,end", [(263, 0), (263, 37), (263, 200), (263, 263), (9000, 100), (9000, 0)])
 def test_zero_rows_past_end_writes_only_the_tail(rows, end):
-    from mxfx.kernels.zero_rows import zero_rows_past_end_
+    from mxfx.kernels.common.zero_rows import zero_rows_past_end_
 
     out = torch.randn(rows, 1030, device="cuda", dtype=torch.bfloat16)  # 9000 rows: more tiles than programs
     before = out.clone()

@@ -18,8 +18,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mxfx.formats.base import Format, ScaleRule, register
-from mxfx.kernels import block_device_path, block_ops, mx_swiglu
+from mxfx.formats.base import GEMM_OPS, Format, ScaleRule, register
+from mxfx.kernels.fp8_block import custom_ops as block_ops
+from mxfx.kernels.fp8_block import device_path as block_device_path
+from mxfx.kernels.common import swiglu
+from mxfx.kernels.mx import swiglu_operand as mx_swiglu
 from mxfx.numerics.block import TILE, dequantize_128x128, dequantize_values, n_tiles
 from mxfx.numerics.mx import E4M3_MAX
 from mxfx.runtime import cache, stats
@@ -81,7 +84,7 @@ class FP8Block(Format):
     bytes_per_value = 1 + 4 / TILE
     scale_dtype = torch.float32
     transport = "mxfp8"  # no fp8_block all-to-all kernel: expert-parallel payloads travel as MXFP8
-    native_archs = ("sm90",)
+    native_gemms = {"sm90": frozenset(GEMM_OPS)}  # cuBLAS blockwise dense, Triton grouped (FP8 tl.dot)
     gather_row_multiple = TILE
     colour = "#7fd1c7"
     description = "fp8_block: rceil/amax FP32 scales per 1x128 tile and 128x128 weight block"
@@ -148,7 +151,7 @@ class FP8Block(Format):
         if len(packed) == 4:
             gq, gs, uq, us = packed
             packed = (self.dequantize((gq, gs), torch.float32), self.dequantize((uq, us), torch.float32))
-        return mx_swiglu.backward(dh, packed)
+        return swiglu.backward(dh, *packed)
 
     def rows_quantize_call(self, rule, device):
         return torch.ops.mxfx.block_quantize.default, (str(rule),), 2

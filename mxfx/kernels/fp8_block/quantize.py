@@ -7,7 +7,7 @@ One kernel reads a ``[B, R, C]`` view through its strides and encodes tiles of i
   leading dims merged, column-major (stride ``(1, M)``: what cuBLAS's blockwise GEMM and the grouped
   kernel read, contiguous along rows);
 * :func:`swiglu_quantize_1x128`: the same for ``silu(gate) * up`` formed in FP32 in the same pass
-  (mxfx's SiLU, ``mxfx.kernels.silu``);
+  (mxfx's SiLU, ``mxfx.kernels.common.silu``);
 * :func:`quantize_1x128_colwise`: ``x [T, K]`` tiled along the tokens T (wgrad's operands) ->
   qdata ``[K, T]`` (the transpose, row-major: the K-major operand of ``dW = dY^T X``) and scales
   ``[K, ceil(T/128)]`` column-major;
@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from mxfx.numerics.block import SCALE_RULES, TILE, check_input, check_rule, group_tile_capacity, n_tiles
-from mxfx.kernels.launch import launch
-from mxfx.kernels.mx_block import silu_f32
+from mxfx.kernels.common.launch import launch
+from mxfx.kernels.common.silu_triton import silu_f32
 
 ROWWISE_ROWS = 32
 """Rows per program of the 1x128 rowwise kernels (one 128-wide tile each); 4 warps."""
