@@ -21,7 +21,8 @@ import warnings
 
 import torch
 
-from mxfx.numerics.block import check_input, check_rule, group_tile_capacity, n_tiles
+from mxfx.numerics.block import check_rule, group_tile_capacity, n_tiles
+from mxfx.numerics.mx import check_input
 from mxfx.kernels.fp8_block import device_path, gemm
 from mxfx.kernels.common.launch import name_op_functions, op_or_body, traced
 from mxfx.numerics.layout import check_group_ends
@@ -48,7 +49,7 @@ def _check_inputs(op: str, rule: str, **tensors: torch.Tensor | None) -> None:
     for name, t in tensors.items():
         if t is None:
             continue
-        check_input(t, f"mxfx::{op} ({name})")
+        check_input(t, f"mxfx::{op} ({name})", "fp8_block", min_dim=1)
         _check_2d(t, op)
         if t.shape[1] == 0:
             raise ValueError(f"mxfx::{op}: {name} of shape {tuple(t.shape)} has no features to quantize (K = 0)")
