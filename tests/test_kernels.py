@@ -92,8 +92,8 @@ def test_cpu_path_never_loads_triton_kernels():
     """Importing mxfx and running its ops on CPU tensors imports no Triton kernel module of mxfx (torch's Dynamo
     imports Triton itself where it is installed)."""
     code = (
-        "import sys, torch, mxfx; from mxfx.kernels.mx import device_path as d;"
-        "x = torch.randn(64, 64); d.quantize_lastdim(x, 'rceil'); d.quantize_blocked(x, 'rceil');"
+        "import sys, torch, mxfx; from mxfx.kernels.mx import device_path as d; from mxfx.kernels.common import swiglu;"
+        "x = torch.randn(64, 64); d.quantize_lastdim(x, 'rceil'); d.quantize_blocked(x, 'rceil'); swiglu.product(x, x);"
         f"bad = [m for m in sys.modules if m.startswith('mxfx.kernels') and m not in {TORCH_ONLY_KERNEL_MODULES!r}];"
         "assert not bad, bad"
     )
@@ -478,6 +478,49 @@ def test_swiglu_silu_every_gate(dtype):
                     with_saved_inputs(with_values(ref, torch.bfloat16), g, u, rule))
 
 
+def test_swiglu_product_cpu_reference_and_errors():
+    """``mxfx::swiglu_product``, the values a SwiGLU's wgrad operand is quantized from: on the CPU the fused
+    quantize's own product (quantized, its bytes), flush band included; clear errors for mismatched inputs."""
+    from mxfx.kernels.common import swiglu
+
+    g = torch.cat([torch.randn(31, 64) * 4, torch.full((1, 64), -88.0)])  # a row in the SiLU's flush band
+    u = torch.randn(32, 64).to(torch.bfloat16)
+    p = swiglu.product(g, u)
+    assert p.dtype == torch.float32 and p.is_contiguous() and torch.equal(p[-1], torch.full((64,), -0.0))
+    assert_same(mxf.quantize_lastdim(p, "rceil"), device_path.swiglu_quantize(g, u, "rceil"))
+    assert torch.equal(swiglu.product(g.t(), u.t()), p.t())
+    with pytest.raises(ValueError, match=r"swiglu_product: gate of shape \(32, 64\) and up of shape \(32, 32\)"):
+        swiglu.product(g, u[:, :32])
+    with pytest.raises(TypeError, match=r"swiglu_product: gate \(torch.float32\) and up \(torch.int32\)"):
+        swiglu.product(g, u.int())
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_swiglu_product_kernel_is_the_fused_product(dtype):
+    """The product kernel (the wgrad operands' values) computes mxfx's SiLU times up in fp32 as the fused SwiGLU
+    quantizes do, bit for bit: equal to torch's CUDA silu with mxfx's flush, on every bf16/fp16 gate or fp32 sweeps
+    across the flush band, with ordinary ups; quantized, it is the fused kernel's output; strided gate/up (halves of
+    one gate_up tensor, a transposed view, a 3D batch) give the same values."""
+    from mxfx.kernels.common import swiglu
+
+    if dtype == torch.float32:
+        g = torch.cat([torch.linspace(-100, 10, 2**16), -torch.logspace(0, 38, 2**14)]).to("cuda").reshape(-1, 64)
+    else:
+        g = torch.arange(-2**15, 2**15, device="cuda").to(torch.int16).view(dtype).reshape(-1, 64)
+    u = torch.randn(g.shape, generator=torch.Generator().manual_seed(2)).to("cuda", dtype)
+    p = swiglu.product(g, u)
+    gf = g.float()
+    want = torch.where((gf <= FLUSH_GATE) & gf.isfinite(), torch.full_like(gf, -0.0), F.silu(gf)) * u.float()
+    assert same_bits(p, want)
+    for rule in mxf.SCALE_RULES:
+        assert_same(device_path.quantize_lastdim(p, rule), device_path.swiglu_quantize(g, u, rule))
+    gu = torch.cat([g, u], dim=-1)
+    assert same_bits(swiglu.product(gu[:, :64], gu[:, 64:]), p)
+    assert same_bits(swiglu.product(g.t(), u.t()), p.t())
+    assert same_bits(swiglu.product(g.reshape(4, -1, 64), u.reshape(4, -1, 64)), p.reshape(4, -1, 64))
+
+
 @cuda
 def test_swiglu_quantize_fused_gate_up():
     gu = rand((3, 100, 2 * 512), torch.bfloat16, scale_rows=False) * 3
@@ -744,6 +787,23 @@ def _interpreter_swiglu_checks():
             if save:
                 assert same_bits(ref[2], mxf.dequantize_lastdim(ref[0], ref[1], torch.float32))
                 assert_same(ref[3:], (*mxf.quantize_lastdim(g, "rceil"), *mxf.quantize_lastdim(u, "rceil")))
+    # the wgrad operands' product kernel: the fused kernel's SiLU and multiply (its quantize gives the fused bytes),
+    # the same values from strided gate/up and from a 3D batch
+    from mxfx.kernels.common import silu_triton
+    from mxfx.kernels.mx import quantize
+
+    for rows, h in ((64, 96), (3, 512)):
+        gu = exact_input((64, 2 * h), seed=h)[:rows]
+        g, u = gu[:, :h], gu[:, h:]
+        p = silu_triton.swiglu_product(g.contiguous(), u.contiguous())
+        assert p.dtype == torch.float32 and p.shape == (rows, h)
+        for gate, up in ((g, u), (g.t().contiguous().t(), u)):
+            assert same_bits(silu_triton.swiglu_product(gate, up), p)
+        assert_same(quantize.quantize_lastdim(p, "rceil"), swiglu.swiglu_quantize(g, u, "rceil"))
+    gu3 = exact_input((2, 64, 192), seed=7)
+    p3 = silu_triton.swiglu_product(gu3[..., :96], gu3[..., 96:])
+    assert same_bits(p3, silu_triton.swiglu_product(gu3[..., :96].reshape(128, 96), gu3[..., 96:].reshape(128, 96)).reshape(2, 64, 96))
+    assert silu_triton.swiglu_product(torch.zeros(0, 64), torch.zeros(0, 64)).shape == (0, 64)  # no launch
 
 
 BACKGROUND_JOBS = {"interpreter": lambda environ: run_interpreter_checks(__file__, environ)}  # tests/conftest.py
@@ -776,7 +836,7 @@ def test_opaque_kernels_switch(monkeypatch, value, opaque):
 def test_traced_path_calls_the_ops_own_body(monkeypatch):
     """Each MX op callers use runs its custom op, or (when a CUDA graph is traced) the op's body: the
     same function with the same arguments. Forced to the body on CPU, every op gives the op's bytes."""
-    from mxfx.kernels.common import launch
+    from mxfx.kernels.common import launch, swiglu
     from mxfx.kernels.mx import custom_ops
     from mxfx.kernels.mx import gemm
 
@@ -797,12 +857,13 @@ def test_traced_path_calls_the_ops_own_body(monkeypatch):
             gemm.mx_grouped_mm(q, s, wq, ws, offs, torch.float32, False),
             gemm.mx_grouped_mm_wgrad(qt[:32], st[:32], qt, st, torch.tensor([32, 32, 96], dtype=torch.int32), torch.float32,
                                      False),
+            swiglu.product(x, u),
         ]
 
     ops = run_all()
     monkeypatch.setattr(launch, "inline_in_graph", lambda t: True)
     bodies = run_all()
-    assert len(ops) == len(bodies) == 19
+    assert len(ops) == len(bodies) == 20
     for a, b in zip(ops, bodies):
         assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
                            b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)

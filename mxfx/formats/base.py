@@ -18,7 +18,6 @@ import torch
 
 from mxfx.kernels.common import device as devices
 from mxfx.kernels.common.silu import swiglu_fp32
-from mxfx.kernels.mx import swiglu_operand as mx_swiglu
 from mxfx.runtime import stats
 
 
@@ -219,9 +218,8 @@ class Format:
 
     def stats_values(self, source, combine: str, layout: str = "rows") -> torch.Tensor:
         """The float32 values a quantize read, formed from ``source`` as ``combine`` says
-        (:data:`mxfx.runtime.stats.COMBINES`): ``source[0]`` itself, ``silu(gate) * up`` in fp32 ("swiglu": for
-        ``layout="rows"`` the fused SwiGLU quantizes' product, :func:`mxfx.kernels.common.silu.swiglu_fp32`; for
-        "tokens" the product the wgrad operand is quantized from, :func:`mxfx.kernels.mx.swiglu_operand.swiglu_fp32`),
+        (:data:`mxfx.runtime.stats.COMBINES`): ``source[0]`` itself, ``silu(gate) * up`` in fp32 ("swiglu": the one
+        product the forward and wgrad operands of a SwiGLU are quantized from, :func:`mxfx.kernels.common.silu.swiglu_fp32`),
         or rows times route weights in fp32 ("route_weight").
 
         Raises:
@@ -230,8 +228,7 @@ class Format:
         if combine == "":
             return source[0].detach().float()
         if combine == "swiglu":
-            gate, up = source[0].detach(), source[1].detach()
-            return mx_swiglu.swiglu_fp32(gate, up) if layout == "tokens" else swiglu_fp32(gate, up)
+            return swiglu_fp32(source[0].detach(), source[1].detach())
         if combine == "route_weight":
             return source[0].detach().float() * source[1].detach().reshape(-1, 1).float()
         raise ValueError(f"mxfx.formats: combine={combine!r} is not valid; choose one of {stats.COMBINES}")

@@ -22,7 +22,6 @@ from mxfx.formats.base import GEMM_OPS, Format, ScaleRule, register
 from mxfx.kernels.fp8_block import custom_ops as block_ops
 from mxfx.kernels.fp8_block import device_path as block_device_path
 from mxfx.kernels.common import swiglu
-from mxfx.kernels.mx import swiglu_operand as mx_swiglu
 from mxfx.numerics.block import TILE, dequantize_128x128, dequantize_values, n_tiles
 from mxfx.numerics.mx import E4M3_MAX
 from mxfx.runtime import cache, stats
@@ -98,7 +97,7 @@ class FP8Block(Format):
 
     def forward_operands(self, x, up, rule, save, tokens, offs=None, given=None):
         rule = str(rule)
-        source = (x if up is None else mx_swiglu.swiglu_fp32(x, up)) if tokens else None
+        source = (x if up is None else swiglu.product(x, up)) if tokens else None  # the forward quantize's values
         if given is not None:  # x quantized before the dispatch's row gather (mxfx.passes.dispatch_mx); up is None
             t = tuple(block_ops.block_quantize_grouped_tokens(source, offs, rule)) if tokens else None
             return tuple(given), t, ()

@@ -232,7 +232,7 @@ class MXFP8(Format):
             a = quantize_operand(x, rule, self.values_dtype(op, x.device))
         if not tokens:
             return a, None, packed
-        h = x if up is None else mx_swiglu.swiglu_fp32(x, up)
+        h = x if up is None else swiglu.product(x, up)  # the fp32 values the fused forward quantize read
         if offs is None:
             return a, (*custom_ops.quantize(_pad_tokens(h).t(), rule), None), packed
         return a, _token_blocked(h, offs, rule), packed

@@ -16,12 +16,6 @@ from mxfx.kernels.mx import custom_ops
 from mxfx.kernels.mx.gemm import a_operand, quantize_operand
 
 
-def swiglu_fp32(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` in fp32."""
-    g = gate.float()
-    return g * torch.sigmoid(g) * up.float()
-
-
 def quantize_input(x: torch.Tensor, up: torch.Tensor | None, rule: str, values: torch.dtype | None) -> tuple:
     """Rowwise MX of a GEMM's input: ``(qdata, scales, x_hat or None)``.
 
