@@ -6,7 +6,8 @@
   BF16 baseline at the same recipe; ``precision="bf16"`` instead leaves an op as the model wrote it).
 
 :func:`get` turns a policy's ``format`` value into the object (``"auto"``: the first format native on the
-device, else MXFP8). A further format (NVFP4, say) is one new module here plus its kernels.
+device, else MXFP8). A further format (NVFP4, say) is one new module here plus its kernels (a folder of
+:mod:`mxfx.kernels`).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from mxfx.formats.base import GEMM_OPS, Format, Operand, ScaleRule, register
 from mxfx.kernels.mx import custom_ops, device_path
-from mxfx.kernels.mx import swiglu_operand as mx_swiglu
+from mxfx.kernels.mx import swiglu_operand
 from mxfx.kernels.mx.gemm import (a_operand, emulation_dtype, mx_grouped_mm, mx_grouped_mm_wgrad, mx_mm,
                                   quantize_dual_operand, quantize_operand)
 from mxfx.kernels.mx.views import mn_major
@@ -208,14 +208,15 @@ class MXFP8(Format):
         return None if self.runs_natively(op, device) else emulation_dtype(device)
 
     def input_operand(self, x, up, rule, op):
-        return mx_swiglu.quantize_input(x, up, str(rule), self.values_dtype(op, x.device))
+        return swiglu_operand.quantize_input(x, up, str(rule), self.values_dtype(op, x.device))
 
     def forward_operands(self, x, up, rule, save, tokens, offs=None, given=None):
         rule = str(rule)
         op = "mm" if offs is None else "grouped_mm"
         packed = ()
         if up is not None:  # SwiGLU quantized straight from gate and up, gate/up saved per ``save`` in the same pass
-            q, s, hat, packed = mx_swiglu.quantize_input_and_pack(x, up, save, rule, self.values_dtype(op, x.device))
+            values = self.values_dtype(op, x.device)
+            q, s, hat, packed = swiglu_operand.quantize_input_and_pack(x, up, save, rule, values)
             a = (q, s, hat)
         elif given is not None:
             a = given
@@ -295,7 +296,7 @@ class MXFP8(Format):
         return a[0], a[1]  # not the dequantized values: the backward decodes the pair
 
     def swiglu_backward(self, dh, packed):
-        return swiglu.backward(dh, *mx_swiglu.unpack(packed))
+        return swiglu.backward(dh, *swiglu_operand.unpack(packed))
 
     def rows_quantize_call(self, rule, device):
         dtype = self.values_dtype("grouped_mm", device)

@@ -55,7 +55,7 @@ WIDE: tiles that divide x form every element's address in int64 from its row, no
 offsets. Same values either way; the choice per layout is measured (docs/kernel-notes.md, "Kernel choices")."""
 
 CONVERSION_FORMS = {"source": CONVERT_ALL, "source fp32": CONVERT_ALL, "transposed": CONVERT_ALL, "blocked": CONVERT_BF16X2, "dequantized": 0}
-"""Conversion forms (``mx_block.CONVERT_*`` bits) by output layout as in ``ADDRESS_FORMS``, plus those of a 16-bit
+"""Conversion forms (``blocks.CONVERT_*`` bits) by output layout as in ``ADDRESS_FORMS``, plus those of a 16-bit
 input whose dequantized forms are written too (measured: docs/kernel-notes.md, "Kernel choices")."""
 
 

@@ -4,7 +4,7 @@
 arithmetic as PyTorch's CUDA ``F.silu`` on fp32 except -0 for gates at or below -87.3365 (where F.silu's
 values are below 2^-119), then an fp32 multiply by ``up``; no 16-bit intermediate is written. gate and
 up may be separate tensors or strided halves of one fused ``gate_up`` tensor (``gate_up[..., :H]``,
-``gate_up[..., H:]``). Both of those are read as streams of 32-value blocks (``mx_block.load_blocks``),
+``gate_up[..., H:]``). Both of those are read as streams of 32-value blocks (``blocks.load_blocks``),
 so every output is written as one contiguous stream whatever H is; other strides go through 2D tiles.
 The fused forward equals ``quantize(silu_fp32(gate) * up)`` bit for bit.
 The same pass can also write the MX pairs of gate and of up themselves (``save_inputs``):
@@ -48,7 +48,7 @@ STREAM_EVEN = True
 boolean key: token counts that change between calls give at most two compiled variants). Gate_up halves keep
 their masks, except at H = 32 (measured: docs/kernel-notes.md, "Kernel choices")."""
 CONVERSION_FORMS = {"quantize": CONVERT_ALL, "wide": 0}
-"""Conversion forms (``mx_block.CONVERT_*`` bits): both for the pass that writes the MX pair alone, none where it also
+"""Conversion forms (``blocks.CONVERT_*`` bits): both for the pass that writes the MX pair alone, none where it also
 writes values or saved pairs (measured: docs/kernel-notes.md, "Kernel choices")."""
 SWIGLU_CONFIG = (16, 256, 8)
 """(BLOCK_R, BLOCK_C, num_warps) for other strides (every other column, say)."""
