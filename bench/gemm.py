@@ -4,7 +4,7 @@ Dense (16384 tokens; 4096->4096 and 4096->14336), GEMM alone, operands already q
 
 * forward ``Y = X W^T``, dgrad ``dX = dY W``, wgrad ``dW = dY^T X``;
 * ``bf16``: cuBLAS BF16 (``torch.mm`` in the layouts a linear uses);
-* ``fp8_block``: ``mxfx.kernels.block_gemm.scaled_mm`` (cuBLAS blockwise FP8: 1x128 x 128x128, wgrad
+* ``fp8_block``: ``mxfx.kernels.fp8_block.gemm.scaled_mm`` (cuBLAS blockwise FP8: 1x128 x 128x128, wgrad
   1x128 x 1x128 along the tokens);
 * ``rowwise``: ``torch._scaled_mm`` with one FP32 scale per row of each operand (torchao's FP8 rowwise).
 
@@ -12,7 +12,7 @@ Grouped (OLMoE-like: 64 experts, 65536 routed rows; 2048->2048 and 1024->2048; e
 ones with empty experts and sizes that are not multiples of 16), forward, dgrad and wgrad:
 
 * ``bf16``: ``torch._grouped_mm``; ``rowwise``: ``torch._scaled_grouped_mm`` (rowwise scales);
-* ``fp8_block``: the Triton grouped GEMM (``mxfx.kernels.block_grouped``, autotuned on first call),
+* ``fp8_block``: the Triton grouped GEMM (``mxfx.kernels.fp8_block.grouped_gemm``, autotuned on first call),
   dgrad reading the weight's transposed copy with the same 128x128 scales, wgrad (``grouped_wgrad``, bf16
   out, untuned) on operands tiled 1x128 along each group's tokens; rowwise has no wgrad arm here.
 
@@ -36,8 +36,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench._results import emit  # noqa: E402
 from mxfx.numerics import block as bf  # noqa: E402
-from mxfx.kernels import block_gemm  # noqa: E402
-from mxfx.kernels import block_device_path as bq  # noqa: E402
+from mxfx.kernels.fp8_block import gemm as block_gemm  # noqa: E402
+from mxfx.kernels.fp8_block import device_path as bq  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 

@@ -179,7 +179,7 @@ def main():
         name = keep[key]
         torch._dynamo.reset()
         cache.clear()  # an earlier arm's weight caches on these same weights would count in this arm's peak
-        if key == "mxfxopaque":  # read when the graph is traced (mxfx.kernels.launch)
+        if key == "mxfxopaque":  # read when the graph is traced (mxfx.kernels.common.launch)
             os.environ["MXFX_OPAQUE_KERNELS"] = "1"
         try:
             path = None

@@ -7,7 +7,7 @@ both (goal: each kernel within 2 points of its own ceiling). Two patterns:
 
 * :func:`stream`: flat streams, each input byte read once, H 16-bit and Q byte outputs of the same length
   (the row-wise, blocked, dequantize, SwiGLU, route-weight and source-layout passes).
-* :func:`tiles`: the dual passes' tiles (``mxfx.kernels.dual``): a ``[BM, BK]`` bf16 tile read, its rowwise bytes
+* :func:`tiles`: the dual passes' tiles (``mxfx.kernels.mx.dual``): a ``[BM, BK]`` bf16 tile read, its rowwise bytes
   stored, and the x^T tile re-read and stored transposed ``[K, M]`` (or, ``transposed=False``, in the source layout);
   ``row=False`` is the columnwise pass alone.
 
@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mxfx.kernels.dual import _store_tile
-from mxfx.kernels.mx_block import CONVERT_ALL, load_tile, tile_origin
+from mxfx.kernels.mx.dual import _store_tile
+from mxfx.kernels.mx.blocks import CONVERT_ALL, load_tile, tile_origin
 
 STREAM_TILES = [(2048, 4), (4096, 4), (4096, 8), (8192, 8)]  # (values per program, warps)
 TRANSPOSED_TILES = [(32, 64, 1, 96), (64, 64, 2, None), (128, 64, 4, None)]  # (BM, BK, warps, register cap)

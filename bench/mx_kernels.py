@@ -5,7 +5,7 @@ bandwidth = (bytes read + bytes written) / device time per call. Device time: 20
 calls, each after an L2 flush (a 256 MiB memset), captured in one CUDA graph and
 replayed; minus the same graph with the flushes alone; median of 10 replays. The
 graph removes host launch cost from the figure (that cost is what Inductor-launched
-kernels save in compiled graphs, see ``mxfx.kernels.launch``); the eager column is
+kernels save in compiled graphs, see ``mxfx.kernels.common.launch``); the eager column is
 ``triton.testing.do_bench`` of the Python call, host cost included.
 Movement ceiling: the best tile of a movement-only variant of the kernel's access pattern (same loads and stores,
 no MX arithmetic; ``bench/movement.py``), as % of the same copy. Goal: each kernel within 2 points of its ceiling.
@@ -39,7 +39,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from bench import movement  # noqa: E402
 from bench._results import emit  # noqa: E402
-from mxfx.kernels import device_path, dual, quantize, swiglu  # noqa: E402
+from mxfx.kernels.mx import device_path  # noqa: E402
+from mxfx.kernels.mx import dual
+from mxfx.kernels.mx import quantize
+from mxfx.kernels.mx import swiglu
 from mxfx.numerics.layout import to_blocked  # noqa: E402
 
 SHAPES = [(65536, 2048), (131072, 1024), (16384, 4096)]
@@ -112,7 +115,7 @@ def cases(m: int, k: int):
     w = torch.rand(m, device="cuda")
     q, s = device_path.quantize_lastdim(x, "rceil")
     qc, sc = device_path.quantize_dual_source(x, "rceil", row=False)[3:5]
-    qm, sm = device_path.quantize_dual_source(x, "rceil", col=False)[:2]  # MN-major scales (mxfx.kernels.views)
+    qm, sm = device_path.quantize_dual_source(x, "rceil", col=False)[:2]  # MN-major scales (mxfx.kernels.mx.views)
     xf = x.float()  # an FP32 main weight of this shape
     q8 = n * (1 + 1 / 32)  # e4m3 payload + E8M0 scales
     return [

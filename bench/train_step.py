@@ -12,7 +12,7 @@ weights (one seed) and same batches:
       weight dequantize per GEMM). Not in the default ``--arms``;
   (b'') ``mxfp8opaque``: (b) with ``MXFX_OPAQUE_KERNELS=1``: the MX ops stay opaque
       custom ops in the graph instead of Triton kernels launched by Inductor
-      (``mxfx.kernels.launch``); shows what the host cost of custom ops was. Not in the
+      (``mxfx.kernels.common.launch``); shows what the host cost of custom ops was. Not in the
       default ``--arms``;
   (b''') ``fp8block``: (b) with ``format="fp8_block"`` (1x128/128x128 FP8 blocks, the Hopper-native
       format: cuBLAS blockwise and Triton grouped FP8 GEMMs). Not in the default ``--arms``;

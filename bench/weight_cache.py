@@ -34,7 +34,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mxfx import kernels  # noqa: E402
+from mxfx.kernels.mx import device_path  # noqa: E402
 from mxfx.runtime import cache  # noqa: E402
 from mxfx.ops import linear as mx_linear_mod  # noqa: E402
 from _results import emit  # noqa: E402  (bench/ is on sys.path when a script runs)
@@ -91,7 +91,7 @@ def _per_call_weight_quantize(weight: torch.Tensor, rule: str, orientation: str)
     _per_call_count[0] += 1
     w = weight if orientation == "forward" else weight.transpose(-2, -1)
     with record_function(RANGE):
-        q, s = kernels.quantize_lastdim(w, rule)
+        q, s = device_path.quantize_lastdim(w, rule)
         return q.contiguous(), s.contiguous()
 
 

@@ -18,7 +18,7 @@ import torch.fx as fx
 from mxfx import cache_key, coverage, names, passes, report, rule_check
 from mxfx.runtime import cache, stats
 from mxfx import formats
-from mxfx.kernels import device as devices
+from mxfx.kernels.common import device as devices
 from mxfx.passes import weight_refresh
 from mxfx.passes.fx import PREFIX_META, all_graphs, example_value, fill_example_values, parameter_placeholders, stats_sites
 from mxfx.policy import Policy

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.fx as fx
 
-from mxfx.kernels.launch import opaque_kernels
+from mxfx.kernels.common.launch import opaque_kernels
 
 _PACKAGE = Path(__file__).resolve().parent
 

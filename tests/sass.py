@@ -123,8 +123,10 @@ def compile_sm90(launch: Launch) -> Compiled:
 
 def cases():
     """(name, modules to patch, fn, args, kwargs) for the kernels the benchmark rows time, at small shapes."""
-    from mxfx.kernels import dual, quantize, swiglu
+    from mxfx.kernels.mx import dual
 
+    from mxfx.kernels.mx import quantize
+    from mxfx.kernels.mx import swiglu
     x = torch.randn(256, 2048, dtype=torch.bfloat16)
     g, u = torch.randn_like(x), torch.randn_like(x)
     gu = torch.randn(256, 4096, dtype=torch.bfloat16)

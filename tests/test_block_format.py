@@ -225,8 +225,12 @@ def test_roundtrip_error_bound():
 # ---- errors ---------------------------------------------------------------------------
 
 def test_errors_name_op_and_shape():
-    with pytest.raises(TypeError, match=r"quantize_1x128.*\(4, 64\).*float64"):
+    with pytest.raises(TypeError, match=r"quantize_1x128.*\(4, 64\).*float64; fp8_block quantizes bfloat16"):
         bf.quantize_1x128(torch.zeros(4, 64, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"quantize_1x128: needs a tensor with at least 1 dims, got shape \(\)"):
+        bf.quantize_1x128(torch.tensor(1.0))
+    with pytest.raises(ValueError, match=r"grouped_tokens: needs a tensor with at least 2 dims, got shape \(64,\)"):
+        bf.quantize_1x128_grouped_tokens(torch.zeros(64), torch.tensor([64], dtype=torch.int32))
     with pytest.raises(ValueError, match="rceil, amax"):
         bf.quantize_1x128(torch.zeros(4, 64), rule="floor")
     with pytest.raises(ValueError, match=r"quantize_128x128.*\(64,\)"):

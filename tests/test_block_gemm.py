@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from mxfx.numerics import block as bf
-from mxfx.kernels import block_gemm
+from mxfx.kernels.fp8_block import gemm as block_gemm
 from tests.helpers import run_interpreter_checks
 
 
@@ -135,8 +135,9 @@ def test_errors_name_the_problem():
 # ---- Triton interpreter ------------------------------------------------------------------
 
 def _interpreter_checks():
-    from mxfx.kernels import block_grouped, block_quantize
+    from mxfx.kernels.fp8_block import grouped_gemm as block_grouped
 
+    from mxfx.kernels.fp8_block import quantize as block_quantize
     g = torch.Generator().manual_seed(0)
     # unequal and empty groups, rows past offs[-1], K not a multiple of 128 (masked K), N with a partial
     # 128-column scale block, forward (W) and dgrad (W^T as a view and as a copy sharing the scales)
@@ -167,7 +168,7 @@ def _interpreter_checks():
 
 def _interpreter_transpose_checks():
     """The payload transpose, byte for byte: tiles cut at both edges, a batch, a non-contiguous input, NaN bytes."""
-    from mxfx.kernels import transpose
+    from mxfx.kernels.common import transpose
 
     g = torch.Generator().manual_seed(7)
     for shape in ((70, 130), (3, 64, 200), (1, 1)):
@@ -226,7 +227,7 @@ def _check_grouped(out, ref, a, sa, b, sb, sizes, out_dtype):
 def _same(got, want, scaled=None):
     """Bitwise equal pairs. With ``scaled`` (the exact quotients x / s), qdata may differ only where the
     interpreter's E4M3 rounding fails: a value that rounds up onto a power of two (the carry into the next
-    binade) comes out a factor 2 off there (``mxfx.kernels.mx_block.HW_E4M3_CONVERSION``), and E4M3 subnormals
+    binade) comes out a factor 2 off there (``mxfx.kernels.mx.blocks.HW_E4M3_CONVERSION``), and E4M3 subnormals
     (below 2^-6) may round the wrong way; compiled kernels round in hardware and the GPU test compares every
     byte."""
     q, s = got
@@ -268,7 +269,7 @@ def _exact(shape, tiles, seed, specials=True):
 
 
 def _interpreter_quantize_checks(bq):
-    from mxfx.kernels.silu import silu_fp32
+    from mxfx.kernels.common.silu import silu_fp32
 
     g = torch.Generator().manual_seed(1)
     for rule in bf.SCALE_RULES:
@@ -351,7 +352,7 @@ def _sm90_launches(monkeypatch, module, name, fn, *args, **kwargs):
 def test_grouped_kernel_compiles_to_fp8_wgmma(monkeypatch):
     """For sm90 the grouped GEMM's ``tl.dot`` is an E4M3 x E4M3 warpgroup MMA (QGMMA) with FP32 accumulation,
     in the autotuned configs' tile: FP8 tensor cores, not an upcast to BF16."""
-    from mxfx.kernels import block_grouped
+    from mxfx.kernels.fp8_block import grouped_gemm as block_grouped
 
     s, k, n, g = 512, 512, 256, 4
     a, sa = torch.zeros(s, k, dtype=torch.float8_e4m3fn), torch.ones(k // 128, s).t()
@@ -372,7 +373,7 @@ def test_grouped_kernel_compiles_to_fp8_wgmma(monkeypatch):
 
 
 def test_quantize_kernels_compile_for_sm90(monkeypatch):
-    from mxfx.kernels import block_quantize as bq
+    from mxfx.kernels.fp8_block import quantize as bq
 
     x = torch.zeros(256, 384, dtype=torch.bfloat16)
     for fn, args in ((bq.quantize_1x128, (x,)), (bq.quantize_1x128_colwise, (x,)), (bq.quantize_128x128, (x,)),
@@ -383,7 +384,7 @@ def test_quantize_kernels_compile_for_sm90(monkeypatch):
 
 
 def test_grouped_wgrad_kernel_compiles_to_fp8_wgmma(monkeypatch):
-    from mxfx.kernels import block_grouped
+    from mxfx.kernels.fp8_block import grouped_gemm as block_grouped
 
     s, n, k = 512, 256, 256
     a, b = torch.zeros(n, s, dtype=torch.float8_e4m3fn), torch.zeros(k, s, dtype=torch.float8_e4m3fn)

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from mxfx.numerics import block as bf
-from mxfx.kernels import block_gemm
-from mxfx.kernels.silu import silu_fp32
+from mxfx.kernels.fp8_block import gemm as block_gemm
+from mxfx.kernels.common.silu import silu_fp32
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0), reason="needs an sm90+ CUDA GPU"
@@ -58,7 +58,7 @@ def test_dense_forward_and_dgrad_match_reference(m, n, k):
 
 
 def test_dense_wgrad_1x128_both_operands():
-    from mxfx.kernels import block_quantize as bq
+    from mxfx.kernels.fp8_block import quantize as bq
 
     g = torch.Generator().manual_seed(1)
     t, n, k = 640, 256, 384  # dW [N, K] = dY^T [N, T] X [T, K], both tiled along the tokens T
@@ -91,7 +91,7 @@ def test_grouped_forward_and_dgrad_match_reference(out_dtype):
 
 
 def test_grouped_wgrad_matches_reference():
-    from mxfx.kernels import block_quantize as bq
+    from mxfx.kernels.fp8_block import quantize as bq
 
     g = torch.Generator().manual_seed(5)
     sizes = [300, 0, 129, 1000, 7]
@@ -131,7 +131,7 @@ def _same(got, want):
 
 @pytest.mark.parametrize("rule", bf.SCALE_RULES)
 def test_quantize_kernels_bit_exact(rule):
-    from mxfx.kernels import block_quantize as bq
+    from mxfx.kernels.fp8_block import quantize as bq
 
     g = torch.Generator().manual_seed(3)
     x = torch.randn(300, 640, generator=g) * torch.logspace(-30, 30, 300).unsqueeze(1)
@@ -206,7 +206,7 @@ def test_profiler_shows_fp8_gemm_kernels():
 def test_payload_transpose_matches_torch_byte_for_byte():
     """The dgrad weight copy's transpose kernel on the GPU: an expert stack with edges cut at both tile sides,
     and a transposed (non-contiguous) input."""
-    from mxfx.kernels import transpose
+    from mxfx.kernels.common import transpose
 
     g = torch.Generator().manual_seed(0)
     q = torch.randint(0, 256, (5, 200, 130), generator=g, dtype=torch.uint8).view(torch.float8_e4m3fn).cuda()

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from mxfx.runtime import cache
-from mxfx.kernels import block_device_path
+from mxfx.kernels.fp8_block import device_path as block_device_path
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0), reason="needs an sm90+ CUDA GPU"

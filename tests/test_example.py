@@ -80,22 +80,6 @@ def test_moe_example():
 
 
 def test_tests_model_is_the_example_model():
-    """The passes are tested on ``tests.models``; the example trains ``examples/moe_model.py``. Their configs have
-    the same fields and defaults, and from one state dict the two models hold the same parameters and give the same
-    logits, loss and gradients (bit for bit: the same ops in the same order), top-2 and top-1, one and two layers."""
-    assert vars(tests.models.MoEConfig()) == vars(MoEConfig())
-    for kw in ({}, {"n_layers": 2, "top_k": 1, "shared_hidden": 32}):
-        cfg = tests.models.tiny_config(**kw)
-        torch.manual_seed(0)
-        ours, theirs = tests.models.MoETransformer(cfg), MoETransformer(MoEConfig(**vars(cfg)))
-        assert {n: p.shape for n, p in ours.named_parameters()} == {n: p.shape for n, p in theirs.named_parameters()}
-        ours.load_state_dict(theirs.state_dict())
-        idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
-        results = []
-        for model in (ours, theirs):
-            with torch.autocast("cpu", torch.bfloat16):
-                logits, loss = model(idx, idx)
-            loss.backward()
-            results.append((logits, loss, [p.grad for p in model.parameters()]))
-        (la, xa, ga), (lb, xb, gb) = results
-        assert torch.equal(la, lb) and torch.equal(xa, xb) and all(torch.equal(a, b) for a, b in zip(ga, gb)), kw
+    """The passes are tested on ``tests.models``: the example's model itself, one source (no copy to drift)."""
+    assert (tests.models.MoETransformer, tests.models.MoEConfig) == (MoETransformer, MoEConfig)
+    assert tests.models.tiny_config(n_layers=2).n_layers == 2 and tests.models.tiny_config().d_model == 64

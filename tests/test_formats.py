@@ -102,6 +102,47 @@ def test_format_facts_agree_with_its_operands(fmt):
         mx_linear(torch.randn(8, k), torch.randn(n + fmt.feature_multiple // 2, k), format=fmt.name)
 
 
+# A gate and an up (fp32 bits) whose FP32 SwiGLU product is an E4M3 rounding tie under mxfx's SiLU (g / (1 + exp(-g)),
+# the fused kernels' and the CPU reference's): -0.2265625 exactly, which rounds to even; the same product formed
+# as g * sigmoid(g) * up is one ulp larger in magnitude and rounds the other way.
+_TIE_GATE, _TIE_UP = -1071559020, 1067094497
+
+
+def _swiglu_tie(rows: int, k: int, row: int, col: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero fp32 gate and up ``[rows, k]`` holding the tie pair at ``(row, col)``, and ordinary values elsewhere in
+    other columns (so that row and token blocks hold more than one value)."""
+    g = torch.randn(rows, k, generator=torch.Generator().manual_seed(5))
+    u = torch.randn(rows, k, generator=torch.Generator().manual_seed(6))
+    g[:, col], u[:, col] = 0.0, 0.0
+    g[row, col] = torch.tensor(_TIE_GATE, dtype=torch.int32).view(torch.float32)
+    u[row, col] = torch.tensor(_TIE_UP, dtype=torch.int32).view(torch.float32)
+    return g, u
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("grouped", [False, True], ids=["linear", "grouped"])
+def test_swiglu_forward_and_wgrad_operands_from_one_product(fmt, grouped):
+    """A SwiGLU input's forward operand (quantized by the fused SwiGLU kernel) and its token-blocked wgrad operand
+    are quantized from one FP32 product, bit for bit: each equals the operand the format makes of that product given
+    as a plain input. Before, the wgrad operand was quantized from g * sigmoid(g) * up, another FP32 product, which
+    at this input rounds to another E4M3 byte."""
+    k = max(fmt.feature_multiple, 32)
+    g, u = _swiglu_tie(64, k, row=5, col=3)
+    offs = torch.tensor([24, 24, 64], dtype=torch.int32) if grouped else None  # an empty group; group ends not 32-aligned
+    a, tokens, _ = fmt.forward_operands(g, u, "rceil", "bf16", True, offs=offs)
+    h = torch.nn.functional.silu(g) * u  # mxfx's SiLU is F.silu outside its flush band (gates <= -87.3), on the CPU
+    assert h[5, 3].item() == -0.2265625
+    a_ref, tokens_ref, _ = fmt.forward_operands(h, None, "rceil", "bf16", True, offs=offs)
+    for got, want in zip(a[:2], a_ref[:2]):  # qdata and scales of the forward operand
+        assert torch.equal(_bytes(got), _bytes(want))
+    for got, want in zip(tokens[:2], tokens_ref[:2]):  # and of the wgrad operand
+        assert torch.equal(_bytes(got), _bytes(want))
+
+
 def test_amax_with_fp8_block_judges_the_all_to_all_transport():
     """fp8_block with the amax rule: the expert-parallel all-to-all travels in MXFP8, which has no amax rule. The
     decision for the all-to-all names that at compile time, with the rules that combined and a fix; before, it

@@ -27,9 +27,10 @@ from torchao.prototype.mx_formats.utils import to_blocked as ao_to_blocked
 from mxfx.runtime import cache
 from mxfx.runtime import crossover
 from mxfx.numerics import layout
-from mxfx.kernels import device as mx_device
-from mxfx.kernels import custom_ops
-from mxfx.kernels import mx_gemm as gemm
+from mxfx.formats.mxfp8 import FORMAT as MXFP8
+from mxfx.kernels.common import device as mx_device
+from mxfx.kernels.mx import custom_ops
+from mxfx.kernels.mx import gemm
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
 from mxfx.ops.linear import mx_linear
 from mxfx.policy import Policy
@@ -127,24 +128,29 @@ def native(monkeypatch):
      ((9, 0), "emulated", "emulated"), ((8, 0), "emulated", "emulated"), (None, "emulated", "emulated")],
 )
 def test_selection_by_capability(monkeypatch, cap, mm, grouped):
+    """The MXFP8 format owns which of its GEMMs run natively per architecture (``MXFP8.native_gemms``)."""
     monkeypatch.setattr(mx_device, "capability", lambda device: cap)
     dev = torch.device("cpu")
-    assert gemm.gemm_impl("mm", dev)[0] == mm
-    assert gemm.gemm_impl("grouped_mm", dev)[0] == grouped
-    assert gemm.gemm_impl("grouped_mm_wgrad", dev)[0] == grouped
+    kind = {True: "native", False: "emulated"}
+    assert kind[MXFP8.runs_natively("mm", dev)] == mm
+    assert kind[MXFP8.runs_natively("grouped_mm", dev)] == grouped
+    assert kind[MXFP8.runs_natively("grouped_mm_wgrad", dev)] == grouped
+    assert MXFP8.native_archs == ("sm100", "sm120")
+    with pytest.raises(ValueError, match=r"op='bogus' is not a GEMM op"):
+        MXFP8.runs_natively("bogus", dev)
 
 
 def test_cpu_selects_emulation_without_patching():
     assert mx_device.arch_of(mx_device.capability(torch.device("cpu"))) == "cpu"
-    assert gemm.gemm_impl("mm", torch.device("cpu"))[0] == "emulated"
+    assert not MXFP8.runs_natively("mm", torch.device("cpu"))
 
 
 def test_native_branch_calls_native_op_only_on_blackwell(monkeypatch, native):
     (aq, as_), (bq, bs) = mx((64, 64), 1), mx((32, 64), 2)
-    gemm.mx_mm(aq, as_, bq, bs, torch.float32)
+    MXFP8.mm((aq, as_, None), (bq, bs, None), torch.float32)
     assert native["mm"] == 1
     monkeypatch.setattr(mx_device, "capability", lambda device: (9, 0))
-    gemm.mx_mm(aq, as_, bq, bs, torch.float32)
+    MXFP8.mm((aq, as_, None), (bq, bs, None), torch.float32)
     assert native["mm"] == 1  # Hopper: emulated, the native op is not called
 
 
@@ -157,18 +163,17 @@ def test_quantize_operand_writes_dequantized_form_where_emulated(monkeypatch, ca
 
     monkeypatch.setattr(mx_device, "capability", lambda device: cap)
     x = torch.randn(64, 96, generator=torch.Generator().manual_seed(3))
-    q, s, x_hat = gemm.quantize_operand(x, "rceil", op)
+    q, s, x_hat = MXFP8.input_operand(x, None, "rceil", op)
     rq, rs = mxf.quantize_lastdim(x, "rceil")
     assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
     if not fused:
         assert x_hat is None  # native MX GEMM: nothing to dequantize
         return
     assert torch.equal(x_hat, mxf.dequantize_lastdim(rq, rs, torch.float32))  # fp32: CPU's emulation dtype
-    monkeypatch.setattr(mx_device, "capability", lambda device: None)  # run the emulated GEMM itself on CPU
     bq, bs = mx((32, 96), 2)
-    ref = gemm.mx_mm(q, s, bq, bs, torch.float32)
-    assert torch.equal(gemm.mx_mm(q, s, bq, bs, torch.float32, None, x_hat), ref)
-    assert not torch.equal(gemm.mx_mm(q, s, bq, bs, torch.float32, None, 2 * x_hat), ref)  # x_hat is what it reads
+    ref = gemm.mx_mm(q, s, bq, bs, torch.float32, False)  # the emulated GEMM itself, on CPU
+    assert torch.equal(gemm.mx_mm(q, s, bq, bs, torch.float32, False, None, x_hat), ref)
+    assert not torch.equal(gemm.mx_mm(q, s, bq, bs, torch.float32, False, None, 2 * x_hat), ref)  # x_hat is what it reads
 
 
 # --- dense operands ----------------------------------------------------------------------------
@@ -224,7 +229,7 @@ def test_blocked_tile_by_hand():
 def test_native_mm_decoded_equals_emulation(native, m, k, n, out_dtype):
     (aq, as_), (bq, bs) = mx((m, k), 3, 4.0), mx((n, k), 4, 0.1)
     emulated = gemm._emulated_mm(aq, as_, bq, bs, out_dtype)
-    got = gemm.mx_mm(aq, as_, bq, bs, out_dtype)
+    got = gemm.mx_mm(aq, as_, bq, bs, out_dtype, True)
     assert native["mm"] == 1 and got.shape == (m, n) and got.dtype == out_dtype
     torch.testing.assert_close(got, emulated, rtol=1e-5, atol=1e-5)
 
@@ -272,7 +277,7 @@ def test_native_grouped_decoded_equals_emulation(native, ends):
     offs = torch.tensor(ends, dtype=torch.int32)
     (aq, as_), (bq, bs) = mx((s, k), 7), mx((e, n, k), 8, 0.1)
     emulated = gemm._emulated_grouped_mm(aq, as_, bq, bs, offs, torch.float32)
-    got = gemm.mx_grouped_mm(aq, as_, bq, bs, offs, torch.float32)
+    got = gemm.mx_grouped_mm(aq, as_, bq, bs, offs, torch.float32, True)
     assert native["grouped"] == 1 and got.shape == (s, n)
     torch.testing.assert_close(got, emulated, rtol=1e-5, atol=1e-5)
     assert not got[ends[-1]:].any()
@@ -291,7 +296,7 @@ def test_native_wgrad_decoded_equals_emulation(native):
     offs = torch.tensor([64, 64, 160, 256], dtype=torch.int32)  # multiples of 32, one empty group
     (aq, as_), (bq, bs) = mx((n, t), 9), mx((k, t), 10)
     emulated = gemm._emulated_grouped_wgrad(aq, as_, bq, bs, offs, torch.float32)
-    got = gemm.mx_grouped_mm_wgrad(aq, as_, bq, bs, offs, torch.float32)
+    got = gemm.mx_grouped_mm_wgrad(aq, as_, bq, bs, offs, torch.float32, True)
     assert native["grouped"] == 1 and got.shape == (4, n, k)
     torch.testing.assert_close(got, emulated, rtol=1e-5, atol=1e-5)
 
@@ -425,7 +430,7 @@ def test_keep_dequantized_weights_compiled(keep_every_form):
     assert b1 == 2 * 2 * model.b.weight.numel(), "second layer: forward and dgrad bf16 forms, no MX form"
 
 
-def test_dual_operand_values_only_where_emulated(monkeypatch):
+def test_dual_operand_values_only_where_emulated():
     """Emulated GEMMs get both orientations as dequantized values alone (one pass, no MX pair); a GEMM
     given A or B that way equals the one given the pairs; native GEMMs get the pairs and refuse None."""
     from mxfx.numerics import mx as mxf
@@ -435,36 +440,30 @@ def test_dual_operand_values_only_where_emulated(monkeypatch):
     x, w = torch.randn(64, 96), torch.randn(32, 96)
     rq, rs = mxf.quantize_lastdim(x, "rceil")
     cq, cs = mxf.quantize_lastdim(x.t(), "rceil")
-    q, s, h, qt, st, ht = gemm.quantize_dual_operand(x, "rceil")  # CPU: emulated
+    q, s, h, qt, st, ht = gemm.quantize_dual_operand(x, "rceil", torch.float32)  # emulated (CPU: fp32 values)
     assert (q, s, qt, st) == (None,) * 4
     assert torch.equal(h, mxf.dequantize_lastdim(rq, rs, torch.float32))
     assert torch.equal(ht, mxf.dequantize_lastdim(cq, cs, torch.float32)) and ht.shape == (96, 64)
     wq, ws = mxf.quantize_lastdim(w, "rceil")
     w_hat = mxf.dequantize_lastdim(wq, ws, torch.bfloat16)
-    ref = gemm.mx_mm(rq, rs, wq, ws, torch.float32)
-    assert torch.equal(gemm.mx_mm(None, None, wq, ws, torch.float32, None, h), ref)
-    assert torch.equal(gemm.mx_mm(None, None, None, None, torch.float32, w_hat, h), ref)
+    ref = gemm.mx_mm(rq, rs, wq, ws, torch.float32, False)
+    assert torch.equal(gemm.mx_mm(None, None, wq, ws, torch.float32, False, None, h), ref)
+    assert torch.equal(gemm.mx_mm(None, None, None, None, torch.float32, False, w_hat, h), ref)
     with pytest.raises(ValueError, match=r"A has neither an MX pair .* nor dequantized values.*a_dequantized"):
-        gemm.mx_mm(None, None, wq, ws, torch.float32)
+        gemm.mx_mm(None, None, wq, ws, torch.float32, False)
     with pytest.raises(ValueError, match=r"B has neither an MX pair"):
-        gemm.mx_mm(rq, rs, wq, None, torch.float32)  # qdata without its scales
+        gemm.mx_mm(rq, rs, wq, None, torch.float32, False)  # qdata without its scales
     with pytest.raises(ValueError, match=r"a_dequantized of shape \(64, 64\) is not the dequantization of A's qdata"):
-        gemm.mx_mm(rq, rs, wq, ws, torch.float32, None, h[:, :64])
+        gemm.mx_mm(rq, rs, wq, ws, torch.float32, False, None, h[:, :64])
     with pytest.raises(ValueError, match=r"A of shape \(64, 64\) and B of shape \(32, 96\) must share their last"):
-        gemm.mx_mm(None, None, wq, ws, torch.float32, None, h[:, :64])
+        gemm.mx_mm(None, None, wq, ws, torch.float32, False, None, h[:, :64])
     with pytest.raises(TypeError, match=r"a_dequantized of shape \(64, 96\) has dtype torch.float8_e4m3fn"):
-        gemm.mx_mm(rq, rs, wq, ws, torch.float32, None, rq)  # qdata passed as values
+        gemm.mx_mm(rq, rs, wq, ws, torch.float32, False, None, rq)  # qdata passed as values
     with pytest.raises(ValueError, match=r"A of shape \(2, 64, 96\) and B of shape \(32, 96\) must be 2D and 2D"):
-        gemm.mx_mm(None, None, wq, ws, torch.float32, None, h.expand(2, 64, 96))
-    with pytest.raises(ValueError, match=r"op='bogus' is not a GEMM op"):
-        gemm.quantize_dual_operand(x, "rceil", op="bogus")
-    monkeypatch.setattr(mx_device, "capability", lambda device: (10, 0))  # native selection
-    q, s, h, qt, st, ht = gemm.quantize_dual_operand(x, "rceil")
+        gemm.mx_mm(None, None, wq, ws, torch.float32, False, None, h.expand(2, 64, 96))
+    q, s, h, qt, st, ht = gemm.quantize_dual_operand(x, "rceil", None)  # native
     assert h is None and ht is None
     for got, want in ((q, rq), (s, to_blocked(rs)), (qt, cq), (st, to_blocked(cs))):  # dense: scales blocked
-        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
-    q, s, h, qt, st, ht = gemm.quantize_dual_operand(x, "rceil", op="grouped_mm")
-    for got, want in ((q, rq), (s, rs), (qt, cq), (st, cs)):  # grouped GEMMs block per group themselves
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     with pytest.raises(ValueError, match="native MX GEMMs need B's MX pair"):
         gemm.native_mm_operands(rq, rs, None, None)

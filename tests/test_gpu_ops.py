@@ -71,9 +71,39 @@ def test_grouped_cuda_matches_cpu(swiglu, wgrad, compiled):
 
 
 @cuda
+@pytest.mark.parametrize("fmt_name", ["mxfp8", "fp8_block"])
+@pytest.mark.parametrize("grouped", [False, True], ids=["linear", "grouped"])
+def test_swiglu_operands_from_one_product_compiled(fmt_name, grouped):
+    """Compiled on CUDA (the kernels traced into the graph), a SwiGLU input's forward operand and its token-blocked
+    wgrad operand are quantized from one FP32 product: each equals, bit for bit, the operand the format makes in
+    eager code of that product (``mxfx::swiglu_product``) given as a plain input. 2^24 values, so that a product
+    one ulp off anywhere (Inductor's own SiLU, or ``g * sigmoid(g) * up``) moves an E4M3 rounding at a few of them."""
+    from mxfx import formats
+    from mxfx.kernels.common import swiglu
+
+    fmt = formats.get(fmt_name)
+    gen = torch.Generator().manual_seed(0)
+    rows, k = 8192, 2048
+    g, u = (torch.randn(rows, k, generator=gen) * 3).cuda(), torch.randn(rows, k, generator=gen).cuda()
+    offs = torch.tensor([1000, 1000, 5003, rows], dtype=torch.int32, device="cuda") if grouped else None
+
+    def operands(g, u):
+        a, tokens, _ = fmt.forward_operands(g, u, "rceil", "bf16", True, offs=offs)
+        return (*a[:2], *tokens[:2])
+
+    torch._dynamo.reset()
+    got = torch.compile(operands)(g, u)
+    a, tokens, _ = fmt.forward_operands(swiglu.product(g, u), None, "rceil", "bf16", True, offs=offs)
+    for x, y in zip(got, (*a[:2], *tokens[:2])):
+        if x.dtype == torch.float8_e4m3fn:
+            x, y = x.view(torch.uint8), y.view(torch.uint8)
+        assert torch.equal(x, y)
+
+
+@cuda
 @pytest.mark.parametrize("rows,end", [(263, 0), (263, 37), (263, 200), (263, 263), (9000, 100), (9000, 0)])
 def test_zero_rows_past_end_writes_only_the_tail(rows, end):
-    from mxfx.kernels.zero_rows import zero_rows_past_end_
+    from mxfx.kernels.common.zero_rows import zero_rows_past_end_
 
     out = torch.randn(rows, 1030, device="cuda", dtype=torch.bfloat16)  # 9000 rows: more tiles than programs
     before = out.clone()
@@ -146,7 +176,7 @@ def test_compiled_cuda_graph_launches_mx_kernels_itself(monkeypatch, dynamic):
     assert "mxfx.quantize" in code_o and "mxfx.mm" in code_o  # the opaque arm really holds the custom ops
     for op in ("quantize", "quantize_dual", "quantize_dequantize", "dequantize", "swiglu_quantize", "mm", "grouped_mm",
                "quantize_dual_dequantized", "swiglu_quantize_dequantize", "route_weight_quantize_dequantize",
-               "swiglu_quantize_save", "swiglu_quantize_dequantize_save"):
+               "swiglu_quantize_save", "swiglu_quantize_dequantize_save", "swiglu_product"):
         assert f"torch.ops.mxfx.{op}.default" not in code_i, op
     assert "cached_weight" in code_i  # the cache lookup stays an op: it holds Python state
     assert ((loss_i - loss_o).abs() / loss_o.abs()).item() < 1e-5

@@ -83,3 +83,25 @@ def test_no_import_cycle_in_mxfx():
     graph = {name: _imports(name, path, modules) for name, path in modules.items()}
     assert sum(map(len, graph.values())) > 30  # the walk saw the package's imports
     assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
+def test_kernels_import_one_way():
+    """Each format's kernels (``mxfx.kernels.mx``, ``mxfx.kernels.fp8_block``) use the shared ones
+    (``mxfx.kernels.common``) and the format math (``mxfx.numerics``), never each other; the shared kernels use
+    neither format's; no kernel imports a layer above (formats, ops, passes, runtime, the policy or the backend)."""
+    modules = _modules()
+    allowed = {
+        "mxfx.kernels.common": ("mxfx.kernels.common", "mxfx.numerics"),
+        "mxfx.kernels.mx": ("mxfx.kernels.mx", "mxfx.kernels.common", "mxfx.numerics"),
+        "mxfx.kernels.fp8_block": ("mxfx.kernels.fp8_block", "mxfx.kernels.common", "mxfx.numerics"),
+    }
+    seen, wrong = set(), []
+    for name, path in modules.items():
+        package = next((p for p in allowed if name == p or name.startswith(p + ".")), None)
+        if package is None:
+            continue
+        seen.add(package)
+        for dep in _imports(name, path, modules):
+            if not any(dep == ok or dep.startswith(ok + ".") for ok in allowed[package]):
+                wrong.append(f"{name} imports {dep}")
+    assert seen == set(allowed) and not wrong, wrong

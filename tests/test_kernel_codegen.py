@@ -45,7 +45,7 @@ def test_streamed_kernels_load_16_bytes_at_a_time(name):
 
 @pytest.mark.parametrize("name", ["swiglu+quantize (gate, up)", "swiglu + values + saved pairs (halves)"])
 def test_swiglu_divides_without_range_check(name):
-    """mxfx's SiLU (``mxfx.kernels.silu``) divides with a reciprocal and Newton steps: no ``div.rn`` range
+    """mxfx's SiLU (``mxfx.kernels.common.silu``) divides with a reciprocal and Newton steps: no ``div.rn`` range
     check (FCHK) and no branch to its slow path or call to it (BSSY, CALL); MUFU (the reciprocal and expf) present."""
     c = _compiled(name)
     assert c.counts.get("FCHK", 0) == 0 and c.counts.get("MUFU", 0) > 0, (name, dict(c.counts))
@@ -55,7 +55,7 @@ def test_swiglu_divides_without_range_check(name):
 def test_specialization_follows_the_launcher():
     """Integers equal to 1 become constants, others and aligned pointers get divisibility 16, and
     ``do_not_specialize`` arguments (token counts) stay plain."""
-    from mxfx.kernels import quantize
+    from mxfx.kernels.mx import quantize
 
     x = torch.randn(64, 96, dtype=torch.bfloat16)
     (launch,) = sass.captured_launches([quantize], quantize.quantize_lastdim, x, "rceil")

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from mxfx.numerics import mx as mxf
-from mxfx.kernels import device_path
+from mxfx.kernels.mx import device_path
 from mxfx.numerics.layout import to_blocked
 from tests.helpers import run_interpreter_checks
 
@@ -76,14 +76,26 @@ def rand(shape, dtype, device="cuda", scale_rows=True):
 
 # ---- CPU ------------------------------------------------------------------------------
 
+# The modules of mxfx.kernels that hold no Triton code: the packages, device facts, launching, the SiLU reference,
+# the high-precision GEMMs, and each format's device path, argument checks, views, custom ops and GEMMs.
+TORCH_ONLY_KERNEL_MODULES = (
+    "mxfx.kernels", "mxfx.kernels.common", "mxfx.kernels.mx", "mxfx.kernels.fp8_block",
+    "mxfx.kernels.common.device", "mxfx.kernels.common.launch", "mxfx.kernels.common.silu",
+    "mxfx.kernels.common.swiglu", "mxfx.kernels.common.hp_gemm",
+    "mxfx.kernels.mx.device_path", "mxfx.kernels.mx.checks", "mxfx.kernels.mx.views", "mxfx.kernels.mx.custom_ops",
+    "mxfx.kernels.mx.gemm", "mxfx.kernels.mx.swiglu_operand",
+    "mxfx.kernels.fp8_block.device_path", "mxfx.kernels.fp8_block.custom_ops", "mxfx.kernels.fp8_block.gemm",
+)
+
+
 def test_cpu_path_never_loads_triton_kernels():
+    """Importing mxfx and running its ops on CPU tensors imports no Triton kernel module of mxfx (torch's Dynamo
+    imports Triton itself where it is installed)."""
     code = (
-        "import sys, torch; import mxfx.kernels.custom_ops; from mxfx.kernels import device_path as d;"
-        "x = torch.randn(64, 64); d.quantize_lastdim(x, 'rceil'); d.quantize_blocked(x, 'rceil');"
-        "bad = [m for m in sys.modules if m.startswith('mxfx.kernels.') and m not in "
-        "('mxfx.kernels.custom_ops', 'mxfx.kernels.device_path', 'mxfx.kernels.checks', 'mxfx.kernels.launch', "
-        "'mxfx.kernels.views', 'mxfx.kernels.block_ops', 'mxfx.kernels.block_gemm', 'mxfx.kernels.block_device_path', "
-        "'mxfx.kernels.silu', 'mxfx.kernels.device', 'mxfx.kernels.mx_gemm', 'mxfx.kernels.mx_swiglu')]; assert not bad, bad"  # silu: the plain-torch SiLU reference; block_*, device, mx_*: torch-only dispatch
+        "import sys, torch, mxfx; from mxfx.kernels.mx import device_path as d; from mxfx.kernels.common import swiglu;"
+        "x = torch.randn(64, 64); d.quantize_lastdim(x, 'rceil'); d.quantize_blocked(x, 'rceil'); swiglu.product(x, x);"
+        f"bad = [m for m in sys.modules if m.startswith('mxfx.kernels') and m not in {TORCH_ONLY_KERNEL_MODULES!r}];"
+        "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
 
@@ -110,7 +122,7 @@ def test_cpu_quantize_blocked_reference():
     assert same_bits(q, rq) and torch.equal(b, to_blocked(rs.reshape(300, 2)))
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    import mxfx.kernels.custom_ops  # noqa: F401  (registers the ops)
+    import mxfx.kernels.mx.custom_ops  # noqa: F401  (registers the ops)
 
     for shape in ((64, 0), (0, 64), (0, 0), (2, 64, 0), (1, 0, 96)):  # no rows or no columns: as the fake says
         q, b = device_path.quantize_blocked(torch.zeros(shape), "rceil")
@@ -178,7 +190,7 @@ def test_quantize_noncontiguous_views():
 
 @cuda
 def test_quantize_no_recompile_per_token_count():
-    from mxfx.kernels import quantize as tq
+    from mxfx.kernels.mx import quantize as tq
 
     x = rand((4096, 256), torch.bfloat16)
     device_path.quantize_lastdim(x[:96], "rceil")
@@ -315,7 +327,7 @@ def test_conversion_forms_give_the_same_bytes(monkeypatch, cvt):
     """Every combination of the conversion forms (``mx_block.CONVERT_*``: E4M3 bytes four to a register, bf16 widened
     a register pair at a time), forced into every kernel that takes them, gives the reference bytes; the kernels'
     own choices are speed choices only."""
-    from mxfx.kernels import mx_block
+    from mxfx.kernels.mx import blocks as mx_block
 
     monkeypatch.setattr(mx_block, "CONVERSION_OVERRIDE", cvt)
     x = special_rows(rand((256, 512), torch.bfloat16))
@@ -382,7 +394,7 @@ def swiglu_ref(g, u, rule):
 def test_silu_fp32_flush_band():
     """mxfx's SiLU reference: F.silu above the flush gate, -0 from it down for finite gates, F.silu's
     NaN at -Inf; its flush constant is the fp32 just below which expf(-g) exceeds 2^126."""
-    from mxfx.kernels.silu import SILU_FLUSH_GATE, silu_fp32
+    from mxfx.kernels.common.silu import SILU_FLUSH_GATE, silu_fp32
 
     t = torch.tensor([SILU_FLUSH_GATE])
     above = torch.nextafter(t, torch.tensor([0.0]))
@@ -445,7 +457,7 @@ def test_swiglu_silu_every_gate(dtype):
     """The kernel's SiLU on every bf16 and fp16 gate, and for fp32 on dense sweeps across exp's overflow
     (-100..10), over huge negative gates (-1 .. -1e38, where a SiLU that is not ~0 would show) and on
     2^18 random bit patterns, with up = 1 so that the MX input is the SiLU itself: bytes equal
-    quantize(silu(g)) with F.silu's values in the flush band replaced by -0 (``mxfx.kernels.silu``), Inf
+    quantize(silu(g)) with F.silu's values in the flush band replaced by -0 (``mxfx.kernels.common.silu``), Inf
     and NaN gates included (``bench/probes/silu_exhaustive.py`` compares the SiLU alone with that rule on
     all 2^32 fp32 inputs). Blocks of gates in (-88.7, -87.3] are where a kernel without the flush differs:
     bf16 has -87.5, -88 and -88.5 there, and the fp32 sweeps hold the band's edges."""
@@ -464,6 +476,49 @@ def test_swiglu_silu_every_gate(dtype):
         assert_same(device_path.swiglu_quantize(g, u, rule), ref)
         assert_same(device_path.swiglu_quantize(g, u, rule, torch.bfloat16, save_inputs=True),
                     with_saved_inputs(with_values(ref, torch.bfloat16), g, u, rule))
+
+
+def test_swiglu_product_cpu_reference_and_errors():
+    """``mxfx::swiglu_product``, the values a SwiGLU's wgrad operand is quantized from: on the CPU the fused
+    quantize's own product (quantized, its bytes), flush band included; clear errors for mismatched inputs."""
+    from mxfx.kernels.common import swiglu
+
+    g = torch.cat([torch.randn(31, 64) * 4, torch.full((1, 64), -88.0)])  # a row in the SiLU's flush band
+    u = torch.randn(32, 64).to(torch.bfloat16)
+    p = swiglu.product(g, u)
+    assert p.dtype == torch.float32 and p.is_contiguous() and torch.equal(p[-1], torch.full((64,), -0.0))
+    assert_same(mxf.quantize_lastdim(p, "rceil"), device_path.swiglu_quantize(g, u, "rceil"))
+    assert torch.equal(swiglu.product(g.t(), u.t()), p.t())
+    with pytest.raises(ValueError, match=r"swiglu_product: gate of shape \(32, 64\) and up of shape \(32, 32\)"):
+        swiglu.product(g, u[:, :32])
+    with pytest.raises(TypeError, match=r"swiglu_product: gate \(torch.float32\) and up \(torch.int32\)"):
+        swiglu.product(g, u.int())
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_swiglu_product_kernel_is_the_fused_product(dtype):
+    """The product kernel (the wgrad operands' values) computes mxfx's SiLU times up in fp32 as the fused SwiGLU
+    quantizes do, bit for bit: equal to torch's CUDA silu with mxfx's flush, on every bf16/fp16 gate or fp32 sweeps
+    across the flush band, with ordinary ups; quantized, it is the fused kernel's output; strided gate/up (halves of
+    one gate_up tensor, a transposed view, a 3D batch) give the same values."""
+    from mxfx.kernels.common import swiglu
+
+    if dtype == torch.float32:
+        g = torch.cat([torch.linspace(-100, 10, 2**16), -torch.logspace(0, 38, 2**14)]).to("cuda").reshape(-1, 64)
+    else:
+        g = torch.arange(-2**15, 2**15, device="cuda").to(torch.int16).view(dtype).reshape(-1, 64)
+    u = torch.randn(g.shape, generator=torch.Generator().manual_seed(2)).to("cuda", dtype)
+    p = swiglu.product(g, u)
+    gf = g.float()
+    want = torch.where((gf <= FLUSH_GATE) & gf.isfinite(), torch.full_like(gf, -0.0), F.silu(gf)) * u.float()
+    assert same_bits(p, want)
+    for rule in mxf.SCALE_RULES:
+        assert_same(device_path.quantize_lastdim(p, rule), device_path.swiglu_quantize(g, u, rule))
+    gu = torch.cat([g, u], dim=-1)
+    assert same_bits(swiglu.product(gu[:, :64], gu[:, 64:]), p)
+    assert same_bits(swiglu.product(g.t(), u.t()), p.t())
+    assert same_bits(swiglu.product(g.reshape(4, -1, 64), u.reshape(4, -1, 64)), p.reshape(4, -1, 64))
 
 
 @cuda
@@ -507,7 +562,7 @@ def test_route_weight_quantize(shape, w_shape, dy_dtype):
                 mxf.quantize_lastdim(dy.cpu().float() * w.cpu().bfloat16().float().reshape(-1, 1), "rceil"))
 
 
-# ---- scale layouts (mxfx.kernels.views) ------------------------------------------------
+# ---- scale layouts (mxfx.kernels.mx.views) ------------------------------------------------
 
 def layout_cases():
     """``(op name, args, expected scale strides)``: every kernel op whose scale layout depends on its
@@ -552,7 +607,7 @@ def test_cpu_scale_layouts_and_fakes_agree():
     trusts the fake: a wrong one would make compiled code read scales in the wrong order)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    import mxfx.kernels.custom_ops  # noqa: F401  (registers the ops)
+    import mxfx.kernels.mx.custom_ops  # noqa: F401  (registers the ops)
 
     for name, args, strides in layout_cases():
         real = getattr(torch.ops.mxfx, name)(*args)
@@ -627,8 +682,10 @@ def exact_input(shape, seed=0):
 
 def _interpreter_checks():
     """Run under TRITON_INTERPRET=1 by the test below; raises on the first mismatch."""
-    from mxfx.kernels import dequantize, dual, quantize
+    from mxfx.kernels.mx import dequantize
 
+    from mxfx.kernels.mx import dual
+    from mxfx.kernels.mx import quantize
     base = exact_input((96, 128))
     x = special_rows(base, exact=True)
     xc = x.clone()
@@ -687,7 +744,7 @@ def _interpreter_checks():
     sq, ss = (t.t().contiguous().t() for t in (tq, ts))
     out = dequantize.dequantize_lastdim(sq, ss, torch.float32)
     assert out.stride() == sq.stride() and same_bits(out, mxf.dequantize_lastdim(tq, ts, torch.float32))
-    from mxfx.kernels import quantize as tq
+    from mxfx.kernels.mx import quantize as tq
 
     kernel_of = {"quantize": tq.quantize_lastdim, "quantize_dequantize": tq.quantize_dequantize,
                  "route_weight_quantize": tq.route_weight_quantize, "quantize_dual": dual.quantize_dual,
@@ -704,14 +761,14 @@ def _interpreter_swiglu_checks():
     gate/up (block streams of gate_up halves, within one row or across rows, mixed with a contiguous
     partner, 2D tiles for a transposed view), and the saved pairs of exactly representable gate/up equal the
     reference quantize."""
-    from mxfx.kernels import swiglu
+    from mxfx.kernels.mx import swiglu
 
     for shape in ((4, 0), (0, 64), (2, 0, 64)):  # nothing to read: empty outputs, no launch
         empty = torch.zeros(shape)
         out = swiglu.swiglu_quantize(empty, empty, "rceil", torch.float32, save_inputs=True)
         assert [tuple(t.shape) for t in out] == [shape, (*shape[:-1], shape[-1] // 32), shape] + [
             shape, (*shape[:-1], shape[-1] // 32)] * 2
-    # mxfx's SiLU flush band (mxfx.kernels.silu): a block of gates at or below -87.3365 gives -0 throughout,
+    # mxfx's SiLU flush band (mxfx.kernels.common.silu): a block of gates at or below -87.3365 gives -0 throughout,
     # where F.silu's values (down to 2^-128) would fill the payload at the smallest scale
     band = torch.tensor([-87.3365478515625, -87.5, -88.0, -88.5, -100.0, -1e38, -3.4e38, -1e10] * 4).reshape(1, 32)
     q, s = swiglu.swiglu_quantize(band, torch.ones_like(band), "rceil")
@@ -730,6 +787,23 @@ def _interpreter_swiglu_checks():
             if save:
                 assert same_bits(ref[2], mxf.dequantize_lastdim(ref[0], ref[1], torch.float32))
                 assert_same(ref[3:], (*mxf.quantize_lastdim(g, "rceil"), *mxf.quantize_lastdim(u, "rceil")))
+    # the wgrad operands' product kernel: the fused kernel's SiLU and multiply (its quantize gives the fused bytes),
+    # the same values from strided gate/up and from a 3D batch
+    from mxfx.kernels.common import silu_triton
+    from mxfx.kernels.mx import quantize
+
+    for rows, h in ((64, 96), (3, 512)):
+        gu = exact_input((64, 2 * h), seed=h)[:rows]
+        g, u = gu[:, :h], gu[:, h:]
+        p = silu_triton.swiglu_product(g.contiguous(), u.contiguous())
+        assert p.dtype == torch.float32 and p.shape == (rows, h)
+        for gate, up in ((g, u), (g.t().contiguous().t(), u)):
+            assert same_bits(silu_triton.swiglu_product(gate, up), p)
+        assert_same(quantize.quantize_lastdim(p, "rceil"), swiglu.swiglu_quantize(g, u, "rceil"))
+    gu3 = exact_input((2, 64, 192), seed=7)
+    p3 = silu_triton.swiglu_product(gu3[..., :96], gu3[..., 96:])
+    assert same_bits(p3, silu_triton.swiglu_product(gu3[..., :96].reshape(128, 96), gu3[..., 96:].reshape(128, 96)).reshape(2, 64, 96))
+    assert silu_triton.swiglu_product(torch.zeros(0, 64), torch.zeros(0, 64)).shape == (0, 64)  # no launch
 
 
 BACKGROUND_JOBS = {"interpreter": lambda environ: run_interpreter_checks(__file__, environ)}  # tests/conftest.py
@@ -746,7 +820,7 @@ if __name__ == "__main__" and sys.argv[1:] == ["--interpret"]:
 
 @pytest.mark.parametrize("value, opaque", [(None, False), ("0", False), ("off", False), ("1", True), ("True", True), ("yes", True), ("maybe", None)])
 def test_opaque_kernels_switch(monkeypatch, value, opaque):
-    from mxfx.kernels.launch import opaque_kernels
+    from mxfx.kernels.common.launch import opaque_kernels
 
     if value is None:
         monkeypatch.delenv("MXFX_OPAQUE_KERNELS", raising=False)
@@ -762,9 +836,9 @@ def test_opaque_kernels_switch(monkeypatch, value, opaque):
 def test_traced_path_calls_the_ops_own_body(monkeypatch):
     """Each MX op callers use runs its custom op, or (when a CUDA graph is traced) the op's body: the
     same function with the same arguments. Forced to the body on CPU, every op gives the op's bytes."""
-    from mxfx.kernels import launch
-    from mxfx.kernels import custom_ops
-    from mxfx.kernels import mx_gemm as gemm
+    from mxfx.kernels.common import launch, swiglu
+    from mxfx.kernels.mx import custom_ops
+    from mxfx.kernels.mx import gemm
 
     g = torch.Generator().manual_seed(4)
     x, u = torch.randn(64, 96, generator=g), torch.randn(64, 96, generator=g)
@@ -779,15 +853,17 @@ def test_traced_path_calls_the_ops_own_body(monkeypatch):
             q, s, custom_ops.dequantize(q, s, torch.float32), *custom_ops.quantize_dual(x, "floor"),
             *custom_ops.quantize_dequantize(x, "rceil", torch.float32), *custom_ops.swiglu_quantize(x, u, "rceil"),
             *custom_ops.route_weight_quantize(x, rw, "rceil"), *custom_ops.quantize_blocked(x, "rceil"),
-            gemm.mx_mm(q, s, wq[0], ws[0], torch.float32),
-            gemm.mx_grouped_mm(q, s, wq, ws, offs, torch.float32),
-            gemm.mx_grouped_mm_wgrad(qt[:32], st[:32], qt, st, torch.tensor([32, 32, 96], dtype=torch.int32), torch.float32),
+            gemm.mx_mm(q, s, wq[0], ws[0], torch.float32, False),
+            gemm.mx_grouped_mm(q, s, wq, ws, offs, torch.float32, False),
+            gemm.mx_grouped_mm_wgrad(qt[:32], st[:32], qt, st, torch.tensor([32, 32, 96], dtype=torch.int32), torch.float32,
+                                     False),
+            swiglu.product(x, u),
         ]
 
     ops = run_all()
     monkeypatch.setattr(launch, "inline_in_graph", lambda t: True)
     bodies = run_all()
-    assert len(ops) == len(bodies) == 19
+    assert len(ops) == len(bodies) == 20
     for a, b in zip(ops, bodies):
         assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
                            b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)

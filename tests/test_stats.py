@@ -21,7 +21,7 @@ from mxfx.numerics import block as block_ref
 from mxfx.numerics.layout import to_blocked
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
 from mxfx.ops.linear import mx_linear
-from mxfx.kernels.silu import silu_fp32
+from mxfx.kernels.common.silu import silu_fp32
 from mxfx.runtime import cache, stats
 
 from helpers import GraphCapture

@@ -1,4 +1,4 @@
-"""Probe: variants of the fp8_block grouped GEMM (``mxfx.kernels.block_grouped``) side by side with BF16
+"""Probe: variants of the fp8_block grouped GEMM (``mxfx.kernels.fp8_block.grouped_gemm``) side by side with BF16
 ``torch._grouped_mm`` and the module's kernel.
 
 Variants of one kernel body (constexpr switches), persistent over the tiles of all groups as the module's:
@@ -28,8 +28,9 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from mxfx.kernels import block_device_path as bq  # noqa: E402
-from mxfx.kernels import block_gemm, block_grouped  # noqa: E402
+from mxfx.kernels.fp8_block import device_path as bq  # noqa: E402
+from mxfx.kernels.fp8_block import gemm as block_gemm  # noqa: E402
+from mxfx.kernels.fp8_block import grouped_gemm as block_grouped
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor

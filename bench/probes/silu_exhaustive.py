@@ -14,9 +14,9 @@ the division itself. The variants run the same five operations without the check
 3. ``fast, quarter``: dividing by d / 4 (written ``fma(exp, 0.25, 0.25)``, which rounds unlike ``1 + exp``);
 4. ``fast, clamp 2^126``: the divisor clamped at 2^126, giving ``g * 2^-126`` below -87.3365, which is
    NOT small for huge negative gates (g = -1e38 gives -1.2): not usable;
-5. ``module``: ``mx_block.silu_f32``, the library's SiLU: the divisor clamped at FLT_MAX, negations
+5. ``module``: ``silu_triton.silu_f32``, the library's SiLU: the divisor clamped at FLT_MAX, negations
    written as ``x * -1.0``, so that every finite g <= ``SILU_FLUSH_GATE`` gives -0 (``F.silu``'s own
-   value below -88.72). Checked against ``mxfx.kernels.silu.silu_fp32``, the CPU reference, which
+   value below -88.72). Checked against ``mxfx.kernels.common.silu.silu_fp32``, the CPU reference, which
    states the band by that constant on g.
 
 Variants 1-4 write ``-x``, which Triton 3.6 lowers to ``0 - x``: an extra FADD per negation (``sass``
@@ -51,12 +51,12 @@ except ImportError:
     sys.exit("silu_exhaustive: needs Triton and a CUDA GPU (pip install -e '.[gpu]')")
 
 from bench.mx_kernels import SHAPES, copy_bandwidth, median_ms
-from mxfx.kernels import device_path
-from mxfx.kernels import swiglu
-from mxfx.kernels.mx_block import (FLT_MAX, conversion_bits, exp_f32, load_blocks, rcp_approx_ftz, silu_f32,
-                                   store_dequantized)
-from mxfx.kernels.silu import silu_fp32
-from mxfx.kernels.swiglu import _store_mx
+from mxfx.kernels.mx import device_path
+from mxfx.kernels.mx import swiglu
+from mxfx.kernels.common.silu_triton import FLT_MAX, exp_f32, rcp_approx_ftz, silu_f32
+from mxfx.kernels.mx.blocks import conversion_bits, load_blocks, store_dequantized
+from mxfx.kernels.common.silu import silu_fp32
+from mxfx.kernels.mx.swiglu import _store_mx
 
 CHUNK = 1 << 28
 TIMED = tuple(int(v) for v in os.environ.get("SILU_TIMED", "0,5").split(","))
@@ -153,7 +153,7 @@ def _clamp_126(g, ref):
 
 
 def _flush_to_neg_zero(g, ref):
-    """mxfx.kernels.silu.silu_fp32: -0 for finite g <= SILU_FLUSH_GATE"""
+    """mxfx.kernels.common.silu.silu_fp32: -0 for finite g <= SILU_FLUSH_GATE"""
     return silu_fp32(g)
 
 

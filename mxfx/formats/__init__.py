@@ -6,7 +6,8 @@
   BF16 baseline at the same recipe; ``precision="bf16"`` instead leaves an op as the model wrote it).
 
 :func:`get` turns a policy's ``format`` value into the object (``"auto"``: the first format native on the
-device, else MXFP8). A further format (NVFP4, say) is one new module here plus its kernels.
+device, else MXFP8). A further format (NVFP4, say) is one new module here plus its kernels (a folder of
+:mod:`mxfx.kernels`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from mxfx.formats import mxfp8  # noqa: I001 (registration order: the default fo
 from mxfx.formats import fp8_block
 from mxfx.formats import bf16_gemm
 from mxfx.formats.base import Format, ScaleRule, registered
-from mxfx.kernels import device as _device
+from mxfx.kernels.common import device as _device
 
 AUTO = "auto"
 """The ``format`` value that picks, per compile, the format with native GEMMs on the current device."""

@@ -16,8 +16,8 @@ import enum
 
 import torch
 
-from mxfx.kernels.mx_swiglu import swiglu_fp32
-from mxfx.kernels.silu import silu_fp32
+from mxfx.kernels.common import device as devices
+from mxfx.kernels.common.silu import swiglu_fp32
 from mxfx.runtime import stats
 
 
@@ -40,6 +40,10 @@ class ScaleRule(str, enum.Enum):
 Operand = tuple
 """A GEMM operand as a format makes it: a tuple of tensors (entries may be None), read only by that format."""
 
+GEMM_OPS = ("mm", "grouped_mm", "grouped_mm_wgrad")
+"""A format's GEMMs: dense (a linear's forward, dgrad and wgrad), grouped (routed experts' forward and dgrad), and
+the grouped wgrad (a reduction over each expert's tokens)."""
+
 
 class Format:
     """A block-scaled FP8 format: its facts, and the operands and GEMMs of a linear and a grouped expert GEMM.
@@ -48,8 +52,10 @@ class Format:
     takes, default first), ``block`` (values per activation/gradient scale, along the reduction dim),
     ``weight_block`` (rows x cols of a weight's scale block), ``feature_multiple`` (in/out features a GEMM
     needs), ``bytes_per_value`` (payload plus scale, amortized), ``scale_dtype``, ``transport`` (the format its
-    expert-parallel all-to-all payload travels in: a format name), ``native_archs`` (GPU architectures,
-    as :func:`mxfx.kernels.device.arch_of` names them, whose tensor cores run its GEMMs; emulated elsewhere), ``dequantized_weight_forms`` (whether its weight
+    expert-parallel all-to-all payload travels in: a format name), ``native_gemms`` (per GPU architecture, as
+    :func:`mxfx.kernels.common.device.arch_of` names it, the GEMMs of :data:`GEMM_OPS` its tensor cores run in this
+    format; every other architecture and GEMM is emulated; :attr:`native_archs` lists those architectures and
+    :meth:`runs_natively` asks it per device), ``dequantized_weight_forms`` (whether its weight
     cache has BF16 dequantized forms for emulated GEMMs, ``Policy.keep_dequantized_weights``),
     ``description`` and ``colour`` (how reports show it), ``gather_row_multiple`` (rows of a weight shard that FSDP2
     can gather exactly: whole scale blocks down N; 0: no gather forms, FSDP2 gathers the parameter as stored).
@@ -75,7 +81,7 @@ class Format:
     bytes_per_value: float = 0.0
     scale_dtype: torch.dtype = torch.float32
     transport: str = ""
-    native_archs: tuple[str, ...] = ()
+    native_gemms: dict[str, frozenset[str]] = {}
     dequantized_weight_forms: bool = False
     gather_row_multiple: int = 0
     description: str = ""
@@ -88,6 +94,22 @@ class Format:
         return (_by_name, (self.name,))
 
     # --- facts -------------------------------------------------------------------------------------
+
+    @property
+    def native_archs(self) -> tuple[str, ...]:
+        """The GPU architectures whose tensor cores run some of this format's GEMMs (keys of ``native_gemms``)."""
+        return tuple(self.native_gemms)
+
+    def runs_natively(self, op: str, device: torch.device) -> bool:
+        """Whether GEMM ``op`` (one of :data:`GEMM_OPS`) runs on ``device``'s tensor cores in this format (else it is
+        emulated: operands dequantized, FP32 accumulation).
+
+        Raises:
+            ValueError: ``op`` is not a GEMM op.
+        """
+        if op not in GEMM_OPS:
+            raise ValueError(f"mxfx.gemm: op={op!r} is not a GEMM op; choose one of {GEMM_OPS}")
+        return op in self.native_gemms.get(devices.arch_of(devices.capability(device)), ())
 
     def rule(self, rule, where: str) -> ScaleRule:
         """``rule`` as a :class:`ScaleRule` of this format.
@@ -196,10 +218,9 @@ class Format:
 
     def stats_values(self, source, combine: str, layout: str = "rows") -> torch.Tensor:
         """The float32 values a quantize read, formed from ``source`` as ``combine`` says
-        (:data:`mxfx.runtime.stats.COMBINES`): ``source[0]`` itself, ``silu(gate) * up`` in fp32 ("swiglu": for
-        ``layout="rows"`` the fused SwiGLU quantizes' product, mxfx's SiLU :func:`mxfx.kernels.silu.silu_fp32`; for
-        "tokens" the product the wgrad operand is quantized from, :func:`mxfx.kernels.mx_swiglu.swiglu_fp32`), or
-        rows times route weights in fp32 ("route_weight").
+        (:data:`mxfx.runtime.stats.COMBINES`): ``source[0]`` itself, ``silu(gate) * up`` in fp32 ("swiglu": the one
+        product the forward and wgrad operands of a SwiGLU are quantized from, :func:`mxfx.kernels.common.silu.swiglu_fp32`),
+        or rows times route weights in fp32 ("route_weight").
 
         Raises:
             ValueError: an unknown ``combine``.
@@ -207,8 +228,7 @@ class Format:
         if combine == "":
             return source[0].detach().float()
         if combine == "swiglu":
-            gate, up = source[0].detach(), source[1].detach()
-            return swiglu_fp32(gate, up) if layout == "tokens" else silu_fp32(gate) * up.float()
+            return swiglu_fp32(source[0].detach(), source[1].detach())
         if combine == "route_weight":
             return source[0].detach().float() * source[1].detach().reshape(-1, 1).float()
         raise ValueError(f"mxfx.formats: combine={combine!r} is not valid; choose one of {stats.COMBINES}")

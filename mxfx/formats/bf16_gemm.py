@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 
 from mxfx.formats.base import Format, ScaleRule, register
-from mxfx.kernels import mx_swiglu
-from mxfx.kernels.mx_gemm import hp_grouped_wgrad, hp_mm_transposed
-from mxfx.kernels.silu import silu_fp32
+from mxfx.kernels.common import swiglu
+from mxfx.kernels.common.hp_gemm import hp_grouped_wgrad, hp_mm_transposed
+from mxfx.kernels.common.silu import swiglu_fp32
 from mxfx.runtime import cache, stats
 
 _BF16 = torch.bfloat16
@@ -75,7 +75,7 @@ class BF16Gemm(Format):
 
     def input_operand(self, x, up, rule, op):
         # a SwiGLU product with mxfx's fp32 SiLU, as the other formats' fused SwiGLU quantizes form it
-        return ((x if up is None else silu_fp32(x) * up.float()).to(_BF16),)
+        return ((x if up is None else swiglu_fp32(x, up)).to(_BF16),)
 
     def forward_operands(self, x, up, rule, save, tokens, offs=None, given=None):
         a = self.input_operand(x, up, rule, "mm")
@@ -114,7 +114,7 @@ class BF16Gemm(Format):
         return a
 
     def swiglu_backward(self, dh, packed):
-        return mx_swiglu.backward(dh, packed)
+        return swiglu.backward(dh, *packed)
 
     def rows_quantize_call(self, rule, device):
         return None  # a BF16 copy made before a row gather saves nothing

@@ -18,8 +18,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mxfx.formats.base import Format, ScaleRule, register
-from mxfx.kernels import block_device_path, block_ops, mx_swiglu
+from mxfx.formats.base import GEMM_OPS, Format, ScaleRule, register
+from mxfx.kernels.fp8_block import custom_ops, device_path
+from mxfx.kernels.common import swiglu
 from mxfx.numerics.block import TILE, dequantize_128x128, dequantize_values, n_tiles
 from mxfx.numerics.mx import E4M3_MAX
 from mxfx.runtime import cache, stats
@@ -41,17 +42,17 @@ def _build(weight: torch.Tensor, rule: str, forms, have: dict) -> dict:
     if known is not None:
         q, s = have[(rule, known)]
         if known == "block_dgrad":
-            q, s = block_device_path.transpose_qdata(q), s.transpose(-2, -1)
+            q, s = device_path.transpose_qdata(q), s.transpose(-2, -1)
     else:
         cache.counts["quantize_block"] += 1
         cache.counts["quantize"] += 1
-        q, s = block_device_path.quantize_128x128(weight.detach(), rule)
+        q, s = device_path.quantize_128x128(weight.detach(), rule)
     out = {}
     for f in forms:
         if f == "block_forward":
             out[(rule, f)] = (q.contiguous(), s.contiguous())
         else:
-            out[(rule, f)] = (block_device_path.transpose_qdata(q), s.transpose(-2, -1).contiguous())
+            out[(rule, f)] = (device_path.transpose_qdata(q), s.transpose(-2, -1).contiguous())
     return out
 
 
@@ -81,7 +82,7 @@ class FP8Block(Format):
     bytes_per_value = 1 + 4 / TILE
     scale_dtype = torch.float32
     transport = "mxfp8"  # no fp8_block all-to-all kernel: expert-parallel payloads travel as MXFP8
-    native_archs = ("sm90",)
+    native_gemms = {"sm90": frozenset(GEMM_OPS)}  # cuBLAS blockwise dense, Triton grouped (FP8 tl.dot)
     gather_row_multiple = TILE
     colour = "#7fd1c7"
     description = "fp8_block: rceil/amax FP32 scales per 1x128 tile and 128x128 weight block"
@@ -91,16 +92,16 @@ class FP8Block(Format):
 
     def input_operand(self, x, up, rule, op):
         rule = str(rule)
-        return block_ops.block_quantize(x, rule) if up is None else block_ops.block_swiglu_quantize(x, up, rule)
+        return custom_ops.block_quantize(x, rule) if up is None else custom_ops.block_swiglu_quantize(x, up, rule)
 
     def forward_operands(self, x, up, rule, save, tokens, offs=None, given=None):
         rule = str(rule)
-        source = (x if up is None else mx_swiglu.swiglu_fp32(x, up)) if tokens else None
+        source = (x if up is None else swiglu.product(x, up)) if tokens else None  # the forward quantize's values
         if given is not None:  # x quantized before the dispatch's row gather (mxfx.passes.dispatch_mx); up is None
-            t = tuple(block_ops.block_quantize_grouped_tokens(source, offs, rule)) if tokens else None
+            t = tuple(custom_ops.block_quantize_grouped_tokens(source, offs, rule)) if tokens else None
             return tuple(given), t, ()
         pack = up is not None and save == "mxfp8"
-        out = block_ops.block_forward_operands(x, up, source, offs, rule, pack)  # every pair from one read
+        out = custom_ops.block_forward_operands(x, up, source, offs, rule, pack)  # every pair from one read
         a, rest = (out[0], out[1]), out[2:]
         t = tuple(rest[:2]) if tokens else None
         packed = tuple(rest[2 if tokens else 0:]) if pack else ((x, up) if up is not None else ())
@@ -110,33 +111,33 @@ class FP8Block(Format):
         return cache.weight_form(weight, str(rule), "block_" + orientation)
 
     def mm(self, a, b, out_dtype):
-        return block_ops.block_mm(a[0], a[1], b[0], b[1], out_dtype)
+        return custom_ops.block_mm(a[0], a[1], b[0], b[1], out_dtype)
 
     def grouped_mm(self, a, b, offs, out_dtype):
-        return block_ops.block_grouped_mm(a[0], a[1], b[0], b[1], offs, out_dtype)
+        return custom_ops.block_grouped_mm(a[0], a[1], b[0], b[1], offs, out_dtype)
 
     def grad_operands(self, dy, rule, rows, tokens):
         rule = str(rule)
         if rows and tokens:  # both tilings of dY from one read
-            q, s, qt, st = block_ops.block_quantize_dual(dy, rule)
+            q, s, qt, st = custom_ops.block_quantize_dual(dy, rule)
             return (q, s), (qt, st)
         if rows:
-            return tuple(block_ops.block_quantize(dy, rule)), None
-        return None, (tuple(block_ops.block_quantize_tokens(dy, rule)) if tokens else None)
+            return tuple(custom_ops.block_quantize(dy, rule)), None
+        return None, (tuple(custom_ops.block_quantize_tokens(dy, rule)) if tokens else None)
 
     def grouped_grad_operand(self, dout, route_weight, rule):
         dy = dout if route_weight is None else dout.float() * route_weight.reshape(-1, 1).float()
-        return tuple(block_ops.block_quantize(dy, str(rule))), dy
+        return tuple(custom_ops.block_quantize(dy, str(rule))), dy
 
     def tokens_operand(self, x, rule):
-        return tuple(block_ops.block_quantize_tokens(x, str(rule)))
+        return tuple(custom_ops.block_quantize_tokens(x, str(rule)))
 
     def wgrad_mm(self, dy_tokens, x_tokens, out_dtype):
-        return block_ops.block_mm(dy_tokens[0], dy_tokens[1], x_tokens[0], x_tokens[1], out_dtype)
+        return custom_ops.block_mm(dy_tokens[0], dy_tokens[1], x_tokens[0], x_tokens[1], out_dtype)
 
     def grouped_wgrad(self, dy, x_tokens, offs, rule, out_dtype):
-        dq, ds = block_ops.block_quantize_grouped_tokens(dy, offs, str(rule))
-        return block_ops.block_grouped_wgrad(dq, ds, x_tokens[0], x_tokens[1], offs, out_dtype)
+        dq, ds = custom_ops.block_quantize_grouped_tokens(dy, offs, str(rule))
+        return custom_ops.block_grouped_wgrad(dq, ds, x_tokens[0], x_tokens[1], offs, out_dtype)
 
     def dequantize(self, a, dtype):
         return dequantize_values(a[0], a[1], (-1,)).to(dtype)
@@ -148,13 +149,13 @@ class FP8Block(Format):
         if len(packed) == 4:
             gq, gs, uq, us = packed
             packed = (self.dequantize((gq, gs), torch.float32), self.dequantize((uq, us), torch.float32))
-        return mx_swiglu.backward(dh, packed)
+        return swiglu.backward(dh, *packed)
 
     def rows_quantize_call(self, rule, device):
         return torch.ops.mxfx.block_quantize.default, (str(rule),), 2
 
     def gather_forms(self, w, rule):
-        q, s = block_device_path.quantize_128x128(w, str(rule))
+        q, s = device_path.quantize_128x128(w, str(rule))
         return {"block": (q.contiguous().view(torch.uint8), s.contiguous())}
 
     def gather_which(self, reshards_after_forward, in_backward):

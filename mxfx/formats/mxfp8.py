@@ -7,10 +7,10 @@ Operands are blocked along each GEMM's reduction dim (``docs/format.md``):
 * wgrad ``dW = MX(dY)^T . MX(X)``: both blocked along tokens, zero-padded to a multiple of 32 (per expert
   group for routed experts, so no 32-block mixes two experts' rows).
 
-An operand is ``(qdata, scales, values)``: ``values`` is its dequantization written by the same pass where
-the GEMM is emulated (Hopper, CPU; :func:`mxfx.kernels.device.emulated_operand_dtype`), else None; where the
-emulated GEMM reads the values alone, qdata and scales may be None. Native MX GEMMs (Blackwell) read
-qdata and scales, a dense operand's scales in the blocked layout.
+Which GEMMs run natively is :attr:`MXFP8.native_gemms` (Blackwell); the others are emulated. An operand is
+``(qdata, scales, values)``: ``values`` is its dequantization written by the same pass where the GEMM is emulated
+(Hopper, CPU; in :meth:`MXFP8.values_dtype`), else None; where the emulated GEMM reads the values alone, qdata and
+scales may be None. Native MX GEMMs read qdata and scales, a dense operand's scales in the blocked layout.
 """
 
 from __future__ import annotations
@@ -18,14 +18,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mxfx.formats.base import Format, Operand, ScaleRule, register
-from mxfx import kernels
-from mxfx.kernels import custom_ops, mx_swiglu
-from mxfx.kernels.device import emulated_operand_dtype
-from mxfx.kernels.mx_gemm import (a_operand, mx_grouped_mm, mx_grouped_mm_wgrad, mx_mm, quantize_dual_operand,
-                                  quantize_operand)
-from mxfx.kernels.device import colwise_in_source_layout
-from mxfx.kernels.views import mn_major
+from mxfx.formats.base import GEMM_OPS, Format, Operand, ScaleRule, register
+from mxfx.kernels.mx import custom_ops, device_path
+from mxfx.kernels.mx import swiglu_operand
+from mxfx.kernels.mx.gemm import (a_operand, emulation_dtype, mx_grouped_mm, mx_grouped_mm_wgrad, mx_mm,
+                                  quantize_dual_operand, quantize_operand)
+from mxfx.kernels.mx.views import mn_major
+from mxfx.kernels.common import swiglu
 from mxfx.numerics import layout
 from mxfx.numerics.layout import blocked_numel, from_blocked, is_blocked, to_blocked
 from mxfx.numerics.mx import BLOCK_SIZE, E4M3_MAX, E8M0_BIAS, dequantize_lastdim, quantize_blocks
@@ -66,9 +65,10 @@ _VALUES = {"forward_bf16": "forward", "dgrad_bf16": "dgrad"}
 
 def source_layout(weight: torch.Tensor) -> bool:
     """Whether ``weight``'s dgrad forms are kept in the source layout (transpose views of ``[.., N, K]``
-    tensors) rather than contiguous ``[.., K, N]``: where its GEMM is emulated
-    (:func:`mxfx.kernels.device.colwise_in_source_layout`)."""
-    return colwise_in_source_layout(weight.device, "grouped_mm" if weight.dim() == 3 else "mm")
+    tensors) rather than contiguous ``[.., K, N]``: where its GEMM is emulated. Native MX GEMMs read the
+    columnwise operand as a contiguous (K-major) tensor, so it is stored transposed; emulated GEMMs read either
+    orientation at the same cost, so it stays the transpose view (no transpose in its quantize or dequantize)."""
+    return not FORMAT.runs_natively("grouped_mm" if weight.dim() == 3 else "mm", weight.device)
 
 
 def blocked_scales(weight: torch.Tensor) -> bool:
@@ -94,7 +94,7 @@ def _quantize_weight(weight: torch.Tensor, rule: str, pairs, values=()) -> tuple
     cache.counts.update({f"quantize_{o}": 1 for o in want})
     cache.counts["quantize"] += len(want)
     if source_layout(w):
-        q, s, h, qt, st, ht = kernels.quantize_dual_source(
+        q, s, h, qt, st, ht = device_path.quantize_dual_source(
             w, rule, row="forward" in want, col="dgrad" in want,
             dequantized=torch.bfloat16 if values else None, mx=bool(pairs),
         )
@@ -103,12 +103,12 @@ def _quantize_weight(weight: torch.Tensor, rule: str, pairs, values=()) -> tuple
     out = {}
     blocked = blocked_scales(w)
     if set(pairs) == set(_PAIRS):
-        q, s, qt, st = (kernels.quantize_dual_blocked if blocked else kernels.quantize_dual)(w, rule)
+        q, s, qt, st = (device_path.quantize_dual_blocked if blocked else device_path.quantize_dual)(w, rule)
         out["forward"], out["dgrad"] = (q.contiguous(), s.contiguous()), (qt.contiguous(), st.contiguous())
     else:
         for o in pairs:
             src = w if o == "forward" else w.transpose(-2, -1)
-            q, s = (kernels.quantize_blocked if blocked else kernels.quantize_lastdim)(src, rule)
+            q, s = (device_path.quantize_blocked if blocked else device_path.quantize_lastdim)(src, rule)
             out[o] = (q.contiguous(), s.contiguous())
     return out, {}
 
@@ -133,7 +133,7 @@ def _build(weight: torch.Tensor, rule: str, forms, have: dict) -> dict:
             out[(rule, o + "_bf16")] = (values[o],)
         else:
             q, sc = pairs[o]
-            out[(rule, o + "_bf16")] = (kernels.dequantize_lastdim(q, _plain_scales(q, sc), torch.bfloat16),)
+            out[(rule, o + "_bf16")] = (device_path.dequantize_lastdim(q, _plain_scales(q, sc), torch.bfloat16),)
     return out
 
 
@@ -186,7 +186,10 @@ class MXFP8(Format):
     bytes_per_value = 1 + 1 / BLOCK_SIZE
     scale_dtype = torch.uint8
     transport = "mxfp8"
-    native_archs = ("sm100", "sm120")
+    native_gemms = {
+        "sm100": frozenset(GEMM_OPS),  # data-center Blackwell: torch._scaled_mm / _scaled_grouped_mm
+        "sm120": frozenset({"mm"}),  # RTX Blackwell: dense only (torch's MX grouped kernel is sm100's)
+    }
     dequantized_weight_forms = True
     gather_row_multiple = BLOCK_SIZE
     colour = "#9be7a0"
@@ -197,15 +200,23 @@ class MXFP8(Format):
             numel = -(-tokens // BLOCK_SIZE) * BLOCK_SIZE * k
         return numel + numel // BLOCK_SIZE
 
+    def values_dtype(self, op: str, device: torch.device) -> torch.dtype | None:
+        """The dtype GEMM ``op`` reads its operands in where it is emulated on ``device`` (fp32 on CPU, bf16 on
+        CUDA: :func:`mxfx.kernels.mx.gemm.emulation_dtype`), None where it runs natively. A quantize pass making an
+        operand of an emulated GEMM writes its dequantized values in this dtype too, so that no dequantize pass
+        follows."""
+        return None if self.runs_natively(op, device) else emulation_dtype(device)
+
     def input_operand(self, x, up, rule, op):
-        return mx_swiglu.quantize_input(x, up, str(rule), op)
+        return swiglu_operand.quantize_input(x, up, str(rule), self.values_dtype(op, x.device))
 
     def forward_operands(self, x, up, rule, save, tokens, offs=None, given=None):
         rule = str(rule)
         op = "mm" if offs is None else "grouped_mm"
         packed = ()
         if up is not None:  # SwiGLU quantized straight from gate and up, gate/up saved per ``save`` in the same pass
-            q, s, hat, packed = mx_swiglu.quantize_input_and_pack(x, up, save, rule, op)
+            values = self.values_dtype(op, x.device)
+            q, s, hat, packed = swiglu_operand.quantize_input_and_pack(x, up, save, rule, values)
             a = (q, s, hat)
         elif given is not None:
             a = given
@@ -214,15 +225,15 @@ class MXFP8(Format):
             # scale matrices in their blocked layout (not cut to m rows: padded zero rows have scale byte 0,
             # the layout's own padding)
             m = x.shape[0]
-            native = emulated_operand_dtype("mm", x.device) is None
+            native = self.runs_natively("mm", x.device)
             dual = custom_ops.quantize_dual_blocked if native else custom_ops.quantize_dual
             q, s, qt, st = dual(_pad_tokens(x), rule)
             return (q[:m], s if native else s[:m], None), (qt, st, None), packed
         else:
-            a = quantize_operand(x, rule, op)
+            a = quantize_operand(x, rule, self.values_dtype(op, x.device))
         if not tokens:
             return a, None, packed
-        h = x if up is None else mx_swiglu.swiglu_fp32(x, up)
+        h = x if up is None else swiglu.product(x, up)  # the fp32 values the fused forward quantize read
         if offs is None:
             return a, (*custom_ops.quantize(_pad_tokens(h).t(), rule), None), packed
         return a, _token_blocked(h, offs, rule), packed
@@ -236,28 +247,32 @@ class MXFP8(Format):
         q, s = cache.weight_form(weight, rule, orientation)
         return q, s, (cache.weight_form(weight, rule, values)[0] if keep_dequantized else None)
 
+    def _native(self, op: str, a: Operand) -> bool:
+        return self.runs_natively(op, (a[0] if a[0] is not None else a[2]).device)
+
     def mm(self, a, b, out_dtype):
-        return mx_mm(a[0], a[1], b[0], b[1], out_dtype, b[2], a[2])
+        return mx_mm(a[0], a[1], b[0], b[1], out_dtype, self._native("mm", a), b[2], a[2])
 
     def grouped_mm(self, a, b, offs, out_dtype):
-        return mx_grouped_mm(a[0], a[1], b[0], b[1], offs, out_dtype, b[2], a[2])
+        return mx_grouped_mm(a[0], a[1], b[0], b[1], offs, out_dtype, self._native("grouped_mm", a), b[2], a[2])
 
     def grad_operands(self, dy, rule, rows, tokens):
         rule = str(rule)
         if tokens:  # rowwise for dgrad and token-blocked for wgrad, from one read
             m = dy.shape[0]
-            q, s, hat, qt, st, hat_t = quantize_dual_operand(_pad_tokens(dy), rule)
+            q, s, hat, qt, st, hat_t = quantize_dual_operand(_pad_tokens(dy), rule, self.values_dtype("mm", dy.device))
             # the first m token rows; scales in the blocked layout (native GEMMs) stay whole
             q, s, hat = (t if t is None or t.dim() == 1 else t[:m] for t in (q, s, hat))
             return ((q, s, hat) if rows else None), (qt, st, hat_t)
-        return (quantize_operand(dy, rule) if rows else None), None
+        return (quantize_operand(dy, rule, self.values_dtype("mm", dy.device)) if rows else None), None
 
     def grouped_grad_operand(self, dout, route_weight, rule):
         rule = str(rule)
+        values = self.values_dtype("grouped_mm", dout.device)
         if route_weight is None:
-            return quantize_operand(dout, rule, "grouped_mm"), dout
+            return quantize_operand(dout, rule, values), dout
         rw = route_weight.reshape(-1)
-        a = a_operand("grouped_mm", custom_ops.route_weight_quantize, custom_ops.route_weight_quantize_dequantize,
+        a = a_operand(values, custom_ops.route_weight_quantize, custom_ops.route_weight_quantize_dequantize,
                       dout, rw, rule)  # the route-weight multiply fused into the quantize
         return a, dout.float() * rw.reshape(-1, 1).float()  # fp32: quantized once, never via bf16
 
@@ -265,12 +280,14 @@ class MXFP8(Format):
         return (*custom_ops.quantize(_pad_tokens(x).t(), str(rule)), None)
 
     def wgrad_mm(self, dy_tokens, x_tokens, out_dtype):
-        return mx_mm(dy_tokens[0], dy_tokens[1], x_tokens[0], x_tokens[1], out_dtype, None, dy_tokens[2])
+        return mx_mm(dy_tokens[0], dy_tokens[1], x_tokens[0], x_tokens[1], out_dtype, self._native("mm", dy_tokens),
+                     None, dy_tokens[2])
 
     def grouped_wgrad(self, dy, x_tokens, offs, rule, out_dtype):
         _, padded_offs, _ = layout.group_padding(offs, dy.shape[0])
         dq, ds, _ = _token_blocked(dy, offs, str(rule))
-        return mx_grouped_mm_wgrad(dq, ds, x_tokens[0], x_tokens[1], padded_offs, out_dtype)
+        native = self.runs_natively("grouped_mm_wgrad", dq.device)
+        return mx_grouped_mm_wgrad(dq, ds, x_tokens[0], x_tokens[1], padded_offs, out_dtype, native)
 
     def dequantize(self, a, dtype):
         return custom_ops.dequantize(a[0], a[1], dtype)
@@ -279,17 +296,17 @@ class MXFP8(Format):
         return a[0], a[1]  # not the dequantized values: the backward decodes the pair
 
     def swiglu_backward(self, dh, packed):
-        return mx_swiglu.backward(dh, packed)
+        return swiglu.backward(dh, *swiglu_operand.unpack(packed))
 
     def rows_quantize_call(self, rule, device):
-        dtype = emulated_operand_dtype("grouped_mm", device)
+        dtype = self.values_dtype("grouped_mm", device)
         if dtype is None:
             return custom_ops.quantize, (str(rule),), 2
         return custom_ops.quantize_dequantize, (str(rule), dtype), 3
 
     def gather_forms(self, w, rule):
-        q, s = kernels.quantize_lastdim(w, str(rule))
-        qt, st = kernels.quantize_lastdim(w.transpose(-2, -1), str(rule))
+        q, s = device_path.quantize_lastdim(w, str(rule))
+        qt, st = device_path.quantize_lastdim(w.transpose(-2, -1), str(rule))
         return {
             "forward": (q.contiguous().view(torch.uint8), s.contiguous()),
             # dgrad: W^T [..., K, N] blocked along N -> sent in W's layout: qdata [..., N, K], scales [..., N/32, K]
@@ -316,8 +333,8 @@ class MXFP8(Format):
 
     def gathered_values(self, pairs, dtype):
         if "forward" in pairs:
-            return kernels.dequantize_lastdim(*pairs["forward"], dtype)
-        return kernels.dequantize_lastdim(*pairs["dgrad"], dtype).transpose(-2, -1)
+            return device_path.dequantize_lastdim(*pairs["forward"], dtype)
+        return device_path.dequantize_lastdim(*pairs["dgrad"], dtype).transpose(-2, -1)
 
     def quant_stats(self, source, combine, operand, rule, layout):
         # every layout is blocked along its last dim: rows [..., K], a weight [..., N, K] along K, and the

@@ -1,18 +1,16 @@
-"""MX kernels: Triton on CUDA, the plain-torch reference (``mxfx.numerics.mx``) elsewhere.
+"""mxfx's kernels, one folder per format and one for what every format shares.
 
-Every function here takes and returns plain tensors (scales as uint8 E8M0 bytes)
-and picks its implementation from the input's device. Graph code uses the torch
-custom ops registered in :mod:`mxfx.kernels.custom_ops`, which wrap these functions.
+* :mod:`mxfx.kernels.mx`: MXFP8 (E4M3 + an E8M0 scale per 32 values). ``device_path`` picks Triton on CUDA or
+  the plain-torch reference (:mod:`mxfx.numerics.mx`) elsewhere; ``custom_ops`` wraps it as the ``mxfx::*`` torch
+  ops graphs call; ``gemm`` holds the MX GEMMs (native on Blackwell, emulated elsewhere); ``swiglu_operand`` the
+  SwiGLU input side of an MX GEMM. The Triton modules (``blocks``, ``quantize``, ``dual``, ``dequantize``,
+  ``swiglu``) are imported only once a CUDA tensor arrives.
+* :mod:`mxfx.kernels.fp8_block`: fp8_block (E4M3 + FP32 scales per 1x128 tile / 128x128 block), laid out the
+  same way: ``device_path``, ``custom_ops`` (``mxfx::block_*``), ``gemm`` (cuBLAS dense, Triton ``grouped_gemm``),
+  Triton ``quantize``.
+* :mod:`mxfx.kernels.common`: format-free pieces: device facts (``device``), how kernels launch and enter graphs
+  (``launch``), mxfx's SiLU and SwiGLU (``silu``, ``swiglu``, Triton ``silu_triton``), high-precision GEMMs
+  (``hp_gemm``), and byte moves (``transpose``, ``zero_rows``).
+
+Imports run one way: ``mx`` and ``fp8_block`` use ``common`` and :mod:`mxfx.numerics`, never each other.
 """
-
-from mxfx.kernels.device_path import (  # noqa: F401
-    dequantize_lastdim,
-    quantize_blocked,
-    quantize_dequantize,
-    quantize_dual,
-    quantize_dual_blocked,
-    quantize_dual_source,
-    quantize_lastdim,
-    route_weight_quantize,
-    swiglu_quantize,
-)

@@ -45,7 +45,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from mxfx.numerics.mx import E4M3_MAX, INPUT_DTYPES, check_output_dtype, scale_exponent
+from mxfx.numerics.mx import E4M3_MAX, check_input, check_output_dtype, scale_exponent
 
 TILE = 128
 """Values along the reduction dim sharing one scale: a 1x128 tile, or each side of a 128x128 block."""
@@ -61,19 +61,6 @@ def check_rule(rule: str, op: str) -> None:
     """Raise ValueError unless ``rule`` is a block-format scale rule."""
     if rule not in SCALE_RULES:
         raise ValueError(f"{op}: unknown fp8_block scale rule {rule!r}; valid rules: {', '.join(SCALE_RULES)}")
-
-
-def check_input(x: torch.Tensor, op: str, min_dim: int = 1) -> None:
-    """Raise TypeError/ValueError unless ``x`` is a bf16/fp16/fp32 tensor with at least ``min_dim`` dims."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{op}: expected a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in INPUT_DTYPES:
-        raise TypeError(
-            f"{op}: input of shape {tuple(x.shape)} has dtype {x.dtype}; fp8_block quantizes bfloat16, "
-            f"float16 or float32 (cast it first)"
-        )
-    if x.dim() < min_dim:
-        raise ValueError(f"{op}: needs a tensor with at least {min_dim} dims, got shape {tuple(x.shape)}")
 
 
 def n_tiles(n: int) -> int:
@@ -178,7 +165,7 @@ def quantize_1x128(x: torch.Tensor, axis: int = -1, rule: ScaleRule = "rceil") -
         ``axis`` replaced by ``ceil(x.shape[axis] / 128)``.
     """
     op = "mxfx.numerics.block.quantize_1x128"
-    check_input(x, op)
+    check_input(x, op, "fp8_block", min_dim=1)
     check_rule(rule, op)
     axis = _axis(x, axis, op)
     with torch.no_grad():
@@ -194,7 +181,7 @@ def quantize_128x128(w: torch.Tensor, rule: ScaleRule = "rceil") -> tuple[torch.
     Under ``"rceil"`` the same pair, transposed, is the 128x128 quantize of ``w`` transposed.
     """
     op = "mxfx.numerics.block.quantize_128x128"
-    check_input(w, op, min_dim=2)
+    check_input(w, op, "fp8_block", min_dim=2)
     check_rule(rule, op)
     with torch.no_grad():
         return quantize_128x128_lastdims(w, rule)
@@ -261,7 +248,7 @@ def quantize_1x128_grouped_tokens(
     slots past the last group's are 1.0. Rows past ``offs[-1]`` quantize as zeros' payload (+0).
     """
     op = "mxfx.numerics.block.quantize_1x128_grouped_tokens"
-    check_input(x, op, min_dim=2)
+    check_input(x, op, "fp8_block", min_dim=2)
     check_rule(rule, op)
     if x.dim() != 2:
         raise ValueError(f"{op}: needs x [S, K], got shape {tuple(x.shape)}")

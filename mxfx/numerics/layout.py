@@ -149,7 +149,7 @@ def from_blocked(blocked: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 
 def is_blocked(qdata: torch.Tensor, scales: torch.Tensor) -> bool:
     """True when ``scales`` of the 2D ``qdata [R, K]`` are already in the blocked layout: 1D with
-    ``blocked_numel(R, K/32)`` bytes, as ``mxfx.kernels.quantize_dual_blocked`` writes them."""
+    ``blocked_numel(R, K/32)`` bytes, as ``mxfx.kernels.mx.device_path.quantize_dual_blocked`` writes them."""
     return (scales.dim() == 1 and qdata.dim() == 2
             and scales.numel() == blocked_numel(qdata.shape[0], qdata.shape[1] // BLOCK_SIZE))
 

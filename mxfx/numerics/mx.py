@@ -185,15 +185,19 @@ def dequantize_lastdim(qdata: torch.Tensor, scales: torch.Tensor, dtype: torch.d
     return out.reshape(*lead, k).to(dtype)
 
 
-def check_input(x: torch.Tensor, op: str) -> None:
-    """Raise TypeError unless ``x`` is a floating tensor mxfx can quantize."""
+def check_input(x: torch.Tensor, op: str, fmt: str = "MXFP8", min_dim: int = 0) -> None:
+    """The input check of every quantize, whatever the format: raise TypeError unless ``x`` is a tensor of one of
+    :data:`INPUT_DTYPES`, ValueError unless it has at least ``min_dim`` dims. Messages start with ``op`` and name
+    the format ``fmt`` (as its messages spell it: "MXFP8", "fp8_block")."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{op}: expected a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in INPUT_DTYPES:
         raise TypeError(
-            f"{op}: input of shape {tuple(x.shape)} has dtype {x.dtype}; MXFP8 quantizes "
+            f"{op}: input of shape {tuple(x.shape)} has dtype {x.dtype}; {fmt} quantizes "
             f"bfloat16, float16 or float32 (cast it first)"
         )
+    if x.dim() < min_dim:
+        raise ValueError(f"{op}: needs a tensor with at least {min_dim} dims, got shape {tuple(x.shape)}")
 
 
 def check_output_dtype(dtype, t: torch.Tensor, op: str, name: str = "qdata") -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from mxfx.numerics.mx import BLOCK_SIZE, SCALE_RULES
-from mxfx.kernels import custom_ops
+from mxfx.kernels.mx import custom_ops
 from mxfx.runtime import stats as quant_stats
 
 PRECISIONS = ("mxfp8", "bf16")

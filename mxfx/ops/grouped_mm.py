@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from mxfx.kernels.launch import readable_on_host
-from mxfx.kernels.mx_gemm import hp_grouped_wgrad
+from mxfx.kernels.common.launch import readable_on_host
+from mxfx.kernels.common.hp_gemm import hp_grouped_wgrad
 from mxfx.numerics import layout
 from mxfx.numerics.mx import INPUT_DTYPES
 from mxfx.ops.settings import OpSettings, resolve
@@ -141,7 +141,7 @@ def mx_grouped_mm_op(
             its dequantization (rows received by an MX all-to-all, the recipe, "Smaller Dispatch and Combine Payloads", or gathered
             from the MX of the tokens before the dispatch's row gather): the forward GEMM uses
             it instead of quantizing ``x`` again. Not with ``up``. A third element, the
-            dequantized values ``[S, K]`` in :func:`mxfx.kernels.device.emulated_operand_dtype`,
+            dequantized values ``[S, K]`` in :meth:`mxfx.formats.mxfp8.MXFP8.values_dtype`,
             is what an emulated GEMM reads instead of dequantizing the pair. Under
             ``format="fp8_block"`` the pair is x's 1x128 tiles instead (qdata ``[S, K]``, float32
             scales ``[S, K/128]``, any strides): x's own quantization, gathered rows included.

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from mxfx.kernels.mx_gemm import hp_mm_transposed
+from mxfx.kernels.common.hp_gemm import hp_mm_transposed
 from mxfx.ops.settings import OpSettings, resolve
 
 # what a linear keeps for its wgrad: nothing (frozen weight), X by reference for a BF16 wgrad ("hp") or a

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mxfx.kernels.launch import launch
+from mxfx.kernels.common.launch import launch
 
 BLOCK_R, BLOCK_C = 32, 512
 PROGRAMS = 256

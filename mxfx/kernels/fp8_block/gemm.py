@@ -6,7 +6,7 @@ Both compute ``A @ B^T`` on operands tiled along the reduction dim K (``mxfx.num
   128x128 scales ``[ceil(N/128), ceil(K/128)]`` (a weight: forward and dgrad) or 1x128 scales
   ``[N, ceil(K/128)]`` (wgrad, where both operands are tiled along the tokens).
 * :func:`grouped_mm`: A ``[S, K]`` 1x128, B ``[G, N, K]`` 128x128 per group, rows grouped by
-  cumulative ends ``offs`` (``torch._grouped_mm``'s convention); :mod:`mxfx.kernels.block_grouped`.
+  cumulative ends ``offs`` (``torch._grouped_mm``'s convention); :mod:`mxfx.kernels.fp8_block.grouped_gemm`.
 
 On CUDA the dense GEMM is cuBLAS's blockwise FP8 GEMM (sm90+), the grouped one the Triton kernel;
 elsewhere (CPU) both are the reference decode: dequantize each operand to float32 exactly, then a
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from mxfx.numerics.block import dequantize_values, group_tile_capacity, group_tile_starts, n_tiles
-from mxfx.kernels.device import triton_available
+from mxfx.kernels.common.device import triton_available
 from mxfx.numerics.layout import check_group_ends
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -148,9 +148,9 @@ def grouped_mm(
             f"{tuple(offs.shape)} on {offs.device}"
         )
     if triton_available(a):
-        from mxfx.kernels import block_grouped
+        from mxfx.kernels.fp8_block import grouped_gemm
 
-        return block_grouped.grouped_mm(a, a_scales, b, b_scales, offs, out_dtype)
+        return grouped_gemm.grouped_mm(a, a_scales, b, b_scales, offs, out_dtype)
     return reference_grouped_mm(a, a_scales, b, b_scales, offs, out_dtype)
 
 
@@ -176,7 +176,7 @@ def grouped_wgrad(
     """Grouped wgrad ``dW[g] = A[:, tokens of g] @ B[:, tokens of g]^T``: ``[N, S] x [K, S] -> [G, N, K]``.
 
     A (dY^T) and B (X^T) are E4M3 in 1x128 tiles along the tokens S that restart at each group start, as
-    ``mxfx.kernels.block_quantize.quantize_1x128_grouped_tokens`` writes them: scales ``[N, C]`` and ``[K, C]``
+    ``mxfx.kernels.fp8_block.quantize.quantize_1x128_grouped_tokens`` writes them: scales ``[N, C]`` and ``[K, C]``
     with ``C = mxfx.numerics.block.group_tile_capacity(S, G)``, group g's tiles at slots
     ``group_tile_starts(offs)[g] + j``. An empty group's dW is zeros. Triton on CUDA, the reference decode
     elsewhere.
@@ -193,9 +193,9 @@ def grouped_wgrad(
         raise ValueError(f"{op}: offs must be int32 [G] on {a.device} beside B on {b.device}; got {offs.dtype} "
                          f"{tuple(offs.shape)} on {offs.device}")
     if triton_available(a):
-        from mxfx.kernels import block_grouped
+        from mxfx.kernels.fp8_block import grouped_gemm
 
-        return block_grouped.grouped_wgrad(a, a_scales, b, b_scales, offs, out_dtype)
+        return grouped_gemm.grouped_wgrad(a, a_scales, b, b_scales, offs, out_dtype)
     return reference_grouped_wgrad(a, a_scales, b, b_scales, offs, out_dtype)
 
 

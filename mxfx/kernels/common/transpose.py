@@ -36,7 +36,7 @@ def transpose_lastdims(q: torch.Tensor) -> torch.Tensor:
     Raises:
         ValueError: ``q`` has fewer than 2 dims or elements wider than one byte.
     """
-    op = "mxfx.kernels.transpose.transpose_lastdims"
+    op = "mxfx.kernels.common.transpose.transpose_lastdims"
     if q.dim() < 2 or q.element_size() != 1:
         raise ValueError(f"{op}: expects a tensor of 2+ dims with 1-byte elements (E4M3 qdata), got "
                          f"{tuple(q.shape)} {q.dtype}")

@@ -7,7 +7,7 @@ One kernel reads a ``[B, R, C]`` view through its strides and encodes tiles of i
   leading dims merged, column-major (stride ``(1, M)``: what cuBLAS's blockwise GEMM and the grouped
   kernel read, contiguous along rows);
 * :func:`swiglu_quantize_1x128`: the same for ``silu(gate) * up`` formed in FP32 in the same pass
-  (mxfx's SiLU, ``mxfx.kernels.silu``);
+  (mxfx's SiLU, ``mxfx.kernels.common.silu``);
 * :func:`quantize_1x128_colwise`: ``x [T, K]`` tiled along the tokens T (wgrad's operands) ->
   qdata ``[K, T]`` (the transpose, row-major: the K-major operand of ``dW = dY^T X``) and scales
   ``[K, ceil(T/128)]`` column-major;
@@ -23,9 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
-from mxfx.numerics.block import SCALE_RULES, TILE, check_input, check_rule, group_tile_capacity, n_tiles
-from mxfx.kernels.launch import launch
-from mxfx.kernels.mx_block import silu_f32
+from mxfx.numerics.block import SCALE_RULES, TILE, check_rule, group_tile_capacity, n_tiles
+from mxfx.numerics.mx import check_input
+from mxfx.kernels.common.launch import launch
+from mxfx.kernels.common.silu_triton import silu_f32
 
 ROWWISE_ROWS = 32
 """Rows per program of the 1x128 rowwise kernels (one 128-wide tile each); 4 warps."""
@@ -233,8 +234,8 @@ def _rowwise(x: torch.Tensor, up: torch.Tensor | None, rule: str, op: str):
 
 
 def _check_pair(gate: torch.Tensor, up: torch.Tensor, op: str) -> None:
-    check_input(gate, op)
-    check_input(up, op)
+    check_input(gate, op, "fp8_block", min_dim=1)
+    check_input(up, op, "fp8_block", min_dim=1)
     if gate.shape != up.shape or gate.device != up.device:
         raise ValueError(
             f"{op}: gate of shape {tuple(gate.shape)} on {gate.device} and up of shape {tuple(up.shape)} on "
@@ -245,7 +246,7 @@ def _check_pair(gate: torch.Tensor, up: torch.Tensor, op: str) -> None:
 def quantize_1x128(x: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
     """1x128 rowwise quantize on the GPU (module docstring): ``(qdata [..., K], scales [M, ceil(K/128)])``."""
     op = "mxfx.block_quantize.quantize_1x128"
-    check_input(x, op)
+    check_input(x, op, "fp8_block", min_dim=1)
     return _rowwise(x, None, rule, op)
 
 
@@ -275,7 +276,7 @@ def swiglu_quantize_1x128_save(gate: torch.Tensor, up: torch.Tensor, rule: str =
 
 def _tokens_input(x: torch.Tensor, rule: str, op: str) -> tuple[bool, tuple[int, int]]:
     """Checks of a ``[T, K]`` input tiled along its tokens: ``(rceil, (T, K))``; ValueError naming ``op`` otherwise."""
-    check_input(x, op)
+    check_input(x, op, "fp8_block", min_dim=1)
     if x.dim() != 2:
         raise ValueError(f"{op}: needs a 2D [T, K] tensor, got shape {tuple(x.shape)}; merge the token dims first")
     return _rule(rule, op), tuple(x.shape)
@@ -315,7 +316,7 @@ def quantize_1x128_grouped_tokens(x: torch.Tensor, offs: torch.Tensor, rule: str
     (``mxfx.numerics.block.quantize_1x128_grouped_tokens``), written transposed: qdata ``[K, S]`` (columns past
     ``offs[-1]`` unwritten), scales ``[K, group_tile_capacity(S, G)]`` column-major (unused slots 1.0)."""
     op = "mxfx.block_quantize.quantize_1x128_grouped_tokens"
-    check_input(x, op)
+    check_input(x, op, "fp8_block", min_dim=1)
     if x.dim() != 2 or offs.dtype != torch.int32 or offs.dim() != 1 or offs.device != x.device:
         raise ValueError(
             f"{op}: needs x [S, K] and int32 offs [G] on one device, got x {tuple(x.shape)} on {x.device}, offs "
@@ -338,7 +339,7 @@ def quantize_1x128_grouped_tokens(x: torch.Tensor, offs: torch.Tensor, rule: str
 def quantize_128x128(w: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
     """128x128 quantize of ``w [..., N, K]``: ``(qdata [..., N, K], scales [..., ceil(N/128), ceil(K/128)])``."""
     op = "mxfx.block_quantize.quantize_128x128"
-    check_input(w, op, min_dim=2)
+    check_input(w, op, "fp8_block", min_dim=2)
     rceil = _rule(rule, op)
     *lead, n, k = w.shape
     w3 = w.reshape(-1, n, k)

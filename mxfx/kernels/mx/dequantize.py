@@ -1,7 +1,7 @@
 """Triton MXFP8 dequantize along the last dim: ``x_hat = q * 2^(s - 127)`` in fp32, cast to the output dtype.
 
 A pair in the source layout (``q`` the transpose view of a contiguous ``[.., M, K]``
-tensor, ``s`` of ``[.., M/32, K]``; see :mod:`mxfx.kernels.dual`) is read
+tensor, ``s`` of ``[.., M/32, K]``; see :mod:`mxfx.kernels.mx.dual`) is read
 along its storage rows and written in that same layout: no transpose either way.
 
 Bit-identical to ``mxfx.numerics.mx.dequantize_lastdim`` (OCP MX v1.0 §6.3 / §5.3: E8M0
@@ -15,8 +15,8 @@ import triton
 import triton.language as tl
 
 from mxfx.numerics.mx import check_pair
-from mxfx.kernels.launch import launch
-from mxfx.kernels.mx_block import as_brc, decode_scale, flat_blocks, tile_origin
+from mxfx.kernels.common.launch import launch
+from mxfx.kernels.mx.blocks import as_brc, decode_scale, flat_blocks, tile_origin
 
 FLAT_CONFIG = (64, 32, 4)
 """(BLOCK_R, BLOCK_C, num_warps) for contiguous inputs: BLOCK_R 32-value blocks per program."""
@@ -73,7 +73,7 @@ SOURCE_CONFIG = (64, 256, 8)
 
 def source_layout(qdata: torch.Tensor, scales: torch.Tensor) -> bool:
     """True when ``(qdata [.., K, M], scales [.., K, M/32])`` are transpose views of contiguous
-    ``[.., M, K]`` / ``[.., M/32, K]`` tensors (the columnwise pair of :mod:`mxfx.kernels.dual`)."""
+    ``[.., M, K]`` / ``[.., M/32, K]`` tensors (the columnwise pair of :mod:`mxfx.kernels.mx.dual`)."""
     return (
         qdata.dim() >= 2 and qdata.shape[-2] > 1 and qdata.shape[-1] > 0
         and qdata.transpose(-2, -1).is_contiguous() and scales.transpose(-2, -1).is_contiguous()
@@ -100,7 +100,7 @@ def dequantize_lastdim(qdata: torch.Tensor, scales: torch.Tensor, dtype: torch.d
 
     Contiguous, except for a pair in the source layout (:func:`source_layout`), whose result
     keeps that layout (the transpose view of a contiguous tensor). Scales may be MN-major
-    (:mod:`mxfx.kernels.views`): they are read through their strides, not copied.
+    (:mod:`mxfx.kernels.mx.views`): they are read through their strides, not copied.
     """
     check_pair(qdata, scales, -1, "mxfx.dequantize")
     if source_layout(qdata, scales):
@@ -108,7 +108,7 @@ def dequantize_lastdim(qdata: torch.Tensor, scales: torch.Tensor, dtype: torch.d
     q8, s8 = qdata.view(torch.uint8), scales.view(torch.uint8)
     if s8.is_contiguous() or s8.dim() > 3:
         q3, _ = flat_blocks(as_brc(q8))
-    else:  # MN-major scales (mxfx.kernels.views): 2D tiles, each reading its scales by their strides
+    else:  # MN-major scales (mxfx.kernels.mx.views): 2D tiles, each reading its scales by their strides
         q3 = q8 if q8.dim() == 3 else as_brc(q8)
     B, R, C = q3.shape
     s3 = s8.reshape(B, R, C // 32)

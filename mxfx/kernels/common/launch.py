@@ -8,7 +8,7 @@ then launches those kernels straight from its generated code, with none of the
 per-call cost of a custom op (the Python dispatcher, argument checks, the
 launcher's specialization lookup: often more than the kernel itself). Inductor keeps each
 user kernel as written: it is neither fused with nor rewritten into generated
-code, so the dynamic-shape slow paths described in ``mxfx.kernels.custom_ops`` do not
+code, so the dynamic-shape slow paths described in ``mxfx.kernels.mx.custom_ops`` do not
 arise.
 
 Set ``MXFX_OPAQUE_KERNELS=1`` (read at every trace) to keep the custom ops in
@@ -24,7 +24,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 
-from mxfx.kernels.device import triton_available
+from mxfx.kernels.common.device import triton_available
 
 
 def traced(t: torch.Tensor) -> bool:
@@ -40,6 +40,9 @@ def readable_on_host(t: torch.Tensor) -> bool:
 
 
 _ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in _ON
+"""Triton's interpreter runs the kernels (``TRITON_INTERPRET=1``, CPU tests); read at import, as Triton reads it."""
 
 
 def opaque_kernels() -> bool:
@@ -113,11 +116,8 @@ def launch(kernel, grid: tuple, *args, maxnreg: int | None = None, **kwargs) -> 
         maxnreg: cap on registers per thread (None: ptxas chooses; ignored under Triton's interpreter), for
             kernels whose occupancy is register-bound and measured faster capped.
     """
-    if maxnreg is not None:
-        from mxfx.kernels.mx_block import INTERPRETED
-
-        if not INTERPRETED:  # the interpreter has no registers to cap
-            kernel = _with_register_cap(kernel, kwargs.pop("num_warps", 4), maxnreg)
+    if maxnreg is not None and not INTERPRETED:  # the interpreter has no registers to cap
+        kernel = _with_register_cap(kernel, kwargs.pop("num_warps", 4), maxnreg)
     if any(isinstance(a, torch.Tensor) and traced(a) for a in args):
         from torch.library import wrap_triton
 

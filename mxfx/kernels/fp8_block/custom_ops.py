@@ -1,6 +1,6 @@
 """The fp8_block kernels as torch custom ops (``mxfx::block_*``), so compiled graphs hold them opaquely.
 
-Bodies dispatch per device (:mod:`mxfx.kernels.block_device_path`, :mod:`mxfx.kernels.block_gemm`): Triton and
+Bodies dispatch per device (:mod:`mxfx.kernels.fp8_block.device_path`, :mod:`mxfx.kernels.fp8_block.gemm`): Triton and
 cuBLAS on CUDA, the exact reference decode on CPU (whose grouped paths read group ends on the host: fine
 inside an op, not in a trace). Every 1x128 scale matrix an op returns is column-major (stride ``(1, rows)``,
 what cuBLAS reads; the fake implementations say so too), every qdata contiguous.
@@ -12,7 +12,7 @@ what cuBLAS reads; the fake implementations say so too), every qdata contiguous.
   group start (``C = mxfx.numerics.block.group_tile_capacity(S, G)``);
 * ``block_forward_operands(x, up, tokens_src, offs, rule, pack)``: every quantization a forward makes of one
   GEMM input, in one op (see there);
-* ``block_mm``, ``block_grouped_mm``, ``block_grouped_wgrad``: :mod:`mxfx.kernels.block_gemm`'s GEMMs.
+* ``block_mm``, ``block_grouped_mm``, ``block_grouped_wgrad``: :mod:`mxfx.kernels.fp8_block.gemm`'s GEMMs.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ import warnings
 
 import torch
 
-from mxfx.numerics.block import check_input, check_rule, group_tile_capacity, n_tiles
-from mxfx.kernels import block_device_path, block_gemm
-from mxfx.kernels.launch import name_op_functions, op_or_body, readable_on_host
+from mxfx.numerics.block import check_rule, group_tile_capacity, n_tiles
+from mxfx.numerics.mx import check_input
+from mxfx.kernels.fp8_block import device_path, gemm
+from mxfx.kernels.common.launch import name_op_functions, op_or_body, readable_on_host
 from mxfx.numerics.layout import check_group_ends
 
 _E4M3 = torch.float8_e4m3fn
@@ -48,7 +49,7 @@ def _check_inputs(op: str, rule: str, **tensors: torch.Tensor | None) -> None:
     for name, t in tensors.items():
         if t is None:
             continue
-        check_input(t, f"mxfx::{op} ({name})")
+        check_input(t, f"mxfx::{op} ({name})", "fp8_block", min_dim=1)
         _check_2d(t, op)
         if t.shape[1] == 0:
             raise ValueError(f"mxfx::{op}: {name} of shape {tuple(t.shape)} has no features to quantize (K = 0)")
@@ -73,7 +74,7 @@ def _check_offs(op: str, offs: torch.Tensor, x: torch.Tensor) -> None:
 
 def _quantize(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
     _check_inputs("block_quantize", rule, x=x)
-    q, s = block_device_path.quantize_1x128(x, rule)
+    q, s = device_path.quantize_1x128(x, rule)
     return q.contiguous(), _col_major(s)
 
 
@@ -91,7 +92,7 @@ def _(x, rule):
 def _swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
     _check_inputs("block_swiglu_quantize", rule, gate=gate, up=up)
     _check_pair("block_swiglu_quantize", gate, up, "up")
-    q, s = block_device_path.swiglu_quantize_1x128(gate, up, rule)
+    q, s = device_path.swiglu_quantize_1x128(gate, up, rule)
     return q.contiguous(), _col_major(s)
 
 
@@ -110,7 +111,7 @@ def _(gate, up, rule):
 
 def _quantize_tokens(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
     _check_inputs("block_quantize_tokens", rule, x=x)
-    q, s = block_device_path.quantize_1x128_colwise(x, rule)
+    q, s = device_path.quantize_1x128_colwise(x, rule)
     return q.contiguous(), _col_major(s)
 
 
@@ -132,7 +133,7 @@ def _(x, rule):
 
 def _quantize_dual(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_inputs("block_quantize_dual", rule, x=x)
-    q, s, qt, st = block_device_path.quantize_1x128_dual(x, rule)
+    q, s, qt, st = device_path.quantize_1x128_dual(x, rule)
     return q.contiguous(), _col_major(s), qt.contiguous(), _col_major(st)
 
 
@@ -151,7 +152,7 @@ def _(x, rule):
 def _quantize_grouped_tokens(x: torch.Tensor, offs: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
     _check_inputs("block_quantize_grouped_tokens", rule, x=x)
     _check_offs("block_quantize_grouped_tokens", offs, x)
-    q, s = block_device_path.quantize_1x128_grouped_tokens(x, offs, rule)
+    q, s = device_path.quantize_1x128_grouped_tokens(x, offs, rule)
     return q.contiguous(), _col_major(s)
 
 
@@ -188,7 +189,7 @@ def _fused_forward_operands(x, up, tokens_src, offs, rule, pack) -> list | None:
     if tokens_src is None and not pack:
         return list(_quantize(x, rule) if up is None else _swiglu_quantize(x, up, rule))
     if tokens_src is None:
-        q, s, gq, gs, uq, us = block_device_path.swiglu_quantize_1x128_save(x, up, rule)
+        q, s, gq, gs, uq, us = device_path.swiglu_quantize_1x128_save(x, up, rule)
         return [q, _col_major(s), gq, _col_major(gs), uq, _col_major(us)]
     if up is None and not pack and offs is None and tokens_src is x:
         return list(_quantize_dual(x, rule))
@@ -234,15 +235,15 @@ _fp32_out_refused: list[str] = []  # cuBLAS's refusal of a float32 output, once 
 def _mm(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
         out_dtype: torch.dtype) -> torch.Tensor:
     if not (a.is_cuda and out_dtype == torch.float32):
-        return block_gemm.scaled_mm(a, a_scales, b, b_scales, out_dtype)
+        return gemm.scaled_mm(a, a_scales, b, b_scales, out_dtype)
     if not _fp32_out_refused:
         try:
-            return block_gemm.scaled_mm(a, a_scales, b, b_scales, out_dtype)
+            return gemm.scaled_mm(a, a_scales, b, b_scales, out_dtype)
         except RuntimeError as e:
             _fp32_out_refused.append(str(e.__cause__ or e))
             warnings.warn(f"mxfx::block_mm: cuBLAS refused a float32 output for blockwise FP8 ({_fp32_out_refused[0][:200]}); "
                           f"weight gradients come out of the GEMM in bf16 and are widened to float32", stacklevel=2)
-    return block_gemm.scaled_mm(a, a_scales, b, b_scales, torch.bfloat16).float()
+    return gemm.scaled_mm(a, a_scales, b, b_scales, torch.bfloat16).float()
 
 
 @torch.library.custom_op("mxfx::block_mm", mutates_args=())
@@ -261,15 +262,15 @@ def _mm_traced(a, a_scales, b, b_scales, out_dtype):
     float32 output stays the opaque op, which can fall back where cuBLAS refuses it."""
     if out_dtype == torch.float32:
         return _block_mm_op(a, a_scales, b, b_scales, out_dtype)
-    return block_gemm.scaled_mm(a, a_scales, b, b_scales, out_dtype)
+    return gemm.scaled_mm(a, a_scales, b, b_scales, out_dtype)
 
 
 @torch.library.custom_op("mxfx::block_grouped_mm", mutates_args=())
 def block_grouped_mm(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
                      offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """:func:`mxfx.kernels.block_gemm.grouped_mm`, always an opaque op: its Triton launch builds host TMA
+    """:func:`mxfx.kernels.fp8_block.gemm.grouped_mm`, always an opaque op: its Triton launch builds host TMA
     descriptors and autotunes with a pre-hook, which ``wrap_triton`` cannot trace."""
-    return block_gemm.grouped_mm(a, a_scales, b, b_scales, offs, out_dtype)
+    return gemm.grouped_mm(a, a_scales, b, b_scales, offs, out_dtype)
 
 
 @block_grouped_mm.register_fake
@@ -280,8 +281,8 @@ def _(a, a_scales, b, b_scales, offs, out_dtype):
 @torch.library.custom_op("mxfx::block_grouped_wgrad", mutates_args=())
 def block_grouped_wgrad(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
                         offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """:func:`mxfx.kernels.block_gemm.grouped_wgrad` (an opaque op: not on the default policy's hot path)."""
-    return block_gemm.grouped_wgrad(a, a_scales, b, b_scales, offs, out_dtype)
+    """:func:`mxfx.kernels.fp8_block.gemm.grouped_wgrad` (an opaque op: not on the default policy's hot path)."""
+    return gemm.grouped_wgrad(a, a_scales, b, b_scales, offs, out_dtype)
 
 
 @block_grouped_wgrad.register_fake
@@ -289,7 +290,7 @@ def _(a, a_scales, b, b_scales, offs, out_dtype):
     return a.new_empty((offs.shape[0], a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
-# --- what callers use: the custom op, or its body when traced on CUDA (mxfx.kernels.launch) ---------
+# --- what callers use: the custom op, or its body when traced on CUDA (mxfx.kernels.common.launch) ---------
 
 block_quantize = op_or_body(_block_quantize_op, _quantize, """``x [M, K]`` -> ``(qdata [M, K], scales
 [M, ceil(K/128)])``, 1x128 along K (``mxfx::block_quantize``).""")
@@ -317,7 +318,7 @@ Raises:
     ValueError: a tensor that is not 2D or has no features, ``up`` or ``tokens_src`` not of ``x``'s shape, ``offs``
         not int32 ``[G]`` on x's device (on the CPU also decreasing or past x's rows), an unknown rule, or ``pack``
         without ``up``.""")
-block_mm = op_or_body(_block_mm_op, _mm_traced, """:func:`mxfx.kernels.block_gemm.scaled_mm` (``mxfx::block_mm``).
+block_mm = op_or_body(_block_mm_op, _mm_traced, """:func:`mxfx.kernels.fp8_block.gemm.scaled_mm` (``mxfx::block_mm``).
 A float32 result (the weight gradient) that a cuBLAS build refuses for blockwise scaling is computed in bf16 and
 widened, with a warning once per process.""")
 

@@ -155,7 +155,7 @@ def grouped_mm(
     a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor, offs: torch.Tensor,
     out_dtype: torch.dtype = torch.bfloat16, *, tune: bool = True, config: dict | None = None,
 ) -> torch.Tensor:
-    """Launch the grouped kernel (module docstring); arguments as :func:`mxfx.kernels.block_gemm.grouped_mm`
+    """Launch the grouped kernel (module docstring); arguments as :func:`mxfx.kernels.fp8_block.gemm.grouped_mm`
     after its checks. ``tune=False`` (or a ``config`` of BLOCK_M/BLOCK_N, plus num_warps/num_stages)
     launches one fixed tile instead of autotuning."""
     S, K = a.shape
@@ -246,7 +246,7 @@ def grouped_wgrad(
     a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor, offs: torch.Tensor,
     out_dtype: torch.dtype = torch.float32, *, config: tuple | None = None,
 ) -> torch.Tensor:
-    """Launch the grouped wgrad kernel; arguments as :func:`mxfx.kernels.block_gemm.grouped_wgrad` after its checks."""
+    """Launch the grouped wgrad kernel; arguments as :func:`mxfx.kernels.fp8_block.gemm.grouped_wgrad` after its checks."""
     n, _ = a.shape
     k = b.shape[0]
     g = offs.numel()

@@ -5,9 +5,9 @@ Every GEMM of a linear is written in this one orientation (``docs/format.md``,
 ``dY[M,N] . (W^T)[K,N]^T``, wgrad ``dY^T[N,M] . X^T[K,M]^T``. Callers quantize
 each operand so that its last dim is the reduction dim.
 
-Three custom ops (``mxfx::mm``, ``mxfx::grouped_mm``, ``mxfx::grouped_mm_wgrad``) pick an
-implementation at run time from :data:`GEMM_IMPLS`: native where :data:`mxfx.kernels.device.NATIVE_GEMMS`
-lists the op for the device's architecture, emulated elsewhere.
+Three custom ops (``mxfx::mm``, ``mxfx::grouped_mm``, ``mxfx::grouped_mm_wgrad``) run one of two
+implementations, as their ``native`` argument says: the MXFP8 format (:mod:`mxfx.formats.mxfp8`) passes True where
+its ``native_gemms`` list the op for the device's architecture.
 
 * native (sm100 all three, sm120 dense only): ``torch._scaled_mm`` / ``torch._scaled_grouped_mm``
   with E8M0 scales in the blocked layout of :mod:`mxfx.numerics.layout`; operands built by
@@ -16,8 +16,6 @@ lists the op for the device's architecture, emulated elsewhere.
   exact for E4M3 x 2^e except scales below 2^-118) and multiplied with fp32 accumulation: equal to a
   native MX GEMM up to summation order. Operands may arrive already dequantized (``a_dequantized``
   from the quantize pass, ``b_dequantized`` from the weight cache under ``keep_dequantized_weights``).
-
-A further block-scaled format adds its rows to :data:`GEMM_IMPLS` and :data:`mxfx.kernels.device.NATIVE_GEMMS`.
 """
 
 from __future__ import annotations
@@ -28,10 +26,10 @@ from typing import Callable
 import torch
 
 from mxfx.numerics import layout
-from mxfx.kernels.device import (FORMAT, emulated_operand_dtype, emulation_dtype, gemm_runs_natively, native_bf16_matmul,
-                         triton_available)
-from mxfx.kernels import custom_ops, dequantize_lastdim
-from mxfx.kernels.launch import name_op_functions, op_or_body
+from mxfx.kernels.common.device import triton_available
+from mxfx.kernels.mx import custom_ops
+from mxfx.kernels.mx.device_path import dequantize_lastdim
+from mxfx.kernels.common.launch import name_op_functions, op_or_body
 
 _E8M0 = torch.float8_e8m0fnu
 _BLOCK = 32
@@ -39,6 +37,11 @@ _MN_ALIGN = 16  # FP8 GEMMs need the non-reduction dims of B (output columns) in
 
 
 # --- emulation (any device) --------------------------------------------------------------------
+
+
+def emulation_dtype(device: torch.device) -> torch.dtype:
+    """The dtype emulated GEMMs dequantize into: fp32 on CPU, bf16 on CUDA (exact for E4M3 x 2^e)."""
+    return torch.float32 if device.type == "cpu" else torch.bfloat16
 
 
 def _device(*tensors) -> torch.device:
@@ -105,7 +108,7 @@ def _emulated_mm(a_qdata, a_scales, b_qdata, b_scales, out_dtype, b_dequantized=
 def _rows_in_groups(out: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Zero output rows past the last group end (``_grouped_mm`` leaves them unwritten)."""
     if triton_available(out) and out.dim() == 2 and out.stride(1) == 1:
-        from mxfx.kernels.zero_rows import zero_rows_past_end_
+        from mxfx.kernels.common.zero_rows import zero_rows_past_end_
 
         return zero_rows_past_end_(out, offs)  # writes the tail only, no pass over the whole output
     rows = torch.arange(out.shape[0], device=out.device).unsqueeze(-1)
@@ -204,7 +207,7 @@ def native_mm_operands(a_qdata, a_scales, b_qdata, b_scales) -> NativeOperands:
     padding: only its scales are padded, by the layout.
 
     Scales already in the blocked layout (1D, ``blocked_numel(rows, K/32)`` bytes: :func:`is_blocked`,
-    as ``mxfx.kernels.quantize_dual_blocked`` writes them) are taken as they are, with no ``to_blocked``
+    as ``mxfx.kernels.mx.device_path.quantize_dual_blocked`` writes them) are taken as they are, with no ``to_blocked``
     pass; their rows are already padded to 128.
 
     Args:
@@ -372,45 +375,35 @@ def _native_grouped_wgrad(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype)
     return torch._scaled_grouped_mm(o.mat_a, o.mat_b, o.scale_a, o.scale_b, offs=o.offs, out_dtype=out_dtype)
 
 
-# --- dispatch table ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class GemmImpl:
-    """Implementations of the three GEMM ops of one kind ("native" or "emulated") for one format."""
-
-    name: str
-    mm: Callable | None = None
-    grouped_mm: Callable | None = None
-    grouped_mm_wgrad: Callable | None = None
-
-
-GEMM_IMPLS: dict[tuple[str, str], GemmImpl] = {
-    (FORMAT, "emulated"): GemmImpl("emulated", _emulated_mm, _emulated_grouped_mm, _emulated_grouped_wgrad),
-    (FORMAT, "native"): GemmImpl("native", _native_mm, _native_grouped_mm, _native_grouped_wgrad),
-}
-"""``(format, "native" | "emulated") -> GemmImpl``; which one a device gets is :data:`mxfx.kernels.device.NATIVE_GEMMS`."""
-
-
-def gemm_impl(op: str, device: torch.device, fmt: str = FORMAT) -> tuple[str, Callable]:
-    """``(impl name, function)`` that runs GEMM ``op`` ("mm", "grouped_mm", "grouped_mm_wgrad") on ``device``.
-
-    Raises:
-        ValueError: ``op`` is not one of those three.
-    """
-    impl = GEMM_IMPLS[(fmt, "native" if gemm_runs_natively(op, device, fmt) else "emulated")]
-    return impl.name, getattr(impl, op)
-
-
 # --- the ops -----------------------------------------------------------------------------------
+#
+# Each op takes ``native``: whether it runs as a native MX GEMM (the format decides, per GEMM op and device:
+# :attr:`mxfx.formats.base.Format.native_gemms`), else emulated.
+
+
+def _mm(a_qdata, a_scales, b_qdata, b_scales, out_dtype, native, b_dequantized=None, a_dequantized=None):
+    impl = _native_mm if native else _emulated_mm
+    return impl(a_qdata, a_scales, b_qdata, b_scales, out_dtype, b_dequantized, a_dequantized)
+
+
+def _grouped_mm(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, native, b_dequantized=None, a_dequantized=None):
+    impl = _native_grouped_mm if native else _emulated_grouped_mm
+    return impl(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, b_dequantized, a_dequantized)
+
+
+def _grouped_mm_wgrad(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, native):
+    impl = _native_grouped_wgrad if native else _emulated_grouped_wgrad
+    return impl(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype)
 
 
 _OPERANDS = "Tensor? a_qdata, Tensor? a_scales, Tensor? b_qdata, Tensor? b_scales"
 _DEQUANTIZED = "Tensor? b_dequantized=None, Tensor? a_dequantized=None"
 
 
-@torch.library.custom_op("mxfx::mm", mutates_args=(), schema=f"({_OPERANDS}, ScalarType out_dtype, {_DEQUANTIZED}) -> Tensor")
-def _mm_op(a_qdata, a_scales, b_qdata, b_scales, out_dtype, b_dequantized=None, a_dequantized=None) -> torch.Tensor:
+@torch.library.custom_op(
+    "mxfx::mm", mutates_args=(), schema=f"({_OPERANDS}, ScalarType out_dtype, bool native, {_DEQUANTIZED}) -> Tensor"
+)
+def _mm_op(a_qdata, a_scales, b_qdata, b_scales, out_dtype, native, b_dequantized=None, a_dequantized=None) -> torch.Tensor:
     """``dequant(A)[M,K] @ dequant(B)[N,K]^T`` with fp32 accumulation, output ``[M, N]`` of ``out_dtype``.
 
     Args:
@@ -418,6 +411,7 @@ def _mm_op(a_qdata, a_scales, b_qdata, b_scales, out_dtype, b_dequantized=None, 
         b_qdata: float8_e4m3fn ``[N, K]``; b_scales: uint8 E8M0 ``[N, K/32]``; both None when
             ``b_dequantized`` is given to an emulated GEMM (the weight cache keeps no MX form then).
         out_dtype: dtype of the result (bf16 activations, fp32 weight gradients).
+        native: run ``torch._scaled_mm`` (Blackwell), else the emulation (see module docstring).
         b_dequantized: optional ``dequant(B)`` (bf16 ``[N, K]``, from the weight
             cache under ``keep_dequantized_weights``); emulation uses it instead of
             dequantizing B, native paths ignore it.
@@ -425,86 +419,72 @@ def _mm_op(a_qdata, a_scales, b_qdata, b_scales, out_dtype, b_dequantized=None, 
             quantize pass that made A (:func:`quantize_operand`); likewise. With it, an
             emulated GEMM also takes ``a_qdata`` and ``a_scales`` as None
             (:func:`quantize_dual_operand`).
-
-    Runs natively on sm100/sm120 (``torch._scaled_mm``), emulated elsewhere (see module docstring).
     """
-    _, fn = gemm_impl("mm", _device(a_qdata, a_dequantized))
-    return fn(a_qdata, a_scales, b_qdata, b_scales, out_dtype, b_dequantized, a_dequantized)
+    return _mm(a_qdata, a_scales, b_qdata, b_scales, out_dtype, native, b_dequantized, a_dequantized)
 
 
 @_mm_op.register_fake
-def _(a_qdata, a_scales, b_qdata, b_scales, out_dtype, b_dequantized=None, a_dequantized=None):
+def _(a_qdata, a_scales, b_qdata, b_scales, out_dtype, native, b_dequantized=None, a_dequantized=None):
     a = a_qdata if a_qdata is not None else a_dequantized
     b = b_qdata if b_qdata is not None else b_dequantized
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
-def quantize_operand(x: torch.Tensor, rule: str, op: str = "mm"):
+def quantize_operand(x: torch.Tensor, rule: str, values: torch.dtype | None):
     """Rowwise MX of a GEMM's A operand: ``(qdata [..., K], scales [..., K/32], x_hat or None)``.
 
-    Where GEMM ``op`` ("mm" or "grouped_mm") is emulated on ``x``'s device (Hopper, CPU), the same
-    pass also writes ``x_hat`` = dequant(qdata, scales) in the emulation dtype (bf16 on CUDA, fp32 on
-    CPU; ``mxfx::quantize_dequantize``): pass it to :func:`mx_mm` / :func:`mx_grouped_mm` as
-    ``a_dequantized`` and the GEMM reads it instead of dequantizing A again. On native MX GEMMs
-    ``x_hat`` is None. Same values either way.
+    ``values``: the dtype an emulated GEMM reads its operands in (:func:`emulation_dtype`), None for a native
+    one. With it the same pass also writes ``x_hat`` = dequant(qdata, scales) in that dtype
+    (``mxfx::quantize_dequantize``): pass it to :func:`mx_mm` / :func:`mx_grouped_mm` as ``a_dequantized`` and
+    the GEMM reads it instead of dequantizing A again. Without it ``x_hat`` is None. Same values either way.
     """
-    return a_operand(op, custom_ops.quantize, custom_ops.quantize_dequantize, x, rule)
+    return a_operand(values, custom_ops.quantize, custom_ops.quantize_dequantize, x, rule)
 
 
-def a_operand(op: str, quantize: Callable, quantize_with_values: Callable, x: torch.Tensor, *args):
-    """The A operand of GEMM ``op`` made by a quantize pass over ``x``: ``(qdata, scales, values or None)``.
+def a_operand(values: torch.dtype | None, quantize: Callable, quantize_with_values: Callable, x: torch.Tensor, *args):
+    """The A operand of a GEMM made by a quantize pass over ``x``: ``(qdata, scales, values or None)``.
 
-    ``quantize(x, *args) -> (qdata, scales)`` where ``op`` runs natively on x's device;
-    ``quantize_with_values(x, *args, dtype) -> (qdata, scales, values)``, the same pass also writing
-    the dequantized values in :func:`emulated_operand_dtype`, where it is emulated (pass them on as
-    ``a_dequantized``). Used by :func:`quantize_operand`, the fused SwiGLU and route-weight quantizes.
+    ``quantize(x, *args) -> (qdata, scales)`` for a native GEMM (``values`` None);
+    ``quantize_with_values(x, *args, values) -> (qdata, scales, dequantized)``, the same pass also writing
+    the dequantized values in dtype ``values``, for an emulated one (pass them on as ``a_dequantized``). Used by
+    :func:`quantize_operand`, the fused SwiGLU and route-weight quantizes.
     """
-    dtype = emulated_operand_dtype(op, x.device)
-    if dtype is not None:
-        return quantize_with_values(x, *args, dtype)
+    if values is not None:
+        return quantize_with_values(x, *args, values)
     return (*quantize(x, *args), None)
 
 
-def quantize_dual_operand(x: torch.Tensor, rule: str, op: str = "mm"):
-    """Both orientations of ``x [M, K]`` as GEMM operands, from one read:
+def quantize_dual_operand(x: torch.Tensor, rule: str, values: torch.dtype | None):
+    """Both orientations of ``x [M, K]`` as operands of dense GEMMs, from one read:
     ``(q_row, s_row, row_hat, q_col, s_col, col_hat)``.
 
     The rowwise operand is blocked along K (``[M, K]``, a dgrad's A); the columnwise one down M
-    (``[K, M]``, a wgrad's A). Where GEMM ``op`` is emulated on x's device (Hopper, CPU), the pass
-    writes only the dequantized values of both, in the emulation dtype, and the MX pairs are None
+    (``[K, M]``, a wgrad's A). For emulated GEMMs (``values``: the dtype they read, :func:`emulation_dtype`)
+    the pass writes only the dequantized values of both, in that dtype, and the MX pairs are None
     (``mxfx::quantize_dual_dequantized``: the GEMMs read nothing else, and no dequantize pass
-    follows); ``col_hat`` is then the transpose view of an ``[M, K]`` tensor. On native MX GEMMs
-    the MX pairs come back and the ``*_hat`` are None: for ``op="mm"`` with both scale matrices in the
-    blocked layout the native GEMM reads (``mxfx::quantize_dual_blocked``; 1D, not to be sliced: zero
-    token rows padded in get scale byte 0, the layout's own padding), else with MN-major scales
-    (``mxfx::quantize_dual``). Same values either way. M and K must be multiples of 32 (pad the tokens first).
+    follows); ``col_hat`` is then the transpose view of an ``[M, K]`` tensor. For native MX GEMMs (``values``
+    None) the MX pairs come back and the ``*_hat`` are None, both scale matrices in the blocked layout the
+    native GEMM reads (``mxfx::quantize_dual_blocked``; 1D, not to be sliced: zero token rows padded in get scale
+    byte 0, the layout's own padding). Same values either way. M and K must be multiples of 32 (pad the tokens
+    first).
 
     Raises:
-        ValueError: ``op`` not a GEMM op, x not 2D/3D, or M or K not a multiple of 32.
+        ValueError: x not 2D/3D, or M or K not a multiple of 32.
         TypeError: x not a bf16/fp16/fp32 tensor.
     """
-    dtype = emulated_operand_dtype(op, x.device)
-    if dtype is not None:
-        row_hat, col_hat = custom_ops.quantize_dual_dequantized(x, rule, dtype)
+    if values is not None:
+        row_hat, col_hat = custom_ops.quantize_dual_dequantized(x, rule, values)
         return None, None, row_hat, None, None, col_hat.transpose(-2, -1)
-    dual = custom_ops.quantize_dual_blocked if op == "mm" else custom_ops.quantize_dual  # dense: scales blocked by the pass
-    q, s, qt, st = dual(x, rule)
+    q, s, qt, st = custom_ops.quantize_dual_blocked(x, rule)
     return q, s, None, qt, st, None
 
 
-def hp_mm_transposed(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """High-precision ``a[M,K] @ b[N,K]^T`` with fp32 accumulation (the "bf16" wgrad path)."""
-    if a.device.type == "cpu":
-        return torch.mm(a.float(), b.float().t()).to(out_dtype)
-    if out_dtype == torch.float32 and a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16):
-        return torch.mm(a, b.t(), out_dtype=torch.float32)
-    return torch.mm(a, b.t().to(a.dtype)).to(out_dtype)
-
-
 @torch.library.custom_op(
-    "mxfx::grouped_mm", mutates_args=(), schema=f"({_OPERANDS}, Tensor offs, ScalarType out_dtype, {_DEQUANTIZED}) -> Tensor"
+    "mxfx::grouped_mm", mutates_args=(),
+    schema=f"({_OPERANDS}, Tensor offs, ScalarType out_dtype, bool native, {_DEQUANTIZED}) -> Tensor",
 )
-def _grouped_mm_op(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, b_dequantized=None, a_dequantized=None) -> torch.Tensor:
+def _grouped_mm_op(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, native, b_dequantized=None,
+                   a_dequantized=None) -> torch.Tensor:
     """Grouped MX GEMM: rows ``offs[e-1]:offs[e]`` of ``dequant(A)[S,K]`` times ``dequant(B)[e][N,K]^T``.
 
     Args:
@@ -513,19 +493,18 @@ def _grouped_mm_op(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, b_dequ
             ``b_dequantized`` is given to an emulated GEMM.
         offs: int32 ``[E]`` cumulative group ends (empty groups allowed).
         out_dtype: result dtype.
+        native: run ``torch._scaled_grouped_mm`` (sm100), else the emulation.
         b_dequantized: optional bf16 ``[E, N, K]`` = ``dequant(B)`` (see :func:`mx_mm`).
         a_dequantized: optional ``dequant(A)`` ``[S, K]`` in the emulation dtype, written by the pass
             that quantized A; with it an emulated GEMM also takes ``a_qdata`` / ``a_scales`` as None.
 
-    Returns ``[S, N]``; rows past ``offs[-1]`` are zero. Native on sm100
-    (``torch._scaled_grouped_mm``), emulated elsewhere.
+    Returns ``[S, N]``; rows past ``offs[-1]`` are zero.
     """
-    _, fn = gemm_impl("grouped_mm", _device(a_qdata, a_dequantized))
-    return fn(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, b_dequantized, a_dequantized)
+    return _grouped_mm(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, native, b_dequantized, a_dequantized)
 
 
 @_grouped_mm_op.register_fake
-def _(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, b_dequantized=None, a_dequantized=None):
+def _(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, native, b_dequantized=None, a_dequantized=None):
     a = a_qdata if a_qdata is not None else a_dequantized
     b = b_qdata if b_qdata is not None else b_dequantized
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
@@ -539,6 +518,7 @@ def _grouped_mm_wgrad_op(
     b_scales: torch.Tensor,
     offs: torch.Tensor,
     out_dtype: torch.dtype,
+    native: bool,
 ) -> torch.Tensor:
     """Per-group token reduction: ``out[e] = dequant(A)[:, grp e] @ dequant(B)[:, grp e]^T``.
 
@@ -547,74 +527,22 @@ def _grouped_mm_wgrad_op(
         b_qdata/b_scales: ``[K, T]`` / ``[K, T/32]``, blocked along tokens T.
         offs: int32 ``[E]`` group ends along T; each group starts at a multiple of 32
             so no 32-block mixes two groups.
+        native: run ``torch._scaled_grouped_mm`` (sm100), else the emulation.
 
-    Returns ``[E, N, K]`` of ``out_dtype``. Native on sm100, emulated elsewhere.
+    Returns ``[E, N, K]`` of ``out_dtype``.
     """
-    _, fn = gemm_impl("grouped_mm_wgrad", a_qdata.device)
-    return fn(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype)
+    return _grouped_mm_wgrad(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, native)
 
 
 @_grouped_mm_wgrad_op.register_fake
-def _(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype):
+def _(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, native):
     return a_qdata.new_empty((offs.shape[0], a_qdata.shape[0], b_qdata.shape[0]), dtype=out_dtype)
 
 
-def _traced_body(op: str):
-    """The body of GEMM op ``op`` for tracing: the implementation :func:`gemm_impl` picks for the operands' device."""
-    return lambda *args: gemm_impl(op, _device(*(a for a in args if isinstance(a, torch.Tensor))))[1](*args)
-
-
-_TRACED = "Traced on CUDA, the picked implementation's kernels and GEMM enter the graph (:mod:`mxfx.kernels.launch`)."
-mx_mm = op_or_body(_mm_op, _traced_body("mm"), f"``mxfx::mm`` (shapes and dtypes: :func:`_mm_op`). {_TRACED}")
-mx_grouped_mm = op_or_body(
-    _grouped_mm_op, _traced_body("grouped_mm"), f"``mxfx::grouped_mm`` (see :func:`_grouped_mm_op`). {_TRACED}"
-)
+_TRACED = "Traced on CUDA, the chosen implementation's kernels and GEMM enter the graph (:mod:`mxfx.kernels.common.launch`)."
+mx_mm = op_or_body(_mm_op, _mm, f"``mxfx::mm`` (shapes and dtypes: :func:`_mm_op`). {_TRACED}")
+mx_grouped_mm = op_or_body(_grouped_mm_op, _grouped_mm, f"``mxfx::grouped_mm`` (see :func:`_grouped_mm_op`). {_TRACED}")
 mx_grouped_mm_wgrad = op_or_body(
-    _grouped_mm_wgrad_op, _traced_body("grouped_mm_wgrad"),
-    f"``mxfx::grouped_mm_wgrad`` (see :func:`_grouped_mm_wgrad_op`). {_TRACED}",
+    _grouped_mm_wgrad_op, _grouped_mm_wgrad, f"``mxfx::grouped_mm_wgrad`` (see :func:`_grouped_mm_wgrad_op`). {_TRACED}",
 )
 name_op_functions(globals())
-
-
-@torch.library.custom_op("mxfx::grouped_wgrad_bf16", mutates_args=())
-def _grouped_wgrad_bf16_op(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """BF16 per-group ``dy[grp]^T @ x[grp]``: ``dy [S, N]``, ``x [S, K]``, int32 ``offs [E]`` -> bf16 ``[E, N, K]``.
-
-    Groups may end anywhere. CUDA's grouped GEMM takes unaligned group ends along the reduction
-    dim only when A is column-major and B row-major (torch's own ``_grouped_mm`` backward layouts;
-    any other layout trips its 16-byte alignment assert), so the operands are made contiguous
-    ``[S, *]`` here, inside an op whose strides no compiler can change. That replaces padding every
-    group to 32 rows (a zero fill and a scatter of both operands), which cost more than the GEMM
-    (``bench/probes/grouped_wgrad_alignment.py``).
-
-    The result is the BF16 GEMM's output (fp32 accumulation, rounded to bf16). The cast to the
-    weight's dtype stays outside the op (:func:`hp_grouped_wgrad`), where a compiler fuses it.
-    Group ends must be non-decreasing and at most S (they are data: not checked on the host); rows past
-    ``offs[-1]`` are ignored. On CUDA, N and K must be multiples of 8 (16-byte rows).
-
-    Raises:
-        ValueError: dy or x not 2D, different row counts, or offs not a 1D int32 tensor.
-    """
-    if dy.dim() != 2 or x.dim() != 2 or dy.shape[0] != x.shape[0] or offs.dim() != 1 or offs.dtype != torch.int32:
-        raise ValueError(
-            f"mxfx.grouped_wgrad_bf16: needs dy [S, N], x [S, K] and int32 offs [E], got dy {tuple(dy.shape)}, "
-            f"x {tuple(x.shape)}, offs {tuple(offs.shape)} {offs.dtype}"
-        )
-    dy, x = dy.to(torch.bfloat16).contiguous(), x.to(torch.bfloat16).contiguous()
-    if not native_bf16_matmul(dy.device):  # the same GEMM in FP32 (exact BF16 operands, FP32 accumulation)
-        return torch._grouped_mm(dy.float().t(), x.float(), offs=offs).to(torch.bfloat16)
-    return torch._grouped_mm(dy.t(), x, offs=offs)
-
-
-@_grouped_wgrad_bf16_op.register_fake
-def _(dy, x, offs):
-    return dy.new_empty((offs.shape[0], dy.shape[1], x.shape[1]), dtype=torch.bfloat16)
-
-
-def hp_grouped_wgrad(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """BF16 per-group ``dy[grp]^T @ x[grp]`` -> ``[E, N, K]`` (the routed "bf16" wgrad, the recipe, "Kernel Problems and Fusions" (Table 25)).
-
-    ``mxfx::grouped_wgrad_bf16`` (see :func:`_grouped_wgrad_bf16_op`): no group padding needed;
-    the result cast to ``out_dtype`` outside the op.
-    """
-    return _grouped_wgrad_bf16_op(dy, x, offs).to(out_dtype)

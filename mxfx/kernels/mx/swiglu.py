@@ -1,10 +1,10 @@
 """Triton fused SwiGLU + MXFP8 quantize: quantizes ``silu(gate) * up`` formed in fp32.
 
-``silu`` is mxfx's fp32 SiLU (``mxfx.kernels.silu``): libdevice ``expf`` and a division, the same
+``silu`` is mxfx's fp32 SiLU (``mxfx.kernels.common.silu``): libdevice ``expf`` and a division, the same
 arithmetic as PyTorch's CUDA ``F.silu`` on fp32 except -0 for gates at or below -87.3365 (where F.silu's
 values are below 2^-119), then an fp32 multiply by ``up``; no 16-bit intermediate is written. gate and
 up may be separate tensors or strided halves of one fused ``gate_up`` tensor (``gate_up[..., :H]``,
-``gate_up[..., H:]``). Both of those are read as streams of 32-value blocks (``mx_block.load_blocks``),
+``gate_up[..., H:]``). Both of those are read as streams of 32-value blocks (``blocks.load_blocks``),
 so every output is written as one contiguous stream whatever H is; other strides go through 2D tiles.
 The fused forward equals ``quantize(silu_fp32(gate) * up)`` bit for bit.
 The same pass can also write the MX pairs of gate and of up themselves (``save_inputs``):
@@ -19,8 +19,9 @@ import triton
 import triton.language as tl
 
 from mxfx.numerics.mx import BLOCK_SIZE, check_block_axis, check_input, check_rule
-from mxfx.kernels.launch import launch
-from mxfx.kernels.mx_block import (
+from mxfx.kernels.common.launch import launch
+from mxfx.kernels.common.silu_triton import silu_f32
+from mxfx.kernels.mx.blocks import (
     CONVERT_ALL,
     SCALES_ROW_MAJOR,
     as_brc,
@@ -30,7 +31,6 @@ from mxfx.kernels.mx_block import (
     load_blocks,
     load_tile,
     scale_shape,
-    silu_f32,
     store_dequantized,
     store_rowwise,
     tile_origin,
@@ -48,7 +48,7 @@ STREAM_EVEN = True
 boolean key: token counts that change between calls give at most two compiled variants). Gate_up halves keep
 their masks, except at H = 32 (measured: docs/kernel-notes.md, "Kernel choices")."""
 CONVERSION_FORMS = {"quantize": CONVERT_ALL, "wide": 0}
-"""Conversion forms (``mx_block.CONVERT_*`` bits): both for the pass that writes the MX pair alone, none where it also
+"""Conversion forms (``blocks.CONVERT_*`` bits): both for the pass that writes the MX pair alone, none where it also
 writes values or saved pairs (measured: docs/kernel-notes.md, "Kernel choices")."""
 SWIGLU_CONFIG = (16, 256, 8)
 """(BLOCK_R, BLOCK_C, num_warps) for other strides (every other column, say)."""
@@ -92,7 +92,7 @@ def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str, dequantized
     with ``dequantized``, ``(q, s, h_hat)``, h_hat = dequantize(q, s) in that dtype, from the same pass;
     with ``save_inputs``, followed by ``(gate_q, gate_s, up_q, up_s)``, the contiguous rowwise MX pairs of
     gate and up, also from the same pass. gate and up may differ in dtype (each is read as it is).
-    ``dequantized`` and the devices are checked by :func:`mxfx.kernels.device_path.swiglu_quantize`, the entry
+    ``dequantized`` and the devices are checked by :func:`mxfx.kernels.mx.device_path.swiglu_quantize`, the entry
     point; this function raises ValueError / TypeError for shapes, H and input dtypes."""
     op = "mxfx.swiglu_quantize"
     for t in (gate, up):

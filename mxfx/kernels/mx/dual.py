@@ -13,11 +13,11 @@ wgrad of OCP MX v1.0 GEMMs need. The columnwise pair is stored either
   view of a contiguous ``[M, K]`` byte tensor. Same values, no transpose: every load and store
   runs along K.
 
-Both scale tensors are MN-major (:mod:`mxfx.kernels.views`): ``s_row [M, K/32]`` is the transpose
+Both scale tensors are MN-major (:mod:`mxfx.kernels.mx.views`): ``s_row [M, K/32]`` is the transpose
 view of a contiguous ``[K/32, M]`` tensor and ``s_col [K, M/32]`` that of a contiguous ``[M/32, K]``
 one, so a program's ``[32, BLOCK_K]`` tile writes its scales as whole 32-byte sectors. Emulated GEMMs (Hopper, which
   has no MX GEMM) read either layout at the same cost, so the weight caches there keep the
-  dgrad form in this one (``mxfx.kernels.device.colwise_in_source_layout``). Optionally the same pass
+  dgrad form in this one (``mxfx.formats.mxfp8.source_layout``). Optionally the same pass
   writes the dequantized values of each orientation, so one read of the FP32 main weight gives
   everything a Hopper weight-cache refresh builds.
 
@@ -34,9 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
-from mxfx.kernels.launch import launch
-from mxfx.kernels.checks import TOKEN_DIM_HINT, check_dual_args
-from mxfx.kernels.mx_block import (CONVERT_ALL, CONVERT_BF16X2, blocked_offset, conversion_bits, decode_scale, encode_blocks,
+from mxfx.kernels.common.launch import launch
+from mxfx.kernels.mx.checks import TOKEN_DIM_HINT, check_dual_args
+from mxfx.kernels.mx.blocks import (CONVERT_ALL, CONVERT_BF16X2, blocked_offset, conversion_bits, decode_scale, encode_blocks,
                                    load_tile, tile_origin)
 from mxfx.numerics.layout import new_blocked_scales
 
@@ -55,7 +55,7 @@ WIDE: tiles that divide x form every element's address in int64 from its row, no
 offsets. Same values either way; the choice per layout is measured (docs/kernel-notes.md, "Kernel choices")."""
 
 CONVERSION_FORMS = {"source": CONVERT_ALL, "source fp32": CONVERT_ALL, "transposed": CONVERT_ALL, "blocked": CONVERT_BF16X2, "dequantized": 0}
-"""Conversion forms (``mx_block.CONVERT_*`` bits) by output layout as in ``ADDRESS_FORMS``, plus those of a 16-bit
+"""Conversion forms (``blocks.CONVERT_*`` bits) by output layout as in ``ADDRESS_FORMS``, plus those of a 16-bit
 input whose dequantized forms are written too (measured: docs/kernel-notes.md, "Kernel choices")."""
 
 
@@ -157,7 +157,7 @@ def _quantize_both(x, rule, op, *, row, col, dequantized, transposed, mx=True, b
         return torch.empty((*lead, *shape), dtype=dtype, device=dev) if want else None
 
     col_shape = (K, M) if transposed else (M, K)
-    # both scale tensors MN-major (see mxfx.kernels.views): storage [.., K/32, M] and [.., M/32, K]
+    # both scale tensors MN-major (see mxfx.kernels.mx.views): storage [.., K/32, M] and [.., M/32, K]
     q_row, s_row = new((M, K), torch.uint8, row and mx), new((K // 32, M), torch.uint8, row and mx)
     q_col = new(col_shape, torch.uint8, col and mx)
     s_col = new((M // 32, K), torch.uint8, col and mx)
@@ -254,7 +254,7 @@ def quantize_dual_source(x: torch.Tensor, rule: str, *, row: bool = True, col: b
         ValueError: not 2D/3D, M or K not a multiple of 32, neither orientation asked for, or
             ``mx=False`` without ``dequantized``.
         TypeError: unsupported input or ``dequantized`` dtype
-            (see :func:`mxfx.kernels.device_path.check_dual_args`).
+            (see :func:`mxfx.kernels.mx.device_path.check_dual_args`).
     """
     return _quantize_both(x, rule, "mxfx.quantize_dual_source", row=row, col=col, dequantized=dequantized,
                           transposed=False, mx=mx)

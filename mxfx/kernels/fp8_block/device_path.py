@@ -2,7 +2,7 @@
 
 Both paths give the same values and shapes (tests/test_block_gpu.py compares them byte for byte); scales of the
 1x128 operands are column-major on CUDA (what the GEMMs read) and row-major on CPU, which the CPU GEMMs read
-through their strides. ``mxfx.kernels.block_quantize`` (and so Triton) is imported only once a CUDA tensor
+through their strides. ``mxfx.kernels.fp8_block.quantize`` (and so Triton) is imported only once a CUDA tensor
 arrives.
 """
 
@@ -11,14 +11,14 @@ from __future__ import annotations
 import torch
 
 from mxfx.numerics import block as bf
-from mxfx.kernels.device import triton_available
-from mxfx.kernels.silu import silu_fp32
+from mxfx.kernels.common.device import triton_available
+from mxfx.kernels.common.silu import swiglu_fp32
 
 
 def _triton():
-    from mxfx.kernels import block_quantize
+    from mxfx.kernels.fp8_block import quantize
 
-    return block_quantize
+    return quantize
 
 
 def quantize_1x128(x: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,8 +34,8 @@ def swiglu_quantize_1x128(gate: torch.Tensor, up: torch.Tensor, rule: str = "rce
     if triton_available(gate):
         return _triton().swiglu_quantize_1x128(gate, up, rule)
     if gate.shape != up.shape:
-        raise ValueError(f"mxfx.kernels.block_device_path.swiglu_quantize_1x128: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
-    return quantize_1x128(silu_fp32(gate) * up.float(), rule)
+        raise ValueError(f"mxfx.kernels.fp8_block.device_path.swiglu_quantize_1x128: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
+    return quantize_1x128(swiglu_fp32(gate, up), rule)
 
 
 def swiglu_quantize_1x128_save(gate: torch.Tensor, up: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor, ...]:
@@ -79,10 +79,10 @@ def quantize_128x128(w: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor
 
 
 def transpose_qdata(q: torch.Tensor) -> torch.Tensor:
-    """``q [..., R, C]`` E4M3 qdata -> contiguous ``[..., C, R]``, the same bytes (``mxfx.kernels.transpose`` on
+    """``q [..., R, C]`` E4M3 qdata -> contiguous ``[..., C, R]``, the same bytes (``mxfx.kernels.common.transpose`` on
     CUDA, torch's strided copy elsewhere)."""
     if triton_available(q):
-        from mxfx.kernels import transpose
+        from mxfx.kernels.common import transpose
 
         return transpose.transpose_lastdims(q)
     return q.transpose(-2, -1).contiguous()

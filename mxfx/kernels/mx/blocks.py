@@ -3,7 +3,7 @@
 The device functions here are the Triton transcription of ``mxfx.numerics.mx``
 (OCP MX v1.0 §6.3 with the rceil/floor rules and the special-block rules written
 there); ``tests/test_kernels.py`` holds them to that reference bit for bit.
-Importing this module imports Triton: only ``mxfx.kernels.device_path`` imports it,
+Importing this module imports Triton: only ``mxfx.kernels.mx.device_path`` imports it,
 lazily, once it knows a tensor is on CUDA.
 """
 
@@ -14,11 +14,10 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from mxfx.numerics.mx import BLOCK_SIZE
-from mxfx.kernels.silu import SILU_FLUSH_GATE
-from mxfx.kernels.views import as_brc, scale_shape  # noqa: F401  (the kernels' input views)
+from mxfx.kernels.common.launch import INTERPRETED
+from mxfx.kernels.mx.views import as_brc, scale_shape  # noqa: F401  (the kernels' input views)
 
 FP32_EXP_SHIFT = tl.constexpr(23)
 FP32_ABS_MASK = tl.constexpr(0x7FFFFFFF)
@@ -26,7 +25,7 @@ FP32_MANT_MASK = tl.constexpr(0x7FFFFF)
 FP32_MANT_1_75 = tl.constexpr(0x600000)
 """Mantissa field of 1.75: above it, amax / 2^(floor(log2 amax) - 8) exceeds 448 and rceil steps up."""
 
-HW_E4M3_CONVERSION = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "yes", "on"))
+HW_E4M3_CONVERSION = tl.constexpr(not INTERPRETED)
 """Compiled kernels convert fp32 to E4M3 with the hardware's ``cvt.rn.satfinite.e4m3x2.f32`` (sm89+, the only targets with Triton fp8e4nv), which rounds to
 nearest even, saturates at +-448 and turns NaN into the NaN byte 0x7F: the clamp and the per-value NaN
 select are then left out (a nonfinite block gets a NaN inverse scale instead), about a third fewer instructions
@@ -62,69 +61,9 @@ def conversion_bits(chosen: int) -> int:
     return chosen if CONVERSION_OVERRIDE is None else CONVERSION_OVERRIDE
 
 
-INTERPRETED = HW_E4M3_CONVERSION.value is False
-"""Triton's interpreter runs the kernels (``TRITON_INTERPRET=1``, CPU tests)."""
-
 E4M3_NAN_BYTE = tl.constexpr(0x7F)
 E8M0_ZERO_SCALE_BITS = tl.constexpr(0x00400000)
 """fp32 bits of 2^-127 (E8M0 byte 0), an fp32 subnormal."""
-
-
-if INTERPRETED:  # the interpreter has no libdevice expf: numpy's, which may differ from it by an ulp
-
-    @triton.jit
-    def exp_f32(v):
-        """e^v in fp32."""
-        return tl.exp(v)
-
-else:
-
-    @triton.jit
-    def exp_f32(v):
-        """e^v in fp32 with libdevice ``expf``, the function PyTorch's CUDA kernels call (not Triton's
-        approximate ``tl.exp``)."""
-        return libdevice.exp(v)
-
-
-FLT_MAX = tl.constexpr(3.4028234663852886e38)
-SILU_FLUSH_GATE_C = tl.constexpr(SILU_FLUSH_GATE)
-
-
-@triton.jit
-def rcp_approx_ftz(d):
-    """MUFU reciprocal of fp32 ``d`` (``rcp.approx.ftz.f32``, the first step of ``div.rn.f32``; compiled
-    kernels only): results below 2^-126 flush to +0 for positive d."""
-    return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [d], dtype=tl.float32,
-                                     is_pure=True, pack=1)
-
-
-if INTERPRETED:
-
-    @triton.jit
-    def silu_f32(g):
-        """mxfx's SiLU (``mxfx.kernels.silu``) with an IEEE division, then the flush band's -0."""
-        s = tl.math.div_rn(g, 1.0 + exp_f32(-g))
-        zero = g * 0.0  # -0 for a finite negative g (a literal -0.0 is 0 - 0.0 = +0 in Triton 3.6)
-        flush = (g <= SILU_FLUSH_GATE_C) & (zero == 0.0)  # finite g in the band
-        return tl.where(flush, zero, s)
-
-else:
-
-    @triton.jit
-    def silu_f32(g):
-        """mxfx's SiLU (``mxfx.kernels.silu``): ``g / (1 + exp(-g))`` as ``div.rn.f32``'s fast path computes
-        it (approximate reciprocal, one Newton step, one quotient correction), without its range check and
-        slow-path branch. The divisor is clamped at FLT_MAX (no ``inf * 0`` NaN once exp overflows), so
-        where its reciprocal flushes to +0 (divisor above 2^126) the correction ``q - r * (d * q - g)``
-        gives -0 for every finite g. Negations are written as products with -1.0: Triton 3.6 lowers a
-        unary minus to ``0 - x``, which turns -(+0) into +0 (the flush band's zero positive) and costs an
-        FADD per negation, where ``x * -1.0`` folds into the FFMA's operand sign."""
-        ng = g * -1.0
-        d = tl.minimum(1.0 + exp_f32(ng), FLT_MAX)
-        r = rcp_approx_ftz(d)
-        r = tl.fma(r, tl.fma(d * -1.0, r, 1.0), r)
-        q = g * r
-        return tl.fma(r * -1.0, tl.fma(d, q, ng), q)
 
 
 @triton.jit
@@ -240,7 +179,7 @@ def load_tile(ptr, b, r0, c0, R, C, sb, sr, sc, BR: tl.constexpr, BC: tl.constex
 
 
 SCALES_ROW_MAJOR = tl.constexpr(0)
-"""Scale layouts :func:`store_rowwise` writes (see :mod:`mxfx.kernels.views`; launch with ``.value``, a plain
+"""Scale layouts :func:`store_rowwise` writes (see :mod:`mxfx.kernels.mx.views`; launch with ``.value``, a plain
 int, which Inductor can write into the code it generates for a traced launch): contiguous [B, R, C/32];"""
 SCALES_MN_MAJOR = tl.constexpr(1)
 """storage [B, C/32, R] (the transpose view is the logical [B, R, C/32]);"""

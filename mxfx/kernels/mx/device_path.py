@@ -1,6 +1,6 @@
 """Device-path selection for the MX kernels: Triton when the tensor is on CUDA, the reference otherwise.
 
-The Triton modules (``mxfx.kernels.quantize``, ``dual``, ``dequantize``, ``swiglu``) are
+The Triton modules (``mxfx.kernels.mx.quantize``, ``dual``, ``dequantize``, ``swiglu``) are
 imported lazily, only once a CUDA tensor arrives and Triton imports, so
 ``import mxfx`` works on CPU-only installs without Triton. Both paths give the same
 bytes (``tests/test_kernels.py``).
@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 
 from mxfx.numerics import mx as mxf
-from mxfx.kernels.device import triton_available
-from mxfx.kernels.checks import TOKEN_DIM_HINT, check_dual_args, check_lastdim_args, check_route_args
-from mxfx.kernels.silu import silu_fp32
-from mxfx.kernels.views import laid_out_as, lastdim_scales, mn_major
+from mxfx.kernels.common.device import triton_available
+from mxfx.kernels.mx.checks import TOKEN_DIM_HINT, check_dual_args, check_lastdim_args, check_route_args
+from mxfx.kernels.common.silu import swiglu_fp32
+from mxfx.kernels.mx.views import laid_out_as, lastdim_scales, mn_major
 from mxfx.numerics.layout import blocked_numel, to_blocked
 
 
@@ -22,11 +22,11 @@ def quantize_lastdim(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Te
     """MXFP8 quantize along the last dim: ``x [..., K]`` -> ``(qdata e4m3 [..., K], scales u8 [..., K/32])``.
 
     Any strides: a transposed view quantizes "columnwise" without a copy on the GPU path. qdata is
-    contiguous; scales are laid out by :func:`mxfx.kernels.views.lastdim_scales` on every device
+    contiguous; scales are laid out by :func:`mxfx.kernels.mx.views.lastdim_scales` on every device
     (MN-major for an input strided along K).
     """
     if triton_available(x):
-        from mxfx.kernels import quantize as tq
+        from mxfx.kernels.mx import quantize as tq
 
         return tq.quantize_lastdim(x, rule)
     check_lastdim_args(x, rule, "mxfx.quantize")
@@ -40,7 +40,7 @@ def _reference_lastdim(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.
 
 
 def _mn_major(s: torch.Tensor) -> torch.Tensor:
-    """``s``'s values stored MN-major (the dual quantizes' scale layout, :mod:`mxfx.kernels.views`)."""
+    """``s``'s values stored MN-major (the dual quantizes' scale layout, :mod:`mxfx.kernels.mx.views`)."""
     return laid_out_as(s, mn_major(s.shape, s))
 
 
@@ -50,7 +50,7 @@ def quantize_blocked(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Te
     Returns ``(qdata e4m3 [..., K], blocked uint8 [blocked_numel(rows, K/32)])``, padding zero.
     """
     if triton_available(x):
-        from mxfx.kernels import quantize as tq
+        from mxfx.kernels.mx import quantize as tq
 
         return tq.quantize_blocked(x, rule)
     check_lastdim_args(x, rule, "mxfx.quantize_blocked")
@@ -62,7 +62,7 @@ def dequantize_lastdim(qdata: torch.Tensor, scales: torch.Tensor, dtype: torch.d
     """Inverse of :func:`quantize_lastdim`: ``qdata * 2^(scales - 127)`` cast to ``dtype``."""
     mxf.check_output_dtype(dtype, qdata, "mxfx.dequantize")
     if triton_available(qdata):
-        from mxfx.kernels import dequantize as tdq
+        from mxfx.kernels.mx import dequantize as tdq
 
         return tdq.dequantize_lastdim(qdata, scales, dtype)
     mxf.check_pair(qdata, scales, -1, "mxfx.dequantize")
@@ -75,13 +75,13 @@ def quantize_dual(x: torch.Tensor, rule: str):
     Returns ``(q_row [M, K], s_row [M, K/32], q_col [K, M], s_col [K, M/32])``: the
     columnwise pair is blocked down dim 0, its qdata stored transposed (contiguous ``[K, M]``),
     i.e. exactly ``quantize_lastdim(x.t())``, layouts included. Both scale tensors are MN-major
-    (transpose views of contiguous ``[K/32, M]`` / ``[M/32, K]`` tensors, :mod:`mxfx.kernels.views`).
+    (transpose views of contiguous ``[K/32, M]`` / ``[M/32, K]`` tensors, :mod:`mxfx.kernels.mx.views`).
     A 3D ``[B, M, K]`` input is handled per batch.
     On every device: ValueError unless x is 2D/3D with M and K multiples of 32 (naming the
-    shape), TypeError for a non-tensor or an unsupported dtype (:func:`mxfx.kernels.checks.check_dual_args`).
+    shape), TypeError for a non-tensor or an unsupported dtype (:func:`mxfx.kernels.mx.checks.check_dual_args`).
     """
     if triton_available(x):
-        from mxfx.kernels import dual
+        from mxfx.kernels.mx import dual
 
         return dual.quantize_dual(x, rule)
     check_dual_args(x, rule, "mxfx.quantize_dual", hint=TOKEN_DIM_HINT)
@@ -97,7 +97,7 @@ def quantize_dual_blocked(x: torch.Tensor, rule: str):
     3D x (padding zero). One pass on CUDA, no ``to_blocked`` pass after it. Raises as :func:`quantize_dual`.
     """
     if triton_available(x):
-        from mxfx.kernels import dual
+        from mxfx.kernels.mx import dual
 
         return dual.quantize_dual_blocked(x, rule)
     check_dual_args(x, rule, "mxfx.quantize_dual_blocked", hint=TOKEN_DIM_HINT)
@@ -124,11 +124,11 @@ def quantize_dual_source(x: torch.Tensor, rule: str, *, row: bool = True, col: b
     and so are the pairs with ``mx=False`` (the dequantized values alone, one read, no MX writes).
     Raises ValueError unless x is 2D/3D with M and K multiples of 32, when neither orientation
     is asked for, or with ``mx=False`` and no ``dequantized``; TypeError for an input dtype other than
-    bf16/fp16/fp32 or a ``dequantized`` dtype that is not a float of 16+ bits (:func:`mxfx.kernels.checks.check_dual_args`,
+    bf16/fp16/fp32 or a ``dequantized`` dtype that is not a float of 16+ bits (:func:`mxfx.kernels.mx.checks.check_dual_args`,
     the same on every device).
     """
     if triton_available(x):
-        from mxfx.kernels import dual
+        from mxfx.kernels.mx import dual
 
         return dual.quantize_dual_source(x, rule, row=row, col=col, dequantized=dequantized, mx=mx)
     check_dual_args(x, rule, "mxfx.quantize_dual_source", row=row, col=col, dequantized=dequantized, mx=mx)
@@ -152,7 +152,7 @@ def quantize_dequantize(x: torch.Tensor, rule: str, dtype: torch.dtype):
     """Quantize along the last dim and also return the dequantized tensor: ``(qdata, scales, x_hat)``."""
     mxf.check_output_dtype(dtype, x, "mxfx.quantize_dequantize", name="input")
     if triton_available(x):
-        from mxfx.kernels import quantize as tq
+        from mxfx.kernels.mx import quantize as tq
 
         return tq.quantize_dequantize(x, rule, dtype)
     check_lastdim_args(x, rule, "mxfx.quantize_dequantize")
@@ -183,14 +183,14 @@ def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str, dequantized
         mxf.check_input(gate, "mxfx.swiglu_quantize")
         mxf.check_output_dtype(dequantized, gate, "mxfx.swiglu_quantize", name="gate")
     if triton_available(gate):
-        from mxfx.kernels import swiglu
+        from mxfx.kernels.mx import swiglu
 
         return swiglu.swiglu_quantize(gate, up, rule, dequantized, save_inputs)
     check_lastdim_args(gate, rule, "mxfx.swiglu_quantize")
     check_lastdim_args(up, rule, "mxfx.swiglu_quantize")
     if gate.shape != up.shape:
         raise ValueError(f"mxfx.swiglu_quantize: gate of shape {tuple(gate.shape)} and up of shape {tuple(up.shape)} must match")
-    out = _with_dequantized(silu_fp32(gate).mul_(up), rule, dequantized)
+    out = _with_dequantized(swiglu_fp32(gate, up), rule, dequantized)
     return (*out, *mxf.quantize_lastdim(gate, rule), *mxf.quantize_lastdim(up, rule)) if save_inputs else out
 
 
@@ -202,7 +202,7 @@ def route_weight_quantize(dy: torch.Tensor, weight: torch.Tensor, rule: str, deq
     if dequantized is not None:
         mxf.check_output_dtype(dequantized, dy, op, name="dy")
     if triton_available(dy):
-        from mxfx.kernels import quantize as tq
+        from mxfx.kernels.mx import quantize as tq
 
         return tq.route_weight_quantize(dy, weight, rule, dequantized)
     check_route_args(dy, weight, op)

@@ -7,7 +7,7 @@ the format math into slow dynamic-shape code nor trips over E8M0 dtypes (scales
 are uint8 E8M0 bytes here). While a CUDA graph is traced, it calls the kernel's
 Python body instead, whose Triton launches enter the graph through
 ``wrap_triton`` and are launched by Inductor's generated code without the
-custom op's host cost (:mod:`mxfx.kernels.launch`). Both give the same bytes.
+custom op's host cost (:mod:`mxfx.kernels.common.launch`). Both give the same bytes.
 Each op blocks along the last dimension of its input.
 """
 
@@ -17,11 +17,11 @@ import functools
 
 import torch
 
-from mxfx import kernels
 from mxfx.numerics.mx import BLOCK_SIZE, dequantize_lastdim
-from mxfx.kernels.launch import name_op_functions, op_or_body
+from mxfx.kernels.common.launch import name_op_functions, op_or_body
+from mxfx.kernels.mx import device_path
 from mxfx.numerics.layout import blocked_numel
-from mxfx.kernels.views import lastdim_scales, mn_major, scale_shape
+from mxfx.kernels.mx.views import lastdim_scales, mn_major, scale_shape
 
 _E4M3 = torch.float8_e4m3fn
 
@@ -46,32 +46,32 @@ def _pair_fake(x):
 
 def _lastdim_fake(x):
     """Fake of ``quantize_lastdim(x)``: contiguous qdata, scales laid out as the kernels lay them out
-    (:func:`mxfx.kernels.views.lastdim_scales`: MN-major for an input strided along K)."""
+    (:func:`mxfx.kernels.mx.views.lastdim_scales`: MN-major for an input strided along K)."""
     return x.new_empty(x.shape, dtype=_E4M3), lastdim_scales(x)
 
 
 @_custom_op("quantize", fake=lambda x, rule: _lastdim_fake(x))
 def _quantize_op(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [..., K]`` -> ``(qdata e4m3 [..., K], scales uint8 [..., K/32])``."""
-    return kernels.quantize_lastdim(x, rule)
+    return device_path.quantize_lastdim(x, rule)
 
 
 @_custom_op("dequantize", fake=lambda qdata, scales, dtype: qdata.new_empty(qdata.shape, dtype=dtype))
 def _dequantize_op(qdata: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``(qdata [..., K], scales [..., K/32])`` -> ``[..., K]`` of ``dtype``."""
-    return kernels.dequantize_lastdim(qdata, scales, dtype).contiguous()  # the fake's layout, whatever the input's
+    return device_path.dequantize_lastdim(qdata, scales, dtype).contiguous()  # the fake's layout, whatever the input's
 
 
 @torch.library.custom_op("mxfx::quantize_dual", mutates_args=())
 def _quantize_dual_op(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x [M, K]`` -> rowwise ``(q [M, K], s [M, K/32])`` and columnwise ``(q [K, M], s [K, M/32])``."""
-    return kernels.quantize_dual(x, rule)
+    return device_path.quantize_dual(x, rule)
 
 
 @_quantize_dual_op.register_fake
 def _(x, rule):
     t = x.shape[:-2] + (x.shape[-1], x.shape[-2])
-    return (  # scales MN-major (mxfx.kernels.dual)
+    return (  # scales MN-major (mxfx.kernels.mx.dual)
         x.new_empty(x.shape, dtype=_E4M3),
         mn_major(scale_shape(x.shape), x),
         x.new_empty(t, dtype=_E4M3),
@@ -82,7 +82,7 @@ def _(x, rule):
 @torch.library.custom_op("mxfx::quantize_dual_blocked", mutates_args=())
 def _quantize_dual_blocked_op(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_quantize_dual_op` with both scale matrices in the blocked layout of :mod:`mxfx.numerics.layout`."""
-    return kernels.quantize_dual_blocked(x, rule)
+    return device_path.quantize_dual_blocked(x, rule)
 
 
 @_quantize_dual_blocked_op.register_fake
@@ -97,7 +97,7 @@ def _(x, rule):
 
 
 def _quantize_dual_dequantized(x: torch.Tensor, rule: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    _, _, h_row, _, _, h_col = kernels.quantize_dual_source(x, rule, dequantized=dtype, mx=False)
+    _, _, h_row, _, _, h_col = device_path.quantize_dual_source(x, rule, dequantized=dtype, mx=False)
     return h_row, h_col.transpose(-2, -1)
 
 
@@ -112,13 +112,13 @@ def _quantize_dual_dequantized_op(x: torch.Tensor, rule: str, dtype: torch.dtype
 @_custom_op("quantize_dequantize", fake=lambda x, rule, dtype: (*_lastdim_fake(x), x.new_empty(x.shape, dtype=dtype)))
 def _quantize_dequantize_op(x: torch.Tensor, rule: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x [..., K]`` -> ``(qdata, scales, x_hat)`` with ``x_hat`` the dequantized ``dtype`` tensor."""
-    return kernels.quantize_dequantize(x, rule, dtype)
+    return device_path.quantize_dequantize(x, rule, dtype)
 
 
 @_custom_op("swiglu_quantize", fake=lambda gate, up, rule: _pair_fake(gate))
 def _swiglu_quantize_op(gate: torch.Tensor, up: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
     """MX quantize of ``silu(gate) * up`` (fp32 product): ``gate, up [..., H]`` -> ``(q [..., H], s [..., H/32])``."""
-    return kernels.swiglu_quantize(gate, up, rule)
+    return device_path.swiglu_quantize(gate, up, rule)
 
 
 def _mx_and_values_fake(x, dtype):
@@ -130,7 +130,7 @@ def _swiglu_quantize_dequantize_op(
     gate: torch.Tensor, up: torch.Tensor, rule: str, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_swiglu_quantize_op` plus the dequantized values ``[..., H]`` of ``dtype``, from the same pass."""
-    return kernels.swiglu_quantize(gate, up, rule, dtype)
+    return device_path.swiglu_quantize(gate, up, rule, dtype)
 
 
 def _saved_pairs_fake(gate):
@@ -145,7 +145,7 @@ def _swiglu_quantize_save_op(
     gate: torch.Tensor, up: torch.Tensor, rule: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_swiglu_quantize_op` followed by the rowwise MX pairs of gate and up (contiguous), from one read."""
-    return kernels.swiglu_quantize(gate, up, rule, save_inputs=True)
+    return device_path.swiglu_quantize(gate, up, rule, save_inputs=True)
 
 
 @_custom_op(
@@ -155,7 +155,7 @@ def _swiglu_quantize_dequantize_save_op(
     gate: torch.Tensor, up: torch.Tensor, rule: str, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_swiglu_quantize_dequantize_op` followed by the rowwise MX pairs of gate and up, from one read."""
-    return kernels.swiglu_quantize(gate, up, rule, dtype, save_inputs=True)
+    return device_path.swiglu_quantize(gate, up, rule, dtype, save_inputs=True)
 
 
 @_custom_op(
@@ -165,13 +165,13 @@ def _route_weight_quantize_dequantize_op(
     dy: torch.Tensor, weight: torch.Tensor, rule: str, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_route_weight_quantize_op` plus the dequantized values ``[S, D]`` of ``dtype``, from the same pass."""
-    return kernels.route_weight_quantize(dy, weight, rule, dtype)
+    return device_path.route_weight_quantize(dy, weight, rule, dtype)
 
 
 @_custom_op("route_weight_quantize", fake=lambda dy, weight, rule: _lastdim_fake(dy))
 def _route_weight_quantize_op(dy: torch.Tensor, weight: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
     """MX quantize of ``dy [S, D] * weight [S]`` (fp32 product), the combine-backward gradient."""
-    return kernels.route_weight_quantize(dy, weight, rule)
+    return device_path.route_weight_quantize(dy, weight, rule)
 
 
 @torch.library.custom_op("mxfx::quantize_blocked", mutates_args=())
@@ -179,7 +179,7 @@ def _quantize_blocked_op(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torc
     """``x [..., K]`` -> ``(qdata e4m3 [..., K], blocked uint8 scales)``: the scale matrix of
     ``x.reshape(-1, K)`` in the blocked layout of :mod:`mxfx.numerics.layout` (rows padded to 128,
     scale columns to 4, padding zero), as Blackwell block-scaled GEMMs consume it."""
-    return kernels.quantize_blocked(x, rule)
+    return device_path.quantize_blocked(x, rule)
 
 
 @_quantize_blocked_op.register_fake
@@ -192,44 +192,44 @@ def _(x, rule):
 
 # --- what callers use: the custom op, or its body when traced on CUDA ---------------------------
 
-quantize = op_or_body(_quantize_op, kernels.quantize_lastdim, """``x [..., K]`` -> ``(qdata e4m3 [..., K],
+quantize = op_or_body(_quantize_op, device_path.quantize_lastdim, """``x [..., K]`` -> ``(qdata e4m3 [..., K],
 scales uint8 E8M0 [..., K/32])`` (``mxfx::quantize``).""")
-dequantize = op_or_body(_dequantize_op, kernels.dequantize_lastdim, """``(qdata [..., K], scales [..., K/32],
+dequantize = op_or_body(_dequantize_op, device_path.dequantize_lastdim, """``(qdata [..., K], scales [..., K/32],
 dtype)`` -> ``[..., K]`` of ``dtype`` (``mxfx::dequantize``).""")
 dequantize_fusible = op_or_body(_dequantize_op, dequantize_lastdim, """:func:`dequantize` for values that feed
 elementwise math (the SwiGLU backward): while a CUDA graph is traced, the plain-torch reference of
 ``mxfx.numerics.mx`` enters the graph instead of the Triton kernel, so Inductor fuses the decode into its consumer
 and no dequantized tensor is written; elsewhere ``mxfx::dequantize``. Same values either way (the kernels
 equal that reference bit for bit).""")
-quantize_dual = op_or_body(_quantize_dual_op, kernels.quantize_dual, """``x [M, K]`` -> rowwise ``(q [M, K],
+quantize_dual = op_or_body(_quantize_dual_op, device_path.quantize_dual, """``x [M, K]`` -> rowwise ``(q [M, K],
 s [M, K/32])`` and columnwise ``(q [K, M], s [K, M/32])`` (``mxfx::quantize_dual``).""")
-quantize_dual_blocked = op_or_body(_quantize_dual_blocked_op, kernels.quantize_dual_blocked, """``x [M, K]`` ->
+quantize_dual_blocked = op_or_body(_quantize_dual_blocked_op, device_path.quantize_dual_blocked, """``x [M, K]`` ->
 ``(q [M, K], s_row blocked, q_t [K, M], s_col blocked)``: :func:`quantize_dual` with both scale matrices in the
 blocked layout of :mod:`mxfx.numerics.layout` (``mxfx::quantize_dual_blocked``).""")
 quantize_dual_dequantized = op_or_body(_quantize_dual_dequantized_op, _quantize_dual_dequantized, """``(x [M, K],
 rule, dtype)`` -> ``(row_hat, col_hat)``, both contiguous ``[M, K]`` of ``dtype``: the dequantized values of
 x's rowwise MX (blocks along K) and of its columnwise MX (blocks down M), from one read, no MX pair written
 (``mxfx::quantize_dual_dequantized``; what an emulated GEMM reads of both orientations).""")
-quantize_dequantize = op_or_body(_quantize_dequantize_op, kernels.quantize_dequantize, """``(x [..., K], rule,
+quantize_dequantize = op_or_body(_quantize_dequantize_op, device_path.quantize_dequantize, """``(x [..., K], rule,
 dtype)`` -> ``(qdata, scales, x_hat)``, x_hat the dequantized ``dtype`` tensor (``mxfx::quantize_dequantize``).""")
-swiglu_quantize = op_or_body(_swiglu_quantize_op, kernels.swiglu_quantize, """MX quantize of ``silu(gate) * up``
+swiglu_quantize = op_or_body(_swiglu_quantize_op, device_path.swiglu_quantize, """MX quantize of ``silu(gate) * up``
 formed in fp32: ``gate, up [..., H]`` -> ``(q [..., H], s [..., H/32])`` (``mxfx::swiglu_quantize``).""")
-swiglu_quantize_dequantize = op_or_body(_swiglu_quantize_dequantize_op, kernels.swiglu_quantize, """``(gate,
+swiglu_quantize_dequantize = op_or_body(_swiglu_quantize_dequantize_op, device_path.swiglu_quantize, """``(gate,
 up, rule, dtype)`` -> ``(q, s, h_hat)``: :func:`swiglu_quantize` plus the dequantized values in ``dtype``
 (``mxfx::swiglu_quantize_dequantize``).""")
-swiglu_quantize_save = op_or_body(_swiglu_quantize_save_op, functools.partial(kernels.swiglu_quantize,
+swiglu_quantize_save = op_or_body(_swiglu_quantize_save_op, functools.partial(device_path.swiglu_quantize,
 dequantized=None, save_inputs=True), """``(gate, up, rule)`` -> ``(q, s, gate_q, gate_s, up_q, up_s)``:
 :func:`swiglu_quantize` plus the MX pairs of gate and up that the SwiGLU backward keeps, from one read
 (``mxfx::swiglu_quantize_save``).""")
 swiglu_quantize_dequantize_save = op_or_body(_swiglu_quantize_dequantize_save_op, functools.partial(
-kernels.swiglu_quantize, save_inputs=True), """``(gate, up, rule, dtype)`` -> ``(q, s, h_hat, gate_q, gate_s,
+device_path.swiglu_quantize, save_inputs=True), """``(gate, up, rule, dtype)`` -> ``(q, s, h_hat, gate_q, gate_s,
 up_q, up_s)`` (``mxfx::swiglu_quantize_dequantize_save``).""")
-route_weight_quantize_dequantize = op_or_body(_route_weight_quantize_dequantize_op, kernels.route_weight_quantize,
+route_weight_quantize_dequantize = op_or_body(_route_weight_quantize_dequantize_op, device_path.route_weight_quantize,
 """``(dy, weight, rule, dtype)`` -> ``(q, s, x_hat)``: :func:`route_weight_quantize` plus the dequantized values
 in ``dtype`` (``mxfx::route_weight_quantize_dequantize``).""")
-route_weight_quantize = op_or_body(_route_weight_quantize_op, kernels.route_weight_quantize, """MX quantize of
+route_weight_quantize = op_or_body(_route_weight_quantize_op, device_path.route_weight_quantize, """MX quantize of
 ``dy [S, D] * weight [S]`` formed in fp32 (``mxfx::route_weight_quantize``).""")
-quantize_blocked = op_or_body(_quantize_blocked_op, kernels.quantize_blocked, """``x [..., K]`` -> ``(qdata,
+quantize_blocked = op_or_body(_quantize_blocked_op, device_path.quantize_blocked, """``x [..., K]`` -> ``(qdata,
 blocked uint8 scales)`` (``mxfx::quantize_blocked``).""")
 
 name_op_functions(globals())

@@ -22,10 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
-from mxfx.kernels.checks import check_route_args
-from mxfx.kernels.launch import launch
+from mxfx.kernels.mx.checks import check_route_args
+from mxfx.kernels.common.launch import launch
 from mxfx.numerics.mx import check_block_axis, check_input, check_rule
-from mxfx.kernels.mx_block import (
+from mxfx.kernels.mx.blocks import (
     CONVERT_ALL,
     CONVERT_BF16X2,
     SCALES_BLOCKED,
@@ -40,7 +40,7 @@ from mxfx.kernels.mx_block import (
     store_rowwise,
     tile_origin,
 )
-from mxfx.kernels.views import mn_major_storage_shape, mn_major_view, scale_shape
+from mxfx.kernels.mx.views import mn_major_storage_shape, mn_major_view, scale_shape
 from mxfx.numerics.layout import new_blocked_scales
 
 FLAT_CONFIG = (64, 32, 2)
@@ -60,7 +60,7 @@ COLWISE_EVEN = True
 a fixed boolean key, as token counts are multiples of 32 there (measured: docs/kernel-notes.md, "Kernel choices")."""
 
 CONVERSION_FORMS = {"quantize": CONVERT_ALL, "blocked": CONVERT_BF16X2, "dequantized": CONVERT_BF16X2}
-"""Conversion forms (``mx_block.CONVERT_*`` bits) by output: the plain quantize (rowwise, columnwise, route-weight)
+"""Conversion forms (``blocks.CONVERT_*`` bits) by output: the plain quantize (rowwise, columnwise, route-weight)
 takes both, the blocked-scale and the quantize-dequantize passes only the bf16 widening (measured: docs/kernel-notes.md, "Kernel choices")."""
 
 
@@ -133,7 +133,7 @@ def _launch(x, rule, *, weight=None, xhat_dtype=None, blocked=False, op="mxfx.qu
 def quantize_lastdim(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [..., K]`` (CUDA, bf16/fp16/fp32, any strides) -> ``(q e4m3 [..., K], s uint8 [..., K/32])``.
 
-    q is contiguous; s is laid out by :func:`mxfx.kernels.views.lastdim_scales`: row-major, or MN-major
+    q is contiguous; s is laid out by :func:`mxfx.kernels.mx.views.lastdim_scales`: row-major, or MN-major
     for an input strided along K (a transposed view: the columnwise operand).
     """
     q, s, _ = _launch(x, rule)

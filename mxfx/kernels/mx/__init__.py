@@ -1,0 +1,1 @@
+"""MXFP8 kernels: Triton on CUDA, the plain-torch reference (``mxfx.numerics.mx``) elsewhere (:mod:`mxfx.kernels`)."""
