@@ -70,6 +70,7 @@ class BF16Gemm(Format):
     scale_dtype = _BF16
     transport = "mxfp8"  # the expert-parallel all-to-all is decided by Policy.transport
     gather_row_multiple = 0  # FSDP2 gathers these weights as parameters
+    native_archs = ("sm80", "sm90", "sm100", "sm120")  # BF16 tensor cores: Ampere, Ada, Hopper, Blackwell
     colour = "#f2c57c"
     description = "bf16_gemm: BF16 GEMMs from BF16 copies of the FP32 main weights, no scales"
 
