@@ -549,8 +549,8 @@ class Policy(_NamedFields):
             return
         where = self.describe_rule(rule)
         if rule.scale_rule is None:  # the rule's format, the policy-wide scale rule
-            fixed = {**{f.name: getattr(rule, f.name) for f in dataclasses.fields(rule) if getattr(rule, f.name) is not None},
-                     "scale_rule": valid[0]}
+            fixed = {f.name: getattr(rule, f.name) for f in dataclasses.fields(rule) if getattr(rule, f.name) is not None}
+            fixed["scale_rule"] = valid[0]
             raise ValueError(f"mxfx policy: {where}: its format={fmt!r} does not take scale_rule={scale_rule!r}, which the "
                              f"rule inherits from the policy-wide scale_rule (it sets none); give the rule a scale_rule "
                              f"of {fmt} ({', '.join(map(repr, valid))}), e.g. {fixed}")

@@ -134,7 +134,8 @@ class Table:
         for r in self.rows:
             if r.site == site:
                 return r
-        raise KeyError(f"mxfx.stats: no samples of site {site!r}; sites: {', '.join(r.site for r in self.rows) or 'none (' + self.empty + ')'}")
+        sites = ", ".join(r.site for r in self.rows) or f"none ({self.empty})"
+        raise KeyError(f"mxfx.stats: no samples of site {site!r}; sites: {sites}")
 
     def __str__(self) -> str:
         if not self.rows:
