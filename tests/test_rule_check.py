@@ -196,16 +196,15 @@ def test_policy_wide_fp8_block_is_said_once_and_not_as_a_rule():
     assert "module glob" not in messages[0] and "asks for" not in messages[0]
 
 
-class Gated(nn.Module):
-    """``odd`` 64->40 pads to 32-blocks; ``gate`` 64->1 is narrower than one block."""
+class Gated(Uneven):
+    """``odd`` and ``tail`` pad to 32-blocks; ``gate`` 64->1 is narrower than one block."""
 
     def __init__(self):
         super().__init__()
-        self.up, self.odd, self.gate = nn.Linear(64, 64), nn.Linear(64, 40), nn.Linear(64, 1)
+        self.gate = nn.Linear(64, 1)
 
     def forward(self, x):
-        h = self.up(x)
-        return self.odd(h) * torch.sigmoid(self.gate(h))
+        return super().forward(x) * torch.sigmoid(self.gate(x))
 
 
 def test_a_rule_over_a_narrow_gate_does_not_tell_to_pad_it():
@@ -214,13 +213,13 @@ def test_a_rule_over_a_narrow_gate_does_not_tell_to_pad_it():
         torch.compile(Gated(), backend="mxfp8", options={"inner": "aot_eager", "rules": [{"precision": "mxfp8"}]})(
             torch.randn(4, 64))
     (message,) = [str(w.message) for w in record if "asks for" in str(w.message)]
-    assert "policy rules[0] (precision='mxfp8') asks for mxfp8, but 2 op(s) it matches stay BF16" in message
+    assert "policy rules[0] (precision='mxfp8') asks for mxfp8, but 3 op(s) it matches stay BF16" in message
     assert ("gate (linear x[4, 64] w[1, 64] +bias): features 64->1 are not multiples of 32 (mxfp8 blocks); the GEMM is "
             "narrower than one block (1 output feature), too narrow to pad") in message
-    assert "pad their features to a multiple of 32" in message  # for odd
+    assert "pad their features to a multiple of 32" in message  # for odd and tail
     assert message.endswith("'gate' is narrower than one block, too narrow to convert: narrow the rule's module glob "
                             "to leave it out, or drop the rule."), message
-    assert "pad the" not in message.split("gate (linear")[1].split(". To convert")[0]  # odd is told to pad, not the gate
+    assert "pad the" not in message.split("gate (linear")[1].split(". To convert")[0]  # not the gate
 
 
 def test_rule_errors_name_the_rule_by_index_and_text():
