@@ -202,7 +202,8 @@ def mxfp8_backend(gm: fx.GraphModule, example_inputs, options: Policy | dict | N
     pm = rewrite(gm, policy)
     whole = not prefix and names.whole_forward(params)
     # judged now for a whole-model graph, else over all graphs at the first optimizer step
-    rule_check.observe(policy, modules, rule_check.rule_ops(pm.records), whole=whole)
+    rule_check.observe(policy, modules, rule_check.rule_ops(pm.records), whole=whole, sites=pm.stats_sites,
+                       converted={r.module for r in pm.records if r.rewritten})
     rule_check.warn_unmet_requests(policy, pm.records, scope.warned)
     rule_check.warn_shared_graph_rules(policy, {(r.kind, r.module) for r in pm.records}, prefix, shared)
     _warn_float16_once(gm, pm)
@@ -220,7 +221,9 @@ def mxfp8_backend(gm: fx.GraphModule, example_inputs, options: Policy | dict | N
         log.info("mxfx: wrote %s", folder)
     if any(r.rewritten and r.kind in cache.WEIGHT_KINDS for r in pm.records):
         cache.install()  # step post-hook + Inductor lowering for the weight caches
-    if pm.stats_sites:  # quantization statistics: their samples go to this policy's dump dir (or nowhere)
+    if policy.stats is not None:  # quantization statistics: their samples go to this policy's dump dir (or nowhere)
+        stats.note_compiled(policy.stats["modules"], pm.stats_sites)
+    if pm.stats_sites:
         stats.set_output(policy.dump_dir)
     compiled = _inner_compile(policy.inner, gm, example_inputs, mode)
     if gm.meta.get(weight_refresh.PLANS_META):  # an optimizer step that rebuilds caches in-graph

@@ -7,18 +7,20 @@ Every graph the backend compiles is attributed to the model being called (:func:
 per-block compile the model around the blocks). Its precision-map records are gathered per model, with the
 parameters each GEMM record reads (:attr:`_Model.read`). The model is judged once: when a graph that is its whole
 forward compiles (:func:`mxfx.names.whole_forward`), else at the next optimizer step (every graph of the forward
-has compiled by then), or at exit. The judgment warns, each at most once per model:
+has compiled by then), or at exit (:mod:`mxfx.judgment`). The judgment warns, each at most once per model:
 
 * **Nothing converted**: the model has GEMMs (or parameters) but not one op runs in low precision; the warning
   counts the GEMMs kept and gives their reasons and first modules.
 * **Shapes that do not fit**: GEMMs the policy would convert but whose features are not multiples of the
-  format's block (``Linear(100, 60)``): their count, the reason and the first modules. Ops a user rule asked
-  for are warned about by :func:`mxfx.rule_check.warn_unmet_requests` instead.
+  format's block (``Linear(100, 60)``): their count, and each reason with the modules it holds for. Ops a user
+  rule asked for are warned about by :func:`mxfx.rule_check.warn_unmet_requests` instead; a policy-wide ``format``
+  is no rule, so the ops it cannot take are said here, once.
 * **Ops not rewritten** (kind ``not_rewritten``, :mod:`mxfx.passes.unconverted`): GEMMs and opaque custom ops
-  over a weight that no pattern matches.
+  over a weight that no pattern matches, where the policy would convert that weight (:func:`unconverted.would_convert`:
+  a weight whose features the op's format cannot tile is named in the precision map only).
 * **MoE weights read by no compiled graph**: weights of the model's expert modules (a module whose class or
   attribute name says "expert") that no GEMM of any compiled graph read, converted or kept: a graph break or an
-  eager fallback ran their GEMMs outside ``torch.compile`` (Dbrx's expert loop), so mxfx never saw them.
+  eager fallback ran their GEMMs outside ``torch.compile``, so mxfx never saw them.
 
 Keyed by model, not by module names: a second model gets its own complete warnings, whatever names it shares
 with the first. Graphs that belong to no model (an optimizer step, a compiled function) share one process-wide
@@ -27,8 +29,6 @@ scope. :func:`model_scope` gives the set :func:`mxfx.rule_check.warn_unmet_reque
 
 from __future__ import annotations
 
-import atexit
-import sys
 import threading
 import warnings
 import weakref
@@ -36,20 +36,19 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from mxfx import rule_check
+from mxfx import names
+from mxfx.judgment import Judgments
 from mxfx.passes import unconverted
 from mxfx.passes.fx import all_graphs, strip_wrappers
 from mxfx.policy import Policy
 from mxfx.report import PrecisionMap
+from mxfx.rule_check import listed
 
 GEMM_KINDS = ("linear", "router", "grouped_mm")
 """Precision-map kinds of the GEMMs a policy decides (each record is one GEMM op, converted or kept)."""
 UNFIT = "are not multiples of"
 """Words of a kept op's reason when its features do not tile the format's blocks (``Format.unfit_reason``)."""
-EXAMPLES = rule_check.EXAMPLES
-_MODULE_CALLS = (torch.nn.Module._call_impl.__code__, torch.nn.Module._wrapped_call_impl.__code__)
 
 
 @dataclass(eq=False)
@@ -63,33 +62,25 @@ class _Model:
     read: set = field(default_factory=set)  # ids of the parameters a GEMM record of some graph reads
     read_modules: set = field(default_factory=set)  # modules of GEMM records whose weight could not be traced back
     format: str = ""  # the policy's format, for the messages
-    judged: bool = False
 
 
 _lock = threading.Lock()
 _models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _Model
 _anonymous = _Model(None, "graphs outside any model")
-_pending: list[_Model] = []  # observed, not judged yet
-_hook_handle = None
 
 
 def model_of(params: dict[str, torch.Tensor]) -> torch.nn.Module | None:
     """The model a graph with parameter placeholders ``params`` (graph-relative name -> real tensor) belongs to: the
-    outermost module whose call is running around the compile and that holds one of them (``torch.compile``'s
-    wrapper stands for the model it wraps); None when no such module is running (a compiled function, an
-    optimizer step). Only the ``self`` of ``nn.Module`` call frames is read."""
+    outermost module whose call is running around the compile (:func:`mxfx.names.running_modules`) and that holds
+    one of them (``torch.compile``'s wrapper stands for the model it wraps); None when no such module is running (a
+    compiled function, an optimizer step)."""
     ids = {id(t) for t in params.values()}
     if not ids:
         return None
-    found, seen = None, set()
-    frame = sys._getframe(1)
-    while frame is not None:
-        module = frame.f_locals.get("self") if frame.f_code in _MODULE_CALLS else None
-        if isinstance(module, torch.nn.Module) and id(module) not in seen:
-            seen.add(id(module))
-            if any(id(p) in ids for p in module.parameters()):
-                found = module
-        frame = frame.f_back
+    found = None
+    for module in names.running_modules():
+        if any(id(p) in ids for p in module.parameters()):
+            found = module
     return getattr(found, "_orig_mod", found)
 
 
@@ -107,49 +98,41 @@ def model_scope(model: torch.nn.Module | None) -> _Model:
 def observe(scope: _Model, gm: fx.GraphModule, example_inputs, pm: PrecisionMap, policy: Policy,
             whole: bool = False) -> None:
     """Add rewritten graph ``gm`` (its precision map ``pm``, compiled under ``policy``) to ``scope``; judge the model
-    now when ``gm`` is its ``whole`` forward, else at the next optimizer step or at exit. Graphs of an optimizer
-    step, and graphs compiled after the model was judged, change nothing."""
-    global _hook_handle
-    if scope.judged or any(r.kind == "weight_refresh" for r in pm.records):
+    now when ``gm`` is its ``whole`` forward, else at the next optimizer step or at exit (:mod:`mxfx.judgment`).
+    Graphs of an optimizer step, and graphs compiled after the model was judged, change nothing."""
+    if any(r.kind == "weight_refresh" for r in pm.records):
         return
     real = _real_values(gm, example_inputs)
     nodes = {n.name: n for g in reversed(all_graphs(gm)) for n in g.graph.nodes}  # the outer graph's names win
-    with _lock:
+
+    def record():
         scope.format = scope.format or str(policy.format)
         for r in pm.records:
             if r.kind not in (*GEMM_KINDS, unconverted.KIND):
                 continue
-            asked = r.kind in GEMM_KINDS and not r.rewritten and rule_check.requesting(policy, r) is not None
+            asked = r.kind in GEMM_KINDS and not r.rewritten and policy.requesting_rule(r.kind, r.module) is not None
             scope.ops.setdefault((r.kind, r.module, r.node, r.shapes), (r, asked))
             weights = _weights_read(nodes.get(r.node), real)
             scope.read.update(id(w) for w in weights)
             if not weights:
                 scope.read_modules.add(r.module)
-        if scope not in _pending:
-            _pending.append(scope)
-        if _hook_handle is None:
-            _hook_handle = register_optimizer_step_post_hook(_on_step)
-            atexit.register(judge_pending)
-    if whole:
+
+    if _judgments.observe(scope, record) and whole:
         judge(scope)
 
 
 def judge_pending() -> None:
     """Judge every model observed and not judged yet (:func:`observe`)."""
-    with _lock:
-        pending = list(_pending)
-    for scope in pending:
-        judge(scope)
+    _judgments.judge()
 
 
 def judge(scope: _Model) -> None:
     """Give the warnings of ``scope`` (module docstring), once."""
+    _judgments.judge(scope)
+
+
+def _judge(scope: _Model) -> None:
     with _lock:
-        if scope.judged:
-            return
-        scope.judged = True
-        if scope in _pending:
-            _pending.remove(scope)
         ops = list(scope.ops.values())
     model = scope.model() if scope.model is not None else None
     where = f"model {scope.name}" if scope.model is not None else "the graphs compiled outside any model"
@@ -161,12 +144,12 @@ def judge(scope: _Model) -> None:
         unfit = [r for r, asked in ops if r.kind in GEMM_KINDS and not r.rewritten and not asked and UNFIT in r.reason]
         if unfit:
             _warn(f"mxfx: {where}: {len(unfit)} of its {len(gemms)} GEMM op(s) stay in BF16 because their shapes do not "
-                  f"fit the format's blocks, though the policy would convert them: {_ops_listed(unfit)}. To keep them "
+                  f"fit the format's blocks, though the policy would convert them: {_by_reason(unfit)}. To keep them "
                   f"in BF16 on purpose, say so with a policy rule (precision='bf16'); mxfx.all_reports() has each op.")
-    left = [r for r, _ in ops if r.kind == unconverted.KIND]
+    left = [r for r, _ in ops if r.kind == unconverted.KIND and unconverted.would_convert(r)]
     if left:
-        names = ", ".join(sorted({unconverted.op_of(r) for r in left}))
-        _warn(f"mxfx: {where}: {len(left)} op(s) read a weight mxfx would convert but were not rewritten ({names}); "
+        ops_left = ", ".join(sorted({unconverted.op_of(r) for r in left}))
+        _warn(f"mxfx: {where}: {len(left)} op(s) read a weight mxfx would convert but were not rewritten ({ops_left}); "
               f"they run in the model's own precision. See mxfx.all_reports() (kind 'not_rewritten') for each op and "
               f"why.")
     if model is not None:
@@ -174,9 +157,12 @@ def judge(scope: _Model) -> None:
         if missed:
             _warn(f"mxfx: {where}: {len(missed)} weight(s) of its MoE expert modules were read by no GEMM of a compiled "
                   f"graph, so they were not converted: a graph break or an eager fallback ran their GEMMs outside "
-                  f"torch.compile, in the model's own precision: {_listed(missed)}. torch._dynamo.explain shows where "
+                  f"torch.compile, in the model's own precision: {listed(missed)}. torch._dynamo.explain shows where "
                   f"the forward breaks; an expert implementation without a Python loop over the experts (transformers: "
                   f"experts_implementation='grouped_mm') keeps them in the graph.")
+
+
+_judgments = Judgments(_judge, weak=True)
 
 
 def unread_expert_weights(model: torch.nn.Module, scope: _Model | None = None) -> list[str]:
@@ -241,32 +227,19 @@ def _warn_nothing_converted(where: str, gemms, fmt: str) -> None:
               f"(graph breaks may have left them in eager code; torch._dynamo.explain shows where). It runs in its own "
               f"precision.")
         return
-    by_reason: dict[str, list] = {}
-    for r in gemms:
-        by_reason.setdefault(r.reason or "kept", []).append(r)
-    reasons = "; ".join(f"{len(rs)} x {reason} ({_listed([r.module or r.node for r in rs])})"
-                        for reason, rs in sorted(by_reason.items(), key=lambda kv: -len(kv[1])))
     _warn(f"mxfx: {where} converted no op (policy format {fmt!r}): its {len(gemms)} GEMM op(s) all stay in BF16: "
-          f"{reasons}. It runs in its own precision; mxfx.all_reports() has each op.")
+          f"{_by_reason(gemms)}. It runs in its own precision; mxfx.all_reports() has each op.")
 
 
-def _ops_listed(records) -> str:
-    reasons = sorted({r.reason for r in records})
-    return f"{reasons[0]}{' (and other shapes)' if len(reasons) > 1 else ''}; modules {_listed([r.module or r.node for r in records])}"
-
-
-def _listed(names) -> str:
-    names = list(dict.fromkeys(names))
-    return ", ".join(map(repr, names[:EXAMPLES])) + (f", ... ({len(names)} in all)" if len(names) > EXAMPLES else "")
+def _by_reason(records) -> str:
+    """``records`` grouped by reason, the largest group first: each reason with its count and the modules it holds
+    for, so that every module is listed under its own reason."""
+    groups: dict[str, list] = {}
+    for r in records:
+        groups.setdefault(r.reason or "kept", []).append(r)
+    return "; ".join(f"{len(rs)} x {reason} ({listed([r.module or r.node for r in rs])})"
+                     for reason, rs in sorted(groups.items(), key=lambda kv: -len(kv[1])))
 
 
 def _warn(message: str) -> None:
     warnings.warn(message, stacklevel=3)
-
-
-def _on_step(optimizer, args, kwargs) -> None:
-    if _pending:
-        judge_pending()
-
-
-_on_step = torch.compiler.disable(_on_step, recursive=True)

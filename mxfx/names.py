@@ -86,6 +86,20 @@ def _same_class(root: torch.nn.Module, prefix: str) -> list[str]:
 _MODULE_CALLS = (torch.nn.Module._call_impl.__code__, torch.nn.Module._wrapped_call_impl.__code__)
 
 
+def running_modules():
+    """The modules whose call is running around the caller, innermost first, each once. Only the ``self`` of
+    ``nn.Module`` call frames is read (reading a frame's locals keeps them alive until the frame returns, which a
+    module call soon does)."""
+    seen = set()
+    frame = sys._getframe(1)
+    while frame is not None:
+        module = frame.f_locals.get("self") if frame.f_code in _MODULE_CALLS else None
+        if isinstance(module, torch.nn.Module) and id(module) not in seen:
+            seen.add(id(module))
+            yield module
+        frame = frame.f_back
+
+
 def whole_forward(params: dict[str, torch.Tensor]) -> bool:
     """Whether a graph with parameter placeholders ``params`` (graph-relative name -> real tensor) is the whole
     forward of the module being called: no module whose call is running around the compile has one of its
@@ -93,22 +107,16 @@ def whole_forward(params: dict[str, torch.Tensor]) -> bool:
 
     False for a block compiled on its own inside an eager model (the model's call is running and holds the
     other blocks), for each graph of a forward split by graph breaks, and for a graph without parameter
-    placeholders. Only the ``self`` of ``nn.Module`` call frames is read (reading a frame's locals keeps them
-    alive until the frame returns, which a module call soon does).
+    placeholders (:func:`running_modules`).
     """
     graph = {id(t) for t in params.values() if isinstance(t, torch.nn.Parameter)}
     if not graph:
         return False
-    covered, seen = False, set()
-    frame = sys._getframe(1)
-    while frame is not None:
-        module = frame.f_locals.get("self") if frame.f_code in _MODULE_CALLS else None
-        if isinstance(module, torch.nn.Module) and id(module) not in seen:
-            seen.add(id(module))
-            held = {id(p) for p in module.parameters()}
-            if held & graph:
-                if held - graph:
-                    return False
-                covered = covered or held >= graph
-        frame = frame.f_back
+    covered = False
+    for module in running_modules():
+        held = {id(p) for p in module.parameters()}
+        if held & graph:
+            if held - graph:
+                return False
+            covered = covered or held >= graph
     return covered

@@ -34,7 +34,14 @@ POLICY_ENV = "MXFX_POLICY"
 DUMP_ENV = "MXFX_DUMP_DIR"
 STATS_ENV = "MXFX_STATS"
 """Environment variable: the ``stats`` of a policy that sets none, as ``every=100,modules=layers.*`` (either key may
-be left out; "1" or "on" alone: the defaults, :data:`STATS_DEFAULTS`)."""
+be left out; "1"/"on"/"true"/"yes" alone: the defaults, :data:`STATS_DEFAULTS`; "0"/"off"/"false"/"no"/"none": off)."""
+STATS_ENV_FORM = (f"write {STATS_ENV}='every=100,modules=layers.*' (either key may be left out; every: optimizer steps "
+                  f"between samples, an int >= 1; modules: a module glob), {STATS_ENV}=1 (or on) for the defaults, or "
+                  f"{STATS_ENV}=0 (or off) for none")
+"""The valid forms of :data:`STATS_ENV`, as its errors give them."""
+NARROW = "narrower than one block"
+"""Words of a kept GEMM's reason when one of its features is smaller than the format's block (a gate's projection
+with 1 output): padding is no answer for it (:meth:`Decision.fit`)."""
 STATS_DEFAULTS = {"every": 100, "modules": "*"}
 """The ``stats`` keys a policy may give and their defaults: sample every 100 optimizer steps, every module."""
 
@@ -102,29 +109,38 @@ def _check_stats(value: Any) -> "ReadOnlyDict | None":
     return ReadOnlyDict(out)
 
 
-def parse_stats_env(text: str) -> dict:
-    """The ``stats`` dict of the :data:`STATS_ENV` value ``text``: ``key=value`` pairs separated by commas
-    (``every=100,modules=layers.*``), or "1"/"on"/"true" alone for the defaults.
+def parse_stats_env(text: str) -> dict | None:
+    """The ``stats`` dict of the :data:`STATS_ENV` value ``text``, validated: ``key=value`` pairs separated by commas
+    (``every=100,modules=layers.*``); "1"/"on"/"true"/"yes" alone for the defaults (``{}``); "0"/"off"/"false"/
+    "no"/"none" for off (None).
 
     Raises:
-        ValueError: a pair without "=" or an ``every`` that is not an integer, naming the variable.
+        ValueError: a pair without "=", an unknown key, an ``every`` that is not an int >= 1 or an empty ``modules``,
+            naming the variable and its valid forms (:data:`STATS_ENV_FORM`).
     """
     text = text.strip()
     if text.lower() in ("1", "on", "true", "yes"):
         return {}
+    if text.lower() in ("0", "off", "false", "no", "none"):
+        return None
     out: dict = {}
     for item in filter(None, (t.strip() for t in text.split(","))):
         key, eq, value = item.partition("=")
         if not eq:
-            raise ValueError(f"mxfx policy: {STATS_ENV}={text!r}: {item!r} is not key=value; write e.g. "
-                             f"{STATS_ENV}='every=100,modules=layers.*'")
+            raise ValueError(f"mxfx policy: {STATS_ENV}={text!r}: {item!r} is not key=value; {STATS_ENV_FORM}")
         key, value = key.strip(), value.strip()
         if key == "every":
             try:
                 value = int(value)
             except ValueError:
-                raise ValueError(f"mxfx policy: {STATS_ENV}={text!r}: every={value!r} is not an integer") from None
+                raise ValueError(f"mxfx policy: {STATS_ENV}={text!r}: every={value!r} is not an integer; "
+                                 f"{STATS_ENV_FORM}") from None
         out[key] = value
+    try:
+        _check_stats(out)
+    except ValueError as e:
+        raise ValueError(f"mxfx policy: {STATS_ENV}={text!r}: {str(e).removeprefix('mxfx policy: ')}; "
+                         f"{STATS_ENV_FORM}") from None
     return out
 
 
@@ -251,8 +267,29 @@ class Rule(_NamedFields):
 
     def describe(self) -> str:
         """Compact form: only the fields the rule sets, e.g. ``(module='lm_head', precision='bf16')``."""
-        return "(" + ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
-                               if getattr(self, f.name) is not None) + ")"
+        return _describe({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+
+
+def _describe(fields: Mapping) -> str:
+    """A rule's fields as :meth:`Rule.describe` writes them: the set ones, in :class:`Rule`'s field order, then any
+    other keys (a rule dict's unknown ones)."""
+    order = [f.name for f in dataclasses.fields(Rule)]
+    keys = sorted(fields, key=lambda k: order.index(k) if k in order else len(order))
+    return "(" + ", ".join(f"{k}={fields[k]!r}" for k in keys if fields[k] is not None) + ")"
+
+
+def _indexed_rule(index: int, fields) -> Rule:
+    """The :class:`Rule` of ``rules[index]`` given as a dict of its fields.
+
+    Raises:
+        ValueError: the rule's own error, naming it as ``rules[index] (...)``.
+    """
+    fields = dict(fields)
+    try:
+        return Rule(**fields)
+    except ValueError as e:
+        message = str(e).removeprefix("mxfx policy: ").removeprefix(f"rule {_describe(fields)} ")
+        raise ValueError(f"mxfx policy: rules[{index}] {_describe(fields)}: {message}") from None
 
 
 def _glob_matches(glob: str, name: str) -> bool:
@@ -321,7 +358,15 @@ class Decision:
         if not why:
             return self
         smaller = [f.name for f in (formats.get(n_) for n_ in formats.NAMES) if f.low_precision and not f.unfit_reason(k, n)]
-        hint = f"; a rule with format={smaller[0]!r} takes them" if smaller else "; pad the features or keep it in BF16"
+        block = self.format.feature_multiple
+        narrow = " and ".join(f"{v} {side} feature{'s' if v > 1 else ''}" for v, side in ((k, "input"), (n, "output"))
+                              if v < block)
+        if smaller:
+            hint = f"; a rule with format={smaller[0]!r} takes them"
+        elif narrow:  # padding 1 output to a block would be most of the GEMM: a gate's projection stays as written
+            hint = f"; the GEMM is {NARROW} ({narrow}), too narrow to pad: it stays as the model wrote it"
+        else:
+            hint = "; pad the features or keep it in BF16"
         return dataclasses.replace(self, precision="bf16", reason=why + hint)
 
 
@@ -417,7 +462,7 @@ class Policy(_NamedFields):
             raise ValueError(f"mxfx policy: keep_dequantized_weights={self.keep_dequantized_weights!r} must be True or False")
         if not callable(self.inner) and self.inner not in INNER_COMPILERS:
             raise ValueError(f"mxfx policy: inner={self.inner!r} is not valid; choose one of {', '.join(map(repr, INNER_COMPILERS))} or a backend callable")
-        rules = tuple(r if isinstance(r, Rule) else Rule(**dict(r)) for r in self.rules)
+        rules = tuple(r if isinstance(r, Rule) else _indexed_rule(i, r) for i, r in enumerate(self.rules))
         object.__setattr__(self, "rules", rules)
         _check_rule_fits_format(self.format, self.scale_rule, "policy-wide")
         if self.keep_dequantized_weights and not any(_may_keep_dequantized(f) for f in [self.format, *(r.format for r in rules)]):
@@ -427,7 +472,7 @@ class Policy(_NamedFields):
                              f"them ({', '.join(repr(n) for n in formats.NAMES if _may_keep_dequantized(n))})")
         for r in rules:
             if r.format is not None or r.scale_rule is not None:
-                _check_rule_fits_format(r.format or self.format, r.scale_rule or self.scale_rule, f"rule {r.describe()}")
+                self._check_scale_rule_of(r)
         for name, on in self.passes.items():
             _check_choice("passes", name, PASSES)
             if not isinstance(on, bool):
@@ -486,6 +531,36 @@ class Policy(_NamedFields):
         if self.stats is None or not _covers(self.stats["modules"], module or "<root>"):
             return ""
         return module or "<root>"
+
+    def describe_rule(self, rule: Rule) -> str:
+        """``rule`` as errors and warnings name it: ``rules[i] (...)`` for a user rule of this policy (its index in
+        ``rules`` and the fields it sets), ``default rule (...)`` for one of :data:`DEFAULT_RULES`."""
+        if rule in self.rules:
+            return f"rules[{self.rules.index(rule)}] {rule.describe()}"
+        return f"{'default ' if rule in DEFAULT_RULES else ''}rule {rule.describe()}"
+
+    def _check_scale_rule_of(self, rule: Rule) -> None:
+        """Raise ValueError when user rule ``rule``'s scale rule is not one of its format's, where the rule sets
+        one of the two and inherits the other from the policy-wide values: naming the rule, which field it
+        inherits, and the fix."""
+        fmt, scale_rule = rule.format or self.format, rule.scale_rule or self.scale_rule
+        valid = formats.rules_of(fmt)
+        if scale_rule in valid:
+            return
+        where = self.describe_rule(rule)
+        if rule.scale_rule is None:  # the rule's format, the policy-wide scale rule
+            fixed = {f.name: getattr(rule, f.name) for f in dataclasses.fields(rule) if getattr(rule, f.name) is not None}
+            fixed["scale_rule"] = valid[0]
+            raise ValueError(f"mxfx policy: {where}: its format={fmt!r} does not take scale_rule={scale_rule!r}, which the "
+                             f"rule inherits from the policy-wide scale_rule (it sets none); give the rule a scale_rule "
+                             f"of {fmt} ({', '.join(map(repr, valid))}), e.g. {fixed}")
+        if rule.format is None:  # the rule's scale rule, the policy-wide format
+            takers = [n for n in formats.NAMES if formats.get(n).scale_rules and scale_rule in formats.rules_of(n)]
+            raise ValueError(f"mxfx policy: {where}: scale_rule={scale_rule!r} is not a rule of format={fmt!r}, which the "
+                             f"rule inherits from the policy-wide format (it sets none); choose one of "
+                             f"{', '.join(map(repr, valid))}, or give the rule a format that takes {scale_rule!r} "
+                             f"({', '.join(f'format={n!r}' for n in takers)})")
+        _check_rule_fits_format(fmt, scale_rule, where)
 
     def transport_precision(self, direction: str) -> str:
         """Precision of one all-to-all direction (one of :data:`TRANSPORT_DIRECTIONS`)."""
@@ -573,7 +648,7 @@ class Policy(_NamedFields):
         try:
             return fmt.rule(scale_rule, "mxfx policy")
         except ValueError as e:
-            origin = lambda r, f: f"rule {r.describe()}" if r is not None else f"policy-wide {f}"  # noqa: E731
+            origin = lambda r, f: self.describe_rule(r) if r is not None else f"policy-wide {f}"  # noqa: E731
             transport = " (the all-to-all's transport format)" if kind == "all_to_all" else ""
             raise ValueError(
                 f"{e}; for the {kind} op of module {module!r}, format {fmt.name!r}{transport} comes from "

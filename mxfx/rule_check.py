@@ -1,7 +1,8 @@
-"""Policy rules that do not apply as written: a module glob matching no module, or a rule matching no op mxfx
+"""Policy settings that do not apply as written: a module glob matching no module, or a rule matching no op mxfx
 decides (its modules hold no such op, or none of its ``op`` kind; both warned once, judged against the whole
-model), a rule deciding one block of a shared graph (:func:`warn_shared_graph_rules`), and a rule asking for low
-precision that an op's shape refuses (:func:`warn_unmet_requests`).
+model), a rule deciding one block of a shared graph (:func:`warn_shared_graph_rules`), a rule asking for low
+precision that an op's shape refuses (:func:`warn_unmet_requests`), and a ``stats`` modules glob matching no
+quantize site (warned once, judged as rules are).
 
 A rule's module glob is judged against the module names of every graph compiled
 under the same policy (equal policies, e.g. the same ``options`` dict, count as
@@ -9,13 +10,10 @@ one), not graph by graph: with one graph per block (FSDP2, per-block
 ``torch.compile(block)``) a rule for one kind of block matches no module of
 another block's graph and is still right. Names are collected as each graph is
 compiled (the innermost module of each op, as the passes see it); a policy is
-judged once: when a graph that is the whole forward of the module being called
-compiles (:func:`mxfx.names.whole_forward`: no module of the calling frames holds
-a parameter outside the graph, as for ``torch.compile(model)`` without graph
-breaks), else at the first optimizer step after its first graph (a global
-optimizer step post-hook: by then every graph of a training step has been
-compiled), or at process exit when neither comes (per-block inference). Graphs
-compiled after the judgment (a later recompile) are not judged again.
+judged once (:mod:`mxfx.judgment`): when a graph that is the whole forward of the
+module being called compiles (:func:`mxfx.names.whole_forward`), else at the first
+optimizer step after its first graph, or at process exit when neither comes
+(per-block inference).
 
 A rule whose glob matches modules is judged the same way against the ops the passes recorded there (the precision
 map's records of the op kinds a rule decides, :data:`mxfx.policy.OP_KINDS`; "saved" where an MX op saves its
@@ -30,51 +28,55 @@ kind share it.
 
 from __future__ import annotations
 
-import atexit
-import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from mxfx import formats
 from mxfx.formats import Format
+from mxfx.judgment import Judgments
 from mxfx.passes.fx import all_graphs, module_fqn
-from mxfx.policy import OP_KINDS, Policy
-
-_DEFAULT_FORMAT = Policy.__dataclass_fields__["format"].default
+from mxfx.policy import NARROW, OP_KINDS, Policy
 
 EXAMPLES = 6
 """How many existing module names a warning lists."""
 
-_lock = threading.Lock()
-_seen: dict[Policy, tuple[set[str], set[tuple[str, str]]]] = {}  # (module names, ops) of the graphs not yet judged
-_judged: set[Policy] = set()
-_hook_handle = None
+
+@dataclass
+class _Seen:
+    """What the graphs of one policy showed, until it is judged."""
+
+    modules: set = field(default_factory=set)  # module names
+    ops: set = field(default_factory=set)  # (op kind, module), rule_ops
+    sites: set = field(default_factory=set)  # quantization statistics site prefixes (Policy.stats)
+    converted: set = field(default_factory=set)  # modules of ops converted to a low-precision format
 
 
-def observe(policy: Policy, modules: set[str], ops: set[tuple[str, str]] = frozenset(), whole: bool = False) -> None:
-    """Record the module names and the ``(op kind, module)`` ops (:func:`rule_ops`) of one graph compiled under
-    ``policy``; judged now when the graph is the ``whole`` forward of the module being called
-    (:func:`mxfx.names.whole_forward`), else at the next optimizer step or at exit."""
-    global _hook_handle
-    if not policy.rules:
+_seen: dict[Policy, _Seen] = {}
+
+
+def observe(policy: Policy, modules: set[str], ops: set[tuple[str, str]] = frozenset(), whole: bool = False,
+            sites=(), converted=()) -> None:
+    """Record the module names, the ``(op kind, module)`` ops (:func:`rule_ops`), the statistics ``sites`` and the
+    modules of ``converted`` ops of one graph compiled under ``policy``; judged now when the graph is the ``whole``
+    forward of the module being called (:func:`mxfx.names.whole_forward`), else at the next optimizer step or at
+    exit."""
+    if not policy.rules and policy.stats is None:
         return
     try:
         hash(policy)
     except TypeError:  # an unhashable inner compiler: such a policy is not judged
         return
-    with _lock:
-        if policy in _judged:
-            return
-        seen_modules, seen_ops = _seen.setdefault(policy, (set(), set()))
-        seen_modules.update(modules)
-        seen_ops.update(ops)
-        if _hook_handle is None:
-            _hook_handle = register_optimizer_step_post_hook(_on_step)
-            atexit.register(judge_pending)
-    if whole:
+
+    def record():
+        seen = _seen.setdefault(policy, _Seen())
+        seen.modules.update(modules)
+        seen.ops.update(ops)
+        seen.sites.update(sites)
+        seen.converted.update(converted)
+
+    if _judgments.observe(policy, record) and whole:
         judge_pending(policy)
 
 
@@ -101,34 +103,55 @@ def opless_rules(policy: Policy, modules: set[str], ops: set[tuple[str, str]]) -
 def judge_pending(policy: Policy | None = None) -> None:
     """Warn once per unmatched rule of ``policy`` (of every policy seen since the last judgment when None), over
     the module names and ops of all its graphs so far, then forget them."""
-    with _lock:
-        pending = [(p, *_seen.pop(p)) for p in list(_seen) if policy is None or p == policy]
-        _judged.update(p for p, _, _ in pending)
-    for judged, modules, ops in pending:
-        names = sorted(m for m in modules if m)
-        examples = _listed(names)
-        # a rule already warned as naming one of several blocks that share a graph: that warning says why
-        shared = {judged.rules[i] for k, i in _warned_shared if k == hash(judged)}
-        for rule in unmatched_rules(judged, modules):
-            if rule in shared:
-                continue
-            warnings.warn(
-                f"mxfx: policy rule {rule.describe()} matches no module of the graphs compiled under this policy, "
-                f"so it changes nothing. Module names there ({len(names)}): {examples or 'none'}. A glob matches a "
-                f"name as named_modules() spells it or any dotted suffix of it (e.g. 'layers.0.*' matches "
-                f"'model.layers.0.mlp'), and the modules inside a matched one; a graph compiled per block names "
-                f"modules from the block.",
-                stacklevel=2,
-            )
-        for rule in opless_rules(judged, modules, ops):
-            if rule not in shared:
-                warnings.warn(_opless_message(judged, rule, modules, ops), stacklevel=2)
+    _judgments.judge(policy)
 
 
-def _listed(names) -> str:
-    """Up to :data:`EXAMPLES` of ``names``, quoted and comma-separated, with ", ..." when there are more."""
-    names = list(names)
-    return ", ".join(repr(m) for m in names[:EXAMPLES]) + (", ..." if len(names) > EXAMPLES else "")
+def _judge(policy: Policy) -> None:
+    seen = _seen.pop(policy, _Seen())
+    modules, ops = seen.modules, seen.ops
+    names = sorted(m for m in modules if m)
+    examples = listed(names)
+    # a rule already warned as naming one of several blocks that share a graph: that warning says why
+    shared = {policy.rules[i] for k, i in _warned_shared if k == hash(policy)}
+    for rule in unmatched_rules(policy, modules):
+        if rule in shared:
+            continue
+        warnings.warn(
+            f"mxfx: policy {policy.describe_rule(rule)} matches no module of the graphs compiled under this "
+            f"policy, so it changes nothing. Module names there ({len(names)}): {examples or 'none'}. A glob matches a "
+            f"name as named_modules() spells it or any dotted suffix of it (e.g. 'layers.0.*' matches "
+            f"'model.layers.0.mlp'), and the modules inside a matched one; a graph compiled per block names "
+            f"modules from the block.",
+            stacklevel=2,
+        )
+    for rule in opless_rules(policy, modules, ops):
+        if rule not in shared:
+            warnings.warn(_opless_message(policy, rule, modules, ops), stacklevel=2)
+    if policy.stats is not None and not seen.sites:
+        warnings.warn(_siteless_stats_message(policy, seen.converted), stacklevel=2)
+
+
+_judgments = Judgments(_judge)
+
+
+def _siteless_stats_message(policy: Policy, converted: set[str]) -> str:
+    """The warning for a ``stats`` modules glob that matches no quantize site of the policy's graphs."""
+    glob = policy.stats["modules"]
+    names = sorted({m or "<root>" for m in converted})
+    if not names:
+        where = "no op of them is converted to a low-precision format, so they have no quantize site at all"
+    else:
+        where = f"the modules with quantize sites (converted ops) are {listed(names)}: point the glob there"
+    return (f"mxfx: policy stats modules={glob!r} matches no quantize site of the graphs compiled under this policy, "
+            f"so no statistics are sampled; {where}. The glob matches a module name as a rule's module glob does "
+            f"(the name or a dotted suffix of it, and the modules inside a matched one).")
+
+
+def listed(names) -> str:
+    """Up to :data:`EXAMPLES` of ``names`` (repeats dropped), quoted and comma-separated, with ", ... (N in all)"
+    when there are more."""
+    names = list(dict.fromkeys(names))
+    return ", ".join(map(repr, names[:EXAMPLES])) + (f", ... ({len(names)} in all)" if len(names) > EXAMPLES else "")
 
 
 def _opless_message(policy: Policy, rule, modules: set[str], ops: set[tuple[str, str]]) -> str:
@@ -141,19 +164,19 @@ def _opless_message(policy: Policy, rule, modules: set[str], ops: set[tuple[str,
         matched = sorted({_matched_prefix(rule, m) for m in modules if m and rule.matches_module(m)})
         found = {k for k, m in ops if rule.matches_module(m)}
         wanted = f"{rule.op} op" if rule.op else f"op a rule decides ({', '.join(_FORWARD_KINDS)})"
-        head = f"matches module{'s' if len(matched) > 1 else ''} {_listed(matched)}, but there is no {wanted} there"
+        head = f"matches module{'s' if len(matched) > 1 else ''} {listed(matched)}, but there is no {wanted} there"
     holders = sorted({m for k, m in ops if m and (k == rule.op if rule.op else k in _FORWARD_KINDS)})
     if not holders:
         advice = f"The graphs compiled under this policy have no {rule.op + ' op at all' if rule.op else 'op a rule decides'}"
         off = [p for p in ([_PASS_OF.get(rule.op, rule.op)] if rule.op else []) if not policy.pass_enabled(p)]
         advice += f" (the {off[0]!r} pass is off in this policy's passes); drop the rule" if off else "; drop the rule"
     else:
-        advice = (f"{'The ' + rule.op + ' ops' if rule.op else 'Ops a rule decides'} are in {_listed(holders)}: point "
+        advice = (f"{'The ' + rule.op + ' ops' if rule.op else 'Ops a rule decides'} are in {listed(holders)}: point "
                   f"the module glob there")
         if rule.op and found & set(OP_KINDS):
             advice += ", or set op to a kind found there (or leave op out to match every kind)"
         advice += ", or drop the rule"
-    return (f"mxfx: policy rule {rule.describe()} {head}, so it changes nothing. Op kinds found there: "
+    return (f"mxfx: policy {policy.describe_rule(rule)} {head}, so it changes nothing. Op kinds found there: "
             f"{', '.join([k for k in OP_KINDS if k in found] + sorted(found - set(OP_KINDS))) or 'none'}. {advice}.")
 
 
@@ -168,14 +191,6 @@ def _matched_prefix(rule, module: str) -> str:
     """The outermost module enclosing (or being) ``module`` that ``rule``'s glob matches."""
     parts = module.split(".")
     return next(".".join(parts[:end]) for end in range(1, len(parts) + 1) if rule.matches_module(".".join(parts[:end])))
-
-
-def _on_step(optimizer, args, kwargs) -> None:
-    if _seen:
-        judge_pending()
-
-
-_on_step = torch.compiler.disable(_on_step, recursive=True)
 
 
 def graph_modules(gm: torch.fx.GraphModule) -> set[str]:
@@ -207,9 +222,10 @@ def warn_shared_graph_rules(policy: Policy, ops: set[tuple[str, str]], prefix: s
                          if rule.matches(kind, module) != rule.matches(kind, other + module[len(prefix):])})
         if differ:
             _warned_shared.add((key, i))
-            listed = ", ".join(p.rstrip(".") for p in differ[:EXAMPLES]) + (", ..." if len(differ) > EXAMPLES else "")
+            others = ", ".join(p.rstrip(".") for p in differ[:EXAMPLES]) + (", ..." if len(differ) > EXAMPLES else "")
             warnings.warn(
-                f"mxfx: policy rule {rule.describe()} decides differently for {prefix.rstrip('.')} than for {listed}, "
+                f"mxfx: policy {policy.describe_rule(rule)} decides differently for {prefix.rstrip('.')} than for "
+                f"{others}, "
                 f"but torch.compile runs all of these blocks through the one graph compiled for "
                 f"{prefix.rstrip('.')} (same code; parameters are graph inputs), so they all get "
                 f"{prefix.rstrip('.')}'s decision. A rule for one layer needs a graph per layer: compile the whole "
@@ -224,40 +240,19 @@ by its own pass)."""
 _warned_unmet: set[tuple] = set()  # (rule, kind, module, node) already warned
 
 
-@dataclass(frozen=True)
-class PolicyWideFormat:
-    """A policy-wide ``format`` that resolves to fp8_block (the user chose it; the default is mxfp8), as a request:
-    the ops it covers are every op no rule decides, and those its 128-wide tiles refuse are worth a warning."""
-
-    format: str
-
-    def describe(self) -> str:
-        return f"(policy-wide format={self.format!r})"
-
-
-def requesting(policy: Policy, record):
-    """The user rule that asked to convert the op of precision-map ``record`` (:meth:`Policy.requesting_rule`), or a
-    :class:`PolicyWideFormat` where the user's policy-wide ``format`` is refused by the op's features; None when only
-    the default rules would convert it."""
-    rule = policy.requesting_rule(record.kind, record.module)
-    if rule is None and "multiple" in record.reason and policy.format != _DEFAULT_FORMAT:  # the user's policy-wide format
-        rule = PolicyWideFormat(policy.format)
-    return rule
-
-
 def warn_unmet_requests(policy: Policy, records, warned: set | None = None) -> None:
-    """Warn, once per rule and op, when an op a user rule asks to convert (:func:`requesting`) is kept
+    """Warn, once per rule and op, when an op a user rule asks to convert (:meth:`Policy.requesting_rule`) is kept
     in BF16 (its shape, ``min_size`` or operands refuse it): one warning per rule per graph, naming each such op's
-    module, shapes and reason. A policy-wide ``format`` that resolves to fp8_block counts as such a rule for the ops
-    its tiles refuse (features not multiples of 128). Ops only the default rules would convert
-    are warned about by :mod:`mxfx.coverage`. ``warned`` holds the ops already warned about: the model's
-    (:func:`mxfx.coverage.model_scope`), so that every model gets its complete warning; process-wide when None."""
+    module, shapes and reason. Ops no user rule asks for (only the policy-wide values or the default rules would
+    convert them) are warned about by :mod:`mxfx.coverage`. ``warned`` holds the ops already warned about: the
+    model's (:func:`mxfx.coverage.model_scope`), so that every model gets its complete warning; process-wide when
+    None."""
     unmet: dict = {}
     warned = _warned_unmet if warned is None else warned
     for r in records:
         if r.kind not in REQUEST_KINDS or r.rewritten:
             continue
-        rule = requesting(policy, r)
+        rule = policy.requesting_rule(r.kind, r.module)
         key = (rule, r.kind, r.module, r.node)
         if rule is None or key in warned:
             continue
@@ -265,23 +260,30 @@ def warn_unmet_requests(policy: Policy, records, warned: set | None = None) -> N
         unmet.setdefault(rule, []).append(r)
     for rule, ops in unmet.items():
         fmt = policy.decide(ops[0].kind, ops[0].module).format
-        listed = "; ".join(f"{r.module or r.node} ({r.kind} {r.shapes}): {r.reason}" for r in ops[:EXAMPLES])
+        each = "; ".join(f"{r.module or r.node} ({r.kind} {r.shapes}): {r.reason}" for r in ops[:EXAMPLES])
         warnings.warn(
-            f"mxfx: policy rule {rule.describe()} asks for {fmt.name}, but {len(ops)} op(s) it matches stay BF16: {listed}"
-            f"{'; ...' if len(ops) > EXAMPLES else ''}. To convert them, {_remedy(ops, fmt)}; otherwise drop the rule or "
-            f"narrow its module glob.",
+            f"mxfx: policy {policy.describe_rule(rule)} asks for {fmt.name}, but {len(ops)} op(s) it matches stay "
+            f"BF16: {each}{'; ...' if len(ops) > EXAMPLES else ''}. {_remedy(ops, fmt)}",
             stacklevel=2,
         )
 
 
 def _remedy(ops, fmt: Format) -> str:
-    """What converts the ops ``ops`` (precision-map records kept in BF16) under format ``fmt``, from their reasons."""
+    """What to do about ``ops`` (precision-map records kept in BF16) that a rule asks to convert under format ``fmt``,
+    from their reasons: what converts them, and for ops narrower than one block (:data:`mxfx.policy.NARROW`, a
+    gate's projection), that padding is no answer."""
     fixes = []
     if any("min_size" in r.reason for r in ops):
         fixes.append("lower min_size (min_size=0 on the rule)")
-    if any("multiple" in r.reason for r in ops):
+    if any("multiple" in r.reason and NARROW not in r.reason for r in ops):
         finer = [f for f in map(formats.get, formats.NAMES) if f.low_precision and f.feature_multiple < fmt.feature_multiple]
         others = "".join(f"; format={f.name!r} needs {f.feature_multiple}" for f in finer)
         block = f"{fmt.feature_multiple} ({fmt.name}{others})" if finer else f"{fmt.feature_multiple}"
         fixes.append(f"pad their features to a multiple of {block}")
-    return " or ".join(fixes) or "see the reasons above"
+    narrow = [r.module or r.node for r in ops if NARROW in r.reason]
+    out = f"To convert them, {' or '.join(fixes)}; otherwise drop the rule or narrow its module glob." if fixes else ""
+    if narrow:
+        one = len(narrow) == 1
+        out += (f"{' ' if out else ''}{listed(narrow)} {'is' if one else 'are'} {NARROW}, too narrow to convert: narrow "
+                f"the rule's module glob to leave {'it' if one else 'them'} out, or drop the rule.")
+    return out or "See the reasons above; otherwise drop the rule or narrow its module glob."

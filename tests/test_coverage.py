@@ -66,6 +66,52 @@ def test_layers_whose_shapes_do_not_fit_are_counted_and_named():
     assert not [m for m in _mxfx_warnings(_compile_and_run, Partly(), torch.randn(64, 256), kept) if "fit" in m]
 
 
+class Gates(nn.Module):
+    """Two projections narrower than any block beside a wide one: ``in_proj_ba`` 128->8 and a 1-output gate 128->1."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.in_proj_ba, self.gate = nn.Linear(128, 128), nn.Linear(128, 8), nn.Linear(128, 1)
+
+    def forward(self, x):
+        h = self.up(x)
+        return h * torch.sigmoid(self.gate(h)) + self.in_proj_ba(h).sum(-1, keepdim=True)
+
+
+def test_each_module_is_named_with_its_own_shape_and_gates_are_not_told_to_pad():
+    messages = _mxfx_warnings(_compile_and_run, Gates(), torch.randn(16, 128))
+    (message,) = [m for m in messages if "shapes do not fit" in m]
+    assert ("1 x features 128->8 are not multiples of 32 (mxfp8 blocks); the GEMM is narrower than one block (8 output "
+            "features), too narrow to pad: it stays as the model wrote it ('in_proj_ba')") in message
+    assert ("1 x features 128->1 are not multiples of 32 (mxfp8 blocks); the GEMM is narrower than one block (1 output "
+            "feature), too narrow to pad: it stays as the model wrote it ('gate')") in message
+    assert "pad the features" not in message and "'up'" not in message
+
+
+class MatmulWeight(nn.Module):
+    """A weight used through ``@`` (no mxfx pattern): ``[256, n]``."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.up, self.w = nn.Linear(256, 256), nn.Parameter(torch.randn(256, n) / 16)
+
+    def forward(self, x):
+        return self.up(x) @ self.w
+
+
+def test_a_weight_no_format_tiles_is_not_called_one_mxfx_would_convert():
+    """``[256, 8]``: 8 is no multiple of MXFP8's 32, so the policy would not convert it even in an op a pass rewrites;
+    the map says so and no warning calls it convertible. ``[256, 64]`` would be converted: that one is warned."""
+    messages = _mxfx_warnings(_compile_and_run, MatmulWeight(8), torch.randn(64, 256))
+    assert not [m for m in messages if "not rewritten" in m or "would convert" in m], messages
+    (record,) = [r for r in mxfx.last_report().records if r.kind == "not_rewritten"]
+    assert record.reason.endswith("the policy would not convert this weight anyway: its dims 256 and 8 are not both "
+                                  "multiples of 32 (mxfp8 blocks)"), record.reason
+    messages = _mxfx_warnings(_compile_and_run, MatmulWeight(64), torch.randn(64, 256))
+    (message,) = [m for m in messages if "not rewritten" in m]
+    assert "model MatmulWeight: 1 op(s) read a weight mxfx would convert but were not rewritten (@)" in message
+
+
 class LoopExperts(nn.Module):
     """Experts applied one by one over views of a stacked weight, with a graph break before the loop: the views
     reach the resumed graph as plain tensors (Dbrx's pattern), or the whole forward runs eagerly."""
@@ -177,10 +223,11 @@ def test_a_second_model_gets_its_complete_warning():
     first, is told about all four of its layers, not the two the first did not have."""
     fp8_block = {**OPTS, "format": "fp8_block"}
     first = _mxfx_warnings(_compile_and_run, Uneven2(), torch.randn(4, 64), fp8_block)
-    assert [m for m in first if "asks for fp8_block, but 2 op(s)" in m]
+    assert [m for m in first if "converted no op (policy format 'fp8_block'): its 2 GEMM op(s)" in m]
     second = _mxfx_warnings(_compile_and_run, Uneven4(), torch.randn(4, 64), fp8_block)
-    (message,) = [m for m in second if "asks for fp8_block" in m]
-    assert "but 4 op(s)" in message and all(f"{m} (linear" in message for m in ("up", "odd", "tail", "extra"))
+    (message,) = [m for m in second if "converted no op" in m]
+    assert "its 4 GEMM op(s)" in message and "4 x features 64->64 are not multiples of 128" in message
+    assert "('up', 'odd', 'tail', 'extra')" in message
 
 
 torch.library.define("mxfxcov::opaque", "(Tensor x, Tensor w) -> Tensor")

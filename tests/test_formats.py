@@ -166,12 +166,62 @@ def test_rule_and_format_from_different_rules_fail_per_module():
     assert policy.decide("linear", "ax").scale_rule is ScaleRule.FLOOR
     assert policy.decide("linear", "xb").format.name == "fp8_block"
     with pytest.raises(ValueError, match=r"scale_rule='floor' is not a rule of format='fp8_block'.*module 'ab'.*"
-                                         r"rule \(module='\*b', format='fp8_block'\).*rule \(module='a\*', "
+                                         r"rules\[1\] \(module='\*b', format='fp8_block'\).*rules\[0\] \(module='a\*', "
                                          r"scale_rule='floor'\)"):
         policy.decide("linear", "ab")
-    with pytest.raises(ValueError, match=r"rule \(module='a\*', scale_rule='amax'\): scale_rule='amax' is not a rule of "
-                                         r"format='mxfp8'"):
+    with pytest.raises(ValueError, match=r"rules\[0\] \(module='a\*', scale_rule='amax'\): scale_rule='amax' is not a "
+                                         r"rule of format='mxfp8', which the rule inherits from the policy-wide format"):
         Policy(rules=[{"module": "a*", "scale_rule": "amax"}])  # judged where one rule fixes both
+
+
+def test_a_rule_inheriting_a_scale_rule_its_format_lacks_says_so():
+    """A rule that sets format='mxfp8' under the policy-wide scale_rule='amax' (fp8_block's) inherits 'amax': the error
+    names the rule by its index, says the scale rule is inherited, and gives the rule with scale_rule='rceil'."""
+    with pytest.raises(ValueError) as e:
+        Policy(format="fp8_block", scale_rule="amax", rules=[{"module": "down", "precision": "bf16"},
+                                                             {"module": "up", "format": "mxfp8"}])
+    message = str(e.value)
+    assert message.startswith("mxfx policy: rules[1] (module='up', format='mxfp8'): its format='mxfp8' does not take "
+                              "scale_rule='amax', which the rule inherits from the policy-wide scale_rule"), message
+    assert message.endswith("e.g. {'module': 'up', 'format': 'mxfp8', 'scale_rule': 'rceil'}"), message
+    fixed = Policy(format="fp8_block", scale_rule="amax", rules=[{"module": "up", "format": "mxfp8", "scale_rule": "rceil"}])
+    assert (fixed.decide("linear", "up").format.name, fixed.decide("linear", "up").scale_rule) == ("mxfp8", ScaleRule.RCEIL)
+
+
+def test_bf16_gemm_is_native_wherever_bf16_tensor_cores_are(monkeypatch):
+    """BF16 GEMMs run on tensor cores on Ampere/Ada, Hopper and Blackwell: a graph of bf16_gemm ops on a (faked) GPU of
+    each gets no "emulated" note, while MXFP8 on sm90 still does; "auto" picks a low-precision format, never
+    bf16_gemm."""
+    import warnings
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from mxfx import backend, report
+    from mxfx.kernels.common import device as devices
+
+    with FakeTensorMode():
+        x = torch.empty(4, 64, device="cuda")
+
+    def notes(fmt: str, cap) -> list[str]:
+        monkeypatch.setattr(devices, "capability", lambda device: cap)
+        monkeypatch.setattr(backend, "_warned_formats", set())
+        pm = report.PrecisionMap()
+        pm.add(report.OpRecord("mm", "linear", "up", "x[4, 64] w[64, 64]", fmt, fmt, fmt, fmt, "rceil"))
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            backend._warn_format_notes(pm, [x], Policy())
+        return [str(w.message) for w in record]
+
+    for cap in ((8, 0), (8, 9), (9, 0), (10, 0), (12, 0)):
+        assert not notes("bf16_gemm", cap), cap
+    (note,) = notes("mxfp8", (9, 0))
+    assert "mxfp8 has no tensor cores on sm90" in note
+    cuda = torch.device("cuda")
+    picked = {}
+    for cap in ((8, 0), (9, 0), (10, 0)):
+        monkeypatch.setattr(devices, "capability", lambda device, cap=cap: cap)
+        picked[cap] = formats.get("auto", cuda).name
+    assert picked == {(8, 0): "mxfp8", (9, 0): "fp8_block", (10, 0): "mxfp8"}
 
 
 def test_unknown_format_and_auto():

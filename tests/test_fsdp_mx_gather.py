@@ -67,7 +67,8 @@ def test_gather_map_follows_policy_and_sharding():
     assert mxfx.fsdp.mx_all_gather(_MoEModel(), world_size=2) == {
         f"blocks.{i}.{n}": f for i in range(2) for n, f in (
             ("moe.router.weight", "high precision (the op stays bf16: features 128->4 are not multiples of 32 (mxfp8 blocks); "
-                                  "pad the features or keep it in BF16)"),
+                                  "the GEMM is narrower than one block (4 output features), too narrow to pad: it stays "
+                                  "as the model wrote it)"),
             ("moe.gate_up", "mxfp8"), ("moe.down", "mxfp8"), ("up.weight", "mxfp8"), ("down.weight", "mxfp8"))}
     pmap = mxfx.fsdp.mx_all_gather(m, block, world_size=2)
     assert [pmap[f"blocks.0.{n}"] for n in ("moe.gate_up", "moe.down", "up.weight")] == ["fp8_block"] * 3, pmap

@@ -112,7 +112,7 @@ def test_inference_whole_model_is_judged_at_compile():
     """No optimizer step: a whole-model graph is judged when it compiles, not at exit (nor under the next model)."""
     model = Inner()
     options = {"inner": "aot_eager", "rules": [{"module": "head", "precision": "bf16"}]}
-    with torch.no_grad(), pytest.warns(UserWarning, match=r"policy rule \(module='head', precision='bf16'\) matches no"):
+    with torch.no_grad(), pytest.warns(UserWarning, match=r"policy rules\[0\] \(module='head', precision='bf16'\) matches no"):
         torch.compile(model, backend="mxfp8", options=options)(torch.randn(4, 64))
 
 
@@ -183,14 +183,59 @@ def test_rule_asking_for_low_precision_warns_when_the_shape_refuses_it():
     assert not any("tail" in m for m in messages)
 
 
-def test_policy_wide_fp8_block_warns_for_ops_its_tiles_refuse():
-    """A policy-wide format="fp8_block" is the user's request too: ops whose features are not multiples of 128 stay
-    BF16 and are named in one warning (up, odd, tail: 64 and 40 features); the default format warns of none."""
-    messages = _compile_warnings({"inner": "aot_eager", "format": "fp8_block"})
+def test_policy_wide_fp8_block_is_said_once_and_not_as_a_rule():
+    """A policy-wide format="fp8_block" whose tiles refuse every op (up, odd, tail: 64 and 40 features) is said once,
+    by the model's coverage warning: not also as a rule whose module glob could be narrowed."""
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        torch.compile(Uneven(), backend="mxfp8", options={"inner": "aot_eager", "format": "fp8_block"})(torch.randn(4, 64))
+    messages = [str(w.message) for w in record if str(w.message).startswith("mxfx")]
     assert len(messages) == 1, messages
-    assert "(policy-wide format='fp8_block') asks for fp8_block, but 3 op(s)" in messages[0]
-    assert "not multiples of 128" in messages[0] and "pad their features to a multiple of 128" in messages[0]
-    assert not _compile_warnings({"inner": "aot_eager"})  # the default format asks for nothing
+    assert "converted no op (policy format 'fp8_block'): its 3 GEMM op(s)" in messages[0]
+    assert "features 64->40 are not multiples of 128" in messages[0] and "a rule with format='mxfp8' takes them" in messages[0]
+    assert "module glob" not in messages[0] and "asks for" not in messages[0]
+
+
+class Gated(Uneven):
+    """``odd`` and ``tail`` pad to 32-blocks; ``gate`` 64->1 is narrower than one block."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(64, 1)
+
+    def forward(self, x):
+        return super().forward(x) * torch.sigmoid(self.gate(x))
+
+
+def test_a_rule_over_a_narrow_gate_does_not_tell_to_pad_it():
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        torch.compile(Gated(), backend="mxfp8", options={"inner": "aot_eager", "rules": [{"precision": "mxfp8"}]})(
+            torch.randn(4, 64))
+    (message,) = [str(w.message) for w in record if "asks for" in str(w.message)]
+    assert "policy rules[0] (precision='mxfp8') asks for mxfp8, but 3 op(s) it matches stay BF16" in message
+    assert ("gate (linear x[4, 64] w[1, 64] +bias): features 64->1 are not multiples of 32 (mxfp8 blocks); the GEMM is "
+            "narrower than one block (1 output feature), too narrow to pad") in message
+    assert "pad their features to a multiple of 32" in message  # for odd and tail
+    assert message.endswith("'gate' is narrower than one block, too narrow to convert: narrow the rule's module glob "
+                            "to leave it out, or drop the rule."), message
+    assert "pad the" not in message.split("gate (linear")[1].split(". To convert")[0]  # not the gate
+
+
+def test_rule_errors_name_the_rule_by_index_and_text():
+    from mxfx.policy import Policy
+
+    keep = {"module": "lm_head", "precision": "bf16"}
+    for rule, head, what in (
+            ({"module": "x", "op": "lin", "precision": "bf16"}, "(module='x', op='lin', precision='bf16')", "op='lin' is not valid"),
+            ({"module": "x", "prec": "bf16"}, "(module='x', prec='bf16')", "unknown rule key(s) ['prec']"),
+            ({"module": "x", "precision": "bf16", "wgrad": "mxfp8"}, "(module='x', precision='bf16', wgrad='mxfp8')",
+             "keeps its ops as the model wrote them (precision='bf16'), so wgrad would do nothing"),
+            ({"module": "x", "format": "fp8_block", "scale_rule": "floor"}, "(module='x', scale_rule='floor', format='fp8_block')",
+             "scale_rule='floor' is not a rule of format='fp8_block'")):
+        with pytest.raises(ValueError) as e:
+            Policy(rules=[keep, rule])
+        assert str(e.value).startswith(f"mxfx policy: rules[1] {head}: {what}"), str(e.value)
 
 
 def test_rule_asking_for_low_precision_warns_below_min_size_once():
@@ -266,7 +311,7 @@ def _compile_rule_warnings(model, rules) -> list[str]:
 def test_rule_for_a_module_without_a_gemm_warns_at_compile():
     """The norm module exists (no "matches no module" warning), but holds no op a rule decides."""
     (message,) = _compile_rule_warnings(GluModel(), [{"module": "layers.0.input_layernorm", "precision": "mxfp8"}])
-    assert message.startswith("mxfx: policy rule (module='layers.0.input_layernorm', precision='mxfp8') matches "
+    assert message.startswith("mxfx: policy rules[0] (module='layers.0.input_layernorm', precision='mxfp8') matches "
                               "module 'layers.0.input_layernorm', but there is no op a rule decides"), message
     assert "so it changes nothing. Op kinds found there: none." in message
     assert "Ops a rule decides are in 'layers.0', 'layers.0.attn', 'layers.0.down'" in message  # swiglu, linears

@@ -362,6 +362,40 @@ def test_policy_field_and_environment_variable(monkeypatch):
         mx_linear(torch.randn(4, 32), torch.randn(32, 32), stats="p", stats_every=0)
 
 
+def test_environment_variable_off_and_its_errors_name_it(monkeypatch):
+    for off in ("0", "off", "OFF", "false", "none"):
+        monkeypatch.setenv("MXFX_STATS", off)
+        assert mxfx.Policy().stats is None, off
+    for bad, match in (("every=0", r"MXFX_STATS='every=0': stats\['every'\]=0 must be an int >= 1"),
+                       ("often=3", r"MXFX_STATS='often=3': unknown stats key\(s\) \['often'\]"),
+                       ("every=x", r"MXFX_STATS='every=x': every='x' is not an integer")):
+        monkeypatch.setenv("MXFX_STATS", bad)
+        with pytest.raises(ValueError, match=match) as e:
+            mxfx.Policy()
+        assert "write MXFX_STATS='every=100,modules=layers.*'" in str(e.value) and "MXFX_STATS=0 (or off)" in str(e.value)
+
+
+def test_a_modules_glob_matching_no_site_warns_once_and_stats_says_why(monkeypatch):
+    monkeypatch.setattr(stats, "state", stats._State())  # no graph compiled with statistics yet
+    assert "statistics are off" in str(mxfx.stats())
+    opts = {"inner": "aot_eager", "stats": {"modules": "layers.*", "every": 1}}
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(2):  # the same policy compiled again: judged once
+            torch._dynamo.reset()
+            torch.compile(_Lin(MX), backend="mxfp8", options=opts)(torch.randn(32, 256)).sum().backward()
+    (message,) = [str(w.message) for w in record if "stats modules" in str(w.message)]
+    assert message.startswith("mxfx: policy stats modules='layers.*' matches no quantize site of the graphs compiled "
+                              "under this policy, so no statistics are sampled; the modules with quantize sites "
+                              "(converted ops) are 'proj'"), message
+    table = mxfx.stats()
+    assert not table.rows and "matches no quantize site of the graphs compiled with it: modules='layers.*'" in str(table)
+    stats.set_sampling(False)  # a glob that matches, sampling switched off: that is what stats() says
+    torch._dynamo.reset()
+    torch.compile(_Lin(MX), backend="mxfp8", options={**opts, "stats": {"modules": "proj"}})(torch.randn(32, 256))
+    assert "sampling is switched off" in str(mxfx.stats())
+
+
 def test_all_to_all_payload_sites():
     import torch.distributed as dist
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from mxfx.formats.base import Format, ScaleRule, register
+from mxfx.formats.base import GEMM_OPS, Format, ScaleRule, register
 from mxfx.kernels.common import swiglu
 from mxfx.kernels.common.hp_gemm import hp_grouped_wgrad, hp_mm_transposed
 from mxfx.kernels.common.silu import swiglu_fp32
@@ -70,6 +70,7 @@ class BF16Gemm(Format):
     scale_dtype = _BF16
     transport = "mxfp8"  # the expert-parallel all-to-all is decided by Policy.transport
     gather_row_multiple = 0  # FSDP2 gathers these weights as parameters
+    native_gemms = {arch: frozenset(GEMM_OPS) for arch in ("sm80", "sm90", "sm100", "sm120")}  # BF16 tensor cores
     colour = "#f2c57c"
     description = "bf16_gemm: BF16 GEMMs from BF16 copies of the FP32 main weights, no scales"
 

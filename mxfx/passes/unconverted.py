@@ -14,7 +14,9 @@ it is either
 Each becomes a precision-map record of kind ``"not_rewritten"`` naming the op,
 the parameter and the reason (:func:`op_of` reads the op back); :mod:`mxfx.coverage`
 warns once per model with their count and op names (a silent FP32/BF16 GEMM is the
-failure this exists to prevent).
+failure this exists to prevent), for the ops whose weight the policy would convert
+(:func:`would_convert`): a weight the op's format cannot tile (``[256, 8]`` under
+MXFP8's 32-blocks) or that a rule keeps is named in the map with that reason only.
 """
 
 from __future__ import annotations
@@ -116,10 +118,35 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
             why = "opaque custom op: mxfx cannot see which GEMMs it runs; register its pattern or keep the weight out of it"
         else:
             why = "GEMM over a parameter that no mxfx pattern matches; it runs in the model's precision"
+        refused = _refused(policy, module_fqn(node), example_value(p))
+        if refused:
+            why += f"; {_ANYWAY}: {refused}"
         pm.add(OpRecord(node.name, KIND, module_fqn(node), f"w{shape_str(example_value(p))}", "-", "-", "-", "-", "-",
                         f"{_PREFIX}{name}: {why}"))
         found.append(name)
     return len(found)
+
+
+_ANYWAY = "the policy would not convert this weight anyway"
+
+
+def _refused(policy: Policy, module: str, weight) -> str:
+    """Why ``policy`` would not convert ``weight`` (``[.., A, B]``) in ``module`` even in an op it rewrites: a rule
+    keeps the module's GEMMs, or the format's blocks do not tile A and B; "" when it would convert it."""
+    decision = policy.decide("grouped_mm" if weight.dim() == 3 else "linear", module)
+    if decision.precision != "mxfp8":
+        return decision.reason
+    a, b = weight.shape[-2:]
+    fmt = decision.format
+    if fmt.unfit_reason(a, b):
+        return f"its dims {a} and {b} are not both multiples of {fmt.feature_multiple} ({fmt.name} blocks)"
+    return ""
+
+
+def would_convert(record: OpRecord) -> bool:
+    """Whether the policy would convert the weight of ``not_rewritten`` record ``record`` had a pass rewritten its
+    op (its format tiles the weight and no rule keeps the module)."""
+    return _ANYWAY not in record.reason
 
 
 def op_of(record: OpRecord) -> str:

@@ -118,9 +118,12 @@ class Row:
 
 @dataclass
 class Table:
-    """:func:`table`'s answer: one :class:`Row` per site, sorted by site; ``str()`` is an aligned text table."""
+    """:func:`table`'s answer: one :class:`Row` per site, sorted by site; ``str()`` is an aligned text table, or
+    without rows why there are none (``empty``: statistics off, a ``modules`` glob matching no quantize site, or
+    no sampled step yet)."""
 
     rows: list[Row]
+    empty: str = ""
 
     def row(self, site: str) -> Row:
         """The row of ``site``.
@@ -131,11 +134,12 @@ class Table:
         for r in self.rows:
             if r.site == site:
                 return r
-        raise KeyError(f"mxfx.stats: no samples of site {site!r}; sites: {', '.join(r.site for r in self.rows) or 'none'}")
+        sites = ", ".join(r.site for r in self.rows) or f"none ({self.empty})"
+        raise KeyError(f"mxfx.stats: no samples of site {site!r}; sites: {sites}")
 
     def __str__(self) -> str:
         if not self.rows:
-            return "# mxfx quantization stats: no samples (stats off, or no sampled step has run)\n"
+            return f"# mxfx quantization stats: no samples: {self.empty or 'none taken yet'}\n"
         cols = ["site", "format", "step", "underflow", "saturation", "clipped", "scale exp", "rms error", "amax",
                 "max underflow", "max clipped", "exp range", "max rms error", "samples"]
         pct = lambda v: f"{v:.3%}"  # noqa: E731
@@ -157,6 +161,8 @@ class _State:
     rows: dict = field(default_factory=dict)  # site -> Row
     warned: set = field(default_factory=set)  # (site, statistic) warned about
     taken: dict = field(default_factory=dict)  # site -> the step of its latest sample (one per site and step)
+    ran: dict = field(default_factory=dict)  # site -> its every: the sites whose statistics op has run
+    compiled: dict = field(default_factory=dict)  # modules glob -> [graphs compiled with it, their site prefixes]
     output: str | None = None  # dump dir: stats.jsonl and TensorBoard there
     writer: object = None  # TensorBoard SummaryWriter of ``output``, False where it cannot be made
     hook_handle: object = None
@@ -254,6 +260,7 @@ def _quant_stats(source: list[torch.Tensor], combine: str, operand: list[torch.T
     """Queue one sample of ``site`` when this step is sampled (:func:`sampled`) and the site has none of this step yet
     (the first microbatch's, under gradient accumulation); returns an empty tensor."""
     step = step_count()
+    state.ran[site] = every
     if sampled(every) and state.taken.get(site) != step:
         state.taken[site] = step
         with torch.no_grad():
@@ -376,20 +383,50 @@ def _warn(s: dict) -> None:
                           f"what to look at", stacklevel=3)
 
 
+def note_compiled(modules: str, prefixes) -> None:
+    """Record a graph compiled with statistics on under the ``modules`` glob of its policy's ``stats``, its ops
+    carrying the site prefixes ``prefixes`` (none: the glob matched no quantize site of it), for :func:`table`'s
+    answer when there are no samples."""
+    with state.lock:
+        graphs = state.compiled.setdefault(modules, [0, set()])
+        graphs[0] += 1
+        graphs[1].update(prefixes)
+
+
+def _why_empty() -> str:
+    """Why :func:`table` has no rows: statistics off, a ``modules`` glob that matched no quantize site of the
+    graphs compiled with it, sampling switched off, or no sampled step run yet."""
+    if state.ran or any(prefixes for _, prefixes in state.compiled.values()):
+        if not state.sampling:
+            return "sampling is switched off (mxfx.runtime.stats.set_sampling(False))"
+        every = sorted(set(state.ran.values()))
+        when = f"on optimizer steps that are multiples of {', '.join(map(str, every))}, " if every else ""
+        return (f"no sampled step has run yet: {len(state.ran)} site(s) ran, which sample {when}the first microbatch "
+                f"of the step (the step count is now {step_count()})")
+    if state.compiled:
+        globs = ", ".join(f"modules={glob!r} ({graphs} graph(s))" for glob, (graphs, _) in state.compiled.items())
+        return (f"statistics are on, but their module glob matches no quantize site of the graphs compiled with it: "
+                f"{globs}; point it at modules with converted ops (the precision map names them)")
+    return "statistics are off (Policy(stats={'every': 100, 'modules': '*'}) or MXFX_STATS=1 turns them on)"
+
+
 def table() -> Table:
-    """The statistics so far, one :class:`Row` per site (queued samples are read first, :func:`flush`)."""
+    """The statistics so far, one :class:`Row` per site (queued samples are read first, :func:`flush`); without
+    rows, :attr:`Table.empty` says why."""
     flush()
     with state.lock:
-        return Table([state.rows[k] for k in sorted(state.rows)])
+        return Table([state.rows[k] for k in sorted(state.rows)], "" if state.rows else _why_empty())
 
 
 def reset() -> None:
-    """Forget every sample, queued or read, and the warnings given (each site warns again)."""
+    """Forget every sample, queued or read, the warnings given (each site warns again) and which sites ran (the
+    graphs compiled with statistics on are still known)."""
     with state.lock:
         state.queue.clear()
         state.rows.clear()
         state.warned.clear()
         state.taken.clear()
+        state.ran.clear()
 
 
 def summary(prefixes=None) -> str:

@@ -36,13 +36,14 @@ def capability(device: torch.device) -> tuple[int, int] | None:
 
 
 def arch_of(cap: tuple[int, int] | None) -> str:
-    """Architecture family of a compute capability: "cpu" (None), "sm90", "sm100", "sm120" or "other".
+    """Architecture family of a compute capability: "cpu" (None), "sm80", "sm90", "sm100", "sm120" or "other".
 
-    "sm100" covers every 10.x part (B200 10.0, B300 10.3), "sm120" RTX Blackwell (12.x).
+    "sm80" covers every 8.x part (Ampere A100 8.0, Ada L40 8.9), "sm100" every 10.x part (B200 10.0, B300 10.3),
+    "sm120" RTX Blackwell (12.x).
     """
     if cap is None:
         return "cpu"
-    return {9: "sm90", 10: "sm100", 12: "sm120"}.get(cap[0], "other")
+    return {8: "sm80", 9: "sm90", 10: "sm100", 12: "sm120"}.get(cap[0], "other")
 
 
 @functools.cache
