@@ -42,7 +42,7 @@ from mxfx import rule_check
 from mxfx.passes import unconverted
 from mxfx.passes.fx import all_graphs, strip_wrappers
 from mxfx.policy import Policy
-from mxfx.report import PrecisionMap
+from mxfx.report import PrecisionMap, kept_in
 
 GEMM_KINDS = ("linear", "router", "grouped_mm")
 """Precision-map kinds of the GEMMs a policy decides (each record is one GEMM op, converted or kept)."""
@@ -160,9 +160,9 @@ def judge(scope: _Model) -> None:
     else:
         unfit = [r for r, asked in ops if r.kind in GEMM_KINDS and not r.rewritten and not asked and UNFIT in r.reason]
         if unfit:
-            _warn(f"mxfx: {where}: {len(unfit)} of its {len(gemms)} GEMM op(s) stay in BF16 because their shapes do not "
+            _warn(f"mxfx: {where}: {len(unfit)} of its {len(gemms)} GEMM op(s) stay in {kept_in(unfit)} because their shapes do not "
                   f"fit the format's blocks, though the policy would convert them: {_ops_listed(unfit)}. To keep them "
-                  f"in BF16 on purpose, say so with a policy rule (precision='bf16'); mxfx.all_reports() has each op.")
+                  f"as written on purpose, say so with a policy rule (precision='bf16'); mxfx.all_reports() has each op.")
     left = [r for r, _ in ops if r.kind == unconverted.KIND]
     if left:
         names = ", ".join(sorted({unconverted.op_of(r) for r in left}))
@@ -246,7 +246,7 @@ def _warn_nothing_converted(where: str, gemms, fmt: str) -> None:
         by_reason.setdefault(r.reason or "kept", []).append(r)
     reasons = "; ".join(f"{len(rs)} x {reason} ({_listed([r.module or r.node for r in rs])})"
                         for reason, rs in sorted(by_reason.items(), key=lambda kv: -len(kv[1])))
-    _warn(f"mxfx: {where} converted no op (policy format {fmt!r}): its {len(gemms)} GEMM op(s) all stay in BF16: "
+    _warn(f"mxfx: {where} converted no op (policy format {fmt!r}): its {len(gemms)} GEMM op(s) all stay in {kept_in(gemms)}: "
           f"{reasons}. It runs in its own precision; mxfx.all_reports() has each op.")
 
 

@@ -42,6 +42,7 @@ from mxfx import formats
 from mxfx.formats import Format
 from mxfx.passes.fx import all_graphs, module_fqn
 from mxfx.policy import OP_KINDS, Policy
+from mxfx.report import kept_in
 
 _DEFAULT_FORMAT = Policy.__dataclass_fields__["format"].default
 
@@ -267,7 +268,7 @@ def warn_unmet_requests(policy: Policy, records, warned: set | None = None) -> N
         fmt = policy.decide(ops[0].kind, ops[0].module).format
         listed = "; ".join(f"{r.module or r.node} ({r.kind} {r.shapes}): {r.reason}" for r in ops[:EXAMPLES])
         warnings.warn(
-            f"mxfx: policy rule {rule.describe()} asks for {fmt.name}, but {len(ops)} op(s) it matches stay BF16: {listed}"
+            f"mxfx: policy rule {rule.describe()} asks for {fmt.name}, but {len(ops)} op(s) it matches stay {kept_in(ops)}: {listed}"
             f"{'; ...' if len(ops) > EXAMPLES else ''}. To convert them, {_remedy(ops, fmt)}; otherwise drop the rule or "
             f"narrow its module glob.",
             stacklevel=2,
