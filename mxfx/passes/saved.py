@@ -105,7 +105,7 @@ def saves_input(node: fx.Node) -> bool:
     return needs_grad(example_value(node)) and needs_grad(example_value(node.args[1]))
 
 
-def keeps_bf16_alive(x: fx.Node, op: fx.Node, fmt: Format) -> str:
+def keeps_input_alive(x: fx.Node, op: fx.Node, fmt: Format) -> str:
     """Why the tensor behind ``x`` stays alive for backward without ``op``, or why one copy of it in its own dtype
     is smaller than the copies of format ``fmt`` its converted readers would save ("" if neither)."""
     base = _base(x)
@@ -175,7 +175,7 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         fmt = settings_of(node.kwargs).format
         copy_bytes, padded = _copy_bytes(node, x, numel, fmt)
         ds = policy.decide("saved", module_fqn(node))  # rules with op="saved"
-        why = ds.reason if ds.precision != "mxfp8" else keeps_bf16_alive(node.args[0], node, fmt)
+        why = ds.reason if ds.precision != "mxfp8" else keeps_input_alive(node.args[0], node, fmt)
         copy = f"the {fmt.name} copy ({copy_bytes} bytes{padded})"
         if not why and copy_bytes >= own_bytes:
             why = f"{copy} is not smaller than the {own_bytes}-byte {kept} input kept as it is"
