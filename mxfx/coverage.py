@@ -42,7 +42,7 @@ from mxfx.judgment import Judgments
 from mxfx.passes import unconverted
 from mxfx.passes.fx import all_graphs, strip_wrappers
 from mxfx.policy import Policy
-from mxfx.report import PrecisionMap
+from mxfx.report import PrecisionMap, kept_in
 from mxfx.rule_check import listed
 
 GEMM_KINDS = ("linear", "router", "grouped_mm")
@@ -143,9 +143,10 @@ def _judge(scope: _Model) -> None:
     else:
         unfit = [r for r, asked in ops if r.kind in GEMM_KINDS and not r.rewritten and not asked and UNFIT in r.reason]
         if unfit:
-            _warn(f"mxfx: {where}: {len(unfit)} of its {len(gemms)} GEMM op(s) stay in BF16 because their shapes do not "
-                  f"fit the format's blocks, though the policy would convert them: {_by_reason(unfit)}. To keep them "
-                  f"in BF16 on purpose, say so with a policy rule (precision='bf16'); mxfx.all_reports() has each op.")
+            _warn(f"mxfx: {where}: {len(unfit)} of its {len(gemms)} GEMM op(s) stay in {kept_in(unfit)} because their "
+                  f"shapes do not fit the format's blocks, though the policy would convert them: {_by_reason(unfit)}. "
+                  f"To keep them as written on purpose, say so with a policy rule (precision='bf16'); "
+                  f"mxfx.all_reports() has each op.")
     left = [r for r, _ in ops if r.kind == unconverted.KIND and unconverted.would_convert(r)]
     if left:
         ops_left = ", ".join(sorted({unconverted.op_of(r) for r in left}))
@@ -227,8 +228,8 @@ def _warn_nothing_converted(where: str, gemms, fmt: str) -> None:
               f"(graph breaks may have left them in eager code; torch._dynamo.explain shows where). It runs in its own "
               f"precision.")
         return
-    _warn(f"mxfx: {where} converted no op (policy format {fmt!r}): its {len(gemms)} GEMM op(s) all stay in BF16: "
-          f"{_by_reason(gemms)}. It runs in its own precision; mxfx.all_reports() has each op.")
+    _warn(f"mxfx: {where} converted no op (policy format {fmt!r}): its {len(gemms)} GEMM op(s) all stay in "
+          f"{kept_in(gemms)}: {_by_reason(gemms)}. It runs in its own precision; mxfx.all_reports() has each op.")
 
 
 def _by_reason(records) -> str:

@@ -346,10 +346,11 @@ class Decision:
                           keep_dequantized_weights=self.keep_dequantized_weights, format=self.format,
                           stats=self.stats, stats_every=self.stats_every)
 
-    def shown(self, precision: str) -> str:
+    def shown(self, precision: str, as_written: str) -> str:
         """A precision as the precision map prints it: the low-precision choice ("mxfp8") named by this
-        op's format (e.g. "fp8_block"), "bf16" as is."""
-        return self.format.name if precision == "mxfp8" else precision
+        op's format (e.g. "fp8_block"); the high-precision one ("bf16") as ``as_written``, the dtype that part
+        runs in ("fp32" in an FP32 model without autocast)."""
+        return self.format.name if precision == "mxfp8" else as_written
 
     def fit(self, k: int, n: int) -> "Decision":
         """This decision for a GEMM of ``k`` in / ``n`` out features: turned BF16 with the format's reason when

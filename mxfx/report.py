@@ -30,13 +30,29 @@ _reports: list["PrecisionMap"] = []
 
 LOW_PRECISIONS = formats.NAMES
 """Precision-map entries of a rewritten op: the registered formats' names (:mod:`mxfx.formats`)."""
+NONE = "-"
+"""Precision-map entry of a part that does not run: no such GEMM, no backward, nothing saved."""
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+
+
+def precision_of(dtype: torch.dtype) -> str:
+    """The precision-map name of a dtype a part runs in: "fp32", "bf16", "fp16" (others as torch names them)."""
+    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def kept_in(records) -> str:
+    """The dtypes the ``forward`` columns of ``records`` (ops kept as written) name, upper case and "/"-joined, as
+    a warning says them ("BF16", "FP32", "BF16/FP32")."""
+    return "/".join(sorted({r.forward.upper() for r in records if r.forward not in LOW_PRECISIONS + (NONE,)})) or "high precision"
 
 
 @dataclass
 class OpRecord:
     """One matched op. Precisions are a format of :data:`LOW_PRECISIONS` ("mxfp8", "fp8_block"; "+"-joined when
-    an op covers weights of both, as a weight_refresh can), "bf16" (left as the model wrote it) or "-" (absent:
-    no such GEMM or tensor, e.g. no dgrad in an inference graph)."""
+    an op covers weights of both, as a weight_refresh can), the dtype a high-precision part runs in, from the
+    graph's own dtypes (:func:`precision_of`: "bf16", "fp32"), or "-" (:data:`NONE`: that part does not run: no such
+    GEMM or tensor, no backward under ``torch.no_grad()`` or in an inference graph, nothing saved for a frozen
+    weight)."""
 
     node: str
     kind: str
@@ -48,7 +64,7 @@ class OpRecord:
     saved: str
     scale_rule: str
     reason: str = ""
-    saved_bytes: tuple[int, int] = (0, 0)  # nominal bytes of the saved input: (as BF16, as chosen)
+    saved_bytes: tuple[int, int] = (0, 0)  # nominal bytes of the saved input: (as the op as written saves it, as chosen)
 
     def __post_init__(self):
         self.scale_rule = str(self.scale_rule)  # a ScaleRule prints as its value
@@ -82,17 +98,17 @@ class PrecisionMap:
 
     def mark_inference(self) -> None:
         """The graph was traced with grad disabled: its ops run forward only, save nothing and have no backward, so
-        dgrad/wgrad/saved read "-" for every op, MX or kept in BF16, and no saved bytes are claimed. A
+        dgrad/wgrad/saved read "-" for every op, converted or kept as written, and no saved bytes are claimed. A
         weight_refresh record (an optimizer step, traced without grad) is left as it is: its columns name the
-        cache forms it rebuilds, not a backward."""
+        cache forms it rebuilds, not a backward; so is a record that names no op that ran (all "-")."""
         for r in self.records:
-            if r.kind != "weight_refresh" and (r.dgrad, r.wgrad, r.saved) != ("-", "-", "-"):
-                r.dgrad = r.wgrad = r.saved = "-"
+            if r.kind != "weight_refresh" and (r.forward, r.dgrad, r.wgrad, r.saved) != (NONE,) * 4:
+                r.dgrad = r.wgrad = r.saved = NONE
                 r.saved_bytes = (0, 0)
                 r.add_note("inference graph (grad disabled): forward only")
 
     def saved_bytes(self) -> tuple[int, int]:
-        """Nominal bytes of MX ops' saved inputs: (all in BF16, as packed)."""
+        """Nominal bytes of converted ops' saved inputs: (all as the ops as written save them, as chosen)."""
         return sum(r.saved_bytes[0] for r in self.records), sum(r.saved_bytes[1] for r in self.records)
 
     def count(self, kind: str | None = None, rewritten: bool | None = None) -> int:
@@ -110,7 +126,8 @@ class PrecisionMap:
         text = f"graph {self.graph_id}: " + ("; ".join(parts) if parts else "no matching ops")
         before, after = self.saved_bytes()
         if before:
-            text += f"; saved MX-op inputs {before} B as BF16 -> {after} B ({1 - after / before:.1%} less, nominal)"
+            change = f"{1 - after / before:.1%} less" if after <= before else f"{after / before - 1:.1%} more"
+            text += f"; saved inputs of converted ops {before} B as written -> {after} B ({change}, nominal)"
         return text
 
     def _formats(self, kind: str) -> str:
@@ -140,7 +157,7 @@ class PrecisionMap:
 
     def to_html(self) -> str:
         """The precision map as an HTML table, cells coloured by precision (for people who would rather look)."""
-        colours = {**{n: formats.get(n).colour for n in formats.NAMES}, "bf16": "#f7d794", "fp32": "#9cc3f5", "-": "#eeeeee"}
+        colours = {**{n: formats.get(n).colour for n in formats.NAMES}, "bf16": "#f7d794", "fp32": "#9cc3f5", NONE: "#eeeeee"}
         cols = ["kind", "module", "shapes", "forward", "dgrad", "wgrad", "saved", "scale_rule", "reason"]
         head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
         rows = []

@@ -38,6 +38,7 @@ from mxfx.formats import Format
 from mxfx.judgment import Judgments
 from mxfx.passes.fx import all_graphs, module_fqn
 from mxfx.policy import NARROW, OP_KINDS, Policy
+from mxfx.report import kept_in
 
 EXAMPLES = 6
 """How many existing module names a warning lists."""
@@ -263,7 +264,7 @@ def warn_unmet_requests(policy: Policy, records, warned: set | None = None) -> N
         each = "; ".join(f"{r.module or r.node} ({r.kind} {r.shapes}): {r.reason}" for r in ops[:EXAMPLES])
         warnings.warn(
             f"mxfx: policy {policy.describe_rule(rule)} asks for {fmt.name}, but {len(ops)} op(s) it matches stay "
-            f"BF16: {each}{'; ...' if len(ops) > EXAMPLES else ''}. {_remedy(ops, fmt)}",
+            f"{kept_in(ops)}: {each}{'; ...' if len(ops) > EXAMPLES else ''}. {_remedy(ops, fmt)}",
             stacklevel=2,
         )
 

@@ -93,7 +93,7 @@ def test_policy_env_when_no_options(tmp_path, monkeypatch):
     monkeypatch.setenv("MXFX_POLICY", str(toml))
     m = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64))
     torch.compile(m, backend="mxfp8")(torch.randn(4, 32))
-    assert [r.forward for r in mxfx.last_report().records if r.kind == "linear"] == ["bf16", "mxfp8"]
+    assert [r.forward for r in mxfx.last_report().records if r.kind == "linear"] == ["fp32", "mxfp8"]  # FP32 model
     assert Policy.from_options({}).rules == ()  # explicit options win over the file
     monkeypatch.setenv("MXFX_POLICY", str(tmp_path / "missing.toml"))
     with pytest.raises(FileNotFoundError, match="MXFX_POLICY=.*missing.toml' is not a file"):
@@ -132,7 +132,7 @@ def test_save_policy_reaches_dense_linears():
     for opts in ({"save": "bf16"}, {"rules": [{"op": "saved", "precision": "bf16"}]}):
         torch._dynamo.reset()
         torch.compile(m, backend="mxfp8", options={"inner": "eager", **opts})(x)
-        assert {r.saved for r in mxfx.last_report().records} == {"bf16"}, opts
+        assert {r.saved for r in mxfx.last_report().records} == {"fp32"}, opts  # kept as it is, in an FP32 model
     torch._dynamo.reset()
     torch.compile(m, backend="mxfp8", options={"inner": "eager"})(x)
     assert {r.saved for r in mxfx.last_report().records} == {"mxfp8"}
@@ -202,24 +202,27 @@ def test_inference_graph_report_claims_no_backward():
     assert pm.saved_bytes() == (0, 0) and "inference graph" in pm.records[0].reason
     torch._dynamo.reset()
     torch.compile(m, backend="mxfp8", options={"inner": "eager"})(x)
-    # with grad: both get a backward; the second one's input (ReLU's output) stays BF16, ReLU's backward keeps it
+    # with grad: both get a backward, the first without a dgrad (its input needs no gradient); the second one's
+    # input (ReLU's output) stays as it is, in FP32: ReLU's backward keeps it
     assert [(r.dgrad, r.wgrad, r.saved) for r in mxfx.last_report().records] == [
-        ("mxfp8", "mxfp8", "mxfp8"), ("mxfp8", "mxfp8", "bf16")]
+        ("-", "mxfp8", "mxfp8"), ("mxfp8", "mxfp8", "fp32")]
 
 
 def test_inference_graph_report_kept_ops_claim_no_backward_either():
-    """Ops kept in BF16 (features 40, not a multiple of 32; a BF16 rule) read "-" for dgrad/wgrad/saved under
-    no_grad as the MX ops do, and "bf16" with grad."""
+    """Ops kept as written (features 40, not a multiple of 32; a BF16 rule) read "-" for dgrad/wgrad/saved under
+    no_grad as the MX ops do, and with grad the dtype they run in: FP32 (an FP32 model without autocast), but no
+    dgrad for the first (its input needs no gradient)."""
     m = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 40), nn.ReLU(), nn.Linear(40, 64))
     options = {"inner": "eager", "rules": [{"module": "0", "precision": "bf16"}]}
     x = torch.randn(32, 64)
     torch._dynamo.reset()
     with torch.no_grad():
         torch.compile(m, backend="mxfp8", options=options)(x)
-    assert [(r.forward, r.dgrad, r.wgrad, r.saved) for r in mxfx.last_report().records] == [("bf16", "-", "-", "-")] * 3
+    assert [(r.forward, r.dgrad, r.wgrad, r.saved) for r in mxfx.last_report().records] == [("fp32", "-", "-", "-")] * 3
     torch._dynamo.reset()
     torch.compile(m, backend="mxfp8", options=options)(x)
-    assert [(r.forward, r.dgrad, r.wgrad, r.saved) for r in mxfx.last_report().records] == [("bf16",) * 4] * 3
+    assert [(r.forward, r.dgrad, r.wgrad, r.saved) for r in mxfx.last_report().records] == [
+        ("fp32", "-", "fp32", "fp32"), ("fp32",) * 4, ("fp32",) * 4]
 
 
 def test_policy_is_read_only_after_validation():

@@ -48,7 +48,7 @@ def test_a_model_that_converts_nothing_says_so_once():
     model = Narrow()
     messages = _mxfx_warnings(_compile_and_run, model, torch.randn(8, 100))
     (message,) = [m for m in messages if "converted no op" in m]
-    assert "model Narrow" in message and "its 1 GEMM op(s) all stay in BF16" in message
+    assert "model Narrow" in message and "its 1 GEMM op(s) all stay in FP32" in message
     assert "features 100->60 are not multiples of 32" in message and "'proj'" in message
     assert mxfx.last_report().count("linear", rewritten=True) == 0
     assert not _mxfx_warnings(_compile_and_run, model, torch.randn(8, 100))  # the same model: said once
@@ -58,7 +58,7 @@ def test_layers_whose_shapes_do_not_fit_are_counted_and_named():
     model = Partly()
     messages = _mxfx_warnings(_compile_and_run, model, torch.randn(64, 256))
     (message,) = [m for m in messages if "shapes do not fit" in m]
-    assert "model Partly: 1 of its 2 GEMM op(s) stay in BF16" in message
+    assert "model Partly: 1 of its 2 GEMM op(s) stay in FP32" in message
     assert "features 256->40 are not multiples of 32" in message and "'out'" in message and "'up'" not in message
     assert mxfx.last_report().count("linear", rewritten=True) == 1
     # a rule keeping it in BF16 on purpose is an answer: no warning

@@ -61,13 +61,14 @@ def test_pass_keeps_collective_whose_wait_is_in_another_graph():
 
     g = fx.Graph()
     x = g.placeholder("x")
+    x.meta["example_value"] = torch.zeros(4, 64, dtype=torch.bfloat16)
     a2a = g.call_function(torch.ops._c10d_functional.all_to_all_single.default, (x, [2, 2], [2, 2], "0"))
     g.output((a2a,))
     gm = fx.GraphModule(torch.nn.Module(), g)
     pm = PrecisionMap()
     assert a2a_pass.run(gm, Policy(), pm) == 0
     (rec,) = pm.records
-    assert rec.kind == "all_to_all" and rec.forward == "bf16" and "another graph" in rec.reason
+    assert rec.kind == "all_to_all" and rec.forward == "bf16" and "another graph" in rec.reason  # the payload's dtype
 
 
 def test_policy_transport_is_validated():

@@ -145,7 +145,7 @@ def test_top1_routers_are_detected(select):
     torch._dynamo.reset()
     torch.compile(_Top1(select), backend="mxfp8", options={"inner": "eager"})(torch.randn(32, 64))
     kinds = {r.module: (r.kind, r.forward) for r in mxfx.last_report().records}
-    assert kinds["router"] == ("router", "bf16")
+    assert kinds["router"] == ("router", "fp32")  # kept as written, in an FP32 model
     assert kinds["proj"] == ("linear", "mxfp8") and kinds["pool_proj"] == ("linear", "mxfp8")
 
 
@@ -338,13 +338,13 @@ def test_output_saving_activation_is_not_packed_twice(act):
     model = MLP()
     torch.compile(model, backend="mxfp8", options={"inner": "aot_eager"})(torch.randn(32, 64)).sum().backward()
     saved = {r.module: r.saved for r in mxfx.last_report().records if r.kind == "linear"}
-    assert saved == {"a": "mxfp8", "b": "bf16"}
+    assert saved == {"a": "mxfp8", "b": "fp32"}  # b's input kept as it is (FP32 model)
 
 
 def test_few_tokens_keep_the_input_when_the_padded_mx_copy_is_larger():
-    """The MXFP8 wgrad copy is blocked along tokens, zero-padded to 32: at 8 tokens it would be 4x the
-    values of the BF16 input, so the pass keeps the input; at 64 tokens it packs, and the map counts the
-    padded bytes it saves."""
+    """The MXFP8 wgrad copy is blocked along tokens, zero-padded to 32: at 8 tokens it would be larger than the
+    FP32 input, so the pass keeps the input; at 48 tokens it packs, and the map counts the padded bytes against
+    the FP32 input the op as written saves."""
 
     def saved_of(tokens):
         torch._dynamo.reset()
@@ -355,5 +355,5 @@ def test_few_tokens_keep_the_input_when_the_padded_mx_copy_is_larger():
         return rec
 
     few, many = saved_of(8), saved_of(48)
-    assert few.saved == "bf16" and "padded" in few.reason
-    assert many.saved == "mxfp8" and many.saved_bytes == (2 * 48 * 64, 64 * 64 * 33 // 32)
+    assert few.saved == "fp32" and "8 tokens zero-padded to a multiple of 32" in few.reason
+    assert many.saved == "mxfp8" and many.saved_bytes == (4 * 48 * 64, 64 * 64 * 33 // 32)

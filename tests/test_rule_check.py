@@ -89,7 +89,7 @@ def test_whole_model_readme_rule_works_on_hf_names_and_unmatched_rule_warns_at_c
     (message,) = _rule_warnings(early)  # the whole model is one graph: judged when it compiles, in the forward
     assert not _rule_warnings(at_step), "warned again at the optimizer step"
     by_module = {r.module: r for r in mxfx.last_report().records}
-    assert by_module["model.layers.0.up"].forward == "bf16" and by_module["model.layers.1.proj"].forward == "mxfp8"
+    assert by_module["model.layers.0.up"].forward == "fp32" and by_module["model.layers.1.proj"].forward == "mxfp8"
     assert "(module='blocks.*', wgrad='bf16')" in message and "'model.layers.0.up'" in message
 
 
@@ -101,7 +101,7 @@ def test_per_block_compile_judges_all_blocks_together():
     messages = _per_block_judged(model, options)
     assert len(messages) == 1 and "(module='layers.1.*', precision='bf16')" in messages[0], messages
     assert "'proj'" in messages[0] and "'up'" in messages[0]  # block-relative names, from both graphs
-    assert [pm.records[0].forward for pm in mxfx.all_reports()[-2:]] == ["mxfp8", "bf16"]  # the 'proj' rule applied
+    assert [pm.records[0].forward for pm in mxfx.all_reports()[-2:]] == ["mxfp8", "fp32"]  # the 'proj' rule applied
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once: a later step does not warn again
         rule_check.judge_pending()
@@ -147,7 +147,7 @@ def test_rule_naming_a_module_covers_the_modules_inside_it():
         warnings.simplefilter("error")  # the rule matches: no "matches no module" warning
         torch.compile(model, backend="mxfp8", options=options)(torch.randn(4, 64))
     by_module = {r.module: r for r in mxfx.last_report().records}
-    assert by_module["model.layers.0.up"].forward == "bf16" and by_module["model.layers.1.proj"].forward == "mxfp8"
+    assert by_module["model.layers.0.up"].forward == "fp32" and by_module["model.layers.1.proj"].forward == "mxfp8"
     assert "(module='model.layers.0', precision='bf16')" in by_module["model.layers.0.up"].reason
 
 
@@ -174,7 +174,7 @@ def test_rule_asking_for_low_precision_warns_when_the_shape_refuses_it():
                                                {"module": "up", "format": "fp8_block"}]}
     messages = _compile_warnings(options)
     by_module = {r.module: r for r in mxfx.last_report().records}
-    assert [by_module[m].forward for m in ("up", "odd", "tail")] == ["bf16"] * 3
+    assert [by_module[m].forward for m in ("up", "odd", "tail")] == ["fp32"] * 3  # kept as written: FP32 model
     assert len(messages) == 2, messages  # not 'tail': only the default rules would convert it
     odd, up = sorted(messages, key=lambda m: "'up'" in m)
     assert "(module='odd', precision='mxfp8', wgrad='mxfp8') asks for mxfp8" in odd
@@ -213,7 +213,7 @@ def test_a_rule_over_a_narrow_gate_does_not_tell_to_pad_it():
         torch.compile(Gated(), backend="mxfp8", options={"inner": "aot_eager", "rules": [{"precision": "mxfp8"}]})(
             torch.randn(4, 64))
     (message,) = [str(w.message) for w in record if "asks for" in str(w.message)]
-    assert "policy rules[0] (precision='mxfp8') asks for mxfp8, but 3 op(s) it matches stay BF16" in message
+    assert "policy rules[0] (precision='mxfp8') asks for mxfp8, but 3 op(s) it matches stay FP32" in message  # an FP32 model, no autocast
     assert ("gate (linear x[4, 64] w[1, 64] +bias): features 64->1 are not multiples of 32 (mxfp8 blocks); the GEMM is "
             "narrower than one block (1 output feature), too narrow to pad") in message
     assert "pad their features to a multiple of 32" in message  # for odd and tail
@@ -344,7 +344,8 @@ def test_rule_matching_an_op_in_any_graph_does_not_warn():
     assert len(messages) == 1, messages
     assert "(module='input_layernorm', precision='bf16') matches module 'input_layernorm', but there is no op" in messages[0]
     by_kind_module = {(r.kind, r.module): r for r in mxfx.last_report().records}
-    assert by_kind_module["swiglu", "down"].saved == "bf16" and by_kind_module["linear", "up"].wgrad == "bf16"  # applied
+    # applied: gate and up kept as they are, a high-precision wgrad, both FP32 in this FP32 model
+    assert by_kind_module["swiglu", "down"].saved == "fp32" and by_kind_module["linear", "up"].wgrad == "fp32"
 
 
 def test_keep_dequantized_weights_with_only_fp8_block_is_refused():

@@ -51,11 +51,12 @@ class Format:
     Facts (class attributes): ``name`` (as policies spell it), ``scale_rules`` (the :class:`ScaleRule` it
     takes, default first), ``block`` (values per activation/gradient scale, along the reduction dim),
     ``weight_block`` (rows x cols of a weight's scale block), ``feature_multiple`` (in/out features a GEMM
-    needs), ``bytes_per_value`` (payload plus scale, amortized), ``scale_dtype``, ``transport`` (the format its
-    expert-parallel all-to-all payload travels in: a format name), ``native_gemms`` (per GPU architecture, as
-    :func:`mxfx.kernels.common.device.arch_of` names it, the GEMMs of :data:`GEMM_OPS` its tensor cores run in this
-    format; every other architecture and GEMM is emulated; :attr:`native_archs` lists those architectures and
-    :meth:`runs_natively` asks it per device), ``dequantized_weight_forms`` (whether its weight
+    needs), ``token_multiple`` (tokens a linear's low-precision wgrad operand, the copy it saves of its input, is
+    zero-padded to a multiple of; 1: none), ``bytes_per_value`` (payload plus scale, amortized), ``scale_dtype``,
+    ``transport`` (the format its expert-parallel all-to-all payload travels in: a format name), ``native_gemms``
+    (per GPU architecture, as :func:`mxfx.kernels.common.device.arch_of` names it, the GEMMs of :data:`GEMM_OPS` its
+    tensor cores run in this format; every other architecture and GEMM is emulated; :attr:`native_archs` lists those
+    architectures and :meth:`runs_natively` asks it per device), ``dequantized_weight_forms`` (whether its weight
     cache has BF16 dequantized forms for emulated GEMMs, ``Policy.keep_dequantized_weights``),
     ``description`` and ``colour`` (how reports show it), ``gather_row_multiple`` (rows of a weight shard that FSDP2
     can gather exactly: whole scale blocks down N; 0: no gather forms, FSDP2 gathers the parameter as stored).
@@ -78,6 +79,7 @@ class Format:
     block: int = 0
     weight_block: tuple[int, int] = (0, 0)
     feature_multiple: int = 0
+    token_multiple: int = 1
     bytes_per_value: float = 0.0
     scale_dtype: torch.dtype = torch.float32
     transport: str = ""
@@ -147,7 +149,9 @@ class Format:
 
     def saved_bytes(self, numel: int, tokens: int | None = None, k: int | None = None) -> int:
         """Bytes of this format's copy of a saved activation of ``numel`` values (``tokens`` x ``k`` when it is
-        a linear input whose wgrad blocks the tokens)."""
+        a linear input whose wgrad blocks the tokens: padded to a multiple of ``token_multiple`` tokens)."""
+        if tokens is not None and k is not None:
+            numel = -(-tokens // self.token_multiple) * self.token_multiple * k
         return numel + int(numel * (self.bytes_per_value - 1))
 
     # --- operands (implemented per format) ------------------------------------------------------------

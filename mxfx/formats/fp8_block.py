@@ -79,16 +79,13 @@ class FP8Block(Format):
     block = TILE
     weight_block = (TILE, TILE)
     feature_multiple = TILE
-    bytes_per_value = 1 + 4 / TILE
+    bytes_per_value = 1 + 4 / TILE  # E4M3 plus a 4-byte scale per 1x128 tile; its saved copies are not padded
     scale_dtype = torch.float32
     transport = "mxfp8"  # no fp8_block all-to-all kernel: expert-parallel payloads travel as MXFP8
     native_gemms = {"sm90": frozenset(GEMM_OPS)}  # cuBLAS blockwise dense, Triton grouped (FP8 tl.dot)
     gather_row_multiple = TILE
     colour = "#7fd1c7"
     description = "fp8_block: rceil/amax FP32 scales per 1x128 tile and 128x128 weight block"
-
-    def saved_bytes(self, numel, tokens=None, k=None):
-        return numel + numel // (TILE // 4)  # E4M3 plus a 4-byte scale per 1x128 tile, no token padding
 
     def input_operand(self, x, up, rule, op):
         rule = str(rule)

@@ -183,6 +183,7 @@ class MXFP8(Format):
     block = BLOCK_SIZE
     weight_block = (1, BLOCK_SIZE)
     feature_multiple = BLOCK_SIZE
+    token_multiple = BLOCK_SIZE  # the wgrad blocks X along tokens
     bytes_per_value = 1 + 1 / BLOCK_SIZE
     scale_dtype = torch.uint8
     transport = "mxfp8"
@@ -194,11 +195,6 @@ class MXFP8(Format):
     gather_row_multiple = BLOCK_SIZE
     colour = "#9be7a0"
     description = "mxfp8: rceil/floor E8M0 scales per 32 values"
-
-    def saved_bytes(self, numel, tokens=None, k=None):
-        if tokens is not None and k is not None:  # a linear's MX wgrad pads its tokens to a multiple of 32
-            numel = -(-tokens // BLOCK_SIZE) * BLOCK_SIZE * k
-        return numel + numel // BLOCK_SIZE
 
     def values_dtype(self, op: str, device: torch.device) -> torch.dtype | None:
         """The dtype GEMM ``op`` reads its operands in where it is emulated on ``device`` (fp32 on CPU, bf16 on

@@ -41,6 +41,7 @@ import torch
 import torch.fx as fx
 
 from mxfx.ops.all_to_all import mx_all_to_all
+from mxfx.passes import columns
 from mxfx.passes.fx import example_value, is_call, module_fqn, shape_str, unique_stats_site
 from mxfx.policy import Policy
 from mxfx.report import OpRecord, PrecisionMap
@@ -182,9 +183,12 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         if not reason and (x.dim() < 2 or not isinstance(x.shape[-1], int) or x.shape[-1] % d.format.block):
             reason = (f"hidden size {x.shape[-1] if x.dim() else '?'} is not a multiple of {d.format.block} "
                       f"({d.format.name} blocks); rows stay BF16")
+        out = example_value(results[0]) if results else None
         if reason:
             shapes = shapes if x is None or x.dtype in _FLOAT else f"x{shape_str(x)}"
-            pm.add(OpRecord(node.name, "all_to_all", module, shapes, "bf16", "bf16", "-", "-", "-", reason))
+            p = columns.ran(x)
+            pm.add(OpRecord(node.name, "all_to_all", module, shapes, scale_rule="-",
+                            **columns.gemm_columns(out, x, None, p, p, "-", "-", reason)))
             continue
 
         last = results[0]
@@ -202,8 +206,10 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
                 gm.graph.erase_node(n)
         gm.graph.erase_node(node)
         _fold_inplace_copy(gm, new)
+        fwd, bwd = (d.shown(p, columns.ran(x)) for p in (fwd, bwd))  # "bf16": the payload as it is
         note = "" if fwd == bwd else f"forward {fwd}, backward {bwd} (policy transport)"
-        pm.add(OpRecord(new.name, "all_to_all", module, shapes, fwd, bwd, "-", "-", d.scale_rule.value, note))
+        pm.add(OpRecord(new.name, "all_to_all", module, shapes, scale_rule=d.scale_rule.value,
+                        **columns.gemm_columns(out, x, None, fwd, bwd, "-", "-", note)))
         rewritten += 1
     if rewritten:
         gm.delete_all_unused_submodules()

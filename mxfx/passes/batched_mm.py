@@ -35,9 +35,10 @@ import operator
 import torch
 import torch.fx as fx
 
+from mxfx.passes import columns
 from mxfx.passes.combine import UNSORT_META
 from mxfx.passes.fx import example_value, is_call, module_fqn, shape_str, size_hint
-from mxfx.passes.grouped_mm import decide, insert_grouped
+from mxfx.passes.grouped_mm import GROUPED_WGRAD, decide, insert_grouped
 from mxfx.policy import Policy
 from mxfx.report import OpRecord, PrecisionMap
 
@@ -138,7 +139,8 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
             d = decide(policy, module, x, e, n, k)
             reason = d.reason
         if reason:
-            pm.add(OpRecord(node.name, "grouped_mm", module, shapes, "bf16", "bf16", "bf16", "bf16", "-", f"batched_mm: {reason}"))
+            pm.add(OpRecord(node.name, "grouped_mm", module, shapes, scale_rule="-",
+                            **columns.kept_gemm(out, x, w, f"batched_mm: {reason}")))
             continue
         perm, inv, offs = _row_order(gm, ids, size_hint(e), orders)
         with gm.graph.inserting_before(node):
@@ -161,7 +163,7 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
             if not dead.users:
                 gm.graph.erase_node(dead)
         shapes += f" -> {str(out.dtype).removeprefix('torch.')}"
-        pm.add(OpRecord(new.name, "grouped_mm", module, shapes, d.format.name, d.format.name, d.shown(d.wgrad), d.shown(d.save), d.scale_rule,
-                        "was batched_mm (W[ids] then bmm): rows sorted by expert"))
+        pm.add(OpRecord(new.name, "grouped_mm", module, shapes, scale_rule=d.scale_rule, **columns.converted_gemm(
+            d, out, x, w, GROUPED_WGRAD, "was batched_mm (W[ids] then bmm): rows sorted by expert")))
         rewritten += 1
     return rewritten

@@ -35,9 +35,14 @@ import torch.fx as fx
 from mxfx.ops.all_to_all import mx_all_to_all
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
 from mxfx.ops.settings import settings_of
+from mxfx.passes import columns
 from mxfx.passes.fx import example_value, is_call, module_fqn, shape_str
 from mxfx.policy import Policy
-from mxfx.report import OpRecord, PrecisionMap
+from mxfx.report import OpRecord, PrecisionMap, precision_of
+
+PRODUCT_PRECISION = "fp32"
+"""What the precision map says of a fused route-weight multiply: taken in fp32 and rounded once to the output
+dtype (:func:`mxfx.ops.grouped_mm.weigh_rows`), whatever the dtype of the multiply it replaces."""
 
 _MUL_FN = (operator.mul, torch.mul)
 UNSORT_META = "mxfx_unsort_of"
@@ -141,7 +146,8 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
             with gm.graph.inserting_before(mul):
                 rw = gm.graph.call_function(operator.getitem, (rw, perm))
             rw.meta["example_value"] = example_value(rw.args[0])[example_value(perm)]
-        out_dtype = example_value(mul).dtype
+        product = example_value(mul)
+        out_dtype = product.dtype
         node.kwargs = {**node.kwargs, "route_weight": rw, "out_dtype": out_dtype}
         mul.prepend(node)  # where the multiply stood: after the route weights and every input
         if last is not node:
@@ -152,7 +158,11 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         if rec is not None and " -> " in rec.shapes:  # the GEMM now returns the product's dtype
             rec.shapes = rec.shapes.rsplit(" -> ", 1)[0] + " -> " + str(out_dtype).removeprefix("torch.")
         module = module_fqn(node)
-        pm.add(OpRecord(node.name, "combine", module, f"w{shape_str(example_value(rw))}", "bf16", settings_of(node.kwargs).format.name, "-", "bf16", node.kwargs["scale_rule"], "route-weight multiply fused into the dgrad quantize"))
+        # backward: dOut * route weight formed in the dgrad quantize; the unweighted output kept, in out_dtype
+        pm.add(OpRecord(node.name, "combine", module, f"w{shape_str(example_value(rw))}", scale_rule=node.kwargs["scale_rule"],
+                        **columns.gemm_columns(product, example_value(node.args[0]), None, PRODUCT_PRECISION,
+                                               settings_of(node.kwargs).format.name, "-", precision_of(out_dtype),
+                                               "route-weight multiply fused into the dgrad quantize")))
         fused += 1
     return fused
 

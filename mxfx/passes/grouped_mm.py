@@ -43,6 +43,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
+from mxfx.passes import columns
 from mxfx.passes.fx import (
     CASTS, erase_unused_chain, example_value, gemm_size, mixed_dtype_reason, module_fqn, shape_str, size_hint,
     unique_stats_site, weight_source,
@@ -50,6 +51,9 @@ from mxfx.passes.fx import (
 from mxfx.policy import Policy
 from mxfx.report import OpRecord, PrecisionMap
 
+GROUPED_WGRAD = "bf16"
+"""What the precision map says of a converted grouped GEMM's high-precision wgrad: a BF16 grouped GEMM, whatever
+the operands' dtypes (:func:`mxfx.ops.grouped_mm.mx_grouped_mm_op`)."""
 
 @dataclass(frozen=True)
 class GroupedOp:
@@ -181,7 +185,8 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
             d = decide(policy, module, x, b.shape[0], b.shape[2], b.shape[1])
             reason = d.reason
         if reason:
-            pm.add(OpRecord(node.name, "grouped_mm", module, shapes, "bf16", "bf16", "bf16", "bf16", "-", f"{op.name}: {reason}"))
+            pm.add(OpRecord(node.name, "grouped_mm", module, shapes, scale_rule="-",
+                            **columns.kept_gemm(out, x, b, f"{op.name}: {reason}")))
             continue
         replaced = args.get("out_dtype") or (out.dtype if out is not None else x.dtype)
         out_dtype = output_dtype(x, replaced)
@@ -200,10 +205,7 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         erase_unused_chain(gm, x_node)
         shapes += f" -> {str(out_dtype).removeprefix('torch.')}"
         note = f"was {op.name}" + (f" ({str(replaced).removeprefix('torch.')} out)" if replaced != out_dtype else "")
-        trained = b is not None and b.requires_grad  # a frozen expert stack: no wgrad, nothing saved for one
-        wgrad, saved = (d.shown(d.wgrad), d.shown(d.save)) if trained else ("-", "-")
-        note = note if trained else f"{note}; frozen weight: no weight gradient"
-        pm.add(OpRecord(new.name, "grouped_mm", module, shapes, d.format.name, d.format.name, wgrad, saved,
-                        d.scale_rule, note))
+        pm.add(OpRecord(new.name, "grouped_mm", module, shapes, scale_rule=d.scale_rule,
+                        **columns.converted_gemm(d, out, example_value(x_src), b, GROUPED_WGRAD, note)))
         rewritten += 1
     return rewritten

@@ -27,6 +27,7 @@ import torch
 import torch.fx as fx
 
 from mxfx.ops.linear import mx_linear
+from mxfx.passes import columns
 from mxfx.passes.fx import (
     autocast_devices, erase_unused_chain, example_value, gemm_size, is_dtensor, mixed_dtype_reason, module_fqn,
     shape_str, size_hint, unique_stats_site, weight_source,
@@ -99,8 +100,9 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         reason = d.reason or reason
         if not reason and _tied_to_embedding(w_node) and not _user_sets_precision(policy, kind, module):
             reason = "vocabulary projection (weight tied to an embedding); a policy rule with precision='mxfp8' overrides"
+        out = example_value(node)
         if reason:
-            pm.add(OpRecord(node.name, kind, module, shapes, "bf16", "bf16", "bf16", "bf16", "-", reason))
+            pm.add(OpRecord(node.name, kind, module, shapes, scale_rule="-", **columns.kept_gemm(out, x, w, reason)))
             if reason == DTENSOR_REASON:
                 distributed.append(module or node.name)
             continue
@@ -116,10 +118,9 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
             erase_unused_chain(gm, w_node)
         if kind == "router":
             _warn_wildcard_router(d.rule, module)
-        trained = w is not None and w.requires_grad  # a frozen weight: no wgrad, nothing saved for one
-        wgrad, saved = (d.shown(d.wgrad), d.shown(d.save)) if trained else ("-", "-")
-        pm.add(OpRecord(new.name, kind, module, shapes, d.format.name, d.format.name, wgrad, saved, d.scale_rule,
-                        "" if trained else "frozen weight: no weight gradient"))
+        # a high-precision wgrad multiplies dY, in the output's dtype
+        pm.add(OpRecord(new.name, kind, module, shapes, scale_rule=d.scale_rule,
+                        **columns.converted_gemm(d, out, x, w, columns.ran(out))))
         rewritten += 1
     if distributed:
         warnings.warn(f"mxfx: linears left in BF16/FP32, not MXFP8 (DTensor operands, tensor parallel): {', '.join(distributed)}",

@@ -1,41 +1,45 @@
-"""Saved-activation pass: store an MX op's input for backward in MXFP8 only where that replaces BF16.
+"""Saved-activation pass: store a converted op's input for backward as its format's copy only where that is smaller.
 
-An MX linear or grouped GEMM keeps its wgrad input for backward. Packing it as
-MXFP8 (33/32 bytes per value) saves memory only when no other backward
-consumer keeps the same BF16 tensor alive (the recipe, "Smaller Saved Activations", "Dense and Shared-Expert Linears", "MXFP8 Activation Saving Without MXFP8 Compute"):
-adding an MX copy next to a retained BF16 tensor costs 33/32 bytes more.
+A converted linear or grouped GEMM keeps its wgrad input for backward, either as a copy in the op's format
+(:meth:`mxfx.formats.Format.saved_bytes`: 33/32 bytes a value for MXFP8, 1 + 4/128 for fp8_block, 2 for
+bf16_gemm) or as the input itself. The copy saves memory only when no other backward consumer keeps the same
+tensor alive (the recipe, "Smaller Saved Activations", "Dense and Shared-Expert Linears", "MXFP8 Activation
+Saving Without MXFP8 Compute"): a copy next to a retained tensor costs its bytes on top.
 
-Rule, per MX op input ``x`` (views, ``contiguous``, ``clone`` and row gathers,
+Rule, per converted op input ``x`` (views, ``contiguous``, ``clone`` and row gathers,
 ``x[idx]`` and ``index_select``, are looked through, since the partitioner
 recomputes them from their base: the top-k gathered rows of a dispatch cost
 nothing to keep when their tokens are kept anyway):
 
+* the op saves nothing (no gradient flows through it, under ``torch.no_grad()``, or its weight is frozen):
+  left alone, counted nowhere;
 * its base is the output of an op whose backward reads its own output
   (``scaled_dot_product_attention``, softmax, log_softmax, sigmoid, tanh, exp,
-  relu, sqrt, rsqrt, in any of their spellings): keep BF16 — this is the recipe's
+  relu, sqrt, rsqrt, in any of their spellings): keep it — this is the recipe's
   attention output projection;
 * another user of the base saves it for its backward (anything but additions,
-  views, casts and concatenations): keep BF16;
-* several MX ops read it (q/k/v projections of one input) and one copy of it
-  in its own dtype is smaller than one MX copy per op (2 bytes for BF16 vs
-  n x 33/32): keep it as it is;
+  views, casts, concatenations and ops under ``torch.no_grad()``): keep it;
+* several converted ops read it (q/k/v projections of one input) and one copy of it
+  in its own dtype is smaller than one format copy per op (2 bytes for BF16 vs
+  n x 33/32 for MXFP8): keep it as it is;
 * it is rows gathered from fewer tokens (a dispatch's ``x[order // k]``, k
-  copies of each token) and the tokens in their own dtype are smaller than an MX
+  copies of each token) and the tokens in their own dtype are smaller than a format
   copy of the gathered rows (2 bytes vs k x 33/32): keep the tokens, which
   backward gathers again;
-* the MX copy would not be smaller: a linear with MXFP8 wgrad saves its input
-  blocked along tokens, zero-padded to a multiple of 32 tokens, so at a few
-  tokens the copy outgrows the tensor (judged at the traced token count): keep it;
-* otherwise pack MXFP8 — the QKV projection's input in the recipe.
+* the copy would not be smaller than the input kept as it is, or would be larger than what the op as written
+  saves (its input in the dtype it computes in: BF16 under autocast): keep it. A linear whose low-precision
+  wgrad blocks its input along tokens pads them to the format's ``token_multiple`` (32 for MXFP8), so at a few
+  tokens the copy outgrows the tensor (judged at the traced token count);
+* otherwise pack — the QKV projection's input in the recipe.
 
-Eligibility: floating dtype and a last dim that is a multiple of 32 (already
-required of an MX op's input); integer routing indices never reach an MX op.
+Eligibility: floating dtype and a last dim that is a multiple of the format's block (already
+required of a converted op's input); integer routing indices never reach one.
 A policy rule with ``op="saved", precision="bf16"`` (or ``save="bf16"`` on the
-op's own rule) keeps the input BF16 regardless. The decision is written into the
-op's ``save`` argument and the precision map, with nominal saved bytes before
-and after. A BF16 decision is a request: AOTAutograd's partitioner may still
-move the backward's (bit-identical) quantize into the forward and save its MX
-result where that is smaller and nothing else keeps the input alive.
+op's own rule) keeps the input as it is regardless. The decision is written into the
+op's ``save`` argument and the precision map (the format's name, or the kept input's dtype), with nominal saved
+bytes before and after. A keep decision is a request: AOTAutograd's partitioner may still
+move the backward's (bit-identical) quantize into the forward and save its result
+where that is smaller and nothing else keeps the input alive.
 """
 
 from __future__ import annotations
@@ -46,9 +50,11 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from mxfx.formats import Format
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
 from mxfx.ops.settings import settings_of
 from mxfx.ops.linear import mx_linear
+from mxfx.passes.columns import needs_grad, ran
 from mxfx.passes.fx import example_value, is_call, module_fqn, size_hint
 from mxfx.policy import Policy
 from mxfx.report import PrecisionMap
@@ -93,19 +99,28 @@ def _aliases(base: fx.Node) -> list[fx.Node]:
     return out
 
 
-def keeps_bf16_alive(x: fx.Node, op: fx.Node) -> str:
-    """Why the BF16 tensor behind ``x`` stays alive for backward without ``op`` ("" if it does not)."""
+def saves_input(node: fx.Node) -> bool:
+    """Whether converted op ``node`` keeps something of its input for a wgrad: a gradient flows through it (not
+    under ``torch.no_grad()``) and its weight takes one (not frozen), as the graph's example values say."""
+    return needs_grad(example_value(node)) and needs_grad(example_value(node.args[1]))
+
+
+def keeps_input_alive(x: fx.Node, op: fx.Node, fmt: Format) -> str:
+    """Why the tensor behind ``x`` stays alive for backward without ``op``, or why one copy of it in its own dtype
+    is smaller than the copies of format ``fmt`` its converted readers would save ("" if neither)."""
     base = _base(x)
     if is_call(base, _SAVES_OUTPUT_FNS, _SAVES_OUTPUT_METHODS):
         return f"kept alive by {getattr(base.target, '__name__', base.target)} backward"
-    mx_readers = 0
+    readers = 0
     for alias in _aliases(base):
         for u in alias.users:
             if _is_view(u):
                 continue
             if u.op == "call_function" and u.target in MX_OPS and u.args[0] is alias:
-                mx_readers += 1
+                readers += saves_input(u)  # a reader without a backward keeps no copy
             elif u.op == "output" or is_call(u, _NON_SAVING_FNS, _NON_SAVING_METHODS):
+                continue
+            elif not needs_grad(example_value(u)):  # no backward through it (torch.no_grad()): it saves nothing
                 continue
             else:
                 return f"also saved by {getattr(u.target, '__name__', u.target)}"
@@ -115,65 +130,79 @@ def keeps_bf16_alive(x: fx.Node, op: fx.Node) -> str:
     n_x = size_hint(x_val.numel()) if x_val is not None else 0  # 0 when data-dependent (expert parallel)
     n_base = size_hint(base_val.numel()) if base_val is not None else 0
     expand = n_x / n_base if n_x and n_base else 1.0
-    if expand > 1 and mx_readers * expand * 33 / 32 >= own_bytes:
+    copy = fmt.bytes_per_value
+    if expand > 1 and readers * expand * copy >= own_bytes:
         return (f"rows gathered from their tokens ({expand:g} per token): keeping the {own_bytes}-byte tokens, "
-                f"re-gathered in backward, is smaller than an MX copy of the gathered rows")
-    if mx_readers * 33 / 32 >= own_bytes:
-        return f"read by {mx_readers} MX ops: one {own_bytes}-byte copy is smaller than {mx_readers} MX copies"
+                f"re-gathered in backward, is smaller than a {fmt.name} copy of the gathered rows "
+                f"({copy:g} bytes a value)")
+    if readers > 1 and readers * copy >= own_bytes:
+        return (f"read by {readers} converted ops: one {own_bytes}-byte copy is smaller than {readers} {fmt.name} "
+                f"copies ({copy:g} bytes a value)")
     return ""
 
 
 def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
-    """Set ``save`` on every MX op whose input needs a BF16 copy anyway; returns how many stay MXFP8.
+    """Set ``save`` on every converted op whose input needs no copy of its format; returns how many are packed.
 
-    Nominal saved bytes (precision map): a tensor kept in its own dtype is counted once, on
-    its first MX reader, before and after (the BF16 graph saves it once too, shared); a
-    packed input counts its BF16 bytes before and its MX bytes after.
+    Nominal saved bytes (precision map): a tensor kept as it is counts as the op as written saves it (its values
+    in the dtype the op computes in), once, on its first converted reader, before and after (the graph as
+    written saves it once too, shared); a packed input counts those bytes before and its format's copy after.
+    An op with nothing to save (no backward, frozen weight) counts nothing.
     """
     packed = 0
     counted: set[fx.Node] = set()  # bases of inputs kept as they are, already counted
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in MX_OPS or node.kwargs.get("up") is not None:
             continue
+        if not saves_input(node):
+            continue
         record = pm.find(node.name)
         x = example_value(node.args[0])
         numel = 1
         for d in x.shape if x is not None else ():
             numel *= size_hint(d)
-        bf16_bytes = 2 * numel
+        out = example_value(node)
+        written_bytes = numel * (out.element_size() if out is not None else 2)  # the op as written saves X so
+        own_bytes = numel * (x.element_size() if x is not None else 2)  # X kept as it is
         base = _base(node.args[0])
-        kept_bytes = (0, 0) if base in counted else (bf16_bytes, bf16_bytes)
-        if node.kwargs.get("save", "mxfp8") != "mxfp8":  # the op's own rule already keeps it BF16
+        kept_bytes = (0, 0) if base in counted else (written_bytes, written_bytes)
+        kept = ran(x)
+        if node.kwargs.get("save", "mxfp8") != "mxfp8":  # the op's own rule already keeps it as it is
             if record:
                 record.saved_bytes = kept_bytes
                 counted.add(base)
             continue
-        mx_bytes = _mx_copy_bytes(node, x, numel)
+        fmt = settings_of(node.kwargs).format
+        copy_bytes, padded = _copy_bytes(node, x, numel, fmt)
         ds = policy.decide("saved", module_fqn(node))  # rules with op="saved"
-        why = ds.reason if ds.precision != "mxfp8" else keeps_bf16_alive(node.args[0], node)
-        own_bytes = numel * (x.element_size() if x is not None else 2)
-        if not why and mx_bytes >= own_bytes:
-            why = (f"the MX copy ({mx_bytes} bytes, tokens padded to a multiple of 32) is not smaller than the "
-                   f"{own_bytes}-byte input")
+        why = ds.reason if ds.precision != "mxfp8" else keeps_input_alive(node.args[0], node, fmt)
+        copy = f"the {fmt.name} copy ({copy_bytes} bytes{padded})"
+        if not why and copy_bytes >= own_bytes:
+            why = f"{copy} is not smaller than the {own_bytes}-byte {kept} input kept as it is"
+        elif not why and copy_bytes > written_bytes:
+            why = f"{copy} is larger than the {written_bytes} bytes the op as written saves ({ran(out)})"
         if why:
             node.kwargs = {**node.kwargs, "save": "bf16"}
             if record:
-                record.saved = "bf16"
+                record.saved = kept
                 record.add_note(why)
                 record.saved_bytes = kept_bytes
                 counted.add(base)
             continue
         packed += 1
         if record:
-            record.saved_bytes = (bf16_bytes, mx_bytes)
+            record.saved_bytes = (written_bytes, copy_bytes)
     return packed
 
 
-def _mx_copy_bytes(node: fx.Node, x, numel: int) -> int:
-    """Bytes of the low-precision copy ``node`` would save, as its format counts them
-    (:meth:`mxfx.formats.Format.saved_bytes`: the tokens of a linear whose low-precision wgrad blocks them)."""
-    fmt = settings_of(node.kwargs).format
+def _copy_bytes(node: fx.Node, x, numel: int, fmt: Format) -> tuple[int, str]:
+    """``(bytes, how)``: the bytes of the copy of its input ``node`` would save in format ``fmt``, as the format
+    counts them (:meth:`mxfx.formats.Format.saved_bytes`: the tokens of a linear whose low-precision wgrad blocks
+    them are padded to ``fmt.token_multiple``), and a note saying so where that padding adds bytes ("" else)."""
     if node.target is mx_linear and node.kwargs.get("wgrad") == "mxfp8" and x is not None and x.dim():
         k = size_hint(x.shape[-1])
-        return fmt.saved_bytes(numel, numel // k if k else 0, k)
-    return fmt.saved_bytes(numel)
+        tokens = numel // k if k else 0
+        n = fmt.saved_bytes(numel, tokens, k)
+        padded = -tokens % fmt.token_multiple
+        return n, (f", {tokens} tokens zero-padded to a multiple of {fmt.token_multiple}" if padded else "")
+    return fmt.saved_bytes(numel), ""

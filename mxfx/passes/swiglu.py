@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
 from mxfx.ops.settings import settings_of
 from mxfx.ops.linear import mx_linear
+from mxfx.passes import columns
 from mxfx.passes.fx import CASTS, example_value, is_call, module_fqn, shape_str
 from mxfx.policy import Policy
 from mxfx.report import OpRecord, PrecisionMap
@@ -91,11 +92,14 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         gate, up, dead, rows = found
         module = module_fqn(dead[-1]) or module_fqn(node)
         d = policy.decide("swiglu", module)
-        shapes = f"gate{shape_str(example_value(gate))}"
-        if d.precision != "mxfp8":
-            pm.add(OpRecord(dead[-1].name, "swiglu", module, shapes, "bf16", "bf16", "-", "bf16", "-", d.reason))
+        g, product = example_value(gate), example_value(dead[-2])  # dead ends in the product, then the silu
+        shapes = f"gate{shape_str(g)}"
+        if d.precision != "mxfp8":  # as written: silu and product, forward and backward, in the product's dtype
+            p = columns.ran(product)
+            pm.add(OpRecord(dead[-1].name, "swiglu", module, shapes, scale_rule="-",
+                            **columns.gemm_columns(product, g, None, p, p, "-", p, d.reason)))
             continue
-        h, g = example_value(node.args[0]), example_value(gate)
+        h = example_value(node.args[0])
         if rows is not None:  # (silu(g) * u)[rows] == silu(g[rows]) * u[rows]
             with gm.graph.inserting_before(node):
                 gate, up = (gm.graph.call_function(operator.getitem, (t, rows)) for t in (gate, up))
@@ -109,7 +113,9 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         for n in dead:  # consumers first: mul after casts, silu last
             gm.graph.erase_node(n)
         fmt = settings_of(node.kwargs).format.name  # the consumer's format quantizes the product
-        pm.add(OpRecord(node.name, "swiglu", module, shapes, fmt, "fp32", "-", fmt if d.save == "mxfp8" else d.save,
-                        d.scale_rule, "fused into " + node.name))
+        # backward in fp32 from gate and up, saved in the format or as they are
+        saved = fmt if d.save == "mxfp8" else columns.ran(g)
+        pm.add(OpRecord(node.name, "swiglu", module, shapes, scale_rule=d.scale_rule,
+                        **columns.gemm_columns(product, g, None, fmt, "fp32", "-", saved, "fused into " + node.name)))
         fused += 1
     return fused

@@ -1,0 +1,200 @@
+"""The precision map states what ran: each column the dtype from the graph's own example values (autocast
+regions, FP32 models, FP32 fallbacks) or ``-`` where no backward runs; the saved pass packs only where its
+format's copy is smaller, and says why in that format's terms."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import mxfx
+from mxfx.report import OpRecord, PrecisionMap
+
+EAGER = {"inner": "eager"}
+
+
+def _columns(record) -> tuple:
+    return record.forward, record.dgrad, record.wgrad, record.saved
+
+
+def _by_module(kind="linear") -> dict:
+    return {r.module: r for r in mxfx.last_report().records if r.kind == kind}
+
+
+def test_fp32_model_without_autocast_is_mapped_and_warned_as_fp32():
+    """Linears kept as written in an FP32 model without autocast run in FP32 (their output says so): the map says
+    fp32, the first without a dgrad (its input needs no gradient), and the warning says they stay in FP32."""
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.Linear(100, 60), nn.ReLU(), nn.Linear(60, 100))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = torch.compile(model, backend="mxfp8", options=EAGER)(torch.randn(32, 100))
+    assert y.dtype == torch.float32
+    records = _by_module()
+    assert _columns(records["0"]) == ("fp32", "-", "fp32", "fp32")
+    assert _columns(records["2"]) == ("fp32",) * 4
+    (message,) = [str(w.message) for w in caught if "converted no op" in str(w.message)]
+    assert "all stay in FP32" in message and "BF16:" not in message
+
+
+class _Router(nn.Module):
+    """A router whose logits are computed with autocast off on FP32 operands, next to an expert-sized linear."""
+
+    def __init__(self, autocast_off: bool):
+        super().__init__()
+        self.autocast_off = autocast_off
+        self.gate, self.up = nn.Linear(64, 4, bias=False), nn.Linear(64, 64)
+
+    def forward(self, x):
+        with torch.autocast("cpu", enabled=not self.autocast_off):
+            logits = self.gate(x.float())
+        weights, _ = logits.softmax(-1).topk(2, -1)
+        return self.up(x) * weights.sum(-1, keepdim=True).to(x.dtype)
+
+
+@pytest.mark.parametrize("autocast_off,ran", [(True, "fp32"), (False, "bf16")])
+def test_router_kept_as_written_is_mapped_in_the_dtype_it_ran(autocast_off, ran):
+    torch._dynamo.reset()
+    x = torch.randn(32, 64, requires_grad=True)
+    with torch.autocast("cpu", torch.bfloat16):
+        torch.compile(_Router(autocast_off), backend="mxfp8", options=EAGER)(x)
+    (router,) = [r for r in mxfx.last_report().records if r.kind == "router"]
+    assert not router.rewritten and _columns(router) == (ran,) * 4, router
+
+
+class _NoGradBranch(nn.Module):
+    """Two MX-sized linears and one kept as written (40 features) on the same input, two of them under no_grad."""
+
+    def __init__(self):
+        super().__init__()
+        self.frozen_path, self.kept, self.trained = nn.Linear(64, 64), nn.Linear(64, 40), nn.Linear(64, 64)
+
+    def forward(self, x):
+        with torch.no_grad():
+            t = self.frozen_path(x)
+            k = self.kept(x)
+        return self.trained(x) + t + k.sum(-1, keepdim=True)
+
+
+def test_ops_under_no_grad_in_a_training_graph_have_no_backward():
+    """Under torch.no_grad() inside a training graph, converted and kept ops alike run forward only: no
+    dgrad/wgrad/saved and no saved bytes, while the trained linear beside them keeps its backward."""
+    torch._dynamo.reset()
+    x = torch.randn(32, 64, requires_grad=True)
+    with torch.autocast("cpu", torch.bfloat16):
+        y = torch.compile(_NoGradBranch(), backend="mxfp8", options=EAGER)(x)
+    y.float().sum().backward()
+    records = _by_module()
+    assert _columns(records["frozen_path"]) == ("mxfp8", "-", "-", "-")
+    assert records["frozen_path"].saved_bytes == (0, 0) and "torch.no_grad()" in records["frozen_path"].reason
+    assert _columns(records["kept"]) == ("bf16", "-", "-", "-")
+    assert _columns(records["trained"]) == ("mxfp8",) * 4
+    # only the trained linear saves its input: 32 x 64 values, BF16 as written, one MX copy packed
+    assert mxfx.last_report().saved_bytes() == (32 * 64 * 2, 32 * 64 * 33 // 32)
+
+
+class _Combine(nn.Module):
+    """An expert down projection, then the combine's multiply by FP32 route weights (an FP32 product, as HF's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(2, 64, 64) * 0.1)
+
+    def forward(self, h, offs, rw):
+        y = torch._grouped_mm(h, self.w.to(torch.bfloat16).transpose(-2, -1), offs=offs)
+        return y * rw.unsqueeze(-1)
+
+
+def test_combine_row_states_the_fp32_multiply():
+    """The fused route-weight multiply runs in FP32 (weigh_rows), and the unweighted output kept for the
+    route-weight gradient has the product's dtype: FP32 here, as the op's output."""
+    torch._dynamo.reset()
+    h = torch.randn(40, 64, dtype=torch.bfloat16, requires_grad=True)
+    offs, rw = torch.tensor([16, 40], dtype=torch.int32), torch.rand(40, requires_grad=True)
+    y = torch.compile(_Combine(), backend="mxfp8", options=EAGER)(h, offs, rw)
+    (combine,) = [r for r in mxfx.last_report().records if r.kind == "combine"]
+    assert y.dtype == torch.float32 and _columns(combine) == ("fp32", "mxfp8", "-", "fp32"), combine
+
+
+def test_hf_fp32_fallback_kept_by_a_rule_is_mapped_fp32():
+    """transformers' grouped-GEMM FP32 fallback (FP32 main weights under autocast) kept by a precision='bf16' rule
+    runs in FP32, and the map says so."""
+    T = pytest.importorskip("transformers")
+    cfg = T.OlmoeConfig(vocab_size=128, hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
+                        num_key_value_heads=2, max_position_embeddings=64, intermediate_size=64, num_experts=4,
+                        num_experts_per_tok=2)
+    cfg._experts_implementation = "grouped_mm"
+    torch.manual_seed(0)
+    model = T.OlmoeForCausalLM(cfg)
+    torch._dynamo.reset()
+    options = {"inner": "eager", "rules": [{"op": "grouped_mm", "precision": "bf16"}]}
+    with torch.autocast("cpu", torch.bfloat16):
+        torch.compile(model, backend="mxfp8", options=options)(torch.randint(0, 128, (2, 16)))
+    grouped = [r for r in mxfx.last_report().records if r.kind == "grouped_mm"]
+    assert len(grouped) == 2 and all(not r.rewritten and "grouped_mm_fallback" in r.reason for r in grouped), grouped
+    assert all(_columns(r) == ("fp32",) * 4 for r in grouped), grouped
+
+
+# --- the saved pass ---------------------------------------------------------------------------------
+
+
+def _packing(tokens: int, options=None) -> PrecisionMap:
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.Linear(64, 96, bias=False), nn.GELU(), nn.Linear(96, 64, bias=False))
+    with torch.autocast("cpu", torch.bfloat16):
+        torch.compile(model, backend="mxfp8", options={**EAGER, **(options or {})})(torch.randn(2, tokens // 2, 64))
+    return mxfx.last_report()
+
+
+def test_few_tokens_pack_nothing_larger_than_the_op_as_written_saves():
+    """At 14 tokens the MX copies, padded to 32 tokens, are larger than what the ops as written save (the BF16
+    input): neither is packed, each says why, and the summary claims no saving it does not make."""
+    pm = _packing(14)
+    first, second = (r for r in pm.records if r.kind == "linear")
+    assert (first.saved, second.saved) == ("fp32", "bf16")  # kept as they are: the FP32 model input, GELU's output
+    assert "larger than the 1792 bytes the op as written saves" in first.reason
+    assert "14 tokens zero-padded to a multiple of 32" in first.reason
+    before, after = pm.saved_bytes()
+    assert before == after == 14 * (64 + 96) * 2
+    assert "0.0% less" in pm.summary()
+
+
+def test_enough_tokens_pack_the_first_input():
+    """At 64 tokens the first linear's MX copy (2 tokens blocks of 32) is smaller than its BF16 input: packed."""
+    pm = _packing(64)
+    first = next(r for r in pm.records if r.kind == "linear")
+    assert first.saved == "mxfp8" and first.saved_bytes == (64 * 64 * 2, 64 * 64 * 33 // 32)
+
+
+def test_summary_names_growth_as_growth():
+    """Nominal saved bytes that grow read "more", never as a negative "less"."""
+    pm = PrecisionMap()
+    rec = OpRecord("n", "linear", "m", "x", "mxfp8", "mxfp8", "mxfp8", "mxfp8", "rceil", saved_bytes=(4480, 4800))
+    pm.records.append(rec)
+    assert "4480 B as written -> 4800 B (7.1% more, nominal)" in pm.summary()
+
+
+def test_saved_reasons_speak_of_the_ops_format():
+    """bf16_gemm: a BF16 copy of a BF16 input saves nothing, and the reason names bf16_gemm, without token padding
+    (only MXFP8's token-blocked wgrad copy pads); three converted readers of one input name their format's copies."""
+    pm = _packing(14, {"format": "bf16_gemm"})
+    second = [r for r in pm.records if r.kind == "linear"][1]
+    assert second.saved == "bf16" and "the bf16_gemm copy (2688 bytes) is not smaller" in second.reason, second
+    assert "padded" not in second.reason and "MX" not in second.reason
+
+    class QKV(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v = (nn.Linear(128, 128, bias=False) for _ in range(3))
+
+        def forward(self, x):
+            return self.q(x) + self.k(x) + self.v(x)
+
+    torch._dynamo.reset()
+    x = torch.randn(32, 128, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autocast("cpu", torch.bfloat16):
+        torch.compile(QKV(), backend="mxfp8", options={**EAGER, "format": "fp8_block"})(x)
+    reasons = {r.reason for r in mxfx.last_report().records if r.kind == "linear"}
+    assert reasons == {"read by 3 converted ops: one 2-byte copy is smaller than 3 fp8_block copies (1.03125 bytes a value)"}
