@@ -15,7 +15,7 @@ import warnings
 import torch
 import torch.fx as fx
 
-from mxfx import cache_key, coverage, names, passes, report, rule_check
+from mxfx import cache_key, coverage, names, passes, recompiles, report, rule_check
 from mxfx.runtime import cache, stats
 from mxfx import formats
 from mxfx.kernels import device as devices
@@ -206,6 +206,7 @@ def mxfp8_backend(gm: fx.GraphModule, example_inputs, options: Policy | dict | N
     rule_check.warn_unmet_requests(policy, pm.records, scope.warned)
     rule_check.warn_shared_graph_rules(policy, {(r.kind, r.module) for r in pm.records}, prefix, shared)
     _warn_float16_once(gm, pm)
+    recompiles.observe(pm.count(rewritten=True) > 0)
     if not torch.is_grad_enabled():  # Dynamo calls the backend in the grad mode the graph was traced in
         pm.mark_inference()
     report.register(pm)
