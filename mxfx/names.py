@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import sys
 import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -43,31 +44,41 @@ def name_modules(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def graph_prefix(params: dict[str, torch.Tensor]) -> str:
-    """The full-name prefix (``"layers.3."``, or ``""``) of a graph whose parameter placeholders are
-    ``params`` (graph-relative dotted name -> the real tensor). ``""`` when no registered root holds
-    one of them (the graph's own names are then the full names, as for a whole-model compile).
-    """
-    return graph_place(params)[0]
+@dataclass(frozen=True)
+class Place:
+    """Where a compiled graph sits in a model: ``root`` (the model, or None), the full-name ``prefix`` of the
+    module the graph's names start from (``"layers.3."``, or ``""``), and ``shared``: the prefixes of the other
+    modules of ``root`` of that module's class (``["layers.0.", "layers.1.", ...]``), which Dynamo may run through
+    the same graph."""
+
+    root: torch.nn.Module | None = None
+    prefix: str = ""
+    shared: tuple[str, ...] = ()
 
 
-def graph_place(params: dict[str, torch.Tensor]) -> tuple[str, list[str]]:
-    """``(prefix, shared)``: the graph's prefix (:func:`graph_prefix`) and the prefixes of the other
-    modules of the registered root of the same class as the module at ``prefix`` (``["layers.1.",
-    ...]``), which per-block compile runs through the same graph. ``("", [])`` when no root holds
-    one of ``params``.
+def graph_place(params: dict[str, torch.Tensor], running: torch.nn.Module | None = None) -> Place:
+    """The :class:`Place` of a graph whose parameter placeholders are ``params`` (graph-relative dotted name -> the
+    real tensor): found in the registered roots, else in ``running`` (the model whose call is running around the
+    compile, ``mxfx.coverage.model_of``), so that a graph cut out of a layer by a graph break, or a block compiled
+    on its own inside the model, is named from the model. ``Place()`` (the graph's own names are the full names)
+    when neither holds one of ``params``.
     """
-    if not params or not _roots:
-        return "", []
+    if not params:
+        return Place()
     by_id = {id(t): rel for rel, t in params.items()}
-    for root in list(_roots):
+    for root in [*_roots, *([running] if running is not None else [])]:
         for full, p in root.named_parameters(remove_duplicate=False):
             rel = by_id.get(id(p))
             full = strip_wrappers(full)
             if rel is not None and (full == rel or full.endswith("." + rel)):
                 prefix = full[: len(full) - len(rel)]
-                return prefix, _same_class(root, prefix)
-    return "", []
+                return Place(root, prefix, tuple(_same_class(root, prefix)))
+    return Place()
+
+
+def parameters_by_name(root: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters of ``root`` by full name, wrappers left out (:func:`strip_wrappers`)."""
+    return {strip_wrappers(full): p for full, p in root.named_parameters(remove_duplicate=False)}
 
 
 def _same_class(root: torch.nn.Module, prefix: str) -> list[str]:
@@ -76,7 +87,7 @@ def _same_class(root: torch.nn.Module, prefix: str) -> list[str]:
         return []
     modules: dict[str, torch.nn.Module] = {}
     for name, m in root.named_modules():
-        modules.setdefault(strip_wrappers(name), m)  # a wrapper comes before the module it wraps
+        modules[strip_wrappers(name)] = m  # the module a wrapper wraps comes after it: the innermost stays
     block = modules.get(prefix.rstrip("."))
     if block is None:
         return []

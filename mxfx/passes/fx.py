@@ -14,10 +14,11 @@ _ROOT = re.compile(r"^L\['(?!self')[^']*'\]\[0\]\.?|^L\['[^']*'\]\.?")  # L['sel
 # positional argument of a wrapped forward (Accelerate's autocast wrapper: L['args'][0])
 _INDEX = re.compile(r"\[(\d+)\]")
 _SUBSCRIPT = re.compile(r"\[['\"]([^'\"]+)['\"]\]")
-WRAPPER_NAMES = ("__dict__", "_checkpoint_wrapped_module")
-"""Path segments that name no module of their own: Dynamo's ``__dict__`` access and the inner module
+WRAPPER_NAMES = ("__dict__", "_checkpoint_wrapped_module", "_orig_mod")
+"""Path segments that name no module of their own: Dynamo's ``__dict__`` access, the inner module
 of torch's activation-checkpoint wrapper (``checkpoint_wrapper``, torchtitan's activation
-checkpointing), which ``state_dict()`` leaves out of parameter names as well."""
+checkpointing), which ``state_dict()`` leaves out of parameter names as well, and the module inside
+``torch.compile``'s wrapper (a block replaced by ``torch.compile(block)``)."""
 
 
 def normalize_fqn(dynamo_path: str) -> str:
