@@ -5,7 +5,7 @@ Operands are blocked along each GEMM's reduction dim (``docs/format.md``):
 * forward ``Y = MX(X) . MX(W)^T``: X rowwise (along K), W rowwise (along K, the "forward" weight cache);
 * dgrad ``dX = MX(dY) . MX(W)``: dY rowwise (along N), W blocked down its columns from W itself ("dgrad");
 * wgrad ``dW = MX(dY)^T . MX(X)``: both blocked along tokens, zero-padded to a multiple of 32 (per expert
-  group for routed experts, so no 32-block mixes two experts' rows).
+  group for routed experts, so no 32-block mixes two experts' rows; :func:`token_rows` for a dense linear).
 
 An operand is ``(qdata, scales, values)``: ``values`` is its dequantization written by the same pass where
 the GEMM is emulated (Hopper, CPU; :func:`mxfx.kernels.device.emulated_operand_dtype`), else None; where the
