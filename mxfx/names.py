@@ -1,17 +1,18 @@
-"""Full module names under per-block compile: where a compiled graph sits in the whole model.
+"""Full module names for graphs traced from a block: where a compiled graph sits in the whole model.
 
-``torch.compile(block)`` (torchtitan compiles each transformer block on its own) hands the backend
-a graph whose module names are relative to the block (``attention.wq``), while policy rules are
-written against the whole model's ``named_modules()`` (``layers.3.attention.wq``). After
-:func:`name_modules` ``(model)``, the backend finds the block's place from its parameters, which
-arrive in the graph as placeholders holding the real tensors: the full name of one of them, minus
-its block-relative name, is the prefix of every module of that graph (:func:`graph_prefix`).
+``torch.compile(block)`` (torchtitan compiles each transformer block on its own), and a graph break inside a
+layer of ``torch.compile(model)`` (the layer's forward becomes a frame of its own), hand the backend graphs whose
+module names are relative to the block (``attention.wq``), while policy rules are written against the whole
+model's ``named_modules()`` (``layers.3.attention.wq``). The backend finds the block's place from its parameters,
+which arrive in the graph as placeholders holding the real tensors: the full name of one of them in the model,
+minus its block-relative name, is the prefix of every module of that graph (:func:`graph_place`). The model is
+one registered with :func:`name_modules`, else the one whose call is running around the compile
+(``mxfx.coverage.model_of``).
 
-Dynamo compiles the code of identical blocks once and runs every block of that kind through the
-same graph (its parameters are graph inputs), so the graph carries the first compiled block's
-names; :func:`graph_place` also returns the places of the blocks sharing it, so that a rule
-deciding differently for one of them is reported (``mxfx.rule_check.warn_shared_graph_rules``).
-Activation-checkpoint wrappers are left out of names (``mxfx.passes.fx.strip_wrappers``).
+Dynamo compiles the code of identical blocks once and runs every block of that kind through the same graph
+(its parameters are graph inputs); :func:`graph_place` also returns the places of those blocks, so that the
+backend can compile a variant for the blocks the policy decides differently for (:mod:`mxfx.variants`).
+Activation-checkpoint and ``torch.compile`` wrappers are left out of names (``mxfx.passes.fx.strip_wrappers``).
 
 The roots are held weakly and their parameters are looked up when a graph is compiled, so
 parameters replaced after registration (FSDP2's ``fully_shard`` and its unsharded parameters

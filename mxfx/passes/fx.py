@@ -70,7 +70,7 @@ def stats_sites(gm: fx.GraphModule) -> list[str]:
 def module_fqn(node: fx.Node) -> str:
     """FQN of the innermost module a node was traced in, as the whole model's ``named_modules()``
     spells it ("" at the root or when unknown): the graph's own name of it, behind the graph's
-    prefix (:data:`PREFIX_META`, set by the backend from :func:`mxfx.names.graph_prefix`)."""
+    prefix (:data:`PREFIX_META`, set by the backend from :func:`mxfx.names.graph_place`)."""
     stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
     prefix = node.graph.owning_module.meta.get(PREFIX_META, "") if node.graph.owning_module is not None else ""
     if not stack:
