@@ -15,7 +15,7 @@ import warnings
 import torch
 import torch.fx as fx
 
-from mxfx import cache_key, coverage, names, passes, report, rule_check
+from mxfx import cache_key, coverage, names, passes, recompiles, report, rule_check, variants
 from mxfx.runtime import cache, stats
 from mxfx import formats
 from mxfx.kernels.common import device as devices
@@ -190,27 +190,57 @@ def mxfp8_backend(gm: fx.GraphModule, example_inputs, options: Policy | dict | N
         ValueError / TypeError: invalid options (the message lists valid keys/values).
     """
     policy = Policy.from_options(options)
+    params = parameter_placeholders(gm, example_inputs)
+    model = coverage.model_of(params)
+    place = names.graph_place(params, model)
+    scope = coverage.model_scope(model)  # the model's warnings: once per model, complete
+    # blocks running through this graph that the policy decides differently for get a variant each (mxfx.variants)
+    parts = variants.groups(policy, rule_check.graph_modules(gm), place) if place.shared else [[place.prefix]]
+    copies = [variants.graph_copy(gm) for _ in parts[1:]]  # before the rewrite: each variant rewrites its own graph
+    compiled = {}
+    for graph, group in zip([gm, *copies], parts):
+        fn = _compile_for(graph, example_inputs, policy, mode, group, place, params, scope)
+        compiled.update(dict.fromkeys(group, fn))
+    if len(parts) == 1:
+        return fn
+    name = next(iter(params))
+    index = next(i for i, v in enumerate(example_inputs) if v is params[name])
+    return variants.by_place(place.root, index, name, compiled)
+
+
+def _inputs_at(example_inputs, params: dict, held: dict, prefix: str) -> list:
+    """``example_inputs`` with each parameter of the graph replaced by the one of the block at ``prefix``
+    (``held``: the model's parameters by full name); others as they are."""
+    rel_of = {id(t): rel for rel, t in params.items()}
+    return [held.get(prefix + rel_of[id(v)], v) if id(v) in rel_of else v for v in example_inputs]
+
+
+def _compile_for(gm: fx.GraphModule, example_inputs, policy: Policy, mode: str | None, group: list[str],
+                 place: names.Place, params: dict, scope):
+    """Rewrite ``gm`` for the blocks ``group`` (full-name prefixes; its names are the first's), report it, and
+    compile it with the inner compiler."""
+    prefix = group[0]
     before = gm.print_readable(print_output=False) if policy.dump_dir else ""
     trace_artifact("mxfx_graph_before", lambda: before or gm.print_readable(print_output=False))
-    params = parameter_placeholders(gm, example_inputs)
-    prefix, shared = names.graph_place(params)
-    for g in gm.modules():  # module names behind the graph's place in the registered model (per-block compile)
+    for g in gm.modules():  # module names behind the graph's place in the model (mxfx.names)
         if isinstance(g, fx.GraphModule):
             g.meta[PREFIX_META] = prefix
     modules = rule_check.graph_modules(gm)
-    scope = coverage.model_scope(coverage.model_of(params))  # the model's warnings: once per model, complete
     pm = rewrite(gm, policy)
     whole = not prefix and names.whole_forward(params)
     # judged now for a whole-model graph, else over all graphs at the first optimizer step
     rule_check.observe(policy, modules, rule_check.rule_ops(pm.records), whole=whole, sites=pm.stats_sites,
                        converted={r.module for r in pm.records if r.rewritten})
     rule_check.warn_unmet_requests(policy, pm.records, scope.warned)
-    rule_check.warn_shared_graph_rules(policy, {(r.kind, r.module) for r in pm.records}, prefix, shared)
     _warn_float16_once(gm, pm)
+    recompiles.observe(pm.count(rewritten=True) > 0)
     if not torch.is_grad_enabled():  # Dynamo calls the backend in the grad mode the graph was traced in
         pm.mark_inference()
     report.register(pm)
-    coverage.observe(scope, gm, example_inputs, pm, policy, whole=whole)
+    held = names.parameters_by_name(place.root) if group != [place.prefix] else {}
+    for block in group:  # every block run through this graph: its weights are read by the graph's GEMMs
+        inputs = example_inputs if block == place.prefix else _inputs_at(example_inputs, params, held, block)
+        coverage.observe(scope, gm, inputs, pm, policy, whole=whole)
     _warn_format_notes(pm, example_inputs, policy)
     log.info("mxfx: %s", pm.summary())
     trace_artifact("mxfx_precision_map", pm.to_text)

@@ -1,17 +1,18 @@
-"""Full module names under per-block compile: where a compiled graph sits in the whole model.
+"""Full module names for graphs traced from a block: where a compiled graph sits in the whole model.
 
-``torch.compile(block)`` (torchtitan compiles each transformer block on its own) hands the backend
-a graph whose module names are relative to the block (``attention.wq``), while policy rules are
-written against the whole model's ``named_modules()`` (``layers.3.attention.wq``). After
-:func:`name_modules` ``(model)``, the backend finds the block's place from its parameters, which
-arrive in the graph as placeholders holding the real tensors: the full name of one of them, minus
-its block-relative name, is the prefix of every module of that graph (:func:`graph_prefix`).
+``torch.compile(block)`` (torchtitan compiles each transformer block on its own), and a graph break inside a
+layer of ``torch.compile(model)`` (the layer's forward becomes a frame of its own), hand the backend graphs whose
+module names are relative to the block (``attention.wq``), while policy rules are written against the whole
+model's ``named_modules()`` (``layers.3.attention.wq``). The backend finds the block's place from its parameters,
+which arrive in the graph as placeholders holding the real tensors: the full name of one of them in the model,
+minus its block-relative name, is the prefix of every module of that graph (:func:`graph_place`). The model is
+one registered with :func:`name_modules`, else the one whose call is running around the compile
+(``mxfx.coverage.model_of``).
 
-Dynamo compiles the code of identical blocks once and runs every block of that kind through the
-same graph (its parameters are graph inputs), so the graph carries the first compiled block's
-names; :func:`graph_place` also returns the places of the blocks sharing it, so that a rule
-deciding differently for one of them is reported (``mxfx.rule_check.warn_shared_graph_rules``).
-Activation-checkpoint wrappers are left out of names (``mxfx.passes.fx.strip_wrappers``).
+Dynamo compiles the code of identical blocks once and runs every block of that kind through the same graph
+(its parameters are graph inputs); :func:`graph_place` also returns the places of those blocks, so that the
+backend can compile a variant for the blocks the policy decides differently for (:mod:`mxfx.variants`).
+Activation-checkpoint and ``torch.compile`` wrappers are left out of names (``mxfx.passes.fx.strip_wrappers``).
 
 The roots are held weakly and their parameters are looked up when a graph is compiled, so
 parameters replaced after registration (FSDP2's ``fully_shard`` and its unsharded parameters
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import sys
 import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -43,31 +45,41 @@ def name_modules(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def graph_prefix(params: dict[str, torch.Tensor]) -> str:
-    """The full-name prefix (``"layers.3."``, or ``""``) of a graph whose parameter placeholders are
-    ``params`` (graph-relative dotted name -> the real tensor). ``""`` when no registered root holds
-    one of them (the graph's own names are then the full names, as for a whole-model compile).
-    """
-    return graph_place(params)[0]
+@dataclass(frozen=True)
+class Place:
+    """Where a compiled graph sits in a model: ``root`` (the model, or None), the full-name ``prefix`` of the
+    module the graph's names start from (``"layers.3."``, or ``""``), and ``shared``: the prefixes of the other
+    modules of ``root`` of that module's class (``["layers.0.", "layers.1.", ...]``), which Dynamo may run through
+    the same graph."""
+
+    root: torch.nn.Module | None = None
+    prefix: str = ""
+    shared: tuple[str, ...] = ()
 
 
-def graph_place(params: dict[str, torch.Tensor]) -> tuple[str, list[str]]:
-    """``(prefix, shared)``: the graph's prefix (:func:`graph_prefix`) and the prefixes of the other
-    modules of the registered root of the same class as the module at ``prefix`` (``["layers.1.",
-    ...]``), which per-block compile runs through the same graph. ``("", [])`` when no root holds
-    one of ``params``.
+def graph_place(params: dict[str, torch.Tensor], running: torch.nn.Module | None = None) -> Place:
+    """The :class:`Place` of a graph whose parameter placeholders are ``params`` (graph-relative dotted name -> the
+    real tensor): found in the registered roots, else in ``running`` (the model whose call is running around the
+    compile, ``mxfx.coverage.model_of``), so that a graph cut out of a layer by a graph break, or a block compiled
+    on its own inside the model, is named from the model. ``Place()`` (the graph's own names are the full names)
+    when neither holds one of ``params``.
     """
-    if not params or not _roots:
-        return "", []
+    if not params:
+        return Place()
     by_id = {id(t): rel for rel, t in params.items()}
-    for root in list(_roots):
+    for root in [*_roots, *([running] if running is not None else [])]:
         for full, p in root.named_parameters(remove_duplicate=False):
             rel = by_id.get(id(p))
             full = strip_wrappers(full)
             if rel is not None and (full == rel or full.endswith("." + rel)):
                 prefix = full[: len(full) - len(rel)]
-                return prefix, _same_class(root, prefix)
-    return "", []
+                return Place(root, prefix, tuple(_same_class(root, prefix)))
+    return Place()
+
+
+def parameters_by_name(root: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters of ``root`` by full name, wrappers left out (:func:`strip_wrappers`)."""
+    return {strip_wrappers(full): p for full, p in root.named_parameters(remove_duplicate=False)}
 
 
 def _same_class(root: torch.nn.Module, prefix: str) -> list[str]:
@@ -76,7 +88,7 @@ def _same_class(root: torch.nn.Module, prefix: str) -> list[str]:
         return []
     modules: dict[str, torch.nn.Module] = {}
     for name, m in root.named_modules():
-        modules.setdefault(strip_wrappers(name), m)  # a wrapper comes before the module it wraps
+        modules[strip_wrappers(name)] = m  # the module a wrapper wraps comes after it: the innermost stays
     block = modules.get(prefix.rstrip("."))
     if block is None:
         return []

@@ -1,8 +1,7 @@
 """Policy settings that do not apply as written: a module glob matching no module, or a rule matching no op mxfx
 decides (its modules hold no such op, or none of its ``op`` kind; both warned once, judged against the whole
-model), a rule deciding one block of a shared graph (:func:`warn_shared_graph_rules`), a rule asking for low
-precision that an op's shape refuses (:func:`warn_unmet_requests`), and a ``stats`` modules glob matching no
-quantize site (warned once, judged as rules are).
+model), a rule asking for low precision that an op's shape refuses (:func:`warn_unmet_requests`), and a ``stats``
+modules glob matching no quantize site (warned once, judged as rules are).
 
 A rule's module glob is judged against the module names of every graph compiled
 under the same policy (equal policies, e.g. the same ``options`` dict, count as
@@ -20,10 +19,10 @@ map's records of the op kinds a rule decides, :data:`mxfx.policy.OP_KINDS`; "sav
 input): a rule matching no op of any graph compiled under the policy (a norm module, ``op="grouped_mm"`` on an
 attention module) changes nothing and warns, naming the modules it matches and the op kinds found there.
 
-The unmatched-module warning names the rule and a few of the module names that exist. Under
-per-block compile the names are the block's own (``attn.q_proj``, not
-``layers.0.attn.q_proj``): the graph is traced from the block, and blocks of one
-kind share it.
+The unmatched-module warning names the rule and a few of the module names that exist. A graph traced from a
+block (per-block compile, or the part of a layer a graph break cuts out) is named from the model when the
+model's call runs around the compile or the model is registered (:mod:`mxfx.names`); otherwise its names are the
+block's own (``attn.q_proj``, not ``layers.0.attn.q_proj``), and the warning says how to get the full ones.
 """
 
 from __future__ import annotations
@@ -112,22 +111,19 @@ def _judge(policy: Policy) -> None:
     modules, ops = seen.modules, seen.ops
     names = sorted(m for m in modules if m)
     examples = listed(names)
-    # a rule already warned as naming one of several blocks that share a graph: that warning says why
-    shared = {policy.rules[i] for k, i in _warned_shared if k == hash(policy)}
     for rule in unmatched_rules(policy, modules):
-        if rule in shared:
-            continue
         warnings.warn(
             f"mxfx: policy {policy.describe_rule(rule)} matches no module of the graphs compiled under this "
             f"policy, so it changes nothing. Module names there ({len(names)}): {examples or 'none'}. A glob matches a "
             f"name as named_modules() spells it or any dotted suffix of it (e.g. 'layers.0.*' matches "
-            f"'model.layers.0.mlp'), and the modules inside a matched one; a graph compiled per block names "
-            f"modules from the block.",
+            f"'model.layers.0.mlp'), and the modules inside a matched one. A graph traced from a block (compiled "
+            f"on its own, or cut out of a layer by a graph break) names its modules from the block when no model "
+            f"holding the block is being called or registered: call mxfx.name_modules(model) once and they are "
+            f"named from the model.",
             stacklevel=2,
         )
     for rule in opless_rules(policy, modules, ops):
-        if rule not in shared:
-            warnings.warn(_opless_message(policy, rule, modules, ops), stacklevel=2)
+        warnings.warn(_opless_message(policy, rule, modules, ops), stacklevel=2)
     if policy.stats is not None and not seen.sites:
         warnings.warn(_siteless_stats_message(policy, seen.converted), stacklevel=2)
 
@@ -197,42 +193,6 @@ def _matched_prefix(rule, module: str) -> str:
 def graph_modules(gm: torch.fx.GraphModule) -> set[str]:
     """The innermost module name of every op in ``gm`` and its subgraphs, as :func:`module_fqn` gives them."""
     return {module_fqn(n) for g in all_graphs(gm) for n in g.graph.nodes if n.op in ("call_function", "call_method", "call_module")}
-
-
-_warned_shared: set[tuple[int, int]] = set()  # (policy hash, rule index) already warned
-
-
-def warn_shared_graph_rules(policy: Policy, ops: set[tuple[str, str]], prefix: str, shared: list[str]) -> None:
-    """Warn, once per rule, when a rule decides differently for a block than for the blocks sharing its graph.
-
-    ``ops`` are ``(op kind, full module name)`` of one graph compiled for the block at ``prefix``;
-    ``shared`` the prefixes of the blocks Dynamo runs through the same graph (``mxfx.names.graph_place``).
-    Those blocks get this graph's decisions, so a rule that names one layer cannot apply as written.
-    """
-    if not prefix or not shared:
-        return
-    try:
-        key = hash(policy)
-    except TypeError:  # an unhashable inner compiler: warned per graph
-        key = id(policy)
-    for i, rule in enumerate(policy.rules):
-        if rule.module is None or (key, i) in _warned_shared:
-            continue
-        differ = sorted({other for kind, module in ops if module.startswith(prefix)
-                         for other in shared
-                         if rule.matches(kind, module) != rule.matches(kind, other + module[len(prefix):])})
-        if differ:
-            _warned_shared.add((key, i))
-            others = ", ".join(p.rstrip(".") for p in differ[:EXAMPLES]) + (", ..." if len(differ) > EXAMPLES else "")
-            warnings.warn(
-                f"mxfx: policy {policy.describe_rule(rule)} decides differently for {prefix.rstrip('.')} than for "
-                f"{others}, "
-                f"but torch.compile runs all of these blocks through the one graph compiled for "
-                f"{prefix.rstrip('.')} (same code; parameters are graph inputs), so they all get "
-                f"{prefix.rstrip('.')}'s decision. A rule for one layer needs a graph per layer: compile the whole "
-                f"model, or write the rule for every block of this kind (e.g. a glob without the layer index).",
-                stacklevel=2,
-            )
 
 
 REQUEST_KINDS = ("linear", "router", "grouped_mm")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from tests.helpers import load_example
 
 _example = load_example("moe_model")
-MoEConfig, MoE, MoETransformer = _example.MoEConfig, _example.MoE, _example.MoETransformer
+MoEConfig, MoE, Block, MoETransformer = _example.MoEConfig, _example.MoE, _example.Block, _example.MoETransformer
 
 
 def tiny_config(**overrides) -> MoEConfig:

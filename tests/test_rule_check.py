@@ -97,10 +97,11 @@ def test_per_block_compile_judges_all_blocks_together():
     """Block 0's graph has no 'proj': judged per graph, the 'proj' rule would warn; over both blocks it must not."""
     model = Inner()
     options = {"inner": "aot_eager", "rules": [{"module": "proj", "precision": "bf16"},
-                                               {"module": "layers.1.*", "precision": "bf16"}]}
+                                               {"module": "layers.2.*", "precision": "bf16"}]}
     messages = _per_block_judged(model, options)
-    assert len(messages) == 1 and "(module='layers.1.*', precision='bf16')" in messages[0], messages
-    assert "'proj'" in messages[0] and "'up'" in messages[0]  # block-relative names, from both graphs
+    assert len(messages) == 1 and "(module='layers.2.*', precision='bf16')" in messages[0], messages
+    # the names of both graphs, named from the model being called around the blocks
+    assert "'layers.1.proj'" in messages[0] and "'layers.0.up'" in messages[0]
     assert [pm.records[0].forward for pm in mxfx.all_reports()[-2:]] == ["mxfp8", "fp32"]  # the 'proj' rule applied
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once: a later step does not warn again
@@ -342,10 +343,11 @@ def test_rule_matching_an_op_in_any_graph_does_not_warn():
                                                {"module": "input_layernorm", "precision": "bf16"}]}
     messages = [m for m in _per_block_judged(model, options) if "input_layernorm" in m or "op='swiglu'" in m or "'up'" in m]
     assert len(messages) == 1, messages
-    assert "(module='input_layernorm', precision='bf16') matches module 'input_layernorm', but there is no op" in messages[0]
+    assert ("(module='input_layernorm', precision='bf16') matches modules 'layers.0.input_layernorm', "
+            "'layers.1.input_layernorm', but there is no op") in messages[0]
     by_kind_module = {(r.kind, r.module): r for r in mxfx.last_report().records}
     # applied: gate and up kept as they are, a high-precision wgrad, both FP32 in this FP32 model
-    assert by_kind_module["swiglu", "down"].saved == "fp32" and by_kind_module["linear", "up"].wgrad == "fp32"
+    assert by_kind_module["swiglu", "layers.1"].saved == "fp32" and by_kind_module["linear", "layers.1.up"].wgrad == "fp32"
 
 
 def test_keep_dequantized_weights_with_only_fp8_block_is_refused():

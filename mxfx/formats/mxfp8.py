@@ -5,7 +5,7 @@ Operands are blocked along each GEMM's reduction dim (``docs/format.md``):
 * forward ``Y = MX(X) . MX(W)^T``: X rowwise (along K), W rowwise (along K, the "forward" weight cache);
 * dgrad ``dX = MX(dY) . MX(W)``: dY rowwise (along N), W blocked down its columns from W itself ("dgrad");
 * wgrad ``dW = MX(dY)^T . MX(X)``: both blocked along tokens, zero-padded to a multiple of 32 (per expert
-  group for routed experts, so no 32-block mixes two experts' rows).
+  group for routed experts, so no 32-block mixes two experts' rows; :func:`token_rows` for a dense linear).
 
 Which GEMMs run natively is :attr:`MXFP8.native_gemms` (Blackwell); the others are emulated. An operand is
 ``(qdata, scales, values)``: ``values`` is its dequantization written by the same pass where the GEMM is emulated
@@ -31,9 +31,21 @@ from mxfx.numerics.mx import BLOCK_SIZE, E4M3_MAX, E8M0_BIAS, dequantize_lastdim
 from mxfx.runtime import cache, stats
 
 
+def token_rows(m):
+    """Rows of a linear's token-blocked wgrad operands for ``m`` tokens: ``m`` rounded up to whole 32-row blocks;
+    for a symbolic ``m`` (dynamic shapes: a data-dependent expert split), at least two blocks.
+
+    The symbolic count is one expression for every ``m`` (``torch.sym_max``, no branch on its value): torch's
+    contiguity checks ask whether each dim of a tensor is 1, and a scale dim that may be one block (``m <= 32``)
+    would be guarded on, recompiling the graph whenever an expert's rows cross 32.
+    """
+    rows = m + (-m) % BLOCK_SIZE
+    return torch.sym_max(2 * BLOCK_SIZE, rows) if isinstance(m, torch.SymInt) else rows
+
+
 def _pad_tokens(t: torch.Tensor) -> torch.Tensor:
-    """Zero-pad dim 0 to a multiple of 32 (zero rows add nothing to a token-reduction GEMM)."""
-    return F.pad(t, (0, 0, 0, (-t.shape[0]) % BLOCK_SIZE))
+    """Zero-pad dim 0 to :func:`token_rows` rows (zero rows add nothing to a token-reduction GEMM)."""
+    return F.pad(t, (0, 0, 0, token_rows(t.shape[0]) - t.shape[0]))
 
 
 def _token_blocked(t: torch.Tensor, offs: torch.Tensor, rule: str):

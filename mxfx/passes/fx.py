@@ -14,10 +14,11 @@ _ROOT = re.compile(r"^L\['(?!self')[^']*'\]\[0\]\.?|^L\['[^']*'\]\.?")  # L['sel
 # positional argument of a wrapped forward (Accelerate's autocast wrapper: L['args'][0])
 _INDEX = re.compile(r"\[(\d+)\]")
 _SUBSCRIPT = re.compile(r"\[['\"]([^'\"]+)['\"]\]")
-WRAPPER_NAMES = ("__dict__", "_checkpoint_wrapped_module")
-"""Path segments that name no module of their own: Dynamo's ``__dict__`` access and the inner module
+WRAPPER_NAMES = ("__dict__", "_checkpoint_wrapped_module", "_orig_mod")
+"""Path segments that name no module of their own: Dynamo's ``__dict__`` access, the inner module
 of torch's activation-checkpoint wrapper (``checkpoint_wrapper``, torchtitan's activation
-checkpointing), which ``state_dict()`` leaves out of parameter names as well."""
+checkpointing), which ``state_dict()`` leaves out of parameter names as well, and the module inside
+``torch.compile``'s wrapper (a block replaced by ``torch.compile(block)``)."""
 
 
 def normalize_fqn(dynamo_path: str) -> str:
@@ -69,7 +70,7 @@ def stats_sites(gm: fx.GraphModule) -> list[str]:
 def module_fqn(node: fx.Node) -> str:
     """FQN of the innermost module a node was traced in, as the whole model's ``named_modules()``
     spells it ("" at the root or when unknown): the graph's own name of it, behind the graph's
-    prefix (:data:`PREFIX_META`, set by the backend from :func:`mxfx.names.graph_prefix`)."""
+    prefix (:data:`PREFIX_META`, set by the backend from :func:`mxfx.names.graph_place`)."""
     stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
     prefix = node.graph.owning_module.meta.get(PREFIX_META, "") if node.graph.owning_module is not None else ""
     if not stack:
