@@ -130,6 +130,20 @@ def test_block_ops_name_themselves_in_their_errors():
         ops.block_swiglu_quantize(x[None], x[None], "rceil")
 
 
+def test_block_forward_operands_takes_zero_padded_tokens():
+    """The dense token-tiled operand may come from x with zero rows appended (a symbolic token count padded to whole
+    tiles): its first columns are x's own token tiles, the rest zeros with scale 1; other features, or fewer rows,
+    are refused."""
+    x = torch.randn(6, 128)
+    q, s, qt, st = torch.ops.mxfx.block_forward_operands(x, None, F.pad(x, (0, 0, 0, 250)), None, "rceil", False)
+    ref_q, ref_s = bf.quantize_1x128(x.t())
+    assert qt.shape == (128, 256) and st.shape == (128, 2)
+    assert torch.equal(qt[:, :6].view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(st[:, :1], ref_s)
+    assert not qt[:, 6:].float().any() and torch.equal(st[:, 1], torch.ones(128))
+    with pytest.raises(ValueError, match=r"tokens_src of shape \(256, 256\) must have x's shape \(6, 128\)"):
+        torch.ops.mxfx.block_forward_operands(x, None, torch.zeros(256, 256), None, "rceil", False)
+
+
 def test_weight_cache_one_grid_for_forward_and_dgrad_per_step():
     cache.clear()
     cache.reset_stats()

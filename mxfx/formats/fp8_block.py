@@ -7,7 +7,8 @@ Every GEMM is ``A @ B^T`` with both operands tiled along its reduction dim:
 * forward ``Y = Q(X) . Q(W)^T``: X in 1x128 tiles along K, W in 128x128 blocks (the "forward" weight cache);
 * dgrad ``dX = Q(dY) . Q(W^T)^T``: dY 1x128 along N, the same 128x128 grid read as W^T ("dgrad");
 * wgrad ``dW = Q(dY^T) . Q(X^T)^T``: both operands in 1x128 tiles along the tokens (for routed experts
-  restarting at every group start).
+  restarting at every group start; for a dense linear with a symbolic token count, zero-padded per
+  :func:`token_rows`).
 
 An operand is ``(qdata float8_e4m3fn, scales float32)``. On sm90 the GEMMs are FP8 tensor-core GEMMs (cuBLAS
 blockwise dense, Triton grouped), on CPU the exact FP32 decode.
@@ -24,6 +25,28 @@ from mxfx.kernels.common import swiglu
 from mxfx.numerics.block import TILE, dequantize_128x128, dequantize_values, n_tiles
 from mxfx.numerics.mx import E4M3_MAX
 from mxfx.runtime import cache, stats
+
+
+def token_rows(m):
+    """Rows of a linear's token-tiled wgrad operands for ``m`` tokens: ``m`` itself (a partial last tile needs no
+    padding); for a symbolic ``m`` (dynamic shapes: a data-dependent expert split), ``m`` zero-padded to whole
+    128-row tiles, at least two.
+
+    The symbolic count is one expression for every ``m`` (``torch.sym_max``, no branch on its value): torch's
+    contiguity checks ask whether each dim of a tensor is 1, and a scale dim ``ceil(m/128)`` that may be one tile
+    would be guarded on, recompiling the graph whenever an expert's rows cross 128; whole tiles also make the count
+    a known multiple of 16 (what the cuBLAS GEMM pads its K to). Zero rows leave each tile's amax, so the first
+    ``m`` tokens' bytes, as they are, and add nothing to the wgrad's token reduction.
+    """
+    return TILE * torch.sym_max(2, -(-m // TILE)) if isinstance(m, torch.SymInt) else m
+
+
+def _pad_tokens(t: torch.Tensor, rows=None) -> torch.Tensor:
+    """``t`` zero-padded along dim 0 to ``rows`` (default :func:`token_rows`); ``t`` itself where that is its
+    own count (a static one)."""
+    m = t.shape[0]
+    rows = token_rows(m) if rows is None else rows
+    return t if isinstance(m, int) and rows == m else F.pad(t, (0, 0, 0, rows - m))
 
 
 # --- weight forms (mxfx.runtime.cache) -------------------------------------------------------------
@@ -98,6 +121,8 @@ class FP8Block(Format):
             t = tuple(custom_ops.block_quantize_grouped_tokens(source, offs, rule)) if tokens else None
             return tuple(given), t, ()
         pack = up is not None and save == "mxfp8"
+        if tokens and offs is None:
+            source = _pad_tokens(source)  # a symbolic count: whole tiles, no guard on "one tile" (token_rows)
         out = custom_ops.block_forward_operands(x, up, source, offs, rule, pack)  # every pair from one read
         a, rest = (out[0], out[1]), out[2:]
         t = tuple(rest[:2]) if tokens else None
@@ -115,19 +140,20 @@ class FP8Block(Format):
 
     def grad_operands(self, dy, rule, rows, tokens):
         rule = str(rule)
-        if rows and tokens:  # both tilings of dY from one read
+        padded = _pad_tokens(dy) if tokens else dy
+        if rows and tokens and padded is dy:  # both tilings of dY from one read
             q, s, qt, st = custom_ops.block_quantize_dual(dy, rule)
             return (q, s), (qt, st)
-        if rows:
-            return tuple(custom_ops.block_quantize(dy, rule)), None
-        return None, (tuple(custom_ops.block_quantize_tokens(dy, rule)) if tokens else None)
+        # a symbolic token count: the rows of dY as they are, its token tiles from the zero-padded copy
+        dy_rows = tuple(custom_ops.block_quantize(dy, rule)) if rows else None
+        return dy_rows, (tuple(custom_ops.block_quantize_tokens(padded, rule)) if tokens else None)
 
     def grouped_grad_operand(self, dout, route_weight, rule):
         dy = dout if route_weight is None else dout.float() * route_weight.reshape(-1, 1).float()
         return tuple(custom_ops.block_quantize(dy, str(rule))), dy
 
     def tokens_operand(self, x, rule):
-        return tuple(custom_ops.block_quantize_tokens(x, str(rule)))
+        return tuple(custom_ops.block_quantize_tokens(_pad_tokens(x), str(rule)))
 
     def wgrad_mm(self, dy_tokens, x_tokens, out_dtype):
         return custom_ops.block_mm(dy_tokens[0], dy_tokens[1], x_tokens[0], x_tokens[1], out_dtype)
@@ -169,10 +195,11 @@ class FP8Block(Format):
 
     def quant_stats(self, source, combine, operand, rule, layout):
         # rows [..., K] in 1x128 tiles along K, the wgrad operand of x [T, K] as x^T [K, T] in 1x128 tiles along the
-        # tokens, a weight [..., N, K] in 128x128 blocks; a dim that 128 does not divide ends in a shorter tile
+        # tokens (T zero-padded to the operand's count, token_rows), a weight [..., N, K] in 128x128 blocks; a dim
+        # that 128 does not divide ends in a shorter tile
         x = self.stats_values(source, combine, layout)
         if layout == "tokens":
-            x = x.t()
+            x = _pad_tokens(x, operand[0].shape[1]).t()
         elif layout not in ("rows", "weight"):
             raise ValueError(f"mxfx.formats.fp8_block: layout={layout!r} is not valid; choose one of {stats.LAYOUTS}")
         q, s = operand[0], operand[1]

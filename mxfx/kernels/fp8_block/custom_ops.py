@@ -20,6 +20,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from mxfx.numerics.block import check_rule, group_tile_capacity, n_tiles
 from mxfx.numerics.mx import check_input
@@ -169,12 +170,27 @@ def _(x, offs, rule):
     return x.new_empty((k, t), dtype=_E4M3), _fake_col_major(x, k, group_tile_capacity(t, offs.shape[0]))
 
 
+def _check_tokens_src(x: torch.Tensor, tokens_src: torch.Tensor, grouped: bool) -> None:
+    """``tokens_src`` has ``x``'s shape; the dense operand's (not ``grouped``) may have more rows, zeros padding a
+    symbolic token count (:func:`mxfx.formats.fp8_block.token_rows`). Symbolic rows are compared only where that
+    needs no guard (their padded count is not known to be ``>= x``'s), concrete ones always: when the op runs."""
+    if grouped:
+        fits = tokens_src.shape == x.shape
+    else:
+        fits = tokens_src.shape[1] == x.shape[1] and not statically_known_true(tokens_src.shape[0] < x.shape[0])
+    if not fits:
+        more = "" if grouped else ", or its features with more (zero) rows"
+        raise ValueError(f"mxfx::block_forward_operands: tokens_src of shape {tuple(tokens_src.shape)} must have "
+                         f"x's shape {tuple(x.shape)}{more}")
+
+
 def _check_forward_operands(x, up, tokens_src, offs, rule, pack) -> None:
     op = "block_forward_operands"
     _check_inputs(op, rule, x=x, up=up, tokens_src=tokens_src)
-    for other, name in ((up, "up"), (tokens_src, "tokens_src")):
-        if other is not None:
-            _check_pair(op, x, other, name)
+    if up is not None:
+        _check_pair(op, x, up, "up")
+    if tokens_src is not None:
+        _check_tokens_src(x, tokens_src, offs is not None)
     if offs is not None:
         _check_offs(op, offs, x)
     if pack and up is None:
@@ -306,7 +322,8 @@ block_quantize_grouped_tokens = op_or_body(_block_quantize_grouped_tokens_op, _q
 block_forward_operands = op_or_body(_block_forward_operands_op, _forward_operands_traced, """Every fp8_block
 quantization a forward makes of one GEMM input, as one op (``mxfx::block_forward_operands``): ``[qdata, scales]``
 of the forward operand (``x``, or ``silu(x) * up`` with ``up``), then, with ``tokens_src``, its token-tiled wgrad
-operand (:func:`block_quantize_tokens`, or with ``offs`` :func:`block_quantize_grouped_tokens`), then, with
+operand (:func:`block_quantize_tokens`, or with ``offs`` :func:`block_quantize_grouped_tokens`; without ``offs``
+``tokens_src`` may carry zero rows past x's, a symbolic token count padded), then, with
 ``pack``, the 1x128 pairs of ``x`` and ``up`` (the SwiGLU inputs saved for backward).
 
 One op (one kernel where one writes them all) because the forward reads its first pair: AOTAutograd's
@@ -315,7 +332,8 @@ instead, in BF16 (twice the bytes of the FP8 copy the policy asked to save).
 
 Raises:
     TypeError: an input that is not bfloat16, float16 or float32 (the message names it).
-    ValueError: a tensor that is not 2D or has no features, ``up`` or ``tokens_src`` not of ``x``'s shape, ``offs``
+    ValueError: a tensor that is not 2D or has no features, ``up`` or ``tokens_src`` not of ``x``'s shape (a dense
+        ``tokens_src`` with fewer rows or other features), ``offs``
         not int32 ``[G]`` on x's device (on the CPU also decreasing or past x's rows), an unknown rule, or ``pack``
         without ``up``.""")
 block_mm = op_or_body(_block_mm_op, _mm_traced, """:func:`mxfx.kernels.fp8_block.gemm.scaled_mm` (``mxfx::block_mm``).
