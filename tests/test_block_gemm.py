@@ -445,3 +445,26 @@ def test_cublas_wrapper_builds_the_checked_scale_layouts(monkeypatch, m, n, k):
         assert out.shape == (m, n)
         bound = summation_bound(a, sa, b, sb, (-1,) if block_gemm.tiled_rows(b, sb) else (-2, -1))
         assert ((out - block_gemm.reference_mm(a, sa, b, sb, torch.float32)).abs() <= bound).all()
+
+
+def test_cublas_wrapper_guards_nothing_on_a_symbolic_row_count(monkeypatch):
+    """Traced with a symbolic M (a data-dependent expert split under dynamic shapes; on CUDA the dense GEMM's body
+    enters the graph), the padding of M to a multiple of 16 is one expression: no guard on whether an expert's rows
+    are a multiple of 16, so no recompile when they cross one. On CPU tensors, the stand-in for cuBLAS checking
+    the layouts it receives."""
+    monkeypatch.setattr(torch.nn.functional, "scaled_mm", torch.compiler.disable(_fake_scaled_mm))
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    mm = torch.compile(lambda a, sa, b, sb: block_gemm._cublas_mm(a, sa, b, sb, torch.float32), backend="eager",
+                       dynamic=True)
+    g = torch.Generator().manual_seed(7)
+    b, sb = bf.quantize_128x128(torch.randn(256, 384, generator=g))
+    graphs = []
+    for m in (100, 112, 130, 144):  # M's padding to 16: some, none, some, none
+        a, sa = bf.quantize_1x128(torch.randn(m, 384, generator=g))
+        out = mm(a, sa.t().contiguous().t(), b, sb)
+        assert out.shape == (m, 256)
+        assert ((out - block_gemm.reference_mm(a, sa, b, sb, torch.float32)).abs() <= summation_bound(a, sa, b, sb)).all()
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs == [graphs[0]] * 4, graphs

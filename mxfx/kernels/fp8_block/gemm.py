@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from mxfx.numerics.block import dequantize_values, group_tile_capacity, group_tile_starts, n_tiles
 from mxfx.kernels.common.device import triton_available
@@ -86,11 +87,18 @@ def tiled_rows(b: torch.Tensor, b_scales: torch.Tensor) -> bool:
 
 
 def _pad_to(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
+    # a symbolic dim (traced under dynamic shapes) is padded by its symbolic remainder, maybe zero: no guard on it
     extra = -t.shape[dim] % multiple
-    if not extra:
+    if statically_known_true(extra == 0):
         return t
     pad = [0, 0] * (t.dim() - dim - 1) + [0, extra]
     return F.pad(t.view(torch.uint8), pad).view(t.dtype)  # zero bytes: E4M3 +0, adds nothing to the sums
+
+
+def _same(size, target) -> bool:
+    """Whether two sizes are known equal without a guard (plain ints: equal); a symbolic pair not known equal takes
+    the padding or slicing path, which is also right when they turn out equal."""
+    return statically_known_true(size == target)
 
 
 def _cublas_mm(a, a_scales, b, b_scales, out_dtype):
@@ -99,7 +107,7 @@ def _cublas_mm(a, a_scales, b, b_scales, out_dtype):
     # stay 16-byte aligned. Zero rows and columns (E4M3 +0, scale 1) add nothing; the output is sliced back.
     a_q = _pad_to(_pad_to(a, 1, 16), 0, 16).contiguous()
     b_q = _pad_to(_pad_to(b, 1, 16), 0, 16).contiguous()
-    a_s = a_scales if a_q.shape[0] == m else F.pad(a_scales, (0, 0, 0, a_q.shape[0] - m), value=1.0)
+    a_s = a_scales if _same(a_q.shape[0], m) else F.pad(a_scales, (0, 0, 0, a_q.shape[0] - m), value=1.0)
     a_s = a_s.t().contiguous().t()  # [M, K/128], stride (1, M)
     if not tiled_rows(b, b_scales):
         # [ceil(K/128) padded to a multiple of 4, N/128] with stride (1, padded): the 128x128 grid, K blocks padded
@@ -110,7 +118,7 @@ def _cublas_mm(a, a_scales, b, b_scales, out_dtype):
         padded[:, :kt] = b_scales
         b_s, recipe_b = padded.t(), F.ScalingType.BlockWise128x128
     else:
-        sb = b_scales if b_q.shape[0] == n else F.pad(b_scales, (0, 0, 0, b_q.shape[0] - n), value=1.0)
+        sb = b_scales if _same(b_q.shape[0], n) else F.pad(b_scales, (0, 0, 0, b_q.shape[0] - n), value=1.0)
         b_s, recipe_b = sb.t().contiguous().t(), F.ScalingType.BlockWise1x128  # [N, K/128], stride (1, N)
     try:
         out = F.scaled_mm(a_q, b_q.t(), a_s, F.ScalingType.BlockWise1x128, b_s, recipe_b, output_dtype=out_dtype)
@@ -120,7 +128,7 @@ def _cublas_mm(a, a_scales, b, b_scales, out_dtype):
             f"{tuple(a_scales.shape)} and {tuple(b_scales.shape)} (out {out_dtype}); blockwise FP8 needs sm90 "
             f"and a torch built with CUDA 12.9+"
         ) from e
-    return out[:m, :n] if out.shape != (m, n) else out
+    return out if _same(out.shape[0], m) and _same(out.shape[1], n) else out[:m, :n]
 
 
 def grouped_mm(
