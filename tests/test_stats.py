@@ -190,6 +190,22 @@ def test_linear_sites_eager_and_compiled(mode, fmt, rule):
     assert f"proj/linear/forward_x" in str(table)
 
 
+@pytest.mark.parametrize("fmt,rule", [RULES[0], RULES[2]], ids=[IDS[0], IDS[2]])
+def test_token_sites_under_dynamic_shapes_read_the_static_operand(fmt, rule):
+    """Under dynamic shapes a linear's token-blocked wgrad operands carry more zero tokens than a static count's
+    (each format's ``token_rows``: at least two blocks or tiles); their statistics are those of the static operand
+    (24 tokens: one MX block short of the symbolic count's 64, one 128-token tile short of 256)."""
+    torch._dynamo.reset()
+    model = _Lin(fmt)
+    x = _data(24, 256).requires_grad_(True)
+    dy = _data(24, 128, seed=3)
+    policy = {"inner": "aot_eager", "format": fmt.name, "scale_rule": rule, "stats": {"every": 1}}
+    torch.compile(model, backend="mxfp8", options=policy, dynamic=True)(x).backward(dy)
+    table = mxfx.stats()
+    for direction, t in (("wgrad_x", x), ("wgrad_dy", dy)):
+        _check(table.row(f"proj/linear/{direction}").last, _reference(t, fmt, rule, "tokens"))
+
+
 class _Experts(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -41,12 +41,10 @@ def token_rows(m):
     return TILE * torch.sym_max(2, -(-m // TILE)) if isinstance(m, torch.SymInt) else m
 
 
-def _pad_tokens(t: torch.Tensor, rows=None) -> torch.Tensor:
-    """``t`` zero-padded along dim 0 to ``rows`` (default :func:`token_rows`); ``t`` itself where that is its
-    own count (a static one)."""
+def _pad_tokens(t: torch.Tensor) -> torch.Tensor:
+    """``t`` zero-padded along dim 0 to :func:`token_rows` rows; ``t`` itself for a static count."""
     m = t.shape[0]
-    rows = token_rows(m) if rows is None else rows
-    return t if isinstance(m, int) and rows == m else F.pad(t, (0, 0, 0, rows - m))
+    return F.pad(t, (0, 0, 0, token_rows(m) - m)) if isinstance(m, torch.SymInt) else t
 
 
 # --- weight forms (mxfx.runtime.cache) -------------------------------------------------------------
@@ -195,14 +193,15 @@ class FP8Block(Format):
 
     def quant_stats(self, source, combine, operand, rule, layout):
         # rows [..., K] in 1x128 tiles along K, the wgrad operand of x [T, K] as x^T [K, T] in 1x128 tiles along the
-        # tokens (T zero-padded to the operand's count, token_rows), a weight [..., N, K] in 128x128 blocks; a dim
-        # that 128 does not divide ends in a shorter tile
+        # tokens (its first T tokens: any past them are token_rows' zero padding), a weight [..., N, K] in 128x128
+        # blocks; a dim that 128 does not divide ends in a shorter tile
         x = self.stats_values(source, combine, layout)
+        q, s = operand[0], operand[1]
         if layout == "tokens":
-            x = _pad_tokens(x, operand[0].shape[1]).t()
+            x = x.t()
+            q, s = q[:, : x.shape[1]], s[:, : n_tiles(x.shape[1])]
         elif layout not in ("rows", "weight"):
             raise ValueError(f"mxfx.formats.fp8_block: layout={layout!r} is not valid; choose one of {stats.LAYOUTS}")
-        q, s = operand[0], operand[1]
         *lead, n, k = x.shape
         if layout == "weight":
             padded = F.pad(x, (0, n_tiles(k) * TILE - k, 0, n_tiles(n) * TILE - n)).abs()

@@ -347,6 +347,7 @@ class MXFP8(Format):
     def quant_stats(self, source, combine, operand, rule, layout):
         # every layout is blocked along its last dim: rows [..., K], a weight [..., N, K] along K, and the
         # wgrad operand of x [M, K] as it is made, the tokens zero-padded to a multiple of 32 and transposed [K, M']
+        # (a symbolic M's operand has more zero tokens, token_rows: only the first M' are read here)
         x = self.stats_values(source, combine, layout)
         if layout == "tokens":
             x = _pad_tokens(x).t()
@@ -357,6 +358,9 @@ class MXFP8(Format):
             q, s, _ = quantize_blocks(x, str(rule))
         elif is_blocked(q, s):  # a native dense GEMM's scale layout
             s = from_blocked(s, q.shape[0], q.shape[1] // BLOCK_SIZE)
+        if layout == "tokens":
+            cols = x.shape[-1]
+            q, s, values = q[:, :cols], s[:, : cols // BLOCK_SIZE], (None if values is None else values[:, :cols])
         dq = values.float() if values is not None else dequantize_lastdim(q, s, torch.float32)
         blocks = x.reshape(*x.shape[:-1], x.shape[-1] // BLOCK_SIZE, BLOCK_SIZE).abs().amax(-1)
         live = torch.isfinite(blocks) & (blocks > 0)  # an all-zero block's scale says nothing
