@@ -267,5 +267,5 @@ def test_grouped_mm_rejects_x_mx_that_is_not_the_pair_of_x():
         mx_grouped_mm_op(x, w, offs, x_mx=(q, s, q))
     # a well-formed triple gives what the pair gives
     hat = mxfx.dequantize(q, s, dtype=torch.float32)
-    pair = mx_grouped_mm_op(x, w, offs, x_mx=(q, s.view(torch.uint8)))
-    assert torch.equal(mx_grouped_mm_op(x, w, offs, x_mx=(q, s.view(torch.uint8), hat)), pair)
+    pair = mx_grouped_mm_op(x, w, offs, x_mx=(q, s.view(torch.uint8)), x_mx_from="gather")
+    assert torch.equal(mx_grouped_mm_op(x, w, offs, x_mx=(q, s.view(torch.uint8), hat), x_mx_from="gather"), pair)

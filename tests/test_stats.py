@@ -24,7 +24,7 @@ from mxfx.ops.linear import mx_linear
 from mxfx.kernels.common.silu import silu_fp32
 from mxfx.runtime import cache, stats
 
-from helpers import GraphCapture
+from helpers import GraphCapture, load_example
 
 pytestmark = pytest.mark.filterwarnings("ignore:mxfx. quantize site")  # the data are made to cross the thresholds
 
@@ -58,9 +58,9 @@ def _data(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
     return x
 
 
-def _reference(x: torch.Tensor, fmt, rule: str, layout: str) -> dict:
-    """The statistics of quantizing ``x`` in ``layout`` computed here in plain torch: the reference quantize of
-    mxfx.numerics (the bytes the kernels write), decoded by hand."""
+def _decoded(x: torch.Tensor, fmt, rule: str, layout: str):
+    """``(values, qdata as float32, dequantized, scale exponents of the nonzero blocks)`` of quantizing ``x`` in
+    ``layout``, the values laid out as the operand."""
     x = x.detach().float()
     if layout == "tokens":
         x = F.pad(x, (0, 0, 0, (-x.shape[0]) % 32)).t() if fmt is MX else x.t()
@@ -80,8 +80,11 @@ def _reference(x: torch.Tensor, fmt, rule: str, layout: str) -> dict:
         dq = q.float() * s.repeat_interleave(128, -1)[:, : x.shape[1]]
         amax = F.pad(x.abs(), (0, (-x.shape[1]) % 128)).reshape(x.shape[0], -1, 128).amax(-1)
         e = torch.floor(torch.log2(s)).int()
-    exps = e[amax > 0].tolist()
-    sat = q.float().abs() == 448
+    return x, q.float(), dq, e[amax > 0].tolist()
+
+
+def _summary(x: torch.Tensor, q: torch.Tensor, dq: torch.Tensor, exps: list[int]) -> dict:
+    sat = q.abs() == 448
     nonzero = x != 0
     return {
         "values": x.numel(), "nonzero": int(nonzero.sum()), "underflow_count": int((nonzero & (dq == 0)).sum()),
@@ -90,6 +93,25 @@ def _reference(x: torch.Tensor, fmt, rule: str, layout: str) -> dict:
         "amax": float(x.abs().max()), "scale_exp_min": min(exps), "scale_exp_max": max(exps),
         "scale_exp_hist": {str(k): v for k, v in Counter(exps).items()},
     }
+
+
+def _reference(x: torch.Tensor, fmt, rule: str, layout: str) -> dict:
+    """The statistics of quantizing ``x`` in ``layout`` computed here in plain torch: the reference quantize of
+    mxfx.numerics (the bytes the kernels write), decoded by hand."""
+    return _summary(*_decoded(x, fmt, rule, layout))
+
+
+def _grouped_tokens_reference(x: torch.Tensor, offs: list[int], fmt, rule: str) -> dict:
+    """The statistics of a grouped wgrad operand of ``x [S, K]``: each expert group's rows quantized alone along its
+    tokens (MXFP8 zero-padded to 32 rows, fp8_block in 1x128 tiles from the group start); the padding rows and the
+    rows past the last group end counted nowhere."""
+    parts, start = [], 0
+    for end in offs:
+        if end > start:
+            values, q, dq, exps = _decoded(x[start:end], fmt, rule, "tokens")  # [K, tokens (padded)]
+            parts.append((values[:, : end - start], q[:, : end - start], dq[:, : end - start], exps))
+        start = end
+    return _summary(*(torch.cat([p[i] for p in parts], 1) for i in range(3)), [e for p in parts for e in p[3]])
 
 
 def _check(sample: dict, ref: dict) -> None:
@@ -243,6 +265,94 @@ def test_grouped_eager_swiglu_and_route_weights():
     table = mxfx.stats()
     _check(table.row("e/grouped_mm/forward_x").last, _reference(silu_fp32(g) * up, MX, "rceil", "rows"))
     _check(table.row("e/grouped_mm/dgrad_dy").last, _reference(dout * rw[:, None], MX, "rceil", "rows"))
+
+
+@pytest.mark.parametrize("swiglu", [False, True], ids=["x", "swiglu"])
+@pytest.mark.parametrize("fmt,rule", RULES, ids=IDS)
+def test_grouped_wgrad_operand_sites(fmt, rule, swiglu):
+    """``wgrad="mxfp8"`` on routed experts: x's and dY's wgrad operands, blocked along each expert group's tokens,
+    against the per-group reference, over groups that are not whole blocks, an empty group, a group of two 1x128
+    tiles and rows past the last group end; the rows mxfx pads a group with count nowhere."""
+    offs = [40, 40, 230, 280]  # 300 rows: 20 past the last group end
+    x, dout = _data(300, 256), _data(300, 128, seed=5)
+    x[100:104] = x[1:5]  # blocks that underflow and clip in a second group too
+    up = torch.randn(300, 256, generator=torch.Generator().manual_seed(2)).requires_grad_(True) if swiglu else None
+    w = (0.05 * torch.randn(4, 128, 256)).requires_grad_(True)
+    rw = torch.rand(300)
+    y = mx_grouped_mm_op(x.requires_grad_(True), w, torch.tensor(offs, dtype=torch.int32), up=up, route_weight=rw,
+                         format=fmt.name, scale_rule=rule, wgrad="mxfp8", stats="e", stats_every=1)
+    y.backward(dout)
+    table = mxfx.stats()
+    assert sorted(r.site for r in table.rows) == [f"e/grouped_mm/{d}" for d in
+                                                  ("dgrad_dy", "forward_w", "forward_x", "wgrad_dy", "wgrad_x")]
+    h = x if up is None else silu_fp32(x) * up.detach()
+    dy = dout * rw[:, None]
+    for direction, values in (("wgrad_x", h), ("wgrad_dy", dy)):
+        row = table.row(f"e/grouped_mm/{direction}")
+        assert (row.format, row.scale_rule, row.samples) == (fmt.name, rule, 1)
+        assert row.last["values"] == 280 * values.shape[1]  # no padding row, no row past the last group end
+        _check(row.last, _grouped_tokens_reference(values, offs, fmt, rule))
+    _check(table.row("e/grouped_mm/forward_x").last, _reference(h, fmt, rule, "rows"))
+
+
+@pytest.mark.parametrize("fmt,rule", [RULES[0], RULES[3]], ids=[IDS[0], IDS[3]])
+def test_grouped_input_quantized_before_the_gather_is_observed_as_without_it(fmt, rule):
+    """The dispatch pass quantizes the tokens before the local dispatch's row gather (``x[idx]``, each token twice);
+    the grouped GEMM's ``forward_x`` is still observed, against the gathered BF16 rows, with the statistics it has
+    with the pass off (quantize(x)[idx] is quantize(x[idx]) bit for bit)."""
+    x0 = _data(32, 256).bfloat16()
+    w0 = (0.05 * _data(2 * 128, 256, seed=4)).reshape(2, 128, 256).bfloat16()
+    idx = torch.arange(64) // 2
+    offs = torch.tensor([24, 64], dtype=torch.int32)
+
+    def f(x, w):
+        return torch._grouped_mm(x[idx], w.transpose(-2, -1), offs=offs)
+
+    samples = []
+    for passes in ({}, {"dispatch_mx": False}):
+        stats.reset()
+        torch._dynamo.reset()
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        policy = {"inner": "aot_eager", "format": fmt.name, "scale_rule": rule, "passes": passes,
+                  "stats": {"every": 1}}
+        torch.compile(f, backend="mxfp8", options=policy)(x, w).float().square().sum().backward()
+        hoisted = [r for r in mxfx.last_report().records if "before the dispatch's row gather" in r.reason]
+        assert len(hoisted) == (0 if passes else 1), mxfx.last_report().to_text()
+        samples.append({r.site: r.last for r in mxfx.stats().rows})
+    with_hoist, without = samples
+    assert sorted(with_hoist) == sorted(without) and "<root>/grouped_mm/forward_x" in with_hoist, sorted(with_hoist)
+    for site, sample in without.items():
+        assert with_hoist[site] == {**sample, "rms_error": pytest.approx(sample["rms_error"], rel=1e-12)}, site
+    _check(with_hoist["<root>/grouped_mm/forward_x"], _reference(x0[idx], fmt, rule, "rows"))
+
+
+def test_grouped_input_given_as_a_pair_says_where_it_comes_from():
+    """``x_mx_from="gather"``: x's own quantization, observed against x as if made here; ``"all_to_all"``: x is a
+    received pair's dequantization, whose payload the all-to-all observes, so the op does not."""
+    x, w = _data(64, 256), 0.05 * torch.randn(2, 128, 256)
+    offs = torch.tensor([30, 64], dtype=torch.int32)
+    pair = mxfx.quantize(x)
+    pair = (pair[0], pair[1].view(torch.uint8))
+    for origin in ("gather", "all_to_all"):
+        stats.reset()
+        mx_grouped_mm_op(x, w, offs, x_mx=pair, x_mx_from=origin, stats=origin, stats_every=1)
+        sites = sorted(r.site for r in mxfx.stats().rows)
+        if origin == "gather":
+            assert sites == ["gather/grouped_mm/forward_w", "gather/grouped_mm/forward_x"]
+            _check(mxfx.stats().row("gather/grouped_mm/forward_x").last, _reference(x, MX, "rceil", "rows"))
+        else:
+            assert sites == ["all_to_all/grouped_mm/forward_w"]
+    for kwargs in ({"x_mx": pair}, {"x_mx_from": "gather"}, {"x_mx": pair, "x_mx_from": "received"}):
+        with pytest.raises(ValueError, match=r"mxfx.grouped_mm: x_mx_from=.*'gather'.*'all_to_all'"):
+            mx_grouped_mm_op(x, w, offs, **kwargs)
+
+
+def test_observe_takes_group_ends_with_group_tokens_only():
+    x = torch.randn(64, 64)
+    operand = MX.grouped_tokens_operand(x, torch.tensor([64], dtype=torch.int32), "rceil")
+    for layout, offs in (("group_tokens", None), ("rows", torch.tensor([64], dtype=torch.int32))):
+        with pytest.raises(ValueError, match=rf"observe\('s'\): layout='{layout}' with offs=.*group ends"):
+            stats.observe("s", "mxfp8", "rceil", layout, (x,), operand, 1, offs=offs)
 
 
 def test_sampling_follows_the_step_count_without_recompiling():
@@ -413,6 +523,8 @@ def test_a_modules_glob_matching_no_site_warns_once_and_stats_says_why(monkeypat
 
 
 def test_all_to_all_payload_sites():
+    """Both directions of each transport: the combine's (route-weighted backward), the dispatch's (forward pair
+    handed on to a grouped GEMM, ``return_mx``) and a plain one's."""
     import torch.distributed as dist
 
     from mxfx.ops.all_to_all import mx_all_to_all
@@ -422,8 +534,40 @@ def test_all_to_all_payload_sites():
         x, rw, dy = _data(8, 64).requires_grad_(True), torch.rand(8), _data(8, 64, seed=7)
         y = mx_all_to_all(x, [8], [8], dist.group.WORLD, route_weight=rw, stats="moe/all_to_all/combine", stats_every=1)
         y.backward(dy)
+        rows, _, _ = mx_all_to_all(x, [8], [8], dist.group.WORLD, return_mx=True, stats="moe/all_to_all/dispatch",
+                                   stats_every=1)
+        rows.backward(2 * dy)
+        mx_all_to_all(x, [8], [8], dist.group.WORLD, stats="plain", stats_every=1).backward(3 * dy)
     finally:
         dist.destroy_process_group()
     table = mxfx.stats()
+    assert len(table.rows) == 6
     _check(table.row("moe/all_to_all/combine_fwd").last, _reference(x, MX, "rceil", "rows"))
     _check(table.row("moe/all_to_all/combine_bwd").last, _reference(dy * rw[:, None], MX, "rceil", "rows"))
+    for prefix, grad in (("moe/all_to_all/dispatch", 2 * dy), ("plain", 3 * dy)):
+        _check(table.row(f"{prefix}_fwd").last, _reference(x, MX, "rceil", "rows"))
+        _check(table.row(f"{prefix}_bwd").last, _reference(grad, MX, "rceil", "rows"))
+
+
+def test_expert_parallel_layer_sites():
+    """An expert-parallel MoE layer compiled (one rank): the four payload sites; the gate_up GEMM fed by the
+    dispatch's received pair has no ``forward_x`` (its payload is ``dispatch_fwd``); with ``wgrad="mxfp8"`` both
+    grouped GEMMs observe their per-group wgrad operands."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        torch._dynamo.reset()
+        layer = load_example("ep_moe").GroupedEPMoE(64, 2, 2, 64, group=dist.group.WORLD, seed=5)
+        x = torch.randn(48, 64, generator=torch.Generator().manual_seed(6)).bfloat16().requires_grad_(True)
+        policy = {"inner": "aot_eager", "wgrad": "mxfp8", "stats": {"every": 1}}
+        with torch._dynamo.config.patch(capture_scalar_outputs=True):  # the split sizes read from the counts
+            torch.compile(layer, backend="mxfp8", options=policy)(x).float().square().sum().backward()
+    finally:
+        dist.destroy_process_group()
+    fed = [r for r in mxfx.last_report().records if "input taken as MX from the dispatch all-to-all" in r.reason]
+    assert len(fed) == 1, mxfx.last_report().to_text()
+    assert sorted(r.site for r in mxfx.stats().rows) == sorted(
+        [f"<root>/all_to_all/{role}_{d}" for role in ("dispatch", "combine") for d in ("fwd", "bwd")]
+        + [f"<root>/grouped_mm/{d}" for d in ("forward_w", "dgrad_dy", "wgrad_x", "wgrad_dy")]
+        + [f"<root>#1/grouped_mm/{d}" for d in ("forward_x", "forward_w", "dgrad_dy", "wgrad_x", "wgrad_dy")])

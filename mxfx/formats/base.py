@@ -67,8 +67,8 @@ class Format:
       ("forward"), :meth:`mm` / :meth:`grouped_mm`;
     * dgrad: :meth:`grad_operands` / :meth:`grouped_grad_operand`, :meth:`weight_operand` ("dgrad"), the same GEMM,
       :meth:`swiglu_backward` for a fused SwiGLU input;
-    * wgrad: :meth:`tokens_operand` and :meth:`wgrad_mm` / :meth:`grouped_wgrad` (low precision), or
-      :meth:`dequantize` of the forward's saved copy for a BF16 wgrad.
+    * wgrad: :meth:`tokens_operand` and :meth:`wgrad_mm` / :meth:`grouped_tokens_operand` and
+      :meth:`grouped_wgrad` (low precision), or :meth:`dequantize` of the forward's saved copy for a BF16 wgrad.
 
     Statistics (:mod:`mxfx.runtime.stats`, on sampled steps): :meth:`quant_stats` compares an operand with the
     values it was made from.
@@ -195,8 +195,14 @@ class Format:
         """``dW = dY^T @ X`` of a linear from both token-blocked operands."""
         raise NotImplementedError
 
-    def grouped_wgrad(self, dy, x_tokens: Operand, offs, rule, out_dtype: torch.dtype):
-        """``dW[g] = dY[g]^T @ X[g]`` per expert group, ``dy`` quantized here along each group's tokens."""
+    def grouped_tokens_operand(self, t, offs, rule) -> Operand:
+        """Wgrad operand of routed rows ``t [S, D]`` blocked along the tokens of each expert group (``offs``: int32
+        cumulative group ends), no block mixing two groups' rows; :meth:`forward_operands` makes x's the same way."""
+        raise NotImplementedError
+
+    def grouped_wgrad(self, dy_tokens: Operand, x_tokens: Operand, offs, out_dtype: torch.dtype):
+        """``dW[g] = dY[g]^T @ X[g]`` per expert group from both operands as :meth:`grouped_tokens_operand` makes
+        them."""
         raise NotImplementedError
 
     def dequantize(self, a: Operand, dtype: torch.dtype):
@@ -237,12 +243,14 @@ class Format:
             return source[0].detach().float() * source[1].detach().reshape(-1, 1).float()
         raise ValueError(f"mxfx.formats: combine={combine!r} is not valid; choose one of {stats.COMBINES}")
 
-    def quant_stats(self, source, combine: str, operand: Operand, rule, layout: str) -> stats.Parts:
+    def quant_stats(self, source, combine: str, operand: Operand, rule, layout: str, offs=None) -> stats.Parts:
         """What the statistics of one quantize are computed from: ``operand`` (as this format made it, any of its
         layouts: blocked or plain scales, values only where an emulated GEMM reads nothing else) against the
         values it was made from (:meth:`stats_values` of ``source`` and ``combine``), laid out per ``layout``
-        (:data:`mxfx.runtime.stats.LAYOUTS`). Where the operand holds no qdata or scales, they are those of this
-        format's reference quantize of the values with scale rule ``rule`` (the bytes its kernels write).
+        (:data:`mxfx.runtime.stats.LAYOUTS`; ``offs``: the group ends of a ``group_tokens`` operand, whose padding
+        rows and rows past the last group end are left out). Where the operand holds no qdata or scales, they are
+        those of this format's reference quantize of the values with scale rule ``rule`` (the bytes its kernels
+        write).
 
         Returns:
             :class:`mxfx.runtime.stats.Parts`, on the operand's device.

@@ -105,8 +105,11 @@ class BF16Gemm(Format):
     def wgrad_mm(self, dy_tokens, x_tokens, out_dtype):
         return _mm(dy_tokens[0].t(), x_tokens[0].t(), out_dtype)
 
-    def grouped_wgrad(self, dy, x_tokens, offs, rule, out_dtype):
-        return hp_grouped_wgrad(dy.to(_BF16), x_tokens[0], offs, out_dtype)
+    def grouped_tokens_operand(self, t, offs, rule):
+        return (t.to(_BF16),)
+
+    def grouped_wgrad(self, dy_tokens, x_tokens, offs, out_dtype):
+        return hp_grouped_wgrad(dy_tokens[0], x_tokens[0], offs, out_dtype)
 
     def dequantize(self, a, dtype):
         return a[0].to(dtype)
@@ -120,12 +123,12 @@ class BF16Gemm(Format):
     def rows_quantize_call(self, rule, device):
         return None  # a BF16 copy made before a row gather saves nothing
 
-    def quant_stats(self, source, combine, operand, rule, layout):
-        x = self.stats_values(source, combine, layout)
-        if layout == "tokens":
-            x = x.t()
-        dq = operand[0].float()
-        dq = dq.t() if layout == "tokens" else dq
+    def quant_stats(self, source, combine, operand, rule, layout, offs=None):
+        # the operand is the values' BF16 copy in their own layout; a grouped one's rows past the last group end
+        # (which no group reads) are left out
+        x, dq = self.stats_values(source, combine, layout), operand[0].float()
+        if layout == "group_tokens":
+            x, dq = x[: int(offs[-1])], dq[: int(offs[-1])]
         return stats.Parts(x, dq, torch.zeros_like(x, dtype=torch.bool), x.new_empty(0, dtype=torch.int32))
 
     def given_input(self, given, x, up):

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from mxfx.formats.base import GEMM_OPS, Format, ScaleRule, register
 from mxfx.kernels.fp8_block import custom_ops, device_path
 from mxfx.kernels.common import swiglu
-from mxfx.numerics.block import TILE, dequantize_128x128, dequantize_values, n_tiles
+from mxfx.numerics.block import TILE, dequantize_128x128, dequantize_values, group_tile_starts, n_tiles
 from mxfx.numerics.mx import E4M3_MAX
 from mxfx.runtime import cache, stats
 
@@ -94,6 +94,25 @@ FORMS = cache.register(cache.FormFamily(
 ))
 
 
+def _group_tokens_parts(x: torch.Tensor, operand, offs: torch.Tensor) -> stats.Parts:
+    """Statistics parts of a grouped wgrad operand ``(qdata [K, S], scales [K, C])`` of ``x [S, K]``: 1x128 tiles along
+    each group's tokens, group g's at scale slots ``group_tile_starts(offs)[g] + j``; the rows past the last group
+    end (which no group reads) are left out."""
+    q, s = operand[0], operand[1]
+    ends = offs.to(torch.int64)
+    t = torch.arange(int(ends[-1]), device=x.device)  # the rows some group reads
+    group = torch.searchsorted(ends, t, right=True)
+    first = F.pad(ends[:-1], (1, 0))  # each group's first row
+    slot = group_tile_starts(offs)[group] + (t - first[group]) // TILE
+    xt = x[: t.shape[0]].t()
+    # a tile's scale says something when it holds a nonzero value and no value that is not finite (not an all-zero
+    # tile's 1.0, nor an unused slot's)
+    nonzero, nonfinite = (xt.new_zeros(s.shape).index_add_(1, slot, m.float()) for m in (xt != 0, ~torch.isfinite(xt)))
+    live = (nonzero > 0) & (nonfinite == 0)
+    qt = q[:, : t.shape[0]].float()
+    return stats.Parts(xt, qt * s[:, slot], qt.abs() == E4M3_MAX, torch.frexp(s[live])[1] - 1)
+
+
 class FP8Block(Format):
     name = "fp8_block"
     scale_rules = (ScaleRule.RCEIL, ScaleRule.AMAX)
@@ -116,7 +135,7 @@ class FP8Block(Format):
         rule = str(rule)
         source = (x if up is None else swiglu.product(x, up)) if tokens else None  # the forward quantize's values
         if given is not None:  # x quantized before the dispatch's row gather (mxfx.passes.dispatch_mx); up is None
-            t = tuple(custom_ops.block_quantize_grouped_tokens(source, offs, rule)) if tokens else None
+            t = self.grouped_tokens_operand(source, offs, rule) if tokens else None
             return tuple(given), t, ()
         pack = up is not None and save == "mxfp8"
         if tokens and offs is None:
@@ -156,9 +175,11 @@ class FP8Block(Format):
     def wgrad_mm(self, dy_tokens, x_tokens, out_dtype):
         return custom_ops.block_mm(dy_tokens[0], dy_tokens[1], x_tokens[0], x_tokens[1], out_dtype)
 
-    def grouped_wgrad(self, dy, x_tokens, offs, rule, out_dtype):
-        dq, ds = custom_ops.block_quantize_grouped_tokens(dy, offs, str(rule))
-        return custom_ops.block_grouped_wgrad(dq, ds, x_tokens[0], x_tokens[1], offs, out_dtype)
+    def grouped_tokens_operand(self, t, offs, rule):
+        return tuple(custom_ops.block_quantize_grouped_tokens(t, offs, str(rule)))
+
+    def grouped_wgrad(self, dy_tokens, x_tokens, offs, out_dtype):
+        return custom_ops.block_grouped_wgrad(dy_tokens[0], dy_tokens[1], x_tokens[0], x_tokens[1], offs, out_dtype)
 
     def dequantize(self, a, dtype):
         return dequantize_values(a[0], a[1], (-1,)).to(dtype)
@@ -191,11 +212,13 @@ class FP8Block(Format):
     def gathered_values(self, pairs, dtype):
         return dequantize_128x128(*pairs["block_forward"], dtype)
 
-    def quant_stats(self, source, combine, operand, rule, layout):
+    def quant_stats(self, source, combine, operand, rule, layout, offs=None):
         # rows [..., K] in 1x128 tiles along K, the wgrad operand of x [T, K] as x^T [K, T] in 1x128 tiles along the
         # tokens (its first T tokens: any past them are token_rows' zero padding), a weight [..., N, K] in 128x128
         # blocks; a dim that 128 does not divide ends in a shorter tile
         x = self.stats_values(source, combine, layout)
+        if layout == "group_tokens":
+            return _group_tokens_parts(x, operand, offs)
         q, s = operand[0], operand[1]
         if layout == "tokens":
             x = x.t()

@@ -25,8 +25,7 @@ from mxfx.kernels.mx.gemm import (a_operand, emulation_dtype, mx_grouped_mm, mx_
                                   quantize_dual_operand, quantize_operand)
 from mxfx.kernels.mx.views import mn_major
 from mxfx.kernels.common import swiglu
-from mxfx.numerics import layout
-from mxfx.numerics.layout import blocked_numel, from_blocked, is_blocked, to_blocked
+from mxfx.numerics.layout import blocked_numel, from_blocked, group_padding, is_blocked, padded_group_ends, to_blocked
 from mxfx.numerics.mx import BLOCK_SIZE, E4M3_MAX, E8M0_BIAS, dequantize_lastdim, quantize_blocks
 from mxfx.runtime import cache, stats
 
@@ -46,14 +45,6 @@ def token_rows(m):
 def _pad_tokens(t: torch.Tensor) -> torch.Tensor:
     """Zero-pad dim 0 to :func:`token_rows` rows (zero rows add nothing to a token-reduction GEMM)."""
     return F.pad(t, (0, 0, 0, token_rows(t.shape[0]) - t.shape[0]))
-
-
-def _token_blocked(t: torch.Tensor, offs: torch.Tensor, rule: str):
-    """MX of ``t [S, D]`` blocked along tokens per expert group, each group zero-padded to 32 rows:
-    ``(q [D, C], s [D, C/32], None)``."""
-    dest, _, capacity = layout.group_padding(offs, t.shape[0])
-    padded = t.new_zeros((capacity, t.shape[1])).index_copy(0, dest, t)
-    return (*custom_ops.quantize(padded.t(), rule), None)
 
 
 # --- weight forms (mxfx.runtime.cache) -------------------------------------------------------------
@@ -244,7 +235,7 @@ class MXFP8(Format):
         h = x if up is None else swiglu.product(x, up)  # the fp32 values the fused forward quantize read
         if offs is None:
             return a, (*custom_ops.quantize(_pad_tokens(h).t(), rule), None), packed
-        return a, _token_blocked(h, offs, rule), packed
+        return a, self.grouped_tokens_operand(h, offs, rule), packed
 
     def weight_operand(self, weight, rule, orientation, keep_dequantized=False):
         # (qdata, scales, BF16 values or None); under keep_dequantized_weights an emulated GEMM reads the values
@@ -291,11 +282,16 @@ class MXFP8(Format):
         return mx_mm(dy_tokens[0], dy_tokens[1], x_tokens[0], x_tokens[1], out_dtype, self._native("mm", dy_tokens),
                      None, dy_tokens[2])
 
-    def grouped_wgrad(self, dy, x_tokens, offs, rule, out_dtype):
-        _, padded_offs, _ = layout.group_padding(offs, dy.shape[0])
-        dq, ds, _ = _token_blocked(dy, offs, str(rule))
-        native = self.runs_natively("grouped_mm_wgrad", dq.device)
-        return mx_grouped_mm_wgrad(dq, ds, x_tokens[0], x_tokens[1], padded_offs, out_dtype, native)
+    def grouped_tokens_operand(self, t, offs, rule):
+        # each group zero-padded to 32 rows (group_padding): (q [D, C], s [D, C/32], None)
+        dest, _, capacity = group_padding(offs, t.shape[0])
+        padded = t.new_zeros((capacity, t.shape[1])).index_copy(0, dest, t)
+        return (*custom_ops.quantize(padded.t(), str(rule)), None)
+
+    def grouped_wgrad(self, dy_tokens, x_tokens, offs, out_dtype):
+        padded_offs = padded_group_ends(offs).to(torch.int32)
+        native = self.runs_natively("grouped_mm_wgrad", dy_tokens[0].device)
+        return mx_grouped_mm_wgrad(dy_tokens[0], dy_tokens[1], x_tokens[0], x_tokens[1], padded_offs, out_dtype, native)
 
     def dequantize(self, a, dtype):
         return custom_ops.dequantize(a[0], a[1], dtype)
@@ -344,27 +340,42 @@ class MXFP8(Format):
             return device_path.dequantize_lastdim(*pairs["forward"], dtype)
         return device_path.dequantize_lastdim(*pairs["dgrad"], dtype).transpose(-2, -1)
 
-    def quant_stats(self, source, combine, operand, rule, layout):
-        # every layout is blocked along its last dim: rows [..., K], a weight [..., N, K] along K, and the
-        # wgrad operand of x [M, K] as it is made, the tokens zero-padded to a multiple of 32 and transposed [K, M']
-        # (a symbolic M's operand has more zero tokens, token_rows: only the first M' are read here)
+    def quant_stats(self, source, combine, operand, rule, layout, offs=None):
+        # every layout is blocked along its last dim: rows [..., K], a weight [..., N, K] along K, the wgrad
+        # operand of x [M, K] as it is made, the tokens zero-padded to a multiple of 32 and transposed [K, M'] (a
+        # symbolic M's operand has more zero tokens, token_rows: only the first M' are read here), and a grouped
+        # wgrad operand of x [S, K] as grouped_tokens_operand makes it, [K, C], of which the columns of x's rows are
+        # kept (not the rows padding each group, nor the scratch block of the rows past the last end)
         x = self.stats_values(source, combine, layout)
         if layout == "tokens":
             x = _pad_tokens(x).t()
+        elif layout == "group_tokens":
+            dest, _, capacity = group_padding(offs, x.shape[0])
+            dest = dest[: int(offs[-1])]  # the rows some group reads
+            x = x[: dest.shape[0]]
+            dq, saturated, exponents = self._decode(x.new_zeros(capacity, x.shape[1]).index_copy(0, dest, x).t(),
+                                                    operand, rule)
+            return stats.Parts(x, dq[:, dest].t(), saturated[:, dest].t(), exponents)
         elif layout not in ("rows", "weight"):
             raise ValueError(f"mxfx.formats.mxfp8: layout={layout!r} is not valid; choose one of {stats.LAYOUTS}")
+        return stats.Parts(x, *self._decode(x, operand, rule, layout == "tokens"))
+
+    def _decode(self, x, operand, rule, first_columns=False):
+        """``(dequantized, saturated, exponents of the live blocks)`` of ``operand``, made from ``x`` blocked along
+        its last dim; ``first_columns``: the operand may be wider than ``x`` (token_rows' padding), read its first
+        columns."""
         q, s, values = (*operand, None, None, None)[:3]
         if q is None or s is None:  # an emulated GEMM's values alone: the reference's bytes (its kernels' too)
             q, s, _ = quantize_blocks(x, str(rule))
         elif is_blocked(q, s):  # a native dense GEMM's scale layout
             s = from_blocked(s, q.shape[0], q.shape[1] // BLOCK_SIZE)
-        if layout == "tokens":
+        if first_columns:
             cols = x.shape[-1]
             q, s, values = q[:, :cols], s[:, : cols // BLOCK_SIZE], (None if values is None else values[:, :cols])
         dq = values.float() if values is not None else dequantize_lastdim(q, s, torch.float32)
         blocks = x.reshape(*x.shape[:-1], x.shape[-1] // BLOCK_SIZE, BLOCK_SIZE).abs().amax(-1)
         live = torch.isfinite(blocks) & (blocks > 0)  # an all-zero block's scale says nothing
-        return stats.Parts(x, dq, q.float().abs() == E4M3_MAX, s.to(torch.int32)[live] - E8M0_BIAS)
+        return dq, q.float().abs() == E4M3_MAX, s.to(torch.int32)[live] - E8M0_BIAS
 
     def given_input(self, given, x, up):
         if given is None:

@@ -15,7 +15,7 @@ i.e. the tile is read as 32 lines of 16 bytes, line ``i`` holding rows
 multiple of 128 and columns to a multiple of 4; padding bytes are zero.
 
 Also the other layout helpers: :func:`is_blocked` (are these scales in the blocked layout) and
-:func:`group_padding` (token groups padded to whole 32-row blocks).
+:func:`group_padding` (token groups padded to whole 32-row blocks, with their ends :func:`padded_group_ends`).
 """
 
 from __future__ import annotations
@@ -154,6 +154,14 @@ def is_blocked(qdata: torch.Tensor, scales: torch.Tensor) -> bool:
             and scales.numel() == blocked_numel(qdata.shape[0], qdata.shape[1] // BLOCK_SIZE))
 
 
+def padded_group_ends(offs: torch.Tensor) -> torch.Tensor:
+    """int64 cumulative group ends after padding every group of ``offs`` (int32 cumulative ends) to a multiple of
+    32 rows: the group ends of :func:`group_padding`'s padded buffer."""
+    ends = offs.to(torch.int64)
+    sizes = torch.diff(ends, prepend=ends.new_zeros(1))
+    return torch.cumsum((sizes + BLOCK_SIZE - 1) // BLOCK_SIZE * BLOCK_SIZE, 0)
+
+
 def group_padding(offs: torch.Tensor, rows: int):
     """Row map that pads every group of rows to a multiple of 32 rows (an MX block never mixes two groups).
 
@@ -169,8 +177,8 @@ def group_padding(offs: torch.Tensor, rows: int):
     e = offs.shape[0]
     ends = offs.to(torch.int64)
     sizes = torch.diff(ends, prepend=ends.new_zeros(1))
-    padded = (sizes + BLOCK_SIZE - 1) // BLOCK_SIZE * BLOCK_SIZE
-    padded_ends = torch.cumsum(padded, 0)
+    padded_ends = padded_group_ends(offs)
+    padded = torch.diff(padded_ends, prepend=padded_ends.new_zeros(1))
     capacity = (rows + (BLOCK_SIZE - 1) * e + BLOCK_SIZE + BLOCK_SIZE - 1) // BLOCK_SIZE * BLOCK_SIZE
     r = torch.arange(rows, device=offs.device)
     gid = torch.searchsorted(ends, r, right=True)

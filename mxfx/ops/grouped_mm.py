@@ -43,26 +43,34 @@ def weigh_rows(y: torch.Tensor, route_weight: torch.Tensor, out_dtype: torch.dty
     return (y.float() * route_weight.reshape(-1, 1).float()).to(out_dtype)
 
 
-def _observe_forward(settings: OpSettings, x, up, given, a, weight, w) -> None:
+X_MX_FROM = ("gather", "all_to_all")
+"""Where an ``x_mx`` given to :func:`mx_grouped_mm_op` comes from: ``gather``, x's own quantization (rows
+quantized before the row gather that makes x: the pair is what quantizing x makes, bit for bit), or
+``all_to_all``, the pair an MX all-to-all received, of which x is the dequantization."""
+
+
+def _observe_forward(settings: OpSettings, x, up, a, observe_x: bool, weight, w, offs, x_tokens) -> None:
     """Statistics of a forward's quantizes (:meth:`OpSettings.observe`): the input against its A operand ``a``
-    (not where ``a`` is ``given``: rows quantized before a gather, of which ``x`` is the dequantization), the
-    weight against its forward form ``w``. The token-blocked wgrad operands are not observed: x's is padded per
-    expert group, dY's is made inside the grouped wgrad."""
-    if given is None:
-        source, combine = ((x,), "") if up is None else ((x, up), "swiglu")
+    where ``observe_x`` (not where ``a`` is a received all-to-all pair of which ``x`` is the dequantization: that
+    payload is the all-to-all's own site), the weight against its forward form ``w``, and the input against its
+    wgrad operand ``x_tokens`` blocked per expert group when there is one."""
+    source, combine = ((x,), "") if up is None else ((x, up), "swiglu")
+    if observe_x:
         settings.observe("grouped_mm", "forward_x", "rows", source, a, combine)
     settings.observe("grouped_mm", "forward_w", "weight", (weight,), w)
+    if x_tokens is not None:
+        settings.observe("grouped_mm", "wgrad_x", "group_tokens", source, x_tokens, combine, offs)
 
 
 class _GroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, up, weight, offs, route_weight, out_dtype, settings: OpSettings, given):
+    def forward(ctx, x, up, weight, offs, route_weight, out_dtype, settings: OpSettings, given, observe_x):
         fmt, rule, wgrad, save = settings.format, settings.scale_rule, settings.wgrad, settings.save
         need_dw = ctx.needs_input_grad[2]  # a frozen expert stack: nothing is kept or quantized for a wgrad
         tokens = need_dw and wgrad == "mxfp8"
         a, x_tokens, packed = fmt.forward_operands(x, up, rule, save, tokens, offs=offs, given=given)
         w = fmt.weight_operand(weight, rule, "forward", settings.keep_dequantized_weights)
-        _observe_forward(settings, x, up, given, a, weight, w)
+        _observe_forward(settings, x, up, a, observe_x, weight, w, offs, x_tokens)
         y = fmt.grouped_mm(a, w, offs, out_dtype)
         if not need_dw:
             wgrad_input = ()
@@ -107,12 +115,14 @@ class _GroupedMM(torch.autograd.Function):
             dy = dout if route_weight is None else dout.float() * route_weight.reshape(-1, 1).float()
         if ctx.needs_input_grad[2]:
             if settings.wgrad == "mxfp8":
-                dw = fmt.grouped_wgrad(dy, wgrad_input, offs, rule, weight.dtype)
+                dy_tokens = fmt.grouped_tokens_operand(dy, offs, rule)
+                settings.observe("grouped_mm", "wgrad_dy", "group_tokens", (dy,), dy_tokens, offs=offs)
+                dw = fmt.grouped_wgrad(dy_tokens, wgrad_input, offs, weight.dtype)
             else:
                 x_saved = wgrad_input[0] if ctx.n_wgrad == 1 else fmt.dequantize(wgrad_input, torch.bfloat16)
                 # no group padding: mxfx::grouped_wgrad_bf16 takes any group ends
                 dw = hp_grouped_wgrad(dy.to(dout.dtype), x_saved, offs, weight.dtype)
-        return dx, dup, dw, None, d_rw, None, None, None
+        return dx, dup, dw, None, d_rw, None, None, None, None
 
 
 def mx_grouped_mm_op(
@@ -124,6 +134,7 @@ def mx_grouped_mm_op(
     route_weight: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     x_mx: tuple[torch.Tensor, ...] | None = None,
+    x_mx_from: str | None = None,
     settings: OpSettings | None = None,
     **setting_fields,
 ) -> torch.Tensor:
@@ -137,14 +148,18 @@ def mx_grouped_mm_op(
         up: optional ``[S, K]`` SwiGLU up operand: the input becomes ``silu(x) * up``.
         route_weight: optional ``[S]`` or ``[S, 1]``: output rows are scaled by it.
         out_dtype: result dtype (default ``x.dtype``).
-        x_mx: optional ``(qdata e4m3 [S, K], scales uint8 [S, K/32])`` with ``x`` exactly
-            its dequantization (rows received by an MX all-to-all, the recipe, "Smaller Dispatch and Combine Payloads", or gathered
+        x_mx: optional ``(qdata e4m3 [S, K], scales uint8 [S, K/32])`` whose quantization ``x`` stands for
+            (rows received by an MX all-to-all, the recipe, "Smaller Dispatch and Combine Payloads", or gathered
             from the MX of the tokens before the dispatch's row gather): the forward GEMM uses
             it instead of quantizing ``x`` again. Not with ``up``. A third element, the
             dequantized values ``[S, K]`` in :meth:`mxfx.formats.mxfp8.MXFP8.values_dtype`,
             is what an emulated GEMM reads instead of dequantizing the pair. Under
             ``format="fp8_block"`` the pair is x's 1x128 tiles instead (qdata ``[S, K]``, float32
             scales ``[S, K/128]``, any strides): x's own quantization, gathered rows included.
+        x_mx_from: with ``x_mx`` (and only with it), where the pair comes from (:data:`X_MX_FROM`):
+            ``"gather"``, x's own quantization (x is the high-precision rows: site ``forward_x`` observes the pair
+            against them, as it would the pair made here), or ``"all_to_all"``, a received pair of which x is the
+            dequantization (no ``forward_x``: the payload is the all-to-all's site ``<role>_fwd``).
         settings, **setting_fields: an :class:`mxfx.ops.settings.OpSettings` and/or its fields by name
             (``format``, ``scale_rule``, ``wgrad`` (default "bf16", the routed recipe), ``save``,
             ``keep_dequantized_weights``, ``stats`` / ``stats_every``: quantization statistics of sites
@@ -159,8 +174,9 @@ def mx_grouped_mm_op(
         TypeError: x not a bf16/fp16/fp32 tensor, offs not a tensor, out_dtype not floating.
         ValueError: an unknown scale rule, shapes that do not pair up or do not fit the format's blocks,
             offs not int32 (or, on the CPU, not non-decreasing ends of at most S rows), no experts, route_weight not [S] or [S, 1], a weight that
-            is not 3D, a settings value not valid, or ``x_mx`` given with ``up`` or with shapes
-            that do not match ``x``. TypeError also for a keyword that is not a settings field.
+            is not 3D, a settings value not valid, ``x_mx`` given with ``up`` or with shapes
+            that do not match ``x``, or ``x_mx_from`` not one of :data:`X_MX_FROM` with ``x_mx`` or given without it.
+            TypeError also for a keyword that is not a settings field.
     """
     op = "mxfx.grouped_mm"
     settings = resolve(op, settings, setting_fields, wgrad_default="bf16")
@@ -198,11 +214,16 @@ def mx_grouped_mm_op(
     fmt = settings.format
     fmt.check_features(op, k, n)
     given = fmt.given_input(x_mx, x, up)
+    if (x_mx is None) != (x_mx_from is None) or x_mx_from not in (None, *X_MX_FROM):
+        raise ValueError(f"{op}: x_mx_from={x_mx_from!r} with x_mx {'given' if x_mx is not None else 'None'}; with "
+                         f"x_mx (and only with it) say where it comes from: 'gather' (x's own quantization, x the rows "
+                         f"it was made from) or 'all_to_all' (a received pair, x its dequantization)")
+    observe_x = x_mx_from != "all_to_all"
     if torch.is_grad_enabled():
-        return _GroupedMM.apply(x, up, weight, offs, route_weight, out_dtype, settings, given)
+        return _GroupedMM.apply(x, up, weight, offs, route_weight, out_dtype, settings, given, observe_x)
     # inference graph: the forward GEMM only, nothing saved
     a = given if given is not None else fmt.input_operand(x, up, settings.scale_rule, "grouped_mm")
     w = fmt.weight_operand(weight, settings.scale_rule, "forward", settings.keep_dequantized_weights)
-    _observe_forward(settings, x, up, given, a, weight, w)
+    _observe_forward(settings, x, up, a, observe_x, weight, w, offs, None)
     y = fmt.grouped_mm(a, w, offs, out_dtype)
     return y if route_weight is None else weigh_rows(y, route_weight, out_dtype)

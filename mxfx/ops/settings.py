@@ -69,12 +69,13 @@ class OpSettings:
             out["stats"], out["stats_every"] = self.stats, self.stats_every
         return out
 
-    def observe(self, kind: str, direction: str, layout: str, source, operand, combine: str = "") -> None:
+    def observe(self, kind: str, direction: str, layout: str, source, operand, combine: str = "", offs=None) -> None:
         """Sample the quantize site ``<stats>/<kind>/<direction>`` (:func:`mxfx.runtime.stats.observe`): ``operand``,
-        made by this op's format, against ``source``; nothing when ``stats`` is ""."""
+        made by this op's format, against ``source`` (``offs``: the group ends of a ``group_tokens`` operand);
+        nothing when ``stats`` is ""."""
         if self.stats:
             stats.observe(f"{self.stats}/{kind}/{direction}", self.format.name, self.scale_rule.value, layout, source,
-                          operand, self.stats_every, combine)
+                          operand, self.stats_every, combine, offs)
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(OpSettings))

@@ -9,7 +9,9 @@ plain input (no SwiGLU ``up``).
 Replacement: the all-to-all also returns the received pair
 (``return_mx=True``); the same gathers are applied to qdata and scales (a
 32-block lies inside one row, so gathering rows moves whole blocks with their
-scales), and the grouped op gets them as ``x_mx``. Valid because the rows the
+scales), and the grouped op gets them as ``x_mx`` (``x_mx_from="all_to_all"``:
+the statistics observe the payload at the all-to-all, not again as the op's
+input). Valid because the rows the
 op would quantize are ``dequantize(qdata, scales)`` and re-quantizing those is
 exact (``tests/test_grouped.py``): the bytes the GEMM reads are unchanged, one
 dequantize-and-quantize round trip is gone (the recipe, "Smaller Dispatch and Combine Payloads", dispatch consumed as
@@ -23,7 +25,9 @@ fewer rows, and the same gathers are applied to its qdata and scales (and,
 where the grouped GEMM is emulated, to the dequantized values the same pass
 writes, which the GEMM reads instead of dequantizing the pair). Valid for the
 same reason: a gathered row's blocks and scales are those of its source row, so
-``quantize(x)[idx] == quantize(x[idx])`` bit for bit. Taken only when the
+``quantize(x)[idx] == quantize(x[idx])`` bit for bit (``x_mx_from="gather"``: the
+op's statistics observe the gathered pair against its BF16 rows, the same
+sample as without the hoist). Taken only when the
 gathers make more rows than ``x`` has; the BF16 rows stay in the graph for
 autograd and, when the saved pass keeps them, for the BF16 wgrad. Under
 ``format="fp8_block"`` the same holds for x's 1x128 tiles (a tile lies inside one
@@ -132,7 +136,8 @@ def _hoist_local(gm: fx.GraphModule, pm: PrecisionMap) -> int:
             tokens = gm.graph.call_method("detach", (src,))  # gradients flow through the BF16 rows
             mx = gm.graph.call_function(target, (tokens, *args))
             pair = [gm.graph.call_function(operator.getitem, (mx, i)) for i in range(n_out)]
-        grouped.kwargs = {**grouped.kwargs, "x_mx": tuple(_gathered_mx(gm, chain, pair, grouped))}
+        grouped.kwargs = {**grouped.kwargs, "x_mx": tuple(_gathered_mx(gm, chain, pair, grouped)),
+                          "x_mx_from": "gather"}
         n_src, n_out = example_value(src).shape[0], example_value(grouped.args[0]).shape[0]
         record = pm.find(grouped.name)
         if record:
@@ -161,7 +166,8 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         rows.meta.update(a2a.meta)
         a2a.replace_all_uses_with(rows)
         gm.graph.erase_node(a2a)
-        grouped.kwargs = {**grouped.kwargs, "x_mx": tuple(_gathered_mx(gm, chain, [q, s], grouped))}
+        grouped.kwargs = {**grouped.kwargs, "x_mx": tuple(_gathered_mx(gm, chain, [q, s], grouped)),
+                          "x_mx_from": "all_to_all"}
         for rec in pm.records:
             if rec.node == a2a.name:
                 rec.node = rows.name

@@ -3,9 +3,10 @@ made from, sampled every N optimizer steps.
 
 A **site** is one quantize of one op, named ``<module>/<op kind>/<direction>`` (e.g.
 ``layers.0.mlp.up/linear/forward_x``); directions: ``forward_x`` (the forward GEMM's input), ``forward_w`` (the
-weight's forward form), ``dgrad_dy`` (the output gradient the dgrad GEMM reads), ``wgrad_x`` / ``wgrad_dy`` (a
-dense linear's token-blocked wgrad operands), ``<role>_fwd`` / ``<role>_bwd`` (an expert-parallel all-to-all
-payload, role ``dispatch`` or ``combine``). ``docs/numerics.md`` explains each statistic.
+weight's forward form), ``dgrad_dy`` (the output gradient the dgrad GEMM reads), ``wgrad_x`` / ``wgrad_dy`` (the
+token-blocked wgrad operands of a dense linear, or of routed experts per expert group), ``<role>_fwd`` /
+``<role>_bwd`` (an expert-parallel all-to-all payload, role ``dispatch`` or ``combine``). ``docs/numerics.md``
+explains each statistic.
 
 Mechanism: the autograd ops call :func:`observe` where they made an operand. It calls the custom op
 ``mxfx::quant_stats``, registered with an ORDERED effect so that AOTAutograd and Inductor keep it although its
@@ -40,11 +41,13 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from mxfx.runtime.cache import install as install_step_hook, step_count
 
-LAYOUTS = ("rows", "tokens", "weight")
+LAYOUTS = ("rows", "tokens", "group_tokens", "weight")
 """How an operand lays out its source's values: ``rows`` blocked along the source's last dim (an A operand,
 an all-to-all payload); ``tokens`` a dense linear's wgrad operand of a ``[M, K]`` source, blocked along the tokens
-M (each format pads or tiles them as its wgrad GEMM reads them); ``weight`` a weight's forward form
-(``[N, K]`` or ``[E, N, K]``)."""
+M (each format pads or tiles them as its wgrad GEMM reads them); ``group_tokens`` a grouped wgrad operand of a
+``[S, K]`` source, blocked along the tokens of each expert group (``offs``: the int32 cumulative group ends; the
+rows each format adds to pad a group, and the rows past the last group end, which no group reads, count nowhere);
+``weight`` a weight's forward form (``[N, K]`` or ``[E, N, K]``)."""
 
 COMBINES = ("", "swiglu", "route_weight")
 """How the values quantized are formed from ``source``: the one tensor as is (""), ``silu(gate) * up`` in fp32 of
@@ -87,7 +90,8 @@ _formats: dict[str, Callable[..., Parts]] = {}
 
 
 def register_format(name: str, quant_stats: Callable[..., Parts]) -> None:
-    """Make ``quant_stats(source, combine, operand, rule, layout) -> Parts`` answer for operands of format ``name``.
+    """Make ``quant_stats(source, combine, operand, rule, layout, offs) -> Parts`` answer for operands of format
+    ``name`` (``offs``: the group ends of a ``group_tokens`` operand, else None).
 
     Raises:
         ValueError: ``name`` already registered.
@@ -256,15 +260,16 @@ def _sample(vector: list[float], site: str, fmt: str, rule: str, step: int) -> d
 
 @torch.library.custom_op("mxfx::quant_stats", mutates_args=())
 def _quant_stats(source: list[torch.Tensor], combine: str, operand: list[torch.Tensor | None], format: str, rule: str,
-                 layout: str, site: str, every: int) -> torch.Tensor:
+                 layout: str, site: str, every: int, offs: torch.Tensor | None) -> torch.Tensor:
     """Queue one sample of ``site`` when this step is sampled (:func:`sampled`) and the site has none of this step yet
-    (the first microbatch's, under gradient accumulation); returns an empty tensor."""
+    (the first microbatch's, under gradient accumulation); returns an empty tensor. Everything a sample needs
+    beyond the tensors the op made anyway (padding maps, decodes) is computed here, on sampled steps only."""
     step = step_count()
     state.ran[site] = every
     if sampled(every) and state.taken.get(site) != step:
         state.taken[site] = step
         with torch.no_grad():
-            vector = reduce_parts(_formats[format](source, combine, operand, rule, layout))
+            vector = reduce_parts(_formats[format](source, combine, operand, rule, layout, offs))
         with state.lock:
             state.queue.append((site, format, rule, step, vector))
             if state.hook_handle is None:
@@ -273,26 +278,32 @@ def _quant_stats(source: list[torch.Tensor], combine: str, operand: list[torch.T
 
 
 @_quant_stats.register_fake
-def _(source, combine, operand, format, rule, layout, site, every):
+def _(source, combine, operand, format, rule, layout, site, every, offs):
     return source[0].new_empty(0)
 
 
 _quant_stats.register_effect(EffectType.ORDERED)  # kept and ordered in compiled graphs though its result is unused
 
 
-def observe(site: str, fmt: str, rule: str, layout: str, source, operand, every: int, combine: str = "") -> None:
+def observe(site: str, fmt: str, rule: str, layout: str, source, operand, every: int, combine: str = "",
+            offs: torch.Tensor | None = None) -> None:
     """Sample quantize site ``site`` every ``every`` optimizer steps: ``operand`` (a tuple of tensors or None, as
     format ``fmt`` made it with scale rule ``rule``) against the values it was made from (``source`` as
-    ``combine`` forms them, see :data:`COMBINES`), laid out per ``layout`` (:data:`LAYOUTS`). Call it where the
-    operand is made, in eager code or under tracing (a graph op whose body decides at run time).
+    ``combine`` forms them, see :data:`COMBINES`), laid out per ``layout`` (:data:`LAYOUTS`; ``offs``, the int32
+    group ends, with ``group_tokens`` only). Call it where the operand is made, in eager code or under tracing (a
+    graph op whose body decides at run time).
 
     Raises:
-        ValueError: an unknown layout, combine, format or an ``every`` below 1, naming the site.
+        ValueError: an unknown layout, combine, format, an ``every`` below 1, or ``offs`` given without
+            ``group_tokens`` or missing with it, naming the site.
     """
     if layout not in LAYOUTS or combine not in COMBINES or fmt not in _formats or not isinstance(every, int) or every < 1:
         raise ValueError(f"mxfx.runtime.stats.observe({site!r}): layout={layout!r} (one of {LAYOUTS}), combine={combine!r} "
                          f"(one of {COMBINES}), format={fmt!r} (one of {tuple(_formats)}), every={every!r} (an int >= 1)")
-    torch.ops.mxfx.quant_stats(list(source), combine, list(operand), fmt, str(rule), layout, site, every)
+    if (layout == "group_tokens") != isinstance(offs, torch.Tensor):
+        raise ValueError(f"mxfx.runtime.stats.observe({site!r}): layout={layout!r} with offs={type(offs).__name__}; "
+                         f"the group ends (an int32 tensor) go with layout='group_tokens' and with no other layout")
+    torch.ops.mxfx.quant_stats(list(source), combine, list(operand), fmt, str(rule), layout, site, every, offs)
 
 
 def flush() -> int:
