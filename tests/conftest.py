@@ -1,6 +1,15 @@
+import json
+import os
+import tempfile
+
 import pytest
 import torch._inductor.config  # noqa: F401  (compile_threads, set per xdist worker)
 import torch
+
+try:  # pytest-xdist's public scheduler API (the test extras install it; a plain run needs none)
+    from xdist.scheduler import LoadScopeScheduling
+except ImportError:
+    LoadScopeScheduling = None
 
 
 @pytest.fixture(autouse=True)
@@ -19,23 +28,50 @@ def _xdist_worker(config) -> bool:
     return hasattr(config, "workerinput")
 
 
+_GROUPS_DIR = pytest.StashKey()
+_GROUPS_FILE = "mxfx_job_groups"
+"""``workerinput`` key: the file where xdist workers write which collected tests read which session job."""
+
+
 def pytest_configure(config):
-    """Under pytest-xdist, ``--dist load`` (what ``-n N`` means alone) becomes ``loadgroup``: the tests that read
-    one job (:class:`tests.helpers.SessionJobs`) carry its ``xdist_group`` mark and so run on one worker, which
-    alone runs that job; every other test is scheduled as ``load`` would."""
     config.addinivalue_line("markers", "slow: a case that takes tens of seconds; started first under pytest-xdist")
-    if getattr(config.option, "dist", "no") == "load":
-        config.option.dist = "loadgroup"
     if _xdist_worker(config):
         _share_the_cores(config.workerinput["workercount"])
+    elif getattr(config.option, "dist", "no") != "no":
+        config.stash[_GROUPS_DIR] = tempfile.TemporaryDirectory(prefix="mxfx-xdist-")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """xdist controller: tell each worker where to write the tests' job groups (:class:`JobScheduling`)."""
+    node.workerinput[_GROUPS_FILE] = os.path.join(node.config.stash[_GROUPS_DIR].name, "groups.json")
+
+
+if LoadScopeScheduling is not None:
+
+    class JobScheduling(LoadScopeScheduling):
+        """``--dist load`` (what ``-n N`` means alone) with one exception: the tests reading one session job
+        (:class:`tests.helpers.SessionJobs`, :meth:`~tests.helpers.SessionJobs.group_of`) go to one worker as one
+        unit, so that worker alone runs that job and no test waits for another worker's; every other test is a
+        unit of its own. The groups come from the workers' collection (the file of ``pytest_configure_node``),
+        written before they report it, so they are there when scheduling starts."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            if not hasattr(self, "_groups"):
+                path = self.nodes[0].workerinput[_GROUPS_FILE]
+                with open(path) as f:
+                    self._groups = json.load(f)
+            return self._groups.get(nodeid, nodeid)
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_make_scheduler(config, log):
+        return JobScheduling(config, log) if config.getvalue("dist") == "load" else None
 
 
 def _share_the_cores(workers: int) -> None:
     """An xdist worker's share of the machine: ``cores / workers`` intra-op threads and Inductor compiling in this
     process (its default, a pool of one compile process per core in every worker, gives workers x cores
     processes, each holding a copy of torch); the processes a test starts inherit both."""
-    import os
-
     threads = max(1, (os.cpu_count() or 1) // workers)
     os.environ.update(OMP_NUM_THREADS=str(threads), TORCHINDUCTOR_COMPILE_THREADS="1")
     torch.set_num_threads(threads)
@@ -43,17 +79,23 @@ def _share_the_cores(workers: int) -> None:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Mark each test reading a session job with that job's ``xdist_group`` (and ``slow``); under xdist, ``slow``
-    tests first (a long test scheduled last is the run's tail)."""
+    """Mark each test reading a session job ``slow``; on an xdist worker, ``slow`` tests first (a long test
+    scheduled last is the run's tail) and the tests' job groups written for the controller (:class:`JobScheduling`)."""
     from tests.helpers import SessionJobs
 
+    groups = {}
     for item in items:
         group = SessionJobs.group_of(item)
         if group is not None:  # it waits for another process's work: slow too
-            item.add_marker(pytest.mark.xdist_group(group))
+            groups[item.nodeid] = group
             item.add_marker(pytest.mark.slow)
     if _xdist_worker(config):
         items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: file order kept otherwise
+        path = config.workerinput.get(_GROUPS_FILE)
+        if path:  # every worker writes the same map; one whole file replaces another
+            with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(path), delete=False) as f:
+                json.dump(groups, f)
+            os.replace(f.name, path)
 
 
 def pytest_collection_finish(session):
@@ -69,6 +111,9 @@ def pytest_unconfigure(config):
     jobs = config.stash.get(_JOBS, None)
     if jobs is not None:
         jobs.stop()
+    groups_dir = config.stash.get(_GROUPS_DIR, None)
+    if groups_dir is not None:
+        groups_dir.cleanup()
 
 
 @pytest.fixture(scope="session")

@@ -37,35 +37,33 @@ def count_calls(graphs, target) -> int:
 
 def launch(script: str, case: str, world: int, timeout_s: float = 150.0, check: bool = True,
            started: list | None = None, environ: dict | None = None) -> str:
-    """Run ``python script CASES RANK WORLD PORTS`` as ``world`` processes; returns their output.
+    """Run ``python script CASES RANK WORLD RENDEZVOUS`` as ``world`` processes; returns their output.
 
     ``case`` names one worker case or several, comma-separated: :func:`run_worker` runs them in order in the
-    same processes (one start and one import of torch per rank for all of them), each case on a free port of
-    its own (``PORTS``, comma-separated: a process group's store outlives its group while FSDP or a device mesh
-    still holds it, and a second group on its port would meet the first one's keys). With ``check`` (the default)
+    same processes (one start and one import of torch per rank for all of them), each case on a port of its own
+    that rank 0 finds free as the case starts and leaves in the ``RENDEZVOUS`` folder for the others (a process
+    group's store outlives its group while FSDP or a device mesh still holds it, and a second group on its port
+    would meet the first one's keys; a port chosen long before could be taken meanwhile by a launch running beside
+    this one). With ``check`` (the default)
     fails, showing every rank's output, when a rank exits non-zero; either way a launch running past
     ``timeout_s`` prints every rank's stacks and is killed, with a note in the output. The processes are appended
     to ``started`` (when given) as they start, for a caller that may have to stop them; they get ``environ``
     (default: this process's).
     """
     import os
+    import shutil
     import signal
-    import socket
     import subprocess
+    import tempfile
     import time
     from pathlib import Path
 
-    sockets = [socket.socket() for _ in case.split(",")]
-    for s in sockets:  # all bound at once: distinct ports
-        s.bind(("127.0.0.1", 0))
-    ports = ",".join(str(s.getsockname()[1]) for s in sockets)
-    for s in sockets:
-        s.close()
+    rendezvous = tempfile.mkdtemp(prefix="mxfx-launch-")
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ if environ is None else environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
     procs = [
-        subprocess.Popen([sys.executable, script, case, str(rank), str(world), ports],
+        subprocess.Popen([sys.executable, script, case, str(rank), str(world), rendezvous],
                          env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for rank in range(world)
     ]
@@ -89,6 +87,7 @@ def launch(script: str, case: str, world: int, timeout_s: float = 150.0, check: 
             out += f"\n[timed out after {timeout_s} s: the stacks above are each rank's at that moment]"
         outputs.append(out)
         codes.append(p.returncode)
+    shutil.rmtree(rendezvous, ignore_errors=True)
     log = "\n".join(f"----- rank {r} (rc {c}) -----\n{o}" for r, (o, c) in enumerate(zip(outputs, codes)))
     assert not check or all(c == 0 for c in codes), log
     return log
@@ -99,8 +98,8 @@ CASE_TIMEOUT_S = 240
 
 
 def run_worker(workers: dict) -> None:
-    """The worker side of :func:`launch`: ``sys.argv`` is ``script CASES RANK WORLD PORTS``; runs each case
-    ``workers[name](rank, world)`` in order, with ``MASTER_PORT`` its port, then ends the process
+    """The worker side of :func:`launch`: ``sys.argv`` is ``script CASES RANK WORLD RENDEZVOUS``; runs each case
+    ``workers[name](rank, world)`` in order, with ``MASTER_PORT`` its port (:func:`_case_port`), then ends the process
     (:func:`exit_worker`). A case named ``module:name`` is ``WORKERS[name]`` of ``tests/module.py``, so one launch
     can carry the cases of several test files.
 
@@ -126,19 +125,19 @@ def run_worker(workers: dict) -> None:
             return importlib.import_module(f"tests.{module}").WORKERS[name]
         return workers[name]
 
-    names, rank, world, ports = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4].split(",")
+    names, rank, world, rendezvous = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     cases = [worker(name) for name in names]  # KeyError: an unknown case, before any starts
     torch.set_num_threads(1)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # launch() asks for the stacks of a launch past its limit
     config = torch._dynamo.config.save_config()
     failed = False
-    for name, case, port in zip(names, cases, ports, strict=True):
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    for index, (name, case) in enumerate(zip(names, cases, strict=True)):
+        faulthandler.dump_traceback_later(CASE_TIMEOUT_S, exit=True)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_case_port(rendezvous, index, rank)))
         torch._dynamo.reset()
         with warnings.catch_warnings():  # restoring deprecated keys warns
             warnings.simplefilter("ignore")
             torch._dynamo.config.load_config(config)
-        faulthandler.dump_traceback_later(CASE_TIMEOUT_S, exit=True)
         start = time.perf_counter()
         try:
             case(rank, world)
@@ -174,7 +173,7 @@ class SessionJobs:
     processes start and import torch once. Under pytest-xdist (``lazy=True``) every worker collects every test, so
     nothing starts at collection: a job runs on the worker that asks for it first, in that test, and each file has
     launches of its own (``stem:TWO_RANKS``), so that the files' launches run in parallel on several workers; the
-    ``xdist_group`` mark (:meth:`group_of`, with ``--dist loadgroup``) sends every test reading one job to one worker.
+    controller sends every test reading one job (:meth:`group_of`) to one worker (tests/conftest.py, ``JobScheduling``).
 
     The jobs' processes get the environment as it was when collection ended: a test running meanwhile may set a
     variable for itself (``monkeypatch.setenv("MXFX_POLICY", ...)``) that must not reach them. A test waits for
@@ -221,7 +220,7 @@ class SessionJobs:
 
     @classmethod
     def group_of(cls, item) -> str | None:
-        """The ``xdist_group`` of a test reading a job: ``stem:TWO_RANKS`` / ``stem:FOUR_RANKS`` for the launch
+        """The job group of a test reading a job: ``stem:TWO_RANKS`` / ``stem:FOUR_RANKS`` for the launch
         fixtures, ``stem:jobs`` for ``session_job``; ``None`` for any other test."""
         module = getattr(item, "module", None)
         if module is None:
@@ -281,6 +280,28 @@ def _stem(module) -> str:
     from pathlib import Path
 
     return Path(module.__file__).stem
+
+
+def _case_port(rendezvous: str, index: int, rank: int) -> int:
+    """The port of a launch's case ``index``: rank 0 asks the OS for a free one and writes it to
+    ``rendezvous/index``; the other ranks wait for that file."""
+    import os
+    import socket
+    import time
+
+    path = os.path.join(rendezvous, str(index))
+    if rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with open(path + ".tmp", "w") as f:
+            f.write(str(port))
+        os.replace(path + ".tmp", path)  # whole or absent
+        return port
+    while not os.path.exists(path):  # a hang here ends at the case's limit (run_worker's faulthandler)
+        time.sleep(0.05)
+    with open(path) as f:
+        return int(f.read())
 
 
 def exit_worker() -> None:
