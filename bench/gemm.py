@@ -8,19 +8,24 @@ Dense (16384 tokens; 4096->4096 and 4096->14336), GEMM alone, operands already q
   1x128 x 1x128 along the tokens);
 * ``rowwise``: ``torch._scaled_mm`` with one FP32 scale per row of each operand (torchao's FP8 rowwise).
 
-Grouped (OLMoE-like: 64 experts, 65536 routed rows; 2048->2048 and 1024->2048; equal groups and unequal
-ones with empty experts and sizes that are not multiples of 16), forward, dgrad and wgrad:
+Grouped, at the routed-expert shapes of four MoE models (``--models``; 16384 tokens, each routed to top-k
+experts: rows = 16384 k, the rows per expert in the table), the fused gate/up projection (d -> 2h) and the down
+projection (h -> d), equal groups and skewed ones (a few hot experts, 1/8 empty, sizes not multiples of 16),
+forward, dgrad and wgrad:
 
-* ``bf16``: ``torch._grouped_mm``; ``rowwise``: ``torch._scaled_grouped_mm`` (rowwise scales);
+* ``olmoe`` d 2048, h 1024, 64 experts top-8; ``qwen3`` (Qwen3-30B-A3B) d 2048, h 768, 128 top-8;
+  ``mixtral`` (Mixtral-8x7B) d 4096, h 14336, 8 top-2; ``deepseek`` (DeepSeek-V3) d 7168, h 2048, 256 top-8;
+* ``bf16``: ``torch._grouped_mm``; ``rowwise``: ``torch._scaled_grouped_mm`` (rowwise scales; forward and dgrad);
 * ``fp8_block``: the Triton grouped GEMM (``mxfx.kernels.fp8_block.grouped_gemm``, autotuned on first call),
   dgrad reading the weight's transposed copy with the same 128x128 scales, wgrad (``grouped_wgrad``, bf16
-  out, untuned) on operands tiled 1x128 along each group's tokens; rowwise has no wgrad arm here.
+  out) on operands tiled 1x128 along each group's tokens.
 
 Every FP8 result is first checked against its reference decode (dequantize exactly, FP32 GEMM):
 relative Frobenius error below 1e-2 (bf16 output rounding is ~2e-3), or the script stops.
 Times are ``triton.testing.do_bench`` medians (ms); ratios are BF16 time / arm time (> 1: faster).
 
-    python bench/gemm.py                        # H200: about 2-3 minutes
+    python bench/gemm.py                        # H200: every model's shapes, a few minutes
+    python bench/gemm.py --models olmoe,qwen3   # some models' shapes
     python bench/gemm.py --quick                # smaller shapes, seconds
     python bench/gemm.py --device cpu --quick   # toy shapes on CPU (reference paths; a smoke run)
 """
@@ -145,7 +150,15 @@ def group_sizes(total: int, groups: int, equal: bool, g: torch.Generator) -> lis
     return sizes.tolist()
 
 
-def grouped_rows(s: int, e: int, k: int, n: int, equal: bool, g: torch.Generator) -> list[tuple]:
+MODELS = {  # name: (d, h, experts, top-k), the routed experts of each model's MoE layers
+    "olmoe": (2048, 1024, 64, 8),
+    "qwen3": (2048, 768, 128, 8),
+    "mixtral": (4096, 14336, 8, 2),
+    "deepseek": (7168, 2048, 256, 8),
+}
+
+
+def grouped_rows(model: str, s: int, e: int, k: int, n: int, equal: bool, g: torch.Generator) -> list[tuple]:
     dev = DEVICE
     sizes = group_sizes(s, e, equal, torch.Generator().manual_seed(7))
     offs = torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32)
@@ -162,7 +175,8 @@ def grouped_rows(s: int, e: int, k: int, n: int, equal: bool, g: torch.Generator
         "wgrad": (lambda: torch._grouped_mm(dy.t(), x, offs=offs),
                   (*bq.quantize_1x128_grouped_tokens(dy, offs), *bq.quantize_1x128_grouped_tokens(x, offs))),
     }
-    label = f"{e}x{s // e} {k}->{n}" if equal else f"{e} unequal {k}->{n}"
+    groups = f"equal {s // e}" if equal else f"skewed {min(sizes)}-{max(sizes)}"
+    label = f"{model} {k}->{n}"
     rows = []
     for name, (bf16_fn, ops) in cases.items():
         if name == "wgrad":
@@ -171,12 +185,12 @@ def grouped_rows(s: int, e: int, k: int, n: int, equal: bool, g: torch.Generator
         else:
             block_fn = lambda: block_gemm.grouped_mm(*ops, offs)  # noqa: E731
             ref = block_gemm.reference_grouped_mm(*ops, offs, torch.float32)
-        err = check(f"grouped {label} {name} fp8_block", block_fn(), ref)
+        err = check(f"grouped {label} {groups} {name} fp8_block", block_fn(), ref)
         t_row = _rowwise_grouped(name, x, w, dy, offs, label) if name != "wgrad" else None
         t_bf16 = bench(bf16_fn)
         t_block = bench(block_fn)
         flops = 2 * s * k * n
-        rows.append((label, name, t_bf16, t_block, t_row, flops, err))
+        rows.append((f"{label}, {groups} rows/expert", name, t_bf16, t_block, t_row, flops, err))
     return rows
 
 
@@ -206,7 +220,8 @@ def _rowwise_grouped(name, x, w, dy, offs, label):
 
 def table(title: str, rows: list[tuple]) -> str:
     lines = [f"### {title}", "", "| shape | GEMM | bf16 ms | fp8_block ms | rowwise ms | fp8_block vs bf16 | rowwise vs bf16 "
-             "| fp8_block TFLOP/s | fp8_block rel. err |", "|---|---|---|---|---|---|---|---|---|"]
+             "| bf16 TFLOP/s | fp8_block TFLOP/s | rowwise TFLOP/s | fp8_block rel. err |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def ms(t):
         return f"{t:.3f}" if t is not None else "n/a"
@@ -214,10 +229,12 @@ def table(title: str, rows: list[tuple]) -> str:
     def ratio(base, t):
         return f"{base / t:.2f}x" if base is not None and t is not None else "n/a"
 
+    def tflops(flops, t):
+        return f"{flops / t / 1e9:.0f}" if t is not None else "n/a"
+
     for shape, name, tb, tk, tr, flops, err in rows:
-        tflops = f"{flops / tk / 1e9:.0f}" if tk is not None else "n/a"
         lines.append(f"| {shape} | {name} | {ms(tb)} | {ms(tk)} | {ms(tr)} | {ratio(tb, tk)} | {ratio(tb, tr)} "
-                     f"| {tflops} | {err:.1e} |")
+                     f"| {tflops(flops, tb)} | {tflops(flops, tk)} | {tflops(flops, tr)} | {err:.1e} |")
     return "\n".join(lines)
 
 
@@ -225,7 +242,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small shapes (a smoke run)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma list of {', '.join(MODELS)} (grouped shapes)")
     args = p.parse_args()
+    unknown = sorted(set(args.models.split(",")) - set(MODELS))
+    if unknown:
+        p.error(f"--models: unknown {unknown}; choose from {', '.join(MODELS)}")
     global DEVICE
     DEVICE = args.device
     if DEVICE == "cuda" and not torch.cuda.is_available():
@@ -238,17 +259,20 @@ def main() -> None:
     dense = []
     for k, n in dense_shapes:
         dense += dense_rows(m, k, n, g)
-    s, experts = (512, 4) if toy else (8192, 64) if args.quick else (65536, 64)
-    grouped_shapes = ((128, 256),) if toy else ((2048, 2048), (1024, 2048))
+    tokens = 256 if toy else 4096 if args.quick else 16384
     grouped = []
-    for k, n in grouped_shapes:
-        for equal in (True, False):
-            grouped += grouped_rows(s, experts, k, n, equal, g)
+    for model in args.models.split(","):
+        d, h, experts, topk = (256, 128, 4, 2) if toy else MODELS[model]
+        for k, n in ((d, 2 * h), (h, d)):  # gate/up, down
+            for equal in (True, False):
+                grouped += grouped_rows(model, tokens * topk, experts, k, n, equal, g)
+                torch.cuda.empty_cache() if DEVICE == "cuda" else None
     dev = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
     out = "\n\n".join([
         f"bench/gemm.py on {dev}, torch {torch.__version__}" + (" (--quick)" if args.quick else ""),
         table("Dense GEMMs (operands pre-quantized)", dense),
-        table(f"Grouped GEMMs ({experts} experts; fp8_block = Triton, rowwise = torch._scaled_grouped_mm)", grouped),
+        table(f"Grouped GEMMs ({tokens} tokens routed top-k; fp8_block = Triton, rowwise = torch._scaled_grouped_mm)",
+              grouped),
     ])
     emit("gemm.md", out)
 
