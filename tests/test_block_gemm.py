@@ -403,11 +403,13 @@ def test_bench_gemm_cpu_smoke(monkeypatch, tmp_path):
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     monkeypatch.setenv("MXFX_BENCH_OUT", str(tmp_path))
-    monkeypatch.setattr(sys, "argv", ["bench/gemm.py", "--device", "cpu", "--quick"])
+    monkeypatch.setattr(sys, "argv", ["bench/gemm.py", "--device", "cpu", "--quick", "--models", "olmoe"])
     monkeypatch.syspath_prepend(os.path.join(root, "bench"))
     runpy.run_path(os.path.join(root, "bench", "gemm.py"), run_name="__main__")
     text = (tmp_path / "gemm.md").read_text()
-    assert text.count("| forward |") == 3 and text.count("| wgrad |") == 3, text
+    # one dense shape, and the model's two projections (gate/up, down) with equal and skewed groups
+    assert text.count("| forward |") == 5 and text.count("| wgrad |") == 5, text
+    assert text.count("skewed") == 6, text
 
 
 def _fake_scaled_mm(a, b, scale_a, recipe_a, scale_b, recipe_b, output_dtype=None, **_):
