@@ -47,7 +47,19 @@ first-step time (compilation included), held-out loss at the end (mean over ``--
 held-out batches, forward only through the same compiled model), and for the arms compiled by mxfx the
 precision map's count of expert GEMMs in MX, of those kept as written and of ops reported ``not rewritten``.
 ``--phases`` also prints, per step, the wall time (synchronized) of forward, backward and optimizer step and, on
-CUDA, the peak and end allocated GiB of each; ``--profile`` the last step's kernels by GPU time.
+CUDA, the peak and end allocated GiB of each.
+
+Where the step goes (a second table, one column per arm, ms per optimizer step and % of its wall time): the step's
+wall time, its host time and, with ``--profile``, the last step (all its microbatches) under ``torch.profiler`` summed
+by kernel family (``bench/breakdown.py``: routed GEMM, dense GEMM, quantize/layout, attention, gradient
+accumulation, optimizer + refresh, other) and its costliest kernels. On CUDA the families sum kernel time (the
+GPU idles for the rest of the wall time, unless kernels overlap); on CPU, where there are no kernels, every op's
+self time. Host time, means over the steady steps (the profiled step left out): ``host CPU`` is the process's CPU
+time (``time.process_time``, all threads: the autograd engine's too, and on CPU the intra-op threads' compute)
+from the step's start until its last launch returned, the device synchronized only after; ``host issue`` the wall
+time of the same span, which also holds any wait on the device inside the step (a synchronizing op, a full launch
+queue). Both include ``--phases``' per-phase synchronizations when it is on. The JSON has them per arm
+(``step_ms``, ``host_cpu_ms``, ``host_issue_ms``, ``breakdown``).
 ``--compiler aot_eager_fp32_gemms`` (CPU) runs each BF16 GEMM as an FP32 GEMM of its BF16 operands. A markdown table is printed last;
 JSON goes to ``bench/results/hf_models.json`` (``--out`` to change the folder).
 
@@ -57,6 +69,7 @@ JSON goes to ``bench/results/hf_models.json`` (``--out`` to change the folder).
     python bench/hf_models.py --steps 20           # H200: the recipe's operating point, 8 microbatches per step
     python bench/hf_models.py --microbatches 1 --steps 200  # held-out loss after 200 single-microbatch steps
     python bench/hf_models.py --model qwen3 --arms fp8_block,bf16-weights --steps 4 --phases --profile  # where a step goes
+    python bench/hf_models.py --smoke --model olmoe --layers 1 --microbatches 2 --arms bf16-grouped,fp8_block --profile
     python bench/hf_models.py --dims small --compiler aot_eager_fp32_gemms --tokens 1024 --seq 128 \
         --arms bf16-users,bf16-grouped,mxfp8,fp8_block   # CPU: a precision study in minutes per arm
 """
@@ -81,6 +94,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 sys.path.insert(0, ROOT)
+import breakdown  # noqa: E402  (bench/breakdown.py)
 import data  # noqa: E402  (examples/data.py)
 import mxfx  # noqa: E402
 from mxfx.runtime.cache import step_count  # noqa: E402
@@ -309,7 +323,7 @@ def run_arm(arm: Arm, args, train, val, device: str) -> dict:
     amp = torch.autocast(device, torch.bfloat16) if arm.autocast else contextlib.nullcontext()
     gen = torch.Generator().manual_seed(1234 + args.seed)  # same batches in every arm
     batch = max(1, args.tokens // args.seq)
-    times, losses, sampled = [], [], []
+    times, host_cpu, host_issue, losses, sampled = [], [], [], [], []
     phases = Phases(args.phases, device)
     try:
         for step in range(args.steps):
@@ -321,21 +335,24 @@ def run_arm(arm: Arm, args, train, val, device: str) -> dict:
             profiled = args.profile and step == args.steps - 1
             with _profiler(device) if profiled else contextlib.nullcontext() as prof:
                 _sync(device)
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 for x, y in micro:  # gradient accumulation: the weight caches are built once per step, then reused
                     with amp:
                         loss = phases.run("forward", lambda: fn(input_ids=x, labels=y).loss)
                     phases.run("backward", lambda: (loss / args.microbatches).backward())
                 phases.run("optimizer step", opt.step)
                 opt.zero_grad(set_to_none=True)
+                host_cpu.append(time.process_time() - c0)
+                host_issue.append(time.perf_counter() - t0)
                 _sync(device)
             times.append(time.perf_counter() - t0)
             if phases.parts:
                 print(f"  {args.model} {arm.name} step {step}: " + "; ".join(phases.parts), flush=True)
                 phases.parts = []
             if profiled:
-                sort = "device_time_total" if device == "cuda" else "cpu_time_total"
-                print(prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=70), flush=True)
+                res["breakdown"] = breakdown.step_breakdown(prof.events(), device)
+                print(f"  {args.model} {arm.name} step {step} profiled: {res['breakdown']['total_ms']:.1f} ms of "
+                      f"{res['breakdown']['source']}, costliest:\n" + breakdown.top_lines(res["breakdown"]), flush=True)
             if step % args.log_every == 0 or step == args.steps - 1:
                 losses.append((step, loss.item()))
                 print(f"  {args.model} {arm.name} step {step}: loss {losses[-1][1]:.4f}, {times[-1] * 1e3:.0f} ms", flush=True)
@@ -349,10 +366,12 @@ def run_arm(arm: Arm, args, train, val, device: str) -> dict:
         traceback.print_exc()
         res["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
         return res
-    steady = times[args.skip:] or times[-1:]
-    if args.stats_every:  # sampled against unsampled steps after the skipped ones (the issue's <= 10% goal)
-        on = [t for t, s in zip(times[args.skip:], sampled[args.skip:]) if s]
-        off = [t for t, s in zip(times[args.skip:], sampled[args.skip:]) if not s]
+    # steady steps: past the first --skip, the profiled step left out (the profiler slows it); at least one step
+    kept = [i for i in range(args.skip, len(times)) if not (args.profile and i == len(times) - 1)] or [len(times) - 1]
+    steady = [times[i] for i in kept]
+    if args.stats_every:  # sampled against unsampled steady steps (the issue's <= 10% goal)
+        on = [times[i] for i in kept if sampled[i]]
+        off = [times[i] for i in kept if not sampled[i]]
         if on and off:
             res["stats_sampled_step_s"], res["stats_unsampled_step_s"] = sum(on) / len(on), sum(off) / len(off)
             res["stats_sampled_over_unsampled"] = res["stats_sampled_step_s"] / res["stats_unsampled_step_s"]
@@ -363,6 +382,9 @@ def run_arm(arm: Arm, args, train, val, device: str) -> dict:
         tokens_per_s=args.microbatches * batch * args.seq / (sum(steady) / len(steady)),
         microbatches=args.microbatches,
         first_step_s=times[0],
+        step_ms=1e3 * sum(steady) / len(steady),
+        host_cpu_ms=1e3 * sum(host_cpu[i] for i in kept) / len(kept),
+        host_issue_ms=1e3 * sum(host_issue[i] for i in kept) / len(kept),
         peak_gib=max(phases.peak_bytes, torch.cuda.max_memory_allocated()) / GIB if device == "cuda" else None,
         heldout_loss=sum(held) / len(held),
         train_losses=losses,
@@ -417,7 +439,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--seed", type=int, default=0, help="initial weights (seed) and batches (seed + 1234)")
     p.add_argument("--phases", action="store_true",
                    help="print each step's forward, backward and optimizer step: ms and, on CUDA, peak / end GiB")
-    p.add_argument("--profile", action="store_true", help="print the last step's kernels by GPU time (the profiler slows that step)")
+    p.add_argument("--profile", action="store_true",
+                   help="profile the last step: its device time by kernel family and its costliest kernels (the "
+                        "profiler slows that step, left out of tokens/s)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny dims, a few steps (CI)")
     p.add_argument("--stats-every", type=int, default=0,
                    help="quantization statistics of the mxfx arms every N optimizer steps (MXFX_STATS; 0: off); reports "
@@ -454,6 +478,11 @@ def main(argv=None) -> list[dict]:
                 json.dump({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                            "args": vars(args), "results": results}, f, indent=1)
     print(table(results))
+    for model in models:
+        done = {r["arm"]: r for r in results if r["model"] == model and "error" not in r}
+        if done:
+            print(f"\nwhere the step goes, {model} ({args.microbatches} microbatch(es) per step; device: {device}):")
+            print(breakdown.breakdown_table(done))
     return results
 
 

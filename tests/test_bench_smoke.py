@@ -113,13 +113,21 @@ def test_movement_ceiling_variants_move_their_bytes():
 def test_hf_models_smoke(monkeypatch, tmp_path):
     pytest.importorskip("transformers")
     run_script(monkeypatch, "bench/hf_models.py", "--smoke", "--model", "olmoe", "--layers", "1", "--microbatches", "2",
-               "--out", str(tmp_path))
+               "--profile", "--out", str(tmp_path))
     res = json.loads((tmp_path / "hf_models.json").read_text())["results"]
     by_arm = {r["arm"]: r for r in res}
     assert set(by_arm) == {"bf16-users", "bf16-weights", "bf16-grouped", "mxfp8", "fp8_block", "torchao-fp8-rowwise"}
     for arm in ("bf16-users", "bf16-weights", "bf16-grouped", "mxfp8", "fp8_block"):
         assert "error" not in by_arm[arm] and by_arm[arm]["tokens_per_s"] > 0, by_arm[arm]
         assert by_arm[arm]["microbatches"] == 2
+        assert by_arm[arm]["host_cpu_ms"] > 0 and by_arm[arm]["host_issue_ms"] <= by_arm[arm]["step_ms"]
+        # where the profiled step went (CPU: op self times): both microbatches' GEMMs, their accumulation, the step
+        where = by_arm[arm]["breakdown"]
+        assert where["source"] == "CPU op self time" and where["top"]
+        assert sum(where["ms"].values()) == pytest.approx(where["total_ms"])
+        for family in ("routed GEMM", "dense GEMM", "attention", "gradient accumulation", "optimizer + refresh"):
+            assert where["ms"][family] > 0, (arm, family, where["ms"])
+    assert by_arm["mxfp8"]["breakdown"]["ms"]["quantize/layout"] > 0
     assert by_arm["mxfp8"]["expert_gemms_mx"] == 2 and by_arm["mxfp8"]["not_rewritten"] == 0
     # format="bf16_gemm": transformers' FP32 expert fallback rewritten into BF16 grouped GEMMs from cached casts
     grouped = by_arm["bf16-grouped"]
@@ -161,3 +169,179 @@ def test_fp32_gemms_compiler_is_a_bf16_gemm():
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y, y_ref, rtol=2**-7, atol=1e-2)  # the BF16 GEMM, up to summation order
     torch.testing.assert_close(g, w.grad, rtol=2**-6, atol=1e-1)
+
+
+KERNELS = [  # (kernel name, the CPU ops it ran under: launching op first), family
+    # cuBLAS / cutlass GEMMs: a dense GEMM, or routed under a grouped op (forward, dgrad, wgrad)
+    ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", ("aten::mm", "CompiledFunction"), "dense GEMM"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel__5x_cublas",
+     ("aten::addmm", "CompiledFunctionBackward", "autograd::engine::evaluate_function: CompiledFunctionBackward"), "dense GEMM"),
+    ("nvjet_qqtst_128x128_128x6_2x1_v_bz_coopA_TNN", ("aten::_scaled_mm", "mxfx::block_mm"), "dense GEMM"),
+    ("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x2_tn_align8>(Params)", (), "dense GEMM"),
+    ("void cutlass::device_kernel<at::cuda::detail::enable_3x_kernel_for_sm9x<cutlass::gemm::kernel::GemmUniversal<"
+     "cutlass::gemm::GroupProblemShape<cute::tuple<int, int, int> >, cute::tuple<cute::C<128>, cute::C<256>, cute::C<64> >>>>",
+     ("aten::_grouped_mm", "CompiledFunction"), "routed GEMM"),
+    ("void cutlass::device_kernel<at::cuda::detail::enable_3x_kernel_for_sm9x<cutlass::gemm::kernel::GemmUniversal<"
+     "cutlass::gemm::GroupProblemShape<cute::tuple<int, int, int> >>>>", (), "routed GEMM"),
+    ("sm90_xmma_gemm_f32f32_tf32f32_f32_nt_n_tilesize128x128x32_cublas",
+     ("aten::mm", "transformers::grouped_mm_fallback_backward", "CompiledFunctionBackward"), "routed GEMM"),
+    ("nvjet_tst_64x8_64x16_4x1_v_bz_TNN", ("aten::mm", "aten::_grouped_mm", "mxfx::grouped_wgrad_bf16"), "routed GEMM"),
+    ("void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl_nocast<at::native::FillFunctor<float>>>",
+     ("aten::fill_", "aten::zero_", "mxfx::block_grouped_wgrad"), "routed GEMM"),
+    # mxfx's Triton kernels: launched from its custom ops, or from Inductor's code as <name>_<n>
+    ("_grouped_body", ("mxfx::block_grouped_mm", "CompiledFunction"), "routed GEMM"),
+    ("_grouped_wgrad_kernel", ("mxfx::block_grouped_wgrad",), "routed GEMM"),
+    ("_zero_rows_kernel_3", ("_zero_rows_kernel_3", "CompiledFunction"), "routed GEMM"),
+    ("_quantize", ("mxfx::quantize", "CompiledFunction"), "quantize/layout"),
+    ("_quantize_2", ("_quantize_2", "CompiledFunction"), "quantize/layout"),
+    ("_quantize_kernel", ("mxfx::block_quantize",), "quantize/layout"),
+    ("_dual_kernel_0", ("_dual_kernel_0", "CompiledFunctionBackward"), "quantize/layout"),
+    ("_swiglu_quantize_kernel_1", ("_swiglu_quantize_kernel_1", "CompiledFunction"), "quantize/layout"),
+    ("_swiglu_save_kernel", ("mxfx::block_forward_operands",), "quantize/layout"),
+    ("_transpose_kernel_4", ("_transpose_kernel_4",), "quantize/layout"),
+    ("_dequantize_kernel", ("mxfx::dequantize",), "quantize/layout"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::AUnaryFunctor<float, float, float>>",
+     ("aten::copy_", "mxfx::quantize_dual_blocked"), "quantize/layout"),
+    ("_swiglu_product_kernel_0", ("_swiglu_product_kernel_0", "CompiledFunction"), "other"),
+    # a weight-cache rebuild quantizes: its cost is the step's refresh
+    ("_dual_kernel", ("mxfx::cached_weight", "CompiledFunction", "Torch-Compiled Region: 0/0"), "optimizer + refresh"),
+    ("_quantize", ("mxfx::refresh_weight_caches",), "optimizer + refresh"),
+    # attention
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, cutlass::bfloat16_t>>",
+     ("aten::_flash_attention_forward", "aten::_scaled_dot_product_flash_attention"), "attention"),
+    ("void pytorch_flash::flash_bwd_dot_do_o_kernel<true, Flash_bwd_kernel_traits<128>>",
+     ("aten::_flash_attention_backward", "aten::_scaled_dot_product_flash_attention_backward"), "attention"),
+    ("cudnn_generated_fortran_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128_4x1x1_kernel0_0",
+     ("aten::_scaled_dot_product_cudnn_attention",), "attention"),
+    ("fmha_cutlassB_bf16_aligned_128x64_k128_sm80", (), "attention"),
+    ("void at::native::elementwise_kernel<128, 4, at::native::FillFunctor<c10::BFloat16>>",
+     ("aten::fill_", "aten::zero_", "aten::_scaled_dot_product_efficient_attention_backward"), "attention"),
+    # gradient accumulation: AccumulateGrad's add_ of a microbatch's gradient into .grad
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>, std::array<char*, 3>>",
+     ("aten::add_", "torch::autograd::AccumulateGrad",
+      "autograd::engine::evaluate_function: torch::autograd::AccumulateGrad"), "gradient accumulation"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>, std::array<char*, 3>>",
+     ("aten::add", "CompiledFunctionBackward"), "other"),
+    # the optimizer step
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+     "FusedOptimizerTensorListMetadata<4>, at::native::(anonymous namespace)::FusedAdamMathFunctor<float, 4, "
+     "(at::native::ADAM_MODE)1, false>, double, double, double, double, double, bool, double*, float*>",
+     ("aten::_fused_adamw_", "Optimizer.step#AdamW.step"), "optimizer + refresh"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+     "TensorListMetadata<2>, at::native::(anonymous namespace)::BinaryOpListAlphaFunctor<float, 2, 2, 0>>",
+     ("aten::_foreach_add_", "Optimizer.step#AdamW.step"), "optimizer + refresh"),
+    ("triton_poi_fused__foreach_addcdiv__foreach_mul_0", ("triton_poi_fused__foreach_addcdiv__foreach_mul_0",
+     "Optimizer.step#AdamW.step"), "optimizer + refresh"),
+    # Inductor's generated kernels: other, whatever their fused ops' names say
+    ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0",
+     "CompiledFunction"), "other"),
+    ("triton_poi_fused__scaled_dot_product_flash_attention_transpose_3",
+     ("triton_poi_fused__scaled_dot_product_flash_attention_transpose_3", "CompiledFunction"), "other"),
+    ("triton_per_fused__softmax_topk_2", ("triton_per_fused__softmax_topk_2",), "other"),
+    ("triton_tem_fused_mm_4", ("triton_tem_fused_mm_4",), "dense GEMM"),
+    ("Memcpy DtoD (Device -> Device)", ("aten::copy_", "CompiledFunction"), "other"),
+    ("void at::native::index_elementwise_kernel<128, 4>", ("aten::index", "CompiledFunction"), "other"),
+    # a CPU profile: each op is its own kernel
+    ("aten::mm", ("aten::mm", "aten::_grouped_mm", "CompiledFunction"), "routed GEMM"),
+    ("aten::mm", ("aten::mm", "CompiledFunction"), "dense GEMM"),
+    ("aten::_fused_adamw_", ("aten::_fused_adamw_", "Optimizer.step#AdamW.step"), "optimizer + refresh"),
+    ("aten::add_", ("aten::add_", "autograd::engine::evaluate_function: torch::autograd::AccumulateGrad"),
+     "gradient accumulation"),
+    ("aten::amax", ("aten::amax", "mxfx::cached_weight"), "optimizer + refresh"),
+    ("CompiledFunction", ("CompiledFunction", "Torch-Compiled Region: 0/0"), "other"),
+]
+
+
+@pytest.mark.parametrize("kernel,ops,family", KERNELS, ids=[f"{i}-{f}" for i, (_, _, f) in enumerate(KERNELS)])
+def test_kernel_family(kernel, ops, family):
+    """``bench/breakdown.py`` names a kernel's family from its name and the CPU ops it ran under."""
+    from bench.breakdown import FAMILIES, kernel_family
+
+    assert family in FAMILIES
+    assert kernel_family(kernel, ops) == family
+
+
+def test_every_mxfx_kernel_has_a_family():
+    """Every Triton kernel mxfx launches (a ``@triton.jit`` function named ``*_kernel``, or one ``triton.jit(...)``
+    wraps) is in ``MXFX_KERNELS``, and nothing else is: a new or renamed kernel would fall into ``other``."""
+    import ast
+
+    from bench.breakdown import MXFX_KERNELS
+
+    def is_jit(node):  # triton.jit or triton.jit(...)
+        node = node.func if isinstance(node, ast.Call) else node
+        return isinstance(node, ast.Attribute) and node.attr == "jit"
+
+    launched = set()
+    for path in (ROOT / "mxfx" / "kernels").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and node.name.endswith("_kernel") and any(map(is_jit, node.decorator_list)):
+                launched.add(node.name)
+            if isinstance(node, ast.Call) and is_jit(node.func) and node.args and isinstance(node.args[0], ast.Name):
+                launched.add(node.args[0].id)  # triton.jit(...)(fn)
+    assert launched == set(MXFX_KERNELS)
+
+
+def _event(name, parent=None, kernels=(), device=False, start=0.0, end=0.0, annotation=False):
+    """A stand-in for a ``torch.profiler`` ``FunctionEvent``: what ``step_breakdown`` reads of one."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import Kernel
+
+    return SimpleNamespace(name=name, cpu_parent=parent, is_async=False, is_legacy=False, is_user_annotation=annotation,
+                           device_type=DeviceType.CUDA if device else DeviceType.CPU,
+                           kernels=[Kernel(k, 0, d) for k, d in kernels], time_range=SimpleNamespace(start=start, end=end))
+
+
+def test_step_breakdown_cuda_events():
+    """On CUDA every kernel counts once: through the CPU op that launched it, else (no CPU op) by its name; a
+    record_function's device range (a GPU user annotation) is no kernel."""
+    from bench.breakdown import step_breakdown
+
+    step = _event("Optimizer.step#AdamW.step")
+    adam = _event("aten::_fused_adamw_", step, kernels=[("multi_tensor_apply_kernel<FusedAdamMathFunctor>", 30.0),
+                                                        ("Optimizer.step#AdamW.step", 40.0)])
+    acc = _event("autograd::engine::evaluate_function: torch::autograd::AccumulateGrad")
+    add = _event("aten::add_", acc, kernels=[("vectorized_elementwise_kernel<CUDAFunctor_add>", 5.0)])
+    mm = _event("aten::mm", kernels=[("nvjet_tst_128x256", 100.0)])
+    device = [
+        _event("multi_tensor_apply_kernel<FusedAdamMathFunctor>", device=True, start=0.0, end=30.0),
+        _event("Optimizer.step#AdamW.step", device=True, start=0.0, end=40.0, annotation=True),
+        _event("vectorized_elementwise_kernel<CUDAFunctor_add>", device=True, start=50.0, end=55.0),
+        _event("nvjet_tst_128x256", device=True, start=60.0, end=160.0),
+        _event("nvjet_tst_128x256", device=True, start=200.0, end=300.0),  # no CPU op claims it
+    ]
+    out = step_breakdown([step, adam, acc, add, mm, *device], "cuda")
+    assert out["source"] == "CUDA kernel time"
+    assert out["ms"]["optimizer + refresh"] == pytest.approx(0.030)
+    assert out["ms"]["gradient accumulation"] == pytest.approx(0.005)
+    assert out["ms"]["dense GEMM"] == pytest.approx(0.200)
+    assert out["total_ms"] == pytest.approx(0.235)
+    assert out["top"][0] == {"name": "nvjet_tst_128x256", "family": "dense GEMM", "ms": pytest.approx(0.2), "calls": 2}
+
+
+def test_step_breakdown_cpu_profile():
+    """On CPU a real profile of a step: each op's self time, by family; the table puts arms side by side."""
+    import torch
+
+    from bench.breakdown import breakdown_table, step_breakdown
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(lin.parameters(), fused=True)
+    x = torch.randn(2, 4, 16, 64)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(2):  # two microbatches: the second one's gradients are accumulated
+            q = lin(x)
+            torch.nn.functional.scaled_dot_product_attention(q, q, q).square().mean().backward()
+        opt.step()
+    out = step_breakdown(prof.events(), "cpu")
+    assert out["source"] == "CPU op self time"
+    for family in ("dense GEMM", "attention", "gradient accumulation", "optimizer + refresh"):
+        assert out["ms"][family] > 0, (family, out["ms"])
+    assert sum(out["ms"].values()) == pytest.approx(out["total_ms"])
+    arm = {"step_ms": 2 * out["total_ms"], "host_cpu_ms": 1.0, "host_issue_ms": 1.5, "breakdown": out}
+    text = breakdown_table({"mxfp8": arm, "bf16-weights": {**arm, "breakdown": None}})
+    assert text.splitlines()[0] == "| ms per step (% of step) | mxfp8 | bf16-weights |"
+    assert "| dense GEMM | " in text and "(50%)" in text and "| host CPU | 1.00 " in text
