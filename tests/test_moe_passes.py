@@ -28,16 +28,18 @@ def _train_step(model, backend, options, *inputs):
 
 
 def _saved_bytes(cap: GraphCapture) -> int:
-    """Bytes of tensors the forward graph hands to backward (its outputs past the user outputs)."""
+    """Bytes of tensors the forward graph hands to backward (its outputs past the user outputs), one per storage:
+    views of one tensor (an input reshaped for each linear that keeps it) hold its bytes once."""
     fw, bw = cap.forward[0], cap.backward[0]
     n_saved = len([n for n in bw.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")])
     outs = list(fw.graph.output_node().args[0])
-    total = 0
+    storages = {}
     for n in outs[len(outs) - n_saved :]:
         v = n.meta.get("val") if hasattr(n, "meta") else None
         if isinstance(v, torch.Tensor) and v.is_floating_point() or (isinstance(v, torch.Tensor) and v.dtype == torch.uint8):
-            total += v.numel() * v.element_size()
-    return total
+            key = v.untyped_storage()._cdata  # fake tensors share their base's storage as real ones do
+            storages[key] = max(storages.get(key, 0), v.numel() * v.element_size())
+    return sum(storages.values())
 
 
 def test_main_model_counts_and_attention_saved_rule():

@@ -148,17 +148,20 @@ def _packing(tokens: int, options=None) -> PrecisionMap:
     return mxfx.last_report()
 
 
-def test_few_tokens_pack_nothing_larger_than_the_op_as_written_saves():
-    """At 14 tokens the MX copies, padded to 32 tokens, are larger than what the ops as written save (the BF16
-    input): neither is packed, each says why, and the summary claims no saving it does not make."""
+def test_few_tokens_pack_only_copies_smaller_than_the_input_kept():
+    """At 14 tokens the MX copies are padded to 32 tokens. The first linear's input is the FP32 model input, which
+    it would keep in FP32 (3584 bytes): its 2112-byte copy is packed, though larger than the 1792 BF16 bytes the
+    op as written saves. GELU's BF16 output (2688 bytes) is kept: its copy (3168 bytes) is not smaller, and the
+    reason says so. The summary counts what is saved, the growth over the ops as written included."""
     pm = _packing(14)
     first, second = (r for r in pm.records if r.kind == "linear")
-    assert (first.saved, second.saved) == ("fp32", "bf16")  # kept as they are: the FP32 model input, GELU's output
-    assert "larger than the 1792 bytes the op as written saves" in first.reason
-    assert "14 tokens zero-padded to a multiple of 32" in first.reason
-    before, after = pm.saved_bytes()
-    assert before == after == 14 * (64 + 96) * 2
-    assert "0.0% less" in pm.summary()
+    assert (first.saved, second.saved) == ("mxfp8", "bf16")
+    assert first.saved_bytes == (14 * 64 * 2, 32 * 64 * 33 // 32) and first.reason == ""
+    assert second.saved_bytes == (14 * 96 * 2, 14 * 96 * 2)
+    assert ("the mxfp8 copy (3168 bytes, 14 tokens zero-padded to a multiple of 32) is not smaller than the "
+            "2688-byte bf16 input kept as it is") in second.reason, second
+    assert pm.saved_bytes() == (14 * (64 + 96) * 2, 2112 + 2688)
+    assert "4480 B as written -> 4800 B (7.1% more, nominal)" in pm.summary()
 
 
 def test_enough_tokens_pack_the_first_input():
@@ -198,3 +201,126 @@ def test_saved_reasons_speak_of_the_ops_format():
         torch.compile(QKV(), backend="mxfp8", options={**EAGER, "format": "fp8_block"})(x)
     reasons = {r.reason for r in mxfx.last_report().records if r.kind == "linear"}
     assert reasons == {"read by 3 converted ops: one 2-byte copy is smaller than 3 fp8_block copies (1.03125 bytes a value)"}
+
+
+def _backward_receives(cap) -> list[tuple[torch.dtype, tuple, int]]:
+    """``(dtype, shape, bytes)`` of each tensor the captured backward graphs receive from their forward (what
+    autograd keeps alive between them; tangents left out)."""
+    out = []
+    for g in cap.backward:
+        for n in g.graph.nodes:
+            v = n.meta.get("val")
+            if n.op == "placeholder" and isinstance(v, torch.Tensor) and not n.name.startswith("tangents"):
+                out.append((v.dtype, tuple(v.shape), v.numel() * v.element_size()))
+    return out
+
+
+_NO_OP_CASTS = {
+    "float": lambda t: t.float(),
+    "to_dtype": lambda t: t.to(torch.float32),
+    "to_own_dtype": lambda t: t.to(t.dtype),
+    "type": lambda t: t.type(torch.float32),
+    "_to_copy": lambda t: torch.ops.aten._to_copy.default(t, dtype=torch.float32),
+    "convert_element_type": lambda t: torch.ops.prims.convert_element_type.default(t, torch.float32),
+}
+
+
+class _SavedBeside(nn.Module):
+    """A converted 64->64 linear and a 64->4 one kept as written (4 features: no MX block) on the same FP32 tokens,
+    one of them reading them through ``cast``: the kept linear saves what it reads for its weight gradient."""
+
+    def __init__(self, cast, cast_for: str):
+        super().__init__()
+        self.cast, self.cast_for = cast, cast_for
+        self.gate, self.up = nn.Linear(64, 4, bias=False), nn.Linear(64, 64, bias=False)
+
+    def forward(self, x):
+        gate_in, up_in = (self.cast(x), x) if self.cast_for == "gate" else (x, self.cast(x))
+        return self.up(up_in) * self.gate(gate_in).sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("cast_for", ["gate", "up"])
+@pytest.mark.parametrize("cast", list(_NO_OP_CASTS), ids=list(_NO_OP_CASTS))
+def test_a_no_op_cast_is_the_tensor_it_casts(cast, cast_for):
+    """A cast to the dtype a tensor already has is that tensor (or a copy the partitioner makes from it): the FP32
+    tokens the kept linear saves are the converted linear's input too, so an MX copy beside them would add its
+    bytes. Kept as they are, counted once, and the backward receives no E4M3 qdata."""
+    from tests.helpers import GraphCapture
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    cap = GraphCapture()
+    y = torch.compile(_SavedBeside(_NO_OP_CASTS[cast], cast_for), backend="mxfp8", options={"inner": cap})(
+        torch.randn(32, 64))
+    y.sum().backward()
+    up = _by_module()["up"]
+    assert up.saved == "fp32" and "also saved by linear" in up.reason, up
+    assert up.saved_bytes == (32 * 64 * 4, 32 * 64 * 4)
+    received = _backward_receives(cap)
+    assert not [r for r in received if r[0] == torch.float8_e4m3fn], received
+    assert (torch.float32, (32, 64), 32 * 64 * 4) in received, received
+
+
+def test_a_cast_that_changes_the_dtype_is_a_tensor_of_its_own():
+    """The kept linear reads an FP32 cast of BF16 tokens (a new tensor, under autocast cast back to a BF16 copy):
+    the BF16 tokens themselves are not kept for it, so the converted linear's MX copy replaces them."""
+    torch._dynamo.reset()
+    x = torch.randn(32, 64, dtype=torch.bfloat16)
+    with torch.autocast("cpu", torch.bfloat16):
+        torch.compile(_SavedBeside(lambda t: t.float(), "gate"), backend="mxfp8", options=EAGER)(x)
+    up = _by_module()["up"]
+    assert up.saved == "mxfp8" and up.saved_bytes == (32 * 64 * 2, 32 * 64 * 33 // 32), up
+
+
+def test_fp32_example_moe_keeps_the_tokens_its_router_saves():
+    """The main job's MoE layer run in FP32 (its reference arm's dtype): the router's ``x.float()`` changes nothing,
+    and the router's FP32 GEMM saves the tokens for its weight gradient; the shared expert's gate and up read the
+    same tokens, so they keep them (counted once) instead of packing two MX copies beside them."""
+    from tests.helpers import GraphCapture
+    from tests.models import MoE, tiny_config
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = MoE(tiny_config())
+    for p in layer.parameters():
+        nn.init.normal_(p, std=0.1)
+    cap = GraphCapture()
+    y = torch.compile(layer, backend="mxfp8", options={"inner": cap})(torch.randn(2, 32, 64, requires_grad=True))
+    y.sum().backward()
+    records = _by_module()
+    gate, up = records["shared_gate"], records["shared_up"]
+    assert (gate.saved, up.saved) == ("fp32", "fp32"), (gate, up)
+    assert "also saved by linear" in gate.reason and "also saved by linear" in up.reason
+    assert (gate.saved_bytes, up.saved_bytes) == ((64 * 64 * 4, 64 * 64 * 4), (0, 0))
+    # the tokens reach the backward in FP32, and no E4M3 copy of them does: the [64, 64] E4M3 qdata the backward
+    # receives are the shared SwiGLU's gate and up, packed for its backward, and shared_down's token-blocked input
+    # (with shared_gate and shared_up packing their copies too, five)
+    received = _backward_receives(cap)
+    assert (torch.float32, (64, 64), 64 * 64 * 4) in received, received
+    assert [r[1] for r in received if r[0] == torch.float8_e4m3fn and r[1] == (64, 64)] == [(64, 64)] * 3, received
+
+
+@pytest.mark.parametrize("tokens,k,packed", [(14, 64, True), (7, 256, False)])
+def test_fp32_input_under_autocast_is_judged_by_its_own_bytes(tokens, k, packed):
+    """Under BF16 autocast a linear as written saves a BF16 cast of its FP32 input, but the converted linear that
+    keeps its input keeps the FP32 tensor itself: the MX copy (qdata and E8M0 scales, tokens zero-padded to 32) is
+    packed where it is smaller than those FP32 bytes (14 x 64: 2112 < 3584, though more than the 1792 BF16 bytes)
+    and kept where it is not (7 x 256: 8448 >= 7168), and the map counts the bytes the backward receives."""
+    from tests.helpers import GraphCapture
+
+    torch._dynamo.reset()
+    cap = GraphCapture()
+    with torch.autocast("cpu", torch.bfloat16):
+        y = torch.compile(nn.Linear(k, 64, bias=False), backend="mxfp8", options={"inner": cap})(torch.randn(tokens, k))
+    y.float().sum().backward()
+    (rec,) = [r for r in mxfx.last_report().records if r.kind == "linear"]
+    fp32_bytes, copy_bytes = tokens * k * 4, 32 * k + 32 * k // 32  # E4M3 qdata + one E8M0 scale per 32 values
+    received = _backward_receives(cap)
+    assert rec.saved_bytes == (tokens * k * 2, copy_bytes if packed else fp32_bytes), rec
+    assert sum(n for *_, n in received) == rec.saved_bytes[1], received
+    if packed:
+        assert rec.saved == "mxfp8" and (torch.float8_e4m3fn, (k, 32), 32 * k) in received, (rec, received)
+    else:
+        assert rec.saved == "fp32" and received == [(torch.float32, (tokens, k), fp32_bytes)], received
+        assert (f"the mxfp8 copy ({copy_bytes} bytes, {tokens} tokens zero-padded to a multiple of 32) is not smaller "
+                f"than the {fp32_bytes}-byte fp32 input kept as it is") in rec.reason, rec

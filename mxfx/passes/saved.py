@@ -6,10 +6,12 @@ bf16_gemm) or as the input itself. The copy saves memory only when no other back
 tensor alive (the recipe, "Smaller Saved Activations", "Dense and Shared-Expert Linears", "MXFP8 Activation
 Saving Without MXFP8 Compute"): a copy next to a retained tensor costs its bytes on top.
 
-Rule, per converted op input ``x`` (views, ``contiguous``, ``clone`` and row gathers,
-``x[idx]`` and ``index_select``, are looked through, since the partitioner
-recomputes them from their base: the top-k gathered rows of a dispatch cost
-nothing to keep when their tokens are kept anyway):
+Rule, per converted op input ``x`` (views, ``contiguous``, ``clone``, row gathers,
+``x[idx]`` and ``index_select``, and casts to the dtype a tensor already has, ``x.float()`` of an FP32 ``x``,
+``x.to(x.dtype)``, ``_to_copy`` or ``convert_element_type`` to the same dtype, are looked through, both from
+``x`` up to its base and from the base down to its other readers: they are that tensor, or a copy the
+partitioner recomputes from it; the top-k gathered rows of a dispatch cost nothing to keep when their tokens
+are kept anyway. A cast that changes the dtype makes a tensor of its own):
 
 * the op saves nothing (no gradient flows through it, under ``torch.no_grad()``, or its weight is frozen):
   left alone, counted nowhere;
@@ -17,8 +19,9 @@ nothing to keep when their tokens are kept anyway):
   (``scaled_dot_product_attention``, softmax, log_softmax, sigmoid, tanh, exp,
   relu, sqrt, rsqrt, in any of their spellings): keep it — this is the recipe's
   attention output projection;
-* another user of the base saves it for its backward (anything but additions,
-  views, casts, concatenations and ops under ``torch.no_grad()``): keep it;
+* another user of the base or of an alias of it saves it for its backward (anything but additions,
+  casts that change the dtype, concatenations, ``detach`` and ops under ``torch.no_grad()``), as the
+  router's FP32 GEMM saves ``x.float()`` of FP32 tokens: keep it;
 * several converted ops read it (q/k/v projections of one input) and one copy of it
   in its own dtype is smaller than one format copy per op (2 bytes for BF16 vs
   n x 33/32 for MXFP8): keep it as it is;
@@ -26,10 +29,11 @@ nothing to keep when their tokens are kept anyway):
   copies of each token) and the tokens in their own dtype are smaller than a format
   copy of the gathered rows (2 bytes vs k x 33/32): keep the tokens, which
   backward gathers again;
-* the copy would not be smaller than the input kept as it is, or would be larger than what the op as written
-  saves (its input in the dtype it computes in: BF16 under autocast): keep it. A linear whose low-precision
-  wgrad blocks its input along tokens pads them to the format's ``token_multiple`` (32 for MXFP8), so at a few
-  tokens the copy outgrows the tensor (judged at the traced token count);
+* the copy (qdata and scales, as :meth:`mxfx.formats.Format.saved_bytes` counts them) would not be strictly
+  smaller than the input kept as it is, in its own dtype (an FP32 input under BF16 autocast is kept in FP32,
+  not as the BF16 cast the op as written saves): keep it. A linear whose low-precision wgrad blocks its input
+  along tokens pads them to the format's ``token_multiple`` (32 for MXFP8), so at a few tokens the copy
+  outgrows the tensor (judged at the traced token count);
 * otherwise pack — the QKV projection's input in the recipe.
 
 Eligibility: floating dtype and a last dim that is a multiple of the format's block (already
@@ -60,8 +64,17 @@ from mxfx.policy import Policy
 from mxfx.report import PrecisionMap
 
 MX_OPS = (mx_linear, mx_grouped_mm_op)
-_VIEW_METHODS = ("view", "reshape", "transpose", "permute", "contiguous", "flatten", "unflatten", "squeeze", "unsqueeze", "t", "clone", "expand", "chunk", "split", "narrow", "index_select")
-_VIEW_FNS = (torch.reshape, torch.transpose, torch.flatten, torch.permute, torch.squeeze, torch.unsqueeze, torch.chunk, torch.split, operator.getitem, torch.clone, torch.narrow, torch.index_select)
+_VIEW_METHODS = ("view", "reshape", "transpose", "permute", "contiguous", "flatten", "unflatten", "squeeze", "unsqueeze",
+                 "t", "clone", "expand", "chunk", "split", "narrow", "index_select", "view_as", "reshape_as",
+                 "expand_as", "select", "unbind", "movedim")
+_VIEW_FNS = (torch.reshape, torch.transpose, torch.flatten, torch.permute, torch.squeeze, torch.unsqueeze, torch.chunk,
+             torch.split, operator.getitem, torch.clone, torch.narrow, torch.index_select, torch.select,
+             torch.unbind, torch.movedim)
+_CAST_METHODS = ("to", "float", "double", "bfloat16", "half", "type")
+_CAST_FNS = (torch.Tensor.to, torch.Tensor.float, torch.Tensor.double, torch.Tensor.bfloat16, torch.Tensor.half,
+             torch.Tensor.type)
+_CAST_OPS = (torch.ops.aten._to_copy, torch.ops.aten.to, torch.ops.prims.convert_element_type)
+"""Casts in any spelling (Tensor methods, ATen/prims ops by packet): an alias where they keep dtype and device."""
 _SAVES_OUTPUT_FNS = (
     F.scaled_dot_product_attention, torch.softmax, F.softmax, torch.special.softmax, torch.log_softmax, F.log_softmax,
     torch.sigmoid, F.sigmoid, torch.special.expit, torch.tanh, F.tanh, torch.exp, torch.relu, F.relu, torch.relu_,
@@ -72,16 +85,32 @@ _SAVES_OUTPUT_METHODS = ("softmax", "log_softmax", "sigmoid", "sigmoid_", "tanh"
                          "relu_", "sqrt", "sqrt_", "rsqrt", "rsqrt_")
 _NON_SAVING_FNS = (operator.add, operator.sub, operator.neg, torch.add, torch.sub, torch.cat, torch.stack, F.pad,
                    torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like)
-_NON_SAVING_METHODS = ("add", "sub", "neg", "to", "float", "bfloat16", "half", "type", "size", "dim", "detach",
-                       "new_zeros", "new_ones", "new_empty", "new_full")
-"""Users whose backward keeps nothing of their input (sums, casts, shape-only factories, ``detach``)."""
+_NON_SAVING_METHODS = ("add", "sub", "neg", "to", "float", "double", "bfloat16", "half", "type", "size", "dim",
+                       "detach", "new_zeros", "new_ones", "new_empty", "new_full")
+"""Users whose backward keeps nothing of their input (sums, casts that change the dtype, shape-only factories,
+``detach``: the dispatch's pre-gather quantize reads the tokens detached)."""
+
+
+def _is_noop_cast(n: fx.Node) -> bool:
+    """Whether ``n`` casts its input to the dtype and device it already has (``x.float()`` of an FP32 ``x``,
+    ``x.to(x.dtype)``, ``_to_copy``/``convert_element_type`` to the same dtype), as the graph's example values say:
+    its result is its input, or a copy of it the partitioner recomputes. False without both example values."""
+    if n.op == "call_function":
+        if n.target not in _CAST_FNS and getattr(n.target, "overloadpacket", n.target) not in _CAST_OPS:
+            return False
+    elif not is_call(n, (), _CAST_METHODS):
+        return False
+    src, out = example_value(n.args[0] if n.args else None), example_value(n)
+    return src is not None and out is not None and (src.dtype, src.device) == (out.dtype, out.device)
 
 
 def _is_view(n: fx.Node) -> bool:
+    """Whether ``n`` is its first argument looked at another way (a view, ``contiguous``, ``clone``, a
+    row gather, an element of ``chunk``/``split``/``unbind``) or a cast that changes nothing (:func:`_is_noop_cast`)."""
     if n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[1], int):
         # an element of chunk/split is a view of its base; an output of a multi-output op is a tensor of its own
         return isinstance(n.args[0], fx.Node) and _is_view(n.args[0])
-    return is_call(n, _VIEW_FNS, _VIEW_METHODS)
+    return is_call(n, _VIEW_FNS, _VIEW_METHODS) or _is_noop_cast(n)
 
 
 def _base(x: fx.Node) -> fx.Node:
@@ -91,11 +120,12 @@ def _base(x: fx.Node) -> fx.Node:
 
 
 def _aliases(base: fx.Node) -> list[fx.Node]:
+    """``base`` and every node that is it looked at another way (:func:`_is_view`), transitively."""
     out, todo = [], [base]
     while todo:
         n = todo.pop()
         out.append(n)
-        todo.extend(u for u in n.users if _is_view(u))
+        todo.extend(u for u in n.users if _is_view(u) and u.args and u.args[0] is n)  # not x.to(y) for y
     return out
 
 
@@ -144,10 +174,12 @@ def keeps_input_alive(x: fx.Node, op: fx.Node, fmt: Format) -> str:
 def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
     """Set ``save`` on every converted op whose input needs no copy of its format; returns how many are packed.
 
-    Nominal saved bytes (precision map): a tensor kept as it is counts as the op as written saves it (its values
-    in the dtype the op computes in), once, on its first converted reader, before and after (the graph as
-    written saves it once too, shared); a packed input counts those bytes before and its format's copy after.
-    An op with nothing to save (no backward, frozen weight) counts nothing.
+    Nominal saved bytes (precision map), ``(before, after)``: before, what the op as written saves (its input's
+    values in the dtype the op computes in: BF16 under autocast); after, what the converted op saves: its input
+    in its own dtype where kept as it is (an FP32 input under autocast: FP32), its format's copy (qdata and
+    scales, tokens padded) where packed. An input kept as it is counts once, on its first converted reader (the
+    graph as written saves it once too, shared); an op with nothing to save (no backward, frozen weight)
+    counts nothing. Packing happens only where the copy is strictly smaller than the input kept as it is.
     """
     packed = 0
     counted: set[fx.Node] = set()  # bases of inputs kept as they are, already counted
@@ -163,9 +195,9 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
             numel *= size_hint(d)
         out = example_value(node)
         written_bytes = numel * (out.element_size() if out is not None else 2)  # the op as written saves X so
-        own_bytes = numel * (x.element_size() if x is not None else 2)  # X kept as it is
+        own_bytes = numel * (x.element_size() if x is not None else 2)  # X kept as it is: what the op then saves
         base = _base(node.args[0])
-        kept_bytes = (0, 0) if base in counted else (written_bytes, written_bytes)
+        kept_bytes = (0, 0) if base in counted else (written_bytes, own_bytes)
         kept = ran(x)
         if node.kwargs.get("save", "mxfp8") != "mxfp8":  # the op's own rule already keeps it as it is
             if record:
@@ -179,8 +211,6 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         copy = f"the {fmt.name} copy ({copy_bytes} bytes{padded})"
         if not why and copy_bytes >= own_bytes:
             why = f"{copy} is not smaller than the {own_bytes}-byte {kept} input kept as it is"
-        elif not why and copy_bytes > written_bytes:
-            why = f"{copy} is larger than the {written_bytes} bytes the op as written saves ({ran(out)})"
         if why:
             node.kwargs = {**node.kwargs, "save": "bf16"}
             if record:
