@@ -12,9 +12,9 @@ has compiled by then), or at exit (:mod:`mxfx.judgment`). The judgment warns, ea
 * **Nothing converted**: the model has GEMMs (or parameters) but not one op runs in low precision; the warning
   counts the GEMMs kept and gives their reasons and first modules.
 * **Shapes that do not fit**: GEMMs the policy would convert but whose features are not multiples of the
-  format's block (``Linear(100, 60)``): their count, and each reason with the modules it holds for. Ops a user
-  rule asked for are warned about by :func:`mxfx.rule_check.warn_unmet_requests` instead; a policy-wide ``format``
-  is no rule, so the ops it cannot take are said here, once.
+  format's ``feature_multiple`` (its block; ``Linear(100, 60)``): their count, and each reason with the modules it
+  holds for. Ops a user rule asked for are warned about by :func:`mxfx.rule_check.warn_unmet_requests` instead; a
+  policy-wide ``format`` is no rule, so the ops it cannot take are said here, once.
 * **Ops not rewritten** (kind ``not_rewritten``, :mod:`mxfx.passes.unconverted`): GEMMs and opaque custom ops
   over a weight that no pattern matches, where the policy would convert that weight (:func:`unconverted.would_convert`:
   a weight whose features the op's format cannot tile is named in the precision map only).
@@ -48,7 +48,8 @@ from mxfx.rule_check import listed
 GEMM_KINDS = ("linear", "router", "grouped_mm")
 """Precision-map kinds of the GEMMs a policy decides (each record is one GEMM op, converted or kept)."""
 UNFIT = "are not multiples of"
-"""Words of a kept op's reason when its features do not tile the format's blocks (``Format.unfit_reason``)."""
+"""Words of a kept op's reason when its features are not multiples of the format's ``feature_multiple``
+(``Format.unfit_reason``)."""
 
 
 @dataclass(eq=False)
@@ -144,7 +145,7 @@ def _judge(scope: _Model) -> None:
         unfit = [r for r, asked in ops if r.kind in GEMM_KINDS and not r.rewritten and not asked and UNFIT in r.reason]
         if unfit:
             _warn(f"mxfx: {where}: {len(unfit)} of its {len(gemms)} GEMM op(s) stay in {kept_in(unfit)} because their "
-                  f"shapes do not fit the format's blocks, though the policy would convert them: {_by_reason(unfit)}. "
+                  f"shapes do not fit their format, though the policy would convert them: {_by_reason(unfit)}. "
                   f"To keep them as written on purpose, say so with a policy rule (precision='bf16'); "
                   f"mxfx.all_reports() has each op.")
     left = [r for r, _ in ops if r.kind == unconverted.KIND and unconverted.would_convert(r)]

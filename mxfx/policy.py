@@ -33,8 +33,22 @@ POLICY_ENV = "MXFX_POLICY"
 """Environment variable: a TOML file of :class:`Policy` fields, the policy of compiles given no ``options``."""
 DUMP_ENV = "MXFX_DUMP_DIR"
 STATS_ENV = "MXFX_STATS"
-"""Environment variable: the ``stats`` of a policy that sets none, as ``every=100,modules=layers.*`` (either key may
-be left out; "1"/"on"/"true"/"yes" alone: the defaults, :data:`STATS_DEFAULTS`; "0"/"off"/"false"/"no"/"none": off)."""
+"""Environment variable: the ``stats`` of a policy that leaves the field out (``Policy()``, an ``options`` dict or
+an ``MXFX_POLICY`` file without ``stats``; a policy given ``stats``, None included, keeps it, as ``options`` win
+over ``MXFX_POLICY``), as ``every=100,modules=layers.*`` (either key may be left out; "1"/"on"/"true"/"yes" alone:
+the defaults, :data:`STATS_DEFAULTS`; "0"/"off"/"false"/"no"/"none": off)."""
+
+
+class _StatsFromEnv:
+    """The default of :attr:`Policy.stats`: not given, so :data:`STATS_ENV` decides (None without it)."""
+
+    def __repr__(self) -> str:
+        return f"<${STATS_ENV} or None>"
+
+
+STATS_FROM_ENV = _StatsFromEnv()
+"""``Policy.stats`` left out: the policy takes :data:`STATS_ENV`'s value (resolved at ``Policy(...)``: a built
+policy's ``stats`` is a dict or None)."""
 STATS_ENV_FORM = (f"write {STATS_ENV}='every=100,modules=layers.*' (either key may be left out; every: optimizer steps "
                   f"between samples, an int >= 1; modules: a module glob), {STATS_ENV}=1 (or on) for the defaults, or "
                   f"{STATS_ENV}=0 (or off) for none")
@@ -55,6 +69,30 @@ its own (:meth:`mxfx.formats.Format.rule`): at ``Policy(...)`` where a rule or t
 fields, else when an op's decision is made, naming the rules that combined and the module."""
 
 KIND_DEFAULT_WGRAD = {"linear": "mxfp8", "grouped_mm": "bf16"}
+_GEMM_FIELDS = ("precision", "wgrad", "save", "scale_rule", "min_size", "format")
+KIND_FIELDS: dict[str, tuple[str, ...]] = {
+    "linear": _GEMM_FIELDS,
+    "router": _GEMM_FIELDS,
+    "grouped_mm": _GEMM_FIELDS,
+    # fused into its consumer GEMM, which quantizes the product in its own format and scale rule
+    "swiglu": ("precision", "save"),
+    "saved": ("precision",),
+    # the payload travels in the transport format of the op's format; the policy's transport decides directions
+    "all_to_all": ("precision", "scale_rule", "format"),
+    # rebuilds the caches the model's ops made, in their formats and scale rules (:mod:`mxfx.passes.weight_refresh`)
+    "weight_refresh": (),
+}
+"""The :class:`Rule` fields the passes read for an op of each kind of :data:`OP_KINDS`: a rule with that ``op``
+may set only these (``Rule(op="all_to_all", wgrad=...)`` is refused); a rule without ``op`` may set any field
+some kind reads."""
+_WEIGHT_REFRESH_ADVICE = (
+    "The refresh runs in the compiled optimizer step (torch.compile(opt.step, backend='mxfp8')) and rebuilds each "
+    "weight's caches in the format and scale_rule its ops were given: set those with rules for the ops that read "
+    "the weight (linear, router, grouped_mm); to leave the refresh out of the step, compile the step with "
+    "options={'passes': {'weight_refresh': False}} (an optimizer step hook then rebuilds the caches, to the same "
+    "values)")
+"""What sets the cache refresh of a compiled optimizer step, as the error for a rule with ``op="weight_refresh"``
+says it."""
 TRANSPORT_DIRECTIONS = ("dispatch_fwd", "combine_fwd", "combine_bwd", "dispatch_bwd")
 """Expert-parallel all-to-all directions; all four travel as MXFP8 by default (the recipe, "Routed Experts")."""
 
@@ -115,8 +153,8 @@ def parse_stats_env(text: str) -> dict | None:
     "no"/"none" for off (None).
 
     Raises:
-        ValueError: a pair without "=", an unknown key, an ``every`` that is not an int >= 1 or an empty ``modules``,
-            naming the variable and its valid forms (:data:`STATS_ENV_FORM`).
+        ValueError: a pair without "=", a key given twice, an unknown key, an ``every`` that is not an int >= 1 or an
+            empty ``modules``, naming the variable and its valid forms (:data:`STATS_ENV_FORM`).
     """
     text = text.strip()
     if text.lower() in ("1", "on", "true", "yes"):
@@ -129,6 +167,9 @@ def parse_stats_env(text: str) -> dict | None:
         if not eq:
             raise ValueError(f"mxfx policy: {STATS_ENV}={text!r}: {item!r} is not key=value; {STATS_ENV_FORM}")
         key, value = key.strip(), value.strip()
+        if key in out:
+            raise ValueError(f"mxfx policy: {STATS_ENV}={text!r}: {key} is given twice; give each key once: "
+                             f"{STATS_ENV_FORM}")
         if key == "every":
             try:
                 value = int(value)
@@ -207,7 +248,10 @@ class Rule(_NamedFields):
             module; :meth:`Rule.names`). None matches any module. A glob that matches no module of any graph
             compiled under the policy warns once, as does a rule matching no op of those graphs (a module
             without a GEMM, an ``op`` kind its modules lack) (:mod:`mxfx.rule_check`).
-        op: op kind, one of :data:`OP_KINDS`; None matches any kind.
+        op: op kind, one of :data:`OP_KINDS`; None matches any kind. A rule with an op kind may set only the
+            fields that kind reads (:data:`KIND_FIELDS`; another raises ValueError naming it, the kind, what the
+            kind reads and which kinds read the field; ``weight_refresh`` reads none). A rule without one may set
+            any field: each is read by some kind it matches, and the ops that do not read it ignore it.
         precision: forward/dgrad compute precision, "mxfp8" or "bf16" (bf16 means
             the op is left as the model wrote it).
         wgrad: weight-gradient precision, "mxfp8" or "bf16".
@@ -243,12 +287,31 @@ class Rule(_NamedFields):
         if all(getattr(self, f) is None for f in settings):
             raise ValueError(f"mxfx policy: rule {self.describe()} matches ops but sets nothing; give it one of "
                              f"{', '.join(settings)} (e.g. precision='bf16')")
+        self._check_fields_read()
         moot = [f for f in ("wgrad", "save") if getattr(self, f) == "mxfp8"]
         moot += [f for f in ("scale_rule", "min_size", "format") if getattr(self, f) is not None]
         if self.precision == "bf16" and moot:
             raise ValueError(f"mxfx policy: rule {self.describe()} keeps its ops as the model wrote them "
                              f"(precision='bf16'), so {', '.join(moot)} would do nothing; drop "
                              f"{'it' if len(moot) == 1 else 'them'} or use precision='mxfp8'")
+
+    def _check_fields_read(self) -> None:
+        """Raise ValueError when the rule sets a field its ``op`` kind never reads (:data:`KIND_FIELDS`), naming the
+        field, the kind, the fields that kind reads and the kinds that read it (for ``weight_refresh``, which reads
+        none: what sets the refresh). A rule without ``op`` is not judged: every field is read by some kind it
+        can match."""
+        if self.op is None:
+            return
+        reads = KIND_FIELDS[self.op]
+        if not reads:
+            raise ValueError(f"mxfx policy: rule {self.describe()} is for {self.op}, which reads no rule field, so it "
+                             f"would do nothing; drop it. {_WEIGHT_REFRESH_ADVICE}")
+        for name in _GEMM_FIELDS:  # every setting, in field order
+            if getattr(self, name) is not None and name not in reads:
+                readers = [k for k in OP_KINDS if name in KIND_FIELDS[k]]
+                raise ValueError(f"mxfx policy: rule {self.describe()} sets {name}, which {self.op} ops never read "
+                                 f"(they read {', '.join(reads)}), so it would do nothing; drop it, or set it with a "
+                                 f"rule for the op kinds that read it ({', '.join(readers)})")
 
     def matches(self, kind: str, module: str) -> bool:
         """Whether the rule applies to an op of ``kind`` in module ``module`` (its op kind and module glob)."""
@@ -352,9 +415,11 @@ class Decision:
         runs in ("fp32" in an FP32 model without autocast)."""
         return self.format.name if precision == "mxfp8" else as_written
 
-    def fit(self, k: int, n: int) -> "Decision":
-        """This decision for a GEMM of ``k`` in / ``n`` out features: turned BF16 with the format's reason when
-        its blocks cannot tile them; unchanged otherwise."""
+    def fit(self, k: int, n: int, runs: str = "") -> "Decision":
+        """This decision for a GEMM of ``k`` in / ``n`` out features: turned BF16 (left as the model wrote it) with
+        the format's reason when they are not multiples of its ``feature_multiple``; unchanged otherwise. ``runs``:
+        the dtype the GEMM as written runs in, as the precision map names it ("fp32", "bf16"; "" when not known),
+        which the reason's hint names."""
         why = self.format.unfit_reason(k, n) if self.precision == "mxfp8" else ""
         if not why:
             return self
@@ -367,7 +432,8 @@ class Decision:
         elif narrow:  # padding 1 output to a block would be most of the GEMM: a gate's projection stays as written
             hint = f"; the GEMM is {NARROW} ({narrow}), too narrow to pad: it stays as the model wrote it"
         else:
-            hint = "; pad the features or keep it in BF16"
+            kept = f"in {runs.upper()}" if runs and runs != "?" else "as the model wrote it"
+            hint = f"; pad the features or keep it {kept}"
         return dataclasses.replace(self, precision="bf16", reason=why + hint)
 
 
@@ -424,7 +490,9 @@ class Policy(_NamedFields):
             directions are MXFP8, e.g. ``{"dispatch_bwd": "bf16"}``. A rule with
             ``op="all_to_all", precision="bf16"`` keeps a module's all-to-alls as written.
         stats: quantization statistics per quantize site (:mod:`mxfx.runtime.stats`, ``docs/numerics.md``), or None
-            (default, also taken from the ``MXFX_STATS`` environment variable, :data:`STATS_ENV`): a dict with
+            (off). Left out, the policy takes the ``MXFX_STATS`` environment variable's value (:data:`STATS_ENV`),
+            else None; given, None included, it wins over the variable, as ``options`` win over ``MXFX_POLICY``
+            (:meth:`from_options`). A dict with
             ``every`` (sample every this many optimizer steps, default 100) and ``modules`` (a glob matched as a
             rule's module glob, default every module), e.g. ``{"every": 100, "modules": "layers.*.mlp.*"}``. The
             rewritten ops of matching modules carry a statistics op whose body samples on the steps it names;
@@ -442,7 +510,7 @@ class Policy(_NamedFields):
     dump_dir: str | None = None
     transport: Mapping = field(default_factory=dict)
     format: str = "mxfp8"
-    stats: Mapping | None = None
+    stats: Mapping | None = STATS_FROM_ENV
 
     def __post_init__(self):
         for name, valid in (("scale_rule", SCALE_RULES), ("save", PRECISIONS)):
@@ -490,8 +558,8 @@ class Policy(_NamedFields):
         if self.dump_dir is None and os.environ.get(DUMP_ENV):
             object.__setattr__(self, "dump_dir", os.environ[DUMP_ENV])
         stats = self.stats
-        if stats is None and os.environ.get(STATS_ENV, "").strip():
-            stats = parse_stats_env(os.environ[STATS_ENV])
+        if stats is STATS_FROM_ENV:  # left out: the environment variable decides
+            stats = parse_stats_env(os.environ[STATS_ENV]) if os.environ.get(STATS_ENV, "").strip() else None
         object.__setattr__(self, "stats", _check_stats(stats))
 
     @classmethod

@@ -261,3 +261,40 @@ def test_ops_not_rewritten_are_warned_for_every_model():
     for model in (Opaque(), Opaque()):
         (message,) = [m for m in _mxfx_warnings(run, model) if "not rewritten" in m]
         assert "model Opaque: 1 op(s)" in message and "mxfxcov::opaque" in message
+
+
+def test_the_shape_hint_names_the_dtype_the_kept_op_runs_in():
+    """A GEMM whose features do not fit stays as the model wrote it: in FP32 in an FP32 model without autocast,
+    in BF16 under BF16 autocast; the hint says which, not BF16 for both."""
+    messages = _mxfx_warnings(_compile_and_run, Partly(), torch.randn(64, 256))
+    (message,) = [m for m in messages if "shapes do not fit" in m]
+    assert "features 256->40 are not multiples of 32 (mxfp8 blocks); pad the features or keep it in FP32" in message
+    assert "BF16" not in message
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        messages = _mxfx_warnings(_compile_and_run, Partly(), torch.randn(64, 256))
+    (message,) = [m for m in messages if "shapes do not fit" in m]
+    assert "stay in BF16" in message and "pad the features or keep it in BF16" in message
+    # where the dtype is not known (FSDP2's gather forms, before any forward): as the model wrote it
+    from mxfx.policy import Policy
+    reason = Policy().decide("linear", "out").fit(256, 40).reason
+    assert reason.endswith("pad the features or keep it as the model wrote it"), reason
+
+
+def test_bf16_gemm_names_its_alignment_not_blocks():
+    """bf16_gemm has no scale blocks: its multiple of 8 is the BF16 GEMM's 16-byte row alignment, and its texts
+    say so (the block formats still say blocks)."""
+    opts = {**OPTS, "format": "bf16_gemm"}
+    messages = _mxfx_warnings(_compile_and_run, Narrow(), torch.randn(8, 100), opts)
+    (message,) = [m for m in messages if "converted no op" in m]
+    assert "features 100->60 are not multiples of 8 (BF16 GEMM alignment: 16-byte rows)" in message
+    assert "blocks" not in message
+    _mxfx_warnings(_compile_and_run, MatmulWeight(12), torch.randn(64, 256), opts)
+    (record,) = [r for r in mxfx.last_report().records if r.kind == "not_rewritten"]
+    assert record.reason.endswith("its dims 256 and 12 are not both multiples of 8 (BF16 GEMM alignment: 16-byte "
+                                  "rows)"), record.reason
+    from mxfx import formats
+    from mxfx.ops.linear import mx_linear
+    with pytest.raises(ValueError, match=r"format='bf16_gemm' needs in/out features that are multiples of 8 \(BF16 "
+                                         r"GEMM alignment: 16-byte rows\), got 100->60"):
+        mx_linear(torch.randn(4, 100), torch.randn(60, 100), format="bf16_gemm")
+    assert formats.get("mxfp8").unfit_reason(100, 60) == "features 100->60 are not multiples of 32 (mxfp8 blocks)"

@@ -265,7 +265,8 @@ def _worker_ep(rank: int, world: int):
         check_against_reference(layer48, ref48, route_a, 48, "hidden 48")
         pm = mxfx.last_report()
         notes = [r.reason for r in pm.records if r.kind == "all_to_all" and not r.rewritten]
-        assert pm.count("all_to_all", rewritten=True) == 0 and sum("not a multiple of 32" in n for n in notes) == 2, pm.to_text()
+        kept = "not a multiple of 32 (mxfp8 blocks); rows travel as written, in FP32"  # an FP32 payload
+        assert pm.count("all_to_all", rewritten=True) == 0 and sum(kept in n for n in notes) == 2, pm.to_text()
     dist.destroy_process_group()
     print("EP OK")
 

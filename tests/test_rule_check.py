@@ -358,3 +358,48 @@ def test_keep_dequantized_weights_with_only_fp8_block_is_refused():
         Policy(format="fp8_block", keep_dequantized_weights=True)
     mixed = Policy(format="fp8_block", keep_dequantized_weights=True, rules=[{"module": "attn", "format": "mxfp8"}])
     assert mixed.decide("linear", "layers.0.attn.qkv").keep_dequantized_weights
+
+
+def test_a_rule_setting_a_field_its_op_kind_never_reads_is_refused():
+    """Each op kind reads some rule fields (:data:`mxfx.policy.KIND_FIELDS`): a rule for that kind setting another
+    one would change nothing and is refused, naming the rule, the field, the kind, what it reads and who reads the
+    field. A rule that can match several kinds (no ``op``) may set any field some kind reads."""
+    from mxfx.policy import KIND_FIELDS, Policy
+
+    keep = {"module": "lm_head", "precision": "bf16"}
+    with pytest.raises(ValueError) as e:
+        Policy(rules=[keep, {"op": "all_to_all", "wgrad": "bf16"}])
+    assert str(e.value) == (
+        "mxfx policy: rules[1] (op='all_to_all', wgrad='bf16'): sets wgrad, which all_to_all ops never read (they "
+        "read precision, scale_rule, format), so it would do nothing; drop it, or set it with a rule for the op kinds "
+        "that read it (linear, grouped_mm, router)"), str(e.value)
+    with pytest.raises(ValueError, match=r"^mxfx policy: rules\[0\] \(op='saved', save='bf16'\): sets save, which "
+                                         r"saved ops never read \(they read precision\)"):
+        Policy(rules=[{"op": "saved", "save": "bf16"}])
+    with pytest.raises(ValueError, match=r"rules\[0\] \(module='mlp', op='swiglu', format='fp8_block'\): sets format, "
+                                         r"which swiglu ops never read \(they read precision, save\)"):
+        Policy(rules=[{"module": "mlp", "op": "swiglu", "format": "fp8_block"}])
+    with pytest.raises(ValueError, match=r"^mxfx policy: rule \(op='all_to_all', min_size=0\) sets min_size, which "
+                                         r"all_to_all ops never read"):
+        Rule(op="all_to_all", min_size=0)
+    # fields the kind reads, and rules with no op kind, stay valid
+    Policy(rules=[{"op": "all_to_all", "scale_rule": "floor"}, {"op": "swiglu", "save": "bf16"},
+                  {"op": "saved", "precision": "bf16"}, {"op": "linear", "wgrad": "bf16", "min_size": 10},
+                  {"op": "grouped_mm", "save": "bf16", "format": "fp8_block", "scale_rule": "amax"},
+                  {"module": "layers.*", "wgrad": "bf16", "min_size": 10, "save": "bf16"}])
+    assert KIND_FIELDS["linear"] == KIND_FIELDS["grouped_mm"] == KIND_FIELDS["router"]
+
+
+def test_a_weight_refresh_rule_says_where_the_refresh_is_set():
+    """The cache refresh of a compiled optimizer step reads no rule field: a rule for it is refused, saying what
+    sets the caches it rebuilds and how the step's compile turns it off, not just "drop the rule"."""
+    from mxfx.policy import Policy
+
+    with pytest.raises(ValueError) as e:
+        Policy(rules=[{"op": "weight_refresh", "format": "fp8_block"}])
+    message = str(e.value)
+    assert message.startswith("mxfx policy: rules[0] (op='weight_refresh', format='fp8_block'): is for "
+                              "weight_refresh, which reads no rule field"), message
+    assert ("drop it. The refresh runs in the compiled optimizer step (torch.compile(opt.step, backend='mxfp8')) and "
+            "rebuilds each weight's caches in the format and scale_rule its ops were given") in message
+    assert "options={'passes': {'weight_refresh': False}}" in message

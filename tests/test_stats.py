@@ -501,6 +501,37 @@ def test_environment_variable_off_and_its_errors_name_it(monkeypatch):
         assert "write MXFX_STATS='every=100,modules=layers.*'" in str(e.value) and "MXFX_STATS=0 (or off)" in str(e.value)
 
 
+def test_environment_variable_with_a_repeated_key_is_refused(monkeypatch):
+    for text, key in (("every=1,every=2", "every"), ("modules=a.*, every=3, modules=b.*", "modules")):
+        monkeypatch.setenv("MXFX_STATS", text)
+        with pytest.raises(ValueError, match=f"^mxfx policy: MXFX_STATS={text!r}: {key} is given twice") as e:
+            mxfx.Policy()
+        assert "write MXFX_STATS='every=100,modules=layers.*'" in str(e.value)
+
+
+def test_an_explicit_stats_argument_wins_over_the_environment_variable(monkeypatch, tmp_path):
+    """As with MXFX_POLICY (read only when the compile gives no options): a policy that sets ``stats``, None
+    included, keeps it; the variable fills in the ``stats`` of a policy that leaves the field out."""
+    from mxfx.policy import Policy
+
+    monkeypatch.setenv("MXFX_STATS", "every=7")
+    monkeypatch.delenv("MXFX_POLICY", raising=False)
+    assert Policy(stats=None).stats is None
+    assert Policy.from_options({"stats": None}).stats is None
+    assert dict(Policy(stats={"every": 3}).stats) == {"every": 3, "modules": "*"}
+    for policy in (Policy(), Policy.from_options({}), Policy.from_options(None),
+                   Policy(rules=[{"op": "linear", "wgrad": "bf16"}])):
+        assert dict(policy.stats) == {"every": 7, "modules": "*"}
+    toml = tmp_path / "policy.toml"
+    toml.write_text('format = "mxfp8"\n')
+    monkeypatch.setenv("MXFX_POLICY", str(toml))
+    assert dict(Policy.from_options(None).stats) == {"every": 7, "modules": "*"}  # the file sets no stats
+    import dataclasses
+    assert dataclasses.replace(Policy(stats=None), min_size=5).stats is None  # a copy keeps what it was given
+    monkeypatch.delenv("MXFX_STATS")
+    assert Policy.from_options({}).stats is None
+
+
 def test_a_modules_glob_matching_no_site_warns_once_and_stats_says_why(monkeypatch):
     monkeypatch.setattr(stats, "state", stats._State())  # no graph compiled with statistics yet
     assert "statistics are off" in str(mxfx.stats())

@@ -51,9 +51,11 @@ class Format:
     Facts (class attributes): ``name`` (as policies spell it), ``scale_rules`` (the :class:`ScaleRule` it
     takes, default first), ``block`` (values per activation/gradient scale, along the reduction dim),
     ``weight_block`` (rows x cols of a weight's scale block), ``feature_multiple`` (in/out features a GEMM
-    needs), ``token_multiple`` (tokens a linear's low-precision wgrad operand, the copy it saves of its input, is
-    zero-padded to a multiple of; 1: none), ``bytes_per_value`` (payload plus scale, amortized), ``scale_dtype``,
-    ``transport`` (the format its expert-parallel all-to-all payload travels in: a format name), ``native_gemms``
+    needs a multiple of) and ``feature_multiple_from`` (what that multiple comes from where it is not the scale
+    blocks, as messages say it: :attr:`feature_multiple_source`), ``token_multiple`` (tokens a linear's
+    low-precision wgrad operand, the copy it saves of its input, is zero-padded to a multiple of; 1: none),
+    ``bytes_per_value`` (payload plus scale, amortized), ``scale_dtype``, ``transport`` (the format its
+    expert-parallel all-to-all payload travels in: a format name), ``native_gemms``
     (per GPU architecture, as :func:`mxfx.kernels.common.device.arch_of` names it, the GEMMs of :data:`GEMM_OPS` its
     tensor cores run in this format; every other architecture and GEMM is emulated; :attr:`native_archs` lists those
     architectures and :meth:`runs_natively` asks it per device), ``dequantized_weight_forms`` (whether its weight
@@ -79,6 +81,7 @@ class Format:
     block: int = 0
     weight_block: tuple[int, int] = (0, 0)
     feature_multiple: int = 0
+    feature_multiple_from: str = ""
     token_multiple: int = 1
     bytes_per_value: float = 0.0
     scale_dtype: torch.dtype = torch.float32
@@ -133,18 +136,25 @@ class Format:
         """Whether a value takes fewer bytes than BF16's two (a scaled 8-bit format, not BF16 GEMMs)."""
         return self.bytes_per_value < 2
 
+    @property
+    def feature_multiple_source(self) -> str:
+        """What ``feature_multiple`` comes from, as messages say it after the number: "<name> blocks" (its scale
+        blocks), or the format's own ``feature_multiple_from`` (bf16_gemm: its GEMM's alignment)."""
+        return self.feature_multiple_from or f"{self.name} blocks"
+
     def unfit_reason(self, k: int, n: int) -> str:
         """Why a GEMM of ``k`` in / ``n`` out features cannot run in this format ("" when it can)."""
         m = self.feature_multiple
         if k % m or n % m:
-            return f"features {k}->{n} are not multiples of {m} ({self.name} blocks)"
+            return f"features {k}->{n} are not multiples of {m} ({self.feature_multiple_source})"
         return ""
 
     def check_features(self, op: str, k: int, n: int) -> None:
-        """Raise ValueError naming ``op`` unless in/out features ``k``/``n`` fit this format's blocks."""
+        """Raise ValueError naming ``op`` unless in/out features ``k``/``n`` are multiples of ``feature_multiple``."""
         if self.unfit_reason(k, n):
             raise ValueError(f"{op}: format={self.name!r} needs in/out features that are multiples of "
-                             f"{self.feature_multiple}, got {k}->{n}; pad the layer or keep this GEMM in BF16 "
+                             f"{self.feature_multiple} ({self.feature_multiple_source}), got {k}->{n}; pad the layer "
+                             f"or keep this GEMM in BF16 "
                              f"(a policy rule with precision='bf16')")
 
     def saved_bytes(self, numel: int, tokens: int | None = None, k: int | None = None) -> int:

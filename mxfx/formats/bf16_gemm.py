@@ -66,6 +66,7 @@ class BF16Gemm(Format):
     block = 1
     weight_block = (1, 1)
     feature_multiple = 8  # 16-byte aligned rows, as CUDA's grouped GEMM needs
+    feature_multiple_from = "BF16 GEMM alignment: 16-byte rows"  # no blocks
     bytes_per_value = 2.0
     scale_dtype = _BF16
     transport = "mxfp8"  # the expert-parallel all-to-all is decided by Policy.transport

@@ -182,7 +182,7 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
             reason = d.reason
         if not reason and (x.dim() < 2 or not isinstance(x.shape[-1], int) or x.shape[-1] % d.format.block):
             reason = (f"hidden size {x.shape[-1] if x.dim() else '?'} is not a multiple of {d.format.block} "
-                      f"({d.format.name} blocks); rows stay BF16")
+                      f"({d.format.name} blocks); rows travel as written, in {columns.ran(x).upper()}")
         out = example_value(results[0]) if results else None
         if reason:
             shapes = shapes if x is None or x.dtype in _FLOAT else f"x{shape_str(x)}"

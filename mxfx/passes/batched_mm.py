@@ -136,7 +136,7 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         reason = "" if x.is_floating_point() else f"input dtype {x.dtype}"
         d = None
         if not reason:
-            d = decide(policy, module, x, e, n, k)
+            d = decide(policy, module, x, e, n, k, columns.kept_dtype(out, x))
             reason = d.reason
         if reason:
             pm.add(OpRecord(node.name, "grouped_mm", module, shapes, scale_rule="-",

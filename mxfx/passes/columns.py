@@ -47,9 +47,14 @@ def gemm_columns(out, x, w, forward: str, dgrad: str, wgrad: str, saved: str, re
             "reason": "; ".join(r for r in (reason, note) if r)}
 
 
+def kept_dtype(out, x) -> str:
+    """The dtype a GEMM left as written runs in (:func:`ran`): its output's, else its input's."""
+    return ran(out if out is not None else x)
+
+
 def kept_gemm(out, x, w, reason: str) -> dict:
     """:func:`gemm_columns` of a GEMM left as written (for ``reason``): every part in its output's dtype."""
-    p = ran(out if out is not None else x)
+    p = kept_dtype(out, x)
     return gemm_columns(out, x, w, p, p, p, p, reason)
 
 

@@ -156,13 +156,14 @@ def insert_grouped(gm: fx.GraphModule, before: fx.Node, x_node, w_node, offs_nod
         )
 
 
-def decide(policy: Policy, module: str, x, e, n, k):
+def decide(policy: Policy, module: str, x, e, n, k, runs: str = ""):
     """The policy's decision for a grouped GEMM of ``x [S, K]`` over ``e`` experts of ``[N, K]``:
-    ``min_size="auto"`` judges one expert's GEMM, M = rows per expert."""
+    ``min_size="auto"`` judges one expert's GEMM, M = rows per expert. ``runs``: the dtype the GEMM as written runs
+    in (:meth:`mxfx.policy.Decision.fit`)."""
     macs, gemm = gemm_size(x.shape[:1], n, k)
     if gemm is not None:
         gemm = (max(1, gemm[0] // max(size_hint(e), 1)), gemm[1], gemm[2])
-    return policy.decide("grouped_mm", module, macs, gemm).fit(size_hint(k), size_hint(n))
+    return policy.decide("grouped_mm", module, macs, gemm).fit(size_hint(k), size_hint(n), runs)
 
 
 def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
@@ -182,7 +183,7 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         reason = _skip_reason(x, b, offs, out, args, source) or mixed_dtype_reason(op.name, {"x": x, "weight": b}, autocast_on=False)
         d = None
         if not reason:
-            d = decide(policy, module, x, b.shape[0], b.shape[2], b.shape[1])
+            d = decide(policy, module, x, b.shape[0], b.shape[2], b.shape[1], columns.kept_dtype(out, x))
             reason = d.reason
         if reason:
             pm.add(OpRecord(node.name, "grouped_mm", module, shapes, scale_rule="-",

@@ -95,12 +95,12 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         if not reason:
             macs, gemm = gemm_size(x.shape[:-1], w.shape[0], w.shape[1])
         d = policy.decide(kind, module, macs, gemm)
+        out = example_value(node)
         if not reason:
-            d = d.fit(size_hint(w.shape[1]), size_hint(w.shape[0]))
+            d = d.fit(size_hint(w.shape[1]), size_hint(w.shape[0]), columns.kept_dtype(out, x))
         reason = d.reason or reason
         if not reason and _tied_to_embedding(w_node) and not _user_sets_precision(policy, kind, module):
             reason = "vocabulary projection (weight tied to an embedding); a policy rule with precision='mxfp8' overrides"
-        out = example_value(node)
         if reason:
             pm.add(OpRecord(node.name, kind, module, shapes, scale_rule="-", **columns.kept_gemm(out, x, w, reason)))
             if reason == DTENSOR_REASON:

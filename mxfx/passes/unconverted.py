@@ -132,14 +132,15 @@ _ANYWAY = "the policy would not convert this weight anyway"
 
 def _refused(policy: Policy, module: str, weight) -> str:
     """Why ``policy`` would not convert ``weight`` (``[.., A, B]``) in ``module`` even in an op it rewrites: a rule
-    keeps the module's GEMMs, or the format's blocks do not tile A and B; "" when it would convert it."""
+    keeps the module's GEMMs, or A and B are not multiples of the format's ``feature_multiple``; "" when it would
+    convert it."""
     decision = policy.decide("grouped_mm" if weight.dim() == 3 else "linear", module)
     if decision.precision != "mxfp8":
         return decision.reason
     a, b = weight.shape[-2:]
     fmt = decision.format
     if fmt.unfit_reason(a, b):
-        return f"its dims {a} and {b} are not both multiples of {fmt.feature_multiple} ({fmt.name} blocks)"
+        return f"its dims {a} and {b} are not both multiples of {fmt.feature_multiple} ({fmt.feature_multiple_source})"
     return ""
 
 

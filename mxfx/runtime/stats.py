@@ -418,7 +418,8 @@ def _why_empty() -> str:
         globs = ", ".join(f"modules={glob!r} ({graphs} graph(s))" for glob, (graphs, _) in state.compiled.items())
         return (f"statistics are on, but their module glob matches no quantize site of the graphs compiled with it: "
                 f"{globs}; point it at modules with converted ops (the precision map names them)")
-    return "statistics are off (Policy(stats={'every': 100, 'modules': '*'}) or MXFX_STATS=1 turns them on)"
+    return ("statistics are off (Policy(stats={'every': 100, 'modules': '*'}) turns them on, as does MXFX_STATS=1 "
+            "for a policy that leaves stats out)")
 
 
 def table() -> Table:
