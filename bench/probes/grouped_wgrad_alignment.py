@@ -10,7 +10,11 @@ import triton
 
 from mxfx.kernels.common.hp_gemm import hp_grouped_wgrad
 from mxfx.numerics.layout import group_padding
-from mxfx.ops.grouped_mm import _pad_rows
+
+
+def pad_groups(t, dest, capacity):
+    """``t``'s rows at ``dest`` of a zero tensor of ``capacity`` rows (each group zero-padded, group_padding)."""
+    return t.new_zeros(capacity, t.shape[1]).index_copy(0, dest, t)
 
 
 def ref(dy, x, offs):
@@ -35,7 +39,7 @@ def main():
 
         def padded_call():
             dest, w_offs, cap = group_padding(offs, s)
-            return hp_grouped_wgrad(_pad_rows(dy, dest, cap), _pad_rows(x, dest, cap), w_offs, torch.float32)
+            return hp_grouped_wgrad(pad_groups(dy, dest, cap), pad_groups(x, dest, cap), w_offs, torch.float32)
 
         padded = padded_call()
         err = lambda a: ((a - r).norm() / r.norm()).item()
