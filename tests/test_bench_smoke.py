@@ -345,3 +345,32 @@ def test_step_breakdown_cpu_profile():
     text = breakdown_table({"mxfp8": arm, "bf16-weights": {**arm, "breakdown": None}})
     assert text.splitlines()[0] == "| ms per step (% of step) | mxfp8 | bf16-weights |"
     assert "| dense GEMM | " in text and "(50%)" in text and "| host CPU | 1.00 " in text
+
+
+def _mxfx_imports(path: Path) -> list[tuple[str, str | None]]:
+    """``(module, name)`` of each ``from mxfx... import name`` / ``import mxfx...`` in a script, at any depth."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "mxfx":
+            found += [(node.module, alias.name) for alias in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(alias.name, None) for alias in node.names if alias.name.split(".")[0] == "mxfx"]
+    return found
+
+
+@pytest.mark.parametrize("script", sorted(str(p.relative_to(ROOT)) for p in (ROOT / "bench").rglob("*.py")))
+def test_bench_scripts_import_names_that_exist(script):
+    """Every bench script and probe, including those no smoke run executes, imports mxfx names that exist."""
+    import importlib
+
+    missing = []
+    for module, name in _mxfx_imports(ROOT / script):
+        mod = importlib.import_module(module)
+        if name is not None and not hasattr(mod, name):
+            try:
+                importlib.import_module(f"{module}.{name}")
+            except ImportError:
+                missing.append(f"{module}.{name}")
+    assert not missing, f"{script} imports names mxfx no longer has: {missing}"
