@@ -10,8 +10,6 @@ activations. The flush lets the GPU kernel divide with a
 hardware reciprocal, one Newton step and one correction, without ``div.rn``'s per-value range check and
 slow-path branch (measured: docs/kernel-notes.md, "Kernel choices")
 (``python -m bench.probes.silu_exhaustive`` checks the kernel's SiLU against this rule on all 2^32 fp32 inputs).
-A gate of +Inf gives NaN in the kernel where ``F.silu`` gives +Inf: the MX block is non-finite either way
-(``mxfx.numerics.mx``: any NaN or Inf gives the NaN block).
 """
 
 from __future__ import annotations

@@ -63,7 +63,8 @@ else:
     def silu_f32(g):
         """mxfx's SiLU (``mxfx.kernels.common.silu``): ``g / (1 + exp(-g))`` as ``div.rn.f32``'s fast path computes
         it (approximate reciprocal, one Newton step, one quotient correction), without its range check and
-        slow-path branch. The divisor is clamped at FLT_MAX (no ``inf * 0`` NaN once exp overflows), so
+        slow-path branch; a gate of +Inf gives +Inf, as ``F.silu``. The divisor is clamped at FLT_MAX (no
+        ``inf * 0`` NaN once exp overflows), so
         where its reciprocal flushes to +0 (divisor above 2^126) the correction ``q - r * (d * q - g)``
         gives -0 for every finite g. Negations are written as products with -1.0: Triton 3.6 lowers a
         unary minus to ``0 - x``, which turns -(+0) into +0 (the flush band's zero positive) and costs an
@@ -73,7 +74,8 @@ else:
         r = rcp_approx_ftz(d)
         r = tl.fma(r, tl.fma(d * -1.0, r, 1.0), r)
         q = g * r
-        return tl.fma(r * -1.0, tl.fma(d, q, ng), q)
+        s = tl.fma(r * -1.0, tl.fma(d, q, ng), q)
+        return tl.where(g > FLT_MAX, g, s)  # +Inf: the correction's Inf - Inf would give NaN
 
 
 PRODUCT_CONFIG = (32, 128, 4)
