@@ -375,7 +375,8 @@ def run_arm(arm: Arm, args, train, val, device: str) -> dict:
         if on and off:
             res["stats_sampled_step_s"], res["stats_unsampled_step_s"] = sum(on) / len(on), sum(off) / len(off)
             res["stats_sampled_over_unsampled"] = res["stats_sampled_step_s"] / res["stats_unsampled_step_s"]
-            print(f"  {args.model} {arm.name}: sampled steps {res['stats_sampled_step_s'] * 1e3:.1f} ms ({len(on)}), "
+            res["stats_path"] = args.stats_path
+            print(f"  {args.model} {arm.name} ({args.stats_path} statistics): sampled steps {res['stats_sampled_step_s'] * 1e3:.1f} ms ({len(on)}), "
                   f"unsampled {res['stats_unsampled_step_s'] * 1e3:.1f} ms ({len(off)}): "
                   f"x{res['stats_sampled_over_unsampled']:.3f}", flush=True)
     res.update(
@@ -446,6 +447,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--stats-every", type=int, default=0,
                    help="quantization statistics of the mxfx arms every N optimizer steps (MXFX_STATS; 0: off); reports "
                         "the mean time of sampled and unsampled steps")
+    p.add_argument("--stats-path", default="fused", choices=("fused", "plain"),
+                   help="with --stats-every: samples from the fused statistics kernels where they cover a site "
+                        "(CUDA), or all from the plain-torch reference (MXFX_STATS_FUSED=0)")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     args = p.parse_args(argv)
     if args.smoke:
@@ -458,6 +462,7 @@ def main(argv=None) -> list[dict]:
         p.error(f"--microbatches {args.microbatches}: give at least 1")
     if args.stats_every:  # every mxfx arm's policy takes it (Policy.stats from MXFX_STATS)
         os.environ["MXFX_STATS"] = f"every={args.stats_every}"
+        os.environ["MXFX_STATS_FUSED"] = "1" if args.stats_path == "fused" else "0"
     arms = [a for a in args.arms.split(",") if a]
     unknown = sorted(set(arms) - set(ARMS))
     if unknown:

@@ -25,7 +25,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 
-_TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.uint8: "u8",
+_TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64", torch.uint8: "u8",
                  torch.int8: "i8", torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv"}
 
 

@@ -30,6 +30,14 @@ def test_crossover_quick(monkeypatch, tmp_path):
     assert (tmp_path / "crossover.png").stat().st_size > 0
 
 
+def test_quant_stats_quick(monkeypatch, tmp_path):
+    monkeypatch.setenv("MXFX_BENCH_OUT", str(tmp_path))
+    run_script(monkeypatch, "bench/quant_stats.py", "--device", "cpu", "--quick")
+    rows = [r for r in (tmp_path / "quant_stats.md").read_text().splitlines() if r.startswith("| mxfp8/")
+            or r.startswith("| fp8_block/")]
+    assert len(rows) == 20, rows  # 2 formats x 2 rules x 5 sites
+
+
 @pytest.mark.slow
 def test_train_step_quick(monkeypatch, tmp_path):
     import torch._dynamo.config as dynamo_config

@@ -45,6 +45,16 @@ GEMM_OPS = ("mm", "grouped_mm", "grouped_mm_wgrad")
 the grouped wgrad (a reduction over each expert's tokens)."""
 
 
+def stats_views(*tensors):
+    """``tensors`` (None kept) as they are when all have the same 2 or 3 dims, else each as a 2-D ``[-1, last dim]``
+    view (a copy where strides allow none): the ``[R, C]`` / ``[B, R, C]`` views a fused statistics kernel reads of an
+    operand blocked along its last dim."""
+    dims = {t.dim() for t in tensors if t is not None}
+    if len(dims) == 1 and dims <= {2, 3}:
+        return tensors
+    return tuple(None if t is None else t.reshape(-1, t.shape[-1]) for t in tensors)
+
+
 class Format:
     """A block-scaled FP8 format: its facts, and the operands and GEMMs of a linear and a grouped expert GEMM.
 
@@ -72,8 +82,9 @@ class Format:
     * wgrad: :meth:`tokens_operand` and :meth:`wgrad_mm` / :meth:`grouped_tokens_operand` and
       :meth:`grouped_wgrad` (low precision), or :meth:`dequantize` of the forward's saved copy for a BF16 wgrad.
 
-    Statistics (:mod:`mxfx.runtime.stats`, on sampled steps): :meth:`quant_stats` compares an operand with the
-    values it was made from.
+    Statistics (:mod:`mxfx.runtime.stats`, on sampled steps): :meth:`stats_vector` reduces one quantize to a sample,
+    from the format's fused statistics kernel where it has one (:meth:`fused_stats`, CUDA), else from
+    :meth:`quant_stats` (the plain-torch reference, which compares an operand with the values it was made from).
     """
 
     name: str = ""
@@ -253,6 +264,42 @@ class Format:
             return source[0].detach().float() * source[1].detach().reshape(-1, 1).float()
         raise ValueError(f"mxfx.formats: combine={combine!r} is not valid; choose one of {stats.COMBINES}")
 
+    def stats_sources(self, source, combine: str) -> tuple:
+        """``(a, b, w)``, the tensors :meth:`stats_values` forms its values from, each of ``source[0]``'s shape: the
+        values ``a`` ("": ``source[0]``; "swiglu": the gate), the SwiGLU ``up`` or None, the route weights expanded
+        along the last dim or None. What a fused statistics kernel reads in place of the formed values.
+
+        Raises:
+            ValueError: an unknown ``combine``.
+        """
+        a = source[0].detach()
+        if combine == "":
+            return a, None, None
+        if combine == "swiglu":
+            return a, source[1].detach(), None
+        if combine == "route_weight":
+            return a, None, source[1].detach().reshape(*a.shape[:-1], 1).expand(a.shape)
+        raise ValueError(f"mxfx.formats: combine={combine!r} is not valid; choose one of {stats.COMBINES}")
+
+    def stats_vector(self, source, combine: str, operand: Operand, rule, layout: str, offs=None) -> torch.Tensor:
+        """One sample of one quantize (the arguments of :meth:`quant_stats`): the float64 vector of
+        :func:`mxfx.runtime.stats.reduce_parts`, on the operand's device, what :func:`mxfx.runtime.stats.observe`
+        queues. On CUDA (Triton importable, :func:`mxfx.runtime.stats.fused_enabled`) from :meth:`fused_stats`
+        where it covers the operand; else ``reduce_parts`` of :meth:`quant_stats`."""
+        if devices.triton_available(source[0]) and stats.fused_enabled():
+            vector = self.fused_stats(source, combine, operand, rule, layout, offs)
+            if vector is not None:
+                return vector
+        return stats.reduce_parts(self.quant_stats(source, combine, operand, rule, layout, offs))
+
+    def fused_stats(self, source, combine: str, operand: Operand, rule, layout: str, offs=None) -> torch.Tensor | None:
+        """:meth:`stats_vector` from this format's fused statistics kernel (Triton, one launch reading the values'
+        sources and the operand once, and a finishing launch; no host sync), or None where it has none for
+        ``layout`` or this operand (the caller falls back to the reference). Runs on CUDA, or on any device under
+        Triton's interpreter. Equal to the reference: counts, amax and exponents exactly, the fp64 sums to a
+        relative 1e-9 (summed in another order). Default: None (no fused kernel)."""
+        return None
+
     def quant_stats(self, source, combine: str, operand: Operand, rule, layout: str, offs=None) -> stats.Parts:
         """What the statistics of one quantize are computed from: ``operand`` (as this format made it, any of its
         layouts: blocked or plain scales, values only where an emulated GEMM reads nothing else) against the
@@ -303,12 +350,12 @@ _REGISTRY: dict[str, Format] = {}
 
 
 def register(fmt: Format) -> Format:
-    """Add ``fmt`` to the formats policies can name, and its :meth:`Format.quant_stats` to the statistics
+    """Add ``fmt`` to the formats policies can name, and its :meth:`Format.stats_vector` to the statistics
     (:func:`mxfx.runtime.stats.register_format`); returns it."""
     if fmt.name in _REGISTRY:
         raise ValueError(f"mxfx.formats: a format named {fmt.name!r} is already registered")
     _REGISTRY[fmt.name] = fmt
-    stats.register_format(fmt.name, fmt.quant_stats)
+    stats.register_format(fmt.name, fmt.stats_vector)
     return fmt
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mxfx.formats.base import GEMM_OPS, Format, ScaleRule, register
+from mxfx.formats.base import GEMM_OPS, Format, ScaleRule, register, stats_views
 from mxfx.kernels.fp8_block import custom_ops, device_path
 from mxfx.kernels.common import swiglu
 from mxfx.numerics.block import TILE, dequantize_128x128, dequantize_values, group_tile_starts, n_tiles
@@ -237,6 +237,41 @@ class FP8Block(Format):
         live = torch.isfinite(amax) & (amax > 0)  # an all-zero tile's scale (1.0) says nothing
         exponents = torch.frexp(s[live])[1] - 1  # floor(log2 scale): exact for rceil's powers of two
         return stats.Parts(x, dq, q.float().abs() == E4M3_MAX, exponents)
+
+    def fused_stats(self, source, combine, operand, rule, layout, offs=None):
+        # the layouts of quant_stats, the values read from their sources through strided views in the operand's
+        # layout; a grouped wgrad operand through a column map: group g's tokens at columns 128 * (its first tile
+        # slot) + j, so that every 128 columns are one scale slot, the rest counted nowhere; None (the reference) for
+        # a token layout of a source that is not 2-D
+        from mxfx.kernels.fp8_block import quant_stats as fused  # imports Triton: the CUDA / interpreter path only
+
+        a, b, w = self.stats_sources(source, combine)
+        q, s = operand[0], operand[1]
+        col_map, rows_per_scale = None, TILE if layout == "weight" else 1
+        if layout in ("rows", "weight"):
+            a, b, w, q, s = stats_views(a, b, w, q, s)
+        elif layout in ("tokens", "group_tokens"):
+            if a.dim() != 2:
+                return None
+            tokens = a.shape[0]
+            a, b, w = (None if t is None else t.t() for t in (a, b, w))
+            if layout == "tokens":  # the first tokens of a zero-padded operand (token_rows)
+                q, s = q[:, :tokens], s[:, : n_tiles(tokens)]
+            else:
+                ends = offs.to(torch.int64)
+                t = torch.arange(tokens, device=a.device)
+                group = torch.searchsorted(ends, t, right=True)
+                read = group < ends.shape[0]  # the rows some group reads
+                group = group.clamp(max=ends.shape[0] - 1)
+                first = F.pad(ends[:-1], (1, 0))
+                column = TILE * group_tile_starts(offs)[group] + t - first[group]
+                width = TILE * s.shape[1]
+                col_map = torch.full((width + 1,), -1, dtype=torch.int32, device=a.device).scatter_(
+                    0, torch.where(read, column, width), t.to(torch.int32))[:width]
+        else:
+            return None
+        return fused.stats_vector(a, b, w, q, s, rows_per_scale, col_map, layout == "group_tokens", stats.HIST_MIN,
+                                  stats.HIST_BINS)
 
     def given_input(self, given, x, up):
         if given is None:

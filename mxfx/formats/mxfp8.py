@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mxfx.formats.base import GEMM_OPS, Format, Operand, ScaleRule, register
+from mxfx.formats.base import GEMM_OPS, Format, Operand, ScaleRule, register, stats_views
 from mxfx.kernels.mx import custom_ops, device_path
 from mxfx.kernels.mx import swiglu_operand
 from mxfx.kernels.mx.gemm import (a_operand, emulation_dtype, mx_grouped_mm, mx_grouped_mm_wgrad, mx_mm,
@@ -359,6 +359,42 @@ class MXFP8(Format):
         elif layout not in ("rows", "weight"):
             raise ValueError(f"mxfx.formats.mxfp8: layout={layout!r} is not valid; choose one of {stats.LAYOUTS}")
         return stats.Parts(x, *self._decode(x, operand, rule, layout == "tokens"))
+
+    def fused_stats(self, source, combine, operand, rule, layout, offs=None):
+        # every layout: the operand's region blocked along its last dim, the values read from their sources through
+        # strided views in that layout (tokens: x^T, the zero tokens up to a multiple of 32 counted as the
+        # reference counts them; group_tokens: x^T read through a column map of the padded operand, its padding
+        # columns and scratch block counted nowhere); None (the reference) for a token layout of a source that is
+        # not 2-D and for blocked scales of an operand that is not
+        from mxfx.kernels.mx import quant_stats as fused  # imports Triton: the CUDA / interpreter path only
+
+        a, b, w = self.stats_sources(source, combine)
+        q, s, values = (*operand, None, None, None)[:3]
+        if q is None or s is None:
+            q = s = None
+        cols = col_map = None
+        if layout in ("rows", "weight"):
+            blocked = s is not None and s.dim() == 1
+            a, b, w, q, values, *rest = stats_views(a, b, w, q, values, *(() if blocked or s is None else (s,)))
+            s = rest[0] if rest else s
+            if blocked and q.dim() != 2:
+                return None
+        elif layout in ("tokens", "group_tokens"):
+            if a.dim() != 2:
+                return None
+            rows = a.shape[0]
+            a, b, w = (None if t is None else t.t() for t in (a, b, w))
+            if layout == "tokens":
+                cols = rows + (-rows) % BLOCK_SIZE
+            else:
+                dest, _, capacity = group_padding(offs, rows)
+                read = torch.arange(rows, device=a.device) < offs[-1]  # the rows some group reads
+                col_map = torch.full((capacity + 1,), -1, dtype=torch.int32, device=a.device).scatter_(
+                    0, torch.where(read, dest, capacity), torch.arange(rows, dtype=torch.int32, device=a.device))
+                col_map = col_map[:capacity]
+        else:
+            return None
+        return fused.stats_vector(a, b, w, q, s, values, str(rule), cols, col_map, stats.HIST_MIN, stats.HIST_BINS)
 
     def _decode(self, x, operand, rule, first_columns=False):
         """``(dequantized, saturated, exponents of the live blocks)`` of ``operand``, made from ``x`` blocked along

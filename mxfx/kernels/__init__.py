@@ -3,14 +3,16 @@
 * :mod:`mxfx.kernels.mx`: MXFP8 (E4M3 + an E8M0 scale per 32 values). ``device_path`` picks Triton on CUDA or
   the plain-torch reference (:mod:`mxfx.numerics.mx`) elsewhere; ``custom_ops`` wraps it as the ``mxfx::*`` torch
   ops graphs call; ``gemm`` holds the MX GEMMs (native on Blackwell, emulated elsewhere); ``swiglu_operand`` the
-  SwiGLU input side of an MX GEMM. The Triton modules (``blocks``, ``quantize``, ``dual``, ``dequantize``,
-  ``swiglu``) are imported only once a CUDA tensor arrives.
+  SwiGLU input side of an MX GEMM; ``quant_stats`` the fused quantization-statistics kernel. The Triton modules
+  (``blocks``, ``quantize``, ``dual``, ``dequantize``, ``swiglu``, ``quant_stats``) are imported only once a CUDA
+  tensor arrives.
 * :mod:`mxfx.kernels.fp8_block`: fp8_block (E4M3 + FP32 scales per 1x128 tile / 128x128 block), laid out the
   same way: ``device_path``, ``custom_ops`` (``mxfx::block_*``), ``gemm`` (cuBLAS dense, Triton ``grouped_gemm``),
-  Triton ``quantize``.
+  Triton ``quantize`` and ``quant_stats`` (the fused quantization-statistics kernel).
 * :mod:`mxfx.kernels.common`: format-free pieces: device facts (``device``), how kernels launch and enter graphs
   (``launch``), mxfx's SiLU and SwiGLU (``silu``, ``swiglu``, Triton ``silu_triton``), high-precision GEMMs
-  (``hp_gemm``), and byte moves (``transpose``, ``zero_rows``).
+  (``hp_gemm``), byte moves (``transpose``, ``zero_rows``), and the reduction every format's statistics kernel ends
+  in (Triton ``quant_stats``).
 
 Imports run one way: ``mx`` and ``fp8_block`` use ``common`` and :mod:`mxfx.numerics`, never each other.
 """

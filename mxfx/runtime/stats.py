@@ -14,9 +14,12 @@ result is unused. Its body reads at run time whether this step is sampled (the g
 :func:`mxfx.runtime.cache.step_count`, a multiple of ``every``, and sampling not switched off by
 :func:`set_sampling`), so sampling on or off never recompiles; a site samples once per sampled step (the first
 microbatch under gradient accumulation). On a sampled step it asks the op's format (each
-format registers its :meth:`mxfx.formats.base.Format.quant_stats` here, :func:`register_format`) for the values,
-their dequantization, the saturated payload values and the scale exponents (:class:`Parts`), reduces them to one
-float64 vector on the tensors' device and queues it: no host sync per call. The queue is read back (one sync) at
+format registers its :meth:`mxfx.formats.base.Format.stats_vector` here, :func:`register_format`) for one float64
+vector on the tensors' device and queues it: no host sync per call. On CUDA the format's fused statistics kernel
+makes it where the format has one for the layout (one launch reading the values and the operand, and a finishing
+launch); elsewhere, and where none covers the operand, the plain-torch reference: the format gives the values, their
+dequantization, the saturated payload values and the scale exponents (:class:`Parts`, its
+:meth:`~mxfx.formats.base.Format.quant_stats`) and :func:`reduce_parts` reduces them. The queue is read back (one sync) at
 the next optimizer step (a step post-hook) or when :func:`table` is read.
 
 Outputs: :func:`table` (``mxfx.stats()``), a JSONL log ``stats.jsonl`` and TensorBoard scalars (when
@@ -66,6 +69,11 @@ scale's -126..127 fit), one bin each."""
 JSONL = "stats.jsonl"
 """File name of the sample log in the dump dir (``stats_rank<r>.jsonl`` for the ranks r > 0 of a process group)."""
 
+FUSED_ENV = "MXFX_STATS_FUSED"
+"""Environment variable: 0/false/no/off makes every sample from the plain-torch reference (:func:`reduce_parts`),
+also on CUDA; unset or 1/true/yes/on: the formats' fused statistics kernels where they cover a site (read at every
+sample, :func:`fused_enabled`)."""
+
 _FIELDS = ("values", "nonzero", "underflow", "saturated", "clipped", "nonfinite", "err_sq", "ref_sq", "amax", "exp_min",
            "exp_max")
 
@@ -86,19 +94,35 @@ class Parts(NamedTuple):
     exponents: torch.Tensor
 
 
-_formats: dict[str, Callable[..., Parts]] = {}
+_formats: dict[str, Callable[..., torch.Tensor]] = {}
 
 
-def register_format(name: str, quant_stats: Callable[..., Parts]) -> None:
-    """Make ``quant_stats(source, combine, operand, rule, layout, offs) -> Parts`` answer for operands of format
-    ``name`` (``offs``: the group ends of a ``group_tokens`` operand, else None).
+def register_format(name: str, stats_vector: Callable[..., torch.Tensor]) -> None:
+    """Make ``stats_vector(source, combine, operand, rule, layout, offs) -> tensor`` answer for operands of format
+    ``name`` (``offs``: the group ends of a ``group_tokens`` operand, else None): one sample, the float64 vector of
+    :func:`reduce_parts`, on the operand's device.
 
     Raises:
         ValueError: ``name`` already registered.
     """
     if name in _formats:
         raise ValueError(f"mxfx.runtime.stats: format {name!r} already has a statistics function")
-    _formats[name] = quant_stats
+    _formats[name] = stats_vector
+
+
+def fused_enabled() -> bool:
+    """The :data:`FUSED_ENV` switch: False for 0/false/no/off, True when unset or 1/true/yes/on.
+
+    Raises:
+        ValueError: any other value.
+    """
+    value = os.environ.get(FUSED_ENV, "").strip().lower()
+    if value in ("", "1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{FUSED_ENV}={value!r} is not a switch; set it to 0/false/no/off (plain-torch statistics) or "
+                     f"1/true/yes/on (fused kernels where they cover a site), or unset it")
 
 
 @dataclass
@@ -269,7 +293,7 @@ def _quant_stats(source: list[torch.Tensor], combine: str, operand: list[torch.T
     if sampled(every) and state.taken.get(site) != step:
         state.taken[site] = step
         with torch.no_grad():
-            vector = reduce_parts(_formats[format](source, combine, operand, rule, layout, offs))
+            vector = _formats[format](source, combine, operand, rule, layout, offs)
         with state.lock:
             state.queue.append((site, format, rule, step, vector))
             if state.hook_handle is None:
