@@ -10,6 +10,7 @@ families of several arms side by side. Families (:data:`FAMILIES`):
 * ``dense GEMM``: every other GEMM (attention projections, router, shared experts, lm_head): cuBLAS / nvjet /
   cutlass kernels under ``aten::mm`` and kin, ``torch._scaled_mm``, ``mxfx::mm``, ``mxfx::block_mm``;
 * ``quantize/layout``: mxfx's quantize, dequantize and transpose kernels and the ops around them (scale layouts);
+* ``quantization statistics``: the fused statistics kernels of a sampled step (``Policy.stats``);
 * ``attention``: flash / cuDNN / memory-efficient SDPA kernels and what runs under the SDPA ops;
 * ``gradient accumulation``: what the autograd engine's ``AccumulateGrad`` runs (the ``add_`` of a microbatch's
   gradient into ``.grad``);
@@ -29,9 +30,10 @@ import re
 from collections import Counter, defaultdict
 from typing import Iterable, Sequence
 
-ROUTED, DENSE, QUANTIZE, ATTENTION, ACCUMULATE, OPTIMIZER, OTHER = (
-    "routed GEMM", "dense GEMM", "quantize/layout", "attention", "gradient accumulation", "optimizer + refresh", "other")
-FAMILIES = (ROUTED, DENSE, QUANTIZE, ATTENTION, ACCUMULATE, OPTIMIZER, OTHER)
+ROUTED, DENSE, QUANTIZE, STATS, ATTENTION, ACCUMULATE, OPTIMIZER, OTHER = (
+    "routed GEMM", "dense GEMM", "quantize/layout", "quantization statistics", "attention", "gradient accumulation",
+    "optimizer + refresh", "other")
+FAMILIES = (ROUTED, DENSE, QUANTIZE, STATS, ATTENTION, ACCUMULATE, OPTIMIZER, OTHER)
 
 MXFX_KERNELS = {
     # mxfx's Triton kernels by the name of the function Triton compiles (mxfx/kernels); Inductor launches a kernel
@@ -48,6 +50,9 @@ MXFX_KERNELS = {
     "_grouped_wgrad_kernel": ROUTED,  # fp8_block/grouped_gemm.py
     "_zero_rows_kernel": ROUTED,  # common/zero_rows.py: a grouped GEMM's rows past the last group
     "_swiglu_product_kernel": OTHER,  # common/silu_triton.py: the SwiGLU activation, unquantized
+    "_mx_stats_kernel": STATS,  # mx/quant_stats.py: a sampled site's fused statistics (Policy.stats)
+    "_block_stats_kernel": STATS,  # fp8_block/quant_stats.py
+    "_finish_kernel": STATS,  # common/quant_stats.py: the sample vector from the partial rows
 }
 """mxfx's launched Triton kernels and their families; ``tests/test_bench_smoke.py`` checks it lists every one."""
 
