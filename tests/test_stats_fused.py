@@ -145,8 +145,9 @@ def reaches_every_statistic(vectors) -> None:
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt,rule", RULES, ids=IDS)
-def test_fused_samples_match_the_reference_on_cuda(fmt, rule, dtype):
+def test_fused_samples_match_the_reference_on_cuda(fmt, rule, dtype, monkeypatch):
     """On CUDA every covered operand's sample comes from the fused kernel (no host sync) and equals the reference's."""
+    monkeypatch.setenv(stats.FUSED_ENV, "1")
     seen = []
     for label, layout, source, combine, operand, offs in cases(fmt, rule, "cuda", dtype=dtype):
         ref = reference(fmt, rule, layout, source, combine, operand, offs)
@@ -165,7 +166,8 @@ def test_fused_samples_match_the_reference_on_cuda(fmt, rule, dtype):
 
 @cuda
 @pytest.mark.parametrize("fmt,rule", RULES, ids=IDS)
-def test_nonfinite_values_on_cuda(fmt, rule):
+def test_nonfinite_values_on_cuda(fmt, rule, monkeypatch):
+    monkeypatch.setenv(stats.FUSED_ENV, "1")
     x = data(40, 256, device="cuda")
     x[7, 5], x[9, 130] = float("inf"), float("nan")
     operand = fmt.input_operand(x, None, rule, "mm")
@@ -187,14 +189,17 @@ def test_cpu_samples_come_from_the_reference():
 
 
 def test_dispatch_takes_the_fused_kernel_where_it_covers_the_operand(monkeypatch):
-    """Where Triton serves the tensor: the format's fused sample, the reference where it answers None or
-    ``MXFX_STATS_FUSED=0``; a bad switch value raises."""
+    """Where Triton serves the tensor and ``MXFX_STATS_FUSED=1``: the format's fused sample, the reference where
+    it answers None; unset or ``0``, the reference; a bad switch value raises."""
     x = data(37, 256)
     operand = MX.input_operand(x, None, "rceil", "mm")
     ref = reference(MX, "rceil", "rows", (x,), "", operand, None)
     sentinel = torch.full_like(ref, 7.0)
     monkeypatch.setattr(base.devices, "triton_available", lambda t: True)
     monkeypatch.setattr(type(MX), "fused_stats", lambda self, *args: sentinel if args[4] == "rows" else None)
+    monkeypatch.delenv(stats.FUSED_ENV, raising=False)
+    assert torch.equal(MX.stats_vector((x,), "", operand, "rceil", "rows"), ref)  # opt-in
+    monkeypatch.setenv(stats.FUSED_ENV, "1")
     assert MX.stats_vector((x,), "", operand, "rceil", "rows") is sentinel
     tokens = MX.tokens_operand(x, "rceil")
     assert torch.equal(MX.stats_vector((x,), "", tokens, "rceil", "tokens"),
