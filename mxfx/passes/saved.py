@@ -135,6 +135,10 @@ def saves_input(node: fx.Node) -> bool:
     return needs_grad(example_value(node)) and needs_grad(example_value(node.args[1]))
 
 
+_ALIVE_ANYWAY = ("kept alive by ", "also saved by ")
+"""How :func:`keeps_input_alive` begins where another op saves the tensor anyway."""
+
+
 def keeps_input_alive(x: fx.Node, op: fx.Node, fmt: Format) -> str:
     """Why the tensor behind ``x`` stays alive for backward without ``op``, or why one copy of it in its own dtype
     is smaller than the copies of format ``fmt`` its converted readers would save ("" if neither)."""
@@ -178,8 +182,9 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
     values in the dtype the op computes in: BF16 under autocast); after, what the converted op saves: its input
     in its own dtype where kept as it is (an FP32 input under autocast: FP32), its format's copy (qdata and
     scales, tokens padded) where packed. An input kept as it is counts once, on its first converted reader (the
-    graph as written saves it once too, shared); an op with nothing to save (no backward, frozen weight)
-    counts nothing. Packing happens only where the copy is strictly smaller than the input kept as it is.
+    graph as written saves it once too, shared); one that another op saves anyway counts nothing after, and
+    before only the cast the op as written saves beside it (a BF16 copy under autocast); an op with nothing to
+    save (no backward, frozen weight) counts nothing. Packing happens only where the copy is strictly smaller than the input kept as it is.
     """
     packed = 0
     counted: set[fx.Node] = set()  # bases of inputs kept as they are, already counted
@@ -216,6 +221,8 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
             if record:
                 record.saved = kept
                 record.add_note(why)
+                if why.startswith(_ALIVE_ANYWAY) and base not in counted:  # saved beside by another op: no bytes
+                    kept_bytes = (0 if written_bytes == own_bytes else written_bytes, 0)  # of its own, as written
                 record.saved_bytes = kept_bytes
                 counted.add(base)
             continue
