@@ -137,22 +137,26 @@ def value_stats(x, dq, sat, counted):
 
 @triton.jit
 def exponent_stats(e, live, hist_min, HIST_BINS: tl.constexpr, N: tl.constexpr):
-    """``(min, max)`` fp32 (+inf / -inf when none) and the int32 histogram ``[HIST_BINS]`` (bin i: exponent
-    ``hist_min + i``, clamped into the end bins) of the int32 exponents ``e`` where ``live``; ``N``: ``e``'s
+    """``(min, max)`` fp32 (+inf / -inf when none), the int32 histogram ``[HIST_BINS]`` (bin i: exponent
+    ``hist_min + i``, clamped into the end bins) of the int32 exponents ``e`` where ``live``, plus the entries not
+    live in its bin 0, and their count (``dead``, taken out of bin 0 by :func:`store_partials`); ``N``: ``e``'s
     number of elements."""
     ef = e.to(tl.float32)
     lo = tl.min(tl.where(live, ef, float("inf")))
     hi = tl.max(tl.where(live, ef, float("-inf")))
-    bins = tl.minimum(tl.maximum(e - hist_min, 0), HIST_BINS - 1)
-    hist = tl.histogram(tl.reshape(bins, [N]), HIST_BINS, mask=tl.reshape(live, [N]))
-    return lo, hi, hist
+    # Entries not live go to bin 0 and are taken out of it at the end: on GPUs Triton 3.6's tl.histogram counts
+    # the entries its mask leaves out (the interpreter honours the mask).
+    bins = tl.where(live, tl.minimum(tl.maximum(e - hist_min, 0), HIST_BINS - 1), 0)
+    hist = tl.histogram(tl.reshape(bins, [N]), HIST_BINS)
+    return lo, hi, hist, N - tl.sum(tl.reshape(live, [N]).to(tl.int32))
 
 
 @triton.jit
 def store_partials(part_ptr, hist_ptr, pid, n_ok, nonzero, underflow, saturated, clipped, nonfinite, err_sq, ref_sq,
-                   amax, exp_min, exp_max, hist, HIST_BINS: tl.constexpr):
-    """Write program ``pid``'s partial row (:data:`FIELDS` order, float64) and add its histogram into the shared
-    int32 one (integer atomics: the order does not matter)."""
+                   amax, exp_min, exp_max, hist, dead, HIST_BINS: tl.constexpr):
+    """Write program ``pid``'s partial row (:data:`FIELDS` order, float64) and add its histogram, less the ``dead``
+    entries :func:`exponent_stats` put in bin 0, into the shared int32 one (integer atomics: the order does not
+    matter)."""
     i = tl.arange(0, 16)  # PARTIAL_WIDTH
     zero = tl.zeros([16], tl.float64)
     row = tl.where(i == 0, n_ok.to(tl.float64), zero)
@@ -168,6 +172,7 @@ def store_partials(part_ptr, hist_ptr, pid, n_ok, nonzero, underflow, saturated,
     row = tl.where(i == 10, exp_max.to(tl.float64), row)
     tl.store(part_ptr + pid.to(tl.int64) * 16 + i, row)
     j = tl.arange(0, HIST_BINS)
+    hist -= tl.where(j == 0, dead, 0)
     tl.atomic_add(hist_ptr + j, hist, mask=hist > 0)
 
 

@@ -52,6 +52,7 @@ def _block_stats_kernel(
     exp_min = tl.full([], float("inf"), tl.float32)
     exp_max = tl.full([], float("-inf"), tl.float32)
     hist = tl.zeros([HIST_BINS], tl.int32)
+    dead = tl.zeros([], tl.int32)
     for k in range(0, per_prog):
         t = pid * per_prog + k
         b = t // (n_r_tiles * n_c_tiles)
@@ -98,12 +99,13 @@ def _block_stats_kernel(
             amax = tl.maximum(amax, c_amax)
         live = (blk > 0) & (blk < 0x7F800000) & smask
         e = ((scale.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-        lo, hi, h = exponent_stats(e, live, hist_min, HIST_BINS, SROWS * NB)
+        lo, hi, h, d = exponent_stats(e, live, hist_min, HIST_BINS, SROWS * NB)
         exp_min = tl.minimum(exp_min, lo)
         exp_max = tl.maximum(exp_max, hi)
         hist += h
+        dead += d
     store_partials(part_ptr, hist_ptr, pid, n_ok, nonzero, underflow, saturated, clipped, nonfinite, err_sq, ref_sq,
-                   amax, exp_min, exp_max, hist, HIST_BINS)
+                   amax, exp_min, exp_max, hist, dead, HIST_BINS)
 
 
 def stats_vector(a: torch.Tensor, b: torch.Tensor | None, w: torch.Tensor | None, qdata: torch.Tensor,

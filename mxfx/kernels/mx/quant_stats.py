@@ -23,7 +23,7 @@ from mxfx.kernels.mx.blocks import abs_bits, block_scale, blocked_offset, decode
 from mxfx.numerics.layout import is_blocked
 from mxfx.numerics.mx import BLOCK_SIZE, check_rule
 
-CONFIG = (32, 128, 4)
+CONFIG = (32, 128, 8)
 """(BLOCK_R, BLOCK_C, num_warps): one tile of BLOCK_R rows by BLOCK_C / 32 blocks per loop step of a program."""
 
 SCALES_FROM_VALUES, SCALES_STRIDED, SCALES_BLOCKED = 0, 1, 2
@@ -57,6 +57,7 @@ def _mx_stats_kernel(
     exp_min = tl.full([], float("inf"), tl.float32)
     exp_max = tl.full([], float("-inf"), tl.float32)
     hist = tl.zeros([HIST_BINS], tl.int32)
+    dead = tl.zeros([], tl.int32)
     for k in range(0, per_prog):
         t = pid * per_prog + k
         b = t // (n_r_tiles * n_c_tiles)
@@ -108,12 +109,13 @@ def _mx_stats_kernel(
         err_sq += c_err
         ref_sq += c_ref
         amax = tl.maximum(amax, c_amax)
-        lo, hi, h = exponent_stats(sbyte.to(tl.int32) - 127, live & smask, hist_min, HIST_BINS, BR * NB)
+        lo, hi, h, d = exponent_stats(sbyte.to(tl.int32) - 127, live & smask, hist_min, HIST_BINS, BR * NB)
         exp_min = tl.minimum(exp_min, lo)
         exp_max = tl.maximum(exp_max, hi)
         hist += h
+        dead += d
     store_partials(part_ptr, hist_ptr, pid, n_ok, nonzero, underflow, saturated, clipped, nonfinite, err_sq, ref_sq,
-                   amax, exp_min, exp_max, hist, HIST_BINS)
+                   amax, exp_min, exp_max, hist, dead, HIST_BINS)
 
 
 def stats_vector(a: torch.Tensor, b: torch.Tensor | None, w: torch.Tensor | None, qdata: torch.Tensor | None,
