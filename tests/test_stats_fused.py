@@ -189,8 +189,8 @@ def test_cpu_samples_come_from_the_reference():
 
 
 def test_dispatch_takes_the_fused_kernel_where_it_covers_the_operand(monkeypatch):
-    """Where Triton serves the tensor and ``MXFX_STATS_FUSED=1``: the format's fused sample, the reference where
-    it answers None; unset or ``0``, the reference; a bad switch value raises."""
+    """Where Triton serves the tensor and ``MXFX_STATS_FUSED`` is unset or ``1``: the format's fused sample, the
+    reference where it answers None; ``0``/``off``, the reference; a bad switch value raises."""
     x = data(37, 256)
     operand = MX.input_operand(x, None, "rceil", "mm")
     ref = reference(MX, "rceil", "rows", (x,), "", operand, None)
@@ -198,7 +198,9 @@ def test_dispatch_takes_the_fused_kernel_where_it_covers_the_operand(monkeypatch
     monkeypatch.setattr(base.devices, "triton_available", lambda t: True)
     monkeypatch.setattr(type(MX), "fused_stats", lambda self, *args: sentinel if args[4] == "rows" else None)
     monkeypatch.delenv(stats.FUSED_ENV, raising=False)
-    assert torch.equal(MX.stats_vector((x,), "", operand, "rceil", "rows"), ref)  # opt-in
+    assert MX.stats_vector((x,), "", operand, "rceil", "rows") is sentinel  # the default
+    monkeypatch.setenv(stats.FUSED_ENV, "0")
+    assert torch.equal(MX.stats_vector((x,), "", operand, "rceil", "rows"), ref)
     monkeypatch.setenv(stats.FUSED_ENV, "1")
     assert MX.stats_vector((x,), "", operand, "rceil", "rows") is sentinel
     tokens = MX.tokens_operand(x, "rceil")

@@ -70,9 +70,9 @@ JSONL = "stats.jsonl"
 """File name of the sample log in the dump dir (``stats_rank<r>.jsonl`` for the ranks r > 0 of a process group)."""
 
 FUSED_ENV = "MXFX_STATS_FUSED"
-"""Environment variable: 1/true/yes/on takes the formats' fused statistics kernels on CUDA where they cover a site;
-unset or 0/false/no/off makes every sample from the plain-torch reference (:func:`reduce_parts`). Opt-in until
-the kernels have been checked against the reference on a GPU (read at every sample, :func:`fused_enabled`)."""
+"""Environment variable: unset or 1/true/yes/on takes the formats' fused statistics kernels on CUDA where they cover a
+site; 0/false/no/off makes every sample from the plain-torch reference (:func:`reduce_parts`), e.g. to cross-check
+a sample (read at every sample, :func:`fused_enabled`)."""
 
 _FIELDS = ("values", "nonzero", "underflow", "saturated", "clipped", "nonfinite", "err_sq", "ref_sq", "amax", "exp_min",
            "exp_max")
@@ -111,15 +111,15 @@ def register_format(name: str, stats_vector: Callable[..., torch.Tensor]) -> Non
 
 
 def fused_enabled() -> bool:
-    """The :data:`FUSED_ENV` switch: True for 1/true/yes/on, False when unset or 0/false/no/off.
+    """The :data:`FUSED_ENV` switch: True when unset or 1/true/yes/on, False for 0/false/no/off.
 
     Raises:
         ValueError: any other value.
     """
     value = os.environ.get(FUSED_ENV, "").strip().lower()
-    if value in ("1", "true", "yes", "on"):
+    if value in ("", "1", "true", "yes", "on"):
         return True
-    if value in ("", "0", "false", "no", "off"):
+    if value in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"{FUSED_ENV}={value!r} is not a switch; set it to 0/false/no/off (plain-torch statistics) or "
                      f"1/true/yes/on (fused kernels where they cover a site), or unset it")
