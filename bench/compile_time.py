@@ -21,6 +21,14 @@ Goals (issue: compile time): mxfx cold <= 1.5x BF16 cold, mxfx warm <= 2x BF16 w
     python bench/compile_time.py --smoke                 # CPU, tiny dims
     python bench/compile_time.py --units model --arms bf16,mxfp8,mxfp8-opaque --profile 30   # where cold time goes
 
+Each cold first step is also split into phases (the table after the first one): Dynamo's bytecode trace, the
+backend before AOTAutograd (mxfx's passes; Inductor's pre-grad passes for bf16), AOTAutograd's trace and partition,
+Inductor's lowering and post-grad passes, its code generation, the wait for its compile workers (the Triton kernels
+of the generated code, user kernels included), Triton compiles in the main process (kernels launched by mxfx
+itself: count, compiles per kernel name, seconds) and Triton autotuning there (tunings, seconds; Triton >= 3.5's
+listener), and the rest (the step itself, first launches). From torch's ``compile_times`` and Triton's
+``knobs.compilation.listener`` / ``knobs.autotuning.listener``.
+
 ``--profile N`` also writes, per arm, the N functions with the most cumulative time in the cold first step (all, then
 those of Inductor's user-kernel analysis and of mxfx, then the N with the most time of their own)
 (``cProfile``, main process only: Inductor's compile workers are not in it) to ``$MXFX_BENCH_OUT``
@@ -77,6 +85,70 @@ def cache_counters() -> dict:
     return out
 
 
+PHASES = (  # column -> compile_times keys summed (aggregate seconds of this process)
+    ("dynamo trace", ("bytecode_tracing",)),
+    ("backend pre-AOT", ("OutputGraph.call_user_compiler", "-create_aot_dispatcher_function")),
+    ("AOT trace + partition", ("aot_collect_metadata", "aot_trace_joint_graph", "min_cut_rematerialization_partition")),
+    ("Inductor lowering", ("_recursive_post_grad_passes", "GraphLowering.run")),
+    ("Inductor codegen", ("GraphLowering.codegen",)),
+    ("compile workers wait", ("async_compile.wait",)),
+    ("guards", ("build_guards",)),
+)
+
+
+class _TritonCompiles:
+    """Triton compiles and autotunings of this process (its public ``knobs`` listeners): kernel names, seconds."""
+
+    def __init__(self):
+        self.compiles: dict[str, int] = {}
+        self.compile_s = 0.0
+        self.hits = 0
+        self.tunings: dict[str, int] = {}
+        self.tune_s = 0.0
+
+    def install(self) -> None:
+        from triton import knobs
+
+        knobs.compilation.listener = self.on_compile
+        if hasattr(knobs, "autotuning") and hasattr(knobs.autotuning, "listener"):
+            knobs.autotuning.listener = self.on_tune
+        else:
+            self.tune_s = float("nan")  # this Triton has no autotuning listener
+
+    def on_compile(self, *, src, metadata, metadata_group, times, cache_hit) -> None:
+        if cache_hit:
+            self.hits += 1
+            return
+        name = getattr(getattr(src, "fn", None), "__name__", None) or metadata.get("name", "?")
+        self.compiles[name] = self.compiles.get(name, 0) + 1
+        self.compile_s += times.total / 1e6
+
+    def on_tune(self, *, fn, key, best_config, configs_timings, duration, cache_hit) -> None:
+        if not cache_hit:
+            self.tunings[fn.__name__] = self.tunings.get(fn.__name__, 0) + 1
+            self.tune_s += duration or 0.0
+
+
+def phases(first_step_s: float, triton: _TritonCompiles | None) -> dict:
+    """The cold first step's phases in seconds (:data:`PHASES`, Triton's compiles and tunings, the rest)."""
+    from torch._dynamo.utils import compile_times
+
+    names, values = compile_times(repr="csv", aggregate=True)
+    times = dict(zip(names, (float(v) for v in values)))
+    out = {}
+    for column, keys in PHASES:
+        out[column] = sum(-times.get(k[1:], 0.0) if k.startswith("-") else times.get(k, 0.0) for k in keys)
+    if triton is not None:
+        out["Triton compiles in process"] = triton.compile_s
+        out["Triton autotune"] = triton.tune_s
+        out["compiles per kernel"] = dict(sorted(triton.compiles.items(), key=lambda kv: -kv[1]))
+        out["tunings per kernel"] = triton.tunings
+        out["Triton cache hits"] = triton.hits
+    timed = sum(v for k, v in out.items() if isinstance(v, float) and v == v)
+    out["rest"] = first_step_s - timed
+    return out
+
+
 def measure(model_name: str, arm: str, layers: int, smoke: bool, per_block: bool, device: str,
             profile: int = 0) -> dict:
     """One first training step of ``model_name`` under ``arm`` in this process; its time and the cache counters
@@ -102,6 +174,10 @@ def measure(model_name: str, arm: str, layers: int, smoke: bool, per_block: bool
     batch, seq = (2, 64) if smoke else (4, 2048)
     x = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
     prof = cProfile.Profile() if profile else None
+    triton = None
+    if device == "cuda":
+        triton = _TritonCompiles()
+        triton.install()
     t0 = time.perf_counter()
     with prof or contextlib.nullcontext():
         with torch.autocast(device, torch.bfloat16):
@@ -125,7 +201,8 @@ def measure(model_name: str, arm: str, layers: int, smoke: bool, per_block: bool
 
     mx_ops = sum(pm.count(rewritten=True) for pm in mxfx.report.all_reports())
     return {"first_step_s": first, "frames": counters["stats"]["unique_graphs"], "mx_ops": mx_ops, **cache_counters(),
-            "bypass": handler.reasons[0] if handler.reasons else "", **({"profile": text} if text else {})}
+            "bypass": handler.reasons[0] if handler.reasons else "", "phases": phases(first, triton),
+            **({"profile": text} if text else {})}
 
 
 def run_child(args, arm: str, cache_dir: str, profile: int = 0) -> dict:
@@ -158,6 +235,25 @@ def table(rows: list[dict]) -> str:
         aot = "/".join(str(r.get(f"autograd_cache_{k}", 0)) for k in ("hit", "miss", "bypass"))
         lines.append(f"| {r['model']} | {r['unit']} | {r['arm']} | {r['cache']} | {r['first_step_s']:.1f} | {ratio} | {goal} | "
                      f"{fx} | {aot} | {r['frames']} | {r['bypass']} |")
+    return "\n".join(lines)
+
+
+def phase_table(rows: list[dict]) -> str:
+    """Markdown table: where each cold first step's seconds go (:func:`phases`), one line per (unit, arm), and
+    the kernels Triton compiled more than once in the main process."""
+    cold = [r for r in rows if r["cache"] == "cold" and "phases" in r]
+    if not cold:
+        return ""
+    columns = [c for c, _ in PHASES] + ["Triton compiles in process", "Triton autotune", "rest"]
+    lines = ["| compiled | arm | first step s | " + " | ".join(columns) + " | Triton compiles (repeated kernels) |",
+             "|---|---|---:|" + "---:|" * len(columns) + "---|"]
+    for r in cold:
+        ph = r["phases"]
+        cells = [f"{ph[c]:.1f}" if isinstance(ph.get(c), float) and ph[c] == ph[c] else "-" for c in columns]
+        per = ph.get("compiles per kernel", {})
+        again = ", ".join(f"{k} x{n}" for k, n in per.items() if n > 1) or "none"
+        lines.append(f"| {r['unit']} | {r['arm']} | {r['first_step_s']:.1f} | " + " | ".join(cells)
+                     + f" | {sum(per.values())} ({again}) |")
     return "\n".join(lines)
 
 
@@ -200,7 +296,7 @@ def main(argv=None) -> list[dict]:
                     rows.append(r)
     from _results import emit
 
-    emit("compile_time.md", table(rows))
+    emit("compile_time.md", table(rows) + "\n\nwhere the cold first step goes (seconds):\n\n" + phase_table(rows))
     return rows
 
 

@@ -382,3 +382,36 @@ def test_bench_scripts_import_names_that_exist(script):
             except ImportError:
                 missing.append(f"{module}.{name}")
     assert not missing, f"{script} imports names mxfx no longer has: {missing}"
+
+
+def test_compile_time_phase_table_counts_triton_compiles(monkeypatch):
+    """The cold-step phase table: Triton compiles in the process counted per kernel name (cache hits apart), a
+    kernel compiled for several specializations listed with its count, tunings summed, and the rest what the
+    listed phases leave of the first step."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import compile_time
+
+    class Times:
+        total = 250_000  # microseconds
+
+    class Src:
+        def __init__(self, name):
+            self.fn = type(name, (), {})
+
+    t = compile_time._TritonCompiles()
+    for name, hit in [("_quantize_kernel", False), ("_quantize_kernel", False), ("_grouped_body", False),
+                      ("_grouped_body", True)]:
+        t.on_compile(src=Src(name), metadata={}, metadata_group={}, times=Times(), cache_hit=hit)
+    t.on_tune(fn=Src("_grouped_body").fn, key=(1,), best_config=None, configs_timings={}, duration=2.0,
+              cache_hit=False)
+    t.on_tune(fn=Src("_grouped_body").fn, key=(1,), best_config=None, configs_timings={}, duration=9.0,
+              cache_hit=True)
+    assert t.compiles == {"_quantize_kernel": 2, "_grouped_body": 1} and t.hits == 1
+    assert t.compile_s == pytest.approx(0.75) and t.tune_s == 2.0 and t.tunings == {"_grouped_body": 1}
+    ph = compile_time.phases(100.0, t)
+    listed = sum(v for k, v in ph.items() if isinstance(v, float) and k != "rest")
+    assert ph["rest"] == pytest.approx(100.0 - listed) and listed >= 2.75
+    row = {"unit": "model", "arm": "fp8_block", "cache": "cold", "first_step_s": 100.0, "phases": ph}
+    text = compile_time.phase_table([row, {**row, "cache": "warm"}])
+    assert text.count("| model | fp8_block |") == 1  # cold rows only
+    assert "| 3 (_quantize_kernel x2) |" in text and "| 0.8 | 2.0 |" in text
