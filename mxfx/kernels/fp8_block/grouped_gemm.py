@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from mxfx.kernels.common import tuning
 from mxfx.numerics.block import TILE
 
 
@@ -136,11 +137,11 @@ def _grouped_body(
         g += 1
 
 
-_kernel_tuned = triton.autotune(
+_kernel = triton.jit(do_not_specialize=["S"])(_grouped_body)
+_kernel_tuned = triton.autotune(  # launches _kernel itself: one set of compiled variants for both paths
     configs=CONFIGS,
     key=["N", "K", "G", "s_ak", "s_bn", "s_bk", "EVEN_K", "TMA"],
-)(triton.jit(do_not_specialize=["S"])(_grouped_body))
-_kernel = triton.jit(do_not_specialize=["S"])(_grouped_body)
+)(_kernel)
 
 INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 64, "PROGRAMS_PER_SM": 1}
 """Tile of the untuned launch (the Triton interpreter, where autotuning would only slow tests)."""
@@ -151,20 +152,27 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.cache
+def _tuning_kernel(device_index: int) -> str:
+    return tuning.kernel_id(_kernel, torch.cuda.get_device_name(device_index))
+
+
 def grouped_mm(
     a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor, offs: torch.Tensor,
     out_dtype: torch.dtype = torch.bfloat16, *, tune: bool = True, config: dict | None = None,
 ) -> torch.Tensor:
     """Launch the grouped kernel (module docstring); arguments as :func:`mxfx.kernels.fp8_block.gemm.grouped_mm`
-    after its checks. ``tune=False`` (or a ``config`` of BLOCK_M/BLOCK_N, plus num_warps/num_stages)
-    launches one fixed tile instead of autotuning."""
+    after its checks. Tuned: the config recorded for this key (:mod:`mxfx.kernels.common.tuning`, across
+    processes), else Triton's autotuner, whose winner is recorded. ``tune=False`` (or a ``config`` of
+    BLOCK_M/BLOCK_N, plus num_warps/num_stages) launches one fixed tile instead."""
     S, K = a.shape
     G, N, _ = b.shape
     out = torch.empty((S, N), dtype=out_dtype, device=a.device)
     if S == 0 or N == 0:
         return out
     interpret = a.device.type == "cpu"
-    programs_cap = 3 if interpret else _num_sms(a.device.index if a.device.index is not None else torch.cuda.current_device())
+    device_index = None if interpret else a.device.index if a.device.index is not None else torch.cuda.current_device()
+    programs_cap = 3 if interpret else _num_sms(device_index)
     tma = _tma_ready(a) and _tma_ready(b)
     # block shapes here are placeholders: the launch sets them from its tile (the autotune pre-hook, or below)
     a_desc = TensorDescriptor.from_tensor(a, [16, TILE]) if tma else None
@@ -182,13 +190,19 @@ def grouped_mm(
         return (min(programs_cap * meta.get("PROGRAMS_PER_SM", 1), tiles),)
 
     if tune and config is None and not interpret:
-        _kernel_tuned[grid](*args, BLOCK_K=TILE, EVEN_K=even_k, TMA=tma)
-    else:
-        cfg = dict(config or INTERPRETER_CONFIG)
-        warps, stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 3)
-        cfg.setdefault("PROGRAMS_PER_SM", 1)
-        _descriptor_blocks({"a_desc": a_desc, "b_desc": b_desc, "BLOCK_K": TILE, **cfg})
-        _kernel[grid(cfg)](*args, BLOCK_K=TILE, EVEN_K=even_k, TMA=tma, num_warps=warps, num_stages=stages, **cfg)
+        # the autotuner's key, with the output dtype (mxfx.kernels.common.tuning: kept across processes)
+        key = (N, K, G, a.stride(1), b.stride(1), b.stride(2), even_k, tma, out_dtype)
+        best = tuning.lookup(_tuning_kernel(device_index), key, CONFIGS)
+        if best is None:
+            _kernel_tuned[grid](*args, BLOCK_K=TILE, EVEN_K=even_k, TMA=tma)
+            tuning.record(_tuning_kernel(device_index), key, _kernel_tuned.best_config)
+            return out
+        config = {**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages}
+    cfg = dict(config or INTERPRETER_CONFIG)
+    warps, stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 3)
+    cfg.setdefault("PROGRAMS_PER_SM", 1)
+    _descriptor_blocks({"a_desc": a_desc, "b_desc": b_desc, "BLOCK_K": TILE, **cfg})
+    _kernel[grid(cfg)](*args, BLOCK_K=TILE, EVEN_K=even_k, TMA=tma, num_warps=warps, num_stages=stages, **cfg)
     return out
 
 
