@@ -7,10 +7,11 @@ registers, through torchtitan's ``register_train_spec``:
   heads of 128, 128 routed experts top-8 of hidden 768, vocabulary 151936).
 - ``deepseek_v3_16b``: torchtitan's ``deepseek_v3`` train spec; its ``16B`` flavor (dim 2048, MLA with KV rank
   512, 16 heads, a dense first block of hidden 10944, then 64 routed experts top-6 of hidden 1408 and 2 shared
-  experts), with causal SDPA in place of the flavor's FlexAttention (see ``flavor``).
+  experts), with causal SDPA in place of the flavor's FlexAttention (see ``SOURCES``).
 
 Flavors are named ``<n>layers`` (the first ``n`` blocks, the model's vocabulary) or ``<n>layers_vocab<v>`` (a
-vocabulary of ``v``, e.g. a small test tokenizer's); every other field is torchtitan's own flavor.
+vocabulary of ``v``, e.g. a small test tokenizer's); every other field is torchtitan's flavor's, but for the
+``SOURCES`` changes.
 """
 
 from __future__ import annotations
