@@ -113,3 +113,79 @@ def test_02_experts_function_compiled_on_its_own(tmp_path):
     # Two MXFP8-rounded GEMMs in a row (3 mantissa bits per operand, random weights): ~7% relative error measured
     # on such data; an unquantized path would be ~0 and a wrong expert assignment ~100%.
     assert 0.005 < res["rel"] < 0.15
+
+
+REAL_SHAPES_CHECK = """
+import json, torch, real_shapes
+from torchtitan.config import JobConfig
+from torchtitan.protocols.train_spec import get_train_spec
+out = {}
+for spec, flavor in (("qwen3_30b_a3b", "4layers"), ("qwen3_30b_a3b", "2layers_vocab2048"),
+                     ("deepseek_v3_16b", "4layers"), ("deepseek_v3_16b", "4layers_vocab2048")):
+    args = get_train_spec(spec).model_args[flavor]
+    args.update_from_config(JobConfig())  # as the trainer does before building
+    with torch.device("meta"):
+        model = get_train_spec(spec).model_cls(args)
+    moe = args.moe_args
+    out[f"{spec}/{flavor}"] = {
+        "fields": [args.n_layers, args.vocab_size, args.dim, args.n_heads, args.moe_inter_dim, moe.num_experts,
+                   moe.top_k, moe.num_shared_experts, args.attn_type],
+        "shapes": {n: list(p.shape) for n, p in model.named_parameters() if n.startswith(("layers.0.", "layers.1."))},
+        "layers": len(model.layers),
+    }
+out["same_object"] = get_train_spec("qwen3_30b_a3b").model_args["4layers"] is get_train_spec("qwen3_30b_a3b").model_args["4layers"]
+out["torchtitan_own"] = [get_train_spec("qwen3").model_args["30B-A3B"].n_layers, get_train_spec("deepseek_v3").model_args["16B"].attn_type]
+print(json.dumps(out))
+"""
+
+
+@needs_02
+def test_02_real_shapes_specs(tmp_path):
+    # examples/torchtitan/real_shapes.py: torchtitan's own 30B-A3B and 16B flavors with fewer blocks.
+    script = tmp_path / "real_shapes_check.py"
+    script.write_text(REAL_SHAPES_CHECK)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "examples" / "torchtitan"), str(ROOT),
+                                                      os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-4000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    q4, q2 = res["qwen3_30b_a3b/4layers"], res["qwen3_30b_a3b/2layers_vocab2048"]
+    assert q4["fields"] == [4, 151936, 2048, 32, 768, 128, 8, 0, "sdpa"] and q4["layers"] == 4
+    assert q2["fields"][:2] == [2, 2048] and q2["layers"] == 2
+    assert q4["shapes"]["layers.1.moe.experts.w1"] == [128, 768, 2048]
+    assert q4["shapes"]["layers.1.moe.experts.w2"] == [128, 2048, 768]
+    assert q4["shapes"]["layers.0.attention.wq.weight"] == [32 * 128, 2048]
+    assert q4["shapes"]["layers.0.attention.wk.weight"] == [4 * 128, 2048]
+    d4 = res["deepseek_v3_16b/4layers"]
+    assert d4["fields"] == [4, 102400, 2048, 16, 1408, 64, 6, 2, "sdpa"] and d4["layers"] == 4
+    assert res["deepseek_v3_16b/4layers_vocab2048"]["fields"][1] == 2048
+    assert d4["shapes"]["layers.0.feed_forward.w1.weight"] == [10944, 2048]  # the dense first block
+    assert d4["shapes"]["layers.1.moe.experts.w1"] == [64, 1408, 2048]
+    assert d4["shapes"]["layers.1.moe.shared_experts.w1.weight"] == [2 * 1408, 2048]
+    assert d4["shapes"]["layers.1.attention.wkv_a.weight"] == [512 + 64, 2048]  # MLA: KV rank + rope dims
+    assert d4["shapes"]["layers.1.attention.wq.weight"] == [16 * (128 + 64), 2048]
+    assert res["same_object"]
+    assert res["torchtitan_own"] == [48, "flex"]  # torchtitan's own flavors are left as they are
+
+
+def _mxfp8_entry_point() -> bool:
+    from importlib.metadata import entry_points
+
+    return any(ep.name == "mxfp8" for ep in entry_points(group="torch_dynamo_backends"))
+
+
+@needs_02
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="torchtitan's trainer needs a GPU")
+@pytest.mark.skipif(not _mxfp8_entry_point(), reason="mxfx is not installed (torchtitan looks the backend up by name)")
+def test_02_trainer_qwen3_real_shapes_mxfp8(tmp_path):
+    # torchtitan's own trainer, Qwen3-30B-A3B's per-layer shapes, 2 blocks, 3 steps: every routed GEMM in MXFP8.
+    out_json = tmp_path / "out.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "torchtitan_moe.py"), "--runs", "qwen3_30b_a3b:mxfp8", "--layers", "2",
+           "--steps", "3", "--timeout", "540", "--budget", "560", "--json", str(out_json),
+           "--keep-logs", str(tmp_path / "logs")]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    (row,) = json.loads(out_json.read_text())["rows"]
+    assert row["status"] == "ok", out.stdout[-3000:]
+    assert row["loss"] is not None and math.isfinite(row["loss"])
+    assert row["routed_gemms"] and row["routed_gemms_unconverted"] == 0, row
