@@ -677,7 +677,7 @@ class Policy(_NamedFields):
         reason = ""
         if precision != "mxfp8":
             origin = "default rule" if rule in DEFAULT_RULES else "policy rule"
-            reason = f"{origin} {rule.describe()}"
+            reason = f"kept as written by {origin} {rule.describe()}"  # precision='bf16': as written, in any dtype
         elif min_size == "auto":
             if gemm is not None:
                 from mxfx.runtime.crossover import prefers_mxfp8

@@ -62,6 +62,8 @@ def test_router_kept_as_written_is_mapped_in_the_dtype_it_ran(autocast_off, ran)
         torch.compile(_Router(autocast_off), backend="mxfp8", options=EAGER)(x)
     (router,) = [r for r in mxfx.last_report().records if r.kind == "router"]
     assert not router.rewritten and _columns(router) == (ran,) * 4, router
+    # the rule's precision='bf16' means "as written": the reason says so beside the columns' dtype
+    assert router.reason == "kept as written by default rule (op='router', precision='bf16')", router.reason
 
 
 class _NoGradBranch(nn.Module):
