@@ -105,6 +105,15 @@ def test_swiglu_pass(all_on):
     _close(all_on, off, 1e-3, 5e-2)
 
 
+def test_swiglu_row_shows_the_consumers_scale_rule():
+    """The product is quantized by its consumer GEMM, so the row reads the consumer's scale rule, not the policy's."""
+    records = _step(rules=[{"op": "grouped_mm", "scale_rule": "floor"}])[2]
+    rules = {r.node: r.scale_rule for r in records if r.kind in ("grouped_mm", "linear")}
+    rows = _kinds(records, "swiglu")
+    assert sorted(r.scale_rule for r in rows) == ["floor", "rceil"]  # routed (grouped consumer), shared (linear)
+    assert all(r.scale_rule == rules[r.node] for r in rows)
+
+
 # --- combine -----------------------------------------------------------------------------------------------
 
 def test_combine_pass(all_on):

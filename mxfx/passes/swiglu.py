@@ -112,10 +112,11 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         node.kwargs = kwargs
         for n in dead:  # consumers first: mul after casts, silu last
             gm.graph.erase_node(n)
-        fmt = settings_of(node.kwargs).format.name  # the consumer's format quantizes the product
+        consumer = settings_of(node.kwargs)  # the consumer's format and scale rule quantize the product
+        fmt = consumer.format.name
         # backward in fp32 from gate and up, saved in the format or as they are
         saved = fmt if d.save == "mxfp8" else columns.ran(g)
-        pm.add(OpRecord(node.name, "swiglu", module, shapes, scale_rule=d.scale_rule,
+        pm.add(OpRecord(node.name, "swiglu", module, shapes, scale_rule=consumer.scale_rule,
                         **columns.gemm_columns(product, g, None, fmt, "fp32", "-", saved, "fused into " + node.name)))
         fused += 1
     return fused
