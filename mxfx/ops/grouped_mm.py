@@ -17,8 +17,10 @@ Optional fusions on either side (the recipe, "Kernel Problems and Fusions"):
   backward the route-weight multiply goes into the quantization of the gradient dgrad consumes where the
   format has that kernel.
 
-Groups may be empty or of any size. The input saved for a BF16 wgrad is the forward's own low-precision copy
-when ``save="mxfp8"`` (or with ``up``), else x as given; a frozen expert stack keeps nothing for a wgrad.
+Groups may be empty or of any size. The input saved for the wgrad: with ``save="bf16"`` (and no ``up``) x as
+given (an MX wgrad quantizes it along each group's tokens in backward); else the token-blocked copy an MX wgrad
+reads, or the forward's own low-precision copy, dequantized for a BF16 wgrad. A frozen expert stack keeps nothing
+for a wgrad.
 """
 
 from __future__ import annotations
@@ -67,25 +69,26 @@ class _GroupedMM(torch.autograd.Function):
     def forward(ctx, x, up, weight, offs, route_weight, out_dtype, settings: OpSettings, given, observe_x):
         fmt, rule, wgrad, save = settings.format, settings.scale_rule, settings.wgrad, settings.save
         need_dw = ctx.needs_input_grad[2]  # a frozen expert stack: nothing is kept or quantized for a wgrad
-        tokens = need_dw and wgrad == "mxfp8"
+        keep_x = need_dw and save == "bf16" and up is None  # x as given; an MX wgrad quantizes it in backward
+        tokens = need_dw and wgrad == "mxfp8" and not keep_x
         a, x_tokens, packed = fmt.forward_operands(x, up, rule, save, tokens, offs=offs, given=given)
         w = fmt.weight_operand(weight, rule, "forward", settings.keep_dequantized_weights)
         _observe_forward(settings, x, up, a, observe_x, weight, w, offs, x_tokens)
         y = fmt.grouped_mm(a, w, offs, out_dtype)
         if not need_dw:
             wgrad_input = ()
+        elif keep_x:
+            wgrad_input = (x,)
         elif tokens:
             wgrad_input = x_tokens
-        elif save == "mxfp8" or up is not None:
+        else:  # save == "mxfp8" or a SwiGLU input
             wgrad_input = fmt.saved_rows(a)  # the forward's own copy: dequantized for the BF16 wgrad
-        else:
-            wgrad_input = (x,)
         y_unweighted = ()
         if route_weight is not None:
             y_unweighted = (y,)
             y = weigh_rows(y, route_weight, out_dtype)
         ctx.save_for_backward(weight, offs, route_weight, *y_unweighted, *wgrad_input, *packed)
-        ctx.settings, ctx.n_wgrad, ctx.x_dtype = settings, len(wgrad_input), x.dtype
+        ctx.settings, ctx.n_wgrad, ctx.x_dtype, ctx.keep_x = settings, len(wgrad_input), x.dtype, keep_x
         ctx.has_up, ctx.has_route_weight = up is not None, route_weight is not None
         return y
 
@@ -117,7 +120,11 @@ class _GroupedMM(torch.autograd.Function):
             if settings.wgrad == "mxfp8":
                 dy_tokens = fmt.grouped_tokens_operand(dy, offs, rule)
                 settings.observe("grouped_mm", "wgrad_dy", "group_tokens", (dy,), dy_tokens, offs=offs)
-                dw = fmt.grouped_wgrad(dy_tokens, wgrad_input, offs, weight.dtype)
+                x_tokens = wgrad_input
+                if ctx.keep_x:  # saved as given: quantized along each group's tokens now
+                    x_tokens = fmt.grouped_tokens_operand(wgrad_input[0], offs, rule)
+                    settings.observe("grouped_mm", "wgrad_x", "group_tokens", wgrad_input, x_tokens, offs=offs)
+                dw = fmt.grouped_wgrad(dy_tokens, x_tokens, offs, weight.dtype)
             else:
                 x_saved = wgrad_input[0] if ctx.n_wgrad == 1 else fmt.dequantize(wgrad_input, torch.bfloat16)
                 # no group padding: mxfx::grouped_wgrad_bf16 takes any group ends
