@@ -8,8 +8,9 @@ and AOTAutograd's cache should hit). The model is one of ``bench/hf_models.py``'
 under ``torch.autocast(bfloat16)``; the step is forward, backward and a fused AdamW step.
 
 Arms: ``bf16`` (``torch.compile`` with Inductor), ``mxfp8`` (``backend="mxfp8"``), ``mxfp8-opaque``
-(the same with ``MXFX_OPAQUE_KERNELS=1``: the MX kernels stay opaque custom ops instead of ``wrap_triton`` calls
-that Inductor analyses and compiles per call site) and ``fp8_block`` (``options={"format": "fp8_block"}``);
+(the same with ``kernels="opaque"``: the MX kernels stay opaque custom ops instead of ``wrap_triton`` calls
+that Inductor analyses and compiles per call site), ``fp8_block`` (``options={"format": "fp8_block"}``) and
+``fp8_block-opaque``;
 ``--per-block`` compiles each decoder layer on its own (``layer.compile(...)``, as
 torchtitan does) instead of the whole model, where N identical layers should cost one
 layer's compile. Reported per arm and cache state: first-step seconds, FX graph cache
@@ -57,8 +58,9 @@ sys.path.insert(0, ROOT)
 ARMS = {  # arm -> (backend, options, extra environment)
     "bf16": ("inductor", None, {}),
     "mxfp8": ("mxfp8", None, {}),
-    "mxfp8-opaque": ("mxfp8", None, {"MXFX_OPAQUE_KERNELS": "1"}),
+    "mxfp8-opaque": ("mxfp8", {"kernels": "opaque"}, {}),
     "fp8_block": ("mxfp8", {"format": "fp8_block"}, {}),
+    "fp8_block-opaque": ("mxfp8", {"format": "fp8_block", "kernels": "opaque"}, {}),
 }
 CACHE_LOGGERS = ("torch._inductor.codecache", "torch._functorch._aot_autograd.autograd_cache")
 

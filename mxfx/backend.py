@@ -19,6 +19,7 @@ from mxfx import cache_key, coverage, names, passes, recompiles, report, rule_ch
 from mxfx.runtime import cache, stats
 from mxfx import formats
 from mxfx.kernels.common import device as devices
+from mxfx.kernels.common import launch
 from mxfx.passes import weight_refresh
 from mxfx.passes.fx import PREFIX_META, all_graphs, example_value, fill_example_values, parameter_placeholders, stats_sites
 from mxfx.policy import Policy
@@ -255,7 +256,8 @@ def _compile_for(gm: fx.GraphModule, example_inputs, policy: Policy, mode: str |
         stats.note_compiled(policy.stats["modules"], pm.stats_sites)
     if pm.stats_sites:
         stats.set_output(policy.dump_dir)
-    compiled = _inner_compile(policy.inner, gm, example_inputs, mode)
+    with launch.kernels_launched(policy.kernels):  # the ops' bodies are traced inside the inner compile
+        compiled = _inner_compile(policy.inner, gm, example_inputs, mode)
     if gm.meta.get(weight_refresh.PLANS_META):  # an optimizer step that rebuilds caches in-graph
         compiled = cache.after_step(compiled)
     return compiled

@@ -28,6 +28,8 @@ from mxfx.ops.settings import PRECISIONS, OpSettings
 
 OP_KINDS = ("linear", "grouped_mm", "swiglu", "router", "saved", "all_to_all", "weight_refresh")
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
+KERNEL_LAUNCHES = ("inductor", "opaque")
+"""Values of :attr:`Policy.kernels`: MX kernels launched by Inductor's code, or kept as mxfx's custom ops."""
 PASSES = ("linear", "grouped_mm", "swiglu", "combine", "saved", "all_to_all", "dispatch_mx", "weight_refresh")
 POLICY_ENV = "MXFX_POLICY"
 """Environment variable: a TOML file of :class:`Policy` fields, the policy of compiles given no ``options``."""
@@ -497,6 +499,12 @@ class Policy(_NamedFields):
             rule's module glob, default every module), e.g. ``{"every": 100, "modules": "layers.*.mlp.*"}``. The
             rewritten ops of matching modules carry a statistics op whose body samples on the steps it names;
             None leaves the compiled graphs as they are without it.
+        kernels: how mxfx's Triton kernels enter a compiled CUDA graph: "inductor" (traced in as ``wrap_triton``
+            calls that Inductor's generated code launches: less host time per call, a longer first compile, since
+            Inductor analyses and compiles each such kernel per call site) or "opaque" (mxfx's custom ops, each
+            launching its kernels: a shorter first compile). None (default): the ``MXFX_OPAQUE_KERNELS``
+            environment variable's choice, else "inductor"; given, it wins over the variable. Graphs on CPU
+            always keep the custom ops; the grouped GEMMs stay ops either way.
     """
 
     scale_rule: str = "rceil"
@@ -511,12 +519,14 @@ class Policy(_NamedFields):
     transport: Mapping = field(default_factory=dict)
     format: str = "mxfp8"
     stats: Mapping | None = STATS_FROM_ENV
+    kernels: str | None = None
 
     def __post_init__(self):
         for name, valid in (("scale_rule", SCALE_RULES), ("save", PRECISIONS)):
             if getattr(self, name) not in valid:  # None is not a value here
                 raise ValueError(f"mxfx policy: {name}={getattr(self, name)!r} is not valid; choose one of {', '.join(map(repr, valid))}")
         _check_choice("wgrad", self.wgrad, PRECISIONS)
+        _check_choice("kernels", self.kernels, KERNEL_LAUNCHES)
         _check_choice("format", self.format, FORMAT_CHOICES)
         if self.format is None:
             raise ValueError(f"mxfx policy: format=None is not valid; choose one of {', '.join(map(repr, FORMAT_CHOICES))}")

@@ -257,10 +257,12 @@ def test_compiled_fp8_block_launches_its_kernels_itself(monkeypatch, dynamic):
     route_weight = torch.rand(s, device="cuda", dtype=torch.bfloat16)
 
     def step(opaque: bool):
-        monkeypatch.setenv("MXFX_OPAQUE_KERNELS", "1" if opaque else "0")
+        # chosen by the policy, over the environment variable set the other way
+        monkeypatch.setenv("MXFX_OPAQUE_KERNELS", "0" if opaque else "1")
         torch._dynamo.reset()
         m = copy.deepcopy(model)
-        compiled = torch.compile(m, backend="mxfp8", dynamic=dynamic, options={"format": "fp8_block"})
+        options = {"format": "fp8_block", "kernels": "opaque" if opaque else "inductor"}
+        compiled = torch.compile(m, backend="mxfp8", dynamic=dynamic, options=options)
         saved = {}
 
         def run():

@@ -833,6 +833,35 @@ def test_opaque_kernels_switch(monkeypatch, value, opaque):
         assert opaque_kernels() is opaque
 
 
+@pytest.mark.parametrize("kernels, env, opaque", [("opaque", "0", True), ("inductor", "1", False), (None, "1", True),
+                                                  (None, None, False)])
+def test_policy_kernels_choose_for_the_inner_compile(monkeypatch, kernels, env, opaque):
+    """``Policy(kernels=...)`` decides how the MX ops' kernels enter the graph while the inner compiler traces it
+    (the choice is also in the compile-cache key), over ``MXFX_OPAQUE_KERNELS``; left out, the variable decides;
+    outside the compile, the variable alone."""
+    import mxfx
+    from mxfx import cache_key
+    from mxfx.kernels.common.launch import opaque_kernels
+
+    if env is None:
+        monkeypatch.delenv("MXFX_OPAQUE_KERNELS", raising=False)
+    else:
+        monkeypatch.setenv("MXFX_OPAQUE_KERNELS", env)
+    seen = []
+
+    def inner(gm, example_inputs):
+        seen.append((opaque_kernels(), cache_key.trace_key().endswith(f"opaque_kernels={int(opaque)}")))
+        return gm.forward
+
+    torch._dynamo.reset()
+    lin = torch.nn.Linear(64, 64)
+    torch.compile(lin, backend="mxfp8", options={"inner": inner, "kernels": kernels})(torch.randn(32, 64))
+    assert seen == [(opaque, True)]
+    assert opaque_kernels() is (env == "1")  # the compile's choice ends with it
+    with pytest.raises(ValueError, match=r"kernels='fast' is not valid; choose one of 'inductor', 'opaque'"):
+        mxfx.Policy(kernels="fast")
+
+
 def test_traced_path_calls_the_ops_own_body(monkeypatch):
     """Each MX op callers use runs its custom op, or (when a CUDA graph is traced) the op's body: the
     same function with the same arguments. Forced to the body on CPU, every op gives the op's bytes."""

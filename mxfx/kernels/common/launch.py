@@ -11,13 +11,17 @@ user kernel as written: it is neither fused with nor rewritten into generated
 code, so the dynamic-shape slow paths described in ``mxfx.kernels.mx.custom_ops`` do not
 arise.
 
-Set ``MXFX_OPAQUE_KERNELS=1`` (read at every trace) to keep the custom ops in
-graphs instead, e.g. to compare the two or to find the ops in Inductor's output
+The policy's ``kernels="opaque"`` (``mxfx.Policy``; the backend sets it around its inner compile, see
+:func:`kernels_launched`) or, where the policy leaves it out, ``MXFX_OPAQUE_KERNELS=1`` (read at every trace)
+keeps the custom ops in graphs instead: a shorter first compile (Inductor analyses and compiles each inlined
+kernel per call site), more host time per call; also to compare the two or to find the ops in Inductor's output
 code (``TORCH_LOGS=output_code``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 
 import torch
@@ -45,12 +49,32 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in _ON
 """Triton's interpreter runs the kernels (``TRITON_INTERPRET=1``, CPU tests); read at import, as Triton reads it."""
 
 
+_CHOSEN: contextvars.ContextVar[bool | None] = contextvars.ContextVar("mxfx_opaque_kernels", default=None)
+"""The compile's choice (:func:`kernels_launched`): True opaque, False inlined, None the environment's."""
+
+
+@contextlib.contextmanager
+def kernels_launched(mode: str | None):
+    """Within: MX ops traced into a graph keep their kernels as ``mode`` says, "opaque" (custom ops) or "inductor"
+    (``wrap_triton``, launched by Inductor's code); None leaves it to ``MXFX_OPAQUE_KERNELS``. The backend wraps
+    its inner compile in it with the policy's ``kernels``."""
+    token = _CHOSEN.set(None if mode is None else mode == "opaque")
+    try:
+        yield
+    finally:
+        _CHOSEN.reset(token)
+
+
 def opaque_kernels() -> bool:
-    """The ``MXFX_OPAQUE_KERNELS`` switch: True for 1/true/yes/on, False when unset or 0/false/no/off.
+    """Whether traced MX ops stay opaque custom ops: the compile's choice (:func:`kernels_launched`), else the
+    ``MXFX_OPAQUE_KERNELS`` switch, True for 1/true/yes/on, False when unset or 0/false/no/off.
 
     Raises:
-        ValueError: any other value (a typo should not silently pick a mode).
+        ValueError: any other value of the switch (a typo should not silently pick a mode).
     """
+    chosen = _CHOSEN.get()
+    if chosen is not None:
+        return chosen
     value = os.environ.get("MXFX_OPAQUE_KERNELS", "").strip().lower()
     if value in _ON or value in _OFF:
         return value in _ON
@@ -60,8 +84,8 @@ def opaque_kernels() -> bool:
 def inline_in_graph(t: torch.Tensor) -> bool:
     """True when an MX op on ``t`` should be traced into the graph rather than kept as a custom op.
 
-    That is: ``t`` is a CUDA tensor being traced, Triton imports, and
-    ``MXFX_OPAQUE_KERNELS`` is not set. CPU graphs always keep the custom ops
+    That is: ``t`` is a CUDA tensor being traced, Triton imports, and the kernels are not to stay opaque
+    (:func:`opaque_kernels`). CPU graphs always keep the custom ops
     (their reference bodies are plain torch code meant to run as written).
     """
     return traced(t) and triton_available(t) and not opaque_kernels()
