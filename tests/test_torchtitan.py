@@ -17,6 +17,8 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import pytest
+import torch
+
 
 def _series() -> tuple[int, int] | None:
     """(major, minor) of the installed torchtitan distribution, None when it is not installed."""
@@ -175,7 +177,9 @@ def _mxfp8_entry_point() -> bool:
 
 
 @needs_02
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="torchtitan's trainer needs a GPU")
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # a cold compile of real-shape blocks, in torchtitan's own process
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torchtitan's trainer needs a GPU")
 @pytest.mark.skipif(not _mxfp8_entry_point(), reason="mxfx is not installed (torchtitan looks the backend up by name)")
 def test_02_trainer_qwen3_real_shapes_mxfp8(tmp_path):
     # torchtitan's own trainer, Qwen3-30B-A3B's per-layer shapes, 2 blocks, 3 steps: every routed GEMM in MXFP8.
