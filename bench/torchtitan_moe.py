@@ -1,4 +1,5 @@
-"""torchtitan's trainer on its MoE debug models: ``--compile.backend inductor`` against ``mxfp8``.
+"""torchtitan's trainer on MoE models (its debug models, or real per-layer shapes): ``--compile.backend inductor``
+against ``mxfp8``.
 
 One process per run (``torchrun --standalone --nproc-per-node 1 -m torchtitan.train``), each
 block compiled as torchtitan does. Arms: ``inductor`` (BF16), ``mxfp8`` (mxfx's default policy)
@@ -154,10 +155,11 @@ def parse(log: str, skip: int) -> tuple[float | None, float | None, int]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()),
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--runs", default=DEFAULT_RUNS, help="model:arm pairs; arms: " + ", ".join(ARMS))
     ap.add_argument("--models", default=None, help="instead of --runs: these models, each with every --arms")
-    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--arms", default=",".join(ARMS), help="with --models: the arms each model runs")
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--skip", type=int, default=10, help="steps left out of the tokens/s mean (compile, warm-up)")
     ap.add_argument("--timeout", type=int, default=150, help="seconds per run")

@@ -37,8 +37,9 @@ def source_key() -> str:
 
 
 def trace_key() -> str:
-    """:func:`source_key` plus the process switches that change what mxfx's functions trace to
-    (``MXFX_OPAQUE_KERNELS``: custom ops kept opaque, or Triton kernels inlined in the graph)."""
+    """:func:`source_key` plus the choices that change what mxfx's functions trace to: custom ops kept opaque, or
+    Triton kernels inlined in the graph (:func:`mxfx.kernels.common.launch.opaque_kernels`: the compile's policy
+    ``kernels``, else ``MXFX_OPAQUE_KERNELS``)."""
     return f"{source_key()};opaque_kernels={int(opaque_kernels())}"
 
 

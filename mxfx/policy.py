@@ -503,8 +503,9 @@ class Policy(_NamedFields):
             calls that Inductor's generated code launches: less host time per call, a longer first compile, since
             Inductor analyses and compiles each such kernel per call site) or "opaque" (mxfx's custom ops, each
             launching its kernels: a shorter first compile). None (default): the ``MXFX_OPAQUE_KERNELS``
-            environment variable's choice, else "inductor"; given, it wins over the variable. Graphs on CPU
-            always keep the custom ops; the grouped GEMMs stay ops either way.
+            environment variable's choice, else "inductor"; given, it wins over the variable. Each
+            ``torch.compile`` call reads its own options (a compiled optimizer step's too). Graphs on CPU always
+            keep the custom ops; the grouped GEMMs stay ops either way.
     """
 
     scale_rule: str = "rceil"

@@ -27,7 +27,7 @@ CONFIGS = [triton.Config({"BLOCK_M": m}, num_warps=w, num_stages=3) for m, w in 
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch, tmp_path):
     monkeypatch.setenv(tuning.ENV, str(tmp_path / "tuning"))
-    monkeypatch.setattr(tuning, "_warned", False)
+    monkeypatch.setattr(tuning, "_warned", set())
     tuning.forget()
     yield
     tuning.forget()
@@ -68,6 +68,26 @@ def test_records_of_other_processes_are_kept(tmp_path):
     assert tuning.lookup(kernel, (2,), CONFIGS) is CONFIGS[2]
 
 
+def test_a_json_that_is_not_an_object_is_warned_about(tmp_path):
+    folder = tmp_path / "tuning"
+    folder.mkdir()
+    (folder / tuning.FILE).write_text("[1, 2]")
+    with pytest.warns(UserWarning, match="is not a tuning file \\(a JSON list\\)"):
+        assert tuning.lookup(tuning.kernel_id(_one, "GPU A"), (1,), CONFIGS) is None
+
+
+def test_processes_and_threads_writing_at_once_keep_every_key(tmp_path):
+    """Four processes of four threads each record 10 keys at once: the file ends with all 160, and parses."""
+    code = ("import sys, threading, triton; from mxfx.kernels.common import tuning; "
+            "c = triton.Config({'BLOCK_M': 64}, num_warps=4, num_stages=3); p = int(sys.argv[1]); "
+            "ts = [threading.Thread(target=lambda t=t: [tuning.record('k', (p, t, i), c) for i in range(10)]) "
+            "for t in range(4)]; [t.start() for t in ts]; [t.join() for t in ts]")
+    procs = [subprocess.Popen([sys.executable, "-W", "error", "-c", code, str(p)], env=dict(os.environ))
+             for p in range(4)]
+    assert [p.wait() for p in procs] == [0] * 4
+    assert len(json.loads((tmp_path / "tuning" / tuning.FILE).read_text())) == 160
+
+
 def test_a_record_naming_a_config_the_kernel_no_longer_has_is_ignored():
     kernel = tuning.kernel_id(_one, "GPU A")
     tuning.record(kernel, (1,), triton.Config({"BLOCK_M": 256}, num_warps=8, num_stages=3))
@@ -90,7 +110,7 @@ def test_a_corrupt_file_warns_once_and_is_replaced(tmp_path):
     folder.mkdir()
     (folder / tuning.FILE).write_text("{not json")
     kernel = tuning.kernel_id(_one, "GPU A")
-    with pytest.warns(UserWarning, match="cannot read .*delete it"):
+    with pytest.warns(UserWarning, match="is not a tuning file .*JSONDecodeError.*the next tuning result replaces it"):
         assert tuning.lookup(kernel, (1,), CONFIGS) is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -196,7 +196,9 @@ class Format:
         raise NotImplementedError
 
     def grouped_mm(self, a: Operand, b: Operand, offs, out_dtype: torch.dtype):
-        """Per expert group g: ``A[offs[g-1]:offs[g]] @ B[g]^T`` -> ``[S, N]``."""
+        """Per expert group g: ``A[offs[g-1]:offs[g]] @ B[g]^T`` -> ``[S, N]``. Rows past ``offs[-1]`` belong to no
+        group: the low-precision formats write zeros there; bf16_gemm, as ``torch._grouped_mm``, leaves them
+        undefined (a model must not read them, as it must not with the op it wrote)."""
         raise NotImplementedError
 
     def grad_operands(self, dy, rule, rows: bool, tokens: bool):

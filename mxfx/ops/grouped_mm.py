@@ -17,7 +17,8 @@ Optional fusions on either side (the recipe, "Kernel Problems and Fusions"):
   backward the route-weight multiply goes into the quantization of the gradient dgrad consumes where the
   format has that kernel.
 
-Groups may be empty or of any size. The input saved for the wgrad: with ``save="bf16"`` (and no ``up``) x as
+Groups may be empty or of any size; output rows past ``offs[-1]`` are as the format's ``grouped_mm`` leaves them
+(:meth:`mxfx.formats.base.Format.grouped_mm`). The input saved for the wgrad: with ``save="bf16"`` (and no ``up``) x as
 given (an MX wgrad quantizes it along each group's tokens in backward); else the token-blocked copy an MX wgrad
 reads, or the forward's own low-precision copy, dequantized for a BF16 wgrad. A frozen expert stack keeps nothing
 for a wgrad.

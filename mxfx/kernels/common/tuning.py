@@ -6,22 +6,32 @@ config's tile), so each new process benchmarked every config again, compiling ea
 cache is empty. Here a launch looks its key up first and runs the recorded config; only a key seen nowhere before
 is benchmarked, and its winner recorded.
 
-Where: ``$MXFX_TUNING_DIR/tuning.json``; unset, ``$XDG_CACHE_HOME/mxfx`` or ``~/.cache/mxfx``;
-``MXFX_TUNING_DIR=off`` keeps results in the process only. A record belongs to one kernel source (Triton's
-``JITFunction.cache_key``), Triton version and device name, so a changed kernel, Triton or GPU tunes again; a
-record naming a config the kernel no longer has is ignored. Delete the file to tune again (a record made on a busy
-GPU may not be the best). The file is rewritten whole through a temporary file and ``os.replace``: processes that
-tune at once each keep a whole file; the last writer's other keys are re-tuned when next seen.
+Where: ``$MXFX_TUNING_DIR/tuning.json`` (a relative folder is taken from the working directory of each call);
+unset, ``$XDG_CACHE_HOME/mxfx`` or ``~/.cache/mxfx``; ``MXFX_TUNING_DIR=off`` keeps results in the process only. A
+record belongs to one kernel source (Triton's ``JITFunction.cache_key``), Triton version and device name, so a
+changed kernel, Triton or GPU tunes again; a record naming a config the kernel no longer has is ignored. Delete the
+file to tune again (a record made on a busy GPU may not be the best). A write merges the file under an exclusive
+lock on ``tuning.json.lock`` (POSIX ``flock``; ranks and threads tuning at once keep every key) and replaces it
+through a temporary file of its own, so a reader always sees a whole file. A file that is not a JSON object is
+warned about and replaced by the next write.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import tempfile
+import threading
 import warnings
 from pathlib import Path
 
 import triton
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: writes are not locked against other processes
+    fcntl = None
 
 ENV = "MXFX_TUNING_DIR"
 FILE = "tuning.json"
@@ -29,7 +39,8 @@ FILE = "tuning.json"
 _memory: dict[str, dict] = {}
 _hits: dict[tuple, triton.Config] = {}  # (kernel, key) -> the config object, the per-launch fast path
 _loaded_from: Path | None = None
-_warned = False
+_warned: set[str] = set()  # the kinds of problem warned about ("read", "write"): once each per process
+_thread_lock = threading.Lock()
 
 
 def tuning_dir() -> Path | None:
@@ -60,11 +71,10 @@ def _describe(config: triton.Config) -> dict:
     return {"kwargs": dict(config.kwargs), "num_warps": config.num_warps, "num_stages": config.num_stages}
 
 
-def _warn_once(message: str) -> None:
-    global _warned
-    if not _warned:
-        _warned = True
-        warnings.warn(f"mxfx.kernels.common.tuning: {message}; tuning results stay in this process", stacklevel=3)
+def _warn_once(kind: str, message: str) -> None:
+    if kind not in _warned:
+        _warned.add(kind)
+        warnings.warn(f"mxfx.kernels.common.tuning: {message}", stacklevel=3)
 
 
 def _read(path: Path) -> dict:
@@ -73,9 +83,22 @@ def _read(path: Path) -> dict:
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as e:
-        _warn_once(f"cannot read {path} ({type(e).__name__}: {e}); delete it to start a new one")
+        data = e
+    if not isinstance(data, dict):
+        what = f"{type(data).__name__}: {data}" if isinstance(data, Exception) else f"a JSON {type(data).__name__}"
+        _warn_once("read", f"{path} is not a tuning file ({what}); its records are ignored and the next tuning "
+                           f"result replaces it")
         return {}
-    return data if isinstance(data, dict) else {}
+    return data
+
+
+@contextlib.contextmanager
+def _locked(folder: Path):
+    """This process's threads one at a time, and other processes through an exclusive ``flock``."""
+    with _thread_lock, open(folder / f"{FILE}.lock", "a") as lock:
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def _load() -> None:
@@ -115,13 +138,15 @@ def record(kernel: str, key: tuple, config: triton.Config) -> None:
     path = folder / FILE
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        merged = _read(path)
-        merged[entry] = described
-        tmp = path.with_name(f"{FILE}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(merged, indent=1, sort_keys=True))
-        os.replace(tmp, path)
+        with _locked(folder):
+            merged = _read(path)
+            merged[entry] = described
+            fd, tmp = tempfile.mkstemp(prefix=f"{FILE}.", suffix=".tmp", dir=folder)
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(merged, indent=1, sort_keys=True))
+            os.replace(tmp, path)
     except OSError as e:
-        _warn_once(f"cannot write {path} ({type(e).__name__}: {e})")
+        _warn_once("write", f"cannot write {path} ({type(e).__name__}: {e}); tuning results stay in this process")
 
 
 def forget() -> None:
