@@ -41,14 +41,18 @@ over ``MXFX_POLICY``), as ``every=100,modules=layers.*`` (either key may be left
 the defaults, :data:`STATS_DEFAULTS`; "0"/"off"/"false"/"no"/"none": off)."""
 
 
-class _StatsFromEnv:
-    """The default of :attr:`Policy.stats`: not given, so :data:`STATS_ENV` decides (None without it)."""
+class _FromEnv:
+    """The default of a :class:`Policy` field that an environment variable fills when the field is left out
+    (given, None included, the field keeps its value)."""
+
+    def __init__(self, env: str):
+        self.env = env
 
     def __repr__(self) -> str:
-        return f"<${STATS_ENV} or None>"
+        return f"<${self.env} or None>"
 
 
-STATS_FROM_ENV = _StatsFromEnv()
+STATS_FROM_ENV = _FromEnv(STATS_ENV)
 """``Policy.stats`` left out: the policy takes :data:`STATS_ENV`'s value (resolved at ``Policy(...)``: a built
 policy's ``stats`` is a dict or None)."""
 STATS_ENV_FORM = (f"write {STATS_ENV}='every=100,modules=layers.*' (either key may be left out; every: optimizer steps "
@@ -485,8 +489,8 @@ class Policy(_NamedFields):
         inner: compiler run after the rewrite: "inductor" (default), "aot_eager",
             "eager", or any torch.compile backend callable ``(gm, example_inputs)``; a callable
             that runs Inductor must turn its buffer reuse off (``mxfx.backend.CACHE_SAFE_INDUCTOR``).
-        dump_dir: write before/after graphs and the precision map here
-            (also taken from the ``MXFX_DUMP_DIR`` environment variable).
+        dump_dir: write before/after graphs and the precision map here. Left out, the ``MXFX_DUMP_DIR``
+            environment variable's folder (else no dump); given, None included, it wins over the variable.
         transport: precision per expert-parallel all-to-all direction, keys from
             :data:`TRANSPORT_DIRECTIONS`, values "mxfp8" or "bf16"; unset
             directions are MXFP8, e.g. ``{"dispatch_bwd": "bf16"}``. A rule with
@@ -516,7 +520,7 @@ class Policy(_NamedFields):
     rules: tuple[Rule, ...] = ()
     passes: Mapping = field(default_factory=dict)
     inner: str | Callable = "inductor"
-    dump_dir: str | None = None
+    dump_dir: str | None = _FromEnv(DUMP_ENV)
     transport: Mapping = field(default_factory=dict)
     format: str = "mxfp8"
     stats: Mapping | None = STATS_FROM_ENV
@@ -535,6 +539,8 @@ class Policy(_NamedFields):
             raise ValueError(f"mxfx policy: rules={self.rules!r} must be a list of mxfx.Rule or dicts of Rule fields")
         if not isinstance(self.passes, Mapping):
             raise ValueError(f"mxfx policy: passes={self.passes!r} must be a dict of pass name -> bool; passes: {', '.join(PASSES)}")
+        if isinstance(self.dump_dir, _FromEnv):  # left out: the environment variable decides
+            object.__setattr__(self, "dump_dir", os.environ.get(DUMP_ENV) or None)
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
             raise ValueError(f"mxfx policy: dump_dir={self.dump_dir!r} must be a path (str) or None")
         _check_min_size(self.min_size, allow_none=False)
@@ -566,8 +572,6 @@ class Policy(_NamedFields):
         # validated once: read-only from here on, as the frozen fields are
         object.__setattr__(self, "passes", ReadOnlyDict(self.passes))
         object.__setattr__(self, "transport", ReadOnlyDict(self.transport))
-        if self.dump_dir is None and os.environ.get(DUMP_ENV):
-            object.__setattr__(self, "dump_dir", os.environ[DUMP_ENV])
         stats = self.stats
         if stats is STATS_FROM_ENV:  # left out: the environment variable decides
             stats = parse_stats_env(os.environ[STATS_ENV]) if os.environ.get(STATS_ENV, "").strip() else None

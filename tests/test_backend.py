@@ -114,6 +114,10 @@ def test_dump_dir_and_env(tmp_path, monkeypatch):
     monkeypatch.setenv("MXFX_DUMP_DIR", str(env_dir))
     torch.compile(m, backend="mxfp8", options={"inner": "eager"})(torch.randn(4, 32))
     assert (env_dir / "graph_{:03d}".format(mxfx.last_report().graph_id) / "precision.txt").exists()
+    torch._dynamo.reset()  # an explicit dump_dir=None wins over the variable, as other given options do
+    torch.compile(m, backend="mxfp8", options={"inner": "eager", "dump_dir": None})(torch.randn(4, 32))
+    assert not (env_dir / "graph_{:03d}".format(mxfx.last_report().graph_id)).exists()
+    assert Policy(dump_dir=None).dump_dir is None and Policy().dump_dir == str(env_dir)
 
 
 def test_rules_only_override_what_they_set():
