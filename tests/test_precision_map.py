@@ -263,6 +263,28 @@ def test_a_no_op_cast_is_the_tensor_it_casts(cast, cast_for):
     assert (torch.float32, (32, 64), 32 * 64 * 4) in received, received
 
 
+class _DetachedScale(nn.Module):
+    """A converted 64->64 linear beside ``w * x.detach()``: the multiply saves the detached tokens (the same storage
+    as x) for w's gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.w = nn.Linear(64, 64, bias=False), nn.Parameter(torch.ones(64))
+
+    def forward(self, x):
+        return self.up(x) + self.w * x.detach()
+
+
+def test_a_detached_tensor_that_another_op_saves_keeps_its_base():
+    torch._dynamo.reset()
+    x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autocast("cpu", torch.bfloat16):
+        torch.compile(_DetachedScale(), backend="mxfp8", options=EAGER)(x)
+    up = _by_module()["up"]
+    assert up.saved == "bf16" and up.reason.startswith("also saved by mul"), up
+    assert up.saved_bytes == (0, 0), up  # kept anyway: the linear adds no bytes
+
+
 def test_a_cast_that_changes_the_dtype_is_a_tensor_of_its_own():
     """The kept linear reads an FP32 cast of BF16 tokens (a new tensor, under autocast cast back to a BF16 copy):
     the BF16 tokens themselves are not kept for it, so the converted linear's MX copy replaces them."""

@@ -44,7 +44,7 @@ import torch.fx as fx
 from mxfx.ops.all_to_all import mx_all_to_all
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
 from mxfx.ops.settings import settings_of
-from mxfx.passes.fx import example_value, is_call, known_size
+from mxfx.passes.fx import example_value, fill_example_value, is_call, known_size
 from mxfx.policy import Policy
 from mxfx.report import PrecisionMap
 
@@ -136,6 +136,8 @@ def _hoist_local(gm: fx.GraphModule, pm: PrecisionMap) -> int:
             tokens = gm.graph.call_method("detach", (src,))  # gradients flow through the BF16 rows
             mx = gm.graph.call_function(target, (tokens, *args))
             pair = [gm.graph.call_function(operator.getitem, (mx, i)) for i in range(n_out)]
+        for n in (tokens, mx):  # the saved pass reads them: an alias of the tokens, a reader with no backward
+            fill_example_value(n)
         grouped.kwargs = {**grouped.kwargs, "x_mx": tuple(_gathered_mx(gm, chain, pair, grouped)),
                           "x_mx_from": "gather"}
         n_src, n_out = example_value(src).shape[0], example_value(grouped.args[0]).shape[0]

@@ -244,35 +244,38 @@ def fill_example_values(gm: fx.GraphModule) -> int:
     carries an example value, so a rewritten graph without them would never be cached. A node whose
     target cannot run on fake inputs is left as it is (the graph then only misses that cache).
     """
-    filled = 0
-    for node in gm.graph.nodes:
-        if node.op not in ("call_function", "call_method") or "example_value" in node.meta:
-            continue
-        missing = []
+    return sum(fill_example_value(node) for node in gm.graph.nodes
+               if node.op in ("call_function", "call_method") and "example_value" not in node.meta)
 
-        def value(a):
-            if not isinstance(a, fx.Node):
-                return a
-            if "example_value" not in a.meta:
-                missing.append(a)
-            return a.meta.get("example_value")
 
-        args, kwargs = fx.node.map_aggregate(node.args, value), fx.node.map_aggregate(node.kwargs, value)
-        if missing:
-            continue
-        fakes = [a for a in _tensors((args, kwargs)) if isinstance(a, FakeTensor)]
-        mode = fakes[0].fake_mode if fakes else contextlib.nullcontext()
-        try:
-            with torch.no_grad(), mode:
-                if node.op == "call_method":
-                    val = getattr(args[0], node.target)(*args[1:], **kwargs)
-                else:
-                    val = node.target(*args, **kwargs)
-        except Exception:  # not runnable on fake tensors: leave it
-            continue
-        node.meta["example_value"] = val
-        filled += 1
-    return filled
+def fill_example_value(node: fx.Node) -> bool:
+    """Give call node ``node`` the example value of its target run on its inputs' example values, under
+    ``torch.no_grad()`` (so it requires no grad: a node a pass inserts has no backward of its own); False, and no
+    value, where an input has none or the target cannot run on fake inputs."""
+    missing = []
+
+    def value(a):
+        if not isinstance(a, fx.Node):
+            return a
+        if "example_value" not in a.meta:
+            missing.append(a)
+        return a.meta.get("example_value")
+
+    args, kwargs = fx.node.map_aggregate(node.args, value), fx.node.map_aggregate(node.kwargs, value)
+    if missing:
+        return False
+    fakes = [a for a in _tensors((args, kwargs)) if isinstance(a, FakeTensor)]
+    mode = fakes[0].fake_mode if fakes else contextlib.nullcontext()
+    try:
+        with torch.no_grad(), mode:
+            if node.op == "call_method":
+                val = getattr(args[0], node.target)(*args[1:], **kwargs)
+            else:
+                val = node.target(*args, **kwargs)
+    except Exception:  # not runnable on fake tensors: leave it
+        return False
+    node.meta["example_value"] = val
+    return True
 
 
 def _tensors(tree) -> list[torch.Tensor]:

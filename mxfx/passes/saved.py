@@ -19,9 +19,9 @@ are kept anyway. A cast that changes the dtype makes a tensor of its own):
   (``scaled_dot_product_attention``, softmax, log_softmax, sigmoid, tanh, exp,
   relu, sqrt, rsqrt, in any of their spellings): keep it — this is the recipe's
   attention output projection;
-* another user of the base or of an alias of it saves it for its backward (anything but additions,
-  casts that change the dtype, concatenations, ``detach`` and ops under ``torch.no_grad()``), as the
-  router's FP32 GEMM saves ``x.float()`` of FP32 tokens: keep it;
+* another user of the base or of an alias of it (a view, ``detach``) saves it for its backward (anything but
+  additions, casts that change the dtype, concatenations and ops with no backward through them), as the
+  router's FP32 GEMM saves ``x.float()`` of FP32 tokens, or ``w * x.detach()`` saves ``x``: keep it;
 * several converted ops read it (q/k/v projections of one input) and one copy of it
   in its own dtype is smaller than one format copy per op (2 bytes for BF16 vs
   n x 33/32 for MXFP8): keep it as it is;
@@ -66,10 +66,10 @@ from mxfx.report import PrecisionMap
 MX_OPS = (mx_linear, mx_grouped_mm_op)
 _VIEW_METHODS = ("view", "reshape", "transpose", "permute", "contiguous", "flatten", "unflatten", "squeeze", "unsqueeze",
                  "t", "clone", "expand", "chunk", "split", "narrow", "index_select", "view_as", "reshape_as",
-                 "expand_as", "select", "unbind", "movedim")
+                 "expand_as", "select", "unbind", "movedim", "detach")
 _VIEW_FNS = (torch.reshape, torch.transpose, torch.flatten, torch.permute, torch.squeeze, torch.unsqueeze, torch.chunk,
              torch.split, operator.getitem, torch.clone, torch.narrow, torch.index_select, torch.select,
-             torch.unbind, torch.movedim)
+             torch.unbind, torch.movedim, torch.detach)
 _CAST_METHODS = ("to", "float", "double", "bfloat16", "half", "type")
 _CAST_FNS = (torch.Tensor.to, torch.Tensor.float, torch.Tensor.double, torch.Tensor.bfloat16, torch.Tensor.half,
              torch.Tensor.type)
@@ -86,9 +86,11 @@ _SAVES_OUTPUT_METHODS = ("softmax", "log_softmax", "sigmoid", "sigmoid_", "tanh"
 _NON_SAVING_FNS = (operator.add, operator.sub, operator.neg, torch.add, torch.sub, torch.cat, torch.stack, F.pad,
                    torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like)
 _NON_SAVING_METHODS = ("add", "sub", "neg", "to", "float", "double", "bfloat16", "half", "type", "size", "dim",
-                       "detach", "new_zeros", "new_ones", "new_empty", "new_full")
-"""Users whose backward keeps nothing of their input (sums, casts that change the dtype, shape-only factories,
-``detach``: the dispatch's pre-gather quantize reads the tokens detached)."""
+                       "new_zeros", "new_ones", "new_empty", "new_full")
+"""Users whose backward keeps nothing of their input (sums, casts that change the dtype, shape-only factories).
+``detach`` is an alias (the same storage, :func:`_is_view`): what its readers save keeps the tensor alive (``w *
+x.detach()``); a reader with no backward through it (the dispatch's pre-gather quantize of the tokens) saves
+nothing."""
 
 
 def _is_noop_cast(n: fx.Node) -> bool:
@@ -135,6 +137,14 @@ def saves_input(node: fx.Node) -> bool:
     return needs_grad(example_value(node)) and needs_grad(example_value(node.args[1]))
 
 
+def _has_backward(n: fx.Node) -> bool:
+    """Whether node ``n`` takes part in a backward, as its example value says: a tensor, or one of a tuple's,
+    requires grad (True where the value is not known)."""
+    val = n.meta.get("example_value", n.meta.get("val"))
+    tensors = [t for t in (val if isinstance(val, (tuple, list)) else [val]) if isinstance(t, torch.Tensor)]
+    return not tensors or any(t.requires_grad for t in tensors)
+
+
 _ALIVE_ANYWAY = ("kept alive by ", "also saved by ")
 """How :func:`keeps_input_alive` begins where another op saves the tensor anyway."""
 
@@ -154,7 +164,7 @@ def keeps_input_alive(x: fx.Node, op: fx.Node, fmt: Format) -> str:
                 readers += saves_input(u)  # a reader without a backward keeps no copy
             elif u.op == "output" or is_call(u, _NON_SAVING_FNS, _NON_SAVING_METHODS):
                 continue
-            elif not needs_grad(example_value(u)):  # no backward through it (torch.no_grad()): it saves nothing
+            elif not _has_backward(u):  # no backward through it (torch.no_grad(), a detached input): saves nothing
                 continue
             else:
                 return f"also saved by {getattr(u.target, '__name__', u.target)}"
