@@ -6,6 +6,8 @@ import pytest
 import torch._inductor.config  # noqa: F401  (compile_threads, set per xdist worker)
 import torch
 
+from mxfx.runtime import cache
+
 try:  # pytest-xdist's public scheduler API (the test extras install it; a plain run needs none)
     from xdist.scheduler import LoadScopeScheduling
 except ImportError:
@@ -134,3 +136,16 @@ def four_ranks(pytestconfig, request) -> str:
     """The output of the 4-process launch carrying this test file's ``FOUR_RANKS`` worker cases (in a plain run,
     one launch for every collected test file's cases)."""
     return pytestconfig.stash[_JOBS].result(pytestconfig.stash[_JOBS].launch_of("FOUR_RANKS", request.module))
+
+
+@pytest.fixture
+def fresh_weight_cache():
+    """Empty weight caches and counters, the optimizer step hook installed; after the test the hook is put back
+    (tests that disable it), dgrad forms are built lazily again (the default) and the caches emptied."""
+    cache.clear()
+    cache.reset_stats()
+    cache.install()
+    yield cache
+    cache.install()
+    cache.set_dgrad_at_refresh(False)
+    cache.clear()

@@ -91,13 +91,7 @@ def _forms_snapshot(model) -> dict:
     return {(n, k): tuple(t.clone() for t in f) for n, p in model.named_parameters() for k, f in cache.entry_forms(p).items()}
 
 
-@pytest.fixture(autouse=True)
-def _fresh_cache():
-    cache.clear()
-    cache.reset_stats()
-    cache.install()
-    yield
-    cache.clear()
+pytestmark = pytest.mark.usefixtures("fresh_weight_cache")
 
 
 # --- one process ----------------------------------------------------------------------------------

@@ -30,14 +30,7 @@ class MLP(nn.Module):
 N_WEIGHTS = 2
 
 
-@pytest.fixture(autouse=True)
-def _fresh_cache():
-    cache.clear()
-    cache.reset_stats()
-    cache.install()
-    yield
-    cache.install()  # tests that disable the hook put it back
-    cache.set_dgrad_at_refresh(False)  # and those that build dgrad forms at the refresh, the default
+pytestmark = pytest.mark.usefixtures("fresh_weight_cache")
 
 
 def _model(seed=0, dtype=torch.float32):

@@ -22,13 +22,7 @@ class MLP(nn.Module):
         return self.down(torch.relu(self.up(x)))
 
 
-@pytest.fixture(autouse=True)
-def _fresh_cache():
-    cache.clear()
-    cache.reset_stats()
-    cache.install()
-    yield
-    cache.install()
+pytestmark = pytest.mark.usefixtures("fresh_weight_cache")
 
 
 def _x():
