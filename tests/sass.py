@@ -22,6 +22,7 @@ import tempfile
 
 import torch
 import triton
+from triton.runtime.jit import mangle_type
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 
@@ -84,6 +85,8 @@ def _specialize(kernel, args, kwargs):
                 attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(v, TensorDescriptor):  # host TMA descriptor: element type and block shape
             signature[p.name] = f"tensordesc<{_TRITON_TYPES[v.base.dtype]}{list(v.block_shape)}>"
+        elif type(v).__name__ == "TensorDescriptor":  # a Gluon descriptor also carries its shared layout
+            signature[p.name] = mangle_type(v)
         elif isinstance(v, bool):
             signature[p.name] = "i1"
         elif isinstance(v, int):
@@ -104,6 +107,8 @@ def compile_sm90(launch: Launch) -> Compiled:
     from triton.compiler import ASTSource
 
     signature, constexprs, attrs = _specialize(launch.kernel, launch.args, launch.kwargs)
+    if getattr(launch.kernel, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
     src = ASTSource(launch.kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     options = {k: launch.kwargs[k] for k in ("num_warps", "num_stages", "maxnreg") if launch.kwargs.get(k) is not None}
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)

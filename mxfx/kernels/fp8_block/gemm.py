@@ -22,6 +22,8 @@ with the row stride rounded up to a multiple of 4 (zero padding); B's 1x128 scal
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
@@ -156,22 +158,49 @@ def grouped_mm(
             f"{tuple(offs.shape)} on {offs.device}"
         )
     if triton_available(a):
-        from mxfx.kernels.fp8_block import grouped_gemm
-
-        return grouped_gemm.grouped_mm(a, a_scales, b, b_scales, offs, out_dtype)
+        return _grouped_kernel(a, b, out_dtype).grouped_mm(a, a_scales, b, b_scales, offs, out_dtype)
     return reference_grouped_mm(a, a_scales, b, b_scales, offs, out_dtype)
 
 
+def _grouped_kernel(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype):
+    """The module whose ``grouped_mm`` runs on these CUDA operands: the warp-specialized sm90 kernel
+    (:mod:`mxfx.kernels.fp8_block.grouped_gemm_sm90`) where it serves them, else the Triton kernel
+    (:mod:`mxfx.kernels.fp8_block.grouped_gemm`)."""
+    from mxfx.kernels.fp8_block import grouped_gemm
+
+    sm90 = _sm90_kernel()
+    return sm90 if sm90 is not None and sm90.supported(a, b, out_dtype) else grouped_gemm
+
+
+@functools.cache
+def _sm90_kernel():
+    """:mod:`mxfx.kernels.fp8_block.grouped_gemm_sm90`, or None where this Triton has no Gluon Hopper API."""
+    try:
+        from mxfx.kernels.fp8_block import grouped_gemm_sm90
+    except ImportError:
+        return None
+    return grouped_gemm_sm90
+
+
+def grouped_kernel_name(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> str:
+    """Which kernel :func:`grouped_mm` launches for these operands: "sm90 warp-specialized", "Triton" or
+    "reference" (not CUDA)."""
+    if not triton_available(a):
+        return "reference"
+    return "sm90 warp-specialized" if _grouped_kernel(a, b, out_dtype).__name__.endswith("_sm90") else "Triton"
+
+
 def reference_grouped_mm(a, a_scales, b, b_scales, offs, out_dtype=torch.bfloat16) -> torch.Tensor:
-    """The reference decode of :func:`grouped_mm`: exact float32 operands, one float32 GEMM per group."""
+    """The reference decode of :func:`grouped_mm`: exact float32 operands, one float32 GEMM per group (each
+    group's weight decoded on its own, so the memory it takes is one expert's, not all of them)."""
     out = torch.zeros((a.shape[0], b.shape[1]), dtype=torch.float32, device=a.device)
     ends = offs.tolist()
     check_group_ends(ends, a.shape[0], "mxfx.block_gemm.grouped_mm")
-    x = dequantize_values(a, a_scales, (-1,))
-    w = dequantize_values(b, b_scales, (-2, -1))
     start = 0
     for gi, end in enumerate(ends):
-        out[start:end] = x[start:end] @ w[gi].t()
+        if end > start:
+            x = dequantize_values(a[start:end], a_scales[start:end], (-1,))
+            out[start:end] = x @ dequantize_values(b[gi], b_scales[gi], (-2, -1)).t()
         start = end
     return out.to(out_dtype)
 

@@ -1,0 +1,275 @@
+"""Warp-specialized grouped GEMM on fp8_block operands for Hopper (sm90), written in Gluon.
+
+Computes what :mod:`mxfx.kernels.fp8_block.grouped_gemm` computes, ``out[rows of group g] = A[rows] @ B[g]^T``
+(A ``[S, K]`` E4M3 with 1x128 float32 scales, B ``[G, N, K]`` E4M3 with 128x128 float32 scales, group ends
+``offs`` int32 ``[G]``, rows past ``offs[-1]`` written as zeros), with the same numerics: each 128-wide step of K
+is one FP8 ``wgmma`` into a fresh FP32 partial sum, promoted into the FP32 accumulator with the product of the
+row's A scale and the tile's B scale (one FMA per value per step).
+
+Design (one persistent program per SM, three partitions of warps):
+
+* a producer warp (40 registers) walks the same tile sequence as the math warpgroups and fills a ring of
+  ``STAGES`` shared-memory stages with TMA: per K step two 64-row boxes of A and one ``BLOCK_N``-row box of B,
+  each stage completing on its "ready" mbarrier;
+* two math warpgroups (the default partition and one worker, 232 registers each) own the upper and lower 64 rows
+  of a 128 x ``BLOCK_N`` tile; each issues its ``wgmma`` on the stage, waits for it, hands the stage back on its
+  "empty" mbarrier (two arrivals free a stage) and promotes. While one warpgroup promotes on the CUDA cores the
+  other's ``wgmma`` keeps the tensor cores busy;
+* tiles are numbered globally over the groups (group by group; inside a group in bands of ``BAND`` row blocks,
+  row blocks fastest, so the programs running at once share their A rows and B columns in L2); program p takes
+  tiles p, p + P, ... Group sizes never reach the host.
+
+Rows past a group's end are read by the TMA boxes (they belong to the next group, or are zeros past S) and never
+stored: the epilogue stores each warpgroup's 64 x ``BLOCK_N`` block with a row and column mask.
+
+Needs: A and B K-major and contiguous with K a multiple of 16 (TMA), a B tile inside one 128-column weight block
+(``128 % BLOCK_N == 0``). :func:`supported` says whether a call qualifies; the caller falls back to the Triton
+kernel otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from mxfx.numerics.block import TILE
+
+TESTED_TRITON = ("3.6", "3.9")
+"""Triton releases (major.minor) this kernel was compiled and checked with; others take the Triton kernel."""
+
+_tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+"""TMA global -> shared copy completing on an mbarrier (renamed ``async_load`` after Triton 3.6)."""
+_tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
+"""TMA shared -> global copy (renamed ``async_store`` after Triton 3.6)."""
+
+WG_ROWS = 64
+"""Rows of a tile that one math warpgroup owns (the M of its ``wgmma``)."""
+
+MATH_REGS = gl.constexpr(232)
+"""Registers per thread of a math warpgroup (``setmaxnreg``)."""
+LOAD_REGS = gl.constexpr(40)
+"""Registers per thread of the producer warp."""
+
+
+@gluon.jit
+def _group_span(offs_ptr, g, G, S):
+    """Rows ``[start, end)`` of group g (g == G: the tail past ``offs[-1]``), clamped to ``[0, S]``."""
+    start = gl.load(offs_ptr + g - 1, mask=g > 0, other=0)
+    end = gl.load(offs_ptr + g, mask=g < G, other=S)
+    start = gl.minimum(start, S)
+    end = gl.maximum(gl.minimum(end, S), start)
+    return start, end
+
+
+@gluon.jit
+def _tile_origin(t, start, end, tiles_n, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BAND: gl.constexpr):
+    """First row and column of tile t of a group: bands of ``BAND`` row blocks, row blocks fastest in a band."""
+    tiles_m = gl.cdiv(end - start, BLOCK_M)
+    band = t // (BAND * tiles_n)
+    first = band * BAND
+    height = gl.minimum(tiles_m - first, BAND)
+    r = t - band * BAND * tiles_n
+    return start + (first + r % height) * BLOCK_M, (r // height) * BLOCK_N
+
+
+@gluon.jit
+def _first_tile(pid, seen, P):
+    """The first tile of a group (whose tiles start at global number ``seen``) that program ``pid`` of P takes."""
+    return ((pid - seen) % P + P) % P
+
+
+@gluon.jit
+def _load_partition(a_desc, b_desc, a0_bufs, a1_bufs, b_bufs, ready, empty, offs_ptr, S, N, K, G,
+                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, BAND: gl.constexpr):
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    BLOCK_M: gl.constexpr = 2 * a_desc.block_type.shape[0]
+    pid = gl.program_id(0)
+    P = gl.num_programs(0)
+    tiles_n = gl.cdiv(N, BLOCK_N)
+    k_steps = gl.cdiv(K, BLOCK_K)
+    nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    it = 0
+    seen = 0
+    for g in range(0, G):  # the tail group G loads nothing
+        start, end = _group_span(offs_ptr, g, G, S)
+        group_tiles = gl.cdiv(end - start, BLOCK_M) * tiles_n
+        for t in range(_first_tile(pid, seen, P), group_tiles, P):
+            m0, n0 = _tile_origin(t, start, end, tiles_n, BLOCK_M, BLOCK_N, BAND)
+            for kb in range(0, k_steps):
+                s = it % STAGES
+                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+                mbarrier.expect(ready.index(s), nbytes)
+                k0 = kb * BLOCK_K
+                _tma_load(a_desc, [m0, k0], ready.index(s), a0_bufs.index(s))
+                _tma_load(a_desc, [m0 + BLOCK_M // 2, k0], ready.index(s), a1_bufs.index(s))
+                _tma_load(b_desc, [g * N + n0, k0], ready.index(s), b_bufs.index(s))
+                it += 1
+        seen += group_tiles
+
+
+@gluon.jit
+def _math_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, operands,
+                    WG: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, BAND: gl.constexpr,
+                    EPI_TMA: gl.constexpr):
+    as_ptr, bs_ptr, offs_ptr, c_ptr, S, N, K, G, s_asm, s_ask, s_bsg, s_bsn, s_bsk, s_cm, s_cn = operands
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    ROWS: gl.constexpr = a_bufs.type.shape[1]
+    BLOCK_M: gl.constexpr = 2 * ROWS
+    # fp8 wgmma: instruction K = 32, N = the tile's width; one warpgroup of 4 warps along M
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
+    row_layout: gl.constexpr = gl.SliceLayout(1, mma)
+    col_layout: gl.constexpr = gl.SliceLayout(0, mma)
+    pid = gl.program_id(0)
+    P = gl.num_programs(0)
+    tiles_n = gl.cdiv(N, BLOCK_N)
+    k_steps = gl.cdiv(K, BLOCK_K)
+    zero = gl.zeros((ROWS, BLOCK_N), gl.float32, mma)
+    it = 0
+    seen = 0
+    for g in range(0, G + 1):  # group G: the rows past offs[-1], stored as zeros
+        start, end = _group_span(offs_ptr, g, G, S)
+        group_tiles = gl.cdiv(end - start, BLOCK_M) * tiles_n
+        steps = gl.where(g < G, k_steps, 0)
+        for t in range(_first_tile(pid, seen, P), group_tiles, P):
+            m0, n0 = _tile_origin(t, start, end, tiles_n, BLOCK_M, BLOCK_N, BAND)
+            rows = m0 + WG * ROWS + gl.arange(0, ROWS, layout=row_layout)
+            row_ok = rows < end
+            as_ptrs = as_ptr + rows.to(gl.int64) * s_asm
+            bs_ptrs = bs_ptr + g.to(gl.int64) * s_bsg + (n0 // 128) * s_bsn
+            acc = zero
+            for kb in range(0, steps):
+                s = it % STAGES
+                sa = gl.load(as_ptrs + kb * s_ask, mask=row_ok, other=0.0)
+                sb = gl.load(bs_ptrs + kb * s_bsk)
+                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                a = a_bufs.index(s)
+                b = b_bufs.index(s).permute((1, 0))
+                partial = warpgroup_mma(a, b, zero, use_acc=False, is_async=True)
+                partial = warpgroup_mma_wait(num_outstanding=0, deps=(partial,))
+                mbarrier.arrive(empty.index(s), count=1)
+                acc += partial * gl.expand_dims(sa * sb, 1)
+                it += 1
+            row0 = m0 + WG * ROWS
+            if EPI_TMA and (row0 + ROWS <= end) and (n0 + BLOCK_N <= N):
+                # a whole block of this group: through shared memory, stored by TMA while the next tile runs
+                tma.store_wait(0)  # the previous block has left c_smem
+                c_smem.store(acc.to(c_ptr.dtype.element_ty))
+                fence_async_shared()
+                _tma_store(c_desc, [row0, n0], c_smem)
+            else:
+                cols = n0 + gl.arange(0, BLOCK_N, layout=col_layout)
+                ptrs = c_ptr + gl.expand_dims(rows.to(gl.int64) * s_cm, 1) + gl.expand_dims(cols * s_cn, 0)
+                mask = gl.expand_dims(row_ok, 1) & gl.expand_dims(cols < N, 0)
+                gl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+        seen += group_tiles
+    if EPI_TMA:
+        tma.store_wait(0)
+
+
+@gluon.jit
+def _grouped_kernel(a_desc, b_desc, c_desc, as_ptr, bs_ptr, offs_ptr, c_ptr, S, N, K, G,
+                    s_asm, s_ask, s_bsg, s_bsn, s_bsk, s_cm, s_cn,
+                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, BAND: gl.constexpr, EPI_TMA: gl.constexpr):
+    ROWS: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    gl.static_assert(ROWS == 64, "each math warpgroup owns 64 rows")
+    gl.static_assert(BLOCK_K == 128, "one K step is one 1x128 / 128x128 scale block")
+    gl.static_assert(128 % BLOCK_N == 0, "a tile must lie inside one 128-column weight block")
+    a0_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, ROWS, BLOCK_K], a_desc.layout)
+    a1_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, ROWS, BLOCK_K], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+    c0_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+    c1_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # one arrival per math warpgroup
+    operands = (as_ptr, bs_ptr, offs_ptr, c_ptr, S, N, K, G, s_asm, s_ask, s_bsg, s_bsn, s_bsk, s_cm, s_cn)
+    gl.warp_specialize([
+        (_math_partition, (a0_bufs, b_bufs, ready, empty, c_desc, c0_smem, operands, 0, BLOCK_N, STAGES, BAND, EPI_TMA)),
+        (_math_partition, (a1_bufs, b_bufs, ready, empty, c_desc, c1_smem, operands, 1, BLOCK_N, STAGES, BAND, EPI_TMA)),
+        (_load_partition, (a_desc, b_desc, a0_bufs, a1_bufs, b_bufs, ready, empty, offs_ptr, S, N, K, G,
+                           BLOCK_N, STAGES, BAND)),
+    ], [4, 1], [MATH_REGS, LOAD_REGS])
+
+
+CONFIG = {"BLOCK_N": 128, "BAND": 8, "EPI_TMA": True}
+"""Tile width, band height and epilogue of the launch; the pipeline depth is as many stages as shared memory holds
+(:func:`stages`)."""
+
+SHARED_BYTES = 227 * 1024
+"""Shared memory one sm90 program may take."""
+
+
+def stages(block_n: int, out_dtype: torch.dtype) -> int:
+    """Stages of the ring that fit beside the two epilogue blocks: each stage two 64x128 boxes of A and one
+    ``block_n``x128 box of B (E4M3); at most 8."""
+    stage = (2 * WG_ROWS + block_n) * TILE
+    epilogue = 2 * WG_ROWS * block_n * out_dtype.itemsize
+    return min(8, (SHARED_BYTES - epilogue - 1024) // stage)
+
+
+def triton_tested() -> bool:
+    """Whether the installed Triton is one this kernel was checked with (:data:`TESTED_TRITON`)."""
+    return ".".join(triton.__version__.split(".")[:2]) in TESTED_TRITON
+
+
+def supported(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """Whether :func:`grouped_mm` serves these operands: an sm90 GPU, a tested Triton, A ``[S, K]`` and B
+    ``[G, N, K]`` contiguous with 16-byte aligned bases, K a multiple of 16 and output rows of whole 16 bytes
+    (TMA boxes)."""
+    return (a.is_cuda and torch.cuda.get_device_capability(a.device)[0] == 9 and triton_tested()
+            and a.is_contiguous() and b.is_contiguous() and a.shape[1] % 16 == 0
+            and b.shape[1] * out_dtype.itemsize % 16 == 0 and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0)
+
+
+_GL_TYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def launch_args(a, a_scales, b, b_scales, offs, out, config=None):
+    """(grid, args, kwargs) of one launch, without running it (the sm90 compile test reads them too)."""
+    cfg = dict(CONFIG if config is None else config)
+    S, K = a.shape
+    G, N, _ = b.shape
+    block_n = cfg["BLOCK_N"]
+    a_layout = gl.NVMMASharedLayout.get_default_for([WG_ROWS, TILE], gl.float8e4nv)
+    b_layout = gl.NVMMASharedLayout.get_default_for([block_n, TILE], gl.float8e4nv)
+    c_layout = gl.NVMMASharedLayout.get_default_for([WG_ROWS, block_n], _GL_TYPES[out.dtype])
+    a_desc = TensorDescriptor.from_tensor(a, [WG_ROWS, TILE], a_layout)
+    b_desc = TensorDescriptor.from_tensor(b.view(G * N, K), [block_n, TILE], b_layout)
+    c_desc = TensorDescriptor.from_tensor(out, [WG_ROWS, block_n], c_layout)
+    cfg.setdefault("STAGES", stages(block_n, out.dtype))
+    sms = _num_sms(a.device.index if a.device.index is not None else torch.cuda.current_device()) if a.is_cuda else 132
+    tiles = (triton.cdiv(S, 2 * WG_ROWS) + G) * triton.cdiv(N, block_n)  # an upper bound, no sync
+    grid = (max(1, min(sms, tiles)),)
+    args = (a_desc, b_desc, c_desc, a_scales, b_scales, offs, out, S, N, K, G,
+            *a_scales.stride(), *b_scales.stride(), *out.stride())
+    kwargs = dict(cfg, num_warps=4, maxnreg=(2 * MATH_REGS.value + LOAD_REGS.value) // 3)
+    return grid, args, kwargs
+
+
+def grouped_mm(a, a_scales, b, b_scales, offs, out_dtype=torch.bfloat16, *, config=None) -> torch.Tensor:
+    """Launch the kernel (module docstring); arguments as :func:`mxfx.kernels.fp8_block.gemm.grouped_mm` after its
+    checks, on operands :func:`supported` accepts."""
+    S = a.shape[0]
+    N = b.shape[1]
+    out = torch.empty((S, N), dtype=out_dtype, device=a.device)
+    if S == 0 or N == 0:
+        return out
+    grid, args, kwargs = launch_args(a, a_scales, b, b_scales, offs, out, config)
+    _grouped_kernel[grid](*args, **kwargs)
+    return out

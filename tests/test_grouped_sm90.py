@@ -1,0 +1,120 @@
+"""The warp-specialized sm90 grouped fp8_block GEMM (``mxfx.kernels.fp8_block.grouped_gemm_sm90``).
+
+CPU: the kernel compiles for sm90 without a GPU, to FP8 ``wgmma`` (QGMMA), register reallocation between its
+partitions (``setmaxnreg``), TMA loads and stores, and no spills. GPU (skips without an sm90 GPU): forward and
+dgrad against the reference decode for equal, skewed, empty and unaligned groups and rows past ``offs[-1]``, both
+kernels (the sm90 one and the Triton fallback), and which of them :func:`grouped_mm` picks.
+
+Bound: as tests/test_block_gpu.py: the tensor cores' narrower accumulator inside each 128-K step and the FP32
+summation order, ``2^-10 * (|A| @ |B|^T)``, plus half a bf16 ulp of the result for the output cast.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from mxfx.numerics import block as bf
+from mxfx.kernels.fp8_block import gemm as block_gemm
+
+triton = pytest.importorskip("triton")
+
+_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def _sm90():
+    sm90 = block_gemm._sm90_kernel()
+    if sm90 is None:
+        pytest.skip("this Triton has no Gluon Hopper API")
+    return sm90
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+                    or not os.access(os.path.join(_BIN, "ptxas"), os.X_OK), reason="needs Triton's bundled ptxas")
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_kernel_compiles_for_sm90_to_fp8_wgmma_without_spills(out_dtype):
+    sass = pytest.importorskip("tests.sass")
+    sm90 = _sm90()
+    s, g, n, k = 1024, 4, 512, 1024
+    a = torch.empty(s, k, dtype=torch.float8_e4m3fn)
+    sa = torch.empty(k // 128, s).t()
+    b = torch.empty(g, n, k, dtype=torch.float8_e4m3fn)
+    sb = torch.empty(g, n // 128, k // 128)
+    offs = torch.arange(1, g + 1, dtype=torch.int32) * (s // g)
+    out = torch.empty(s, n, dtype=out_dtype)
+    grid, args, kwargs = sm90.launch_args(a, sa, b, sb, offs, out)
+    c = sass.compile_sm90(sass.Launch(sm90._grouped_kernel, grid, args, kwargs))
+    counts = c.counts
+    assert counts.get("QGMMA", 0) >= 8, dict(counts)  # 4 K=32 instructions per 128-K step, in both math warpgroups
+    assert counts.get("HGMMA", 0) == 0 and counts.get("HMMA", 0) == 0, dict(counts)
+    assert counts.get("USETMAXREG", 0) + counts.get("SETMAXNREG", 0) > 0, "no register reallocation"
+    assert counts.get("UTMALDG", 0) >= 3 and counts.get("UTMASTG", 0) >= 1, dict(counts)
+    assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0, "registers spilled to local memory"
+    assert c.shared <= 227 * 1024
+
+
+def _check(out, a, sa, b, sb, offs_list):
+    """Each group's rows within the bound of the reference decode; rows past the last group exactly zero."""
+    start = 0
+    for e, end in enumerate(offs_list):
+        if end > start:
+            x = bf.dequantize_values(a[start:end].cpu(), sa[start:end].cpu(), (-1,))
+            w = bf.dequantize_values(b[e].cpu(), sb[e].cpu(), (-2, -1))
+            ref = x @ w.t()
+            bound = 2.0**-10 * (x.abs() @ w.abs().t()) + ref.abs() * 2.0**-8
+            err = (out[start:end].float().cpu() - ref).abs()
+            assert (err <= bound).all(), f"group {e}: max excess {(err - bound).max().item():.3e}"
+        start = end
+    assert (out[start:] == 0).all(), "rows past offs[-1] must be zeros"
+
+
+CASES = {
+    "equal": ([512] * 8, 1024, 1024),
+    "skewed, empty, unaligned": ([1000, 0, 129, 7, 0, 300, 2048, 1], 1024, 768),
+    "one group, tail rows": ([777], 2048, 256),
+    "many tiles per program": ([1024] * 16, 512, 2048),
+    "K not a multiple of 128": ([300, 200, 0, 64], 336, 384),
+}
+
+
+@pytest.mark.skipif(not _GPU, reason="needs an sm90 GPU")
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("kernel", ["sm90", "triton"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_grouped_forward_and_dgrad_match_the_reference(case, kernel, out_dtype):
+    from mxfx.kernels.fp8_block import grouped_gemm
+
+    sizes, k, n = CASES[case]
+    launch = _sm90().grouped_mm if kernel == "sm90" else grouped_gemm.grouped_mm
+    gen = torch.Generator().manual_seed(len(sizes) * k + n)
+    s = sum(sizes) + 37  # rows past offs[-1]
+    offs_list = torch.tensor(sizes).cumsum(0).tolist()
+    offs = torch.tensor(offs_list, dtype=torch.int32, device="cuda")
+    x = torch.randn(s, k, generator=gen) * 3
+    w = torch.randn(len(sizes), n, k, generator=gen) * 0.05
+    a, sa = bf.quantize_1x128(x.cuda())
+    b, sb = bf.quantize_128x128(w.cuda())
+    torch.full((s, max(n, k)), float("nan"), device="cuda", dtype=out_dtype)  # freed: the output reuses it
+    _check(launch(a, sa, b, sb, offs, out_dtype), a, sa, b, sb, offs_list)
+    dy = torch.randn(s, n, generator=gen)
+    a2, sa2 = bf.quantize_1x128(dy.cuda())
+    bt, sbt = b.transpose(1, 2).contiguous(), sb.transpose(1, 2).contiguous()  # the dgrad copy of the weight
+    _check(launch(a2, sa2, bt, sbt, offs, out_dtype), a2, sa2, bt, sbt, offs_list)
+
+
+@pytest.mark.skipif(not _GPU, reason="needs an sm90 GPU")
+def test_grouped_mm_picks_the_sm90_kernel_and_falls_back_where_it_cannot():
+    sm90 = _sm90()
+    a, sa = bf.quantize_1x128(torch.randn(256, 512, device="cuda"))
+    b, sb = bf.quantize_128x128(torch.randn(2, 256, 512, device="cuda"))
+    assert sm90.supported(a, b, torch.bfloat16)
+    assert block_gemm.grouped_kernel_name(a, b, torch.bfloat16) == "sm90 warp-specialized"
+    bt = b.transpose(1, 2)  # a strided view: no TMA box reads it
+    assert block_gemm.grouped_kernel_name(a, bt, torch.bfloat16) == "Triton"
+    offs = torch.tensor([100, 256], dtype=torch.int32, device="cuda")
+    out = block_gemm.grouped_mm(a, sa, bt, sb.transpose(1, 2), offs)  # the fallback still gives the product
+    _check(out, a, sa, bt, sb.transpose(1, 2), [100, 256])
