@@ -16,9 +16,11 @@ forward, dgrad and wgrad:
 * ``olmoe`` d 2048, h 1024, 64 experts top-8; ``qwen3`` (Qwen3-30B-A3B) d 2048, h 768, 128 top-8;
   ``mixtral`` (Mixtral-8x7B) d 4096, h 14336, 8 top-2; ``deepseek`` (DeepSeek-V3) d 7168, h 2048, 256 top-8;
 * ``bf16``: ``torch._grouped_mm``; ``rowwise``: ``torch._scaled_grouped_mm`` (rowwise scales; forward and dgrad);
-* ``fp8_block``: the Triton grouped GEMM (``mxfx.kernels.fp8_block.grouped_gemm``, autotuned on first call),
-  dgrad reading the weight's transposed copy with the same 128x128 scales, wgrad (``grouped_wgrad``, bf16
-  out) on operands tiled 1x128 along each group's tokens.
+* ``fp8_block``: the grouped GEMM mxfx picks (``mxfx.kernels.fp8_block.gemm.grouped_mm``): forward and dgrad
+  on the warp-specialized sm90 kernel (``grouped_gemm_sm90``) where it serves the operands, dgrad reading the
+  weight's transposed copy with the same 128x128 scales; wgrad (``grouped_wgrad``, bf16 out) on operands tiled
+  1x128 along each group's tokens; ``Triton-kernel``: the Triton grouped kernel (``grouped_gemm``, autotuned on
+  first call) that the sm90 kernel falls back to, timed beside it.
 
 Every FP8 result is first checked against its reference decode (dequantize exactly, FP32 GEMM):
 relative Frobenius error below 1e-2 (bf16 output rounding is ~2e-3), or the script stops.
@@ -43,6 +45,7 @@ from bench._results import emit  # noqa: E402
 from mxfx.numerics import block as bf  # noqa: E402
 from mxfx.kernels.fp8_block import gemm as block_gemm  # noqa: E402
 from mxfx.kernels.fp8_block import device_path as bq  # noqa: E402
+from mxfx.kernels.fp8_block import grouped_gemm  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 
@@ -189,8 +192,15 @@ def grouped_rows(model: str, s: int, e: int, k: int, n: int, equal: bool, g: tor
         t_row = _rowwise_grouped(name, x, w, dy, offs, label) if name != "wgrad" else None
         t_bf16 = bench(bf16_fn)
         t_block = bench(block_fn)
+        t_triton = None
+        if name != "wgrad" and DEVICE == "cuda":  # the Triton kernel the sm90 one replaces, where that one ran
+            if block_gemm.grouped_kernel_name(ops[0], ops[2], torch.bfloat16) != "Triton":
+                triton_fn = lambda: grouped_gemm.grouped_mm(*ops, offs)  # noqa: E731
+                check(f"grouped {label} {groups} {name} fp8_block Triton", triton_fn(), ref)
+                t_triton = bench(triton_fn)
         flops = 2 * s * k * n
-        rows.append((f"{label}, {groups} rows/expert", name, t_bf16, t_block, t_row, flops, err))
+        rows.append((f"{label}, {groups} rows/expert", name, t_bf16, t_block, t_row, flops, err, t_triton))
+        del ref
     return rows
 
 
@@ -219,9 +229,11 @@ def _rowwise_grouped(name, x, w, dy, offs, label):
 
 
 def table(title: str, rows: list[tuple]) -> str:
+    grouped = any(len(r) > 7 for r in rows)
+    extra = " | Triton-kernel TFLOP/s" if grouped else ""
     lines = [f"### {title}", "", "| shape | GEMM | bf16 ms | fp8_block ms | rowwise ms | fp8_block vs bf16 | rowwise vs bf16 "
-             "| bf16 TFLOP/s | fp8_block TFLOP/s | rowwise TFLOP/s | fp8_block rel. err |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"| bf16 TFLOP/s | fp8_block TFLOP/s | rowwise TFLOP/s | fp8_block rel. err{extra} |",
+             "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if grouped else "")]
 
     def ms(t):
         return f"{t:.3f}" if t is not None else "n/a"
@@ -232,9 +244,10 @@ def table(title: str, rows: list[tuple]) -> str:
     def tflops(flops, t):
         return f"{flops / t / 1e9:.0f}" if t is not None else "n/a"
 
-    for shape, name, tb, tk, tr, flops, err in rows:
+    for shape, name, tb, tk, tr, flops, err, *tt in rows:
+        last = f" {tflops(flops, tt[0])} |" if grouped else ""
         lines.append(f"| {shape} | {name} | {ms(tb)} | {ms(tk)} | {ms(tr)} | {ratio(tb, tk)} | {ratio(tb, tr)} "
-                     f"| {tflops(flops, tb)} | {tflops(flops, tk)} | {tflops(flops, tr)} | {err:.1e} |")
+                     f"| {tflops(flops, tb)} | {tflops(flops, tk)} | {tflops(flops, tr)} | {err:.1e} |{last}")
     return "\n".join(lines)
 
 
@@ -271,7 +284,8 @@ def main() -> None:
     out = "\n\n".join([
         f"bench/gemm.py on {dev}, torch {torch.__version__}" + (" (--quick)" if args.quick else ""),
         table("Dense GEMMs (operands pre-quantized)", dense),
-        table(f"Grouped GEMMs ({tokens} tokens routed top-k; fp8_block = Triton, rowwise = torch._scaled_grouped_mm)",
+        table(f"Grouped GEMMs ({tokens} tokens routed top-k; fp8_block = the kernel mxfx picks (forward/dgrad: sm90 "
+              f"warp-specialized where it runs), Triton-kernel = its fallback, rowwise = torch._scaled_grouped_mm)",
               grouped),
     ])
     emit("gemm.md", out)

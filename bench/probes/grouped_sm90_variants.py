@@ -37,6 +37,8 @@ VARIANTS = {
     "band64": {"BAND": 64},
     "stages4": {"STAGES": 4},
     "no_tma_store": {"EPI_TMA": False},
+    "pipe": {"PIPE": True},
+    "pipe_band16": {"PIPE": True, "BAND": 16},
 }
 
 
