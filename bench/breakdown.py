@@ -1,8 +1,9 @@
-"""Where a training step goes: the device time of one profiled step by kernel family.
+"""Where a training step goes: the GPU time of one profiled step by kernel family, summing to the GPU busy time.
 
-:func:`kernel_family` names the family of one kernel from its name and the CPU ops it was launched under;
-:func:`step_breakdown` sums a ``torch.profiler`` trace of one step by family; :func:`breakdown_table` prints the
-families of several arms side by side. Families (:data:`FAMILIES`):
+:func:`profile_trace` reads a ``torch.profiler`` profile as its Chrome trace (the exported JSON);
+:func:`step_breakdown` sums one profiled step of it by family; :func:`kernel_family` names the family of one kernel
+from its name and the CPU ops it was launched under; :func:`breakdown_table` prints one arm's breakdown and host
+time. Families (:data:`FAMILIES`):
 
 * ``routed GEMM``: the grouped expert GEMMs (forward, dgrad, wgrad): mxfx's grouped ops and Triton kernels,
   ``torch._grouped_mm`` / ``torch._scaled_grouped_mm`` (cutlass grouped kernels), transformers' grouped-GEMM
@@ -14,9 +15,22 @@ families of several arms side by side. Families (:data:`FAMILIES`):
 * ``attention``: flash / cuDNN / memory-efficient SDPA kernels and what runs under the SDPA ops;
 * ``gradient accumulation``: what the autograd engine's ``AccumulateGrad`` runs (the ``add_`` of a microbatch's
   gradient into ``.grad``);
-* ``optimizer + refresh``: the optimizer step (fused / foreach AdamW kernels) and mxfx's weight-cache rebuilds
+* ``optimizer + refresh``: what runs inside the optimizer step (``Optimizer.step``: fused / foreach AdamW
+  kernels, and the weight-cache rebuilds of its post-hook) and mxfx's weight-cache ops elsewhere
   (``mxfx::cached_weight``, ``mxfx::refresh_weight_caches``);
 * ``other``: the rest, Inductor's generated ``triton_*`` kernels (norms, activations, routing, casts) among them.
+
+The accounting (CUDA): the device work is every kernel, memcpy and memset event of the trace; profiler-only
+events (GPU-side ranges of ``record_function`` annotations, CUDA sync waits, the trace's own range) are no work.
+The GPU busy time is the union of the work intervals over all streams. Where kernels of several streams run at
+once, each of the k running kernels is given 1/k of that time, so the families sum to the busy time. A kernel is
+linked to its launch (the CUDA runtime / driver call of the same ``correlation`` id) and classified by the CPU
+ranges (ops, ``record_function`` annotations) enclosing that launch on the launching thread, innermost first; a
+kernel without a launch event falls back to the CPU op of its ``External id``, then to its name alone.
+``FunctionEvent.kernels`` is not used: torch also attaches a kernel to a runtime call whose CUPTI correlation id
+equals the kernel's op id, which counted kernels twice (docs/kernel-notes.md, 2026-12-06).
+On CPU (no kernels) every CPU range's self time, the op its own kernel: the self times sum to the union of the
+ranges on each thread.
 
 Known blind spots: every kernel under a GEMM or attention op (its operands' casts and copies) counts as that op's;
 Inductor fuses the plain torch code of an op body traced into the graph (a quantize written with torch ops) into
@@ -26,9 +40,13 @@ grouped op counts as dense; eager attention (matmul + softmax, no SDPA op) count
 
 from __future__ import annotations
 
+import bisect
+import json
+import os
 import re
-from collections import Counter, defaultdict
-from typing import Iterable, Sequence
+import tempfile
+from collections import defaultdict
+from typing import Sequence
 
 ROUTED, DENSE, QUANTIZE, STATS, ATTENTION, ACCUMULATE, OPTIMIZER, OTHER = (
     "routed GEMM", "dense GEMM", "quantize/layout", "quantization statistics", "attention", "gradient accumulation",
@@ -54,7 +72,7 @@ MXFX_KERNELS = {
     "_block_stats_kernel": STATS,  # fp8_block/quant_stats.py
     "_finish_kernel": STATS,  # common/quant_stats.py: the sample vector from the partial rows
 }
-"""mxfx's launched Triton kernels and their families; ``tests/test_bench_smoke.py`` checks it lists every one."""
+"""mxfx's launched Triton kernels and their families; ``tests/test_breakdown.py`` checks it lists every one."""
 
 _ROUTED_OPS = re.compile(r"grouped_mm|grouped_wgrad")  # aten::_grouped_mm, aten::_scaled_grouped_mm, mxfx::*, transformers::*
 _DENSE_OPS = re.compile(r"^(aten::(mm|addmm|bmm|baddbmm|matmul|linear|_scaled_mm|_addmm_activation)|mxfx::(mm|block_mm))$")
@@ -102,107 +120,195 @@ def kernel_family(kernel: str, ops: Sequence[str]) -> str:
     return OTHER
 
 
-def _ops_of(evt) -> tuple[str, ...]:
-    """``evt``'s name, then its CPU ancestors' (``FunctionEvent.cpu_parent``), innermost first."""
-    names = []
-    while evt is not None:
-        names.append(evt.name)
-        evt = evt.cpu_parent
-    return tuple(names)
+_WORK = {"kernel", "gpu_memcpy", "gpu_memset"}  # device work (Chrome trace "cat", lower case)
+_LAUNCHES = {"cuda_runtime", "cuda_driver"}  # the host calls that launch it
+_CPU_RANGES = {"cpu_op", "user_annotation"}  # ops and record_function ranges on a host thread
+_NESTED_US = 1e-3  # a range ending this close past its parent's end is still inside it (the trace's us rounding)
 
 
-def _key(evt) -> tuple[str, float]:
-    """A device event as the ``Kernel`` entry of its CPU op names it: (name, duration in us)."""
-    return evt.name, evt.time_range.end - evt.time_range.start
+def profile_trace(prof) -> dict:
+    """The Chrome trace of a finished ``torch.profiler.profile`` (its ``export_chrome_trace`` JSON), parsed."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            return json.load(f)
 
 
-def step_breakdown(events: Iterable, device: str, top: int = 20) -> dict:
-    """Sum one profiled step (``torch.profiler.profile(...).events()``) by family.
+class _Thread:
+    """The CPU ranges of one host thread nested by containment: each range's parent, the ranges enclosing a time."""
 
-    On CUDA: every device kernel's duration (its ``FunctionEvent.kernels`` entry on the CPU op that launched it;
-    a device event no CPU op claims is named by its kernel name alone). Kernels on concurrent streams both count.
-    On CPU (no kernels): every CPU op's self time, the op its own kernel.
+    def __init__(self, ranges: list[tuple[float, float, str, object]]):
+        """``ranges``: (start us, end us, name, External id) of each."""
+        ranges = sorted(ranges, key=lambda r: (r[0], -r[1]))
+        self.starts, self.ends, self.names, self.ids = (list(field) for field in zip(*ranges))
+        self.parent = []
+        open_ = []  # the ranges enclosing the current one, outermost first
+        for start, end, *_ in ranges:
+            while open_ and (start >= self.ends[open_[-1]] or end > self.ends[open_[-1]] + _NESTED_US):
+                open_.pop()
+            self.parent.append(open_[-1] if open_ else -1)
+            open_.append(len(self.parent) - 1)
 
-    Returns ``{"source", "ms": {family: ms}, "total_ms", "top": [{"name", "family", "ms", "calls"}]}``, ``top``
-    the ``top`` costliest kernels (CPU: ops).
-    """
-    from torch.autograd import DeviceType
+    def chain(self, i: int) -> tuple[str, ...]:
+        """Range ``i``'s name, then its ancestors' out to the top level."""
+        names = []
+        while i >= 0:
+            names.append(self.names[i])
+            i = self.parent[i]
+        return tuple(names)
 
-    spent: dict[str, float] = defaultdict(float)
+    def enclosing(self, t: float) -> tuple[str, ...]:
+        """The names of the ranges open at time ``t``, innermost first (empty if none)."""
+        i = bisect.bisect_right(self.starts, t) - 1
+        while i >= 0 and self.ends[i] < t:
+            i = self.parent[i]
+        return self.chain(i)
+
+    def self_times(self) -> list[float]:
+        """Each range's duration less its children's."""
+        own = [end - start for start, end in zip(self.starts, self.ends)]
+        for i, p in enumerate(self.parent):
+            if p >= 0:
+                own[p] -= self.ends[i] - self.starts[i]
+        return own
+
+
+def _split_overlaps(intervals: Sequence[tuple[float, float]]) -> tuple[list[float], float]:
+    """Each interval's share of the union of ``intervals`` (time run by k intervals at once: 1/k to each), and the
+    union's length. The shares sum to the union."""
+    points = sorted([p for i, (s, e) in enumerate(intervals) for p in ((s, 1, i), (e, 0, i))])
+    shares, active, union, last = [0.0] * len(intervals), set(), 0.0, None
+    for t, starts, i in points:  # at one time, ends before starts: back-to-back kernels never overlap
+        if active and t > last:
+            share = (t - last) / len(active)
+            for j in active:
+                shares[j] += share
+            union += t - last
+        last = t
+        (active.add if starts else active.discard)(i)
+    return shares, union
+
+
+def _threads(events: list[dict]) -> dict[tuple, _Thread]:
+    ranges = defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and str(e.get("cat", "")).lower() in _CPU_RANGES:
+            start = float(e["ts"])
+            ranges[(e.get("pid"), e.get("tid"))].append(
+                (start, start + float(e["dur"]), e["name"], e.get("args", {}).get("External id")))
+    return {key: _Thread(r) for key, r in ranges.items()}
+
+
+def _summary(source: str, spent: list[tuple[str, str, float]], busy_us: float, work_us: float, top: int) -> dict:
+    """Sum ``spent`` ((name, family, us) per kernel) by family and by (name, family)."""
+    ms, calls = dict.fromkeys(FAMILIES, 0.0), dict.fromkeys(FAMILIES, 0)
     by_kernel: dict[tuple[str, str], list] = defaultdict(lambda: [0.0, 0])
-
-    def add(name: str, family: str, us: float) -> None:
-        spent[family] += us
-        entry = by_kernel[(name, family)]
-        entry[0] += us
-        entry[1] += 1
-
-    events = list(events)
-    cpu_events = [e for e in events if e.device_type == DeviceType.CPU and not e.is_async]
-    if device == "cuda":
-        source = "CUDA kernel time"
-        device_events = [e for e in events if e.device_type != DeviceType.CPU]
-        # a record_function's range on the device (gpu_user_annotation) spans kernels: never one itself
-        annotations = Counter(_key(e) for e in device_events if getattr(e, "is_user_annotation", False))
-        claimed: Counter = Counter()
-        for e in cpu_events:
-            if not e.kernels or getattr(e, "is_legacy", False):
-                continue
-            ops = _ops_of(e)
-            for k in e.kernels:
-                if annotations[(k.name, k.duration)]:
-                    continue
-                add(k.name, kernel_family(k.name, ops), k.duration)
-                claimed[(k.name, k.duration)] += 1
-        for e in device_events:  # kernels no CPU op claims (one of a claimed kernel's name and duration: that one)
-            if getattr(e, "is_user_annotation", False):
-                continue
-            key = _key(e)
-            if claimed[key]:
-                claimed[key] -= 1
-            else:
-                add(e.name, kernel_family(e.name, ()), key[1])
-    else:
-        source = "CPU op self time"
-        for e in cpu_events:
-            add(e.name, kernel_family(e.name, _ops_of(e)), e.self_cpu_time_total)
-    ranked = sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:top]
+    for name, family, us in spent:
+        ms[family] += us / 1e3
+        calls[family] += 1
+        by_kernel[(name, family)][0] += us / 1e3
+        by_kernel[(name, family)][1] += 1
+    ranked = sorted(by_kernel.items(), key=lambda kv: -kv[1][0])
+    costliest = {}
+    for (name, family), (kernel_ms, _) in ranked:
+        costliest.setdefault(family, {"name": name[:300], "ms": kernel_ms})
     return {
-        "source": source,
-        "ms": {f: spent.get(f, 0.0) / 1e3 for f in FAMILIES},
-        "total_ms": sum(spent.values()) / 1e3,
-        "top": [{"name": name[:300], "family": fam, "ms": us / 1e3, "calls": n} for (name, fam), (us, n) in ranked],
+        "source": source, "ms": ms, "calls": calls, "total_ms": sum(ms.values()), "busy_ms": busy_us / 1e3,
+        "work_ms": work_us / 1e3, "overlap_ms": (work_us - busy_us) / 1e3, "costliest": costliest,
+        "top": [{"name": n[:300], "family": f, "ms": t, "calls": c} for (n, f), (t, c) in ranked[:top]],
     }
 
 
-def top_lines(breakdown: dict, rows: int = 12, width: int = 90) -> str:
-    """The costliest kernels of a :func:`step_breakdown`, one line each: ms, calls, family, name."""
-    return "\n".join(f"    {k['ms']:8.2f} ms {k['calls']:5d}x  {k['family']:<22} {k['name'][:width]}"
-                     for k in breakdown["top"][:rows])
+def step_breakdown(trace: dict, device: str, top: int = 20) -> dict:
+    """Sum one profiled step (the Chrome trace of :func:`profile_trace`, or any dict with ``traceEvents`` in that
+    form) by family, as the module docstring says: on ``"cuda"`` the device work's share of the GPU busy time, on
+    ``"cpu"`` the CPU ranges' self time.
+
+    Returns ``{"source", "ms": {family: ms}, "calls": {family: n}, "total_ms", "busy_ms", "work_ms",
+    "overlap_ms", "unlinked", "costliest": {family: {"name", "ms"}}, "top": [{"name", "family", "ms", "calls"}]}``:
+    ``total_ms`` the families' sum, ``busy_ms`` the union of the work intervals computed apart from it (CPU: of the
+    ranges, per thread), ``work_ms`` the work's summed durations, ``overlap_ms`` their difference (time counted on
+    two or more streams), ``unlinked`` the kernels classified by name alone, ``top`` the ``top`` costliest kernels
+    (CPU: ops) by (name, family).
+
+    Raises:
+        ValueError: a ``"cuda"`` trace with no kernel (profiled without ``ProfilerActivity.CUDA``) or with device
+            work on more than one device (profile one), or a ``device`` other than ``"cuda"`` and ``"cpu"``.
+    """
+    events = trace.get("traceEvents", [])
+    threads = _threads(events)
+    if device == "cpu":
+        spent, busy = [], 0.0
+        for thread in threads.values():
+            for i, own in enumerate(thread.self_times()):
+                chain = thread.chain(i)
+                spent.append((chain[0], kernel_family(chain[0], chain), own))
+            _, union = _split_overlaps(list(zip(thread.starts, thread.ends)))
+            busy += union
+        out = _summary("CPU op self time", spent, busy, sum(us for *_, us in spent), top)
+        out["unlinked"] = 0
+        return out
+    if device != "cuda":
+        raise ValueError(f"step_breakdown: device {device!r}: give 'cuda' (kernel time) or 'cpu' (op self time)")
+    work = [e for e in events if e.get("ph") == "X" and str(e.get("cat", "")).lower() in _WORK]
+    if not any(str(e.get("cat")).lower() == "kernel" for e in work):
+        raise ValueError("step_breakdown: the trace has no kernel events; profile with ProfilerActivity.CUDA "
+                         "(or pass device='cpu' for a CPU profile)")
+    devices = {e.get("args", {}).get("device", e.get("pid")) for e in work}
+    if len(devices) > 1:
+        raise ValueError(f"step_breakdown: device work on devices {sorted(devices, key=str)}; profile one device")
+    launches = {}  # correlation id -> (host thread, launch time)
+    for e in events:
+        if e.get("ph") == "X" and str(e.get("cat", "")).lower() in _LAUNCHES and "correlation" in e.get("args", {}):
+            launches[e["args"]["correlation"]] = ((e.get("pid"), e.get("tid")), float(e["ts"]))
+    ops_of_id = {ext: thread.chain(i) for thread in threads.values() for i, ext in enumerate(thread.ids) if ext}
+    families: dict[tuple, str] = {}
+    spent, unlinked = [], 0
+    shares, busy = _split_overlaps([(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in work])
+    for e, share in zip(work, shares):
+        args = e.get("args", {})
+        launch = launches.get(args.get("correlation"))
+        if launch and launch[0] in threads:
+            ops = threads[launch[0]].enclosing(launch[1])
+        else:
+            ops = ops_of_id.get(args.get("External id"), ())
+            unlinked += not ops
+        key = (e["name"], ops)
+        if key not in families:
+            families[key] = kernel_family(e["name"], ops)
+        spent.append((e["name"], families[key], share))
+    out = _summary("CUDA kernel time", spent, busy, sum(float(e["dur"]) for e in work), top)
+    out["unlinked"] = unlinked
+    return out
 
 
-def breakdown_table(columns: dict[str, dict]) -> str:
-    """Markdown table, one column per arm: ``columns`` maps an arm to its measurements (``step_ms``, ``host_cpu_ms``,
-    ``host_issue_ms`` and, when profiled, ``breakdown`` of :func:`step_breakdown`). Each cell: ms per optimizer step
-    and its share of the step's wall time (``step_ms``)."""
-    arms = list(columns)
+def breakdown_table(title: str, arm: dict) -> str:
+    """One arm's markdown table. ``arm``: its measurements, ``step_ms`` (steady wall time per optimizer step),
+    ``host_cpu_ms``, ``host_issue_ms`` and, when profiled, ``profiled_step_ms`` and ``breakdown``
+    (:func:`step_breakdown`). Family rows: ms per step, % of the GPU busy time (CPU: of the op self time), kernel
+    (CPU: op) count and the costliest; then the busy time and the host times, % of the steady step."""
+    step = arm["step_ms"]
 
-    def cell(ms, step_ms):
-        if ms is None:
-            return "-"
-        return f"{ms:.2f} ({100 * ms / step_ms:.0f}%)" if step_ms else f"{ms:.2f}"
+    def pct(ms, of):
+        return f"{100 * ms / of:.1f}" if of else "-"
 
-    sources = {c["breakdown"]["source"] for c in columns.values() if c.get("breakdown")}
-    rows = []
-    if sources:
+    lines = [f"| {title} | ms | % | calls | costliest |", "|---|---:|---:|---:|---|"]
+    where = arm.get("breakdown")
+    if where:
         for family in FAMILIES:
-            rows.append((family, [c["breakdown"]["ms"][family] if c.get("breakdown") else None for c in columns.values()]))
-        rows.append((f"sum ({', '.join(sorted(sources))})",
-                     [c["breakdown"]["total_ms"] if c.get("breakdown") else None for c in columns.values()]))
-    rows += [("step (wall)", [c["step_ms"] for c in columns.values()]),
-             ("host CPU", [c["host_cpu_ms"] for c in columns.values()]),
-             ("host issue (wall)", [c["host_issue_ms"] for c in columns.values()])]
-    lines = ["| ms per step (% of step) | " + " | ".join(arms) + " |", "|---|" + "---:|" * len(arms)]
-    for label, values in rows:
-        lines.append(f"| {label} | " + " | ".join(cell(v, c["step_ms"]) for v, c in zip(values, columns.values())) + " |")
+            top = where["costliest"].get(family)
+            top = f"{top['name'][:60]}: {top['ms']:.2f} ms" if top else ""
+            lines.append(f"| {family} | {where['ms'][family]:.2f} | {pct(where['ms'][family], where['total_ms'])} | "
+                         f"{where['calls'][family]} | {top} |")
+        busy = "GPU busy, union over streams" if where["source"] == "CUDA kernel time" else "CPU op self time"
+        note = f"{where['overlap_ms']:.2f} ms on 2+ streams at once, split evenly" if where["overlap_ms"] > 0 else ""
+        if where["unlinked"]:
+            note += f"; {where['unlinked']} kernels without a launch, by name"
+        lines.append(f"| **{busy}** (families' sum) | {where['total_ms']:.2f} | {pct(where['total_ms'], step)} | "
+                     f"{sum(where['calls'].values())} | {note} |")
+    profiled = f"profiled step: {arm['profiled_step_ms']:.1f} ms" if arm.get("profiled_step_ms") else ""
+    lines += [f"| **step**, wall (steady) | {step:.2f} | 100.0 | | {profiled} |",
+              f"| host issue, wall | {arm['host_issue_ms']:.2f} | {pct(arm['host_issue_ms'], step)} | | |",
+              f"| host CPU | {arm['host_cpu_ms']:.2f} | {pct(arm['host_cpu_ms'], step)} | | |"]
     return "\n".join(lines)

@@ -49,17 +49,17 @@ precision map's count of expert GEMMs in MX, of those kept as written and of ops
 ``--phases`` also prints, per step, the wall time (synchronized) of forward, backward and optimizer step and, on
 CUDA, the peak and end allocated GiB of each.
 
-Where the step goes (a second table, one column per arm, ms per optimizer step and % of its wall time): the step's
-wall time, its host time and, with ``--profile``, the last step (all its microbatches) under ``torch.profiler`` summed
-by kernel family (``bench/breakdown.py``: routed GEMM, dense GEMM, quantize/layout, attention, gradient
-accumulation, optimizer + refresh, other) and its costliest kernels. On CUDA the families sum kernel time (the
-GPU idles for the rest of the wall time, unless kernels overlap); on CPU, where there are no kernels, every op's
-self time. Host time, means over the steady steps (the profiled step left out): ``host CPU`` is the process's CPU
-time (``time.process_time``, all threads: the autograd engine's too, and on CPU the intra-op threads' compute)
-from the step's start until its last launch returned, the device synchronized only after; ``host issue`` the wall
-time of the same span, which also holds any wait on the device inside the step (a synchronizing op, a full launch
-queue). Both include ``--phases``' per-phase synchronizations when it is on. The JSON has them per arm
-(``step_ms``, ``host_cpu_ms``, ``host_issue_ms``, ``breakdown``).
+Where the step goes (one table per arm, ms per optimizer step): with ``--profile``, the last step (all its
+microbatches) under ``torch.profiler``, its GPU busy time by kernel family (``bench/breakdown.py``: routed GEMM,
+dense GEMM, quantize/layout, quantization statistics, attention, gradient accumulation, optimizer + refresh, other;
+% of the busy time), the families summing to the busy time (the union of the kernels over streams, time on two
+streams at once split between them); on CPU, where there are no kernels, every op's self time. Then the busy time
+and the host times as % of the step's wall time (steady steps, the profiled one left out; the GPU idles for the
+rest): ``host CPU`` is the process's CPU time (``time.process_time``, all threads: the autograd engine's too, and on
+CPU the intra-op threads' compute) from the step's start until its last launch returned, the device synchronized
+only after; ``host issue`` the wall time of the same span, which also holds any wait on the device inside the step
+(a synchronizing op, a full launch queue). Both include ``--phases``' per-phase synchronizations when it is on. The
+JSON has them per arm (``step_ms``, ``profiled_step_ms``, ``host_cpu_ms``, ``host_issue_ms``, ``breakdown``).
 ``--compiler aot_eager_fp32_gemms`` (CPU) runs each BF16 GEMM as an FP32 GEMM of its BF16 operands. A markdown table is printed last;
 JSON goes to ``bench/results/hf_models.json`` (``--out`` to change the folder).
 
@@ -350,9 +350,10 @@ def run_arm(arm: Arm, args, train, val, device: str) -> dict:
                 print(f"  {args.model} {arm.name} step {step}: " + "; ".join(phases.parts), flush=True)
                 phases.parts = []
             if profiled:
-                res["breakdown"] = breakdown.step_breakdown(prof.events(), device)
+                res["breakdown"] = breakdown.step_breakdown(breakdown.profile_trace(prof), device)
+                res["profiled_step_ms"] = 1e3 * times[-1]
                 print(f"  {args.model} {arm.name} step {step} profiled: {res['breakdown']['total_ms']:.1f} ms of "
-                      f"{res['breakdown']['source']}, costliest:\n" + breakdown.top_lines(res["breakdown"]), flush=True)
+                      f"{res['breakdown']['source']} in a {res['profiled_step_ms']:.1f} ms step", flush=True)
             if step % args.log_every == 0 or step == args.steps - 1:
                 losses.append((step, loss.item()))
                 print(f"  {args.model} {arm.name} step {step}: loss {losses[-1][1]:.4f}, {times[-1] * 1e3:.0f} ms", flush=True)
@@ -483,11 +484,11 @@ def main(argv=None) -> list[dict]:
                 json.dump({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                            "args": vars(args), "results": results}, f, indent=1)
     print(table(results))
-    for model in models:
-        done = {r["arm"]: r for r in results if r["model"] == model and "error" not in r}
-        if done:
-            print(f"\nwhere the step goes, {model} ({args.microbatches} microbatch(es) per step; device: {device}):")
-            print(breakdown.breakdown_table(done))
+    for r in results:
+        if "error" not in r:
+            print(f"\nwhere the step goes, {r['model']} / {r['arm']} ({args.microbatches} microbatch(es) per step; "
+                  f"device: {device}):")
+            print(breakdown.breakdown_table(f"{r['model']} / {r['arm']}", r))
     return results
 
 
