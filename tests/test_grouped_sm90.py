@@ -107,12 +107,18 @@ def test_grouped_forward_and_dgrad_match_the_reference(case, kernel, out_dtype):
 
 
 @pytest.mark.skipif(not _GPU, reason="needs an sm90 GPU")
-def test_grouped_mm_picks_the_sm90_kernel_and_falls_back_where_it_cannot():
+def test_grouped_mm_picks_the_sm90_kernel_and_falls_back_where_it_cannot(monkeypatch):
     sm90 = _sm90()
     a, sa = bf.quantize_1x128(torch.randn(256, 512, device="cuda"))
     b, sb = bf.quantize_128x128(torch.randn(2, 256, 512, device="cuda"))
     assert sm90.supported(a, b, torch.bfloat16)
     assert block_gemm.grouped_kernel_name(a, b, torch.bfloat16) == "sm90 warp-specialized"
+    monkeypatch.setenv(block_gemm.SM90_ENV, "0")
+    assert block_gemm.grouped_kernel_name(a, b, torch.bfloat16) == "Triton"
+    monkeypatch.setenv(block_gemm.SM90_ENV, "yes please")
+    with pytest.raises(ValueError, match="MXFX_GROUPED_SM90"):
+        block_gemm.grouped_kernel_name(a, b, torch.bfloat16)
+    monkeypatch.delenv(block_gemm.SM90_ENV)
     bt = b.transpose(1, 2)  # a strided view: no TMA box reads it
     assert block_gemm.grouped_kernel_name(a, bt, torch.bfloat16) == "Triton"
     offs = torch.tensor([100, 256], dtype=torch.int32, device="cuda")

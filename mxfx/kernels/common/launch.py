@@ -75,10 +75,21 @@ def opaque_kernels() -> bool:
     chosen = _CHOSEN.get()
     if chosen is not None:
         return chosen
-    value = os.environ.get("MXFX_OPAQUE_KERNELS", "").strip().lower()
+    return env_switch("MXFX_OPAQUE_KERNELS", False)
+
+
+def env_switch(name: str, default: bool) -> bool:
+    """The environment switch ``name``: True for 1/true/yes/on, False for 0/false/no/off, ``default`` when unset.
+
+    Raises:
+        ValueError: any other value (a typo should not silently pick a mode).
+    """
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
     if value in _ON or value in _OFF:
         return value in _ON
-    raise ValueError(f"MXFX_OPAQUE_KERNELS={value!r} is not a switch; set it to 1/true/yes/on or 0/false/no/off (or unset it)")
+    raise ValueError(f"{name}={value!r} is not a switch; set it to 1/true/yes/on or 0/false/no/off (or unset it)")
 
 
 def inline_in_graph(t: torch.Tensor) -> bool:

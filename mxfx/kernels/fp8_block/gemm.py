@@ -30,6 +30,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from mxfx.numerics.block import dequantize_values, group_tile_capacity, group_tile_starts, n_tiles
 from mxfx.kernels.common.device import triton_available
+from mxfx.kernels.common.launch import env_switch
 from mxfx.numerics.layout import check_group_ends
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -162,13 +163,18 @@ def grouped_mm(
     return reference_grouped_mm(a, a_scales, b, b_scales, offs, out_dtype)
 
 
+SM90_ENV = "MXFX_GROUPED_SM90"
+"""Switch (read at each call): 0/false/no/off takes the Triton grouped kernel where the warp-specialized sm90 one
+would run (to compare the two, or to step around the newer one); unset or 1/true/yes/on: the sm90 kernel."""
+
+
 def _grouped_kernel(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype):
     """The module whose ``grouped_mm`` runs on these CUDA operands: the warp-specialized sm90 kernel
-    (:mod:`mxfx.kernels.fp8_block.grouped_gemm_sm90`) where it serves them, else the Triton kernel
-    (:mod:`mxfx.kernels.fp8_block.grouped_gemm`)."""
+    (:mod:`mxfx.kernels.fp8_block.grouped_gemm_sm90`) where it serves them and :data:`SM90_ENV` allows it, else
+    the Triton kernel (:mod:`mxfx.kernels.fp8_block.grouped_gemm`)."""
     from mxfx.kernels.fp8_block import grouped_gemm
 
-    sm90 = _sm90_kernel()
+    sm90 = _sm90_kernel() if env_switch(SM90_ENV, True) else None
     return sm90 if sm90 is not None and sm90.supported(a, b, out_dtype) else grouped_gemm
 
 
