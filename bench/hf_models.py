@@ -29,6 +29,8 @@ fused AdamW with linear LR warmup then cosine decay:
 * ``mxfp8``: FP32 parameters + autocast, ``torch.compile(backend="mxfp8")``;
 * ``fp8_block``: the same with ``options={"format": "fp8_block"}`` (FP8 1x128/128x128 blocks, native FP8
   GEMMs on Hopper);
+* ``fp8_block-triton``: ``fp8_block`` with its routed forward and dgrad on the Triton grouped kernel instead of
+  the warp-specialized sm90 one (``MXFX_GROUPED_SM90=0`` while it runs): what that kernel gains in the step;
 * ``torchao-fp8-rowwise``: torchao's FP8 rowwise grouped GEMMs on the routed experts
   (``quantize_(experts, Float8TrainingOpConfig())``, ``torchao.prototype.moe_training``), BF16
   parameters: torchao's weight wrapper only intercepts ``torch._grouped_mm``, which transformers
@@ -164,6 +166,7 @@ class Arm:
     param_dtype: torch.dtype
     autocast: bool
     prepare: Callable
+    env: tuple[tuple[str, str], ...] = ()  # environment variables set while the arm runs
 
 
 BF16_GEMMS = ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm")
@@ -247,6 +250,7 @@ ARMS = {
         Arm("mxfp8", torch.float32, True, _mxfp8),
         Arm("torchao-fp8-rowwise", torch.bfloat16, False, _torchao_fp8_rowwise),
         Arm("fp8_block", torch.float32, True, _fp8_block),
+        Arm("fp8_block-triton", torch.float32, True, _fp8_block, (("MXFX_GROUPED_SM90", "0"),)),
     )
 }
 
@@ -391,10 +395,10 @@ def run_arm(arm: Arm, args, train, val, device: str) -> dict:
         heldout_loss=sum(held) / len(held),
         train_losses=losses,
     )
-    if arm.name in ("bf16-grouped", "mxfp8", "fp8_block"):  # the precision maps of this arm's graphs (training and held-out forward)
+    if arm.name in ("bf16-grouped", "mxfp8", "fp8_block", "fp8_block-triton"):  # the precision maps of this arm's graphs (training and held-out forward)
         maps = mxfx.report.all_reports()[n_maps:]
         res["expert_gemms_mx"] = max((pm.count("grouped_mm", True) for pm in maps), default=0)
-        res["expert_format"] = {"mxfp8": "MX", "fp8_block": "fp8_block", "bf16-grouped": "bf16_gemm"}.get(arm.name, "rewritten")
+        res["expert_format"] = {"mxfp8": "MX", "fp8_block": "fp8_block", "fp8_block-triton": "fp8_block", "bf16-grouped": "bf16_gemm"}.get(arm.name, "rewritten")
         res["expert_gemms_kept"] = max((pm.count("grouped_mm", False) for pm in maps), default=0)
         res["not_rewritten"] = sum(pm.count("not_rewritten") for pm in maps)
     del fn, opt, model
@@ -479,7 +483,13 @@ def main(argv=None) -> list[dict]:
         for name in arms:
             print(f"== {model} / {name}", flush=True)
             arm_args = argparse.Namespace(**{**vars(args), "model": model})
-            results.append({"model": model, **run_arm(ARMS[name], arm_args, train, val, device)})
+            saved = {k: os.environ.get(k) for k, _ in ARMS[name].env}
+            os.environ.update(dict(ARMS[name].env))
+            try:
+                results.append({"model": model, **run_arm(ARMS[name], arm_args, train, val, device)})
+            finally:
+                for k, v in saved.items():
+                    os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
             with open(os.path.join(args.out, "hf_models.json"), "w") as f:  # after every arm: a cut run keeps its arms
                 json.dump({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                            "args": vars(args), "results": results}, f, indent=1)
