@@ -16,11 +16,11 @@ forward, dgrad and wgrad:
 * ``olmoe`` d 2048, h 1024, 64 experts top-8; ``qwen3`` (Qwen3-30B-A3B) d 2048, h 768, 128 top-8;
   ``mixtral`` (Mixtral-8x7B) d 4096, h 14336, 8 top-2; ``deepseek`` (DeepSeek-V3) d 7168, h 2048, 256 top-8;
 * ``bf16``: ``torch._grouped_mm``; ``rowwise``: ``torch._scaled_grouped_mm`` (rowwise scales; forward and dgrad);
-* ``fp8_block``: the grouped GEMM mxfx picks (``mxfx.kernels.fp8_block.gemm.grouped_mm``): forward and dgrad
-  on the warp-specialized sm90 kernel (``grouped_gemm_sm90``) where it serves the operands, dgrad reading the
-  weight's transposed copy with the same 128x128 scales; wgrad (``grouped_wgrad``, bf16 out) on operands tiled
-  1x128 along each group's tokens; ``Triton-kernel``: the Triton grouped kernel (``grouped_gemm``, autotuned on
-  first call) that the sm90 kernel falls back to, timed beside it.
+* ``fp8_block``: the grouped GEMM mxfx runs by default (``mxfx.kernels.fp8_block.gemm.grouped_mm``: the Triton
+  kernel, ``grouped_gemm``, autotuned on first call), dgrad reading the weight's transposed copy with the same
+  128x128 scales; wgrad (``grouped_wgrad``, bf16 out) on operands tiled 1x128 along each group's tokens;
+  ``sm90 WS``: forward and dgrad on the warp-specialized sm90 kernel (``grouped_gemm_sm90``, what
+  ``MXFX_GROUPED_SM90=1`` runs), timed beside it.
 
 Every FP8 result is first checked against its reference decode (dequantize exactly, FP32 GEMM):
 relative Frobenius error below 1e-2 (bf16 output rounding is ~2e-3), or the script stops.
@@ -45,7 +45,7 @@ from bench._results import emit  # noqa: E402
 from mxfx.numerics import block as bf  # noqa: E402
 from mxfx.kernels.fp8_block import gemm as block_gemm  # noqa: E402
 from mxfx.kernels.fp8_block import device_path as bq  # noqa: E402
-from mxfx.kernels.fp8_block import grouped_gemm  # noqa: E402
+from mxfx.kernels.fp8_block.gemm import _sm90_kernel as sm90_kernel  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 
@@ -82,10 +82,16 @@ def check(name: str, out: torch.Tensor, ref: torch.Tensor) -> float:
     return err
 
 
-def rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP8 rowwise: one FP32 scale per row (amax / 448), E4M3 payload."""
-    s = (x.float().abs().amax(dim=1, keepdim=True) / 448.0).clamp_min(1e-12)
-    return (x.float() / s).clamp(-448, 448).to(E4M3), s
+def rowwise(x: torch.Tensor, chunk: int = 1 << 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 rowwise: one FP32 scale per row (amax / 448), E4M3 payload; ``chunk`` rows at a time (a DeepSeek-V3
+    expert stack in FP32 at once would take 28 GiB)."""
+    q = torch.empty(x.shape, dtype=E4M3, device=x.device)
+    s = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
+    for i in range(0, x.shape[0], chunk):
+        xf = x[i:i + chunk].float()
+        s[i:i + chunk] = (xf.abs().amax(dim=1, keepdim=True) / 448.0).clamp_min(1e-12)
+        q[i:i + chunk] = (xf / s[i:i + chunk]).clamp(-448, 448).to(E4M3)
+    return q, s
 
 
 def rowwise_mm(a, sa, b, sb):
@@ -192,14 +198,13 @@ def grouped_rows(model: str, s: int, e: int, k: int, n: int, equal: bool, g: tor
         t_row = _rowwise_grouped(name, x, w, dy, offs, label) if name != "wgrad" else None
         t_bf16 = bench(bf16_fn)
         t_block = bench(block_fn)
-        t_triton = None
-        if name != "wgrad" and DEVICE == "cuda":  # the Triton kernel the sm90 one replaces, where that one ran
-            if block_gemm.grouped_kernel_name(ops[0], ops[2], torch.bfloat16) != "Triton":
-                triton_fn = lambda: grouped_gemm.grouped_mm(*ops, offs)  # noqa: E731
-                check(f"grouped {label} {groups} {name} fp8_block Triton", triton_fn(), ref)
-                t_triton = bench(triton_fn)
+        t_sm90 = None
+        if name != "wgrad" and sm90_kernel() is not None and sm90_kernel().supported(ops[0], ops[2], torch.bfloat16):
+            sm90_fn = lambda: sm90_kernel().grouped_mm(*ops, offs)  # noqa: E731
+            check(f"grouped {label} {groups} {name} fp8_block sm90", sm90_fn(), ref)
+            t_sm90 = bench(sm90_fn)
         flops = 2 * s * k * n
-        rows.append((f"{label}, {groups} rows/expert", name, t_bf16, t_block, t_row, flops, err, t_triton))
+        rows.append((f"{label}, {groups} rows/expert", name, t_bf16, t_block, t_row, flops, err, t_sm90))
         del ref
     return rows
 
@@ -230,10 +235,10 @@ def _rowwise_grouped(name, x, w, dy, offs, label):
 
 def table(title: str, rows: list[tuple]) -> str:
     grouped = any(len(r) > 7 for r in rows)
-    extra = " | Triton-kernel TFLOP/s" if grouped else ""
+    extra = " | sm90 WS TFLOP/s | sm90 WS vs bf16" if grouped else ""
     lines = [f"### {title}", "", "| shape | GEMM | bf16 ms | fp8_block ms | rowwise ms | fp8_block vs bf16 | rowwise vs bf16 "
              f"| bf16 TFLOP/s | fp8_block TFLOP/s | rowwise TFLOP/s | fp8_block rel. err{extra} |",
-             "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if grouped else "")]
+             "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if grouped else "")]
 
     def ms(t):
         return f"{t:.3f}" if t is not None else "n/a"
@@ -245,7 +250,7 @@ def table(title: str, rows: list[tuple]) -> str:
         return f"{flops / t / 1e9:.0f}" if t is not None else "n/a"
 
     for shape, name, tb, tk, tr, flops, err, *tt in rows:
-        last = f" {tflops(flops, tt[0])} |" if grouped else ""
+        last = f" {tflops(flops, tt[0])} | {ratio(tb, tt[0])} |" if grouped else ""
         lines.append(f"| {shape} | {name} | {ms(tb)} | {ms(tk)} | {ms(tr)} | {ratio(tb, tk)} | {ratio(tb, tr)} "
                      f"| {tflops(flops, tb)} | {tflops(flops, tk)} | {tflops(flops, tr)} | {err:.1e} |{last}")
     return "\n".join(lines)
@@ -284,8 +289,8 @@ def main() -> None:
     out = "\n\n".join([
         f"bench/gemm.py on {dev}, torch {torch.__version__}" + (" (--quick)" if args.quick else ""),
         table("Dense GEMMs (operands pre-quantized)", dense),
-        table(f"Grouped GEMMs ({tokens} tokens routed top-k; fp8_block = the kernel mxfx picks (forward/dgrad: sm90 "
-              f"warp-specialized where it runs), Triton-kernel = its fallback, rowwise = torch._scaled_grouped_mm)",
+        table(f"Grouped GEMMs ({tokens} tokens routed top-k; fp8_block = the kernel mxfx runs by default (Triton), "
+              f"sm90 WS = the warp-specialized sm90 kernel, rowwise = torch._scaled_grouped_mm)",
               grouped),
     ])
     emit("gemm.md", out)

@@ -3,7 +3,7 @@
 CPU: the kernel compiles for sm90 without a GPU, to FP8 ``wgmma`` (QGMMA), register reallocation between its
 partitions (``setmaxnreg``), TMA loads and stores, and no spills. GPU (skips without an sm90 GPU): forward and
 dgrad against the reference decode for equal, skewed, empty and unaligned groups and rows past ``offs[-1]``, both
-kernels (the sm90 one and the Triton fallback), and which of them :func:`grouped_mm` picks.
+kernels (the sm90 one and the Triton one), and which of them :func:`grouped_mm` picks.
 
 Bound: as tests/test_block_gpu.py: the tensor cores' narrower accumulator inside each 128-K step and the FP32
 summation order, ``2^-10 * (|A| @ |B|^T)``, plus half a bf16 ulp of the result for the output cast.
@@ -107,20 +107,22 @@ def test_grouped_forward_and_dgrad_match_the_reference(case, kernel, out_dtype):
 
 
 @pytest.mark.skipif(not _GPU, reason="needs an sm90 GPU")
-def test_grouped_mm_picks_the_sm90_kernel_and_falls_back_where_it_cannot(monkeypatch):
+def test_grouped_mm_picks_the_sm90_kernel_when_asked_and_falls_back_where_it_cannot(monkeypatch):
     sm90 = _sm90()
     a, sa = bf.quantize_1x128(torch.randn(256, 512, device="cuda"))
     b, sb = bf.quantize_128x128(torch.randn(2, 256, 512, device="cuda"))
     assert sm90.supported(a, b, torch.bfloat16)
+    monkeypatch.delenv(block_gemm.SM90_ENV, raising=False)
+    assert block_gemm.grouped_kernel_name(a, b, torch.bfloat16) == "Triton"  # the default
+    monkeypatch.setenv(block_gemm.SM90_ENV, "1")
     assert block_gemm.grouped_kernel_name(a, b, torch.bfloat16) == "sm90 warp-specialized"
-    monkeypatch.setenv(block_gemm.SM90_ENV, "0")
-    assert block_gemm.grouped_kernel_name(a, b, torch.bfloat16) == "Triton"
+    w = torch.randn(2, 512, 256, device="cuda").transpose(1, 2)  # [G, N, K] as a strided view: no TMA box reads it
+    bt, sbt = bf.quantize_128x128(w)
+    bt = bt.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not bt.is_contiguous()
+    assert block_gemm.grouped_kernel_name(a, bt, torch.bfloat16) == "Triton"
+    offs = torch.tensor([100, 256], dtype=torch.int32, device="cuda")
+    _check(block_gemm.grouped_mm(a, sa, bt, sbt, offs), a, sa, bt, sbt, [100, 256])  # the fallback's product
     monkeypatch.setenv(block_gemm.SM90_ENV, "yes please")
     with pytest.raises(ValueError, match="MXFX_GROUPED_SM90"):
         block_gemm.grouped_kernel_name(a, b, torch.bfloat16)
-    monkeypatch.delenv(block_gemm.SM90_ENV)
-    bt = b.transpose(1, 2)  # a strided view: no TMA box reads it
-    assert block_gemm.grouped_kernel_name(a, bt, torch.bfloat16) == "Triton"
-    offs = torch.tensor([100, 256], dtype=torch.int32, device="cuda")
-    out = block_gemm.grouped_mm(a, sa, bt, sb.transpose(1, 2), offs)  # the fallback still gives the product
-    _check(out, a, sa, bt, sb.transpose(1, 2), [100, 256])

@@ -164,17 +164,19 @@ def grouped_mm(
 
 
 SM90_ENV = "MXFX_GROUPED_SM90"
-"""Switch (read at each call): 0/false/no/off takes the Triton grouped kernel where the warp-specialized sm90 one
-would run (to compare the two, or to step around the newer one); unset or 1/true/yes/on: the sm90 kernel."""
+"""Switch (read at each call): 1/true/yes/on runs forward and dgrad on the warp-specialized sm90 kernel where it
+serves the operands; unset or 0/false/no/off, the Triton kernel. Off by default: on an H100 the sm90 kernel is
+1.4-1.5x the Triton one at Mixtral-8x7B's expert shapes and 0.6-0.9x at OLMoE's, Qwen3's and DeepSeek-V3's
+(BENCHMARKS.md, bench/probes/grouped_sm90_variants.py)."""
 
 
 def _grouped_kernel(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype):
     """The module whose ``grouped_mm`` runs on these CUDA operands: the warp-specialized sm90 kernel
-    (:mod:`mxfx.kernels.fp8_block.grouped_gemm_sm90`) where it serves them and :data:`SM90_ENV` allows it, else
+    (:mod:`mxfx.kernels.fp8_block.grouped_gemm_sm90`) where :data:`SM90_ENV` asks for it and it serves them, else
     the Triton kernel (:mod:`mxfx.kernels.fp8_block.grouped_gemm`)."""
     from mxfx.kernels.fp8_block import grouped_gemm
 
-    sm90 = _sm90_kernel() if env_switch(SM90_ENV, True) else None
+    sm90 = _sm90_kernel() if env_switch(SM90_ENV, False) else None
     return sm90 if sm90 is not None and sm90.supported(a, b, out_dtype) else grouped_gemm
 
 
