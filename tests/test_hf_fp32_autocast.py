@@ -225,9 +225,8 @@ def _fallback(x, w, offs):
     return torch.ops.transformers.grouped_mm_fallback(x, w, offs=offs)
 
 
-GROUPED_CALLS = {"transformers::grouped_mm_fallback": _fallback, "torch._grouped_mm": torch._grouped_mm}
-if hasattr(F, "grouped_mm"):
-    GROUPED_CALLS["torch.nn.functional.grouped_mm"] = F.grouped_mm
+GROUPED_CALLS = {"transformers::grouped_mm_fallback": _fallback, "torch._grouped_mm": torch._grouped_mm,
+                 "torch.nn.functional.grouped_mm": F.grouped_mm}
 
 
 class GroupedExperts(torch.nn.Module):

@@ -149,7 +149,7 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
             if transposed:
                 weight = gm.graph.call_method("transpose", (w_node, -2, -1))
                 weight.meta["example_value"] = w.transpose(-2, -1)
-        new = insert_grouped(gm, node, xs, weight, offs, d, policy, out.dtype)
+        new = insert_grouped(gm, node, xs, weight, offs, d, out.dtype)
         new.meta.update(node.meta)
         new.meta["example_value"] = out
         with gm.graph.inserting_after(new):

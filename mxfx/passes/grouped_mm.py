@@ -48,7 +48,7 @@ from mxfx.passes.fx import (
     CASTS, erase_unused_chain, example_value, gemm_size, mixed_dtype_reason, module_fqn, shape_str, size_hint,
     unique_stats_site, weight_source,
 )
-from mxfx.policy import Policy
+from mxfx.policy import Decision, Policy
 from mxfx.report import OpRecord, PrecisionMap
 
 GROUPED_WGRAD = "bf16"
@@ -66,9 +66,8 @@ class GroupedOp:
 GROUPED_OPS: dict[object, GroupedOp] = {
     torch._grouped_mm: GroupedOp("torch._grouped_mm", ("mat_a", "mat_b", "offs", "bias", "out_dtype")),
     "transformers::grouped_mm_fallback": GroupedOp("transformers::grouped_mm_fallback", ("mat_a", "mat_b", "offs")),
+    F.grouped_mm: GroupedOp("torch.nn.functional.grouped_mm", ("mat_a", "mat_b")),
 }
-if hasattr(F, "grouped_mm"):  # torch >= 2.10
-    GROUPED_OPS[F.grouped_mm] = GroupedOp("torch.nn.functional.grouped_mm", ("mat_a", "mat_b"))
 """Known grouped GEMMs, by function or by custom-op qualified name (``namespace::op``)."""
 
 _ALIASES = {"input": "mat_a", "weight": "mat_b"}  # custom-op schema names -> the table's names
@@ -140,9 +139,9 @@ def output_dtype(x: torch.Tensor, replaced: torch.dtype) -> torch.dtype:
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else replaced
 
 
-def insert_grouped(gm: fx.GraphModule, before: fx.Node, x_node, w_node, offs_node, d, policy: Policy, out_dtype):
-    """Insert ``mx_grouped_mm_op(x, W, offs)`` before ``before``; ``w_node`` is the ``[E, N, K]`` weight;
-    int64 offs are cast to the int32 the op takes."""
+def insert_grouped(gm: fx.GraphModule, before: fx.Node, x_node, w_node, offs_node, decision: Decision, out_dtype):
+    """Insert ``mx_grouped_mm_op(x, W, offs)`` under ``decision``'s settings before ``before``; ``w_node`` is the
+    ``[E, N, K]`` weight; int64 offs are cast to the int32 the op takes."""
     with gm.graph.inserting_before(before):
         offs = example_value(offs_node)
         if offs.dtype != torch.int32:
@@ -152,7 +151,7 @@ def insert_grouped(gm: fx.GraphModule, before: fx.Node, x_node, w_node, offs_nod
         return gm.graph.call_function(
             mx_grouped_mm_op,
             (x_node, w_node, offs_node),
-            {**unique_stats_site(gm, d.settings.graph_kwargs(), "grouped_mm"), "out_dtype": out_dtype},
+            {**unique_stats_site(gm, decision.settings.graph_kwargs(), "grouped_mm"), "out_dtype": out_dtype},
         )
 
 
@@ -196,7 +195,7 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
             weight = source if transposed else gm.graph.call_method("transpose", (source, -2, -1))
             if not transposed:
                 weight.meta["example_value"] = example_value(source).transpose(-2, -1)
-        new = insert_grouped(gm, node, x_src, weight, offs_node, d, policy, out_dtype)
+        new = insert_grouped(gm, node, x_src, weight, offs_node, d, out_dtype)
         new.meta.update(node.meta)
         if out is not None:
             new.meta["example_value"] = out.to(out_dtype)
