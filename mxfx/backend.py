@@ -128,9 +128,11 @@ def rewrite(gm: fx.GraphModule, policy: Policy) -> report.PrecisionMap:
     """
     pm = report.PrecisionMap()
     for g in all_graphs(gm):
+        own = report.PrecisionMap()  # the passes find records by node name, which one graph alone keeps unique
         for name, run in passes.PIPELINE:
             if policy.pass_enabled(name):
-                run(g, policy, pm)
+                run(g, policy, own)
+        pm.records += own.records
         fill_example_values(g)  # AOTAutograd's cache needs them (mxfx.cache_key)
         g.graph.lint()
         g.recompile()
