@@ -14,6 +14,7 @@ import warnings
 
 import torch
 import torch.fx as fx
+from torch._dynamo.exc import RestartAnalysis
 
 from mxfx import cache_key, coverage, names, passes, recompiles, report, rule_check, variants
 from mxfx.runtime import cache, stats
@@ -127,9 +128,11 @@ def rewrite(gm: fx.GraphModule, policy: Policy) -> report.PrecisionMap:
     """
     pm = report.PrecisionMap()
     for g in all_graphs(gm):
+        own = report.PrecisionMap()  # the passes find records by node name, which one graph alone keeps unique
         for name, run in passes.PIPELINE:
             if policy.pass_enabled(name):
-                run(g, policy, pm)
+                run(g, policy, own)
+        pm.records += own.records
         fill_example_values(g)  # AOTAutograd's cache needs them (mxfx.cache_key)
         g.graph.lint()
         g.recompile()
@@ -216,6 +219,17 @@ def _inputs_at(example_inputs, params: dict, held: dict, prefix: str) -> list:
     return [held.get(prefix + rel_of[id(v)], v) if id(v) in rel_of else v for v in example_inputs]
 
 
+def _publish(pm: report.PrecisionMap, policy: Policy, before: str, after: str) -> None:
+    """Number and keep ``pm`` (:func:`mxfx.report.register`), log its summary, emit it as trace artifacts and, with
+    ``policy.dump_dir``, write the graph's dump (``before`` / ``after``: its code before and after the passes)."""
+    report.register(pm)
+    log.info("mxfx: %s", pm.summary())
+    trace_artifact("mxfx_precision_map", pm.to_text)
+    trace_artifact("mxfx_precision_map_json", pm.to_json, "json")
+    if policy.dump_dir:
+        log.info("mxfx: wrote %s", report.write_dump(policy.dump_dir, pm, before, after))
+
+
 def _compile_for(gm: fx.GraphModule, example_inputs, policy: Policy, mode: str | None, group: list[str],
                  place: names.Place, params: dict, scope):
     """Rewrite ``gm`` for the blocks ``group`` (full-name prefixes; its names are the first's), report it, and
@@ -237,27 +251,28 @@ def _compile_for(gm: fx.GraphModule, example_inputs, policy: Policy, mode: str |
     recompiles.observe(pm.count(rewritten=True) > 0)
     if not torch.is_grad_enabled():  # Dynamo calls the backend in the grad mode the graph was traced in
         pm.mark_inference()
-    report.register(pm)
     held = names.parameters_by_name(place.root) if group != [place.prefix] else {}
     for block in group:  # every block run through this graph: its weights are read by the graph's GEMMs
         inputs = example_inputs if block == place.prefix else _inputs_at(example_inputs, params, held, block)
         coverage.observe(scope, gm, inputs, pm, policy, whole=whole)
     _warn_format_notes(pm, example_inputs, policy)
-    log.info("mxfx: %s", pm.summary())
-    trace_artifact("mxfx_precision_map", pm.to_text)
-    trace_artifact("mxfx_precision_map_json", pm.to_json, "json")
-    trace_artifact("mxfx_graph_after", lambda: gm.print_readable(print_output=False))
-    if policy.dump_dir:
-        folder = report.write_dump(policy.dump_dir, pm, before, gm.print_readable(print_output=False))
-        log.info("mxfx: wrote %s", folder)
+    after = gm.print_readable(print_output=False) if policy.dump_dir else ""  # as the passes left it
+    trace_artifact("mxfx_graph_after", lambda: after or gm.print_readable(print_output=False))
     if any(r.rewritten and r.kind in cache.WEIGHT_KINDS for r in pm.records):
         cache.install()  # step post-hook + Inductor lowering for the weight caches
     if policy.stats is not None:  # quantization statistics: their samples go to this policy's dump dir (or nowhere)
         stats.note_compiled(policy.stats["modules"], pm.stats_sites)
     if pm.stats_sites:
         stats.set_output(policy.dump_dir)
-    with launch.kernels_launched(policy.kernels):  # the ops' bodies are traced inside the inner compile
-        compiled = _inner_compile(policy.inner, gm, example_inputs, mode)
+    try:
+        with launch.kernels_launched(policy.kernels):  # the ops' bodies are traced inside the inner compile
+            compiled = _inner_compile(policy.inner, gm, example_inputs, mode)
+    except RestartAnalysis:  # Dynamo traces the frame again (AOTAutograd asks for it under
+        raise  # dynamic=True, for Python float scalars): the graph of that trace takes this one's place
+    except BaseException:
+        _publish(pm, policy, before, after)  # a graph that failed to compile keeps its map and dump, to read why
+        raise
+    _publish(pm, policy, before, after)
     if gm.meta.get(weight_refresh.PLANS_META):  # an optimizer step that rebuilds caches in-graph
         compiled = cache.after_step(compiled)
     return compiled

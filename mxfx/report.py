@@ -5,8 +5,9 @@ module name, op kind, shapes, the precision of forward/dgrad/wgrad and saved
 tensors, and why it was skipped. ``mxfx.last_report()`` returns the map of the
 most recently compiled graph; ``options={"dump_dir": PATH}`` (or the
 ``MXFX_DUMP_DIR`` environment variable) writes, per compiled graph,
-``graph_NNN/before.py``, ``after.py`` and ``precision.txt``. :func:`saved_for_backward` lists what an
-autograd graph holds for its backward (the activation memory the ``save`` settings decide).
+``graph_NNN/before.py``, ``after.py`` and ``precision.txt`` (NNN: the graph's number, :func:`register`).
+:func:`saved_for_backward` lists what an autograd graph holds for its backward (the activation memory the
+``save`` settings decide).
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ class OpRecord:
 class PrecisionMap:
     """Everything the passes decided for one compiled graph."""
 
-    graph_id: int = field(default_factory=lambda: next(_graph_ids))
+    graph_id: int | None = None  # numbered by register(), once its graph has compiled
     records: list[OpRecord] = field(default_factory=list)
     stats_sites: list[str] = field(default_factory=list)  # statistics site prefixes of the graph's ops (Policy.stats)
 
@@ -181,7 +182,9 @@ class PrecisionMap:
 
 
 def register(pm: PrecisionMap) -> None:
-    """Keep ``pm`` for :func:`last_report` / :func:`all_reports`."""
+    """Number ``pm``'s graph (the next in this process) and keep ``pm`` for :func:`last_report` /
+    :func:`all_reports`."""
+    pm.graph_id = next(_graph_ids)
     _reports.append(pm)
 
 

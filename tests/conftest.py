@@ -8,7 +8,7 @@ import torch
 
 from mxfx.runtime import cache
 
-try:  # pytest-xdist's public scheduler API (the test extras install it; a plain run needs none)
+try:  # pytest-xdist's scheduler classes (the test extras install it; a plain run needs none)
     from xdist.scheduler import LoadScopeScheduling
 except ImportError:
     LoadScopeScheduling = None
@@ -56,7 +56,12 @@ if LoadScopeScheduling is not None:
         (:class:`tests.helpers.SessionJobs`, :meth:`~tests.helpers.SessionJobs.group_of`) go to one worker as one
         unit, so that worker alone runs that job and no test waits for another worker's; every other test is a
         unit of its own. The groups come from the workers' collection (the file of ``pytest_configure_node``),
-        written before they report it, so they are there when scheduling starts."""
+        written before they report it, so they are there when scheduling starts.
+
+        It overrides ``LoadScopeScheduling._split_scope``, a private method: xdist's own ``--dist loadgroup`` does the
+        same from ``xdist_group`` marks, but it tags each test's node id, which pytest 9.2 no longer lets a plugin
+        change, so its groups are lost without a word (pytest-xdist issue 1386). The test extras pin the xdist
+        releases this was checked on; ``tests/test_harness.py`` fails when the method changes."""
 
         def _split_scope(self, nodeid: str) -> str:
             if not hasattr(self, "_groups"):

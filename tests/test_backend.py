@@ -120,6 +120,34 @@ def test_dump_dir_and_env(tmp_path, monkeypatch):
     assert Policy(dump_dir=None).dump_dir is None and Policy().dump_dir == str(env_dir)
 
 
+def test_dynamic_shapes_dump_each_compiled_graph_once(tmp_path):
+    # dynamic=True: AOTAutograd makes Dynamo trace the forward again (its Python float scalars, RoPE's base, become
+    # constants), so the backend rewrites two graphs of which only the second is compiled and runs
+    from tests.models import MoETransformer, tiny_config
+
+    torch.manual_seed(0)
+    idx = torch.randint(0, 256, (2, 32))
+    before = len(mxfx.all_reports())
+    compiled = torch.compile(MoETransformer(tiny_config()), backend="mxfp8", dynamic=True,
+                             options={"inner": "aot_eager", "dump_dir": str(tmp_path)})
+    with torch.autocast("cpu", torch.bfloat16):
+        compiled(idx, idx)
+    maps = mxfx.all_reports()[before:]
+    assert len(maps) == 1, [pm.summary() for pm in maps]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"graph_{maps[0].graph_id:03d}"]
+
+
+def test_a_graph_that_fails_to_compile_keeps_its_dump(tmp_path):
+    def failing(gm, example_inputs):
+        raise RuntimeError("inner compiler failed")
+
+    m = nn.Sequential(nn.Linear(32, 64))
+    with pytest.raises(Exception, match="inner compiler failed"):
+        torch.compile(m, backend="mxfp8", options={"inner": failing, "dump_dir": str(tmp_path)})(torch.randn(4, 32))
+    folder = tmp_path / "graph_{:03d}".format(mxfx.last_report().graph_id)
+    assert "mx_linear(" in (folder / "after.py").read_text()
+
+
 def test_rules_only_override_what_they_set():
     # A rule that sets no precision must not lift the default BF16 rules for routers and lm_head.
     p = Policy(rules=({"scale_rule": "floor"}, {"op": "linear", "min_size": 0}))

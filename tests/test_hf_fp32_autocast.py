@@ -99,6 +99,30 @@ def test_fp32_autocast_batched_mm_rewritten(name):
     _check(name, "batched_mm")
 
 
+def _checkpointed_olmoe(layers: int = 2):
+    """An FP32 OLMoE of ``layers`` layers with transformers' activation checkpointing on, in training mode."""
+    cfg = T.OlmoeConfig(intermediate_size=64, num_experts=4, num_experts_per_tok=2, **{**COMMON, "num_hidden_layers": layers})
+    torch.manual_seed(0)
+    model = T.OlmoeForCausalLM(cfg)
+    model.activation_checkpointing_enable()
+    return model.train()
+
+
+def test_checkpointed_layers_each_keep_their_own_records(monkeypatch):
+    # Each checkpointed layer is its own subgraph, with the same node names as the other's: what a pass adds to a
+    # record (the combine's output dtype, the dispatch's note) goes to that layer's record, not to the first layer's.
+    monkeypatch.setattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint", True)
+    before = len(mxfx.all_reports())
+    _loss_and_grads(_checkpointed_olmoe(), {"inner": "aot_eager"})
+    maps = mxfx.all_reports()[before:]
+    records, text = [r for pm in maps for r in pm.records], "".join(pm.to_text() for pm in maps)
+    assert sum(r.kind == "combine" and r.rewritten for r in records) == 2, text
+    for layer in (0, 1):
+        gate_up, down = [r for r in records if r.kind == "grouped_mm" and r.module.startswith(f"model.layers.{layer}.")]
+        assert "quantized before the dispatch's row gather" in gate_up.reason, text
+        assert down.shapes.endswith("-> float32"), text  # the fused route-weight product, FP32 route weights
+
+
 # More families, each trained for a few steps as a new user would (transformers' default experts implementation):
 # name -> (config, model class). One MoE layer each; shared experts and routers as the family writes them.
 MOE = dict(num_experts_per_tok=2)
@@ -225,9 +249,8 @@ def _fallback(x, w, offs):
     return torch.ops.transformers.grouped_mm_fallback(x, w, offs=offs)
 
 
-GROUPED_CALLS = {"transformers::grouped_mm_fallback": _fallback, "torch._grouped_mm": torch._grouped_mm}
-if hasattr(F, "grouped_mm"):
-    GROUPED_CALLS["torch.nn.functional.grouped_mm"] = F.grouped_mm
+GROUPED_CALLS = {"transformers::grouped_mm_fallback": _fallback, "torch._grouped_mm": torch._grouped_mm,
+                 "torch.nn.functional.grouped_mm": F.grouped_mm}
 
 
 class GroupedExperts(torch.nn.Module):

@@ -20,6 +20,9 @@ all_to_all needs a process group: its section is ``tests/test_distributed.py``
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+
 import pytest
 import torch
 
@@ -65,6 +68,25 @@ def _close(on, off, loss_bound, grad_bound):
 
 def _kinds(records, kind):
     return [r for r in records if r.kind == kind and r.rewritten]
+
+
+# --- the pipeline ------------------------------------------------------------------------------------------
+
+def test_every_pass_module_runs_once_in_the_order_of_the_policy_switches():
+    """The one list of passes, :data:`mxfx.policy.PASSES`: the pipeline runs its names in its order, then
+    ``unconverted``; every module of ``mxfx/passes/`` with a ``run`` is a pass of it (a pass module left out of
+    the list would never run), each switched by its own name."""
+    from mxfx import passes
+    from mxfx.policy import PASSES, Policy
+
+    assert [name for name, _ in passes.PIPELINE] == [*PASSES, "unconverted"]
+    runs = {name: run for name, run in passes.PIPELINE}
+    for info in pkgutil.iter_modules(passes.__path__):
+        module = importlib.import_module(f"mxfx.passes.{info.name}")
+        if hasattr(module, "run"):
+            assert runs.get(info.name) is module.run, info.name
+    with pytest.raises(ValueError, match="'batched_mm' is not valid"):
+        Policy(passes={"batched_mm": False})  # no switch of its own: it runs under grouped_mm's
 
 
 # --- linear ------------------------------------------------------------------------------------------------

@@ -1,22 +1,18 @@
 """Graph passes run by the mxfp8 backend on the Dynamo graph, in order.
 
-Each pass is one file: the pattern it matches, the replacement and why it is
-valid. Every hit and every skip is recorded in the graph's precision map.
+Each pass is one module, named for its switch in :data:`mxfx.policy.PASSES` (the list of passes, in the order
+they run): the pattern it matches, the replacement and why it is valid, and ``run(gm, policy, pm)``. Every hit and
+every skip is recorded in the graph's precision map.
 """
 
-from mxfx.passes import all_to_all, batched_mm, combine, dispatch_mx, grouped_mm, linear, saved, swiglu, unconverted, weight_refresh
+import importlib
+
+from mxfx.passes import unconverted
+from mxfx.policy import PASSES
 
 PIPELINE = (
-    # first: dispatch/combine become mx_all_to_all before passes that consume their rows
-    ("all_to_all", all_to_all.run),
-    ("linear", linear.run),
-    ("grouped_mm", grouped_mm.run),
-    ("grouped_mm", batched_mm.run),  # same switch: HF's batched_mm experts become sorted grouped GEMMs
-    ("dispatch_mx", dispatch_mx.run),  # after both: grouped GEMMs take MX made before the dispatch (received, or pre-gather)
-    ("swiglu", swiglu.run),
-    ("combine", combine.run),
-    ("saved", saved.run),
-    ("weight_refresh", weight_refresh.run),
-    # last: what reads a weight mxfx would convert but no pass rewrote is reported (always on)
+    *((name, importlib.import_module(f"{__name__}.{name}").run) for name in PASSES),
     ("unconverted", unconverted.run),
 )
+"""``(switch, run)`` of each pass in order: those of :data:`mxfx.policy.PASSES`, then ``unconverted``, always on:
+what reads a weight mxfx would convert but no pass rewrote is reported."""

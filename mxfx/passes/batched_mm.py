@@ -38,7 +38,7 @@ import torch.fx as fx
 from mxfx.passes import columns
 from mxfx.passes.combine import UNSORT_META
 from mxfx.passes.fx import example_value, is_call, module_fqn, shape_str, size_hint
-from mxfx.passes.grouped_mm import GROUPED_WGRAD, decide, insert_grouped
+from mxfx.passes.expert_gemm import GROUPED_WGRAD, decide, insert_grouped
 from mxfx.policy import Policy
 from mxfx.report import OpRecord, PrecisionMap
 
@@ -121,8 +121,9 @@ def _gather(gm: fx.GraphModule, t: fx.Node, rows: fx.Node) -> fx.Node:
     return node
 
 
-def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
-    """Rewrite per-row batched expert GEMMs in ``gm`` in place; returns how many were rewritten."""
+def rewrite(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
+    """Rewrite per-row batched expert GEMMs in ``gm`` in place (part of the ``grouped_mm`` pass, under its switch);
+    returns how many were rewritten."""
     rewritten, orders = 0, {}
     for node in list(gm.graph.nodes):
         found = match(node)
@@ -149,7 +150,7 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
             if transposed:
                 weight = gm.graph.call_method("transpose", (w_node, -2, -1))
                 weight.meta["example_value"] = w.transpose(-2, -1)
-        new = insert_grouped(gm, node, xs, weight, offs, d, policy, out.dtype)
+        new = insert_grouped(gm, node, xs, weight, offs, d, out.dtype)
         new.meta.update(node.meta)
         new.meta["example_value"] = out
         with gm.graph.inserting_after(new):

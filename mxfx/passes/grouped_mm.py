@@ -1,4 +1,5 @@
-"""Grouped expert GEMM pass: any known grouped GEMM of ``x [S, K]`` by expert weights -> MX grouped GEMM.
+"""Grouped expert GEMM pass: any known grouped GEMM of ``x [S, K]`` by expert weights -> MX grouped GEMM; then,
+under the same switch, HF's per-row batched expert GEMMs (:mod:`mxfx.passes.batched_mm`).
 
 Pattern: a call from :data:`GROUPED_OPS`, a table of the grouped-GEMM ops that
 expert code emits with their argument conventions:
@@ -42,18 +43,13 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from mxfx.ops.grouped_mm import mx_grouped_mm_op
-from mxfx.passes import columns
+from mxfx.passes import batched_mm, columns
+from mxfx.passes.expert_gemm import GROUPED_WGRAD, decide, insert_grouped
 from mxfx.passes.fx import (
-    CASTS, erase_unused_chain, example_value, gemm_size, mixed_dtype_reason, module_fqn, shape_str, size_hint,
-    unique_stats_site, weight_source,
+    CASTS, erase_unused_chain, example_value, mixed_dtype_reason, module_fqn, shape_str, size_hint, weight_source,
 )
 from mxfx.policy import Policy
 from mxfx.report import OpRecord, PrecisionMap
-
-GROUPED_WGRAD = "bf16"
-"""What the precision map says of a converted grouped GEMM's high-precision wgrad: a BF16 grouped GEMM, whatever
-the operands' dtypes (:func:`mxfx.ops.grouped_mm.mx_grouped_mm_op`)."""
 
 @dataclass(frozen=True)
 class GroupedOp:
@@ -66,9 +62,8 @@ class GroupedOp:
 GROUPED_OPS: dict[object, GroupedOp] = {
     torch._grouped_mm: GroupedOp("torch._grouped_mm", ("mat_a", "mat_b", "offs", "bias", "out_dtype")),
     "transformers::grouped_mm_fallback": GroupedOp("transformers::grouped_mm_fallback", ("mat_a", "mat_b", "offs")),
+    F.grouped_mm: GroupedOp("torch.nn.functional.grouped_mm", ("mat_a", "mat_b")),
 }
-if hasattr(F, "grouped_mm"):  # torch >= 2.10
-    GROUPED_OPS[F.grouped_mm] = GroupedOp("torch.nn.functional.grouped_mm", ("mat_a", "mat_b"))
 """Known grouped GEMMs, by function or by custom-op qualified name (``namespace::op``)."""
 
 _ALIASES = {"input": "mat_a", "weight": "mat_b"}  # custom-op schema names -> the table's names
@@ -140,34 +135,13 @@ def output_dtype(x: torch.Tensor, replaced: torch.dtype) -> torch.dtype:
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else replaced
 
 
-def insert_grouped(gm: fx.GraphModule, before: fx.Node, x_node, w_node, offs_node, d, policy: Policy, out_dtype):
-    """Insert ``mx_grouped_mm_op(x, W, offs)`` before ``before``; ``w_node`` is the ``[E, N, K]`` weight;
-    int64 offs are cast to the int32 the op takes."""
-    with gm.graph.inserting_before(before):
-        offs = example_value(offs_node)
-        if offs.dtype != torch.int32:
-            cast = gm.graph.call_method("to", (offs_node, torch.int32))
-            cast.meta["example_value"] = offs.to(torch.int32)
-            offs_node = cast
-        return gm.graph.call_function(
-            mx_grouped_mm_op,
-            (x_node, w_node, offs_node),
-            {**unique_stats_site(gm, d.settings.graph_kwargs(), "grouped_mm"), "out_dtype": out_dtype},
-        )
-
-
-def decide(policy: Policy, module: str, x, e, n, k, runs: str = ""):
-    """The policy's decision for a grouped GEMM of ``x [S, K]`` over ``e`` experts of ``[N, K]``:
-    ``min_size="auto"`` judges one expert's GEMM, M = rows per expert. ``runs``: the dtype the GEMM as written runs
-    in (:meth:`mxfx.policy.Decision.fit`)."""
-    macs, gemm = gemm_size(x.shape[:1], n, k)
-    if gemm is not None:
-        gemm = (max(1, gemm[0] // max(size_hint(e), 1)), gemm[1], gemm[2])
-    return policy.decide("grouped_mm", module, macs, gemm).fit(size_hint(k), size_hint(n), runs)
-
-
 def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
-    """Rewrite eligible grouped GEMMs in ``gm`` in place; returns how many were rewritten."""
+    """The ``grouped_mm`` pass: rewrite eligible grouped GEMMs in ``gm`` in place, then HF's batched_mm experts
+    (:func:`mxfx.passes.batched_mm.rewrite`); returns how many were rewritten."""
+    return _rewrite_grouped(gm, policy, pm) + batched_mm.rewrite(gm, policy, pm)
+
+
+def _rewrite_grouped(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
     rewritten = 0
     for node in list(gm.graph.nodes):
         op = grouped_op(node)
@@ -196,7 +170,7 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
             weight = source if transposed else gm.graph.call_method("transpose", (source, -2, -1))
             if not transposed:
                 weight.meta["example_value"] = example_value(source).transpose(-2, -1)
-        new = insert_grouped(gm, node, x_src, weight, offs_node, d, policy, out_dtype)
+        new = insert_grouped(gm, node, x_src, weight, offs_node, d, out_dtype)
         new.meta.update(node.meta)
         if out is not None:
             new.meta["example_value"] = out.to(out_dtype)

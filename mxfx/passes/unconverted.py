@@ -37,10 +37,8 @@ GEMM_FUNCTIONS = {
     torch.mm: "torch.mm", torch.bmm: "torch.bmm", torch.matmul: "torch.matmul", operator.matmul: "@",
     torch.einsum: "torch.einsum", torch.addmm: "torch.addmm", torch.baddbmm: "torch.baddbmm",
     torch.addbmm: "torch.addbmm", torch._C._nn.linear: "F.linear", F.linear: "F.linear",
-    torch._grouped_mm: "torch._grouped_mm",
+    torch._grouped_mm: "torch._grouped_mm", F.grouped_mm: "torch.nn.functional.grouped_mm",
 }
-if hasattr(F, "grouped_mm"):  # torch >= 2.10
-    GEMM_FUNCTIONS[F.grouped_mm] = "torch.nn.functional.grouped_mm"
 PASS_OF = {"F.linear": "linear", "torch._grouped_mm": "grouped_mm", "torch.nn.functional.grouped_mm": "grouped_mm"}
 """GEMMs a pass would rewrite: where that pass is switched off (``Policy.passes``) the report says so."""
 GEMM_METHODS = ("mm", "bmm", "matmul", "__matmul__", "addmm", "baddbmm")

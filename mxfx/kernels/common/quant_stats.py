@@ -62,6 +62,13 @@ def region(t: torch.Tensor) -> tuple[torch.Tensor, tuple]:
     return t, ((0, *t.stride()) if t.dim() == 2 else tuple(t.stride()))
 
 
+def region_args(t: torch.Tensor | None, absent: torch.Tensor) -> tuple:
+    """``(t, batch stride, row stride, column stride)``: ``t`` as a kernel's ``[B, R, C]`` region argument
+    (:func:`region`); for ``t`` None, ``absent`` with zero strides (a source the kernel does not read)."""
+    t, strides = region(t) if t is not None else (absent, (0, 0, 0))
+    return (t, *strides)
+
+
 def check_region(a: torch.Tensor, like_a, wider, cols: int, op: str) -> None:
     """Raise ValueError naming ``op`` unless ``a`` is 2-D or 3-D, each of ``like_a`` (None skipped) has its shape and
     each of ``wider`` its leading dims and at least ``cols`` columns."""
@@ -87,6 +94,14 @@ def workspace(n_programs: int, hist_bins: int, device) -> tuple[torch.Tensor, to
 def offsets(b, rows, cols, sb, sr, sc):
     """int64 element offsets ``[len(rows), len(cols)]`` of batch ``b`` of a strided ``[B, R, C]`` tensor."""
     return b.to(tl.int64) * sb + rows.to(tl.int64)[:, None] * sr + cols.to(tl.int64)[None, :] * sc
+
+
+@triton.jit
+def tile_origin(t, n_r_tiles, n_c_tiles, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """``(batch, first row, first column)`` of tile ``t`` of a region walked batch by batch, each batch's
+    ``n_r_tiles x n_c_tiles`` tiles of ``ROWS x COLS`` in row-major order."""
+    per_batch = n_r_tiles * n_c_tiles
+    return t // per_batch, (t % per_batch) // n_c_tiles * ROWS, t % n_c_tiles * COLS
 
 
 @triton.jit
@@ -119,10 +134,27 @@ def saturated_payload(qbits):
 
 
 @triton.jit
+def no_stats():
+    """The partial row of no values (:data:`FIELDS` order, float64 ``[PARTIAL_WIDTH]``): zero counts, sums and
+    amax, ``exp_min`` +inf, ``exp_max`` -inf; what :func:`merge` leaves unchanged."""
+    i = tl.arange(0, 16)  # PARTIAL_WIDTH
+    return tl.where(i == 9, float("inf"), tl.where(i == 10, float("-inf"), tl.zeros([16], tl.float64)))
+
+
+@triton.jit
+def merge(row, other):
+    """Two partial rows as one: counts and sums added, ``amax`` and ``exp_max`` the larger, ``exp_min`` the
+    smaller (float64 counts stay exact below 2^53)."""
+    i = tl.arange(0, 16)  # PARTIAL_WIDTH
+    return tl.where(i < 8, row + other, tl.where(i == 9, tl.minimum(row, other), tl.maximum(row, other)))
+
+
+@triton.jit
 def value_stats(x, dq, sat, counted):
-    """One tile's value statistics: ``(values, nonzero, underflow, saturated, clipped, nonfinite)`` int32,
-    ``(err_sq, ref_sq)`` float64, ``amax`` float32, over the elements where ``counted`` (module docstring).
-    ``x``, ``dq``: fp32 values and dequantized values; ``sat``: payload at 448."""
+    """One tile's value statistics as a partial row (:func:`no_stats`' layout): ``values``, ``nonzero``,
+    ``underflow``, ``saturated``, ``clipped``, ``nonfinite``, ``err_sq``, ``ref_sq`` and ``amax`` over the elements
+    where ``counted`` (module docstring), no exponents. ``x``, ``dq``: fp32 values and dequantized values; ``sat``:
+    payload at 448."""
     ok = counted & finite(x) & finite(dq)
     xm = tl.where(ok, x, 0.0)
     dm = tl.where(ok, dq, 0.0)
@@ -130,47 +162,42 @@ def value_stats(x, dq, sat, counted):
     satm = ok & sat
     diff = (dm - xm).to(tl.float64)
     x64 = xm.to(tl.float64)
-    return (tl.sum(ok.to(tl.int32)), tl.sum(nz.to(tl.int32)), tl.sum((nz & (dm == 0.0)).to(tl.int32)),
-            tl.sum(satm.to(tl.int32)), tl.sum((satm & (tl.abs(xm) > tl.abs(dm))).to(tl.int32)),
-            tl.sum((counted & ~ok).to(tl.int32)), tl.sum(diff * diff), tl.sum(x64 * x64), tl.max(tl.abs(xm)))
+    i = tl.arange(0, 16)  # PARTIAL_WIDTH
+    row = tl.where(i == 0, tl.sum(ok.to(tl.int32)).to(tl.float64), no_stats())
+    row = tl.where(i == 1, tl.sum(nz.to(tl.int32)).to(tl.float64), row)
+    row = tl.where(i == 2, tl.sum((nz & (dm == 0.0)).to(tl.int32)).to(tl.float64), row)
+    row = tl.where(i == 3, tl.sum(satm.to(tl.int32)).to(tl.float64), row)
+    row = tl.where(i == 4, tl.sum((satm & (tl.abs(xm) > tl.abs(dm))).to(tl.int32)).to(tl.float64), row)
+    row = tl.where(i == 5, tl.sum((counted & ~ok).to(tl.int32)).to(tl.float64), row)
+    row = tl.where(i == 6, tl.sum(diff * diff), row)
+    row = tl.where(i == 7, tl.sum(x64 * x64), row)
+    return tl.where(i == 8, tl.max(tl.abs(xm)).to(tl.float64), row)
 
 
 @triton.jit
 def exponent_stats(e, live, hist_min, HIST_BINS: tl.constexpr, N: tl.constexpr):
-    """``(min, max)`` fp32 (+inf / -inf when none), the int32 histogram ``[HIST_BINS]`` (bin i: exponent
-    ``hist_min + i``, clamped into the end bins) of the int32 exponents ``e`` where ``live``, plus the entries not
-    live in its bin 0, and their count (``dead``, taken out of bin 0 by :func:`store_partials`); ``N``: ``e``'s
-    number of elements."""
+    """The partial row (:func:`no_stats`' layout) of the int32 exponents ``e`` where ``live``: their min and max
+    (+inf / -inf when none); the int32 histogram ``[HIST_BINS]`` (bin i: exponent ``hist_min + i``, clamped into
+    the end bins), plus the entries not live in its bin 0, and their count (``dead``, taken out of bin 0 by
+    :func:`store_partials`); ``N``: ``e``'s number of elements."""
     ef = e.to(tl.float32)
-    lo = tl.min(tl.where(live, ef, float("inf")))
-    hi = tl.max(tl.where(live, ef, float("-inf")))
+    i = tl.arange(0, 16)  # PARTIAL_WIDTH
+    row = tl.where(i == 9, tl.min(tl.where(live, ef, float("inf"))).to(tl.float64), no_stats())
+    row = tl.where(i == 10, tl.max(tl.where(live, ef, float("-inf"))).to(tl.float64), row)
     # Entries not live go to bin 0 and are taken out of it at the end: on GPUs Triton 3.6's tl.histogram counts
     # the entries its mask leaves out (the interpreter honours the mask).
     bins = tl.where(live, tl.minimum(tl.maximum(e - hist_min, 0), HIST_BINS - 1), 0)
     hist = tl.histogram(tl.reshape(bins, [N]), HIST_BINS)
-    return lo, hi, hist, N - tl.sum(tl.reshape(live, [N]).to(tl.int32))
+    return row, hist, N - tl.sum(tl.reshape(live, [N]).to(tl.int32))
 
 
 @triton.jit
-def store_partials(part_ptr, hist_ptr, pid, n_ok, nonzero, underflow, saturated, clipped, nonfinite, err_sq, ref_sq,
-                   amax, exp_min, exp_max, hist, dead, HIST_BINS: tl.constexpr):
-    """Write program ``pid``'s partial row (:data:`FIELDS` order, float64) and add its histogram, less the ``dead``
+def store_partials(part_ptr, hist_ptr, pid, row, hist, dead, HIST_BINS: tl.constexpr):
+    """Write program ``pid``'s partial ``row`` (:func:`no_stats`' layout) and add its histogram, less the ``dead``
     entries :func:`exponent_stats` put in bin 0, into the shared int32 one (integer atomics: the order does not
     matter)."""
     i = tl.arange(0, 16)  # PARTIAL_WIDTH
-    zero = tl.zeros([16], tl.float64)
-    row = tl.where(i == 0, n_ok.to(tl.float64), zero)
-    row = tl.where(i == 1, nonzero.to(tl.float64), row)
-    row = tl.where(i == 2, underflow.to(tl.float64), row)
-    row = tl.where(i == 3, saturated.to(tl.float64), row)
-    row = tl.where(i == 4, clipped.to(tl.float64), row)
-    row = tl.where(i == 5, nonfinite.to(tl.float64), row)
-    row = tl.where(i == 6, err_sq, row)
-    row = tl.where(i == 7, ref_sq, row)
-    row = tl.where(i == 8, amax.to(tl.float64), row)
-    row = tl.where(i == 9, exp_min.to(tl.float64), row)
-    row = tl.where(i == 10, exp_max.to(tl.float64), row)
-    tl.store(part_ptr + pid.to(tl.int64) * 16 + i, row)
+    tl.store(part_ptr + pid.to(tl.int64) * 16 + i, tl.where(i < 11, row, 0.0))  # FIELDS, then zeros
     j = tl.arange(0, HIST_BINS)
     hist -= tl.where(j == 0, dead, 0)
     tl.atomic_add(hist_ptr + j, hist, mask=hist > 0)

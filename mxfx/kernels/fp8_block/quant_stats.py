@@ -17,8 +17,8 @@ import triton.language as tl
 
 from mxfx.kernels.common import quant_stats as common
 from mxfx.kernels.common.launch import launch
-from mxfx.kernels.common.quant_stats import (exponent_stats, load_values, magnitude_bits, offsets, saturated_payload,
-                                             store_partials, value_stats)
+from mxfx.kernels.common.quant_stats import (exponent_stats, load_values, magnitude_bits, merge, no_stats, offsets,
+                                             saturated_payload, store_partials, tile_origin, value_stats)
 from mxfx.numerics.block import TILE, n_tiles
 
 CONFIG = (32, 128, 4)
@@ -40,24 +40,12 @@ def _block_stats_kernel(
     ar = tl.arange(0, BR)
     ac = tl.arange(0, BC)
     an = tl.arange(0, NB)
-    n_ok = tl.zeros([], tl.int64)
-    nonzero = tl.zeros([], tl.int64)
-    underflow = tl.zeros([], tl.int64)
-    saturated = tl.zeros([], tl.int64)
-    clipped = tl.zeros([], tl.int64)
-    nonfinite = tl.zeros([], tl.int64)
-    err_sq = tl.zeros([], tl.float64)
-    ref_sq = tl.zeros([], tl.float64)
-    amax = tl.zeros([], tl.float32)
-    exp_min = tl.full([], float("inf"), tl.float32)
-    exp_max = tl.full([], float("-inf"), tl.float32)
+    part = no_stats()
     hist = tl.zeros([HIST_BINS], tl.int32)
     dead = tl.zeros([], tl.int32)
     for k in range(0, per_prog):
         t = pid * per_prog + k
-        b = t // (n_r_tiles * n_c_tiles)
-        r0 = (t % (n_r_tiles * n_c_tiles)) // n_c_tiles * UNIT
-        c0 = t % n_c_tiles * BC
+        b, r0, c0 = tile_origin(t, n_r_tiles, n_c_tiles, UNIT, BC)
         cols = c0 + ac
         r_end = tl.where(t < n_tiles, R, 0)  # no rows in the steps past the last tile
         if COL_MAP:
@@ -86,26 +74,14 @@ def _block_stats_kernel(
             qbits = tl.load(q_ptr + offsets(b, rows, qcols, sqb, sqr, sqc), mask=counted, other=0)
             q3 = tl.reshape(qbits.to(tl.float8e4nv, bitcast=True).to(tl.float32), [BR, NB, 128])
             dq = tl.reshape(q3 * scale[:, :, None], [BR, BC])
-            c_ok, c_nz, c_uf, c_sat, c_clip, c_bad, c_err, c_ref, c_amax = value_stats(
-                x, dq, saturated_payload(qbits), counted)
-            n_ok += c_ok
-            nonzero += c_nz
-            underflow += c_uf
-            saturated += c_sat
-            clipped += c_clip
-            nonfinite += c_bad
-            err_sq += c_err
-            ref_sq += c_ref
-            amax = tl.maximum(amax, c_amax)
+            part = merge(part, value_stats(x, dq, saturated_payload(qbits), counted))
         live = (blk > 0) & (blk < 0x7F800000) & smask
         e = ((scale.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-        lo, hi, h, d = exponent_stats(e, live, hist_min, HIST_BINS, SROWS * NB)
-        exp_min = tl.minimum(exp_min, lo)
-        exp_max = tl.maximum(exp_max, hi)
+        exps, h, d = exponent_stats(e, live, hist_min, HIST_BINS, SROWS * NB)
+        part = merge(part, exps)
         hist += h
         dead += d
-    store_partials(part_ptr, hist_ptr, pid, n_ok, nonzero, underflow, saturated, clipped, nonfinite, err_sq, ref_sq,
-                   amax, exp_min, exp_max, hist, dead, HIST_BINS)
+    store_partials(part_ptr, hist_ptr, pid, part, hist, dead, HIST_BINS)
 
 
 def stats_vector(a: torch.Tensor, b: torch.Tensor | None, w: torch.Tensor | None, qdata: torch.Tensor,
@@ -139,19 +115,15 @@ def stats_vector(a: torch.Tensor, b: torch.Tensor | None, w: torch.Tensor | None
             scales.shape[-1] < n_tiles(C)):
         raise ValueError(f"{op}: scales {tuple(scales.shape)} are not those of {rows_per_scale}x{TILE} blocks of a "
                          f"region {tuple(a.shape[:-1])} x {C}")
-    a, sa = common.region(a)
     B, R = (a.shape[0] if a.dim() == 3 else 1), a.shape[-2]
-    b_t, sb = common.region(b) if b is not None else (a, (0, 0, 0))
-    w_t, sw = common.region(w) if w is not None else (a, (0, 0, 0))
-    q, sq = common.region(qdata.view(torch.uint8))
-    s, ss = common.region(scales)
+    sources = (*common.region_args(a, a), *common.region_args(b, a), *common.region_args(w, a))
     br, bc, warps = CONFIG
     n_r, n_c = triton.cdiv(R, max(br, rows_per_scale)), triton.cdiv(C, bc)
     steps = B * n_r * n_c
     p, per_prog = common.programs(steps)
     partials, hist = common.workspace(p, hist_bins, a.device)
-    launch(_block_stats_kernel, (p,), a, *sa, b_t, *sb, w_t, *sw, q, *sq, s, *ss,
-           col_map if col_map is not None else a, partials, hist, R, C, n_r, n_c, steps, per_prog, hist_min,
+    launch(_block_stats_kernel, (p,), *sources, *common.region_args(qdata.view(torch.uint8), a),
+           *common.region_args(scales, a), col_map if col_map is not None else a, partials, hist, R, C, n_r, n_c, steps, per_prog, hist_min,
            COMBINE=common.combine_code(b, w), COL_MAP=col_map is not None, Q_MAPPED=q_mapped, SR=rows_per_scale,
            HIST_BINS=hist_bins, BR=br, BC=bc, num_warps=warps)
     return common.finish(partials, hist)

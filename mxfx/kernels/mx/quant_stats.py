@@ -17,8 +17,8 @@ import triton.language as tl
 
 from mxfx.kernels.common import quant_stats as common
 from mxfx.kernels.common.launch import launch
-from mxfx.kernels.common.quant_stats import (exponent_stats, load_values, offsets, saturated_payload, store_partials,
-                                             value_stats)
+from mxfx.kernels.common.quant_stats import (exponent_stats, load_values, merge, no_stats, offsets, saturated_payload,
+                                             store_partials, tile_origin, value_stats)
 from mxfx.kernels.mx.blocks import abs_bits, block_scale, blocked_offset, decode_scale
 from mxfx.numerics.layout import is_blocked
 from mxfx.numerics.mx import BLOCK_SIZE, check_rule
@@ -45,24 +45,12 @@ def _mx_stats_kernel(
     ar = tl.arange(0, BR)
     ac = tl.arange(0, BC)
     an = tl.arange(0, NB)
-    n_ok = tl.zeros([], tl.int64)
-    nonzero = tl.zeros([], tl.int64)
-    underflow = tl.zeros([], tl.int64)
-    saturated = tl.zeros([], tl.int64)
-    clipped = tl.zeros([], tl.int64)
-    nonfinite = tl.zeros([], tl.int64)
-    err_sq = tl.zeros([], tl.float64)
-    ref_sq = tl.zeros([], tl.float64)
-    amax = tl.zeros([], tl.float32)
-    exp_min = tl.full([], float("inf"), tl.float32)
-    exp_max = tl.full([], float("-inf"), tl.float32)
+    part = no_stats()
     hist = tl.zeros([HIST_BINS], tl.int32)
     dead = tl.zeros([], tl.int32)
     for k in range(0, per_prog):
         t = pid * per_prog + k
-        b = t // (n_r_tiles * n_c_tiles)
-        r0 = (t % (n_r_tiles * n_c_tiles)) // n_c_tiles * BR
-        c0 = t % n_c_tiles * BC
+        b, r0, c0 = tile_origin(t, n_r_tiles, n_c_tiles, BR, BC)
         rows = r0 + ar
         cols = c0 + ac
         rmask = rows < tl.where(t < n_tiles, R, 0)  # no rows in the steps past the last tile
@@ -99,23 +87,12 @@ def _mx_stats_kernel(
         else:  # dequantized values alone: payload 448 is the value 448 * scale (exact in bf16 and fp32)
             top = (448.0 * scale)[:, :, None]
             sat = tl.reshape(tl.abs(tl.reshape(dq, [BR, NB, 32])) == top, [BR, BC])
-        c_ok, c_nz, c_uf, c_sat, c_clip, c_bad, c_err, c_ref, c_amax = value_stats(x, dq, sat, counted)
-        n_ok += c_ok
-        nonzero += c_nz
-        underflow += c_uf
-        saturated += c_sat
-        clipped += c_clip
-        nonfinite += c_bad
-        err_sq += c_err
-        ref_sq += c_ref
-        amax = tl.maximum(amax, c_amax)
-        lo, hi, h, d = exponent_stats(sbyte.to(tl.int32) - 127, live & smask, hist_min, HIST_BINS, BR * NB)
-        exp_min = tl.minimum(exp_min, lo)
-        exp_max = tl.maximum(exp_max, hi)
+        part = merge(part, value_stats(x, dq, sat, counted))
+        exps, h, d = exponent_stats(sbyte.to(tl.int32) - 127, live & smask, hist_min, HIST_BINS, BR * NB)
+        part = merge(part, exps)
         hist += h
         dead += d
-    store_partials(part_ptr, hist_ptr, pid, n_ok, nonzero, underflow, saturated, clipped, nonfinite, err_sq, ref_sq,
-                   amax, exp_min, exp_max, hist, dead, HIST_BINS)
+    store_partials(part_ptr, hist_ptr, pid, part, hist, dead, HIST_BINS)
 
 
 def stats_vector(a: torch.Tensor, b: torch.Tensor | None, w: torch.Tensor | None, qdata: torch.Tensor | None,
@@ -157,10 +134,8 @@ def stats_vector(a: torch.Tensor, b: torch.Tensor | None, w: torch.Tensor | None
                                    scales.shape == (*qdata.shape[:-1], qdata.shape[-1] // BLOCK_SIZE)):
         raise ValueError(f"{op}: scales {tuple(scales.shape)} are not those of qdata {tuple(qdata.shape)} (one E8M0 "
                          f"byte per {BLOCK_SIZE} values, or the blocked layout of a 2-D qdata)")
-    a, sa = common.region(a)
     B, R = (a.shape[0] if a.dim() == 3 else 1), a.shape[-2]
-    b_t, sb = common.region(b) if b is not None else (a, (0, 0, 0))
-    w_t, sw = common.region(w) if w is not None else (a, (0, 0, 0))
+    sources = (*common.region_args(a, a), *common.region_args(b, a), *common.region_args(w, a))
     scols, mode = 0, SCALES_FROM_VALUES
     if qdata is not None:
         q, sq = common.region(qdata.view(torch.uint8))
@@ -170,13 +145,12 @@ def stats_vector(a: torch.Tensor, b: torch.Tensor | None, w: torch.Tensor | None
             mode, (s, ss) = SCALES_STRIDED, common.region(scales.view(torch.uint8))
     else:
         q, sq, s, ss = a, (0, 0, 0), a, (0, 0, 0)
-    v, sv = common.region(values) if values is not None else (a, (0, 0, 0))
     br, bc, warps = CONFIG
     n_r, n_c = triton.cdiv(R, br), triton.cdiv(C, bc)
     steps = B * n_r * n_c
     p, per_prog = common.programs(steps)
     partials, hist = common.workspace(p, hist_bins, a.device)
-    launch(_mx_stats_kernel, (p,), a, *sa, b_t, *sb, w_t, *sw, q, *sq, s, *ss, v, *sv,
+    launch(_mx_stats_kernel, (p,), *sources, q, *sq, s, *ss, *common.region_args(values, a),
            col_map if col_map is not None else a, partials, hist, R, C, a.shape[-1], scols, n_r, n_c, steps,
            per_prog, hist_min, COMBINE=common.combine_code(b, w), SCALES=mode, HAS_Q=qdata is not None,
            HAS_VALUES=values is not None, COL_MAP=col_map is not None, RCEIL=rule == "rceil", HIST_BINS=hist_bins,
