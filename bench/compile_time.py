@@ -21,14 +21,25 @@ Goals (issue: compile time): mxfx cold <= 1.5x BF16 cold, mxfx warm <= 2x BF16 w
     python bench/compile_time.py --model qwen3 --layers 2
     python bench/compile_time.py --smoke                 # CPU, tiny dims
     python bench/compile_time.py --units model --arms bf16,mxfp8,mxfp8-opaque --profile 30   # where cold time goes
+    python bench/compile_time.py --passes-only --arms bf16,fp8_block,mxfp8   # CPU: the passes' own time, graph sizes
 
 Each cold first step is also split into phases (the table after the first one): Dynamo's bytecode trace, the
 backend before AOTAutograd (mxfx's passes; Inductor's pre-grad passes for bf16), AOTAutograd's trace and partition,
 Inductor's lowering and post-grad passes, its code generation, the wait for its compile workers (the Triton kernels
 of the generated code, user kernels included), Triton compiles in the main process (kernels launched by mxfx
 itself: count, compiles per kernel name, seconds) and Triton autotuning there (tunings, seconds; Triton >= 3.5's
-listener), and the rest (the step itself, first launches). From torch's ``compile_times`` and Triton's
+listener), and the rest (the step itself, first launches). A kernel Triton compiled more than once in the main
+process is listed with the arguments its compiles were specialized on differently (a constexpr's value, an int
+equal to 1 or a multiple of 16); the backend's column also gives the seconds of mxfx's passes within it. From torch's ``compile_times`` and Triton's
 ``knobs.compilation.listener`` / ``knobs.autotuning.listener``.
+
+``--passes-only`` (``--dims small`` unless given: every GEMM converts in both formats) compiles the model's
+forward once per arm in this process, Inductor's lowering left out: the mxfx backend's own seconds before its
+inner compiler, each pass's seconds and the nodes it adds (:attr:`mxfx.report.PrecisionMap.steps`), then
+AOTAutograd's trace with Inductor's decompositions and its min-cut partition (seconds, joint / forward /
+backward nodes, and the Triton kernels traced into them: Inductor analyses each kernel node's Triton IR again
+when it lowers it). On the CPU (``--smoke``, or no GPU) the MX ops stay opaque custom ops; on a GPU their bodies
+and kernels are traced into the graph (``mxfx.kernels.common.launch``), so AOTAutograd's graphs there are larger.
 
 ``--profile N`` also writes, per arm, the N functions with the most cumulative time in the cold first step (all, then
 those of Inductor's user-kernel analysis and of mxfx, then the N with the most time of their own)
@@ -103,6 +114,7 @@ class _TritonCompiles:
 
     def __init__(self):
         self.compiles: dict[str, int] = {}
+        self.variants: dict[str, list[dict[str, str]]] = {}  # kernel name -> what each compile specialized on
         self.compile_s = 0.0
         self.hits = 0
         self.tunings: dict[str, int] = {}
@@ -123,12 +135,38 @@ class _TritonCompiles:
             return
         name = getattr(getattr(src, "fn", None), "__name__", None) or metadata.get("name", "?")
         self.compiles[name] = self.compiles.get(name, 0) + 1
+        self.variants.setdefault(name, []).append(specialization(src))
         self.compile_s += times.total / 1e6
 
     def on_tune(self, *, fn, key, best_config, configs_timings, duration, cache_hit) -> None:
         if not cache_hit:
             self.tunings[fn.__name__] = self.tunings.get(fn.__name__, 0) + 1
             self.tune_s += duration or 0.0
+
+
+def specialization(src) -> dict[str, str]:
+    """What one Triton compile was specialized on, per kernel argument name: a constexpr's value, or a runtime
+    argument's type with the properties Triton assumed of it (``tt.divisibility=16``: a multiple of 16; an int
+    equal to 1 is a constant). From the compiled source's ``signature``, ``constants`` and ``attrs`` ({} where the
+    source is not a Triton kernel's)."""
+    names = getattr(getattr(src, "fn", None), "arg_names", None)
+    if names is None:
+        return {}
+    name = lambda key: names[key[0]] + "".join(f"[{i}]" for i in key[1:])  # noqa: E731  (nested: tuple args)
+    out = {arg: str(kind) for arg, kind in getattr(src, "signature", {}).items() if kind != "constexpr"}
+    for key, value in getattr(src, "constants", {}).items():
+        out[name(key)] = f"={value}"
+    for key, props in getattr(src, "attrs", {}).items():
+        out[name(key)] = " ".join([out.get(name(key), ""), *(f"{p}={v}" for p, v in props)]).strip()
+    return out
+
+
+def differing(variants: list[dict[str, str]]) -> str:
+    """The arguments whose specialization differs between the compiles ``variants`` of one kernel, each with
+    the values seen ("AXIS =0/=1; ssr i32/i32 tt.divisibility=16"); "" when none differs."""
+    keys = sorted({k for v in variants for k in v}, key=lambda k: min(list(v).index(k) for v in variants if k in v))
+    seen = {k: list(dict.fromkeys(v.get(k, "-") for v in variants)) for k in keys}
+    return "; ".join(f"{k} {'/'.join(vals)}" for k, vals in seen.items() if len(vals) > 1)
 
 
 def phases(first_step_s: float, triton: _TritonCompiles | None) -> dict:
@@ -144,6 +182,7 @@ def phases(first_step_s: float, triton: _TritonCompiles | None) -> dict:
         out["Triton compiles in process"] = triton.compile_s
         out["Triton autotune"] = triton.tune_s
         out["compiles per kernel"] = dict(sorted(triton.compiles.items(), key=lambda kv: -kv[1]))
+        out["repeats differ in"] = {k: differing(v) for k, v in triton.variants.items() if len(v) > 1}
         out["tunings per kernel"] = triton.tunings
         out["Triton cache hits"] = triton.hits
     timed = sum(v for k, v in out.items() if isinstance(v, float) and v == v)
@@ -151,7 +190,7 @@ def phases(first_step_s: float, triton: _TritonCompiles | None) -> dict:
     return out
 
 
-def measure(model_name: str, arm: str, layers: int, smoke: bool, per_block: bool, device: str,
+def measure(model_name: str, arm: str, layers: int, dims: str, per_block: bool, device: str,
             profile: int = 0) -> dict:
     """One first training step of ``model_name`` under ``arm`` in this process; its time and the cache counters
     (and, with ``profile``, the text of its ``profile`` costliest functions by cumulative time, key ``profile``)."""
@@ -164,7 +203,7 @@ def measure(model_name: str, arm: str, layers: int, smoke: bool, per_block: bool
         lg = logging.getLogger(name)
         lg.addHandler(handler)
         lg.setLevel(logging.INFO)
-    model = hf_models.build_model(model_name, layers, "smoke" if smoke else "real", device)
+    model = hf_models.build_model(model_name, layers, dims, device)
     backend, options, _ = ARMS[arm]
     if per_block:
         for layer in model.model.layers:
@@ -173,7 +212,7 @@ def measure(model_name: str, arm: str, layers: int, smoke: bool, per_block: bool
     else:
         fn = torch.compile(model, backend=backend, options=options)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
-    batch, seq = (2, 64) if smoke else (4, 2048)
+    batch, seq = (4, 2048) if dims == "real" else (2, 64)
     x = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
     prof = cProfile.Profile() if profile else None
     triton = None
@@ -202,7 +241,9 @@ def measure(model_name: str, arm: str, layers: int, smoke: bool, per_block: bool
     import mxfx
 
     mx_ops = sum(pm.count(rewritten=True) for pm in mxfx.report.all_reports())
+    passes_s = sum(t for pm in mxfx.report.all_reports() for t, _ in pm.steps.values())
     return {"first_step_s": first, "frames": counters["stats"]["unique_graphs"], "mx_ops": mx_ops, **cache_counters(),
+            "mxfx_passes_s": passes_s,
             "bypass": handler.reasons[0] if handler.reasons else "", "phases": phases(first, triton),
             **({"profile": text} if text else {})}
 
@@ -211,7 +252,7 @@ def run_child(args, arm: str, cache_dir: str, profile: int = 0) -> dict:
     """:func:`measure` in a fresh process with ``TORCHINDUCTOR_CACHE_DIR=cache_dir`` and the arm's environment."""
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", args.model, "--arms", arm,
            "--layers", str(args.layers), "--profile", str(profile)]
-    cmd += (["--smoke"] if args.smoke else []) + (["--per-block"] if args.per_block_run else [])
+    cmd += ["--dims", args.dims] + (["--smoke"] if args.smoke else []) + (["--per-block"] if args.per_block_run else [])
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir, **ARMS[arm][2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -252,29 +293,129 @@ def phase_table(rows: list[dict]) -> str:
     for r in cold:
         ph = r["phases"]
         cells = [f"{ph[c]:.1f}" if isinstance(ph.get(c), float) and ph[c] == ph[c] else "-" for c in columns]
+        if r.get("mxfx_passes_s"):  # inside the backend's time: mxfx's passes (rewrite, bench/compile_time.py)
+            cells[1] += f" (passes {r['mxfx_passes_s']:.2f})"
         per = ph.get("compiles per kernel", {})
-        again = ", ".join(f"{k} x{n}" for k, n in per.items() if n > 1) or "none"
+        why = ph.get("repeats differ in", {})
+        again = ", ".join(f"{k} x{n}" + (f" [{why[k]}]" if why.get(k) else "") for k, n in per.items() if n > 1)
+        again = again or "none"
         lines.append(f"| {r['unit']} | {r['arm']} | {r['first_step_s']:.1f} | " + " | ".join(cells)
                      + f" | {sum(per.values())} ({again}) |")
     return "\n".join(lines)
 
+def _aot_only(row: dict):
+    """An inner compiler that runs AOTAutograd alone, with Inductor's decompositions and min-cut partitioner, and
+    writes its seconds and the joint / forward / backward graphs' node counts into ``row``; the graphs run as they
+    are (no Inductor lowering)."""
+    from functorch.compile import aot_module_simplified, make_boxed_func, min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+
+    def partition(joint, inputs, **kwargs):
+        start = time.perf_counter()
+        fw, bw = min_cut_rematerialization_partition(joint, inputs, **kwargs)
+        row["partition s"] = time.perf_counter() - start
+        row["joint nodes"], row["forward nodes"], row["backward nodes"] = (
+            len(g.graph.nodes) for g in (joint, fw, bw))
+        row["kernel nodes"] = sum(str(n.target).startswith("triton_kernel_wrapper") for g in (fw, bw)
+                                  for n in g.graph.nodes)
+        return fw, bw
+
+    def compile_graph(gm, example_inputs):
+        start = time.perf_counter()
+        row.setdefault("backend s", start - row.pop("entered"))
+        run_as_is = lambda g, _: make_boxed_func(g.forward)  # noqa: E731
+        out = aot_module_simplified(gm, example_inputs, fw_compiler=run_as_is, bw_compiler=run_as_is,
+                                    partition_fn=partition, decompositions=select_decomp_table())
+        row["AOT trace + partition s"] = time.perf_counter() - start
+        return out
+
+    return compile_graph
+
+
+def passes_only(model_name: str, arms: list[str], layers: int, dims: str, device: str) -> list[dict]:
+    """Per arm, in this process on ``device``: the mxfx backend's own seconds and its passes' (seconds and nodes
+    each adds), then AOTAutograd's (module docstring, ``--passes-only``); prints both tables."""
+    import torch
+    import torch._inductor.compile_fx  # noqa: F401  imported by every arm's compile: not the first arm's cost
+
+    import hf_models
+    import mxfx
+    from mxfx.backend import mxfp8_backend
+
+    rows, steps = [], {}
+    for arm in arms:
+        torch._dynamo.reset()
+        backend, options, _ = ARMS[arm]
+        row = {"arm": arm}
+        aot = _aot_only(row)
+        reports = len(mxfx.report.all_reports())
+
+        def compile_arm(gm, example_inputs):
+            row["entered"] = time.perf_counter()
+            if backend == "inductor":
+                row["Dynamo nodes"] = row["after passes"] = len(gm.graph.nodes)
+                return aot(gm, example_inputs)
+            return mxfp8_backend(gm, example_inputs, options={**(options or {}), "inner": aot})
+
+        model = hf_models.build_model(model_name, layers, dims, device)
+        x = torch.randint(0, model.config.vocab_size, (2, 64), device=device)
+        with torch.autocast(device, torch.bfloat16):
+            torch.compile(model, backend=compile_arm)(input_ids=x, labels=x)
+        for pm in mxfx.report.all_reports()[reports:]:
+            row["Dynamo nodes"] = row.get("Dynamo nodes", 0) + pm.nodes
+            row["after passes"] = row.get("after passes", 0) + pm.nodes + sum(n for _, n in pm.steps.values())
+            row["passes s"] = row.get("passes s", 0.0) + sum(t for t, _ in pm.steps.values())
+            for step, (t, n) in pm.steps.items():
+                was_t, was_n = steps.setdefault(step, {}).get(arm, (0.0, 0))
+                steps[step][arm] = (was_t + t, was_n + n)
+        rows.append(row)
+    columns = ["Dynamo nodes", "after passes", "passes s", "backend s", "AOT trace + partition s", "partition s",
+               "joint nodes", "forward nodes", "backward nodes", "kernel nodes"]
+    cell = lambda v: "-" if v is None else f"{v:.2f}" if isinstance(v, float) else str(v)  # noqa: E731
+    how = "CPU (MX ops opaque)" if device == "cpu" else f"{device} (MX kernels traced into the graph)"
+    lines = [f"{model_name}, {layers} layers, {dims} dims, {how}", "",
+             "| arm | " + " | ".join(columns) + " |", "|---|" + "---:|" * len(columns)]
+    lines += ["| " + " | ".join([r["arm"], *(cell(r.get(c)) for c in columns)]) + " |" for r in rows]
+    mx_arms = [a for a in arms if ARMS[a][0] != "inductor"]
+    if steps and mx_arms:
+        lines += ["", "each pass: ms (nodes added)", "", "| step | " + " | ".join(mx_arms) + " |",
+                  "|---|" + "---:|" * len(mx_arms)]
+        for step, per_arm in steps.items():
+            lines.append(f"| {step} | " + " | ".join(
+                f"{per_arm[a][0] * 1e3:.1f} ({per_arm[a][1]:+d})" if a in per_arm else "-" for a in mx_arms) + " |")
+    from _results import emit
+
+    emit("compile_passes.md", "\n".join(lines))
+    return rows
+
 
 def main(argv=None) -> list[dict]:
+    import hf_models
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="olmoe", help="olmoe or qwen3 (bench/hf_models.py)")
     p.add_argument("--arms", default="bf16,mxfp8", help="comma list of " + ", ".join(ARMS))
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--units", default="model,block", help="comma list: model (whole-model compile), block (per layer)")
-    p.add_argument("--smoke", action="store_true", help="CPU, tiny dims")
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny dims (with --dims: those dims)")
+    p.add_argument("--dims", choices=hf_models.DIMS, help="model dims (bench/hf_models.py): real, or smoke with --smoke")
+    p.add_argument("--passes-only", action="store_true", help="CPU: the passes' own time and graph sizes (no Inductor)")
     p.add_argument("--profile", type=int, default=0, help="write the N costliest functions of each cold first step")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--per-block", dest="per_block_run", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     import torch
 
+    if args.passes_only:
+        unknown = set(args.arms.split(",")) - set(ARMS)
+        if unknown:
+            p.error(f"unknown arm(s) {sorted(unknown)}; choose from {', '.join(ARMS)}")
+        device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+        return passes_only(args.model, args.arms.split(","), args.layers, args.dims or "small", device)
+    args.dims = args.dims or ("smoke" if args.smoke else "real")
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     if args.child:
-        print(json.dumps(measure(args.model, args.arms, args.layers, args.smoke, args.per_block_run, device,
+        print(json.dumps(measure(args.model, args.arms, args.layers, args.dims, args.per_block_run, device,
                                  args.profile)), flush=True)
         return []
     unknown = set(args.arms.split(",")) - set(ARMS)

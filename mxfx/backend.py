@@ -10,6 +10,7 @@ inner Inductor as that mode's settings, less CUDA graphs (:func:`inductor_mode_o
 from __future__ import annotations
 
 import logging
+import time
 import warnings
 
 import torch
@@ -124,20 +125,31 @@ def rewrite(gm: fx.GraphModule, policy: Policy) -> report.PrecisionMap:
     """Run every enabled pass on ``gm`` in place and return its precision map.
 
     Subgraphs (the bodies of ``torch.utils.checkpoint`` regions and other
-    higher-order ops, held as GraphModule attributes) are rewritten too.
+    higher-order ops, held as GraphModule attributes) are rewritten too. The map records what each
+    step cost (:attr:`mxfx.report.PrecisionMap.steps`).
     """
-    pm = report.PrecisionMap()
-    for g in all_graphs(gm):
+    graphs = all_graphs(gm)
+    pm = report.PrecisionMap(nodes=sum(len(g.graph.nodes) for g in graphs))
+    steps = [(run.__module__.rpartition(".")[2], run) for name, run in passes.PIPELINE if policy.pass_enabled(name)]
+    steps += [("example values", _fill_example_values), ("lint + recompile", _lint_recompile)]
+    for g in graphs:
         own = report.PrecisionMap()  # the passes find records by node name, which one graph alone keeps unique
-        for name, run in passes.PIPELINE:
-            if policy.pass_enabled(name):
-                run(g, policy, own)
+        for step, run in steps:
+            nodes, start = len(g.graph.nodes), time.perf_counter()
+            run(g, policy, own)
+            pm.note_step(step, time.perf_counter() - start, len(g.graph.nodes) - nodes)
         pm.records += own.records
-        fill_example_values(g)  # AOTAutograd's cache needs them (mxfx.cache_key)
-        g.graph.lint()
-        g.recompile()
     pm.stats_sites = stats_sites(gm)
     return pm
+
+
+def _fill_example_values(g: fx.GraphModule, policy: Policy, pm: report.PrecisionMap) -> None:
+    fill_example_values(g)  # AOTAutograd's cache needs them (mxfx.cache_key)
+
+
+def _lint_recompile(g: fx.GraphModule, policy: Policy, pm: report.PrecisionMap) -> None:
+    g.graph.lint()
+    g.recompile()
 
 
 _warned_formats: set[str] = set()  # formats whose GPU note was given (once per process each)

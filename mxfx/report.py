@@ -87,11 +87,21 @@ class PrecisionMap:
     graph_id: int | None = None  # numbered by register(), once its graph has compiled
     records: list[OpRecord] = field(default_factory=list)
     stats_sites: list[str] = field(default_factory=list)  # statistics site prefixes of the graph's ops (Policy.stats)
+    nodes: int = 0  # nodes of the graph and its subgraphs as Dynamo traced them, before the passes
+    steps: dict[str, tuple[float, int]] = field(default_factory=dict)
+    """What rewriting the graph cost, per step (each pass by its module's name, then "example values" and
+    "lint + recompile"), summed over the graph and its subgraphs: ``(seconds, nodes added)``, negative where the
+    step removed nodes (``bench/compile_time.py --passes-only`` prints it)."""
 
     def add(self, record: OpRecord) -> None:
         """Append ``record`` and bump ``torch._dynamo.utils.counters["mxfx"]["<kind>_rewritten|skipped"]``."""
         self.records.append(record)
         counters["mxfx"][f"{record.kind}_{'rewritten' if record.rewritten else 'skipped'}"] += 1
+
+    def note_step(self, step: str, seconds: float, added: int) -> None:
+        """Add ``seconds`` and ``added`` nodes to :attr:`steps` ``[step]``."""
+        was_s, was_n = self.steps.get(step, (0.0, 0))
+        self.steps[step] = (was_s + seconds, was_n + added)
 
     def find(self, node: str, kinds: tuple = ("linear", "grouped_mm")) -> OpRecord | None:
         """The record of the GEMM op named ``node`` (None if absent)."""

@@ -242,3 +242,38 @@ def test_compile_time_phase_table_counts_triton_compiles(monkeypatch):
     text = compile_time.phase_table([row, {**row, "cache": "warm"}])
     assert text.count("| model | fp8_block |") == 1  # cold rows only
     assert "| 3 (_quantize_kernel x2) |" in text and "| 0.8 | 2.0 |" in text
+
+
+def test_compile_time_names_what_repeated_compiles_differ_in(monkeypatch):
+    """A kernel compiled twice in the process is listed with the arguments its two compiles were specialized on
+    differently (read from the Triton sources the compile listener receives), and only those: a constexpr's
+    value, an int's divisibility by 16."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import compile_time
+    import triton
+    import triton.language as tl
+    from triton.compiler import ASTSource
+
+    @triton.jit
+    def _scale_kernel(x_ptr, n, stride, AXIS: tl.constexpr):
+        tl.store(x_ptr + tl.arange(0, 16) * stride, tl.zeros((16,), tl.float32), mask=tl.arange(0, 16) < n)
+
+    signature = {"x_ptr": "*fp32", "n": "i32", "stride": "i32", "AXIS": "constexpr"}
+    sources = [ASTSource(_scale_kernel, signature, {"AXIS": 0}, {(0,): [["tt.divisibility", 16]]}),
+               ASTSource(_scale_kernel, signature, {"AXIS": 1},
+                         {(0,): [["tt.divisibility", 16]], (2,): [["tt.divisibility", 16]]})]
+
+    class Times:
+        total = 1000
+
+    t = compile_time._TritonCompiles()
+    for src in sources:
+        t.on_compile(src=src, metadata={}, metadata_group={}, times=Times(), cache_hit=False)
+    assert compile_time.specialization(sources[1]) == {
+        "x_ptr": "*fp32 tt.divisibility=16", "n": "i32", "stride": "i32 tt.divisibility=16", "AXIS": "=1"}
+    assert compile_time.differing(t.variants["_scale_kernel"]) == "stride i32/i32 tt.divisibility=16; AXIS =0/=1"
+    row = {"unit": "model", "arm": "fp8_block", "cache": "cold", "first_step_s": 10.0,
+           "phases": compile_time.phases(10.0, t), "mxfx_passes_s": 0.25}
+    text = compile_time.phase_table([row])
+    assert "_scale_kernel x2 [stride i32/i32 tt.divisibility=16; AXIS =0/=1]" in text
+    assert "(passes 0.25)" in text
