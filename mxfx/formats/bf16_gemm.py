@@ -2,9 +2,11 @@
 
 What autocast does for a linear, made explicit and cached: each weight is cast to BF16 once per optimizer step (the
 weight cache, forms "bf16_forward" and its transpose view "bf16_dgrad"), activations and gradients are cast to BF16
-per GEMM, products accumulate in FP32 and a routed wgrad is widened into the FP32 gradient. It is what a policy asks
-for where it wants BF16 GEMMs that autocast cannot reach (transformers' FP32 grouped-GEMM fallback for routed
-experts with FP32 main weights), and the fair BF16 baseline of the low-precision formats: same recipe, same caches.
+per GEMM, products accumulate in FP32 and the wgrad GEMMs write the FP32 gradient themselves (on CUDA the routed
+one through a BF16 grouped GEMM widened inside its op: :func:`mxfx.kernels.common.hp_gemm.hp_grouped_wgrad`). It is
+what a policy asks for where it wants BF16 GEMMs that autocast cannot reach (transformers' FP32 grouped-GEMM fallback
+for routed experts with FP32 main weights), and the fair BF16 baseline of the low-precision formats: same recipe,
+same caches.
 
 ``precision="bf16"`` is another thing: the op is left exactly as the model wrote it. An operand is ``(values bf16,)``.
 """
@@ -104,7 +106,8 @@ class BF16Gemm(Format):
         return (x.to(_BF16),)
 
     def wgrad_mm(self, dy_tokens, x_tokens, out_dtype):
-        return _mm(dy_tokens[0].t(), x_tokens[0].t(), out_dtype)
+        # the weight gradient in out_dtype (FP32 for an FP32 main weight) from the GEMM itself, on the CPU too
+        return hp_mm_transposed(dy_tokens[0].t(), x_tokens[0].t(), out_dtype)
 
     def grouped_tokens_operand(self, t, offs, rule):
         return (t.to(_BF16),)
