@@ -46,7 +46,7 @@ def test_kernel_compiles_for_sm90_to_fp8_wgmma_without_spills(out_dtype):
     sb = torch.empty(g, n // 128, k // 128)
     offs = torch.arange(1, g + 1, dtype=torch.int32) * (s // g)
     out = torch.empty(s, n, dtype=out_dtype)
-    grid, args, kwargs = sm90.launch_args(a, sa, b, sb, offs, out)
+    (grid, args, kwargs), _ = sm90.launch_args(a, sa, b, sb, offs, out)
     c = sass.compile_sm90(sass.Launch(sm90._grouped_kernel, grid, args, kwargs))
     counts = c.counts
     assert counts.get("QGMMA", 0) >= 8, dict(counts)  # 4 K=32 instructions per 128-K step, in both math warpgroups
@@ -55,6 +55,59 @@ def test_kernel_compiles_for_sm90_to_fp8_wgmma_without_spills(out_dtype):
     assert counts.get("UTMALDG", 0) >= 3 and counts.get("UTMASTG", 0) >= 1, dict(counts)
     assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0, "registers spilled to local memory"
     assert c.shared <= 227 * 1024
+
+
+def schedule_reference(sizes, s, n, block_m, block_n, band, max_tiles):
+    """The schedule's table in plain Python: per tile (group, first row, first column, group end), group by group
+    (the tail past the last group as group G), inside a group in bands of ``band`` row blocks, row blocks fastest;
+    entries past the last tile have group -1."""
+    rows, start = [], 0
+    ends = [min(e, s) for e in torch.tensor(sizes).cumsum(0).tolist()] + [s]
+    tiles_n = -(-n // block_n)
+    for g, end in enumerate(ends):
+        end = max(end, start)
+        tiles_m = -(-(end - start) // block_m)
+        for t in range(tiles_m * tiles_n):
+            b, r = divmod(t, band * tiles_n)
+            height = min(tiles_m - b * band, band)
+            rows.append((g, start + (b * band + r % height) * block_m, (r // height) * block_n, end))
+        start = end
+    assert len(rows) <= max_tiles
+    return rows + [(-1,) for _ in range(max_tiles - len(rows))]
+
+
+SCHEDULE_CASES = [([300, 0, 129, 7, 0, 1000], 1500, 384), ([0, 0], 40, 128), ([4096] * 3, 12288, 1024)]
+
+
+def _schedule_matches(device):
+    """Run the schedule kernel on ``device`` for each case and compare with :func:`schedule_reference`."""
+    sm90 = block_gemm._sm90_kernel()
+    for sizes, s, n in SCHEDULE_CASES:
+        k = 256
+        a = torch.zeros(s, k, dtype=torch.float8_e4m3fn, device=device)
+        b = torch.zeros(len(sizes), n, k, dtype=torch.float8_e4m3fn, device=device)
+        offs = torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
+        out = torch.empty(s, n, dtype=torch.bfloat16, device=device)
+        _, (grid, args, kwargs) = sm90.launch_args(a, a, b, b, offs, out)
+        sm90._schedule_kernel[grid](*args, **kwargs)
+        table, max_tiles = args[1].cpu(), args[5]
+        want = schedule_reference(sizes, s, n, kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs["BAND"], max_tiles)
+        for t, row in enumerate(want):
+            got = tuple(table[t].tolist()[:len(row)])
+            assert got == row, (sizes, t, got, row)
+
+
+def test_schedule_matches_its_reference_in_the_interpreter():
+    from tests.helpers import run_interpreter_checks
+
+    _sm90()
+    run_interpreter_checks(__file__)
+
+
+@pytest.mark.skipif(not _GPU, reason="needs an sm90 GPU")
+def test_schedule_matches_its_reference_on_the_gpu():
+    _sm90()
+    _schedule_matches("cuda")
 
 
 def _check(out, a, sa, b, sb, offs_list):
@@ -126,3 +179,8 @@ def test_grouped_mm_picks_the_sm90_kernel_when_asked_and_falls_back_where_it_can
     monkeypatch.setenv(block_gemm.SM90_ENV, "yes please")
     with pytest.raises(ValueError, match="MXFX_GROUPED_SM90"):
         block_gemm.grouped_kernel_name(a, b, torch.bfloat16)
+
+
+if __name__ == "__main__" and "--interpret" in __import__("sys").argv:  # run_interpreter_checks' subprocess
+    _schedule_matches("cpu")
+    print("schedule: interpreter checks passed")

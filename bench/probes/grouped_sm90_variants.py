@@ -32,13 +32,11 @@ SHAPES = {  # name: (rows, groups, K, N): forward of gate/up (d -> 2h) and down 
 
 VARIANTS = {
     "default": {},
-    "band4": {"BAND": 4},
+    "band8": {"BAND": 8},
     "band16": {"BAND": 16},
-    "band64": {"BAND": 64},
     "stages4": {"STAGES": 4},
     "no_tma_store": {"EPI_TMA": False},
     "pipe": {"PIPE": True},
-    "pipe_band16": {"PIPE": True, "BAND": 16},
 }
 
 

@@ -6,21 +6,23 @@ Computes what :mod:`mxfx.kernels.fp8_block.grouped_gemm` computes, ``out[rows of
 is one FP8 ``wgmma`` into a fresh FP32 partial sum, promoted into the FP32 accumulator with the product of the
 row's A scale and the tile's B scale (one FMA per value per step).
 
-Design (one persistent program per SM, three partitions of warps):
+Design: a schedule, then one persistent program per SM with three partitions of warps.
 
-* a producer warp (40 registers) walks the same tile sequence as the math warpgroups and fills a ring of
-  ``STAGES`` shared-memory stages with TMA: per K step two 64-row boxes of A and one ``BLOCK_N``-row box of B,
-  each stage completing on its "ready" mbarrier;
+* the schedule (:func:`_schedule_kernel`, a small Triton launch before the GEMM, no host sync) numbers the tiles
+  of all groups globally (group by group; inside a group in bands of ``BAND`` row blocks, row blocks fastest, so
+  the programs running at once share their A rows and B columns in L2) and writes each tile's group, first row,
+  first column and group end; program p of the GEMM takes tiles p, p + P, ..., reading the next tile's entry while
+  it computes this one, so no partition walks the groups between tiles;
+* a producer warp (40 registers) fills a ring of ``STAGES`` shared-memory stages with TMA: per K step two 64-row
+  boxes of A and one ``BLOCK_N``-row box of B, each stage completing on its "ready" mbarrier;
 * two math warpgroups (the default partition and one worker, 232 registers each) own the upper and lower 64 rows
   of a 128 x ``BLOCK_N`` tile; each issues its ``wgmma`` on the stage, waits for it, hands the stage back on its
-  "empty" mbarrier (two arrivals free a stage) and promotes. While one warpgroup promotes on the CUDA cores the
-  other's ``wgmma`` keeps the tensor cores busy;
-* tiles are numbered globally over the groups (group by group; inside a group in bands of ``BAND`` row blocks,
-  row blocks fastest, so the programs running at once share their A rows and B columns in L2); program p takes
-  tiles p, p + P, ... Group sizes never reach the host.
+  "empty" mbarrier (two arrivals free a stage) and promotes with scales loaded a step ahead. While one warpgroup
+  promotes on the CUDA cores the other's ``wgmma`` keeps the tensor cores busy.
 
 Rows past a group's end are read by the TMA boxes (they belong to the next group, or are zeros past S) and never
-stored: the epilogue stores each warpgroup's 64 x ``BLOCK_N`` block with a row and column mask.
+stored: whole 64 x ``BLOCK_N`` blocks of a group leave through shared memory and a TMA store, blocks that cross a
+group's end or N through masked stores.
 
 Needs: A and B K-major and contiguous with K a multiple of 16 (TMA), a B tile inside one 128-column weight block
 (``128 % BLOCK_N == 0``). :func:`supported` says whether a call qualifies; the caller falls back to the Triton
@@ -33,6 +35,7 @@ import functools
 
 import torch
 import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -59,77 +62,101 @@ LOAD_REGS = gl.constexpr(40)
 """Registers per thread of the producer warp."""
 
 
-@gluon.jit
-def _group_span(offs_ptr, g, G, S):
-    """Rows ``[start, end)`` of group g (g == G: the tail past ``offs[-1]``), clamped to ``[0, S]``."""
-    start = gl.load(offs_ptr + g - 1, mask=g > 0, other=0)
-    end = gl.load(offs_ptr + g, mask=g < G, other=S)
-    start = gl.minimum(start, S)
-    end = gl.maximum(gl.minimum(end, S), start)
-    return start, end
+@triton.jit
+def _schedule_kernel(offs_ptr, table_ptr, S, N, G, max_tiles,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BAND: tl.constexpr, G_PAD: tl.constexpr,
+                     CHUNK: tl.constexpr):
+    """Program g (of G + 1) writes the entries ``(g, first row, first column, group end)`` of group g's tiles
+    (g == G: the rows past ``offs[-1]``) at their global numbers; program G also marks the entries past the last
+    tile (group -1). Tiles of a group in bands of ``BAND`` row blocks, row blocks fastest in a band."""
+    g = tl.program_id(0)
+    idx = tl.arange(0, G_PAD)
+    ends = tl.load(offs_ptr + idx, mask=idx < G, other=S)
+    starts = tl.load(offs_ptr + idx - 1, mask=(idx > 0) & (idx <= G), other=0)
+    starts = tl.minimum(starts, S)
+    ends = tl.where(idx <= G, tl.maximum(tl.minimum(ends, S), starts), starts)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    counts = tl.cdiv(ends - starts, BLOCK_M) * tiles_n
+    first = tl.sum(tl.where(idx < g, counts, 0))
+    count = tl.sum(tl.where(idx == g, counts, 0))
+    start = tl.sum(tl.where(idx == g, starts, 0))
+    end = tl.sum(tl.where(idx == g, ends, 0))
+    tiles_m = tl.cdiv(end - start, BLOCK_M)
+    for c0 in range(0, count, CHUNK):
+        t = c0 + tl.arange(0, CHUNK)
+        band = t // (BAND * tiles_n)
+        height = tl.minimum(tiles_m - band * BAND, BAND)
+        r = t - band * BAND * tiles_n
+        height = tl.maximum(height, 1)
+        entry = table_ptr + (first + t).to(tl.int64) * 4
+        ok = t < count
+        tl.store(entry, tl.zeros_like(t) + g, mask=ok)
+        tl.store(entry + 1, start + (band * BAND + r % height) * BLOCK_M, mask=ok)
+        tl.store(entry + 2, (r // height) * BLOCK_N, mask=ok)
+        tl.store(entry + 3, tl.zeros_like(t) + end, mask=ok)
+    if g == G:
+        total = tl.sum(counts)
+        for c0 in range(total, max_tiles, CHUNK):
+            t = c0 + tl.arange(0, CHUNK)
+            tl.store(table_ptr + t.to(tl.int64) * 4, tl.zeros_like(t) - 1, mask=t < max_tiles)
 
 
 @gluon.jit
-def _tile_origin(t, start, end, tiles_n, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BAND: gl.constexpr):
-    """First row and column of tile t of a group: bands of ``BAND`` row blocks, row blocks fastest in a band."""
-    tiles_m = gl.cdiv(end - start, BLOCK_M)
-    band = t // (BAND * tiles_n)
-    first = band * BAND
-    height = gl.minimum(tiles_m - first, BAND)
-    r = t - band * BAND * tiles_n
-    return start + (first + r % height) * BLOCK_M, (r // height) * BLOCK_N
+def _tile(table_ptr, t, max_tiles):
+    """Entry t of the schedule (:func:`_schedule_kernel`): group, first row, first column, group end; group -1
+    past the last tile."""
+    entry = table_ptr + t.to(gl.int64) * 4
+    live = t < max_tiles
+    return (gl.load(entry, mask=live, other=-1), gl.load(entry + 1, mask=live, other=0),
+            gl.load(entry + 2, mask=live, other=0), gl.load(entry + 3, mask=live, other=0))
 
 
 @gluon.jit
-def _first_tile(pid, seen, P):
-    """The first tile of a group (whose tiles start at global number ``seen``) that program ``pid`` of P takes."""
-    return ((pid - seen) % P + P) % P
-
-
-@gluon.jit
-def _load_partition(a_desc, b_desc, a0_bufs, a1_bufs, b_bufs, ready, empty, offs_ptr, S, N, K, G,
-                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, BAND: gl.constexpr):
+def _load_partition(a_desc, b_desc, a0_bufs, a1_bufs, b_bufs, ready, empty, table_ptr, max_tiles, N, K, G,
+                    STAGES: gl.constexpr):
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-    BLOCK_M: gl.constexpr = 2 * a_desc.block_type.shape[0]
+    ROWS: gl.constexpr = a_desc.block_type.shape[0]
     pid = gl.program_id(0)
     P = gl.num_programs(0)
-    tiles_n = gl.cdiv(N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
     nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes
     it = 0
-    seen = 0
-    for g in range(0, G):  # the tail group G loads nothing
-        start, end = _group_span(offs_ptr, g, G, S)
-        group_tiles = gl.cdiv(end - start, BLOCK_M) * tiles_n
-        for t in range(_first_tile(pid, seen, P), group_tiles, P):
-            m0, n0 = _tile_origin(t, start, end, tiles_n, BLOCK_M, BLOCK_N, BAND)
-            for kb in range(0, k_steps):
-                s = it % STAGES
-                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-                mbarrier.expect(ready.index(s), nbytes)
-                k0 = kb * BLOCK_K
-                _tma_load(a_desc, [m0, k0], ready.index(s), a0_bufs.index(s))
-                _tma_load(a_desc, [m0 + BLOCK_M // 2, k0], ready.index(s), a1_bufs.index(s))
-                _tma_load(b_desc, [g * N + n0, k0], ready.index(s), b_bufs.index(s))
-                it += 1
-        seen += group_tiles
+    t = pid
+    g, m0, n0, end = _tile(table_ptr, t, max_tiles)
+    while g >= 0:
+        t_next = t + P
+        g_next, m0_next, n0_next, end_next = _tile(table_ptr, t_next, max_tiles)  # in flight during this tile
+        steps = gl.where(g < G, k_steps, 0)  # the tail's tiles load nothing
+        for kb in range(0, steps):
+            s = it % STAGES
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), nbytes)
+            k0 = kb * BLOCK_K
+            _tma_load(a_desc, [m0, k0], ready.index(s), a0_bufs.index(s))
+            _tma_load(a_desc, [m0 + ROWS, k0], ready.index(s), a1_bufs.index(s))
+            _tma_load(b_desc, [g * N + n0, k0], ready.index(s), b_bufs.index(s))
+            it += 1
+        t, g, m0, n0, end = t_next, g_next, m0_next, n0_next, end_next
 
 
 @gluon.jit
 def _steps(a_bufs, b_bufs, ready, empty, as_ptrs, bs_ptrs, row_ok, s_ask, s_bsk, steps, it, zero,
            STAGES: gl.constexpr):
-    """One tile's K steps, each ``wgmma`` waited for before its promotion (the other warpgroup's runs meanwhile):
-    the FP32 accumulator and the ring position after them."""
+    """One tile's K steps, each ``wgmma`` waited for before its promotion (the other warpgroup's runs meanwhile),
+    each step's scales loaded one step ahead: the FP32 accumulator and the ring position after them."""
     acc = zero
+    scale = gl.load(as_ptrs, mask=row_ok & (steps > 0), other=0.0) * gl.load(bs_ptrs, mask=steps > 0, other=0.0)
     for kb in range(0, steps):
         s = it % STAGES
-        sa = gl.load(as_ptrs + kb * s_ask, mask=row_ok, other=0.0)
-        sb = gl.load(bs_ptrs + kb * s_bsk)
+        ahead = kb + 1 < steps
+        scale_next = (gl.load(as_ptrs + (kb + 1) * s_ask, mask=row_ok & ahead, other=0.0)
+                      * gl.load(bs_ptrs + (kb + 1) * s_bsk, mask=ahead, other=0.0))
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
         partial = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
         partial = warpgroup_mma_wait(num_outstanding=0, deps=(partial,))
         mbarrier.arrive(empty.index(s), count=1)
-        acc += partial * gl.expand_dims(sa * sb, 1)
+        acc += partial * gl.expand_dims(scale, 1)
+        scale = scale_next
         it += 1
     return acc, it
 
@@ -167,61 +194,57 @@ def _steps_overlapped(a_bufs, b_bufs, ready, empty, as_ptrs, bs_ptrs, row_ok, s_
 
 @gluon.jit
 def _math_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, operands,
-                    WG: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, BAND: gl.constexpr,
-                    EPI_TMA: gl.constexpr, PIPE: gl.constexpr):
-    as_ptr, bs_ptr, offs_ptr, c_ptr, S, N, K, G, s_asm, s_ask, s_bsg, s_bsn, s_bsk, s_cm, s_cn = operands
+                    WG: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EPI_TMA: gl.constexpr,
+                    PIPE: gl.constexpr):
+    as_ptr, bs_ptr, table_ptr, c_ptr, max_tiles, N, K, G, s_asm, s_ask, s_bsg, s_bsn, s_bsk, s_cm, s_cn = operands
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     ROWS: gl.constexpr = a_bufs.type.shape[1]
-    BLOCK_M: gl.constexpr = 2 * ROWS
     # fp8 wgmma: instruction K = 32, N = the tile's width; one warpgroup of 4 warps along M
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
     row_layout: gl.constexpr = gl.SliceLayout(1, mma)
     col_layout: gl.constexpr = gl.SliceLayout(0, mma)
     pid = gl.program_id(0)
     P = gl.num_programs(0)
-    tiles_n = gl.cdiv(N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
     zero = gl.zeros((ROWS, BLOCK_N), gl.float32, mma)
     it = 0
-    seen = 0
-    for g in range(0, G + 1):  # group G: the rows past offs[-1], stored as zeros
-        start, end = _group_span(offs_ptr, g, G, S)
-        group_tiles = gl.cdiv(end - start, BLOCK_M) * tiles_n
-        steps = gl.where(g < G, k_steps, 0)
-        for t in range(_first_tile(pid, seen, P), group_tiles, P):
-            m0, n0 = _tile_origin(t, start, end, tiles_n, BLOCK_M, BLOCK_N, BAND)
-            rows = m0 + WG * ROWS + gl.arange(0, ROWS, layout=row_layout)
-            row_ok = rows < end
-            as_ptrs = as_ptr + rows.to(gl.int64) * s_asm
-            bs_ptrs = bs_ptr + g.to(gl.int64) * s_bsg + (n0 // 128) * s_bsn
-            if PIPE:
-                acc, it = _steps_overlapped(a_bufs, b_bufs, ready, empty, as_ptrs, bs_ptrs, row_ok, s_ask, s_bsk,
-                                            steps, it, zero, STAGES)
-            else:
-                acc, it = _steps(a_bufs, b_bufs, ready, empty, as_ptrs, bs_ptrs, row_ok, s_ask, s_bsk,
-                                 steps, it, zero, STAGES)
-            row0 = m0 + WG * ROWS
-            if EPI_TMA and (row0 + ROWS <= end) and (n0 + BLOCK_N <= N):
-                # a whole block of this group: through shared memory, stored by TMA while the next tile runs
-                tma.store_wait(0)  # the previous block has left c_smem
-                c_smem.store(acc.to(c_ptr.dtype.element_ty))
-                fence_async_shared()
-                _tma_store(c_desc, [row0, n0], c_smem)
-            else:
-                cols = n0 + gl.arange(0, BLOCK_N, layout=col_layout)
-                ptrs = c_ptr + gl.expand_dims(rows.to(gl.int64) * s_cm, 1) + gl.expand_dims(cols * s_cn, 0)
-                mask = gl.expand_dims(row_ok, 1) & gl.expand_dims(cols < N, 0)
-                gl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
-        seen += group_tiles
+    t = pid
+    g, m0, n0, end = _tile(table_ptr, t, max_tiles)
+    while g >= 0:
+        t_next = t + P
+        g_next, m0_next, n0_next, end_next = _tile(table_ptr, t_next, max_tiles)  # in flight during this tile
+        steps = gl.where(g < G, k_steps, 0)  # group G: the rows past offs[-1], stored as zeros
+        row0 = m0 + WG * ROWS
+        rows = row0 + gl.arange(0, ROWS, layout=row_layout)
+        row_ok = rows < end
+        as_ptrs = as_ptr + rows.to(gl.int64) * s_asm
+        bs_ptrs = bs_ptr + g.to(gl.int64) * s_bsg + (n0 // 128) * s_bsn
+        if PIPE:
+            acc, it = _steps_overlapped(a_bufs, b_bufs, ready, empty, as_ptrs, bs_ptrs, row_ok, s_ask, s_bsk,
+                                        steps, it, zero, STAGES)
+        else:
+            acc, it = _steps(a_bufs, b_bufs, ready, empty, as_ptrs, bs_ptrs, row_ok, s_ask, s_bsk,
+                             steps, it, zero, STAGES)
+        if EPI_TMA and (row0 + ROWS <= end) and (n0 + BLOCK_N <= N):
+            # a whole block of this group: through shared memory, stored by TMA while the next tile runs
+            tma.store_wait(0)  # the previous block has left c_smem
+            c_smem.store(acc.to(c_ptr.dtype.element_ty))
+            fence_async_shared()
+            _tma_store(c_desc, [row0, n0], c_smem)
+        else:
+            cols = n0 + gl.arange(0, BLOCK_N, layout=col_layout)
+            ptrs = c_ptr + gl.expand_dims(rows.to(gl.int64) * s_cm, 1) + gl.expand_dims(cols * s_cn, 0)
+            mask = gl.expand_dims(row_ok, 1) & gl.expand_dims(cols < N, 0)
+            gl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+        t, g, m0, n0, end = t_next, g_next, m0_next, n0_next, end_next
     if EPI_TMA:
         tma.store_wait(0)
 
 
 @gluon.jit
-def _grouped_kernel(a_desc, b_desc, c_desc, as_ptr, bs_ptr, offs_ptr, c_ptr, S, N, K, G,
+def _grouped_kernel(a_desc, b_desc, c_desc, as_ptr, bs_ptr, table_ptr, c_ptr, max_tiles, N, K, G,
                     s_asm, s_ask, s_bsg, s_bsn, s_bsk, s_cm, s_cn,
-                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, BAND: gl.constexpr, EPI_TMA: gl.constexpr,
-                    PIPE: gl.constexpr):
+                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EPI_TMA: gl.constexpr, PIPE: gl.constexpr):
     ROWS: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     gl.static_assert(ROWS == 64, "each math warpgroup owns 64 rows")
@@ -237,20 +260,24 @@ def _grouped_kernel(a_desc, b_desc, c_desc, as_ptr, bs_ptr, offs_ptr, c_ptr, S, 
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # one arrival per math warpgroup
-    operands = (as_ptr, bs_ptr, offs_ptr, c_ptr, S, N, K, G, s_asm, s_ask, s_bsg, s_bsn, s_bsk, s_cm, s_cn)
+    operands = (as_ptr, bs_ptr, table_ptr, c_ptr, max_tiles, N, K, G, s_asm, s_ask, s_bsg, s_bsn, s_bsk, s_cm, s_cn)
     gl.warp_specialize([
-        (_math_partition, (a0_bufs, b_bufs, ready, empty, c_desc, c0_smem, operands, 0, BLOCK_N, STAGES, BAND, EPI_TMA,
+        (_math_partition, (a0_bufs, b_bufs, ready, empty, c_desc, c0_smem, operands, 0, BLOCK_N, STAGES, EPI_TMA,
                            PIPE)),
-        (_math_partition, (a1_bufs, b_bufs, ready, empty, c_desc, c1_smem, operands, 1, BLOCK_N, STAGES, BAND, EPI_TMA,
+        (_math_partition, (a1_bufs, b_bufs, ready, empty, c_desc, c1_smem, operands, 1, BLOCK_N, STAGES, EPI_TMA,
                            PIPE)),
-        (_load_partition, (a_desc, b_desc, a0_bufs, a1_bufs, b_bufs, ready, empty, offs_ptr, S, N, K, G,
-                           BLOCK_N, STAGES, BAND)),
+        (_load_partition, (a_desc, b_desc, a0_bufs, a1_bufs, b_bufs, ready, empty, table_ptr, max_tiles, N, K, G,
+                           STAGES)),
     ], [4, 1], [MATH_REGS, LOAD_REGS])
 
 
-CONFIG = {"BLOCK_N": 128, "BAND": 8, "EPI_TMA": True, "PIPE": False}
-"""Tile width, band height, epilogue and K-step overlap (:func:`_steps_overlapped`) of the launch; the pipeline depth is as many stages as shared memory holds
-(:func:`stages`)."""
+CONFIG = {"BLOCK_N": 128, "BAND": 4, "EPI_TMA": True, "PIPE": False}
+"""Tile width, band height of the schedule, epilogue and K-step overlap (:func:`_steps_overlapped`) of the
+launch; the pipeline depth is as many stages as shared memory holds (:func:`stages`)."""
+
+SCHEDULE_CHUNK = 1024
+"""Tiles one schedule program writes per store."""
+
 
 SHARED_BYTES = 227 * 1024
 """Shared memory one sm90 program may take."""
@@ -287,7 +314,8 @@ def _num_sms(device_index: int) -> int:
 
 
 def launch_args(a, a_scales, b, b_scales, offs, out, config=None):
-    """(grid, args, kwargs) of one launch, without running it (the sm90 compile test reads them too)."""
+    """(grid, args, kwargs) of the GEMM's launch, without running it, and the schedule's ``(grid, args, kwargs)``
+    that must run first (the sm90 compile test reads both)."""
     cfg = dict(CONFIG if config is None else config)
     S, K = a.shape
     G, N, _ = b.shape
@@ -300,22 +328,27 @@ def launch_args(a, a_scales, b, b_scales, offs, out, config=None):
     c_desc = TensorDescriptor.from_tensor(out, [WG_ROWS, block_n], c_layout)
     cfg.setdefault("STAGES", stages(block_n, out.dtype))
     sms = _num_sms(a.device.index if a.device.index is not None else torch.cuda.current_device()) if a.is_cuda else 132
-    tiles = (triton.cdiv(S, 2 * WG_ROWS) + G) * triton.cdiv(N, block_n)  # an upper bound, no sync
-    grid = (max(1, min(sms, tiles)),)
-    args = (a_desc, b_desc, c_desc, a_scales, b_scales, offs, out, S, N, K, G,
+    max_tiles = (triton.cdiv(S, 2 * WG_ROWS) + G) * triton.cdiv(N, block_n)  # an upper bound, no sync
+    table = torch.empty((max_tiles, 4), dtype=torch.int32, device=a.device)
+    schedule = ((G + 1,), (offs, table, S, N, G, max_tiles),
+                dict(BLOCK_M=2 * WG_ROWS, BLOCK_N=block_n, BAND=cfg.pop("BAND"),
+                     G_PAD=triton.next_power_of_2(G + 1), CHUNK=SCHEDULE_CHUNK, num_warps=4))
+    grid = (max(1, min(sms, max_tiles)),)
+    args = (a_desc, b_desc, c_desc, a_scales, b_scales, table, out, max_tiles, N, K, G,
             *a_scales.stride(), *b_scales.stride(), *out.stride())
     kwargs = dict(cfg, num_warps=4, maxnreg=(2 * MATH_REGS.value + LOAD_REGS.value) // 3)
-    return grid, args, kwargs
+    return (grid, args, kwargs), schedule
 
 
 def grouped_mm(a, a_scales, b, b_scales, offs, out_dtype=torch.bfloat16, *, config=None) -> torch.Tensor:
-    """Launch the kernel (module docstring); arguments as :func:`mxfx.kernels.fp8_block.gemm.grouped_mm` after its
-    checks, on operands :func:`supported` accepts."""
+    """Launch the kernel (module docstring): the schedule, then the GEMM; arguments as
+    :func:`mxfx.kernels.fp8_block.gemm.grouped_mm` after its checks, on operands :func:`supported` accepts."""
     S = a.shape[0]
     N = b.shape[1]
     out = torch.empty((S, N), dtype=out_dtype, device=a.device)
     if S == 0 or N == 0:
         return out
-    grid, args, kwargs = launch_args(a, a_scales, b, b_scales, offs, out, config)
+    (grid, args, kwargs), (s_grid, s_args, s_kwargs) = launch_args(a, a_scales, b, b_scales, offs, out, config)
+    _schedule_kernel[s_grid](*s_args, **s_kwargs)
     _grouped_kernel[grid](*args, **kwargs)
     return out
