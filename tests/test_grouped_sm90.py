@@ -160,15 +160,20 @@ def test_grouped_forward_and_dgrad_match_the_reference(case, kernel, out_dtype):
 
 
 @pytest.mark.skipif(not _GPU, reason="needs an sm90 GPU")
-def test_grouped_mm_picks_the_sm90_kernel_when_asked_and_falls_back_where_it_cannot(monkeypatch):
+def test_grouped_mm_picks_the_kernel_by_k_or_the_switch_and_falls_back_where_it_cannot(monkeypatch):
     sm90 = _sm90()
     a, sa = bf.quantize_1x128(torch.randn(256, 512, device="cuda"))
     b, sb = bf.quantize_128x128(torch.randn(2, 256, 512, device="cuda"))
     assert sm90.supported(a, b, torch.bfloat16)
     monkeypatch.delenv(block_gemm.SM90_ENV, raising=False)
-    assert block_gemm.grouped_kernel_name(a, b, torch.bfloat16) == "Triton"  # the default
+    assert block_gemm.grouped_kernel_name(a, b, torch.bfloat16) == "sm90 warp-specialized"  # K 512: the default
+    monkeypatch.setattr(block_gemm, "SM90_MAX_K", 256)
+    assert block_gemm.grouped_kernel_name(a, b, torch.bfloat16) == "Triton"  # K above the default's limit
     monkeypatch.setenv(block_gemm.SM90_ENV, "1")
     assert block_gemm.grouped_kernel_name(a, b, torch.bfloat16) == "sm90 warp-specialized"
+    monkeypatch.setenv(block_gemm.SM90_ENV, "0")
+    assert block_gemm.grouped_kernel_name(a, b, torch.bfloat16) == "Triton"
+    monkeypatch.setenv(block_gemm.SM90_ENV, "1")
     w = torch.randn(2, 512, 256, device="cuda").transpose(1, 2)  # [G, N, K] as a strided view: no TMA box reads it
     bt, sbt = bf.quantize_128x128(w)
     bt = bt.transpose(1, 2).contiguous().transpose(1, 2)

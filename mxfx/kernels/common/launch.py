@@ -78,7 +78,7 @@ def opaque_kernels() -> bool:
     return env_switch("MXFX_OPAQUE_KERNELS", False)
 
 
-def env_switch(name: str, default: bool) -> bool:
+def env_switch(name: str, default: bool | None) -> bool | None:
     """The environment switch ``name``: True for 1/true/yes/on, False for 0/false/no/off, ``default`` when unset.
 
     Raises:

@@ -164,20 +164,34 @@ def grouped_mm(
 
 
 SM90_ENV = "MXFX_GROUPED_SM90"
-"""Switch (read at each call): 1/true/yes/on runs forward and dgrad on the warp-specialized sm90 kernel where it
-serves the operands; unset or 0/false/no/off, the Triton kernel. Off by default: on an H100 the sm90 kernel is
-1.4-1.5x the Triton one at Mixtral-8x7B's expert shapes and 0.6-0.9x at OLMoE's, Qwen3's and DeepSeek-V3's
-(BENCHMARKS.md, bench/probes/grouped_sm90_variants.py)."""
+"""Switch (read at each call): 1/true/yes/on runs forward and dgrad on the warp-specialized sm90 kernel wherever it
+serves the operands, 0/false/no/off on the Triton kernel; unset, :data:`SM90_MAX_K` chooses."""
+
+SM90_MAX_K = 4096
+"""Largest K (reduction length) for which the sm90 kernel is the default. On an H100 it measured 0.95-1.45x the
+Triton kernel at the routed shapes of OLMoE, Qwen3-30B-A3B and Mixtral-8x7B's gate/up (K 768-4096; +3.6% tokens/s
+in the OLMoE step) and 0.82-1.06x at K 7168 and 14336 (DeepSeek-V3's gate/up, Mixtral's down): docs/kernel-notes.md,
+2026-12-06."""
 
 
 def _grouped_kernel(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype):
     """The module whose ``grouped_mm`` runs on these CUDA operands: the warp-specialized sm90 kernel
-    (:mod:`mxfx.kernels.fp8_block.grouped_gemm_sm90`) where :data:`SM90_ENV` asks for it and it serves them, else
-    the Triton kernel (:mod:`mxfx.kernels.fp8_block.grouped_gemm`)."""
+    (:mod:`mxfx.kernels.fp8_block.grouped_gemm_sm90`) where it serves them and :data:`SM90_ENV` (or, unset,
+    :data:`SM90_MAX_K`) picks it, else the Triton kernel (:mod:`mxfx.kernels.fp8_block.grouped_gemm`)."""
     from mxfx.kernels.fp8_block import grouped_gemm
 
-    sm90 = _sm90_kernel() if env_switch(SM90_ENV, False) else None
+    chosen = env_switch(SM90_ENV, None)
+    wanted = a.shape[1] <= SM90_MAX_K if chosen is None else chosen
+    sm90 = _sm90_kernel() if wanted else None
     return sm90 if sm90 is not None and sm90.supported(a, b, out_dtype) else grouped_gemm
+
+
+def grouped_kernel_name(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> str:
+    """Which kernel :func:`grouped_mm` launches for these operands: "sm90 warp-specialized", "Triton" or
+    "reference" (not CUDA)."""
+    if not triton_available(a):
+        return "reference"
+    return "sm90 warp-specialized" if _grouped_kernel(a, b, out_dtype).__name__.endswith("_sm90") else "Triton"
 
 
 @functools.cache
