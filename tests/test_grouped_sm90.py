@@ -159,6 +159,24 @@ def test_grouped_forward_and_dgrad_match_the_reference(case, kernel, out_dtype):
     _check(launch(a2, sa2, bt, sbt, offs, out_dtype), a2, sa2, bt, sbt, offs_list)
 
 
+def test_formats_name_their_grouped_kernels(monkeypatch):
+    """fp8_block names the kernel its grouped GEMM runs (the precision map's note); a format with one kernel
+    names none."""
+    from mxfx import formats
+
+    fp8 = formats.get("fp8_block")
+    assert fp8.grouped_kernel(torch.device("cpu"), 1024, 1024, torch.bfloat16) == "reference"
+    assert formats.get("mxfp8").grouped_kernel(torch.device("cpu"), 1024, 1024, torch.bfloat16) == ""
+    if _GPU:
+        cuda = torch.device("cuda")
+        monkeypatch.delenv(block_gemm.SM90_ENV, raising=False)
+        assert fp8.grouped_kernel(cuda, 2048, 1024, torch.bfloat16) == "sm90 warp-specialized"
+        assert fp8.grouped_kernel(cuda, 7168, 1024, torch.bfloat16) == "Triton"  # above SM90_MAX_K
+        assert fp8.grouped_kernel(cuda, 2056, 1028, torch.bfloat16) == "Triton"  # output rows not whole 16 bytes
+        monkeypatch.setenv(block_gemm.SM90_ENV, "1")
+        assert fp8.grouped_kernel(cuda, 7168, 1024, torch.bfloat16) == "sm90 warp-specialized"
+
+
 @pytest.mark.skipif(not _GPU, reason="needs an sm90 GPU")
 def test_grouped_mm_picks_the_kernel_by_k_or_the_switch_and_falls_back_where_it_cannot(monkeypatch):
     sm90 = _sm90()

@@ -127,6 +127,11 @@ class Format:
             raise ValueError(f"mxfx.gemm: op={op!r} is not a GEMM op; choose one of {GEMM_OPS}")
         return op in self.native_gemms.get(devices.arch_of(devices.capability(device)), ())
 
+    def grouped_kernel(self, device: torch.device, k: int, n: int, out_dtype: torch.dtype) -> str:
+        """The name of the kernel this format's grouped GEMM of reduction length ``k`` and ``n`` output columns runs
+        on ``device``, where the format has more than one ("" where it has one: the precision map adds nothing)."""
+        return ""
+
     def rule(self, rule, where: str) -> ScaleRule:
         """``rule`` as a :class:`ScaleRule` of this format.
 

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from mxfx.formats.base import GEMM_OPS, Format, ScaleRule, register, stats_views
 from mxfx.kernels.fp8_block import custom_ops, device_path
+from mxfx.kernels.fp8_block import gemm as block_gemm
 from mxfx.kernels.common import swiglu
 from mxfx.numerics.block import TILE, dequantize_128x128, dequantize_values, group_tile_starts, n_tiles
 from mxfx.numerics.mx import E4M3_MAX
@@ -154,6 +155,9 @@ class FP8Block(Format):
 
     def grouped_mm(self, a, b, offs, out_dtype):
         return custom_ops.block_grouped_mm(a[0], a[1], b[0], b[1], offs, out_dtype)
+
+    def grouped_kernel(self, device, k, n, out_dtype):
+        return block_gemm.grouped_kernel_for(device, k, n, out_dtype)
 
     def grad_operands(self, dy, rule, rows, tokens):
         rule = str(rule)

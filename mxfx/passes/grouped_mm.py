@@ -135,6 +135,17 @@ def output_dtype(x: torch.Tensor, replaced: torch.dtype) -> torch.dtype:
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else replaced
 
 
+def _kernel_note(fmt, device, b, out_dtype) -> str:
+    """Which kernels the format's grouped forward (``[E, K, N]`` weight ``b`` as written) and dgrad will run, where
+    it has several (:meth:`mxfx.formats.Format.grouped_kernel`); "" otherwise."""
+    k, n = size_hint(b.shape[1]), size_hint(b.shape[2])
+    forward, dgrad = fmt.grouped_kernel(device, k, n, out_dtype), fmt.grouped_kernel(device, n, k, out_dtype)
+    if not forward:
+        return ""
+    return f"forward and dgrad on the {forward} kernel" if forward == dgrad else \
+        f"forward on the {forward} kernel, dgrad on the {dgrad} kernel"
+
+
 def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
     """The ``grouped_mm`` pass: rewrite eligible grouped GEMMs in ``gm`` in place, then HF's batched_mm experts
     (:func:`mxfx.passes.batched_mm.rewrite`); returns how many were rewritten."""
@@ -180,6 +191,7 @@ def _rewrite_grouped(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> in
         erase_unused_chain(gm, x_node)
         shapes += f" -> {str(out_dtype).removeprefix('torch.')}"
         note = f"was {op.name}" + (f" ({str(replaced).removeprefix('torch.')} out)" if replaced != out_dtype else "")
+        note = "; ".join(filter(None, (note, _kernel_note(d.settings.format, x.device, b, out_dtype))))
         pm.add(OpRecord(new.name, "grouped_mm", module, shapes, scale_rule=d.scale_rule,
                         **columns.converted_gemm(d, out, example_value(x_src), b, GROUPED_WGRAD, note)))
         rewritten += 1

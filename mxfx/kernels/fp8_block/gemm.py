@@ -176,14 +176,18 @@ in the OLMoE step) and 0.82-1.06x at K 7168 and 14336 (DeepSeek-V3's gate/up, Mi
 
 def _grouped_kernel(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype):
     """The module whose ``grouped_mm`` runs on these CUDA operands: the warp-specialized sm90 kernel
-    (:mod:`mxfx.kernels.fp8_block.grouped_gemm_sm90`) where it serves them and :data:`SM90_ENV` (or, unset,
-    :data:`SM90_MAX_K`) picks it, else the Triton kernel (:mod:`mxfx.kernels.fp8_block.grouped_gemm`)."""
+    (:mod:`mxfx.kernels.fp8_block.grouped_gemm_sm90`) where it serves them and :func:`_sm90_wanted`, else the
+    Triton kernel (:mod:`mxfx.kernels.fp8_block.grouped_gemm`)."""
     from mxfx.kernels.fp8_block import grouped_gemm
 
-    chosen = env_switch(SM90_ENV, None)
-    wanted = a.shape[1] <= SM90_MAX_K if chosen is None else chosen
-    sm90 = _sm90_kernel() if wanted else None
+    sm90 = _sm90_kernel() if _sm90_wanted(a.shape[1]) else None
     return sm90 if sm90 is not None and sm90.supported(a, b, out_dtype) else grouped_gemm
+
+
+def _sm90_wanted(k: int) -> bool:
+    """:data:`SM90_ENV` where set, else ``k <= SM90_MAX_K``."""
+    chosen = env_switch(SM90_ENV, None)
+    return k <= SM90_MAX_K if chosen is None else chosen
 
 
 def grouped_kernel_name(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> str:
@@ -192,6 +196,16 @@ def grouped_kernel_name(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype
     if not triton_available(a):
         return "reference"
     return "sm90 warp-specialized" if _grouped_kernel(a, b, out_dtype).__name__.endswith("_sm90") else "Triton"
+
+
+def grouped_kernel_for(device: torch.device, k: int, n: int, out_dtype: torch.dtype) -> str:
+    """:func:`grouped_kernel_name` from shapes alone (what a compiled graph will run, its operands contiguous as the
+    quantize ops and weight caches write them; :data:`SM90_ENV` as set now): "sm90 warp-specialized", "Triton" or
+    "reference"."""
+    if device.type != "cuda" or not triton_available(torch.empty(0, device=device)):
+        return "reference"
+    sm90 = _sm90_kernel() if _sm90_wanted(k) else None
+    return "sm90 warp-specialized" if sm90 is not None and sm90.serves(device, k, n, out_dtype) else "Triton"
 
 
 @functools.cache

@@ -296,13 +296,18 @@ def triton_tested() -> bool:
     return ".".join(triton.__version__.split(".")[:2]) in TESTED_TRITON
 
 
+def serves(device: torch.device, k: int, n: int, out_dtype: torch.dtype) -> bool:
+    """Whether the kernel serves a GEMM of reduction length ``k`` and ``n`` output columns on ``device``: an sm90
+    GPU, a tested Triton, K a multiple of 16 and output rows of whole 16 bytes (TMA boxes)."""
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9 and triton_tested()
+            and k % 16 == 0 and n * out_dtype.itemsize % 16 == 0)
+
+
 def supported(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> bool:
-    """Whether :func:`grouped_mm` serves these operands: an sm90 GPU, a tested Triton, A ``[S, K]`` and B
-    ``[G, N, K]`` contiguous with 16-byte aligned bases, K a multiple of 16 and output rows of whole 16 bytes
-    (TMA boxes)."""
-    return (a.is_cuda and torch.cuda.get_device_capability(a.device)[0] == 9 and triton_tested()
-            and a.is_contiguous() and b.is_contiguous() and a.shape[1] % 16 == 0
-            and b.shape[1] * out_dtype.itemsize % 16 == 0 and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0)
+    """Whether :func:`grouped_mm` serves these operands: :func:`serves` their shapes, and A ``[S, K]`` and B
+    ``[G, N, K]`` contiguous with 16-byte aligned bases."""
+    return (serves(a.device, a.shape[1], b.shape[1], out_dtype) and a.is_contiguous() and b.is_contiguous()
+            and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0)
 
 
 _GL_TYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
