@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from mxfx.numerics.block import dequantize_values, group_tile_capacity, group_tile_starts, n_tiles
-from mxfx.kernels.common.device import triton_available
+from mxfx.kernels.common.device import has_triton, triton_available
 from mxfx.kernels.common.launch import env_switch
 from mxfx.numerics.layout import check_group_ends
 
@@ -202,7 +202,7 @@ def grouped_kernel_for(device: torch.device, k: int, n: int, out_dtype: torch.dt
     """:func:`grouped_kernel_name` from shapes alone (what a compiled graph will run, its operands contiguous as the
     quantize ops and weight caches write them; :data:`SM90_ENV` as set now): "sm90 warp-specialized", "Triton" or
     "reference"."""
-    if device.type != "cuda" or not triton_available(torch.empty(0, device=device)):
+    if device.type != "cuda" or not has_triton():
         return "reference"
     sm90 = _sm90_kernel() if _sm90_wanted(k) else None
     return "sm90 warp-specialized" if sm90 is not None and sm90.serves(device, k, n, out_dtype) else "Triton"
