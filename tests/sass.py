@@ -68,7 +68,7 @@ def captured_launches(modules, fn, *args, **kwargs) -> list[Launch]:
     return seen
 
 
-def _specialize(kernel, args, kwargs):
+def specialize(kernel, args, kwargs):
     """(signature, constexprs, attrs) for ``triton.compile``, as Triton's launcher would specialize them."""
     names = list(kernel.arg_names)
     values = dict(zip(names, args))
@@ -103,7 +103,7 @@ def compile_sm90(launch: Launch) -> Compiled:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    signature, constexprs, attrs = _specialize(launch.kernel, launch.args, launch.kwargs)
+    signature, constexprs, attrs = specialize(launch.kernel, launch.args, launch.kwargs)
     src = ASTSource(launch.kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     options = {k: launch.kwargs[k] for k in ("num_warps", "num_stages", "maxnreg") if launch.kwargs.get(k) is not None}
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
