@@ -305,8 +305,8 @@ def phase_table(rows: list[dict]) -> str:
 
 def _aot_only(row: dict):
     """An inner compiler that runs AOTAutograd alone, with Inductor's decompositions and min-cut partitioner, and
-    writes its seconds and the joint / forward / backward graphs' node counts into ``row``; the graphs run as they
-    are (no Inductor lowering)."""
+    writes its seconds and the joint / forward / backward graphs' node counts into ``row``; what it returns runs
+    the graph it was given as it is (AOTAutograd's graphs are only measured)."""
     from functorch.compile import aot_module_simplified, make_boxed_func, min_cut_rematerialization_partition
     from torch._inductor.decomposition import select_decomp_table
 
@@ -324,17 +324,19 @@ def _aot_only(row: dict):
         start = time.perf_counter()
         row.setdefault("backend s", start - row.pop("entered"))
         run_as_is = lambda g, _: make_boxed_func(g.forward)  # noqa: E731
-        out = aot_module_simplified(gm, example_inputs, fw_compiler=run_as_is, bw_compiler=run_as_is,
-                                    partition_fn=partition, decompositions=select_decomp_table())
+        aot_module_simplified(gm, example_inputs, fw_compiler=run_as_is, bw_compiler=run_as_is,
+                              partition_fn=partition, decompositions=select_decomp_table())
         row["AOT trace + partition s"] = time.perf_counter() - start
-        return out
+        return gm.forward
 
     return compile_graph
 
 
-def passes_only(model_name: str, arms: list[str], layers: int, dims: str, device: str) -> list[dict]:
+def passes_only(model_name: str, arms: list[str], layers: int, dims: str, device: str,
+                how: str | None = None) -> list[dict]:
     """Per arm, in this process on ``device``: the mxfx backend's own seconds and its passes' (seconds and nodes
-    each adds), then AOTAutograd's (module docstring, ``--passes-only``); prints both tables."""
+    each adds), then AOTAutograd's (module docstring, ``--passes-only``); prints both tables, headed by ``how``
+    (what ran where; by default the device and whether the MX kernels were traced into the graph)."""
     import torch
     import torch._inductor.compile_fx  # noqa: F401  imported by every arm's compile: not the first arm's cost
 
@@ -372,7 +374,7 @@ def passes_only(model_name: str, arms: list[str], layers: int, dims: str, device
     columns = ["Dynamo nodes", "after passes", "passes s", "backend s", "AOT trace + partition s", "partition s",
                "joint nodes", "forward nodes", "backward nodes", "kernel nodes"]
     cell = lambda v: "-" if v is None else f"{v:.2f}" if isinstance(v, float) else str(v)  # noqa: E731
-    how = "CPU (MX ops opaque)" if device == "cpu" else f"{device} (MX kernels traced into the graph)"
+    how = how or ("CPU (MX ops opaque)" if device == "cpu" else f"{device} (MX kernels traced into the graph)")
     lines = [f"{model_name}, {layers} layers, {dims} dims, {how}", "",
              "| arm | " + " | ".join(columns) + " |", "|---|" + "---:|" * len(columns)]
     lines += ["| " + " | ".join([r["arm"], *(cell(r.get(c)) for c in columns)]) + " |" for r in rows]
