@@ -5,7 +5,8 @@ Each measurement runs in a fresh Python process (nothing cached in memory), with
 it empty (cold), the second finds what the first wrote (warm: Inductor's FX graph cache
 and AOTAutograd's cache should hit). The model is one of ``bench/hf_models.py``'s
 (``olmoe`` / ``qwen3`` at the released checkpoints' per-layer shapes), FP32 parameters
-under ``torch.autocast(bfloat16)``; the step is forward, backward and a fused AdamW step.
+under ``torch.autocast(bfloat16)``; the step is forward, backward and a fused AdamW step. Inductor's import is
+left out of every arm's step (BF16's ``torch.compile`` call imports it before the step, mxfx's backend would inside).
 
 Arms: ``bf16`` (``torch.compile`` with Inductor), ``mxfp8`` (``backend="mxfp8"``), ``mxfp8-opaque``
 (the same with ``kernels="opaque"``: the MX kernels stay opaque custom ops instead of ``wrap_triton`` calls
@@ -193,8 +194,12 @@ def phases(first_step_s: float, triton: _TritonCompiles | None) -> dict:
 def measure(model_name: str, arm: str, layers: int, dims: str, per_block: bool, device: str,
             profile: int = 0) -> dict:
     """One first training step of ``model_name`` under ``arm`` in this process; its time and the cache counters
-    (and, with ``profile``, the text of its ``profile`` costliest functions by cumulative time, key ``profile``)."""
+    (and, with ``profile``, the text of its ``profile`` costliest functions by cumulative time, key ``profile``).
+
+    Inductor is imported before the clock starts, in every arm: ``torch.compile(backend="inductor")`` imports it
+    when called, before the step, and the mxfp8 backend at its first compile, inside it (1 to 4 s)."""
     import torch
+    import torch._inductor.compile_fx  # noqa: F401
 
     import hf_models
 
