@@ -31,8 +31,8 @@ of the generated code, user kernels included), Triton compiles in the main proce
 itself: count, compiles per kernel name, seconds) and Triton autotuning there (tunings, seconds; Triton >= 3.5's
 listener), and the rest (the step itself, first launches). A kernel Triton compiled more than once in the main
 process is listed with the arguments its compiles were specialized on differently (a constexpr's value, an int
-equal to 1 or a multiple of 16); the backend's column also gives the seconds of mxfx's passes within it. From torch's ``compile_times`` and Triton's
-``knobs.compilation.listener`` / ``knobs.autotuning.listener``.
+equal to 1 or a multiple of 16); the backend's column also gives the seconds of mxfx's passes within it. From
+torch's ``compile_times`` and Triton's ``knobs.compilation.listener`` / ``knobs.autotuning.listener``.
 
 ``--passes-only`` (``--dims small`` unless given: every GEMM converts in both formats) compiles the model's
 forward once per arm in this process, Inductor's lowering left out: the mxfx backend's own seconds before its
@@ -405,7 +405,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--units", default="model,block", help="comma list: model (whole-model compile), block (per layer)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny dims (with --dims: those dims)")
-    p.add_argument("--dims", choices=hf_models.DIMS, help="model dims (bench/hf_models.py): real, or smoke with --smoke")
+    p.add_argument("--dims", choices=hf_models.DIMS,
+                   help="model dims (bench/hf_models.py): real, or smoke with --smoke")
     p.add_argument("--passes-only", action="store_true", help="CPU: the passes' own time and graph sizes (no Inductor)")
     p.add_argument("--profile", type=int, default=0, help="write the N costliest functions of each cold first step")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

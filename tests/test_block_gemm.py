@@ -414,7 +414,8 @@ def test_weight_quantize_unspecialized_scale_strides_cost_nothing(monkeypatch):
     monkeypatch.setattr(bq, "_weight_quantize_kernel", bq._quantize_kernel)
     (specialized,) = _sm90_launches(monkeypatch, bq, "_weight_quantize_kernel", bq.quantize_128x128, w)
     assert plain.memory == specialized.memory and plain.memory["LDG.E.128"] > 0
-    assert abs(plain.total - specialized.total) <= 2, (plain.counts - specialized.counts, specialized.counts - plain.counts)
+    assert abs(plain.total - specialized.total) <= 2, (plain.counts - specialized.counts,
+                                                       specialized.counts - plain.counts)
 
 
 def test_grouped_wgrad_kernel_compiles_to_fp8_wgmma(monkeypatch):

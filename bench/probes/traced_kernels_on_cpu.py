@@ -2,9 +2,9 @@
 
 On a GPU the fp8_block ops' Python bodies are traced into the graph and their Triton kernels enter it as
 ``wrap_triton`` calls, which AOTAutograd's functionalization analyses (Triton IR generated per kernel call), and
-Inductor analyses again when it lowers them. On the CPU the ops stay opaque. Here the CPU tensors take the GPU's
-path: mxfx's ``triton_available`` answers yes for every tensor (``mxfx.kernels.common.launch`` and
-``mxfx.kernels.fp8_block.device_path``) for every traced tensor, the dense GEMM is cuBLAS's wrapper (``torch.nn.functional.scaled_mm``'s
+Inductor analyses again when it lowers them. On the CPU the ops stay opaque. Here traced CPU tensors take the
+GPU's path: mxfx's ``triton_available`` answers yes for them (``mxfx.kernels.common.launch`` and
+``mxfx.kernels.fp8_block.device_path``), the dense GEMM is cuBLAS's wrapper (``torch.nn.functional.scaled_mm``'s
 meta function checks it), and Triton generates IR for an sm90 target (a driver that names one; no GPU, no
 compile). What is not simulated: CUDA-only branches elsewhere (``tensor.is_cuda``), the grouped GEMM (an opaque op
 on both), the partitioner's and Inductor's device-dependent choices.
