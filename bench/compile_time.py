@@ -5,7 +5,8 @@ Each measurement runs in a fresh Python process (nothing cached in memory), with
 it empty (cold), the second finds what the first wrote (warm: Inductor's FX graph cache
 and AOTAutograd's cache should hit). The model is one of ``bench/hf_models.py``'s
 (``olmoe`` / ``qwen3`` at the released checkpoints' per-layer shapes), FP32 parameters
-under ``torch.autocast(bfloat16)``; the step is forward, backward and a fused AdamW step.
+under ``torch.autocast(bfloat16)``; the step is forward, backward and a fused AdamW step. Inductor's import is
+left out of every arm's step (BF16's ``torch.compile`` call imports it before the step, mxfx's backend would inside).
 
 Arms: ``bf16`` (``torch.compile`` with Inductor), ``mxfp8`` (``backend="mxfp8"``), ``mxfp8-opaque``
 (the same with ``kernels="opaque"``: the MX kernels stay opaque custom ops instead of ``wrap_triton`` calls
@@ -30,8 +31,8 @@ of the generated code, user kernels included), Triton compiles in the main proce
 itself: count, compiles per kernel name, seconds) and Triton autotuning there (tunings, seconds; Triton >= 3.5's
 listener), and the rest (the step itself, first launches). A kernel Triton compiled more than once in the main
 process is listed with the arguments its compiles were specialized on differently (a constexpr's value, an int
-equal to 1 or a multiple of 16); the backend's column also gives the seconds of mxfx's passes within it. From torch's ``compile_times`` and Triton's
-``knobs.compilation.listener`` / ``knobs.autotuning.listener``.
+equal to 1 or a multiple of 16); the backend's column also gives the seconds of mxfx's passes within it. From
+torch's ``compile_times`` and Triton's ``knobs.compilation.listener`` / ``knobs.autotuning.listener``.
 
 ``--passes-only`` (``--dims small`` unless given: every GEMM converts in both formats) compiles the model's
 forward once per arm in this process, Inductor's lowering left out: the mxfx backend's own seconds before its
@@ -193,8 +194,12 @@ def phases(first_step_s: float, triton: _TritonCompiles | None) -> dict:
 def measure(model_name: str, arm: str, layers: int, dims: str, per_block: bool, device: str,
             profile: int = 0) -> dict:
     """One first training step of ``model_name`` under ``arm`` in this process; its time and the cache counters
-    (and, with ``profile``, the text of its ``profile`` costliest functions by cumulative time, key ``profile``)."""
+    (and, with ``profile``, the text of its ``profile`` costliest functions by cumulative time, key ``profile``).
+
+    Inductor is imported before the clock starts, in every arm: ``torch.compile(backend="inductor")`` imports it
+    when called, before the step, and the mxfp8 backend at its first compile, inside it (1 to 4 s)."""
     import torch
+    import torch._inductor.compile_fx  # noqa: F401
 
     import hf_models
 
@@ -305,8 +310,8 @@ def phase_table(rows: list[dict]) -> str:
 
 def _aot_only(row: dict):
     """An inner compiler that runs AOTAutograd alone, with Inductor's decompositions and min-cut partitioner, and
-    writes its seconds and the joint / forward / backward graphs' node counts into ``row``; the graphs run as they
-    are (no Inductor lowering)."""
+    writes its seconds and the joint / forward / backward graphs' node counts into ``row``; what it returns runs
+    the graph it was given as it is (AOTAutograd's graphs are only measured)."""
     from functorch.compile import aot_module_simplified, make_boxed_func, min_cut_rematerialization_partition
     from torch._inductor.decomposition import select_decomp_table
 
@@ -324,17 +329,19 @@ def _aot_only(row: dict):
         start = time.perf_counter()
         row.setdefault("backend s", start - row.pop("entered"))
         run_as_is = lambda g, _: make_boxed_func(g.forward)  # noqa: E731
-        out = aot_module_simplified(gm, example_inputs, fw_compiler=run_as_is, bw_compiler=run_as_is,
-                                    partition_fn=partition, decompositions=select_decomp_table())
+        aot_module_simplified(gm, example_inputs, fw_compiler=run_as_is, bw_compiler=run_as_is,
+                              partition_fn=partition, decompositions=select_decomp_table())
         row["AOT trace + partition s"] = time.perf_counter() - start
-        return out
+        return gm.forward
 
     return compile_graph
 
 
-def passes_only(model_name: str, arms: list[str], layers: int, dims: str, device: str) -> list[dict]:
+def passes_only(model_name: str, arms: list[str], layers: int, dims: str, device: str,
+                how: str | None = None) -> list[dict]:
     """Per arm, in this process on ``device``: the mxfx backend's own seconds and its passes' (seconds and nodes
-    each adds), then AOTAutograd's (module docstring, ``--passes-only``); prints both tables."""
+    each adds), then AOTAutograd's (module docstring, ``--passes-only``); prints both tables, headed by ``how``
+    (what ran where; by default the device and whether the MX kernels were traced into the graph)."""
     import torch
     import torch._inductor.compile_fx  # noqa: F401  imported by every arm's compile: not the first arm's cost
 
@@ -372,7 +379,7 @@ def passes_only(model_name: str, arms: list[str], layers: int, dims: str, device
     columns = ["Dynamo nodes", "after passes", "passes s", "backend s", "AOT trace + partition s", "partition s",
                "joint nodes", "forward nodes", "backward nodes", "kernel nodes"]
     cell = lambda v: "-" if v is None else f"{v:.2f}" if isinstance(v, float) else str(v)  # noqa: E731
-    how = "CPU (MX ops opaque)" if device == "cpu" else f"{device} (MX kernels traced into the graph)"
+    how = how or ("CPU (MX ops opaque)" if device == "cpu" else f"{device} (MX kernels traced into the graph)")
     lines = [f"{model_name}, {layers} layers, {dims} dims, {how}", "",
              "| arm | " + " | ".join(columns) + " |", "|---|" + "---:|" * len(columns)]
     lines += ["| " + " | ".join([r["arm"], *(cell(r.get(c)) for c in columns)]) + " |" for r in rows]
@@ -398,7 +405,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--units", default="model,block", help="comma list: model (whole-model compile), block (per layer)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny dims (with --dims: those dims)")
-    p.add_argument("--dims", choices=hf_models.DIMS, help="model dims (bench/hf_models.py): real, or smoke with --smoke")
+    p.add_argument("--dims", choices=hf_models.DIMS,
+                   help="model dims (bench/hf_models.py): real, or smoke with --smoke")
     p.add_argument("--passes-only", action="store_true", help="CPU: the passes' own time and graph sizes (no Inductor)")
     p.add_argument("--profile", type=int, default=0, help="write the N costliest functions of each cold first step")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

@@ -69,7 +69,7 @@ def captured_launches(modules, fn, *args, **kwargs) -> list[Launch]:
     return seen
 
 
-def _specialize(kernel, args, kwargs):
+def specialize(kernel, args, kwargs):
     """(signature, constexprs, attrs) for ``triton.compile``, as Triton's launcher would specialize them."""
     names = list(kernel.arg_names)
     values = dict(zip(names, args))
@@ -106,7 +106,7 @@ def compile_sm90(launch: Launch) -> Compiled:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    signature, constexprs, attrs = _specialize(launch.kernel, launch.args, launch.kwargs)
+    signature, constexprs, attrs = specialize(launch.kernel, launch.args, launch.kwargs)
     if getattr(launch.kernel, "is_gluon", lambda: False)():
         from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
     src = ASTSource(launch.kernel, signature=signature, constexprs=constexprs, attrs=attrs)

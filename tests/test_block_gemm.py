@@ -379,8 +379,43 @@ def test_quantize_kernels_compile_for_sm90(monkeypatch):
     for fn, args in ((bq.quantize_1x128, (x,)), (bq.quantize_1x128_colwise, (x,)), (bq.quantize_128x128, (x,)),
                      (bq.swiglu_quantize_1x128, (x, x)), (bq.quantize_1x128, (x.float(), "amax")),
                      (bq.quantize_1x128_grouped_tokens, (x, torch.tensor([100, 256], dtype=torch.int32)))):
-        (c,) = _sm90_launches(monkeypatch, bq, "_quantize_kernel", fn, *args)
+        kernel = "_weight_quantize_kernel" if fn is bq.quantize_128x128 else "_quantize_kernel"
+        (c,) = _sm90_launches(monkeypatch, bq, kernel, fn, *args)
         assert c.counts.get("STG", 0) > 0, fn.__name__
+
+
+def test_weight_quantize_compiles_once_per_process():
+    """Triton compiles a kernel once per specialization of its launch (each int argument equal to 1 or a multiple of
+    16 or neither, tensors 16-byte aligned or not). The weights of a model differ in their 128x128 scale grids
+    (K/128 = 16, 8, 3, 1; 2D and 3D): their quantize launches specialize alike, one compile for all of them. The
+    activation quantizes stay specialized on their sizes (a token count that is a multiple of 16 writes the
+    transposed qdata with wide stores): 1000 and 1024 tokens are two."""
+    from mxfx.kernels.fp8_block import quantize as bq
+    from tests import sass
+
+    def key(fn, *args):
+        (launch,) = sass.captured_launches([bq], fn, *args)
+        return launch.kernel, repr(sass.specialize(launch.kernel, launch.args, launch.kwargs))
+
+    weights = (torch.zeros(256, 2048), torch.zeros(256, 1024), torch.zeros(4, 128, 384), torch.zeros(128, 128))
+    assert len({key(bq.quantize_128x128, w) for w in weights}) == 1
+    x = torch.zeros(1024, 256, dtype=torch.bfloat16)
+    assert key(bq.quantize_1x128_colwise, x[:1000]) != key(bq.quantize_1x128_colwise, x)
+
+
+def test_weight_quantize_unspecialized_scale_strides_cost_nothing(monkeypatch):
+    """The weight quantize left unspecialized on its scale strides compiles, for sm90, to the code of the fully
+    specialized kernel but for the address of its one scale (an integer multiply-add more, its column stride no
+    longer the constant 1): the same global memory instructions, 128-bit loads and stores."""
+    from mxfx.kernels.fp8_block import quantize as bq
+
+    w = torch.zeros(256, 1024)
+    (plain,) = _sm90_launches(monkeypatch, bq, "_weight_quantize_kernel", bq.quantize_128x128, w)
+    monkeypatch.setattr(bq, "_weight_quantize_kernel", bq._quantize_kernel)
+    (specialized,) = _sm90_launches(monkeypatch, bq, "_weight_quantize_kernel", bq.quantize_128x128, w)
+    assert plain.memory == specialized.memory and plain.memory["LDG.E.128"] > 0
+    assert abs(plain.total - specialized.total) <= 2, (plain.counts - specialized.counts,
+                                                       specialized.counts - plain.counts)
 
 
 def test_grouped_wgrad_kernel_compiles_to_fp8_wgmma(monkeypatch):

@@ -59,7 +59,7 @@ def test_specialization_follows_the_launcher():
 
     x = torch.randn(64, 96, dtype=torch.bfloat16)
     (launch,) = sass.captured_launches([quantize], quantize.quantize_lastdim, x, "rceil")
-    signature, constexprs, attrs = sass._specialize(launch.kernel, launch.args, launch.kwargs)
+    signature, constexprs, attrs = sass.specialize(launch.kernel, launch.args, launch.kwargs)
     names = list(launch.kernel.arg_names)
     assert signature["x_ptr"] == "*bf16" and attrs[(names.index("x_ptr"),)] == [["tt.divisibility", 16]]
     assert signature["RPR"] == "i32" and (names.index("RPR"),) not in attrs  # RPR = 96 / 32 = 3

@@ -79,3 +79,21 @@ def test_errors():
         from_blocked(torch.zeros(512), 128, 4)
     with pytest.raises(ValueError, match=r"from_blocked.*>= 0.*\[-1, 4\]"):
         from_blocked(torch.zeros(512, dtype=torch.uint8), -1, 4)
+
+
+def test_column_major_adds_no_node_where_the_scales_have_its_strides():
+    """``column_major`` gives a 1x128 scale matrix cuBLAS's strides ``(1, rows)``: a row-major one is copied (same
+    values), one that has them is returned as it is, and traced (symbolic rows included) that adds no node to the
+    graph: the quantize kernels write their scales column-major, and every traced view costs compile time."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from mxfx.numerics.layout import column_major
+
+    rows = torch.arange(15.0).reshape(5, 3)
+    copied = column_major(rows)
+    assert copied.stride() == (1, 5) and torch.equal(copied, rows)
+    cols = rows.t().contiguous().t()
+    assert column_major(cols) is cols
+    for mode in ("real", "symbolic"):
+        graph = make_fx(column_major, tracing_mode=mode)(cols).graph
+        assert [n.op for n in graph.nodes] == ["placeholder", "output"], (mode, graph)

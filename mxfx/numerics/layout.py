@@ -14,13 +14,15 @@ i.e. the tile is read as 32 lines of 16 bytes, line ``i`` holding rows
 ``i, i + 32, i + 64, i + 96`` with their 4 scales each. Rows are padded to a
 multiple of 128 and columns to a multiple of 4; padding bytes are zero.
 
-Also the other layout helpers: :func:`is_blocked` (are these scales in the blocked layout) and
-:func:`group_padding` (token groups padded to whole 32-row blocks, with their ends :func:`padded_group_ends`).
+Also the other layout helpers: :func:`is_blocked` (are these scales in the blocked layout),
+:func:`group_padding` (token groups padded to whole 32-row blocks, with their ends :func:`padded_group_ends`) and
+:func:`column_major` (a scale matrix with the strides cuBLAS reads).
 """
 
 from __future__ import annotations
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from mxfx.numerics.mx import BLOCK_SIZE
 
@@ -32,6 +34,16 @@ TILE_COLS = 4
 
 ROW_GROUP = 32
 """Rows per group inside a tile; group g of a tile holds rows 32g .. 32g+31."""
+
+
+def column_major(t: torch.Tensor) -> torch.Tensor:
+    """2D ``t`` with column-major strides ``(1, rows)`` (how cuBLAS reads 1x128 scales): ``t`` itself where its
+    strides are known to be those already (a quantize kernel writes its scales so), else ``t.t().contiguous().t()``.
+    The strides are compared without a guard on a symbolic size, and a traced ``t`` that is column-major adds no
+    node to the graph."""
+    if statically_known_true(t.stride(0) == 1) and statically_known_true(t.stride(1) == t.shape[0]):
+        return t
+    return t.t().contiguous().t()
 
 
 def _ceil_to(n: int, m: int) -> int:

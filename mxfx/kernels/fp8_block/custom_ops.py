@@ -26,13 +26,9 @@ from mxfx.numerics.block import check_rule, group_tile_capacity, n_tiles
 from mxfx.numerics.mx import check_input
 from mxfx.kernels.fp8_block import device_path, gemm
 from mxfx.kernels.common.launch import name_op_functions, op_or_body, readable_on_host
-from mxfx.numerics.layout import check_group_ends
+from mxfx.numerics.layout import check_group_ends, column_major
 
 _E4M3 = torch.float8_e4m3fn
-
-
-def _col_major(s: torch.Tensor) -> torch.Tensor:
-    return s.t().contiguous().t()
 
 
 def _fake_col_major(like: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -76,7 +72,7 @@ def _check_offs(op: str, offs: torch.Tensor, x: torch.Tensor) -> None:
 def _quantize(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
     _check_inputs("block_quantize", rule, x=x)
     q, s = device_path.quantize_1x128(x, rule)
-    return q.contiguous(), _col_major(s)
+    return q.contiguous(), column_major(s)
 
 
 @torch.library.custom_op("mxfx::block_quantize", mutates_args=())
@@ -94,7 +90,7 @@ def _swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str) -> tuple[t
     _check_inputs("block_swiglu_quantize", rule, gate=gate, up=up)
     _check_pair("block_swiglu_quantize", gate, up, "up")
     q, s = device_path.swiglu_quantize_1x128(gate, up, rule)
-    return q.contiguous(), _col_major(s)
+    return q.contiguous(), column_major(s)
 
 
 @torch.library.custom_op("mxfx::block_swiglu_quantize", mutates_args=())
@@ -113,7 +109,7 @@ def _(gate, up, rule):
 def _quantize_tokens(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
     _check_inputs("block_quantize_tokens", rule, x=x)
     q, s = device_path.quantize_1x128_colwise(x, rule)
-    return q.contiguous(), _col_major(s)
+    return q.contiguous(), column_major(s)
 
 
 @torch.library.custom_op("mxfx::block_quantize_tokens", mutates_args=())
@@ -135,7 +131,7 @@ def _(x, rule):
 def _quantize_dual(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_inputs("block_quantize_dual", rule, x=x)
     q, s, qt, st = device_path.quantize_1x128_dual(x, rule)
-    return q.contiguous(), _col_major(s), qt.contiguous(), _col_major(st)
+    return q.contiguous(), column_major(s), qt.contiguous(), column_major(st)
 
 
 @torch.library.custom_op("mxfx::block_quantize_dual", mutates_args=())
@@ -154,7 +150,7 @@ def _quantize_grouped_tokens(x: torch.Tensor, offs: torch.Tensor, rule: str) -> 
     _check_inputs("block_quantize_grouped_tokens", rule, x=x)
     _check_offs("block_quantize_grouped_tokens", offs, x)
     q, s = device_path.quantize_1x128_grouped_tokens(x, offs, rule)
-    return q.contiguous(), _col_major(s)
+    return q.contiguous(), column_major(s)
 
 
 @torch.library.custom_op("mxfx::block_quantize_grouped_tokens", mutates_args=())
@@ -206,7 +202,7 @@ def _fused_forward_operands(x, up, tokens_src, offs, rule, pack) -> list | None:
         return list(_quantize(x, rule) if up is None else _swiglu_quantize(x, up, rule))
     if tokens_src is None:
         q, s, gq, gs, uq, us = device_path.swiglu_quantize_1x128_save(x, up, rule)
-        return [q, _col_major(s), gq, _col_major(gs), uq, _col_major(us)]
+        return [q, column_major(s), gq, column_major(gs), uq, column_major(us)]
     if up is None and not pack and offs is None and tokens_src is x:
         return list(_quantize_dual(x, rule))
     return None

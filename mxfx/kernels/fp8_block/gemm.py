@@ -31,7 +31,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from mxfx.numerics.block import dequantize_values, group_tile_capacity, group_tile_starts, n_tiles
 from mxfx.kernels.common.device import has_triton, triton_available
 from mxfx.kernels.common.launch import env_switch
-from mxfx.numerics.layout import check_group_ends
+from mxfx.numerics.layout import check_group_ends, column_major
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -104,25 +104,32 @@ def _same(size, target) -> bool:
     return statically_known_true(size == target)
 
 
+def _pad_rows(scales: torch.Tensor, rows) -> torch.Tensor:
+    """1x128 ``scales [R, ceil(K/128)]`` with rows of 1.0 up to ``rows``, column-major (padded as their transpose:
+    one copy, already in the layout cuBLAS reads)."""
+    return F.pad(scales.t(), (0, rows - scales.shape[0]), value=1.0).t()
+
+
 def _cublas_mm(a, a_scales, b, b_scales, out_dtype):
     m, n = a.shape[0], b.shape[0]
     # torch._scaled_mm wants K and N multiples of 16; M is padded too, so the column-major scale strides (M, N)
     # stay 16-byte aligned. Zero rows and columns (E4M3 +0, scale 1) add nothing; the output is sliced back.
     a_q = _pad_to(_pad_to(a, 1, 16), 0, 16).contiguous()
     b_q = _pad_to(_pad_to(b, 1, 16), 0, 16).contiguous()
-    a_s = a_scales if _same(a_q.shape[0], m) else F.pad(a_scales, (0, 0, 0, a_q.shape[0] - m), value=1.0)
-    a_s = a_s.t().contiguous().t()  # [M, K/128], stride (1, M)
+    a_s = column_major(a_scales if _same(a_q.shape[0], m) else _pad_rows(a_scales, a_q.shape[0]))  # stride (1, M)
     if not tiled_rows(b, b_scales):
         # [ceil(K/128) padded to a multiple of 4, N/128] with stride (1, padded): the 128x128 grid, K blocks padded
         # with zeros (never read). The explicit-recipe API: torch._scaled_mm infers the recipe from the shapes and
         # takes an unpadded grid for K/128 not a multiple of 4 with wrong sums on torch 2.11
         kt = b_scales.shape[1]
-        padded = b_scales.new_zeros(b_scales.shape[0], -(-kt // 4) * 4)
-        padded[:, :kt] = b_scales
+        padded = b_scales
+        if kt % 4 or not b_scales.is_contiguous() or b_scales.storage_offset():  # else: that grid already
+            padded = b_scales.new_zeros(b_scales.shape[0], -(-kt // 4) * 4)
+            padded[:, :kt] = b_scales
         b_s, recipe_b = padded.t(), F.ScalingType.BlockWise128x128
     else:
-        sb = b_scales if _same(b_q.shape[0], n) else F.pad(b_scales, (0, 0, 0, b_q.shape[0] - n), value=1.0)
-        b_s, recipe_b = sb.t().contiguous().t(), F.ScalingType.BlockWise1x128  # [N, K/128], stride (1, N)
+        sb = b_scales if _same(b_q.shape[0], n) else _pad_rows(b_scales, b_q.shape[0])
+        b_s, recipe_b = column_major(sb), F.ScalingType.BlockWise1x128  # [N, K/128], stride (1, N)
     try:
         out = F.scaled_mm(a_q, b_q.t(), a_s, F.ScalingType.BlockWise1x128, b_s, recipe_b, output_dtype=out_dtype)
     except RuntimeError as e:

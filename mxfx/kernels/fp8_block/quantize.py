@@ -86,7 +86,6 @@ def _col_tiles(v, RCEIL: tl.constexpr):
     return _encode(v, s[None, :], RCEIL), s
 
 
-@triton.jit
 def _quantize_kernel(
     x_ptr, u_ptr, q_ptr, s_ptr, offs_ptr,
     R, C, G,
@@ -137,6 +136,12 @@ def _quantize_kernel(
     q_offs = b.to(tl.int64) * sqb + rows[:, None].to(tl.int64) * sqr + cols[None, :].to(tl.int64) * sqc
     tl.store(q_ptr + q_offs, qbits, mask=ok)
     tl.store(s_ptr + b.to(tl.int64) * ssb + s_offs, s, mask=s_ok)
+
+
+# The 128x128 weight quantize stores one scale per program: the strides of its scale grid (ceil(K/128) and
+# ceil(N/128) * ceil(K/128)) change nothing in its code, so weights of every shape share one compile of it.
+_weight_quantize_kernel = triton.jit(do_not_specialize=["ssb", "ssr", "ssc"])(_quantize_kernel)
+_quantize_kernel = triton.jit(_quantize_kernel)  # the activation quantizes: specialized on every size and stride
 
 
 @triton.jit
@@ -348,7 +353,7 @@ def quantize_128x128(w: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor
     if q.numel():
         grid = (n_tiles(n), n_tiles(k), w3.shape[0])
         launch(
-            _quantize_kernel, grid, w3, w3, q, s, s, n, k, 0, *w3.stride(), *q.stride(), *s.stride(),
+            _weight_quantize_kernel, grid, w3, w3, q, s, s, n, k, 0, *w3.stride(), *q.stride(), *s.stride(),
             AXIS=_AXIS_BOTH, RCEIL=rceil, SWIGLU=False, GROUPED=False, BR=TILE, BC=TILE, num_warps=8,
         )
     return q.view(torch.float8_e4m3fn).view(w.shape), s.view(*lead, n_tiles(n), n_tiles(k))
