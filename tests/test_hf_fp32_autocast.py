@@ -108,12 +108,12 @@ def _checkpointed_olmoe(layers: int = 2):
     return model.train()
 
 
-def test_checkpointed_layers_each_keep_their_own_records(monkeypatch):
+def test_checkpointed_layers_each_keep_their_own_records():
     # Each checkpointed layer is its own subgraph, with the same node names as the other's: what a pass adds to a
     # record (the combine's output dtype, the dispatch's note) goes to that layer's record, not to the first layer's.
-    monkeypatch.setattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint", True)
     before = len(mxfx.all_reports())
-    _loss_and_grads(_checkpointed_olmoe(), {"inner": "aot_eager"})
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        _loss_and_grads(_checkpointed_olmoe(), {"inner": "aot_eager"})
     maps = mxfx.all_reports()[before:]
     records, text = [r for pm in maps for r in pm.records], "".join(pm.to_text() for pm in maps)
     assert sum(r.kind == "combine" and r.rewritten for r in records) == 2, text
