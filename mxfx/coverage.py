@@ -21,7 +21,9 @@ has compiled by then), or at exit (:mod:`mxfx.judgment`). The judgment warns, ea
 * **Weights read by no compiled graph** (:func:`unread_weights`): weights of the compiled module (floating, two or
   more dims, not biases; whatever their names) that no GEMM of any compiled graph read, converted or kept: a graph
   break or an eager fallback ran their GEMMs outside ``torch.compile``, so mxfx never saw them. Named with the graph
-  breaks Dynamo recorded while it compiled the model (:func:`mxfx.graph_breaks.new`: the reason and where).
+  breaks Dynamo recorded while it compiled the model (:func:`mxfx.graph_breaks.new`: the reason and where); a break
+  inside an activation-checkpointed region by a side effect of its forward names the Dynamo setting that keeps the
+  region in the graph (:data:`mxfx.graph_breaks.CHECKPOINT_SETTING`).
 
 Keyed by model, not by module names: a second model gets its own complete warnings, whatever names it shares
 with the first. Graphs that belong to no model (an optimizer step, a compiled function) share one process-wide
@@ -259,6 +261,11 @@ def _unread_message(where: str, missed: list[str], breaks: list[graph_breaks.Gra
     else:
         text += ("Dynamo recorded no graph break for it: it ran that code without compiling it (a "
                  "torch.compiler.disable'd function, a file it skips, or a frame past its recompile limit). ")
+    if any(b.in_checkpoint for b in breaks):
+        text += (f"A side effect inside an activation-checkpointed region (torch.utils.checkpoint; transformers' "
+                 f"activation_checkpointing_enable) keeps the region out of the graph: "
+                 f"{graph_breaks.CHECKPOINT_SETTING} = True keeps it in, the side effect then not run again when the "
+                 f"backward recomputes the region. ")
     return text + ("torch._dynamo.explain shows where the forward breaks; an expert implementation without a Python "
                    "loop over the experts (transformers: experts_implementation='grouped_mm') keeps them in the graph.")
 
