@@ -264,9 +264,10 @@ def _compile_for(gm: fx.GraphModule, example_inputs, policy: Policy, mode: str |
     if not torch.is_grad_enabled():  # Dynamo calls the backend in the grad mode the graph was traced in
         pm.mark_inference()
     held = names.parameters_by_name(place.root) if group != [place.prefix] else {}
-    for block in group:  # every block run through this graph: its weights are read by the graph's GEMMs
+    observations = []  # every block run through this graph: its weights are read by the graph's GEMMs
+    for block in group:
         inputs = example_inputs if block == place.prefix else _inputs_at(example_inputs, params, held, block)
-        coverage.observe(scope, gm, inputs, pm, policy, whole=whole)
+        observations.append(coverage.observation(scope, gm, inputs, pm, policy, whole=whole))
     _warn_format_notes(pm, example_inputs, policy)
     after = gm.print_readable(print_output=False) if policy.dump_dir else ""  # as the passes left it
     trace_artifact("mxfx_graph_after", lambda: after or gm.print_readable(print_output=False))
@@ -285,6 +286,8 @@ def _compile_for(gm: fx.GraphModule, example_inputs, policy: Policy, mode: str |
         _publish(pm, policy, before, after)  # a graph that failed to compile keeps its map and dump, to read why
         raise
     _publish(pm, policy, before, after)
+    for add in observations:
+        add()
     if gm.meta.get(weight_refresh.PLANS_META):  # an optimizer step that rebuilds caches in-graph
         compiled = cache.after_step(compiled)
     return compiled

@@ -1,5 +1,5 @@
 """What a compiled model left unconverted, said once per model: GEMMs whose shapes refuse the format, ops mxfx
-could not rewrite, and MoE weights no compiled graph read.
+could not rewrite, and weights no GEMM of a compiled graph read.
 
 Every graph the backend compiles is attributed to the model being called (:func:`model_of`: the outermost
 ``nn.Module`` whose call is running around the compile and that holds one of the graph's parameters; for
@@ -18,9 +18,12 @@ has compiled by then), or at exit (:mod:`mxfx.judgment`). The judgment warns, ea
 * **Ops not rewritten** (kind ``not_rewritten``, :mod:`mxfx.passes.unconverted`): GEMMs and opaque custom ops
   over a weight that no pattern matches, where the policy would convert that weight (:func:`unconverted.would_convert`:
   a weight whose features the op's format cannot tile is named in the precision map only).
-* **MoE weights read by no compiled graph**: weights of the model's expert modules (a module whose class or
-  attribute name says "expert") that no GEMM of any compiled graph read, converted or kept: a graph break or an
-  eager fallback ran their GEMMs outside ``torch.compile``, so mxfx never saw them.
+* **Weights read by no compiled graph** (:func:`unread_weights`): weights of the compiled module (floating, two or
+  more dims, not biases; whatever their names) that no GEMM of any compiled graph read, converted or kept: a graph
+  break or an eager fallback ran their GEMMs outside ``torch.compile``, so mxfx never saw them. Named with the graph
+  breaks Dynamo recorded while it compiled the model (:func:`mxfx.graph_breaks.new`: the reason and where); a break
+  inside an activation-checkpointed region by a side effect of its forward names the Dynamo setting that keeps the
+  region in the graph (:data:`mxfx.graph_breaks.CHECKPOINT_SETTING`).
 
 Keyed by model, not by module names: a second model gets its own complete warnings, whatever names it shares
 with the first. Graphs that belong to no model (an optimizer step, a compiled function) share one process-wide
@@ -33,11 +36,14 @@ import threading
 import warnings
 import weakref
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.fx as fx
+import torch.nn as nn
+from torch._dynamo.eval_frame import OptimizedModule
 
-from mxfx import names
+from mxfx import graph_breaks, names
 from mxfx.judgment import Judgments
 from mxfx.passes import unconverted
 from mxfx.passes.fx import all_graphs, strip_wrappers
@@ -62,6 +68,9 @@ class _Model:
     ops: dict = field(default_factory=dict)  # (kind, module, node, shapes) -> (record, asked by a user rule)
     read: set = field(default_factory=set)  # ids of the parameters a GEMM record of some graph reads
     read_modules: set = field(default_factory=set)  # modules of GEMM records whose weight could not be traced back
+    inputs: set = field(default_factory=set)  # ids of the parameters some graph takes (read by a GEMM or not)
+    compiled: set = field(default_factory=set)  # ids of the compiled modules' parameters (empty: the whole model's)
+    breaks: list = field(default_factory=list)  # the graph breaks Dynamo recorded while compiling it
     format: str = ""  # the policy's format, for the messages
 
 
@@ -96,34 +105,45 @@ def model_scope(model: torch.nn.Module | None) -> _Model:
         return scope
 
 
-def observe(scope: _Model, gm: fx.GraphModule, example_inputs, pm: PrecisionMap, policy: Policy,
-            whole: bool = False) -> None:
-    """Add rewritten graph ``gm`` (its precision map ``pm``, compiled under ``policy``) to ``scope``; judge the model
-    now when ``gm`` is its ``whole`` forward, else at the next optimizer step or at exit (:mod:`mxfx.judgment`).
-    Graphs of an optimizer step, and graphs compiled after the model was judged, change nothing."""
+def observation(scope: _Model, gm: fx.GraphModule, example_inputs, pm: PrecisionMap, policy: Policy,
+                whole: bool = False) -> Callable[[], None]:
+    """What rewritten graph ``gm`` (its precision map ``pm``, under ``policy``) shows of ``scope``'s model, read
+    from ``gm`` as the passes left it; the function returned adds it to ``scope`` once the graph has compiled (a
+    graph Dynamo traces again is never added), and judges the model then when ``gm`` is its ``whole`` forward,
+    else at the next optimizer step or at exit (:mod:`mxfx.judgment`). Graphs of an optimizer step, and graphs
+    compiled after the model was judged, change nothing."""
     if any(r.kind == "weight_refresh" for r in pm.records):
-        return
+        return lambda: None
     real = _real_values(gm, example_inputs)
     nodes = {n.name: n for g in reversed(all_graphs(gm)) for n in g.graph.nodes}  # the outer graph's names win
+    taken = {id(t) for t in (*real.values(), *gm.parameters())}
+    compiled = compiled_parameters(taken)
+    read = {r.node: _weights_read(nodes.get(r.node), real) for r in pm.records}
 
     def record():
         scope.format = scope.format or str(policy.format)
+        scope.inputs.update(taken)
+        scope.compiled.update(compiled)
+        scope.breaks.extend(b for b in graph_breaks.new() if b not in scope.breaks)
         for r in pm.records:
             if r.kind not in (*GEMM_KINDS, unconverted.KIND):
                 continue
             asked = r.kind in GEMM_KINDS and not r.rewritten and policy.requesting_rule(r.kind, r.module) is not None
             scope.ops.setdefault((r.kind, r.module, r.node, r.shapes), (r, asked))
-            weights = _weights_read(nodes.get(r.node), real)
+            weights = read[r.node]
             scope.read.update(id(w) for w in weights)
             if not weights:
                 scope.read_modules.add(r.module)
 
-    if _judgments.observe(scope, record) and whole:
-        judge(scope)
+    def add():
+        if _judgments.observe(scope, record) and whole:
+            judge(scope)
+
+    return add
 
 
 def judge_pending() -> None:
-    """Judge every model observed and not judged yet (:func:`observe`)."""
+    """Judge every model observed and not judged yet (:func:`observation`)."""
     _judgments.judge()
 
 
@@ -155,43 +175,99 @@ def _judge(scope: _Model) -> None:
               f"they run in the model's own precision. See mxfx.all_reports() (kind 'not_rewritten') for each op and "
               f"why.")
     if model is not None:
-        missed = unread_expert_weights(model, scope)
+        # compiled blocks whose forward left no graph (a graph break in a loop skips the frame) and breaks since
+        # the last graph are the model's too
+        scope.compiled.update(id(p) for m in filter(None, map(_compiled, model.modules())) for p in m.parameters())
+        scope.breaks.extend(b for b in graph_breaks.new() if b not in scope.breaks)
+        missed = unread_weights(model, scope)
         if missed:
-            _warn(f"mxfx: {where}: {len(missed)} weight(s) of its MoE expert modules were read by no GEMM of a compiled "
-                  f"graph, so they were not converted: a graph break or an eager fallback ran their GEMMs outside "
-                  f"torch.compile, in the model's own precision: {listed(missed)}. torch._dynamo.explain shows where "
-                  f"the forward breaks; an expert implementation without a Python loop over the experts (transformers: "
-                  f"experts_implementation='grouped_mm') keeps them in the graph.")
+            _warn(_unread_message(where, missed, scope.breaks))
 
 
 _judgments = Judgments(_judge, weak=True)
 
 
-def unread_expert_weights(model: torch.nn.Module, scope: _Model | None = None) -> list[str]:
-    """Names of the weights (floating, 2 or more dims, not named as biases) of ``model``'s expert modules that no GEMM
-    of a compiled graph of it read (:func:`observe`), as ``named_parameters()`` spells them."""
+def unread_weights(model: torch.nn.Module, scope: _Model | None = None) -> list[str]:
+    """Names (as ``named_parameters()`` spells them) of the weights of ``model`` that no GEMM of a compiled graph of
+    it read (:func:`observation`): floating, two or more dims, not named as biases (per-expert biases ``[E, N]`` are
+    added, not multiplied) nor of :data:`NOT_GEMMS`, held by the compiled modules (all of ``model``'s when no
+    compiled module was seen), and either taken by no compiled graph at all, or taken but read by no GEMM there
+    while they are GEMM weights (:func:`_gemm_weight`). Once a backward has left gradients, weights without one (trainable, so no part of
+    the step) are not named."""
     scope = scope or model_scope(model)
     modules = dict(model.named_modules())
+    params = list(model.named_parameters())
+    stepped = any(p.grad is not None for _, p in params)
     out = []
-    for name, p in model.named_parameters():
-        owner = name.rpartition(".")[0]
-        if p.dim() < 2 or not p.is_floating_point() or "bias" in name.rpartition(".")[2] or not _in_experts(name, modules):
-            continue  # per-expert biases ([E, N]) are added, not multiplied
+    for name, p in params:
+        owner, _, leaf = name.rpartition(".")
+        if p.dim() < 2 or not p.is_floating_point() or "bias" in leaf or isinstance(modules.get(owner), NOT_GEMMS):
+            continue
+        if (scope.compiled and id(p) not in scope.compiled) or (stepped and p.requires_grad and p.grad is None):
+            continue
         if id(p) in scope.read or any(owner == m or owner.endswith("." + m) for m in scope.read_modules if m):
             continue
+        if id(p) in scope.inputs and not _gemm_weight(name, modules):
+            continue  # taken by a graph and read by no GEMM there, as a weight of another op would be
         out.append(strip_wrappers(name))
     return out
 
 
-def _in_experts(name: str, modules: dict) -> bool:
-    """Whether the parameter ``name`` is an expert weight: its own name, or the class or attribute name of a module
-    holding it, says "expert" (``experts``, ``shared_experts``, ``DbrxExperts``, ``GraniteMoeParallelExperts``)."""
+NOT_GEMMS = (nn.Embedding, nn.EmbeddingBag, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
+             nn.ConvTranspose3d)
+"""Modules whose weights no GEMM reads (lookups, convolutions): read by no compiled graph or not, never named."""
+
+
+def _gemm_weight(name: str, modules: dict) -> bool:
+    """Whether the parameter ``name`` is a GEMM's weight for sure: an ``nn.Linear``'s, or one whose name, or the
+    class or attribute name of a module holding it, says "expert" (``experts``, ``shared_experts``, ``DbrxExperts``,
+    ``GraniteMoeParallelExperts``)."""
     parts = name.split(".")
+    if isinstance(modules.get(".".join(parts[:-1])), nn.Linear):
+        return True
     for end in range(len(parts), 0, -1):
         module = modules.get(".".join(parts[:end]))
         if "expert" in parts[end - 1].lower() or (module is not None and "expert" in type(module).__name__.lower()):
             return True
     return False
+
+
+def compiled_parameters(graph: set[int]) -> set[int]:
+    """ids of the parameters of the compiled modules (:func:`_compiled`) whose call is running around the compile
+    and that hold one of ``graph`` (parameter ids). Empty when none is (a compiled function)."""
+    out: set[int] = set()
+    for module in filter(None, map(_compiled, names.running_modules())):
+        held = {id(p) for p in module.parameters()}
+        if held & graph:
+            out |= held
+    return out
+
+
+def _compiled(module: torch.nn.Module) -> torch.nn.Module | None:
+    """The module ``module`` compiles: the one ``torch.compile(module)``'s wrapper wraps, ``module`` itself when
+    compiled in place (``module.compile()``); None when it is not compiled."""
+    if isinstance(module, OptimizedModule):
+        return module._orig_mod
+    return module if getattr(module, "_compiled_call_impl", None) is not None else None
+
+
+def _unread_message(where: str, missed: list[str], breaks: list[graph_breaks.GraphBreak]) -> str:
+    text = (f"mxfx: {where}: {len(missed)} weight(s) were read by no GEMM of a compiled graph, so they were not "
+            f"converted: a graph break or an eager fallback ran their GEMMs outside torch.compile, in the model's own "
+            f"precision: {listed(missed)}. ")
+    if breaks:
+        text += (f"Graph breaks Dynamo recorded while compiling it: {'; '.join(map(str, breaks[:4]))}"
+                 f"{f' and {len(breaks) - 4} more' if len(breaks) > 4 else ''}. ")
+    else:
+        text += ("Dynamo recorded no graph break for it: it ran that code without compiling it (a "
+                 "torch.compiler.disable'd function, a file it skips, or a frame past its recompile limit). ")
+    if any(b.in_checkpoint for b in breaks):
+        text += (f"A side effect inside an activation-checkpointed region (torch.utils.checkpoint; transformers' "
+                 f"activation_checkpointing_enable) keeps the region out of the graph: "
+                 f"{graph_breaks.CHECKPOINT_SETTING} = True keeps it in, the side effect then not run again when the "
+                 f"backward recomputes the region. ")
+    return text + ("torch._dynamo.explain shows where the forward breaks; an expert implementation without a Python "
+                   "loop over the experts (transformers: experts_implementation='grouped_mm') keeps them in the graph.")
 
 
 def _real_values(gm: fx.GraphModule, example_inputs) -> dict:

@@ -154,8 +154,11 @@ def test_experts_no_compiled_graph_read_are_named_at_the_step(eager):
     assert sum(pm.count("linear", rewritten=True) for pm in mxfx.all_reports()[before:]) == 1  # proj
     messages = _mxfx_warnings(opt.step)
     (message,) = [m for m in messages if "read by no GEMM" in m]
-    assert "model LoopMoE: 1 weight(s) of its MoE expert modules" in message and "'experts.w1'" in message
+    assert "model LoopMoE: 1 weight(s) were read by no GEMM" in message and "'experts.w1'" in message
     assert "proj" not in message  # converted, in a compiled graph
+    # the break: torch._dynamo.graph_break() at its line, or the call of the torch.compiler.disable'd function
+    line = LoopExperts.forward.__code__.co_firstlineno + (2 if eager else 4)
+    assert f"test_coverage.py:{line}" in message, message
     assert not _mxfx_warnings(opt.step)  # once
 
 
@@ -194,8 +197,67 @@ def test_dbrx_experts_outside_the_graph_are_named():
     assert not [m for m in _mxfx_warnings(run) if "expert" in m]
     assert not [r for pm in mxfx.all_reports()[before:] for r in pm.records if ".experts" in r.module]
     (message,) = [m for m in _mxfx_warnings(torch.optim.SGD(model.parameters(), lr=0.1).step) if "read by no GEMM" in m]
-    assert "model DbrxForCausalLM: 3 weight(s)" in message
+    assert "model DbrxForCausalLM: 3 weight(s)" in message and "Graph breaks Dynamo recorded" in message
     assert all(f"'transformer.blocks.0.ffn.experts.mlp.{w}'" in message for w in ("w1", "v1", "w2")), message
+
+
+class HandWrittenMoE(nn.Module):
+    """Experts as a first-time user writes them: a loop over the experts, ``torch.where`` for each one's rows,
+    ``x[rows] @ w[e].T`` and ``index_add_``; nothing is named "expert". ``torch.where``'s data-dependent output
+    shape breaks the graph inside the loop, so Dynamo runs this forward eagerly."""
+
+    def __init__(self, d: int = 64, hidden: int = 64, n: int = 4):
+        super().__init__()
+        self.router = nn.Linear(d, n, bias=False)
+        self.w_in = nn.Parameter(torch.randn(n, hidden, d) / 8)
+        self.w_out = nn.Parameter(torch.randn(n, d, hidden) / 8)
+
+    def forward(self, x):
+        top, idx = self.router(x).softmax(-1).topk(2, -1)
+        out = torch.zeros_like(x)
+        for e in range(self.w_in.shape[0]):
+            rows, slot = torch.where(idx == e)
+            h = torch.relu(x[rows] @ self.w_in[e].T)
+            out.index_add_(0, rows, (h @ self.w_out[e].T) * top[rows, slot, None])
+        return out
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.proj, self.moe, self.head = nn.Embedding(128, 64), nn.Linear(64, 64), HandWrittenMoE(), nn.Linear(64, 128)
+
+    def forward(self, ids):
+        x = self.proj(self.embed(ids))
+        return self.head(x + self.moe(x))
+
+
+def test_weights_no_compiled_graph_read_are_named_whatever_their_names():
+    """The weights of a hand-written MoE whose forward ran eagerly are named at the step, by their names, with the
+    break that sent it there (its reason and line); the embedding, in a graph and no GEMM's weight, is not."""
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ids = torch.randint(0, 128, (64,), generator=torch.Generator().manual_seed(0))
+    compiled = _mxfx_warnings(_compile_and_run, model, ids)
+    assert not [m for m in compiled if "read by no GEMM" in m]  # not the whole forward: judged at the step
+    (message,) = [m for m in _mxfx_warnings(opt.step) if "read by no GEMM" in m]
+    # (the router's nn.Linear ran in a graph Dynamo compiled for nn.Linear.forward, called from the eager frame)
+    assert "model Net: 2 weight(s)" in message and "'moe.w_in', 'moe.w_out'" in message, message
+    line = HandWrittenMoE.forward.__code__.co_firstlineno + 4  # rows, slot = torch.where(idx == e)
+    assert f"'Dynamic shape operator' at {__file__}:{line}" in message, message
+    assert "embed" not in message and "'proj" not in message and "head" not in message
+
+
+def test_weights_outside_the_compiled_blocks_are_not_named():
+    """Only blocks are compiled (torchtitan's per-block compile): the head, run eagerly by design, is not named;
+    the hand-written experts of a compiled block, which its break left eager, are."""
+    model = Net()
+    model.proj, model.moe = (torch.compile(m, backend="mxfp8", options=OPTS) for m in (model.proj, model.moe))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch._dynamo.reset()
+    _mxfx_warnings(lambda: model(torch.randint(0, 128, (64,))).float().sum().backward())
+    (message,) = [m for m in _mxfx_warnings(opt.step) if "read by no GEMM" in m]
+    assert "'moe.w_in'" in message and "head" not in message and "embed" not in message, message
 
 
 class Uneven2(nn.Module):

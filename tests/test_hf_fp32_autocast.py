@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import mxfx
+from mxfx import graph_breaks
 from mxfx.passes import unconverted
 from tests.helpers import lm_loss_and_grads
 
@@ -108,12 +109,12 @@ def _checkpointed_olmoe(layers: int = 2):
     return model.train()
 
 
-def test_checkpointed_layers_each_keep_their_own_records(monkeypatch):
+def test_checkpointed_layers_each_keep_their_own_records():
     # Each checkpointed layer is its own subgraph, with the same node names as the other's: what a pass adds to a
     # record (the combine's output dtype, the dispatch's note) goes to that layer's record, not to the first layer's.
-    monkeypatch.setattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint", True)
     before = len(mxfx.all_reports())
-    _loss_and_grads(_checkpointed_olmoe(), {"inner": "aot_eager"})
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        _loss_and_grads(_checkpointed_olmoe(), {"inner": "aot_eager"})
     maps = mxfx.all_reports()[before:]
     records, text = [r for pm in maps for r in pm.records], "".join(pm.to_text() for pm in maps)
     assert sum(r.kind == "combine" and r.rewritten for r in records) == 2, text
@@ -195,6 +196,35 @@ def test_moe_family_trains_with_every_routed_expert_gemm_converted(name):
     for got, want in zip(losses, expected):
         assert abs(got - want) / want < LOSS_BOUND, (losses, expected)
     assert losses[-1] < losses[0]  # it trains
+
+
+def test_checkpointed_layers_convert_with_the_dynamo_setting_the_warning_names():
+    """transformers' activation checkpointing: a context variable set inside each checkpointed layer breaks the
+    graph there ("HOP: Unsafe side effect") and every layer runs eagerly; the step's warning names their weights,
+    the break and the Dynamo setting. With that setting the layers are in the graph: every expert GEMM converted,
+    no weight left unread, and it trains as the model without mxfx does (bound: :data:`LOSS_BOUND`)."""
+    model = _checkpointed_olmoe()
+    reference = copy.deepcopy(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _train(copy.deepcopy(model), {"inner": "aot_eager"})
+    (message,) = [str(w.message) for w in caught if "read by no GEMM" in str(w.message)]
+    assert "'model.layers.0.self_attn.q_proj.weight'" in message and "'HOP: Unsafe side effect' at " in message
+    assert f"{graph_breaks.CHECKPOINT_SETTING} = True" in message, message
+
+    before = len(mxfx.all_reports())
+    with warnings.catch_warnings(record=True) as caught, \
+            torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        warnings.simplefilter("always")
+        losses = _train(model, {"inner": "aot_eager"})
+    routed = [r for pm in mxfx.all_reports()[before:] for r in pm.records if r.kind == "grouped_mm"]
+    assert len(routed) == 4 and all(r.rewritten for r in routed), [str(pm) for pm in mxfx.all_reports()[before:]]
+    assert {r.module for r in routed} == {f"model.layers.{i}.mlp.experts" for i in (0, 1)}
+    assert not [w for w in caught if "read by no GEMM" in str(w.message)]
+    expected = _train(reference)  # the same checkpointed model without mxfx
+    for got, want in zip(losses, expected):
+        assert abs(got - want) / want < LOSS_BOUND, (losses, expected)
+    assert losses[-1] < losses[0]
 
 
 def test_pass_off_reports_the_fallback_as_not_rewritten():
