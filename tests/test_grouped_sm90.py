@@ -51,6 +51,8 @@ def test_kernel_compiles_for_sm90_to_fp8_wgmma_without_spills(out_dtype):
     counts = c.counts
     assert counts.get("QGMMA", 0) >= 8, dict(counts)  # 4 K=32 instructions per 128-K step, in both math warpgroups
     assert counts.get("HGMMA", 0) == 0 and counts.get("HMMA", 0) == 0, dict(counts)
+    # one wait per 128-K step, not one per instruction: ptxas serializes wgmma it cannot prove safe (C7514/C7515)
+    assert c.sass.count("WARPGROUP.DEPBAR") * 4 <= counts["QGMMA"], "wgmma serialized"
     assert counts.get("USETMAXREG", 0) + counts.get("SETMAXNREG", 0) > 0, "no register reallocation"
     assert counts.get("UTMALDG", 0) >= 3 and counts.get("UTMASTG", 0) >= 1, dict(counts)
     assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0, "registers spilled to local memory"
