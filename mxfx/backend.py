@@ -20,7 +20,7 @@ from mxfx.runtime import cache, stats
 from mxfx import formats
 from mxfx.kernels.common import device as devices
 from mxfx.kernels.common import launch
-from mxfx.passes import weight_refresh
+from mxfx.passes import weight_refresh, wgrad_accumulation
 from mxfx.passes.fx import PREFIX_META, all_graphs, example_value, fill_example_values, parameter_placeholders, stats_sites
 from mxfx.policy import Policy
 
@@ -239,9 +239,13 @@ def _compile_for(gm: fx.GraphModule, example_inputs, policy: Policy, mode: str |
         pm.mark_inference()
     report.register(pm)
     held = names.parameters_by_name(place.root) if group != [place.prefix] else {}
-    for block in group:  # every block run through this graph: its weights are read by the graph's GEMMs
-        inputs = example_inputs if block == place.prefix else _inputs_at(example_inputs, params, held, block)
-        coverage.observe(scope, gm, inputs, pm, policy, whole=whole)
+    # every block run through this graph: its weights are read by the graph's GEMMs
+    inputs = [example_inputs if block == place.prefix else _inputs_at(example_inputs, params, held, block)
+              for block in group]
+    if policy.fuse_wgrad_accumulation:
+        wgrad_accumulation.settle(gm, inputs, pm)
+    for block_inputs in inputs:
+        coverage.observe(scope, gm, block_inputs, pm, policy, whole=whole)
     _warn_format_notes(pm, example_inputs, policy)
     log.info("mxfx: %s", pm.summary())
     trace_artifact("mxfx_precision_map", pm.to_text)
