@@ -19,6 +19,7 @@ import torch.fx as fx
 from torch.profiler import ProfilerActivity, profile
 
 import mxfx
+from mxfx.kernels.common import hp_gemm
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
 from mxfx.passes.wgrad_accumulation import FUSED_NOTE, UNFUSED_NOTE
 from tests.helpers import GraphCapture
@@ -271,3 +272,43 @@ def test_transposed_expert_stack(fmt):
         assert _notes(mxfx.last_report()) == [("", "fused")]
         for got, want in zip(grads[True], grads[False], strict=True):
             assert got.stride() == want.stride() and _rel(got, want) <= FUSE_RTOL, (wgrad, _rel(got, want))
+
+
+def _wgrad_cases(fmt_name: str):
+    """``(name, gemm(out_dtype), into(out, accumulate))`` of every wgrad GEMM an op of format ``fmt_name`` runs: the
+    format's dense and grouped ones on its token-blocked operands, and the high-precision ones (groups: 96 and 160
+    tokens, one empty group)."""
+    fmt = mxfx.formats.get(fmt_name)
+    g = torch.Generator().manual_seed(5)
+    dy, x = torch.randn(256, 128, generator=g), torch.randn(256, 256, generator=g)
+    offs = torch.tensor([96, 96, 256], dtype=torch.int32)
+    dy_t, x_t = fmt.grad_operands(dy, "rceil", rows=False, tokens=True)[1], fmt.tokens_operand(x, "rceil")
+    dy_g, x_g = (fmt.grouped_tokens_operand(t, offs, "rceil") for t in (dy, x))
+    hp_dy = dy.bfloat16()
+    return [
+        ("dense", lambda dt: fmt.wgrad_mm(dy_t, x_t, dt), lambda o, a: fmt.wgrad_mm_into(dy_t, x_t, o, a)),
+        ("grouped", lambda dt: fmt.grouped_wgrad(dy_g, x_g, offs, dt),
+         lambda o, a: fmt.grouped_wgrad_into(dy_g, x_g, offs, o, a)),
+        ("hp dense", lambda dt: hp_gemm.hp_mm_transposed(hp_dy.t(), x.t(), dt),
+         lambda o, a: hp_gemm.hp_mm_into(hp_dy, x, o, a)),
+        ("hp grouped", lambda dt: hp_gemm.hp_grouped_wgrad(dy, x, offs, dt),
+         lambda o, a: hp_gemm.hp_grouped_wgrad_into(dy, x, offs, o, a)),
+    ]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_wgrad_into_equals_the_gemm(fmt):
+    """Each wgrad GEMM's ``_into`` form: written into a NaN-filled gradient (a new one: nothing of it read, an empty
+    group zeroed) it is the GEMM's float32 result, added into a gradient it is that gradient plus the result (an
+    empty group left as it was), within :data:`FUSE_RTOL` (the same FP32 sums in another order)."""
+    for name, gemm, into in _wgrad_cases(fmt):
+        want = gemm(torch.float32)
+        out = torch.full_like(want, float("nan"))
+        into(out, False)
+        assert _rel(out, want) <= FUSE_RTOL, (name, _rel(out, want))
+        base = torch.randn(want.shape, generator=torch.Generator().manual_seed(6))
+        out = base.clone()
+        into(out, True)
+        assert _rel(out, base + want) <= FUSE_RTOL, (name, _rel(out, base + want))
+        if name.endswith("grouped"):
+            assert torch.equal(out[1], base[1]), name  # the empty group
