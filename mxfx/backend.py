@@ -22,7 +22,7 @@ from mxfx.runtime import cache, stats
 from mxfx import formats
 from mxfx.kernels.common import device as devices
 from mxfx.kernels.common import launch
-from mxfx.passes import weight_refresh
+from mxfx.passes import weight_refresh, wgrad_accumulation
 from mxfx.passes.fx import PREFIX_META, all_graphs, example_value, fill_example_values, parameter_placeholders, stats_sites
 from mxfx.policy import Policy
 
@@ -265,9 +265,12 @@ def _compile_for(gm: fx.GraphModule, example_inputs, policy: Policy, mode: str |
         pm.mark_inference()
     held = names.parameters_by_name(place.root) if group != [place.prefix] else {}
     observations = []  # every block run through this graph: its weights are read by the graph's GEMMs
-    for block in group:
-        inputs = example_inputs if block == place.prefix else _inputs_at(example_inputs, params, held, block)
-        observations.append(coverage.observation(scope, gm, inputs, pm, policy, whole=whole))
+    inputs = [example_inputs if block == place.prefix else _inputs_at(example_inputs, params, held, block)
+              for block in group]
+    if policy.fuse_wgrad_accumulation:
+        wgrad_accumulation.settle(gm, inputs, pm)
+    for block_inputs in inputs:
+        observations.append(coverage.observation(scope, gm, block_inputs, pm, policy, whole=whole))
     _warn_format_notes(pm, example_inputs, policy)
     after = gm.print_readable(print_output=False) if policy.dump_dir else ""  # as the passes left it
     trace_artifact("mxfx_graph_after", lambda: after or gm.print_readable(print_output=False))

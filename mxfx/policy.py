@@ -412,13 +412,15 @@ class Decision:
     format: Format = formats.DEFAULT  # resolved on the current device, never "auto"
     stats: str = ""  # site prefix of the op's quantization statistics ("": none), Policy.stats
     stats_every: int = 100
+    fuse_wgrad_accumulation: bool = False
 
     @property
     def settings(self) -> OpSettings:
         """The settings the op of this decision runs with."""
         return OpSettings(scale_rule=self.scale_rule, wgrad=self.wgrad, save=self.save,
                           keep_dequantized_weights=self.keep_dequantized_weights, format=self.format,
-                          stats=self.stats, stats_every=self.stats_every)
+                          stats=self.stats, stats_every=self.stats_every,
+                          fuse_wgrad_accumulation=self.fuse_wgrad_accumulation)
 
     def shown(self, precision: str, as_written: str) -> str:
         """A precision as the precision map prints it: the low-precision choice ("mxfp8") named by this
@@ -515,6 +517,14 @@ class Policy(_NamedFields):
             environment variable's choice, else "inductor"; given, it wins over the variable. Each
             ``torch.compile`` call reads its own options (a compiled optimizer step's too). Graphs on CPU always
             keep the custom ops; the grouped GEMMs stay ops either way.
+        fuse_wgrad_accumulation: the converted ops' wgrad GEMMs write each FP32 weight's gradient into its ``.grad``
+            themselves (add to it; write a new one where it is None) and return none to autograd, whose
+            ``AccumulateGrad`` then adds nothing (``docs/caches.md``, "Weight gradients written by their GEMM").
+            Where that cannot be exact the op returns its gradient to autograd as without it, and the precision
+            map says why: a weight that is not an FP32 leaf parameter, or one with gradient hooks or
+            post-accumulate-grad hooks when the graph compiles (one registered later raises in the backward).
+            The CPU reference GEMMs add into ``.grad`` themselves; on CUDA the GEMM's result is still added in a
+            pass of its own, until the kernels take the gradient. Off by default (not yet measured on a GPU).
     """
 
     scale_rule: str = "rceil"
@@ -530,6 +540,7 @@ class Policy(_NamedFields):
     format: str = "mxfp8"
     stats: Mapping | None = STATS_FROM_ENV
     kernels: str | None = None
+    fuse_wgrad_accumulation: bool = False
 
     def __post_init__(self):
         for name, valid in (("scale_rule", SCALE_RULES), ("save", PRECISIONS)):
@@ -549,8 +560,9 @@ class Policy(_NamedFields):
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
             raise ValueError(f"mxfx policy: dump_dir={self.dump_dir!r} must be a path (str) or None")
         _check_min_size(self.min_size, allow_none=False)
-        if not isinstance(self.keep_dequantized_weights, bool):
-            raise ValueError(f"mxfx policy: keep_dequantized_weights={self.keep_dequantized_weights!r} must be True or False")
+        for flag in ("keep_dequantized_weights", "fuse_wgrad_accumulation"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"mxfx policy: {flag}={getattr(self, flag)!r} must be True or False")
         if not callable(self.inner) and self.inner not in INNER_COMPILERS:
             raise ValueError(f"mxfx policy: inner={self.inner!r} is not valid; choose one of {', '.join(map(repr, INNER_COMPILERS))} or a backend callable")
         rules = tuple(r if isinstance(r, Rule) else _indexed_rule(i, r) for i, r in enumerate(self.rules))
@@ -724,6 +736,7 @@ class Policy(_NamedFields):
             format=fmt,
             stats=self.stats_site(module) if precision == "mxfp8" else "",
             stats_every=self.stats["every"] if self.stats is not None else 100,
+            fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
         )
 
     def _judged_rule(self, fmt: Format, format_rule: Rule | None, rule_rule: Rule | None, kind: str, module: str) -> ScaleRule:

@@ -3,7 +3,9 @@ under BF16 autocast, for both formats (``format="mxfp8"``, ``"fp8_block"``), on 
 experts, a shared expert, dense linears; tests/models.py) compiled with ``backend="mxfp8"`` (inner ``aot_eager``).
 
 One process: the accumulated gradients are the sum of the microbatches' own; each weight is quantized once per
-optimizer step whatever the microbatch count, and the caches a step leaves are those of the updated weights.
+optimizer step whatever the microbatch count, and the caches a step leaves are those of the updated weights. Every
+case runs with autograd accumulating the weight gradients and with the wgrad GEMMs writing them into ``.grad``
+(``fuse_wgrad_accumulation``, ``fused`` in the test ids).
 Two processes (gloo, the ``TWO_RANKS`` worker cases of the shared launch, :func:`tests.helpers.run_worker`): DDP
 ``no_sync()`` and FSDP2 ``set_requires_gradient_sync(False)`` over the first N-1 microbatches give one process's
 gradients of the concatenated data, reduce only in the synced microbatch, and quantize each weight once per step
@@ -19,11 +21,13 @@ import torch
 
 import mxfx
 from mxfx.numerics import block as bf
+from mxfx.passes.wgrad_accumulation import FUSED_NOTE
 from mxfx.runtime import cache
 from tests.helpers import run_worker
 from tests.models import MoETransformer, tiny_config
 
 FORMATS = ("mxfp8", "fp8_block")
+FUSE = pytest.mark.parametrize("fuse", [False, True], ids=["autograd", "fused"])
 N_MICRO = 4
 BATCH, SEQ = 2, 64  # 128 tokens a microbatch: whole 1x128 fp8_block tiles and 32-token MX blocks along the tokens
 N_MX_WEIGHTS = 7  # qkv, o_proj, shared_gate/up/down (dense), gate_up_proj, down_proj (routed); router, lm_head kept
@@ -59,12 +63,14 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-def _assert_mx_ops(pm, fmt: str) -> None:
-    """The compiled graph runs the dense linears and both routed-expert GEMMs in ``fmt``."""
+def _assert_mx_ops(pm, fmt: str, fuse: bool) -> None:
+    """The compiled graph runs the dense linears and both routed-expert GEMMs in ``fmt``, their wgrads writing
+    ``.grad`` themselves where ``fuse``."""
     linear = [r for r in pm.records if r.kind == "linear" and r.rewritten]
     grouped = [r for r in pm.records if r.kind == "grouped_mm"]
     assert len(linear) == 5 and all(r.forward == fmt for r in linear), pm.to_text()
     assert len(grouped) == 2 and all(r.forward == fmt for r in grouped), pm.to_text()
+    assert all((FUSED_NOTE in r.reason) == fuse for r in linear + grouped), pm.to_text()
 
 
 def _fresh_form(fmt: str, w: torch.Tensor, form: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,13 +103,16 @@ pytestmark = pytest.mark.usefixtures("fresh_weight_cache")
 # --- one process ----------------------------------------------------------------------------------
 
 
+@FUSE
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_accumulated_gradients_are_the_sum_of_the_microbatches(fmt):
+def test_accumulated_gradients_are_the_sum_of_the_microbatches(fmt, fuse):
     """N=4 microbatches into no gradient (``zero_grad(set_to_none=True)``, on fresh caches: the step that switches
     them to keeping every form) and into zeroed gradients (``set_to_none=False``, caches kept) give, for every
-    parameter, the sum of the 4 gradients each microbatch gives alone from no gradient, within :data:`ACCUM_RTOL`."""
+    parameter, the sum of the 4 gradients each microbatch gives alone from no gradient, within :data:`ACCUM_RTOL`
+    (fused: the first microbatch's GEMM writes a new ``.grad`` or adds into the zeros, later ones add into it)."""
     model, batches = _model(), _ids(N_MICRO)
-    run = torch.compile(model, backend="mxfp8", options={"inner": "aot_eager", "format": fmt})
+    opts = {"inner": "aot_eager", "format": fmt, "fuse_wgrad_accumulation": fuse}
+    run = torch.compile(model, backend="mxfp8", options=opts)
 
     def accumulate(set_to_none: bool):
         """Gradients after the first microbatch and after all of them."""
@@ -117,7 +126,7 @@ def test_accumulated_gradients_are_the_sum_of_the_microbatches(fmt):
         return first, {n: p.grad.clone() for n, p in model.named_parameters()}
 
     runs = {True: accumulate(True)}
-    _assert_mx_ops(mxfx.last_report(), fmt)
+    _assert_mx_ops(mxfx.last_report(), fmt, fuse)
     singles = []
     for ids in batches:
         model.zero_grad(set_to_none=True)
@@ -140,14 +149,17 @@ SCHEDULE = (1, 1, 4, 8, 1)
 GEMM and not kept), the first step with several (the documented switch to keeping every form), then any count."""
 
 
-@pytest.mark.parametrize("compiled_step", [False, True], ids=["eager_step", "compiled_step"])
+@pytest.mark.parametrize("compiled_step,fuse", [(False, False), (True, False), (False, True)],
+                         ids=["eager_step", "compiled_step", "eager_step-fused"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_each_weight_quantized_once_per_step_whatever_the_microbatch_count(fmt, compiled_step):
+def test_each_weight_quantized_once_per_step_whatever_the_microbatch_count(fmt, compiled_step, fuse):
     """The cache's counters over a step (its microbatches and the optimizer step) show the same quantizations for 1,
     4 and 8 microbatches, one per cached form (MXFP8) or per weight (fp8_block: its dgrad form is the forward grid
     transposed); every form cached before and right after each step equals a fresh quantize of the weight as it is
-    then (and the step changed them), and the gradients after the steps equal those of caches built from scratch."""
-    opts = {"inner": "aot_eager", "format": fmt}
+    then (and the step changed them), and the gradients after the steps equal those of caches built from scratch.
+    Fused, the eager step's hook finds the gradients the wgrad GEMMs wrote, as it finds autograd's (a compiled step
+    rebuilds the caches whatever the gradients)."""
+    opts = {"inner": "aot_eager", "format": fmt, "fuse_wgrad_accumulation": fuse}
     model, batches = _model(), _ids(max(SCHEDULE))
     run = torch.compile(model, backend="mxfp8", options=opts)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -159,7 +171,7 @@ def test_each_weight_quantized_once_per_step_whatever_the_microbatch_count(fmt, 
         for ids in batches[:n]:
             _microbatch(run, ids, n)
         if s == 0:
-            _assert_mx_ops(mxfx.last_report(), fmt)
+            _assert_mx_ops(mxfx.last_report(), fmt, fuse)
         before = cache.stats()["quantize"]
         n_forms = sum(len(cache.entry_forms(p)) for p in model.parameters())
         assert n_forms == (2 * N_MX_WEIGHTS if seen_several or n > 1 else 0), (s, n, n_forms)  # one microbatch: none kept
@@ -201,23 +213,28 @@ def test_each_weight_quantized_once_per_step_whatever_the_microbatch_count(fmt, 
 
 # --- two processes ----------------------------------------------------------------------------------
 
-TWO_RANKS = [f"{wrapper}_{fmt}" for wrapper in ("ddp", "fsdp2") for fmt in FORMATS]
+FUSED_CASES = (("ddp", "mxfp8"), ("fsdp2", "fp8_block"))
+"""The wrappers' cases run fused too, one format each: the formats' wgrad GEMMs are tested fused in one process,
+the wrappers' hooks and reductions see the same ``.grad`` whichever GEMM wrote it."""
+TWO_RANKS = [f"{wrapper}_{fmt}" for wrapper in ("ddp", "fsdp2") for fmt in FORMATS] + [
+    f"{wrapper}_{fmt}_fused" for wrapper, fmt in FUSED_CASES]
 DIST_STEPS, DIST_LR = 2, 0.5  # SGD at 0.5: gradients of the second step from the first step's forms are 8% off
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_ddp_no_sync_accumulation_matches_one_process(two_ranks, fmt):
+@pytest.mark.parametrize("fmt,fuse", [(f, False) for f in FORMATS] + [(FUSED_CASES[0][1], True)])
+def test_ddp_no_sync_accumulation_matches_one_process(two_ranks, fmt, fuse):
     """DDP ``no_sync()`` over 3 microbatches then a synced one, 2 ranks, 2 steps: each step's gradients equal one
     process's of the concatenated microbatches at the same weights; all-reduces only in the synced microbatch; each
-    weight quantized once per step on each rank."""
-    assert two_ranks.count(f"ACCUM OK ddp {fmt}") == 2, two_ranks
+    weight quantized once per step on each rank. Fused: the reducer's hook, run after ``AccumulateGrad`` got no
+    gradient, reads the ``.grad`` the wgrad GEMMs wrote."""
+    assert two_ranks.count(f"ACCUM OK ddp {fmt} {'fused' if fuse else 'autograd'}\n") == 2, two_ranks
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_fsdp2_gradient_sync_off_accumulation_matches_one_process(two_ranks, fmt):
+@pytest.mark.parametrize("fmt,fuse", [(f, False) for f in FORMATS] + [(FUSED_CASES[1][1], True)])
+def test_fsdp2_gradient_sync_off_accumulation_matches_one_process(two_ranks, fmt, fuse):
     """FSDP2 ``set_requires_gradient_sync(False)`` over 3 microbatches then True: as for DDP, with reduce-scatters
-    only in the synced microbatch."""
-    assert two_ranks.count(f"ACCUM OK fsdp2 {fmt}") == 2, two_ranks
+    only in the synced microbatch (fused: of the unsharded parameters' ``.grad`` the wgrad GEMMs wrote)."""
+    assert two_ranks.count(f"ACCUM OK fsdp2 {fmt} {'fused' if fuse else 'autograd'}\n") == 2, two_ranks
 
 
 def _dist_ids(step: int, world: int) -> list[list[torch.Tensor]]:
@@ -229,22 +246,23 @@ def _dist_ids(step: int, world: int) -> list[list[torch.Tensor]]:
 DIST_RTOL = 1e-4
 """Relative Frobenius error allowed between a rank's reduced gradient and one process's gradient of the concatenated
 microbatches at the same weights, for the parameters whose gradients are FP32 sums of per-token terms both sides
-compute alike (embedding, norms, MX dense linears). Per token the ranks run the same ops on the same bits: the
-forward's and dgrad's blocks are per row, and each rank's 128 tokens a microbatch fill whole token blocks of the
-wgrad operands (32 for MXFP8, 128 for fp8_block) in the concatenation too; the loss scales differ by a power of two,
-which MX and fp8_block scales absorb exactly. Only the FP32 summation order differs (measured 1e-7). A gradient not
-reduced, or a microbatch lost, is off by tens of percent."""
+compute alike (embedding, norms, MX dense linears, the routed experts, whose BF16 grouped wgrad writes its FP32
+sums). Per token the ranks run the same ops on the same bits: the forward's and dgrad's blocks are per row, and each
+rank's 128 tokens a microbatch fill whole token blocks of the wgrad operands (32 for MXFP8, 128 for fp8_block) in
+the concatenation too; the loss scales differ by a power of two, which MX and fp8_block scales absorb exactly. Only
+the FP32 summation order differs (measured 1e-7, the experts' 8e-8, fused or not). A gradient not reduced, or a
+microbatch lost, is off by tens of percent."""
 BF16_RTOL = 5e-3
 """The same, for the parameters whose gradients go through a BF16 rounding of a partial sum (:data:`BF16_SUMS`): each
 rank's BF16 weight-gradient GEMM rounds its own tokens' sum to BF16 (2^-9 relative) before the FP32 reduction,
-where one process rounds the sum of both ranks' tokens (measured 1.7e-3)."""
+where one process rounds the sum of both ranks' tokens (measured 1.4e-3 to 1.7e-3)."""
 SPLIT_RTOL = 3e-2
 """The same, for the experts' ``gate_up_proj`` under DDP (measured 1.4e-2): Dynamo splits DDP's graph at bucket
 boundaries, and there the experts' BF16 gate_up wgrad reads the MXFP8 copy of its gathered rows, where the whole
 graph (and FSDP2's block) keeps the BF16 tokens and gathers them again (the saved pass, ``mxfx/passes/saved.py``):
 its input differs by an E4M3 rounding, 2^-4 relative per value."""
-BF16_SUMS = ("moe.gate_up_proj", "moe.down_proj", "moe.gate.weight", "lm_head.weight")
-"""The routed experts (BF16 wgrad), the router (reads the experts' BF16 outputs) and lm_head (a BF16 autocast GEMM)."""
+BF16_SUMS = ("moe.gate.weight", "lm_head.weight")
+"""The router (reads the experts' BF16 outputs) and lm_head (a BF16 autocast GEMM whose result autograd widens)."""
 
 
 class _Reference(MoETransformer):
@@ -256,7 +274,7 @@ class _Reference(MoETransformer):
         return super().forward(idx, targets)
 
 
-def _worker_accum(rank: int, world: int, wrapper: str, fmt: str):
+def _worker_accum(rank: int, world: int, wrapper: str, fmt: str, fuse: bool = False):
     import torch.distributed as dist
 
     from tests import counting_pg
@@ -264,7 +282,7 @@ def _worker_accum(rank: int, world: int, wrapper: str, fmt: str):
     comm: list = []  # (collective, dtype, bytes) of each gradient reduction
     counting_pg.register(comm)  # FSDP2's collectives through a default process group that counts them
     dist.init_process_group(counting_pg.BACKEND if wrapper == "fsdp2" else "gloo", rank=rank, world_size=world)
-    opts = {"inner": "aot_eager", "format": fmt}
+    opts = {"inner": "aot_eager", "format": fmt, "fuse_wgrad_accumulation": fuse}
     torch.manual_seed(0)
     ref = _Reference(tiny_config(d_model=128, expert_hidden=128, shared_hidden=128))
     ref_run = torch.compile(ref, backend="mxfp8", options=opts)
@@ -327,6 +345,8 @@ def _worker_accum(rank: int, world: int, wrapper: str, fmt: str):
                 graphs = mxfx.all_reports()[n_graphs:]
                 assert len(graphs) == (2 if wrapper == "ddp" else 1), [pm.summary() for pm in graphs]
                 assert sum(pm.count("grouped_mm", True) for pm in graphs) == 2, [pm.summary() for pm in graphs]
+                fused = sum(FUSED_NOTE in r.reason for pm in graphs for r in pm.records)
+                assert fused == (N_MX_WEIGHTS if fuse else 0), [pm.to_text() for pm in graphs]
         for n, p in model.named_parameters():
             grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
             name = n.replace("_orig_mod.", "")
@@ -341,11 +361,13 @@ def _worker_accum(rank: int, world: int, wrapper: str, fmt: str):
         # step hook rebuilds the forward forms, FSDP2's unsharded weights are rebuilt at their first forward
         assert s == 0 or quantized == once, f"{wrapper} {fmt} step {s}: {quantized} quantizes, want {once} ({cache.stats()})"
     dist.destroy_process_group()
-    print("ACCUM OK", wrapper, fmt)
+    print("ACCUM OK", wrapper, fmt, "fused" if fuse else "autograd")
 
 
-WORKERS = {f"{wrapper}_{fmt}": lambda r, w, wrapper=wrapper, fmt=fmt: _worker_accum(r, w, wrapper, fmt)
-           for wrapper in ("ddp", "fsdp2") for fmt in FORMATS}
+WORKERS = {f"{wrapper}_{fmt}{'_fused' * fuse}": lambda r, w, wrapper=wrapper, fmt=fmt, fuse=fuse:
+           _worker_accum(r, w, wrapper, fmt, fuse)
+           for wrapper in ("ddp", "fsdp2") for fmt in FORMATS for fuse in (False, True)
+           if not fuse or (wrapper, fmt) in FUSED_CASES}
 
 if __name__ == "__main__":
     run_worker(WORKERS)

@@ -15,6 +15,10 @@ def test_invalid_fields_are_named():
         OpSettings(format="nvfp4")
     with pytest.raises(ValueError, match="keep_dequantized_weights=1"):
         OpSettings(keep_dequantized_weights=1)
+    with pytest.raises(ValueError, match="fuse_wgrad_accumulation=1"):
+        OpSettings(fuse_wgrad_accumulation=1)
+    with pytest.raises(ValueError, match="mxfx policy: fuse_wgrad_accumulation='yes' must be True or False"):
+        Policy(fuse_wgrad_accumulation="yes")
     with pytest.raises(TypeError, match="mxfx.mx_linear: unknown keyword.*'rule'"):
         mx_linear(torch.randn(32, 32), torch.randn(32, 32), rule="floor")
 
@@ -32,6 +36,9 @@ def test_decision_produces_the_settings():
     assert d.settings.graph_kwargs() == {"scale_rule": "floor", "wgrad": "mxfp8", "save": "bf16",
                                          "keep_dequantized_weights": True}
     assert policy.decide("grouped_mm", "layers.0.experts").settings.wgrad == "bf16"
+    fused = Policy(fuse_wgrad_accumulation=True).decide("grouped_mm", "layers.0.experts").settings
+    assert fused.fuse_wgrad_accumulation and fused.graph_kwargs()["fuse_wgrad_accumulation"] is True
+    assert "fuse_wgrad_accumulation" not in d.settings.graph_kwargs()  # off: the call as before
 
 
 def test_settings_object_equals_keywords():

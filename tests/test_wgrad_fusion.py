@@ -1,6 +1,14 @@
-"""The weight gradient written once: under BF16 autocast with FP32 main weights, each converted op's weight gradient
-leaves its wgrad GEMM in FP32 (no cast after it in the compiled backward), for every format, on the main job's MoE
-model (tests/models.py) compiled with ``backend="mxfp8"`` and the graphs captured after AOTAutograd.
+"""The weight gradient written once, on the main job's MoE model (tests/models.py) compiled with ``backend="mxfp8"``
+under BF16 autocast with FP32 main weights:
+
+* each converted op's weight gradient leaves its wgrad GEMM in FP32 (no cast after it in the compiled backward),
+  for every format;
+* with ``fuse_wgrad_accumulation`` the wgrad GEMMs write ``.grad`` themselves: the compiled backward returns no
+  gradient for those weights and no ``AccumulateGrad`` adds one (profiled), the gradients equal autograd's
+  accumulation (frozen weights, clipping, a transposed expert stack), weights with hooks keep autograd's
+  accumulation, and a backward that accumulates into no such weight (``torch.autograd.grad``,
+  ``backward(inputs=...)``) leaves its ``.grad`` alone. tests/test_accumulation.py runs the accumulation cases
+  (microbatches, ``zero_grad``, the step's cache refresh, DDP and FSDP2) both ways.
 """
 
 from __future__ import annotations
@@ -8,7 +16,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.fx as fx
+from torch.profiler import ProfilerActivity, profile
 
+import mxfx
+from mxfx.kernels.common import hp_gemm
+from mxfx.ops.grouped_mm import mx_grouped_mm_op
+from mxfx.passes.wgrad_accumulation import FUSED_NOTE, UNFUSED_NOTE
 from tests.helpers import GraphCapture
 from tests.models import MoETransformer, tiny_config
 
@@ -22,9 +35,43 @@ VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch
 CASTS = {torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default}
 
 
+FUSE_RTOL = 1e-6
+"""Relative Frobenius error allowed between a weight's gradient accumulated by its fused wgrad GEMM and by autograd
+over the same microbatches: the same FP32 terms, summed in another order (the GEMM adds its partial sums into
+``.grad``); tests/test_accumulation.py's ``ACCUM_RTOL``, for the same reasons. A microbatch lost or counted twice,
+or a gradient in the wrong layout, is off by tens of percent."""
+
+
 def _model() -> MoETransformer:
     torch.manual_seed(0)
     return MoETransformer(tiny_config(d_model=128, expert_hidden=128, shared_hidden=128))
+
+
+def _ids(i: int) -> torch.Tensor:
+    return torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(10 + i))
+
+
+def _microbatches(run, n: int) -> None:
+    for i in range(n):
+        with torch.autocast("cpu", torch.bfloat16):
+            loss = run(_ids(i), _ids(i))[1]
+        (loss / n).backward()
+
+
+def _compiled(model, fuse: bool, fmt: str = "mxfp8"):
+    return torch.compile(model, backend="mxfp8",
+                         options={"inner": "aot_eager", "format": fmt, "fuse_wgrad_accumulation": fuse})
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _notes(pm) -> list[tuple[str, str]]:
+    """What the precision map says of each converted GEMM's weight gradient: ``(module, "fused" | "autograd" | "")``
+    ("": no note, a frozen weight's GEMM), sorted."""
+    return sorted((r.module, "fused" if FUSED_NOTE in r.reason else "autograd" if UNFUSED_NOTE in r.reason else "")
+                  for r in pm.records if r.kind in ("linear", "grouped_mm") and r.rewritten)
 
 
 def _backward_graph(fmt: str, **options) -> tuple[fx.GraphModule, dict[str, fx.Node]]:
@@ -42,7 +89,7 @@ def _backward_graph(fmt: str, **options) -> tuple[fx.GraphModule, dict[str, fx.N
         loss = run(ids, ids)[1]
     loss.backward()
     (bw,) = capture.backward
-    grads = next(n for n in bw.graph.nodes if n.op == "output").args[0]
+    grads = next(n for n in bw.graph.nodes if n.op == "output").args[0][: len(inputs)]  # then effect tokens, if any
     names = {id(p): n for n, p in model.named_parameters()}
     return bw, {names[id(t)]: g for t, g in zip(inputs, grads, strict=True) if id(t) in names}
 
@@ -69,3 +116,199 @@ def test_weight_gradients_leave_their_gemm_in_fp32(fmt, wgrad):
         if node.target in CASTS and node.args[0].meta["val"].dtype == torch.bfloat16:
             widened[name] = str(_producer(node.args[0]).target)
     assert not widened, f"{fmt}: weight gradients widened from BF16 after their GEMM: {widened}"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fused_backward_graph_returns_no_weight_gradient(fmt):
+    """Fused, the compiled backward returns None for each converted op's weight (``AccumulateGrad`` gets nothing to
+    add) and calls ``mxfx::wgrad_into_grad`` once per weight, through an effect token (kept, in order)."""
+    bw, grads = _backward_graph(fmt, fuse_wgrad_accumulation=True)
+    returned = {name: grads[f"layers.0.{name}"] for name in MX_WEIGHTS}
+    assert all(g is None for g in returned.values()), returned
+    assert grads["lm_head.weight"] is not None and grads["layers.0.moe.gate.weight"] is not None  # kept as written
+    calls = [n for n in bw.graph.nodes if n.op == "call_function" and n.target is torch.ops.higher_order.with_effects
+             and n.args[1] is torch.ops.mxfx.wgrad_into_grad.default]
+    assert len(calls) == len(MX_WEIGHTS), bw.print_readable(print_output=False)
+
+
+def _accumulate_grad_adds(prof, shapes: set) -> int:
+    """``aten::add_`` calls of ``AccumulateGrad`` on a tensor of one of ``shapes``."""
+
+    def under_accumulate_grad(e) -> bool:
+        while e is not None:
+            if e.name == "torch::autograd::AccumulateGrad":
+                return True
+            e = e.cpu_parent
+        return False
+
+    return sum(1 for e in prof.events() if e.name == "aten::add_" and e.input_shapes
+               and tuple(e.input_shapes[0]) in shapes and under_accumulate_grad(e))
+
+
+def test_no_separate_add_of_a_fused_weight_gradient():
+    """Profiled second microbatch (``.grad`` exists): autograd's accumulation adds each converted weight's gradient
+    with an ``AccumulateGrad`` ``add_`` (7); fused, none remains and ``mxfx::wgrad_into_grad`` runs once per weight.
+    The other weights' ``add_`` (embedding, norms, router, lm_head) run either way."""
+    counts = {}
+    for fuse in (False, True):
+        model = _model()
+        run = _compiled(model, fuse)
+        shapes = {tuple(model.get_parameter(f"layers.0.{n}").shape) for n in MX_WEIGHTS}
+        others = {tuple(p.shape) for p in model.parameters()} - shapes
+        _microbatches(run, 1)
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            _microbatches(run, 1)
+        ops = sum(1 for e in prof.events() if e.name == "mxfx::wgrad_into_grad")
+        counts[fuse] = (_accumulate_grad_adds(prof, shapes), ops, _accumulate_grad_adds(prof, others))
+    assert counts[False][:2] == (len(MX_WEIGHTS), 0), counts
+    assert counts[True][:2] == (0, len(MX_WEIGHTS)), counts
+    assert counts[True][2] == counts[False][2] > 0, counts
+
+
+def test_frozen_weights_and_clipping_as_autograd():
+    """Two weights frozen, three microbatches, then ``clip_grad_norm_``: the fused gradients equal autograd's within
+    :data:`FUSE_RTOL` (clipping reads the finished ``.grad``), the frozen weights have none, and the first
+    microbatch wrote each fused gradient where ``.grad`` was None (``zero_grad(set_to_none=True)``)."""
+    frozen = ("layers.0.attn.qkv.weight", "layers.0.moe.down_proj")
+    grads = {}
+    for fuse in (False, True):
+        model = _model()
+        for name in frozen:
+            model.get_parameter(name).requires_grad_(False)
+        run = _compiled(model, fuse)
+        model.zero_grad(set_to_none=True)
+        _microbatches(run, 3)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.1)
+        grads[fuse] = {n: p.grad for n, p in model.named_parameters()}
+        if fuse:  # the frozen weights' GEMMs (qkv, one of the experts') have no wgrad to note
+            notes = [note for _, note in _notes(mxfx.last_report())]
+            assert sorted(notes) == ["", ""] + ["fused"] * (len(MX_WEIGHTS) - 2), notes
+    for name, grad in grads[False].items():
+        if name in frozen:
+            assert grad is None and grads[True][name] is None, name
+        else:
+            assert _rel(grads[True][name], grad) <= FUSE_RTOL, name
+
+
+def test_hooks_keep_autograd_accumulation():
+    """Weights with a post-accumulate-grad hook or a gradient hook when the graph compiles keep autograd's
+    accumulation (noted in the precision map; their hooks run each microbatch, their gradients as without the
+    fusion), the others are fused; a hook registered on a fused weight after the compile raises in the backward,
+    naming it."""
+    calls = []
+    model = _model()
+    o_proj, shared_up = model.layers[0].attn.o_proj.weight, model.layers[0].moe.shared_up.weight
+    o_proj.register_post_accumulate_grad_hook(lambda p: calls.append("o_proj"))
+    shared_up.register_hook(lambda g: calls.append("shared_up"))
+    run = _compiled(model, True)
+    _microbatches(run, 2)
+    notes = _notes(mxfx.last_report())
+    kept = [module for module, note in notes if note == "autograd"]
+    assert kept == ["layers.0.attn.o_proj", "layers.0.moe.shared_up"], notes
+    assert [note for _, note in notes].count("fused") == len(MX_WEIGHTS) - 2, notes
+    assert sorted(calls) == ["o_proj", "o_proj", "shared_up", "shared_up"], calls
+    reference = _model()
+    _microbatches(_compiled(reference, False), 2)
+    for name, p in model.named_parameters():
+        assert _rel(p.grad, reference.get_parameter(name).grad) <= FUSE_RTOL, name
+    model.layers[0].moe.shared_down.weight.register_post_accumulate_grad_hook(lambda p: None)
+    with pytest.raises(RuntimeError, match=r"weight \(128, 128\).*register_post_accumulate_grad_hook"):
+        _microbatches(run, 1)
+
+
+def test_backward_that_accumulates_nothing_leaves_fused_grads_alone():
+    """``torch.autograd.grad`` and ``backward(inputs=[...])`` without the fused weights accumulate nothing into their
+    ``.grad``, fused as with autograd (the embedding's gradient still comes back, and only it is accumulated);
+    ``torch.autograd.grad`` of a fused weight gets None (its gradient is not returned to autograd)."""
+    model = _model()
+    run = _compiled(model, True)
+    embed, qkv = model.embed.weight, model.layers[0].attn.qkv.weight
+
+    def loss():
+        with torch.autocast("cpu", torch.bfloat16):
+            return run(_ids(0), _ids(0))[1]
+
+    (g,) = torch.autograd.grad(loss(), [embed])
+    assert g.abs().sum() > 0 and all(p.grad is None for p in model.parameters())
+    loss().backward(inputs=[embed])
+    assert _rel(embed.grad, g) <= FUSE_RTOL
+    assert all(p.grad is None for p in model.parameters() if p is not embed)
+    assert torch.autograd.grad(loss(), [qkv], allow_unused=True) == (None,)
+    assert qkv.grad is None
+
+
+class _StackedExperts(torch.nn.Module):
+    """Expert weights stored ``[E, K, N]`` (as ``torch._grouped_mm`` takes them): the converted op reads a transpose
+    of the parameter, so the fused wgrad writes ``.grad`` through that view."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = torch.nn.Parameter(torch.randn(4, 128, 256) / 16)
+
+    def forward(self, x, offs):
+        return torch._grouped_mm(x.bfloat16(), self.w.to(torch.bfloat16), offs=offs)
+
+
+@pytest.mark.parametrize("fmt", ("mxfp8", "fp8_block"))
+def test_transposed_expert_stack(fmt):
+    """A ``[E, K, N]`` expert stack, two microbatches, low-precision and BF16 wgrads: the fused ``.grad`` (written
+    through the transpose the graph reads, then added into) equals autograd's within :data:`FUSE_RTOL`, compiled,
+    and eager through ``mx_grouped_mm_op`` fed ``w.transpose(-2, -1)``."""
+    x = torch.randn(256, 128, generator=torch.Generator().manual_seed(1))
+    offs = torch.tensor([0, 128, 128, 256], dtype=torch.int32)  # two groups of 128 tokens, two empty
+    for wgrad in ("mxfp8", "bf16"):
+        grads = {}
+        for fuse in (False, True):
+            compiled, eager = _StackedExperts(), _StackedExperts()
+            opts = {"inner": "aot_eager", "format": fmt, "wgrad": wgrad, "fuse_wgrad_accumulation": fuse}
+            run = torch.compile(compiled, backend="mxfp8", options=opts)
+            for i in range(2):
+                (run(x * (i + 1), offs).float().square().mean()).backward()
+                y = mx_grouped_mm_op(x * (i + 1), eager.w.transpose(-2, -1), offs, format=fmt, wgrad=wgrad,
+                                     fuse_wgrad_accumulation=fuse, out_dtype=torch.bfloat16)
+                y.float().square().mean().backward()
+            grads[fuse] = compiled.w.grad, eager.w.grad
+        assert _notes(mxfx.last_report()) == [("", "fused")]
+        for got, want in zip(grads[True], grads[False], strict=True):
+            assert got.stride() == want.stride() and _rel(got, want) <= FUSE_RTOL, (wgrad, _rel(got, want))
+
+
+def _wgrad_cases(fmt_name: str):
+    """``(name, gemm(out_dtype), into(out, accumulate))`` of every wgrad GEMM an op of format ``fmt_name`` runs: the
+    format's dense and grouped ones on its token-blocked operands, and the high-precision ones (groups: 96 and 160
+    tokens, one empty group)."""
+    fmt = mxfx.formats.get(fmt_name)
+    g = torch.Generator().manual_seed(5)
+    dy, x = torch.randn(256, 128, generator=g), torch.randn(256, 256, generator=g)
+    offs = torch.tensor([96, 96, 256], dtype=torch.int32)
+    dy_t, x_t = fmt.grad_operands(dy, "rceil", rows=False, tokens=True)[1], fmt.tokens_operand(x, "rceil")
+    dy_g, x_g = (fmt.grouped_tokens_operand(t, offs, "rceil") for t in (dy, x))
+    hp_dy = dy.bfloat16()
+    return [
+        ("dense", lambda dt: fmt.wgrad_mm(dy_t, x_t, dt), lambda o, a: fmt.wgrad_mm_into(dy_t, x_t, o, a)),
+        ("grouped", lambda dt: fmt.grouped_wgrad(dy_g, x_g, offs, dt),
+         lambda o, a: fmt.grouped_wgrad_into(dy_g, x_g, offs, o, a)),
+        ("hp dense", lambda dt: hp_gemm.hp_mm_transposed(hp_dy.t(), x.t(), dt),
+         lambda o, a: hp_gemm.hp_mm_into(hp_dy, x, o, a)),
+        ("hp grouped", lambda dt: hp_gemm.hp_grouped_wgrad(dy, x, offs, dt),
+         lambda o, a: hp_gemm.hp_grouped_wgrad_into(dy, x, offs, o, a)),
+    ]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_wgrad_into_equals_the_gemm(fmt):
+    """Each wgrad GEMM's ``_into`` form: written into a NaN-filled gradient (a new one: nothing of it read, an empty
+    group zeroed) it is the GEMM's float32 result, added into a gradient it is that gradient plus the result (an
+    empty group left as it was), within :data:`FUSE_RTOL` (the same FP32 sums in another order)."""
+    for name, gemm, into in _wgrad_cases(fmt):
+        want = gemm(torch.float32)
+        out = torch.full_like(want, float("nan"))
+        into(out, False)
+        assert _rel(out, want) <= FUSE_RTOL, (name, _rel(out, want))
+        base = torch.randn(want.shape, generator=torch.Generator().manual_seed(6))
+        out = base.clone()
+        into(out, True)
+        assert _rel(out, base + want) <= FUSE_RTOL, (name, _rel(out, base + want))
+        if name.endswith("grouped"):
+            assert torch.equal(out[1], base[1]), name  # the empty group

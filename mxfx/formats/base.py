@@ -17,6 +17,7 @@ import enum
 import torch
 
 from mxfx.kernels.common import device as devices
+from mxfx.kernels.common.hp_gemm import accumulate_into
 from mxfx.kernels.common.silu import swiglu_fp32
 from mxfx.runtime import stats
 
@@ -80,7 +81,8 @@ class Format:
     * dgrad: :meth:`grad_operands` / :meth:`grouped_grad_operand`, :meth:`weight_operand` ("dgrad"), the same GEMM,
       :meth:`swiglu_backward` for a fused SwiGLU input;
     * wgrad: :meth:`tokens_operand` and :meth:`wgrad_mm` / :meth:`grouped_tokens_operand` and
-      :meth:`grouped_wgrad` (low precision), or :meth:`dequantize` of the forward's saved copy for a BF16 wgrad.
+      :meth:`grouped_wgrad` (low precision; :meth:`wgrad_mm_into` / :meth:`grouped_wgrad_into` where the GEMM writes
+      the parameter's gradient itself), or :meth:`dequantize` of the forward's saved copy for a BF16 wgrad.
 
     Statistics (:mod:`mxfx.runtime.stats`, on sampled steps): :meth:`stats_vector` reduces one quantize to a sample,
     from the format's fused statistics kernel where it has one (:meth:`fused_stats`, CUDA), else from
@@ -232,6 +234,17 @@ class Format:
         """``dW[g] = dY[g]^T @ X[g]`` per expert group from both operands as :meth:`grouped_tokens_operand` makes
         them."""
         raise NotImplementedError
+
+    def wgrad_mm_into(self, dy_tokens: Operand, x_tokens: Operand, out: torch.Tensor, accumulate: bool) -> None:
+        """:meth:`wgrad_mm` written into ``out [N, K]`` (``accumulate=False``) or added to it (``True``), in ``out``'s
+        dtype: the weight gradient of a fused accumulation (:mod:`mxfx.runtime.main_grad`). Default: the GEMM in
+        ``out``'s dtype, then one copy or add (a format whose GEMM has no accumulating epilogue)."""
+        accumulate_into(out, self.wgrad_mm(dy_tokens, x_tokens, out.dtype), accumulate)
+
+    def grouped_wgrad_into(self, dy_tokens: Operand, x_tokens: Operand, offs, out: torch.Tensor,
+                           accumulate: bool) -> None:
+        """:meth:`grouped_wgrad` written into ``out [E, N, K]`` or added to it, as :meth:`wgrad_mm_into`."""
+        accumulate_into(out, self.grouped_wgrad(dy_tokens, x_tokens, offs, out.dtype), accumulate)
 
     def dequantize(self, a: Operand, dtype: torch.dtype):
         """The values of a rowwise operand ``a`` (the forward's saved copy) in ``dtype``."""

@@ -17,7 +17,7 @@ import torch
 
 from mxfx.formats.base import GEMM_OPS, Format, ScaleRule, register
 from mxfx.kernels.common import swiglu
-from mxfx.kernels.common.hp_gemm import hp_grouped_wgrad, hp_mm_transposed
+from mxfx.kernels.common.hp_gemm import hp_grouped_wgrad, hp_grouped_wgrad_into, hp_mm_into, hp_mm_transposed
 from mxfx.kernels.common.silu import swiglu_fp32
 from mxfx.runtime import cache, stats
 
@@ -114,6 +114,12 @@ class BF16Gemm(Format):
 
     def grouped_wgrad(self, dy_tokens, x_tokens, offs, out_dtype):
         return hp_grouped_wgrad(dy_tokens[0], x_tokens[0], offs, out_dtype)
+
+    def wgrad_mm_into(self, dy_tokens, x_tokens, out, accumulate):
+        hp_mm_into(dy_tokens[0], x_tokens[0], out, accumulate)
+
+    def grouped_wgrad_into(self, dy_tokens, x_tokens, offs, out, accumulate):
+        hp_grouped_wgrad_into(dy_tokens[0], x_tokens[0], offs, out, accumulate)
 
     def dequantize(self, a, dtype):
         return a[0].to(dtype)

@@ -185,6 +185,13 @@ class FP8Block(Format):
     def grouped_wgrad(self, dy_tokens, x_tokens, offs, out_dtype):
         return custom_ops.block_grouped_wgrad(dy_tokens[0], dy_tokens[1], x_tokens[0], x_tokens[1], offs, out_dtype)
 
+    def wgrad_mm_into(self, dy_tokens, x_tokens, out, accumulate):
+        custom_ops.block_mm_into(dy_tokens[0], dy_tokens[1], x_tokens[0], x_tokens[1], out, accumulate)
+
+    def grouped_wgrad_into(self, dy_tokens, x_tokens, offs, out, accumulate):
+        custom_ops.block_grouped_wgrad_into(dy_tokens[0], dy_tokens[1], x_tokens[0], x_tokens[1], offs, out,
+                                            accumulate)
+
     def dequantize(self, a, dtype):
         return dequantize_values(a[0], a[1], (-1,)).to(dtype)
 

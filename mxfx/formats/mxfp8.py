@@ -23,6 +23,7 @@ from mxfx.kernels.mx import custom_ops, device_path
 from mxfx.kernels.mx import swiglu_operand
 from mxfx.kernels.mx.gemm import (a_operand, emulation_dtype, mx_grouped_mm, mx_grouped_mm_wgrad, mx_mm,
                                   quantize_dual_operand, quantize_operand)
+from mxfx.kernels.mx.gemm import grouped_wgrad_into as mx_grouped_wgrad_into, mm_into as mx_mm_into
 from mxfx.kernels.mx.views import mn_major
 from mxfx.kernels.common import swiglu
 from mxfx.numerics.layout import blocked_numel, from_blocked, group_padding, is_blocked, padded_group_ends, to_blocked
@@ -292,6 +293,16 @@ class MXFP8(Format):
         padded_offs = padded_group_ends(offs).to(torch.int32)
         native = self.runs_natively("grouped_mm_wgrad", dy_tokens[0].device)
         return mx_grouped_mm_wgrad(dy_tokens[0], dy_tokens[1], x_tokens[0], x_tokens[1], padded_offs, out_dtype, native)
+
+    def wgrad_mm_into(self, dy_tokens, x_tokens, out, accumulate):
+        mx_mm_into(dy_tokens[0], dy_tokens[1], x_tokens[0], x_tokens[1], out, accumulate, self._native("mm", dy_tokens),
+                   dy_tokens[2])
+
+    def grouped_wgrad_into(self, dy_tokens, x_tokens, offs, out, accumulate):
+        padded_offs = padded_group_ends(offs).to(torch.int32)
+        native = self.runs_natively("grouped_mm_wgrad", dy_tokens[0].device)
+        mx_grouped_wgrad_into(dy_tokens[0], dy_tokens[1], x_tokens[0], x_tokens[1], padded_offs, out, accumulate,
+                              native)
 
     def dequantize(self, a, dtype):
         return custom_ops.dequantize(a[0], a[1], dtype)

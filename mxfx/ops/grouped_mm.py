@@ -29,10 +29,10 @@ from __future__ import annotations
 import torch
 
 from mxfx.kernels.common.launch import readable_on_host
-from mxfx.kernels.common.hp_gemm import hp_grouped_wgrad
 from mxfx.numerics import layout
 from mxfx.numerics.mx import INPUT_DTYPES
 from mxfx.ops.settings import OpSettings, resolve
+from mxfx.ops.wgrad import weight_gradient
 
 
 def weigh_rows(y: torch.Tensor, route_weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -125,11 +125,11 @@ class _GroupedMM(torch.autograd.Function):
                 if ctx.keep_x:  # saved as given: quantized along each group's tokens now
                     x_tokens = fmt.grouped_tokens_operand(wgrad_input[0], offs, rule)
                     settings.observe("grouped_mm", "wgrad_x", "group_tokens", wgrad_input, x_tokens, offs=offs)
-                dw = fmt.grouped_wgrad(dy_tokens, x_tokens, offs, weight.dtype)
+                dw = weight_gradient(settings, weight, dy_tokens, x_tokens, offs)
             else:
                 x_saved = wgrad_input[0] if ctx.n_wgrad == 1 else fmt.dequantize(wgrad_input, torch.bfloat16)
                 # no group padding: mxfx::grouped_wgrad_bf16 takes any group ends
-                dw = hp_grouped_wgrad(dy.to(dout.dtype), x_saved, offs, weight.dtype)
+                dw = weight_gradient(settings, weight, (dy.to(dout.dtype),), (x_saved,), offs, low_precision=False)
         return dx, dup, dw, None, d_rw, None, None, None, None
 
 
@@ -171,7 +171,9 @@ def mx_grouped_mm_op(
         settings, **setting_fields: an :class:`mxfx.ops.settings.OpSettings` and/or its fields by name
             (``format``, ``scale_rule``, ``wgrad`` (default "bf16", the routed recipe), ``save``,
             ``keep_dequantized_weights``, ``stats`` / ``stats_every``: quantization statistics of sites
-            ``<stats>/grouped_mm/<direction>``, :mod:`mxfx.runtime.stats`); fields given by name override ``settings``.
+            ``<stats>/grouped_mm/<direction>``, :mod:`mxfx.runtime.stats`, ``fuse_wgrad_accumulation``: the wgrad
+            GEMM writes the weight's ``.grad`` itself, :mod:`mxfx.ops.wgrad`); fields given by name override
+            ``settings``.
 
     Returns ``[S, N]``.
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from mxfx.kernels.common.hp_gemm import hp_mm_transposed
 from mxfx.ops.settings import OpSettings, resolve
+from mxfx.ops.wgrad import weight_gradient
 
 # what a linear keeps for its wgrad: nothing (frozen weight), X by reference for a BF16 wgrad ("hp") or a
 # low-precision one quantized in backward ("hp_tokens"), X's token-blocked operand ("tokens"), or the forward's
@@ -95,10 +95,10 @@ class _Linear(torch.autograd.Function):
                 if kind == "hp_tokens":
                     x_tokens = fmt.tokens_operand(wgrad_input[0], rule)
                     settings.observe("linear", "wgrad_x", "tokens", wgrad_input, x_tokens)
-                dw = fmt.wgrad_mm(dy_t, x_tokens, weight.dtype)
+                dw = weight_gradient(settings, weight, dy_t, x_tokens)
             else:
                 x_saved = wgrad_input[0] if kind == "hp" else fmt.dequantize(wgrad_input, ctx.out_dtype)
-                dw = hp_mm_transposed(dy.t(), x_saved.t(), weight.dtype)
+                dw = weight_gradient(settings, weight, (dy,), (x_saved,), low_precision=False)
         if ctx.has_bias and ctx.needs_input_grad[3]:
             db = dy.float().sum(0).to(weight.dtype)
         return dx, dup, dw, db, None, None
@@ -129,8 +129,9 @@ def mx_linear(
         settings, **setting_fields: an :class:`mxfx.ops.settings.OpSettings` and/or its fields by name
             (``format`` (default MXFP8), ``scale_rule``, ``wgrad`` (default "mxfp8": token-blocked
             low-precision GEMM), ``save``, ``keep_dequantized_weights``, ``stats`` / ``stats_every``: quantization
-            statistics of sites ``<stats>/linear/<direction>``, :mod:`mxfx.runtime.stats`); fields given by name
-            override ``settings``.
+            statistics of sites ``<stats>/linear/<direction>``, :mod:`mxfx.runtime.stats`,
+            ``fuse_wgrad_accumulation``: the wgrad GEMM writes the weight's ``.grad`` itself, :mod:`mxfx.ops.wgrad`);
+            fields given by name override ``settings``.
 
     Returns:
         ``[..., N]`` in the autocast dtype if autocast is on, else ``input_dtype or x.dtype``.

@@ -29,6 +29,9 @@ class OpSettings:
         stats: quantization statistics (:mod:`mxfx.runtime.stats`): the site prefix of the op's quantizes
             (its module's name; sites ``<stats>/<op kind>/<direction>``), "" (default) for none.
         stats_every: sample every this many optimizer steps (an int >= 1; read only with ``stats``).
+        fuse_wgrad_accumulation: the wgrad GEMM writes the weight's gradient into the parameter's ``.grad`` itself
+            (adds to it, or writes a new one) and the op returns none to autograd (:mod:`mxfx.ops.wgrad`,
+            :mod:`mxfx.runtime.main_grad`); False: the op returns it and autograd accumulates it.
 
     Raises:
         ValueError: a value outside those listed, or a scale rule the format does not take, naming the field.
@@ -41,6 +44,7 @@ class OpSettings:
     format: Format | str = formats.DEFAULT.name  # a name, not the object: Dynamo reads defaults without a source
     stats: str = ""
     stats_every: int = 100
+    fuse_wgrad_accumulation: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "format", formats.get(self.format))
@@ -51,9 +55,10 @@ class OpSettings:
         if not isinstance(self.stats_every, int) or isinstance(self.stats_every, bool) or self.stats_every < 1:
             raise ValueError(f"mxfx.OpSettings: stats_every={self.stats_every!r} must be an int >= 1 (optimizer steps "
                              f"between samples)")
-        for name, valid in (("wgrad", PRECISIONS), ("save", PRECISIONS), ("keep_dequantized_weights", (False, True))):
+        flags = ("keep_dequantized_weights", "fuse_wgrad_accumulation")
+        for name, valid in (("wgrad", PRECISIONS), ("save", PRECISIONS), *((f, (False, True)) for f in flags)):
             value = getattr(self, name)
-            if value not in valid or (name == "keep_dequantized_weights") != isinstance(value, bool):
+            if value not in valid or (name in flags) != isinstance(value, bool):
                 raise ValueError(f"mxfx.OpSettings: {name}={value!r} is not valid; choose one of "
                                  f"{', '.join(map(repr, valid))}")
 
@@ -67,6 +72,8 @@ class OpSettings:
             out["format"] = self.format.name
         if self.stats:
             out["stats"], out["stats_every"] = self.stats, self.stats_every
+        if self.fuse_wgrad_accumulation:
+            out["fuse_wgrad_accumulation"] = True
         return out
 
     def observe(self, kind: str, direction: str, layout: str, source, operand, combine: str = "", offs=None) -> None:

@@ -12,7 +12,8 @@ what cuBLAS reads; the fake implementations say so too), every qdata contiguous.
   group start (``C = mxfx.numerics.block.group_tile_capacity(S, G)``);
 * ``block_forward_operands(x, up, tokens_src, offs, rule, pack)``: every quantization a forward makes of one
   GEMM input, in one op (see there);
-* ``block_mm``, ``block_grouped_mm``, ``block_grouped_wgrad``: :mod:`mxfx.kernels.fp8_block.gemm`'s GEMMs.
+* ``block_mm``, ``block_grouped_mm``, ``block_grouped_wgrad``: :mod:`mxfx.kernels.fp8_block.gemm`'s GEMMs;
+  ``block_mm_into``, ``block_grouped_wgrad_into``: the two wgrads written into (or added to) a given gradient.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from mxfx.numerics.block import check_rule, group_tile_capacity, n_tiles
 from mxfx.numerics.mx import check_input
 from mxfx.kernels.fp8_block import device_path, gemm
+from mxfx.kernels.common.hp_gemm import accumulate_into
 from mxfx.kernels.common.launch import name_op_functions, op_or_body, readable_on_host
 from mxfx.numerics.layout import check_group_ends, column_major
 
@@ -300,6 +302,38 @@ def block_grouped_wgrad(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor
 @block_grouped_wgrad.register_fake
 def _(a, a_scales, b, b_scales, offs, out_dtype):
     return a.new_empty((offs.shape[0], a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+@torch.library.custom_op("mxfx::block_mm_into", mutates_args=("out",))
+def block_mm_into(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
+                  out: torch.Tensor, accumulate: bool) -> None:
+    """``mxfx::block_mm`` (a wgrad's 1x128-tiled ``[N, T]`` and ``[K, T]``) written into float32 ``out [N, K]``
+    (``accumulate=False``) or added to it (``True``): a weight gradient accumulated in the parameter's ``.grad``
+    (:mod:`mxfx.runtime.main_grad`). On the CPU by the reference's GEMM itself; on CUDA cuBLAS's blockwise GEMM
+    has no accumulating output, so its result is added (or copied) in one more pass."""
+    if a.is_cuda:
+        accumulate_into(out, _mm(a, a_scales, b, b_scales, out.dtype), accumulate)
+    else:
+        gemm.reference_mm_into(a, a_scales, b, b_scales, out, accumulate)
+
+
+@block_mm_into.register_fake
+def _(a, a_scales, b, b_scales, out, accumulate):
+    return None
+
+
+@torch.library.custom_op("mxfx::block_grouped_wgrad_into", mutates_args=("out",))
+def block_grouped_wgrad_into(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
+                             offs: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
+    """``mxfx::block_grouped_wgrad`` written into float32 ``out [G, N, K]`` or added to it
+    (:func:`mxfx.kernels.fp8_block.gemm.grouped_wgrad` with ``out``): by the reference's GEMMs themselves on the CPU;
+    on CUDA the Triton kernel's result is added in one more pass until the kernel takes ``out``."""
+    gemm.grouped_wgrad(a, a_scales, b, b_scales, offs, out=out, accumulate=accumulate)
+
+
+@block_grouped_wgrad_into.register_fake
+def _(a, a_scales, b, b_scales, offs, out, accumulate):
+    return None
 
 
 # --- what callers use: the custom op, or its body when traced on CUDA (mxfx.kernels.common.launch) ---------

@@ -30,6 +30,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from mxfx.numerics.block import dequantize_values, group_tile_capacity, group_tile_starts, n_tiles
 from mxfx.kernels.common.device import has_triton, triton_available
+from mxfx.kernels.common.hp_gemm import accumulate_into, mm_into
 from mxfx.kernels.common.launch import env_switch
 from mxfx.numerics.layout import check_group_ends, column_major
 
@@ -79,8 +80,21 @@ def scaled_mm(
 
 def reference_mm(a, a_scales, b, b_scales, out_dtype=torch.bfloat16) -> torch.Tensor:
     """The reference decode of :func:`scaled_mm`: exact float32 operands, a float32 GEMM, one cast."""
+    a, b = _decoded(a, a_scales, b, b_scales)
+    return (a @ b.t()).to(out_dtype)
+
+
+def reference_mm_into(a, a_scales, b, b_scales, out: torch.Tensor, accumulate: bool) -> None:
+    """:func:`reference_mm` written into float32 ``out [M, N]`` (``accumulate=False``) or added to it (``True``) by
+    the float32 GEMM itself (:func:`mxfx.kernels.common.hp_gemm.mm_into`): a weight gradient accumulated in the
+    parameter's ``.grad``."""
+    mm_into(out, *_decoded(a, a_scales, b, b_scales), accumulate)
+
+
+def _decoded(a, a_scales, b, b_scales) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both operands of :func:`scaled_mm` decoded exactly to float32 (B's scales 1x128 or 128x128)."""
     b_dims = (-1,) if tiled_rows(b, b_scales) else (-2, -1)
-    return (dequantize_values(a, a_scales, (-1,)) @ dequantize_values(b, b_scales, b_dims).t()).to(out_dtype)
+    return dequantize_values(a, a_scales, (-1,)), dequantize_values(b, b_scales, b_dims)
 
 
 def tiled_rows(b: torch.Tensor, b_scales: torch.Tensor) -> bool:
@@ -251,7 +265,7 @@ def reference_grouped_mm(a, a_scales, b, b_scales, offs, out_dtype=torch.bfloat1
 
 def grouped_wgrad(
     a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor, offs: torch.Tensor,
-    out_dtype: torch.dtype = torch.float32,
+    out_dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None, accumulate: bool = False,
 ) -> torch.Tensor:
     """Grouped wgrad ``dW[g] = A[:, tokens of g] @ B[:, tokens of g]^T``: ``[N, S] x [K, S] -> [G, N, K]``.
 
@@ -260,6 +274,15 @@ def grouped_wgrad(
     with ``C = mxfx.numerics.block.group_tile_capacity(S, G)``, group g's tiles at slots
     ``group_tile_starts(offs)[g] + j``. An empty group's dW is zeros. Triton on CUDA, the reference decode
     elsewhere.
+
+    With ``out`` (float32 ``[G, N, K]``, a parameter's gradient) the result is written there (``accumulate=False``)
+    or added to it (``True``) and ``out`` is returned (``out_dtype`` is then ``out``'s): on the CPU by the reference's
+    GEMMs themselves; on CUDA the Triton kernel writes a new tensor that one pass adds (or copies) into ``out``,
+    until the kernel takes ``out`` and ``accumulate`` itself.
+
+    Raises:
+        TypeError / ValueError: dtypes, shapes or devices that do not pair up (named in the message), an ``out``
+        that is not float32 ``[G, N, K]`` on A's device.
     """
     op = "mxfx.block_gemm.grouped_wgrad"
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
@@ -272,16 +295,26 @@ def grouped_wgrad(
     if offs.dtype != torch.int32 or offs.dim() != 1 or offs.device != a.device or b.device != a.device:
         raise ValueError(f"{op}: offs must be int32 [G] on {a.device} beside B on {b.device}; got {offs.dtype} "
                          f"{tuple(offs.shape)} on {offs.device}")
+    if out is not None and (out.dtype != torch.float32 or tuple(out.shape) != (g, n, k) or out.device != a.device):
+        raise ValueError(f"{op}: out must be float32 {(g, n, k)} on {a.device} (the gradient [G, N, K] it writes), got "
+                         f"{out.dtype} {tuple(out.shape)} on {out.device}")
     if triton_available(a):
         from mxfx.kernels.fp8_block import grouped_gemm
 
-        return grouped_gemm.grouped_wgrad(a, a_scales, b, b_scales, offs, out_dtype)
-    return reference_grouped_wgrad(a, a_scales, b, b_scales, offs, out_dtype)
+        result = grouped_gemm.grouped_wgrad(a, a_scales, b, b_scales, offs, out_dtype if out is None else out.dtype)
+        if out is None:
+            return result
+        accumulate_into(out, result, accumulate)
+        return out
+    return reference_grouped_wgrad(a, a_scales, b, b_scales, offs, out_dtype, out, accumulate)
 
 
-def reference_grouped_wgrad(a, a_scales, b, b_scales, offs, out_dtype=torch.float32) -> torch.Tensor:
-    """The reference decode of :func:`grouped_wgrad`: exact float32 operands per group, one float32 GEMM each."""
-    out = torch.zeros((offs.numel(), a.shape[0], b.shape[0]), dtype=torch.float32, device=a.device)
+def reference_grouped_wgrad(a, a_scales, b, b_scales, offs, out_dtype=torch.float32, out=None,
+                            accumulate=False) -> torch.Tensor:
+    """The reference decode of :func:`grouped_wgrad`: exact float32 operands per group, one float32 GEMM each,
+    writing (or adding into) ``out`` when given."""
+    into = out if out is not None else torch.empty((offs.numel(), a.shape[0], b.shape[0]), dtype=torch.float32,
+                                                   device=a.device)
     starts = group_tile_starts(offs).tolist()
     start = 0
     for gi, end in enumerate(offs.tolist()):
@@ -289,6 +322,8 @@ def reference_grouped_wgrad(a, a_scales, b, b_scales, offs, out_dtype=torch.floa
             slots = slice(starts[gi], starts[gi] + n_tiles(end - start))
             x = dequantize_values(a[:, start:end], a_scales[:, slots], (-1,))
             w = dequantize_values(b[:, start:end], b_scales[:, slots], (-1,))
-            out[gi] = x @ w.t()
+            mm_into(into[gi], x, w, accumulate)
+        elif not accumulate:
+            into[gi].zero_()
         start = end
-    return out.to(out_dtype)
+    return into if out is not None else into.to(out_dtype)

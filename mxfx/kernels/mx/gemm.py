@@ -26,7 +26,9 @@ from typing import Callable
 import torch
 
 from mxfx.numerics import layout
+from mxfx.kernels.common import hp_gemm
 from mxfx.kernels.common.device import triton_available
+from mxfx.kernels.common.hp_gemm import accumulate_into
 from mxfx.kernels.mx import custom_ops
 from mxfx.kernels.mx.device_path import dequantize_lastdim
 from mxfx.kernels.common.launch import name_op_functions, op_or_body
@@ -537,6 +539,31 @@ def _grouped_mm_wgrad_op(
 @_grouped_mm_wgrad_op.register_fake
 def _(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, native):
     return a_qdata.new_empty((offs.shape[0], a_qdata.shape[0], b_qdata.shape[0]), dtype=out_dtype)
+
+
+def mm_into(a_qdata, a_scales, b_qdata, b_scales, out: torch.Tensor, accumulate: bool, native: bool,
+            a_dequantized=None) -> None:
+    """:func:`mx_mm` (a wgrad's operands, blocked along the tokens) written into ``out [N, K]`` (``accumulate=False``)
+    or added to it (``True``), in ``out``'s dtype: a weight gradient accumulated in the parameter's ``.grad``
+    (:mod:`mxfx.runtime.main_grad`). Emulated on the CPU by the FP32 GEMM itself; elsewhere the GEMM, then one pass
+    (:func:`mxfx.kernels.common.hp_gemm.accumulate_into`), until a kernel with an accumulating epilogue takes it."""
+    if native or out.device.type != "cpu":
+        accumulate_into(out, mx_mm(a_qdata, a_scales, b_qdata, b_scales, out.dtype, native, None, a_dequantized),
+                        accumulate)
+        return
+    a, b = _dequantized(a_qdata, a_scales, b_qdata, b_scales, None, a_dequantized, dims=(2, 2))
+    hp_gemm.mm_into(out, a.to(out.dtype), b.to(out.dtype), accumulate)
+
+
+def grouped_wgrad_into(a_qdata, a_scales, b_qdata, b_scales, offs, out: torch.Tensor, accumulate: bool,
+                       native: bool) -> None:
+    """:func:`mx_grouped_mm_wgrad` written into ``out [E, N, K]`` or added to it, as :func:`mm_into`."""
+    if native or out.device.type != "cpu":
+        accumulate_into(out, mx_grouped_mm_wgrad(a_qdata, a_scales, b_qdata, b_scales, offs, out.dtype, native),
+                        accumulate)
+        return
+    a, b = _dequantized(a_qdata, a_scales, b_qdata, b_scales)
+    hp_gemm.grouped_mm_into(out, a.to(out.dtype), b.to(out.dtype), offs.tolist(), accumulate)
 
 
 _TRACED = "Traced on CUDA, the chosen implementation's kernels and GEMM enter the graph (:mod:`mxfx.kernels.common.launch`)."
