@@ -23,6 +23,10 @@ forward, dgrad and wgrad:
   whatever K, timed beside it; ``Triton``: the Triton grouped kernel (``grouped_gemm``, autotuned on first
   call), timed beside it.
 
+On CUDA a third table times the routed BF16 wgrad into an FP32 gradient with accumulation on (a microbatch
+after the first): today's three trips (``torch._grouped_mm``'s BF16 result, its widening, autograd's ``add_``)
+against ``mxfx.kernels.common.grouped_wgrad``, whose epilogue adds into the gradient.
+
 Every FP8 result is first checked against its reference decode (dequantize exactly, FP32 GEMM):
 relative Frobenius error below 1e-2 (bf16 output rounding is ~2e-3), or the script stops.
 Times are ``triton.testing.do_bench`` medians (ms); ratios are BF16 time / arm time (> 1: faster).
@@ -214,6 +218,53 @@ def grouped_rows(model: str, s: int, e: int, k: int, n: int, equal: bool, g: tor
     return rows
 
 
+def wgrad_into_rows(model: str, s: int, e: int, k: int, n: int, g: torch.Generator) -> tuple:
+    """The routed wgrad into an FP32 gradient at one microbatch after the first (accumulate on), equal groups:
+    today's three trips (BF16 grouped GEMM, its widening, autograd's add) against the GEMM whose epilogue adds into
+    the gradient (``mxfx.kernels.common.grouped_wgrad``), each checked against an FP32 product on 4 groups."""
+    from mxfx.kernels.common import grouped_wgrad
+
+    sizes = group_sizes(s, e, True, g)
+    offs = torch.tensor(sizes, device=DEVICE).cumsum(0).to(torch.int32)
+    dy = torch.randn(s, n, device=DEVICE, generator=g).bfloat16()
+    x = torch.randn(s, k, device=DEVICE, generator=g).bfloat16()
+    grad = torch.randn(e, n, k, device=DEVICE, generator=g)
+    first = grad.clone()
+
+    def three_trips():
+        grad.add_(torch._grouped_mm(dy.t(), x, offs=offs).float())
+
+    def fused():
+        grouped_wgrad.grouped_wgrad_into(dy, x, offs, grad, True)
+
+    errs = []
+    for fn in (three_trips, fused):
+        grad.copy_(first)
+        fn()
+        start = 0
+        for gi, end in enumerate(offs.tolist()[:4]):
+            ref = first[gi] + dy[start:end].float().t() @ x[start:end].float()
+            errs.append(((grad[gi] - ref).norm() / ref.norm()).item())
+            start = end
+    if not max(errs) < 1e-2:
+        raise SystemExit(f"bench/gemm.py: wgrad into FP32 {model}: relative error {max(errs):.3e}")
+    return (f"{model} {k}->{n}, {s // e} rows/expert", bench(lambda: torch._grouped_mm(dy.t(), x, offs=offs)),
+            bench(three_trips), bench(fused), 2 * s * k * n, max(errs))
+
+
+def wgrad_table(rows) -> str:
+    lines = ["### Routed wgrad into the FP32 gradient (accumulate on; equal groups)", "",
+             "| shape | BF16 GEMM alone ms | BF16 + widen + add ms | fused epilogue ms | fused vs three trips "
+             "| fused TFLOP/s | rel. err |", "|---|---|---|---|---|---|---|"]
+    for shape, t_gemm, t_three, t_fused, flops, err in rows:
+        if None in (t_gemm, t_three, t_fused):
+            lines.append(f"| {shape} | n/a | n/a | n/a | n/a | n/a | {err:.1e} |")
+            continue
+        lines.append(f"| {shape} | {t_gemm:.3f} | {t_three:.3f} | {t_fused:.3f} | {t_three / t_fused:.2f}x "
+                     f"| {flops / t_fused / 1e9:.0f} | {err:.1e} |")
+    return "\n".join(lines)
+
+
 def _rowwise_grouped(name, x, w, dy, offs, label):
     """``torch._scaled_grouped_mm`` time with rowwise scales, or None where it refuses the case."""
     if name == "forward":
@@ -293,6 +344,13 @@ def main() -> None:
             for equal in (True, False):
                 grouped += grouped_rows(model, tokens * topk, experts, k, n, equal, g)
                 torch.cuda.empty_cache() if DEVICE == "cuda" else None
+    wgrad_into = []
+    if DEVICE == "cuda":
+        for model in args.models.split(","):
+            d, h, experts, topk = MODELS[model]
+            for k, n in ((d, 2 * h), (h, d)):
+                wgrad_into.append(wgrad_into_rows(model, tokens * topk, experts, k, n, g))
+                torch.cuda.empty_cache()
     dev = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
     out = "\n\n".join([
         f"bench/gemm.py on {dev}, torch {torch.__version__}" + (" (--quick)" if args.quick else ""),
@@ -300,6 +358,7 @@ def main() -> None:
         table(f"Grouped GEMMs ({tokens} tokens routed top-k; fp8_block = the kernel mxfx runs by default, sm90 WS = "
               f"the warp-specialized sm90 kernel, Triton = the Triton kernel, rowwise = torch._scaled_grouped_mm)",
               grouped),
+        *([wgrad_table(wgrad_into)] if wgrad_into else []),
     ])
     emit("gemm.md", out)
 

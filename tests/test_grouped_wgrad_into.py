@@ -1,0 +1,89 @@
+"""The grouped weight gradient whose FP32 epilogue writes or adds into the gradient
+(``mxfx.kernels.common.grouped_wgrad``): against a float64 product per group, written over NaN (every element
+written; an empty group zeroed) and added to a gradient (an empty group kept), through a strided view of the
+gradient too. On the CPU in Triton's interpreter (FP16 operands: the interpreter's BF16 dot is not exact) and on
+the GPU (BF16).
+
+Bound: the operands are exact in FP32 and FP64; the FP32 accumulation over a group's tokens in the tensor cores'
+order differs from the FP64 sum by at most about ``T * 2^-24 * sum |dy| |x|``; we allow ``2^-16 * (|dy|^T @ |x|)``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+SIZES = [70, 0, 129, 5]
+
+
+def _case(device, dtype, transposed):
+    gen = torch.Generator().manual_seed(3)
+    s, n, k = sum(SIZES) + 3, 96, 80  # 3 rows past the last group, ignored
+    dy = torch.randn(s, n, generator=gen).to(dtype).to(device)
+    x = torch.randn(s, k, generator=gen).to(dtype).to(device)
+    offs = torch.tensor(SIZES).cumsum(0).to(torch.int32).to(device)
+    ref = torch.zeros(len(SIZES), n, k, dtype=torch.float64)
+    bound = torch.zeros_like(ref)
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        a, b = dy[start:end].double().cpu(), x[start:end].double().cpu()
+        ref[g], bound[g] = a.t() @ b, 2.0**-16 * (a.abs().t() @ b.abs())
+        start = end
+    return dy, x, offs, ref, bound
+
+
+def _grad(shape, device, transposed, fill):
+    """A gradient of ``shape`` [G, N, K], as a transposed view of a [G, K, N] tensor where ``transposed``."""
+    g, n, k = shape
+    base = torch.full((g, k, n) if transposed else (g, n, k), fill, dtype=torch.float32, device=device)
+    return base.transpose(1, 2) if transposed else base
+
+
+def check(device, dtype, config=None):
+    from mxfx.kernels.common import grouped_wgrad
+
+    for transposed in (False, True):
+        dy, x, offs, ref, bound = _case(device, dtype, transposed)
+        out = _grad(ref.shape, device, transposed, float("nan"))
+        grouped_wgrad.grouped_wgrad_into(dy, x, offs, out, False, config=config)
+        assert ((out.double().cpu() - ref).abs() <= bound).all(), "written"
+        prev = torch.randn(ref.shape, generator=torch.Generator().manual_seed(4))
+        out = _grad(ref.shape, device, transposed, 0.0)
+        out.copy_(prev)
+        grouped_wgrad.grouped_wgrad_into(dy, x, offs, out, True, config=config)
+        assert ((out.double().cpu() - (ref + prev.double())).abs() <= bound + 2.0**-20).all(), "added"
+        assert torch.equal(out[1].cpu(), prev[1]), "an empty group's gradient is kept"
+
+
+INTERPRETER_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 32, "BLOCK_T": 16, "num_warps": 4, "num_stages": 1}
+
+
+def test_grouped_wgrad_into_in_the_interpreter():
+    from tests.helpers import run_interpreter_checks
+
+    run_interpreter_checks(__file__)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="needs an sm90+ CUDA GPU")
+def test_grouped_wgrad_into_on_the_gpu():
+    check("cuda", torch.bfloat16)
+
+
+def test_grouped_wgrad_into_names_bad_shapes():
+    pytest.importorskip("triton")
+    from mxfx.kernels.common import grouped_wgrad
+
+    dy, x = torch.zeros(8, 16, dtype=torch.bfloat16), torch.zeros(8, 32, dtype=torch.bfloat16)
+    offs = torch.tensor([8], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"out must be float32 \[1, 16, 32\]"):
+        grouped_wgrad.grouped_wgrad_into(dy, x, offs, torch.zeros(1, 32, 16), True)
+    with pytest.raises(ValueError, match="share a dtype"):
+        grouped_wgrad.grouped_wgrad_into(dy, x.float(), offs, torch.zeros(1, 16, 32), True)
+
+
+if __name__ == "__main__" and "--interpret" in sys.argv:  # run_interpreter_checks' subprocess
+    check("cpu", torch.float16, INTERPRETER_CONFIG)
+    print("grouped_wgrad_into: interpreter checks passed")
