@@ -8,6 +8,8 @@ device path whose GEMM has no accumulating epilogue yet."""
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from mxfx.kernels.common.device import native_bf16_matmul, triton_available
@@ -119,11 +121,27 @@ def grouped_mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ends: l
 
 def hp_mm_into(dy: torch.Tensor, x: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
     """:func:`hp_mm_transposed`'s weight gradient ``dy [M, N]^T @ x [M, K]`` written into ``out [N, K]`` or added to
-    it: by the FP32 GEMM itself on the CPU, through :func:`accumulate_into` elsewhere."""
+    it: by the FP32 GEMM itself on the CPU; on CUDA by cuBLAS with an FP32 output and beta 1 or 0 for BF16/FP16
+    operands (``torch.addmm``'s ``out_dtype``), through :func:`accumulate_into` where that is refused or the
+    operands are of another dtype."""
     if out.device.type == "cpu":  # operands in dy's dtype, as hp_mm_transposed reads them
         mm_into(out, dy.t().to(out.dtype), x.t().to(dy.dtype).to(out.dtype), accumulate)
-    else:
-        accumulate_into(out, hp_mm_transposed(dy.t(), x.t(), out.dtype), accumulate)
+        return
+    if out.dtype == torch.float32 and dy.dtype in (torch.bfloat16, torch.float16) and not _addmm_refused:
+        try:
+            with torch.autocast(out.device.type, enabled=False):
+                torch.addmm(out, dy.t(), x.to(dy.dtype), out_dtype=torch.float32, beta=1 if accumulate else 0,
+                            out=out)
+            return
+        except (RuntimeError, NotImplementedError) as e:
+            _addmm_refused.append(str(e))
+            warnings.warn(f"mxfx.hp_mm_into: torch.addmm with a float32 output refused {dy.dtype} operands "
+                          f"({str(e).splitlines()[0][:160]}); dense weight gradients are added in a separate pass",
+                          stacklevel=2)
+    accumulate_into(out, hp_mm_transposed(dy.t(), x.t(), out.dtype), accumulate)
+
+
+_addmm_refused: list[str] = []  # torch.addmm's refusal of a float32 output for 16-bit operands, once seen
 
 
 def hp_grouped_wgrad_into(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, out: torch.Tensor,
