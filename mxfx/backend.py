@@ -283,8 +283,10 @@ def _compile_for(gm: fx.GraphModule, example_inputs, policy: Policy, mode: str |
     try:
         with launch.kernels_launched(policy.kernels):  # the ops' bodies are traced inside the inner compile
             compiled = _inner_compile(policy.inner, gm, example_inputs, mode)
-    except RestartAnalysis:  # Dynamo traces the frame again (AOTAutograd asks for it under
-        raise  # dynamic=True, for Python float scalars): the graph of that trace takes this one's place
+    except RestartAnalysis:
+        # Dynamo traces the frame again (AOTAutograd asks for it under dynamic=True, for Python float scalars): the
+        # graph of that trace takes this one's place
+        raise
     except BaseException:
         _publish(pm, policy, before, after)  # a graph that failed to compile keeps its map and dump, to read why
         raise

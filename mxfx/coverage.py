@@ -192,8 +192,8 @@ def unread_weights(model: torch.nn.Module, scope: _Model | None = None) -> list[
     it read (:func:`observation`): floating, two or more dims, not named as biases (per-expert biases ``[E, N]`` are
     added, not multiplied) nor of :data:`NOT_GEMMS`, held by the compiled modules (all of ``model``'s when no
     compiled module was seen), and either taken by no compiled graph at all, or taken but read by no GEMM there
-    while they are GEMM weights (:func:`_gemm_weight`). Once a backward has left gradients, weights without one (trainable, so no part of
-    the step) are not named."""
+    while they are GEMM weights (:func:`_gemm_weight`). Once a backward has left gradients, weights without one
+    (trainable, so no part of the step) are not named."""
     scope = scope or model_scope(model)
     modules = dict(model.named_modules())
     params = list(model.named_parameters())

@@ -53,7 +53,8 @@ def new() -> list[GraphBreak]:
     out = []
     for r in reasons[start:]:
         frame = r.user_stack[-1] if r.user_stack else None
-        found = GraphBreak((str(r.reason).splitlines() or [""])[0], f"{frame.filename}:{frame.lineno}" if frame else "?")
+        where = f"{frame.filename}:{frame.lineno}" if frame else "?"
+        found = GraphBreak((str(r.reason).splitlines() or [""])[0], where)
         if found not in out:
             out.append(found)
     return out

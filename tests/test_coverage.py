@@ -225,7 +225,8 @@ class HandWrittenMoE(nn.Module):
 class Net(nn.Module):
     def __init__(self):
         super().__init__()
-        self.embed, self.proj, self.moe, self.head = nn.Embedding(128, 64), nn.Linear(64, 64), HandWrittenMoE(), nn.Linear(64, 128)
+        self.embed, self.proj = nn.Embedding(128, 64), nn.Linear(64, 64)
+        self.moe, self.head = HandWrittenMoE(), nn.Linear(64, 128)
 
     def forward(self, ids):
         x = self.proj(self.embed(ids))

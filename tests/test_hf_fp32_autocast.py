@@ -102,7 +102,8 @@ def test_fp32_autocast_batched_mm_rewritten(name):
 
 def _checkpointed_olmoe(layers: int = 2):
     """An FP32 OLMoE of ``layers`` layers with transformers' activation checkpointing on, in training mode."""
-    cfg = T.OlmoeConfig(intermediate_size=64, num_experts=4, num_experts_per_tok=2, **{**COMMON, "num_hidden_layers": layers})
+    cfg = T.OlmoeConfig(intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+                        **{**COMMON, "num_hidden_layers": layers})
     torch.manual_seed(0)
     model = T.OlmoeForCausalLM(cfg)
     model.activation_checkpointing_enable()

@@ -123,7 +123,8 @@ def stats_vector(a: torch.Tensor, b: torch.Tensor | None, w: torch.Tensor | None
     p, per_prog = common.programs(steps)
     partials, hist = common.workspace(p, hist_bins, a.device)
     launch(_block_stats_kernel, (p,), *sources, *common.region_args(qdata.view(torch.uint8), a),
-           *common.region_args(scales, a), col_map if col_map is not None else a, partials, hist, R, C, n_r, n_c, steps, per_prog, hist_min,
+           *common.region_args(scales, a), col_map if col_map is not None else a, partials, hist, R, C, n_r, n_c,
+           steps, per_prog, hist_min,
            COMBINE=common.combine_code(b, w), COL_MAP=col_map is not None, Q_MAPPED=q_mapped, SR=rows_per_scale,
            HIST_BINS=hist_bins, BR=br, BC=bc, num_warps=warps)
     return common.finish(partials, hist)
