@@ -122,10 +122,10 @@ def _load_partition(a_desc, b_desc, a0_bufs, a1_bufs, b_bufs, ready, empty, tabl
     nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes
     it = 0
     t = pid
-    g, m0, n0, end = _tile(table_ptr, t, max_tiles)
+    g, m0, n0, _ = _tile(table_ptr, t, max_tiles)
     while g >= 0:
         t_next = t + P
-        g_next, m0_next, n0_next, end_next = _tile(table_ptr, t_next, max_tiles)  # in flight during this tile
+        g_next, m0_next, n0_next, _ = _tile(table_ptr, t_next, max_tiles)  # in flight during this tile
         steps = gl.where(g < G, k_steps, 0)  # the tail's tiles load nothing
         for kb in range(0, steps):
             s = it % STAGES
@@ -136,7 +136,7 @@ def _load_partition(a_desc, b_desc, a0_bufs, a1_bufs, b_bufs, ready, empty, tabl
             _tma_load(a_desc, [m0 + ROWS, k0], ready.index(s), a1_bufs.index(s))
             _tma_load(b_desc, [g * N + n0, k0], ready.index(s), b_bufs.index(s))
             it += 1
-        t, g, m0, n0, end = t_next, g_next, m0_next, n0_next, end_next
+        t, g, m0, n0 = t_next, g_next, m0_next, n0_next
 
 
 @gluon.jit
