@@ -30,12 +30,14 @@ OP_KINDS = ("linear", "grouped_mm", "swiglu", "router", "saved", "all_to_all", "
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 KERNEL_LAUNCHES = ("inductor", "opaque")
 """Values of :attr:`Policy.kernels`: MX kernels launched by Inductor's code, or kept as mxfx's custom ops."""
-PASSES = ("all_to_all", "linear", "grouped_mm", "dispatch_mx", "swiglu", "combine", "saved", "weight_refresh")
+PASSES = ("all_to_all", "linear", "grouped_mm", "dispatch_mx", "swiglu", "combine", "shared_quantize", "saved",
+          "weight_refresh")
 """The graph passes, in the order the backend runs them: each is the module of that name in :mod:`mxfx.passes`
 (its ``run``) and a switch of :attr:`Policy.passes` (every pass on by default); ``mxfx.passes.PIPELINE`` is built
 from it, so a new pass is its module and its name here. all_to_all runs first (dispatch and combine become
 ``mx_all_to_all`` before the passes that read their rows); dispatch_mx after linear and grouped_mm (the grouped
-GEMMs take MX rows made before the dispatch: received, or quantized before the gather)."""
+GEMMs take MX rows made before the dispatch: received, or quantized before the gather); shared_quantize after the
+passes that set a linear's input (swiglu) and before saved, which counts a shared copy once."""
 POLICY_ENV = "MXFX_POLICY"
 """Environment variable: a TOML file of :class:`Policy` fields, the policy of compiles given no ``options``."""
 DUMP_ENV = "MXFX_DUMP_DIR"

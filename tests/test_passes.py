@@ -6,6 +6,7 @@ All sections run one training step of the main job's model (attention, shared ex
 bf16 autocast on CPU) through ``inner=GraphCapture`` (aot_autograd, no code generation) on the same weights
 and tokens. Bounds:
 
+* shared_quantize: bit for bit (the same quantize of the same tensor, made once);
 * fusion passes (swiglu, combine, dispatch_mx, saved): the same MX GEMMs with an operand formed in fp32
   instead of after a bf16 rounding, or saved as MX instead of bf16; a product rounded to bf16 first (2^-9
   relative) can land on the other side of an E4M3 rounding boundary (2^-4 steps), so a few values move by one
@@ -164,6 +165,22 @@ def test_dispatch_mx_pass(all_on):
     assert 128 in [n.args[0].meta["val"].shape[0] for g in off[3].forward for n in g.graph.nodes
                    if n.target is OPS.quantize_dequantize.default]
     _close(all_on, off, 1e-3, 5e-2)
+
+
+# --- shared_quantize ---------------------------------------------------------------------------------------
+
+def test_shared_quantize_pass(all_on):
+    """The shared expert's gate and up projections read one input: one quantize of it, its rows alone (the router's
+    FP32 GEMM keeps that input alive, so both keep it as it is too); the fused qkv linear reads its input alone. The
+    loss and every gradient are those without the pass, bit for bit: the same quantize of the same tensor. Attention
+    blocks with separate q, k and v projections: ``tests/test_shared_quantize.py``."""
+    note = "input quantized once for shared_gate, shared_up"
+    assert [r.module for r in _kinds(all_on[2], "linear") if note in r.reason] == [
+        "layers.0.moe.shared_gate", "layers.0.moe.shared_up"]
+    off = _step({"shared_quantize": False})
+    assert not [r for r in off[2] if "quantized once" in r.reason]
+    assert torch.equal(all_on[0], off[0]) and all_on[1].keys() == off[1].keys()
+    assert all(torch.equal(all_on[1][n], off[1][n]) for n in off[1])
 
 
 # --- saved -------------------------------------------------------------------------------------------------

@@ -183,7 +183,8 @@ def test_summary_names_growth_as_growth():
 
 def test_saved_reasons_speak_of_the_ops_format():
     """bf16_gemm: a BF16 copy of a BF16 input saves nothing, and the reason names bf16_gemm, without token padding
-    (only MXFP8's token-blocked wgrad copy pads); three converted readers of one input name their format's copies."""
+    (only MXFP8's token-blocked wgrad copy pads); three converted readers of one input, each quantizing it itself
+    (no shared quantize), name their format's copies."""
     pm = _packing(14, {"format": "bf16_gemm"})
     second = [r for r in pm.records if r.kind == "linear"][1]
     assert second.saved == "bf16" and "the bf16_gemm copy (2688 bytes) is not smaller" in second.reason, second
@@ -200,7 +201,8 @@ def test_saved_reasons_speak_of_the_ops_format():
     torch._dynamo.reset()
     x = torch.randn(32, 128, dtype=torch.bfloat16, requires_grad=True)
     with torch.autocast("cpu", torch.bfloat16):
-        torch.compile(QKV(), backend="mxfp8", options={**EAGER, "format": "fp8_block"})(x)
+        torch.compile(QKV(), backend="mxfp8", options={**EAGER, "format": "fp8_block",
+                                                       "passes": {"shared_quantize": False}})(x)
     reasons = {r.reason for r in mxfx.last_report().records if r.kind == "linear"}
     assert reasons == {"read by 3 converted ops: one 2-byte copy is smaller than 3 fp8_block copies (1.03125 bytes a value)"}
 

@@ -15,6 +15,10 @@ in fp32; accumulation is fp32 throughout.
 
 Under autocast the output has the autocast dtype (as ``F.linear`` would) while X is quantized from its own
 values (no extra rounding to bf16 first).
+
+Linears reading one input (q, k and v projections) can share its quantize: :func:`mx_linear_input` makes X's
+operands once and each :func:`mx_linear` takes them as ``x_mx`` (:mod:`mxfx.passes.shared_quantize`); a token-blocked
+copy saved by several of them is then one tensor.
 """
 
 from __future__ import annotations
@@ -43,12 +47,19 @@ def _observe_forward(settings: OpSettings, x, up, a, weight, w, x_tokens, kind: 
 
 class _Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2d, up, weight, bias, out_dtype, settings: OpSettings):
+    def forward(ctx, x2d, up, weight, bias, out_dtype, settings: OpSettings, given):
         fmt, rule, wgrad, save = settings.format, settings.scale_rule, settings.wgrad, settings.save
         need_dw = ctx.needs_input_grad[2]
         keep_x = need_dw and save == "bf16" and up is None  # x stays alive elsewhere: keep a reference
         tokens = need_dw and wgrad == "mxfp8" and not keep_x
-        a, x_tokens, packed = fmt.forward_operands(x2d, up, rule, save, tokens)
+        if given is None:
+            a, x_tokens, packed = fmt.forward_operands(x2d, up, rule, save, tokens)
+        else:  # x's operands made once for every linear reading it (mx_linear_input)
+            if tokens and given[1] is None:
+                raise ValueError(f"mxfx.mx_linear: x_mx for x {tuple(x2d.shape)} holds no token-blocked operand, and "
+                                 f"this linear's {fmt.name} wgrad reads one: make it with mx_linear_input(x, "
+                                 f"tokens=True)")
+            (a, x_tokens), packed = (given[0], given[1] if tokens else None), ()
         w = fmt.weight_operand(weight, rule, "forward", settings.keep_dequantized_weights)
         _observe_forward(settings, x2d, up, a, weight, w, x_tokens)
         y = fmt.mm(a, w, out_dtype)
@@ -101,7 +112,41 @@ class _Linear(torch.autograd.Function):
                 dw = weight_gradient(settings, weight, (dy,), (x_saved,), low_precision=False)
         if ctx.has_bias and ctx.needs_input_grad[3]:
             db = dy.float().sum(0).to(weight.dtype)
-        return dx, dup, dw, db, None, None
+        return dx, dup, dw, db, None, None, None
+
+
+def _rows(operand) -> int:
+    """Rows of an operand's first 2-D tensor (qdata, or the values alone; blocked scales are 1-D); -1 without one."""
+    tensors = operand if isinstance(operand, (tuple, list)) else ()
+    return next((t.shape[0] for t in tensors if isinstance(t, torch.Tensor) and t.dim() == 2), -1)
+
+
+def mx_linear_input(x: torch.Tensor, *, tokens: bool = False, settings: OpSettings | None = None,
+                    **setting_fields) -> tuple:
+    """The operands :func:`mx_linear` makes of its input ``x``, made once for several linears reading it (``x_mx``).
+
+    Args:
+        x: bf16/fp16/fp32 input of any leading shape, K (its last dim) a multiple of the format's
+            ``feature_multiple``. Its values are read, never its gradient: the operands require none.
+        tokens: also make the token-blocked operand a low-precision wgrad reads (from the same read where the
+            format has that kernel).
+        settings, **setting_fields: as :func:`mx_linear`'s; only ``format`` and ``scale_rule`` are read.
+
+    Returns:
+        ``(rows, tokens or None)``: the forward GEMM's A operand of ``x`` reshaped to ``[M, K]`` and, with
+        ``tokens``, its token-blocked wgrad operand; tuples of the format's tensors, the same bytes as
+        :func:`mx_linear` makes of ``x`` itself.
+
+    Raises:
+        ValueError: K not a multiple of the format's feature multiple, or a settings value not valid.
+    """
+    op = "mxfx.mx_linear_input"
+    settings = resolve(op, settings, setting_fields, wgrad_default="mxfp8")
+    fmt, k = settings.format, x.shape[-1]
+    fmt.check_features(op, k, fmt.feature_multiple)
+    with torch.autocast(x.device.type, enabled=False):
+        a, x_tokens, _ = fmt.forward_operands(x.detach().reshape(-1, k), None, settings.scale_rule, "mxfp8", tokens)
+    return a, x_tokens
 
 
 def mx_linear(
@@ -111,6 +156,7 @@ def mx_linear(
     *,
     up: torch.Tensor | None = None,
     input_dtype: torch.dtype | None = None,
+    x_mx: tuple | None = None,
     settings: OpSettings | None = None,
     **setting_fields,
 ) -> torch.Tensor:
@@ -138,7 +184,8 @@ def mx_linear(
 
     Raises:
         ValueError: shapes that do not pair up, K or N not a multiple of the format's feature multiple (keep such
-            a linear in BF16), or a settings value not valid. TypeError: a keyword that is not a settings field.
+            a linear in BF16), a settings value not valid, or an ``x_mx`` that is not a pair of x's rows (or lacks
+            the token-blocked operand this linear's wgrad reads). TypeError: a keyword that is not a settings field.
     """
     op = "mxfx.mx_linear"
     settings = resolve(op, settings, setting_fields, wgrad_default="mxfp8")
@@ -152,11 +199,15 @@ def mx_linear(
     out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else (input_dtype or x.dtype)
     x2d = x.reshape(-1, k)
     up2d = None if up is None else up.reshape(-1, k)
+    if x_mx is not None and (up is not None or not isinstance(x_mx, (tuple, list)) or len(x_mx) != 2
+                             or _rows(x_mx[0]) != x2d.shape[0]):
+        raise ValueError(f"{op}: x_mx must be the pair (rows, tokens or None) mx_linear_input makes of x "
+                         f"{tuple(x.shape)} ({x2d.shape[0]} rows), and cannot be combined with a SwiGLU up operand")
     with torch.autocast(dev, enabled=False):
         if torch.is_grad_enabled():
-            y = _Linear.apply(x2d, up2d, weight, bias, out_dtype, settings)
+            y = _Linear.apply(x2d, up2d, weight, bias, out_dtype, settings, x_mx)
         else:  # inference graph: the forward GEMM only, nothing saved
-            a = fmt.input_operand(x2d, up2d, settings.scale_rule, "mm")
+            a = fmt.input_operand(x2d, up2d, settings.scale_rule, "mm") if x_mx is None else x_mx[0]
             w = fmt.weight_operand(weight, settings.scale_rule, "forward", settings.keep_dequantized_weights)
             _observe_forward(settings, x2d, up2d, a, weight, w, None)
             y = fmt.mm(a, w, out_dtype)

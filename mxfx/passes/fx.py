@@ -8,6 +8,7 @@ import re
 
 import torch
 import torch.fx as fx
+from torch._dispatch.python import enable_python_dispatcher
 from torch._subclasses.fake_tensor import FakeTensor
 
 _ROOT = re.compile(r"^L\['(?!self')[^']*'\]\[0\]\.?|^L\['[^']*'\]\.?")  # L['self'], or the module as the first
@@ -250,8 +251,9 @@ def fill_example_values(gm: fx.GraphModule) -> int:
 
 def fill_example_value(node: fx.Node) -> bool:
     """Give call node ``node`` the example value of its target run on its inputs' example values, under
-    ``torch.no_grad()`` (so it requires no grad: a node a pass inserts has no backward of its own); False, and no
-    value, where an input has none or the target cannot run on fake inputs."""
+    ``torch.no_grad()`` (so it requires no grad: a node a pass inserts has no backward of its own) and, as Dynamo
+    runs it, the Python dispatcher (ops on symbolic sizes, such as a pad of a symbolic token count, take their
+    Python decompositions); False, and no value, where an input has none or the target cannot run on fake inputs."""
     missing = []
 
     def value(a):
@@ -267,7 +269,7 @@ def fill_example_value(node: fx.Node) -> bool:
     fakes = [a for a in _tensors((args, kwargs)) if isinstance(a, FakeTensor)]
     mode = fakes[0].fake_mode if fakes else contextlib.nullcontext()
     try:
-        with torch.no_grad(), mode:
+        with torch.no_grad(), mode, enable_python_dispatcher():
             if node.op == "call_method":
                 val = getattr(args[0], node.target)(*args[1:], **kwargs)
             else:

@@ -22,9 +22,10 @@ are kept anyway. A cast that changes the dtype makes a tensor of its own):
 * another user of the base or of an alias of it (a view, ``detach``) saves it for its backward (anything but
   additions, casts that change the dtype, concatenations and ops with no backward through them), as the
   router's FP32 GEMM saves ``x.float()`` of FP32 tokens, or ``w * x.detach()`` saves ``x``: keep it;
-* several converted ops read it (q/k/v projections of one input) and one copy of it
-  in its own dtype is smaller than one format copy per op (2 bytes for BF16 vs
-  n x 33/32 for MXFP8): keep it as it is;
+* several converted ops read it and one copy of it in its own dtype is smaller than
+  one format copy per op (2 bytes for BF16 vs n x 33/32 for MXFP8): keep it as it
+  is. Readers given one shared quantize of it (q/k/v projections,
+  :mod:`mxfx.passes.shared_quantize`) save one copy together and count as one;
 * it is rows gathered from fewer tokens (a dispatch's ``x[order // k]``, k
   copies of each token) and the tokens in their own dtype are smaller than a format
   copy of the gathered rows (2 bytes vs k x 33/32): keep the tokens, which
@@ -41,7 +42,8 @@ required of a converted op's input); integer routing indices never reach one.
 A policy rule with ``op="saved", precision="bf16"`` (or ``save="bf16"`` on the
 op's own rule) keeps the input as it is regardless. The decision is written into the
 op's ``save`` argument and the precision map (the format's name, or the kept input's dtype), with nominal saved
-bytes before and after. A keep decision is a request: AOTAutograd's partitioner may still
+bytes before and after. A shared quantize none of whose readers then saves its token-blocked copy makes the rows
+alone (``tokens=False``). A keep decision is a request: AOTAutograd's partitioner may still
 move the backward's (bit-identical) quantize into the forward and save its result
 where that is smaller and nothing else keeps the input alive.
 """
@@ -57,9 +59,9 @@ import torch.nn.functional as F
 from mxfx.formats import Format
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
 from mxfx.ops.settings import settings_of
-from mxfx.ops.linear import mx_linear
+from mxfx.ops.linear import mx_linear, mx_linear_input
 from mxfx.passes.columns import needs_grad, ran
-from mxfx.passes.fx import example_value, is_call, module_fqn, size_hint
+from mxfx.passes.fx import example_value, fill_example_value, is_call, module_fqn, size_hint
 from mxfx.policy import Policy
 from mxfx.report import PrecisionMap
 
@@ -84,10 +86,11 @@ _SAVES_OUTPUT_FNS = (
 _SAVES_OUTPUT_METHODS = ("softmax", "log_softmax", "sigmoid", "sigmoid_", "tanh", "tanh_", "exp", "exp_", "relu",
                          "relu_", "sqrt", "sqrt_", "rsqrt", "rsqrt_")
 _NON_SAVING_FNS = (operator.add, operator.sub, operator.neg, torch.add, torch.sub, torch.cat, torch.stack, F.pad,
-                   torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like)
+                   torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like, mx_linear_input)
 _NON_SAVING_METHODS = ("add", "sub", "neg", "to", "float", "double", "bfloat16", "half", "type", "size", "dim",
                        "new_zeros", "new_ones", "new_empty", "new_full")
-"""Users whose backward keeps nothing of their input (sums, casts that change the dtype, shape-only factories).
+"""Users whose backward keeps nothing of their input (sums, casts that change the dtype, shape-only factories, the
+shared quantize of a linear input: it reads ``x.detach()``).
 ``detach`` is an alias (the same storage, :func:`_is_view`): what its readers save keeps the tensor alive (``w *
 x.detach()``); a reader with no backward through it (the dispatch's pre-gather quantize of the tokens) saves
 nothing."""
@@ -137,6 +140,20 @@ def saves_input(node: fx.Node) -> bool:
     return needs_grad(example_value(node)) and needs_grad(example_value(node.args[1]))
 
 
+def reads_tokens(node: fx.Node) -> bool:
+    """Whether converted linear ``node`` saves its input's token-blocked copy for a low-precision wgrad, as its
+    keyword arguments and the graph's example values say (what :func:`mxfx.ops.linear.mx_linear` keeps)."""
+    kwargs = node.kwargs
+    return kwargs.get("wgrad", "mxfp8") == "mxfp8" and kwargs.get("save", "mxfp8") == "mxfp8" and saves_input(node)
+
+
+def _copy_of(node: fx.Node):
+    """What converted op ``node``'s saved copy is made by: the shared quantize it is given
+    (:mod:`mxfx.passes.shared_quantize`), else the op itself."""
+    given = node.kwargs.get("x_mx")
+    return given if node.target is mx_linear and isinstance(given, fx.Node) else node
+
+
 def _has_backward(n: fx.Node) -> bool:
     """Whether node ``n`` takes part in a backward, as its example value says: a tensor, or one of a tuple's,
     requires grad (True where the value is not known)."""
@@ -155,13 +172,15 @@ def keeps_input_alive(x: fx.Node, op: fx.Node, fmt: Format) -> str:
     base = _base(x)
     if is_call(base, _SAVES_OUTPUT_FNS, _SAVES_OUTPUT_METHODS):
         return f"kept alive by {getattr(base.target, '__name__', base.target)} backward"
-    readers = 0
+    readers, copies = 0, set()
     for alias in _aliases(base):
         for u in alias.users:
             if _is_view(u):
                 continue
             if u.op == "call_function" and u.target in MX_OPS and u.args[0] is alias:
-                readers += saves_input(u)  # a reader without a backward keeps no copy
+                if saves_input(u):  # a reader without a backward keeps no copy
+                    readers += 1
+                    copies.add(_copy_of(u))
             elif u.op == "output" or is_call(u, _NON_SAVING_FNS, _NON_SAVING_METHODS):
                 continue
             elif not _has_backward(u):  # no backward through it (torch.no_grad(), a detached input): saves nothing
@@ -179,9 +198,10 @@ def keeps_input_alive(x: fx.Node, op: fx.Node, fmt: Format) -> str:
         return (f"rows gathered from their tokens ({expand:g} per token): keeping the {own_bytes}-byte tokens, "
                 f"re-gathered in backward, is smaller than a {fmt.name} copy of the gathered rows "
                 f"({copy:g} bytes a value)")
-    if readers > 1 and readers * copy >= own_bytes:
-        return (f"read by {readers} converted ops: one {own_bytes}-byte copy is smaller than {readers} {fmt.name} "
-                f"copies ({copy:g} bytes a value)")
+    if len(copies) > 1 and len(copies) * copy >= own_bytes:
+        shared = "" if len(copies) == readers else f" saving {len(copies)} copies"
+        return (f"read by {readers} converted ops{shared}: one {own_bytes}-byte copy is smaller than {len(copies)} "
+                f"{fmt.name} copies ({copy:g} bytes a value)")
     return ""
 
 
@@ -194,10 +214,13 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
     scales, tokens padded) where packed. An input kept as it is counts once, on its first converted reader (the
     graph as written saves it once too, shared); one that another op saves anyway counts nothing after, and
     before only the cast the op as written saves beside it (a BF16 copy under autocast); an op with nothing to
-    save (no backward, frozen weight) counts nothing. Packing happens only where the copy is strictly smaller than the input kept as it is.
+    save (no backward, frozen weight) counts nothing. Readers of one shared quantize that pack count its copy
+    once, before and after, on the first of them (the graph as written saves their one input once too). Packing
+    happens only where the copy is strictly smaller than the input kept as it is.
     """
     packed = 0
     counted: set[fx.Node] = set()  # bases of inputs kept as they are, already counted
+    copies: dict[tuple, str] = {}  # (shared quantize, wgrad) -> the module whose record counts its copy
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in MX_OPS or node.kwargs.get("up") is not None:
             continue
@@ -237,8 +260,20 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
                 counted.add(base)
             continue
         packed += 1
+        copy_key = (_copy_of(node), node.kwargs.get("wgrad"))  # readers of a shared quantize save one copy of it
+        if copy_key in copies:
+            if record:
+                record.saved_bytes = (0, 0)
+                record.add_note(f"its {fmt.name} copy is the one {copies[copy_key]} saves")
+            continue
+        copies[copy_key] = module_fqn(node) or node.name
         if record:
             record.saved_bytes = (written_bytes, copy_bytes)
+    for operands in gm.graph.find_nodes(op="call_function", target=mx_linear_input):
+        if operands.kwargs.get("tokens") and not any(reads_tokens(u) for u in operands.users):
+            operands.kwargs = {**operands.kwargs, "tokens": False}  # no reader saves the token-blocked copy
+            operands.meta.pop("example_value", None)
+            fill_example_value(operands)
     return packed
 
 
