@@ -28,7 +28,7 @@ from mxfx.runtime import cache
 from mxfx.runtime import crossover
 from mxfx.numerics import layout
 from mxfx.formats.mxfp8 import FORMAT as MXFP8
-from mxfx.kernels.common import device as mx_device
+from mxfx import device as mx_device
 from mxfx.kernels.mx import custom_ops
 from mxfx.kernels.mx import gemm
 from mxfx.ops.grouped_mm import mx_grouped_mm_op

@@ -76,11 +76,11 @@ def rand(shape, dtype, device="cuda", scale_rows=True):
 
 # ---- CPU ------------------------------------------------------------------------------
 
-# The modules of mxfx.kernels that hold no Triton code: the packages, device facts, launching, the SiLU reference,
+# The modules of mxfx.kernels that hold no Triton code: the packages, launching, the SiLU reference,
 # the high-precision GEMMs, and each format's device path, argument checks, views, custom ops and GEMMs.
 TORCH_ONLY_KERNEL_MODULES = (
     "mxfx.kernels", "mxfx.kernels.common", "mxfx.kernels.mx", "mxfx.kernels.fp8_block",
-    "mxfx.kernels.common.device", "mxfx.kernels.common.launch", "mxfx.kernels.common.silu",
+    "mxfx.kernels.common.launch", "mxfx.kernels.common.silu",
     "mxfx.kernels.common.swiglu", "mxfx.kernels.common.hp_gemm",
     "mxfx.kernels.mx.device_path", "mxfx.kernels.mx.checks", "mxfx.kernels.mx.views", "mxfx.kernels.mx.custom_ops",
     "mxfx.kernels.mx.gemm", "mxfx.kernels.mx.swiglu_operand",

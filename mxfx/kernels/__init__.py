@@ -9,10 +9,10 @@
 * :mod:`mxfx.kernels.fp8_block`: fp8_block (E4M3 + FP32 scales per 1x128 tile / 128x128 block), laid out the
   same way: ``device_path``, ``custom_ops`` (``mxfx::block_*``), ``gemm`` (cuBLAS dense, Triton ``grouped_gemm``),
   Triton ``quantize`` and ``quant_stats`` (the fused quantization-statistics kernel).
-* :mod:`mxfx.kernels.common`: format-free pieces: device facts (``device``), how kernels launch and enter graphs
-  (``launch``), mxfx's SiLU and SwiGLU (``silu``, ``swiglu``, Triton ``silu_triton``), high-precision GEMMs
+* :mod:`mxfx.kernels.common`: format-free pieces: how kernels launch and enter graphs (``launch``), mxfx's SiLU and SwiGLU (``silu``, ``swiglu``, Triton ``silu_triton``), high-precision GEMMs
   (``hp_gemm``), byte moves (``transpose``, ``zero_rows``), and the reduction every format's statistics kernel ends
   in (Triton ``quant_stats``).
 
-Imports run one way: ``mx`` and ``fp8_block`` use ``common`` and :mod:`mxfx.numerics`, never each other.
+Imports run one way: ``mx`` and ``fp8_block`` use ``common``, :mod:`mxfx.numerics` and the device facts of
+:mod:`mxfx.device`, never each other.
 """

@@ -12,7 +12,7 @@ import warnings
 
 import torch
 
-from mxfx.kernels.common.device import native_bf16_matmul, triton_available
+from mxfx.device import native_bf16_matmul, triton_available
 
 
 @torch.library.custom_op("mxfx::hp_mm", mutates_args=())

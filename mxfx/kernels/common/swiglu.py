@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from mxfx.kernels.common.device import triton_available
+from mxfx.device import triton_available
 from mxfx.kernels.common.launch import name_op_functions, op_or_body
 from mxfx.kernels.common.silu import swiglu_fp32
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from mxfx.numerics.block import dequantize_values, group_tile_capacity, group_tile_starts, n_tiles
-from mxfx.kernels.common.device import has_triton, triton_available
+from mxfx.device import has_triton, triton_available
 from mxfx.kernels.common.hp_gemm import accumulate_into, mm_into
 from mxfx.kernels.common.launch import env_switch
 from mxfx.numerics.layout import check_group_ends, column_major

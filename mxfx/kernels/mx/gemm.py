@@ -27,7 +27,7 @@ import torch
 
 from mxfx.numerics import layout
 from mxfx.kernels.common import hp_gemm
-from mxfx.kernels.common.device import triton_available
+from mxfx.device import triton_available
 from mxfx.kernels.common.hp_gemm import accumulate_into
 from mxfx.kernels.mx import custom_ops
 from mxfx.kernels.mx.device_path import dequantize_lastdim
