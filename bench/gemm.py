@@ -20,7 +20,7 @@ forward, dgrad and wgrad:
   warp-specialized sm90 kernel up to K 4096, the Triton kernel above), dgrad reading the weight's transposed
   copy with the same 128x128 scales; wgrad (``grouped_wgrad``, bf16 out) on operands tiled 1x128 along each
   group's tokens; ``sm90 WS``: forward and dgrad on the warp-specialized sm90 kernel (``grouped_gemm_sm90``)
-  whatever K, timed beside it; ``Triton``: the Triton grouped kernel (``grouped_gemm``, autotuned on first
+  whatever K, timed beside it; ``Triton``: the Triton grouped kernel (``grouped_gemm_triton``, autotuned on first
   call), timed beside it.
 
 On CUDA a third table times the routed BF16 wgrad into an FP32 gradient with accumulation on (a microbatch
@@ -50,7 +50,7 @@ from bench._results import emit  # noqa: E402
 from mxfx.numerics import block as bf  # noqa: E402
 from mxfx.kernels.fp8_block import gemm as block_gemm  # noqa: E402
 from mxfx.kernels.fp8_block import device_path as bq  # noqa: E402
-from mxfx.kernels.fp8_block import grouped_gemm  # noqa: E402
+from mxfx.kernels.fp8_block import grouped_gemm_triton  # noqa: E402
 from mxfx.kernels.fp8_block.gemm import _sm90_kernel as sm90_kernel  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
@@ -209,7 +209,7 @@ def grouped_rows(model: str, s: int, e: int, k: int, n: int, equal: bool, g: tor
             sm90_fn = lambda: sm90_kernel().grouped_mm(*ops, offs)  # noqa: E731
             check(f"grouped {label} {groups} {name} fp8_block sm90", sm90_fn(), ref)
             t_sm90 = bench(sm90_fn)
-            triton_fn = lambda: grouped_gemm.grouped_mm(*ops, offs)  # noqa: E731
+            triton_fn = lambda: grouped_gemm_triton.grouped_mm(*ops, offs)  # noqa: E731
             check(f"grouped {label} {groups} {name} fp8_block Triton", triton_fn(), ref)
             t_triton = bench(triton_fn)
         flops = 2 * s * k * n

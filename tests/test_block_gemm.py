@@ -135,7 +135,7 @@ def test_errors_name_the_problem():
 # ---- Triton interpreter ------------------------------------------------------------------
 
 def _interpreter_checks():
-    from mxfx.kernels.fp8_block import grouped_gemm as block_grouped
+    from mxfx.kernels.fp8_block import grouped_gemm_triton as block_grouped
 
     from mxfx.kernels.fp8_block import quantize as block_quantize
     g = torch.Generator().manual_seed(0)
@@ -352,7 +352,7 @@ def _sm90_launches(monkeypatch, module, name, fn, *args, **kwargs):
 def test_grouped_kernel_compiles_to_fp8_wgmma(monkeypatch):
     """For sm90 the grouped GEMM's ``tl.dot`` is an E4M3 x E4M3 warpgroup MMA (QGMMA) with FP32 accumulation,
     in the autotuned configs' tile: FP8 tensor cores, not an upcast to BF16."""
-    from mxfx.kernels.fp8_block import grouped_gemm as block_grouped
+    from mxfx.kernels.fp8_block import grouped_gemm_triton as block_grouped
 
     s, k, n, g = 512, 512, 256, 4
     a, sa = torch.zeros(s, k, dtype=torch.float8_e4m3fn), torch.ones(k // 128, s).t()
@@ -419,7 +419,7 @@ def test_weight_quantize_unspecialized_scale_strides_cost_nothing(monkeypatch):
 
 
 def test_grouped_wgrad_kernel_compiles_to_fp8_wgmma(monkeypatch):
-    from mxfx.kernels.fp8_block import grouped_gemm as block_grouped
+    from mxfx.kernels.fp8_block import grouped_gemm_triton as block_grouped
 
     s, n, k = 512, 256, 256
     a, b = torch.zeros(n, s, dtype=torch.float8_e4m3fn), torch.zeros(k, s, dtype=torch.float8_e4m3fn)

@@ -6,7 +6,7 @@ Both compute ``A @ B^T`` on operands tiled along the reduction dim K (``mxfx.num
   128x128 scales ``[ceil(N/128), ceil(K/128)]`` (a weight: forward and dgrad) or 1x128 scales
   ``[N, ceil(K/128)]`` (wgrad, where both operands are tiled along the tokens).
 * :func:`grouped_mm`: A ``[S, K]`` 1x128, B ``[G, N, K]`` 128x128 per group, rows grouped by
-  cumulative ends ``offs`` (``torch._grouped_mm``'s convention); :mod:`mxfx.kernels.fp8_block.grouped_gemm`.
+  cumulative ends ``offs`` (``torch._grouped_mm``'s convention); :mod:`mxfx.kernels.fp8_block.grouped_gemm_triton`.
 
 On CUDA the dense GEMM is cuBLAS's blockwise FP8 GEMM (sm90+), the grouped one the Triton kernel;
 elsewhere (CPU) both are the reference decode: dequantize each operand to float32 exactly, then a
@@ -198,11 +198,11 @@ in the OLMoE step) and 0.82-1.06x at K 7168 and 14336 (DeepSeek-V3's gate/up, Mi
 def _grouped_kernel(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype):
     """The module whose ``grouped_mm`` runs on these CUDA operands: the warp-specialized sm90 kernel
     (:mod:`mxfx.kernels.fp8_block.grouped_gemm_sm90`) where it serves them and :func:`_sm90_wanted`, else the
-    Triton kernel (:mod:`mxfx.kernels.fp8_block.grouped_gemm`)."""
-    from mxfx.kernels.fp8_block import grouped_gemm
+    Triton kernel (:mod:`mxfx.kernels.fp8_block.grouped_gemm_triton`)."""
+    from mxfx.kernels.fp8_block import grouped_gemm_triton
 
     sm90 = _sm90_kernel() if _sm90_wanted(a.shape[1]) else None
-    return sm90 if sm90 is not None and sm90.supported(a, b, out_dtype) else grouped_gemm
+    return sm90 if sm90 is not None and sm90.supported(a, b, out_dtype) else grouped_gemm_triton
 
 
 def _sm90_wanted(k: int) -> bool:
@@ -299,9 +299,10 @@ def grouped_wgrad(
         raise ValueError(f"{op}: out must be float32 {(g, n, k)} on {a.device} (the gradient [G, N, K] it writes), got "
                          f"{out.dtype} {tuple(out.shape)} on {out.device}")
     if triton_available(a):
-        from mxfx.kernels.fp8_block import grouped_gemm
+        from mxfx.kernels.fp8_block import grouped_gemm_triton
 
-        result = grouped_gemm.grouped_wgrad(a, a_scales, b, b_scales, offs, out_dtype if out is None else out.dtype)
+        result = grouped_gemm_triton.grouped_wgrad(a, a_scales, b, b_scales, offs,
+                                                   out_dtype if out is None else out.dtype)
         if out is None:
             return result
         accumulate_into(out, result, accumulate)
