@@ -239,14 +239,6 @@ def _sm90_kernel():
     return grouped_gemm_sm90
 
 
-def grouped_kernel_name(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> str:
-    """Which kernel :func:`grouped_mm` launches for these operands: "sm90 warp-specialized", "Triton" or
-    "reference" (not CUDA)."""
-    if not triton_available(a):
-        return "reference"
-    return "sm90 warp-specialized" if _grouped_kernel(a, b, out_dtype).__name__.endswith("_sm90") else "Triton"
-
-
 def reference_grouped_mm(a, a_scales, b, b_scales, offs, out_dtype=torch.bfloat16) -> torch.Tensor:
     """The reference decode of :func:`grouped_mm`: exact float32 operands, one float32 GEMM per group (each
     group's weight decoded on its own, so the memory it takes is one expert's, not all of them)."""
