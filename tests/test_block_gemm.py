@@ -18,6 +18,7 @@ import torch
 
 from mxfx.numerics import block as bf
 from mxfx.kernels.fp8_block import gemm as block_gemm
+from mxfx.kernels.fp8_block import gemm_cublas
 from tests.helpers import run_interpreter_checks
 
 
@@ -478,9 +479,9 @@ def test_cublas_wrapper_builds_the_checked_scale_layouts(monkeypatch, m, n, k):
     g = torch.Generator().manual_seed(6)
     a, sa = bf.quantize_1x128(torch.randn(m, k, generator=g))
     for b, sb in (bf.quantize_128x128(torch.randn(n, k, generator=g)), bf.quantize_1x128(torch.randn(n, k, generator=g))):
-        out = block_gemm._cublas_mm(a, sa, b, sb, torch.float32)
+        out = gemm_cublas.mm(a, sa, b, sb, torch.float32)
         assert out.shape == (m, n)
-        bound = summation_bound(a, sa, b, sb, (-1,) if block_gemm.tiled_rows(b, sb) else (-2, -1))
+        bound = summation_bound(a, sa, b, sb, (-1,) if bf.tiled_rows(b, sb) else (-2, -1))
         assert ((out - block_gemm.reference_mm(a, sa, b, sb, torch.float32)).abs() <= bound).all()
 
 
@@ -493,7 +494,7 @@ def test_cublas_wrapper_guards_nothing_on_a_symbolic_row_count(monkeypatch):
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
     counters.clear()
-    mm = torch.compile(lambda a, sa, b, sb: block_gemm._cublas_mm(a, sa, b, sb, torch.float32), backend="eager",
+    mm = torch.compile(lambda a, sa, b, sb: gemm_cublas.mm(a, sa, b, sb, torch.float32), backend="eager",
                        dynamic=True)
     g = torch.Generator().manual_seed(7)
     b, sb = bf.quantize_128x128(torch.randn(256, 384, generator=g))

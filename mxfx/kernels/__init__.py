@@ -7,9 +7,9 @@
   (``blocks``, ``quantize``, ``dual``, ``dequantize``, ``swiglu``, ``quant_stats``) are imported only once a CUDA
   tensor arrives.
 * :mod:`mxfx.kernels.fp8_block`: fp8_block (E4M3 + FP32 scales per 1x128 tile / 128x128 block), laid out the
-  same way: ``device_path``, ``custom_ops`` (``mxfx::block_*``), ``gemm`` (cuBLAS dense; grouped: Triton
-  ``grouped_gemm_triton``, Gluon ``grouped_gemm_sm90``), Triton ``quantize`` and ``quant_stats`` (the fused
-  quantization-statistics kernel).
+  same way: ``device_path``, ``custom_ops`` (``mxfx::block_*``), ``gemm`` (which kernel runs, and the reference
+  decode: cuBLAS dense ``gemm_cublas``; grouped Gluon ``grouped_gemm_sm90`` or Triton ``grouped_gemm_triton``),
+  Triton ``quantize`` and ``quant_stats`` (the fused quantization-statistics kernel).
 * :mod:`mxfx.kernels.common`: format-free pieces: how kernels launch and enter graphs (``launch``), mxfx's SiLU
   and SwiGLU (``silu``, ``swiglu``, Triton ``silu_triton``), high-precision GEMMs (``hp_gemm``), byte moves
   (``transpose``, ``zero_rows``), and the reduction every format's statistics kernel ends in (Triton
