@@ -25,7 +25,7 @@ forward, dgrad and wgrad:
 
 On CUDA a third table times the routed BF16 wgrad into an FP32 gradient with accumulation on (a microbatch
 after the first): today's three trips (``torch._grouped_mm``'s BF16 result, its widening, autograd's ``add_``)
-against ``mxfx.kernels.common.grouped_wgrad``, whose epilogue adds into the gradient.
+against ``mxfx.kernels.common.grouped_wgrad_triton``, whose epilogue adds into the gradient.
 
 Every FP8 result is first checked against its reference decode (dequantize exactly, FP32 GEMM):
 relative Frobenius error below 1e-2 (bf16 output rounding is ~2e-3), or the script stops.
@@ -221,8 +221,8 @@ def grouped_rows(model: str, s: int, e: int, k: int, n: int, equal: bool, g: tor
 def wgrad_into_rows(model: str, s: int, e: int, k: int, n: int, g: torch.Generator) -> tuple:
     """The routed wgrad into an FP32 gradient at one microbatch after the first (accumulate on), equal groups:
     today's three trips (BF16 grouped GEMM, its widening, autograd's add) against the GEMM whose epilogue adds into
-    the gradient (``mxfx.kernels.common.grouped_wgrad``), each checked against an FP32 product on 4 groups."""
-    from mxfx.kernels.common import grouped_wgrad
+    the gradient (``mxfx.kernels.common.grouped_wgrad_triton``), each checked against an FP32 product on 4 groups."""
+    from mxfx.kernels.common import grouped_wgrad_triton
 
     sizes = group_sizes(s, e, True, g)
     offs = torch.tensor(sizes, device=DEVICE).cumsum(0).to(torch.int32)
@@ -235,7 +235,7 @@ def wgrad_into_rows(model: str, s: int, e: int, k: int, n: int, g: torch.Generat
         grad.add_(torch._grouped_mm(dy.t(), x, offs=offs).float())
 
     def fused():
-        grouped_wgrad.grouped_wgrad_into(dy, x, offs, grad, True)
+        grouped_wgrad_triton.grouped_wgrad_into(dy, x, offs, grad, True)
 
     errs = []
     for fn in (three_trips, fused):

@@ -148,14 +148,14 @@ def hp_grouped_wgrad_into(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor,
                           accumulate: bool) -> None:
     """:func:`hp_grouped_wgrad` (BF16 operands, FP32 accumulation) written into ``out [E, N, K]`` or added to it: by
     the FP32 GEMM of the exact BF16 operands itself on the CPU, by the Triton kernel's epilogue
-    (:mod:`mxfx.kernels.common.grouped_wgrad`) into an FP32 ``out`` on CUDA, through :func:`accumulate_into`
+    (:mod:`mxfx.kernels.common.grouped_wgrad_triton`) into an FP32 ``out`` on CUDA, through :func:`accumulate_into`
     elsewhere."""
     if out.device.type == "cpu":
         a, b = (t.to(torch.bfloat16).to(out.dtype).t() for t in (dy, x))
         grouped_mm_into(out, a, b, offs.tolist(), accumulate)
     elif triton_available(out) and out.dtype == torch.float32:  # the GEMM's epilogue writes or adds into out
-        from mxfx.kernels.common import grouped_wgrad  # Triton, imported once a CUDA tensor arrives
+        from mxfx.kernels.common import grouped_wgrad_triton  # Triton, imported once a CUDA tensor arrives
 
-        grouped_wgrad.grouped_wgrad_into(dy.to(torch.bfloat16), x.to(torch.bfloat16), offs, out, accumulate)
+        grouped_wgrad_triton.grouped_wgrad_into(dy.to(torch.bfloat16), x.to(torch.bfloat16), offs, out, accumulate)
     else:
         accumulate_into(out, _grouped_wgrad_bf16_op(dy, x, offs, out.dtype), accumulate)
