@@ -81,7 +81,7 @@ def rand(shape, dtype, device="cuda", scale_rows=True):
 TORCH_ONLY_KERNEL_MODULES = (
     "mxfx.kernels", "mxfx.kernels.common", "mxfx.kernels.mx", "mxfx.kernels.fp8_block",
     "mxfx.kernels.common.launch", "mxfx.kernels.common.silu",
-    "mxfx.kernels.common.swiglu", "mxfx.kernels.common.hp_gemm",
+    "mxfx.kernels.common.swiglu", "mxfx.kernels.common.gemm",
     "mxfx.kernels.mx.device_path", "mxfx.kernels.mx.checks", "mxfx.kernels.mx.views", "mxfx.kernels.mx.custom_ops",
     "mxfx.kernels.mx.gemm", "mxfx.kernels.mx.swiglu_operand",
     "mxfx.kernels.fp8_block.device_path", "mxfx.kernels.fp8_block.custom_ops", "mxfx.kernels.fp8_block.gemm",

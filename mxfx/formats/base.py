@@ -17,7 +17,7 @@ import enum
 import torch
 
 from mxfx import device as devices
-from mxfx.kernels.common.hp_gemm import accumulate_into
+from mxfx.kernels.common.gemm import accumulate_into
 from mxfx.kernels.common.silu import swiglu_fp32
 from mxfx.runtime import stats
 

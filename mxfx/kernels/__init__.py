@@ -11,7 +11,7 @@
   decode: cuBLAS dense ``gemm_cublas``; grouped Gluon ``grouped_gemm_sm90`` or Triton ``grouped_gemm_triton``),
   Triton ``quantize`` and ``quant_stats`` (the fused quantization-statistics kernel).
 * :mod:`mxfx.kernels.common`: format-free pieces: how kernels launch and enter graphs (``launch``), mxfx's SiLU
-  and SwiGLU (``silu``, ``swiglu``, Triton ``silu_triton``), high-precision GEMMs (``hp_gemm``), byte moves
+  and SwiGLU (``silu``, ``swiglu``, Triton ``silu_triton``), high-precision GEMMs (``gemm``), byte moves
   (``transpose``, ``zero_rows``), and the reduction every format's statistics kernel ends in (Triton
   ``quant_stats``).
 

@@ -23,7 +23,7 @@ import torch
 
 from mxfx.numerics.block import dequantize_values, group_tile_capacity, group_tile_starts, n_tiles, tiled_rows
 from mxfx.device import has_triton, triton_available
-from mxfx.kernels.common.hp_gemm import accumulate_into, mm_into
+from mxfx.kernels.common.gemm import accumulate_into, mm_into
 from mxfx.kernels.common.launch import env_switch
 from mxfx.kernels.fp8_block import gemm_cublas
 from mxfx.numerics.layout import check_group_ends
@@ -80,7 +80,7 @@ def reference_mm(a, a_scales, b, b_scales, out_dtype=torch.bfloat16) -> torch.Te
 
 def reference_mm_into(a, a_scales, b, b_scales, out: torch.Tensor, accumulate: bool) -> None:
     """:func:`reference_mm` written into float32 ``out [M, N]`` (``accumulate=False``) or added to it (``True``) by
-    the float32 GEMM itself (:func:`mxfx.kernels.common.hp_gemm.mm_into`): a weight gradient accumulated in the
+    the float32 GEMM itself (:func:`mxfx.kernels.common.gemm.mm_into`): a weight gradient accumulated in the
     parameter's ``.grad``."""
     mm_into(out, *_decoded(a, a_scales, b, b_scales), accumulate)
 

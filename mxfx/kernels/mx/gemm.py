@@ -26,9 +26,9 @@ from typing import Callable
 import torch
 
 from mxfx.numerics import layout
-from mxfx.kernels.common import hp_gemm
+from mxfx.kernels.common import gemm as common_gemm
 from mxfx.device import triton_available
-from mxfx.kernels.common.hp_gemm import accumulate_into
+from mxfx.kernels.common.gemm import accumulate_into
 from mxfx.kernels.mx import custom_ops
 from mxfx.kernels.mx.device_path import dequantize_lastdim
 from mxfx.kernels.common.launch import name_op_functions, op_or_body
@@ -546,13 +546,13 @@ def mm_into(a_qdata, a_scales, b_qdata, b_scales, out: torch.Tensor, accumulate:
     """:func:`mx_mm` (a wgrad's operands, blocked along the tokens) written into ``out [N, K]`` (``accumulate=False``)
     or added to it (``True``), in ``out``'s dtype: a weight gradient accumulated in the parameter's ``.grad``
     (:mod:`mxfx.runtime.main_grad`). Emulated on the CPU by the FP32 GEMM itself; elsewhere the GEMM, then one pass
-    (:func:`mxfx.kernels.common.hp_gemm.accumulate_into`), until a kernel with an accumulating epilogue takes it."""
+    (:func:`mxfx.kernels.common.gemm.accumulate_into`), until a kernel with an accumulating epilogue takes it."""
     if native or out.device.type != "cpu":
         accumulate_into(out, mx_mm(a_qdata, a_scales, b_qdata, b_scales, out.dtype, native, None, a_dequantized),
                         accumulate)
         return
     a, b = _dequantized(a_qdata, a_scales, b_qdata, b_scales, None, a_dequantized, dims=(2, 2))
-    hp_gemm.mm_into(out, a.to(out.dtype), b.to(out.dtype), accumulate)
+    common_gemm.mm_into(out, a.to(out.dtype), b.to(out.dtype), accumulate)
 
 
 def grouped_wgrad_into(a_qdata, a_scales, b_qdata, b_scales, offs, out: torch.Tensor, accumulate: bool,
@@ -563,7 +563,7 @@ def grouped_wgrad_into(a_qdata, a_scales, b_qdata, b_scales, offs, out: torch.Te
                         accumulate)
         return
     a, b = _dequantized(a_qdata, a_scales, b_qdata, b_scales)
-    hp_gemm.grouped_mm_into(out, a.to(out.dtype), b.to(out.dtype), offs.tolist(), accumulate)
+    common_gemm.grouped_mm_into(out, a.to(out.dtype), b.to(out.dtype), offs.tolist(), accumulate)
 
 
 _TRACED = "Traced on CUDA, the chosen implementation's kernels and GEMM enter the graph (:mod:`mxfx.kernels.common.launch`)."
