@@ -10,8 +10,10 @@
   same way: ``device_path``, ``custom_ops`` (``mxfx::block_*``), ``gemm`` (which kernel runs, and the reference
   decode: cuBLAS dense ``gemm_cublas``; grouped Gluon ``grouped_gemm_sm90`` or Triton ``grouped_gemm_triton``),
   Triton ``quantize`` and ``quant_stats`` (the fused quantization-statistics kernel).
-* :mod:`mxfx.kernels.common`: format-free pieces: how kernels launch and enter graphs (``launch``), mxfx's SiLU
-  and SwiGLU (``silu``, ``swiglu``, Triton ``silu_triton``), high-precision GEMMs (``gemm``), byte moves
+* :mod:`mxfx.kernels.common`: format-free pieces, laid out the same way: ``custom_ops`` (``mxfx::hp_mm``,
+  ``mxfx::grouped_wgrad_bf16``, ``mxfx::swiglu_product`` and the high-precision GEMMs callers use), ``gemm`` (their
+  bodies and the accumulating GEMMs every reference shares; Triton ``grouped_wgrad_triton``), how kernels launch
+  and enter graphs (``launch``), mxfx's SiLU and SwiGLU (``silu``, ``swiglu``, Triton ``silu_triton``), byte moves
   (``transpose``, ``zero_rows``), and the reduction every format's statistics kernel ends in (Triton
   ``quant_stats``).
 
