@@ -1,14 +1,15 @@
 """The GEMM pieces every format shares: the body of the BF16 grouped weight gradient (:func:`grouped_wgrad_bf16`,
 native BF16 or FP32 on the CPU), the accumulating GEMMs the CPU references of every format write a weight gradient
-with (:func:`mm_into`, :func:`grouped_mm_into`), and :func:`accumulate_into`, the separate pass of a device path
-whose GEMM has no accumulating epilogue yet. The ops and the functions callers use (``hp_mm_transposed``,
-``hp_grouped_wgrad`` and their ``_into`` forms) are in :mod:`mxfx.kernels.common.custom_ops`."""
+with (:func:`mm_into`, :func:`grouped_mm_into`), :func:`accumulate_into` (the separate pass of a device path whose
+GEMM has no accumulating epilogue yet) and :func:`rows_in_groups` (the zero rows past a grouped GEMM's last group).
+The ops and the functions callers use (``hp_mm_transposed``, ``hp_grouped_wgrad`` and their ``_into`` forms) are in
+:mod:`mxfx.kernels.common.custom_ops`."""
 
 from __future__ import annotations
 
 import torch
 
-from mxfx.device import native_bf16_matmul
+from mxfx.device import native_bf16_matmul, triton_available
 
 
 def accumulate_into(out: torch.Tensor, result: torch.Tensor, accumulate: bool) -> None:
@@ -38,6 +39,18 @@ def grouped_mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ends: l
         elif not accumulate:
             out[g].zero_()
         start = end
+
+
+def rows_in_groups(out: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """A grouped GEMM's ``out [S, N]`` with its rows past the last group end ``offs[-1]`` zeroed (torch's
+    ``_grouped_mm`` and ``_scaled_grouped_mm`` leave them unwritten): the Triton kernel on CUDA, ``torch.where``
+    elsewhere."""
+    if triton_available(out) and out.dim() == 2 and out.stride(1) == 1:
+        from mxfx.kernels.common.zero_rows import zero_rows_past_end_
+
+        return zero_rows_past_end_(out, offs)  # writes the tail only, no pass over the whole output
+    rows = torch.arange(out.shape[0], device=out.device).unsqueeze(-1)
+    return torch.where(rows < offs[-1].to(rows.dtype), out, torch.zeros((), dtype=out.dtype, device=out.device))
 
 
 def grouped_wgrad_bf16(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:

@@ -27,8 +27,7 @@ import torch
 
 from mxfx.numerics import layout
 from mxfx.kernels.common import gemm as common_gemm
-from mxfx.device import triton_available
-from mxfx.kernels.common.gemm import accumulate_into
+from mxfx.kernels.common.gemm import accumulate_into, rows_in_groups
 from mxfx.kernels.mx import custom_ops
 from mxfx.kernels.mx.device_path import dequantize_lastdim
 from mxfx.kernels.common.launch import name_op_functions, op_or_body
@@ -107,20 +106,10 @@ def _emulated_mm(a_qdata, a_scales, b_qdata, b_scales, out_dtype, b_dequantized=
     return torch.mm(a, b.t()).to(out_dtype)
 
 
-def _rows_in_groups(out: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """Zero output rows past the last group end (``_grouped_mm`` leaves them unwritten)."""
-    if triton_available(out) and out.dim() == 2 and out.stride(1) == 1:
-        from mxfx.kernels.common.zero_rows import zero_rows_past_end_
-
-        return zero_rows_past_end_(out, offs)  # writes the tail only, no pass over the whole output
-    rows = torch.arange(out.shape[0], device=out.device).unsqueeze(-1)
-    return torch.where(rows < offs[-1].to(rows.dtype), out, torch.zeros((), dtype=out.dtype, device=out.device))
-
-
 def _emulated_grouped_mm(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, b_dequantized=None, a_dequantized=None):
     a, b = _dequantized(a_qdata, a_scales, b_qdata, b_scales, b_dequantized, a_dequantized, dims=(2, 3))
     out = torch._grouped_mm(a, b.transpose(-2, -1), offs=offs)
-    return _rows_in_groups(out, offs).to(out_dtype)
+    return rows_in_groups(out, offs).to(out_dtype)
 
 
 def _emulated_grouped_wgrad(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype):
@@ -369,7 +358,7 @@ def _native_mm(a_qdata, a_scales, b_qdata, b_scales, out_dtype, b_dequantized=No
 def _native_grouped_mm(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, b_dequantized=None, a_dequantized=None):
     o = native_grouped_mm_operands(a_qdata, a_scales, b_qdata, b_scales, offs)
     out = torch._scaled_grouped_mm(o.mat_a, o.mat_b, o.scale_a, o.scale_b, offs=o.offs, out_dtype=out_dtype)
-    return _rows_in_groups(out.index_select(0, o.rows), offs)
+    return rows_in_groups(out.index_select(0, o.rows), offs)
 
 
 def _native_grouped_wgrad(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype):
