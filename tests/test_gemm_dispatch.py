@@ -32,6 +32,7 @@ from mxfx import device as mx_device
 from mxfx.kernels.mx import custom_ops
 from mxfx.kernels.mx import gemm
 from mxfx.kernels.mx import gemm_blackwell
+from mxfx.kernels.mx import operands
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
 from mxfx.ops.linear import mx_linear
 from mxfx.policy import Policy
@@ -441,7 +442,7 @@ def test_dual_operand_values_only_where_emulated():
     x, w = torch.randn(64, 96), torch.randn(32, 96)
     rq, rs = mxf.quantize_lastdim(x, "rceil")
     cq, cs = mxf.quantize_lastdim(x.t(), "rceil")
-    q, s, h, qt, st, ht = gemm.quantize_dual_operand(x, "rceil", torch.float32)  # emulated (CPU: fp32 values)
+    q, s, h, qt, st, ht = operands.quantize_dual_operand(x, "rceil", torch.float32)  # emulated (CPU: fp32 values)
     assert (q, s, qt, st) == (None,) * 4
     assert torch.equal(h, mxf.dequantize_lastdim(rq, rs, torch.float32))
     assert torch.equal(ht, mxf.dequantize_lastdim(cq, cs, torch.float32)) and ht.shape == (96, 64)
@@ -462,7 +463,7 @@ def test_dual_operand_values_only_where_emulated():
         gemm.mx_mm(rq, rs, wq, ws, torch.float32, False, None, rq)  # qdata passed as values
     with pytest.raises(ValueError, match=r"A of shape \(2, 64, 96\) and B of shape \(32, 96\) must be 2D and 2D"):
         gemm.mx_mm(None, None, wq, ws, torch.float32, False, None, h.expand(2, 64, 96))
-    q, s, h, qt, st, ht = gemm.quantize_dual_operand(x, "rceil", None)  # native
+    q, s, h, qt, st, ht = operands.quantize_dual_operand(x, "rceil", None)  # native
     assert h is None and ht is None
     for got, want in ((q, rq), (s, to_blocked(rs)), (qt, cq), (st, to_blocked(cs))):  # dense: scales blocked
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))

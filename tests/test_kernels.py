@@ -83,7 +83,8 @@ TORCH_ONLY_KERNEL_MODULES = (
     "mxfx.kernels.common.launch", "mxfx.kernels.common.silu",
     "mxfx.kernels.common.swiglu", "mxfx.kernels.common.gemm", "mxfx.kernels.common.custom_ops",
     "mxfx.kernels.mx.device_path", "mxfx.kernels.mx.checks", "mxfx.kernels.mx.views", "mxfx.kernels.mx.custom_ops",
-    "mxfx.kernels.mx.gemm", "mxfx.kernels.mx.gemm_blackwell", "mxfx.kernels.mx.swiglu_operand",
+    "mxfx.kernels.mx.gemm", "mxfx.kernels.mx.gemm_blackwell", "mxfx.kernels.mx.operands",
+    "mxfx.kernels.mx.swiglu_operand",
     "mxfx.kernels.fp8_block.device_path", "mxfx.kernels.fp8_block.custom_ops", "mxfx.kernels.fp8_block.gemm",
     "mxfx.kernels.fp8_block.gemm_cublas",
 )

@@ -3,7 +3,7 @@
 * :mod:`mxfx.kernels.mx`: MXFP8 (E4M3 + an E8M0 scale per 32 values). ``device_path`` picks Triton on CUDA or
   the plain-torch reference (:mod:`mxfx.numerics.mx`) elsewhere; ``custom_ops`` wraps it as the ``mxfx::*`` torch
   ops graphs call; ``gemm`` chooses a native or an emulated MX GEMM and holds the emulation, ``gemm_blackwell``
-  the native ones; ``swiglu_operand`` the SwiGLU input side of an MX GEMM; ``quant_stats`` the fused quantization-statistics kernel. The Triton modules
+  the native ones; ``operands`` the GEMM operands quantize passes make, ``swiglu_operand`` the SwiGLU input side; ``quant_stats`` the fused quantization-statistics kernel. The Triton modules
   (``blocks``, ``quantize``, ``dual``, ``dequantize``, ``swiglu``, ``quant_stats``) are imported only once a CUDA
   tensor arrives.
 * :mod:`mxfx.kernels.fp8_block`: fp8_block (E4M3 + FP32 scales per 1x128 tile / 128x128 block), laid out the
