@@ -173,9 +173,10 @@ def test_quantize_operand_writes_dequantized_form_where_emulated(monkeypatch, ca
         return
     assert torch.equal(x_hat, mxf.dequantize_lastdim(rq, rs, torch.float32))  # fp32: CPU's emulation dtype
     bq, bs = mx((32, 96), 2)
-    ref = gemm.mx_mm(q, s, bq, bs, torch.float32, False)  # the emulated GEMM itself, on CPU
-    assert torch.equal(gemm.mx_mm(q, s, bq, bs, torch.float32, False, None, x_hat), ref)
-    assert not torch.equal(gemm.mx_mm(q, s, bq, bs, torch.float32, False, None, 2 * x_hat), ref)  # x_hat is what it reads
+    ref = custom_ops.mx_mm(q, s, bq, bs, torch.float32, False)  # the emulated GEMM itself, on CPU
+    assert torch.equal(custom_ops.mx_mm(q, s, bq, bs, torch.float32, False, None, x_hat), ref)
+    x_hat_read = custom_ops.mx_mm(q, s, bq, bs, torch.float32, False, None, 2 * x_hat)
+    assert not torch.equal(x_hat_read, ref)  # x_hat is what it reads
 
 
 # --- dense operands ----------------------------------------------------------------------------
@@ -231,7 +232,7 @@ def test_blocked_tile_by_hand():
 def test_native_mm_decoded_equals_emulation(native, m, k, n, out_dtype):
     (aq, as_), (bq, bs) = mx((m, k), 3, 4.0), mx((n, k), 4, 0.1)
     emulated = gemm._emulated_mm(aq, as_, bq, bs, out_dtype)
-    got = gemm.mx_mm(aq, as_, bq, bs, out_dtype, True)
+    got = custom_ops.mx_mm(aq, as_, bq, bs, out_dtype, True)
     assert native["mm"] == 1 and got.shape == (m, n) and got.dtype == out_dtype
     torch.testing.assert_close(got, emulated, rtol=1e-5, atol=1e-5)
 
@@ -279,7 +280,7 @@ def test_native_grouped_decoded_equals_emulation(native, ends):
     offs = torch.tensor(ends, dtype=torch.int32)
     (aq, as_), (bq, bs) = mx((s, k), 7), mx((e, n, k), 8, 0.1)
     emulated = gemm._emulated_grouped_mm(aq, as_, bq, bs, offs, torch.float32)
-    got = gemm.mx_grouped_mm(aq, as_, bq, bs, offs, torch.float32, True)
+    got = custom_ops.mx_grouped_mm(aq, as_, bq, bs, offs, torch.float32, True)
     assert native["grouped"] == 1 and got.shape == (s, n)
     torch.testing.assert_close(got, emulated, rtol=1e-5, atol=1e-5)
     assert not got[ends[-1]:].any()
@@ -298,7 +299,7 @@ def test_native_wgrad_decoded_equals_emulation(native):
     offs = torch.tensor([64, 64, 160, 256], dtype=torch.int32)  # multiples of 32, one empty group
     (aq, as_), (bq, bs) = mx((n, t), 9), mx((k, t), 10)
     emulated = gemm._emulated_grouped_wgrad(aq, as_, bq, bs, offs, torch.float32)
-    got = gemm.mx_grouped_mm_wgrad(aq, as_, bq, bs, offs, torch.float32, True)
+    got = custom_ops.mx_grouped_mm_wgrad(aq, as_, bq, bs, offs, torch.float32, True)
     assert native["grouped"] == 1 and got.shape == (4, n, k)
     torch.testing.assert_close(got, emulated, rtol=1e-5, atol=1e-5)
 
@@ -448,21 +449,21 @@ def test_dual_operand_values_only_where_emulated():
     assert torch.equal(ht, mxf.dequantize_lastdim(cq, cs, torch.float32)) and ht.shape == (96, 64)
     wq, ws = mxf.quantize_lastdim(w, "rceil")
     w_hat = mxf.dequantize_lastdim(wq, ws, torch.bfloat16)
-    ref = gemm.mx_mm(rq, rs, wq, ws, torch.float32, False)
-    assert torch.equal(gemm.mx_mm(None, None, wq, ws, torch.float32, False, None, h), ref)
-    assert torch.equal(gemm.mx_mm(None, None, None, None, torch.float32, False, w_hat, h), ref)
+    ref = custom_ops.mx_mm(rq, rs, wq, ws, torch.float32, False)
+    assert torch.equal(custom_ops.mx_mm(None, None, wq, ws, torch.float32, False, None, h), ref)
+    assert torch.equal(custom_ops.mx_mm(None, None, None, None, torch.float32, False, w_hat, h), ref)
     with pytest.raises(ValueError, match=r"A has neither an MX pair .* nor dequantized values.*a_dequantized"):
-        gemm.mx_mm(None, None, wq, ws, torch.float32, False)
+        custom_ops.mx_mm(None, None, wq, ws, torch.float32, False)
     with pytest.raises(ValueError, match=r"B has neither an MX pair"):
-        gemm.mx_mm(rq, rs, wq, None, torch.float32, False)  # qdata without its scales
+        custom_ops.mx_mm(rq, rs, wq, None, torch.float32, False)  # qdata without its scales
     with pytest.raises(ValueError, match=r"a_dequantized of shape \(64, 64\) is not the dequantization of A's qdata"):
-        gemm.mx_mm(rq, rs, wq, ws, torch.float32, False, None, h[:, :64])
+        custom_ops.mx_mm(rq, rs, wq, ws, torch.float32, False, None, h[:, :64])
     with pytest.raises(ValueError, match=r"A of shape \(64, 64\) and B of shape \(32, 96\) must share their last"):
-        gemm.mx_mm(None, None, wq, ws, torch.float32, False, None, h[:, :64])
+        custom_ops.mx_mm(None, None, wq, ws, torch.float32, False, None, h[:, :64])
     with pytest.raises(TypeError, match=r"a_dequantized of shape \(64, 96\) has dtype torch.float8_e4m3fn"):
-        gemm.mx_mm(rq, rs, wq, ws, torch.float32, False, None, rq)  # qdata passed as values
+        custom_ops.mx_mm(rq, rs, wq, ws, torch.float32, False, None, rq)  # qdata passed as values
     with pytest.raises(ValueError, match=r"A of shape \(2, 64, 96\) and B of shape \(32, 96\) must be 2D and 2D"):
-        gemm.mx_mm(None, None, wq, ws, torch.float32, False, None, h.expand(2, 64, 96))
+        custom_ops.mx_mm(None, None, wq, ws, torch.float32, False, None, h.expand(2, 64, 96))
     q, s, h, qt, st, ht = operands.quantize_dual_operand(x, "rceil", None)  # native
     assert h is None and ht is None
     for got, want in ((q, rq), (s, to_blocked(rs)), (qt, cq), (st, to_blocked(cs))):  # dense: scales blocked

@@ -872,7 +872,6 @@ def test_traced_path_calls_the_ops_own_body(monkeypatch):
     from mxfx.kernels.common import launch
     from mxfx.kernels.common.custom_ops import swiglu_product
     from mxfx.kernels.mx import custom_ops
-    from mxfx.kernels.mx import gemm
 
     g = torch.Generator().manual_seed(4)
     x, u = torch.randn(64, 96, generator=g), torch.randn(64, 96, generator=g)
@@ -887,10 +886,10 @@ def test_traced_path_calls_the_ops_own_body(monkeypatch):
             q, s, custom_ops.dequantize(q, s, torch.float32), *custom_ops.quantize_dual(x, "floor"),
             *custom_ops.quantize_dequantize(x, "rceil", torch.float32), *custom_ops.swiglu_quantize(x, u, "rceil"),
             *custom_ops.route_weight_quantize(x, rw, "rceil"), *custom_ops.quantize_blocked(x, "rceil"),
-            gemm.mx_mm(q, s, wq[0], ws[0], torch.float32, False),
-            gemm.mx_grouped_mm(q, s, wq, ws, offs, torch.float32, False),
-            gemm.mx_grouped_mm_wgrad(qt[:32], st[:32], qt, st, torch.tensor([32, 32, 96], dtype=torch.int32), torch.float32,
-                                     False),
+            custom_ops.mx_mm(q, s, wq[0], ws[0], torch.float32, False),
+            custom_ops.mx_grouped_mm(q, s, wq, ws, offs, torch.float32, False),
+            custom_ops.mx_grouped_mm_wgrad(qt[:32], st[:32], qt, st, torch.tensor([32, 32, 96], dtype=torch.int32),
+                                           torch.float32, False),
             swiglu_product(x, u),
         ]
 

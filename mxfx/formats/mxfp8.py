@@ -21,9 +21,10 @@ import torch.nn.functional as F
 from mxfx.formats.base import GEMM_OPS, Format, Operand, ScaleRule, register, stats_views
 from mxfx.kernels.mx import custom_ops, device_path
 from mxfx.kernels.mx import swiglu_operand
-from mxfx.kernels.mx.gemm import emulation_dtype, mx_grouped_mm, mx_grouped_mm_wgrad, mx_mm
+from mxfx.kernels.mx.custom_ops import mx_grouped_mm, mx_grouped_mm_wgrad, mx_mm
+from mxfx.kernels.mx.custom_ops import grouped_wgrad_into as mx_grouped_wgrad_into, mm_into as mx_mm_into
+from mxfx.kernels.mx.gemm import emulation_dtype
 from mxfx.kernels.mx.operands import a_operand, quantize_dual_operand, quantize_operand
-from mxfx.kernels.mx.gemm import grouped_wgrad_into as mx_grouped_wgrad_into, mm_into as mx_mm_into
 from mxfx.kernels.mx.views import mn_major
 from mxfx.kernels.common import swiglu
 from mxfx.kernels.common.custom_ops import swiglu_product
