@@ -76,8 +76,9 @@ def rand(shape, dtype, device="cuda", scale_rows=True):
 
 # ---- CPU ------------------------------------------------------------------------------
 
-# The modules of mxfx.kernels that hold no Triton code: the packages, launching, the SiLU reference,
-# the high-precision GEMMs, and each format's device path, argument checks, views, custom ops and GEMMs.
+# The modules of mxfx.kernels that hold no Triton code: the packages, launching, the SiLU reference, the shared ops
+# and high-precision GEMMs, and each format's device path, argument checks, views, custom ops, GEMMs (the choice, the
+# emulation or reference, the native calls through torch) and operands.
 TORCH_ONLY_KERNEL_MODULES = (
     "mxfx.kernels", "mxfx.kernels.common", "mxfx.kernels.mx", "mxfx.kernels.fp8_block",
     "mxfx.kernels.common.launch", "mxfx.kernels.common.silu",
