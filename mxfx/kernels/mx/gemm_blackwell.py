@@ -93,9 +93,9 @@ def native_mm_operands(a_qdata, a_scales, b_qdata, b_scales) -> NativeOperands:
     GEMM alignment; the caller slices the result to ``cols``. A's rows need no
     padding: only its scales are padded, by the layout.
 
-    Scales already in the blocked layout (1D, ``blocked_numel(rows, K/32)`` bytes: :func:`is_blocked`,
-    as ``mxfx.kernels.mx.device_path.quantize_dual_blocked`` writes them) are taken as they are, with no ``to_blocked``
-    pass; their rows are already padded to 128.
+    Scales already in the blocked layout (1D, ``blocked_numel(rows, K/32)`` bytes:
+    :func:`mxfx.numerics.layout.is_blocked`, as ``mxfx.kernels.mx.device_path.quantize_dual_blocked`` writes them)
+    are taken as they are, with no ``to_blocked`` pass; their rows are already padded to 128.
 
     Args:
         a_qdata: float8_e4m3fn ``[M, K]``; a_scales: uint8 ``[M, K/32]``, or blocked.
