@@ -64,11 +64,11 @@ MXFX_KERNELS = {
     "_dequantize_kernel": QUANTIZE,  # mx/dequantize.py
     "_dequantize_source_kernel": QUANTIZE,
     "_transpose_kernel": QUANTIZE,  # common/transpose.py: qdata layouts
-    "_grouped_body": ROUTED,  # fp8_block/grouped_gemm.py: the grouped forward / dgrad GEMM
+    "_grouped_body": ROUTED,  # fp8_block/grouped_gemm_triton.py: the grouped forward / dgrad GEMM
     "_grouped_kernel": ROUTED,  # fp8_block/grouped_gemm_sm90.py: the warp-specialized sm90 forward / dgrad GEMM
     "_schedule_kernel": ROUTED,  # fp8_block/grouped_gemm_sm90.py: the tile table the sm90 kernel reads
-    "_grouped_wgrad_kernel": ROUTED,  # fp8_block/grouped_gemm.py
-    "_grouped_wgrad_into_kernel": ROUTED,  # common/grouped_wgrad.py: BF16 wgrad written or added into the FP32 gradient
+    "_grouped_wgrad_kernel": ROUTED,  # fp8_block/grouped_gemm_triton.py
+    "_grouped_wgrad_into_kernel": ROUTED,  # common/grouped_wgrad_triton.py: BF16 wgrad into the FP32 gradient
     "_zero_rows_kernel": ROUTED,  # common/zero_rows.py: a grouped GEMM's rows past the last group
     "_swiglu_product_kernel": OTHER,  # common/silu_triton.py: the SwiGLU activation, unquantized
     "_mx_stats_kernel": STATS,  # mx/quant_stats.py: a sampled site's fused statistics (Policy.stats)

@@ -20,12 +20,12 @@ forward, dgrad and wgrad:
   warp-specialized sm90 kernel up to K 4096, the Triton kernel above), dgrad reading the weight's transposed
   copy with the same 128x128 scales; wgrad (``grouped_wgrad``, bf16 out) on operands tiled 1x128 along each
   group's tokens; ``sm90 WS``: forward and dgrad on the warp-specialized sm90 kernel (``grouped_gemm_sm90``)
-  whatever K, timed beside it; ``Triton``: the Triton grouped kernel (``grouped_gemm``, autotuned on first
+  whatever K, timed beside it; ``Triton``: the Triton grouped kernel (``grouped_gemm_triton``, autotuned on first
   call), timed beside it.
 
 On CUDA a third table times the routed BF16 wgrad into an FP32 gradient with accumulation on (a microbatch
 after the first): today's three trips (``torch._grouped_mm``'s BF16 result, its widening, autograd's ``add_``)
-against ``mxfx.kernels.common.grouped_wgrad``, whose epilogue adds into the gradient.
+against ``mxfx.kernels.common.grouped_wgrad_triton``, whose epilogue adds into the gradient.
 
 Every FP8 result is first checked against its reference decode (dequantize exactly, FP32 GEMM):
 relative Frobenius error below 1e-2 (bf16 output rounding is ~2e-3), or the script stops.
@@ -50,7 +50,7 @@ from bench._results import emit  # noqa: E402
 from mxfx.numerics import block as bf  # noqa: E402
 from mxfx.kernels.fp8_block import gemm as block_gemm  # noqa: E402
 from mxfx.kernels.fp8_block import device_path as bq  # noqa: E402
-from mxfx.kernels.fp8_block import grouped_gemm  # noqa: E402
+from mxfx.kernels.fp8_block import grouped_gemm_triton  # noqa: E402
 from mxfx.kernels.fp8_block.gemm import _sm90_kernel as sm90_kernel  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
@@ -209,7 +209,7 @@ def grouped_rows(model: str, s: int, e: int, k: int, n: int, equal: bool, g: tor
             sm90_fn = lambda: sm90_kernel().grouped_mm(*ops, offs)  # noqa: E731
             check(f"grouped {label} {groups} {name} fp8_block sm90", sm90_fn(), ref)
             t_sm90 = bench(sm90_fn)
-            triton_fn = lambda: grouped_gemm.grouped_mm(*ops, offs)  # noqa: E731
+            triton_fn = lambda: grouped_gemm_triton.grouped_mm(*ops, offs)  # noqa: E731
             check(f"grouped {label} {groups} {name} fp8_block Triton", triton_fn(), ref)
             t_triton = bench(triton_fn)
         flops = 2 * s * k * n
@@ -221,8 +221,8 @@ def grouped_rows(model: str, s: int, e: int, k: int, n: int, equal: bool, g: tor
 def wgrad_into_rows(model: str, s: int, e: int, k: int, n: int, g: torch.Generator) -> tuple:
     """The routed wgrad into an FP32 gradient at one microbatch after the first (accumulate on), equal groups:
     today's three trips (BF16 grouped GEMM, its widening, autograd's add) against the GEMM whose epilogue adds into
-    the gradient (``mxfx.kernels.common.grouped_wgrad``), each checked against an FP32 product on 4 groups."""
-    from mxfx.kernels.common import grouped_wgrad
+    the gradient (``mxfx.kernels.common.grouped_wgrad_triton``), each checked against an FP32 product on 4 groups."""
+    from mxfx.kernels.common import grouped_wgrad_triton
 
     sizes = group_sizes(s, e, True, g)
     offs = torch.tensor(sizes, device=DEVICE).cumsum(0).to(torch.int32)
@@ -235,7 +235,7 @@ def wgrad_into_rows(model: str, s: int, e: int, k: int, n: int, g: torch.Generat
         grad.add_(torch._grouped_mm(dy.t(), x, offs=offs).float())
 
     def fused():
-        grouped_wgrad.grouped_wgrad_into(dy, x, offs, grad, True)
+        grouped_wgrad_triton.grouped_wgrad_into(dy, x, offs, grad, True)
 
     errs = []
     for fn in (three_trips, fused):

@@ -20,7 +20,7 @@ from torch._dynamo.exc import RestartAnalysis
 from mxfx import cache_key, coverage, names, passes, recompiles, report, rule_check, variants
 from mxfx.runtime import cache, stats
 from mxfx import formats
-from mxfx.kernels.common import device as devices
+from mxfx import device as devices
 from mxfx.kernels.common import launch
 from mxfx.passes import weight_refresh, wgrad_accumulation
 from mxfx.passes.fx import PREFIX_META, all_graphs, example_value, fill_example_values, parameter_placeholders, stats_sites

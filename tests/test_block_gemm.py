@@ -18,6 +18,7 @@ import torch
 
 from mxfx.numerics import block as bf
 from mxfx.kernels.fp8_block import gemm as block_gemm
+from mxfx.kernels.fp8_block import gemm_cublas
 from tests.helpers import run_interpreter_checks
 
 
@@ -135,7 +136,7 @@ def test_errors_name_the_problem():
 # ---- Triton interpreter ------------------------------------------------------------------
 
 def _interpreter_checks():
-    from mxfx.kernels.fp8_block import grouped_gemm as block_grouped
+    from mxfx.kernels.fp8_block import grouped_gemm_triton as block_grouped
 
     from mxfx.kernels.fp8_block import quantize as block_quantize
     g = torch.Generator().manual_seed(0)
@@ -352,7 +353,7 @@ def _sm90_launches(monkeypatch, module, name, fn, *args, **kwargs):
 def test_grouped_kernel_compiles_to_fp8_wgmma(monkeypatch):
     """For sm90 the grouped GEMM's ``tl.dot`` is an E4M3 x E4M3 warpgroup MMA (QGMMA) with FP32 accumulation,
     in the autotuned configs' tile: FP8 tensor cores, not an upcast to BF16."""
-    from mxfx.kernels.fp8_block import grouped_gemm as block_grouped
+    from mxfx.kernels.fp8_block import grouped_gemm_triton as block_grouped
 
     s, k, n, g = 512, 512, 256, 4
     a, sa = torch.zeros(s, k, dtype=torch.float8_e4m3fn), torch.ones(k // 128, s).t()
@@ -419,7 +420,7 @@ def test_weight_quantize_unspecialized_scale_strides_cost_nothing(monkeypatch):
 
 
 def test_grouped_wgrad_kernel_compiles_to_fp8_wgmma(monkeypatch):
-    from mxfx.kernels.fp8_block import grouped_gemm as block_grouped
+    from mxfx.kernels.fp8_block import grouped_gemm_triton as block_grouped
 
     s, n, k = 512, 256, 256
     a, b = torch.zeros(n, s, dtype=torch.float8_e4m3fn), torch.zeros(k, s, dtype=torch.float8_e4m3fn)
@@ -478,9 +479,9 @@ def test_cublas_wrapper_builds_the_checked_scale_layouts(monkeypatch, m, n, k):
     g = torch.Generator().manual_seed(6)
     a, sa = bf.quantize_1x128(torch.randn(m, k, generator=g))
     for b, sb in (bf.quantize_128x128(torch.randn(n, k, generator=g)), bf.quantize_1x128(torch.randn(n, k, generator=g))):
-        out = block_gemm._cublas_mm(a, sa, b, sb, torch.float32)
+        out = gemm_cublas.mm(a, sa, b, sb, torch.float32)
         assert out.shape == (m, n)
-        bound = summation_bound(a, sa, b, sb, (-1,) if block_gemm.tiled_rows(b, sb) else (-2, -1))
+        bound = summation_bound(a, sa, b, sb, (-1,) if bf.tiled_rows(b, sb) else (-2, -1))
         assert ((out - block_gemm.reference_mm(a, sa, b, sb, torch.float32)).abs() <= bound).all()
 
 
@@ -493,7 +494,7 @@ def test_cublas_wrapper_guards_nothing_on_a_symbolic_row_count(monkeypatch):
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
     counters.clear()
-    mm = torch.compile(lambda a, sa, b, sb: block_gemm._cublas_mm(a, sa, b, sb, torch.float32), backend="eager",
+    mm = torch.compile(lambda a, sa, b, sb: gemm_cublas.mm(a, sa, b, sb, torch.float32), backend="eager",
                        dynamic=True)
     g = torch.Generator().manual_seed(7)
     b, sb = bf.quantize_128x128(torch.randn(256, 384, generator=g))

@@ -11,7 +11,7 @@ import mxfx
 from mxfx.numerics import block as bf
 from mxfx import formats
 from mxfx.runtime import cache
-from mxfx.kernels.common import device
+from mxfx import device
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
 from mxfx.ops.linear import mx_linear
 from mxfx.policy import Policy, Rule

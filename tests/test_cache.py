@@ -96,7 +96,7 @@ def test_dgrad_form_layout_follows_the_gemm_path(monkeypatch, shape, native):
     """Emulated GEMMs keep the dgrad forms in the source layout (transpose views of [.., N, K]), as their
     fakes say; a native MX GEMM path keeps them contiguous [.., K, N], a 2D weight's scales in the blocked
     layout. One refresh builds the BF16 forms in the same pass, equal to dequantizing the MX forms."""
-    from mxfx.kernels.common import device as mx_device
+    from mxfx import device as mx_device
 
     if native:  # pretend the GEMMs of this device run natively (the layout choice only; nothing is multiplied)
         monkeypatch.setattr(mx_device, "capability", lambda device: (10, 0))

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from mxfx.numerics import mx as mxf
-from mxfx.kernels.common import hp_gemm
+from mxfx.kernels.common import custom_ops as common_ops
+from mxfx.kernels.common import gemm as common_gemm
 
 
 def _special(x: torch.Tensor) -> torch.Tensor:
@@ -51,10 +52,10 @@ def test_grouped_wgrad_bf16_fp32_path_matches_bf16_gemm(monkeypatch):
     gen = torch.Generator().manual_seed(2)
     dy, x = torch.randn(200, 64, generator=gen), torch.randn(200, 96, generator=gen)
     offs = torch.tensor([30, 30, 101, 180], dtype=torch.int32)  # an empty group, rows past the last end
-    monkeypatch.setattr(hp_gemm, "native_bf16_matmul", lambda device: True)
-    native = hp_gemm.hp_grouped_wgrad(dy, x, offs, torch.bfloat16)
-    monkeypatch.setattr(hp_gemm, "native_bf16_matmul", lambda device: False)
-    fp32 = hp_gemm.hp_grouped_wgrad(dy, x, offs, torch.bfloat16)
+    monkeypatch.setattr(common_gemm, "native_bf16_matmul", lambda device: True)
+    native = common_ops.hp_grouped_wgrad(dy, x, offs, torch.bfloat16)
+    monkeypatch.setattr(common_gemm, "native_bf16_matmul", lambda device: False)
+    fp32 = common_ops.hp_grouped_wgrad(dy, x, offs, torch.bfloat16)
     assert fp32.dtype == torch.bfloat16 and fp32.shape == (4, 64, 96)
     assert not fp32[1].any()  # the empty group
     # one BF16 rounding step apart at most (the two sum in different orders before rounding)

@@ -197,7 +197,7 @@ def test_bf16_gemm_is_native_wherever_bf16_tensor_cores_are(monkeypatch):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from mxfx import backend, report
-    from mxfx.kernels.common import device as devices
+    from mxfx import device as devices
 
     with FakeTensorMode():
         x = torch.empty(4, 64, device="cuda")

@@ -28,9 +28,11 @@ from mxfx.runtime import cache
 from mxfx.runtime import crossover
 from mxfx.numerics import layout
 from mxfx.formats.mxfp8 import FORMAT as MXFP8
-from mxfx.kernels.common import device as mx_device
+from mxfx import device as mx_device
 from mxfx.kernels.mx import custom_ops
 from mxfx.kernels.mx import gemm
+from mxfx.kernels.mx import gemm_blackwell
+from mxfx.kernels.mx import operands
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
 from mxfx.ops.linear import mx_linear
 from mxfx.policy import Policy
@@ -171,9 +173,10 @@ def test_quantize_operand_writes_dequantized_form_where_emulated(monkeypatch, ca
         return
     assert torch.equal(x_hat, mxf.dequantize_lastdim(rq, rs, torch.float32))  # fp32: CPU's emulation dtype
     bq, bs = mx((32, 96), 2)
-    ref = gemm.mx_mm(q, s, bq, bs, torch.float32, False)  # the emulated GEMM itself, on CPU
-    assert torch.equal(gemm.mx_mm(q, s, bq, bs, torch.float32, False, None, x_hat), ref)
-    assert not torch.equal(gemm.mx_mm(q, s, bq, bs, torch.float32, False, None, 2 * x_hat), ref)  # x_hat is what it reads
+    ref = custom_ops.mx_mm(q, s, bq, bs, torch.float32, False)  # the emulated GEMM itself, on CPU
+    assert torch.equal(custom_ops.mx_mm(q, s, bq, bs, torch.float32, False, None, x_hat), ref)
+    x_hat_read = custom_ops.mx_mm(q, s, bq, bs, torch.float32, False, None, 2 * x_hat)
+    assert not torch.equal(x_hat_read, ref)  # x_hat is what it reads
 
 
 # --- dense operands ----------------------------------------------------------------------------
@@ -182,7 +185,7 @@ def test_quantize_operand_writes_dequantized_form_where_emulated(monkeypatch, ca
 def test_native_mm_operands_layout():
     m, k, n = 200, 96, 72  # M not a multiple of 128, K/32 = 3 not a multiple of 4, N not of 16
     (aq, as_), (bq, bs) = mx((m, k), 1), mx((n, k), 2)
-    o = gemm.native_mm_operands(aq, as_, bq, bs)
+    o = gemm_blackwell.native_mm_operands(aq, as_, bq, bs)
     assert o.mat_a.dtype == E4M3 and o.mat_a.shape == (m, k) and o.mat_a.is_contiguous()
     assert o.mat_b.shape == (k, 80) and o.mat_b.stride() == (1, k), "B^T column-major, N padded to 16"
     assert torch.equal(o.mat_b.t()[:n].view(torch.uint8), bq.view(torch.uint8))
@@ -203,20 +206,20 @@ def test_native_mm_operands_take_blocked_scales():
     (aq, as_, *_), (bq, bs, *_) = custom_ops.quantize_dual(x, "rceil"), custom_ops.quantize_dual(w, "rceil")
     (aq2, as2, *_), (bq2, bs2, *_) = custom_ops.quantize_dual_blocked(x, "rceil"), custom_ops.quantize_dual_blocked(w, "rceil")
     assert layout.is_blocked(aq2, as2) and not layout.is_blocked(aq, as_)
-    want = gemm.native_mm_operands(aq[:50], as_[:50], bq[:40], bs[:40])
-    got = gemm.native_mm_operands(aq2[:50], as2, bq2[:40], bs2)
+    want = gemm_blackwell.native_mm_operands(aq[:50], as_[:50], bq[:40], bs[:40])
+    got = gemm_blackwell.native_mm_operands(aq2[:50], as2, bq2[:40], bs2)
     for field in ("mat_a", "mat_b", "scale_a", "scale_b"):
         assert torch.equal(getattr(got, field).view(torch.uint8), getattr(want, field).view(torch.uint8)), field
     assert got.cols == want.cols == 40
     with pytest.raises(ValueError, match=r"do not pair up"):  # blocked scales of the wrong size are not taken
-        gemm.native_mm_operands(aq2[:50], as2[:-4], bq2[:40], bs2)
+        gemm_blackwell.native_mm_operands(aq2[:50], as2[:-4], bq2[:40], bs2)
 
 
 def test_blocked_tile_by_hand():
     """One 128x4 tile: scale (32 g + i, c) sits at byte i*16 + g*4 + c (cuBLAS 1D block scaling layout)."""
     s = torch.arange(128 * 4, dtype=torch.int32).reshape(128, 4).remainder(251).to(torch.uint8)
     q = torch.zeros(128, 128).to(E4M3)
-    o = gemm.native_mm_operands(q, s, q[:32], s[:32])
+    o = gemm_blackwell.native_mm_operands(q, s, q[:32], s[:32])
     got = o.scale_a.view(torch.uint8)
     for r in range(128):
         g, i = divmod(r, 32)
@@ -229,7 +232,7 @@ def test_blocked_tile_by_hand():
 def test_native_mm_decoded_equals_emulation(native, m, k, n, out_dtype):
     (aq, as_), (bq, bs) = mx((m, k), 3, 4.0), mx((n, k), 4, 0.1)
     emulated = gemm._emulated_mm(aq, as_, bq, bs, out_dtype)
-    got = gemm.mx_mm(aq, as_, bq, bs, out_dtype, True)
+    got = custom_ops.mx_mm(aq, as_, bq, bs, out_dtype, True)
     assert native["mm"] == 1 and got.shape == (m, n) and got.dtype == out_dtype
     torch.testing.assert_close(got, emulated, rtol=1e-5, atol=1e-5)
 
@@ -237,9 +240,9 @@ def test_native_mm_decoded_equals_emulation(native, m, k, n, out_dtype):
 def test_native_mm_operand_errors():
     (aq, as_), (bq, bs) = mx((8, 64)), mx((32, 96))
     with pytest.raises(ValueError, match="must be"):
-        gemm.native_mm_operands(aq, as_, bq, bs)
+        gemm_blackwell.native_mm_operands(aq, as_, bq, bs)
     with pytest.raises(TypeError, match="float8_e4m3fn"):
-        gemm.native_mm_operands(aq.float(), as_, bq, bs)
+        gemm_blackwell.native_mm_operands(aq.float(), as_, bq, bs)
 
 
 # --- grouped operands --------------------------------------------------------------------------
@@ -252,7 +255,7 @@ def test_native_grouped_operands_match_torchao(ends):
     s, k, n, e = 263, 128, 96, len(ends)
     offs = torch.tensor(ends, dtype=torch.int32)
     (aq, as_), (bq, bs) = mx((s, k), 5), mx((e, n, k), 6)
-    o = gemm.native_grouped_mm_operands(aq, as_, bq, bs, offs)
+    o = gemm_blackwell.native_grouped_mm_operands(aq, as_, bq, bs, offs)
     sizes = torch.diff(offs, prepend=offs.new_zeros(1))
     assert torch.equal(o.offs, torch.cumsum((sizes + 31) // 32 * 32, 0).to(torch.int32))
     # qdata rows land at their padded rows, padding rows are zero
@@ -277,7 +280,7 @@ def test_native_grouped_decoded_equals_emulation(native, ends):
     offs = torch.tensor(ends, dtype=torch.int32)
     (aq, as_), (bq, bs) = mx((s, k), 7), mx((e, n, k), 8, 0.1)
     emulated = gemm._emulated_grouped_mm(aq, as_, bq, bs, offs, torch.float32)
-    got = gemm.mx_grouped_mm(aq, as_, bq, bs, offs, torch.float32, True)
+    got = custom_ops.mx_grouped_mm(aq, as_, bq, bs, offs, torch.float32, True)
     assert native["grouped"] == 1 and got.shape == (s, n)
     torch.testing.assert_close(got, emulated, rtol=1e-5, atol=1e-5)
     assert not got[ends[-1]:].any()
@@ -288,7 +291,7 @@ def test_k_groups_layout_matches_torchao():
     s = torch.randint(1, 255, (n, cols), dtype=torch.uint8)
     scale_offs = torch.tensor([5, 5, 12, 23], dtype=torch.int32)
     ref, _ = torch_to_blocked_2d_K_groups(s, scale_offs)
-    assert torch.equal(gemm.k_groups_blocked(s, scale_offs), ref)
+    assert torch.equal(gemm_blackwell.k_groups_blocked(s, scale_offs), ref)
 
 
 def test_native_wgrad_decoded_equals_emulation(native):
@@ -296,7 +299,7 @@ def test_native_wgrad_decoded_equals_emulation(native):
     offs = torch.tensor([64, 64, 160, 256], dtype=torch.int32)  # multiples of 32, one empty group
     (aq, as_), (bq, bs) = mx((n, t), 9), mx((k, t), 10)
     emulated = gemm._emulated_grouped_wgrad(aq, as_, bq, bs, offs, torch.float32)
-    got = gemm.mx_grouped_mm_wgrad(aq, as_, bq, bs, offs, torch.float32, True)
+    got = custom_ops.mx_grouped_mm_wgrad(aq, as_, bq, bs, offs, torch.float32, True)
     assert native["grouped"] == 1 and got.shape == (4, n, k)
     torch.testing.assert_close(got, emulated, rtol=1e-5, atol=1e-5)
 
@@ -311,7 +314,7 @@ def test_native_ops_through_autograd(native, monkeypatch):
     blocked_passes, per_call_blocking = [], []
     dual_blocked, to_blocked = custom_ops.quantize_dual_blocked, layout.to_blocked
     monkeypatch.setattr(custom_ops, "quantize_dual_blocked", lambda *a: blocked_passes.append(a[0].shape) or dual_blocked(*a))
-    monkeypatch.setattr(gemm.layout, "to_blocked", lambda s: per_call_blocking.append(s.shape) or to_blocked(s))
+    monkeypatch.setattr(layout, "to_blocked", lambda s: per_call_blocking.append(s.shape) or to_blocked(s))
     torch.manual_seed(11)
     w = torch.randn(64, 96, requires_grad=True)
     x = torch.randn(50, 96, requires_grad=True)
@@ -440,33 +443,33 @@ def test_dual_operand_values_only_where_emulated():
     x, w = torch.randn(64, 96), torch.randn(32, 96)
     rq, rs = mxf.quantize_lastdim(x, "rceil")
     cq, cs = mxf.quantize_lastdim(x.t(), "rceil")
-    q, s, h, qt, st, ht = gemm.quantize_dual_operand(x, "rceil", torch.float32)  # emulated (CPU: fp32 values)
+    q, s, h, qt, st, ht = operands.quantize_dual_operand(x, "rceil", torch.float32)  # emulated (CPU: fp32 values)
     assert (q, s, qt, st) == (None,) * 4
     assert torch.equal(h, mxf.dequantize_lastdim(rq, rs, torch.float32))
     assert torch.equal(ht, mxf.dequantize_lastdim(cq, cs, torch.float32)) and ht.shape == (96, 64)
     wq, ws = mxf.quantize_lastdim(w, "rceil")
     w_hat = mxf.dequantize_lastdim(wq, ws, torch.bfloat16)
-    ref = gemm.mx_mm(rq, rs, wq, ws, torch.float32, False)
-    assert torch.equal(gemm.mx_mm(None, None, wq, ws, torch.float32, False, None, h), ref)
-    assert torch.equal(gemm.mx_mm(None, None, None, None, torch.float32, False, w_hat, h), ref)
+    ref = custom_ops.mx_mm(rq, rs, wq, ws, torch.float32, False)
+    assert torch.equal(custom_ops.mx_mm(None, None, wq, ws, torch.float32, False, None, h), ref)
+    assert torch.equal(custom_ops.mx_mm(None, None, None, None, torch.float32, False, w_hat, h), ref)
     with pytest.raises(ValueError, match=r"A has neither an MX pair .* nor dequantized values.*a_dequantized"):
-        gemm.mx_mm(None, None, wq, ws, torch.float32, False)
+        custom_ops.mx_mm(None, None, wq, ws, torch.float32, False)
     with pytest.raises(ValueError, match=r"B has neither an MX pair"):
-        gemm.mx_mm(rq, rs, wq, None, torch.float32, False)  # qdata without its scales
+        custom_ops.mx_mm(rq, rs, wq, None, torch.float32, False)  # qdata without its scales
     with pytest.raises(ValueError, match=r"a_dequantized of shape \(64, 64\) is not the dequantization of A's qdata"):
-        gemm.mx_mm(rq, rs, wq, ws, torch.float32, False, None, h[:, :64])
+        custom_ops.mx_mm(rq, rs, wq, ws, torch.float32, False, None, h[:, :64])
     with pytest.raises(ValueError, match=r"A of shape \(64, 64\) and B of shape \(32, 96\) must share their last"):
-        gemm.mx_mm(None, None, wq, ws, torch.float32, False, None, h[:, :64])
+        custom_ops.mx_mm(None, None, wq, ws, torch.float32, False, None, h[:, :64])
     with pytest.raises(TypeError, match=r"a_dequantized of shape \(64, 96\) has dtype torch.float8_e4m3fn"):
-        gemm.mx_mm(rq, rs, wq, ws, torch.float32, False, None, rq)  # qdata passed as values
+        custom_ops.mx_mm(rq, rs, wq, ws, torch.float32, False, None, rq)  # qdata passed as values
     with pytest.raises(ValueError, match=r"A of shape \(2, 64, 96\) and B of shape \(32, 96\) must be 2D and 2D"):
-        gemm.mx_mm(None, None, wq, ws, torch.float32, False, None, h.expand(2, 64, 96))
-    q, s, h, qt, st, ht = gemm.quantize_dual_operand(x, "rceil", None)  # native
+        custom_ops.mx_mm(None, None, wq, ws, torch.float32, False, None, h.expand(2, 64, 96))
+    q, s, h, qt, st, ht = operands.quantize_dual_operand(x, "rceil", None)  # native
     assert h is None and ht is None
     for got, want in ((q, rq), (s, to_blocked(rs)), (qt, cq), (st, to_blocked(cs))):  # dense: scales blocked
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     with pytest.raises(ValueError, match="native MX GEMMs need B's MX pair"):
-        gemm.native_mm_operands(rq, rs, None, None)
+        gemm_blackwell.native_mm_operands(rq, rs, None, None)
 
 
 # --- min_size="auto" ---------------------------------------------------------------------------

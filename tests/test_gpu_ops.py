@@ -79,7 +79,7 @@ def test_swiglu_operands_from_one_product_compiled(fmt_name, grouped):
     eager code of that product (``mxfx::swiglu_product``) given as a plain input. 2^24 values, so that a product
     one ulp off anywhere (Inductor's own SiLU, or ``g * sigmoid(g) * up``) moves an E4M3 rounding at a few of them."""
     from mxfx import formats
-    from mxfx.kernels.common import swiglu
+    from mxfx.kernels.common.custom_ops import swiglu_product
 
     fmt = formats.get(fmt_name)
     gen = torch.Generator().manual_seed(0)
@@ -93,7 +93,7 @@ def test_swiglu_operands_from_one_product_compiled(fmt_name, grouped):
 
     torch._dynamo.reset()
     got = torch.compile(operands)(g, u)
-    a, tokens, _ = fmt.forward_operands(swiglu.product(g, u), None, "rceil", "bf16", True, offs=offs)
+    a, tokens, _ = fmt.forward_operands(swiglu_product(g, u), None, "rceil", "bf16", True, offs=offs)
     for x, y in zip(got, (*a[:2], *tokens[:2])):
         if x.dtype == torch.float8_e4m3fn:
             x, y = x.view(torch.uint8), y.view(torch.uint8)

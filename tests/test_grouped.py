@@ -135,7 +135,7 @@ def test_grouped_mm_rejects_unaligned():
 def test_grouped_wgrad_bf16_any_group_ends_and_errors():
     """Empty groups and rows past the last end: per-group dy^T x of the BF16 operands, fp32 accumulation and a
     float32 result from the GEMM itself."""
-    from mxfx.kernels.common.hp_gemm import hp_grouped_wgrad
+    from mxfx.kernels.common.custom_ops import hp_grouped_wgrad
 
     g = torch.Generator().manual_seed(3)
     dy, x = torch.randn(45, 32, generator=g), torch.randn(45, 64, generator=g)

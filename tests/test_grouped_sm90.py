@@ -141,10 +141,10 @@ CASES = {
 @pytest.mark.parametrize("kernel", ["sm90", "triton"])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_grouped_forward_and_dgrad_match_the_reference(case, kernel, out_dtype):
-    from mxfx.kernels.fp8_block import grouped_gemm
+    from mxfx.kernels.fp8_block import grouped_gemm_triton
 
     sizes, k, n = CASES[case]
-    launch = _sm90().grouped_mm if kernel == "sm90" else grouped_gemm.grouped_mm
+    launch = _sm90().grouped_mm if kernel == "sm90" else grouped_gemm_triton.grouped_mm
     gen = torch.Generator().manual_seed(len(sizes) * k + n)
     s = sum(sizes) + 37  # rows past offs[-1]
     offs_list = torch.tensor(sizes).cumsum(0).tolist()

@@ -1,5 +1,5 @@
 """The grouped weight gradient whose FP32 epilogue writes or adds into the gradient
-(``mxfx.kernels.common.grouped_wgrad``): against a float64 product per group, written over NaN (every element
+(``mxfx.kernels.common.grouped_wgrad_triton``): against a float64 product per group, written over NaN (every element
 written; an empty group zeroed) and added to a gradient (an empty group kept), through a strided view of the
 gradient too. On the CPU in Triton's interpreter (FP16 operands: the interpreter's BF16 dot is not exact) and on
 the GPU (BF16).
@@ -42,17 +42,17 @@ def _grad(shape, device, transposed, fill):
 
 
 def check(device, dtype, config=None):
-    from mxfx.kernels.common import grouped_wgrad
+    from mxfx.kernels.common import grouped_wgrad_triton
 
     for transposed in (False, True):
         dy, x, offs, ref, bound = _case(device, dtype, transposed)
         out = _grad(ref.shape, device, transposed, float("nan"))
-        grouped_wgrad.grouped_wgrad_into(dy, x, offs, out, False, config=config)
+        grouped_wgrad_triton.grouped_wgrad_into(dy, x, offs, out, False, config=config)
         assert ((out.double().cpu() - ref).abs() <= bound).all(), "written"
         prev = torch.randn(ref.shape, generator=torch.Generator().manual_seed(4))
         out = _grad(ref.shape, device, transposed, 0.0)
         out.copy_(prev)
-        grouped_wgrad.grouped_wgrad_into(dy, x, offs, out, True, config=config)
+        grouped_wgrad_triton.grouped_wgrad_into(dy, x, offs, out, True, config=config)
         assert ((out.double().cpu() - (ref + prev.double())).abs() <= bound + 2.0**-20).all(), "added"
         assert torch.equal(out[1].cpu(), prev[1]), "an empty group's gradient is kept"
 
@@ -74,14 +74,14 @@ def test_grouped_wgrad_into_on_the_gpu():
 
 def test_grouped_wgrad_into_names_bad_shapes():
     pytest.importorskip("triton")
-    from mxfx.kernels.common import grouped_wgrad
+    from mxfx.kernels.common import grouped_wgrad_triton
 
     dy, x = torch.zeros(8, 16, dtype=torch.bfloat16), torch.zeros(8, 32, dtype=torch.bfloat16)
     offs = torch.tensor([8], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"out must be float32 \[1, 16, 32\]"):
-        grouped_wgrad.grouped_wgrad_into(dy, x, offs, torch.zeros(1, 32, 16), True)
+        grouped_wgrad_triton.grouped_wgrad_into(dy, x, offs, torch.zeros(1, 32, 16), True)
     with pytest.raises(ValueError, match="share a dtype"):
-        grouped_wgrad.grouped_wgrad_into(dy, x.float(), offs, torch.zeros(1, 16, 32), True)
+        grouped_wgrad_triton.grouped_wgrad_into(dy, x.float(), offs, torch.zeros(1, 16, 32), True)
 
 
 if __name__ == "__main__" and "--interpret" in sys.argv:  # run_interpreter_checks' subprocess

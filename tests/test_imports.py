@@ -87,13 +87,13 @@ def test_no_import_cycle_in_mxfx():
 
 def test_kernels_import_one_way():
     """Each format's kernels (``mxfx.kernels.mx``, ``mxfx.kernels.fp8_block``) use the shared ones
-    (``mxfx.kernels.common``) and the format math (``mxfx.numerics``), never each other; the shared kernels use
-    neither format's; no kernel imports a layer above (formats, ops, passes, runtime, the policy or the backend)."""
+    (``mxfx.kernels.common``), the format math (``mxfx.numerics``) and the device facts (``mxfx.device``), never each
+    other; the shared kernels use neither format's; no kernel imports a layer above (formats, ops, passes, runtime, the policy or the backend)."""
     modules = _modules()
     allowed = {
-        "mxfx.kernels.common": ("mxfx.kernels.common", "mxfx.numerics"),
-        "mxfx.kernels.mx": ("mxfx.kernels.mx", "mxfx.kernels.common", "mxfx.numerics"),
-        "mxfx.kernels.fp8_block": ("mxfx.kernels.fp8_block", "mxfx.kernels.common", "mxfx.numerics"),
+        "mxfx.kernels.common": ("mxfx.kernels.common", "mxfx.numerics", "mxfx.device"),
+        "mxfx.kernels.mx": ("mxfx.kernels.mx", "mxfx.kernels.common", "mxfx.numerics", "mxfx.device"),
+        "mxfx.kernels.fp8_block": ("mxfx.kernels.fp8_block", "mxfx.kernels.common", "mxfx.numerics", "mxfx.device"),
     }
     seen, wrong = set(), []
     for name, path in modules.items():

@@ -76,15 +76,18 @@ def rand(shape, dtype, device="cuda", scale_rows=True):
 
 # ---- CPU ------------------------------------------------------------------------------
 
-# The modules of mxfx.kernels that hold no Triton code: the packages, device facts, launching, the SiLU reference,
-# the high-precision GEMMs, and each format's device path, argument checks, views, custom ops and GEMMs.
+# The modules of mxfx.kernels that hold no Triton code: the packages, launching, the SiLU reference, the shared ops
+# and high-precision GEMMs, and each format's device path, argument checks, views, custom ops, GEMMs (the choice, the
+# emulation or reference, the native calls through torch) and operands.
 TORCH_ONLY_KERNEL_MODULES = (
     "mxfx.kernels", "mxfx.kernels.common", "mxfx.kernels.mx", "mxfx.kernels.fp8_block",
-    "mxfx.kernels.common.device", "mxfx.kernels.common.launch", "mxfx.kernels.common.silu",
-    "mxfx.kernels.common.swiglu", "mxfx.kernels.common.hp_gemm",
+    "mxfx.kernels.common.launch", "mxfx.kernels.common.silu",
+    "mxfx.kernels.common.swiglu", "mxfx.kernels.common.gemm", "mxfx.kernels.common.custom_ops",
     "mxfx.kernels.mx.device_path", "mxfx.kernels.mx.checks", "mxfx.kernels.mx.views", "mxfx.kernels.mx.custom_ops",
-    "mxfx.kernels.mx.gemm", "mxfx.kernels.mx.swiglu_operand",
+    "mxfx.kernels.mx.gemm", "mxfx.kernels.mx.gemm_blackwell", "mxfx.kernels.mx.operands",
+    "mxfx.kernels.mx.swiglu_operand",
     "mxfx.kernels.fp8_block.device_path", "mxfx.kernels.fp8_block.custom_ops", "mxfx.kernels.fp8_block.gemm",
+    "mxfx.kernels.fp8_block.gemm_cublas",
 )
 
 
@@ -92,8 +95,10 @@ def test_cpu_path_never_loads_triton_kernels():
     """Importing mxfx and running its ops on CPU tensors imports no Triton kernel module of mxfx (torch's Dynamo
     imports Triton itself where it is installed)."""
     code = (
-        "import sys, torch, mxfx; from mxfx.kernels.mx import device_path as d; from mxfx.kernels.common import swiglu;"
-        "x = torch.randn(64, 64); d.quantize_lastdim(x, 'rceil'); d.quantize_blocked(x, 'rceil'); swiglu.product(x, x);"
+        "import sys, torch, mxfx; from mxfx.kernels.mx import device_path as d;"
+        "from mxfx.kernels.common import custom_ops;"
+        "x = torch.randn(64, 64); d.quantize_lastdim(x, 'rceil'); d.quantize_blocked(x, 'rceil');"
+        "custom_ops.swiglu_product(x, x);"
         f"bad = [m for m in sys.modules if m.startswith('mxfx.kernels') and m not in {TORCH_ONLY_KERNEL_MODULES!r}];"
         "assert not bad, bad"
     )
@@ -481,18 +486,18 @@ def test_swiglu_silu_every_gate(dtype):
 def test_swiglu_product_cpu_reference_and_errors():
     """``mxfx::swiglu_product``, the values a SwiGLU's wgrad operand is quantized from: on the CPU the fused
     quantize's own product (quantized, its bytes), flush band included; clear errors for mismatched inputs."""
-    from mxfx.kernels.common import swiglu
+    from mxfx.kernels.common.custom_ops import swiglu_product
 
     g = torch.cat([torch.randn(31, 64) * 4, torch.full((1, 64), -88.0)])  # a row in the SiLU's flush band
     u = torch.randn(32, 64).to(torch.bfloat16)
-    p = swiglu.product(g, u)
+    p = swiglu_product(g, u)
     assert p.dtype == torch.float32 and p.is_contiguous() and torch.equal(p[-1], torch.full((64,), -0.0))
     assert_same(mxf.quantize_lastdim(p, "rceil"), device_path.swiglu_quantize(g, u, "rceil"))
-    assert torch.equal(swiglu.product(g.t(), u.t()), p.t())
+    assert torch.equal(swiglu_product(g.t(), u.t()), p.t())
     with pytest.raises(ValueError, match=r"swiglu_product: gate of shape \(32, 64\) and up of shape \(32, 32\)"):
-        swiglu.product(g, u[:, :32])
+        swiglu_product(g, u[:, :32])
     with pytest.raises(TypeError, match=r"swiglu_product: gate \(torch.float32\) and up \(torch.int32\)"):
-        swiglu.product(g, u.int())
+        swiglu_product(g, u.int())
 
 
 @cuda
@@ -502,23 +507,23 @@ def test_swiglu_product_kernel_is_the_fused_product(dtype):
     quantizes do, bit for bit: equal to torch's CUDA silu with mxfx's flush, on every bf16/fp16 gate or fp32 sweeps
     across the flush band, with ordinary ups; quantized, it is the fused kernel's output; strided gate/up (halves of
     one gate_up tensor, a transposed view, a 3D batch) give the same values."""
-    from mxfx.kernels.common import swiglu
+    from mxfx.kernels.common.custom_ops import swiglu_product
 
     if dtype == torch.float32:
         g = torch.cat([torch.linspace(-100, 10, 2**16), -torch.logspace(0, 38, 2**14)]).to("cuda").reshape(-1, 64)
     else:
         g = torch.arange(-2**15, 2**15, device="cuda").to(torch.int16).view(dtype).reshape(-1, 64)
     u = torch.randn(g.shape, generator=torch.Generator().manual_seed(2)).to("cuda", dtype)
-    p = swiglu.product(g, u)
+    p = swiglu_product(g, u)
     gf = g.float()
     want = torch.where((gf <= FLUSH_GATE) & gf.isfinite(), torch.full_like(gf, -0.0), F.silu(gf)) * u.float()
     assert same_bits(p, want)
     for rule in mxf.SCALE_RULES:
         assert_same(device_path.quantize_lastdim(p, rule), device_path.swiglu_quantize(g, u, rule))
     gu = torch.cat([g, u], dim=-1)
-    assert same_bits(swiglu.product(gu[:, :64], gu[:, 64:]), p)
-    assert same_bits(swiglu.product(g.t(), u.t()), p.t())
-    assert same_bits(swiglu.product(g.reshape(4, -1, 64), u.reshape(4, -1, 64)), p.reshape(4, -1, 64))
+    assert same_bits(swiglu_product(gu[:, :64], gu[:, 64:]), p)
+    assert same_bits(swiglu_product(g.t(), u.t()), p.t())
+    assert same_bits(swiglu_product(g.reshape(4, -1, 64), u.reshape(4, -1, 64)), p.reshape(4, -1, 64))
 
 
 @cuda
@@ -865,9 +870,9 @@ def test_policy_kernels_choose_for_the_inner_compile(monkeypatch, kernels, env, 
 def test_traced_path_calls_the_ops_own_body(monkeypatch):
     """Each MX op callers use runs its custom op, or (when a CUDA graph is traced) the op's body: the
     same function with the same arguments. Forced to the body on CPU, every op gives the op's bytes."""
-    from mxfx.kernels.common import launch, swiglu
+    from mxfx.kernels.common import launch
+    from mxfx.kernels.common.custom_ops import swiglu_product
     from mxfx.kernels.mx import custom_ops
-    from mxfx.kernels.mx import gemm
 
     g = torch.Generator().manual_seed(4)
     x, u = torch.randn(64, 96, generator=g), torch.randn(64, 96, generator=g)
@@ -882,11 +887,11 @@ def test_traced_path_calls_the_ops_own_body(monkeypatch):
             q, s, custom_ops.dequantize(q, s, torch.float32), *custom_ops.quantize_dual(x, "floor"),
             *custom_ops.quantize_dequantize(x, "rceil", torch.float32), *custom_ops.swiglu_quantize(x, u, "rceil"),
             *custom_ops.route_weight_quantize(x, rw, "rceil"), *custom_ops.quantize_blocked(x, "rceil"),
-            gemm.mx_mm(q, s, wq[0], ws[0], torch.float32, False),
-            gemm.mx_grouped_mm(q, s, wq, ws, offs, torch.float32, False),
-            gemm.mx_grouped_mm_wgrad(qt[:32], st[:32], qt, st, torch.tensor([32, 32, 96], dtype=torch.int32), torch.float32,
-                                     False),
-            swiglu.product(x, u),
+            custom_ops.mx_mm(q, s, wq[0], ws[0], torch.float32, False),
+            custom_ops.mx_grouped_mm(q, s, wq, ws, offs, torch.float32, False),
+            custom_ops.mx_grouped_mm_wgrad(qt[:32], st[:32], qt, st, torch.tensor([32, 32, 96], dtype=torch.int32),
+                                           torch.float32, False),
+            swiglu_product(x, u),
         ]
 
     ops = run_all()

@@ -130,7 +130,7 @@ def test_an_unwritable_folder_warns_and_keeps_the_result(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_grouped_gemm_launches_the_recorded_config_without_autotuning(monkeypatch):
-    from mxfx.kernels.fp8_block import grouped_gemm
+    from mxfx.kernels.fp8_block import grouped_gemm_triton
 
     torch.manual_seed(0)
     G, N, K, S = 4, 256, 512, 1000
@@ -139,7 +139,7 @@ def test_grouped_gemm_launches_the_recorded_config_without_autotuning(monkeypatc
     a_scales = torch.rand(S, K // 128, device="cuda") + 0.5
     b_scales = torch.rand(G, N // 128, K // 128, device="cuda") + 0.5
     offs = torch.tensor([100, 400, 400, S], dtype=torch.int32, device="cuda")
-    tuned = grouped_gemm.grouped_mm(a, a_scales, b, b_scales, offs)
+    tuned = grouped_gemm_triton.grouped_mm(a, a_scales, b, b_scales, offs)
     data = json.loads((tuning.tuning_dir() / tuning.FILE).read_text())
     assert len(data) == 1 and next(iter(data)).startswith("_grouped_body|")
     tuning.forget()
@@ -147,6 +147,6 @@ def test_grouped_gemm_launches_the_recorded_config_without_autotuning(monkeypatc
     def no_autotune(*args, **kwargs):
         raise AssertionError("autotuned a key that has a record")
 
-    monkeypatch.setattr(grouped_gemm._kernel_tuned, "run", no_autotune)
-    again = grouped_gemm.grouped_mm(a, a_scales, b, b_scales, offs)
+    monkeypatch.setattr(grouped_gemm_triton._kernel_tuned, "run", no_autotune)
+    again = grouped_gemm_triton.grouped_mm(a, a_scales, b, b_scales, offs)
     assert torch.equal(again, tuned)  # the same config of the same kernel on the same data

@@ -19,7 +19,7 @@ import torch.fx as fx
 from torch.profiler import ProfilerActivity, profile
 
 import mxfx
-from mxfx.kernels.common import hp_gemm
+from mxfx.kernels.common import custom_ops as common_ops
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
 from mxfx.passes.wgrad_accumulation import FUSED_NOTE, UNFUSED_NOTE
 from tests.helpers import GraphCapture
@@ -289,10 +289,10 @@ def _wgrad_cases(fmt_name: str, device: str = "cpu"):
         ("dense", lambda dt: fmt.wgrad_mm(dy_t, x_t, dt), lambda o, a: fmt.wgrad_mm_into(dy_t, x_t, o, a)),
         ("grouped", lambda dt: fmt.grouped_wgrad(dy_g, x_g, offs, dt),
          lambda o, a: fmt.grouped_wgrad_into(dy_g, x_g, offs, o, a)),
-        ("hp dense", lambda dt: hp_gemm.hp_mm_transposed(hp_dy.t(), x.t(), dt),
-         lambda o, a: hp_gemm.hp_mm_into(hp_dy, x, o, a)),
-        ("hp grouped", lambda dt: hp_gemm.hp_grouped_wgrad(dy, x, offs, dt),
-         lambda o, a: hp_gemm.hp_grouped_wgrad_into(dy, x, offs, o, a)),
+        ("hp dense", lambda dt: common_ops.hp_mm_transposed(hp_dy.t(), x.t(), dt),
+         lambda o, a: common_ops.hp_mm_into(hp_dy, x, o, a)),
+        ("hp grouped", lambda dt: common_ops.hp_grouped_wgrad(dy, x, offs, dt),
+         lambda o, a: common_ops.hp_grouped_wgrad_into(dy, x, offs, o, a)),
     ]
 
 

@@ -1,7 +1,7 @@
 """Tile, band, stage and epilogue variants of the sm90 warp-specialized grouped fp8_block GEMM, one run.
 
 For each routed-expert shape (rows = 16384 tokens x top-k, equal and skewed groups), forward: BF16
-``torch._grouped_mm``, the Triton kernel (``mxfx.kernels.fp8_block.grouped_gemm``, tuned) and each variant of
+``torch._grouped_mm``, the Triton kernel (``mxfx.kernels.fp8_block.grouped_gemm_triton``, tuned) and each variant of
 ``mxfx.kernels.fp8_block.grouped_gemm_sm90``, each first checked against the reference decode on a few groups.
 Times are ``triton.testing.do_bench`` medians; TFLOP/s count 2 S K N.
 
@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from bench.gemm import group_sizes  # noqa: E402
 from mxfx.kernels.fp8_block import device_path as bq  # noqa: E402
 from mxfx.kernels.fp8_block import gemm as block_gemm  # noqa: E402
-from mxfx.kernels.fp8_block import grouped_gemm, grouped_gemm_sm90  # noqa: E402
+from mxfx.kernels.fp8_block import grouped_gemm_triton, grouped_gemm_sm90  # noqa: E402
 
 SHAPES = {  # name: (rows, groups, K, N): forward of gate/up (d -> 2h) and down (h -> d)
     "olmoe": [(131072, 64, 2048, 2048), (131072, 64, 1024, 2048)],
@@ -78,7 +78,7 @@ def main():
                 flops = 2 * s * k * n
                 cells, errs = [], []
                 fns = {"bf16": lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offs),
-                       "triton": lambda: grouped_gemm.grouped_mm(a, sa, b, sb, offs)}
+                       "triton": lambda: grouped_gemm_triton.grouped_mm(a, sa, b, sb, offs)}
                 for v in args.variants.split(","):
                     cfg = dict(grouped_gemm_sm90.CONFIG, **VARIANTS[v])
                     fns[v] = lambda cfg=cfg: grouped_gemm_sm90.grouped_mm(a, sa, b, sb, offs, config=cfg)

@@ -8,7 +8,7 @@ against an fp32 per-group loop, and the time of the padded vs the unpadded call.
 import torch
 import triton
 
-from mxfx.kernels.common.hp_gemm import hp_grouped_wgrad
+from mxfx.kernels.common.custom_ops import hp_grouped_wgrad
 from mxfx.numerics.layout import group_padding
 
 

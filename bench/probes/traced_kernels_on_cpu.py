@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import compile_time  # noqa: E402
 
 from mxfx.kernels.common import launch  # noqa: E402
-from mxfx.kernels.fp8_block import device_path, gemm  # noqa: E402
+from mxfx.kernels.fp8_block import device_path, gemm, gemm_cublas  # noqa: E402
 
 
 class _Sm90:
@@ -49,7 +49,7 @@ def _as_on_gpu() -> None:
     cpu_mm = gemm.scaled_mm
 
     def scaled_mm(a, a_scales, b, b_scales, out_dtype=torch.bfloat16):
-        run = gemm._cublas_mm if launch.traced(a) else cpu_mm
+        run = gemm_cublas.mm if launch.traced(a) else cpu_mm
         return run(a, a_scales, b, b_scales, out_dtype)
 
     gemm.scaled_mm = scaled_mm

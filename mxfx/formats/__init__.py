@@ -18,7 +18,7 @@ from mxfx.formats import mxfp8  # noqa: I001 (registration order: the default fo
 from mxfx.formats import fp8_block
 from mxfx.formats import bf16_gemm
 from mxfx.formats.base import Format, ScaleRule, registered
-from mxfx.kernels.common import device as _device
+from mxfx import device as _device
 
 AUTO = "auto"
 """The ``format`` value that picks, per compile, the low-precision format with native GEMMs on the current device."""

@@ -16,8 +16,8 @@ import enum
 
 import torch
 
-from mxfx.kernels.common import device as devices
-from mxfx.kernels.common.hp_gemm import accumulate_into
+from mxfx import device as devices
+from mxfx.kernels.common.gemm import accumulate_into
 from mxfx.kernels.common.silu import swiglu_fp32
 from mxfx.runtime import stats
 
@@ -67,7 +67,7 @@ class Format:
     low-precision wgrad operand, the copy it saves of its input, is zero-padded to a multiple of; 1: none),
     ``bytes_per_value`` (payload plus scale, amortized), ``scale_dtype``, ``transport`` (the format its
     expert-parallel all-to-all payload travels in: a format name), ``native_gemms``
-    (per GPU architecture, as :func:`mxfx.kernels.common.device.arch_of` names it, the GEMMs of :data:`GEMM_OPS` its
+    (per GPU architecture, as :func:`mxfx.device.arch_of` names it, the GEMMs of :data:`GEMM_OPS` its
     tensor cores run in this format; every other architecture and GEMM is emulated; :attr:`native_archs` lists those
     architectures and :meth:`runs_natively` asks it per device), ``dequantized_weight_forms`` (whether its weight
     cache has BF16 dequantized forms for emulated GEMMs, ``Policy.keep_dequantized_weights``),

@@ -3,7 +3,7 @@
 What autocast does for a linear, made explicit and cached: each weight is cast to BF16 once per optimizer step (the
 weight cache, forms "bf16_forward" and its transpose view "bf16_dgrad"), activations and gradients are cast to BF16
 per GEMM, products accumulate in FP32 and the wgrad GEMMs write the FP32 gradient themselves (on CUDA the routed
-one through a BF16 grouped GEMM widened inside its op: :func:`mxfx.kernels.common.hp_gemm.hp_grouped_wgrad`). It is
+one through a BF16 grouped GEMM widened inside its op: :func:`mxfx.kernels.common.custom_ops.hp_grouped_wgrad`). It is
 what a policy asks for where it wants BF16 GEMMs that autocast cannot reach (transformers' FP32 grouped-GEMM fallback
 for routed experts with FP32 main weights), and the fair BF16 baseline of the low-precision formats: same recipe,
 same caches.
@@ -17,7 +17,7 @@ import torch
 
 from mxfx.formats.base import GEMM_OPS, Format, ScaleRule, register
 from mxfx.kernels.common import swiglu
-from mxfx.kernels.common.hp_gemm import hp_grouped_wgrad, hp_grouped_wgrad_into, hp_mm_into, hp_mm_transposed
+from mxfx.kernels.common.custom_ops import hp_grouped_wgrad, hp_grouped_wgrad_into, hp_mm_into, hp_mm_transposed
 from mxfx.kernels.common.silu import swiglu_fp32
 from mxfx.runtime import cache, stats
 

@@ -23,6 +23,7 @@ from mxfx.formats.base import GEMM_OPS, Format, ScaleRule, register, stats_views
 from mxfx.kernels.fp8_block import custom_ops, device_path
 from mxfx.kernels.fp8_block import gemm as block_gemm
 from mxfx.kernels.common import swiglu
+from mxfx.kernels.common.custom_ops import swiglu_product
 from mxfx.numerics.block import TILE, dequantize_128x128, dequantize_values, group_tile_starts, n_tiles
 from mxfx.numerics.mx import E4M3_MAX
 from mxfx.runtime import cache, stats
@@ -134,7 +135,7 @@ class FP8Block(Format):
 
     def forward_operands(self, x, up, rule, save, tokens, offs=None, given=None):
         rule = str(rule)
-        source = (x if up is None else swiglu.product(x, up)) if tokens else None  # the forward quantize's values
+        source = (x if up is None else swiglu_product(x, up)) if tokens else None  # the forward quantize's values
         if given is not None:  # x quantized before the dispatch's row gather (mxfx.passes.dispatch_mx); up is None
             t = self.grouped_tokens_operand(source, offs, rule) if tokens else None
             return tuple(given), t, ()

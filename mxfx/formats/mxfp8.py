@@ -21,11 +21,13 @@ import torch.nn.functional as F
 from mxfx.formats.base import GEMM_OPS, Format, Operand, ScaleRule, register, stats_views
 from mxfx.kernels.mx import custom_ops, device_path
 from mxfx.kernels.mx import swiglu_operand
-from mxfx.kernels.mx.gemm import (a_operand, emulation_dtype, mx_grouped_mm, mx_grouped_mm_wgrad, mx_mm,
-                                  quantize_dual_operand, quantize_operand)
-from mxfx.kernels.mx.gemm import grouped_wgrad_into as mx_grouped_wgrad_into, mm_into as mx_mm_into
+from mxfx.kernels.mx.custom_ops import mx_grouped_mm, mx_grouped_mm_wgrad, mx_mm
+from mxfx.kernels.mx.custom_ops import grouped_wgrad_into as mx_grouped_wgrad_into, mm_into as mx_mm_into
+from mxfx.kernels.mx.gemm import emulation_dtype
+from mxfx.kernels.mx.operands import a_operand, quantize_dual_operand, quantize_operand
 from mxfx.kernels.mx.views import mn_major
 from mxfx.kernels.common import swiglu
+from mxfx.kernels.common.custom_ops import swiglu_product
 from mxfx.numerics.layout import blocked_numel, from_blocked, group_padding, is_blocked, padded_group_ends, to_blocked
 from mxfx.numerics.mx import BLOCK_SIZE, E4M3_MAX, E8M0_BIAS, dequantize_lastdim, quantize_blocks
 from mxfx.runtime import cache, stats
@@ -233,7 +235,7 @@ class MXFP8(Format):
             a = quantize_operand(x, rule, self.values_dtype(op, x.device))
         if not tokens:
             return a, None, packed
-        h = x if up is None else swiglu.product(x, up)  # the fp32 values the fused forward quantize read
+        h = x if up is None else swiglu_product(x, up)  # the fp32 values the fused forward quantize read
         if offs is None:
             return a, (*custom_ops.quantize(_pad_tokens(h).t(), rule), None), packed
         return a, self.grouped_tokens_operand(h, offs, rule), packed

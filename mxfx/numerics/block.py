@@ -136,6 +136,12 @@ def dequantize_values(qdata: torch.Tensor, scales: torch.Tensor, dims: tuple[int
     return qdata.to(torch.float32) * expand_scales(scales, qdata.shape, dims)
 
 
+def tiled_rows(b: torch.Tensor, b_scales: torch.Tensor) -> bool:
+    """True when B's scales are 1x128 (one row of scales per row of B), False for 128x128 blocks
+    (with one row of B the two read the same)."""
+    return b_scales.shape[0] == b.shape[0]
+
+
 def _check_pair(qdata, scales, expected, op):
     if qdata.dtype != torch.float8_e4m3fn:
         raise TypeError(f"{op}: qdata of shape {tuple(qdata.shape)} has dtype {qdata.dtype}, expected torch.float8_e4m3fn")

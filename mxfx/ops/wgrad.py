@@ -3,7 +3,7 @@
 
 The GEMM is the format's low-precision wgrad (``low_precision``: :meth:`mxfx.formats.base.Format.wgrad_mm` /
 :meth:`~mxfx.formats.base.Format.grouped_wgrad` on the format's token-blocked operands) or the BF16 one of the
-high-precision operands ``dy [M, N]`` and ``x [M, K]`` (:mod:`mxfx.kernels.common.hp_gemm`), dense or grouped by
+high-precision operands ``dy [M, N]`` and ``x [M, K]`` (:mod:`mxfx.kernels.common.custom_ops`), dense or grouped by
 ``offs``. Fused, the op ``mxfx::wgrad_into_grad`` runs it in the backward graph: opaque, ordered by an effect token
 (its result is the parameter's ``.grad``, which no graph output carries), resolving the parameter when it runs.
 """
@@ -14,7 +14,7 @@ import torch
 from torch._library.effects import EffectType
 
 from mxfx import formats
-from mxfx.kernels.common.hp_gemm import hp_grouped_wgrad, hp_grouped_wgrad_into, hp_mm_into, hp_mm_transposed
+from mxfx.kernels.common.custom_ops import hp_grouped_wgrad, hp_grouped_wgrad_into, hp_mm_into, hp_mm_transposed
 from mxfx.ops.settings import OpSettings
 from mxfx.runtime import main_grad
 

@@ -1,1 +1,1 @@
-"""Kernels every format shares: device facts, launching, mxfx's SiLU and SwiGLU, high-precision GEMMs, byte moves."""
+"""Kernels every format shares: their ops, launching, mxfx's SiLU and SwiGLU, high-precision GEMMs, byte moves."""

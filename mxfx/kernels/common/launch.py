@@ -28,7 +28,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 
-from mxfx.kernels.common.device import triton_available
+from mxfx.device import triton_available
 
 
 def traced(t: torch.Tensor) -> bool:

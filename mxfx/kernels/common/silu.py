@@ -33,5 +33,5 @@ def silu_fp32(g: torch.Tensor) -> torch.Tensor:
 def swiglu_fp32(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """The SwiGLU product ``silu(gate) * up`` in fp32 with mxfx's SiLU: ``silu_fp32(gate) * up.float()``. The CPU
     reference of every fused SwiGLU quantize (what their forward operands are quantized from) and of
-    :func:`mxfx.kernels.common.swiglu.product` (what the wgrad operands are quantized from)."""
+    :func:`mxfx.kernels.common.custom_ops.swiglu_product` (what the wgrad operands are quantized from)."""
     return silu_fp32(gate).mul_(up.float())

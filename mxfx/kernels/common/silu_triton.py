@@ -96,7 +96,7 @@ def _swiglu_product_kernel(g_ptr, u_ptr, out_ptr, R, C, sgr, sgc, sur, suc, BR: 
 def swiglu_product(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu_f32(gate) * up`` in fp32: ``gate, up [..., H]`` (CUDA, same shape, any strides and float dtypes) ->
     a new contiguous fp32 ``[..., H]``. Shapes and devices are checked by the caller
-    (:func:`mxfx.kernels.common.swiglu.product`)."""
+    (:func:`mxfx.kernels.common.custom_ops.swiglu_product`)."""
     out = torch.empty(gate.shape, dtype=torch.float32, device=gate.device)
     h = gate.shape[-1] if gate.dim() else 1
     g2, u2 = gate.reshape(-1, h), up.reshape(-1, h)  # views for a gate_up tensor's halves, copies where none exists

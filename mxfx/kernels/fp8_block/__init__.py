@@ -1,2 +1,2 @@
-"""fp8_block kernels: Triton and cuBLAS on CUDA, the plain-torch reference (``mxfx.numerics.block``) elsewhere
-(:mod:`mxfx.kernels`)."""
+"""fp8_block kernels: cuBLAS, Gluon and Triton on CUDA, the plain-torch reference (``mxfx.numerics.block``)
+elsewhere (:mod:`mxfx.kernels`)."""

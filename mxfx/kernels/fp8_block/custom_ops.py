@@ -26,7 +26,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from mxfx.numerics.block import check_rule, group_tile_capacity, n_tiles
 from mxfx.numerics.mx import check_input
 from mxfx.kernels.fp8_block import device_path, gemm
-from mxfx.kernels.common.hp_gemm import accumulate_into
+from mxfx.kernels.common.gemm import accumulate_into
 from mxfx.kernels.common.launch import name_op_functions, op_or_body, readable_on_host
 from mxfx.numerics.layout import check_group_ends, column_major
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from mxfx.numerics import block as bf
-from mxfx.kernels.common.device import triton_available
+from mxfx.device import triton_available
 from mxfx.kernels.common.silu import swiglu_fp32
 
 

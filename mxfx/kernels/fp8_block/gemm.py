@@ -1,4 +1,4 @@
-"""fp8_block GEMMs: dense through cuBLAS (``torch._scaled_mm``), grouped through Triton, plain torch on CPU.
+"""fp8_block GEMMs: dense through cuBLAS (``torch._scaled_mm``), grouped through Gluon or Triton, plain torch on CPU.
 
 Both compute ``A @ B^T`` on operands tiled along the reduction dim K (``mxfx.numerics.block``):
 
@@ -6,18 +6,13 @@ Both compute ``A @ B^T`` on operands tiled along the reduction dim K (``mxfx.num
   128x128 scales ``[ceil(N/128), ceil(K/128)]`` (a weight: forward and dgrad) or 1x128 scales
   ``[N, ceil(K/128)]`` (wgrad, where both operands are tiled along the tokens).
 * :func:`grouped_mm`: A ``[S, K]`` 1x128, B ``[G, N, K]`` 128x128 per group, rows grouped by
-  cumulative ends ``offs`` (``torch._grouped_mm``'s convention); :mod:`mxfx.kernels.fp8_block.grouped_gemm`.
+  cumulative ends ``offs`` (``torch._grouped_mm``'s convention); :mod:`mxfx.kernels.fp8_block.grouped_gemm_triton`.
 
-On CUDA the dense GEMM is cuBLAS's blockwise FP8 GEMM (sm90+), the grouped one the Triton kernel;
-elsewhere (CPU) both are the reference decode: dequantize each operand to float32 exactly, then a
-float32 GEMM. GPU results agree with it up to float32 summation order and Hopper's FP8 accumulation
-(tests/test_block_gemm.py states the bounds).
-
-cuBLAS scale layouts (``torch.nn.functional.scaled_mm`` with explicit recipes, sm90; a wrong one can be
-a silent wrong answer, so they are built here, never taken from the caller as is): A's 1x128 scales
-column-major (stride ``(1, M)``); B's 128x128 scales, seen as ``[ceil(N/128), ceil(K/128)]``, row-major
-with the row stride rounded up to a multiple of 4 (zero padding); B's 1x128 scales, seen as
-``[N, ceil(K/128)]``, column-major. tests/test_block_gpu.py checks K/128 = 5 against the reference.
+This module checks the operands and chooses the kernel: on CUDA the dense GEMM is cuBLAS's blockwise FP8 GEMM
+(sm90+, :mod:`mxfx.kernels.fp8_block.gemm_cublas`), the grouped one the Gluon sm90 kernel or the Triton one
+(:func:`grouped_kernel_name`); elsewhere (CPU) both are the reference decode held here: dequantize each operand to
+float32 exactly, then a float32 GEMM. GPU results agree with it up to float32 summation order and Hopper's FP8
+accumulation (tests/test_block_gemm.py states the bounds).
 """
 
 from __future__ import annotations
@@ -25,14 +20,13 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from mxfx.numerics.block import dequantize_values, group_tile_capacity, group_tile_starts, n_tiles
-from mxfx.kernels.common.device import has_triton, triton_available
-from mxfx.kernels.common.hp_gemm import accumulate_into, mm_into
+from mxfx.numerics.block import dequantize_values, group_tile_capacity, group_tile_starts, n_tiles, tiled_rows
+from mxfx.device import has_triton, triton_available
+from mxfx.kernels.common.gemm import accumulate_into, mm_into
 from mxfx.kernels.common.launch import env_switch
-from mxfx.numerics.layout import check_group_ends, column_major
+from mxfx.kernels.fp8_block import gemm_cublas
+from mxfx.numerics.layout import check_group_ends
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -74,7 +68,7 @@ def scaled_mm(
     if a.device != b.device:
         raise ValueError(f"{op}: A is on {a.device} but B is on {b.device}")
     if a.is_cuda:
-        return _cublas_mm(a, a_scales, b, b_scales, out_dtype)
+        return gemm_cublas.mm(a, a_scales, b, b_scales, out_dtype)
     return reference_mm(a, a_scales, b, b_scales, out_dtype)
 
 
@@ -86,7 +80,7 @@ def reference_mm(a, a_scales, b, b_scales, out_dtype=torch.bfloat16) -> torch.Te
 
 def reference_mm_into(a, a_scales, b, b_scales, out: torch.Tensor, accumulate: bool) -> None:
     """:func:`reference_mm` written into float32 ``out [M, N]`` (``accumulate=False``) or added to it (``True``) by
-    the float32 GEMM itself (:func:`mxfx.kernels.common.hp_gemm.mm_into`): a weight gradient accumulated in the
+    the float32 GEMM itself (:func:`mxfx.kernels.common.gemm.mm_into`): a weight gradient accumulated in the
     parameter's ``.grad``."""
     mm_into(out, *_decoded(a, a_scales, b, b_scales), accumulate)
 
@@ -95,64 +89,6 @@ def _decoded(a, a_scales, b, b_scales) -> tuple[torch.Tensor, torch.Tensor]:
     """Both operands of :func:`scaled_mm` decoded exactly to float32 (B's scales 1x128 or 128x128)."""
     b_dims = (-1,) if tiled_rows(b, b_scales) else (-2, -1)
     return dequantize_values(a, a_scales, (-1,)), dequantize_values(b, b_scales, b_dims)
-
-
-def tiled_rows(b: torch.Tensor, b_scales: torch.Tensor) -> bool:
-    """True when B's scales are 1x128 (one row of scales per row of B), False for 128x128 blocks
-    (with one row of B the two read the same)."""
-    return b_scales.shape[0] == b.shape[0]
-
-
-def _pad_to(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
-    # a symbolic dim (traced under dynamic shapes) is padded by its symbolic remainder, maybe zero: no guard on it
-    extra = -t.shape[dim] % multiple
-    if statically_known_true(extra == 0):
-        return t
-    pad = [0, 0] * (t.dim() - dim - 1) + [0, extra]
-    return F.pad(t.view(torch.uint8), pad).view(t.dtype)  # zero bytes: E4M3 +0, adds nothing to the sums
-
-
-def _same(size, target) -> bool:
-    """Whether two sizes are known equal without a guard (plain ints: equal); a symbolic pair not known equal takes
-    the padding or slicing path, which is also right when they turn out equal."""
-    return statically_known_true(size == target)
-
-
-def _pad_rows(scales: torch.Tensor, rows) -> torch.Tensor:
-    """1x128 ``scales [R, ceil(K/128)]`` with rows of 1.0 up to ``rows``, column-major (padded as their transpose:
-    one copy, already in the layout cuBLAS reads)."""
-    return F.pad(scales.t(), (0, rows - scales.shape[0]), value=1.0).t()
-
-
-def _cublas_mm(a, a_scales, b, b_scales, out_dtype):
-    m, n = a.shape[0], b.shape[0]
-    # torch._scaled_mm wants K and N multiples of 16; M is padded too, so the column-major scale strides (M, N)
-    # stay 16-byte aligned. Zero rows and columns (E4M3 +0, scale 1) add nothing; the output is sliced back.
-    a_q = _pad_to(_pad_to(a, 1, 16), 0, 16).contiguous()
-    b_q = _pad_to(_pad_to(b, 1, 16), 0, 16).contiguous()
-    a_s = column_major(a_scales if _same(a_q.shape[0], m) else _pad_rows(a_scales, a_q.shape[0]))  # stride (1, M)
-    if not tiled_rows(b, b_scales):
-        # [ceil(K/128) padded to a multiple of 4, N/128] with stride (1, padded): the 128x128 grid, K blocks padded
-        # with zeros (never read). The explicit-recipe API: torch._scaled_mm infers the recipe from the shapes and
-        # takes an unpadded grid for K/128 not a multiple of 4 with wrong sums on torch 2.11
-        kt = b_scales.shape[1]
-        padded = b_scales
-        if kt % 4 or not b_scales.is_contiguous() or b_scales.storage_offset():  # else: that grid already
-            padded = b_scales.new_zeros(b_scales.shape[0], -(-kt // 4) * 4)
-            padded[:, :kt] = b_scales
-        b_s, recipe_b = padded.t(), F.ScalingType.BlockWise128x128
-    else:
-        sb = b_scales if _same(b_q.shape[0], n) else _pad_rows(b_scales, b_q.shape[0])
-        b_s, recipe_b = column_major(sb), F.ScalingType.BlockWise1x128  # [N, K/128], stride (1, N)
-    try:
-        out = F.scaled_mm(a_q, b_q.t(), a_s, F.ScalingType.BlockWise1x128, b_s, recipe_b, output_dtype=out_dtype)
-    except RuntimeError as e:
-        raise RuntimeError(
-            f"mxfx.block_gemm.scaled_mm: cuBLAS refused A {tuple(a.shape)} x B {tuple(b.shape)} with scales "
-            f"{tuple(a_scales.shape)} and {tuple(b_scales.shape)} (out {out_dtype}); blockwise FP8 needs sm90 "
-            f"and a torch built with CUDA 12.9+"
-        ) from e
-    return out if _same(out.shape[0], m) and _same(out.shape[1], n) else out[:m, :n]
 
 
 def grouped_mm(
@@ -198,11 +134,11 @@ in the OLMoE step) and 0.82-1.06x at K 7168 and 14336 (DeepSeek-V3's gate/up, Mi
 def _grouped_kernel(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype):
     """The module whose ``grouped_mm`` runs on these CUDA operands: the warp-specialized sm90 kernel
     (:mod:`mxfx.kernels.fp8_block.grouped_gemm_sm90`) where it serves them and :func:`_sm90_wanted`, else the
-    Triton kernel (:mod:`mxfx.kernels.fp8_block.grouped_gemm`)."""
-    from mxfx.kernels.fp8_block import grouped_gemm
+    Triton kernel (:mod:`mxfx.kernels.fp8_block.grouped_gemm_triton`)."""
+    from mxfx.kernels.fp8_block import grouped_gemm_triton
 
     sm90 = _sm90_kernel() if _sm90_wanted(a.shape[1]) else None
-    return sm90 if sm90 is not None and sm90.supported(a, b, out_dtype) else grouped_gemm
+    return sm90 if sm90 is not None and sm90.supported(a, b, out_dtype) else grouped_gemm_triton
 
 
 def _sm90_wanted(k: int) -> bool:
@@ -291,9 +227,10 @@ def grouped_wgrad(
         raise ValueError(f"{op}: out must be float32 {(g, n, k)} on {a.device} (the gradient [G, N, K] it writes), got "
                          f"{out.dtype} {tuple(out.shape)} on {out.device}")
     if triton_available(a):
-        from mxfx.kernels.fp8_block import grouped_gemm
+        from mxfx.kernels.fp8_block import grouped_gemm_triton
 
-        result = grouped_gemm.grouped_wgrad(a, a_scales, b, b_scales, offs, out_dtype if out is None else out.dtype)
+        result = grouped_gemm_triton.grouped_wgrad(a, a_scales, b, b_scales, offs,
+                                                   out_dtype if out is None else out.dtype)
         if out is None:
             return result
         accumulate_into(out, result, accumulate)

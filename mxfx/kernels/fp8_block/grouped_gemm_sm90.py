@@ -1,6 +1,6 @@
 """Warp-specialized grouped GEMM on fp8_block operands for Hopper (sm90), written in Gluon.
 
-Computes what :mod:`mxfx.kernels.fp8_block.grouped_gemm` computes, ``out[rows of group g] = A[rows] @ B[g]^T``
+Computes what :mod:`mxfx.kernels.fp8_block.grouped_gemm_triton` computes, ``out[rows of group g] = A[rows] @ B[g]^T``
 (A ``[S, K]`` E4M3 with 1x128 float32 scales, B ``[G, N, K]`` E4M3 with 128x128 float32 scales, group ends
 ``offs`` int32 ``[G]``, rows past ``offs[-1]`` written as zeros), with the same numerics: each 128-wide step of K
 is one FP8 ``wgmma`` into a fresh FP32 partial sum, promoted into the FP32 accumulator with the product of the

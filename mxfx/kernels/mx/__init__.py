@@ -1,1 +1,2 @@
-"""MXFP8 kernels: Triton on CUDA, the plain-torch reference (``mxfx.numerics.mx``) elsewhere (:mod:`mxfx.kernels`)."""
+"""MXFP8 kernels: native GEMMs on Blackwell, Triton on CUDA, the plain-torch reference (``mxfx.numerics.mx``) and
+emulated GEMMs elsewhere (:mod:`mxfx.kernels`)."""

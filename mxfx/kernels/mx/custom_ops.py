@@ -8,7 +8,11 @@ are uint8 E8M0 bytes here). While a CUDA graph is traced, it calls the kernel's
 Python body instead, whose Triton launches enter the graph through
 ``wrap_triton`` and are launched by Inductor's generated code without the
 custom op's host cost (:mod:`mxfx.kernels.common.launch`). Both give the same bytes.
-Each op blocks along the last dimension of its input.
+Each quantize op blocks along the last dimension of its input.
+
+The GEMM ops (``mxfx::mm``, ``mxfx::grouped_mm``, ``mxfx::grouped_mm_wgrad``: :func:`mx_mm`, :func:`mx_grouped_mm`,
+:func:`mx_grouped_mm_wgrad`) run :mod:`mxfx.kernels.mx.gemm`'s native or emulated GEMM; :func:`mm_into` and
+:func:`grouped_wgrad_into` write a weight gradient into (or add it to) a given tensor.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ import torch
 
 from mxfx.numerics.mx import BLOCK_SIZE, dequantize_lastdim
 from mxfx.kernels.common.launch import name_op_functions, op_or_body
-from mxfx.kernels.mx import device_path
+from mxfx.kernels.common.gemm import accumulate_into
+from mxfx.kernels.mx import device_path, gemm
 from mxfx.numerics.layout import blocked_numel
 from mxfx.kernels.mx.views import lastdim_scales, mn_major, scale_shape
 
@@ -190,6 +195,103 @@ def _(x, rule):
     return x.new_empty(x.shape, dtype=_E4M3), x.new_empty(blocked_numel(rows, x.shape[-1] // BLOCK_SIZE), dtype=torch.uint8)
 
 
+# --- the GEMMs: the bodies choose a native or an emulated GEMM (mxfx.kernels.mx.gemm) -------------
+
+_OPERANDS = "Tensor? a_qdata, Tensor? a_scales, Tensor? b_qdata, Tensor? b_scales"
+_DEQUANTIZED = "Tensor? b_dequantized=None, Tensor? a_dequantized=None"
+
+
+@torch.library.custom_op(
+    "mxfx::mm", mutates_args=(), schema=f"({_OPERANDS}, ScalarType out_dtype, bool native, {_DEQUANTIZED}) -> Tensor"
+)
+def _mm_op(a_qdata, a_scales, b_qdata, b_scales, out_dtype, native, b_dequantized=None,
+           a_dequantized=None) -> torch.Tensor:
+    """``dequant(A)[M,K] @ dequant(B)[N,K]^T`` with fp32 accumulation, output ``[M, N]`` of ``out_dtype``.
+
+    Args:
+        a_qdata: float8_e4m3fn ``[M, K]``; a_scales: uint8 E8M0 ``[M, K/32]``.
+        b_qdata: float8_e4m3fn ``[N, K]``; b_scales: uint8 E8M0 ``[N, K/32]``; both None when
+            ``b_dequantized`` is given to an emulated GEMM (the weight cache keeps no MX form then).
+        out_dtype: dtype of the result (bf16 activations, fp32 weight gradients).
+        native: run ``torch._scaled_mm`` (Blackwell), else the emulation (:mod:`mxfx.kernels.mx.gemm`).
+        b_dequantized: optional ``dequant(B)`` (bf16 ``[N, K]``, from the weight
+            cache under ``keep_dequantized_weights``); emulation uses it instead of
+            dequantizing B, native paths ignore it.
+        a_dequantized: optional ``dequant(A)`` in the emulation dtype, written by the
+            quantize pass that made A (:func:`mxfx.kernels.mx.operands.quantize_operand`); likewise. With it, an
+            emulated GEMM also takes ``a_qdata`` and ``a_scales`` as None
+            (:func:`mxfx.kernels.mx.operands.quantize_dual_operand`).
+    """
+    return gemm.mm(a_qdata, a_scales, b_qdata, b_scales, out_dtype, native, b_dequantized, a_dequantized)
+
+
+@_mm_op.register_fake
+def _(a_qdata, a_scales, b_qdata, b_scales, out_dtype, native, b_dequantized=None, a_dequantized=None):
+    a = a_qdata if a_qdata is not None else a_dequantized
+    b = b_qdata if b_qdata is not None else b_dequantized
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+@torch.library.custom_op(
+    "mxfx::grouped_mm", mutates_args=(),
+    schema=f"({_OPERANDS}, Tensor offs, ScalarType out_dtype, bool native, {_DEQUANTIZED}) -> Tensor",
+)
+def _grouped_mm_op(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, native, b_dequantized=None,
+                   a_dequantized=None) -> torch.Tensor:
+    """Grouped MX GEMM: rows ``offs[e-1]:offs[e]`` of ``dequant(A)[S,K]`` times ``dequant(B)[e][N,K]^T``.
+
+    Args:
+        a_qdata/a_scales: ``[S, K]`` e4m3 / ``[S, K/32]`` uint8, blocked along K (None: see below).
+        b_qdata/b_scales: ``[E, N, K]`` e4m3 / ``[E, N, K/32]`` uint8, blocked along K; None when
+            ``b_dequantized`` is given to an emulated GEMM.
+        offs: int32 ``[E]`` cumulative group ends (empty groups allowed).
+        out_dtype: result dtype.
+        native: run ``torch._scaled_grouped_mm`` (sm100), else the emulation.
+        b_dequantized: optional bf16 ``[E, N, K]`` = ``dequant(B)`` (see :func:`mx_mm`).
+        a_dequantized: optional ``dequant(A)`` ``[S, K]`` in the emulation dtype, written by the pass
+            that quantized A; with it an emulated GEMM also takes ``a_qdata`` / ``a_scales`` as None.
+
+    Returns ``[S, N]``; rows past ``offs[-1]`` are zero.
+    """
+    return gemm.grouped_mm(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, native, b_dequantized, a_dequantized)
+
+
+@_grouped_mm_op.register_fake
+def _(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, native, b_dequantized=None, a_dequantized=None):
+    a = a_qdata if a_qdata is not None else a_dequantized
+    b = b_qdata if b_qdata is not None else b_dequantized
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+@torch.library.custom_op("mxfx::grouped_mm_wgrad", mutates_args=())
+def _grouped_mm_wgrad_op(
+    a_qdata: torch.Tensor,
+    a_scales: torch.Tensor,
+    b_qdata: torch.Tensor,
+    b_scales: torch.Tensor,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype,
+    native: bool,
+) -> torch.Tensor:
+    """Per-group token reduction: ``out[e] = dequant(A)[:, grp e] @ dequant(B)[:, grp e]^T``.
+
+    Args:
+        a_qdata/a_scales: ``[N, T]`` / ``[N, T/32]``, blocked along tokens T.
+        b_qdata/b_scales: ``[K, T]`` / ``[K, T/32]``, blocked along tokens T.
+        offs: int32 ``[E]`` group ends along T; each group starts at a multiple of 32
+            so no 32-block mixes two groups.
+        native: run ``torch._scaled_grouped_mm`` (sm100), else the emulation.
+
+    Returns ``[E, N, K]`` of ``out_dtype``.
+    """
+    return gemm.grouped_mm_wgrad(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, native)
+
+
+@_grouped_mm_wgrad_op.register_fake
+def _(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, native):
+    return a_qdata.new_empty((offs.shape[0], a_qdata.shape[0], b_qdata.shape[0]), dtype=out_dtype)
+
+
 # --- what callers use: the custom op, or its body when traced on CUDA ---------------------------
 
 quantize = op_or_body(_quantize_op, device_path.quantize_lastdim, """``x [..., K]`` -> ``(qdata e4m3 [..., K],
@@ -231,5 +333,38 @@ route_weight_quantize = op_or_body(_route_weight_quantize_op, device_path.route_
 ``dy [S, D] * weight [S]`` formed in fp32 (``mxfx::route_weight_quantize``).""")
 quantize_blocked = op_or_body(_quantize_blocked_op, device_path.quantize_blocked, """``x [..., K]`` -> ``(qdata,
 blocked uint8 scales)`` (``mxfx::quantize_blocked``).""")
+_TRACED = ("Traced on CUDA, the chosen implementation's kernels and GEMM enter the graph "
+           "(:mod:`mxfx.kernels.common.launch`).")
+mx_mm = op_or_body(_mm_op, gemm.mm, f"``mxfx::mm`` (shapes and dtypes: :func:`_mm_op`). {_TRACED}")
+mx_grouped_mm = op_or_body(_grouped_mm_op, gemm.grouped_mm,
+                           f"``mxfx::grouped_mm`` (see :func:`_grouped_mm_op`). {_TRACED}")
+mx_grouped_mm_wgrad = op_or_body(
+    _grouped_mm_wgrad_op, gemm.grouped_mm_wgrad,
+    f"``mxfx::grouped_mm_wgrad`` (see :func:`_grouped_mm_wgrad_op`). {_TRACED}",
+)
+
+
+def mm_into(a_qdata, a_scales, b_qdata, b_scales, out: torch.Tensor, accumulate: bool, native: bool,
+            a_dequantized=None) -> None:
+    """:func:`mx_mm` (a wgrad's operands, blocked along the tokens) written into ``out [N, K]`` (``accumulate=False``)
+    or added to it (``True``), in ``out``'s dtype: a weight gradient accumulated in the parameter's ``.grad``
+    (:mod:`mxfx.runtime.main_grad`). Emulated on the CPU by the FP32 GEMM itself; elsewhere the GEMM, then one pass
+    (:func:`mxfx.kernels.common.gemm.accumulate_into`), until a kernel with an accumulating epilogue takes it."""
+    if native or out.device.type != "cpu":
+        accumulate_into(out, mx_mm(a_qdata, a_scales, b_qdata, b_scales, out.dtype, native, None, a_dequantized),
+                        accumulate)
+        return
+    gemm.emulated_mm_into(a_qdata, a_scales, b_qdata, b_scales, out, accumulate, a_dequantized)
+
+
+def grouped_wgrad_into(a_qdata, a_scales, b_qdata, b_scales, offs, out: torch.Tensor, accumulate: bool,
+                       native: bool) -> None:
+    """:func:`mx_grouped_mm_wgrad` written into ``out [E, N, K]`` or added to it, as :func:`mm_into`."""
+    if native or out.device.type != "cpu":
+        accumulate_into(out, mx_grouped_mm_wgrad(a_qdata, a_scales, b_qdata, b_scales, offs, out.dtype, native),
+                        accumulate)
+        return
+    gemm.emulated_grouped_wgrad_into(a_qdata, a_scales, b_qdata, b_scales, offs, out, accumulate)
+
 
 name_op_functions(globals())

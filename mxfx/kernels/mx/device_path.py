@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from mxfx.numerics import mx as mxf
-from mxfx.kernels.common.device import triton_available
+from mxfx.device import triton_available
 from mxfx.kernels.mx.checks import TOKEN_DIM_HINT, check_dual_args, check_lastdim_args, check_route_args
 from mxfx.kernels.common.silu import swiglu_fp32
 from mxfx.kernels.mx.views import laid_out_as, lastdim_scales, mn_major

@@ -13,15 +13,15 @@ from __future__ import annotations
 import torch
 
 from mxfx.kernels.mx import custom_ops
-from mxfx.kernels.mx.gemm import a_operand, quantize_operand
+from mxfx.kernels.mx.operands import a_operand, quantize_operand
 
 
 def quantize_input(x: torch.Tensor, up: torch.Tensor | None, rule: str, values: torch.dtype | None) -> tuple:
     """Rowwise MX of a GEMM's input: ``(qdata, scales, x_hat or None)``.
 
-    ``x`` itself through :func:`mxfx.kernels.mx.gemm.quantize_operand`, or ``silu(x) * up`` with the fused
+    ``x`` itself through :func:`mxfx.kernels.mx.operands.quantize_operand`, or ``silu(x) * up`` with the fused
     SwiGLU quantize when ``up`` is given; with ``values`` (the dtype an emulated GEMM reads) either pass also
-    writes the dequantized form in it (:func:`mxfx.kernels.mx.gemm.a_operand`).
+    writes the dequantized form in it (:func:`mxfx.kernels.mx.operands.a_operand`).
     """
     if up is None:
         return quantize_operand(x, rule, values)

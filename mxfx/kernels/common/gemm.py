@@ -1,0 +1,87 @@
+"""The GEMM pieces every format shares: the body of the BF16 grouped weight gradient (:func:`grouped_wgrad_bf16`,
+native BF16 or FP32 on the CPU), the accumulating GEMMs the CPU references of every format write a weight gradient
+with (:func:`mm_into`, :func:`grouped_mm_into`), :func:`accumulate_into` (the separate pass of a device path whose
+GEMM has no accumulating epilogue yet) and :func:`rows_in_groups` (the zero rows past a grouped GEMM's last group).
+The ops and the functions callers use (``hp_mm_transposed``, ``hp_grouped_wgrad`` and their ``_into`` forms) are in
+:mod:`mxfx.kernels.common.custom_ops`."""
+
+from __future__ import annotations
+
+import torch
+
+from mxfx.device import native_bf16_matmul, triton_available
+
+
+def accumulate_into(out: torch.Tensor, result: torch.Tensor, accumulate: bool) -> None:
+    """``out += result`` (``accumulate``) or ``out = result``, in place: the separate pass of a weight-gradient GEMM
+    whose kernel cannot yet add into (or write) ``out`` itself."""
+    if accumulate:
+        out.add_(result)
+    else:
+        out.copy_(result)
+
+
+def mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> None:
+    """``out [N, K] (+)= a [N, T] @ b [K, T]^T`` by the GEMM itself (``addmm_``, beta 1 or 0: what ``out`` held is
+    read only when ``accumulate``, NaN included). ``a`` and ``b`` in ``out``'s dtype (the exact FP32 decodes of the
+    CPU references)."""
+    out.addmm_(a, b.t(), beta=1 if accumulate else 0)
+
+
+def grouped_mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ends: list[int], accumulate: bool) -> None:
+    """Per group g, ``out[g] [N, K] (+)= a[:, tokens of g] @ b[:, tokens of g]^T`` (:func:`mm_into`), the tokens of
+    group g being columns ``[ends[g-1], ends[g])`` of ``a [N, T]`` and ``b [K, T]`` (``ends``: the group ends on the
+    host, as the CPU references read them); an empty group's ``out[g]`` is zeroed when written, kept when added to."""
+    start = 0
+    for g, end in enumerate(ends):
+        if end > start:
+            mm_into(out[g], a[:, start:end], b[:, start:end], accumulate)
+        elif not accumulate:
+            out[g].zero_()
+        start = end
+
+
+def rows_in_groups(out: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """A grouped GEMM's ``out [S, N]`` with its rows past the last group end ``offs[-1]`` zeroed (torch's
+    ``_grouped_mm`` and ``_scaled_grouped_mm`` leave them unwritten): the Triton kernel on CUDA, ``torch.where``
+    elsewhere."""
+    if triton_available(out) and out.dim() == 2 and out.stride(1) == 1:
+        from mxfx.kernels.common.zero_rows import zero_rows_past_end_
+
+        return zero_rows_past_end_(out, offs)  # writes the tail only, no pass over the whole output
+    rows = torch.arange(out.shape[0], device=out.device).unsqueeze(-1)
+    return torch.where(rows < offs[-1].to(rows.dtype), out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+def grouped_wgrad_bf16(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """BF16 per-group ``dy[grp]^T @ x[grp]``: ``dy [S, N]``, ``x [S, K]``, int32 ``offs [E]`` -> ``[E, N, K]`` in
+    ``out_dtype``.
+
+    Groups may end anywhere. CUDA's grouped GEMM takes unaligned group ends along the reduction
+    dim only when A is column-major and B row-major (torch's own ``_grouped_mm`` backward layouts;
+    any other layout trips its 16-byte alignment assert), so the operands are made contiguous
+    ``[S, *]`` here, inside the op (``mxfx::grouped_wgrad_bf16``), whose strides no compiler can change. That
+    replaces padding every group to 32 rows (a zero fill and a scatter of both operands), which cost more than the
+    GEMM (``bench/probes/grouped_wgrad_alignment.py``).
+
+    Operands are rounded to BF16, products accumulate in FP32. A float32 ``out_dtype`` (the weight gradient of an
+    FP32 main weight) is the GEMM's own result on the CPU: the FP32 GEMM of the exact BF16 operands, with no BF16
+    rounding and no widening pass after it. On CUDA torch's grouped GEMM writes BF16 only for BF16 operands
+    (torch 2.13 refuses ``out_dtype=torch.float32``), so the BF16 result is widened here, inside the op, where a
+    grouped GEMM with a float32 epilogue takes its place. Group ends must be non-decreasing and at most S (they
+    are data: not checked on the host); rows past ``offs[-1]`` are ignored. On CUDA, N and K must be multiples of
+    8 (16-byte rows).
+
+    Raises:
+        ValueError: dy or x not 2D, different row counts, or offs not a 1D int32 tensor.
+    """
+    if dy.dim() != 2 or x.dim() != 2 or dy.shape[0] != x.shape[0] or offs.dim() != 1 or offs.dtype != torch.int32:
+        raise ValueError(
+            f"mxfx.grouped_wgrad_bf16: needs dy [S, N], x [S, K] and int32 offs [E], got dy {tuple(dy.shape)}, "
+            f"x {tuple(x.shape)}, offs {tuple(offs.shape)} {offs.dtype}"
+        )
+    dy, x = dy.to(torch.bfloat16).contiguous(), x.to(torch.bfloat16).contiguous()
+    if dy.device.type == "cpu" and (out_dtype == torch.float32 or not native_bf16_matmul(dy.device)):
+        # the same GEMM in FP32 (exact BF16 operands, FP32 accumulation), rounded once to out_dtype
+        return torch._grouped_mm(dy.float().t(), x.float(), offs=offs).to(out_dtype)
+    return torch._grouped_mm(dy.t(), x, offs=offs).to(out_dtype)
