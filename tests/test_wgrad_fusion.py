@@ -316,3 +316,28 @@ def test_wgrad_into_equals_the_gemm(fmt, device):
         assert _rel(out, base + want) <= rtol, (name, _rel(out, base + want))
         if name.endswith("grouped"):
             assert torch.equal(out[1], base[1]), name  # the empty group
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_weight_computed_from_parameters_keeps_autograds_accumulation(fmt):
+    """A linear whose weight the graph computes (``weight_norm``'s ``g * v / |v|``) has no ``.grad`` of its own to
+    write: its op returns the gradient to autograd, the map says why, and the parameters' gradients over two
+    microbatches equal the unfused run's within :data:`FUSE_RTOL` (the backward raised before)."""
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(8))
+    grads = {}
+    for fuse in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(128, 128, bias=False), torch.nn.GELU(),
+                                    torch.nn.Linear(128, 128, bias=False))
+        torch.nn.utils.parametrizations.weight_norm(model[0])
+        run = torch.compile(model, backend="mxfp8", options={"inner": "aot_eager", "format": fmt,
+                                                              "fuse_wgrad_accumulation": fuse})
+        for i in range(2):
+            with torch.autocast("cpu", torch.bfloat16):
+                run(x * (i + 1)).float().square().mean().backward()
+        grads[fuse] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        if fuse:
+            reasons = [r.reason for r in mxfx.last_report().records if r.kind == "linear" and r.rewritten]
+            assert any("computed in the graph" in r for r in reasons), reasons
+    for name, want in grads[False].items():
+        assert _rel(grads[True][name], want) <= FUSE_RTOL, name

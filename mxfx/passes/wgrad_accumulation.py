@@ -3,7 +3,7 @@
 The passes give every converted op the policy's ``fuse_wgrad_accumulation``; they see fake tensors only. The backend
 then calls :func:`settle` with the graph's example inputs, the real parameters of every block run through the graph:
 an op whose weight cannot take the fused accumulation in one of them (:func:`mxfx.runtime.main_grad.unfused_reason`:
-hooks, not an FP32 leaf parameter) is given back to autograd (its call loses the setting: its backward returns the
+hooks, not an FP32 leaf parameter; or a weight the graph computes from parameters) is given back to autograd (its call loses the setting: its backward returns the
 gradient), and its precision-map record says why; a fused op's record says its wgrad writes ``.grad``. Ops inside a
 subgraph (a checkpointed region's body) read their weight through the subgraph's own inputs: they keep the setting,
 and their backward judges the parameter when it runs (raising where it cannot take it).
@@ -22,6 +22,7 @@ from mxfx.runtime import main_grad
 FIELD = "fuse_wgrad_accumulation"
 FUSED_NOTE = "wgrad GEMM writes the weight's .grad (fuse_wgrad_accumulation)"
 UNFUSED_NOTE = "wgrad accumulated by autograd, not its GEMM"
+COMPUTED = "the weight is computed in the graph from parameters, not a parameter itself"
 
 
 def settle(gm: fx.GraphModule, inputs: list[list], pm: PrecisionMap) -> int:
@@ -35,8 +36,11 @@ def settle(gm: fx.GraphModule, inputs: list[list], pm: PrecisionMap) -> int:
             continue
         record = pm.find(node.name)
         source, _ = weight_source(node.args[1])
-        index = placeholders.index(source) if source in placeholders else None
-        reason = "" if index is None else next(filter(None, (main_grad.unfused_reason(i[index]) for i in inputs)), "")
+        if source in placeholders:
+            index = placeholders.index(source)
+            reason = next(filter(None, (main_grad.unfused_reason(i[index]) for i in inputs)), "")
+        else:  # computed in the graph (a parametrization such as weight_norm, W + B @ A): no .grad to write
+            reason = COMPUTED
         if reason:
             node.kwargs = {k: v for k, v in node.kwargs.items() if k != FIELD}
         else:
