@@ -88,7 +88,8 @@ def test_no_import_cycle_in_mxfx():
 def test_kernels_import_one_way():
     """Each format's kernels (``mxfx.kernels.mx``, ``mxfx.kernels.fp8_block``) use the shared ones
     (``mxfx.kernels.common``), the format math (``mxfx.numerics``) and the device facts (``mxfx.device``), never each
-    other; the shared kernels use neither format's; no kernel imports a layer above (formats, ops, passes, runtime, the policy or the backend)."""
+    other; the shared kernels use neither format's; no kernel imports a layer above (formats, ops, passes, runtime,
+    the policy or the backend)."""
     modules = _modules()
     allowed = {
         "mxfx.kernels.common": ("mxfx.kernels.common", "mxfx.numerics", "mxfx.device"),

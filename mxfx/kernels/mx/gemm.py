@@ -27,6 +27,7 @@ from mxfx.kernels.common.gemm import rows_in_groups
 from mxfx.kernels.mx import gemm_blackwell
 from mxfx.kernels.mx.device_path import dequantize_lastdim
 
+
 # --- emulation (any device) --------------------------------------------------------------------
 
 
