@@ -36,7 +36,6 @@ VARIANTS = {
     "band16": {"BAND": 16},
     "stages4": {"STAGES": 4},
     "no_tma_store": {"EPI_TMA": False},
-    "pipe": {"PIPE": True},
 }
 
 

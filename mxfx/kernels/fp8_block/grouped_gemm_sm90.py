@@ -162,40 +162,8 @@ def _steps(a_bufs, b_bufs, ready, empty, as_ptrs, bs_ptrs, row_ok, s_ask, s_bsk,
 
 
 @gluon.jit
-def _steps_overlapped(a_bufs, b_bufs, ready, empty, as_ptrs, bs_ptrs, row_ok, s_ask, s_bsk, steps, it, zero,
-                      STAGES: gl.constexpr):
-    """:func:`_steps` with step k+1's ``wgmma`` issued before step k's promotion (two partial sums in flight)."""
-    acc = zero
-    if steps > 0:
-        s_prev = it % STAGES
-        scale_prev = gl.load(as_ptrs, mask=row_ok, other=0.0) * gl.load(bs_ptrs)
-        mbarrier.wait(ready.index(s_prev), (it // STAGES) & 1)
-        prev = warpgroup_mma(a_bufs.index(s_prev), b_bufs.index(s_prev).permute((1, 0)), zero, use_acc=False,
-                             is_async=True)
-        it += 1
-        for kb in range(1, steps):
-            s = it % STAGES
-            scale = gl.load(as_ptrs + kb * s_ask, mask=row_ok, other=0.0) * gl.load(bs_ptrs + kb * s_bsk)
-            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            nxt = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), zero, use_acc=False,
-                                is_async=True)
-            done = warpgroup_mma_wait(num_outstanding=1, deps=(prev,))
-            mbarrier.arrive(empty.index(s_prev), count=1)
-            acc += done * gl.expand_dims(scale_prev, 1)
-            prev = nxt
-            scale_prev = scale
-            s_prev = s
-            it += 1
-        done = warpgroup_mma_wait(num_outstanding=0, deps=(prev,))
-        mbarrier.arrive(empty.index(s_prev), count=1)
-        acc += done * gl.expand_dims(scale_prev, 1)
-    return acc, it
-
-
-@gluon.jit
 def _math_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, operands,
-                    WG: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EPI_TMA: gl.constexpr,
-                    PIPE: gl.constexpr):
+                    WG: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EPI_TMA: gl.constexpr):
     as_ptr, bs_ptr, table_ptr, c_ptr, max_tiles, N, K, G, s_asm, s_ask, s_bsg, s_bsn, s_bsk, s_cm, s_cn = operands
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     ROWS: gl.constexpr = a_bufs.type.shape[1]
@@ -219,12 +187,8 @@ def _math_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, operands,
         row_ok = rows < end
         as_ptrs = as_ptr + rows.to(gl.int64) * s_asm
         bs_ptrs = bs_ptr + g.to(gl.int64) * s_bsg + (n0 // 128) * s_bsn
-        if PIPE:
-            acc, it = _steps_overlapped(a_bufs, b_bufs, ready, empty, as_ptrs, bs_ptrs, row_ok, s_ask, s_bsk,
-                                        steps, it, zero, STAGES)
-        else:
-            acc, it = _steps(a_bufs, b_bufs, ready, empty, as_ptrs, bs_ptrs, row_ok, s_ask, s_bsk,
-                             steps, it, zero, STAGES)
+        acc, it = _steps(a_bufs, b_bufs, ready, empty, as_ptrs, bs_ptrs, row_ok, s_ask, s_bsk, steps, it, zero,
+                         STAGES)
         if EPI_TMA and (row0 + ROWS <= end) and (n0 + BLOCK_N <= N):
             # a whole block of this group: through shared memory, stored by TMA while the next tile runs
             tma.store_wait(0)  # the previous block has left c_smem
@@ -244,7 +208,7 @@ def _math_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, operands,
 @gluon.jit
 def _grouped_kernel(a_desc, b_desc, c_desc, as_ptr, bs_ptr, table_ptr, c_ptr, max_tiles, N, K, G,
                     s_asm, s_ask, s_bsg, s_bsn, s_bsk, s_cm, s_cn,
-                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EPI_TMA: gl.constexpr, PIPE: gl.constexpr):
+                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EPI_TMA: gl.constexpr):
     ROWS: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     gl.static_assert(ROWS == 64, "each math warpgroup owns 64 rows")
@@ -262,18 +226,16 @@ def _grouped_kernel(a_desc, b_desc, c_desc, as_ptr, bs_ptr, table_ptr, c_ptr, ma
         mbarrier.init(empty.index(i), count=2)  # one arrival per math warpgroup
     operands = (as_ptr, bs_ptr, table_ptr, c_ptr, max_tiles, N, K, G, s_asm, s_ask, s_bsg, s_bsn, s_bsk, s_cm, s_cn)
     gl.warp_specialize([
-        (_math_partition, (a0_bufs, b_bufs, ready, empty, c_desc, c0_smem, operands, 0, BLOCK_N, STAGES, EPI_TMA,
-                           PIPE)),
-        (_math_partition, (a1_bufs, b_bufs, ready, empty, c_desc, c1_smem, operands, 1, BLOCK_N, STAGES, EPI_TMA,
-                           PIPE)),
+        (_math_partition, (a0_bufs, b_bufs, ready, empty, c_desc, c0_smem, operands, 0, BLOCK_N, STAGES, EPI_TMA)),
+        (_math_partition, (a1_bufs, b_bufs, ready, empty, c_desc, c1_smem, operands, 1, BLOCK_N, STAGES, EPI_TMA)),
         (_load_partition, (a_desc, b_desc, a0_bufs, a1_bufs, b_bufs, ready, empty, table_ptr, max_tiles, N, K, G,
                            STAGES)),
     ], [4, 1], [MATH_REGS, LOAD_REGS])
 
 
-CONFIG = {"BLOCK_N": 128, "BAND": 4, "EPI_TMA": True, "PIPE": False}
-"""Tile width, band height of the schedule, epilogue and K-step overlap (:func:`_steps_overlapped`) of the
-launch; the pipeline depth is as many stages as shared memory holds (:func:`stages`)."""
+CONFIG = {"BLOCK_N": 128, "BAND": 4, "EPI_TMA": True}
+"""Tile width, band height of the schedule and epilogue of the launch; the pipeline depth is as many stages as
+shared memory holds (:func:`stages`)."""
 
 SCHEDULE_CHUNK = 1024
 """Tiles one schedule program writes per store."""
