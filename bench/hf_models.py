@@ -31,6 +31,8 @@ fused AdamW with linear LR warmup then cosine decay:
   GEMMs on Hopper);
 * ``fp8_block-triton``: ``fp8_block`` with its routed forward and dgrad on the Triton grouped kernel instead of
   the warp-specialized sm90 one (``MXFX_GROUPED_SM90=0`` while it runs): what that kernel gains in the step;
+* ``bf16-grouped-fused``, ``fp8_block-fused``: those arms with ``fuse_wgrad_accumulation=True`` (each wgrad GEMM
+  writes or adds FP32 into the weight's ``.grad`` itself): what the fusion gains in the step;
 * ``torchao-fp8-rowwise``: torchao's FP8 rowwise grouped GEMMs on the routed experts
   (``quantize_(experts, Float8TrainingOpConfig())``, ``torchao.prototype.moe_training``), BF16
   parameters: torchao's weight wrapper only intercepts ``torch._grouped_mm``, which transformers
@@ -80,6 +82,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import math
@@ -167,6 +170,7 @@ class Arm:
     autocast: bool
     prepare: Callable
     env: tuple[tuple[str, str], ...] = ()  # environment variables set while the arm runs
+    expert_format: str | None = None  # the routed experts' format where mxfx compiles the arm (its maps are read)
 
 
 BF16_GEMMS = ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm")
@@ -215,16 +219,18 @@ def _inductor(model, compiler: str):
     return torch.compile(model, backend=_backend(compiler))
 
 
-def _bf16_grouped(model, compiler: str):
-    return torch.compile(model, backend="mxfp8", options={"inner": _backend(compiler), "format": "bf16_gemm"})
+def _bf16_grouped(model, compiler: str, fused: bool = False):
+    options = {"inner": _backend(compiler), "format": "bf16_gemm", "fuse_wgrad_accumulation": fused}
+    return torch.compile(model, backend="mxfp8", options=options)
 
 
 def _mxfp8(model, compiler: str):
     return torch.compile(model, backend="mxfp8", options={"inner": _backend(compiler)})
 
 
-def _fp8_block(model, compiler: str):
-    return torch.compile(model, backend="mxfp8", options={"inner": _backend(compiler), "format": "fp8_block"})
+def _fp8_block(model, compiler: str, fused: bool = False):
+    options = {"inner": _backend(compiler), "format": "fp8_block", "fuse_wgrad_accumulation": fused}
+    return torch.compile(model, backend="mxfp8", options=options)
 
 
 def _torchao_fp8_rowwise(model, compiler: str):
@@ -246,13 +252,19 @@ ARMS = {
     for arm in (
         Arm("bf16-users", torch.float32, True, _inductor),
         Arm("bf16-weights", torch.bfloat16, False, _inductor),
-        Arm("bf16-grouped", torch.float32, True, _bf16_grouped),
-        Arm("mxfp8", torch.float32, True, _mxfp8),
+        Arm("bf16-grouped", torch.float32, True, _bf16_grouped, expert_format="bf16_gemm"),
+        Arm("mxfp8", torch.float32, True, _mxfp8, expert_format="MX"),
         Arm("torchao-fp8-rowwise", torch.bfloat16, False, _torchao_fp8_rowwise),
-        Arm("fp8_block", torch.float32, True, _fp8_block),
-        Arm("fp8_block-triton", torch.float32, True, _fp8_block, (("MXFX_GROUPED_SM90", "0"),)),
+        Arm("fp8_block", torch.float32, True, _fp8_block, expert_format="fp8_block"),
+        Arm("fp8_block-triton", torch.float32, True, _fp8_block, (("MXFX_GROUPED_SM90", "0"),), "fp8_block"),
+        Arm("bf16-grouped-fused", torch.float32, True, functools.partial(_bf16_grouped, fused=True),
+            expert_format="bf16_gemm"),
+        Arm("fp8_block-fused", torch.float32, True, functools.partial(_fp8_block, fused=True),
+            expert_format="fp8_block"),
     )
 }
+OPTIONAL_ARMS = ("fp8_block-triton", "bf16-grouped-fused", "fp8_block-fused")
+"""Arms run only when ``--arms`` names them: the fused arms set ``Policy(fuse_wgrad_accumulation=True)``."""
 
 
 # ----------------------------------------------------------------------------- training
@@ -395,10 +407,10 @@ def run_arm(arm: Arm, args, train, val, device: str) -> dict:
         heldout_loss=sum(held) / len(held),
         train_losses=losses,
     )
-    if arm.name in ("bf16-grouped", "mxfp8", "fp8_block", "fp8_block-triton"):  # the precision maps of this arm's graphs (training and held-out forward)
+    if arm.expert_format:  # the precision maps of this arm's graphs (training and held-out forward)
         maps = mxfx.report.all_reports()[n_maps:]
         res["expert_gemms_mx"] = max((pm.count("grouped_mm", True) for pm in maps), default=0)
-        res["expert_format"] = {"mxfp8": "MX", "fp8_block": "fp8_block", "fp8_block-triton": "fp8_block", "bf16-grouped": "bf16_gemm"}.get(arm.name, "rewritten")
+        res["expert_format"] = arm.expert_format
         res["expert_gemms_kept"] = max((pm.count("grouped_mm", False) for pm in maps), default=0)
         res["not_rewritten"] = sum(pm.count("not_rewritten") for pm in maps)
     del fn, opt, model
@@ -426,8 +438,8 @@ def table(results: list[dict]) -> str:
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="olmoe,qwen3", help="comma list of olmoe, qwen3")
-    p.add_argument("--arms", default=",".join(a for a in ARMS if a != "fp8_block-triton"),
-                   help=f"comma list of {', '.join(ARMS)} (default: all but fp8_block-triton)")
+    p.add_argument("--arms", default=",".join(a for a in ARMS if a not in OPTIONAL_ARMS),
+                   help=f"comma list of {', '.join(ARMS)} (default: all but {', '.join(OPTIONAL_ARMS)})")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--warmup", type=int, default=20, help="LR warmup steps")
     p.add_argument("--skip", type=int, default=5, help="steps left out of tokens/s (compilation, allocator warmup)")
