@@ -177,6 +177,9 @@ WGRAD_CHECK_ELEMENTS = 2**30
 """Largest ``experts x N x K`` whose wgrad is checked against the reference for every expert."""
 WGRAD_CHECK_GROUPS = 8
 """Experts checked where the gradient is larger than :data:`WGRAD_CHECK_ELEMENTS`."""
+WGRAD_INTO_ELEMENTS = 2**32
+"""Largest ``experts x N x K`` gradient of the wgrad-into table (16 GiB in FP32); larger models keep fewer experts at
+the same rows per expert."""
 
 
 def grouped_rows(model: str, s: int, e: int, k: int, n: int, equal: bool, g: torch.Generator) -> list[tuple]:
@@ -234,6 +237,8 @@ def wgrad_into_rows(model: str, s: int, e: int, k: int, n: int, g: torch.Generat
     the gradient (``mxfx.kernels.common.grouped_wgrad_triton``), each checked against an FP32 product on 4 groups."""
     from mxfx.kernels.common import grouped_wgrad_triton
 
+    if e * n * k > WGRAD_INTO_ELEMENTS:  # the gradient, its copy and the widened GEMM result must fit (DeepSeek-V3)
+        s, e = s * (WGRAD_INTO_ELEMENTS // (n * k)) // e, WGRAD_INTO_ELEMENTS // (n * k)
     sizes = group_sizes(s, e, True, g)
     offs = torch.tensor(sizes, device=DEVICE).cumsum(0).to(torch.int32)
     dy = torch.randn(s, n, device=DEVICE, generator=g).bfloat16()
@@ -258,7 +263,7 @@ def wgrad_into_rows(model: str, s: int, e: int, k: int, n: int, g: torch.Generat
             start = end
     if not max(errs) < 1e-2:
         raise SystemExit(f"bench/gemm.py: wgrad into FP32 {model}: relative error {max(errs):.3e}")
-    return (f"{model} {k}->{n}, {s // e} rows/expert", bench(lambda: torch._grouped_mm(dy.t(), x, offs=offs)),
+    return (f"{model} {k}->{n}, {e} experts of {s // e} rows", bench(lambda: torch._grouped_mm(dy.t(), x, offs=offs)),
             bench(three_trips), bench(fused), 2 * s * k * n, max(errs))
 
 
@@ -354,7 +359,7 @@ def main() -> None:
             for equal in (True, False):
                 grouped += grouped_rows(model, tokens * topk, experts, k, n, equal, g)
                 torch.cuda.empty_cache() if DEVICE == "cuda" else None
-        print(f"grouped rows of {model} done: {grouped[-4:]}", flush=True)  # kept if a later model fails
+    print(table("Grouped GEMMs", grouped), flush=True)  # kept if the wgrad-into table fails
     wgrad_into = []
     if DEVICE == "cuda":
         for model in args.models.split(","):

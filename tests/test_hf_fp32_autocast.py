@@ -200,18 +200,24 @@ def test_moe_family_trains_with_every_routed_expert_gemm_converted(name):
 
 
 def test_checkpointed_layers_convert_with_the_dynamo_setting_the_warning_names():
-    """transformers' activation checkpointing: a context variable set inside each checkpointed layer breaks the
-    graph there ("HOP: Unsafe side effect") and every layer runs eagerly; the step's warning names their weights,
-    the break and the Dynamo setting. With that setting the layers are in the graph: every expert GEMM converted,
+    """transformers' activation checkpointing: on torch 2.13 a context variable set inside each checkpointed layer
+    breaks the graph there ("HOP: Unsafe side effect") and every layer runs eagerly; the step's warning names their
+    weights, the break and the Dynamo setting (torch 2.11 keeps the layers in the graph: no warning). With that setting the layers are in the graph: every expert GEMM converted,
     no weight left unread, and it trains as the model without mxfx does (bound: :data:`LOSS_BOUND`)."""
     model = _checkpointed_olmoe()
     reference = copy.deepcopy(model)
+    before = len(mxfx.all_reports())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _train(copy.deepcopy(model), {"inner": "aot_eager"})
-    (message,) = [str(w.message) for w in caught if "read by no GEMM" in str(w.message)]
-    assert "'model.layers.0.self_attn.q_proj.weight'" in message and "'HOP: Unsafe side effect' at " in message
-    assert f"{graph_breaks.CHECKPOINT_SETTING} = True" in message, message
+    messages = [str(w.message) for w in caught if "read by no GEMM" in str(w.message)]
+    converted = [r for pm in mxfx.all_reports()[before:] for r in pm.records if r.kind == "grouped_mm" and r.rewritten]
+    if len(converted) == 4:  # torch 2.11's Dynamo keeps the checkpointed layers whole: nothing to warn about
+        assert not messages, messages
+    else:
+        (message,) = messages
+        assert "'model.layers.0.self_attn.q_proj.weight'" in message and "'HOP: Unsafe side effect' at " in message
+        assert f"{graph_breaks.CHECKPOINT_SETTING} = True" in message, message
 
     before = len(mxfx.all_reports())
     with warnings.catch_warnings(record=True) as caught, \
