@@ -68,8 +68,20 @@ def test_grouped_wgrad_into_in_the_interpreter():
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                     reason="needs an sm90+ CUDA GPU")
-def test_grouped_wgrad_into_on_the_gpu():
-    check("cuda", torch.bfloat16)
+@pytest.mark.parametrize("config", ["CONFIG", "LONG_GROUPS_CONFIG"])
+def test_grouped_wgrad_into_on_the_gpu(config):
+    from mxfx.kernels.common import grouped_wgrad_triton
+
+    check("cuda", torch.bfloat16, getattr(grouped_wgrad_triton, config))
+
+
+def test_the_mean_group_size_chooses_the_launch():
+    pytest.importorskip("triton")
+    from mxfx.kernels.common import grouped_wgrad_triton as m
+
+    assert m.config_for(64 * 2048, 64) == m.CONFIG  # OLMoE: 2,048 tokens per expert
+    assert m.config_for(8 * 4096, 8) == m.LONG_GROUPS_CONFIG  # Mixtral: 4,096
+    assert m.config_for(100, 0) == m.CONFIG
 
 
 def test_grouped_wgrad_into_names_bad_shapes():

@@ -18,8 +18,16 @@ import triton.language as tl
 
 from mxfx.kernels.common.launch import launch
 
-CONFIG = {"BLOCK_N": 128, "BLOCK_K": 128, "BLOCK_T": 64, "num_warps": 8, "num_stages": 4}
-"""Tile of the launch: 128x128 FP32 outputs, 64 tokens per step. Not yet tuned on a GPU."""
+CONFIG = {"BLOCK_N": 128, "BLOCK_K": 128, "BLOCK_T": 64, "num_warps": 4, "num_stages": 3}
+"""Launch of the kernel: 128x128 FP32 outputs, 64 tokens per step (docs/kernel-notes.md: measured configurations)."""
+LONG_GROUPS_CONFIG = {"BLOCK_N": 256, "BLOCK_K": 128, "BLOCK_T": 64, "num_warps": 8, "num_stages": 3}
+"""Launch where groups average at least :data:`LONG_GROUPS` tokens (few experts, each a long contraction)."""
+LONG_GROUPS = 4096
+
+
+def config_for(tokens: int, groups: int) -> dict:
+    """The launch configuration for ``tokens`` rows split over ``groups`` groups (their mean size chooses)."""
+    return dict(LONG_GROUPS_CONFIG if tokens >= LONG_GROUPS * max(groups, 1) else CONFIG)
 
 
 @triton.jit
@@ -74,7 +82,7 @@ def grouped_wgrad_into(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, ou
         raise ValueError(f"{op}: dy, x, offs and out must be on one device")
     if out.numel() == 0:
         return
-    cfg = dict(CONFIG if config is None else config)
+    cfg = config_for(dy.shape[0], g) if config is None else dict(config)
     bn, bk = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
     grid = (triton.cdiv(n, bn) * triton.cdiv(k, bk), g)
     launch(_grouped_wgrad_into_kernel, grid, dy, x, offs, out, n, k, *dy.stride(), *x.stride(), *out.stride(),
