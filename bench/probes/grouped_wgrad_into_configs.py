@@ -35,9 +35,9 @@ def main() -> None:
     header = ["config"]
     results: dict[str, list[float | None]] = {}
     for model in args.models.split(","):
-        d, h, e, topk = MODELS[model]
+        d, h, experts, topk = MODELS[model]
         for k, n in ((d, 2 * h), (h, d)):
-            s = 16384 * topk
+            s, e = 16384 * topk, experts
             if e * n * k > WGRAD_INTO_ELEMENTS:
                 s, e = s * (WGRAD_INTO_ELEMENTS // (n * k)) // e, WGRAD_INTO_ELEMENTS // (n * k)
             header.append(f"{model} {k}->{n} ({e}x{s // e})")
