@@ -59,6 +59,30 @@ def test_kernel_compiles_for_sm90_to_fp8_wgmma_without_spills(out_dtype):
     assert c.shared <= 227 * 1024
 
 
+def test_forward_and_dgrad_scale_layouts_share_one_compile():
+    """The forward's activation scales are column-major ``[S, K/128]`` (stride 1 along rows), the dgrad's the same
+    layout of dY's and its weight scales the transposed grid: one specialization serves every layout and group count
+    (each extra one is a Gluon compile, about half a second, in the first step)."""
+    sass = pytest.importorskip("tests.sass")
+    sm90 = _sm90()
+    s, k = 1024, 1024
+    a = torch.empty(s, k, dtype=torch.float8_e4m3fn)
+    keys = []
+    for g, n, scales_a, weight_scales in (
+            (4, 512, torch.empty(k // 128, s).t(), torch.empty(4, 512 // 128, k // 128)),  # forward
+            (8, 256, torch.empty(s, k // 128), torch.empty(8, k // 128, 256 // 128).transpose(1, 2))):  # other strides
+        b = torch.empty(g, n, k, dtype=torch.float8_e4m3fn)
+        offs = torch.arange(1, g + 1, dtype=torch.int32) * (s // g)
+        (grid, args, kwargs), _ = sm90.launch_args(a, scales_a, b, weight_scales, offs, torch.empty(s, n,
+                                                                                                     dtype=torch.bfloat16))
+        signature, constexprs, attrs = sass.specialize(sm90._grouped_kernel, args, kwargs)
+        names = sm90._grouped_kernel.arg_names
+        keep = [i for i, name in enumerate(names) if name not in ("a_desc", "b_desc", "c_desc", "N", "s_cm")]
+        keys.append(({k: v for k, v in signature.items() if k in [names[i] for i in keep]},
+                     {k: v for k, v in attrs.items() if k[0] in keep}, str(constexprs)))
+    assert keys[0] == keys[1]
+
+
 def schedule_reference(sizes, s, n, block_m, block_n, band, max_tiles):
     """The schedule's table in plain Python: per tile (group, first row, first column, group end), group by group
     (the tail past the last group as group G), inside a group in bands of ``band`` row blocks, row blocks fastest;

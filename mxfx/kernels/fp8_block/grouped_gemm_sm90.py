@@ -205,7 +205,7 @@ def _math_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, operands,
         tma.store_wait(0)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=("max_tiles", "G", "s_asm", "s_ask", "s_bsg", "s_bsn", "s_bsk"))
 def _grouped_kernel(a_desc, b_desc, c_desc, as_ptr, bs_ptr, table_ptr, c_ptr, max_tiles, N, K, G,
                     s_asm, s_ask, s_bsg, s_bsn, s_bsk, s_cm, s_cn,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EPI_TMA: gl.constexpr):
