@@ -47,7 +47,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench._results import emit  # noqa: E402
-from mxfx.numerics import block as bf  # noqa: E402
 from mxfx.kernels.fp8_block import gemm as block_gemm  # noqa: E402
 from mxfx.kernels.fp8_block import device_path as bq  # noqa: E402
 from mxfx.kernels.fp8_block import grouped_gemm_triton  # noqa: E402

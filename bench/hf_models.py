@@ -413,7 +413,7 @@ def run_arm(arm: Arm, args, train, val, device: str) -> dict:
         res["expert_format"] = arm.expert_format
         res["expert_gemms_kept"] = max((pm.count("grouped_mm", False) for pm in maps), default=0)
         res["not_rewritten"] = sum(pm.count("not_rewritten") for pm in maps)
-    del fn, opt, model
+    fn = opt = model = None  # freed before the next arm (closures above still name them)
     return res
 
 

@@ -147,7 +147,7 @@ def routed_gemms(dump_dir: Path) -> tuple[int, int] | None:
 
 def parse(log: str, skip: int) -> tuple[float | None, float | None, int]:
     """(mean tokens/s over steps > ``skip``, last loss, last step) from torchtitan's metrics lines."""
-    rows = [(int(s), float(l), float(t.replace(",", ""))) for s, l, t in _LINE.findall(_ANSI.sub("", log))]
+    rows = [(int(s), float(loss), float(t.replace(",", ""))) for s, loss, t in _LINE.findall(_ANSI.sub("", log))]
     if not rows:
         return None, None, 0
     tps = [t for s, _, t in rows if s > skip] or [rows[-1][2]]

@@ -259,7 +259,7 @@ def run_arm(arm: str, mcfg: MoEConfig, a, batch: int) -> dict:
             res["rewritten"] = sum(pm.count(rewritten=True) for pm in mxfx.all_reports())
         return res
     finally:
-        del model, compiled, opt, data
+        model = compiled = opt = data = None  # freed before the next arm
         os.environ.pop("MXFX_OPAQUE_KERNELS", None)
         if opaque_before is not None:
             os.environ["MXFX_OPAQUE_KERNELS"] = opaque_before

@@ -165,7 +165,7 @@ def test_each_weight_quantized_once_per_step_whatever_the_microbatch_count(fmt, 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     step = torch.compile(opt.step, backend="mxfp8", options=opts) if compiled_step else opt.step
     per_form = {"mxfp8": 1, "fp8_block": 2}[fmt]  # cached forms per quantize
-    per_step, seen_several = [], False
+    per_step, seen_several, previous = [], False, {}
     for s, n in enumerate(SCHEDULE):
         cache.reset_stats()
         for ids in batches[:n]:

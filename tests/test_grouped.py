@@ -4,7 +4,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import mxfx
 from mxfx.numerics.layout import group_padding
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
 from mxfx.ops.linear import mx_linear

@@ -12,7 +12,6 @@ summation order, ``2^-10 * (|A| @ |B|^T)``, plus half a bf16 ulp of the result f
 from __future__ import annotations
 
 import os
-import shutil
 
 import pytest
 import torch

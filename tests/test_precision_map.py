@@ -7,7 +7,6 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import mxfx
 from mxfx.report import OpRecord, PrecisionMap

@@ -209,7 +209,7 @@ def test_linear_sites_eager_and_compiled(mode, fmt, rule):
         row = table.row(f"proj/linear/{direction}")
         assert (row.format, row.scale_rule, row.samples) == (fmt.name, rule, 1)
         _check(row.last, _reference(t, fmt, rule, layout))
-    assert f"proj/linear/forward_x" in str(table)
+    assert "proj/linear/forward_x" in str(table)
 
 
 @pytest.mark.parametrize("fmt,rule", [RULES[0], RULES[2]], ids=[IDS[0], IDS[2]])
@@ -426,7 +426,7 @@ def test_warns_once_per_site_and_statistic():
     messages = [str(c.message) for c in caught if "quantize site" in str(c.message)]
     underflow = _reference(x, MX, "floor", "rows")
     assert len(messages) == 2, messages  # forward_x: underflow and clipped, once each
-    assert any(f"p/linear/forward_x" in m and f"underflow {underflow['underflow_count'] / underflow['nonzero']:.2%}" in m
+    assert any("p/linear/forward_x" in m and f"underflow {underflow['underflow_count'] / underflow['nonzero']:.2%}" in m
                for m in messages)
     assert any("clipped" in m for m in messages)
 

@@ -89,7 +89,7 @@ def main():
                     cells.append(f"{flops / ms / 1e9:.0f}")
                 kind = "equal" if equal else "skewed"
                 print(f"| {model} {k}->{n} | {kind} | " + " | ".join(cells) + f" | {max(errs):.1e} |", flush=True)
-                del x, w, a, b
+                x = w = a = b = None  # freed before the next shape
                 torch.cuda.empty_cache()
 
 

@@ -70,7 +70,7 @@ def main() -> None:
                     t = None
                 results.setdefault(name, []).append(t)
             print(f"{header[-1]}: {flops / 1e12:.2f} TFLOP per call", flush=True)
-            del dy, x, grad
+            dy = x = grad = None  # freed before the next shape
             torch.cuda.empty_cache()
     cols = len(header) - 1
     best = [min((r[i] for name, r in results.items() if "x" in name[:4] and r[i] is not None), default=None)

@@ -260,9 +260,11 @@ def time_rows(copy_gbs):
                     for br, warps in ((16, 1), (32, 2)):
                         even = swiglu.STREAM_EVEN and rpr == 1 and nblk % br == 0  # the module's masks and forms
                         convert = conversion_bits(swiglu.CONVERSION_FORMS["wide" if save else "quantize"])
-                        fn = lambda: _swiglu_v[(triton.cdiv(nblk, br),)](
-                            a, b, q, s, h, gq, gs, uq, us, nblk, rpr, sa, sb, V=v, SAVE=save, BR=br, EVEN=even,
-                            CONVERT=convert, num_warps=warps)
+                        def fn():
+                            return _swiglu_v[(triton.cdiv(nblk, br),)](
+                                a, b, q, s, h, gq, gs, uq, us, nblk, rpr, sa, sb, V=v, SAVE=save, BR=br, EVEN=even,
+                                CONVERT=convert, num_warps=warps)
+
                         pct = 100 * (save_bytes if save else nbytes) / median_ms(fn) / 1e6 / copy_gbs
                         print(f"| probe swiglu {layout} save={save} {VARIANTS[v]} | {m}x{k} | ({br}, {warps}) | "
                               f"{pct:.1f}% |", flush=True)
@@ -270,7 +272,7 @@ def time_rows(copy_gbs):
         want = device_path.quantize_lastdim(silu_fp32(gu[:, :k]) * gu[:, k:].float(), "rceil")
         print(f"module swiglu equals quantize(silu_fp32(g) * u) at {m}x{k}: "
               f"{[torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(ref, want)]}", flush=True)
-        del gu, layouts, q, s, h, gq, gs, uq, us
+        gu = layouts = q = s = h = gq = gs = uq = us = None  # freed before the next shape
         torch.cuda.empty_cache()
 
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from mxfx.formats import mxfp8  # noqa: I001 (registration order: the default format first)
-from mxfx.formats import fp8_block
-from mxfx.formats import bf16_gemm
+from mxfx.formats import mxfp8  # registered first: the default format
+from mxfx.formats import fp8_block  # noqa: F401 (registers the format)
+from mxfx.formats import bf16_gemm  # noqa: F401 (registers the format)
 from mxfx.formats.base import Format, ScaleRule, registered
 from mxfx import device as _device
 
