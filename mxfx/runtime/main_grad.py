@@ -73,17 +73,19 @@ VIEW_NODES = frozenset({"TransposeBackward0", "TransposeBackward1", "TBackward0"
                         "AsStridedBackward0"})
 """Backward nodes of views between a weight an op read and its parameter (an eager op fed ``W.transpose(-2, -1)``);
 a compiled graph takes the parameter itself as its input."""
-_local = threading.local()  # per backward thread: the leaves the running node reaches (_leaves)
+_local = threading.local()  # per backward thread: the leaves the running node reaches and the weights found (_memo)
 
 
-def _leaves(op: str, node) -> list[tuple[tuple[int, int, int], tuple[int, ...]]]:
-    """``(storage span of the leaf, path to its AccumulateGrad node)`` for every leaf input of the backward node
-    ``node``, through :data:`VIEW_NODES` (a path: the indices into ``next_functions`` from ``node``); found once per
-    node and graph task (a graph of a whole model has an input per parameter), holding no tensor."""
+def _memo(node) -> tuple[list[tuple[tuple[int, int, int], tuple[int, ...]]], dict]:
+    """``(leaves, found)`` of the backward node ``node``: ``leaves`` lists ``(storage span of the leaf, path to its
+    AccumulateGrad node)`` for every leaf input, through :data:`VIEW_NODES` (a path: the indices into
+    ``next_functions`` from ``node``); ``found`` maps a weight's storage span to the path :func:`_accumulator`
+    chose for it (None: no leaf holds it). Both built once per node and graph task (a graph of a whole model has an
+    input per parameter and a fused op per weight), holding no tensor."""
     key = (torch._C._current_graph_task_id(), id(node), node._sequence_nr())  # nodes die and ids recur in a task
     memo = getattr(_local, "memo", None)
     if memo is None or memo[0] != key:
-        found, frontier, seen = [], [(node, ())], set()
+        leaves, frontier, seen = [], [(node, ())], set()
         while frontier:
             nxt = []
             for n, path in frontier:
@@ -93,12 +95,12 @@ def _leaves(op: str, node) -> list[tuple[tuple[int, int, int], tuple[int, ...]]]
                     seen.add(id(fn))
                     leaf = getattr(fn, "variable", None)  # an AccumulateGrad node
                     if leaf is not None:
-                        found.append((_span(leaf), (*path, i)))
+                        leaves.append((_span(leaf), (*path, i)))
                     elif fn.name() in VIEW_NODES:
                         nxt.append((fn, (*path, i)))
             frontier = nxt
-        memo = _local.memo = (key, found)
-    return memo[1]
+        memo = _local.memo = (key, leaves, {})
+    return memo[1], memo[2]
 
 
 def _accumulator(weight: torch.Tensor, op: str):
@@ -107,14 +109,19 @@ def _accumulator(weight: torch.Tensor, op: str):
     node = torch._C._current_autograd_node()
     if node is None:
         raise RuntimeError(f"{op}: runs only inside a backward pass (it writes a parameter's .grad as autograd would)")
-    storage, lo, hi = _span(weight)
-    for (s, first, last), path in _leaves(op, node):
-        if s == storage and first <= lo and hi <= last:
-            fn = node
-            for i in path:
-                fn = fn.next_functions[i][0]
-            return fn
-    return None
+    leaves, found = _memo(node)
+    span = _span(weight)
+    if span not in found:
+        storage, lo, hi = span
+        found[span] = next((path for (s, first, last), path in leaves if s == storage and first <= lo and hi <= last),
+                           None)
+    path = found[span]
+    if path is None:
+        return None
+    fn = node
+    for i in path:
+        fn = fn.next_functions[i][0]
+    return fn
 
 
 def _span(t: torch.Tensor) -> tuple[int, int, int]:
