@@ -3,7 +3,7 @@
 :func:`profile_trace` reads a ``torch.profiler`` profile as its Chrome trace (the exported JSON);
 :func:`step_breakdown` sums one profiled step of it by family; :func:`kernel_family` names the family of one kernel
 from its name and the CPU ops it was launched under; :func:`breakdown_table` prints one arm's breakdown and host
-time. Families (:data:`FAMILIES`):
+time; :func:`kernel_comparison` sets the costliest kernels of several arms side by side. Families (:data:`FAMILIES`):
 
 * ``routed GEMM``: the grouped expert GEMMs (forward, dgrad, wgrad): mxfx's grouped ops and Triton kernels,
   ``torch._grouped_mm`` / ``torch._scaled_grouped_mm`` (cutlass grouped kernels), transformers' grouped-GEMM
@@ -314,4 +314,26 @@ def breakdown_table(title: str, arm: dict) -> str:
     lines += [f"| **step**, wall (steady) | {step:.2f} | 100.0 | | {profiled} |",
               f"| host issue, wall | {arm['host_issue_ms']:.2f} | {pct(arm['host_issue_ms'], step)} | | |",
               f"| host CPU | {arm['host_cpu_ms']:.2f} | {pct(arm['host_cpu_ms'], step)} | | |"]
+    return "\n".join(lines)
+
+
+def kernel_comparison(arms: Sequence[tuple[str, dict]], rows: int = 30) -> str:
+    """The costliest kernels of several arms side by side: a markdown table with one row per kernel name (Inductor's
+    ``_<n>`` numbering dropped, so that a kernel of each microbatch's graph is one row) and per arm its ms per step
+    and calls, the ``rows`` rows with the most time in any arm first. ``arms``: ``(name, breakdown)`` pairs, each a
+    :func:`step_breakdown` result; a kernel outside an arm's ``top`` list shows ``-`` there (absent, or cheaper than
+    the arm's last listed kernel)."""
+    merged: dict[tuple[str, str], dict[str, list]] = defaultdict(dict)
+    for arm, where in arms:
+        for k in where["top"]:
+            cell = merged[(_INDUCTOR_SUFFIX.sub("", k["name"]), k["family"])].setdefault(arm, [0.0, 0])
+            cell[0] += k["ms"]
+            cell[1] += k["calls"]
+    order = sorted(merged.items(), key=lambda kv: -max(ms for ms, _ in kv[1].values()))[:rows]
+    names = [arm for arm, _ in arms]
+    lines = ["| kernel | family | " + " | ".join(f"{a} ms (calls)" for a in names) + " |",
+             "|---|---|" + "---:|" * len(names)]
+    for (kernel, family), cells in order:
+        shown = [f"{cells[a][0]:.2f} ({cells[a][1]})" if a in cells else "-" for a in names]
+        lines.append(f"| {kernel[:90]} | {family} | " + " | ".join(shown) + " |")
     return "\n".join(lines)

@@ -82,11 +82,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import functools
 import gc
 import json
 import math
 import os
+import pstats
 import sys
 import time
 import traceback
@@ -320,6 +322,26 @@ def _profiler(device: str):
     return torch.profiler.profile(activities=activities)
 
 
+HOST_FUNCTIONS = 30
+"""Python functions ``--host-profile`` lists per arm."""
+
+
+def host_functions(prof: cProfile.Profile, n: int = HOST_FUNCTIONS) -> list[dict]:
+    """The ``n`` Python functions with the most own time in a ``cProfile`` run: ``{"function", "calls", "own_ms",
+    "cumulative_ms"}`` each, costliest first."""
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (primitive calls, calls, own s, cumulative s, callers)}
+    ranked = sorted(stats.items(), key=lambda kv: -kv[1][2])[:n]
+    return [{"function": f"{os.path.relpath(f, ROOT) if f.startswith(ROOT) else f}:{line}({name})", "calls": c,
+             "own_ms": 1e3 * own, "cumulative_ms": 1e3 * cum} for (f, line, name), (_, c, own, cum, _) in ranked]
+
+
+def host_table(title: str, functions: list[dict]) -> str:
+    lines = [f"| {title}: function | calls | own ms | cumulative ms |", "|---|---:|---:|---:|"]
+    lines += [f"| {f['function'][-100:]} | {f['calls']} | {f['own_ms']:.2f} | {f['cumulative_ms']:.2f} |"
+              for f in functions]
+    return "\n".join(lines)
+
+
 def run_arm(arm: Arm, args, train, val, device: str) -> dict:
     """Train one arm for ``args.steps`` steps; returns its measurements (or the reason it could not run)."""
     gc.collect()
@@ -349,6 +371,9 @@ def run_arm(arm: Arm, args, train, val, device: str) -> dict:
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, args.steps, args.warmup, args.lr)
             profiled = args.profile and step == args.steps - 1
+            host_profiled = args.host_profile and step == args.steps - 1 - args.profile
+            host_prof = cProfile.Profile() if host_profiled else None
+            host_prof.enable() if host_prof else None
             with _profiler(device) if profiled else contextlib.nullcontext() as prof:
                 _sync(device)
                 t0, c0 = time.perf_counter(), time.process_time()
@@ -362,11 +387,14 @@ def run_arm(arm: Arm, args, train, val, device: str) -> dict:
                 host_issue.append(time.perf_counter() - t0)
                 _sync(device)
             times.append(time.perf_counter() - t0)
+            if host_prof:
+                host_prof.disable()
+                res["host_profile"] = host_functions(host_prof)
             if phases.parts:
                 print(f"  {args.model} {arm.name} step {step}: " + "; ".join(phases.parts), flush=True)
                 phases.parts = []
             if profiled:
-                res["breakdown"] = breakdown.step_breakdown(breakdown.profile_trace(prof), device)
+                res["breakdown"] = breakdown.step_breakdown(breakdown.profile_trace(prof), device, top=60)
                 res["profiled_step_ms"] = 1e3 * times[-1]
                 print(f"  {args.model} {arm.name} step {step} profiled: {res['breakdown']['total_ms']:.1f} ms of "
                       f"{res['breakdown']['source']} in a {res['profiled_step_ms']:.1f} ms step", flush=True)
@@ -384,7 +412,10 @@ def run_arm(arm: Arm, args, train, val, device: str) -> dict:
         res["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
         return res
     # steady steps: past the first --skip, the profiled step left out (the profiler slows it); at least one step
-    kept = [i for i in range(args.skip, len(times)) if not (args.profile and i == len(times) - 1)] or [len(times) - 1]
+    last = len(times) - 1  # the profiled step, and the host-profiled one before it, are left out
+    slowed = {last} if args.profile else set()
+    slowed |= {last - args.profile} if args.host_profile else set()
+    kept = [i for i in range(args.skip, len(times)) if i not in slowed] or [last]
     steady = [times[i] for i in kept]
     if args.stats_every:  # sampled against unsampled steady steps (the issue's <= 10% goal)
         on = [times[i] for i in kept if sampled[i]]
@@ -461,6 +492,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--profile", action="store_true",
                    help="profile the last step: its device time by kernel family and its costliest kernels (the "
                         "profiler slows that step, left out of tokens/s)")
+    p.add_argument("--host-profile", action="store_true",
+                   help="run the step before the profiled one (or the last) under cProfile and print the Python "
+                        "functions with the most own time in it (left out of tokens/s)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny dims, a few steps (CI)")
     p.add_argument("--stats-every", type=int, default=0,
                    help="quantization statistics of the mxfx arms every N optimizer steps (MXFX_STATS; 0: off); reports "
@@ -512,6 +546,15 @@ def main(argv=None) -> list[dict]:
             print(f"\nwhere the step goes, {r['model']} / {r['arm']} ({args.microbatches} microbatch(es) per step; "
                   f"device: {device}):")
             print(breakdown.breakdown_table(f"{r['model']} / {r['arm']}", r))
+    for r in results:
+        if "host_profile" in r:
+            print(f"\nhost time, {r['model']} / {r['arm']}: one step under cProfile")
+            print(host_table(f"{r['model']} / {r['arm']}", r["host_profile"]))
+    for model in models:
+        profiled = [(r["arm"], r["breakdown"]) for r in results if r["model"] == model and "breakdown" in r]
+        if profiled:
+            print(f"\ncostliest kernels, {model}, ms per step (calls):")
+            print(breakdown.kernel_comparison(profiled))
     return results
 
 

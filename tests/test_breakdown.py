@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.breakdown import FAMILIES, MXFX_KERNELS, breakdown_table, kernel_family, profile_trace, step_breakdown
+from bench.breakdown import (FAMILIES, MXFX_KERNELS, breakdown_table, kernel_comparison, kernel_family, profile_trace,
+                             step_breakdown)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -257,3 +258,21 @@ def test_step_breakdown_cpu_profile():
     assert lines[2 + len(FAMILIES)].startswith(f"| **CPU op self time** (families' sum) | {out['total_ms']:.2f} | 50.0 |")
     assert lines[-2].startswith("| host issue, wall | 1.50 |")
     assert len(breakdown_table("tiny / bf16", {**arm, "breakdown": None}).splitlines()) == 5
+
+
+def test_kernel_comparison_merges_inductor_numbering_and_orders_by_cost():
+    """Kernels of one name in several graphs (Inductor's ``_<n>`` suffixes) are one row; rows are ordered by their
+    largest time in any arm; a kernel an arm did not list shows ``-`` there."""
+    def top(*kernels):
+        return {"top": [{"name": n, "family": f, "ms": ms, "calls": c} for n, f, ms, c in kernels]}
+
+    a = top(("triton_poi_fused_add_3", "other", 2.0, 4), ("triton_poi_fused_add_7", "other", 1.0, 4),
+            ("_grouped_kernel", "routed GEMM", 5.0, 16))
+    b = top(("_grouped_wgrad_into_kernel", "routed GEMM", 7.5, 8), ("triton_poi_fused_add_1", "other", 0.5, 8))
+    lines = kernel_comparison([("bf16", b), ("fp8", a)]).splitlines()
+    assert lines[0] == "| kernel | family | bf16 ms (calls) | fp8 ms (calls) |"
+    assert lines[2:] == [
+        "| _grouped_wgrad_into_kernel | routed GEMM | 7.50 (8) | - |",
+        "| _grouped_kernel | routed GEMM | - | 5.00 (16) |",
+        "| triton_poi_fused_add | other | 0.50 (8) | 3.00 (8) |",
+    ]
