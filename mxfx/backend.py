@@ -27,6 +27,7 @@ from mxfx.passes.fx import PREFIX_META, all_graphs, example_value, fill_example_
 from mxfx.policy import Policy
 
 log = logging.getLogger("mxfx")
+coverage.watch_steps()  # torch loads this module to resolve backend="mxfp8": a model it then never sees is told of
 _warned_float16 = False  # the float16 warning is given once per process
 
 

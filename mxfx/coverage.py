@@ -24,6 +24,9 @@ has compiled by then), or at exit (:mod:`mxfx.judgment`). The judgment warns, ea
   breaks Dynamo recorded while it compiled the model (:func:`mxfx.graph_breaks.new`: the reason and where); a break
   inside an activation-checkpointed region by a side effect of its forward names the Dynamo setting that keeps the
   region in the graph (:data:`mxfx.graph_breaks.CHECKPOINT_SETTING`).
+* **A model no graph reached** (:func:`watch_steps`): an optimizer whose weights no compiled graph took at all is
+  warned about at its first step. Dynamo skips a forward whole (no graph reaches the backend, so no model is
+  observed) when it breaks inside a loop, such as one over experts with ``torch.where`` per expert.
 
 Keyed by model, not by module names: a second model gets its own complete warnings, whatever names it shares
 with the first. Graphs that belong to no model (an optimizer step, a compiled function) share one process-wide
@@ -42,6 +45,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch._dynamo.eval_frame import OptimizedModule
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from mxfx import graph_breaks, names
 from mxfx.judgment import Judgments
@@ -77,6 +81,8 @@ class _Model:
 _lock = threading.Lock()
 _models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _Model
 _anonymous = _Model(None, "graphs outside any model")
+_stepped: weakref.WeakSet = weakref.WeakSet()  # optimizers whose first step was checked (:func:`watch_steps`)
+_watching: list = []  # the step post-hook's handle, once registered
 
 
 def model_of(params: dict[str, torch.Tensor]) -> torch.nn.Module | None:
@@ -268,6 +274,52 @@ def _unread_message(where: str, missed: list[str], breaks: list[graph_breaks.Gra
                  f"backward recomputes the region. ")
     return text + ("torch._dynamo.explain shows where the forward breaks; an expert implementation without a Python "
                    "loop over the experts (transformers: experts_implementation='grouped_mm') keeps them in the graph.")
+
+
+def watch_steps() -> None:
+    """Check each optimizer's first step (a global step post-hook, registered once): when none of the weights it
+    steps (floating, two or more dims, with a gradient) was taken by a graph the backend compiled, warn with their
+    names (:func:`_unseen_message`). Coverage of a model some graph reached is :func:`unread_weights`' part."""
+    with _lock:
+        if not _watching:
+            _watching.append(register_optimizer_step_post_hook(_first_step))
+
+
+def _first_step(optimizer, args, kwargs) -> None:
+    if optimizer in _stepped:
+        return
+    _stepped.add(optimizer)
+    named = [(name, p) for group in optimizer.param_groups
+             for name, p in zip(group.get("param_names") or [None] * len(group["params"]), group["params"])
+             if p.grad is not None and p.dim() >= 2 and p.is_floating_point()]
+    with _lock:
+        taken = set().union(_anonymous.inputs, *(scope.inputs for scope in list(_models.values())))
+    if named and not any(id(p) in taken for _, p in named):
+        _warn(_unseen_message(type(optimizer).__name__, named, graph_breaks.new()))
+
+
+_first_step = torch.compiler.disable(_first_step, recursive=True)
+
+
+def _unseen_message(optimizer: str, named: list, breaks: list[graph_breaks.GraphBreak]) -> str:
+    """The warning for an optimizer whose ``named`` weights ((name or None, tensor) pairs) no compiled graph took.
+    Names come from the optimizer (built over ``model.named_parameters()``), else from the models registered
+    with :func:`mxfx.name_modules`, else shapes stand for them."""
+    by_id = {id(p): n for root in names.roots() for n, p in names.parameters_by_name(root).items()}
+    found = [name or by_id.get(id(p)) for name, p in named]
+    said = listed(found) if all(found) else (
+        f"shapes {listed([tuple(p.shape) for _, p in named])} (an optimizer built over model.named_parameters(), or "
+        f"mxfx.name_modules(model), has them named)")
+    text = (f"mxfx: {optimizer} stepped {len(named)} weight(s) that no graph compiled by the mxfp8 backend took, so "
+            f"none was converted: their model ran outside torch.compile, in its own precision: {said}. ")
+    if breaks:
+        text += f"Graph breaks Dynamo recorded: {'; '.join(map(str, breaks[:4]))}. "
+    else:
+        text += ("Dynamo compiled no graph of it: it skips a whole forward when the forward breaks inside a loop "
+                 "(a loop over the experts with torch.where per expert breaks on the data-dependent shape). ")
+    return text + ("torch.compile(model, backend='mxfp8', fullgraph=True) raises at the line that breaks; an expert "
+                   "implementation without a Python loop over the experts (grouped GEMMs, torch._grouped_mm; "
+                   "transformers: experts_implementation='grouped_mm') keeps them in the graph.")
 
 
 def _real_values(gm: fx.GraphModule, example_inputs) -> dict:

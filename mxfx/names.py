@@ -45,6 +45,11 @@ def name_modules(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def roots() -> list[torch.nn.Module]:
+    """The models registered with :func:`name_modules` that are alive."""
+    return list(_roots)
+
+
 @dataclass(frozen=True)
 class Place:
     """Where a compiled graph sits in a model: ``root`` (the model, or None), the full-name ``prefix`` of the
