@@ -164,7 +164,7 @@ def rewrite(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
             if not dead.users:
                 gm.graph.erase_node(dead)
         shapes += f" -> {str(out.dtype).removeprefix('torch.')}"
-        pm.add(OpRecord(new.name, "grouped_mm", module, shapes, scale_rule=d.scale_rule, **columns.converted_gemm(
+        pm.add(OpRecord(new.name, "grouped_mm", module, shapes, scale_rule=d.format.rule_shown(d.scale_rule), **columns.converted_gemm(
             d, out, x, w, GROUPED_WGRAD, "was batched_mm (W[ids] then bmm): rows sorted by expert")))
         rewritten += 1
     return rewritten

@@ -192,7 +192,7 @@ def _rewrite_grouped(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> in
         shapes += f" -> {str(out_dtype).removeprefix('torch.')}"
         note = f"was {op.name}" + (f" ({str(replaced).removeprefix('torch.')} out)" if replaced != out_dtype else "")
         note = "; ".join(filter(None, (note, _kernel_note(d.settings.format, x.device, b, out_dtype))))
-        pm.add(OpRecord(new.name, "grouped_mm", module, shapes, scale_rule=d.scale_rule,
+        pm.add(OpRecord(new.name, "grouped_mm", module, shapes, scale_rule=d.format.rule_shown(d.scale_rule),
                         **columns.converted_gemm(d, out, example_value(x_src), b, GROUPED_WGRAD, note)))
         rewritten += 1
     return rewritten

@@ -119,7 +119,7 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         if kind == "router":
             _warn_wildcard_router(d.rule, module)
         # a high-precision wgrad multiplies dY, in the output's dtype
-        pm.add(OpRecord(new.name, kind, module, shapes, scale_rule=d.scale_rule,
+        pm.add(OpRecord(new.name, kind, module, shapes, scale_rule=d.format.rule_shown(d.scale_rule),
                         **columns.converted_gemm(d, out, x, w, columns.ran(out))))
         rewritten += 1
     if distributed:

@@ -116,7 +116,7 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         fmt = consumer.format.name
         # backward in fp32 from gate and up, saved in the format or as they are
         saved = fmt if d.save == "mxfp8" else columns.ran(g)
-        pm.add(OpRecord(node.name, "swiglu", module, shapes, scale_rule=consumer.scale_rule,
+        pm.add(OpRecord(node.name, "swiglu", module, shapes, scale_rule=consumer.format.rule_shown(consumer.scale_rule),
                         **columns.gemm_columns(product, g, None, fmt, "fp32", "-", saved, "fused into " + node.name)))
         fused += 1
     return fused
