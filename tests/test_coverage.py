@@ -1,4 +1,5 @@
-"""What a compiled model leaves unconverted is said once per model (mxfx.coverage): layers whose shapes do not fit,
+"""What a compiled model leaves unconverted is said once per model (mxfx.diagnostics.coverage): layers whose shapes do
+not fit,
 MoE experts no compiled graph saw, and every model's complete list, whatever names an earlier model shared."""
 
 import warnings

@@ -42,7 +42,7 @@ import torch.fx as fx
 
 from mxfx.ops.all_to_all import mx_all_to_all
 from mxfx.passes import columns
-from mxfx.passes.fx import example_value, is_call, module_fqn, shape_str, unique_stats_site
+from mxfx.fx import example_value, is_call, module_fqn, shape_str, unique_stats_site
 from mxfx.policy import Policy
 from mxfx.report import OpRecord, PrecisionMap
 

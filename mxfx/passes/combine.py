@@ -36,7 +36,7 @@ from mxfx.ops.all_to_all import mx_all_to_all
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
 from mxfx.ops.settings import settings_of
 from mxfx.passes import columns
-from mxfx.passes.fx import example_value, is_call, module_fqn, shape_str
+from mxfx.fx import example_value, is_call, module_fqn, shape_str
 from mxfx.policy import Policy
 from mxfx.report import OpRecord, PrecisionMap, precision_of
 

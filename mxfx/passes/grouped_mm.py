@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from mxfx.passes import batched_mm, columns
 from mxfx.passes.expert_gemm import GROUPED_WGRAD, decide, insert_grouped
-from mxfx.passes.fx import (
+from mxfx.fx import (
     CASTS, erase_unused_chain, example_value, mixed_dtype_reason, module_fqn, shape_str, size_hint, weight_source,
 )
 from mxfx.policy import Policy

@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from mxfx.ops.linear import mx_linear
 from mxfx.passes import columns
-from mxfx.passes.fx import (
+from mxfx.fx import (
     autocast_devices, erase_unused_chain, example_value, gemm_size, is_dtensor, mixed_dtype_reason, module_fqn,
     shape_str, size_hint, unique_stats_site, weight_source,
 )

@@ -28,7 +28,7 @@ from mxfx.ops.grouped_mm import mx_grouped_mm_op
 from mxfx.ops.settings import settings_of
 from mxfx.ops.linear import mx_linear
 from mxfx.passes import columns
-from mxfx.passes.fx import CASTS, example_value, is_call, module_fqn, shape_str
+from mxfx.fx import CASTS, example_value, is_call, module_fqn, shape_str
 from mxfx.policy import Policy
 from mxfx.report import OpRecord, PrecisionMap
 

@@ -17,7 +17,7 @@ import torch.fx as fx
 
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
 from mxfx.ops.linear import mx_linear
-from mxfx.passes.fx import all_graphs, module_fqn, weight_source
+from mxfx.fx import all_graphs, module_fqn, weight_source
 from mxfx.report import PrecisionMap
 from mxfx.runtime import main_grad
 
@@ -41,7 +41,8 @@ def settle(gm: fx.GraphModule, inputs: list[list], pm: PrecisionMap) -> int:
     fused = 0
     for g in all_graphs(gm):
         for node in g.graph.nodes:
-            if node.op != "call_function" or node.target not in (mx_linear, mx_grouped_mm_op) or not node.kwargs.get(FIELD):
+            fused_op = node.op == "call_function" and node.target in (mx_linear, mx_grouped_mm_op)
+            if not fused_op or not node.kwargs.get(FIELD):
                 continue
             if g is not gm and g not in judged_bodies:
                 continue  # the body of another higher-order op: judged by its backward
