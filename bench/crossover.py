@@ -17,7 +17,7 @@ ops that compiled graphs call the same way), wall-clock means on CPU.
 
 Prints the ratios ``bf16 time / mx time`` (> 1: MXFP8 faster), writes the
 measurements to ``<out>/crossover.json`` and a plot to ``<out>/crossover.png``, and
-on a GPU also to ``mxfx/data/crossover_sm<major><minor>.json``, the table that
+on a GPU also to ``mxfx/policy/crossover_sm<major><minor>.json``, the table that
 ``Policy(min_size="auto")`` reads (``--no-save-table`` to skip).
 
     python bench/crossover.py                               # GPU, ~2-3 min on an H200
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mxfx.runtime import cache  # noqa: E402
-from mxfx.runtime import crossover  # noqa: E402
+from mxfx.policy import crossover  # noqa: E402
 from mxfx.ops.linear import mx_linear  # noqa: E402
 
 FAMILIES = [(1024, 1024), (2048, 2048), (4096, 4096), (4096, 14336), (2048, 1024)]  # (K, N)
@@ -125,7 +125,7 @@ def main():
     p.add_argument("--quick", action="store_true", help="toy families and M (CPU smoke run)")
     p.add_argument("--out", default=os.environ.get("MXFX_BENCH_OUT", "runs/crossover"), help="directory for crossover.png/.json")
     p.add_argument("--rep-ms", type=int, default=60, help="do_bench repetition time per measurement (CUDA)")
-    p.add_argument("--no-save-table", action="store_true", help="do not write mxfx/data/crossover_<cc>.json")
+    p.add_argument("--no-save-table", action="store_true", help="do not write mxfx/policy/crossover_<cc>.json")
     a = p.parse_args()
     families, ms = (QUICK_FAMILIES, QUICK_MS) if a.quick else (FAMILIES, MS)
     device = a.device

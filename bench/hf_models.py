@@ -10,7 +10,8 @@ Models (random init, ``--layers`` decoder layers at the per-layer shapes of the 
 
 ``--dims small`` shrinks both to what a CPU trains in minutes (hidden 128, 2 heads of 64, 16 experts
 top-4, expert hidden 128: feature dims multiples of 128, so fp8_block converts every GEMM too);
-``--smoke`` uses tiny dims.
+``--smoke`` uses tiny dims (4 experts top-2), hidden and expert hidden 128 so that fp8_block's 128-blocks tile
+the expert GEMMs too.
 
 Arms (:data:`ARMS`; one line each), all in one
 process, same initial weights and the same batches of real text (``examples/data.py``),
@@ -128,8 +129,8 @@ def model_config(name: str, layers: int, dims: str = "real"):
                          num_experts=64, num_experts_per_tok=8),
             "small": dict(hidden_size=128, intermediate_size=128, num_attention_heads=2, num_key_value_heads=2,
                           num_experts=16, num_experts_per_tok=4),
-            "smoke": dict(hidden_size=64, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2, num_experts=4,
-                          num_experts_per_tok=2),
+            "smoke": dict(hidden_size=128, intermediate_size=128, num_attention_heads=2, num_key_value_heads=2,
+                          num_experts=4, num_experts_per_tok=2),
         }
         return T.OlmoeConfig(**dims_of[dims], **common)
     if name == "qwen3":
@@ -138,8 +139,8 @@ def model_config(name: str, layers: int, dims: str = "real"):
                          num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8),
             "small": dict(hidden_size=128, intermediate_size=384, moe_intermediate_size=128, num_attention_heads=2,
                           num_key_value_heads=2, head_dim=64, num_experts=16, num_experts_per_tok=4),
-            "smoke": dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=64, num_attention_heads=2,
-                          num_key_value_heads=1, head_dim=32, num_experts=4, num_experts_per_tok=2),
+            "smoke": dict(hidden_size=128, intermediate_size=128, moe_intermediate_size=128, num_attention_heads=2,
+                          num_key_value_heads=1, head_dim=64, num_experts=4, num_experts_per_tok=2),
         }
         return T.Qwen3MoeConfig(**dims_of[dims], **common)
     raise SystemExit(f"hf_models: unknown --model {name!r}; choose olmoe or qwen3")

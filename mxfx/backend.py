@@ -17,16 +17,18 @@ import torch
 import torch.fx as fx
 from torch._dynamo.exc import RestartAnalysis
 
-from mxfx import cache_key, coverage, names, passes, recompiles, report, rule_check, variants
+from mxfx import cache_key, names, passes, report, variants
+from mxfx.diagnostics import coverage, recompiles, rule_check
 from mxfx.runtime import cache, stats
 from mxfx import formats
 from mxfx import device as devices
 from mxfx.kernels.common import launch
 from mxfx.passes import weight_refresh, wgrad_accumulation
-from mxfx.passes.fx import PREFIX_META, all_graphs, example_value, fill_example_values, parameter_placeholders, stats_sites
+from mxfx.fx import PREFIX_META, all_graphs, example_value, fill_example_values, parameter_placeholders, stats_sites
 from mxfx.policy import Policy
 
 log = logging.getLogger("mxfx")
+coverage.watch_steps()  # torch loads this module to resolve backend="mxfp8": a model it then never sees is told of
 _warned_float16 = False  # the float16 warning is given once per process
 
 

@@ -7,12 +7,12 @@ model's ``named_modules()`` (``layers.3.attention.wq``). The backend finds the b
 which arrive in the graph as placeholders holding the real tensors: the full name of one of them in the model,
 minus its block-relative name, is the prefix of every module of that graph (:func:`graph_place`). The model is
 one registered with :func:`name_modules`, else the one whose call is running around the compile
-(``mxfx.coverage.model_of``).
+(``mxfx.diagnostics.coverage.model_of``).
 
 Dynamo compiles the code of identical blocks once and runs every block of that kind through the same graph
 (its parameters are graph inputs); :func:`graph_place` also returns the places of those blocks, so that the
 backend can compile a variant for the blocks the policy decides differently for (:mod:`mxfx.variants`).
-Activation-checkpoint and ``torch.compile`` wrappers are left out of names (``mxfx.passes.fx.strip_wrappers``).
+Activation-checkpoint and ``torch.compile`` wrappers are left out of names (``mxfx.fx.strip_wrappers``).
 
 The roots are held weakly and their parameters are looked up when a graph is compiled, so
 parameters replaced after registration (FSDP2's ``fully_shard`` and its unsharded parameters
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mxfx.passes.fx import strip_wrappers
+from mxfx.fx import strip_wrappers
 
 _roots: weakref.WeakSet = weakref.WeakSet()
 
@@ -45,6 +45,11 @@ def name_modules(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def roots() -> list[torch.nn.Module]:
+    """The models registered with :func:`name_modules` that are alive."""
+    return list(_roots)
+
+
 @dataclass(frozen=True)
 class Place:
     """Where a compiled graph sits in a model: ``root`` (the model, or None), the full-name ``prefix`` of the
@@ -60,7 +65,8 @@ class Place:
 def graph_place(params: dict[str, torch.Tensor], running: torch.nn.Module | None = None) -> Place:
     """The :class:`Place` of a graph whose parameter placeholders are ``params`` (graph-relative dotted name -> the
     real tensor): found in the registered roots, else in ``running`` (the model whose call is running around the
-    compile, ``mxfx.coverage.model_of``), so that a graph cut out of a layer by a graph break, or a block compiled
+    compile, ``mxfx.diagnostics.coverage.model_of``), so that a graph cut out of a layer by a graph break, or a block
+    compiled
     on its own inside the model, is named from the model. ``Place()`` (the graph's own names are the full names)
     when neither holds one of ``params``.
     """

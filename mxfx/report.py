@@ -63,12 +63,12 @@ class OpRecord:
     dgrad: str
     wgrad: str
     saved: str
-    scale_rule: str
+    scale_rule: str | None  # None: the op's format has no scales (shown as NONE)
     reason: str = ""
     saved_bytes: tuple[int, int] = (0, 0)  # nominal bytes of the saved input: (as the op as written saves it, as chosen)
 
     def __post_init__(self):
-        self.scale_rule = str(self.scale_rule)  # a ScaleRule prints as its value
+        self.scale_rule = NONE if self.scale_rule is None else str(self.scale_rule)  # a ScaleRule prints as its value
 
     @property
     def rewritten(self) -> bool:

@@ -140,6 +140,7 @@ def test_hf_models_smoke(monkeypatch, tmp_path):
             assert where["ms"][family] > 0, (arm, family, where["ms"])
     assert by_arm["mxfp8"]["breakdown"]["ms"]["quantize/layout"] > 0
     assert by_arm["mxfp8"]["expert_gemms_mx"] == 2 and by_arm["mxfp8"]["not_rewritten"] == 0
+    assert by_arm["fp8_block"]["expert_gemms_mx"] == 2 and by_arm["fp8_block"]["expert_gemms_kept"] == 0  # 128-wide
     # format="bf16_gemm": transformers' FP32 expert fallback rewritten into BF16 grouped GEMMs from cached casts
     grouped = by_arm["bf16-grouped"]
     assert grouped["expert_gemms_mx"] == 2 and grouped["expert_gemms_kept"] == 0 and grouped["not_rewritten"] == 0

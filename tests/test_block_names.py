@@ -16,7 +16,7 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 import mxfx
-from mxfx import rule_check
+from mxfx.diagnostics import rule_check
 from mxfx.runtime import cache
 
 from tests.models import Block, MoETransformer, tiny_config

@@ -1,4 +1,5 @@
-"""What a compiled model leaves unconverted is said once per model (mxfx.coverage): layers whose shapes do not fit,
+"""What a compiled model leaves unconverted is said once per model (mxfx.diagnostics.coverage): layers whose shapes do
+not fit,
 MoE experts no compiled graph saw, and every model's complete list, whatever names an earlier model shared."""
 
 import warnings
@@ -361,3 +362,60 @@ def test_bf16_gemm_names_its_alignment_not_blocks():
                                          r"GEMM alignment: 16-byte rows\), got 100->60"):
         mx_linear(torch.randn(4, 100), torch.randn(60, 100), format="bf16_gemm")
     assert formats.get("mxfp8").unfit_reason(100, 60) == "features 100->60 are not multiples of 32 (mxfp8 blocks)"
+
+
+class TopLevelLoopMoE(nn.Module):
+    """A hand-written MoE compiled as the model itself: its forward loops over the experts with ``torch.where``
+    (a data-dependent shape) per expert, so Dynamo skips the whole frame and no graph reaches the backend."""
+
+    def __init__(self, d: int = 64, n: int = 4):
+        super().__init__()
+        self.proj, self.router = nn.Linear(d, d), nn.Linear(d, n, bias=False)
+        self.w = nn.Parameter(torch.randn(n, d, d) / 8)
+
+    def forward(self, x):
+        x = self.proj(x)
+        top = self.router(x).argmax(-1)
+        out = torch.zeros(x.shape[0], self.w.shape[-1])
+        for e in range(self.w.shape[0]):
+            idx = torch.where(top == e)[0]
+            out.index_add_(0, idx, (x[idx] @ self.w[e]).float())
+        return out
+
+
+def _train_two_steps(model, opt) -> list[str]:
+    compiled = torch.compile(model, backend="mxfp8", options=OPTS)
+    torch._dynamo.reset()
+
+    def steps():
+        for _ in range(2):
+            with torch.autocast("cpu", torch.bfloat16):
+                compiled(torch.randn(32, 64)).float().sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+    return _mxfx_warnings(steps)
+
+
+def test_a_model_dynamo_skips_whole_is_named_at_the_first_step():
+    """FP32 parameters under BF16 autocast, two steps: no graph reaches the backend (no precision map), and the
+    first optimizer step names the weights it stepped (the router's gets no gradient through argmax), once."""
+    model = TopLevelLoopMoE()
+    before = len(mxfx.all_reports())
+    messages = _train_two_steps(model, torch.optim.SGD(model.named_parameters(), lr=0.1))
+    assert len(mxfx.all_reports()) == before
+    (message,) = [m for m in messages if "no graph compiled by the mxfp8 backend took" in m]
+    assert "SGD stepped 2 weight(s)" in message and "'w', 'proj.weight'" in message, message
+    assert "Dynamo compiled no graph of it" in message and "fullgraph=True" in message
+    # without names from the optimizer: a model registered with mxfx.name_modules names them
+    model = mxfx.name_modules(TopLevelLoopMoE())
+    (message,) = [m for m in _train_two_steps(model, torch.optim.SGD(model.parameters(), lr=0.1))
+                  if "no graph compiled" in m]
+    assert "'w', 'proj.weight'" in message, message
+
+
+def test_a_model_a_graph_reached_is_not_called_skipped():
+    model = Partly()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _compile_and_run(model, torch.randn(64, 256))
+    assert not [m for m in _mxfx_warnings(opt.step) if "no graph compiled" in m]

@@ -25,7 +25,7 @@ from torchao.prototype.mx_formats.utils import from_blocked as ao_from_blocked
 from torchao.prototype.mx_formats.utils import to_blocked as ao_to_blocked
 
 from mxfx.runtime import cache
-from mxfx.runtime import crossover
+from mxfx.policy import crossover
 from mxfx.numerics import layout
 from mxfx.formats.mxfp8 import FORMAT as MXFP8
 from mxfx import device as mx_device

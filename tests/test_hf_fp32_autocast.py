@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import mxfx
-from mxfx import graph_breaks
+from mxfx.diagnostics import graph_breaks
 from mxfx.passes import unconverted
 from tests.helpers import lm_loss_and_grads
 

@@ -180,6 +180,16 @@ def test_summary_names_growth_as_growth():
     assert "4480 B as written -> 4800 B (7.1% more, nominal)" in pm.summary()
 
 
+def test_a_format_without_scales_shows_no_scale_rule():
+    """bf16_gemm has no scales: its rows show no scale rule ("-"), in the records and in the printed map; an MXFP8
+    row shows the rule its scales follow."""
+    pm = _packing(64, {"format": "bf16_gemm"})
+    rows = [r for r in pm.records if r.kind == "linear"]
+    assert [r.scale_rule for r in rows] == ["-", "-"] and all(r.rewritten for r in rows), rows
+    assert not [line for line in str(pm).splitlines() if "linear" in line and "rceil" in line], str(pm)
+    assert [r.scale_rule for r in _packing(64).records if r.kind == "linear"] == ["rceil", "rceil"]
+
+
 def test_saved_reasons_speak_of_the_ops_format():
     """bf16_gemm: a BF16 copy of a BF16 input saves nothing, and the reason names bf16_gemm, without token padding
     (only MXFP8's token-blocked wgrad copy pads); three converted readers of one input, each quantizing it itself

@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import mxfx
-from mxfx import rule_check
+from mxfx.diagnostics import rule_check
 from mxfx.policy import Rule
 
 

@@ -6,7 +6,7 @@ under BF16 autocast with FP32 main weights:
 * with ``fuse_wgrad_accumulation`` the wgrad GEMMs write ``.grad`` themselves: the compiled backward returns no
   gradient for those weights and no ``AccumulateGrad`` adds one (profiled), the gradients equal autograd's
   accumulation (frozen weights, clipping, a transposed expert stack), weights with hooks keep autograd's
-  accumulation, and a backward that accumulates into no such weight (``torch.autograd.grad``,
+  accumulation, and a backward that accumulates into no such weight (``torch.autograd.grad`` of other tensors,
   ``backward(inputs=...)``) leaves its ``.grad`` alone. tests/test_accumulation.py runs the accumulation cases
   (microbatches, ``zero_grad``, the step's cache refresh, DDP and FSDP2) both ways.
 """
@@ -21,6 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 import mxfx
 from mxfx.kernels.common import custom_ops as common_ops
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
+from mxfx.ops.linear import mx_linear
 from mxfx.passes.wgrad_accumulation import FUSED_NOTE, UNFUSED_NOTE
 from tests.helpers import GraphCapture
 from tests.models import MoETransformer, tiny_config
@@ -219,7 +220,7 @@ def test_hooks_keep_autograd_accumulation():
 def test_backward_that_accumulates_nothing_leaves_fused_grads_alone():
     """``torch.autograd.grad`` and ``backward(inputs=[...])`` without the fused weights accumulate nothing into their
     ``.grad``, fused as with autograd (the embedding's gradient still comes back, and only it is accumulated);
-    ``torch.autograd.grad`` of a fused weight gets None (its gradient is not returned to autograd)."""
+    the fused weights keep no ``.grad``."""
     model = _model()
     run = _compiled(model, True)
     embed, qkv = model.embed.weight, model.layers[0].attn.qkv.weight
@@ -233,8 +234,21 @@ def test_backward_that_accumulates_nothing_leaves_fused_grads_alone():
     loss().backward(inputs=[embed])
     assert _rel(embed.grad, g) <= FUSE_RTOL
     assert all(p.grad is None for p in model.parameters() if p is not embed)
-    assert torch.autograd.grad(loss(), [qkv], allow_unused=True) == (None,)
     assert qkv.grad is None
+
+
+def test_autograd_grad_of_a_fused_weight_raises_naming_it():
+    """``torch.autograd.grad`` of a fused weight would get None (its GEMM writes ``.grad`` and returns autograd no
+    gradient): the backward raises, naming the weight and the setting to turn off, and touches no ``.grad``."""
+    model = _model()
+    run = _compiled(model, True)
+    qkv = model.layers[0].attn.qkv.weight
+    with torch.autocast("cpu", torch.bfloat16):
+        loss = run(_ids(0), _ids(0))[1]
+    with pytest.raises(RuntimeError, match=r"torch.autograd.grad asks for the gradient of the weight \(384, 128\) "
+                                           r"of 'layers.0.attn.qkv'.*fuse_wgrad_accumulation=False"):
+        torch.autograd.grad(loss, [qkv], allow_unused=True)
+    assert all(p.grad is None for p in model.parameters())
 
 
 class _StackedExperts(torch.nn.Module):
@@ -343,3 +357,66 @@ def test_a_weight_computed_from_parameters_keeps_autograds_accumulation(fmt):
             assert any("computed in the graph" in r for r in reasons), reasons
     for name, want in grads[False].items():
         assert _rel(grads[True][name], want) <= FUSE_RTOL, name
+
+
+class _Checkpointed(torch.nn.Module):
+    """A linear before an activation-checkpointed block of two: the block's ops sit in the checkpoint's body."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(128, 128)
+        self.block = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.GELU(), torch.nn.Linear(128, 128))
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.block, self.inp(x), use_reentrant=False)
+
+
+def _checkpointed_grads(model, fuse: bool) -> dict[str, torch.Tensor]:
+    run = torch.compile(model, backend="mxfp8", options={"inner": "aot_eager", "fuse_wgrad_accumulation": fuse})
+    for i in range(2):
+        with torch.autocast("cpu", torch.bfloat16):
+            run(torch.randn(64, 128, generator=torch.Generator().manual_seed(i))).float().square().mean().backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_a_hooked_weight_inside_activation_checkpointing_keeps_autograds_accumulation():
+    """A gradient hook registered before compiling, on a weight read inside a checkpointed region, gives that
+    weight back to autograd (the backward raised before, telling to register the hook before compiling, as was
+    done): the hook runs each microbatch and every gradient equals the unfused run's within :data:`FUSE_RTOL`."""
+    calls = []
+    model = _Checkpointed()
+    model.block[0].weight.register_hook(lambda g: calls.append(1))
+    grads = _checkpointed_grads(model, True)
+    assert len(calls) == 2
+    want = _checkpointed_grads(_Checkpointed(), False)
+    for name, g in want.items():
+        assert _rel(grads[name], g) <= FUSE_RTOL, name
+
+
+def test_each_fused_backward_error_says_its_cause_and_fix():
+    """A hook registered after the compile on a fused weight (inside the checkpointed region): the error names the
+    weight's module and says the hook came after the compile; a ``.grad`` of another dtype: the error says to set
+    it to None; a weight computed from a parameter in an eager call: the error says it has no ``.grad``."""
+    model = _Checkpointed()
+    run = torch.compile(model, backend="mxfp8", options={"inner": "aot_eager", "fuse_wgrad_accumulation": True})
+    x = torch.randn(64, 128)
+
+    def step():
+        with torch.autocast("cpu", torch.bfloat16):
+            run(x).float().sum().backward()
+
+    step()
+    model.inp.weight.grad_dtype = None  # torch allows a .grad of another dtype only so
+    model.inp.weight.grad = torch.zeros(128, 128, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"\.grad of the weight \(128, 128\) of 'inp' is a torch.bfloat16.*"
+                                           r"Set \.grad to None"):
+        step()
+    model.zero_grad()
+    model.block[2].weight.register_hook(lambda g: g)
+    with pytest.raises(RuntimeError, match=r"weight \(128, 128\) of 'block.2'.*registered after the graph compiled"):
+        step()
+    w = torch.nn.Parameter(torch.randn(128, 128))
+    out = mx_linear(torch.randn(64, 128), w * 2, fuse_wgrad_accumulation=True)
+    with pytest.raises(RuntimeError, match=r"neither a leaf parameter nor a view of one: it is computed"):
+        out.sum().backward()

@@ -149,6 +149,11 @@ class Format:
         raise ValueError(f"{where}: scale_rule={value!r} is not a rule of format={self.name!r}; choose one of "
                          f"{', '.join(repr(r.value) for r in self.scale_rules)} ({self.description})")
 
+    def rule_shown(self, rule) -> str | None:
+        """``rule`` as the precision map names an op's scale rule: its value; None for a format without scales
+        (every rule is accepted and none applies)."""
+        return self.rule(rule, f"format {self.name}").value if self.scale_rules else None
+
     @property
     def low_precision(self) -> bool:
         """Whether a value takes fewer bytes than BF16's two (a scaled 8-bit format, not BF16 GEMMs)."""

@@ -42,7 +42,7 @@ import torch.fx as fx
 
 from mxfx.ops.all_to_all import mx_all_to_all
 from mxfx.passes import columns
-from mxfx.passes.fx import example_value, is_call, module_fqn, shape_str, unique_stats_site
+from mxfx.fx import example_value, is_call, module_fqn, shape_str, unique_stats_site
 from mxfx.policy import Policy
 from mxfx.report import OpRecord, PrecisionMap
 
@@ -208,7 +208,7 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         _fold_inplace_copy(gm, new)
         fwd, bwd = (d.shown(p, columns.ran(x)) for p in (fwd, bwd))  # "bf16": the payload as it is
         note = "" if fwd == bwd else f"forward {fwd}, backward {bwd} (policy transport)"
-        pm.add(OpRecord(new.name, "all_to_all", module, shapes, scale_rule=d.scale_rule.value,
+        pm.add(OpRecord(new.name, "all_to_all", module, shapes, scale_rule=d.format.rule_shown(d.scale_rule),
                         **columns.gemm_columns(out, x, None, fwd, bwd, "-", "-", note)))
         rewritten += 1
     if rewritten:

@@ -37,7 +37,7 @@ import torch.fx as fx
 
 from mxfx.passes import columns
 from mxfx.passes.combine import UNSORT_META
-from mxfx.passes.fx import example_value, is_call, module_fqn, shape_str, size_hint
+from mxfx.fx import example_value, is_call, module_fqn, shape_str, size_hint
 from mxfx.passes.expert_gemm import GROUPED_WGRAD, decide, insert_grouped
 from mxfx.policy import Policy
 from mxfx.report import OpRecord, PrecisionMap
@@ -164,7 +164,8 @@ def rewrite(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
             if not dead.users:
                 gm.graph.erase_node(dead)
         shapes += f" -> {str(out.dtype).removeprefix('torch.')}"
-        pm.add(OpRecord(new.name, "grouped_mm", module, shapes, scale_rule=d.scale_rule, **columns.converted_gemm(
+        rule = d.format.rule_shown(d.scale_rule)
+        pm.add(OpRecord(new.name, "grouped_mm", module, shapes, scale_rule=rule, **columns.converted_gemm(
             d, out, x, w, GROUPED_WGRAD, "was batched_mm (W[ids] then bmm): rows sorted by expert")))
         rewritten += 1
     return rewritten

@@ -36,7 +36,7 @@ from mxfx.ops.all_to_all import mx_all_to_all
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
 from mxfx.ops.settings import settings_of
 from mxfx.passes import columns
-from mxfx.passes.fx import example_value, is_call, module_fqn, shape_str
+from mxfx.fx import example_value, is_call, module_fqn, shape_str
 from mxfx.policy import Policy
 from mxfx.report import OpRecord, PrecisionMap, precision_of
 
@@ -157,11 +157,12 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         rec = pm.find(node.name, ("grouped_mm",))
         if rec is not None and " -> " in rec.shapes:  # the GEMM now returns the product's dtype
             rec.shapes = rec.shapes.rsplit(" -> ", 1)[0] + " -> " + str(out_dtype).removeprefix("torch.")
-        module = module_fqn(node)
+        module, settings = module_fqn(node), settings_of(node.kwargs)
         # backward: dOut * route weight formed in the dgrad quantize; the unweighted output kept, in out_dtype
-        pm.add(OpRecord(node.name, "combine", module, f"w{shape_str(example_value(rw))}", scale_rule=node.kwargs["scale_rule"],
+        pm.add(OpRecord(node.name, "combine", module, f"w{shape_str(example_value(rw))}",
+                        scale_rule=settings.format.rule_shown(settings.scale_rule),
                         **columns.gemm_columns(product, example_value(node.args[0]), None, PRODUCT_PRECISION,
-                                               settings_of(node.kwargs).format.name, "-", precision_of(out_dtype),
+                                               settings.format.name, "-", precision_of(out_dtype),
                                                "route-weight multiply fused into the dgrad quantize")))
         fused += 1
     return fused

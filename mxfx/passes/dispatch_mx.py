@@ -44,7 +44,7 @@ import torch.fx as fx
 from mxfx.ops.all_to_all import mx_all_to_all
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
 from mxfx.ops.settings import settings_of
-from mxfx.passes.fx import example_value, fill_example_value, is_call, known_size
+from mxfx.fx import example_value, fill_example_value, is_call, known_size
 from mxfx.policy import Policy
 from mxfx.report import PrecisionMap
 

@@ -7,7 +7,7 @@ import torch
 import torch.fx as fx
 
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
-from mxfx.passes.fx import example_value, gemm_size, size_hint, unique_stats_site
+from mxfx.fx import example_value, gemm_size, size_hint, unique_stats_site
 from mxfx.policy import Decision, Policy
 
 GROUPED_WGRAD = "bf16"

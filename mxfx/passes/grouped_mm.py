@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from mxfx.passes import batched_mm, columns
 from mxfx.passes.expert_gemm import GROUPED_WGRAD, decide, insert_grouped
-from mxfx.passes.fx import (
+from mxfx.fx import (
     CASTS, erase_unused_chain, example_value, mixed_dtype_reason, module_fqn, shape_str, size_hint, weight_source,
 )
 from mxfx.policy import Policy
@@ -192,7 +192,7 @@ def _rewrite_grouped(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> in
         shapes += f" -> {str(out_dtype).removeprefix('torch.')}"
         note = f"was {op.name}" + (f" ({str(replaced).removeprefix('torch.')} out)" if replaced != out_dtype else "")
         note = "; ".join(filter(None, (note, _kernel_note(d.settings.format, x.device, b, out_dtype))))
-        pm.add(OpRecord(new.name, "grouped_mm", module, shapes, scale_rule=d.scale_rule,
+        pm.add(OpRecord(new.name, "grouped_mm", module, shapes, scale_rule=d.format.rule_shown(d.scale_rule),
                         **columns.converted_gemm(d, out, example_value(x_src), b, GROUPED_WGRAD, note)))
         rewritten += 1
     return rewritten

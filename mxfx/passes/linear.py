@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from mxfx.ops.linear import mx_linear
 from mxfx.passes import columns
-from mxfx.passes.fx import (
+from mxfx.fx import (
     autocast_devices, erase_unused_chain, example_value, gemm_size, is_dtensor, mixed_dtype_reason, module_fqn,
     shape_str, size_hint, unique_stats_site, weight_source,
 )
@@ -119,7 +119,7 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         if kind == "router":
             _warn_wildcard_router(d.rule, module)
         # a high-precision wgrad multiplies dY, in the output's dtype
-        pm.add(OpRecord(new.name, kind, module, shapes, scale_rule=d.scale_rule,
+        pm.add(OpRecord(new.name, kind, module, shapes, scale_rule=d.format.rule_shown(d.scale_rule),
                         **columns.converted_gemm(d, out, x, w, columns.ran(out))))
         rewritten += 1
     if distributed:

@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from mxfx.passes.fx import example_value, is_call
+from mxfx.fx import example_value, is_call
 
 _GATES_FN = (torch.softmax, F.softmax, torch.sigmoid, F.sigmoid, torch.special.softmax, torch.nn.functional.log_softmax, torch.log_softmax)
 _GATES_METHODS = ("softmax", "sigmoid", "log_softmax")

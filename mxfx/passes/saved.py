@@ -61,7 +61,7 @@ from mxfx.ops.grouped_mm import mx_grouped_mm_op
 from mxfx.ops.settings import settings_of
 from mxfx.ops.linear import mx_linear, mx_linear_input
 from mxfx.passes.columns import needs_grad, ran
-from mxfx.passes.fx import example_value, fill_example_value, is_call, module_fqn, size_hint
+from mxfx.fx import example_value, fill_example_value, is_call, module_fqn, size_hint
 from mxfx.policy import Policy
 from mxfx.report import PrecisionMap
 

@@ -24,7 +24,7 @@ import torch.fx as fx
 
 from mxfx.ops.linear import mx_linear, mx_linear_input
 from mxfx.ops.settings import settings_of
-from mxfx.passes.fx import fill_example_value, module_fqn
+from mxfx.fx import fill_example_value, module_fqn
 from mxfx.passes.saved import reads_tokens
 from mxfx.policy import Policy
 from mxfx.report import PrecisionMap

@@ -28,7 +28,7 @@ from mxfx.ops.grouped_mm import mx_grouped_mm_op
 from mxfx.ops.settings import settings_of
 from mxfx.ops.linear import mx_linear
 from mxfx.passes import columns
-from mxfx.passes.fx import CASTS, example_value, is_call, module_fqn, shape_str
+from mxfx.fx import CASTS, example_value, is_call, module_fqn, shape_str
 from mxfx.policy import Policy
 from mxfx.report import OpRecord, PrecisionMap
 
@@ -116,7 +116,7 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         fmt = consumer.format.name
         # backward in fp32 from gate and up, saved in the format or as they are
         saved = fmt if d.save == "mxfp8" else columns.ran(g)
-        pm.add(OpRecord(node.name, "swiglu", module, shapes, scale_rule=consumer.scale_rule,
+        pm.add(OpRecord(node.name, "swiglu", module, shapes, scale_rule=consumer.format.rule_shown(consumer.scale_rule),
                         **columns.gemm_columns(product, g, None, fmt, "fp32", "-", saved, "fused into " + node.name)))
         fused += 1
     return fused

@@ -12,7 +12,7 @@ it is either
   whose body mxfx cannot see.
 
 Each becomes a precision-map record of kind ``"not_rewritten"`` naming the op,
-the parameter and the reason (:func:`op_of` reads the op back); :mod:`mxfx.coverage`
+the parameter and the reason (:func:`op_of` reads the op back); :mod:`mxfx.diagnostics.coverage`
 warns once per model with their count and op names (a silent FP32/BF16 GEMM is the
 failure this exists to prevent), for the ops whose weight the policy would convert
 (:func:`would_convert`): a weight the op's format cannot tile (``[256, 8]`` under
@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from mxfx.passes.fx import CASTS, example_value, module_fqn, shape_str
+from mxfx.fx import CASTS, example_value, module_fqn, shape_str
 from mxfx.policy import Policy
 from mxfx.report import OpRecord, PrecisionMap
 

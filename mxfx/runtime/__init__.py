@@ -1,1 +1,2 @@
-"""Runtime state under the compiled graphs: weight caches, the crossover table, FSDP2 operand forms."""
+"""Runtime state under the compiled graphs: weight caches, FSDP2 operand forms, quantization statistics, gradients a
+wgrad GEMM writes."""

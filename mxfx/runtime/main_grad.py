@@ -9,24 +9,47 @@ to write or add into, and returns no gradient for the weight: ``AccumulateGrad``
 written by their GEMM") gives the whole contract.
 
 * :func:`unfused_reason`: why a weight's gradient must stay autograd's (hooks, not a leaf, not FP32), judged when a
-  graph compiles (the op then returns its gradient) and again by every fused backward;
+  graph compiles (the op then returns its gradient; :func:`judged` keeps the parameters found fit, with their op's
+  module, for the messages) and again by every fused backward;
 * :func:`target`: in a backward, where the gradient goes and whether to write or add. The weight a backward saved
   is an alias that autograd no longer connects to the parameter (a compiled backward's saved input, or a view the
   graph made of it): the parameter is found from the backward node running now, among the leaves its inputs'
   ``AccumulateGrad`` nodes hold (through view nodes), as the one whose storage region holds the weight's; the
-  engine says whether it runs that node in this backward (not in ``torch.autograd.grad``, nor in
-  ``backward(inputs=...)`` without the parameter). :func:`finish` sets a new ``.grad``.
+  engine says whether it runs that node in this backward (not in ``backward(inputs=...)`` without the parameter;
+  ``torch.autograd.grad`` of the parameter itself raises: the op returns it no gradient). :func:`finish` sets a new
+  ``.grad``.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 CONFIG = "Policy.fuse_wgrad_accumulation"
+_judged: dict[int, tuple[weakref.ref, str]] = {}  # id(parameter) -> (the parameter, held weakly; its op's module)
+
+
+def judged(param: torch.Tensor, module: str = "") -> None:
+    """Note that a compiled graph found ``param`` fit for the fused accumulation (:func:`unfused_reason`), for the
+    op of ``module`` ("" when unknown)."""
+    key = id(param)
+    _judged[key] = (weakref.ref(param, lambda _: _judged.pop(key, None)), module)
+
+
+def _module(param: torch.Tensor) -> str | None:
+    """The module noted for ``param`` by :func:`judged` ("" when unknown); None when it was not judged."""
+    ref, module = _judged.get(id(param), (None, None))
+    return module if ref is not None and ref() is param else None
+
+
+def _weight(param: torch.Tensor) -> str:
+    """The weight as a message names it: its shape, and its op's module where known."""
+    module = _module(param)
+    return f"the weight {tuple(param.shape)}" + (f" of {module!r}" if module else "")
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -130,41 +153,61 @@ def _span(t: torch.Tensor) -> tuple[int, int, int]:
     return StorageWeakRef(t.untyped_storage()).cdata, lo, lo + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
 
 
-def _will_accumulate(node) -> bool:
-    """Whether the engine runs ``node`` (a parameter's ``AccumulateGrad``) in the backward running now."""
+def _will_accumulate(node, param: torch.Tensor, op: str) -> bool:
+    """Whether the engine runs ``node`` (``param``'s ``AccumulateGrad``) in the backward running now: False in
+    ``backward(inputs=...)`` without ``param`` and in ``torch.autograd.grad`` of other tensors.
+
+    Raises:
+        RuntimeError: ``torch.autograd.grad`` asks for ``param``'s gradient (the engine refuses to answer for a leaf
+            it captures), which the op returns no gradient for.
+    """
     try:
         return torch._C._will_engine_execute_node(node)
-    except RuntimeError as e:  # torch.autograd.grad, which accumulates into no .grad
-        if "autograd.grad" in str(e):
-            return False
-        raise
+    except RuntimeError as e:
+        if "autograd.grad" not in str(e):
+            raise
+        raise RuntimeError(f"{op}: torch.autograd.grad asks for the gradient of {_weight(param)}, which its wgrad "
+                           f"GEMM writes into .grad ({CONFIG}=True) and returns no gradient for: autograd.grad would "
+                           f"get None. Compile with fuse_wgrad_accumulation=False to take gradients with "
+                           f"torch.autograd.grad, or use loss.backward() and read .grad") from None
 
 
 def target(weight: torch.Tensor, op: str) -> Target | None:
     """Where the gradient of ``weight`` (the tensor a backward saved: the parameter, or a view of it the forward
     read) goes in the backward running now: into the parameter's ``.grad`` (added) or a new gradient in its layout
     (written: the first microbatch, or after ``zero_grad(set_to_none=True)``). None where this backward accumulates
-    nothing into the parameter (``torch.autograd.grad``, ``backward(inputs=...)`` without it), as autograd would not.
+    nothing into the parameter (``torch.autograd.grad`` of other tensors, ``backward(inputs=...)`` without it), as
+    autograd would not.
 
     Raises:
         RuntimeError: outside a backward; no leaf parameter behind ``weight`` among the running node's inputs; the
-            parameter can no longer take a fused gradient (a hook registered after the graph compiled:
-            :func:`unfused_reason`); its ``.grad`` does not fit it (dtype, shape, device, layout) or, for a weight
+            parameter cannot take a fused gradient (:func:`unfused_reason`: a hook registered after the graph
+            compiled, or one on a weight the compile could not judge); ``torch.autograd.grad`` asks for its gradient
+            (:func:`_will_accumulate`); its ``.grad`` does not fit it (dtype, shape, device, layout) or, for a weight
             that views it, has strides other than the parameter's.
     """
     node = _accumulator(weight, op)
     param = node.variable if node is not None else None
     if param is None:
         raise RuntimeError(f"{op}: the weight {tuple(weight.shape)} whose gradient its wgrad GEMM writes "
-                           f"({CONFIG}=True) is no view of a leaf parameter this backward accumulates into; compile "
-                           f"with fuse_wgrad_accumulation=False")
+                           f"({CONFIG}=True) is neither a leaf parameter nor a view of one: it is computed from "
+                           f"parameters (a parametrization, a copy), so it has no .grad to write. A compiled graph "
+                           f"gives such an op back to autograd; this one was called eagerly or inside a higher-order "
+                           f"op's body the compile does not trace weights through: turn fuse_wgrad_accumulation off "
+                           f"for it")
     reason = unfused_reason(param)
+    if reason and _module(param) is not None:
+        raise RuntimeError(f"{op}: the gradient of {_weight(param)} is written by its wgrad GEMM ({CONFIG}=True, "
+                           f"decided when the graph compiled, when it had no hook), but it now has {reason}: it was "
+                           f"registered after the graph compiled. Register it before compiling (the compile then "
+                           f"leaves that gradient to autograd), or compile with fuse_wgrad_accumulation=False")
     if reason:
-        raise RuntimeError(f"{op}: the gradient of the weight {tuple(param.shape)} is written by its wgrad GEMM "
-                           f"({CONFIG}=True, decided when the graph compiled), but it now has {reason}. Register "
-                           f"hooks before compiling (the compile then leaves its gradient to autograd), or compile "
-                           f"with fuse_wgrad_accumulation=False")
-    if not _will_accumulate(node):
+        raise RuntimeError(f"{op}: the gradient of {_weight(param)} is written by its wgrad GEMM ({CONFIG}=True), but "
+                           f"it has {reason}. No compile judged this parameter (its op reads it inside a higher-order "
+                           f"op's body other than activation checkpointing, or in an eager call, or the graph was "
+                           f"compiled for another module of its class and runs this one too), so the op kept the "
+                           f"fusion: remove the hook, or compile with fuse_wgrad_accumulation=False")
+    if not _will_accumulate(node, param, op):
         return None
     grad, whole = param.grad, weight.numel() == param.numel()
     if grad is None:  # a partial view writes only its region: the rest must be zeros
@@ -172,9 +215,11 @@ def target(weight: torch.Tensor, op: str) -> Target | None:
         accumulate = not whole
     else:
         if grad.dtype != param.dtype or grad.shape != param.shape or grad.device != param.device or grad.is_sparse:
-            raise RuntimeError(f"{op}: the .grad of the weight {tuple(param.shape)} is a {grad.dtype} "
-                               f"{tuple(grad.shape)} tensor on {grad.device} ({grad.layout}); its wgrad GEMM writes a "
-                               f"dense {param.dtype} gradient of the parameter's shape and device")
+            raise RuntimeError(f"{op}: the .grad of {_weight(param)} is a {grad.dtype} {tuple(grad.shape)} tensor on "
+                               f"{grad.device} ({grad.layout}); its wgrad GEMM writes a dense {param.dtype} gradient "
+                               f"of the parameter's shape and device. Set .grad to None (zero_grad(set_to_none=True)) "
+                               f"or to such a tensor before the backward, or compile with "
+                               f"fuse_wgrad_accumulation=False")
         accumulate = True
     return Target(param, grad, _region(weight, param, grad, op), accumulate)
 

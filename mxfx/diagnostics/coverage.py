@@ -7,27 +7,32 @@ Every graph the backend compiles is attributed to the model being called (:func:
 per-block compile the model around the blocks). Its precision-map records are gathered per model, with the
 parameters each GEMM record reads (:attr:`_Model.read`). The model is judged once: when a graph that is its whole
 forward compiles (:func:`mxfx.names.whole_forward`), else at the next optimizer step (every graph of the forward
-has compiled by then), or at exit (:mod:`mxfx.judgment`). The judgment warns, each at most once per model:
+has compiled by then), or at exit (:mod:`mxfx.diagnostics.judgment`). The judgment warns, each at most once per model:
 
 * **Nothing converted**: the model has GEMMs (or parameters) but not one op runs in low precision; the warning
   counts the GEMMs kept and gives their reasons and first modules.
 * **Shapes that do not fit**: GEMMs the policy would convert but whose features are not multiples of the
   format's ``feature_multiple`` (its block; ``Linear(100, 60)``): their count, and each reason with the modules it
-  holds for. Ops a user rule asked for are warned about by :func:`mxfx.rule_check.warn_unmet_requests` instead; a
-  policy-wide ``format`` is no rule, so the ops it cannot take are said here, once.
+  holds for. Ops a user rule asked for are warned about by :func:`mxfx.diagnostics.rule_check.warn_unmet_requests`
+  instead; a policy-wide ``format`` is no rule, so the ops it cannot take are said here, once.
 * **Ops not rewritten** (kind ``not_rewritten``, :mod:`mxfx.passes.unconverted`): GEMMs and opaque custom ops
   over a weight that no pattern matches, where the policy would convert that weight (:func:`unconverted.would_convert`:
   a weight whose features the op's format cannot tile is named in the precision map only).
 * **Weights read by no compiled graph** (:func:`unread_weights`): weights of the compiled module (floating, two or
   more dims, not biases; whatever their names) that no GEMM of any compiled graph read, converted or kept: a graph
   break or an eager fallback ran their GEMMs outside ``torch.compile``, so mxfx never saw them. Named with the graph
-  breaks Dynamo recorded while it compiled the model (:func:`mxfx.graph_breaks.new`: the reason and where); a break
+  breaks Dynamo recorded while it compiled the model (:func:`mxfx.diagnostics.graph_breaks.new`: the reason and
+  where); a break
   inside an activation-checkpointed region by a side effect of its forward names the Dynamo setting that keeps the
-  region in the graph (:data:`mxfx.graph_breaks.CHECKPOINT_SETTING`).
+  region in the graph (:data:`mxfx.diagnostics.graph_breaks.CHECKPOINT_SETTING`).
+* **A model no graph reached** (:func:`watch_steps`): an optimizer whose weights no compiled graph took at all is
+  warned about at its first step. Dynamo skips a forward whole (no graph reaches the backend, so no model is
+  observed) when it breaks inside a loop, such as one over experts with ``torch.where`` per expert.
 
 Keyed by model, not by module names: a second model gets its own complete warnings, whatever names it shares
 with the first. Graphs that belong to no model (an optimizer step, a compiled function) share one process-wide
-scope. :func:`model_scope` gives the set :func:`mxfx.rule_check.warn_unmet_requests` keys its own warnings with.
+scope. :func:`model_scope` gives the set :func:`mxfx.diagnostics.rule_check.warn_unmet_requests` keys its own warnings
+with.
 """
 
 from __future__ import annotations
@@ -42,14 +47,16 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch._dynamo.eval_frame import OptimizedModule
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from mxfx import graph_breaks, names
-from mxfx.judgment import Judgments
+from mxfx import names
+from mxfx.diagnostics import graph_breaks
+from mxfx.diagnostics.judgment import Judgments
 from mxfx.passes import unconverted
-from mxfx.passes.fx import all_graphs, strip_wrappers
+from mxfx.fx import all_graphs, strip_wrappers
 from mxfx.policy import Policy
 from mxfx.report import PrecisionMap, kept_in
-from mxfx.rule_check import listed
+from mxfx.diagnostics.rule_check import listed
 
 GEMM_KINDS = ("linear", "router", "grouped_mm")
 """Precision-map kinds of the GEMMs a policy decides (each record is one GEMM op, converted or kept)."""
@@ -77,6 +84,8 @@ class _Model:
 _lock = threading.Lock()
 _models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _Model
 _anonymous = _Model(None, "graphs outside any model")
+_stepped: weakref.WeakSet = weakref.WeakSet()  # optimizers whose first step was checked (:func:`watch_steps`)
+_watching: list = []  # the step post-hook's handle, once registered
 
 
 def model_of(params: dict[str, torch.Tensor]) -> torch.nn.Module | None:
@@ -110,7 +119,8 @@ def observation(scope: _Model, gm: fx.GraphModule, example_inputs, pm: Precision
     """What rewritten graph ``gm`` (its precision map ``pm``, under ``policy``) shows of ``scope``'s model, read
     from ``gm`` as the passes left it; the function returned adds it to ``scope`` once the graph has compiled (a
     graph Dynamo traces again is never added), and judges the model then when ``gm`` is its ``whole`` forward,
-    else at the next optimizer step or at exit (:mod:`mxfx.judgment`). Graphs of an optimizer step, and graphs
+    else at the next optimizer step or at exit (:mod:`mxfx.diagnostics.judgment`). Graphs of an optimizer step, and
+    graphs
     compiled after the model was judged, change nothing."""
     if any(r.kind == "weight_refresh" for r in pm.records):
         return lambda: None
@@ -268,6 +278,52 @@ def _unread_message(where: str, missed: list[str], breaks: list[graph_breaks.Gra
                  f"backward recomputes the region. ")
     return text + ("torch._dynamo.explain shows where the forward breaks; an expert implementation without a Python "
                    "loop over the experts (transformers: experts_implementation='grouped_mm') keeps them in the graph.")
+
+
+def watch_steps() -> None:
+    """Check each optimizer's first step (a global step post-hook, registered once): when none of the weights it
+    steps (floating, two or more dims, with a gradient) was taken by a graph the backend compiled, warn with their
+    names (:func:`_unseen_message`). Coverage of a model some graph reached is :func:`unread_weights`' part."""
+    with _lock:
+        if not _watching:
+            _watching.append(register_optimizer_step_post_hook(_first_step))
+
+
+def _first_step(optimizer, args, kwargs) -> None:
+    if optimizer in _stepped:
+        return
+    _stepped.add(optimizer)
+    named = [(name, p) for group in optimizer.param_groups
+             for name, p in zip(group.get("param_names") or [None] * len(group["params"]), group["params"])
+             if p.grad is not None and p.dim() >= 2 and p.is_floating_point()]
+    with _lock:
+        taken = set().union(_anonymous.inputs, *(scope.inputs for scope in list(_models.values())))
+    if named and not any(id(p) in taken for _, p in named):
+        _warn(_unseen_message(type(optimizer).__name__, named, graph_breaks.new()))
+
+
+_first_step = torch.compiler.disable(_first_step, recursive=True)
+
+
+def _unseen_message(optimizer: str, named: list, breaks: list[graph_breaks.GraphBreak]) -> str:
+    """The warning for an optimizer whose ``named`` weights ((name or None, tensor) pairs) no compiled graph took.
+    Names come from the optimizer (built over ``model.named_parameters()``), else from the models registered
+    with :func:`mxfx.name_modules`, else shapes stand for them."""
+    by_id = {id(p): n for root in names.roots() for n, p in names.parameters_by_name(root).items()}
+    found = [name or by_id.get(id(p)) for name, p in named]
+    said = listed(found) if all(found) else (
+        f"shapes {listed([tuple(p.shape) for _, p in named])} (an optimizer built over model.named_parameters(), or "
+        f"mxfx.name_modules(model), has them named)")
+    text = (f"mxfx: {optimizer} stepped {len(named)} weight(s) that no graph compiled by the mxfp8 backend took, so "
+            f"none was converted: their model ran outside torch.compile, in its own precision: {said}. ")
+    if breaks:
+        text += f"Graph breaks Dynamo recorded: {'; '.join(map(str, breaks[:4]))}. "
+    else:
+        text += ("Dynamo compiled no graph of it: it skips a whole forward when the forward breaks inside a loop "
+                 "(a loop over the experts with torch.where per expert breaks on the data-dependent shape). ")
+    return text + ("torch.compile(model, backend='mxfp8', fullgraph=True) raises at the line that breaks; an expert "
+                   "implementation without a Python loop over the experts (grouped GEMMs, torch._grouped_mm; "
+                   "transformers: experts_implementation='grouped_mm') keeps them in the graph.")
 
 
 def _real_values(gm: fx.GraphModule, example_inputs) -> dict:

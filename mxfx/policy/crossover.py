@@ -3,7 +3,7 @@
 ``bench/crossover.py`` times, on one GPU, BF16 ``F.linear`` against mxfx's
 ``mx_linear`` (activation quantization included, weight from its cache) for a
 few projection families ``K -> N`` and token counts M, forward and
-forward+backward, and writes ``mxfx/data/crossover_sm<major><minor>.json``:
+forward+backward, and writes ``mxfx/policy/crossover_sm<major><minor>.json``:
 
 .. code-block:: json
 
@@ -30,8 +30,8 @@ from functools import lru_cache
 
 import torch
 
-DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
-"""Where the tables live (``crossover_sm90.json``, ...)."""
+DATA_DIR = os.path.dirname(os.path.abspath(__file__))
+"""Where the tables live (``crossover_sm90.json``, ...): beside this module, in the policy package."""
 
 _warned: set = set()
 
@@ -54,7 +54,7 @@ def _load(path: str, mtime: float) -> dict:
         table = json.load(f)
     for fam in table.get("families", ()):
         if not {"K", "N", "points"} <= set(fam) or not fam["points"]:
-            raise ValueError(f"mxfx.runtime.crossover: family {fam.get('name')!r} in {path} needs K, N and points")
+            raise ValueError(f"mxfx.policy.crossover: family {fam.get('name')!r} in {path} needs K, N and points")
     return table
 
 

@@ -25,6 +25,7 @@ from typing import Any, Callable
 from mxfx import formats
 from mxfx.formats import Format, ScaleRule
 from mxfx.ops.settings import PRECISIONS, OpSettings
+from mxfx.policy.crossover import prefers_mxfp8
 
 OP_KINDS = ("linear", "grouped_mm", "swiglu", "router", "saved", "all_to_all", "weight_refresh")
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
@@ -260,7 +261,7 @@ class Rule(_NamedFields):
             only a rule naming them changes (its op kind, or a glob matching their own
             module; :meth:`Rule.names`). None matches any module. A glob that matches no module of any graph
             compiled under the policy warns once, as does a rule matching no op of those graphs (a module
-            without a GEMM, an ``op`` kind its modules lack) (:mod:`mxfx.rule_check`).
+            without a GEMM, an ``op`` kind its modules lack) (:mod:`mxfx.diagnostics.rule_check`).
         op: op kind, one of :data:`OP_KINDS`; None matches any kind. A rule with an op kind may set only the
             fields that kind reads (:data:`KIND_FIELDS`; another raises ValueError naming it, the kind, what the
             kind reads and which kinds read the field; ``weight_refresh`` reads none). A rule without one may set
@@ -481,7 +482,7 @@ class Policy(_NamedFields):
             crossover table of the current device (``mxfx/data/crossover_sm<cc>.json``,
             written by ``bench/crossover.py``) says MXFP8 forward+backward beats BF16
             at the nearest measured projection family and token count
-            (:func:`mxfx.runtime.crossover.prefers_mxfp8`); routed grouped GEMMs use the
+            (:func:`mxfx.policy.crossover.prefers_mxfp8`); routed grouped GEMMs use the
             average rows per expert as M. Without a table for the device it warns
             once and rewrites everything eligible.
         keep_dequantized_weights: where the GEMM is emulated (no native MX GEMM:
@@ -714,8 +715,6 @@ class Policy(_NamedFields):
             reason = f"kept as written by {origin} {rule.describe()}"  # precision='bf16': as written, in any dtype
         elif min_size == "auto":
             if gemm is not None:
-                from mxfx.runtime.crossover import prefers_mxfp8
-
                 faster, why = prefers_mxfp8(*gemm, keep_dequantized=self.keep_dequantized_weights)
                 if not faster:
                     precision, reason = "bf16", f"min_size='auto': {why}"

@@ -9,7 +9,7 @@ one), not graph by graph: with one graph per block (FSDP2, per-block
 ``torch.compile(block)``) a rule for one kind of block matches no module of
 another block's graph and is still right. Names are collected as each graph is
 compiled (the innermost module of each op, as the passes see it); a policy is
-judged once (:mod:`mxfx.judgment`): when a graph that is the whole forward of the
+judged once (:mod:`mxfx.diagnostics.judgment`): when a graph that is the whole forward of the
 module being called compiles (:func:`mxfx.names.whole_forward`), else at the first
 optimizer step after its first graph, or at process exit when neither comes
 (per-block inference).
@@ -34,8 +34,8 @@ import torch
 
 from mxfx import formats
 from mxfx.formats import Format
-from mxfx.judgment import Judgments
-from mxfx.passes.fx import all_graphs, module_fqn
+from mxfx.diagnostics.judgment import Judgments
+from mxfx.fx import all_graphs, module_fqn
 from mxfx.policy import NARROW, OP_KINDS, Policy
 from mxfx.report import kept_in
 
@@ -205,8 +205,10 @@ def warn_unmet_requests(policy: Policy, records, warned: set | None = None) -> N
     """Warn, once per rule and op, when an op a user rule asks to convert (:meth:`Policy.requesting_rule`) is kept
     in BF16 (its shape, ``min_size`` or operands refuse it): one warning per rule per graph, naming each such op's
     module, shapes and reason. Ops no user rule asks for (only the policy-wide values or the default rules would
-    convert them) are warned about by :mod:`mxfx.coverage`. ``warned`` holds the ops already warned about: the
-    model's (:func:`mxfx.coverage.model_scope`), so that every model gets its complete warning; process-wide when
+    convert them) are warned about by :mod:`mxfx.diagnostics.coverage`. ``warned`` holds the ops already warned about:
+    the
+    model's (:func:`mxfx.diagnostics.coverage.model_scope`), so that every model gets its complete warning;
+    process-wide when
     None."""
     unmet: dict = {}
     warned = _warned_unmet if warned is None else warned

@@ -3,7 +3,8 @@ where it broke (:func:`new`, from ``torch._dynamo.graph_break_reasons``, where D
 break it compiled a graph at).
 
 A break is what leaves code outside every compiled graph, so its GEMMs never reach mxfx: the warning about weights
-no compiled graph read (:mod:`mxfx.coverage`) names the breaks behind them. One break has a setting of its own: a
+no compiled graph read (:mod:`mxfx.diagnostics.coverage`) names the breaks behind them. One break has a setting of its
+own: a
 side effect inside an activation-checkpointed region (:data:`CHECKPOINT_SETTING`).
 """
 
