@@ -49,8 +49,15 @@ from collections import defaultdict
 from typing import Sequence
 
 ROUTED, DENSE, QUANTIZE, STATS, ATTENTION, ACCUMULATE, OPTIMIZER, OTHER = (
-    "routed GEMM", "dense GEMM", "quantize/layout", "quantization statistics", "attention", "gradient accumulation",
-    "optimizer + refresh", "other")
+    "routed GEMM",
+    "dense GEMM",
+    "quantize/layout",
+    "quantization statistics",
+    "attention",
+    "gradient accumulation",
+    "optimizer + refresh",
+    "other",
+)
 FAMILIES = (ROUTED, DENSE, QUANTIZE, STATS, ATTENTION, ACCUMULATE, OPTIMIZER, OTHER)
 
 MXFX_KERNELS = {
@@ -77,14 +84,19 @@ MXFX_KERNELS = {
 }
 """mxfx's launched Triton kernels and their families; ``tests/test_breakdown.py`` checks it lists every one."""
 
-_ROUTED_OPS = re.compile(r"grouped_mm|grouped_wgrad")  # aten::_grouped_mm, aten::_scaled_grouped_mm, mxfx::*, transformers::*
-_DENSE_OPS = re.compile(r"^(aten::(mm|addmm|bmm|baddbmm|matmul|linear|_scaled_mm|_addmm_activation)|mxfx::(mm|block_mm))$")
+_ROUTED_OPS = re.compile(
+    r"grouped_mm|grouped_wgrad"
+)  # aten::_grouped_mm, aten::_scaled_grouped_mm, mxfx::*, transformers::*
+_DENSE_OPS = re.compile(
+    r"^(aten::(mm|addmm|bmm|baddbmm|matmul|linear|_scaled_mm|_addmm_activation)|mxfx::(mm|block_mm))$"
+)
 _QUANTIZE_OPS = re.compile(r"^mxfx::(\w*quantize\w*|block_forward_operands)$")
 _ATTENTION = re.compile(r"scaled_dot_product|flash|fmha|sdpa|attention", re.I)
 _OP_FAMILIES = ((QUANTIZE, _QUANTIZE_OPS), (ATTENTION, _ATTENTION), (ROUTED, _ROUTED_OPS), (DENSE, _DENSE_OPS))
 _OPTIMIZER_OPS = re.compile(
     r"^(Optimizer\.(step|zero_grad)#|aten::_fused_(adam|adamw|sgd|adagrad)|aten::_foreach_"
-    r"|mxfx::(cached_weight|refresh_weight_caches)$)")
+    r"|mxfx::(cached_weight|refresh_weight_caches)$)"
+)
 _OPTIMIZER_KERNELS = re.compile(r"adam", re.I)
 _GEMM_KERNELS = re.compile(r"gemm|nvjet|xmma|cutlass|cublas|s16816|s1688|wgmma", re.I)
 _GROUPED_KERNELS = re.compile(r"group", re.I)
@@ -199,7 +211,8 @@ def _threads(events: list[dict]) -> dict[tuple, _Thread]:
         if e.get("ph") == "X" and str(e.get("cat", "")).lower() in _CPU_RANGES:
             start = float(e["ts"])
             ranges[(e.get("pid"), e.get("tid"))].append(
-                (start, start + float(e["dur"]), e["name"], e.get("args", {}).get("External id")))
+                (start, start + float(e["dur"]), e["name"], e.get("args", {}).get("External id"))
+            )
     return {key: _Thread(r) for key, r in ranges.items()}
 
 
@@ -217,8 +230,14 @@ def _summary(source: str, spent: list[tuple[str, str, float]], busy_us: float, w
     for (name, family), (kernel_ms, _) in ranked:
         costliest.setdefault(family, {"name": name[:300], "ms": kernel_ms})
     return {
-        "source": source, "ms": ms, "calls": calls, "total_ms": sum(ms.values()), "busy_ms": busy_us / 1e3,
-        "work_ms": work_us / 1e3, "overlap_ms": (work_us - busy_us) / 1e3, "costliest": costliest,
+        "source": source,
+        "ms": ms,
+        "calls": calls,
+        "total_ms": sum(ms.values()),
+        "busy_ms": busy_us / 1e3,
+        "work_ms": work_us / 1e3,
+        "overlap_ms": (work_us - busy_us) / 1e3,
+        "costliest": costliest,
         "top": [{"name": n[:300], "family": f, "ms": t, "calls": c} for (n, f), (t, c) in ranked[:top]],
     }
 
@@ -256,8 +275,10 @@ def step_breakdown(trace: dict, device: str, top: int = 20) -> dict:
         raise ValueError(f"step_breakdown: device {device!r}: give 'cuda' (kernel time) or 'cpu' (op self time)")
     work = [e for e in events if e.get("ph") == "X" and str(e.get("cat", "")).lower() in _WORK]
     if not any(str(e.get("cat")).lower() == "kernel" for e in work):
-        raise ValueError("step_breakdown: the trace has no kernel events; profile with ProfilerActivity.CUDA "
-                         "(or pass device='cpu' for a CPU profile)")
+        raise ValueError(
+            "step_breakdown: the trace has no kernel events; profile with ProfilerActivity.CUDA "
+            "(or pass device='cpu' for a CPU profile)"
+        )
     devices = {e.get("args", {}).get("device", e.get("pid")) for e in work}
     if len(devices) > 1:
         raise ValueError(f"step_breakdown: device work on devices {sorted(devices, key=str)}; profile one device")
@@ -302,18 +323,24 @@ def breakdown_table(title: str, arm: dict) -> str:
         for family in FAMILIES:
             top = where["costliest"].get(family)
             top = f"{top['name'][:60]}: {top['ms']:.2f} ms" if top else ""
-            lines.append(f"| {family} | {where['ms'][family]:.2f} | {pct(where['ms'][family], where['total_ms'])} | "
-                         f"{where['calls'][family]} | {top} |")
+            lines.append(
+                f"| {family} | {where['ms'][family]:.2f} | {pct(where['ms'][family], where['total_ms'])} | "
+                f"{where['calls'][family]} | {top} |"
+            )
         busy = "GPU busy, union over streams" if where["source"] == "CUDA kernel time" else "CPU op self time"
         note = f"{where['overlap_ms']:.2f} ms on 2+ streams at once, split evenly" if where["overlap_ms"] > 0 else ""
         if where["unlinked"]:
             note += f"; {where['unlinked']} kernels without a launch, by name"
-        lines.append(f"| **{busy}** (families' sum) | {where['total_ms']:.2f} | {pct(where['total_ms'], step)} | "
-                     f"{sum(where['calls'].values())} | {note} |")
+        lines.append(
+            f"| **{busy}** (families' sum) | {where['total_ms']:.2f} | {pct(where['total_ms'], step)} | "
+            f"{sum(where['calls'].values())} | {note} |"
+        )
     profiled = f"profiled step: {arm['profiled_step_ms']:.1f} ms" if arm.get("profiled_step_ms") else ""
-    lines += [f"| **step**, wall (steady) | {step:.2f} | 100.0 | | {profiled} |",
-              f"| host issue, wall | {arm['host_issue_ms']:.2f} | {pct(arm['host_issue_ms'], step)} | | |",
-              f"| host CPU | {arm['host_cpu_ms']:.2f} | {pct(arm['host_cpu_ms'], step)} | | |"]
+    lines += [
+        f"| **step**, wall (steady) | {step:.2f} | 100.0 | | {profiled} |",
+        f"| host issue, wall | {arm['host_issue_ms']:.2f} | {pct(arm['host_issue_ms'], step)} | | |",
+        f"| host CPU | {arm['host_cpu_ms']:.2f} | {pct(arm['host_cpu_ms'], step)} | | |",
+    ]
     return "\n".join(lines)
 
 
@@ -331,8 +358,10 @@ def kernel_comparison(arms: Sequence[tuple[str, dict]], rows: int = 30) -> str:
             cell[1] += k["calls"]
     order = sorted(merged.items(), key=lambda kv: -max(ms for ms, _ in kv[1].values()))[:rows]
     names = [arm for arm, _ in arms]
-    lines = ["| kernel | family | " + " | ".join(f"{a} ms (calls)" for a in names) + " |",
-             "|---|---|" + "---:|" * len(names)]
+    lines = [
+        "| kernel | family | " + " | ".join(f"{a} ms (calls)" for a in names) + " |",
+        "|---|---|" + "---:|" * len(names),
+    ]
     for (kernel, family), cells in order:
         shown = [f"{cells[a][0]:.2f} ({cells[a][1]})" if a in cells else "-" for a in names]
         lines.append(f"| {kernel[:90]} | {family} | " + " | ".join(shown) + " |")

@@ -191,8 +191,7 @@ def phases(first_step_s: float, triton: _TritonCompiles | None) -> dict:
     return out
 
 
-def measure(model_name: str, arm: str, layers: int, dims: str, per_block: bool, device: str,
-            profile: int = 0) -> dict:
+def measure(model_name: str, arm: str, layers: int, dims: str, per_block: bool, device: str, profile: int = 0) -> dict:
     """One first training step of ``model_name`` under ``arm`` in this process; its time and the cache counters
     (and, with ``profile``, the text of its ``profile`` costliest functions by cumulative time, key ``profile``).
 
@@ -247,16 +246,33 @@ def measure(model_name: str, arm: str, layers: int, dims: str, per_block: bool, 
 
     mx_ops = sum(pm.count(rewritten=True) for pm in mxfx.report.all_reports())
     passes_s = sum(t for pm in mxfx.report.all_reports() for t, _ in pm.steps.values())
-    return {"first_step_s": first, "frames": counters["stats"]["unique_graphs"], "mx_ops": mx_ops, **cache_counters(),
-            "mxfx_passes_s": passes_s,
-            "bypass": handler.reasons[0] if handler.reasons else "", "phases": phases(first, triton),
-            **({"profile": text} if text else {})}
+    return {
+        "first_step_s": first,
+        "frames": counters["stats"]["unique_graphs"],
+        "mx_ops": mx_ops,
+        **cache_counters(),
+        "mxfx_passes_s": passes_s,
+        "bypass": handler.reasons[0] if handler.reasons else "",
+        "phases": phases(first, triton),
+        **({"profile": text} if text else {}),
+    }
 
 
 def run_child(args, arm: str, cache_dir: str, profile: int = 0) -> dict:
     """:func:`measure` in a fresh process with ``TORCHINDUCTOR_CACHE_DIR=cache_dir`` and the arm's environment."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", args.model, "--arms", arm,
-           "--layers", str(args.layers), "--profile", str(profile)]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--child",
+        "--model",
+        args.model,
+        "--arms",
+        arm,
+        "--layers",
+        str(args.layers),
+        "--profile",
+        str(profile),
+    ]
     cmd += ["--dims", args.dims] + (["--smoke"] if args.smoke else []) + (["--per-block"] if args.per_block_run else [])
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir, **ARMS[arm][2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
@@ -269,20 +285,37 @@ def run_child(args, arm: str, cache_dir: str, profile: int = 0) -> dict:
 
 def table(rows: list[dict]) -> str:
     """Markdown table: one line per (model, compile unit, arm, cache state), with the goal ratios."""
-    lines = ["| model | compiled | arm | cache | first step s | vs BF16 | goal | FX graph cache h/m/b | AOT cache h/m/b | graphs | "
-             "first bypass reason |", "|---|---|---|---|---:|---:|---:|---|---|---:|---|"]
+    lines = [
+        "| model | compiled | arm | cache | first step s | vs BF16 | goal | FX graph cache h/m/b | AOT cache h/m/b | graphs | "
+        "first bypass reason |",
+        "|---|---|---|---|---:|---:|---:|---|---|---:|---|",
+    ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['unit']} | {r['arm']} | {r['cache']} | - | - | - | - | - | - | error: {r['error']} |")
+            lines.append(
+                f"| {r['model']} | {r['unit']} | {r['arm']} | {r['cache']} | - | - | - | - | - | - | error: {r['error']} |"
+            )
             continue
-        base = next((b for b in rows if b["arm"] == "bf16" and b["cache"] == r["cache"] and b["unit"] == r["unit"]
-                     and b["model"] == r["model"] and "error" not in b), None)
+        base = next(
+            (
+                b
+                for b in rows
+                if b["arm"] == "bf16"
+                and b["cache"] == r["cache"]
+                and b["unit"] == r["unit"]
+                and b["model"] == r["model"]
+                and "error" not in b
+            ),
+            None,
+        )
         ratio = f"{r['first_step_s'] / base['first_step_s']:.2f}x" if base and r["arm"] != "bf16" else "-"
         goal = ("<= 1.5x" if r["cache"] == "cold" else "<= 2x") if r["arm"] != "bf16" else ""
         fx = "/".join(str(r.get(f"fxgraph_cache_{k}", 0)) for k in ("hit", "miss", "bypass"))
         aot = "/".join(str(r.get(f"autograd_cache_{k}", 0)) for k in ("hit", "miss", "bypass"))
-        lines.append(f"| {r['model']} | {r['unit']} | {r['arm']} | {r['cache']} | {r['first_step_s']:.1f} | {ratio} | {goal} | "
-                     f"{fx} | {aot} | {r['frames']} | {r['bypass']} |")
+        lines.append(
+            f"| {r['model']} | {r['unit']} | {r['arm']} | {r['cache']} | {r['first_step_s']:.1f} | {ratio} | {goal} | "
+            f"{fx} | {aot} | {r['frames']} | {r['bypass']} |"
+        )
     return "\n".join(lines)
 
 
@@ -293,8 +326,10 @@ def phase_table(rows: list[dict]) -> str:
     if not cold:
         return ""
     columns = [c for c, _ in PHASES] + ["Triton compiles in process", "Triton autotune", "rest"]
-    lines = ["| compiled | arm | first step s | " + " | ".join(columns) + " | Triton compiles (repeated kernels) |",
-             "|---|---|---:|" + "---:|" * len(columns) + "---|"]
+    lines = [
+        "| compiled | arm | first step s | " + " | ".join(columns) + " | Triton compiles (repeated kernels) |",
+        "|---|---|---:|" + "---:|" * len(columns) + "---|",
+    ]
     for r in cold:
         ph = r["phases"]
         cells = [f"{ph[c]:.1f}" if isinstance(ph.get(c), float) and ph[c] == ph[c] else "-" for c in columns]
@@ -304,9 +339,13 @@ def phase_table(rows: list[dict]) -> str:
         why = ph.get("repeats differ in", {})
         again = ", ".join(f"{k} x{n}" + (f" [{why[k]}]" if why.get(k) else "") for k, n in per.items() if n > 1)
         again = again or "none"
-        lines.append(f"| {r['unit']} | {r['arm']} | {r['first_step_s']:.1f} | " + " | ".join(cells)
-                     + f" | {sum(per.values())} ({again}) |")
+        lines.append(
+            f"| {r['unit']} | {r['arm']} | {r['first_step_s']:.1f} | "
+            + " | ".join(cells)
+            + f" | {sum(per.values())} ({again}) |"
+        )
     return "\n".join(lines)
+
 
 def _aot_only(row: dict):
     """An inner compiler that runs AOTAutograd alone, with Inductor's decompositions and min-cut partitioner, and
@@ -319,26 +358,33 @@ def _aot_only(row: dict):
         start = time.perf_counter()
         fw, bw = min_cut_rematerialization_partition(joint, inputs, **kwargs)
         row["partition s"] = time.perf_counter() - start
-        row["joint nodes"], row["forward nodes"], row["backward nodes"] = (
-            len(g.graph.nodes) for g in (joint, fw, bw))
-        row["kernel nodes"] = sum(str(n.target).startswith("triton_kernel_wrapper") for g in (fw, bw)
-                                  for n in g.graph.nodes)
+        row["joint nodes"], row["forward nodes"], row["backward nodes"] = (len(g.graph.nodes) for g in (joint, fw, bw))
+        row["kernel nodes"] = sum(
+            str(n.target).startswith("triton_kernel_wrapper") for g in (fw, bw) for n in g.graph.nodes
+        )
         return fw, bw
 
     def compile_graph(gm, example_inputs):
         start = time.perf_counter()
         row.setdefault("backend s", start - row.pop("entered"))
         run_as_is = lambda g, _: make_boxed_func(g.forward)  # noqa: E731
-        aot_module_simplified(gm, example_inputs, fw_compiler=run_as_is, bw_compiler=run_as_is,
-                              partition_fn=partition, decompositions=select_decomp_table())
+        aot_module_simplified(
+            gm,
+            example_inputs,
+            fw_compiler=run_as_is,
+            bw_compiler=run_as_is,
+            partition_fn=partition,
+            decompositions=select_decomp_table(),
+        )
         row["AOT trace + partition s"] = time.perf_counter() - start
         return gm.forward
 
     return compile_graph
 
 
-def passes_only(model_name: str, arms: list[str], layers: int, dims: str, device: str,
-                how: str | None = None) -> list[dict]:
+def passes_only(
+    model_name: str, arms: list[str], layers: int, dims: str, device: str, how: str | None = None
+) -> list[dict]:
     """Per arm, in this process on ``device``: the mxfx backend's own seconds and its passes' (seconds and nodes
     each adds), then AOTAutograd's (module docstring, ``--passes-only``); prints both tables, headed by ``how``
     (what ran where; by default the device and whether the MX kernels were traced into the graph)."""
@@ -376,20 +422,44 @@ def passes_only(model_name: str, arms: list[str], layers: int, dims: str, device
                 was_t, was_n = steps.setdefault(step, {}).get(arm, (0.0, 0))
                 steps[step][arm] = (was_t + t, was_n + n)
         rows.append(row)
-    columns = ["Dynamo nodes", "after passes", "passes s", "backend s", "AOT trace + partition s", "partition s",
-               "joint nodes", "forward nodes", "backward nodes", "kernel nodes"]
+    columns = [
+        "Dynamo nodes",
+        "after passes",
+        "passes s",
+        "backend s",
+        "AOT trace + partition s",
+        "partition s",
+        "joint nodes",
+        "forward nodes",
+        "backward nodes",
+        "kernel nodes",
+    ]
     cell = lambda v: "-" if v is None else f"{v:.2f}" if isinstance(v, float) else str(v)  # noqa: E731
     how = how or ("CPU (MX ops opaque)" if device == "cpu" else f"{device} (MX kernels traced into the graph)")
-    lines = [f"{model_name}, {layers} layers, {dims} dims, {how}", "",
-             "| arm | " + " | ".join(columns) + " |", "|---|" + "---:|" * len(columns)]
+    lines = [
+        f"{model_name}, {layers} layers, {dims} dims, {how}",
+        "",
+        "| arm | " + " | ".join(columns) + " |",
+        "|---|" + "---:|" * len(columns),
+    ]
     lines += ["| " + " | ".join([r["arm"], *(cell(r.get(c)) for c in columns)]) + " |" for r in rows]
     mx_arms = [a for a in arms if ARMS[a][0] != "inductor"]
     if steps and mx_arms:
-        lines += ["", "each pass: ms (nodes added)", "", "| step | " + " | ".join(mx_arms) + " |",
-                  "|---|" + "---:|" * len(mx_arms)]
+        lines += [
+            "",
+            "each pass: ms (nodes added)",
+            "",
+            "| step | " + " | ".join(mx_arms) + " |",
+            "|---|" + "---:|" * len(mx_arms),
+        ]
         for step, per_arm in steps.items():
-            lines.append(f"| {step} | " + " | ".join(
-                f"{per_arm[a][0] * 1e3:.1f} ({per_arm[a][1]:+d})" if a in per_arm else "-" for a in mx_arms) + " |")
+            lines.append(
+                f"| {step} | "
+                + " | ".join(
+                    f"{per_arm[a][0] * 1e3:.1f} ({per_arm[a][1]:+d})" if a in per_arm else "-" for a in mx_arms
+                )
+                + " |"
+            )
     from _results import emit
 
     emit("compile_passes.md", "\n".join(lines))
@@ -405,8 +475,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--units", default="model,block", help="comma list: model (whole-model compile), block (per layer)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny dims (with --dims: those dims)")
-    p.add_argument("--dims", choices=hf_models.DIMS,
-                   help="model dims (bench/hf_models.py): real, or smoke with --smoke")
+    p.add_argument(
+        "--dims", choices=hf_models.DIMS, help="model dims (bench/hf_models.py): real, or smoke with --smoke"
+    )
     p.add_argument("--passes-only", action="store_true", help="CPU: the passes' own time and graph sizes (no Inductor)")
     p.add_argument("--profile", type=int, default=0, help="write the N costliest functions of each cold first step")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -423,8 +494,12 @@ def main(argv=None) -> list[dict]:
     args.dims = args.dims or ("smoke" if args.smoke else "real")
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     if args.child:
-        print(json.dumps(measure(args.model, args.arms, args.layers, args.dims, args.per_block_run, device,
-                                 args.profile)), flush=True)
+        print(
+            json.dumps(
+                measure(args.model, args.arms, args.layers, args.dims, args.per_block_run, device, args.profile)
+            ),
+            flush=True,
+        )
         return []
     unknown = set(args.arms.split(",")) - set(ARMS)
     if unknown:
@@ -437,8 +512,13 @@ def main(argv=None) -> list[dict]:
             with tempfile.TemporaryDirectory(prefix=f"compile_time_{arm}_") as cache_dir:
                 for state in ("cold", "warm"):
                     profile = args.profile if state == "cold" else 0
-                    r = {"model": args.model, "unit": unit, "arm": arm, "cache": state,
-                         **run_child(args, arm, cache_dir, profile)}
+                    r = {
+                        "model": args.model,
+                        "unit": unit,
+                        "arm": arm,
+                        "cache": state,
+                        **run_child(args, arm, cache_dir, profile),
+                    }
                     if "profile" in r:
                         os.makedirs(out_dir, exist_ok=True)
                         with open(os.path.join(out_dir, f"compile_profile_{unit}_{arm}.txt"), "w") as f:

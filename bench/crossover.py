@@ -105,8 +105,16 @@ def plot(table: dict, path: str) -> None:
     for ax, what in zip(axes, ("fwd", "fwdbwd")):
         for fam in table["families"]:
             ms = [p["M"] for p in fam["points"]]
-            line, = ax.plot(ms, [p[f"bf16_{what}_ms"] / p[f"mx_{what}_ms"] for p in fam["points"]], marker="o", label=fam["name"])
-            ax.plot(ms, [p[f"bf16_{what}_ms"] / p[f"mxdq_{what}_ms"] for p in fam["points"]], ls="--", color=line.get_color(), alpha=0.6)
+            (line,) = ax.plot(
+                ms, [p[f"bf16_{what}_ms"] / p[f"mx_{what}_ms"] for p in fam["points"]], marker="o", label=fam["name"]
+            )
+            ax.plot(
+                ms,
+                [p[f"bf16_{what}_ms"] / p[f"mxdq_{what}_ms"] for p in fam["points"]],
+                ls="--",
+                color=line.get_color(),
+                alpha=0.6,
+            )
         ax.axhline(1.0, color="gray", lw=1)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tokens M")
@@ -123,7 +131,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--quick", action="store_true", help="toy families and M (CPU smoke run)")
-    p.add_argument("--out", default=os.environ.get("MXFX_BENCH_OUT", "runs/crossover"), help="directory for crossover.png/.json")
+    p.add_argument(
+        "--out", default=os.environ.get("MXFX_BENCH_OUT", "runs/crossover"), help="directory for crossover.png/.json"
+    )
     p.add_argument("--rep-ms", type=int, default=60, help="do_bench repetition time per measurement (CUDA)")
     p.add_argument("--no-save-table", action="store_true", help="do not write mxfx/policy/crossover_<cc>.json")
     a = p.parse_args()
@@ -151,8 +161,11 @@ def main():
         print(f"measured {fam['name']} ({time.perf_counter() - t_start:.0f} s)", flush=True)
 
     cols = " ".join(f"{m:>7}" for m in ms)
-    lines = [f"mx_linear vs BF16 on {table['device']}: bf16 time / mxfx time (>1 = MXFP8 faster); "
-             f"mx = emulated or native per arch, mxdq = keep_dequantized_weights", ""]
+    lines = [
+        f"mx_linear vs BF16 on {table['device']}: bf16 time / mxfx time (>1 = MXFP8 faster); "
+        f"mx = emulated or native per arch, mxdq = keep_dequantized_weights",
+        "",
+    ]
     for what, label in (("fwd", "forward"), ("fwdbwd", "forward+backward")):
         for arm in ("mx", "mxdq"):
             lines.append(f"{label}, {arm}:")

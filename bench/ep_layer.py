@@ -59,6 +59,7 @@ def _rel(a, b):
 
 def _timer(device):
     if device.type == "cuda":
+
         def run(fn, reps):
             times = []
             for _ in range(reps):
@@ -72,6 +73,7 @@ def _timer(device):
                 times.append(s.elapsed_time(e))
             return statistics.median(times)
     else:
+
         def run(fn, reps):
             times = []
             for _ in range(reps):
@@ -80,6 +82,7 @@ def _timer(device):
                 fn()
                 times.append(1e3 * (time.perf_counter() - t0))
             return statistics.median(times)
+
     return run
 
 
@@ -154,7 +157,12 @@ def main():
     counts_in = funcol.all_to_all_single(counts, None, None, dist.group.WORLD).wait()
     send = counts.view(world, -1).sum(1).tolist()
     recv = counts_in.view(world, -1).sum(1).tolist()
-    routes = {"dispatch_fwd": (recv, send), "combine_fwd": (send, recv), "combine_bwd": (recv, send), "dispatch_bwd": (send, recv)}
+    routes = {
+        "dispatch_fwd": (recv, send),
+        "combine_fwd": (send, recv),
+        "combine_bwd": (recv, send),
+        "dispatch_bwd": (send, recv),
+    }
     transport = {}
     for direction, (out_s, in_s) in routes.items():
         rows = torch.randn(sum(in_s), a.d, device=dev, dtype=dtype)
@@ -169,7 +177,9 @@ def main():
     for name in arms:
         ep, ref = results[(name, False)], results[(name, True)]
         errs[name] = (_rel(ep[0], ref[0]), _rel(ep[1], ref[1]))
-    errs["mxfp8 vs bf16 transport"] = tuple(_rel(a_, b_) for a_, b_ in zip(results[("mx/mxfp8-a2a", False)], results[("mx/bf16-a2a", False)]))
+    errs["mxfp8 vs bf16 transport"] = tuple(
+        _rel(a_, b_) for a_, b_ in zip(results[("mx/mxfp8-a2a", False)], results[("mx/bf16-a2a", False)])
+    )
     err_t = torch.tensor([v for e in errs.values() for v in e], dtype=torch.float64, device=dev)
     dist.all_reduce(err_t, op=dist.ReduceOp.MAX)
     err_max = dict(zip(errs, err_t.view(-1, 2).tolist()))
@@ -187,7 +197,9 @@ def main():
         ]
         for name in arms:
             e = err_max[name]
-            lines.append(f"| {name} | {times[name]:.3f} | {times['bf16'] / times[name]:.2f}x | {e[0]:.2e}, {e[1]:.2e} |")
+            lines.append(
+                f"| {name} | {times[name]:.3f} | {times['bf16'] / times[name]:.2f}x | {e[0]:.2e}, {e[1]:.2e} |"
+            )
         e = err_max["mxfp8 vs bf16 transport"]
         lines += [
             "",
@@ -197,7 +209,9 @@ def main():
             "|---|---|---|---|---|---|---|",
         ]
         for direction, (n, b16, bmx, t_bf, t_mx) in transport.items():
-            lines.append(f"| {direction} | {n} | {b16} | {bmx} ({1 - bmx / max(b16, 1):.1%} less) | {t_bf:.3f} | {t_mx:.3f} | {t_bf / t_mx:.2f}x |")
+            lines.append(
+                f"| {direction} | {n} | {b16} | {bmx} ({1 - bmx / max(b16, 1):.1%} less) | {t_bf:.3f} | {t_mx:.3f} | {t_bf / t_mx:.2f}x |"
+            )
         emit("ep_layer.md", "\n".join(lines))
     dist.barrier()
     dist.destroy_process_group()

@@ -93,9 +93,9 @@ def rowwise(x: torch.Tensor, chunk: int = 1 << 16) -> tuple[torch.Tensor, torch.
     q = torch.empty(x.shape, dtype=E4M3, device=x.device)
     s = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
     for i in range(0, x.shape[0], chunk):
-        xf = x[i:i + chunk].float()
-        s[i:i + chunk] = (xf.abs().amax(dim=1, keepdim=True) / 448.0).clamp_min(1e-12)
-        q[i:i + chunk] = (xf / s[i:i + chunk]).clamp(-448, 448).to(E4M3)
+        xf = x[i : i + chunk].float()
+        s[i : i + chunk] = (xf.abs().amax(dim=1, keepdim=True) / 448.0).clamp_min(1e-12)
+        q[i : i + chunk] = (xf / s[i : i + chunk]).clamp(-448, 448).to(E4M3)
     return q, s
 
 
@@ -195,8 +195,10 @@ def grouped_rows(model: str, s: int, e: int, k: int, n: int, equal: bool, g: tor
         "forward": (lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offs), (*xa, wq, ws)),
         "dgrad": (lambda: torch._grouped_mm(dy, w, offs=offs), (*dya, *wt)),
         # dW[e] = dY_e^T X_e: both operands in 1x128 tiles along each group's tokens
-        "wgrad": (lambda: torch._grouped_mm(dy.t(), x, offs=offs),
-                  (*bq.quantize_1x128_grouped_tokens(dy, offs), *bq.quantize_1x128_grouped_tokens(x, offs))),
+        "wgrad": (
+            lambda: torch._grouped_mm(dy.t(), x, offs=offs),
+            (*bq.quantize_1x128_grouped_tokens(dy, offs), *bq.quantize_1x128_grouped_tokens(x, offs)),
+        ),
     }
     groups = f"equal {s // e}" if equal else f"skewed {min(sizes)}-{max(sizes)}"
     label = f"{model} {k}->{n}"
@@ -262,20 +264,32 @@ def wgrad_into_rows(model: str, s: int, e: int, k: int, n: int, g: torch.Generat
             start = end
     if not max(errs) < 1e-2:
         raise SystemExit(f"bench/gemm.py: wgrad into FP32 {model}: relative error {max(errs):.3e}")
-    return (f"{model} {k}->{n}, {e} experts of {s // e} rows", bench(lambda: torch._grouped_mm(dy.t(), x, offs=offs)),
-            bench(three_trips), bench(fused), 2 * s * k * n, max(errs))
+    return (
+        f"{model} {k}->{n}, {e} experts of {s // e} rows",
+        bench(lambda: torch._grouped_mm(dy.t(), x, offs=offs)),
+        bench(three_trips),
+        bench(fused),
+        2 * s * k * n,
+        max(errs),
+    )
 
 
 def wgrad_table(rows) -> str:
-    lines = ["### Routed wgrad into the FP32 gradient (accumulate on; equal groups)", "",
-             "| shape | BF16 GEMM alone ms | BF16 + widen + add ms | fused epilogue ms | fused vs three trips "
-             "| fused TFLOP/s | rel. err |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "### Routed wgrad into the FP32 gradient (accumulate on; equal groups)",
+        "",
+        "| shape | BF16 GEMM alone ms | BF16 + widen + add ms | fused epilogue ms | fused vs three trips "
+        "| fused TFLOP/s | rel. err |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for shape, t_gemm, t_three, t_fused, flops, err in rows:
         if None in (t_gemm, t_three, t_fused):
             lines.append(f"| {shape} | n/a | n/a | n/a | n/a | n/a | {err:.1e} |")
             continue
-        lines.append(f"| {shape} | {t_gemm:.3f} | {t_three:.3f} | {t_fused:.3f} | {t_three / t_fused:.2f}x "
-                     f"| {flops / t_fused / 1e9:.0f} | {err:.1e} |")
+        lines.append(
+            f"| {shape} | {t_gemm:.3f} | {t_three:.3f} | {t_fused:.3f} | {t_three / t_fused:.2f}x "
+            f"| {flops / t_fused / 1e9:.0f} | {err:.1e} |"
+        )
     return "\n".join(lines)
 
 
@@ -297,8 +311,11 @@ def _rowwise_grouped(name, x, w, dy, offs, label):
         return None
     few = min(e, 8)  # checked on the first experts' rows: a DeepSeek-V3 stack decoded at once takes 28 GiB
     rows = int(offs[few - 1])
-    ref = torch._grouped_mm((aq[:rows].float() * sa[:rows]).bfloat16(),
-                            (bq_[:few].float() * sb[:few, :, None]).bfloat16().transpose(1, 2), offs=offs[:few])
+    ref = torch._grouped_mm(
+        (aq[:rows].float() * sa[:rows]).bfloat16(),
+        (bq_[:few].float() * sb[:few, :, None]).bfloat16().transpose(1, 2),
+        offs=offs[:few],
+    )
     err = ((out[:rows].float() - ref.float()).norm() / ref.float().norm()).item()
     if not err < 1e-2:  # not this library's kernel: report it and leave the arm out rather than stop
         print(f"rowwise grouped {label} {name}: relative error {err:.3e} against its decode; left out")
@@ -309,9 +326,13 @@ def _rowwise_grouped(name, x, w, dy, offs, label):
 def table(title: str, rows: list[tuple]) -> str:
     grouped = any(len(r) > 7 for r in rows)
     extra = " | sm90 WS TFLOP/s | Triton TFLOP/s" if grouped else ""
-    lines = [f"### {title}", "", "| shape | GEMM | bf16 ms | fp8_block ms | rowwise ms | fp8_block vs bf16 | rowwise vs bf16 "
-             f"| bf16 TFLOP/s | fp8_block TFLOP/s | rowwise TFLOP/s | fp8_block rel. err{extra} |",
-             "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if grouped else "")]
+    lines = [
+        f"### {title}",
+        "",
+        "| shape | GEMM | bf16 ms | fp8_block ms | rowwise ms | fp8_block vs bf16 | rowwise vs bf16 "
+        f"| bf16 TFLOP/s | fp8_block TFLOP/s | rowwise TFLOP/s | fp8_block rel. err{extra} |",
+        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if grouped else ""),
+    ]
 
     def ms(t):
         return f"{t:.3f}" if t is not None else "n/a"
@@ -324,8 +345,10 @@ def table(title: str, rows: list[tuple]) -> str:
 
     for shape, name, tb, tk, tr, flops, err, *tt in rows:
         last = f" {tflops(flops, tt[0])} | {tflops(flops, tt[1])} |" if grouped else ""
-        lines.append(f"| {shape} | {name} | {ms(tb)} | {ms(tk)} | {ms(tr)} | {ratio(tb, tk)} | {ratio(tb, tr)} "
-                     f"| {tflops(flops, tb)} | {tflops(flops, tk)} | {tflops(flops, tr)} | {err:.1e} |{last}")
+        lines.append(
+            f"| {shape} | {name} | {ms(tb)} | {ms(tk)} | {ms(tr)} | {ratio(tb, tk)} | {ratio(tb, tr)} "
+            f"| {tflops(flops, tb)} | {tflops(flops, tk)} | {tflops(flops, tr)} | {err:.1e} |{last}"
+        )
     return "\n".join(lines)
 
 
@@ -367,14 +390,18 @@ def main() -> None:
                 wgrad_into.append(wgrad_into_rows(model, tokens * topk, experts, k, n, g))
                 torch.cuda.empty_cache()
     dev = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
-    out = "\n\n".join([
-        f"bench/gemm.py on {dev}, torch {torch.__version__}" + (" (--quick)" if args.quick else ""),
-        table("Dense GEMMs (operands pre-quantized)", dense),
-        table(f"Grouped GEMMs ({tokens} tokens routed top-k; fp8_block = the kernel mxfx runs by default, sm90 WS = "
-              f"the warp-specialized sm90 kernel, Triton = the Triton kernel, rowwise = torch._scaled_grouped_mm)",
-              grouped),
-        *([wgrad_table(wgrad_into)] if wgrad_into else []),
-    ])
+    out = "\n\n".join(
+        [
+            f"bench/gemm.py on {dev}, torch {torch.__version__}" + (" (--quick)" if args.quick else ""),
+            table("Dense GEMMs (operands pre-quantized)", dense),
+            table(
+                f"Grouped GEMMs ({tokens} tokens routed top-k; fp8_block = the kernel mxfx runs by default, sm90 WS = "
+                f"the warp-specialized sm90 kernel, Triton = the Triton kernel, rowwise = torch._scaled_grouped_mm)",
+                grouped,
+            ),
+            *([wgrad_table(wgrad_into)] if wgrad_into else []),
+        ]
+    )
     emit("gemm.md", out)
 
 

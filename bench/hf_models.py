@@ -122,25 +122,69 @@ def model_config(name: str, layers: int, dims: str = "real"):
 
     if dims not in DIMS:
         raise SystemExit(f"hf_models: unknown --dims {dims!r}; choose one of {', '.join(DIMS)}")
-    common = dict(vocab_size=data.VOCAB_SIZE, num_hidden_layers=layers, max_position_embeddings=4096, tie_word_embeddings=False)
+    common = dict(
+        vocab_size=data.VOCAB_SIZE, num_hidden_layers=layers, max_position_embeddings=4096, tie_word_embeddings=False
+    )
     if name == "olmoe":
         dims_of = {
-            "real": dict(hidden_size=2048, intermediate_size=1024, num_attention_heads=16, num_key_value_heads=16,
-                         num_experts=64, num_experts_per_tok=8),
-            "small": dict(hidden_size=128, intermediate_size=128, num_attention_heads=2, num_key_value_heads=2,
-                          num_experts=16, num_experts_per_tok=4),
-            "smoke": dict(hidden_size=128, intermediate_size=128, num_attention_heads=2, num_key_value_heads=2,
-                          num_experts=4, num_experts_per_tok=2),
+            "real": dict(
+                hidden_size=2048,
+                intermediate_size=1024,
+                num_attention_heads=16,
+                num_key_value_heads=16,
+                num_experts=64,
+                num_experts_per_tok=8,
+            ),
+            "small": dict(
+                hidden_size=128,
+                intermediate_size=128,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                num_experts=16,
+                num_experts_per_tok=4,
+            ),
+            "smoke": dict(
+                hidden_size=128,
+                intermediate_size=128,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                num_experts=4,
+                num_experts_per_tok=2,
+            ),
         }
         return T.OlmoeConfig(**dims_of[dims], **common)
     if name == "qwen3":
         dims_of = {
-            "real": dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_attention_heads=32,
-                         num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8),
-            "small": dict(hidden_size=128, intermediate_size=384, moe_intermediate_size=128, num_attention_heads=2,
-                          num_key_value_heads=2, head_dim=64, num_experts=16, num_experts_per_tok=4),
-            "smoke": dict(hidden_size=128, intermediate_size=128, moe_intermediate_size=128, num_attention_heads=2,
-                          num_key_value_heads=1, head_dim=64, num_experts=4, num_experts_per_tok=2),
+            "real": dict(
+                hidden_size=2048,
+                intermediate_size=6144,
+                moe_intermediate_size=768,
+                num_attention_heads=32,
+                num_key_value_heads=4,
+                head_dim=128,
+                num_experts=128,
+                num_experts_per_tok=8,
+            ),
+            "small": dict(
+                hidden_size=128,
+                intermediate_size=384,
+                moe_intermediate_size=128,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                head_dim=64,
+                num_experts=16,
+                num_experts_per_tok=4,
+            ),
+            "smoke": dict(
+                hidden_size=128,
+                intermediate_size=128,
+                moe_intermediate_size=128,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                head_dim=64,
+                num_experts=4,
+                num_experts_per_tok=2,
+            ),
         }
         return T.Qwen3MoeConfig(**dims_of[dims], **common)
     raise SystemExit(f"hf_models: unknown --model {name!r}; choose olmoe or qwen3")
@@ -194,8 +238,12 @@ def _fp32_gemms(gm: torch.fx.GraphModule, example_inputs):
         if node.op != "call_function" or node.target not in targets or getattr(val, "dtype", None) != torch.bfloat16:
             continue
         with graph.inserting_before(node):
-            node.args = tuple(graph.call_function(convert, (a, torch.float32))
-                              if isinstance(a, torch.fx.Node) and a.meta["val"].is_floating_point() else a for a in node.args)
+            node.args = tuple(
+                graph.call_function(convert, (a, torch.float32))
+                if isinstance(a, torch.fx.Node) and a.meta["val"].is_floating_point()
+                else a
+                for a in node.args
+            )
         if "out_dtype" in node.kwargs:
             node.kwargs = {**node.kwargs, "out_dtype": torch.float32}
         with graph.inserting_after(node):
@@ -260,10 +308,16 @@ ARMS = {
         Arm("torchao-fp8-rowwise", torch.bfloat16, False, _torchao_fp8_rowwise),
         Arm("fp8_block", torch.float32, True, _fp8_block, expert_format="fp8_block"),
         Arm("fp8_block-triton", torch.float32, True, _fp8_block, (("MXFX_GROUPED_SM90", "0"),), "fp8_block"),
-        Arm("bf16-grouped-fused", torch.float32, True, functools.partial(_bf16_grouped, fused=True),
-            expert_format="bf16_gemm"),
-        Arm("fp8_block-fused", torch.float32, True, functools.partial(_fp8_block, fused=True),
-            expert_format="fp8_block"),
+        Arm(
+            "bf16-grouped-fused",
+            torch.float32,
+            True,
+            functools.partial(_bf16_grouped, fused=True),
+            expert_format="bf16_gemm",
+        ),
+        Arm(
+            "fp8_block-fused", torch.float32, True, functools.partial(_fp8_block, fused=True), expert_format="fp8_block"
+        ),
     )
 }
 OPTIONAL_ARMS = ("fp8_block-triton", "bf16-grouped-fused", "fp8_block-fused")
@@ -310,8 +364,10 @@ class Phases:
         part = f"{label} {(time.perf_counter() - t0) * 1e3:.1f} ms"
         if self.cuda:
             self.peak_bytes = max(self.peak_bytes, torch.cuda.max_memory_allocated())
-            part += (f", peak {torch.cuda.max_memory_allocated() / GIB:.2f} GiB, "
-                     f"end {torch.cuda.memory_allocated() / GIB:.2f} GiB")
+            part += (
+                f", peak {torch.cuda.max_memory_allocated() / GIB:.2f} GiB, "
+                f"end {torch.cuda.memory_allocated() / GIB:.2f} GiB"
+            )
         self.parts.append(part)
         return out
 
@@ -332,14 +388,22 @@ def host_functions(prof: cProfile.Profile, n: int = HOST_FUNCTIONS) -> list[dict
     "cumulative_ms"}`` each, costliest first."""
     stats = pstats.Stats(prof).stats  # {(file, line, name): (primitive calls, calls, own s, cumulative s, callers)}
     ranked = sorted(stats.items(), key=lambda kv: -kv[1][2])[:n]
-    return [{"function": f"{os.path.relpath(f, ROOT) if f.startswith(ROOT) else f}:{line}({name})", "calls": c,
-             "own_ms": 1e3 * own, "cumulative_ms": 1e3 * cum} for (f, line, name), (_, c, own, cum, _) in ranked]
+    return [
+        {
+            "function": f"{os.path.relpath(f, ROOT) if f.startswith(ROOT) else f}:{line}({name})",
+            "calls": c,
+            "own_ms": 1e3 * own,
+            "cumulative_ms": 1e3 * cum,
+        }
+        for (f, line, name), (_, c, own, cum, _) in ranked
+    ]
 
 
 def host_table(title: str, functions: list[dict]) -> str:
     lines = [f"| {title}: function | calls | own ms | cumulative ms |", "|---|---:|---:|---:|"]
-    lines += [f"| {f['function'][-100:]} | {f['calls']} | {f['own_ms']:.2f} | {f['cumulative_ms']:.2f} |"
-              for f in functions]
+    lines += [
+        f"| {f['function'][-100:]} | {f['calls']} | {f['own_ms']:.2f} | {f['cumulative_ms']:.2f} |" for f in functions
+    ]
     return "\n".join(lines)
 
 
@@ -397,11 +461,17 @@ def run_arm(arm: Arm, args, train, val, device: str) -> dict:
             if profiled:
                 res["breakdown"] = breakdown.step_breakdown(breakdown.profile_trace(prof), device, top=60)
                 res["profiled_step_ms"] = 1e3 * times[-1]
-                print(f"  {args.model} {arm.name} step {step} profiled: {res['breakdown']['total_ms']:.1f} ms of "
-                      f"{res['breakdown']['source']} in a {res['profiled_step_ms']:.1f} ms step", flush=True)
+                print(
+                    f"  {args.model} {arm.name} step {step} profiled: {res['breakdown']['total_ms']:.1f} ms of "
+                    f"{res['breakdown']['source']} in a {res['profiled_step_ms']:.1f} ms step",
+                    flush=True,
+                )
             if step % args.log_every == 0 or step == args.steps - 1:
                 losses.append((step, loss.item()))
-                print(f"  {args.model} {arm.name} step {step}: loss {losses[-1][1]:.4f}, {times[-1] * 1e3:.0f} ms", flush=True)
+                print(
+                    f"  {args.model} {arm.name} step {step}: loss {losses[-1][1]:.4f}, {times[-1] * 1e3:.0f} ms",
+                    flush=True,
+                )
         eval_gen = torch.Generator().manual_seed(99)
         held = []
         for _ in range(args.eval_batches):  # forward only, through the same compiled graph
@@ -425,9 +495,12 @@ def run_arm(arm: Arm, args, train, val, device: str) -> dict:
             res["stats_sampled_step_s"], res["stats_unsampled_step_s"] = sum(on) / len(on), sum(off) / len(off)
             res["stats_sampled_over_unsampled"] = res["stats_sampled_step_s"] / res["stats_unsampled_step_s"]
             res["stats_path"] = args.stats_path
-            print(f"  {args.model} {arm.name} ({args.stats_path} statistics): sampled steps {res['stats_sampled_step_s'] * 1e3:.1f} ms ({len(on)}), "
-                  f"unsampled {res['stats_unsampled_step_s'] * 1e3:.1f} ms ({len(off)}): "
-                  f"x{res['stats_sampled_over_unsampled']:.3f}", flush=True)
+            print(
+                f"  {args.model} {arm.name} ({args.stats_path} statistics): sampled steps {res['stats_sampled_step_s'] * 1e3:.1f} ms ({len(on)}), "
+                f"unsampled {res['stats_unsampled_step_s'] * 1e3:.1f} ms ({len(off)}): "
+                f"x{res['stats_sampled_over_unsampled']:.3f}",
+                flush=True,
+            )
     res.update(
         tokens_per_s=args.microbatches * batch * args.seq / (sum(steady) / len(steady)),
         microbatches=args.microbatches,
@@ -451,62 +524,111 @@ def run_arm(arm: Arm, args, train, val, device: str) -> dict:
 
 def table(results: list[dict]) -> str:
     """Markdown table of every arm of every model, tokens/s relative to that model's bf16-users arm."""
-    lines = ["| model | arm | params | tokens/s | vs bf16-users | peak GiB | first step s | held-out loss | note |",
-             "|---|---|---|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        "| model | arm | params | tokens/s | vs bf16-users | peak GiB | first step s | held-out loss | note |",
+        "|---|---|---|---:|---:|---:|---:|---:|---|",
+    ]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['arm']} | {r['param_dtype']} | - | - | - | - | - | could not run: {r['error']} |")
+            lines.append(
+                f"| {r['model']} | {r['arm']} | {r['param_dtype']} | - | - | - | - | - | could not run: {r['error']} |"
+            )
             continue
-        base = next((b for b in results if b["model"] == r["model"] and b["arm"] == "bf16-users" and "error" not in b), None)
+        base = next(
+            (b for b in results if b["model"] == r["model"] and b["arm"] == "bf16-users" and "error" not in b), None
+        )
         rel = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
         peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
-        note = (f"{r['expert_gemms_mx']} expert GEMMs {r.get('expert_format', 'MX')}, {r['expert_gemms_kept']} kept, {r['not_rewritten']} not rewritten"
-                if "expert_gemms_mx" in r else "")
-        lines.append(f"| {r['model']} | {r['arm']} | {r['param_dtype']} | {r['tokens_per_s']:,.0f} | {rel} | {peak} | "
-                     f"{r['first_step_s']:.1f} | {r['heldout_loss']:.4f} | {note} |")
+        note = (
+            f"{r['expert_gemms_mx']} expert GEMMs {r.get('expert_format', 'MX')}, {r['expert_gemms_kept']} kept, {r['not_rewritten']} not rewritten"
+            if "expert_gemms_mx" in r
+            else ""
+        )
+        lines.append(
+            f"| {r['model']} | {r['arm']} | {r['param_dtype']} | {r['tokens_per_s']:,.0f} | {rel} | {peak} | "
+            f"{r['first_step_s']:.1f} | {r['heldout_loss']:.4f} | {note} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="olmoe,qwen3", help="comma list of olmoe, qwen3")
-    p.add_argument("--arms", default=",".join(a for a in ARMS if a not in OPTIONAL_ARMS),
-                   help=f"comma list of {', '.join(ARMS)} (default: all but {', '.join(OPTIONAL_ARMS)})")
+    p.add_argument(
+        "--arms",
+        default=",".join(a for a in ARMS if a not in OPTIONAL_ARMS),
+        help=f"comma list of {', '.join(ARMS)} (default: all but {', '.join(OPTIONAL_ARMS)})",
+    )
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--warmup", type=int, default=20, help="LR warmup steps")
     p.add_argument("--skip", type=int, default=5, help="steps left out of tokens/s (compilation, allocator warmup)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--tokens", type=int, default=8192, help="tokens per microbatch")
-    p.add_argument("--microbatches", type=int, default=None,
-                   help="gradient-accumulation microbatches per optimizer step (default: 8, the recipe's operating "
-                        "point, on CUDA; 1 elsewhere)")
+    p.add_argument(
+        "--microbatches",
+        type=int,
+        default=None,
+        help="gradient-accumulation microbatches per optimizer step (default: 8, the recipe's operating "
+        "point, on CUDA; 1 elsewhere)",
+    )
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--eval-batches", type=int, default=4)
     p.add_argument("--log-every", type=int, default=25)
-    p.add_argument("--compiler", default="inductor", choices=COMPILERS,
-                   help="torch.compile backend behind every arm (mxfp8's inner); aot_eager_fp32_gemms: CPUs without BF16 GEMMs")
-    p.add_argument("--dims", default="real", choices=DIMS, help="model dims: the checkpoints' (real), CPU-sized (small)")
+    p.add_argument(
+        "--compiler",
+        default="inductor",
+        choices=COMPILERS,
+        help="torch.compile backend behind every arm (mxfp8's inner); aot_eager_fp32_gemms: CPUs without BF16 GEMMs",
+    )
+    p.add_argument(
+        "--dims", default="real", choices=DIMS, help="model dims: the checkpoints' (real), CPU-sized (small)"
+    )
     p.add_argument("--seed", type=int, default=0, help="initial weights (seed) and batches (seed + 1234)")
-    p.add_argument("--phases", action="store_true",
-                   help="print each step's forward, backward and optimizer step: ms and, on CUDA, peak / end GiB")
-    p.add_argument("--profile", action="store_true",
-                   help="profile the last step: its device time by kernel family and its costliest kernels (the "
-                        "profiler slows that step, left out of tokens/s)")
-    p.add_argument("--host-profile", action="store_true",
-                   help="run the step before the profiled one (or the last) under cProfile and print the Python "
-                        "functions with the most own time in it (left out of tokens/s)")
+    p.add_argument(
+        "--phases",
+        action="store_true",
+        help="print each step's forward, backward and optimizer step: ms and, on CUDA, peak / end GiB",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile the last step: its device time by kernel family and its costliest kernels (the "
+        "profiler slows that step, left out of tokens/s)",
+    )
+    p.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="run the step before the profiled one (or the last) under cProfile and print the Python "
+        "functions with the most own time in it (left out of tokens/s)",
+    )
     p.add_argument("--smoke", action="store_true", help="CPU, tiny dims, a few steps (CI)")
-    p.add_argument("--stats-every", type=int, default=0,
-                   help="quantization statistics of the mxfx arms every N optimizer steps (MXFX_STATS; 0: off); reports "
-                        "the mean time of sampled and unsampled steps")
-    p.add_argument("--stats-path", default="fused", choices=("fused", "plain"),
-                   help="with --stats-every: samples from the fused statistics kernels where they cover a site "
-                        "(CUDA), or all from the plain-torch reference (MXFX_STATS_FUSED=0)")
+    p.add_argument(
+        "--stats-every",
+        type=int,
+        default=0,
+        help="quantization statistics of the mxfx arms every N optimizer steps (MXFX_STATS; 0: off); reports "
+        "the mean time of sampled and unsampled steps",
+    )
+    p.add_argument(
+        "--stats-path",
+        default="fused",
+        choices=("fused", "plain"),
+        help="with --stats-every: samples from the fused statistics kernels where they cover a site "
+        "(CUDA), or all from the plain-torch reference (MXFX_STATS_FUSED=0)",
+    )
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     args = p.parse_args(argv)
     if args.smoke:
-        args.steps, args.warmup, args.skip, args.tokens, args.seq, args.eval_batches, args.log_every = 3, 1, 1, 64, 32, 1, 1
+        args.steps, args.warmup, args.skip, args.tokens, args.seq, args.eval_batches, args.log_every = (
+            3,
+            1,
+            1,
+            64,
+            32,
+            1,
+            1,
+        )
         args.compiler, args.dims = "aot_eager", "smoke"
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     if args.microbatches is None:
@@ -539,13 +661,22 @@ def main(argv=None) -> list[dict]:
                 for k, v in saved.items():
                     os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
             with open(os.path.join(args.out, "hf_models.json"), "w") as f:  # after every arm: a cut run keeps its arms
-                json.dump({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                           "args": vars(args), "results": results}, f, indent=1)
+                json.dump(
+                    {
+                        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                        "args": vars(args),
+                        "results": results,
+                    },
+                    f,
+                    indent=1,
+                )
     print(table(results))
     for r in results:
         if "error" not in r:
-            print(f"\nwhere the step goes, {r['model']} / {r['arm']} ({args.microbatches} microbatch(es) per step; "
-                  f"device: {device}):")
+            print(
+                f"\nwhere the step goes, {r['model']} / {r['arm']} ({args.microbatches} microbatch(es) per step; "
+                f"device: {device}):"
+            )
             print(breakdown.breakdown_table(f"{r['model']} / {r['arm']}", r))
     for r in results:
         if "host_profile" in r:

@@ -38,7 +38,11 @@ def routed_layer(grouped_mm):
         weights, experts = probs.topk(topk, dim=-1)
         flat = experts.reshape(-1)
         order = flat.argsort(stable=True)
-        offs = torch.histc(flat.float(), bins=w_down.shape[0], min=-0.5, max=w_down.shape[0] - 0.5).cumsum(0).to(torch.int32)
+        offs = (
+            torch.histc(flat.float(), bins=w_down.shape[0], min=-0.5, max=w_down.shape[0] - 0.5)
+            .cumsum(0)
+            .to(torch.int32)
+        )
         xs = x[order // topk]
         g, u = grouped_mm(xs, w_gate_up.transpose(-2, -1), offs).chunk(2, dim=-1)
         y = grouped_mm(F.silu(g) * u, w_down.transpose(-2, -1), offs)
@@ -54,7 +58,12 @@ def torchao_grouped_mm():
 
     def mm(a, b_t, offs):
         return _to_mxfp8_then_scaled_grouped_mm(
-            a, b_t, offs, kernel_preference=KernelPreference.EMULATED, wgrad_with_hp=True, pad_token_groups_for_grouped_mm=True
+            a,
+            b_t,
+            offs,
+            kernel_preference=KernelPreference.EMULATED,
+            wgrad_with_hp=True,
+            pad_token_groups_for_grouped_mm=True,
         )
 
     return mm
@@ -74,7 +83,11 @@ def padded_groups(grouped_mm, align: int = 16):
         sizes = torch.diff(ends, prepend=ends.new_zeros(1))
         padded_ends = ((sizes + align - 1) // align * align).cumsum(0)
         group = torch.searchsorted(ends, torch.arange(S, device=a.device), right=True).clamp_(max=G - 1)
-        dest = torch.arange(S, device=a.device) - (ends - sizes)[group] + (padded_ends - sizes.add(align - 1) // align * align)[group]
+        dest = (
+            torch.arange(S, device=a.device)
+            - (ends - sizes)[group]
+            + (padded_ends - sizes.add(align - 1) // align * align)[group]
+        )
         buf = a.new_zeros(S + align * G, a.shape[1]).index_copy(0, dest, a)
         return grouped_mm(buf, b, padded_ends.to(torch.int32))[dest]
 
@@ -101,7 +114,9 @@ def saved_bytes(out: torch.Tensor, held: list[torch.Tensor]) -> int:
     parameters) and of their weight caches (:func:`mxfx.runtime.cache.entry_forms`)."""
     skip = {t.untyped_storage().data_ptr() for t in held}
     skip |= {f.untyped_storage().data_ptr() for t in held for pair in cache.entry_forms(t).values() for f in pair}
-    return sum(t.untyped_storage().nbytes() for t in saved_for_backward(out) if t.untyped_storage().data_ptr() not in skip)
+    return sum(
+        t.untyped_storage().nbytes() for t in saved_for_backward(out) if t.untyped_storage().data_ptr() not in skip
+    )
 
 
 def measure(fn, args, device, profile_path=None):
@@ -147,8 +162,12 @@ def main():
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--arms", default="bf16,mxfx,fp8block,torchao,torchao8")
-    p.add_argument("--profile", default="", help="comma-separated arms to profile for one more call (CUDA); "
-                   "every device op goes to $MXFX_BENCH_OUT/profile_layer_<arm>.txt")
+    p.add_argument(
+        "--profile",
+        default="",
+        help="comma-separated arms to profile for one more call (CUDA); "
+        "every device op goes to $MXFX_BENCH_OUT/profile_layer_<arm>.txt",
+    )
     a = p.parse_args()
     torch.manual_seed(0)
     dev, bf16 = a.device, torch.bfloat16
@@ -161,19 +180,32 @@ def main():
     args = (x, *params, a.topk)
     arms = {
         "bf16 (inductor)": lambda: torch.compile(routed_layer(lambda m, b, o: torch._grouped_mm(m, b, offs=o))),
-        "mxfx (backend=mxfp8)": lambda: torch.compile(routed_layer(lambda m, b, o: torch._grouped_mm(m, b, offs=o)), backend="mxfp8"),
+        "mxfx (backend=mxfp8)": lambda: torch.compile(
+            routed_layer(lambda m, b, o: torch._grouped_mm(m, b, offs=o)), backend="mxfp8"
+        ),
         "mxfx, keep_dequantized_weights": lambda: torch.compile(
-            routed_layer(lambda m, b, o: torch._grouped_mm(m, b, offs=o)), backend="mxfp8",
-            options={"keep_dequantized_weights": True}),
+            routed_layer(lambda m, b, o: torch._grouped_mm(m, b, offs=o)),
+            backend="mxfp8",
+            options={"keep_dequantized_weights": True},
+        ),
         "mxfx fp8_block (format=fp8_block)": lambda: torch.compile(
-            routed_layer(lambda m, b, o: torch._grouped_mm(m, b, offs=o)), backend="mxfp8", options={"format": "fp8_block"}),
+            routed_layer(lambda m, b, o: torch._grouped_mm(m, b, offs=o)),
+            backend="mxfp8",
+            options={"format": "fp8_block"},
+        ),
         "torchao MXFP8 emulated (compile)": lambda: torch.compile(routed_layer(torchao_grouped_mm())),
         "torchao FP8 rowwise (compile)": lambda: torch.compile(routed_layer(torchao_fp8_rowwise_grouped_mm())),
     }
     arms["mxfx, MX ops as opaque custom ops"] = arms["mxfx (backend=mxfp8)"]
-    keep = {"bf16": "bf16 (inductor)", "mxfx": "mxfx (backend=mxfp8)", "torchao": "torchao MXFP8 emulated (compile)",
-            "mxfxopaque": "mxfx, MX ops as opaque custom ops", "mxfxdq": "mxfx, keep_dequantized_weights",
-            "fp8block": "mxfx fp8_block (format=fp8_block)", "torchao8": "torchao FP8 rowwise (compile)"}
+    keep = {
+        "bf16": "bf16 (inductor)",
+        "mxfx": "mxfx (backend=mxfp8)",
+        "torchao": "torchao MXFP8 emulated (compile)",
+        "mxfxopaque": "mxfx, MX ops as opaque custom ops",
+        "mxfxdq": "mxfx, keep_dequantized_weights",
+        "fp8block": "mxfx fp8_block (format=fp8_block)",
+        "torchao8": "torchao FP8 rowwise (compile)",
+    }
     rows, base_ms = [], None
     for key in a.arms.split(","):
         name = keep[key]
@@ -192,12 +224,21 @@ def main():
         finally:
             os.environ.pop("MXFX_OPAQUE_KERNELS", None)
         base_ms = base_ms or ms
-        rows.append(f"| {name} | {ms:.3f} | {base_ms / ms:.2f}x | {peak / 2**30:.2f} | {act / 2**30:.2f} | {saved / 2**30:.3f} |")
+        rows.append(
+            f"| {name} | {ms:.3f} | {base_ms / ms:.2f}x | {peak / 2**30:.2f} | {act / 2**30:.2f} | {saved / 2**30:.3f} |"
+        )
         for t in (x, *params):
             t.grad = None
     head = f"MoE layer fwd+bwd: {a.tokens} tokens, d={a.d}, {a.experts} experts top-{a.topk}, hidden {a.hidden}, device {torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'}, torch {torch.__version__}"
-    table = "\n".join([head, "", "| arm | ms | speed vs bf16 | peak GiB | activation GiB | saved for backward GiB |",
-                       "|---|---|---|---|---|---|", *rows])
+    table = "\n".join(
+        [
+            head,
+            "",
+            "| arm | ms | speed vs bf16 | peak GiB | activation GiB | saved for backward GiB |",
+            "|---|---|---|---|---|---|",
+            *rows,
+        ]
+    )
     emit("moe_layer.md", table)
 
 

@@ -49,8 +49,20 @@ def _stream(x_ptr, h0, h1, q0, q1, q2, H: tl.constexpr, Q: tl.constexpr, BLOCK: 
 
 
 @triton.jit
-def _tiles(x_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr, M, K, n_k_tiles, TRANSPOSED: tl.constexpr, ROW: tl.constexpr,
-           BM: tl.constexpr, BK: tl.constexpr):
+def _tiles(
+    x_ptr,
+    qr_ptr,
+    sr_ptr,
+    qc_ptr,
+    sc_ptr,
+    M,
+    K,
+    n_k_tiles,
+    TRANSPOSED: tl.constexpr,
+    ROW: tl.constexpr,
+    BM: tl.constexpr,
+    BK: tl.constexpr,
+):
     """Contiguous bf16 ``x [M, K]``, tiles dividing it; the dual pass's stores with high bytes and zero scales."""
     b, m0, k0 = tile_origin(n_k_tiles, BM, BK)
     b = b * 0
@@ -70,14 +82,20 @@ def _tiles(x_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr, M, K, n_k_tiles, TRANSPOSED: t
 
 def stream(n: int, in_dtype: torch.dtype, h: int, q: int):
     """Movement-only flat stream of ``n`` values: ``[(fn, bytes)]`` per tile of :data:`STREAM_TILES`."""
-    x = torch.randn(n, device="cuda").to(in_dtype) if in_dtype.is_floating_point else \
-        torch.randint(0, 255, (n,), device="cuda", dtype=in_dtype)
+    x = (
+        torch.randn(n, device="cuda").to(in_dtype)
+        if in_dtype.is_floating_point
+        else torch.randint(0, 255, (n,), device="cuda", dtype=in_dtype)
+    )
     hs = [torch.empty(n, device="cuda", dtype=torch.bfloat16) for _ in range(h)]
     qs = [torch.empty(n, device="cuda", dtype=torch.uint8) for _ in range(q)]
     outs = (hs + [x] * 2)[:2] + (qs + [x] * 3)[:3]  # absent outputs: the input as a placeholder pointer
     nbytes = n * (x.element_size() + 2 * h + q)
-    return [(lambda b=block, w=warps: _stream[(n // b,)](x, *outs, H=h, Q=q, BLOCK=b, num_warps=w), nbytes)
-            for block, warps in STREAM_TILES if n % block == 0]
+    return [
+        (lambda b=block, w=warps: _stream[(n // b,)](x, *outs, H=h, Q=q, BLOCK=b, num_warps=w), nbytes)
+        for block, warps in STREAM_TILES
+        if n % block == 0
+    ]
 
 
 def _launcher(maxnreg, warps):
@@ -100,8 +118,14 @@ def tiles(m: int, k: int, *, transposed: bool, row: bool = True):
         if m % bm or k % bk:
             continue
         kernel, kw = _launcher(maxnreg, warps)
-        out.append((lambda kernel=kernel, kw=kw, bm=bm, bk=bk: kernel[((m // bm) * (k // bk),)](
-            x, q_row, s_row, q_col, s_col, m, k, k // bk, TRANSPOSED=transposed, ROW=row, BM=bm, BK=bk, **kw), nbytes))
+        out.append(
+            (
+                lambda kernel=kernel, kw=kw, bm=bm, bk=bk: kernel[((m // bm) * (k // bk),)](
+                    x, q_row, s_row, q_col, s_col, m, k, k // bk, TRANSPOSED=transposed, ROW=row, BM=bm, BK=bk, **kw
+                ),
+                nbytes,
+            )
+        )
     return out
 
 
@@ -112,10 +136,13 @@ def check(m: int = 256, k: int = 128) -> None:
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
     hi = (x.view(torch.int16) >> 8).to(torch.uint8)
     q_row, q_col = torch.empty(m, k, dtype=torch.uint8, device=dev), torch.empty(k, m, dtype=torch.uint8, device=dev)
-    s_row, s_col = (torch.empty(k // 32, m, dtype=torch.uint8, device=dev),
-                    torch.empty(m // 32, k, dtype=torch.uint8, device=dev))
-    _tiles[((m // 32) * (k // 64),)](x, q_row, s_row, q_col, s_col, m, k, k // 64, TRANSPOSED=True, ROW=True, BM=32,
-                                      BK=64)
+    s_row, s_col = (
+        torch.empty(k // 32, m, dtype=torch.uint8, device=dev),
+        torch.empty(m // 32, k, dtype=torch.uint8, device=dev),
+    )
+    _tiles[((m // 32) * (k // 64),)](
+        x, q_row, s_row, q_col, s_col, m, k, k // 64, TRANSPOSED=True, ROW=True, BM=32, BK=64
+    )
     assert torch.equal(q_row, hi) and torch.equal(q_col, hi.t()), "movement tiles: wrong bytes"
     h0, q0 = torch.empty(m * k, dtype=torch.bfloat16, device=dev), torch.empty(m * k, dtype=torch.uint8, device=dev)
     _stream[(m * k // 2048,)](x.reshape(-1), h0, h0, q0, q0, q0, H=1, Q=1, BLOCK=2048)

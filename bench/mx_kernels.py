@@ -120,30 +120,108 @@ def cases(m: int, k: int):
     q8 = n * (1 + 1 / 32)  # e4m3 payload + E8M0 scales
     return [
         ("quantize rowwise", lambda: device_path.quantize_lastdim(x, "rceil"), 2 * n + q8, "stream bf16 -> 1 B"),
-        ("quantize columnwise (x.t())", lambda: device_path.quantize_lastdim(x.t(), "rceil"), 2 * n + q8, "columnwise tiles"),
-        ("quantize dual (row + col)", lambda: device_path.quantize_dual(x, "rceil"), 2 * n + 2 * q8, "transposed tiles"),
-        ("quantize dual, source layout", lambda: device_path.quantize_dual_source(x, "rceil"), 2 * n + 2 * q8, "source tiles"),
-        ("quantize dual, blocked scales (native GEMM operands)", lambda: device_path.quantize_dual_blocked(x, "rceil"),
-         2 * n + 2 * q8, "transposed tiles"),
-        ("quantize dual + to_blocked of both scales", lambda: [to_blocked(t) for t in device_path.quantize_dual(
-            x, "rceil")[1::2]], 2 * n + 2 * q8, "transposed tiles"),
-        ("quantize dual + both dequantized, source layout",
-         lambda: device_path.quantize_dual_source(x, "rceil", dequantized=torch.bfloat16), 2 * n + 2 * q8 + 4 * n, "stream bf16 -> 2 x 1 B + 2 x bf16"),
-        ("weight refresh fp32 -> MX + BF16 forms, source layout",
-         lambda: device_path.quantize_dual_source(xf, "rceil", dequantized=torch.bfloat16), 4 * n + 2 * q8 + 4 * n, "stream fp32 -> 2 x 1 B + 2 x bf16"),
-        ("weight refresh fp32 -> BF16 forms only (keep_dequantized_weights, emulated)",
-         lambda: device_path.quantize_dual_source(xf, "rceil", dequantized=torch.bfloat16, mx=False), 4 * n + 4 * n, "stream fp32 -> 2 x bf16"),
-        ("quantize, blocked scales", lambda: device_path.quantize_blocked(x, "rceil"), 2 * n + q8, "stream bf16 -> 1 B"),
-        ("dequantize -> bf16", lambda: device_path.dequantize_lastdim(q, s, torch.bfloat16), q8 + 2 * n, "stream 1 B -> bf16"),
-        ("dequantize -> bf16, source layout", lambda: device_path.dequantize_lastdim(qc, sc, torch.bfloat16), q8 + 2 * n, "stream 1 B -> bf16"),
-        ("dequantize -> bf16, MN-major scales", lambda: device_path.dequantize_lastdim(qm, sm, torch.bfloat16), q8 + 2 * n, "stream 1 B -> bf16"),
-        ("quantize-dequantize", lambda: device_path.quantize_dequantize(x, "rceil", torch.bfloat16), 2 * n + q8 + 2 * n, "stream bf16 -> 1 B + bf16"),
-        ("swiglu+quantize (gate, up)", lambda: device_path.swiglu_quantize(g, u, "rceil"), 4 * n + q8, "stream fp32 -> 1 B"),
-        ("swiglu+quantize (gate_up halves)", lambda: device_path.swiglu_quantize(gu[:, :k], gu[:, k:], "rceil"), 4 * n + q8, "stream fp32 -> 1 B"),
-        ("swiglu+quantize + values + saved gate/up MX (gate_up halves)",
-         lambda: device_path.swiglu_quantize(gu[:, :k], gu[:, k:], "rceil", torch.bfloat16, save_inputs=True),
-         4 * n + q8 + 2 * n + 2 * q8, "stream fp32 -> bf16 + 3 x 1 B"),
-        ("route-weight+quantize", lambda: device_path.route_weight_quantize(x, w, "rceil"), 2 * n + 4 * m + q8, "stream bf16 -> 1 B"),
+        (
+            "quantize columnwise (x.t())",
+            lambda: device_path.quantize_lastdim(x.t(), "rceil"),
+            2 * n + q8,
+            "columnwise tiles",
+        ),
+        (
+            "quantize dual (row + col)",
+            lambda: device_path.quantize_dual(x, "rceil"),
+            2 * n + 2 * q8,
+            "transposed tiles",
+        ),
+        (
+            "quantize dual, source layout",
+            lambda: device_path.quantize_dual_source(x, "rceil"),
+            2 * n + 2 * q8,
+            "source tiles",
+        ),
+        (
+            "quantize dual, blocked scales (native GEMM operands)",
+            lambda: device_path.quantize_dual_blocked(x, "rceil"),
+            2 * n + 2 * q8,
+            "transposed tiles",
+        ),
+        (
+            "quantize dual + to_blocked of both scales",
+            lambda: [to_blocked(t) for t in device_path.quantize_dual(x, "rceil")[1::2]],
+            2 * n + 2 * q8,
+            "transposed tiles",
+        ),
+        (
+            "quantize dual + both dequantized, source layout",
+            lambda: device_path.quantize_dual_source(x, "rceil", dequantized=torch.bfloat16),
+            2 * n + 2 * q8 + 4 * n,
+            "stream bf16 -> 2 x 1 B + 2 x bf16",
+        ),
+        (
+            "weight refresh fp32 -> MX + BF16 forms, source layout",
+            lambda: device_path.quantize_dual_source(xf, "rceil", dequantized=torch.bfloat16),
+            4 * n + 2 * q8 + 4 * n,
+            "stream fp32 -> 2 x 1 B + 2 x bf16",
+        ),
+        (
+            "weight refresh fp32 -> BF16 forms only (keep_dequantized_weights, emulated)",
+            lambda: device_path.quantize_dual_source(xf, "rceil", dequantized=torch.bfloat16, mx=False),
+            4 * n + 4 * n,
+            "stream fp32 -> 2 x bf16",
+        ),
+        (
+            "quantize, blocked scales",
+            lambda: device_path.quantize_blocked(x, "rceil"),
+            2 * n + q8,
+            "stream bf16 -> 1 B",
+        ),
+        (
+            "dequantize -> bf16",
+            lambda: device_path.dequantize_lastdim(q, s, torch.bfloat16),
+            q8 + 2 * n,
+            "stream 1 B -> bf16",
+        ),
+        (
+            "dequantize -> bf16, source layout",
+            lambda: device_path.dequantize_lastdim(qc, sc, torch.bfloat16),
+            q8 + 2 * n,
+            "stream 1 B -> bf16",
+        ),
+        (
+            "dequantize -> bf16, MN-major scales",
+            lambda: device_path.dequantize_lastdim(qm, sm, torch.bfloat16),
+            q8 + 2 * n,
+            "stream 1 B -> bf16",
+        ),
+        (
+            "quantize-dequantize",
+            lambda: device_path.quantize_dequantize(x, "rceil", torch.bfloat16),
+            2 * n + q8 + 2 * n,
+            "stream bf16 -> 1 B + bf16",
+        ),
+        (
+            "swiglu+quantize (gate, up)",
+            lambda: device_path.swiglu_quantize(g, u, "rceil"),
+            4 * n + q8,
+            "stream fp32 -> 1 B",
+        ),
+        (
+            "swiglu+quantize (gate_up halves)",
+            lambda: device_path.swiglu_quantize(gu[:, :k], gu[:, k:], "rceil"),
+            4 * n + q8,
+            "stream fp32 -> 1 B",
+        ),
+        (
+            "swiglu+quantize + values + saved gate/up MX (gate_up halves)",
+            lambda: device_path.swiglu_quantize(gu[:, :k], gu[:, k:], "rceil", torch.bfloat16, save_inputs=True),
+            4 * n + q8 + 2 * n + 2 * q8,
+            "stream fp32 -> bf16 + 3 x 1 B",
+        ),
+        (
+            "route-weight+quantize",
+            lambda: device_path.route_weight_quantize(x, w, "rceil"),
+            2 * n + 4 * m + q8,
+            "stream bf16 -> 1 B",
+        ),
     ]
 
 
@@ -186,10 +264,32 @@ def _variants():
     """(kernel, config module, fn(x), bytes per input element, configs to try, config attribute[, input dtype])."""
     flat = [(64, 32, 2), (128, 32, 4), (256, 32, 4), (256, 32, 8), (512, 32, 8)]
     small = [(16, 32, 1), (32, 32, 1), (32, 32, 2), (64, 32, 2), (64, 32, 4), (128, 32, 4)]  # 8 values/thread: slow
-    tiles = [(64, 32, 1), (128, 32, 1), (64, 64, 1), (256, 32, 2), (128, 64, 2), (128, 64, 4), (256, 32, 4),
-             (256, 64, 4), (32, 64, 1), (128, 64, 1), (64, 128, 2), (128, 128, 4)]
-    strided = [(16, 256, 8), (8, 256, 4), (8, 512, 4), (4, 1024, 8), (4, 512, 4), (2, 1024, 4), (1, 2048, 4),
-               (8, 256, 2), (4, 256, 1), (2, 512, 2)]
+    tiles = [
+        (64, 32, 1),
+        (128, 32, 1),
+        (64, 64, 1),
+        (256, 32, 2),
+        (128, 64, 2),
+        (128, 64, 4),
+        (256, 32, 4),
+        (256, 64, 4),
+        (32, 64, 1),
+        (128, 64, 1),
+        (64, 128, 2),
+        (128, 128, 4),
+    ]
+    strided = [
+        (16, 256, 8),
+        (8, 256, 4),
+        (8, 512, 4),
+        (4, 1024, 8),
+        (4, 512, 4),
+        (2, 1024, 4),
+        (1, 2048, 4),
+        (8, 256, 2),
+        (4, 256, 1),
+        (2, 512, 2),
+    ]
     q = lambda x: device_path.quantize_lastdim(x, "rceil")  # noqa: E731
     col = lambda x: device_path.quantize_lastdim(x.t(), "rceil")  # noqa: E731
     dl = lambda x: device_path.quantize_dual(x, "rceil")  # noqa: E731
@@ -209,24 +309,51 @@ def _variants():
         return device_path.route_weight_quantize(x, partner[x.shape[0]], "rceil")
 
     # tall tiles: BM / 32 column scales per K row per program, the transposed scale store's unit
-    transposed = [(32, 64, 1), (32, 32, 1), (32, 128, 2), (64, 64, 1), (64, 64, 2), (128, 32, 1), (128, 32, 2), (256, 32, 2), (128, 64, 2),
-                  (256, 32, 4), (128, 64, 4), (64, 32, 1)]
+    transposed = [
+        (32, 64, 1),
+        (32, 32, 1),
+        (32, 128, 2),
+        (64, 64, 1),
+        (64, 64, 2),
+        (128, 32, 1),
+        (128, 32, 2),
+        (256, 32, 2),
+        (128, 64, 2),
+        (256, 32, 4),
+        (128, 64, 4),
+        (64, 32, 1),
+    ]
     col_dual = lambda x: dual._quantize_both(  # noqa: E731  (the columnwise pair alone, transposed)
-        x, "rceil", "probe", row=False, col=True, dequantized=None, transposed=True)
+        x, "rceil", "probe", row=False, col=True, dequantized=None, transposed=True
+    )
 
     forms = [(False, False), (True, False), (False, True), (True, True)]  # dual.ADDRESS_FORMS
 
     def sw_halves(x, save=False):
         gu = x.view(x.shape[0] // 2, 2 * x.shape[1])
         k = x.shape[1]
-        return device_path.swiglu_quantize(gu[:, :k], gu[:, k:], "rceil", torch.bfloat16 if save else None, save_inputs=save)
+        return device_path.swiglu_quantize(
+            gu[:, :k], gu[:, k:], "rceil", torch.bfloat16 if save else None, save_inputs=save
+        )
 
     return [
         ("rowwise", quantize, q, 2 + 33 / 32, flat, "FLAT_CONFIG"),
-        ("blocked", quantize, lambda x: device_path.quantize_blocked(x, "rceil"), 2 + 33 / 32,
-         [None, (128, 128, 8), (128, 128, 4), (128, 64, 4), (128, 256, 8), (128, 32, 4)], "BLOCKED_CONFIG"),
-        ("qdq", quantize, lambda x: device_path.quantize_dequantize(x, "rceil", torch.bfloat16), 4 + 33 / 32, flat,
-         "FLAT_CONFIG"),
+        (
+            "blocked",
+            quantize,
+            lambda x: device_path.quantize_blocked(x, "rceil"),
+            2 + 33 / 32,
+            [None, (128, 128, 8), (128, 128, 4), (128, 64, 4), (128, 256, 8), (128, 32, 4)],
+            "BLOCKED_CONFIG",
+        ),
+        (
+            "qdq",
+            quantize,
+            lambda x: device_path.quantize_dequantize(x, "rceil", torch.bfloat16),
+            4 + 33 / 32,
+            flat,
+            "FLAT_CONFIG",
+        ),
         ("route", quantize, route, 2 + 33 / 32, flat, "FLAT_CONFIG"),
         ("columnwise", quantize, col, 2 + 33 / 32, tiles, "COLWISE_CONFIG"),
         ("dual", dual, dl, 2 + 66 / 32, transposed, "TRANSPOSED_CONFIG"),
@@ -235,21 +362,53 @@ def _variants():
         ("refresh", dual, refresh, 4 + 66 / 32 + 4, source, "SOURCE_CONFIG[source fp32]", torch.float32),
         ("dual_source_form", dual, dls, 2 + 66 / 32, forms, "ADDRESS_FORMS[source]"),
         ("dual_form", dual, dl, 2 + 66 / 32, forms, "ADDRESS_FORMS[transposed]"),
-        ("dual_blocked_form", dual, lambda x: device_path.quantize_dual_blocked(x, "rceil"), 2 + 66 / 32, forms,
-         "ADDRESS_FORMS[blocked]"),
-        ("dual_hat_form", dual, lambda x: device_path.quantize_dual_source(x, "rceil", dequantized=torch.bfloat16),
-         2 + 66 / 32 + 4, forms, "ADDRESS_FORMS[source]"),
+        (
+            "dual_blocked_form",
+            dual,
+            lambda x: device_path.quantize_dual_blocked(x, "rceil"),
+            2 + 66 / 32,
+            forms,
+            "ADDRESS_FORMS[blocked]",
+        ),
+        (
+            "dual_hat_form",
+            dual,
+            lambda x: device_path.quantize_dual_source(x, "rceil", dequantized=torch.bfloat16),
+            2 + 66 / 32 + 4,
+            forms,
+            "ADDRESS_FORMS[source]",
+        ),
         ("refresh_form", dual, refresh, 4 + 66 / 32 + 4, forms, "ADDRESS_FORMS[source fp32]", torch.float32),
         ("swiglu_even", swiglu, sw, 4 + 33 / 32, [False, True], "STREAM_EVEN"),
         ("swiglu_even halves", swiglu, sw_halves, (4 + 33 / 32) / 2, [False, True], "STREAM_EVEN"),
-        ("swiglu_even saved halves", swiglu, lambda x: sw_halves(x, True), (4 + 33 / 32 + 2 + 66 / 32) / 2,
-         [False, True], "STREAM_EVEN"),
+        (
+            "swiglu_even saved halves",
+            swiglu,
+            lambda x: sw_halves(x, True),
+            (4 + 33 / 32 + 2 + 66 / 32) / 2,
+            [False, True],
+            "STREAM_EVEN",
+        ),
         ("swiglu", swiglu, sw, 4 + 33 / 32, small, "FLAT_CONFIG"),
         ("swiglu gate_up halves", swiglu, sw_halves, (4 + 33 / 32) / 2, small, "FLAT_CONFIG"),
-        ("swiglu saved halves", swiglu, lambda x: sw_halves(x, True), (4 + 33 / 32 + 2 + 66 / 32) / 2, small,
-         "FLAT_WIDE_CONFIG"),
-        ("swiglu strided", swiglu, lambda x: device_path.swiglu_quantize(x[:, ::2], partner.setdefault(
-            ("odd", x.shape), torch.randn_like(x))[:, 1::2], "rceil"), (4 + 33 / 32) / 2, strided, "SWIGLU_CONFIG"),
+        (
+            "swiglu saved halves",
+            swiglu,
+            lambda x: sw_halves(x, True),
+            (4 + 33 / 32 + 2 + 66 / 32) / 2,
+            small,
+            "FLAT_WIDE_CONFIG",
+        ),
+        (
+            "swiglu strided",
+            swiglu,
+            lambda x: device_path.swiglu_quantize(
+                x[:, ::2], partner.setdefault(("odd", x.shape), torch.randn_like(x))[:, 1::2], "rceil"
+            ),
+            (4 + 33 / 32) / 2,
+            strided,
+            "SWIGLU_CONFIG",
+        ),
     ]
 
 
@@ -309,18 +468,22 @@ def sweep(copy_gbs: float) -> list[str]:
                     x = torch.randn(m, k, device="cuda", dtype=dtype)
                     frac = per_elem * m * k / median_ms(lambda: fn(x)) / 1e6 / copy_gbs
                     fracs.append(frac)
-                    lines.append(f"| {name} | {m}x{k} | {cfg} | {cap} | {100 * frac:.1f}% | "
-                                 f"{'same' if same else 'DIFFER'} |")
+                    lines.append(
+                        f"| {name} | {m}x{k} | {cfg} | {cap} | {100 * frac:.1f}% | {'same' if same else 'DIFFER'} |"
+                    )
                 worst = min(fracs)
                 if same and worst > best.get(name, (0,))[0]:
                     best[name] = (worst, (cfg, cap))
-                print("\n".join(lines[-len(SHAPES):]), flush=True)
+                print("\n".join(lines[-len(SHAPES) :]), flush=True)
         finally:
             use(keep)
             register_cap(mod, None)
             torch.cuda.empty_cache()
-    lines += ["", "best (config, maxnreg) per kernel (highest worst-shape %, same bytes): "
-              + "; ".join(f"{n}: {c} {100 * w:.1f}%" for n, (w, c) in best.items())]
+    lines += [
+        "",
+        "best (config, maxnreg) per kernel (highest worst-shape %, same bytes): "
+        + "; ".join(f"{n}: {c} {100 * w:.1f}%" for n, (w, c) in best.items()),
+    ]
     print(lines[-1], flush=True)
     return lines
 
@@ -361,8 +524,10 @@ def main() -> None:
         top = ceiling.get((key, shape))
         gap = "-" if top is None else f"{top - pct:.1f}"
         ok = "-" if top is None else ("ok" if top - pct <= GOAL_POINTS else "missed")
-        rows.append(f"| {name} | {shape[0]}x{shape[1]} | {ms * 1e3:.0f} | {nbytes / ms / 1e6:.0f} | {pct:.1f} | "
-                    f"{'-' if top is None else f'{top:.1f}'} | {gap} | {ok} | {eager_ms(fn) * 1e3:.0f} |")
+        rows.append(
+            f"| {name} | {shape[0]}x{shape[1]} | {ms * 1e3:.0f} | {nbytes / ms / 1e6:.0f} | {pct:.1f} | "
+            f"{'-' if top is None else f'{top:.1f}'} | {gap} | {ok} | {eager_ms(fn) * 1e3:.0f} |"
+        )
         print(rows[-1], flush=True)
 
     for shape in SHAPES:
@@ -383,8 +548,12 @@ def main() -> None:
 
 if __name__ == "__main__":
     cli = argparse.ArgumentParser(description="Bandwidth of the MX kernels against a copy and their movement ceilings.")
-    cli.add_argument("--launch", nargs=3, metavar=("KERNEL", "M", "K"),
-                     help="only call sweep kernel KERNEL four times at [M, K] (for a profiler)")
+    cli.add_argument(
+        "--launch",
+        nargs=3,
+        metavar=("KERNEL", "M", "K"),
+        help="only call sweep kernel KERNEL four times at [M, K] (for a profiler)",
+    )
     args = cli.parse_args()
     if args.launch:
         launch_only(args.launch[0], int(args.launch[1]), int(args.launch[2]))

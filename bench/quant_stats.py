@@ -84,8 +84,11 @@ def _sites(fmt, rule: str, t: int, k: int, n: int, experts: int, device: str, dt
 def _same(got: torch.Tensor, ref: torch.Tensor) -> bool:
     n = len(stats._FIELDS)
     exact = [i for i in range(got.numel()) if i not in (6, 7)]  # all but err_sq, ref_sq
-    return bool(torch.equal(got[exact], ref[exact]) and torch.allclose(got[6:8], ref[6:8], rtol=1e-9, atol=0.0)
-                and got.numel() == n + stats.HIST_BINS)
+    return bool(
+        torch.equal(got[exact], ref[exact])
+        and torch.allclose(got[6:8], ref[6:8], rtol=1e-9, atol=0.0)
+        and got.numel() == n + stats.HIST_BINS
+    )
 
 
 def main(argv=None) -> None:
@@ -104,15 +107,21 @@ def main(argv=None) -> None:
     device, dtype = args.device, (torch.bfloat16 if args.device == "cuda" else torch.float32)
     fused_here = device == "cuda"
     reps = (2, 1) if args.quick else (10, 5)  # (calls, runs)
-    lines = [f"# quantization statistics: one sample per site ({device}"
-             f"{', ' + torch.cuda.get_device_name() if device == 'cuda' else ''}; ms per call)", "",
-             "| format | site | shape | quantize ms | reference ms | fused ms | reference / fused | fused / quantize "
-             "| match |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# quantization statistics: one sample per site ({device}"
+        f"{', ' + torch.cuda.get_device_name() if device == 'cuda' else ''}; ms per call)",
+        "",
+        "| format | site | shape | quantize ms | reference ms | fused ms | reference / fused | fused / quantize "
+        "| match |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for name in args.formats.split(","):
         fmt = formats.get(name)
         for rule in (r.value for r in fmt.scale_rules):
             for site, shape, quantize, (source, combine, operand, layout, offs) in _sites(
-                    fmt, rule, args.tokens, args.k, args.n, args.experts, device, dtype):
+                fmt, rule, args.tokens, args.k, args.n, args.experts, device, dtype
+            ):
+
                 def reference():
                     return stats.reduce_parts(fmt.quant_stats(source, combine, operand, rule, layout, offs))
 
@@ -126,8 +135,11 @@ def main(argv=None) -> None:
                 else:
                     cells = ["-", "-", "-", "- (no fused kernel on CPU)"]
                 made = "- (cached)" if q_ms is None else f"{q_ms:.3f}"
-                lines.append(f"| {name}/{rule} | {site} | {'x'.join(map(str, shape))} | {made} | {ref_ms:.3f} | "
-                             + " | ".join(cells) + " |")
+                lines.append(
+                    f"| {name}/{rule} | {site} | {'x'.join(map(str, shape))} | {made} | {ref_ms:.3f} | "
+                    + " | ".join(cells)
+                    + " |"
+                )
     emit("quant_stats.md", "\n".join(lines))
 
 

@@ -49,8 +49,11 @@ ROOT = Path(__file__).resolve().parents[1]
 OVERRIDES = ROOT / "examples" / "torchtitan"
 MODELS = {  # torchtitan 0.3: --module, --config; 0.2: --model.name, --model.flavor
     "0.3": {"qwen3": ("qwen3", "qwen3_moe_debug"), "deepseek_v3": ("deepseek_v3", "deepseek_v3_debugmodel")},
-    "0.2": {"qwen3": ("qwen3", "debugmodel_moe"), "deepseek_v3": ("deepseek_v3", "debugmodel"),
-            "llama4": ("llama4", "debugmodel")},
+    "0.2": {
+        "qwen3": ("qwen3", "debugmodel_moe"),
+        "deepseek_v3": ("deepseek_v3", "debugmodel"),
+        "llama4": ("llama4", "debugmodel"),
+    },
 }
 REAL_SHAPES = ("qwen3_30b_a3b", "deepseek_v3_16b")  # torchtitan 0.2 specs of examples/torchtitan/real_shapes.py
 DEFAULT_RUNS = "qwen3:inductor,qwen3:mxfp8,qwen3:fp8_block,deepseek_v3:inductor,deepseek_v3:mxfp8"
@@ -78,11 +81,16 @@ def write_assets(folder: Path, docs: int = 2000, seed: int = 0) -> tuple[Path, P
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     special = ["<|begin_of_text|>", "<|end_of_text|>"]
-    tok.train_from_iterator(texts[:500], trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=special,
-                                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        texts[:500],
+        trainers.BpeTrainer(
+            vocab_size=VOCAB, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     tok.save(str(tok_dir / "tokenizer.json"))
-    (tok_dir / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": special[0], "eos_token": special[1], "add_bos_token": True, "add_eos_token": True}))
+    (tok_dir / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": special[0], "eos_token": special[1], "add_bos_token": True, "add_eos_token": True})
+    )
     with open(data_dir / "train.jsonl", "w") as f:
         for t in texts:
             f.write(json.dumps({"text": t}) + "\n")
@@ -90,39 +98,112 @@ def write_assets(folder: Path, docs: int = 2000, seed: int = 0) -> tuple[Path, P
 
 
 def torchtitan_series() -> str:
-    """"0.2" or "0.3": the installed torchtitan's command-line layout."""
+    """ "0.2" or "0.3": the installed torchtitan's command-line layout."""
     from importlib.metadata import version
 
     major, minor = version("torchtitan").split(".")[:2]
     return "0.2" if (int(major), int(minor)) < (0, 3) else "0.3"
 
 
-def command(series: str, model: str, arm: str, steps: int, tok_dir: Path, data_dir: Path, dump: Path,
-            extra: list[str], real: dict | None = None) -> list[str]:
+def command(
+    series: str,
+    model: str,
+    arm: str,
+    steps: int,
+    tok_dir: Path,
+    data_dir: Path,
+    dump: Path,
+    extra: list[str],
+    real: dict | None = None,
+) -> list[str]:
     """The torchrun command line of one run. ``real``: for a ``REAL_SHAPES`` model, its ``layers``, ``vocab``
     (``"real"`` or a size), ``seq_len``, ``batch`` and ``ac`` (activation-checkpoint mode)."""
     backend = "inductor" if arm == "inductor" else "mxfp8"
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m", "torchtitan.train"]
-    common = ["--compile.enable", "--compile.backend", backend, "--training.steps", str(steps), "--metrics.log_freq", "1"]
+    launch = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "1",
+        "-m",
+        "torchtitan.train",
+    ]
+    common = [
+        "--compile.enable",
+        "--compile.backend",
+        backend,
+        "--training.steps",
+        str(steps),
+        "--metrics.log_freq",
+        "1",
+    ]
     if model in REAL_SHAPES:
         if series != "0.2":
             raise SystemExit(f"bench/torchtitan_moe.py: {model} needs torchtitan 0.2 (--experimental.custom_import)")
         vocab = "" if real["vocab"] == "real" else f"_vocab{real['vocab']}"
-        return [*launch, "--experimental.custom_import", "real_shapes", "--model.name", model,
-                "--model.flavor", f"{real['layers']}layers{vocab}", *common,
-                "--training.seq_len", str(real["seq_len"]), "--training.local_batch_size", str(real["batch"]),
-                "--activation_checkpoint.mode", real["ac"],
-                "--model.hf_assets_path", str(tok_dir), "--training.dataset", "c4_test",
-                "--training.dataset_path", str(data_dir), "--job.dump_folder", str(dump), *extra]
+        return [
+            *launch,
+            "--experimental.custom_import",
+            "real_shapes",
+            "--model.name",
+            model,
+            "--model.flavor",
+            f"{real['layers']}layers{vocab}",
+            *common,
+            "--training.seq_len",
+            str(real["seq_len"]),
+            "--training.local_batch_size",
+            str(real["batch"]),
+            "--activation_checkpoint.mode",
+            real["ac"],
+            "--model.hf_assets_path",
+            str(tok_dir),
+            "--training.dataset",
+            "c4_test",
+            "--training.dataset_path",
+            str(data_dir),
+            "--job.dump_folder",
+            str(dump),
+            *extra,
+        ]
     first, second = MODELS[series][model]
     if series == "0.2":
-        return [*launch, "--model.name", first, "--model.flavor", second, *common,
-                "--model.hf_assets_path", str(tok_dir), "--training.dataset", "c4_test",
-                "--training.dataset_path", str(data_dir), "--job.dump_folder", str(dump), *extra]
-    return [*launch, "--module", first, "--config", second, *common,
-            "--override.imports", "mxfx_overrides.mxfx_model", "--training.disable_cuda_graphs",
-            "--hf_assets_path", str(tok_dir), "--dataloader.dataset_path", str(data_dir),
-            "--dump_folder", str(dump), *extra]
+        return [
+            *launch,
+            "--model.name",
+            first,
+            "--model.flavor",
+            second,
+            *common,
+            "--model.hf_assets_path",
+            str(tok_dir),
+            "--training.dataset",
+            "c4_test",
+            "--training.dataset_path",
+            str(data_dir),
+            "--job.dump_folder",
+            str(dump),
+            *extra,
+        ]
+    return [
+        *launch,
+        "--module",
+        first,
+        "--config",
+        second,
+        *common,
+        "--override.imports",
+        "mxfx_overrides.mxfx_model",
+        "--training.disable_cuda_graphs",
+        "--hf_assets_path",
+        str(tok_dir),
+        "--dataloader.dataset_path",
+        str(data_dir),
+        "--dump_folder",
+        str(dump),
+        *extra,
+    ]
 
 
 def peak_memory(log: str) -> float | None:
@@ -155,8 +236,9 @@ def parse(log: str, skip: int) -> tuple[float | None, float | None, int]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()),
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=" ".join(__doc__.split("\n\n")[0].split()), formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     ap.add_argument("--runs", default=DEFAULT_RUNS, help="model:arm pairs; arms: " + ", ".join(ARMS))
     ap.add_argument("--models", default=None, help="instead of --runs: these models, each with every --arms")
     ap.add_argument("--arms", default=",".join(ARMS), help="with --models: the arms each model runs")
@@ -171,9 +253,15 @@ def main() -> None:
     real.add_argument("--layers", type=int, default=4, help="transformer blocks")
     real.add_argument("--seq-len", type=int, default=4096)
     real.add_argument("--batch", type=int, default=4, help="sequences per step (--training.local_batch_size)")
-    real.add_argument("--ac", default="selective", choices=("selective", "full", "none"),
-                      help="--activation_checkpoint.mode (selective: torchtitan's default, every 2nd block)")
-    real.add_argument("--vocab", default=str(VOCAB), help=f"'real' (the model's own) or a size >= {VOCAB}, the tokenizer's")
+    real.add_argument(
+        "--ac",
+        default="selective",
+        choices=("selective", "full", "none"),
+        help="--activation_checkpoint.mode (selective: torchtitan's default, every 2nd block)",
+    )
+    real.add_argument(
+        "--vocab", default=str(VOCAB), help=f"'real' (the model's own) or a size >= {VOCAB}, the tokenizer's"
+    )
     args = ap.parse_args()
     if args.vocab != "real" and not (args.vocab.isdigit() and int(args.vocab) >= VOCAB):
         ap.error(f"--vocab: 'real' or a size >= {VOCAB} (the generated tokenizer's ids index the embedding)")
@@ -182,8 +270,10 @@ def main() -> None:
     from importlib.metadata import entry_points
 
     if not any(ep.name == "mxfp8" for ep in entry_points(group="torch_dynamo_backends")):
-        sys.exit("bench/torchtitan_moe.py: no 'mxfp8' torch_dynamo_backends entry point (torchtitan looks the backend "
-                 "up by name); install mxfx first: python -m pip install --no-deps --no-build-isolation -e .")
+        sys.exit(
+            "bench/torchtitan_moe.py: no 'mxfp8' torch_dynamo_backends entry point (torchtitan looks the backend "
+            "up by name); install mxfx first: python -m pip install --no-deps --no-build-isolation -e ."
+        )
     work = Path(tempfile.mkdtemp(prefix="mxfx_titan_"))
     tok_dir, data_dir = write_assets(work)
     policy = work / "fp8_block.toml"
@@ -191,18 +281,32 @@ def main() -> None:
     logs = Path(args.keep_logs) if args.keep_logs else work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     series = torchtitan_series()
-    runs = ([(m, a) for m in args.models.split(",") for a in args.arms.split(",")] if args.models
-            else [tuple(r.split(":")) for r in args.runs.split(",")])
+    runs = (
+        [(m, a) for m in args.models.split(",") for a in args.arms.split(",")]
+        if args.models
+        else [tuple(r.split(":")) for r in args.runs.split(",")]
+    )
     rows = []
     start = time.time()
     for model, arm in runs:
-        row = {"model": model, "arm": arm, "tokens_per_s": None, "loss": None, "peak_gib": None, "routed_gemms": None,
-               "routed_gemms_unconverted": None, "wall_s": 0.0, "status": "skipped (--budget)"}
+        row = {
+            "model": model,
+            "arm": arm,
+            "tokens_per_s": None,
+            "loss": None,
+            "peak_gib": None,
+            "routed_gemms": None,
+            "routed_gemms_unconverted": None,
+            "wall_s": 0.0,
+            "status": "skipped (--budget)",
+        }
         rows.append(row)
         left = args.budget - (time.time() - start)
         if left < 30:
             continue
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(OVERRIDES), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        env = dict(
+            os.environ, PYTHONPATH=os.pathsep.join([str(OVERRIDES), str(ROOT), os.environ.get("PYTHONPATH", "")])
+        )
         env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
         env.pop("MXFX_POLICY", None)
         env.pop("MXFX_DUMP_DIR", None)
@@ -227,28 +331,46 @@ def main() -> None:
             tail = [ln for ln in _ANSI.sub("", log).splitlines() if ln.strip()][-3:]
             print(f"[{model} {arm}] {status}:", *tail, sep="\n  ", flush=True)
         gemms = routed_gemms(dump / "mxfx") if arm != "inductor" else None
-        row.update(tokens_per_s=tps, loss=loss, peak_gib=peak_memory(log), wall_s=wall, status=status,
-                   routed_gemms=gemms[0] if gemms else None, routed_gemms_unconverted=gemms[1] if gemms else None)
+        row.update(
+            tokens_per_s=tps,
+            loss=loss,
+            peak_gib=peak_memory(log),
+            wall_s=wall,
+            status=status,
+            routed_gemms=gemms[0] if gemms else None,
+            routed_gemms_unconverted=gemms[1] if gemms else None,
+        )
         print(f"[{model} {arm}] done in {wall:.0f}s", flush=True)
 
     base = {r["model"]: r["tokens_per_s"] for r in rows if r["arm"] == "inductor" and r["tokens_per_s"]}
     for r in rows:
         r["vs_inductor"] = r["tokens_per_s"] / base[r["model"]] if r["tokens_per_s"] and base.get(r["model"]) else None
     shapes = any(m in REAL_SHAPES for m, _ in runs)
-    print(f"\ntorchtitan {series} MoE models, {args.steps} steps, one GPU (logs: {logs})"
-          + (f"; real shapes: {args.layers} layers, {args.batch}x{args.seq_len} tokens a step, AC {args.ac}, "
-             f"vocab {args.vocab}" if shapes else ""))
-    print(f"{'model':<16} {'arm':<10} {'tokens/s':>10} {'vs inductor':>11} {'loss':>8} {'peak GiB':>8} "
-          f"{'routed kept':>11} {'wall s':>7}  status")
+    print(
+        f"\ntorchtitan {series} MoE models, {args.steps} steps, one GPU (logs: {logs})"
+        + (
+            f"; real shapes: {args.layers} layers, {args.batch}x{args.seq_len} tokens a step, AC {args.ac}, "
+            f"vocab {args.vocab}"
+            if shapes
+            else ""
+        )
+    )
+    print(
+        f"{'model':<16} {'arm':<10} {'tokens/s':>10} {'vs inductor':>11} {'loss':>8} {'peak GiB':>8} "
+        f"{'routed kept':>11} {'wall s':>7}  status"
+    )
     for r in rows:
         kept = "-" if r["routed_gemms"] is None else f"{r['routed_gemms_unconverted']}/{r['routed_gemms']}"
         tps, loss, peak, ratio = r["tokens_per_s"], r["loss"], r["peak_gib"], r["vs_inductor"]
-        print(f"{r['model']:<16} {r['arm']:<10} {(f'{tps:,.0f}' if tps else '-'):>10} "
-              f"{(f'{ratio:.2f}x' if ratio else '-'):>11} {(f'{loss:.4f}' if loss is not None else '-'):>8} "
-              f"{(f'{peak:.2f}' if peak is not None else '-'):>8} {kept:>11} {r['wall_s']:>7.0f}  {r['status']}")
+        print(
+            f"{r['model']:<16} {r['arm']:<10} {(f'{tps:,.0f}' if tps else '-'):>10} "
+            f"{(f'{ratio:.2f}x' if ratio else '-'):>11} {(f'{loss:.4f}' if loss is not None else '-'):>8} "
+            f"{(f'{peak:.2f}' if peak is not None else '-'):>8} {kept:>11} {r['wall_s']:>7.0f}  {r['status']}"
+        )
     if args.json:
-        Path(args.json).write_text(json.dumps({"series": series, "steps": args.steps, "real_shapes": real_cfg,
-                                               "rows": rows}, indent=1))
+        Path(args.json).write_text(
+            json.dumps({"series": series, "steps": args.steps, "real_shapes": real_cfg, "rows": rows}, indent=1)
+        )
 
 
 if __name__ == "__main__":

@@ -84,7 +84,12 @@ def torchao_routed_experts(moe: MoE, x, experts, weights):
 
     def gmm(a, b_t, offs):
         return _to_mxfp8_then_scaled_grouped_mm(
-            a, b_t, offs, kernel_preference=KernelPreference.EMULATED, wgrad_with_hp=True, pad_token_groups_for_grouped_mm=True
+            a,
+            b_t,
+            offs,
+            kernel_preference=KernelPreference.EMULATED,
+            wgrad_with_hp=True,
+            pad_token_groups_for_grouped_mm=True,
         )
 
     N, d = x.shape
@@ -107,7 +112,9 @@ def torchao_linear(lin: torch.nn.Linear):
 
     def forward(x):
         x = x.to(torch.bfloat16)
-        return _to_mxfp8_then_scaled_mm(x, lin.weight.to(torch.bfloat16), KernelPreference.EMULATED, ScaleCalculationMode.RCEIL)
+        return _to_mxfp8_then_scaled_mm(
+            x, lin.weight.to(torch.bfloat16), KernelPreference.EMULATED, ScaleCalculationMode.RCEIL
+        )
 
     return forward
 
@@ -187,8 +194,10 @@ def profile_step(step, *args, path: str | None = None) -> str:
     device_us = sum(e.self_device_time_total for e in ev)
     ranked = [e for e in sorted(ev, key=lambda e: -e.self_device_time_total) if e.self_device_time_total > 0]
     row = lambda e: f"  {e.self_device_time_total / 1e3:7.2f} ms  {e.count:5d}x  {e.key[:110]}"  # noqa: E731
-    lines = [f"profile: host returns after {host * 1e3:.1f} ms, step wall {wall * 1e3:.1f} ms, "
-             f"device busy {device_us / 1e3:.1f} ms (profiler overhead included)"]
+    lines = [
+        f"profile: host returns after {host * 1e3:.1f} ms, step wall {wall * 1e3:.1f} ms, "
+        f"device busy {device_us / 1e3:.1f} ms (profiler overhead included)"
+    ]
     if path:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(path, "w") as f:
@@ -326,19 +335,30 @@ def goals(p1: dict, p2: dict) -> list[str]:
             return
         ok = value >= target if better == "higher" else value <= target
         gap = "" if ok else f"  (gap {value - target:+.2f})"
-        lines.append(f"  {name}: {value:.2f} vs goal {'>=' if better == 'higher' else '<='} {target}  {'MET' if ok else 'NOT MET'}{gap}")
+        lines.append(
+            f"  {name}: {value:.2f} vs goal {'>=' if better == 'higher' else '<='} {target}  {'MET' if ok else 'NOT MET'}{gap}"
+        )
 
     a, c = p1.get("bf16"), p1.get("torchao")
     for arm in MX_ARMS:  # every MX arm that ran is held to the goals of (b)
         b, tag = p1.get(arm), f"{arm} (b)" if arm == "mxfp8" else arm
         if a and b:
             check(f"{tag}/(a) tokens/s", b["tokens_per_s"] / a["tokens_per_s"], 0.9)
-            check(f"{tag}/(a) saved activation memory", b["saved_gib"] / a["saved_gib"] if a["saved_gib"] else float("nan"), 0.7, "lower")
+            check(
+                f"{tag}/(a) saved activation memory",
+                b["saved_gib"] / a["saved_gib"] if a["saved_gib"] else float("nan"),
+                0.7,
+                "lower",
+            )
             if a["act_gib"] == a["act_gib"]:
-                lines.append(f"  (info) forward+backward peak above held memory {tag}/(a): {b['act_gib'] / a['act_gib']:.2f}")
+                lines.append(
+                    f"  (info) forward+backward peak above held memory {tag}/(a): {b['act_gib'] / a['act_gib']:.2f}"
+                )
             if a["act_gib"] == a["act_gib"] and a["act_gib"] > a["grad_gib"]:
-                lines.append(f"  (info) activation memory without the FP32 gradients: {tag}/(a) "
-                             f"{(b['act_gib'] - b['grad_gib']) / (a['act_gib'] - a['grad_gib']):.2f}")
+                lines.append(
+                    f"  (info) activation memory without the FP32 gradients: {tag}/(a) "
+                    f"{(b['act_gib'] - b['grad_gib']) / (a['act_gib'] - a['grad_gib']):.2f}"
+                )
         if b and c and "tokens_per_s" in c:
             check(f"{tag}/(c) tokens/s", b["tokens_per_s"] / c["tokens_per_s"], 1.8)
         if p2.get("bf16") and p2.get(arm):
@@ -377,8 +397,17 @@ def main():
         a.expert_hidden, a.shared_hidden, a.seq, a.batch, a.warmup, a.steps = 64, 64, 64, 2, 1, 2
     torch._dynamo.config.automatic_dynamic_shapes = False  # each micro-batch size: its own static graph
     torch._dynamo.config.cache_size_limit = 64
-    mcfg = MoEConfig(vocab_size=256, d_model=a.d_model, n_layers=a.layers, head_dim=a.head_dim, n_experts=a.experts,
-                     top_k=a.topk, expert_hidden=a.expert_hidden, shared_hidden=a.shared_hidden, max_seq=a.seq)
+    mcfg = MoEConfig(
+        vocab_size=256,
+        d_model=a.d_model,
+        n_layers=a.layers,
+        head_dim=a.head_dim,
+        n_experts=a.experts,
+        top_k=a.topk,
+        expert_hidden=a.expert_hidden,
+        shared_hidden=a.shared_hidden,
+        max_seq=a.seq,
+    )
     arms = [x.strip() for x in a.arms.split(",") if x.strip()]
     phases = {int(x) for x in a.phases.split(",")}
     dev_name = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
@@ -394,8 +423,11 @@ def main():
                 p1[arm] = run_arm(arm, mcfg, a, a.batch)
             except Exception as e:  # an arm that cannot run here is reported, not fatal
                 p1[arm] = dict(arm=arm, error=f"{type(e).__name__}: {str(e)[:300]}")
-            print(f"phase 1 {arm}: {json.dumps({k: v for k, v in p1[arm].items() if k != 'losses'})} "
-                  f"({time.perf_counter() - t_start:.0f} s)", flush=True)
+            print(
+                f"phase 1 {arm}: {json.dumps({k: v for k, v in p1[arm].items() if k != 'losses'})} "
+                f"({time.perf_counter() - t_start:.0f} s)",
+                flush=True,
+            )
     if 2 in phases:
         if a.device != "cuda":
             print("phase 2 (max batch in a memory budget) needs CUDA memory statistics: skipped")
@@ -407,43 +439,66 @@ def main():
                     p2[arm] = max_batch(arm, mcfg, a, p1[arm])
                 except Exception as e:
                     p2[arm] = dict(arm=arm, error=f"{type(e).__name__}: {str(e)[:300]}")
-                print(f"phase 2 {arm}: {json.dumps({k: v for k, v in p2[arm].items() if k != 'losses'})} "
-                      f"({time.perf_counter() - t_start:.0f} s)", flush=True)
+                print(
+                    f"phase 2 {arm}: {json.dumps({k: v for k, v in p2[arm].items() if k != 'losses'})} "
+                    f"({time.perf_counter() - t_start:.0f} s)",
+                    flush=True,
+                )
             torch.cuda.set_per_process_memory_fraction(1.0)
 
-    names = {"bf16": f"(a) bf16 {a.inner}", "mxfp8": "(b) backend=mxfp8", "mxfp8dq": "(b') mxfp8, keep_dequantized_weights",
-             "mxfp8opaque": "(b'') mxfp8, MX ops as opaque custom ops", "torchao": "(c) torchao MXFP8 emulated"}
-    lines = [f"MoE train step: {a.layers} layers, d {a.d_model}, {a.experts} experts top-{a.topk} + shared, "
-             f"expert hidden {a.expert_hidden}, seq {a.seq}; {dev_name}; torch {torch.__version__}; "
-             f"PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')}", "",
-             f"phase 1, micro-batch {a.batch} ({a.batch * a.seq} tokens):",
-             "| arm | tokens/s | vs (a) | step ms | peak GiB | saved activations GiB | fwd+bwd peak above held GiB "
-             "| grads GiB | held GiB | warmup s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    names = {
+        "bf16": f"(a) bf16 {a.inner}",
+        "mxfp8": "(b) backend=mxfp8",
+        "mxfp8dq": "(b') mxfp8, keep_dequantized_weights",
+        "mxfp8opaque": "(b'') mxfp8, MX ops as opaque custom ops",
+        "torchao": "(c) torchao MXFP8 emulated",
+    }
+    lines = [
+        f"MoE train step: {a.layers} layers, d {a.d_model}, {a.experts} experts top-{a.topk} + shared, "
+        f"expert hidden {a.expert_hidden}, seq {a.seq}; {dev_name}; torch {torch.__version__}; "
+        f"PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')}",
+        "",
+        f"phase 1, micro-batch {a.batch} ({a.batch * a.seq} tokens):",
+        "| arm | tokens/s | vs (a) | step ms | peak GiB | saved activations GiB | fwd+bwd peak above held GiB "
+        "| grads GiB | held GiB | warmup s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     base = p1.get("bf16", {}).get("tokens_per_s")
     for arm, r in p1.items():
         if "error" in r:
             lines.append(f"| {names[arm]} | failed: {r['error']} |||||||||")
             continue
         rel = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
-        lines.append(f"| {names[arm]} | {r['tokens_per_s']:.0f} | {rel} | {r['step_ms']:.1f} | {r['peak_gib']:.2f} | "
-                     f"{r['saved_gib']:.2f} | {r['act_gib']:.2f} | {r['grad_gib']:.2f} | {r['held_gib']:.2f} | {r['warmup_s']:.0f} |")
+        lines.append(
+            f"| {names[arm]} | {r['tokens_per_s']:.0f} | {rel} | {r['step_ms']:.1f} | {r['peak_gib']:.2f} | "
+            f"{r['saved_gib']:.2f} | {r['act_gib']:.2f} | {r['grad_gib']:.2f} | {r['held_gib']:.2f} | {r['warmup_s']:.0f} |"
+        )
     if p2:
-        lines += ["", f"phase 2, largest micro-batch within {a.budget_gib:g} GiB:",
-                  "| arm | micro-batch | tokens/s | vs (a) | peak GiB | OOM at |", "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"phase 2, largest micro-batch within {a.budget_gib:g} GiB:",
+            "| arm | micro-batch | tokens/s | vs (a) | peak GiB | OOM at |",
+            "|---|---|---|---|---|---|",
+        ]
         base2 = p2.get("bf16", {}).get("tokens_per_s")
         for arm, r in p2.items():
             if "error" in r or r.get("batch") is None:
-                lines.append(f"| {names[arm]} | failed: {r.get('error', 'OOM at every try')} | | | | {r.get('tried')} |")
+                lines.append(
+                    f"| {names[arm]} | failed: {r.get('error', 'OOM at every try')} | | | | {r.get('tried')} |"
+                )
                 continue
             rel = f"{r['tokens_per_s'] / base2:.2f}x" if base2 else "-"
-            lines.append(f"| {names[arm]} | {r['batch']} | {r['tokens_per_s']:.0f} | {rel} | {r['peak_gib']:.2f} | {r['tried'] or '-'} |")
+            lines.append(
+                f"| {names[arm]} | {r['batch']} | {r['tokens_per_s']:.0f} | {rel} | {r['peak_gib']:.2f} | {r['tried'] or '-'} |"
+            )
     ok1 = {k: v for k, v in p1.items() if "error" not in v}
     ok2 = {k: v for k, v in p2.items() if v.get("batch") is not None and "error" not in v}
     lines += ["", "goals:", *goals(ok1, ok2)]
     if ok1:
-        lines.append("first-step loss per arm (same init and batch): "
-                     + ", ".join(f"{k} {v['losses'][0]:.4f}" for k, v in ok1.items()))
+        lines.append(
+            "first-step loss per arm (same init and batch): "
+            + ", ".join(f"{k} {v['losses'][0]:.4f}" for k, v in ok1.items())
+        )
     text = "\n".join(lines)
     print("\n" + text)
     os.makedirs(a.out, exist_ok=True)

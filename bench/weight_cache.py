@@ -98,7 +98,9 @@ def _per_call_weight_quantize(weight: torch.Tensor, rule: str, orientation: str)
 @_per_call_weight_quantize.register_fake
 def _(weight, rule, orientation):
     shape = list(weight.shape) if orientation == "forward" else [*weight.shape[:-2], weight.shape[-1], weight.shape[-2]]
-    return weight.new_empty(shape, dtype=torch.float8_e4m3fn), weight.new_empty([*shape[:-1], shape[-1] // 32], dtype=torch.uint8)
+    return weight.new_empty(shape, dtype=torch.float8_e4m3fn), weight.new_empty(
+        [*shape[:-1], shape[-1] // 32], dtype=torch.uint8
+    )
 
 
 def per_call_weight_operands(weight, rule, orientation, keep_dequantized):
@@ -121,7 +123,9 @@ def run_mode(mode, args, device):
         model = MoEish(args.d, args.h, args.experts, args.layers).to(device)
         cm = torch.compile(model, backend="mxfp8", options={"inner": args.inner})
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-        step_fn = torch.compile(opt.step, backend="mxfp8", options={"inner": args.inner}) if args.compiled_step else opt.step
+        step_fn = (
+            torch.compile(opt.step, backend="mxfp8", options={"inner": args.inner}) if args.compiled_step else opt.step
+        )
         xs = [torch.randn(args.tokens, args.d, device=device) for _ in range(args.microbatches)]
 
         def train_step():
@@ -175,8 +179,12 @@ def main():
     ap.add_argument("--compiled-step", action="store_true", help="also compile optimizer.step with the mxfp8 backend")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--microbatches", type=int, default=4,
-                    help="per optimizer step; with 1, the forward's peak is where building dgrad forms at first use saves")
+    ap.add_argument(
+        "--microbatches",
+        type=int,
+        default=4,
+        help="per optimizer step; with 1, the forward's peak is where building dgrad forms at first use saves",
+    )
     ap.add_argument("--d", type=int, default=None)
     ap.add_argument("--h", type=int, default=None)
     ap.add_argument("--experts", type=int, default=None)
@@ -185,8 +193,10 @@ def main():
     args = ap.parse_args()
     device = torch.device(args.device)
     gpu = device.type == "cuda"
-    defaults = dict(d=2048, h=4096, experts=8, layers=2, tokens=2048, steps=10) if gpu else dict(
-        d=64, h=128, experts=4, layers=1, tokens=128, steps=2
+    defaults = (
+        dict(d=2048, h=4096, experts=8, layers=2, tokens=2048, steps=10)
+        if gpu
+        else dict(d=64, h=128, experts=4, layers=1, tokens=128, steps=2)
     )
     for k, v in defaults.items():
         if getattr(args, k) is None:

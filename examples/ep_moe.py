@@ -143,7 +143,9 @@ class GroupedEPMoE(nn.Module):
         t, k = idx.shape
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.zeros(self.n_experts, dtype=torch.int64, device=x.device).scatter_add(0, flat, torch.ones_like(flat))
+        counts = torch.zeros(self.n_experts, dtype=torch.int64, device=x.device).scatter_add(
+            0, flat, torch.ones_like(flat)
+        )
         counts_in = counts if self.group is None else funcol.all_to_all_single(counts, None, None, self.group)
         send = counts.view(self.world, self.e_local).sum(1).tolist()
         recv = counts_in.view(self.world, self.e_local).sum(1).tolist()
@@ -186,7 +188,10 @@ def main():
     layer = EPMoE(D_MODEL, EXPERTS_PER_RANK * world, TOP_K, EXPERT_HIDDEN, group=dist.group.WORLD).to(dev)
     x = torch.randn(TOKENS_PER_RANK, D_MODEL, generator=torch.Generator().manual_seed(SEED + 1 + rank)).to(dev, dtype)
     results = {}
-    for name, transport in (("bf16", dict.fromkeys(["dispatch_fwd", "combine_fwd", "combine_bwd", "dispatch_bwd"], "bf16")), ("mxfp8", {})):
+    for name, transport in (
+        ("bf16", dict.fromkeys(["dispatch_fwd", "combine_fwd", "combine_bwd", "dispatch_bwd"], "bf16")),
+        ("mxfp8", {}),
+    ):
         torch._dynamo.reset()
         opts = {"inner": "aot_eager", "transport": transport, "passes": {"linear": False}}
         compiled = torch.compile(layer, backend="mxfp8", options=opts)
@@ -206,10 +211,20 @@ def main():
 
     names = ("output", "x.grad", "w1.grad", "w2.grad")
     errs = [_rel(a, b) for a, b in zip(results["mxfp8"], results["bf16"])]
-    lines = [f"rank {rank}: MXFP8 vs {args.dtype} transport, relative error " + ", ".join(f"{n} {e:.2e}" for n, e in zip(names, errs))]
-    for direction, nrows in (("dispatch fwd", sent), ("combine fwd", received), ("combine bwd", sent), ("dispatch bwd", received)):
+    lines = [
+        f"rank {rank}: MXFP8 vs {args.dtype} transport, relative error "
+        + ", ".join(f"{n} {e:.2e}" for n, e in zip(names, errs))
+    ]
+    for direction, nrows in (
+        ("dispatch fwd", sent),
+        ("combine fwd", received),
+        ("combine bwd", sent),
+        ("dispatch bwd", received),
+    ):
         b16, bmx = nrows * D_MODEL * per_value["bf16"], nrows * D_MODEL * per_value["mxfp8"]
-        lines.append(f"rank {rank}:   {direction:13s} {nrows:4d} rows: {args.dtype} {b16:8.0f} B, mxfp8 {bmx:8.0f} B ({1 - bmx / max(b16, 1):.1%} less)")
+        lines.append(
+            f"rank {rank}:   {direction:13s} {nrows:4d} rows: {args.dtype} {b16:8.0f} B, mxfp8 {bmx:8.0f} B ({1 - bmx / max(b16, 1):.1%} less)"
+        )
     for r in range(world):
         if r == rank:
             print("\n".join(lines), flush=True)

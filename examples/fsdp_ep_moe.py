@@ -117,8 +117,10 @@ def batches(world: int, device):
     """``STEPS`` global batches ``(x, target)`` of ``world * TOKENS_PER_RANK`` tokens; rank r takes slice r."""
     g = torch.Generator().manual_seed(SEED + 1)
     n = world * TOKENS_PER_RANK
-    return [(torch.randn(n, D_MODEL, generator=g).to(device), torch.randn(n, D_MODEL, generator=g).to(device))
-            for _ in range(STEPS)]
+    return [
+        (torch.randn(n, D_MODEL, generator=g).to(device), torch.randn(n, D_MODEL, generator=g).to(device))
+        for _ in range(STEPS)
+    ]
 
 
 def train(model, data, rows: slice, mean_over_ranks=float) -> list[float]:
@@ -144,8 +146,10 @@ def run(transport: str = "mxfp8", check: bool = False, device: str = "cpu") -> t
     mesh = init_device_mesh(device, (world // EP, EP), mesh_dim_names=("dp", "ep"))
     # the router reads its weight outside mxfx's GEMMs (kept in its own precision): this rule also keeps its
     # all-gather in FP32 (mx_all_gather follows the policy)
-    options = {"inner": "aot_eager" if device == "cpu" else "inductor",
-               "rules": [{"module": "*.router", "precision": "bf16"}]}
+    options = {
+        "inner": "aot_eager" if device == "cpu" else "inductor",
+        "rules": [{"module": "*.router", "precision": "bf16"}],
+    }
     if transport == "bf16":
         options["transport"] = dict.fromkeys(["dispatch_fwd", "combine_fwd", "combine_bwd", "dispatch_bwd"], "bf16")
     data = batches(world, device)

@@ -29,9 +29,18 @@ import mxfx
 
 def tiny_olmoe(layers: int = 1, hidden: int = 64, experts: int = 4) -> T.OlmoeForCausalLM:
     """A randomly initialized OLMoE with a 256-token (byte) vocabulary; FP32 parameters."""
-    cfg = T.OlmoeConfig(vocab_size=256, hidden_size=hidden, intermediate_size=hidden, num_hidden_layers=layers,
-                        num_attention_heads=2, num_key_value_heads=2, num_experts=experts, num_experts_per_tok=2,
-                        max_position_embeddings=256, tie_word_embeddings=False)
+    cfg = T.OlmoeConfig(
+        vocab_size=256,
+        hidden_size=hidden,
+        intermediate_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        num_experts=experts,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     return T.OlmoeForCausalLM(cfg)
 
@@ -51,10 +60,24 @@ class ByteText(torch.utils.data.Dataset):
 
 def training_args(out: str, steps: int, **overrides) -> T.TrainingArguments:
     """Trainer settings of the example: BF16 autocast over FP32 weights, accumulation, clipping, cosine LR."""
-    kw = dict(output_dir=out, max_steps=steps, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-              max_grad_norm=1.0, learning_rate=1e-3, lr_scheduler_type="cosine", warmup_steps=1, bf16=True,
-              use_cpu=not torch.cuda.is_available(), save_strategy="steps", save_steps=steps, logging_steps=1,
-              report_to=[], dataloader_num_workers=0, disable_tqdm=True)
+    kw = dict(
+        output_dir=out,
+        max_steps=steps,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_grad_norm=1.0,
+        learning_rate=1e-3,
+        lr_scheduler_type="cosine",
+        warmup_steps=1,
+        bf16=True,
+        use_cpu=not torch.cuda.is_available(),
+        save_strategy="steps",
+        save_steps=steps,
+        logging_steps=1,
+        report_to=[],
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
     kw.update(overrides)
     return T.TrainingArguments(**kw)
 

@@ -121,8 +121,13 @@ class MoE(nn.Module):
         # autocast does not cover _grouped_mm, and its compiled (fake) kernel takes BF16 only: cast here,
         # to the autocast dtype, or BF16 when compiled; eager without autocast keeps the input's dtype.
         dev = x.device.type
-        dtype = (torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev)
-                 else torch.bfloat16 if torch.compiler.is_compiling() else x.dtype)
+        dtype = (
+            torch.get_autocast_dtype(dev)
+            if torch.is_autocast_enabled(dev)
+            else torch.bfloat16
+            if torch.compiler.is_compiling()
+            else x.dtype
+        )
         x_sorted = x.to(dtype)[token_of_slot].contiguous()  # [N*k, d]
         gate_up = torch._grouped_mm(x_sorted, self.gate_up_proj.to(dtype).transpose(-2, -1), offs=offs)
         g, u = gate_up.chunk(2, dim=-1)

@@ -64,8 +64,12 @@ def parse_args():
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--compiler", default=None, help="inner compiler (default: aot_eager on CPU, inductor on CUDA)")
-    p.add_argument("--stats-every", type=int, default=5,
-                   help="quantization statistics of the MX branches every this many steps (0: off)")
+    p.add_argument(
+        "--stats-every",
+        type=int,
+        default=5,
+        help="quantization statistics of the MX branches every this many steps (0: off)",
+    )
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--data-seed", type=int, default=0)
     p.add_argument("--out", default="runs/scale_rule_study")
@@ -96,10 +100,19 @@ def new_samples(seen: dict, step: int) -> list[dict]:
     for r in mxfx.stats().rows:
         if seen.get(r.site) != r.last["step"]:
             seen[r.site] = r.last["step"]
-            out.append({"step": step, "site": r.site, "layer": layer_of(r.site), "clipped": r.last["clipped"],
-                        "underflow": r.last["underflow"], "saturation": r.last["saturation"],
-                        "rms_error": r.last["rms_error"], "scale_exp_min": r.last["scale_exp_min"],
-                        "scale_exp_max": r.last["scale_exp_max"]})
+            out.append(
+                {
+                    "step": step,
+                    "site": r.site,
+                    "layer": layer_of(r.site),
+                    "clipped": r.last["clipped"],
+                    "underflow": r.last["underflow"],
+                    "saturation": r.last["saturation"],
+                    "rms_error": r.last["rms_error"],
+                    "scale_exp_min": r.last["scale_exp_min"],
+                    "scale_exp_max": r.last["scale_exp_max"],
+                }
+            )
     return out
 
 
@@ -111,15 +124,24 @@ def per_layer(samples: list[dict]) -> dict:
         cell["clipped"] = max(cell["clipped"], s["clipped"])
         cell["underflow"] = max(cell["underflow"], s["underflow"])
         cell["rms"].append(s["rms_error"])
-    return {layer: {step: {"clipped": c["clipped"], "underflow": c["underflow"], "rms_error": sum(c["rms"]) / len(c["rms"])}
-                    for step, c in sorted(steps.items())} for layer, steps in sorted(out.items())}
+    return {
+        layer: {
+            step: {"clipped": c["clipped"], "underflow": c["underflow"], "rms_error": sum(c["rms"]) / len(c["rms"])}
+            for step, c in sorted(steps.items())
+        }
+        for layer, steps in sorted(out.items())
+    }
 
 
 def make_opt(model, lr):
     matrices = [p for p in model.parameters() if p.dim() >= 2]
     vectors = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW([{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}],
-                             lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    return torch.optim.AdamW(
+        [{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
 
 
 def lr_at(step: int, total: int, a) -> float:
@@ -157,8 +179,10 @@ def train(branch, mcfg, state, opt_state, data, first_step, total, a, label, sta
         losses.append(loss.item())
         if not math.isfinite(losses[-1]):
             sys.exit(f"error: {label} loss is {losses[-1]} at step {first_step + i}")
-    print(f"{label:>22}: {len(data)} steps in {time.perf_counter() - t0:.0f} s, loss {losses[0]:.4f} -> {losses[-1]:.4f}",
-          flush=True)
+    print(
+        f"{label:>22}: {len(data)} steps in {time.perf_counter() - t0:.0f} s, loss {losses[0]:.4f} -> {losses[-1]:.4f}",
+        flush=True,
+    )
     return losses, norms, copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()), samples
 
 
@@ -185,14 +209,18 @@ def plot(curves, pre, path, layers=None):
         for branch, per in layers.items():
             for j, (layer, steps) in enumerate(per.items()):
                 xs = list(steps)
-                kw = dict(color=colours.get(branch), ls=styles[j % len(styles)], marker=".", lw=1, label=f"{branch} {layer}")
+                kw = dict(
+                    color=colours.get(branch), ls=styles[j % len(styles)], marker=".", lw=1, label=f"{branch} {layer}"
+                )
                 axes[2].plot(xs, [100 * v["clipped"] for v in steps.values()], **kw)
                 axes[3].plot(xs, [100 * v["underflow"] for v in steps.values()], **kw)
         axes[2].set_ylabel("clipped % (worst site)")
         axes[3].set_ylabel("underflow % (worst site)")
         axes[2].legend(fontsize=7, ncol=2)
     axes[-1].set_xlabel("step (continuation from the floor-trained checkpoint)")
-    ax1.set_title("One floor-trained checkpoint, three continuations (an analogue of the recipe's Fig. 56, 'Scale Selection Is a Training Recipe')")
+    ax1.set_title(
+        "One floor-trained checkpoint, three continuations (an analogue of the recipe's Fig. 56, 'Scale Selection Is a Training Recipe')"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -204,22 +232,34 @@ def main():
     warnings.filterwarnings("ignore", message="mxfx: quantize site")
     t_start = time.perf_counter()
     train_data, _ = load_splits()
-    mcfg = MoEConfig(vocab_size=VOCAB_SIZE, d_model=a.d_model, n_layers=a.layers, head_dim=a.head_dim, n_experts=a.experts,
-                     top_k=a.topk, expert_hidden=a.expert_hidden, shared_hidden=a.shared_hidden, max_seq=a.seq)
+    mcfg = MoEConfig(
+        vocab_size=VOCAB_SIZE,
+        d_model=a.d_model,
+        n_layers=a.layers,
+        head_dim=a.head_dim,
+        n_experts=a.experts,
+        top_k=a.topk,
+        expert_hidden=a.expert_hidden,
+        shared_hidden=a.shared_hidden,
+        max_seq=a.seq,
+    )
     gen = torch.Generator().manual_seed(a.data_seed)
     pre_data = [get_batch(train_data, a.batch, a.seq, gen, a.device) for _ in range(a.pre_steps)]
     cont_data = [get_batch(train_data, a.batch, a.seq, gen, a.device) for _ in range(a.steps)]  # same for every branch
     total = a.pre_steps + a.steps
     torch.manual_seed(a.seed)
     init = MoETransformer(mcfg).state_dict()
-    print(f"model: {mcfg}\n{a.pre_steps} floor steps to the checkpoint, then {a.steps} steps per branch, "
-          f"batch {a.batch}x{a.seq}, device {a.device}, compiler {a.compiler}")
+    print(
+        f"model: {mcfg}\n{a.pre_steps} floor steps to the checkpoint, then {a.steps} steps per branch, "
+        f"batch {a.batch}x{a.seq}, device {a.device}, compiler {a.compiler}"
+    )
 
     _, _, ckpt, ckpt_opt, _ = train("mxfp8 floor", mcfg, init, None, pre_data, 0, total, a, "checkpoint (mxfp8 floor)")
     curves, samples = {}, {}
     for branch in ("bf16", "mxfp8 rceil", "mxfp8 floor"):
-        losses, norms, _, _, found = train(branch, mcfg, ckpt, ckpt_opt, cont_data, a.pre_steps, total, a, branch,
-                                           stats=branch != "bf16")
+        losses, norms, _, _, found = train(
+            branch, mcfg, ckpt, ckpt_opt, cont_data, a.pre_steps, total, a, branch, stats=branch != "bf16"
+        )
         curves[branch] = {"loss": losses, "grad_norm": norms}
         if found:
             samples[branch] = found
@@ -227,8 +267,12 @@ def main():
 
     ref = curves["bf16"]
     summary = {}
-    lines = ["", f"continuation of {a.steps} steps from the floor-trained checkpoint at step {a.pre_steps}, vs BF16:",
-             "| branch | mean loss diff | mean grad-norm diff | OLMo MXFP8 recipe (166.72B MoE) |", "|---|---|---|---|"]
+    lines = [
+        "",
+        f"continuation of {a.steps} steps from the floor-trained checkpoint at step {a.pre_steps}, vs BF16:",
+        "| branch | mean loss diff | mean grad-norm diff | OLMo MXFP8 recipe (166.72B MoE) |",
+        "|---|---|---|---|",
+    ]
     for rule in ("rceil", "floor"):
         c = curves[f"mxfp8 {rule}"]
         dl = sum(u - v for u, v in zip(c["loss"], ref["loss"])) / len(ref["loss"])
@@ -241,31 +285,55 @@ def main():
         "floor loss above BF16": f["mean_loss_diff"] > 0,
         "floor further from BF16 in loss than rceil": abs(f["mean_loss_diff"]) > abs(r["mean_loss_diff"]),
         "floor grad norm above BF16": f["mean_grad_norm_diff_pct"] > 0,
-        "floor further from BF16 in grad norm than rceil": abs(f["mean_grad_norm_diff_pct"]) > abs(r["mean_grad_norm_diff_pct"]),
+        "floor further from BF16 in grad norm than rceil": abs(f["mean_grad_norm_diff_pct"])
+        > abs(r["mean_grad_norm_diff_pct"]),
     }
     lines.append("")
     for k, v in direction.items():
         lines.append(f"  {k}: {'yes' if v else 'no'}")
-    verdict = "reproduces" if all(direction.values()) else ("partly reproduces" if any(direction.values()) else "does not reproduce")
-    lines.append(f"direction of the recipe's result (rceil tracks BF16, floor degrades loss and inflates grad norm): {verdict} "
-                 f"at this scale ({a.steps} steps; toy runs are noisy: treat as a smoke test of the experiment, not evidence)")
+    verdict = (
+        "reproduces"
+        if all(direction.values())
+        else ("partly reproduces" if any(direction.values()) else "does not reproduce")
+    )
+    lines.append(
+        f"direction of the recipe's result (rceil tracks BF16, floor degrades loss and inflates grad norm): {verdict} "
+        f"at this scale ({a.steps} steps; toy runs are noisy: treat as a smoke test of the experiment, not evidence)"
+    )
     if layers:
-        lines += ["", f"quantization statistics per layer, sampled every {a.stats_every} steps (mean over the samples of "
-                      f"the worst site's fraction; rms error: mean over sites; docs/numerics.md):",
-                  "| branch | layer | clipped | underflow | rms error | samples |", "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"quantization statistics per layer, sampled every {a.stats_every} steps (mean over the samples of "
+            f"the worst site's fraction; rms error: mean over sites; docs/numerics.md):",
+            "| branch | layer | clipped | underflow | rms error | samples |",
+            "|---|---|---|---|---|---|",
+        ]
         for branch, per in layers.items():
             for layer, steps in per.items():
                 n = len(steps)
                 mean = lambda k: sum(v[k] for v in steps.values()) / n  # noqa: E731
-                lines.append(f"| {branch} | {layer} | {mean('clipped'):.3%} | {mean('underflow'):.3%} | "
-                             f"{mean('rms_error'):.3e} | {n} |")
+                lines.append(
+                    f"| {branch} | {layer} | {mean('clipped'):.3%} | {mean('underflow'):.3%} | "
+                    f"{mean('rms_error'):.3e} | {n} |"
+                )
     text = "\n".join(lines)
     print(text)
     os.makedirs(a.out, exist_ok=True)
     plot(curves, a.pre_steps, os.path.join(a.out, "scale_rule_study.png"), layers)
     with open(os.path.join(a.out, "scale_rule_study.json"), "w") as fh:
-        json.dump(dict(args=vars(a), curves=curves, summary=summary, direction=direction, verdict=verdict,
-                       stats=samples, stats_per_layer=layers), fh, indent=1)
+        json.dump(
+            dict(
+                args=vars(a),
+                curves=curves,
+                summary=summary,
+                direction=direction,
+                verdict=verdict,
+                stats=samples,
+                stats_per_layer=layers,
+            ),
+            fh,
+            indent=1,
+        )
     print(f"wrote {a.out}/scale_rule_study.png and .json; total {time.perf_counter() - t_start:.0f} s")
 
 

@@ -70,7 +70,9 @@ class TrainConfig:
     # run
     arms: str = "fp32,mxfp8"  # reference arm first: "fp32" (eager) or "bf16" (Inductor, BF16 autocast)
     backend_options: str | None = None  # JSON dict passed as options= to the mxfp8 compile
-    format: str = "mxfp8"  # the mxfp8 arm's policy format: mxfp8, fp8_block or auto (a "format" in --backend-options wins)
+    format: str = (
+        "mxfp8"  # the mxfp8 arm's policy format: mxfp8, fp8_block or auto (a "format" in --backend-options wins)
+    )
     device: str = "cpu"
     seed: int = 1337
     data_seed: int = 0
@@ -189,7 +191,9 @@ def train_arm(arm, init_state, model_cfg, train_data, eval_set, cfg: TrainConfig
     vectors = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
         [{"params": matrices, "weight_decay": cfg.weight_decay}, {"params": vectors, "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
     )
     gen = torch.Generator().manual_seed(cfg.data_seed)  # same batches in every arm
     if dev_type == "cuda":
@@ -215,8 +219,10 @@ def train_arm(arm, init_state, model_cfg, train_data, eval_set, cfg: TrainConfig
         if not math.isfinite(losses[-1]):
             sys.exit(f"error: arm {arm} loss is {losses[-1]} at step {step}")
         if step % cfg.log_every == 0 or step == cfg.steps - 1:
-            tqdm.write(f"{arm:>5} step {step:4d}  loss {losses[-1]:.4f}  lr {lr_at(step, cfg):.2e}  "
-                       f"{step_times[-1] * 1e3:7.0f} ms")
+            tqdm.write(
+                f"{arm:>5} step {step:4d}  loss {losses[-1]:.4f}  lr {lr_at(step, cfg):.2e}  "
+                f"{step_times[-1] * 1e3:7.0f} ms"
+            )
 
     # Step 0 compiles (not for the eager arm): on its own line, so the bar's rate and ETA are of steady steps.
     print(f"{arm:>5}: {ARMS[arm]}; step 0{'' if arm == 'fp32' else ', compiling...'}", flush=True)
@@ -234,9 +240,16 @@ def train_arm(arm, init_state, model_cfg, train_data, eval_set, cfg: TrainConfig
     timed = step_times[1:]  # step 0 includes compilation
     tokens_per_s = cfg.batch * cfg.seq * len(timed) / sum(timed) if timed else float("nan")
     peak = f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB" if dev_type == "cuda" else f"n/a ({dev_type.upper()})"
-    return dict(arm=arm, losses=losses, final_train=sum(losses[-10:]) / len(losses[-10:]),
-                eval_loss=eval_loss, tokens_per_s=tokens_per_s, peak_mem=peak,
-                compile_s=step_times[0], eval_s=eval_s)
+    return dict(
+        arm=arm,
+        losses=losses,
+        final_train=sum(losses[-10:]) / len(losses[-10:]),
+        eval_loss=eval_loss,
+        tokens_per_s=tokens_per_s,
+        peak_mem=peak,
+        compile_s=step_times[0],
+        eval_s=eval_s,
+    )
 
 
 def plot(results, untrained, path):
@@ -247,9 +260,10 @@ def plot(results, untrained, path):
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for r in results:
-        line, = ax.plot(r["losses"], lw=0.8, alpha=0.8, label=f"{r['arm']} train")
-        ax.axhline(r["eval_loss"], color=line.get_color(), ls="--", lw=1,
-                   label=f"{r['arm']} held-out {r['eval_loss']:.3f}")
+        (line,) = ax.plot(r["losses"], lw=0.8, alpha=0.8, label=f"{r['arm']} train")
+        ax.axhline(
+            r["eval_loss"], color=line.get_color(), ls="--", lw=1, label=f"{r['arm']} held-out {r['eval_loss']:.3f}"
+        )
     ax.axhline(untrained, color="gray", ls=":", lw=1, label=f"untrained held-out {untrained:.3f}")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats / byte)")
@@ -270,14 +284,24 @@ def main():
     t_start = time.perf_counter()
 
     train_data, val_data = load_splits(cfg.data)
-    print(f"data: {cfg.data or 'stdlib .py sources + pydoc topics'}: "
-          f"{len(train_data) / 1e6:.2f} MB train, {len(val_data) / 1e6:.2f} MB held-out (byte tokens)")
+    print(
+        f"data: {cfg.data or 'stdlib .py sources + pydoc topics'}: "
+        f"{len(train_data) / 1e6:.2f} MB train, {len(val_data) / 1e6:.2f} MB held-out (byte tokens)"
+    )
     eval_gen = torch.Generator().manual_seed(cfg.data_seed + 1)
     eval_set = [get_batch(val_data, cfg.batch, cfg.seq, eval_gen, cfg.device) for _ in range(cfg.eval_batches)]
 
-    model_cfg = MoEConfig(vocab_size=VOCAB_SIZE, d_model=cfg.d_model, n_layers=cfg.layers, head_dim=cfg.head_dim,
-                          n_experts=cfg.experts, top_k=cfg.topk, expert_hidden=cfg.expert_hidden,
-                          shared_hidden=cfg.shared_hidden, max_seq=cfg.seq)
+    model_cfg = MoEConfig(
+        vocab_size=VOCAB_SIZE,
+        d_model=cfg.d_model,
+        n_layers=cfg.layers,
+        head_dim=cfg.head_dim,
+        n_experts=cfg.experts,
+        top_k=cfg.topk,
+        expert_hidden=cfg.expert_hidden,
+        shared_hidden=cfg.shared_hidden,
+        max_seq=cfg.seq,
+    )
     torch.manual_seed(cfg.seed)
     model = MoETransformer(model_cfg).to(cfg.device)
     init_state = copy.deepcopy(model.state_dict())
@@ -285,8 +309,10 @@ def main():
     n_expert = sum(m.gate_up_proj.numel() + m.down_proj.numel() for m in (b.moe for b in model.layers))
     n_active = n_params - n_expert + n_expert * cfg.topk // cfg.experts
     print(f"model: {model_cfg}")
-    print(f"params: {n_params / 1e6:.2f}M total, {n_active / 1e6:.2f}M active per token; "
-          f"{cfg.steps} steps x {cfg.batch}x{cfg.seq} tokens on {cfg.device} ({torch.get_num_threads()} threads)")
+    print(
+        f"params: {n_params / 1e6:.2f}M total, {n_active / 1e6:.2f}M active per token; "
+        f"{cfg.steps} steps x {cfg.batch}x{cfg.seq} tokens on {cfg.device} ({torch.get_num_threads()} threads)"
+    )
     with torch.no_grad():
         untrained = evaluate(model, eval_set, cfg.device, autocast=False)  # eager FP32, once: both arms start here
     print(f"untrained held-out loss: {untrained:.4f} (uniform over 256 bytes: {math.log(VOCAB_SIZE):.4f})")
@@ -297,13 +323,17 @@ def main():
     reference = next((a for a in arms if a != "mxfp8"), None)
     if reference:
         print(f"\nreference arm: {reference} ({ARMS[reference]})")
-    print("tokens/s excludes step 0 (compilation); 'compile s' is the wall time of step 0; "
-          "held-out loss is through each arm's trained model (its training graph, grad enabled, no backward)")
+    print(
+        "tokens/s excludes step 0 (compilation); 'compile s' is the wall time of step 0; "
+        "held-out loss is through each arm's trained model (its training graph, grad enabled, no backward)"
+    )
     header = f"{'arm':<6} {'train loss':>10} {'held-out':>9} {'tokens/s':>9} {'peak mem':>12} {'compile s':>9}"
     print(header + "\n" + "-" * len(header))
     for r in results:
-        print(f"{r['arm']:<6} {r['final_train']:>10.4f} {r['eval_loss']:>9.4f} {r['tokens_per_s']:>9.0f} "
-              f"{r['peak_mem']:>12} {r['compile_s']:>9.1f}")
+        print(
+            f"{r['arm']:<6} {r['final_train']:>10.4f} {r['eval_loss']:>9.4f} {r['tokens_per_s']:>9.0f} "
+            f"{r['peak_mem']:>12} {r['compile_s']:>9.1f}"
+        )
     print(f"(train loss: mean of the last 10 steps; untrained held-out {untrained:.4f})")
 
     failures = []
@@ -326,25 +356,34 @@ def main():
             failures.append("the mxfp8 backend rewrote no op to MXFP8 (see the precision maps above)")
     limit = cfg.trained_frac * untrained
     below = all(r["eval_loss"] < limit for r in results)
-    print(f"{'both arms' if len(results) > 1 else 'the arm'} clearly below the untrained loss "
-          f"(< {cfg.trained_frac} x {untrained:.3f} = {limit:.3f}): {'yes' if below else 'NO'}")
+    print(
+        f"{'both arms' if len(results) > 1 else 'the arm'} clearly below the untrained loss "
+        f"(< {cfg.trained_frac} x {untrained:.3f} = {limit:.3f}): {'yes' if below else 'NO'}"
+    )
     if not below:
-        failures.append(f"held-out loss not below {limit:.3f}: "
-                        + ", ".join(f"{r['arm']} {r['eval_loss']:.3f}" for r in results))
+        failures.append(
+            f"held-out loss not below {limit:.3f}: " + ", ".join(f"{r['arm']} {r['eval_loss']:.3f}" for r in results)
+        )
 
     os.makedirs(cfg.out, exist_ok=True)
     plot(results, untrained, os.path.join(cfg.out, "moe_loss.png"))
     with open(os.path.join(cfg.out, "moe_results.json"), "w") as f:
         json.dump(dict(config=dataclasses.asdict(cfg), untrained_eval_loss=untrained, results=results), f, indent=1)
-    load = " (load average %.1f / %.1f / %.1f over 1 / 5 / 15 min)" % os.getloadavg() if hasattr(os, "getloadavg") else ""
-    print(f"wrote {cfg.out}/moe_loss.png and {cfg.out}/moe_results.json; "
-          f"total wall time {time.perf_counter() - t_start:.0f} s{load}")
+    load = (
+        " (load average %.1f / %.1f / %.1f over 1 / 5 / 15 min)" % os.getloadavg() if hasattr(os, "getloadavg") else ""
+    )
+    print(
+        f"wrote {cfg.out}/moe_loss.png and {cfg.out}/moe_results.json; "
+        f"total wall time {time.perf_counter() - t_start:.0f} s{load}"
+    )
 
     if cfg.check and failures:
         sys.exit("check failed:\n  " + "\n  ".join(failures))
     if cfg.check:
-        print(f"checks passed: mxfp8 within tolerance of the {reference or 'reference'} arm and not identical, "
-              f"both below {cfg.trained_frac}x untrained, MX ops rewritten")
+        print(
+            f"checks passed: mxfp8 within tolerance of the {reference or 'reference'} arm and not identical, "
+            f"both below {cfg.trained_frac}x untrained, MX ops rewritten"
+        )
 
 
 if __name__ == "__main__":

@@ -98,8 +98,10 @@ def inductor_patches(gm: fx.GraphModule, mode: str | None = None) -> dict:
 
 def _inner_compile(inner, gm: fx.GraphModule, example_inputs, mode: str | None = None):
     if mode not in (None, "default") and inner != "inductor":
-        warnings.warn(f"mxfx: torch.compile mode={mode!r} applies to the inner Inductor only; inner={inner!r} ignores it",
-                      stacklevel=3)
+        warnings.warn(
+            f"mxfx: torch.compile mode={mode!r} applies to the inner Inductor only; inner={inner!r} ignores it",
+            stacklevel=3,
+        )
     if callable(inner):
         return inner(gm, example_inputs)
     if inner == "inductor":
@@ -119,8 +121,9 @@ def trace_artifact(name: str, payload_fn, encoding: str = "string") -> None:
     With ``TORCH_TRACE=<dir>`` the artifacts land in torch's structured trace beside Dynamo's and
     Inductor's own, and ``tlparse`` shows them per compiled graph; otherwise ``payload_fn`` is not called.
     """
-    torch._logging.trace_structured("artifact", metadata_fn=lambda: {"name": name, "encoding": encoding},
-                                    payload_fn=payload_fn)
+    torch._logging.trace_structured(
+        "artifact", metadata_fn=lambda: {"name": name, "encoding": encoding}, payload_fn=payload_fn
+    )
 
 
 def rewrite(gm: fx.GraphModule, policy: Policy) -> report.PrecisionMap:
@@ -167,14 +170,20 @@ def _warn_keep_dequantized_unused(pm: report.PrecisionMap, policy: Policy, on: t
     names = sorted({f for r in converted for f in (r.forward, r.dgrad) if f in formats.NAMES})
     if not converted or any(formats.get(f).dequantized_weight_forms for f in names):
         return
-    if any(formats.get(f, on).dequantized_weight_forms for f in [policy.format, *(r.format for r in policy.rules if r.format)]):
+    if any(
+        formats.get(f, on).dequantized_weight_forms
+        for f in [policy.format, *(r.format for r in policy.rules if r.format)]
+    ):
         return
     _warned_formats.add("keep_dequantized")
-    warnings.warn(f"mxfx: keep_dequantized_weights=True keeps BF16 weight copies for emulated GEMMs, but no op runs a "
-                  f"format that has them here: the policy's format {policy.format!r} and its rules resolve to "
-                  f"{'/'.join(names)} on {on.type}, which reads its low-precision weights directly, so it does nothing; "
-                  f"drop it, or add a rule with format="
-                  f"{next(n for n in formats.NAMES if formats.get(n).dequantized_weight_forms)!r}", stacklevel=4)
+    warnings.warn(
+        f"mxfx: keep_dequantized_weights=True keeps BF16 weight copies for emulated GEMMs, but no op runs a "
+        f"format that has them here: the policy's format {policy.format!r} and its rules resolve to "
+        f"{'/'.join(names)} on {on.type}, which reads its low-precision weights directly, so it does nothing; "
+        f"drop it, or add a rule with format="
+        f"{next(n for n in formats.NAMES if formats.get(n).dequantized_weight_forms)!r}",
+        stacklevel=4,
+    )
 
 
 def _warn_format_notes(pm: report.PrecisionMap, example_inputs, policy: Policy) -> None:
@@ -192,13 +201,17 @@ def _warn_format_notes(pm: report.PrecisionMap, example_inputs, policy: Policy) 
         if arch in fmt.native_archs or arch not in native.native_archs:
             continue
         _warned_formats.add(fmt.name)
-        warnings.warn(f"mxfx: {fmt.name} has no tensor cores on {arch}: its GEMMs are emulated (dequantize + BF16 "
-                      f"GEMM). options={{'format': {native.name!r}}} (or 'auto') runs {native.name} tensor-core GEMMs "
-                      f"instead; BENCHMARKS.md has both formats' measured speed and loss on the H200.", stacklevel=3)
+        warnings.warn(
+            f"mxfx: {fmt.name} has no tensor cores on {arch}: its GEMMs are emulated (dequantize + BF16 "
+            f"GEMM). options={{'format': {native.name!r}}} (or 'auto') runs {native.name} tensor-core GEMMs "
+            f"instead; BENCHMARKS.md has both formats' measured speed and loss on the H200.",
+            stacklevel=3,
+        )
 
 
-def mxfp8_backend(gm: fx.GraphModule, example_inputs, options: Policy | dict | None = None,
-                  mode: str | None = None, **_unused):
+def mxfp8_backend(
+    gm: fx.GraphModule, example_inputs, options: Policy | dict | None = None, mode: str | None = None, **_unused
+):
     """torch.compile backend: MXFP8 rewrite of ``gm`` per ``options``, then the inner compiler.
 
     ``mode`` (from ``torch.compile(..., mode=...)``) configures the inner Inductor; see
@@ -244,8 +257,16 @@ def _publish(pm: report.PrecisionMap, policy: Policy, before: str, after: str) -
         log.info("mxfx: wrote %s", report.write_dump(policy.dump_dir, pm, before, after))
 
 
-def _compile_for(gm: fx.GraphModule, example_inputs, policy: Policy, mode: str | None, group: list[str],
-                 place: names.Place, params: dict, scope):
+def _compile_for(
+    gm: fx.GraphModule,
+    example_inputs,
+    policy: Policy,
+    mode: str | None,
+    group: list[str],
+    place: names.Place,
+    params: dict,
+    scope,
+):
     """Rewrite ``gm`` for the blocks ``group`` (full-name prefixes; its names are the first's), report it, and
     compile it with the inner compiler."""
     prefix = group[0]
@@ -258,8 +279,14 @@ def _compile_for(gm: fx.GraphModule, example_inputs, policy: Policy, mode: str |
     pm = rewrite(gm, policy)
     whole = not prefix and names.whole_forward(params)
     # judged now for a whole-model graph, else over all graphs at the first optimizer step
-    rule_check.observe(policy, modules, rule_check.rule_ops(pm.records), whole=whole, sites=pm.stats_sites,
-                       converted={r.module for r in pm.records if r.rewritten})
+    rule_check.observe(
+        policy,
+        modules,
+        rule_check.rule_ops(pm.records),
+        whole=whole,
+        sites=pm.stats_sites,
+        converted={r.module for r in pm.records if r.rewritten},
+    )
     rule_check.warn_unmet_requests(policy, pm.records, scope.warned)
     _warn_float16_once(gm, pm)
     recompiles.observe(pm.count(rewritten=True) > 0)
@@ -267,8 +294,9 @@ def _compile_for(gm: fx.GraphModule, example_inputs, policy: Policy, mode: str |
         pm.mark_inference()
     held = names.parameters_by_name(place.root) if group != [place.prefix] else {}
     observations = []  # every block run through this graph: its weights are read by the graph's GEMMs
-    inputs = [example_inputs if block == place.prefix else _inputs_at(example_inputs, params, held, block)
-              for block in group]
+    inputs = [
+        example_inputs if block == place.prefix else _inputs_at(example_inputs, params, held, block) for block in group
+    ]
     if policy.fuse_wgrad_accumulation:
         wgrad_accumulation.settle(gm, inputs, pm)
     for block_inputs in inputs:

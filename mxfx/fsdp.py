@@ -55,9 +55,17 @@ stats: Counter = Counter()
 ``gather_block`` (fp8_block); one per parameter per gather."""
 _aten = torch.ops.aten
 _KEEP_SUBCLASS = {
-    _aten.empty_like.default, _aten.new_zeros.default, _aten.slice.Tensor, _aten.copy_.default,
-    _aten.view.default, _aten.as_strided.default, _aten._to_copy.default, _aten._pin_memory.default,
-    _aten.split.Tensor, _aten.clone.default, _aten.detach.default,
+    _aten.empty_like.default,
+    _aten.new_zeros.default,
+    _aten.slice.Tensor,
+    _aten.copy_.default,
+    _aten.view.default,
+    _aten.as_strided.default,
+    _aten._to_copy.default,
+    _aten._pin_memory.default,
+    _aten.split.Tensor,
+    _aten.clone.default,
+    _aten.detach.default,
 }
 
 
@@ -82,8 +90,14 @@ class MXWeight(torch.Tensor):
     @staticmethod
     def __new__(cls, tensor: torch.Tensor, rule: str, fmt: Format | str = formats.DEFAULT):
         return torch.Tensor._make_wrapper_subclass(
-            cls, tensor.size(), strides=tensor.stride(), storage_offset=tensor.storage_offset(),
-            dtype=tensor.dtype, layout=tensor.layout, device=tensor.device, requires_grad=tensor.requires_grad,
+            cls,
+            tensor.size(),
+            strides=tensor.stride(),
+            storage_offset=tensor.storage_offset(),
+            dtype=tensor.dtype,
+            layout=tensor.layout,
+            device=tensor.device,
+            requires_grad=tensor.requires_grad,
         )
 
     def __init__(self, tensor: torch.Tensor, rule: str, fmt: Format | str = formats.DEFAULT):
@@ -139,16 +153,21 @@ class MXWeight(torch.Tensor):
             raise RuntimeError(
                 f"mxfx.fsdp: a weight {tuple(outer_size)} is sharded to {tuple(self.shape)}, not on dim 0; "
                 f"mx_all_gather decided its form for dim-0 shards: pass fully_shard's shard_placement_fn to "
-                f"mx_all_gather too (it gathers such weights in high precision)")
+                f"mx_all_gather too (it gathers such weights in high precision)"
+            )
         rows = self._format.gather_row_multiple
         if self.dim() == 2 and self.shape[0] % rows:
             raise RuntimeError(
                 f"mxfx.fsdp: a weight {tuple(outer_size)} is sharded to {tuple(self.shape)}: {self.shape[0]} rows would "
                 f"cut a {rows}-row {self._format.name} block; mx_all_gather was told a smaller mesh: pass this mesh's size "
-                f"as world_size")
+                f"as world_size"
+            )
         if tuple(self.shape) == tuple(outer_size):
             # one shard: FSDP2 gathers nothing and copies only the first input; the cache quantizes the weight
-            return (self._tensor if mp_policy.param_dtype is None else self._tensor.to(mp_policy.param_dtype),), ((), tuple(outer_size))
+            return (self._tensor if mp_policy.param_dtype is None else self._tensor.to(mp_policy.param_dtype),), (
+                (),
+                tuple(outer_size),
+            )
         forms = self._forms()
         which = self._format.gather_which(_reshards_after_forward(module), _in_backward())
         stats.update(f"gather_{o}" for o in which)
@@ -226,19 +245,24 @@ def _gather_form(weight: torch.Tensor, fmt: Format | str, world: int, shard_dim:
     if unfit:
         return f"high precision (shape {shape}: {unfit})"
     if shard_dim % len(shape) != 0:
-        return (f"high precision (Shard({shard_dim}): FSDP2 concatenates every gathered tensor along a "
-                f"non-zero shard dim, so only tensors of the parameter's shape can be gathered, not {fmt.name} scales)")
+        return (
+            f"high precision (Shard({shard_dim}): FSDP2 concatenates every gathered tensor along a "
+            f"non-zero shard dim, so only tensors of the parameter's shape can be gathered, not {fmt.name} scales)"
+        )
     if shape[0] % world:
         return f"high precision (shape {shape}: dim 0 does not split evenly over {world} shards)"
     rows = fmt.gather_row_multiple
     if len(shape) == 2 and (shape[0] // world) % rows:
-        return (f"high precision (shape {shape}: {world} shards of {shape[0] // world} rows would cut a "
-                f"{rows}-row {fmt.name} block)")
+        return (
+            f"high precision (shape {shape}: {world} shards of {shape[0] // world} rows would cut a "
+            f"{rows}-row {fmt.name} block)"
+        )
     return fmt.name
 
 
-def mx_all_gather(model: torch.nn.Module, options=None, *, world_size: int | None = None,
-                  shard_placement_fn=None) -> dict[str, str]:
+def mx_all_gather(
+    model: torch.nn.Module, options=None, *, world_size: int | None = None, shard_placement_fn=None
+) -> dict[str, str]:
     """Make FSDP2's all-gather of ``model``'s weights move low-precision forms. Call before ``fully_shard``.
 
     Converts ``nn.Linear`` weights and routed expert weights (3-D parameters ``[E, N, K]`` read by grouped
@@ -276,7 +300,9 @@ def mx_all_gather(model: torch.nn.Module, options=None, *, world_size: int | Non
                 out[key] = p.data._format.name
                 continue
             if type(p.data) is not torch.Tensor:
-                raise RuntimeError(f"mxfx.fsdp.mx_all_gather: {key} is a {type(p.data).__name__}; call it before fully_shard")
+                raise RuntimeError(
+                    f"mxfx.fsdp.mx_all_gather: {key} is a {type(p.data).__name__}; call it before fully_shard"
+                )
             out[key] = form = _decide(policy, kind, mod_name, p, world, shard_placement_fn)
             if form in formats.NAMES:
                 rule = policy.decide(kind, mod_name).scale_rule  # judged by the op's format there
@@ -297,5 +323,7 @@ def _decide(policy: Policy, kind: str, module: str, p: torch.Tensor, world: int,
         return "high precision (keep_dequantized_weights: its BF16 forms are built from the unsharded weight)"
     placement = shard_placement_fn(p) if shard_placement_fn is not None else None
     if placement is not None and not isinstance(placement, Shard):
-        raise ValueError(f"mxfx.fsdp.mx_all_gather: shard_placement_fn returned {placement!r}; FSDP2 takes Shard(dim) or None")
+        raise ValueError(
+            f"mxfx.fsdp.mx_all_gather: shard_placement_fn returned {placement!r}; FSDP2 takes Shard(dim) or None"
+        )
     return _gather_form(p, decision.format, world, placement.dim if placement is not None else 0)

@@ -41,6 +41,8 @@ def strip_wrappers(fqn: str) -> str:
 def all_graphs(gm: fx.GraphModule) -> list[fx.GraphModule]:
     """``gm`` and its subgraphs (bodies of checkpoint regions and other higher-order ops, held as attributes)."""
     return [gm] + [m for m in gm.modules() if isinstance(m, fx.GraphModule) and m is not gm]
+
+
 PREFIX_META = "mxfx_module_prefix"  # gm.meta key: the graph's place in the whole model ("layers.3.")
 STATS_SITES_META = "mxfx_stats_sites"  # gm.meta key: statistics site prefixes given to ops of the graph so far
 
@@ -63,8 +65,12 @@ def unique_stats_site(gm: fx.GraphModule, kwargs: dict, kind: str) -> dict:
 
 def stats_sites(gm: fx.GraphModule) -> list[str]:
     """The statistics site prefixes of the op calls in ``gm`` and its subgraphs, in graph order."""
-    return [n.kwargs["stats"] for g in all_graphs(gm) for n in g.graph.nodes
-            if n.op == "call_function" and isinstance(n.kwargs.get("stats"), str) and n.kwargs["stats"]]
+    return [
+        n.kwargs["stats"]
+        for g in all_graphs(gm)
+        for n in g.graph.nodes
+        if n.op == "call_function" and isinstance(n.kwargs.get("stats"), str) and n.kwargs["stats"]
+    ]
 
 
 def module_fqn(node: fx.Node) -> str:
@@ -87,7 +93,11 @@ def parameter_placeholders(gm: fx.GraphModule, example_inputs) -> dict[str, torc
         source = getattr(node.meta.get("grapharg"), "source", None)
         name = getattr(source, "name", None)
         name = name() if callable(name) else name
-        if isinstance(value, torch.Tensor) and isinstance(name, str) and ("_parameters[" in name or "_buffers[" in name):
+        if (
+            isinstance(value, torch.Tensor)
+            and isinstance(name, str)
+            and ("_parameters[" in name or "_buffers[" in name)
+        ):
             out[normalize_fqn(name.replace("_parameters", "_modules").replace("_buffers", "_modules"))] = value
     return out
 
@@ -191,7 +201,12 @@ def erase_unused_chain(gm: fx.GraphModule, node) -> None:
     Only these nodes: a graph-wide dead-code elimination would also drop
     in-place writes such as ``operator.setitem`` that have no users.
     """
-    while isinstance(node, fx.Node) and not node.users and node.op == "call_method" and node.target in (*CASTS, "transpose"):
+    while (
+        isinstance(node, fx.Node)
+        and not node.users
+        and node.op == "call_method"
+        and node.target in (*CASTS, "transpose")
+    ):
         parent = node.args[0]
         gm.graph.erase_node(node)
         node = parent
@@ -244,8 +259,11 @@ def fill_example_values(gm: fx.GraphModule) -> int:
     carries an example value, so a rewritten graph without them would never be cached. A node whose
     target cannot run on fake inputs is left as it is (the graph then only misses that cache).
     """
-    return sum(fill_example_value(node) for node in gm.graph.nodes
-               if node.op in ("call_function", "call_method") and "example_value" not in node.meta)
+    return sum(
+        fill_example_value(node)
+        for node in gm.graph.nodes
+        if node.op in ("call_function", "call_method") and "example_value" not in node.meta
+    )
 
 
 def fill_example_value(node: fx.Node) -> bool:

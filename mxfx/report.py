@@ -44,7 +44,10 @@ def precision_of(dtype: torch.dtype) -> str:
 def kept_in(records) -> str:
     """The dtypes the ``forward`` columns of ``records`` (ops kept as written) name, upper case and "/"-joined, as
     a warning says them ("BF16", "FP32", "BF16/FP32")."""
-    return "/".join(sorted({r.forward.upper() for r in records if r.forward not in LOW_PRECISIONS + (NONE,)})) or "high precision"
+    return (
+        "/".join(sorted({r.forward.upper() for r in records if r.forward not in LOW_PRECISIONS + (NONE,)}))
+        or "high precision"
+    )
 
 
 @dataclass
@@ -65,7 +68,10 @@ class OpRecord:
     saved: str
     scale_rule: str | None  # None: the op's format has no scales (shown as NONE)
     reason: str = ""
-    saved_bytes: tuple[int, int] = (0, 0)  # nominal bytes of the saved input: (as the op as written saves it, as chosen)
+    saved_bytes: tuple[int, int] = (
+        0,
+        0,
+    )  # nominal bytes of the saved input: (as the op as written saves it, as chosen)
 
     def __post_init__(self):
         self.scale_rule = NONE if self.scale_rule is None else str(self.scale_rule)  # a ScaleRule prints as its value
@@ -73,7 +79,9 @@ class OpRecord:
     @property
     def rewritten(self) -> bool:
         """Whether a column names a low-precision format (a "+"-joined pair, "fp8_block+mxfp8", counts)."""
-        return any(f in LOW_PRECISIONS for p in (self.forward, self.dgrad, self.wgrad, self.saved) for f in p.split("+"))
+        return any(
+            f in LOW_PRECISIONS for p in (self.forward, self.dgrad, self.wgrad, self.saved) for f in p.split("+")
+        )
 
     def add_note(self, note: str) -> None:
         """Append ``note`` to ``reason`` (``"; "``-separated): what a later pass did to this op."""
@@ -143,8 +151,14 @@ class PrecisionMap:
 
     def _formats(self, kind: str) -> str:
         """The low-precision formats the rewritten ops of ``kind`` run in, "+"-joined ("rewritten" when none)."""
-        found = {f for r in self.records if r.kind == kind for p in (r.forward, r.dgrad) for f in p.split("+")
-                 if f in LOW_PRECISIONS}
+        found = {
+            f
+            for r in self.records
+            if r.kind == kind
+            for p in (r.forward, r.dgrad)
+            for f in p.split("+")
+            if f in LOW_PRECISIONS
+        }
         return "+".join(sorted(found)) or "rewritten"
 
     def __str__(self) -> str:
@@ -168,7 +182,12 @@ class PrecisionMap:
 
     def to_html(self) -> str:
         """The precision map as an HTML table, cells coloured by precision (for people who would rather look)."""
-        colours = {**{n: formats.get(n).colour for n in formats.NAMES}, "bf16": "#f7d794", "fp32": "#9cc3f5", NONE: "#eeeeee"}
+        colours = {
+            **{n: formats.get(n).colour for n in formats.NAMES},
+            "bf16": "#f7d794",
+            "fp32": "#9cc3f5",
+            NONE: "#eeeeee",
+        }
         cols = ["kind", "module", "shapes", "forward", "dgrad", "wgrad", "saved", "scale_rule", "reason"]
         head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
         rows = []
@@ -212,7 +231,13 @@ def write_dump(dump_dir: str, pm: PrecisionMap, before: str, after: str) -> str:
     """Write before/after graph code and the precision map; returns the graph's folder."""
     folder = os.path.join(dump_dir, f"graph_{pm.graph_id:03d}")
     os.makedirs(folder, exist_ok=True)
-    for name, text in (("before.py", before), ("after.py", after), ("precision.txt", pm.to_text()), ("precision.json", pm.to_json()), ("precision.html", pm.to_html())):
+    for name, text in (
+        ("before.py", before),
+        ("after.py", after),
+        ("precision.txt", pm.to_text()),
+        ("precision.json", pm.to_json()),
+        ("precision.html", pm.to_html()),
+    ):
         with open(os.path.join(folder, name), "w") as f:
             f.write(text)
     return folder

@@ -97,8 +97,11 @@ def by_place(root: torch.nn.Module, index: int, name: str, variants: dict[str, C
         if not warned:
             warned.append(True)
             first = next(iter(variants)).rstrip(".")
-            warnings.warn(f"mxfx: a graph compiled for {first} and the blocks of its kind ran with a parameter "
-                          f"{name!r} of none of them; it runs {first}'s decisions", stacklevel=3)
+            warnings.warn(
+                f"mxfx: a graph compiled for {first} and the blocks of its kind ran with a parameter "
+                f"{name!r} of none of them; it runs {first}'s decisions",
+                stacklevel=3,
+            )
         return default
 
     def run(*args):  # Dynamo calls a backend's result with the graph's inputs as arguments

@@ -29,10 +29,15 @@ _COUNTED = {
     "all_to_all_single": ("all_to_all", 1),
     "alltoall": ("all_to_all", 1),
 }
-_INNER = {"all_gather_single": "_allgather_base", "reduce_scatter_single": "_reduce_scatter_base",
-          "all_to_all_single": "alltoall_base"}  # the gloo backend's names for torch 2.13's process-group methods
-_PAIRWISE = {"allgather_into_tensor_coalesced": "_allgather_base",
-             "reduce_scatter_tensor_coalesced": "_reduce_scatter_base"}
+_INNER = {
+    "all_gather_single": "_allgather_base",
+    "reduce_scatter_single": "_reduce_scatter_base",
+    "all_to_all_single": "alltoall_base",
+}  # the gloo backend's names for torch 2.13's process-group methods
+_PAIRWISE = {
+    "allgather_into_tensor_coalesced": "_allgather_base",
+    "reduce_scatter_tensor_coalesced": "_reduce_scatter_base",
+}
 _FORWARDED = ("broadcast", "gather", "scatter", "barrier", "reduce", "send", "recv")
 
 

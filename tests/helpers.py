@@ -35,8 +35,15 @@ def count_calls(graphs, target) -> int:
     return sum(1 for g in graphs for n in g.graph.nodes if n.op == "call_function" and n.target == target)
 
 
-def launch(script: str, case: str, world: int, timeout_s: float = 150.0, check: bool = True,
-           started: list | None = None, environ: dict | None = None) -> str:
+def launch(
+    script: str,
+    case: str,
+    world: int,
+    timeout_s: float = 150.0,
+    check: bool = True,
+    started: list | None = None,
+    environ: dict | None = None,
+) -> str:
     """Run ``python script CASES RANK WORLD RENDEZVOUS`` as ``world`` processes; returns their output.
 
     ``case`` names one worker case or several, comma-separated: :func:`run_worker` runs them in order in the
@@ -63,8 +70,14 @@ def launch(script: str, case: str, world: int, timeout_s: float = 150.0, check: 
     env = dict(os.environ if environ is None else environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
     procs = [
-        subprocess.Popen([sys.executable, script, case, str(rank), str(world), rendezvous],
-                         env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(
+            [sys.executable, script, case, str(rank), str(world), rendezvous],
+            env=env,
+            cwd=root,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for rank in range(world)
     ]
     if started is not None:
@@ -240,8 +253,9 @@ class SessionJobs:
         limit = CASE_TIMEOUT_S * len(cases) + 60
         if self.lazy and self.test_timeout_s:
             limit = min(limit, max(10.0, self.test_timeout_s - 20))
-        return lambda: launch(script, ",".join(cases), world, timeout_s=limit, check=False, started=self.procs,
-                              environ=self.environ)
+        return lambda: launch(
+            script, ",".join(cases), world, timeout_s=limit, check=False, started=self.procs, environ=self.environ
+        )
 
     def _run_one(self, name: str):
         try:
@@ -333,13 +347,24 @@ def run_interpreter_checks(test_file: str, environ: dict | None = None) -> None:
     env = dict(os.environ if environ is None else environ, TRITON_INTERPRET="1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    probe = subprocess.run([sys.executable, "-c", "from tests.helpers import _interpreter_loop_probe as p; p()"],
-                           env=env, cwd=root, capture_output=True, text=True)
+    probe = subprocess.run(
+        [sys.executable, "-c", "from tests.helpers import _interpreter_loop_probe as p; p()"],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+    )
     if probe.returncode == _NO_TENSOR_LOOPS:
         pytest.skip(probe.stdout.strip())
     assert probe.returncode == 0, f"the Triton interpreter probe failed:\n{probe.stdout}{probe.stderr}"
-    checks = subprocess.run([sys.executable, os.path.abspath(test_file), "--interpret"], env=env, cwd=root,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    checks = subprocess.run(
+        [sys.executable, os.path.abspath(test_file), "--interpret"],
+        env=env,
+        cwd=root,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     assert checks.returncode == 0, f"{test_file} --interpret failed:\n{checks.stdout[-8000:]}"
 
 
@@ -369,8 +394,10 @@ def _interpreter_loop_probe() -> None:
     except triton.runtime.errors.InterpreterError as e:
         if "0-dimensional" not in str(e):
             raise
-        print(f"Triton {triton.__version__}'s interpreter cannot run a loop with a tensor bound under NumPy "
-              f"{numpy.__version__} (triton-lang/triton#9171): install numpy<2.4 or a newer Triton to run these checks")
+        print(
+            f"Triton {triton.__version__}'s interpreter cannot run a loop with a tensor bound under NumPy "
+            f"{numpy.__version__} (triton-lang/triton#9171): install numpy<2.4 or a newer Triton to run these checks"
+        )
         sys.exit(_NO_TENSOR_LOOPS)
     assert out.item() == 3, out
 
@@ -382,7 +409,9 @@ def lm_loss_and_grads(model, backend=None, options=None, *, seq: int = 32, autoc
     and leaves the gradients cleared."""
     torch._dynamo.reset()
     ids = torch.randint(0, 128, (2, seq), generator=torch.Generator().manual_seed(1))
-    fn = model if backend is None else torch.compile(model, backend=backend, **({"options": options} if options else {}))
+    fn = (
+        model if backend is None else torch.compile(model, backend=backend, **({"options": options} if options else {}))
+    )
     with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
         loss = fn(input_ids=ids, labels=ids).loss
     loss.backward()

@@ -15,5 +15,15 @@ MoEConfig, MoE, Block, MoETransformer = _example.MoEConfig, _example.MoE, _examp
 def tiny_config(**overrides) -> MoEConfig:
     """One layer of width 64 (two 32-wide heads), 4 experts top-2 of hidden 64, shared expert 64: the smallest
     model whose every GEMM has MX-blockable (multiple of 32) features."""
-    return MoEConfig(**{"d_model": 64, "n_layers": 1, "head_dim": 32, "n_experts": 4, "top_k": 2, "expert_hidden": 64,
-                        "shared_hidden": 64, **overrides})
+    return MoEConfig(
+        **{
+            "d_model": 64,
+            "n_layers": 1,
+            "head_dim": 32,
+            "n_experts": 4,
+            "top_k": 2,
+            "expert_hidden": 64,
+            "shared_hidden": 64,
+            **overrides,
+        }
+    )

@@ -26,8 +26,17 @@ from triton.runtime.jit import mangle_type
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 
-_TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64", torch.uint8: "u8",
-                 torch.int8: "i8", torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv"}
+_TRITON_TYPES = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.float64: "fp64",
+    torch.uint8: "u8",
+    torch.int8: "i8",
+    torch.int32: "i32",
+    torch.int64: "i64",
+    torch.float8_e4m3fn: "fp8e4nv",
+}
 
 
 @dataclasses.dataclass
@@ -93,7 +102,7 @@ def specialize(kernel, args, kwargs):
             if v == 1 and not p.do_not_specialize:
                 signature[p.name], constexprs[(i,)] = "constexpr", 1
                 continue
-            signature[p.name] = "i32" if -2**31 <= v < 2**31 else "i64"
+            signature[p.name] = "i32" if -(2**31) <= v < 2**31 else "i64"
             if not p.do_not_specialize and v % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
         else:
@@ -116,14 +125,18 @@ def compile_sm90(launch: Launch) -> Compiled:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        sass = subprocess.run([os.path.join(tools, "nvdisasm"), "-c", f.name], capture_output=True, text=True,
-                              check=True).stdout
-        usage = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", f.name], capture_output=True,
-                               text=True, check=True).stdout
+        sass = subprocess.run(
+            [os.path.join(tools, "nvdisasm"), "-c", f.name], capture_output=True, text=True, check=True
+        ).stdout
+        usage = subprocess.run(
+            [os.path.join(tools, "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True, check=True
+        ).stdout
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
     ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
     memory = collections.Counter(o for o in ops if o.split(".")[0] in ("LDG", "STG", "LDS", "STS"))
-    return Compiled(sass, collections.Counter(o.split(".")[0] for o in ops), memory, compiled.metadata.shared, registers)
+    return Compiled(
+        sass, collections.Counter(o.split(".")[0] for o in ops), memory, compiled.metadata.shared, registers
+    )
 
 
 def cases():
@@ -132,6 +145,7 @@ def cases():
 
     from mxfx.kernels.mx import quantize
     from mxfx.kernels.mx import swiglu
+
     x = torch.randn(256, 2048, dtype=torch.bfloat16)
     g, u = torch.randn_like(x), torch.randn_like(x)
     gu = torch.randn(256, 4096, dtype=torch.bfloat16)
@@ -141,12 +155,28 @@ def cases():
         ("quantize-dequantize", [quantize], quantize.quantize_dequantize, (x, "rceil", torch.bfloat16), {}),
         ("quantize dual (transposed)", [dual], dual.quantize_dual, (x, "rceil"), {}),
         ("quantize dual, source layout", [dual], dual.quantize_dual_source, (x, "rceil"), {}),
-        ("weight refresh fp32 -> MX + BF16", [dual], dual.quantize_dual_source, (x.float(), "rceil"),
-         {"dequantized": torch.bfloat16}),
+        (
+            "weight refresh fp32 -> MX + BF16",
+            [dual],
+            dual.quantize_dual_source,
+            (x.float(), "rceil"),
+            {"dequantized": torch.bfloat16},
+        ),
         ("swiglu+quantize (gate, up)", [swiglu], swiglu.swiglu_quantize, (g, u, "rceil"), {}),
-        ("swiglu+quantize (gate_up halves)", [swiglu], swiglu.swiglu_quantize, (gu[:, :2048], gu[:, 2048:], "rceil"), {}),
-        ("swiglu + values + saved pairs (halves)", [swiglu], swiglu.swiglu_quantize,
-         (gu[:, :2048], gu[:, 2048:], "rceil", torch.bfloat16), {"save_inputs": True}),
+        (
+            "swiglu+quantize (gate_up halves)",
+            [swiglu],
+            swiglu.swiglu_quantize,
+            (gu[:, :2048], gu[:, 2048:], "rceil"),
+            {},
+        ),
+        (
+            "swiglu + values + saved pairs (halves)",
+            [swiglu],
+            swiglu.swiglu_quantize,
+            (gu[:, :2048], gu[:, 2048:], "rceil", torch.bfloat16),
+            {"save_inputs": True},
+        ),
     ]
 
 

@@ -89,12 +89,20 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _stale_forms(fmt: str, model) -> list[str]:
     """Names (``param/form``) of the forms cached now that differ from a fresh quantize of their weight as it is now."""
-    return [f"{name}/{form}" for name, p in model.named_parameters() for (rule, form), cached in cache.entry_forms(p).items()
-            if not all(_same_bits(a, b) for a, b in zip(cached, _fresh_form(fmt, p, form), strict=True))]
+    return [
+        f"{name}/{form}"
+        for name, p in model.named_parameters()
+        for (rule, form), cached in cache.entry_forms(p).items()
+        if not all(_same_bits(a, b) for a, b in zip(cached, _fresh_form(fmt, p, form), strict=True))
+    ]
 
 
 def _forms_snapshot(model) -> dict:
-    return {(n, k): tuple(t.clone() for t in f) for n, p in model.named_parameters() for k, f in cache.entry_forms(p).items()}
+    return {
+        (n, k): tuple(t.clone() for t in f)
+        for n, p in model.named_parameters()
+        for k, f in cache.entry_forms(p).items()
+    }
 
 
 pytestmark = pytest.mark.usefixtures("fresh_weight_cache")
@@ -149,8 +157,11 @@ SCHEDULE = (1, 1, 4, 8, 1)
 GEMM and not kept), the first step with several (the documented switch to keeping every form), then any count."""
 
 
-@pytest.mark.parametrize("compiled_step,fuse", [(False, False), (True, False), (False, True)],
-                         ids=["eager_step", "compiled_step", "eager_step-fused"])
+@pytest.mark.parametrize(
+    "compiled_step,fuse",
+    [(False, False), (True, False), (False, True)],
+    ids=["eager_step", "compiled_step", "eager_step-fused"],
+)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_each_weight_quantized_once_per_step_whatever_the_microbatch_count(fmt, compiled_step, fuse):
     """The cache's counters over a step (its microbatches and the optimizer step) show the same quantizations for 1,
@@ -174,7 +185,11 @@ def test_each_weight_quantized_once_per_step_whatever_the_microbatch_count(fmt, 
             _assert_mx_ops(mxfx.last_report(), fmt, fuse)
         before = cache.stats()["quantize"]
         n_forms = sum(len(cache.entry_forms(p)) for p in model.parameters())
-        assert n_forms == (2 * N_MX_WEIGHTS if seen_several or n > 1 else 0), (s, n, n_forms)  # one microbatch: none kept
+        assert n_forms == (2 * N_MX_WEIGHTS if seen_several or n > 1 else 0), (
+            s,
+            n,
+            n_forms,
+        )  # one microbatch: none kept
         assert _stale_forms(fmt, model) == [], s
         step()
         opt.zero_grad()
@@ -217,7 +232,8 @@ FUSED_CASES = (("ddp", "mxfp8"), ("fsdp2", "fp8_block"))
 """The wrappers' cases run fused too, one format each: the formats' wgrad GEMMs are tested fused in one process,
 the wrappers' hooks and reductions see the same ``.grad`` whichever GEMM wrote it."""
 TWO_RANKS = [f"{wrapper}_{fmt}" for wrapper in ("ddp", "fsdp2") for fmt in FORMATS] + [
-    f"{wrapper}_{fmt}_fused" for wrapper, fmt in FUSED_CASES]
+    f"{wrapper}_{fmt}_fused" for wrapper, fmt in FUSED_CASES
+]
 DIST_STEPS, DIST_LR = 2, 0.5  # SGD at 0.5: gradients of the second step from the first step's forms are 8% off
 
 
@@ -240,7 +256,7 @@ def test_fsdp2_gradient_sync_off_accumulation_matches_one_process(two_ranks, fmt
 def _dist_ids(step: int, world: int) -> list[list[torch.Tensor]]:
     """Step ``step``'s microbatches: ``[microbatch][rank]`` ids ``[BATCH, SEQ]``."""
     flat = _ids(N_MICRO * world, seed=100 + step)
-    return [flat[i * world:(i + 1) * world] for i in range(N_MICRO)]
+    return [flat[i * world : (i + 1) * world] for i in range(N_MICRO)]
 
 
 DIST_RTOL = 1e-4
@@ -325,8 +341,10 @@ def _worker_accum(rank: int, world: int, wrapper: str, fmt: str, fuse: bool = Fa
     opt = torch.optim.SGD(model.parameters(), lr=DIST_LR)
     once = 2 * N_MX_WEIGHTS // {"mxfp8": 1, "fp8_block": 2}[fmt]  # quantizes a step: one per form (fp8_block: weight)
     for s in range(DIST_STEPS):
-        weights = {n.replace("_orig_mod.", ""): p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
-                   for n, p in model.named_parameters()}
+        weights = {
+            n.replace("_orig_mod.", ""): p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+            for n, p in model.named_parameters()
+        }
         ref.load_state_dict(weights)
         cache.refresh(ref.parameters())  # its caches built now, whatever the version counters and step hooks say
         ref.zero_grad(set_to_none=True)
@@ -350,8 +368,13 @@ def _worker_accum(rank: int, world: int, wrapper: str, fmt: str, fuse: bool = Fa
         for n, p in model.named_parameters():
             grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
             name = n.replace("_orig_mod.", "")
-            rtol = (SPLIT_RTOL if wrapper == "ddp" and name.endswith("gate_up_proj") else
-                    BF16_RTOL if name.endswith(BF16_SUMS) else DIST_RTOL)
+            rtol = (
+                SPLIT_RTOL
+                if wrapper == "ddp" and name.endswith("gate_up_proj")
+                else BF16_RTOL
+                if name.endswith(BF16_SUMS)
+                else DIST_RTOL
+            )
             err = _rel(grad, ref.get_parameter(name).grad)
             assert err <= rtol, f"{wrapper} {fmt} step {s} {name}: reduced gradient vs one process {err:.2e} > {rtol}"
         opt.step()
@@ -359,15 +382,22 @@ def _worker_accum(rank: int, world: int, wrapper: str, fmt: str, fuse: bool = Fa
         quantized = cache.stats()["quantize"]
         # the first step builds forms more than once (the one-process test); later ones once, on every rank: DDP's
         # step hook rebuilds the forward forms, FSDP2's unsharded weights are rebuilt at their first forward
-        assert s == 0 or quantized == once, f"{wrapper} {fmt} step {s}: {quantized} quantizes, want {once} ({cache.stats()})"
+        assert s == 0 or quantized == once, (
+            f"{wrapper} {fmt} step {s}: {quantized} quantizes, want {once} ({cache.stats()})"
+        )
     dist.destroy_process_group()
     print("ACCUM OK", wrapper, fmt, "fused" if fuse else "autograd")
 
 
-WORKERS = {f"{wrapper}_{fmt}{'_fused' * fuse}": lambda r, w, wrapper=wrapper, fmt=fmt, fuse=fuse:
-           _worker_accum(r, w, wrapper, fmt, fuse)
-           for wrapper in ("ddp", "fsdp2") for fmt in FORMATS for fuse in (False, True)
-           if not fuse or (wrapper, fmt) in FUSED_CASES}
+WORKERS = {
+    f"{wrapper}_{fmt}{'_fused' * fuse}": lambda r, w, wrapper=wrapper, fmt=fmt, fuse=fuse: _worker_accum(
+        r, w, wrapper, fmt, fuse
+    )
+    for wrapper in ("ddp", "fsdp2")
+    for fmt in FORMATS
+    for fuse in (False, True)
+    if not fuse or (wrapper, fmt) in FUSED_CASES
+}
 
 if __name__ == "__main__":
     run_worker(WORKERS)

@@ -23,28 +23,33 @@ def _last_line_of_fresh_process(code: str) -> str:
 
 @pytest.mark.slow
 def test_entry_point_without_importing_mxfx():
-    err = float(_last_line_of_fresh_process(
-        "import sys, torch\n"
-        "m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))\n"
-        "x = torch.randn(8, 32)\n"
-        "y = torch.compile(m, backend='mxfp8', options={'inner': 'eager'})(x)\n"
-        "assert 'mxfx' in sys.modules, 'backend did not load mxfx'\n"
-        "print(float((y - m(x)).abs().max()))\n"
-    ))
+    err = float(
+        _last_line_of_fresh_process(
+            "import sys, torch\n"
+            "m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))\n"
+            "x = torch.randn(8, 32)\n"
+            "y = torch.compile(m, backend='mxfp8', options={'inner': 'eager'})(x)\n"
+            "assert 'mxfx' in sys.modules, 'backend did not load mxfx'\n"
+            "print(float((y - m(x)).abs().max()))\n"
+        )
+    )
     assert 0 < err < 0.1  # quantized (not identical to fp32) but close
 
 
 @pytest.mark.slow
 def test_import_registers_every_custom_op():
     """``import mxfx`` alone makes every ``torch.ops.mxfx`` op callable (a fresh process imports nothing else)."""
-    assert _last_line_of_fresh_process(
-        "import torch, mxfx\n"
-        "names = ['quantize', 'dequantize', 'quantize_dual', 'mm', 'grouped_mm', 'grouped_mm_wgrad',\n"
-        "         'grouped_wgrad_bf16', 'cached_weight', 'block_quantize', 'block_mm', 'block_grouped_mm',\n"
-        "         'quantize_dual_dequantized', 'swiglu_quantize_dequantize', 'route_weight_quantize_dequantize',\n"
-        "         'swiglu_quantize_save', 'swiglu_quantize_dequantize_save']\n"
-        "print('missing', [n for n in names if not hasattr(torch.ops.mxfx, n)])\n"
-    ) == "missing []"
+    assert (
+        _last_line_of_fresh_process(
+            "import torch, mxfx\n"
+            "names = ['quantize', 'dequantize', 'quantize_dual', 'mm', 'grouped_mm', 'grouped_mm_wgrad',\n"
+            "         'grouped_wgrad_bf16', 'cached_weight', 'block_quantize', 'block_mm', 'block_grouped_mm',\n"
+            "         'quantize_dual_dequantized', 'swiglu_quantize_dequantize', 'route_weight_quantize_dequantize',\n"
+            "         'swiglu_quantize_save', 'swiglu_quantize_dequantize_save']\n"
+            "print('missing', [n for n in names if not hasattr(torch.ops.mxfx, n)])\n"
+        )
+        == "missing []"
+    )
 
 
 def test_options_validation_names_valid_values():
@@ -127,8 +132,12 @@ def test_dynamic_shapes_dump_each_compiled_graph_once(tmp_path):
     torch.manual_seed(0)
     idx = torch.randint(0, 256, (2, 32))
     before = len(mxfx.all_reports())
-    compiled = torch.compile(MoETransformer(tiny_config()), backend="mxfp8", dynamic=True,
-                             options={"inner": "aot_eager", "dump_dir": str(tmp_path)})
+    compiled = torch.compile(
+        MoETransformer(tiny_config()),
+        backend="mxfp8",
+        dynamic=True,
+        options={"inner": "aot_eager", "dump_dir": str(tmp_path)},
+    )
     with torch.autocast("cpu", torch.bfloat16):
         compiled(idx, idx)
     maps = mxfx.all_reports()[before:]
@@ -170,8 +179,16 @@ def test_save_policy_reaches_dense_linears():
 
 
 @pytest.mark.parametrize(
-    "bad", [{"scale_rule": None}, {"save": None}, {"inner": None}, {"rules": "lm_head"}, {"passes": ["linear"]}, {"dump_dir": 5},
-            {"min_size": None}]
+    "bad",
+    [
+        {"scale_rule": None},
+        {"save": None},
+        {"inner": None},
+        {"rules": "lm_head"},
+        {"passes": ["linear"]},
+        {"dump_dir": 5},
+        {"min_size": None},
+    ],
 )
 def test_bad_option_types_raise_value_error(bad):
     with pytest.raises(ValueError, match="mxfx policy"):
@@ -236,7 +253,9 @@ def test_inference_graph_report_claims_no_backward():
     # with grad: both get a backward, the first without a dgrad (its input needs no gradient); the second one's
     # input (ReLU's output) stays as it is, in FP32: ReLU's backward keeps it
     assert [(r.dgrad, r.wgrad, r.saved) for r in mxfx.last_report().records] == [
-        ("-", "mxfp8", "mxfp8"), ("mxfp8", "mxfp8", "fp32")]
+        ("-", "mxfp8", "mxfp8"),
+        ("mxfp8", "mxfp8", "fp32"),
+    ]
 
 
 def test_inference_graph_report_kept_ops_claim_no_backward_either():
@@ -253,7 +272,10 @@ def test_inference_graph_report_kept_ops_claim_no_backward_either():
     torch._dynamo.reset()
     torch.compile(m, backend="mxfp8", options=options)(x)
     assert [(r.forward, r.dgrad, r.wgrad, r.saved) for r in mxfx.last_report().records] == [
-        ("fp32", "-", "fp32", "fp32"), ("fp32",) * 4, ("fp32",) * 4]
+        ("fp32", "-", "fp32", "fp32"),
+        ("fp32",) * 4,
+        ("fp32",) * 4,
+    ]
 
 
 def test_policy_is_read_only_after_validation():

@@ -33,8 +33,11 @@ def test_crossover_quick(monkeypatch, tmp_path):
 def test_quant_stats_quick(monkeypatch, tmp_path):
     monkeypatch.setenv("MXFX_BENCH_OUT", str(tmp_path))
     run_script(monkeypatch, "bench/quant_stats.py", "--device", "cpu", "--quick")
-    rows = [r for r in (tmp_path / "quant_stats.md").read_text().splitlines() if r.startswith("| mxfp8/")
-            or r.startswith("| fp8_block/")]
+    rows = [
+        r
+        for r in (tmp_path / "quant_stats.md").read_text().splitlines()
+        if r.startswith("| mxfp8/") or r.startswith("| fp8_block/")
+    ]
     assert len(rows) == 20, rows  # 2 formats x 2 rules x 5 sites
 
 
@@ -44,8 +47,17 @@ def test_train_step_quick(monkeypatch, tmp_path):
 
     keys = ("automatic_dynamic_shapes", "cache_size_limit")  # the script sets them: restore them after
     with dynamo_config.patch({k: getattr(dynamo_config, k) for k in keys}):
-        run_script(monkeypatch, "bench/train_step.py", "--device", "cpu", "--quick", "--inner", "aot_eager",
-                   "--out", str(tmp_path))
+        run_script(
+            monkeypatch,
+            "bench/train_step.py",
+            "--device",
+            "cpu",
+            "--quick",
+            "--inner",
+            "aot_eager",
+            "--out",
+            str(tmp_path),
+        )
     res = json.loads((tmp_path / "train_step.json").read_text())
     assert set(res["phase1"]) == {"bf16", "mxfp8", "torchao"}
     assert all("tokens_per_s" in r for r in res["phase1"].values()), res["phase1"]
@@ -57,8 +69,24 @@ def test_moe_layer_tiny(monkeypatch, tmp_path):
     # the two mxfx arms with options of their own (each arm is the same measuring loop; the BF16 arm, torch's own
     # Inductor compile of the layer, adds a cold compile and nothing of the script or of mxfx)
     monkeypatch.setenv("MXFX_BENCH_OUT", str(tmp_path))
-    run_script(monkeypatch, "bench/moe_layer.py", "--device", "cpu", "--tokens", "64", "--d", "128", "--experts", "4",
-               "--topk", "2", "--hidden", "128", "--arms", "mxfxdq,fp8block")
+    run_script(
+        monkeypatch,
+        "bench/moe_layer.py",
+        "--device",
+        "cpu",
+        "--tokens",
+        "64",
+        "--d",
+        "128",
+        "--experts",
+        "4",
+        "--topk",
+        "2",
+        "--hidden",
+        "128",
+        "--arms",
+        "mxfxdq,fp8block",
+    )
     rows = [r for r in (tmp_path / "moe_layer.md").read_text().splitlines() if r.startswith("| mxfx")]
     assert len(rows) == 2 and not any("failed" in r for r in rows), rows
 
@@ -95,15 +123,42 @@ def test_moe_layer_padded_groups_are_exact(monkeypatch):
 
 @pytest.mark.slow
 def test_scale_rule_study_tiny(monkeypatch, tmp_path):
-    run_script(monkeypatch, "examples/scale_rule_study.py", "--d-model", "64", "--layers", "1", "--experts", "4",
-               "--expert-hidden", "64", "--shared-hidden", "64", "--seq", "32", "--batch", "2",
-               "--pre-steps", "2", "--steps", "2", "--warmup", "1", "--stats-every", "1", "--out", str(tmp_path))
+    run_script(
+        monkeypatch,
+        "examples/scale_rule_study.py",
+        "--d-model",
+        "64",
+        "--layers",
+        "1",
+        "--experts",
+        "4",
+        "--expert-hidden",
+        "64",
+        "--shared-hidden",
+        "64",
+        "--seq",
+        "32",
+        "--batch",
+        "2",
+        "--pre-steps",
+        "2",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--stats-every",
+        "1",
+        "--out",
+        str(tmp_path),
+    )
     res = json.loads((tmp_path / "scale_rule_study.json").read_text())
     assert set(res["curves"]) == {"bf16", "mxfp8 rceil", "mxfp8 floor"}
     assert set(res["summary"]) == {"rceil", "floor"}
     assert set(res["stats_per_layer"]) == {"mxfp8 rceil", "mxfp8 floor"}  # quantization statistics per layer
     assert all(len(steps) == 2 for per in res["stats_per_layer"].values() for steps in per.values())
-    assert max(v["clipped"] for v in res["stats_per_layer"]["mxfp8 rceil"]["layers.0"].values()) == 0  # rceil never clips
+    assert (
+        max(v["clipped"] for v in res["stats_per_layer"]["mxfp8 rceil"]["layers.0"].values()) == 0
+    )  # rceil never clips
     assert (tmp_path / "scale_rule_study.png").stat().st_size > 0
 
 
@@ -114,14 +169,28 @@ def test_movement_ceiling_variants_move_their_bytes():
     import subprocess
 
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    subprocess.run([sys.executable, "-c", "from bench import movement; movement.check()"], check=True, cwd=ROOT, env=env)
+    subprocess.run(
+        [sys.executable, "-c", "from bench import movement; movement.check()"], check=True, cwd=ROOT, env=env
+    )
 
 
 @pytest.mark.slow
 def test_hf_models_smoke(monkeypatch, tmp_path):
     pytest.importorskip("transformers")
-    run_script(monkeypatch, "bench/hf_models.py", "--smoke", "--model", "olmoe", "--layers", "1", "--microbatches", "2",
-               "--profile", "--out", str(tmp_path))
+    run_script(
+        monkeypatch,
+        "bench/hf_models.py",
+        "--smoke",
+        "--model",
+        "olmoe",
+        "--layers",
+        "1",
+        "--microbatches",
+        "2",
+        "--profile",
+        "--out",
+        str(tmp_path),
+    )
     res = json.loads((tmp_path / "hf_models.json").read_text())["results"]
     by_arm = {r["arm"]: r for r in res}
     assert set(by_arm) == {"bf16-users", "bf16-weights", "bf16-grouped", "mxfp8", "fp8_block", "torchao-fp8-rowwise"}
@@ -227,13 +296,15 @@ def test_compile_time_phase_table_counts_triton_compiles(monkeypatch):
             self.fn = type(name, (), {})
 
     t = compile_time._TritonCompiles()
-    for name, hit in [("_quantize_kernel", False), ("_quantize_kernel", False), ("_grouped_body", False),
-                      ("_grouped_body", True)]:
+    for name, hit in [
+        ("_quantize_kernel", False),
+        ("_quantize_kernel", False),
+        ("_grouped_body", False),
+        ("_grouped_body", True),
+    ]:
         t.on_compile(src=Src(name), metadata={}, metadata_group={}, times=Times(), cache_hit=hit)
-    t.on_tune(fn=Src("_grouped_body").fn, key=(1,), best_config=None, configs_timings={}, duration=2.0,
-              cache_hit=False)
-    t.on_tune(fn=Src("_grouped_body").fn, key=(1,), best_config=None, configs_timings={}, duration=9.0,
-              cache_hit=True)
+    t.on_tune(fn=Src("_grouped_body").fn, key=(1,), best_config=None, configs_timings={}, duration=2.0, cache_hit=False)
+    t.on_tune(fn=Src("_grouped_body").fn, key=(1,), best_config=None, configs_timings={}, duration=9.0, cache_hit=True)
     assert t.compiles == {"_quantize_kernel": 2, "_grouped_body": 1} and t.hits == 1
     assert t.compile_s == pytest.approx(0.75) and t.tune_s == 2.0 and t.tunings == {"_grouped_body": 1}
     ph = compile_time.phases(100.0, t)
@@ -260,9 +331,12 @@ def test_compile_time_names_what_repeated_compiles_differ_in(monkeypatch):
         tl.store(x_ptr + tl.arange(0, 16) * stride, tl.zeros((16,), tl.float32), mask=tl.arange(0, 16) < n)
 
     signature = {"x_ptr": "*fp32", "n": "i32", "stride": "i32", "AXIS": "constexpr"}
-    sources = [ASTSource(_scale_kernel, signature, {"AXIS": 0}, {(0,): [["tt.divisibility", 16]]}),
-               ASTSource(_scale_kernel, signature, {"AXIS": 1},
-                         {(0,): [["tt.divisibility", 16]], (2,): [["tt.divisibility", 16]]})]
+    sources = [
+        ASTSource(_scale_kernel, signature, {"AXIS": 0}, {(0,): [["tt.divisibility", 16]]}),
+        ASTSource(
+            _scale_kernel, signature, {"AXIS": 1}, {(0,): [["tt.divisibility", 16]], (2,): [["tt.divisibility", 16]]}
+        ),
+    ]
 
     class Times:
         total = 1000
@@ -271,10 +345,20 @@ def test_compile_time_names_what_repeated_compiles_differ_in(monkeypatch):
     for src in sources:
         t.on_compile(src=src, metadata={}, metadata_group={}, times=Times(), cache_hit=False)
     assert compile_time.specialization(sources[1]) == {
-        "x_ptr": "*fp32 tt.divisibility=16", "n": "i32", "stride": "i32 tt.divisibility=16", "AXIS": "=1"}
+        "x_ptr": "*fp32 tt.divisibility=16",
+        "n": "i32",
+        "stride": "i32 tt.divisibility=16",
+        "AXIS": "=1",
+    }
     assert compile_time.differing(t.variants["_scale_kernel"]) == "stride i32/i32 tt.divisibility=16; AXIS =0/=1"
-    row = {"unit": "model", "arm": "fp8_block", "cache": "cold", "first_step_s": 10.0,
-           "phases": compile_time.phases(10.0, t), "mxfx_passes_s": 0.25}
+    row = {
+        "unit": "model",
+        "arm": "fp8_block",
+        "cache": "cold",
+        "first_step_s": 10.0,
+        "phases": compile_time.phases(10.0, t),
+        "mxfx_passes_s": 0.25,
+    }
     text = compile_time.phase_table([row])
     assert "_scale_kernel x2 [stride i32/i32 tt.divisibility=16; AXIS =0/=1]" in text
     assert "(passes 0.25)" in text

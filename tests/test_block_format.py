@@ -80,6 +80,7 @@ def qbytes(x, rule="rceil"):
 
 # ---- hand-worked values ---------------------------------------------------------------
 
+
 def test_500_tile_rceil_and_amax():
     q, s = qbytes(tile(500.0, fill=1.0))
     assert s.tolist() == [2.0] and q[0].item() == 0x78 and q[1].item() == 0x30  # 250 -> 256; 0.5
@@ -157,6 +158,7 @@ def test_partial_tile_equals_zero_padding():
 
 # ---- oracle on many magnitudes ----------------------------------------------------------
 
+
 @pytest.mark.parametrize("rule", bf.SCALE_RULES)
 def test_rowwise_matches_oracle(rule):
     g = torch.Generator().manual_seed(1)
@@ -223,6 +225,7 @@ def test_roundtrip_error_bound():
 
 
 # ---- errors ---------------------------------------------------------------------------
+
 
 def test_errors_name_op_and_shape():
     with pytest.raises(TypeError, match=r"quantize_1x128.*\(4, 64\).*float64; fp8_block quantizes bfloat16"):

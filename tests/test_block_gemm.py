@@ -135,10 +135,12 @@ def test_errors_name_the_problem():
 
 # ---- Triton interpreter ------------------------------------------------------------------
 
+
 def _interpreter_checks():
     from mxfx.kernels.fp8_block import grouped_gemm_triton as block_grouped
 
     from mxfx.kernels.fp8_block import quantize as block_quantize
+
     g = torch.Generator().manual_seed(0)
     # unequal and empty groups, rows past offs[-1], K not a multiple of 128 (masked K), N with a partial
     # 128-column scale block, forward (W) and dgrad (W^T as a view and as a copy sharing the scales)
@@ -312,7 +314,9 @@ BACKGROUND_JOBS = {"interpreter": lambda environ: run_interpreter_checks(__file_
 
 
 def test_triton_interpreter(session_job):
-    session_job("test_block_gemm:interpreter")  # run_interpreter_checks in a fresh process, from the start of the session
+    session_job(
+        "test_block_gemm:interpreter"
+    )  # run_interpreter_checks in a fresh process, from the start of the session
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--interpret"]:
@@ -320,6 +324,7 @@ if __name__ == "__main__" and sys.argv[1:] == ["--interpret"]:
 
 
 # ---- sm90 code generation (no GPU: Triton's bundled ptxas) -------------------------------
+
 
 class _Recorder:
     """Stands in for a JITFunction: ``kernel[grid](...)`` records the launch instead of running it."""
@@ -339,7 +344,9 @@ class _Recorder:
 def _sm90_launches(monkeypatch, module, name, fn, *args, **kwargs):
     triton = pytest.importorskip("triton")
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or not os.access(os.path.join(bin_dir, "ptxas"), os.X_OK):
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or not os.access(
+        os.path.join(bin_dir, "ptxas"), os.X_OK
+    ):
         pytest.skip("needs Triton's bundled ptxas (Linux wheel), compiled mode")
     from tests import sass
 
@@ -361,15 +368,27 @@ def test_grouped_kernel_compiles_to_fp8_wgmma(monkeypatch):
     offs = torch.tensor([100, 100, 300, 512], dtype=torch.int32)
     cfg = block_grouped.CONFIGS[0]
     config = dict(cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    (c,) = _sm90_launches(monkeypatch, block_grouped, "_kernel", block_grouped.grouped_mm, a, sa, b, sb, offs, config=config)
+    (c,) = _sm90_launches(
+        monkeypatch, block_grouped, "_kernel", block_grouped.grouped_mm, a, sa, b, sb, offs, config=config
+    )
     mmas = set(re.findall(r"\b([HQ]GMMA\.[0-9x]+\.F32\.[A-Z0-9]+\.[A-Z0-9]+)", c.sass))
     assert mmas and all(m.endswith("E4M3.E4M3") for m in mmas), mmas
     # K-major operands (weights and their dgrad copies, quantized activations) are read by TMA; a transposed
     # view (not K-major) falls back to pointer loads and still runs FP8 MMAs
     assert "UTMALDG" in c.sass
     bt, sbt = b.transpose(1, 2), sb.transpose(1, 2)
-    (v,) = _sm90_launches(monkeypatch, block_grouped, "_kernel", block_grouped.grouped_mm, a[:, :256], sa[:, :2], bt,
-                          sbt, offs, config=config)
+    (v,) = _sm90_launches(
+        monkeypatch,
+        block_grouped,
+        "_kernel",
+        block_grouped.grouped_mm,
+        a[:, :256],
+        sa[:, :2],
+        bt,
+        sbt,
+        offs,
+        config=config,
+    )
     assert "UTMALDG" not in v.sass and any(m.startswith("QGMMA") for m in re.findall(r"\b([HQ]GMMA\S*)", v.sass))
 
 
@@ -377,9 +396,14 @@ def test_quantize_kernels_compile_for_sm90(monkeypatch):
     from mxfx.kernels.fp8_block import quantize as bq
 
     x = torch.zeros(256, 384, dtype=torch.bfloat16)
-    for fn, args in ((bq.quantize_1x128, (x,)), (bq.quantize_1x128_colwise, (x,)), (bq.quantize_128x128, (x,)),
-                     (bq.swiglu_quantize_1x128, (x, x)), (bq.quantize_1x128, (x.float(), "amax")),
-                     (bq.quantize_1x128_grouped_tokens, (x, torch.tensor([100, 256], dtype=torch.int32)))):
+    for fn, args in (
+        (bq.quantize_1x128, (x,)),
+        (bq.quantize_1x128_colwise, (x,)),
+        (bq.quantize_128x128, (x,)),
+        (bq.swiglu_quantize_1x128, (x, x)),
+        (bq.quantize_1x128, (x.float(), "amax")),
+        (bq.quantize_1x128_grouped_tokens, (x, torch.tensor([100, 256], dtype=torch.int32))),
+    ):
         kernel = "_weight_quantize_kernel" if fn is bq.quantize_128x128 else "_quantize_kernel"
         (c,) = _sm90_launches(monkeypatch, bq, kernel, fn, *args)
         assert c.counts.get("STG", 0) > 0, fn.__name__
@@ -415,8 +439,10 @@ def test_weight_quantize_unspecialized_scale_strides_cost_nothing(monkeypatch):
     monkeypatch.setattr(bq, "_weight_quantize_kernel", bq._quantize_kernel)
     (specialized,) = _sm90_launches(monkeypatch, bq, "_weight_quantize_kernel", bq.quantize_128x128, w)
     assert plain.memory == specialized.memory and plain.memory["LDG.E.128"] > 0
-    assert abs(plain.total - specialized.total) <= 2, (plain.counts - specialized.counts,
-                                                       specialized.counts - plain.counts)
+    assert abs(plain.total - specialized.total) <= 2, (
+        plain.counts - specialized.counts,
+        specialized.counts - plain.counts,
+    )
 
 
 def test_grouped_wgrad_kernel_compiles_to_fp8_wgmma(monkeypatch):
@@ -427,8 +453,18 @@ def test_grouped_wgrad_kernel_compiles_to_fp8_wgmma(monkeypatch):
     cap = bf.group_tile_capacity(s, 2)
     sa, sb = torch.ones(cap, n).t(), torch.ones(cap, k).t()
     offs = torch.tensor([200, 512], dtype=torch.int32)
-    (c,) = _sm90_launches(monkeypatch, block_grouped, "_grouped_wgrad_kernel", block_grouped.grouped_wgrad,
-                          a, sa, b, sb, offs, config=block_grouped.WGRAD_CONFIG)
+    (c,) = _sm90_launches(
+        monkeypatch,
+        block_grouped,
+        "_grouped_wgrad_kernel",
+        block_grouped.grouped_wgrad,
+        a,
+        sa,
+        b,
+        sb,
+        offs,
+        config=block_grouped.WGRAD_CONFIG,
+    )
     mmas = set(re.findall(r"\b([HQ]GMMA\.[0-9x]+\.F32\.[A-Z0-9]+\.[A-Z0-9]+)", c.sass))
     assert mmas and all(m.endswith("E4M3.E4M3") for m in mmas), mmas
 
@@ -478,7 +514,10 @@ def test_cublas_wrapper_builds_the_checked_scale_layouts(monkeypatch, m, n, k):
     monkeypatch.setattr(torch.nn.functional, "scaled_mm", _fake_scaled_mm)
     g = torch.Generator().manual_seed(6)
     a, sa = bf.quantize_1x128(torch.randn(m, k, generator=g))
-    for b, sb in (bf.quantize_128x128(torch.randn(n, k, generator=g)), bf.quantize_1x128(torch.randn(n, k, generator=g))):
+    for b, sb in (
+        bf.quantize_128x128(torch.randn(n, k, generator=g)),
+        bf.quantize_1x128(torch.randn(n, k, generator=g)),
+    ):
         out = gemm_cublas.mm(a, sa, b, sb, torch.float32)
         assert out.shape == (m, n)
         bound = summation_bound(a, sa, b, sb, (-1,) if bf.tiled_rows(b, sb) else (-2, -1))
@@ -494,8 +533,7 @@ def test_cublas_wrapper_guards_nothing_on_a_symbolic_row_count(monkeypatch):
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
     counters.clear()
-    mm = torch.compile(lambda a, sa, b, sb: gemm_cublas.mm(a, sa, b, sb, torch.float32), backend="eager",
-                       dynamic=True)
+    mm = torch.compile(lambda a, sa, b, sb: gemm_cublas.mm(a, sa, b, sb, torch.float32), backend="eager", dynamic=True)
     g = torch.Generator().manual_seed(7)
     b, sb = bf.quantize_128x128(torch.randn(256, 384, generator=g))
     graphs = []
@@ -503,6 +541,8 @@ def test_cublas_wrapper_guards_nothing_on_a_symbolic_row_count(monkeypatch):
         a, sa = bf.quantize_1x128(torch.randn(m, 384, generator=g))
         out = mm(a, sa.t().contiguous().t(), b, sb)
         assert out.shape == (m, 256)
-        assert ((out - block_gemm.reference_mm(a, sa, b, sb, torch.float32)).abs() <= summation_bound(a, sa, b, sb)).all()
+        assert (
+            (out - block_gemm.reference_mm(a, sa, b, sb, torch.float32)).abs() <= summation_bound(a, sa, b, sb)
+        ).all()
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs == [graphs[0]] * 4, graphs

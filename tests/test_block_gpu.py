@@ -87,7 +87,9 @@ def test_grouped_forward_and_dgrad_match_reference(out_dtype):
     a2, sa2 = bf.quantize_1x128(dy.cuda())
     bt, sbt = b.transpose(1, 2).contiguous(), sb.transpose(1, 2).contiguous()
     out = block_gemm.grouped_mm(a2, sa2, bt, sbt, offs, out_dtype)
-    _check_groups(out, block_gemm.reference_grouped_mm(*_cpu(a2, sa2, bt, sbt, offs), torch.float32), a2, sa2, bt, sbt, sizes)
+    _check_groups(
+        out, block_gemm.reference_grouped_mm(*_cpu(a2, sa2, bt, sbt, offs), torch.float32), a2, sa2, bt, sbt, sizes
+    )
 
 
 def test_grouped_wgrad_matches_reference():
@@ -188,8 +190,14 @@ def test_profiler_shows_fp8_gemm_kernels():
     m, n, k = 512, 512, 1024
     a, sa = bf.quantize_1x128(torch.randn(m, k, generator=g).cuda())
     b, sb = bf.quantize_128x128(torch.randn(n, k, generator=g).cuda())
-    bf16_names = set(_kernels(lambda: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) @ torch.randn(
-        k, n, device="cuda", dtype=torch.bfloat16)))
+    bf16_names = set(
+        _kernels(
+            lambda: (
+                torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                @ torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+            )
+        )
+    )
     block_gemm.scaled_mm(a, sa, b, sb)  # warm-up: layouts, cuBLAS handles
     dense = _kernels(lambda: block_gemm.scaled_mm(a, sa, b, sb))
     gemms = [name for name in dense if FP8_GEMM_NAME.search(name)]
@@ -233,7 +241,9 @@ class _Block(torch.nn.Module):
         x = x + self.down(torch.nn.functional.gelu(self.up(x)))
         gu = torch._grouped_mm(x.to(torch.bfloat16), self.gate_up_proj.to(torch.bfloat16).transpose(-2, -1), offs=offs)
         g, u = gu.chunk(2, dim=-1)
-        y = torch._grouped_mm(torch.nn.functional.silu(g) * u, self.down_proj.to(torch.bfloat16).transpose(-2, -1), offs=offs)
+        y = torch._grouped_mm(
+            torch.nn.functional.silu(g) * u, self.down_proj.to(torch.bfloat16).transpose(-2, -1), offs=offs
+        )
         return (y * route_weight[:, None]).float().square().mean()
 
 

@@ -61,8 +61,13 @@ def test_fp8_block_step_runs_fp8_gemms_only():
     grouped = [n for n in names if n in ("_grouped_body", "_grouped_kernel")]  # the Triton or the sm90 kernel
     assert len(grouped) == 2, f"grouped forward and dgrad: {gemm_like}"
     assert names.count("_grouped_wgrad_kernel") == 1, gemm_like
-    stand_ins = [n for n in gemm_like if n not in cublas_fp8 and n not in ("_grouped_body", "_grouped_kernel",
-                 "_grouped_wgrad_kernel") and "reduce" not in n.lower()]  # a split-K reduction of an FP8 GEMM is no GEMM
+    stand_ins = [
+        n
+        for n in gemm_like
+        if n not in cublas_fp8
+        and n not in ("_grouped_body", "_grouped_kernel", "_grouped_wgrad_kernel")
+        and "reduce" not in n.lower()
+    ]  # a split-K reduction of an FP8 GEMM is no GEMM
     assert not stand_ins, f"non-FP8 GEMM kernels ran: {stand_ins}"
     # and the step computes the model's loss: FP8 operands move it by a few percent at most
     for p in model.parameters():
@@ -72,7 +77,9 @@ def test_fp8_block_step_runs_fp8_gemms_only():
     print("kernels:", gemm_like)
 
 
-@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9, reason="the note is sm90's")
+@pytest.mark.skipif(
+    torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9, reason="the note is sm90's"
+)
 def test_sm90_compile_notes_warn_once_per_format(monkeypatch):
     """MXFP8 ops on sm90: one note naming format="fp8_block", once per process; fp8_block ops ("auto" on sm90)
     get none."""
@@ -84,7 +91,11 @@ def test_sm90_compile_notes_warn_once_per_format(monkeypatch):
     torch._dynamo.reset()
     with pytest.warns(UserWarning, match="no tensor cores on sm90.*fp8_block"):
         torch.compile(lin, backend="mxfp8", options={"inner": "aot_eager"})(x)
-    for options in ({"inner": "aot_eager"}, {"inner": "aot_eager", "format": "auto"}, {"inner": "aot_eager", "format": "fp8_block"}):
+    for options in (
+        {"inner": "aot_eager"},
+        {"inner": "aot_eager", "format": "auto"},
+        {"inner": "aot_eager", "format": "fp8_block"},
+    ):
         torch._dynamo.reset()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

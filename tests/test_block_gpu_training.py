@@ -32,9 +32,18 @@ STEPS = 8
 
 
 def _model():
-    cfg = T.OlmoeConfig(vocab_size=512, hidden_size=1024, intermediate_size=512, num_attention_heads=8,
-                        num_key_value_heads=8, num_experts=16, num_experts_per_tok=4, num_hidden_layers=2,
-                        max_position_embeddings=1024, tie_word_embeddings=False)
+    cfg = T.OlmoeConfig(
+        vocab_size=512,
+        hidden_size=1024,
+        intermediate_size=512,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        num_experts=16,
+        num_experts_per_tok=4,
+        num_hidden_layers=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     with torch.device("cuda"):
         return T.OlmoeForCausalLM(cfg)

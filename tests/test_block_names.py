@@ -60,8 +60,10 @@ def test_rule_targets_one_layer_under_per_block_compile(recwarn, register):
     # Dynamo runs the identical layer 1 through layer 0's graph (parameters are graph inputs): the rule decides
     # differently for them, so the graph is compiled once per decision, and each layer runs its own.
     maps, model = _per_block_maps(register=register)
-    assert [(_qkv(pm).module, _qkv(pm).forward) for pm in maps] == [("layers.0.attn.qkv", "bf16"),
-                                                                      ("layers.1.attn.qkv", "mxfp8")]
+    assert [(_qkv(pm).module, _qkv(pm).forward) for pm in maps] == [
+        ("layers.0.attn.qkv", "bf16"),
+        ("layers.1.attn.qkv", "mxfp8"),
+    ]
     assert all(r.module.startswith("layers.1.") for r in maps[1].records if r.module)
     assert not _ran_mx(_qkv_weight(model, 0)) and _ran_mx(_qkv_weight(model, 1))
     assert not [w for w in recwarn if "mxfx" in str(w.message)]
@@ -71,8 +73,10 @@ def test_block_called_outside_its_model_keeps_block_relative_names():
     # no model holding the block is being called or registered: the names are the block's own, and the
     # full-name rule matching nothing says how to get the model's names
     block = MoETransformer(tiny_config(n_layers=1)).layers[0]
-    block.compile(backend="mxfp8", options={"inner": "aot_eager", "rules": [{"module": "layers.0.attn.o_proj",
-                                                                              "precision": "bf16"}]})
+    block.compile(
+        backend="mxfp8",
+        options={"inner": "aot_eager", "rules": [{"module": "layers.0.attn.o_proj", "precision": "bf16"}]},
+    )
     n = len(mxfx.all_reports())
     with pytest.warns(UserWarning, match=r"matches no module.*mxfx.name_modules\(model\)"):
         with torch.autocast("cpu", torch.bfloat16):
@@ -86,8 +90,10 @@ def test_checkpoint_wrapper_left_out_of_names():
     # torchtitan wraps each block for activation checkpointing and compiles the wrapper; names (and the
     # place found from the parameters) are those of state_dict(), without "_checkpoint_wrapped_module".
     maps, model = _per_block_maps(register=True, rule="layers.0.attn.*", wrap=True)
-    assert [(_qkv(pm).module, _qkv(pm).forward) for pm in maps] == [("layers.0.attn.qkv", "bf16"),
-                                                                      ("layers.1.attn.qkv", "mxfp8")]
+    assert [(_qkv(pm).module, _qkv(pm).forward) for pm in maps] == [
+        ("layers.0.attn.qkv", "bf16"),
+        ("layers.1.attn.qkv", "mxfp8"),
+    ]
     assert not _ran_mx(_qkv_weight(model, 0)) and _ran_mx(_qkv_weight(model, 1))
 
 
@@ -123,8 +129,9 @@ def test_graph_break_inside_layers_keeps_module_paths_and_each_layers_decision(r
     model = MoETransformer(tiny_config(n_layers=2))
     for layer in model.layers:
         layer.__class__ = _BreakingBlock
-    compiled = torch.compile(model, backend="mxfp8",
-                             options={"inner": "aot_eager", "rules": [{"module": "layers.0.*", "precision": "bf16"}]})
+    compiled = torch.compile(
+        model, backend="mxfp8", options={"inner": "aot_eager", "rules": [{"module": "layers.0.*", "precision": "bf16"}]}
+    )
     n = len(mxfx.all_reports())
     idx = torch.randint(0, 256, (2, 32))
     with torch.autocast("cpu", torch.bfloat16):

@@ -104,7 +104,9 @@ def test_block_ops_name_themselves_in_their_errors():
     """The fp8_block ops check their inputs before the reference or kernel does, and say which op refused what."""
     ops = torch.ops.mxfx
     x = torch.randn(6, 128)
-    with pytest.raises(TypeError, match=r"mxfx::block_quantize_dual \(x\): input of shape \(6, 128\) has dtype torch.int32"):
+    with pytest.raises(
+        TypeError, match=r"mxfx::block_quantize_dual \(x\): input of shape \(6, 128\) has dtype torch.int32"
+    ):
         ops.block_quantize_dual(x.int(), "rceil")
     with pytest.raises(ValueError, match="mxfx::block_quantize: unknown fp8_block scale rule 'floor'"):
         ops.block_quantize(x, "floor")
@@ -121,11 +123,16 @@ def test_block_ops_name_themselves_in_their_errors():
         ops.block_forward_operands(x, None, torch.randn(5, 128), None, "rceil", False)
     with pytest.raises(ValueError, match="offs must be int32"):
         ops.block_forward_operands(x, None, x, torch.tensor([2, 6]), "rceil", False)
-    with pytest.raises(ValueError, match=r"mxfx::block_quantize_grouped_tokens: offs \[2, 9\] must be non-decreasing .* at most the 6 rows"):
+    with pytest.raises(
+        ValueError,
+        match=r"mxfx::block_quantize_grouped_tokens: offs \[2, 9\] must be non-decreasing .* at most the 6 rows",
+    ):
         ops.block_quantize_grouped_tokens(x, torch.tensor([2, 9], dtype=torch.int32), "rceil")
     for fmt in ("fp8_block", "mxfp8"):  # the public op names itself, in both formats
         with pytest.raises(ValueError, match=r"mxfx.grouped_mm: offs \[4, 9\] must be non-decreasing"):
-            mx_grouped_mm_op(torch.randn(8, 128), torch.randn(2, 128, 128), torch.tensor([4, 9], dtype=torch.int32), format=fmt)
+            mx_grouped_mm_op(
+                torch.randn(8, 128), torch.randn(2, 128, 128), torch.tensor([4, 9], dtype=torch.int32), format=fmt
+            )
     with pytest.raises(ValueError, match="needs a 2D tensor"):
         ops.block_swiglu_quantize(x[None], x[None], "rceil")
 
@@ -166,6 +173,7 @@ def test_weight_cache_one_grid_for_forward_and_dgrad_per_step():
 def test_weight_refresh_record_names_the_format_of_the_caches():
     """A compiled optimizer step of an fp8_block model: its refresh record reads fp8_block, whether the step's policy
     says so or, compiled without options after the first forward, the caches it finds do."""
+
     def refresh_record(step_options, forward_first: bool):
         torch.manual_seed(0)
         lin = torch.nn.Linear(128, 128, bias=False)
@@ -240,9 +248,13 @@ def test_every_pass_on_the_moe_model_with_fp8_block():
     lin = [r for r in pm.records if r.kind == "linear" and r.rewritten]
     grouped = [r for r in pm.records if r.kind == "grouped_mm"]
     assert len(lin) == 5 and all((r.forward, r.dgrad, r.wgrad) == ("fp8_block",) * 3 for r in lin), pm.to_text()
-    assert len(grouped) == 2 and all((r.forward, r.dgrad, r.wgrad) == ("fp8_block", "fp8_block", "bf16") for r in grouped), pm.to_text()
+    assert len(grouped) == 2 and all(
+        (r.forward, r.dgrad, r.wgrad) == ("fp8_block", "fp8_block", "bf16") for r in grouped
+    ), pm.to_text()
     assert all("forward and dgrad on the reference kernel" in r.reason for r in grouped), pm.to_text()  # CPU
-    assert all(r.forward == "fp8_block" for r in pm.records if r.kind == "swiglu") and pm.count("swiglu", True) == 2, pm.to_text()
+    assert all(r.forward == "fp8_block" for r in pm.records if r.kind == "swiglu") and pm.count("swiglu", True) == 2, (
+        pm.to_text()
+    )
     assert [r.dgrad for r in pm.records if r.kind == "combine"] == ["fp8_block"], pm.to_text()
     assert "mxfp8" not in pm.to_text()
     # against the passes turned off (the model's own BF16 autocast GEMMs): FP8 operands move a
@@ -265,7 +277,14 @@ def test_per_rule_format_and_bf16_fallback_reason():
     model = _moe(shared_hidden=96)  # the shared expert's 96 features cannot tile by 128
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
     with pytest.warns(UserWarning, match=r"\(module='\*shared\*', format='fp8_block'\) asks for fp8_block, but 3 op"):
-        _loss(model, {"inner": "aot_eager", "rules": [{"op": "grouped_mm", "format": "fp8_block"}, {"module": "*shared*", "format": "fp8_block"}]}, ids)
+        _loss(
+            model,
+            {
+                "inner": "aot_eager",
+                "rules": [{"op": "grouped_mm", "format": "fp8_block"}, {"module": "*shared*", "format": "fp8_block"}],
+            },
+            ids,
+        )
     pm = mxfx.last_report()
     assert {r.forward for r in pm.records if r.kind == "grouped_mm"} == {"fp8_block"}, pm.to_text()
     attn = [r for r in pm.records if r.kind == "linear" and "attn" in r.module]
@@ -276,8 +295,17 @@ def test_per_rule_format_and_bf16_fallback_reason():
 
 def test_hf_fp32_autocast_experts_with_fp8_block():
     T = pytest.importorskip("transformers")
-    cfg = T.OlmoeConfig(vocab_size=128, hidden_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
-                        max_position_embeddings=64, intermediate_size=128, num_experts=4, num_experts_per_tok=2)
+    cfg = T.OlmoeConfig(
+        vocab_size=128,
+        hidden_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+        intermediate_size=128,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
     cfg._experts_implementation = "grouped_mm"
     torch.manual_seed(0)
     model = T.OlmoeForCausalLM(cfg)  # FP32 parameters, BF16 autocast
@@ -294,9 +322,15 @@ def test_hf_fp32_autocast_experts_with_fp8_block():
         assert F.cosine_similarity(grads[n].flatten(), grads_ref[n].flatten(), dim=0) > 0.97, n
 
 
-@pytest.mark.parametrize("kw", [dict(format="fp8_block", scale_rule="floor"), dict(scale_rule="amax"),
-                                dict(format="auto", scale_rule="floor"),
-                                dict(rules=[{"op": "linear", "format": "fp8_block", "scale_rule": "floor"}])])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(format="fp8_block", scale_rule="floor"),
+        dict(scale_rule="amax"),
+        dict(format="auto", scale_rule="floor"),
+        dict(rules=[{"op": "linear", "format": "fp8_block", "scale_rule": "floor"}]),
+    ],
+)
 def test_policy_rejects_a_scale_rule_of_another_format(kw):
     """At construction, not at the first compiled call: floor is MXFP8's only, amax fp8_block's only."""
     with pytest.raises(ValueError, match="is not a rule of format"):
@@ -306,7 +340,10 @@ def test_policy_rejects_a_scale_rule_of_another_format(kw):
 
 def _saved_storages(out: torch.Tensor) -> dict:
     """``{storage pointer: (bytes, dtype)}`` of every tensor the autograd graph behind ``out`` saved."""
-    return {t.untyped_storage().data_ptr(): (t.untyped_storage().nbytes(), t.dtype) for t in mxfx.report.saved_for_backward(out)}
+    return {
+        t.untyped_storage().data_ptr(): (t.untyped_storage().nbytes(), t.dtype)
+        for t in mxfx.report.saved_for_backward(out)
+    }
 
 
 def test_compiled_fp8_block_swiglu_saves_fp8_gate_and_up():
@@ -325,7 +362,9 @@ def test_compiled_fp8_block_swiglu_saves_fp8_gate_and_up():
         return torch._grouped_mm(F.silu(gate) * up, w_down.transpose(-2, -1), offs=offs)
 
     torch._dynamo.reset()
-    out = torch.compile(block, backend="mxfp8", options={"format": "fp8_block", "inner": "aot_eager"})(x, w_gate_up, w_down)
+    out = torch.compile(block, backend="mxfp8", options={"format": "fp8_block", "inner": "aot_eager"})(
+        x, w_gate_up, w_down
+    )
     assert mxfx.last_report().count("swiglu", True) == 1
     saved = _saved_storages(out)
     gate_up_bytes = s * 2 * h * 2
@@ -350,8 +389,12 @@ def test_fp8_block_local_dispatch_quantizes_tokens_before_the_gather():
     quantizing the tokens before the gather gives bit-identical outputs and gradients, and the BF16 gathered rows
     are not saved for backward (the partitioner recomputes the gather)."""
     g = torch.Generator().manual_seed(0)
-    args = [(torch.randn(256, 128, generator=g)).bfloat16(), (torch.randn(4, 128, generator=g) * 0.1).bfloat16(),
-            (torch.randn(4, 256, 128, generator=g) * 0.05).bfloat16(), (torch.randn(4, 128, 128, generator=g) * 0.05).bfloat16()]
+    args = [
+        (torch.randn(256, 128, generator=g)).bfloat16(),
+        (torch.randn(4, 128, generator=g) * 0.1).bfloat16(),
+        (torch.randn(4, 256, 128, generator=g) * 0.05).bfloat16(),
+        (torch.randn(4, 128, 128, generator=g) * 0.05).bfloat16(),
+    ]
 
     def run(dispatch: bool):
         torch._dynamo.reset()
@@ -364,7 +407,9 @@ def test_fp8_block_local_dispatch_quantizes_tokens_before_the_gather():
 
     out, grads, saved, pm = run(True)
     out_ref, grads_ref, saved_ref, _ = run(False)
-    assert any("before the dispatch's row gather" in r.reason for r in pm.records if r.kind == "grouped_mm"), pm.to_text()
+    assert any("before the dispatch's row gather" in r.reason for r in pm.records if r.kind == "grouped_mm"), (
+        pm.to_text()
+    )
     assert torch.equal(out, out_ref) and all(torch.equal(a, b) for a, b in zip(grads, grads_ref))
     assert saved_ref - saved >= 512 * 128 * 2  # the BF16 gathered rows [512, 128]
 
@@ -392,11 +437,14 @@ class _TwoLinears(torch.nn.Module):
         return self.b(x)
 
 
-@pytest.mark.parametrize("rules,graph_break,warns", [
-    ([], False, True),  # format="auto" on sm90: every op fp8_block, nothing the switch can act on
-    ([{"module": "b", "format": "mxfp8"}], True, False),  # graph a has no MXFP8 op, graph b has: no warning
-    ([{"op": "linear", "format": "mxfp8"}], False, False),
-])
+@pytest.mark.parametrize(
+    "rules,graph_break,warns",
+    [
+        ([], False, True),  # format="auto" on sm90: every op fp8_block, nothing the switch can act on
+        ([{"module": "b", "format": "mxfp8"}], True, False),  # graph a has no MXFP8 op, graph b has: no warning
+        ([{"op": "linear", "format": "mxfp8"}], False, False),
+    ],
+)
 def test_keep_dequantized_weights_that_can_act_nowhere_warns(monkeypatch, rules, graph_break, warns):
     """keep_dequantized_weights acts on emulated MXFP8 GEMMs only. Where the policy's format and rules can put no op in
     MXFP8 on this device (format="auto" on sm90, here by a patched capability), the compile warns once that it does

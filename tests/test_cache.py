@@ -73,7 +73,9 @@ def _assert_fresh_and_not_stale(cm, model, x, before):
 
 @pytest.mark.parametrize("shape", [(64, 96), (3, 64, 96)])
 def test_weight_operand_orientations_and_reuse(shape):
-    cache.set_dgrad_at_refresh(True)  # keep every form: reuse across orientations (the default drops them in a backward)
+    cache.set_dgrad_at_refresh(
+        True
+    )  # keep every form: reuse across orientations (the default drops them in a backward)
     w = torch.randn(shape)
     q, s = cache.weight_form(w, "rceil", "forward")
     rq, rs = mxfx.quantize(w, axis=-1, rule="rceil")
@@ -105,8 +107,10 @@ def test_dgrad_form_layout_follows_the_gemm_path(monkeypatch, shape, native):
     dq = cache.weight_form(w, "rceil", "dgrad_bf16")[0]
     with FakeTensorMode() as mode:
         fw = mode.from_tensor(w)
-        fakes = (*torch.ops.mxfx.cached_weight(fw, "rceil", "dgrad"),
-                 torch.ops.mxfx.cached_weight(fw, "rceil", "dgrad_bf16")[0])
+        fakes = (
+            *torch.ops.mxfx.cached_weight(fw, "rceil", "dgrad"),
+            torch.ops.mxfx.cached_weight(fw, "rceil", "dgrad_bf16")[0],
+        )
     for got, fake in zip((qt, st, dq), fakes):
         assert got.shape == fake.shape and got.stride() == fake.stride(), (got.stride(), fake.stride())
         assert got.is_contiguous() == native
@@ -121,19 +125,28 @@ def test_dgrad_form_layout_follows_the_gemm_path(monkeypatch, shape, native):
         w.add_(1.0)  # a new version: the refresh rebuilds MX and BF16 forms
     q2, _ = cache.weight_form(w, "rceil", "dgrad")
     dq2 = cache.weight_form(w, "rceil", "dgrad_bf16")[0]
-    assert cache.stats()["quantize"] == before + 1 and torch.equal(dq2, mxfx.dequantize(*mxfx.quantize(
-        w.transpose(-2, -1).contiguous(), rule="rceil"), dtype=torch.bfloat16))
+    assert cache.stats()["quantize"] == before + 1 and torch.equal(
+        dq2, mxfx.dequantize(*mxfx.quantize(w.transpose(-2, -1).contiguous(), rule="rceil"), dtype=torch.bfloat16)
+    )
     q, s = cache.weight_form(w, "rceil", "forward")
     with FakeTensorMode() as mode:
         fakes = torch.ops.mxfx.cached_weight(mode.from_tensor(w), "rceil", "forward")
     for got, fake in zip((q, s), fakes):  # forward scales: MN-major where emulated, blocked for a native 2D weight
-        assert got.shape == fake.shape and got.stride() == fake.stride(), (got.shape, fake.shape, got.stride(), fake.stride())
+        assert got.shape == fake.shape and got.stride() == fake.stride(), (
+            got.shape,
+            fake.shape,
+            got.stride(),
+            fake.stride(),
+        )
     assert s.dim() == (1 if native and w.dim() == 2 else w.dim())
 
 
 def test_weight_form_errors_for_unknown_forms_and_fp64():
-    with pytest.raises(ValueError, match=r"form='wgrad' is not valid; choose one of \('forward', 'dgrad', 'forward_bf16', "
-                                         r"'dgrad_bf16', 'block_forward', 'block_dgrad', 'bf16_forward', 'bf16_dgrad'\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"form='wgrad' is not valid; choose one of \('forward', 'dgrad', 'forward_bf16', "
+        r"'dgrad_bf16', 'block_forward', 'block_dgrad', 'bf16_forward', 'bf16_dgrad'\)",
+    ):
         cache.weight_form(torch.randn(64, 64), "rceil", "wgrad")
     with pytest.raises(ValueError, match=r"rule='amax' is not valid for 'forward'"):
         cache.weight_form(torch.randn(64, 64), "amax", "forward")
@@ -275,7 +288,9 @@ def test_refresh_keeps_forward_forms_and_the_backward_builds_dgrad_forms(compile
             qt, st = cache.entry_forms(p)[("rceil", "dgrad")]
             rqt, rst = mxfx.quantize(p.detach().transpose(-2, -1).contiguous(), axis=-1, rule="rceil")
             assert torch.equal(qt.view(torch.uint8), rqt.view(torch.uint8)) and torch.equal(st, rst.view(torch.uint8))
-        runs[at_refresh] = [p.detach().clone() for p in model.parameters()] + [p.grad.clone() for p in model.parameters()]
+        runs[at_refresh] = [p.detach().clone() for p in model.parameters()] + [
+            p.grad.clone() for p in model.parameters()
+        ]
     for a, b in zip(runs[False], runs[True]):
         assert torch.equal(a, b)
 
@@ -322,12 +337,16 @@ def test_gradients_accumulate_in_parameter_dtype(dtype):
 # --- refresh paths ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("make_opt", [
-    lambda p: torch.optim.SGD(p, lr=0.5, momentum=0.9, foreach=True),
-    lambda p: torch.optim.Adam(p, lr=0.05, foreach=True),
-    lambda p: torch.optim.AdamW(p, lr=0.05, foreach=False),
-    lambda p: torch.optim.AdamW(p, lr=0.05, fused=True),  # fused does not bump _version: the hook is the path
-], ids=["sgd", "adam", "adamw_loop", "adamw_fused"])
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda p: torch.optim.SGD(p, lr=0.5, momentum=0.9, foreach=True),
+        lambda p: torch.optim.Adam(p, lr=0.05, foreach=True),
+        lambda p: torch.optim.AdamW(p, lr=0.05, foreach=False),
+        lambda p: torch.optim.AdamW(p, lr=0.05, fused=True),  # fused does not bump _version: the hook is the path
+    ],
+    ids=["sgd", "adam", "adamw_loop", "adamw_fused"],
+)
 def test_eager_step_hook_refreshes(make_opt):
     model, x = _model(), _x()
     cm = torch.compile(model, backend="mxfp8", options=OPTS)
@@ -343,10 +362,14 @@ def test_eager_step_hook_refreshes(make_opt):
     assert stats["quantize"] == q  # the forward read the caches the hook built
 
 
-@pytest.mark.parametrize("make_opt", [
-    lambda p: torch.optim.SGD(p, lr=0.5, foreach=True),
-    lambda p: torch.optim.AdamW(p, lr=0.05, foreach=True),
-], ids=["sgd", "adamw"])
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda p: torch.optim.SGD(p, lr=0.5, foreach=True),
+        lambda p: torch.optim.AdamW(p, lr=0.05, foreach=True),
+    ],
+    ids=["sgd", "adamw"],
+)
 def test_compiled_step_refreshes_in_graph_without_the_hook(make_opt):
     model, x = _model(), _x()
     opt = make_opt(model.parameters())
@@ -465,9 +488,9 @@ def _flat_model():
     params = list(model.parameters())
     flat = nn.Parameter(torch.cat([p.detach().reshape(-1) for p in params]))
     offset = 0
-    for (name, p) in list(model.named_parameters()):
+    for name, p in list(model.named_parameters()):
         mod, attr = model.get_submodule(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1]
-        setattr(mod, attr, nn.Parameter(flat.detach()[offset: offset + p.numel()].view_as(p)))
+        setattr(mod, attr, nn.Parameter(flat.detach()[offset : offset + p.numel()].view_as(p)))
         offset += p.numel()
     return model, flat
 
@@ -530,7 +553,7 @@ def test_params_made_views_of_a_flat_buffer_with_data_assignment(compiled_step):
     flat = nn.Parameter(torch.cat([p.detach().reshape(-1) for p in params]))
     offset = 0
     for p in params:
-        p.data = flat.detach()[offset: offset + p.numel()].view_as(p)
+        p.data = flat.detach()[offset : offset + p.numel()].view_as(p)
         offset += p.numel()
     cm = torch.compile(model, backend="mxfp8", options=OPTS)
     opt = torch.optim.AdamW([flat], lr=0.05, foreach=True)

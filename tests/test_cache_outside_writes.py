@@ -37,7 +37,7 @@ def _flat_views(model) -> torch.Tensor:
     flat = torch.cat([p.detach().reshape(-1) for p in params])
     offset = 0
     for p in params:
-        p.data = flat[offset: offset + p.numel()].view_as(p)
+        p.data = flat[offset : offset + p.numel()].view_as(p)
         offset += p.numel()
     return flat
 

@@ -82,10 +82,14 @@ class Gates(nn.Module):
 def test_each_module_is_named_with_its_own_shape_and_gates_are_not_told_to_pad():
     messages = _mxfx_warnings(_compile_and_run, Gates(), torch.randn(16, 128))
     (message,) = [m for m in messages if "shapes do not fit" in m]
-    assert ("1 x features 128->8 are not multiples of 32 (mxfp8 blocks); the GEMM is narrower than one block (8 output "
-            "features), too narrow to pad: it stays as the model wrote it ('in_proj_ba')") in message
-    assert ("1 x features 128->1 are not multiples of 32 (mxfp8 blocks); the GEMM is narrower than one block (1 output "
-            "feature), too narrow to pad: it stays as the model wrote it ('gate')") in message
+    assert (
+        "1 x features 128->8 are not multiples of 32 (mxfp8 blocks); the GEMM is narrower than one block (8 output "
+        "features), too narrow to pad: it stays as the model wrote it ('in_proj_ba')"
+    ) in message
+    assert (
+        "1 x features 128->1 are not multiples of 32 (mxfp8 blocks); the GEMM is narrower than one block (1 output "
+        "feature), too narrow to pad: it stays as the model wrote it ('gate')"
+    ) in message
     assert "pad the features" not in message and "'up'" not in message
 
 
@@ -106,8 +110,10 @@ def test_a_weight_no_format_tiles_is_not_called_one_mxfx_would_convert():
     messages = _mxfx_warnings(_compile_and_run, MatmulWeight(8), torch.randn(64, 256))
     assert not [m for m in messages if "not rewritten" in m or "would convert" in m], messages
     (record,) = [r for r in mxfx.last_report().records if r.kind == "not_rewritten"]
-    assert record.reason.endswith("the policy would not convert this weight anyway: its dims 256 and 8 are not both "
-                                  "multiples of 32 (mxfp8 blocks)"), record.reason
+    assert record.reason.endswith(
+        "the policy would not convert this weight anyway: its dims 256 and 8 are not both "
+        "multiples of 32 (mxfp8 blocks)"
+    ), record.reason
     messages = _mxfx_warnings(_compile_and_run, MatmulWeight(64), torch.randn(64, 256))
     (message,) = [m for m in messages if "not rewritten" in m]
     assert "model MatmulWeight: 1 op(s) read a weight mxfx would convert but were not rewritten (@)" in message
@@ -183,9 +189,15 @@ def test_dbrx_experts_outside_the_graph_are_named():
     """Dbrx loops over its experts in Python (graph breaks): its expert weights reach no compiled GEMM; the first
     optimizer step names them (FP32 without autocast: transformers' own eager loop rejects BF16 autocast there)."""
     T = pytest.importorskip("transformers")
-    cfg = T.DbrxConfig(d_model=64, n_heads=2, n_layers=1, max_seq_len=64, vocab_size=128,
-                       attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
-                       ffn_config={"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2})
+    cfg = T.DbrxConfig(
+        d_model=64,
+        n_heads=2,
+        n_layers=1,
+        max_seq_len=64,
+        vocab_size=128,
+        attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        ffn_config={"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2},
+    )
     torch.manual_seed(0)
     model = T.DbrxForCausalLM(cfg)
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -340,6 +352,7 @@ def test_the_shape_hint_names_the_dtype_the_kept_op_runs_in():
     assert "stay in BF16" in message and "pad the features or keep it in BF16" in message
     # where the dtype is not known (FSDP2's gather forms, before any forward): as the model wrote it
     from mxfx.policy import Policy
+
     reason = Policy().decide("linear", "out").fit(256, 40).reason
     assert reason.endswith("pad the features or keep it as the model wrote it"), reason
 
@@ -354,12 +367,17 @@ def test_bf16_gemm_names_its_alignment_not_blocks():
     assert "blocks" not in message
     _mxfx_warnings(_compile_and_run, MatmulWeight(12), torch.randn(64, 256), opts)
     (record,) = [r for r in mxfx.last_report().records if r.kind == "not_rewritten"]
-    assert record.reason.endswith("its dims 256 and 12 are not both multiples of 8 (BF16 GEMM alignment: 16-byte "
-                                  "rows)"), record.reason
+    assert record.reason.endswith(
+        "its dims 256 and 12 are not both multiples of 8 (BF16 GEMM alignment: 16-byte rows)"
+    ), record.reason
     from mxfx import formats
     from mxfx.ops.linear import mx_linear
-    with pytest.raises(ValueError, match=r"format='bf16_gemm' needs in/out features that are multiples of 8 \(BF16 "
-                                         r"GEMM alignment: 16-byte rows\), got 100->60"):
+
+    with pytest.raises(
+        ValueError,
+        match=r"format='bf16_gemm' needs in/out features that are multiples of 8 \(BF16 "
+        r"GEMM alignment: 16-byte rows\), got 100->60",
+    ):
         mx_linear(torch.randn(4, 100), torch.randn(60, 100), format="bf16_gemm")
     assert formats.get("mxfp8").unfit_reason(100, 60) == "features 100->60 are not multiples of 32 (mxfp8 blocks)"
 
@@ -409,8 +427,9 @@ def test_a_model_dynamo_skips_whole_is_named_at_the_first_step():
     assert "Dynamo compiled no graph of it" in message and "fullgraph=True" in message
     # without names from the optimizer: a model registered with mxfx.name_modules names them
     model = mxfx.name_modules(TopLevelLoopMoE())
-    (message,) = [m for m in _train_two_steps(model, torch.optim.SGD(model.parameters(), lr=0.1))
-                  if "no graph compiled" in m]
+    (message,) = [
+        m for m in _train_two_steps(model, torch.optim.SGD(model.parameters(), lr=0.1)) if "no graph compiled" in m
+    ]
     assert "'w', 'proj.weight'" in message, message
 
 

@@ -166,8 +166,13 @@ def _worker_ep(rank: int, world: int):
             return self._a2a(x, out_splits, in_splits, self.group)
 
     def data(idx_per_rank, d):
-        xs = [torch.randn(len(i), d, generator=torch.Generator().manual_seed(10 + r)) for r, i in enumerate(idx_per_rank)]
-        ws = [torch.rand(len(i), 1, generator=torch.Generator().manual_seed(20 + r)) + 0.5 for r, i in enumerate(idx_per_rank)]
+        xs = [
+            torch.randn(len(i), d, generator=torch.Generator().manual_seed(10 + r)) for r, i in enumerate(idx_per_rank)
+        ]
+        ws = [
+            torch.rand(len(i), 1, generator=torch.Generator().manual_seed(20 + r)) + 0.5
+            for r, i in enumerate(idx_per_rank)
+        ]
         return xs, ws
 
     def step(layer, x, idx, w):
@@ -255,7 +260,9 @@ def _worker_ep(rank: int, world: int):
             try:
                 check_against_reference(layer, ref, route_a, D, name)
             except Exception as e:
-                raise AssertionError(f"{name}: " + "\n".join(r.to_text() for r in mxfx.all_reports()[n_reports:])) from e
+                raise AssertionError(
+                    f"{name}: " + "\n".join(r.to_text() for r in mxfx.all_reports()[n_reports:])
+                ) from e
             pm = mxfx.last_report()
             assert pm.count("all_to_all", rewritten=True) == 2, f"{name}:\n{pm.to_text()}"
 
@@ -328,7 +335,9 @@ def _worker_ddp(rank: int, world: int):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
     if rank == 0:
         diff = max((p - q).abs().max().item() for p, q in zip(m.parameters(), ref.parameters()))
-        print(f"DDP: max |param - reference| {diff:.2e}; {len(graphs)} graphs;", "; ".join(pm.summary() for pm in graphs))
+        print(
+            f"DDP: max |param - reference| {diff:.2e}; {len(graphs)} graphs;", "; ".join(pm.summary() for pm in graphs)
+        )
     dist.destroy_process_group()
     print("DDP OK")
 
@@ -404,7 +413,12 @@ def _worker_combine_rw(rank: int, world: int):
 
     layer, x = _ep_layer(rank, world, seed=7, tokens=40)
     results, rw_quantizes = _pass_on_off(
-        layer, x, "combine", ("mxfx::route_weight_quantize",), "backward", "route-weight multiply fused into the combine"
+        layer,
+        x,
+        "combine",
+        ("mxfx::route_weight_quantize",),
+        "backward",
+        "route-weight multiply fused into the combine",
     )
     assert rw_quantizes == {True: 1, False: 0}, rw_quantizes
     (y1, dx1, g1), (y0, dx0, g0) = results[True], results[False]

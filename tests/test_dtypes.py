@@ -66,8 +66,11 @@ def test_grouped_mm_pass_leaves_mixed_dtypes_as_written():
     """A graph that reaches the pass with mixed operand dtypes (any tracer whose fake kernel accepts them)
     keeps the op as written, so it fails where eager does rather than run in MXFP8."""
     gm = torch.fx.symbolic_trace(_experts)
-    values = {"x": torch.randn(32, 32, dtype=torch.float16), "w": torch.randn(2, 64, 32),
-              "offs": torch.tensor([16, 32], dtype=torch.int32)}
+    values = {
+        "x": torch.randn(32, 32, dtype=torch.float16),
+        "w": torch.randn(2, 64, 32),
+        "offs": torch.tensor([16, 32], dtype=torch.int32),
+    }
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             node.meta["example_value"] = values[node.target]

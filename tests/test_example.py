@@ -13,7 +13,12 @@ from tests.helpers import load_example
 data = load_example("data")
 example = load_example("moe_model")
 MoE, MoEConfig, MoETransformer = example.MoE, example.MoEConfig, example.MoETransformer
-get_batch, load_splits, pydoc_topics, stdlib_code = data.get_batch, data.load_splits, data.pydoc_topics, data.stdlib_code
+get_batch, load_splits, pydoc_topics, stdlib_code = (
+    data.get_batch,
+    data.load_splits,
+    data.pydoc_topics,
+    data.stdlib_code,
+)
 
 TINY = MoEConfig(d_model=64, n_layers=1, head_dim=32, n_experts=4, top_k=2, expert_hidden=64, shared_hidden=32)
 

@@ -32,6 +32,7 @@ def e4m3_byte(v: float) -> int:
 
 # ---- hand-computed values -------------------------------------------------------------
 
+
 def test_500_block_rceil():
     q, s = qbytes(block(500.0, fill=1.0))
     assert s.tolist() == [128]  # e = 1: 500 / 2 = 250 <= 448
@@ -74,6 +75,7 @@ def test_rceil_boundary_is_exact():
 
 
 # ---- special values -------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("rule", mxf.SCALE_RULES)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
@@ -135,6 +137,7 @@ def test_ties_round_to_even():
 
 # ---- axes, layouts, dtypes ------------------------------------------------------------
 
+
 def oracle(x: torch.Tensor, rule: str) -> tuple[list, list]:
     """Scalar per-block oracle along the last dim (2D x), from math.frexp."""
     qs, ss = [], []
@@ -189,7 +192,7 @@ def test_noncontiguous_equals_contiguous():
 
 def test_input_dtypes_agree():
     # values exact in fp16 and bf16 (8 significant bits, moderate range) give the same bytes
-    x = (torch.randint(-255, 256, (4, 64)).float() * 2.0 ** torch.randint(-8, 8, (4, 1)).float())
+    x = torch.randint(-255, 256, (4, 64)).float() * 2.0 ** torch.randint(-8, 8, (4, 1)).float()
     ref = qbytes(x)
     for dt in (torch.bfloat16, torch.float16):
         assert torch.equal(x.to(dt).float(), x)
@@ -211,9 +214,12 @@ def test_dequantize_dtypes_and_axis():
 
 # ---- errors ---------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.int32])
 def test_wrong_dtype(dtype):
-    with pytest.raises(TypeError, match=r"mxfx.quantize.*\(4, 64\).*" + str(dtype).replace(".", r"\.") + "; MXFP8 quantizes"):
+    with pytest.raises(
+        TypeError, match=r"mxfx.quantize.*\(4, 64\).*" + str(dtype).replace(".", r"\.") + "; MXFP8 quantizes"
+    ):
         mxf.quantize(torch.zeros(4, 64, dtype=dtype))
 
 
@@ -244,6 +250,7 @@ def test_pair_mismatch():
 
 
 # ---- torchao agreement ----------------------------------------------------------------
+
 
 @pytest.mark.parametrize("rule", mxf.SCALE_RULES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

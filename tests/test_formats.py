@@ -97,8 +97,11 @@ def test_format_facts_agree_with_its_operands(fmt):
     held = sum(t.numel() * t.element_size() for t in saved)
     assert held == pytest.approx(x.numel() * fmt.bytes_per_value) == fmt.saved_bytes(x.numel())
     assert fmt.unfit_reason(k, n) == "" and fmt.unfit_reason(k + fmt.feature_multiple // 2, n)
-    with pytest.raises(ValueError, match=rf"mxfx.mx_linear: format='{fmt.name}' needs in/out features that are "
-                                         rf"multiples of {fmt.feature_multiple}"):
+    with pytest.raises(
+        ValueError,
+        match=rf"mxfx.mx_linear: format='{fmt.name}' needs in/out features that are "
+        rf"multiples of {fmt.feature_multiple}",
+    ):
         mx_linear(torch.randn(8, k), torch.randn(n + fmt.feature_multiple // 2, k), format=fmt.name)
 
 
@@ -132,7 +135,9 @@ def test_swiglu_forward_and_wgrad_operands_from_one_product(fmt, grouped):
     at this input rounds to another E4M3 byte."""
     k = max(fmt.feature_multiple, 32)
     g, u = _swiglu_tie(64, k, row=5, col=3)
-    offs = torch.tensor([24, 24, 64], dtype=torch.int32) if grouped else None  # an empty group; group ends not 32-aligned
+    offs = (
+        torch.tensor([24, 24, 64], dtype=torch.int32) if grouped else None
+    )  # an empty group; group ends not 32-aligned
     a, tokens, _ = fmt.forward_operands(g, u, "rceil", "bf16", True, offs=offs)
     h = torch.nn.functional.silu(g) * u  # mxfx's SiLU is F.silu outside its flush band (gates <= -87.3), on the CPU
     assert h[5, 3].item() == -0.2265625
@@ -149,14 +154,21 @@ def test_amax_with_fp8_block_judges_the_all_to_all_transport():
     validated and the first call failed inside mxfx.mx_all_to_all."""
     policy = Policy(format="fp8_block", scale_rule="amax")
     assert policy.decide("grouped_mm", "layers.0.experts").scale_rule is ScaleRule.AMAX
-    with pytest.raises(ValueError, match=r"scale_rule='amax' is not a rule of format='mxfp8'.*all_to_all op of module "
-                                         r"'layers.0.moe'.*transport format.*policy-wide format='fp8_block'"):
+    with pytest.raises(
+        ValueError,
+        match=r"scale_rule='amax' is not a rule of format='mxfp8'.*all_to_all op of module "
+        r"'layers.0.moe'.*transport format.*policy-wide format='fp8_block'",
+    ):
         policy.decide("all_to_all", "layers.0.moe")
     fixed = Policy(format="fp8_block", scale_rule="amax", rules=[{"op": "all_to_all", "scale_rule": "rceil"}])
     d = fixed.decide("all_to_all", "layers.0.moe")
     assert (d.format.name, d.scale_rule) == ("mxfp8", ScaleRule.RCEIL)
-    assert Policy(format="fp8_block", scale_rule="amax", transport={"dispatch_fwd": "bf16"}).decide(
-        "grouped_mm", "x").format.name == "fp8_block"
+    assert (
+        Policy(format="fp8_block", scale_rule="amax", transport={"dispatch_fwd": "bf16"})
+        .decide("grouped_mm", "x")
+        .format.name
+        == "fp8_block"
+    )
 
 
 def test_rule_and_format_from_different_rules_fail_per_module():
@@ -165,12 +177,18 @@ def test_rule_and_format_from_different_rules_fail_per_module():
     policy = Policy(rules=[{"module": "a*", "scale_rule": "floor"}, {"module": "*b", "format": "fp8_block"}])
     assert policy.decide("linear", "ax").scale_rule is ScaleRule.FLOOR
     assert policy.decide("linear", "xb").format.name == "fp8_block"
-    with pytest.raises(ValueError, match=r"scale_rule='floor' is not a rule of format='fp8_block'.*module 'ab'.*"
-                                         r"rules\[1\] \(module='\*b', format='fp8_block'\).*rules\[0\] \(module='a\*', "
-                                         r"scale_rule='floor'\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"scale_rule='floor' is not a rule of format='fp8_block'.*module 'ab'.*"
+        r"rules\[1\] \(module='\*b', format='fp8_block'\).*rules\[0\] \(module='a\*', "
+        r"scale_rule='floor'\)",
+    ):
         policy.decide("linear", "ab")
-    with pytest.raises(ValueError, match=r"rules\[0\] \(module='a\*', scale_rule='amax'\): scale_rule='amax' is not a "
-                                         r"rule of format='mxfp8', which the rule inherits from the policy-wide format"):
+    with pytest.raises(
+        ValueError,
+        match=r"rules\[0\] \(module='a\*', scale_rule='amax'\): scale_rule='amax' is not a "
+        r"rule of format='mxfp8', which the rule inherits from the policy-wide format",
+    ):
         Policy(rules=[{"module": "a*", "scale_rule": "amax"}])  # judged where one rule fixes both
 
 
@@ -178,14 +196,24 @@ def test_a_rule_inheriting_a_scale_rule_its_format_lacks_says_so():
     """A rule that sets format='mxfp8' under the policy-wide scale_rule='amax' (fp8_block's) inherits 'amax': the error
     names the rule by its index, says the scale rule is inherited, and gives the rule with scale_rule='rceil'."""
     with pytest.raises(ValueError) as e:
-        Policy(format="fp8_block", scale_rule="amax", rules=[{"module": "down", "precision": "bf16"},
-                                                             {"module": "up", "format": "mxfp8"}])
+        Policy(
+            format="fp8_block",
+            scale_rule="amax",
+            rules=[{"module": "down", "precision": "bf16"}, {"module": "up", "format": "mxfp8"}],
+        )
     message = str(e.value)
-    assert message.startswith("mxfx policy: rules[1] (module='up', format='mxfp8'): its format='mxfp8' does not take "
-                              "scale_rule='amax', which the rule inherits from the policy-wide scale_rule"), message
+    assert message.startswith(
+        "mxfx policy: rules[1] (module='up', format='mxfp8'): its format='mxfp8' does not take "
+        "scale_rule='amax', which the rule inherits from the policy-wide scale_rule"
+    ), message
     assert message.endswith("e.g. {'module': 'up', 'format': 'mxfp8', 'scale_rule': 'rceil'}"), message
-    fixed = Policy(format="fp8_block", scale_rule="amax", rules=[{"module": "up", "format": "mxfp8", "scale_rule": "rceil"}])
-    assert (fixed.decide("linear", "up").format.name, fixed.decide("linear", "up").scale_rule) == ("mxfp8", ScaleRule.RCEIL)
+    fixed = Policy(
+        format="fp8_block", scale_rule="amax", rules=[{"module": "up", "format": "mxfp8", "scale_rule": "rceil"}]
+    )
+    assert (fixed.decide("linear", "up").format.name, fixed.decide("linear", "up").scale_rule) == (
+        "mxfp8",
+        ScaleRule.RCEIL,
+    )
 
 
 def test_bf16_gemm_is_native_wherever_bf16_tensor_cores_are(monkeypatch):
@@ -225,7 +253,9 @@ def test_bf16_gemm_is_native_wherever_bf16_tensor_cores_are(monkeypatch):
 
 
 def test_unknown_format_and_auto():
-    with pytest.raises(ValueError, match=r"format='nvfp4' is not valid; choose one of 'mxfp8', 'fp8_block', 'bf16_gemm', 'auto'"):
+    with pytest.raises(
+        ValueError, match=r"format='nvfp4' is not valid; choose one of 'mxfp8', 'fp8_block', 'bf16_gemm', 'auto'"
+    ):
         formats.get("nvfp4")
     assert formats.get("auto", torch.device("cpu")) is formats.DEFAULT
     assert formats.get(formats.get("fp8_block")) is formats.get("fp8_block")
@@ -264,7 +294,10 @@ def test_bf16_gemm_routed_experts_from_fp32_weights_cast_once_per_step():
 
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     losses = {}
-    for name, rule in (("cast", {"op": "grouped_mm", "format": "bf16_gemm"}), ("as_written", {"op": "grouped_mm", "precision": "bf16"})):
+    for name, rule in (
+        ("cast", {"op": "grouped_mm", "format": "bf16_gemm"}),
+        ("as_written", {"op": "grouped_mm", "precision": "bf16"}),
+    ):
         torch._dynamo.reset()
         cache.clear()
         torch.manual_seed(0)

@@ -175,13 +175,17 @@ def _worker_train(rank: int, world: int, layout: str):
     ops = _mx_ops(mxfx.all_reports()[n0:])
 
     for step, (a, b) in enumerate(zip(losses, ref_losses)):
-        assert abs(a - b) <= rtol * abs(b), f"{layout} step {step}: loss {a:.6f} vs one process {b:.6f}\n{losses}\n{ref_losses}"
+        assert abs(a - b) <= rtol * abs(b), (
+            f"{layout} step {step}: loss {a:.6f} vs one process {b:.6f}\n{losses}\n{ref_losses}"
+        )
     for pname, p in m.named_parameters() if not bf16 else ():  # BF16: AdamW's sign-like early updates amplify rounding
         full = p.full_tensor()
         r = ref_params[pname.replace("_orig_mod.", "")]
         err = float((full - r).norm() / r.norm())
         assert err <= rtol, f"{layout} {pname}: relative parameter error {err:.2e}"
-    assert ops == ref_ops and ops.count(("linear", "mxfp8")) == n_linears, f"{layout}: MX ops {ops} vs one process {ref_ops}"
+    assert ops == ref_ops and ops.count(("linear", "mxfp8")) == n_linears, (
+        f"{layout}: MX ops {ops} vs one process {ref_ops}"
+    )
     dist.destroy_process_group()
     print("TRAIN OK", name, losses, ref_losses, ops)
 
@@ -213,8 +217,10 @@ def _close(a: torch.Tensor, b: torch.Tensor, what: str, rtol: float = LOSS_RTOL)
 
 
 def _full_params(m) -> dict:
-    return {n.replace("_orig_mod.", ""): p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
-            for n, p in m.named_parameters()}
+    return {
+        n.replace("_orig_mod.", ""): p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+        for n, p in m.named_parameters()
+    }
 
 
 def _worker_features(rank: int, world: int):
@@ -347,13 +353,18 @@ def _worker_fsdp_ep(rank: int, world: int):
         assert losses[0] != reference[0] and max(gaps) <= 1e-2, f"losses {losses} vs one process {reference}"
     maps = mxfx.all_reports()[n0:]
     kinds = {(r.kind, r.forward) for pm in maps for r in pm.records}
-    assert ("all_to_all", "mxfp8") in kinds and ("grouped_mm", "mxfp8") in kinds and ("grouped_mm", "bf16") not in kinds, kinds
+    assert (
+        ("all_to_all", "mxfp8") in kinds and ("grouped_mm", "mxfp8") in kinds and ("grouped_mm", "bf16") not in kinds
+    ), kinds
     dist.destroy_process_group()
     print("FSDP_EP OK", losses)
 
 
-WORKERS = {"fsdp_ep": _worker_fsdp_ep, "features": _worker_features,
-           **{f"train_{layout}": lambda r, w, layout=layout: _worker_train(r, w, layout) for layout in LAYOUTS}}
+WORKERS = {
+    "fsdp_ep": _worker_fsdp_ep,
+    "features": _worker_features,
+    **{f"train_{layout}": lambda r, w, layout=layout: _worker_train(r, w, layout) for layout in LAYOUTS},
+}
 
 if __name__ == "__main__":
     run_worker(WORKERS)

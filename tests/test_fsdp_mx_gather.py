@@ -65,11 +65,21 @@ def test_gather_map_follows_policy_and_sharding():
     m = _MoEModel()
     block = {"format": "fp8_block"}
     assert mxfx.fsdp.mx_all_gather(_MoEModel(), world_size=2) == {
-        f"blocks.{i}.{n}": f for i in range(2) for n, f in (
-            ("moe.router.weight", "high precision (the op stays bf16: features 128->4 are not multiples of 32 (mxfp8 blocks); "
-                                  "the GEMM is narrower than one block (4 output features), too narrow to pad: it stays "
-                                  "as the model wrote it)"),
-            ("moe.gate_up", "mxfp8"), ("moe.down", "mxfp8"), ("up.weight", "mxfp8"), ("down.weight", "mxfp8"))}
+        f"blocks.{i}.{n}": f
+        for i in range(2)
+        for n, f in (
+            (
+                "moe.router.weight",
+                "high precision (the op stays bf16: features 128->4 are not multiples of 32 (mxfp8 blocks); "
+                "the GEMM is narrower than one block (4 output features), too narrow to pad: it stays "
+                "as the model wrote it)",
+            ),
+            ("moe.gate_up", "mxfp8"),
+            ("moe.down", "mxfp8"),
+            ("up.weight", "mxfp8"),
+            ("down.weight", "mxfp8"),
+        )
+    }
     pmap = mxfx.fsdp.mx_all_gather(m, block, world_size=2)
     assert [pmap[f"blocks.0.{n}"] for n in ("moe.gate_up", "moe.down", "up.weight")] == ["fp8_block"] * 3, pmap
     assert pmap["blocks.0.down.weight"].startswith("high precision (shape (128, 256): 2 shards of 64 rows"), pmap
@@ -77,11 +87,18 @@ def test_gather_map_follows_policy_and_sharding():
     pmap = mxfx.fsdp.mx_all_gather(_MoEModel(), world_size=8)  # 4 experts over 8 ranks
     assert pmap["blocks.0.moe.gate_up"].startswith("high precision (shape (4, 256, 128): dim 0"), pmap
     pmap = mxfx.fsdp.mx_all_gather(torch.nn.Linear(64, 256), block, world_size=1)  # as the passes: K=64 stays BF16
-    assert pmap["weight"].startswith("high precision (the op stays bf16: features 64->256 are not multiples of 128"), pmap
-    pmap = mxfx.fsdp.mx_all_gather(_MoEModel(), world_size=2, shard_placement_fn=lambda p: Shard(1) if p.dim() == 3 else None)
+    assert pmap["weight"].startswith("high precision (the op stays bf16: features 64->256 are not multiples of 128"), (
+        pmap
+    )
+    pmap = mxfx.fsdp.mx_all_gather(
+        _MoEModel(), world_size=2, shard_placement_fn=lambda p: Shard(1) if p.dim() == 3 else None
+    )
     assert pmap["blocks.0.moe.gate_up"].startswith("high precision (Shard(1)") and pmap["blocks.0.up.weight"] == "mxfp8"
     pmap = mxfx.fsdp.mx_all_gather(_MoEModel(), {"rules": [{"module": "*.moe", "precision": "bf16"}]}, world_size=2)
-    assert pmap["blocks.1.moe.down"].startswith("high precision (the op stays bf16") and pmap["blocks.1.up.weight"] == "mxfp8"
+    assert (
+        pmap["blocks.1.moe.down"].startswith("high precision (the op stays bf16")
+        and pmap["blocks.1.up.weight"] == "mxfp8"
+    )
     m = _MoEModel()  # experts over a 4-rank mesh (converted first), the rest over 8 ranks
     assert mxfx.fsdp.mx_all_gather(m.blocks[0].moe, world_size=4)["gate_up"] == "mxfp8"
     pmap = mxfx.fsdp.mx_all_gather(m, world_size=8)
@@ -103,8 +120,10 @@ def _byte_identical(unsharded: torch.Tensor, full: torch.Tensor, fmt: str = "mxf
         q, s = block_format.quantize_128x128(full, "rceil")
         refs = {"block_forward": (q, s), "block_dgrad": (q.transpose(-2, -1), s.transpose(-2, -1))}
     else:
-        refs = {"forward": format.quantize_lastdim(full, "rceil"),
-                "dgrad": format.quantize_lastdim(full.transpose(-2, -1), "rceil")}
+        refs = {
+            "forward": format.quantize_lastdim(full, "rceil"),
+            "dgrad": format.quantize_lastdim(full.transpose(-2, -1), "rceil"),
+        }
     for o, (rq, rs) in refs.items():
         gq, gs = entry.forms[("rceil", o)]
         assert torch.equal(gq.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(gs, rs), f"{o} form differs"
@@ -209,8 +228,13 @@ def _worker(rank: int, world: int, layout: str):
     set_state_dict(m, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     again = [one_step(), one_step()]
     assert first == again, f"DCP resume: {first} vs {again}"
-    print("MXGATHER OK", name, losses, ref_losses, f"all_gather {ag} B vs bf16 {bf16_ag} B;"
-          f" reduce_scatter {rs} B; all_to_all {a2a} B")
+    print(
+        "MXGATHER OK",
+        name,
+        losses,
+        ref_losses,
+        f"all_gather {ag} B vs bf16 {bf16_ag} B; reduce_scatter {rs} B; all_to_all {a2a} B",
+    )
     dist.destroy_process_group()
 
 
@@ -234,8 +258,13 @@ class _MoEBlock(torch.nn.Module):
 
     def __init__(self, index: int):
         super().__init__()
-        self.moe = load_example("ep_moe").GroupedEPMoE(MOE_D, MOE_EXPERTS, 2, MOE_HIDDEN, seed=index)  # gate_up [4, 256, 128], down [4, 128, 128]
-        self.up, self.down = torch.nn.Linear(MOE_D, 2 * MOE_D, bias=False), torch.nn.Linear(2 * MOE_D, MOE_D, bias=False)
+        self.moe = load_example("ep_moe").GroupedEPMoE(
+            MOE_D, MOE_EXPERTS, 2, MOE_HIDDEN, seed=index
+        )  # gate_up [4, 256, 128], down [4, 128, 128]
+        self.up, self.down = (
+            torch.nn.Linear(MOE_D, 2 * MOE_D, bias=False),
+            torch.nn.Linear(2 * MOE_D, MOE_D, bias=False),
+        )
 
     def forward(self, x):
         x = x + self.moe(x.bfloat16()).to(x.dtype)
@@ -320,8 +349,12 @@ def _worker_moe(rank: int, world: int):
         rows_cut = fmt == "fp8_block"  # down [128, 256]: 64-row shards would cut a 128-row block
         for i in range(2):
             got = {n: pmap[f"blocks.{i}.{n}"] for n in ("moe.gate_up", "moe.down", "up.weight", "down.weight")}
-            assert got == {"moe.gate_up": fmt, "moe.down": fmt, "up.weight": fmt,
-                           "down.weight": got["down.weight"] if rows_cut else fmt}, pmap
+            assert got == {
+                "moe.gate_up": fmt,
+                "moe.down": fmt,
+                "up.weight": fmt,
+                "down.weight": got["down.weight"] if rows_cut else fmt,
+            }, pmap
             assert not rows_cut or got["down.weight"].startswith("high precision (shape (128, 256)"), pmap
         comm.clear()
         mxfx.fsdp.stats.clear()
@@ -334,8 +367,11 @@ def _worker_moe(rank: int, world: int):
         gap = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
         assert gap <= MOE_LOSS_RTOL, f"{fmt}: losses {losses} vs one process {ref_losses}"
         n_mx = 3 if rows_cut else 4  # per block; every unit reshards after forward: one form per gather
-        want = ({"gather_block": 2 * 2 * n_mx * MOE_STEPS} if rows_cut
-                else {"gather_forward": 2 * n_mx * MOE_STEPS, "gather_dgrad": 2 * n_mx * MOE_STEPS})
+        want = (
+            {"gather_block": 2 * 2 * n_mx * MOE_STEPS}
+            if rows_cut
+            else {"gather_forward": 2 * n_mx * MOE_STEPS, "gather_dgrad": 2 * n_mx * MOE_STEPS}
+        )
         assert dict(mxfx.fsdp.stats) == want, dict(mxfx.fsdp.stats)
 
         expert = expert_gather_bytes(m)
@@ -357,9 +393,11 @@ def _worker_moe(rank: int, world: int):
             _byte_identical(w, f, fmt)
         m.blocks[0].reshard()
         m.blocks[0].moe.reshard()
-        report.append(f"{fmt}: losses {losses} (one process: max gap {gap:.1e}); expert unit all_gather {expert} B vs bf16 {bf16_expert} B "
-                      f"({expert / bf16_expert:.3f}x); all_gather per {MOE_STEPS} steps {ag} B vs bf16 {bf16_ag} B "
-                      f"({ag / bf16_ag:.3f}x)")
+        report.append(
+            f"{fmt}: losses {losses} (one process: max gap {gap:.1e}); expert unit all_gather {expert} B vs bf16 {bf16_expert} B "
+            f"({expert / bf16_expert:.3f}x); all_gather per {MOE_STEPS} steps {ag} B vs bf16 {bf16_ag} B "
+            f"({ag / bf16_ag:.3f}x)"
+        )
     # fully_shard told to shard experts on dim 1 while mx_all_gather assumed dim 0: a clear error at the gather
     from torch.distributed.tensor import Shard
 
@@ -375,7 +413,10 @@ def _worker_moe(rank: int, world: int):
     dist.destroy_process_group()
 
 
-WORKERS = {"moe": _worker_moe, **{f"train_{layout}": lambda r, w, layout=layout: _worker(r, w, layout) for layout in LAYOUTS}}
+WORKERS = {
+    "moe": _worker_moe,
+    **{f"train_{layout}": lambda r, w, layout=layout: _worker(r, w, layout) for layout in LAYOUTS},
+}
 
 if __name__ == "__main__":
     run_worker(WORKERS)

@@ -126,8 +126,14 @@ def native(monkeypatch):
 
 @pytest.mark.parametrize(
     "cap, mm, grouped",
-    [((10, 0), "native", "native"), ((10, 3), "native", "native"), ((12, 0), "native", "emulated"),
-     ((9, 0), "emulated", "emulated"), ((8, 0), "emulated", "emulated"), (None, "emulated", "emulated")],
+    [
+        ((10, 0), "native", "native"),
+        ((10, 3), "native", "native"),
+        ((12, 0), "native", "emulated"),
+        ((9, 0), "emulated", "emulated"),
+        ((8, 0), "emulated", "emulated"),
+        (None, "emulated", "emulated"),
+    ],
 )
 def test_selection_by_capability(monkeypatch, cap, mm, grouped):
     """The MXFP8 format owns which of its GEMMs run natively per architecture (``MXFP8.native_gemms``)."""
@@ -156,8 +162,16 @@ def test_native_branch_calls_native_op_only_on_blackwell(monkeypatch, native):
     assert native["mm"] == 1  # Hopper: emulated, the native op is not called
 
 
-@pytest.mark.parametrize("cap, op, fused", [((9, 0), "mm", True), (None, "grouped_mm", True), ((10, 0), "mm", False),
-                                            ((12, 0), "grouped_mm", True), ((12, 0), "mm", False)])
+@pytest.mark.parametrize(
+    "cap, op, fused",
+    [
+        ((9, 0), "mm", True),
+        (None, "grouped_mm", True),
+        ((10, 0), "mm", False),
+        ((12, 0), "grouped_mm", True),
+        ((12, 0), "mm", False),
+    ],
+)
 def test_quantize_operand_writes_dequantized_form_where_emulated(monkeypatch, cap, op, fused):
     """The Hopper path's one-pass activation quantize: where the GEMM is emulated, the quantize pass also
     returns dequant(qdata, scales) in the emulation dtype, and a GEMM reading it equals one dequantizing A."""
@@ -204,7 +218,10 @@ def test_native_mm_operands_take_blocked_scales():
     x = torch.cat([torch.randn(50, 96), torch.zeros(14, 96)])
     w = torch.cat([torch.randn(40, 96), torch.zeros(24, 96)])
     (aq, as_, *_), (bq, bs, *_) = custom_ops.quantize_dual(x, "rceil"), custom_ops.quantize_dual(w, "rceil")
-    (aq2, as2, *_), (bq2, bs2, *_) = custom_ops.quantize_dual_blocked(x, "rceil"), custom_ops.quantize_dual_blocked(w, "rceil")
+    (aq2, as2, *_), (bq2, bs2, *_) = (
+        custom_ops.quantize_dual_blocked(x, "rceil"),
+        custom_ops.quantize_dual_blocked(w, "rceil"),
+    )
     assert layout.is_blocked(aq2, as2) and not layout.is_blocked(aq, as_)
     want = gemm_blackwell.native_mm_operands(aq[:50], as_[:50], bq[:40], bs[:40])
     got = gemm_blackwell.native_mm_operands(aq2[:50], as2, bq2[:40], bs2)
@@ -283,7 +300,7 @@ def test_native_grouped_decoded_equals_emulation(native, ends):
     got = custom_ops.mx_grouped_mm(aq, as_, bq, bs, offs, torch.float32, True)
     assert native["grouped"] == 1 and got.shape == (s, n)
     torch.testing.assert_close(got, emulated, rtol=1e-5, atol=1e-5)
-    assert not got[ends[-1]:].any()
+    assert not got[ends[-1] :].any()
 
 
 def test_k_groups_layout_matches_torchao():
@@ -313,7 +330,9 @@ def test_native_ops_through_autograd(native, monkeypatch):
 
     blocked_passes, per_call_blocking = [], []
     dual_blocked, to_blocked = custom_ops.quantize_dual_blocked, layout.to_blocked
-    monkeypatch.setattr(custom_ops, "quantize_dual_blocked", lambda *a: blocked_passes.append(a[0].shape) or dual_blocked(*a))
+    monkeypatch.setattr(
+        custom_ops, "quantize_dual_blocked", lambda *a: blocked_passes.append(a[0].shape) or dual_blocked(*a)
+    )
     monkeypatch.setattr(layout, "to_blocked", lambda s: per_call_blocking.append(s.shape) or to_blocked(s))
     torch.manual_seed(11)
     w = torch.randn(64, 96, requires_grad=True)
@@ -327,7 +346,9 @@ def test_native_ops_through_autograd(native, monkeypatch):
     for orientation, src in (("forward", w), ("dgrad", w.t())):
         q, s = cache.weight_form(w, "rceil", orientation)
         rq, rs = mxfx.quantize(src.detach().contiguous(), rule="rceil")
-        assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, to_blocked(rs.view(torch.uint8)))
+        assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(
+            s, to_blocked(rs.view(torch.uint8))
+        )
     mx_device.capability, saved = (lambda device: None), mx_device.capability
     try:
         x.grad = w.grad = None
@@ -420,11 +441,15 @@ def test_keep_dequantized_weights_compiled(keep_every_form):
     for keep in (False, True):
         torch._dynamo.reset()
         cache.clear()
-        compiled = torch.compile(model, backend="mxfp8", options={"keep_dequantized_weights": keep, "inner": "aot_eager"})
+        compiled = torch.compile(
+            model, backend="mxfp8", options={"keep_dequantized_weights": keep, "inner": "aot_eager"}
+        )
         y = compiled(x)
         y.square().sum().backward()
         grads = [p.grad.clone() for p in model.parameters()]
-        results.append((y.detach(), grads, cache.persistent_bytes(model.a.weight), cache.persistent_bytes(model.b.weight)))
+        results.append(
+            (y.detach(), grads, cache.persistent_bytes(model.a.weight), cache.persistent_bytes(model.b.weight))
+        )
         model.zero_grad(set_to_none=True)
     (y0, g0, a0, b0), (y1, g1, a1, b1) = results
     assert torch.equal(y0, y1) and all(torch.equal(u, v) for u, v in zip(g0, g1))
@@ -477,7 +502,9 @@ def test_dual_operand_values_only_where_emulated():
 
 def _table(path):
     def pts(ratios):
-        return [{"M": m, "bf16_fwd_ms": 1.0, "mx_fwd_ms": 1.0, "bf16_fwdbwd_ms": r, "mx_fwdbwd_ms": 1.0} for m, r in ratios]
+        return [
+            {"M": m, "bf16_fwd_ms": 1.0, "mx_fwd_ms": 1.0, "bf16_fwdbwd_ms": r, "mx_fwdbwd_ms": 1.0} for m, r in ratios
+        ]
 
     table = {
         "capability": [9, 0],

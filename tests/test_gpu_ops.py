@@ -35,7 +35,6 @@ def _close(a, b):
         assert err < 1e-2, f"{name}: relative error {err:.3e} between CUDA and CPU"
 
 
-
 @cuda
 @pytest.mark.parametrize("wgrad", ["mxfp8", "bf16"])
 def test_linear_cuda_matches_cpu(wgrad):
@@ -174,9 +173,21 @@ def test_compiled_cuda_graph_launches_mx_kernels_itself(monkeypatch, dynamic):
     loss_i, grads_i, code_i = step(opaque=False)
     loss_o, grads_o, code_o = step(opaque=True)
     assert "mxfx.quantize" in code_o and "mxfx.mm" in code_o  # the opaque arm really holds the custom ops
-    for op in ("quantize", "quantize_dual", "quantize_dequantize", "dequantize", "swiglu_quantize", "mm", "grouped_mm",
-               "quantize_dual_dequantized", "swiglu_quantize_dequantize", "route_weight_quantize_dequantize",
-               "swiglu_quantize_save", "swiglu_quantize_dequantize_save", "swiglu_product"):
+    for op in (
+        "quantize",
+        "quantize_dual",
+        "quantize_dequantize",
+        "dequantize",
+        "swiglu_quantize",
+        "mm",
+        "grouped_mm",
+        "quantize_dual_dequantized",
+        "swiglu_quantize_dequantize",
+        "route_weight_quantize_dequantize",
+        "swiglu_quantize_save",
+        "swiglu_quantize_dequantize_save",
+        "swiglu_product",
+    ):
         assert f"torch.ops.mxfx.{op}.default" not in code_i, op
     assert "cached_weight" in code_i  # the cache lookup stays an op: it holds Python state
     assert ((loss_i - loss_o).abs() / loss_o.abs()).item() < 1e-5

@@ -51,14 +51,21 @@ def reference(fmt, x, up, w, rw, dout, sizes, rule, wgrad, save):
         y = y * rw.float()[:, None]
     if up is None:
         return y, dh, None, dw, drw
-    gate_s, up_s = (refs.act(fmt, gate32, -1, rule), refs.act(fmt, up32, -1, rule)) if save == "mxfp8" else (gate32, up32)
+    gate_s, up_s = (
+        (refs.act(fmt, gate32, -1, rule), refs.act(fmt, up32, -1, rule)) if save == "mxfp8" else (gate32, up32)
+    )
     s = torch.sigmoid(gate_s)
     return y, dh * up_s * s * (1 + gate_s * (1 - s)), dh * gate_s * s, dw, drw
 
 
 @pytest.mark.parametrize(
     "swiglu,routed,wgrad,save",
-    [(False, False, "bf16", "mxfp8"), (False, True, "mxfp8", "bf16"), (True, False, "mxfp8", "mxfp8"), (True, True, "bf16", "bf16")],
+    [
+        (False, False, "bf16", "mxfp8"),
+        (False, True, "mxfp8", "bf16"),
+        (True, False, "mxfp8", "mxfp8"),
+        (True, True, "bf16", "bf16"),
+    ],
 )
 @pytest.mark.parametrize("fmt", refs.FORMATS)
 def test_grouped_mm_matches_per_expert_reference(fmt, swiglu, routed, wgrad, save):
@@ -71,8 +78,9 @@ def test_grouped_mm_matches_per_expert_reference(fmt, swiglu, routed, wgrad, sav
     offs = torch.cumsum(torch.tensor(SIZES), 0).to(torch.int32)
     dout = torch.randn(s_rows, n, generator=g).bfloat16()
     leaves = [t.clone().requires_grad_() if t is not None else None for t in (x, up, w, rw)]
-    y = mx_grouped_mm_op(leaves[0], leaves[2], offs, up=leaves[1], route_weight=leaves[3], wgrad=wgrad, save=save,
-                         format=fmt)
+    y = mx_grouped_mm_op(
+        leaves[0], leaves[2], offs, up=leaves[1], route_weight=leaves[3], wgrad=wgrad, save=save, format=fmt
+    )
     y.backward(dout)
     ry, rdx, rdup, rdw, rdrw = reference(fmt, x, up, w, rw, dout, SIZES, "rceil", wgrad, save)
     # bf16 output and bf16 input gradients: one bf16 rounding (2^-8 relative) on top of identical MX products.
@@ -109,8 +117,9 @@ def test_mx_wgrad_saves_what_save_asks(fmt, save, keeps_x):
     y.backward(torch.ones_like(y))
     eight_bit = [t for t in saved if t.element_size() == 1 and t.numel() >= x.numel()]
     assert any(t is x for t in saved) == keeps_x and bool(eight_bit) != keeps_x, [(t.dtype, t.shape) for t in saved]
-    _, _, _, rdw, _ = reference(fmt, x.detach(), None, w.detach(), None, torch.ones(y.shape).bfloat16(), SIZES,
-                                "rceil", "mxfp8", save)
+    _, _, _, rdw, _ = reference(
+        fmt, x.detach(), None, w.detach(), None, torch.ones(y.shape).bfloat16(), SIZES, "rceil", "mxfp8", save
+    )
     torch.testing.assert_close(w.grad, rdw, rtol=1e-2, atol=1e-2)  # bf16 rounding of dy aside, the same products
 
 
@@ -141,7 +150,9 @@ def test_grouped_wgrad_bf16_any_group_ends_and_errors():
     offs = torch.tensor([7, 7, 30, 40], dtype=torch.int32)  # an empty group; rows 40..44 belong to none
     got = hp_grouped_wgrad(dy, x, offs, torch.float32)
     starts = [0, 7, 7, 30]
-    ref = torch.stack([dy[a:b].bfloat16().float().t() @ x[a:b].bfloat16().float() for a, b in zip(starts, offs.tolist())])
+    ref = torch.stack(
+        [dy[a:b].bfloat16().float().t() @ x[a:b].bfloat16().float() for a, b in zip(starts, offs.tolist())]
+    )
     assert got.shape == (4, 32, 64) and not got[1].any()
     # a float32 result is the FP32 GEMM of the BF16 operands itself, not a BF16 result widened (2^-9 relative):
     # only the summation order differs from the reference's

@@ -32,8 +32,10 @@ def _sm90():
     return sm90
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-                    or not os.access(os.path.join(_BIN, "ptxas"), os.X_OK), reason="needs Triton's bundled ptxas")
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or not os.access(os.path.join(_BIN, "ptxas"), os.X_OK),
+    reason="needs Triton's bundled ptxas",
+)
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_kernel_compiles_for_sm90_to_fp8_wgmma_without_spills(out_dtype):
     sass = pytest.importorskip("tests.sass")
@@ -68,17 +70,24 @@ def test_forward_and_dgrad_scale_layouts_share_one_compile():
     a = torch.empty(s, k, dtype=torch.float8_e4m3fn)
     keys = []
     for g, n, scales_a, weight_scales in (
-            (4, 512, torch.empty(k // 128, s).t(), torch.empty(4, 512 // 128, k // 128)),  # forward
-            (8, 256, torch.empty(s, k // 128), torch.empty(8, k // 128, 256 // 128).transpose(1, 2))):  # other strides
+        (4, 512, torch.empty(k // 128, s).t(), torch.empty(4, 512 // 128, k // 128)),  # forward
+        (8, 256, torch.empty(s, k // 128), torch.empty(8, k // 128, 256 // 128).transpose(1, 2)),
+    ):  # other strides
         b = torch.empty(g, n, k, dtype=torch.float8_e4m3fn)
         offs = torch.arange(1, g + 1, dtype=torch.int32) * (s // g)
-        (grid, args, kwargs), _ = sm90.launch_args(a, scales_a, b, weight_scales, offs, torch.empty(s, n,
-                                                                                                     dtype=torch.bfloat16))
+        (grid, args, kwargs), _ = sm90.launch_args(
+            a, scales_a, b, weight_scales, offs, torch.empty(s, n, dtype=torch.bfloat16)
+        )
         signature, constexprs, attrs = sass.specialize(sm90._grouped_kernel, args, kwargs)
         names = sm90._grouped_kernel.arg_names
         keep = [i for i, name in enumerate(names) if name not in ("a_desc", "b_desc", "c_desc", "N", "s_cm")]
-        keys.append(({k: v for k, v in signature.items() if k in [names[i] for i in keep]},
-                     {k: v for k, v in attrs.items() if k[0] in keep}, str(constexprs)))
+        keys.append(
+            (
+                {k: v for k, v in signature.items() if k in [names[i] for i in keep]},
+                {k: v for k, v in attrs.items() if k[0] in keep},
+                str(constexprs),
+            )
+        )
     assert keys[0] == keys[1]
 
 
@@ -118,7 +127,7 @@ def _schedule_matches(device):
         table, max_tiles = args[1].cpu(), args[5]
         want = schedule_reference(sizes, s, n, kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs["BAND"], max_tiles)
         for t, row in enumerate(want):
-            got = tuple(table[t].tolist()[:len(row)])
+            got = tuple(table[t].tolist()[: len(row)])
             assert got == row, (sizes, t, got, row)
 
 

@@ -66,8 +66,9 @@ def test_grouped_wgrad_into_in_the_interpreter():
     run_interpreter_checks(__file__)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
-                    reason="needs an sm90+ CUDA GPU")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0), reason="needs an sm90+ CUDA GPU"
+)
 @pytest.mark.parametrize("config", ["CONFIG", "LONG_GROUPS_CONFIG"])
 def test_grouped_wgrad_into_on_the_gpu(config):
     from mxfx.kernels.common import grouped_wgrad_triton

@@ -21,34 +21,84 @@ from tests.helpers import lm_loss_and_grads
 
 T = pytest.importorskip("transformers")
 
-COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 
 # name -> (config, model class, fused SwiGLUs, fused combines); one routed MoE layer (2 grouped GEMMs) each
 FAMILIES = {
-    "olmoe": (lambda: T.OlmoeConfig(intermediate_size=64, num_experts=4, num_experts_per_tok=2, **COMMON), "OlmoeForCausalLM", 1, 1),
+    "olmoe": (
+        lambda: T.OlmoeConfig(intermediate_size=64, num_experts=4, num_experts_per_tok=2, **COMMON),
+        "OlmoeForCausalLM",
+        1,
+        1,
+    ),
     "qwen2_moe": (
-        lambda: T.Qwen2MoeConfig(intermediate_size=64, moe_intermediate_size=64, shared_expert_intermediate_size=64, num_experts=4,
-                                 num_experts_per_tok=2, **COMMON),
-        "Qwen2MoeForCausalLM", 2, 1,  # routed + shared expert SwiGLU
+        lambda: T.Qwen2MoeConfig(
+            intermediate_size=64,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=64,
+            num_experts=4,
+            num_experts_per_tok=2,
+            **COMMON,
+        ),
+        "Qwen2MoeForCausalLM",
+        2,
+        1,  # routed + shared expert SwiGLU
     ),
     "qwen3_moe": (
-        lambda: T.Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2, head_dim=32, **COMMON),
-        "Qwen3MoeForCausalLM", 1, 1,
+        lambda: T.Qwen3MoeConfig(
+            intermediate_size=64, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2, head_dim=32, **COMMON
+        ),
+        "Qwen3MoeForCausalLM",
+        1,
+        1,
     ),
-    "mixtral": (lambda: T.MixtralConfig(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, **COMMON), "MixtralForCausalLM", 1, 1),
+    "mixtral": (
+        lambda: T.MixtralConfig(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, **COMMON),
+        "MixtralForCausalLM",
+        1,
+        1,
+    ),
     "deepseek_v3": (
         lambda: T.DeepseekV3Config(
-            intermediate_size=64, moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
-            first_k_dense_replace=0, n_shared_experts=1, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=32,
-            qk_nope_head_dim=32, v_head_dim=32, **COMMON,
+            intermediate_size=64,
+            moe_intermediate_size=64,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=0,
+            n_shared_experts=1,
+            q_lora_rank=32,
+            kv_lora_rank=32,
+            qk_rope_head_dim=32,
+            qk_nope_head_dim=32,
+            v_head_dim=32,
+            **COMMON,
         ),
-        "DeepseekV3ForCausalLM", 2, 1,
+        "DeepseekV3ForCausalLM",
+        2,
+        1,
     ),
     # expert biases (added in place after each GEMM, so no combine fusion) and a clamped SwiGLU (left as written)
     "gpt_oss": (
-        lambda: T.GptOssConfig(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, head_dim=32,
-                               layer_types=["full_attention"], **COMMON),
-        "GptOssForCausalLM", 0, 0,
+        lambda: T.GptOssConfig(
+            intermediate_size=64,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            head_dim=32,
+            layer_types=["full_attention"],
+            **COMMON,
+        ),
+        "GptOssForCausalLM",
+        0,
+        0,
     ),
 }
 
@@ -102,8 +152,9 @@ def test_fp32_autocast_batched_mm_rewritten(name):
 
 def _checkpointed_olmoe(layers: int = 2):
     """An FP32 OLMoE of ``layers`` layers with transformers' activation checkpointing on, in training mode."""
-    cfg = T.OlmoeConfig(intermediate_size=64, num_experts=4, num_experts_per_tok=2,
-                        **{**COMMON, "num_hidden_layers": layers})
+    cfg = T.OlmoeConfig(
+        intermediate_size=64, num_experts=4, num_experts_per_tok=2, **{**COMMON, "num_hidden_layers": layers}
+    )
     torch.manual_seed(0)
     model = T.OlmoeForCausalLM(cfg)
     model.activation_checkpointing_enable()
@@ -129,28 +180,102 @@ def test_checkpointed_layers_each_keep_their_own_records():
 # name -> (config, model class). One MoE layer each; shared experts and routers as the family writes them.
 MOE = dict(num_experts_per_tok=2)
 TRAINED = {
-    "granitemoe": (lambda: T.GraniteMoeConfig(intermediate_size=64, num_local_experts=4, **MOE, **COMMON), "GraniteMoeForCausalLM"),
+    "granitemoe": (
+        lambda: T.GraniteMoeConfig(intermediate_size=64, num_local_experts=4, **MOE, **COMMON),
+        "GraniteMoeForCausalLM",
+    ),
     "phimoe": (lambda: T.PhimoeConfig(intermediate_size=64, num_local_experts=4, **MOE, **COMMON), "PhimoeForCausalLM"),
-    "glm4_moe": (lambda: T.Glm4MoeConfig(intermediate_size=64, moe_intermediate_size=64, n_routed_experts=4, n_group=1, topk_group=1,
-                                         first_k_dense_replace=0, n_shared_experts=1, head_dim=32, **MOE, **COMMON),
-                 "Glm4MoeForCausalLM"),
-    "ernie4_5_moe": (lambda: T.Ernie4_5_MoeConfig(intermediate_size=64, moe_intermediate_size=64, moe_num_experts=4, moe_k=2,
-                                                  moe_layer_start_index=0, moe_num_shared_experts=1, **COMMON),
-                     "Ernie4_5_MoeForCausalLM"),
-    "hunyuan_moe": (lambda: T.HunYuanMoEV1Config(intermediate_size=64, num_experts=4, moe_topk=2, num_shared_expert=1, head_dim=32,
-                                                 **COMMON), "HunYuanMoEV1ForCausalLM"),
-    "minimax": (lambda: T.MiniMaxConfig(intermediate_size=64, num_local_experts=4, head_dim=32, layer_types=["full_attention"], **MOE,
-                                        **COMMON), "MiniMaxForCausalLM"),
-    "deepseek_v2": (lambda: T.DeepseekV2Config(intermediate_size=64, moe_intermediate_size=64, n_routed_experts=4, first_k_dense_replace=0,
-                                               n_shared_experts=1, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=32,
-                                               qk_nope_head_dim=32, v_head_dim=32, n_group=1, topk_group=1, **MOE, **COMMON),
-                    "DeepseekV2ForCausalLM"),
-    "dots1": (lambda: T.Dots1Config(intermediate_size=64, moe_intermediate_size=64, n_routed_experts=4, n_shared_experts=1,
-                                    first_k_dense_replace=0, n_group=1, topk_group=1, head_dim=32, **MOE, **COMMON), "Dots1ForCausalLM"),
-    "flex_olmo": (lambda: T.FlexOlmoConfig(intermediate_size=64, num_experts=4, pad_token_id=0, eos_token_id=1, bos_token_id=None, **MOE,
-                                           **COMMON), "FlexOlmoForCausalLM"),
-    "lfm2_moe": (lambda: T.Lfm2MoeConfig(intermediate_size=64, moe_intermediate_size=64, num_experts=4, num_dense_layers=0,
-                                         layer_types=["full_attention"], **MOE, **COMMON), "Lfm2MoeForCausalLM"),
+    "glm4_moe": (
+        lambda: T.Glm4MoeConfig(
+            intermediate_size=64,
+            moe_intermediate_size=64,
+            n_routed_experts=4,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=0,
+            n_shared_experts=1,
+            head_dim=32,
+            **MOE,
+            **COMMON,
+        ),
+        "Glm4MoeForCausalLM",
+    ),
+    "ernie4_5_moe": (
+        lambda: T.Ernie4_5_MoeConfig(
+            intermediate_size=64,
+            moe_intermediate_size=64,
+            moe_num_experts=4,
+            moe_k=2,
+            moe_layer_start_index=0,
+            moe_num_shared_experts=1,
+            **COMMON,
+        ),
+        "Ernie4_5_MoeForCausalLM",
+    ),
+    "hunyuan_moe": (
+        lambda: T.HunYuanMoEV1Config(
+            intermediate_size=64, num_experts=4, moe_topk=2, num_shared_expert=1, head_dim=32, **COMMON
+        ),
+        "HunYuanMoEV1ForCausalLM",
+    ),
+    "minimax": (
+        lambda: T.MiniMaxConfig(
+            intermediate_size=64, num_local_experts=4, head_dim=32, layer_types=["full_attention"], **MOE, **COMMON
+        ),
+        "MiniMaxForCausalLM",
+    ),
+    "deepseek_v2": (
+        lambda: T.DeepseekV2Config(
+            intermediate_size=64,
+            moe_intermediate_size=64,
+            n_routed_experts=4,
+            first_k_dense_replace=0,
+            n_shared_experts=1,
+            kv_lora_rank=32,
+            q_lora_rank=None,
+            qk_rope_head_dim=32,
+            qk_nope_head_dim=32,
+            v_head_dim=32,
+            n_group=1,
+            topk_group=1,
+            **MOE,
+            **COMMON,
+        ),
+        "DeepseekV2ForCausalLM",
+    ),
+    "dots1": (
+        lambda: T.Dots1Config(
+            intermediate_size=64,
+            moe_intermediate_size=64,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            first_k_dense_replace=0,
+            n_group=1,
+            topk_group=1,
+            head_dim=32,
+            **MOE,
+            **COMMON,
+        ),
+        "Dots1ForCausalLM",
+    ),
+    "flex_olmo": (
+        lambda: T.FlexOlmoConfig(
+            intermediate_size=64, num_experts=4, pad_token_id=0, eos_token_id=1, bos_token_id=None, **MOE, **COMMON
+        ),
+        "FlexOlmoForCausalLM",
+    ),
+    "lfm2_moe": (
+        lambda: T.Lfm2MoeConfig(
+            intermediate_size=64,
+            moe_intermediate_size=64,
+            num_experts=4,
+            num_dense_layers=0,
+            layer_types=["full_attention"],
+            **MOE,
+            **COMMON,
+        ),
+        "Lfm2MoeForCausalLM",
+    ),
 }
 STEPS = 3
 LOSS_BOUND = 0.02
@@ -220,8 +345,10 @@ def test_checkpointed_layers_convert_with_the_dynamo_setting_the_warning_names()
         assert f"{graph_breaks.CHECKPOINT_SETTING} = True" in message, message
 
     before = len(mxfx.all_reports())
-    with warnings.catch_warnings(record=True) as caught, \
-            torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+    with (
+        warnings.catch_warnings(record=True) as caught,
+        torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True),
+    ):
         warnings.simplefilter("always")
         losses = _train(model, {"inner": "aot_eager"})
     routed = [r for pm in mxfx.all_reports()[before:] for r in pm.records if r.kind == "grouped_mm"]
@@ -286,8 +413,11 @@ def _fallback(x, w, offs):
     return torch.ops.transformers.grouped_mm_fallback(x, w, offs=offs)
 
 
-GROUPED_CALLS = {"transformers::grouped_mm_fallback": _fallback, "torch._grouped_mm": torch._grouped_mm,
-                 "torch.nn.functional.grouped_mm": F.grouped_mm}
+GROUPED_CALLS = {
+    "transformers::grouped_mm_fallback": _fallback,
+    "torch._grouped_mm": torch._grouped_mm,
+    "torch.nn.functional.grouped_mm": F.grouped_mm,
+}
 
 
 class GroupedExperts(torch.nn.Module):

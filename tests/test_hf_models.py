@@ -16,14 +16,35 @@ from tests.helpers import GraphCapture, count_calls, lm_loss_and_grads
 T = pytest.importorskip("transformers")
 
 OPS = torch.ops.mxfx
-COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 
 # name -> (config, model class, MX linears, fused SwiGLUs, fused combines); one routed MoE layer (2 grouped GEMMs) each.
 MODELS = {
-    "olmoe": (lambda: T.OlmoeConfig(intermediate_size=64, num_experts=4, num_experts_per_tok=2, **COMMON), "OlmoeForCausalLM", 4, 1, 1),
-    "mixtral": (lambda: T.MixtralConfig(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, **COMMON), "MixtralForCausalLM", 4, 1, 1),
+    "olmoe": (
+        lambda: T.OlmoeConfig(intermediate_size=64, num_experts=4, num_experts_per_tok=2, **COMMON),
+        "OlmoeForCausalLM",
+        4,
+        1,
+        1,
+    ),
+    "mixtral": (
+        lambda: T.MixtralConfig(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, **COMMON),
+        "MixtralForCausalLM",
+        4,
+        1,
+        1,
+    ),
     "qwen3_moe": (
-        lambda: T.Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2, head_dim=32, **COMMON),
+        lambda: T.Qwen3MoeConfig(
+            intermediate_size=64, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2, head_dim=32, **COMMON
+        ),
         "Qwen3MoeForCausalLM",
         4,
         1,
@@ -32,9 +53,20 @@ MODELS = {
     # q_a, q_b, kv_a, kv_b, o + shared gate/up/down; routed and shared SwiGLU fused
     "deepseek_v3": (
         lambda: T.DeepseekV3Config(
-            intermediate_size=64, moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
-            first_k_dense_replace=0, n_shared_experts=1, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=32,
-            qk_nope_head_dim=32, v_head_dim=32, **COMMON,
+            intermediate_size=64,
+            moe_intermediate_size=64,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=0,
+            n_shared_experts=1,
+            q_lora_rank=32,
+            kv_lora_rank=32,
+            qk_rope_head_dim=32,
+            qk_nope_head_dim=32,
+            v_head_dim=32,
+            **COMMON,
         ),
         "DeepseekV3ForCausalLM",
         8,
@@ -44,7 +76,14 @@ MODELS = {
     # clamped SwiGLU variant left alone (never mis-matched); an in-place expert bias sits between
     # the down projection and the route-weight multiply, so the combine is not fused
     "gpt_oss": (
-        lambda: T.GptOssConfig(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, head_dim=32, layer_types=["full_attention"], **COMMON),
+        lambda: T.GptOssConfig(
+            intermediate_size=64,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            head_dim=32,
+            layer_types=["full_attention"],
+            **COMMON,
+        ),
         "GptOssForCausalLM",
         4,
         0,
@@ -80,7 +119,9 @@ def test_hf_moe_graph_counts_and_closeness(name):
     assert count_calls(fw, torch.ops.aten._grouped_mm.default) == 0  # no BF16 expert GEMM left
     assert count_calls(bw, OPS.mm.default) == 2 * n_linear  # dgrad + MX wgrad of every dense linear
     assert count_calls(bw, OPS.grouped_mm.default) == 2  # expert dgrads
-    assert count_calls(bw, OPS.grouped_wgrad_bf16.default) == 2  # routed wgrad in BF16 (the recipe, "Kernel Problems and Fusions" (Table 25))
+    assert (
+        count_calls(bw, OPS.grouped_wgrad_bf16.default) == 2
+    )  # routed wgrad in BF16 (the recipe, "Kernel Problems and Fusions" (Table 25))
     assert count_calls(bw, torch.ops.aten._grouped_mm.default) == 0
     assert count_calls(bw, OPS.route_weight_quantize_dequantize.default) == n_combine  # combine backward fused
     loss_bf16, g_bf16 = _loss_and_grads(model, None)  # the BF16 model itself, uncompiled

@@ -20,9 +20,11 @@ sass = pytest.importorskip("tests.sass")
 
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or not os.access(os.path.join(_BIN, "ptxas"), os.X_OK)
+    os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    or not os.access(os.path.join(_BIN, "ptxas"), os.X_OK)
     or shutil.which(os.path.join(_BIN, "nvdisasm")) is None,
-    reason="needs Triton's bundled ptxas and nvdisasm (Linux wheel), compiled mode")
+    reason="needs Triton's bundled ptxas and nvdisasm (Linux wheel), compiled mode",
+)
 
 
 def _compiled(name):
@@ -33,8 +35,9 @@ def _compiled(name):
     return sass.compile_sm90(launches[0])
 
 
-@pytest.mark.parametrize("name", ["quantize rowwise", "swiglu+quantize (gate_up halves)",
-                                  "quantize dual, source layout"])
+@pytest.mark.parametrize(
+    "name", ["quantize rowwise", "swiglu+quantize (gate_up halves)", "quantize dual, source layout"]
+)
 def test_streamed_kernels_load_16_bytes_at_a_time(name):
     c = _compiled(name)
     loads = {op: n for op, n in c.memory.items() if op.startswith("LDG")}

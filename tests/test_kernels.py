@@ -43,7 +43,9 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def assert_same(got, ref):
     assert len(got) == len(ref), f"{len(got)} outputs, expected {len(ref)}"
     for i, (g, r) in enumerate(zip(got, ref)):
-        assert same_bits(g, r), f"output {i}: {(g.cpu().view(torch.uint8) != r.cpu().view(torch.uint8)).sum()} bytes differ"
+        assert same_bits(g, r), (
+            f"output {i}: {(g.cpu().view(torch.uint8) != r.cpu().view(torch.uint8)).sum()} bytes differ"
+        )
 
 
 def special_rows(x: torch.Tensor, exact: bool = False) -> torch.Tensor:
@@ -80,13 +82,26 @@ def rand(shape, dtype, device="cuda", scale_rows=True):
 # and high-precision GEMMs, and each format's device path, argument checks, views, custom ops, GEMMs (the choice, the
 # emulation or reference, the native calls through torch) and operands.
 TORCH_ONLY_KERNEL_MODULES = (
-    "mxfx.kernels", "mxfx.kernels.common", "mxfx.kernels.mx", "mxfx.kernels.fp8_block",
-    "mxfx.kernels.common.launch", "mxfx.kernels.common.silu",
-    "mxfx.kernels.common.swiglu", "mxfx.kernels.common.gemm", "mxfx.kernels.common.custom_ops",
-    "mxfx.kernels.mx.device_path", "mxfx.kernels.mx.checks", "mxfx.kernels.mx.views", "mxfx.kernels.mx.custom_ops",
-    "mxfx.kernels.mx.gemm", "mxfx.kernels.mx.gemm_blackwell", "mxfx.kernels.mx.operands",
+    "mxfx.kernels",
+    "mxfx.kernels.common",
+    "mxfx.kernels.mx",
+    "mxfx.kernels.fp8_block",
+    "mxfx.kernels.common.launch",
+    "mxfx.kernels.common.silu",
+    "mxfx.kernels.common.swiglu",
+    "mxfx.kernels.common.gemm",
+    "mxfx.kernels.common.custom_ops",
+    "mxfx.kernels.mx.device_path",
+    "mxfx.kernels.mx.checks",
+    "mxfx.kernels.mx.views",
+    "mxfx.kernels.mx.custom_ops",
+    "mxfx.kernels.mx.gemm",
+    "mxfx.kernels.mx.gemm_blackwell",
+    "mxfx.kernels.mx.operands",
     "mxfx.kernels.mx.swiglu_operand",
-    "mxfx.kernels.fp8_block.device_path", "mxfx.kernels.fp8_block.custom_ops", "mxfx.kernels.fp8_block.gemm",
+    "mxfx.kernels.fp8_block.device_path",
+    "mxfx.kernels.fp8_block.custom_ops",
+    "mxfx.kernels.fp8_block.gemm",
     "mxfx.kernels.fp8_block.gemm_cublas",
 )
 
@@ -108,7 +123,9 @@ def test_cpu_path_never_loads_triton_kernels():
 def test_cpu_quantize_dual_source_reference_and_errors():
     """The CPU path: the reference values, the columnwise outputs in x's layout, and clear errors."""
     x = special_rows(rand((96, 64), torch.bfloat16, device="cpu"))
-    check_dual_source(device_path.quantize_dual_source(x, "floor", dequantized=torch.float32), x, "floor", torch.float32)
+    check_dual_source(
+        device_path.quantize_dual_source(x, "floor", dequantized=torch.float32), x, "floor", torch.float32
+    )
     check_dequantized_only(device_path.quantize_dual_source, x, "rceil", torch.bfloat16)
     with pytest.raises(ValueError, match=r"no output \(mx=False, dequantized=None\)"):
         device_path.quantize_dual_source(x, "rceil", mx=False)
@@ -223,7 +240,10 @@ def test_quantize_dual(shape, rule):
 def test_quantize_dual_strided_and_errors():
     x = rand((128, 512), torch.float32)[:, ::2]
     xc = x.cpu()
-    assert_same(device_path.quantize_dual(x, "rceil"), (*mxf.quantize_lastdim(xc, "rceil"), *mxf.quantize_lastdim(xc.t(), "rceil")))
+    assert_same(
+        device_path.quantize_dual(x, "rceil"),
+        (*mxf.quantize_lastdim(xc, "rceil"), *mxf.quantize_lastdim(xc.t(), "rceil")),
+    )
     with pytest.raises(ValueError, match=r"quantize_dual.*\(96, 48\)"):
         device_path.quantize_dual(rand((96, 48), torch.bfloat16), "rceil")
 
@@ -317,9 +337,11 @@ def test_blocked_scales_unpadded_every_byte_written():
     r3q, r3s = mxf.quantize_lastdim(x3.cpu(), "rceil")
     c3q, c3s = mxf.quantize_lastdim(x3.cpu().transpose(-2, -1), "rceil")
     stack = lambda t: torch.stack([to_blocked(m) for m in t])  # noqa: E731
-    for run, want in ((lambda: device_path.quantize_blocked(x, "rceil"), (rq, to_blocked(rs))),
-                      (lambda: device_path.quantize_dual_blocked(x, "rceil"), (rq, to_blocked(rs), cq, to_blocked(cs))),
-                      (lambda: device_path.quantize_dual_blocked(x3, "rceil"), (r3q, stack(r3s), c3q, stack(c3s)))):
+    for run, want in (
+        (lambda: device_path.quantize_blocked(x, "rceil"), (rq, to_blocked(rs))),
+        (lambda: device_path.quantize_dual_blocked(x, "rceil"), (rq, to_blocked(rs), cq, to_blocked(cs))),
+        (lambda: device_path.quantize_dual_blocked(x3, "rceil"), (r3q, stack(r3s), c3q, stack(c3s))),
+    ):
         torch.cuda.empty_cache()
         poison = [torch.full((1 << 20,), 0xAB, dtype=torch.uint8, device="cuda") for _ in range(8)]
         del poison
@@ -345,13 +367,21 @@ def test_conversion_forms_give_the_same_bytes(monkeypatch, cvt):
     assert_same(device_path.quantize_dual_blocked(x, "rceil"), (row[0], to_blocked(row[1]), col[0], to_blocked(col[1])))
     assert_same(device_path.quantize_blocked(x, "rceil"), (row[0], to_blocked(row[1])))
     assert_same(device_path.quantize_dequantize(x, "rceil", torch.bfloat16), with_values(row, torch.bfloat16))
-    check_dual_source(device_path.quantize_dual_source(x, "rceil", dequantized=torch.bfloat16), x, "rceil", torch.bfloat16)
-    check_dual_source(device_path.quantize_dual_source(x.float(), "floor", dequantized=torch.bfloat16), x.float(), "floor",
-                      torch.bfloat16)
+    check_dual_source(
+        device_path.quantize_dual_source(x, "rceil", dequantized=torch.bfloat16), x, "rceil", torch.bfloat16
+    )
+    check_dual_source(
+        device_path.quantize_dual_source(x.float(), "floor", dequantized=torch.bfloat16),
+        x.float(),
+        "floor",
+        torch.bfloat16,
+    )
     got = device_path.swiglu_quantize(g, u, "rceil")
     assert_same(got, swiglu_ref(g, u, "rceil"))
-    assert_same(device_path.swiglu_quantize(g, u, "rceil", torch.bfloat16, save_inputs=True),
-                with_saved_inputs(with_values(got, torch.bfloat16), g, u, "rceil"))
+    assert_same(
+        device_path.swiglu_quantize(g, u, "rceil", torch.bfloat16, save_inputs=True),
+        with_saved_inputs(with_values(got, torch.bfloat16), g, u, "rceil"),
+    )
 
 
 @cuda
@@ -363,7 +393,9 @@ def test_dequantize(shape, dtype):
     s.view(-1)[:4] = torch.tensor([0, 255, 254, 1], dtype=torch.uint8)
     got = device_path.dequantize_lastdim(q.cuda(), s.cuda(), dtype)
     assert same_bits(got, mxf.dequantize_lastdim(q, s, dtype))
-    got_t = device_path.dequantize_lastdim(q.cuda().transpose(0, -2)[..., :32], s.cuda().transpose(0, -2)[..., :1], dtype)
+    got_t = device_path.dequantize_lastdim(
+        q.cuda().transpose(0, -2)[..., :32], s.cuda().transpose(0, -2)[..., :1], dtype
+    )
     assert same_bits(got_t, mxf.dequantize_lastdim(q.transpose(0, -2)[..., :32], s.transpose(0, -2)[..., :1], dtype))
 
 
@@ -419,7 +451,10 @@ def with_values(pair, dtype):
 def test_cpu_fused_quantize_dequantized_forms():
     """SwiGLU and route-weight quantize with ``dequantized=``: the pair, plus its values, on the CPU path."""
     g, u, w = torch.randn(40, 64) * 3, special_rows(torch.randn(40, 64)), torch.rand(40)
-    assert_same(device_path.swiglu_quantize(g, u, "floor", torch.bfloat16), with_values(swiglu_ref(g, u, "floor"), torch.bfloat16))
+    assert_same(
+        device_path.swiglu_quantize(g, u, "floor", torch.bfloat16),
+        with_values(swiglu_ref(g, u, "floor"), torch.bfloat16),
+    )
     ref = mxf.quantize_lastdim(u * w[:, None], "rceil")
     assert_same(device_path.route_weight_quantize(u, w, "rceil", torch.float32), with_values(ref, torch.float32))
     with pytest.raises(TypeError, match=r"route_weight_quantize: output dtype torch.int8 for dy of shape \(40, 64\)"):
@@ -428,7 +463,10 @@ def test_cpu_fused_quantize_dequantized_forms():
         device_path.route_weight_quantize(u, w[:20], "rceil")
     with pytest.raises(TypeError, match="swiglu_quantize"):
         device_path.swiglu_quantize([1.0], u, "rceil", torch.bfloat16)
-    assert_same(device_path.swiglu_quantize(g, u, "rceil", save_inputs=True), with_saved_inputs(swiglu_ref(g, u, "rceil"), g, u, "rceil"))
+    assert_same(
+        device_path.swiglu_quantize(g, u, "rceil", save_inputs=True),
+        with_saved_inputs(swiglu_ref(g, u, "rceil"), g, u, "rceil"),
+    )
 
 
 def with_saved_inputs(out, g, u, rule):
@@ -446,8 +484,10 @@ def test_swiglu_quantize(shape, dtype, rule):
     assert_same(got, swiglu_ref(g, u, rule))  # torch's CUDA silu: the same fp32 arithmetic
     assert_same(device_path.swiglu_quantize(g, u, rule, torch.bfloat16), with_values(got, torch.bfloat16))
     assert_same(device_path.swiglu_quantize(g, u, rule, save_inputs=True), with_saved_inputs(got, g, u, rule))
-    assert_same(device_path.swiglu_quantize(g, u, rule, torch.float32, save_inputs=True),
-                with_saved_inputs(with_values(got, torch.float32), g, u, rule))
+    assert_same(
+        device_path.swiglu_quantize(g, u, rule, torch.float32, save_inputs=True),
+        with_saved_inputs(with_values(got, torch.float32), g, u, rule),
+    )
     # against the CPU path: its expf may differ from CUDA's by an ulp, which moves an E4M3 rounding or a
     # block's scale now and then; a handful of bytes, never a pattern
     q_cpu, s_cpu = swiglu_ref(g.cpu(), u.cpu(), rule)
@@ -468,19 +508,21 @@ def test_swiglu_silu_every_gate(dtype):
     bf16 has -87.5, -88 and -88.5 there, and the fp32 sweeps hold the band's edges."""
     if dtype == torch.float32:
         gen = torch.Generator().manual_seed(0)
-        bits = torch.randint(-2**31, 2**31, (2**18,), generator=gen, dtype=torch.int64).to(torch.int32)
+        bits = torch.randint(-(2**31), 2**31, (2**18,), generator=gen, dtype=torch.int64).to(torch.int32)
         g = torch.cat([torch.linspace(-100, 10, 2**16), -torch.logspace(0, 38, 2**14), bits.view(torch.float32)])
         g = g.to("cuda").reshape(-1, 32)
     else:
-        g = torch.arange(-2**15, 2**15, device="cuda").to(torch.int16).view(dtype).reshape(-1, 32)
+        g = torch.arange(-(2**15), 2**15, device="cuda").to(torch.int16).view(dtype).reshape(-1, 32)
     u = torch.ones_like(g)
     for rule in mxf.SCALE_RULES:
         ref = swiglu_ref(g, u, rule)
         plain = mxf.quantize_lastdim(F.silu(g.float()), rule)  # without the flush
         assert not torch.equal(ref[0].view(torch.uint8), plain[0].view(torch.uint8))  # the band is exercised
         assert_same(device_path.swiglu_quantize(g, u, rule), ref)
-        assert_same(device_path.swiglu_quantize(g, u, rule, torch.bfloat16, save_inputs=True),
-                    with_saved_inputs(with_values(ref, torch.bfloat16), g, u, rule))
+        assert_same(
+            device_path.swiglu_quantize(g, u, rule, torch.bfloat16, save_inputs=True),
+            with_saved_inputs(with_values(ref, torch.bfloat16), g, u, rule),
+        )
 
 
 def test_swiglu_product_cpu_reference_and_errors():
@@ -512,7 +554,7 @@ def test_swiglu_product_kernel_is_the_fused_product(dtype):
     if dtype == torch.float32:
         g = torch.cat([torch.linspace(-100, 10, 2**16), -torch.logspace(0, 38, 2**14)]).to("cuda").reshape(-1, 64)
     else:
-        g = torch.arange(-2**15, 2**15, device="cuda").to(torch.int16).view(dtype).reshape(-1, 64)
+        g = torch.arange(-(2**15), 2**15, device="cuda").to(torch.int16).view(dtype).reshape(-1, 64)
     u = torch.randn(g.shape, generator=torch.Generator().manual_seed(2)).to("cuda", dtype)
     p = swiglu_product(g, u)
     gf = g.float()
@@ -533,10 +575,14 @@ def test_swiglu_quantize_fused_gate_up():
     assert_same(device_path.swiglu_quantize(g, u, "rceil"), swiglu_ref(g, u, "rceil"))
     g2, u2 = gu[..., ::2], gu[..., 1::2]  # interleaved halves
     assert_same(device_path.swiglu_quantize(g2, u2, "rceil"), swiglu_ref(g2, u2, "rceil"))
-    assert_same(device_path.swiglu_quantize(g, u, "rceil", torch.float32), with_values(swiglu_ref(g, u, "rceil"), torch.float32))
+    assert_same(
+        device_path.swiglu_quantize(g, u, "rceil", torch.float32), with_values(swiglu_ref(g, u, "rceil"), torch.float32)
+    )
     for gate, up in ((g, u), (g2, u2)):  # the saved pairs of strided halves come out contiguous
         got = device_path.swiglu_quantize(gate, up, "rceil", torch.bfloat16, save_inputs=True)
-        assert_same(got, with_saved_inputs(with_values(swiglu_ref(gate, up, "rceil"), torch.bfloat16), gate, up, "rceil"))
+        assert_same(
+            got, with_saved_inputs(with_values(swiglu_ref(gate, up, "rceil"), torch.bfloat16), gate, up, "rceil")
+        )
         assert all(t.is_contiguous() for t in got)
 
 
@@ -548,8 +594,10 @@ def test_swiglu_quantize_block_streams(h):
     for gate, up in ((g, u), (g, u.contiguous()), (g.contiguous(), u)):  # halves, or one half and a contiguous partner
         ref = swiglu_ref(gate, up, "floor")
         assert_same(device_path.swiglu_quantize(gate, up, "floor"), ref)
-        assert_same(device_path.swiglu_quantize(gate, up, "floor", torch.bfloat16, save_inputs=True),
-                    with_saved_inputs(with_values(ref, torch.bfloat16), gate, up, "floor"))
+        assert_same(
+            device_path.swiglu_quantize(gate, up, "floor", torch.bfloat16, save_inputs=True),
+            with_saved_inputs(with_values(ref, torch.bfloat16), gate, up, "floor"),
+        )
 
 
 @cuda
@@ -563,11 +611,14 @@ def test_route_weight_quantize(shape, w_shape, dy_dtype):
     ref = mxf.quantize_lastdim(dy.cpu().float() * w.cpu().float().reshape(-1, 1), "rceil")
     assert_same(device_path.route_weight_quantize(dy, w, "rceil"), ref)
     assert_same(device_path.route_weight_quantize(dy, w, "rceil", torch.bfloat16), with_values(ref, torch.bfloat16))
-    assert_same(device_path.route_weight_quantize(dy, w.bfloat16(), "rceil"),
-                mxf.quantize_lastdim(dy.cpu().float() * w.cpu().bfloat16().float().reshape(-1, 1), "rceil"))
+    assert_same(
+        device_path.route_weight_quantize(dy, w.bfloat16(), "rceil"),
+        mxf.quantize_lastdim(dy.cpu().float() * w.cpu().bfloat16().float().reshape(-1, 1), "rceil"),
+    )
 
 
 # ---- scale layouts (mxfx.kernels.mx.views) ------------------------------------------------
+
 
 def layout_cases():
     """``(op name, args, expected scale strides)``: every kernel op whose scale layout depends on its
@@ -617,14 +668,20 @@ def test_cpu_scale_layouts_and_fakes_agree():
     for name, args, strides in layout_cases():
         real = getattr(torch.ops.mxfx, name)(*args)
         assert [s.stride() for s in scale_outputs(name, real)] == strides, name
-        ref = mxf.quantize_lastdim(args[0] * (args[1][:, None] if name == "route_weight_quantize" else 1), args[-1]
-                                   if name == "route_weight_quantize" else args[1])
+        ref = mxf.quantize_lastdim(
+            args[0] * (args[1][:, None] if name == "route_weight_quantize" else 1),
+            args[-1] if name == "route_weight_quantize" else args[1],
+        )
         if name == "quantize_dual_blocked":  # per batch, the blocked layout of the reference scales
-            ref = (ref[0], torch.stack([to_blocked(m) for m in ref[1].reshape(-1, *ref[1].shape[-2:])]).reshape(
-                real[1].shape))
+            ref = (
+                ref[0],
+                torch.stack([to_blocked(m) for m in ref[1].reshape(-1, *ref[1].shape[-2:])]).reshape(real[1].shape),
+            )
         assert_same(real[:2], ref)
         with FakeTensorMode() as mode:
-            fake = getattr(torch.ops.mxfx, name)(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+            fake = getattr(torch.ops.mxfx, name)(
+                *(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args)
+            )
         assert [t.stride() for t in fake] == [t.stride() for t in real], name
     q_row, s_row, _, q_col, s_col, _ = device_path.quantize_dual_source(exact_input((96, 128)), "rceil")
     assert s_row.stride() == (1, 96) and s_col.stride() == (1, 128) and q_col.stride() == (1, 128)
@@ -642,10 +699,15 @@ def test_cpu_scale_layouts_and_fakes_agree():
 def test_cpu_reference_path_traces_every_view():
     """Dynamo traces the layout rules on views whose leading dims do not merge (decided from strides,
     not from a failing view) and gives eager's bytes and strides."""
-    views = [torch.randn(3, 2, 64).permute(1, 0, 2), torch.randn(2, 64, 5).transpose(-2, -1),
-             torch.randn(2, 2, 64, 3).transpose(-2, -1), torch.randn(64, 2, 3).permute(1, 2, 0)]
-    fn = torch.compile(lambda x: device_path.quantize_dequantize(x, "rceil", torch.float32), backend="eager",
-                       fullgraph=True)
+    views = [
+        torch.randn(3, 2, 64).permute(1, 0, 2),
+        torch.randn(2, 64, 5).transpose(-2, -1),
+        torch.randn(2, 2, 64, 3).transpose(-2, -1),
+        torch.randn(64, 2, 3).permute(1, 2, 0),
+    ]
+    fn = torch.compile(
+        lambda x: device_path.quantize_dequantize(x, "rceil", torch.float32), backend="eager", fullgraph=True
+    )
     for x in views:
         got, want = fn(x), device_path.quantize_dequantize(x, "rceil", torch.float32)
         assert_same(got, want)
@@ -655,6 +717,7 @@ def test_cpu_reference_path_traces_every_view():
 @cuda
 def test_scale_layouts_match_cpu_path():
     """Triton kernels write every scale layout of the CPU path, bit for bit; MN-major scales dequantize."""
+
     def run(name, args):
         fn = getattr(device_path, "quantize_lastdim" if name == "quantize" else name)
         return fn(*(a.cuda() if isinstance(a, torch.Tensor) else a for a in args))
@@ -662,11 +725,14 @@ def test_scale_layouts_match_cpu_path():
     check_layouts(run)
     q, s, qt, st = run("quantize_dual", (exact_input((96, 128)), "rceil"))
     for pair in ((q, s), (qt, st)):
-        assert same_bits(device_path.dequantize_lastdim(*pair, torch.float32),
-                         mxf.dequantize_lastdim(*(t.cpu() for t in pair), torch.float32))
+        assert same_bits(
+            device_path.dequantize_lastdim(*pair, torch.float32),
+            mxf.dequantize_lastdim(*(t.cpu() for t in pair), torch.float32),
+        )
 
 
 # ---- Triton interpreter on CPU --------------------------------------------------------
+
 
 def exact_input(shape, seed=0):
     """Data that quantizes without rounding along both of its last two dims.
@@ -691,6 +757,7 @@ def _interpreter_checks():
 
     from mxfx.kernels.mx import dual
     from mxfx.kernels.mx import quantize
+
     base = exact_input((96, 128))
     x = special_rows(base, exact=True)
     xc = x.clone()
@@ -706,18 +773,27 @@ def _interpreter_checks():
             check_dual_source(dual.quantize_dual_source(xcd, rule, dequantized=torch.float32), xcd, rule, torch.float32)
             check_dequantized_only(dual.quantize_dual_source, xcd, rule, torch.float32)
     x3 = exact_input((2, 64, 96), seed=1)
-    assert_same(quantize.quantize_lastdim(x3.transpose(-2, -1), "rceil"), mxf.quantize_lastdim(x3.transpose(-2, -1), "rceil"))
-    assert_same(dual.quantize_dual(x3, "rceil"), (*mxf.quantize_lastdim(x3, "rceil"), *mxf.quantize_lastdim(x3.transpose(-2, -1), "rceil")))
+    assert_same(
+        quantize.quantize_lastdim(x3.transpose(-2, -1), "rceil"), mxf.quantize_lastdim(x3.transpose(-2, -1), "rceil")
+    )
+    assert_same(
+        dual.quantize_dual(x3, "rceil"),
+        (*mxf.quantize_lastdim(x3, "rceil"), *mxf.quantize_lastdim(x3.transpose(-2, -1), "rceil")),
+    )
     x3b = x3.to(torch.bfloat16)  # K = 96: the dequantized pass's (32, 128) tile runs masked
     check_dual_source(dual.quantize_dual_source(x3b, "rceil", dequantized=torch.bfloat16), x3b, "rceil", torch.bfloat16)
     for x3 in (exact_input((1, 64, 128), seed=2), exact_input((2, 64, 128), seed=3)):  # even tiles, one or two matrices
-        assert_same(dual.quantize_dual(x3, "floor"),
-                    (*mxf.quantize_lastdim(x3, "floor"), *mxf.quantize_lastdim(x3.transpose(-2, -1), "floor")))
+        assert_same(
+            dual.quantize_dual(x3, "floor"),
+            (*mxf.quantize_lastdim(x3, "floor"), *mxf.quantize_lastdim(x3.transpose(-2, -1), "floor")),
+        )
     for x3 in (exact_input((128, 256), seed=4), exact_input((2, 128, 128), seed=5)):  # blocked, no padding
         (rq, rs), (cq, cs) = mxf.quantize_lastdim(x3, "rceil"), mxf.quantize_lastdim(x3.transpose(-2, -1), "rceil")
         got = dual.quantize_dual_blocked(x3.to(torch.bfloat16), "rceil")
-        blocked = [torch.stack([to_blocked(m) for m in t.reshape(-1, *t.shape[-2:])]).reshape(g.shape)
-                   for t, g in ((rs, got[1]), (cs, got[3]))]
+        blocked = [
+            torch.stack([to_blocked(m) for m in t.reshape(-1, *t.shape[-2:])]).reshape(g.shape)
+            for t, g in ((rs, got[1]), (cs, got[3]))
+        ]
         assert_same(got, (rq, blocked[0], cq, blocked[1]))
     x = xc  # 16-bit subnormal outputs are flushed by the interpreter too
     rq, rs = mxf.quantize_lastdim(x, "rceil")
@@ -731,29 +807,42 @@ def _interpreter_checks():
         raise AssertionError("a 0-D input was accepted")
     except ValueError as e:
         assert "scalar cannot be block-quantized" in str(e), e
-    assert_same(quantize.quantize_dequantize(x, "rceil", torch.bfloat16), (rq, rs, mxf.dequantize_lastdim(rq, rs, torch.bfloat16)))
+    assert_same(
+        quantize.quantize_dequantize(x, "rceil", torch.bfloat16),
+        (rq, rs, mxf.dequantize_lastdim(rq, rs, torch.bfloat16)),
+    )
     w = 2.0 ** torch.randint(-3, 3, (96,)).float()
     assert_same(quantize.route_weight_quantize(x, w, "rceil"), mxf.quantize_lastdim(x * w[:, None], "rceil"))
-    assert_same(quantize.route_weight_quantize(x, w, "rceil", torch.float32),
-                with_values(mxf.quantize_lastdim(x * w[:, None], "rceil"), torch.float32))
+    assert_same(
+        quantize.route_weight_quantize(x, w, "rceil", torch.float32),
+        with_values(mxf.quantize_lastdim(x * w[:, None], "rceil"), torch.float32),
+    )
     for dt in DTYPES:
         assert same_bits(dequantize.dequantize_lastdim(rq, rs, dt), mxf.dequantize_lastdim(rq, rs, dt))
     # strided layouts: row slices (2D tiles) and a transpose through the generic kernel
     assert_same(quantize.quantize_lastdim(x[:, :64], "rceil"), mxf.quantize_lastdim(x[:, :64], "rceil"))
-    assert same_bits(dequantize.dequantize_lastdim(rq[:, :64], rs[:, :2], torch.float32),
-                     mxf.dequantize_lastdim(rq[:, :64], rs[:, :2], torch.float32))
+    assert same_bits(
+        dequantize.dequantize_lastdim(rq[:, :64], rs[:, :2], torch.float32),
+        mxf.dequantize_lastdim(rq[:, :64], rs[:, :2], torch.float32),
+    )
     tq, ts = mxf.quantize_lastdim(x.t(), "floor")
-    assert_same(quantize.quantize_dequantize(x.t(), "floor", torch.float32),
-                (tq, ts, mxf.dequantize_lastdim(tq, ts, torch.float32)))
+    assert_same(
+        quantize.quantize_dequantize(x.t(), "floor", torch.float32),
+        (tq, ts, mxf.dequantize_lastdim(tq, ts, torch.float32)),
+    )
     # a columnwise pair in the source layout: its own kernel, same values, same layout
     sq, ss = (t.t().contiguous().t() for t in (tq, ts))
     out = dequantize.dequantize_lastdim(sq, ss, torch.float32)
     assert out.stride() == sq.stride() and same_bits(out, mxf.dequantize_lastdim(tq, ts, torch.float32))
     from mxfx.kernels.mx import quantize as tq
 
-    kernel_of = {"quantize": tq.quantize_lastdim, "quantize_dequantize": tq.quantize_dequantize,
-                 "route_weight_quantize": tq.route_weight_quantize, "quantize_dual": dual.quantize_dual,
-                 "quantize_dual_blocked": dual.quantize_dual_blocked}
+    kernel_of = {
+        "quantize": tq.quantize_lastdim,
+        "quantize_dequantize": tq.quantize_dequantize,
+        "route_weight_quantize": tq.route_weight_quantize,
+        "quantize_dual": dual.quantize_dual,
+        "quantize_dual_blocked": dual.quantize_dual_blocked,
+    }
     check_layouts(lambda name, args: kernel_of[name](*args))
     q, s = dual.quantize_dual(x, "rceil")[:2]  # MN-major scales read through their strides
     assert same_bits(dequantize.dequantize_lastdim(q, s, torch.float32), mxf.dequantize_lastdim(q, s, torch.float32))
@@ -772,7 +861,9 @@ def _interpreter_swiglu_checks():
         empty = torch.zeros(shape)
         out = swiglu.swiglu_quantize(empty, empty, "rceil", torch.float32, save_inputs=True)
         assert [tuple(t.shape) for t in out] == [shape, (*shape[:-1], shape[-1] // 32), shape] + [
-            shape, (*shape[:-1], shape[-1] // 32)] * 2
+            shape,
+            (*shape[:-1], shape[-1] // 32),
+        ] * 2
     # mxfx's SiLU flush band (mxfx.kernels.common.silu): a block of gates at or below -87.3365 gives -0 throughout,
     # where F.silu's values (down to 2^-128) would fill the payload at the smallest scale
     band = torch.tensor([-87.3365478515625, -87.5, -88.0, -88.5, -100.0, -1e38, -3.4e38, -1e10] * 4).reshape(1, 32)
@@ -807,7 +898,10 @@ def _interpreter_swiglu_checks():
         assert_same(quantize.quantize_lastdim(p, "rceil"), swiglu.swiglu_quantize(g, u, "rceil"))
     gu3 = exact_input((2, 64, 192), seed=7)
     p3 = silu_triton.swiglu_product(gu3[..., :96], gu3[..., 96:])
-    assert same_bits(p3, silu_triton.swiglu_product(gu3[..., :96].reshape(128, 96), gu3[..., 96:].reshape(128, 96)).reshape(2, 64, 96))
+    assert same_bits(
+        p3,
+        silu_triton.swiglu_product(gu3[..., :96].reshape(128, 96), gu3[..., 96:].reshape(128, 96)).reshape(2, 64, 96),
+    )
     assert silu_triton.swiglu_product(torch.zeros(0, 64), torch.zeros(0, 64)).shape == (0, 64)  # no launch
 
 
@@ -823,7 +917,10 @@ if __name__ == "__main__" and sys.argv[1:] == ["--interpret"]:
     print("interpreter checks passed")
 
 
-@pytest.mark.parametrize("value, opaque", [(None, False), ("0", False), ("off", False), ("1", True), ("True", True), ("yes", True), ("maybe", None)])
+@pytest.mark.parametrize(
+    "value, opaque",
+    [(None, False), ("0", False), ("off", False), ("1", True), ("True", True), ("yes", True), ("maybe", None)],
+)
 def test_opaque_kernels_switch(monkeypatch, value, opaque):
     from mxfx.kernels.common.launch import opaque_kernels
 
@@ -838,8 +935,9 @@ def test_opaque_kernels_switch(monkeypatch, value, opaque):
         assert opaque_kernels() is opaque
 
 
-@pytest.mark.parametrize("kernels, env, opaque", [("opaque", "0", True), ("inductor", "1", False), (None, "1", True),
-                                                  (None, None, False)])
+@pytest.mark.parametrize(
+    "kernels, env, opaque", [("opaque", "0", True), ("inductor", "1", False), (None, "1", True), (None, None, False)]
+)
 def test_policy_kernels_choose_for_the_inner_compile(monkeypatch, kernels, env, opaque):
     """``Policy(kernels=...)`` decides how the MX ops' kernels enter the graph while the inner compiler traces it
     (the choice is also in the compile-cache key), over ``MXFX_OPAQUE_KERNELS``; left out, the variable decides;
@@ -884,13 +982,19 @@ def test_traced_path_calls_the_ops_own_body(monkeypatch):
         wq, ws = custom_ops.quantize(w, "rceil")
         qt, st = custom_ops.quantize(x.t().contiguous(), "rceil")
         return [
-            q, s, custom_ops.dequantize(q, s, torch.float32), *custom_ops.quantize_dual(x, "floor"),
-            *custom_ops.quantize_dequantize(x, "rceil", torch.float32), *custom_ops.swiglu_quantize(x, u, "rceil"),
-            *custom_ops.route_weight_quantize(x, rw, "rceil"), *custom_ops.quantize_blocked(x, "rceil"),
+            q,
+            s,
+            custom_ops.dequantize(q, s, torch.float32),
+            *custom_ops.quantize_dual(x, "floor"),
+            *custom_ops.quantize_dequantize(x, "rceil", torch.float32),
+            *custom_ops.swiglu_quantize(x, u, "rceil"),
+            *custom_ops.route_weight_quantize(x, rw, "rceil"),
+            *custom_ops.quantize_blocked(x, "rceil"),
             custom_ops.mx_mm(q, s, wq[0], ws[0], torch.float32, False),
             custom_ops.mx_grouped_mm(q, s, wq, ws, offs, torch.float32, False),
-            custom_ops.mx_grouped_mm_wgrad(qt[:32], st[:32], qt, st, torch.tensor([32, 32, 96], dtype=torch.int32),
-                                           torch.float32, False),
+            custom_ops.mx_grouped_mm_wgrad(
+                qt[:32], st[:32], qt, st, torch.tensor([32, 32, 96], dtype=torch.int32), torch.float32, False
+            ),
             swiglu_product(x, u),
         ]
 
@@ -899,5 +1003,7 @@ def test_traced_path_calls_the_ops_own_body(monkeypatch):
     bodies = run_all()
     assert len(ops) == len(bodies) == 20
     for a, b in zip(ops, bodies):
-        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
-                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+        assert torch.equal(
+            a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+            b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b,
+        )

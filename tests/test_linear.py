@@ -95,7 +95,9 @@ ELIGIBLE = 2  # qkv, o_proj
 
 
 def _run(model, x, backend="mxfp8", options=None):
-    compiled = torch.compile(model, backend=backend, options=options) if options else torch.compile(model, backend=backend)
+    compiled = (
+        torch.compile(model, backend=backend, options=options) if options else torch.compile(model, backend=backend)
+    )
     x = x.clone().requires_grad_()  # so the first linear has a dgrad too
     with torch.autocast("cpu", torch.bfloat16):
         loss = compiled(x)
@@ -126,7 +128,12 @@ class _Top1(nn.Module):
 
     def __init__(self, select):
         super().__init__()
-        self.router, self.proj, self.pool_proj, self.select = nn.Linear(64, 32, bias=False), nn.Linear(64, 64), nn.Linear(64, 64), select
+        self.router, self.proj, self.pool_proj, self.select = (
+            nn.Linear(64, 32, bias=False),
+            nn.Linear(64, 64),
+            nn.Linear(64, 64),
+            select,
+        )
 
     def forward(self, x):
         probs = F.softmax(self.router(x), dim=-1)
@@ -157,8 +164,16 @@ class _RouterShapes(nn.Module):
     def __init__(self):
         super().__init__()
         lin = lambda: nn.Linear(64, 64, bias=False)  # noqa: E731
-        self.biased, self.tempered, self.silu_head, self.silu_proj, self.gated, self.pooled, self.classifier, self.router = (
-            lin(), lin(), lin(), lin(), lin(), lin(), lin(), lin())
+        (
+            self.biased,
+            self.tempered,
+            self.silu_head,
+            self.silu_proj,
+            self.gated,
+            self.pooled,
+            self.classifier,
+            self.router,
+        ) = (lin(), lin(), lin(), lin(), lin(), lin(), lin(), lin())
         self.logit_bias = nn.Parameter(torch.zeros(64))
         self.register_buffer("temperature", torch.tensor(0.7))
 
@@ -177,7 +192,11 @@ class _NoisyTopK(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.router, self.w_noise, self.proj = nn.Linear(64, 8, bias=False), nn.Linear(64, 8, bias=False), nn.Linear(64, 64)
+        self.router, self.w_noise, self.proj = (
+            nn.Linear(64, 8, bias=False),
+            nn.Linear(64, 8, bias=False),
+            nn.Linear(64, 64),
+        )
 
     def forward(self, x):
         logits = self.router(x)
@@ -284,7 +303,9 @@ def test_tied_output_head_stays_bf16_unless_a_rule_says_otherwise():
     kept = {r.module: r.reason for r in mxfx.last_report().records if not r.rewritten}
     assert set(kept) == {"head"} and "tied to an embedding" in kept["head"]
     torch._dynamo.reset()
-    torch.compile(m, backend="mxfp8", options={"inner": "eager", "rules": [{"module": "head", "precision": "mxfp8"}]})(idx)
+    torch.compile(m, backend="mxfp8", options={"inner": "eager", "rules": [{"module": "head", "precision": "mxfp8"}]})(
+        idx
+    )
     assert mxfx.last_report().count("linear", rewritten=True) == 2
 
 
@@ -319,8 +340,9 @@ def test_fused_swiglu_keeps_the_dtype_the_model_cast_to(to, param_dtype):
     assert model.gate.weight.grad.dtype == param_dtype and torch.isfinite(model.gate.weight.grad).all()
 
 
-@pytest.mark.parametrize("act", [F.relu, torch.relu, nn.ReLU(), F.sigmoid, torch.special.expit, F.tanh,
-                                 lambda t: t.relu_()])
+@pytest.mark.parametrize(
+    "act", [F.relu, torch.relu, nn.ReLU(), F.sigmoid, torch.special.expit, F.tanh, lambda t: t.relu_()]
+)
 def test_output_saving_activation_is_not_packed_twice(act):
     """ReLU's, sigmoid's and tanh's backward read their own output, so the next linear's input stays alive
     in BF16 anyway: packing an MX copy next to it would add memory, and the precision map must not claim a

@@ -19,7 +19,9 @@ def _cfg(**kw):
 
 def _train_step(model, backend, options, *inputs):
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend=backend, options=options) if options else torch.compile(model, backend=backend)
+    compiled = (
+        torch.compile(model, backend=backend, options=options) if options else torch.compile(model, backend=backend)
+    )
     with torch.autocast("cpu", torch.bfloat16):
         out = compiled(*inputs)
     loss = out[1] if isinstance(out, tuple) else out.float().square().mean()
@@ -36,7 +38,11 @@ def _saved_bytes(cap: GraphCapture) -> int:
     storages = {}
     for n in outs[len(outs) - n_saved :]:
         v = n.meta.get("val") if hasattr(n, "meta") else None
-        if isinstance(v, torch.Tensor) and v.is_floating_point() or (isinstance(v, torch.Tensor) and v.dtype == torch.uint8):
+        if (
+            isinstance(v, torch.Tensor)
+            and v.is_floating_point()
+            or (isinstance(v, torch.Tensor) and v.dtype == torch.uint8)
+        ):
             key = v.untyped_storage()._cdata  # fake tensors share their base's storage as real ones do
             storages[key] = max(storages.get(key, 0), v.numel() * v.element_size())
     return sum(storages.values())
@@ -61,7 +67,11 @@ def test_main_model_counts_and_attention_saved_rule():
     assert report[("layers.0.attn.o_proj", "linear")].saved == "bf16"
     # ... checked on what the backward graph actually receives: the token-blocked E4M3 copy of the
     # qkv input [d, tokens] and, for o_proj, the BF16 attention output [tokens, d].
-    bw_inputs = [n.meta["val"] for n in bw[0].graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)]
+    bw_inputs = [
+        n.meta["val"]
+        for n in bw[0].graph.nodes
+        if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
+    ]
     assert any(v.dtype == E4M3 and tuple(v.shape) == (64, 64) for v in bw_inputs)
     fw_gm = fw[0]
     o_proj_in = [n for n in fw_gm.graph.nodes if n.target is OPS.mm.default][1].args[0]  # o_proj's rowwise qdata
@@ -191,7 +201,9 @@ def _routed_layer(x, router_w, w_gate_up, w_down, topk):
     weights, experts = F.linear(x, router_w).float().softmax(-1).topk(topk, dim=-1)
     flat = experts.reshape(-1)
     order = flat.argsort(stable=True)
-    offs = torch.histc(flat.float(), bins=w_down.shape[0], min=-0.5, max=w_down.shape[0] - 0.5).cumsum(0).to(torch.int32)
+    offs = (
+        torch.histc(flat.float(), bins=w_down.shape[0], min=-0.5, max=w_down.shape[0] - 0.5).cumsum(0).to(torch.int32)
+    )
     g, u = torch._grouped_mm(x[order // topk], w_gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
     y = torch._grouped_mm(F.silu(g) * u, w_down.transpose(-2, -1), offs=offs)
     y = y * weights.reshape(-1)[order].to(y.dtype)[:, None]
@@ -202,7 +214,9 @@ def test_local_dispatch_quantized_before_its_row_gather():
     torch.manual_seed(0)
     tokens, d, experts, topk = 48, 64, 4, 2
     x = torch.randn(tokens, d, dtype=torch.bfloat16, requires_grad=True)
-    params = [(torch.randn(*s) * 0.2).bfloat16().requires_grad_() for s in ((experts, d), (experts, 128, d), (experts, d, 64))]
+    params = [
+        (torch.randn(*s) * 0.2).bfloat16().requires_grad_() for s in ((experts, d), (experts, 128, d), (experts, d, 64))
+    ]
 
     def run(options):
         torch._dynamo.reset()
@@ -244,7 +258,9 @@ def test_local_dispatch_hoist_keeps_the_saved_precision(copies, saved):
     for passes in ({}, {"dispatch_mx": False}):
         torch._dynamo.reset()
         x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
-        torch.compile(f, backend="mxfp8", options={"inner": "aot_eager", "passes": passes})(x, w).float().square().sum().backward()
+        torch.compile(f, backend="mxfp8", options={"inner": "aot_eager", "passes": passes})(
+            x, w
+        ).float().square().sum().backward()
         rec = next(r for r in mxfx.last_report().records if r.kind == "grouped_mm")
         got.append((rec.saved, rec.reason, x.grad, w.grad))
     assert got[0][0] == got[1][0] == saved, got[0][:2]

@@ -73,6 +73,7 @@ def _kinds(records, kind):
 
 # --- the pipeline ------------------------------------------------------------------------------------------
 
+
 def test_every_pass_module_runs_once_in_the_order_of_the_policy_switches():
     """The one list of passes, :data:`mxfx.policy.PASSES`: the pipeline runs its names in its order, then
     ``unconverted``; every module of ``mxfx/passes/`` with a ``run`` is a pass of it (a pass module left out of
@@ -92,11 +93,16 @@ def test_every_pass_module_runs_once_in_the_order_of_the_policy_switches():
 
 # --- linear ------------------------------------------------------------------------------------------------
 
+
 def test_linear_pass(all_on):
     records, cap = all_on[2], all_on[3]
     assert {r.module for r in _kinds(records, "linear")} == {
-        "layers.0.attn.qkv", "layers.0.attn.o_proj", "layers.0.moe.shared_gate", "layers.0.moe.shared_up",
-        "layers.0.moe.shared_down"}
+        "layers.0.attn.qkv",
+        "layers.0.attn.o_proj",
+        "layers.0.moe.shared_gate",
+        "layers.0.moe.shared_up",
+        "layers.0.moe.shared_down",
+    }
     assert count_calls(cap.forward, OPS.mm.default) == 5
     off = _step({"linear": False})
     assert not _kinds(off[2], "linear") and count_calls(off[3].forward, OPS.mm.default) == 0
@@ -107,6 +113,7 @@ def test_linear_pass(all_on):
 
 
 # --- grouped_mm --------------------------------------------------------------------------------------------
+
 
 def test_grouped_mm_pass(all_on):
     assert len(_kinds(all_on[2], "grouped_mm")) == 2  # gate_up and down of the routed experts
@@ -120,11 +127,14 @@ def test_grouped_mm_pass(all_on):
 
 # --- swiglu ------------------------------------------------------------------------------------------------
 
+
 def test_swiglu_pass(all_on):
     assert len(_kinds(all_on[2], "swiglu")) == 2  # routed and shared SwiGLU, fused into their GEMM's quantize
     assert count_calls(all_on[3].forward, OPS.swiglu_quantize_dequantize_save.default) == 2
     off = _step({"swiglu": False})
-    assert not _kinds(off[2], "swiglu") and count_calls(off[3].forward, OPS.swiglu_quantize_dequantize_save.default) == 0
+    assert (
+        not _kinds(off[2], "swiglu") and count_calls(off[3].forward, OPS.swiglu_quantize_dequantize_save.default) == 0
+    )
     _close(all_on, off, 1e-3, 5e-2)
 
 
@@ -139,6 +149,7 @@ def test_swiglu_row_shows_the_consumers_scale_rule():
 
 # --- combine -----------------------------------------------------------------------------------------------
 
+
 def test_combine_pass(all_on):
     assert len(_kinds(all_on[2], "combine")) == 1
     assert count_calls(all_on[3].backward, OPS.route_weight_quantize_dequantize.default) == 1
@@ -150,6 +161,7 @@ def test_combine_pass(all_on):
 
 # --- dispatch_mx -------------------------------------------------------------------------------------------
 
+
 def _hoisted(records) -> list[str]:
     return [r.reason for r in records if r.kind == "grouped_mm" and "before the dispatch's row gather" in r.reason]
 
@@ -157,17 +169,26 @@ def _hoisted(records) -> list[str]:
 def test_dispatch_mx_pass(all_on):
     """The routed gate_up GEMM's operand is made from the 64 tokens, not from their 128 gathered copies."""
     assert len(_hoisted(all_on[2])) == 1 and "(64 rows, not 128)" in _hoisted(all_on[2])[0]
-    made = [n.args[0].meta["val"].shape[0] for g in all_on[3].forward for n in g.graph.nodes
-            if n.target is OPS.quantize_dequantize.default]
+    made = [
+        n.args[0].meta["val"].shape[0]
+        for g in all_on[3].forward
+        for n in g.graph.nodes
+        if n.target is OPS.quantize_dequantize.default
+    ]
     assert 64 in made and 128 not in made, made
     off = _step({"dispatch_mx": False})
     assert not _hoisted(off[2])
-    assert 128 in [n.args[0].meta["val"].shape[0] for g in off[3].forward for n in g.graph.nodes
-                   if n.target is OPS.quantize_dequantize.default]
+    assert 128 in [
+        n.args[0].meta["val"].shape[0]
+        for g in off[3].forward
+        for n in g.graph.nodes
+        if n.target is OPS.quantize_dequantize.default
+    ]
     _close(all_on, off, 1e-3, 5e-2)
 
 
 # --- shared_quantize ---------------------------------------------------------------------------------------
+
 
 def test_shared_quantize_pass(all_on):
     """The shared expert's gate and up projections read one input: one quantize of it, its rows alone (the router's
@@ -176,7 +197,9 @@ def test_shared_quantize_pass(all_on):
     blocks with separate q, k and v projections: ``tests/test_shared_quantize.py``."""
     note = "input quantized once for shared_gate, shared_up"
     assert [r.module for r in _kinds(all_on[2], "linear") if note in r.reason] == [
-        "layers.0.moe.shared_gate", "layers.0.moe.shared_up"]
+        "layers.0.moe.shared_gate",
+        "layers.0.moe.shared_up",
+    ]
     off = _step({"shared_quantize": False})
     assert not [r for r in off[2] if "quantized once" in r.reason]
     assert torch.equal(all_on[0], off[0]) and all_on[1].keys() == off[1].keys()
@@ -184,6 +207,7 @@ def test_shared_quantize_pass(all_on):
 
 
 # --- saved -------------------------------------------------------------------------------------------------
+
 
 def test_saved_pass(all_on):
     saved = {r.module: r.saved for r in _kinds(all_on[2], "linear")}
@@ -195,9 +219,11 @@ def test_saved_pass(all_on):
 
 # --- weight_refresh ----------------------------------------------------------------------------------------
 
+
 def test_weight_refresh_pass():
     """A compiled optimizer step gets the cache refresh in its graph; the next forward then reads caches of the
     updated weights, exactly as when the refresh runs from the step hook (pass off): bit-equal losses."""
+
     def run(on: bool):
         torch.manual_seed(0)
         lin = torch.nn.Linear(64, 64, bias=False)
@@ -205,7 +231,9 @@ def test_weight_refresh_pass():
         x = torch.randn(32, 64, generator=torch.Generator().manual_seed(2))
         torch._dynamo.reset()
         fwd = torch.compile(lin, backend="mxfp8", options={"inner": "aot_eager"})
-        step = torch.compile(opt.step, backend="mxfp8", options={"inner": "aot_eager", "passes": {"weight_refresh": on}})
+        step = torch.compile(
+            opt.step, backend="mxfp8", options={"inner": "aot_eager", "passes": {"weight_refresh": on}}
+        )
         losses = []
         for _ in range(2):
             loss = fwd(x).square().mean()
@@ -242,6 +270,8 @@ def test_wildcard_rule_switching_a_router_warns_once():
     assert len(said) == 1 and "layers.0.moe" in said[0] and "'op': 'router'" in said[0], said
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        records = _step(n_experts=32, rules=[{"op": "router", "precision": "bf16"}, {"module": "layers.*", "precision": "mxfp8"}])[2]
+        records = _step(
+            n_experts=32, rules=[{"op": "router", "precision": "bf16"}, {"module": "layers.*", "precision": "mxfp8"}]
+        )[2]
     assert all(not r.rewritten for r in records if r.kind == "router")
     assert not [w for w in record if "switches the router" in str(w.message)]

@@ -123,9 +123,17 @@ def test_hf_fp32_fallback_kept_by_a_rule_is_mapped_fp32():
     """transformers' grouped-GEMM FP32 fallback (FP32 main weights under autocast) kept by a precision='bf16' rule
     runs in FP32, and the map says so."""
     T = pytest.importorskip("transformers")
-    cfg = T.OlmoeConfig(vocab_size=128, hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
-                        num_key_value_heads=2, max_position_embeddings=64, intermediate_size=64, num_experts=4,
-                        num_experts_per_tok=2)
+    cfg = T.OlmoeConfig(
+        vocab_size=128,
+        hidden_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        intermediate_size=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
     cfg._experts_implementation = "grouped_mm"
     torch.manual_seed(0)
     model = T.OlmoeForCausalLM(cfg)
@@ -159,8 +167,10 @@ def test_few_tokens_pack_only_copies_smaller_than_the_input_kept():
     assert (first.saved, second.saved) == ("mxfp8", "bf16")
     assert first.saved_bytes == (14 * 64 * 2, 32 * 64 * 33 // 32) and first.reason == ""
     assert second.saved_bytes == (14 * 96 * 2, 14 * 96 * 2)
-    assert ("the mxfp8 copy (3168 bytes, 14 tokens zero-padded to a multiple of 32) is not smaller than the "
-            "2688-byte bf16 input kept as it is") in second.reason, second
+    assert (
+        "the mxfp8 copy (3168 bytes, 14 tokens zero-padded to a multiple of 32) is not smaller than the "
+        "2688-byte bf16 input kept as it is"
+    ) in second.reason, second
     assert pm.saved_bytes() == (14 * (64 + 96) * 2, 2112 + 2688)
     assert "4480 B as written -> 4800 B (7.1% more, nominal)" in pm.summary()
 
@@ -210,10 +220,13 @@ def test_saved_reasons_speak_of_the_ops_format():
     torch._dynamo.reset()
     x = torch.randn(32, 128, dtype=torch.bfloat16, requires_grad=True)
     with torch.autocast("cpu", torch.bfloat16):
-        torch.compile(QKV(), backend="mxfp8", options={**EAGER, "format": "fp8_block",
-                                                       "passes": {"shared_quantize": False}})(x)
+        torch.compile(
+            QKV(), backend="mxfp8", options={**EAGER, "format": "fp8_block", "passes": {"shared_quantize": False}}
+        )(x)
     reasons = {r.reason for r in mxfx.last_report().records if r.kind == "linear"}
-    assert reasons == {"read by 3 converted ops: one 2-byte copy is smaller than 3 fp8_block copies (1.03125 bytes a value)"}
+    assert reasons == {
+        "read by 3 converted ops: one 2-byte copy is smaller than 3 fp8_block copies (1.03125 bytes a value)"
+    }
 
 
 def _backward_receives(cap) -> list[tuple[torch.dtype, tuple, int]]:
@@ -264,7 +277,8 @@ def test_a_no_op_cast_is_the_tensor_it_casts(cast, cast_for):
     torch.manual_seed(0)
     cap = GraphCapture()
     y = torch.compile(_SavedBeside(_NO_OP_CASTS[cast], cast_for), backend="mxfp8", options={"inner": cap})(
-        torch.randn(32, 64))
+        torch.randn(32, 64)
+    )
     y.sum().backward()
     up = _by_module()["up"]
     assert up.saved == "fp32" and "also saved by linear" in up.reason, up
@@ -357,5 +371,7 @@ def test_fp32_input_under_autocast_is_judged_by_its_own_bytes(tokens, k, packed)
         assert rec.saved == "mxfp8" and (torch.float8_e4m3fn, (k, 32), 32 * k) in received, (rec, received)
     else:
         assert rec.saved == "fp32" and received == [(torch.float32, (tokens, k), fp32_bytes)], received
-        assert (f"the mxfp8 copy ({copy_bytes} bytes, {tokens} tokens zero-padded to a multiple of 32) is not smaller "
-                f"than the {fp32_bytes}-byte fp32 input kept as it is") in rec.reason, rec
+        assert (
+            f"the mxfp8 copy ({copy_bytes} bytes, {tokens} tokens zero-padded to a multiple of 32) is not smaller "
+            f"than the {fp32_bytes}-byte fp32 input kept as it is"
+        ) in rec.reason, rec

@@ -24,8 +24,16 @@ from mxfx.ops.linear import mx_linear
 D = 64
 
 # expert row counts: every expert crosses the 32-row block boundary both ways (and Dynamo's 0/1 rows never occur)
-SPLITS = [[10, 20, 30, 4], [40, 8, 12, 4], [3, 70, 9, 100], [33, 33, 33, 33], [64, 65, 2, 200], [5, 6, 7, 8],
-          [100, 2, 50, 31], [31, 32, 33, 34]]
+SPLITS = [
+    [10, 20, 30, 4],
+    [40, 8, 12, 4],
+    [3, 70, 9, 100],
+    [33, 33, 33, 33],
+    [64, 65, 2, 200],
+    [5, 6, 7, 8],
+    [100, 2, 50, 31],
+    [31, 32, 33, 34],
+]
 # the same four times over: every expert crosses the 128-row tile boundary both ways
 SPLITS_128 = [[4 * n for n in sizes] for sizes in SPLITS]
 
@@ -72,8 +80,12 @@ def test_fp8_block_padded_dynamic_wgrad_equals_the_static_one():
     counters.clear()
     torch.manual_seed(0)
     w = torch.randn(256, 128) * 0.05
-    compiled = torch.compile(lambda x, w: F.linear(x, w), backend="mxfp8", dynamic=True,
-                             options={"inner": "aot_eager", "format": "fp8_block"})
+    compiled = torch.compile(
+        lambda x, w: F.linear(x, w),
+        backend="mxfp8",
+        dynamic=True,
+        options={"inner": "aot_eager", "format": "fp8_block"},
+    )
     for m, padded in ((100, 256), (300, 384)):  # one partial tile padded to two; three tiles, the last partial
         x, g = torch.randn(m, 128), torch.randn(m, 256)
         grads = []
@@ -83,8 +95,9 @@ def test_fp8_block_padded_dynamic_wgrad_equals_the_static_one():
                 y = fn(x, weight)
             (y.float() * g).sum().backward()
             grads.append(weight.grad)
-        dy_q, x_q = (dequantize_1x128(*quantize_1x128(t, axis=0), axis=0, dtype=torch.float32)
-                     for t in (g.bfloat16(), x))  # the wgrad operands' values, tiled along the tokens
+        dy_q, x_q = (
+            dequantize_1x128(*quantize_1x128(t, axis=0), axis=0, dtype=torch.float32) for t in (g.bfloat16(), x)
+        )  # the wgrad operands' values, tiled along the tokens
         u = 2.0**-24
         bound = 2 * (padded * u / (1 - padded * u)) * (dy_q.abs().t() @ x_q.abs())
         diff = (grads[0] - grads[1]).abs()
@@ -98,8 +111,10 @@ def _hit_limit(options, limit: int = 2) -> list[str]:
     torch._dynamo.reset()
     counters.clear()
     model = torch.compile(LoopExperts(n_experts=2), backend="mxfp8", options=options)
-    with torch._dynamo.config.patch(automatic_dynamic_shapes=False, recompile_limit=limit), \
-            warnings.catch_warnings(record=True) as record:
+    with (
+        torch._dynamo.config.patch(automatic_dynamic_shapes=False, recompile_limit=limit),
+        warnings.catch_warnings(record=True) as record,
+    ):
         warnings.simplefilter("always")
         for sizes in ([32, 32], [64, 32], [32, 64], [64, 64]):  # a new graph per split: the limit is hit
             model(torch.randn(sum(sizes), D, requires_grad=True), sizes).sum().backward()

@@ -76,13 +76,17 @@ def test_glob_matches_name_or_dotted_suffix():
     rule = Rule(module="layers.0.*", precision="bf16")
     assert rule.matches_module("layers.0.up") and rule.matches_module("model.layers.0.up")
     assert not rule.matches_module("model.layers.10.up") and not rule.matches_module("model.xlayers.0.up")
-    assert Rule(module="lm_head", precision="bf16").matches_module("model.lm_head") and not Rule(module="lm_head", precision="bf16").matches_module("lm_head_norm")
+    assert Rule(module="lm_head", precision="bf16").matches_module("model.lm_head") and not Rule(
+        module="lm_head", precision="bf16"
+    ).matches_module("lm_head_norm")
 
 
 def test_whole_model_readme_rule_works_on_hf_names_and_unmatched_rule_warns_at_compile():
     model = HFLike()
-    options = {"inner": "aot_eager", "rules": [{"module": "layers.0.*", "precision": "bf16"},
-                                               {"module": "blocks.*", "wgrad": "bf16"}]}
+    options = {
+        "inner": "aot_eager",
+        "rules": [{"module": "layers.0.*", "precision": "bf16"}, {"module": "blocks.*", "wgrad": "bf16"}],
+    }
     with warnings.catch_warnings(record=True) as at_step:
         warnings.simplefilter("always")
         early = _step(model, torch.compile(model, backend="mxfp8", options=options), torch.randn(4, 64))
@@ -96,8 +100,10 @@ def test_whole_model_readme_rule_works_on_hf_names_and_unmatched_rule_warns_at_c
 def test_per_block_compile_judges_all_blocks_together():
     """Block 0's graph has no 'proj': judged per graph, the 'proj' rule would warn; over both blocks it must not."""
     model = Inner()
-    options = {"inner": "aot_eager", "rules": [{"module": "proj", "precision": "bf16"},
-                                               {"module": "layers.2.*", "precision": "bf16"}]}
+    options = {
+        "inner": "aot_eager",
+        "rules": [{"module": "proj", "precision": "bf16"}, {"module": "layers.2.*", "precision": "bf16"}],
+    }
     messages = _per_block_judged(model, options)
     assert len(messages) == 1 and "(module='layers.2.*', precision='bf16')" in messages[0], messages
     # the names of both graphs, named from the model being called around the blocks
@@ -113,7 +119,10 @@ def test_inference_whole_model_is_judged_at_compile():
     """No optimizer step: a whole-model graph is judged when it compiles, not at exit (nor under the next model)."""
     model = Inner()
     options = {"inner": "aot_eager", "rules": [{"module": "head", "precision": "bf16"}]}
-    with torch.no_grad(), pytest.warns(UserWarning, match=r"policy rules\[0\] \(module='head', precision='bf16'\) matches no"):
+    with (
+        torch.no_grad(),
+        pytest.warns(UserWarning, match=r"policy rules\[0\] \(module='head', precision='bf16'\) matches no"),
+    ):
         torch.compile(model, backend="mxfp8", options=options)(torch.randn(4, 64))
 
 
@@ -121,7 +130,10 @@ def test_per_block_inference_is_judged_at_exit():
     """Blocks compiled on their own inside an eager model are not judged at compile (block 0's graph has no 'proj');
     without an optimizer step, the exit hook (judge_pending, registered with atexit) judges them together."""
     model = Inner()
-    options = {"inner": "aot_eager", "rules": [{"module": "proj", "precision": "bf16"}, {"module": "stem", "wgrad": "bf16"}]}
+    options = {
+        "inner": "aot_eager",
+        "rules": [{"module": "proj", "precision": "bf16"}, {"module": "stem", "wgrad": "bf16"}],
+    }
     for i, block in enumerate(model.layers):
         model.layers[i] = torch.compile(block, backend="mxfp8", options=options)
     with torch.no_grad(), warnings.catch_warnings():
@@ -129,7 +141,9 @@ def test_per_block_inference_is_judged_at_exit():
         model(torch.randn(4, 64))
     with pytest.warns(UserWarning, match="policy rule") as record:
         rule_check.judge_pending()
-    messages = [m for m in _rule_warnings(record) if "'stem'" in m or "'proj'" in m]  # other tests' policies may wait too
+    messages = [
+        m for m in _rule_warnings(record) if "'stem'" in m or "'proj'" in m
+    ]  # other tests' policies may wait too
     assert len(messages) == 1 and "(module='stem', wgrad='bf16') matches no module" in messages[0], messages
 
 
@@ -171,8 +185,10 @@ def _compile_warnings(options) -> list[str]:
 
 
 def test_rule_asking_for_low_precision_warns_when_the_shape_refuses_it():
-    options = {"inner": "aot_eager", "rules": [{"module": "odd", "precision": "mxfp8", "wgrad": "mxfp8"},
-                                               {"module": "up", "format": "fp8_block"}]}
+    options = {
+        "inner": "aot_eager",
+        "rules": [{"module": "odd", "precision": "mxfp8", "wgrad": "mxfp8"}, {"module": "up", "format": "fp8_block"}],
+    }
     messages = _compile_warnings(options)
     by_module = {r.module: r for r in mxfx.last_report().records}
     assert [by_module[m].forward for m in ("up", "odd", "tail")] == ["fp32"] * 3  # kept as written: FP32 model
@@ -189,11 +205,16 @@ def test_policy_wide_fp8_block_is_said_once_and_not_as_a_rule():
     by the model's coverage warning: not also as a rule whose module glob could be narrowed."""
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        torch.compile(Uneven(), backend="mxfp8", options={"inner": "aot_eager", "format": "fp8_block"})(torch.randn(4, 64))
+        torch.compile(Uneven(), backend="mxfp8", options={"inner": "aot_eager", "format": "fp8_block"})(
+            torch.randn(4, 64)
+        )
     messages = [str(w.message) for w in record if str(w.message).startswith("mxfx")]
     assert len(messages) == 1, messages
     assert "converted no op (policy format 'fp8_block'): its 3 GEMM op(s)" in messages[0]
-    assert "features 64->40 are not multiples of 128" in messages[0] and "a rule with format='mxfp8' takes them" in messages[0]
+    assert (
+        "features 64->40 are not multiples of 128" in messages[0]
+        and "a rule with format='mxfp8' takes them" in messages[0]
+    )
     assert "module glob" not in messages[0] and "asks for" not in messages[0]
 
 
@@ -212,14 +233,21 @@ def test_a_rule_over_a_narrow_gate_does_not_tell_to_pad_it():
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         torch.compile(Gated(), backend="mxfp8", options={"inner": "aot_eager", "rules": [{"precision": "mxfp8"}]})(
-            torch.randn(4, 64))
+            torch.randn(4, 64)
+        )
     (message,) = [str(w.message) for w in record if "asks for" in str(w.message)]
-    assert "policy rules[0] (precision='mxfp8') asks for mxfp8, but 3 op(s) it matches stay FP32" in message  # an FP32 model, no autocast
-    assert ("gate (linear x[4, 64] w[1, 64] +bias): features 64->1 are not multiples of 32 (mxfp8 blocks); the GEMM is "
-            "narrower than one block (1 output feature), too narrow to pad") in message
+    assert (
+        "policy rules[0] (precision='mxfp8') asks for mxfp8, but 3 op(s) it matches stay FP32" in message
+    )  # an FP32 model, no autocast
+    assert (
+        "gate (linear x[4, 64] w[1, 64] +bias): features 64->1 are not multiples of 32 (mxfp8 blocks); the GEMM is "
+        "narrower than one block (1 output feature), too narrow to pad"
+    ) in message
     assert "pad their features to a multiple of 32" in message  # for odd and tail
-    assert message.endswith("'gate' is narrower than one block, too narrow to convert: narrow the rule's module glob "
-                            "to leave it out, or drop the rule."), message
+    assert message.endswith(
+        "'gate' is narrower than one block, too narrow to convert: narrow the rule's module glob "
+        "to leave it out, or drop the rule."
+    ), message
     assert "pad the" not in message.split("gate (linear")[1].split(". To convert")[0]  # not the gate
 
 
@@ -228,19 +256,34 @@ def test_rule_errors_name_the_rule_by_index_and_text():
 
     keep = {"module": "lm_head", "precision": "bf16"}
     for rule, head, what in (
-            ({"module": "x", "op": "lin", "precision": "bf16"}, "(module='x', op='lin', precision='bf16')", "op='lin' is not valid"),
-            ({"module": "x", "prec": "bf16"}, "(module='x', prec='bf16')", "unknown rule key(s) ['prec']"),
-            ({"module": "x", "precision": "bf16", "wgrad": "mxfp8"}, "(module='x', precision='bf16', wgrad='mxfp8')",
-             "keeps its ops as the model wrote them (precision='bf16'), so wgrad would do nothing"),
-            ({"module": "x", "format": "fp8_block", "scale_rule": "floor"}, "(module='x', scale_rule='floor', format='fp8_block')",
-             "scale_rule='floor' is not a rule of format='fp8_block'")):
+        (
+            {"module": "x", "op": "lin", "precision": "bf16"},
+            "(module='x', op='lin', precision='bf16')",
+            "op='lin' is not valid",
+        ),
+        ({"module": "x", "prec": "bf16"}, "(module='x', prec='bf16')", "unknown rule key(s) ['prec']"),
+        (
+            {"module": "x", "precision": "bf16", "wgrad": "mxfp8"},
+            "(module='x', precision='bf16', wgrad='mxfp8')",
+            "keeps its ops as the model wrote them (precision='bf16'), so wgrad would do nothing",
+        ),
+        (
+            {"module": "x", "format": "fp8_block", "scale_rule": "floor"},
+            "(module='x', scale_rule='floor', format='fp8_block')",
+            "scale_rule='floor' is not a rule of format='fp8_block'",
+        ),
+    ):
         with pytest.raises(ValueError) as e:
             Policy(rules=[keep, rule])
         assert str(e.value).startswith(f"mxfx policy: rules[1] {head}: {what}"), str(e.value)
 
 
 def test_rule_asking_for_low_precision_warns_below_min_size_once():
-    options = {"inner": "aot_eager", "min_size": 10**9, "rules": [{"module": "up", "precision": "mxfp8", "save": "mxfp8"}]}
+    options = {
+        "inner": "aot_eager",
+        "min_size": 10**9,
+        "rules": [{"module": "up", "precision": "mxfp8", "save": "mxfp8"}],
+    }
     (message,) = _compile_warnings(options)
     assert "up (linear x[4, 64] w[64, 64] +bias): GEMM of 16384 MACs is below min_size 1000000000" in message
     assert "min_size=0 on the rule" in message
@@ -258,16 +301,35 @@ def test_a_block_rule_does_not_switch_the_router_or_head():
     assert block.requesting_rule("router", "model.layers.0.mlp.gate") is None  # so no "stays BF16" warning
     every = Policy(rules=[{"precision": "mxfp8"}])
     assert every.decide("linear", "m.lm_head").precision == "bf16"
-    assert Policy(rules=[{"op": "router", "precision": "mxfp8"}]).decide("router", "model.layers.0.mlp.gate").precision == "mxfp8"
-    assert Policy(rules=[{"module": "mlp.gate", "precision": "mxfp8"}]).decide("router", "model.layers.0.mlp.gate").precision == "mxfp8"
-    assert Policy(rules=[{"module": "lm_head", "precision": "mxfp8"}]).decide("linear", "m.lm_head").precision == "mxfp8"
+    assert (
+        Policy(rules=[{"op": "router", "precision": "mxfp8"}]).decide("router", "model.layers.0.mlp.gate").precision
+        == "mxfp8"
+    )
+    assert (
+        Policy(rules=[{"module": "mlp.gate", "precision": "mxfp8"}])
+        .decide("router", "model.layers.0.mlp.gate")
+        .precision
+        == "mxfp8"
+    )
+    assert (
+        Policy(rules=[{"module": "lm_head", "precision": "mxfp8"}]).decide("linear", "m.lm_head").precision == "mxfp8"
+    )
     # a BF16 block rule still keeps everything in it, router included
-    assert Policy(rules=[{"module": "layers.0", "precision": "bf16"}]).decide("linear", "layers.0.mlp.up").precision == "bf16"
+    assert (
+        Policy(rules=[{"module": "layers.0", "precision": "bf16"}]).decide("linear", "layers.0.mlp.up").precision
+        == "bf16"
+    )
 
 
-@pytest.mark.parametrize("rule, what", [({"module": "layers.0"}, "sets nothing"), ({"op": "linear"}, "sets nothing"),
-                                        ({"module": "x", "precision": "bf16", "wgrad": "mxfp8"}, "wgrad would do nothing"),
-                                        ({"precision": "bf16", "format": "fp8_block"}, "format would do nothing")])
+@pytest.mark.parametrize(
+    "rule, what",
+    [
+        ({"module": "layers.0"}, "sets nothing"),
+        ({"op": "linear"}, "sets nothing"),
+        ({"module": "x", "precision": "bf16", "wgrad": "mxfp8"}, "wgrad would do nothing"),
+        ({"precision": "bf16", "format": "fp8_block"}, "format would do nothing"),
+    ],
+)
 def test_a_rule_that_would_do_nothing_is_refused(rule, what):
     from mxfx.policy import Policy
 
@@ -312,8 +374,10 @@ def _compile_rule_warnings(model, rules) -> list[str]:
 def test_rule_for_a_module_without_a_gemm_warns_at_compile():
     """The norm module exists (no "matches no module" warning), but holds no op a rule decides."""
     (message,) = _compile_rule_warnings(GluModel(), [{"module": "layers.0.input_layernorm", "precision": "mxfp8"}])
-    assert message.startswith("mxfx: policy rules[0] (module='layers.0.input_layernorm', precision='mxfp8') matches "
-                              "module 'layers.0.input_layernorm', but there is no op a rule decides"), message
+    assert message.startswith(
+        "mxfx: policy rules[0] (module='layers.0.input_layernorm', precision='mxfp8') matches "
+        "module 'layers.0.input_layernorm', but there is no op a rule decides"
+    ), message
     assert "so it changes nothing. Op kinds found there: none." in message
     assert "Ops a rule decides are in 'layers.0', 'layers.0.attn', 'layers.0.down'" in message  # swiglu, linears
     assert "point the module glob there, or drop the rule." in message and "matches no module" not in message
@@ -322,10 +386,15 @@ def test_rule_for_a_module_without_a_gemm_warns_at_compile():
 
 def test_rule_for_an_op_kind_its_module_lacks_warns_once():
     """op='swiglu' on the attention projection, and on a block without SwiGLU (layer 1 uses ReLU)."""
-    rules = [{"module": "attn", "op": "swiglu", "precision": "bf16"}, {"module": "layers.1", "op": "swiglu", "save": "bf16"}]
+    rules = [
+        {"module": "attn", "op": "swiglu", "precision": "bf16"},
+        {"module": "layers.1", "op": "swiglu", "save": "bf16"},
+    ]
     attn, dense = _compile_rule_warnings(GluModel(glu=(True, False)), rules)
-    assert ("(module='attn', op='swiglu', precision='bf16') matches modules 'layers.0.attn', 'layers.1.attn', "
-            "but there is no swiglu op there, so it changes nothing. Op kinds found there: linear, saved.") in attn
+    assert (
+        "(module='attn', op='swiglu', precision='bf16') matches modules 'layers.0.attn', 'layers.1.attn', "
+        "but there is no swiglu op there, so it changes nothing. Op kinds found there: linear, saved."
+    ) in attn
     assert "The swiglu ops are in 'layers.0': point the module glob there, or set op to a kind found there" in attn
     assert "(module='layers.1', op='swiglu', save='bf16') matches module 'layers.1', but there is no swiglu op" in dense
     swiglu = [r for r in mxfx.last_report().records if r.kind == "swiglu"]
@@ -339,15 +408,27 @@ def test_rule_matching_an_op_in_any_graph_does_not_warn():
     """Per-block compile: block 0's graph has no SwiGLU and no 'up', block 1's has both; judged over both at the
     optimizer step, the rules for them matched and do not warn, while the norm rule (no op in any graph) does."""
     model = GluModel(glu=(False, True))
-    options = {"inner": "aot_eager", "rules": [{"op": "swiglu", "save": "bf16"}, {"module": "up", "op": "linear", "wgrad": "bf16"},
-                                               {"module": "input_layernorm", "precision": "bf16"}]}
-    messages = [m for m in _per_block_judged(model, options) if "input_layernorm" in m or "op='swiglu'" in m or "'up'" in m]
+    options = {
+        "inner": "aot_eager",
+        "rules": [
+            {"op": "swiglu", "save": "bf16"},
+            {"module": "up", "op": "linear", "wgrad": "bf16"},
+            {"module": "input_layernorm", "precision": "bf16"},
+        ],
+    }
+    messages = [
+        m for m in _per_block_judged(model, options) if "input_layernorm" in m or "op='swiglu'" in m or "'up'" in m
+    ]
     assert len(messages) == 1, messages
-    assert ("(module='input_layernorm', precision='bf16') matches modules 'layers.0.input_layernorm', "
-            "'layers.1.input_layernorm', but there is no op") in messages[0]
+    assert (
+        "(module='input_layernorm', precision='bf16') matches modules 'layers.0.input_layernorm', "
+        "'layers.1.input_layernorm', but there is no op"
+    ) in messages[0]
     by_kind_module = {(r.kind, r.module): r for r in mxfx.last_report().records}
     # applied: gate and up kept as they are, a high-precision wgrad, both FP32 in this FP32 model
-    assert by_kind_module["swiglu", "layers.1"].saved == "fp32" and by_kind_module["linear", "layers.1.up"].wgrad == "fp32"
+    assert (
+        by_kind_module["swiglu", "layers.1"].saved == "fp32" and by_kind_module["linear", "layers.1.up"].wgrad == "fp32"
+    )
 
 
 def test_keep_dequantized_weights_with_only_fp8_block_is_refused():
@@ -372,21 +453,37 @@ def test_a_rule_setting_a_field_its_op_kind_never_reads_is_refused():
     assert str(e.value) == (
         "mxfx policy: rules[1] (op='all_to_all', wgrad='bf16'): sets wgrad, which all_to_all ops never read (they "
         "read precision, scale_rule, format), so it would do nothing; drop it, or set it with a rule for the op kinds "
-        "that read it (linear, grouped_mm, router)"), str(e.value)
-    with pytest.raises(ValueError, match=r"^mxfx policy: rules\[0\] \(op='saved', save='bf16'\): sets save, which "
-                                         r"saved ops never read \(they read precision\)"):
+        "that read it (linear, grouped_mm, router)"
+    ), str(e.value)
+    with pytest.raises(
+        ValueError,
+        match=r"^mxfx policy: rules\[0\] \(op='saved', save='bf16'\): sets save, which "
+        r"saved ops never read \(they read precision\)",
+    ):
         Policy(rules=[{"op": "saved", "save": "bf16"}])
-    with pytest.raises(ValueError, match=r"rules\[0\] \(module='mlp', op='swiglu', format='fp8_block'\): sets format, "
-                                         r"which swiglu ops never read \(they read precision, save\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"rules\[0\] \(module='mlp', op='swiglu', format='fp8_block'\): sets format, "
+        r"which swiglu ops never read \(they read precision, save\)",
+    ):
         Policy(rules=[{"module": "mlp", "op": "swiglu", "format": "fp8_block"}])
-    with pytest.raises(ValueError, match=r"^mxfx policy: rule \(op='all_to_all', min_size=0\) sets min_size, which "
-                                         r"all_to_all ops never read"):
+    with pytest.raises(
+        ValueError,
+        match=r"^mxfx policy: rule \(op='all_to_all', min_size=0\) sets min_size, which "
+        r"all_to_all ops never read",
+    ):
         Rule(op="all_to_all", min_size=0)
     # fields the kind reads, and rules with no op kind, stay valid
-    Policy(rules=[{"op": "all_to_all", "scale_rule": "floor"}, {"op": "swiglu", "save": "bf16"},
-                  {"op": "saved", "precision": "bf16"}, {"op": "linear", "wgrad": "bf16", "min_size": 10},
-                  {"op": "grouped_mm", "save": "bf16", "format": "fp8_block", "scale_rule": "amax"},
-                  {"module": "layers.*", "wgrad": "bf16", "min_size": 10, "save": "bf16"}])
+    Policy(
+        rules=[
+            {"op": "all_to_all", "scale_rule": "floor"},
+            {"op": "swiglu", "save": "bf16"},
+            {"op": "saved", "precision": "bf16"},
+            {"op": "linear", "wgrad": "bf16", "min_size": 10},
+            {"op": "grouped_mm", "save": "bf16", "format": "fp8_block", "scale_rule": "amax"},
+            {"module": "layers.*", "wgrad": "bf16", "min_size": 10, "save": "bf16"},
+        ]
+    )
     assert KIND_FIELDS["linear"] == KIND_FIELDS["grouped_mm"] == KIND_FIELDS["router"]
 
 
@@ -398,8 +495,12 @@ def test_a_weight_refresh_rule_says_where_the_refresh_is_set():
     with pytest.raises(ValueError) as e:
         Policy(rules=[{"op": "weight_refresh", "format": "fp8_block"}])
     message = str(e.value)
-    assert message.startswith("mxfx policy: rules[0] (op='weight_refresh', format='fp8_block'): is for "
-                              "weight_refresh, which reads no rule field"), message
-    assert ("drop it. The refresh runs in the compiled optimizer step (torch.compile(opt.step, backend='mxfp8')) and "
-            "rebuilds each weight's caches in the format and scale_rule its ops were given") in message
+    assert message.startswith(
+        "mxfx policy: rules[0] (op='weight_refresh', format='fp8_block'): is for "
+        "weight_refresh, which reads no rule field"
+    ), message
+    assert (
+        "drop it. The refresh runs in the compiled optimizer step (torch.compile(opt.step, backend='mxfp8')) and "
+        "rebuilds each weight's caches in the format and scale_rule its ops were given"
+    ) in message
     assert "options={'passes': {'weight_refresh': False}}" in message

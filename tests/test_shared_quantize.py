@@ -59,9 +59,14 @@ def _shared(cap: Capture) -> list[torch.fx.Node]:
 def _quantize_ops(graphs) -> list[tuple[str, int]]:
     """``(name, tensors made)`` of each mxfx quantize op in ``graphs`` (an op making a low-precision operand of an
     activation or gradient; a dual quantize makes two operands' tensors)."""
-    return [(n.target.name(), len(n.meta["val"])) for g in graphs for n in g.graph.nodes if n.op == "call_function"
-            and getattr(n.target, "namespace", "") == "mxfx"
-            and ("quantize" in n.target.name() or "forward_operands" in n.target.name())]
+    return [
+        (n.target.name(), len(n.meta["val"]))
+        for g in graphs
+        for n in g.graph.nodes
+        if n.op == "call_function"
+        and getattr(n.target, "namespace", "") == "mxfx"
+        and ("quantize" in n.target.name() or "forward_operands" in n.target.name())
+    ]
 
 
 def _quantizes(graphs) -> int:
@@ -70,9 +75,12 @@ def _quantizes(graphs) -> int:
 
 def _fp8_saved(cap) -> int:
     """Bytes of the float8 tensors the backward graphs receive from their forward (the saved low-precision copies)."""
-    return sum(v.numel() for g in cap.backward for n in g.graph.nodes
-               if n.op == "placeholder" and isinstance(v := n.meta.get("val"), torch.Tensor)
-               and v.dtype == torch.float8_e4m3fn)
+    return sum(
+        v.numel()
+        for g in cap.backward
+        for n in g.graph.nodes
+        if n.op == "placeholder" and isinstance(v := n.meta.get("val"), torch.Tensor) and v.dtype == torch.float8_e4m3fn
+    )
 
 
 def _run(fmt: str, dtype: torch.dtype, passes=None, grad: bool = True, **policy):
@@ -201,8 +209,9 @@ def test_symbolic_token_counts(fmt):
         torch.manual_seed(0)
         model, cap = Attention(), Capture()
         torch._dynamo.reset()
-        compiled = torch.compile(model, backend="mxfp8", dynamic=True,
-                                 options={"inner": cap, "format": fmt, "passes": passes})
+        compiled = torch.compile(
+            model, backend="mxfp8", dynamic=True, options={"inner": cap, "format": fmt, "passes": passes}
+        )
         for tokens in (48, 80):
             x = torch.randn(2, tokens, D, requires_grad=True, generator=torch.Generator().manual_seed(tokens))
             with torch.autocast("cpu", torch.bfloat16):
@@ -221,17 +230,28 @@ def test_symbolic_token_counts(fmt):
 def test_hf_olmoe_attention_shares_its_input_quantize():
     """A Hugging Face OLMoE layer (tiny config): q_proj, k_proj and v_proj of the attention share one quantize."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.OlmoeConfig(vocab_size=128, hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                      num_key_value_heads=2, intermediate_size=64, num_experts=4,
-                                      num_experts_per_tok=2, max_position_embeddings=64)
+    config = transformers.OlmoeConfig(
+        vocab_size=128,
+        hidden_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     model = transformers.OlmoeForCausalLM(config)
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     torch._dynamo.reset()
     with torch.autocast("cpu", torch.bfloat16):
         torch.compile(model, backend="mxfp8", options={"inner": "aot_eager"})(input_ids=ids, labels=ids).loss.backward()
-    noted = sorted(r.module.rsplit(".", 1)[-1] for r in mxfx.last_report().records
-                   if "input quantized once for q_proj, k_proj, v_proj" in r.reason)
+    noted = sorted(
+        r.module.rsplit(".", 1)[-1]
+        for r in mxfx.last_report().records
+        if "input quantized once for q_proj, k_proj, v_proj" in r.reason
+    )
     assert noted == ["k_proj", "q_proj", "v_proj"], mxfx.last_report().to_text()
 
 

@@ -72,8 +72,11 @@ def _decoded(x: torch.Tensor, fmt, rule: str, layout: str):
     elif layout == "weight":
         q, s = block_ref.quantize_128x128(x, rule)
         dq = q.float() * s.repeat_interleave(128, -2).repeat_interleave(128, -1)[: x.shape[0], : x.shape[1]]
-        amax = F.pad(x.abs(), (0, (-x.shape[1]) % 128, 0, (-x.shape[0]) % 128)).reshape(
-            s.shape[0], 128, s.shape[1], 128).amax(dim=(1, 3))
+        amax = (
+            F.pad(x.abs(), (0, (-x.shape[1]) % 128, 0, (-x.shape[0]) % 128))
+            .reshape(s.shape[0], 128, s.shape[1], 128)
+            .amax(dim=(1, 3))
+        )
         e = torch.floor(torch.log2(s)).int()
     else:
         q, s = block_ref.quantize_1x128(x, -1, rule)
@@ -87,10 +90,15 @@ def _summary(x: torch.Tensor, q: torch.Tensor, dq: torch.Tensor, exps: list[int]
     sat = q.abs() == 448
     nonzero = x != 0
     return {
-        "values": x.numel(), "nonzero": int(nonzero.sum()), "underflow_count": int((nonzero & (dq == 0)).sum()),
-        "saturated_count": int(sat.sum()), "clipped_count": int((sat & (x.abs() > dq.abs())).sum()),
+        "values": x.numel(),
+        "nonzero": int(nonzero.sum()),
+        "underflow_count": int((nonzero & (dq == 0)).sum()),
+        "saturated_count": int(sat.sum()),
+        "clipped_count": int((sat & (x.abs() > dq.abs())).sum()),
         "rms_error": math.sqrt(float(((dq.double() - x.double()) ** 2).sum() / (x.double() ** 2).sum())),
-        "amax": float(x.abs().max()), "scale_exp_min": min(exps), "scale_exp_max": max(exps),
+        "amax": float(x.abs().max()),
+        "scale_exp_min": min(exps),
+        "scale_exp_max": max(exps),
         "scale_exp_hist": {str(k): v for k, v in Counter(exps).items()},
     }
 
@@ -115,8 +123,17 @@ def _grouped_tokens_reference(x: torch.Tensor, offs: list[int], fmt, rule: str) 
 
 
 def _check(sample: dict, ref: dict) -> None:
-    for key in ("values", "nonzero", "underflow_count", "saturated_count", "clipped_count", "amax", "scale_exp_min",
-                "scale_exp_max", "scale_exp_hist"):
+    for key in (
+        "values",
+        "nonzero",
+        "underflow_count",
+        "saturated_count",
+        "clipped_count",
+        "amax",
+        "scale_exp_min",
+        "scale_exp_max",
+        "scale_exp_hist",
+    ):
         assert sample[key] == ref[key], (key, sample[key], ref[key])
     assert sample["nonfinite"] == 0
     assert sample["rms_error"] == pytest.approx(ref["rms_error"], rel=1e-6)
@@ -144,12 +161,18 @@ def test_every_statistic_of_every_operand_matches_plain_torch(fmt, rule):
     ]
     a, x_tokens, _ = fmt.forward_operands(x, None, rule, "mxfp8", tokens=True)
     rows, tokens = fmt.grad_operands(x, rule, rows=True, tokens=True)  # on CPU: MXFP8's values only
-    cases += [("rows", (x,), "", a, x), ("tokens", (x,), "", x_tokens, x), ("rows", (x,), "", rows, x),
-              ("tokens", (x,), "", tokens, x)]
+    cases += [
+        ("rows", (x,), "", a, x),
+        ("tokens", (x,), "", x_tokens, x),
+        ("rows", (x,), "", rows, x),
+        ("tokens", (x,), "", tokens, x),
+    ]
     if fmt is MX:
         q, s, _ = fmt.input_operand(x, None, rule, "mm")
-        cases += [("rows", (x,), "", (q, to_blocked(s), None), x),  # a native dense GEMM's scale layout
-                  ("weight", (w,), "", fmt.weight_operand(w, rule, "forward", keep_dequantized=True), w)]
+        cases += [
+            ("rows", (x,), "", (q, to_blocked(s), None), x),  # a native dense GEMM's scale layout
+            ("weight", (w,), "", fmt.weight_operand(w, rule, "forward", keep_dequantized=True), w),
+        ]
         assert rows[0] is None and rows[2] is not None  # the values-only path is among the cases
     for layout, source, combine, operand, values in cases:
         _check(_sample(fmt, rule, layout, source, operand, combine), _reference(values, fmt, rule, layout))
@@ -202,8 +225,13 @@ def _run_linear(mode: str, fmt, rule: str):
 def test_linear_sites_eager_and_compiled(mode, fmt, rule):
     x, w, dy = _run_linear(mode, fmt, rule)
     table = mxfx.stats()
-    expected = {"forward_x": (x, "rows"), "forward_w": (w, "weight"), "dgrad_dy": (dy, "rows"),
-                "wgrad_x": (x, "tokens"), "wgrad_dy": (dy, "tokens")}
+    expected = {
+        "forward_x": (x, "rows"),
+        "forward_w": (w, "weight"),
+        "dgrad_dy": (dy, "rows"),
+        "wgrad_x": (x, "tokens"),
+        "wgrad_dy": (dy, "tokens"),
+    }
     assert sorted(r.site for r in table.rows) == sorted(f"proj/linear/{d}" for d in expected)
     for direction, (t, layout) in expected.items():
         row = table.row(f"proj/linear/{direction}")
@@ -279,12 +307,23 @@ def test_grouped_wgrad_operand_sites(fmt, rule, swiglu):
     up = torch.randn(300, 256, generator=torch.Generator().manual_seed(2)).requires_grad_(True) if swiglu else None
     w = (0.05 * torch.randn(4, 128, 256)).requires_grad_(True)
     rw = torch.rand(300)
-    y = mx_grouped_mm_op(x.requires_grad_(True), w, torch.tensor(offs, dtype=torch.int32), up=up, route_weight=rw,
-                         format=fmt.name, scale_rule=rule, wgrad="mxfp8", stats="e", stats_every=1)
+    y = mx_grouped_mm_op(
+        x.requires_grad_(True),
+        w,
+        torch.tensor(offs, dtype=torch.int32),
+        up=up,
+        route_weight=rw,
+        format=fmt.name,
+        scale_rule=rule,
+        wgrad="mxfp8",
+        stats="e",
+        stats_every=1,
+    )
     y.backward(dout)
     table = mxfx.stats()
-    assert sorted(r.site for r in table.rows) == [f"e/grouped_mm/{d}" for d in
-                                                  ("dgrad_dy", "forward_w", "forward_x", "wgrad_dy", "wgrad_x")]
+    assert sorted(r.site for r in table.rows) == [
+        f"e/grouped_mm/{d}" for d in ("dgrad_dy", "forward_w", "forward_x", "wgrad_dy", "wgrad_x")
+    ]
     h = x if up is None else silu_fp32(x) * up.detach()
     dy = dout * rw[:, None]
     for direction, values in (("wgrad_x", h), ("wgrad_dy", dy)):
@@ -313,8 +352,7 @@ def test_grouped_input_quantized_before_the_gather_is_observed_as_without_it(fmt
         stats.reset()
         torch._dynamo.reset()
         x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
-        policy = {"inner": "aot_eager", "format": fmt.name, "scale_rule": rule, "passes": passes,
-                  "stats": {"every": 1}}
+        policy = {"inner": "aot_eager", "format": fmt.name, "scale_rule": rule, "passes": passes, "stats": {"every": 1}}
         torch.compile(f, backend="mxfp8", options=policy)(x, w).float().square().sum().backward()
         hoisted = [r for r in mxfx.last_report().records if "before the dispatch's row gather" in r.reason]
         assert len(hoisted) == (0 if passes else 1), mxfx.last_report().to_text()
@@ -401,15 +439,23 @@ def test_stats_off_leaves_the_graph_as_it_was(tmp_path):
     with no statistics op; with it, every site is an op of the forward or backward graph."""
     torch._dynamo.utils.counters.clear()
     code, ops = {}, {}
-    for name, extra in (("off", {}), ("unmatched", {"stats": {"modules": "nothing.*"}}), ("on", {"stats": {"every": 3}})):
+    for name, extra in (
+        ("off", {}),
+        ("unmatched", {"stats": {"modules": "nothing.*"}}),
+        ("on", {"stats": {"every": 3}}),
+    ):
         torch._dynamo.reset()
         capture = GraphCapture()
         model = _Lin(MX)
         opts = {"inner": capture, "dump_dir": str(tmp_path / name), **extra}
         torch.compile(model, backend="mxfp8", options=opts)(torch.randn(32, 256, requires_grad=True)).sum().backward()
-        code[name] = (next((tmp_path / name).glob("graph_*/after.py")).read_text(),
-                      [g.code for g in capture.forward + capture.backward])
-        ops[name] = sum(str(n.args).count("quant_stats") for g in capture.forward + capture.backward for n in g.graph.nodes)
+        code[name] = (
+            next((tmp_path / name).glob("graph_*/after.py")).read_text(),
+            [g.code for g in capture.forward + capture.backward],
+        )
+        ops[name] = sum(
+            str(n.args).count("quant_stats") for g in capture.forward + capture.backward for n in g.graph.nodes
+        )
     assert code["off"] == code["unmatched"]
     assert "stats = " not in code["off"][0] and ops["off"] == 0
     assert "stats = 'proj', stats_every = 3" in code["on"][0]
@@ -426,8 +472,10 @@ def test_warns_once_per_site_and_statistic():
     messages = [str(c.message) for c in caught if "quantize site" in str(c.message)]
     underflow = _reference(x, MX, "floor", "rows")
     assert len(messages) == 2, messages  # forward_x: underflow and clipped, once each
-    assert any("p/linear/forward_x" in m and f"underflow {underflow['underflow_count'] / underflow['nonzero']:.2%}" in m
-               for m in messages)
+    assert any(
+        "p/linear/forward_x" in m and f"underflow {underflow['underflow_count'] / underflow['nonzero']:.2%}" in m
+        for m in messages
+    )
     assert any("clipped" in m for m in messages)
 
 
@@ -472,13 +520,18 @@ def test_policy_field_and_environment_variable(monkeypatch):
     assert dict(policy.stats) == {"every": 7, "modules": "layers.*.mlp.*"}
     d = policy.decide("linear", "model.layers.0.mlp.up")
     assert (d.settings.stats, d.settings.stats_every) == ("model.layers.0.mlp.up", 7)
-    assert policy.decide("linear", "model.layers.0.attn.q").settings.graph_kwargs() == mxfx.Policy(
-        stats=None).decide("linear", "x").settings.graph_kwargs()
+    assert (
+        policy.decide("linear", "model.layers.0.attn.q").settings.graph_kwargs()
+        == mxfx.Policy(stats=None).decide("linear", "x").settings.graph_kwargs()
+    )
     assert policy.decide("linear", "model.layers.0.mlp.up", macs=1, gemm=None).stats
     monkeypatch.setenv("MXFX_STATS", "on")
     assert dict(mxfx.Policy().stats) == {"every": 100, "modules": "*"}
-    for bad, match in (({"every": 0}, r"stats\['every'\]=0 must be an int >= 1"),
-                       ({"often": 1}, r"unknown stats key\(s\) \['often'\]"), ({"modules": 3}, "module glob")):
+    for bad, match in (
+        ({"every": 0}, r"stats\['every'\]=0 must be an int >= 1"),
+        ({"often": 1}, r"unknown stats key\(s\) \['often'\]"),
+        ({"modules": 3}, "module glob"),
+    ):
         with pytest.raises(ValueError, match=match):
             mxfx.Policy(stats=bad)
     monkeypatch.setenv("MXFX_STATS", "every")
@@ -492,13 +545,17 @@ def test_environment_variable_off_and_its_errors_name_it(monkeypatch):
     for off in ("0", "off", "OFF", "false", "none"):
         monkeypatch.setenv("MXFX_STATS", off)
         assert mxfx.Policy().stats is None, off
-    for bad, match in (("every=0", r"MXFX_STATS='every=0': stats\['every'\]=0 must be an int >= 1"),
-                       ("often=3", r"MXFX_STATS='often=3': unknown stats key\(s\) \['often'\]"),
-                       ("every=x", r"MXFX_STATS='every=x': every='x' is not an integer")):
+    for bad, match in (
+        ("every=0", r"MXFX_STATS='every=0': stats\['every'\]=0 must be an int >= 1"),
+        ("often=3", r"MXFX_STATS='often=3': unknown stats key\(s\) \['often'\]"),
+        ("every=x", r"MXFX_STATS='every=x': every='x' is not an integer"),
+    ):
         monkeypatch.setenv("MXFX_STATS", bad)
         with pytest.raises(ValueError, match=match) as e:
             mxfx.Policy()
-        assert "write MXFX_STATS='every=100,modules=layers.*'" in str(e.value) and "MXFX_STATS=0 (or off)" in str(e.value)
+        assert "write MXFX_STATS='every=100,modules=layers.*'" in str(e.value) and "MXFX_STATS=0 (or off)" in str(
+            e.value
+        )
 
 
 def test_environment_variable_with_a_repeated_key_is_refused(monkeypatch):
@@ -519,14 +576,19 @@ def test_an_explicit_stats_argument_wins_over_the_environment_variable(monkeypat
     assert Policy(stats=None).stats is None
     assert Policy.from_options({"stats": None}).stats is None
     assert dict(Policy(stats={"every": 3}).stats) == {"every": 3, "modules": "*"}
-    for policy in (Policy(), Policy.from_options({}), Policy.from_options(None),
-                   Policy(rules=[{"op": "linear", "wgrad": "bf16"}])):
+    for policy in (
+        Policy(),
+        Policy.from_options({}),
+        Policy.from_options(None),
+        Policy(rules=[{"op": "linear", "wgrad": "bf16"}]),
+    ):
         assert dict(policy.stats) == {"every": 7, "modules": "*"}
     toml = tmp_path / "policy.toml"
     toml.write_text('format = "mxfp8"\n')
     monkeypatch.setenv("MXFX_POLICY", str(toml))
     assert dict(Policy.from_options(None).stats) == {"every": 7, "modules": "*"}  # the file sets no stats
     import dataclasses
+
     assert dataclasses.replace(Policy(stats=None), min_size=5).stats is None  # a copy keeps what it was given
     monkeypatch.delenv("MXFX_STATS")
     assert Policy.from_options({}).stats is None
@@ -542,11 +604,15 @@ def test_a_modules_glob_matching_no_site_warns_once_and_stats_says_why(monkeypat
             torch._dynamo.reset()
             torch.compile(_Lin(MX), backend="mxfp8", options=opts)(torch.randn(32, 256)).sum().backward()
     (message,) = [str(w.message) for w in record if "stats modules" in str(w.message)]
-    assert message.startswith("mxfx: policy stats modules='layers.*' matches no quantize site of the graphs compiled "
-                              "under this policy, so no statistics are sampled; the modules with quantize sites "
-                              "(converted ops) are 'proj'"), message
+    assert message.startswith(
+        "mxfx: policy stats modules='layers.*' matches no quantize site of the graphs compiled "
+        "under this policy, so no statistics are sampled; the modules with quantize sites "
+        "(converted ops) are 'proj'"
+    ), message
     table = mxfx.stats()
-    assert not table.rows and "matches no quantize site of the graphs compiled with it: modules='layers.*'" in str(table)
+    assert not table.rows and "matches no quantize site of the graphs compiled with it: modules='layers.*'" in str(
+        table
+    )
     stats.set_sampling(False)  # a glob that matches, sampling switched off: that is what stats() says
     torch._dynamo.reset()
     torch.compile(_Lin(MX), backend="mxfp8", options={**opts, "stats": {"modules": "proj"}})(torch.randn(32, 256))
@@ -565,8 +631,9 @@ def test_all_to_all_payload_sites():
         x, rw, dy = _data(8, 64).requires_grad_(True), torch.rand(8), _data(8, 64, seed=7)
         y = mx_all_to_all(x, [8], [8], dist.group.WORLD, route_weight=rw, stats="moe/all_to_all/combine", stats_every=1)
         y.backward(dy)
-        rows, _, _ = mx_all_to_all(x, [8], [8], dist.group.WORLD, return_mx=True, stats="moe/all_to_all/dispatch",
-                                   stats_every=1)
+        rows, _, _ = mx_all_to_all(
+            x, [8], [8], dist.group.WORLD, return_mx=True, stats="moe/all_to_all/dispatch", stats_every=1
+        )
         rows.backward(2 * dy)
         mx_all_to_all(x, [8], [8], dist.group.WORLD, stats="plain", stats_every=1).backward(3 * dy)
     finally:
@@ -601,4 +668,5 @@ def test_expert_parallel_layer_sites():
     assert sorted(r.site for r in mxfx.stats().rows) == sorted(
         [f"<root>/all_to_all/{role}_{d}" for role in ("dispatch", "combine") for d in ("fwd", "bwd")]
         + [f"<root>/grouped_mm/{d}" for d in ("forward_w", "dgrad_dy", "wgrad_x", "wgrad_dy")]
-        + [f"<root>#1/grouped_mm/{d}" for d in ("forward_x", "forward_w", "dgrad_dy", "wgrad_x", "wgrad_dy")])
+        + [f"<root>#1/grouped_mm/{d}" for d in ("forward_x", "forward_w", "dgrad_dy", "wgrad_x", "wgrad_dy")]
+    )

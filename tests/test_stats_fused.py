@@ -80,8 +80,11 @@ def cases(fmt, rule: str, device="cpu", interpreter: bool = False, dtype=torch.f
     g = gates((37, k), device, interpreter).to(dtype)
     xt = data(45, 128, seed=3, device=device, dtype=dtype)  # tokens: 45 (MX pads to 64; fp8_block: partial tile)
     w = data(200, 256, seed=4, device=device) * 0.05 if fmt is BLOCK else data(64, 96, seed=4, device=device)
-    w3 = (data(400, 260, seed=5, device=device).reshape(2, 200, 260) if fmt is BLOCK
-          else data(128, 96, seed=5, device=device).reshape(2, 64, 96))
+    w3 = (
+        data(400, 260, seed=5, device=device).reshape(2, 200, 260)
+        if fmt is BLOCK
+        else data(128, 96, seed=5, device=device).reshape(2, 64, 96)
+    )
     xs = data(300, 128, seed=6, device=device, dtype=dtype)
     offs = torch.tensor([100, 100, 231, 290], dtype=torch.int32, device=device)  # an empty group, rows past the end
     rw = torch.rand(37, generator=torch.Generator().manual_seed(8)).to(device)
@@ -101,8 +104,12 @@ def cases(fmt, rule: str, device="cpu", interpreter: bool = False, dtype=torch.f
     out.append(("tokens swiglu", "tokens", (g, up), "swiglu", fmt.tokens_operand(h, rule)))
     a, x_tokens, _ = fmt.forward_operands(xt, None, rule, "mxfp8", tokens=True)
     rows, tokens = fmt.grad_operands(xt, rule, rows=True, tokens=True)
-    out += [("forward rows (dual)", "rows", (xt,), "", a), ("forward tokens (dual)", "tokens", (xt,), "", x_tokens),
-            ("dgrad rows", "rows", (xt,), "", rows), ("wgrad tokens", "tokens", (xt,), "", tokens)]
+    out += [
+        ("forward rows (dual)", "rows", (xt,), "", a),
+        ("forward tokens (dual)", "tokens", (xt,), "", x_tokens),
+        ("dgrad rows", "rows", (xt,), "", rows),
+        ("wgrad tokens", "tokens", (xt,), "", tokens),
+    ]
     if fmt is MX:  # fp8_block's rows operands are made of 2-D tensors
         out.append(("rows 3-D", "rows", (x3,), "", fmt.input_operand(x3, None, rule, "mm")))
         q, s = fmt.input_operand(x, None, rule, "mm")[:2]
@@ -110,13 +117,22 @@ def cases(fmt, rule: str, device="cpu", interpreter: bool = False, dtype=torch.f
         w3v = w3.clone()
         if interpreter:  # the BF16 weight form: no fp32 subnormals, which would dequantize to bf16 subnormals
             w3v[0, 5] = 1.0
-        out += [("rows, blocked scales", "rows", (x,), "", (q, to_blocked(s), None)),
-                ("rows, values alone", "rows", (x,), "", (None, None, values)),
-                ("rows, pair and values", "rows", (x,), "", (q, s, values)),
-                ("weight, values alone", "weight", (w3v,), "", fmt.weight_operand(w3v, rule, "forward",
-                                                                                   keep_dequantized=True))]
-    return [(label, layout, source, combine, operand, offs if layout == "group_tokens" else None)
-            for label, layout, source, combine, operand in out]
+        out += [
+            ("rows, blocked scales", "rows", (x,), "", (q, to_blocked(s), None)),
+            ("rows, values alone", "rows", (x,), "", (None, None, values)),
+            ("rows, pair and values", "rows", (x,), "", (q, s, values)),
+            (
+                "weight, values alone",
+                "weight",
+                (w3v,),
+                "",
+                fmt.weight_operand(w3v, rule, "forward", keep_dequantized=True),
+            ),
+        ]
+    return [
+        (label, layout, source, combine, operand, offs if layout == "group_tokens" else None)
+        for label, layout, source, combine, operand in out
+    ]
 
 
 def reference(fmt, rule, layout, source, combine, operand, offs) -> torch.Tensor:
@@ -128,7 +144,7 @@ def assert_same_sample(got: torch.Tensor, ref: torch.Tensor, label: str) -> None
     assert got.dtype == torch.float64 and got.shape == ref.shape, (label, got.dtype, got.shape)
     fields = dict(zip(stats._FIELDS, zip(got.tolist(), ref.tolist())))
     assert torch.equal(got[EXACT], ref[EXACT]), (label, fields)
-    assert torch.equal(got[len(stats._FIELDS):], ref[len(stats._FIELDS):]), (label, "histogram")
+    assert torch.equal(got[len(stats._FIELDS) :], ref[len(stats._FIELDS) :]), (label, "histogram")
     assert torch.allclose(got[SUMS], ref[SUMS], rtol=1e-9, atol=0.0), (label, fields)
 
 
@@ -183,8 +199,9 @@ def test_cpu_samples_come_from_the_reference():
     x = data(37, 256)
     for fmt, rule in RULES:
         operand = fmt.input_operand(x, None, rule, "mm")
-        assert torch.equal(fmt.stats_vector((x,), "", operand, rule, "rows"),
-                           reference(fmt, rule, "rows", (x,), "", operand, None))
+        assert torch.equal(
+            fmt.stats_vector((x,), "", operand, rule, "rows"), reference(fmt, rule, "rows", (x,), "", operand, None)
+        )
     assert BF16.fused_stats((x,), "", BF16.input_operand(x, None, "rceil", "mm"), "rceil", "rows") is None
 
 
@@ -204,8 +221,9 @@ def test_dispatch_takes_the_fused_kernel_where_it_covers_the_operand(monkeypatch
     monkeypatch.setenv(stats.FUSED_ENV, "1")
     assert MX.stats_vector((x,), "", operand, "rceil", "rows") is sentinel
     tokens = MX.tokens_operand(x, "rceil")
-    assert torch.equal(MX.stats_vector((x,), "", tokens, "rceil", "tokens"),
-                       reference(MX, "rceil", "tokens", (x,), "", tokens, None))
+    assert torch.equal(
+        MX.stats_vector((x,), "", tokens, "rceil", "tokens"), reference(MX, "rceil", "tokens", (x,), "", tokens, None)
+    )
     monkeypatch.setenv(stats.FUSED_ENV, "off")
     assert torch.equal(MX.stats_vector((x,), "", operand, "rceil", "rows"), ref)
     monkeypatch.setenv(stats.FUSED_ENV, "maybe")
@@ -236,12 +254,24 @@ def _sm90_launches():
     configs = [
         (mx_stats.stats_vector, (x, None, None, q, s, None, "rceil")),
         (mx_stats.stats_vector, (x, x, None, q, to_blocked(s), x, "floor")),
-        (mx_stats.stats_vector, (x.t(), None, x.t(), None, None, x.t(), "rceil", None,
-                                 torch.arange(256, dtype=torch.int32))),
+        (
+            mx_stats.stats_vector,
+            (x.t(), None, x.t(), None, None, x.t(), "rceil", None, torch.arange(256, dtype=torch.int32)),
+        ),
         (block_stats.stats_vector, (x, None, None, *bf.quantize_1x128(x))),
         (block_stats.stats_vector, (x, x, None, *bf.quantize_128x128(x), 128)),
-        (block_stats.stats_vector, (x.t(), None, None, *bf.quantize_1x128_grouped_tokens(x, offs), 1,
-                                    torch.arange(384, dtype=torch.int32) % 256, True)),
+        (
+            block_stats.stats_vector,
+            (
+                x.t(),
+                None,
+                None,
+                *bf.quantize_1x128_grouped_tokens(x, offs),
+                1,
+                torch.arange(384, dtype=torch.int32) % 256,
+                True,
+            ),
+        ),
     ]
     out = []
     for fn, args in configs:
@@ -257,8 +287,11 @@ def test_kernels_compile_for_sm90():
     triton = pytest.importorskip("triton")
     sass = pytest.importorskip("tests.sass")
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    if (os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or not os.access(os.path.join(tools, "ptxas"), os.X_OK)
-            or shutil.which(os.path.join(tools, "nvdisasm")) is None):
+    if (
+        os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+        or not os.access(os.path.join(tools, "ptxas"), os.X_OK)
+        or shutil.which(os.path.join(tools, "nvdisasm")) is None
+    ):
         pytest.skip("needs Triton's bundled ptxas and nvdisasm (Linux wheel), compiled mode")
     launches = _sm90_launches()
     assert len(launches) == 12  # a statistics launch and a finishing one per configuration
@@ -306,8 +339,11 @@ def _interpreter_checks():
         big = data(520, 384, seed=9)
         for fmt, rule in (RULES[1], RULES[3]):
             operand = fmt.input_operand(big, None, rule, "mm")
-            assert_same_sample(fmt.fused_stats((big,), "", operand, rule, "rows"),
-                               reference(fmt, rule, "rows", (big,), "", operand, None), f"{fmt.name} many tiles")
+            assert_same_sample(
+                fmt.fused_stats((big,), "", operand, rule, "rows"),
+                reference(fmt, rule, "rows", (big,), "", operand, None),
+                f"{fmt.name} many tiles",
+            )
     finally:
         common.MAX_PROGRAMS = most
     try:
@@ -316,8 +352,9 @@ def _interpreter_checks():
     except ValueError as e:
         assert "scales" in str(e), e
     try:
-        block_stats.stats_vector(torch.zeros(4, 128), None, None, torch.zeros(4, 128, dtype=torch.float8_e4m3fn),
-                                 torch.ones(4, 2), 64)
+        block_stats.stats_vector(
+            torch.zeros(4, 128), None, None, torch.zeros(4, 128, dtype=torch.float8_e4m3fn), torch.ones(4, 2), 64
+        )
         raise AssertionError("rows_per_scale=64 was accepted")
     except ValueError as e:
         assert "rows_per_scale" in str(e), e
@@ -327,7 +364,9 @@ BACKGROUND_JOBS = {"interpreter": lambda environ: run_interpreter_checks(__file_
 
 
 def test_triton_interpreter(session_job):
-    session_job("test_stats_fused:interpreter")  # run_interpreter_checks in a fresh process, from the start of the session
+    session_job(
+        "test_stats_fused:interpreter"
+    )  # run_interpreter_checks in a fresh process, from the start of the session
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--interpret"]:

@@ -30,8 +30,12 @@ def _series() -> tuple[int, int] | None:
 
 SERIES = _series()
 pytestmark = pytest.mark.skipif(SERIES is None, reason="torchtitan is not installed")
-needs_03 = pytest.mark.skipif(SERIES is None or SERIES < (0, 3), reason="torchtitan 0.3's config registry and overrides")
-needs_02 = pytest.mark.skipif(SERIES is None or SERIES >= (0, 3), reason="torchtitan 0.2's module-level experts function")
+needs_03 = pytest.mark.skipif(
+    SERIES is None or SERIES < (0, 3), reason="torchtitan 0.3's config registry and overrides"
+)
+needs_02 = pytest.mark.skipif(
+    SERIES is None or SERIES >= (0, 3), reason="torchtitan 0.2's module-level experts function"
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "torchtitan" / "cpu_steps.py"
@@ -72,7 +76,9 @@ def test_qwen3_moe_debug_mxfp8_against_aot_eager(tmp_path):
 
 @needs_03
 def test_deepseek_v3_debug_mxfp8_rewrites_mla_shared_and_routed_experts(tmp_path):
-    mx = _steps(tmp_path, "--model", "deepseek_v3", "--backend", "mxfp8", "--steps", "2", policy='inner = "aot_eager"\n')
+    mx = _steps(
+        tmp_path, "--model", "deepseek_v3", "--backend", "mxfp8", "--steps", "2", policy='inner = "aot_eager"\n'
+    )
     modules = {(kind, module) for kind, module, fwd, _ in mx["records"] if fwd == "mxfp8"}
     assert ("linear", "layers.0.attention.wkv_a") in modules  # MLA projections, dense block 0
     assert ("linear", "layers.0.feed_forward.w1") in modules
@@ -146,8 +152,12 @@ def test_02_real_shapes_specs(tmp_path):
     # examples/torchtitan/real_shapes.py: torchtitan's own 30B-A3B and 16B flavors with fewer blocks.
     script = tmp_path / "real_shapes_check.py"
     script.write_text(REAL_SHAPES_CHECK)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "examples" / "torchtitan"), str(ROOT),
-                                                      os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(
+            [str(ROOT / "examples" / "torchtitan"), str(ROOT), os.environ.get("PYTHONPATH", "")]
+        ),
+    )
     out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-4000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
@@ -184,9 +194,24 @@ def _mxfp8_entry_point() -> bool:
 def test_02_trainer_qwen3_real_shapes_mxfp8(tmp_path):
     # torchtitan's own trainer, Qwen3-30B-A3B's per-layer shapes, 2 blocks, 3 steps: every routed GEMM in MXFP8.
     out_json = tmp_path / "out.json"
-    cmd = [sys.executable, str(ROOT / "bench" / "torchtitan_moe.py"), "--runs", "qwen3_30b_a3b:mxfp8", "--layers", "2",
-           "--steps", "3", "--timeout", "540", "--budget", "560", "--json", str(out_json),
-           "--keep-logs", str(tmp_path / "logs")]
+    cmd = [
+        sys.executable,
+        str(ROOT / "bench" / "torchtitan_moe.py"),
+        "--runs",
+        "qwen3_30b_a3b:mxfp8",
+        "--layers",
+        "2",
+        "--steps",
+        "3",
+        "--timeout",
+        "540",
+        "--budget",
+        "560",
+        "--json",
+        str(out_json),
+        "--keep-logs",
+        str(tmp_path / "logs"),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     (row,) = json.loads(out_json.read_text())["rows"]

@@ -52,9 +52,9 @@ def test_precision_map_and_graphs_in_torch_trace(logged):
         lines = f.read_text().splitlines()
         for i, line in enumerate(lines):
             if '{"artifact"' in line:  # glog prefix, then the JSON envelope; the payload follows, tab-indented
-                meta = json.loads(line[line.index('{"artifact"'):])["artifact"]
+                meta = json.loads(line[line.index('{"artifact"') :])["artifact"]
                 payload = []
-                for nxt in lines[i + 1:]:
+                for nxt in lines[i + 1 :]:
                     if not nxt.startswith("\t"):
                         break
                     payload.append(nxt[1:])

@@ -59,9 +59,11 @@ def test_records_of_other_processes_are_kept(tmp_path):
     """Two processes tuning different keys: the file holds both (each write merges what is on disk)."""
     kernel = tuning.kernel_id(_one, "GPU A")
     tuning.record(kernel, (1,), CONFIGS[0])
-    code = ("import triton; from mxfx.kernels.common import tuning; "
-            "c = triton.Config({'BLOCK_M': 128}, num_warps=4, num_stages=3); "
-            f"tuning.record({kernel!r}, (2,), c)")
+    code = (
+        "import triton; from mxfx.kernels.common import tuning; "
+        "c = triton.Config({'BLOCK_M': 128}, num_warps=4, num_stages=3); "
+        f"tuning.record({kernel!r}, (2,), c)"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ))
     tuning.forget()
     assert tuning.lookup(kernel, (1,), CONFIGS) is CONFIGS[0]
@@ -78,12 +80,15 @@ def test_a_json_that_is_not_an_object_is_warned_about(tmp_path):
 
 def test_processes_and_threads_writing_at_once_keep_every_key(tmp_path):
     """Four processes of four threads each record 10 keys at once: the file ends with all 160, and parses."""
-    code = ("import sys, threading, triton; from mxfx.kernels.common import tuning; "
-            "c = triton.Config({'BLOCK_M': 64}, num_warps=4, num_stages=3); p = int(sys.argv[1]); "
-            "ts = [threading.Thread(target=lambda t=t: [tuning.record('k', (p, t, i), c) for i in range(10)]) "
-            "for t in range(4)]; [t.start() for t in ts]; [t.join() for t in ts]")
-    procs = [subprocess.Popen([sys.executable, "-W", "error", "-c", code, str(p)], env=dict(os.environ))
-             for p in range(4)]
+    code = (
+        "import sys, threading, triton; from mxfx.kernels.common import tuning; "
+        "c = triton.Config({'BLOCK_M': 64}, num_warps=4, num_stages=3); p = int(sys.argv[1]); "
+        "ts = [threading.Thread(target=lambda t=t: [tuning.record('k', (p, t, i), c) for i in range(10)]) "
+        "for t in range(4)]; [t.start() for t in ts]; [t.join() for t in ts]"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-W", "error", "-c", code, str(p)], env=dict(os.environ)) for p in range(4)
+    ]
     assert [p.wait() for p in procs] == [0] * 4
     assert len(json.loads((tmp_path / "tuning" / tuning.FILE).read_text())) == 160
 

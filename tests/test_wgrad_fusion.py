@@ -27,12 +27,25 @@ from tests.helpers import GraphCapture
 from tests.models import MoETransformer, tiny_config
 
 FORMATS = ("mxfp8", "fp8_block", "bf16_gemm")
-MX_WEIGHTS = ("attn.qkv.weight", "attn.o_proj.weight", "moe.shared_gate.weight", "moe.shared_up.weight",
-              "moe.shared_down.weight", "moe.gate_up_proj", "moe.down_proj")
+MX_WEIGHTS = (
+    "attn.qkv.weight",
+    "attn.o_proj.weight",
+    "moe.shared_gate.weight",
+    "moe.shared_up.weight",
+    "moe.shared_down.weight",
+    "moe.gate_up_proj",
+    "moe.down_proj",
+)
 """The weights the compiled model's converted ops read: the dense linears and the routed experts (the router and
 lm_head stay as written, their BF16 autocast GEMMs widened by autograd as in eager)."""
-VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.t.default,
-         torch.ops.aten.transpose.int, torch.ops.aten.permute.default, torch.ops.aten.alias.default}
+VIEWS = {
+    torch.ops.aten.view.default,
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.t.default,
+    torch.ops.aten.transpose.int,
+    torch.ops.aten.permute.default,
+    torch.ops.aten.alias.default,
+}
 CASTS = {torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default}
 
 
@@ -60,8 +73,9 @@ def _microbatches(run, n: int) -> None:
 
 
 def _compiled(model, fuse: bool, fmt: str = "mxfp8"):
-    return torch.compile(model, backend="mxfp8",
-                         options={"inner": "aot_eager", "format": fmt, "fuse_wgrad_accumulation": fuse})
+    return torch.compile(
+        model, backend="mxfp8", options={"inner": "aot_eager", "format": fmt, "fuse_wgrad_accumulation": fuse}
+    )
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -71,8 +85,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _notes(pm) -> list[tuple[str, str]]:
     """What the precision map says of each converted GEMM's weight gradient: ``(module, "fused" | "autograd" | "")``
     ("": no note, a frozen weight's GEMM), sorted."""
-    return sorted((r.module, "fused" if FUSED_NOTE in r.reason else "autograd" if UNFUSED_NOTE in r.reason else "")
-                  for r in pm.records if r.kind in ("linear", "grouped_mm") and r.rewritten)
+    return sorted(
+        (r.module, "fused" if FUSED_NOTE in r.reason else "autograd" if UNFUSED_NOTE in r.reason else "")
+        for r in pm.records
+        if r.kind in ("linear", "grouped_mm") and r.rewritten
+    )
 
 
 def _backward_graph(fmt: str, **options) -> tuple[fx.GraphModule, dict[str, fx.Node]]:
@@ -127,8 +144,13 @@ def test_fused_backward_graph_returns_no_weight_gradient(fmt):
     returned = {name: grads[f"layers.0.{name}"] for name in MX_WEIGHTS}
     assert all(g is None for g in returned.values()), returned
     assert grads["lm_head.weight"] is not None and grads["layers.0.moe.gate.weight"] is not None  # kept as written
-    calls = [n for n in bw.graph.nodes if n.op == "call_function" and n.target is torch.ops.higher_order.with_effects
-             and n.args[1] is torch.ops.mxfx.wgrad_into_grad.default]
+    calls = [
+        n
+        for n in bw.graph.nodes
+        if n.op == "call_function"
+        and n.target is torch.ops.higher_order.with_effects
+        and n.args[1] is torch.ops.mxfx.wgrad_into_grad.default
+    ]
     assert len(calls) == len(MX_WEIGHTS), bw.print_readable(print_output=False)
 
 
@@ -142,8 +164,11 @@ def _accumulate_grad_adds(prof, shapes: set) -> int:
             e = e.cpu_parent
         return False
 
-    return sum(1 for e in prof.events() if e.name == "aten::add_" and e.input_shapes
-               and tuple(e.input_shapes[0]) in shapes and under_accumulate_grad(e))
+    return sum(
+        1
+        for e in prof.events()
+        if e.name == "aten::add_" and e.input_shapes and tuple(e.input_shapes[0]) in shapes and under_accumulate_grad(e)
+    )
 
 
 def test_no_separate_add_of_a_fused_weight_gradient():
@@ -245,8 +270,11 @@ def test_autograd_grad_of_a_fused_weight_raises_naming_it():
     qkv = model.layers[0].attn.qkv.weight
     with torch.autocast("cpu", torch.bfloat16):
         loss = run(_ids(0), _ids(0))[1]
-    with pytest.raises(RuntimeError, match=r"torch.autograd.grad asks for the gradient of the weight \(384, 128\) "
-                                           r"of 'layers.0.attn.qkv'.*fuse_wgrad_accumulation=False"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"torch.autograd.grad asks for the gradient of the weight \(384, 128\) "
+        r"of 'layers.0.attn.qkv'.*fuse_wgrad_accumulation=False",
+    ):
         torch.autograd.grad(loss, [qkv], allow_unused=True)
     assert all(p.grad is None for p in model.parameters())
 
@@ -279,8 +307,15 @@ def test_transposed_expert_stack(fmt):
             run = torch.compile(compiled, backend="mxfp8", options=opts)
             for i in range(2):
                 (run(x * (i + 1), offs).float().square().mean()).backward()
-                y = mx_grouped_mm_op(x * (i + 1), eager.w.transpose(-2, -1), offs, format=fmt, wgrad=wgrad,
-                                     fuse_wgrad_accumulation=fuse, out_dtype=torch.bfloat16)
+                y = mx_grouped_mm_op(
+                    x * (i + 1),
+                    eager.w.transpose(-2, -1),
+                    offs,
+                    format=fmt,
+                    wgrad=wgrad,
+                    fuse_wgrad_accumulation=fuse,
+                    out_dtype=torch.bfloat16,
+                )
                 y.float().square().mean().backward()
             grads[fuse] = compiled.w.grad, eager.w.grad
         assert _notes(mxfx.last_report()) == [("", "fused")]
@@ -301,17 +336,37 @@ def _wgrad_cases(fmt_name: str, device: str = "cpu"):
     hp_dy = dy.bfloat16()
     return [
         ("dense", lambda dt: fmt.wgrad_mm(dy_t, x_t, dt), lambda o, a: fmt.wgrad_mm_into(dy_t, x_t, o, a)),
-        ("grouped", lambda dt: fmt.grouped_wgrad(dy_g, x_g, offs, dt),
-         lambda o, a: fmt.grouped_wgrad_into(dy_g, x_g, offs, o, a)),
-        ("hp dense", lambda dt: common_ops.hp_mm_transposed(hp_dy.t(), x.t(), dt),
-         lambda o, a: common_ops.hp_mm_into(hp_dy, x, o, a)),
-        ("hp grouped", lambda dt: common_ops.hp_grouped_wgrad(dy, x, offs, dt),
-         lambda o, a: common_ops.hp_grouped_wgrad_into(dy, x, offs, o, a)),
+        (
+            "grouped",
+            lambda dt: fmt.grouped_wgrad(dy_g, x_g, offs, dt),
+            lambda o, a: fmt.grouped_wgrad_into(dy_g, x_g, offs, o, a),
+        ),
+        (
+            "hp dense",
+            lambda dt: common_ops.hp_mm_transposed(hp_dy.t(), x.t(), dt),
+            lambda o, a: common_ops.hp_mm_into(hp_dy, x, o, a),
+        ),
+        (
+            "hp grouped",
+            lambda dt: common_ops.hp_grouped_wgrad(dy, x, offs, dt),
+            lambda o, a: common_ops.hp_grouped_wgrad_into(dy, x, offs, o, a),
+        ),
     ]
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0), reason="needs an sm90+ CUDA GPU"))])
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(
+                not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                reason="needs an sm90+ CUDA GPU",
+            ),
+        ),
+    ],
+)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_wgrad_into_equals_the_gemm(fmt, device):
     """Each wgrad GEMM's ``_into`` form: written into a NaN-filled gradient (a new one: nothing of it read, an empty
@@ -343,11 +398,13 @@ def test_a_weight_computed_from_parameters_keeps_autograds_accumulation(fmt):
     grads = {}
     for fuse in (False, True):
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(128, 128, bias=False), torch.nn.GELU(),
-                                    torch.nn.Linear(128, 128, bias=False))
+        model = torch.nn.Sequential(
+            torch.nn.Linear(128, 128, bias=False), torch.nn.GELU(), torch.nn.Linear(128, 128, bias=False)
+        )
         torch.nn.utils.parametrizations.weight_norm(model[0])
-        run = torch.compile(model, backend="mxfp8", options={"inner": "aot_eager", "format": fmt,
-                                                              "fuse_wgrad_accumulation": fuse})
+        run = torch.compile(
+            model, backend="mxfp8", options={"inner": "aot_eager", "format": fmt, "fuse_wgrad_accumulation": fuse}
+        )
         for i in range(2):
             with torch.autocast("cpu", torch.bfloat16):
                 run(x * (i + 1)).float().square().mean().backward()
@@ -409,8 +466,11 @@ def test_each_fused_backward_error_says_its_cause_and_fix():
     step()
     model.inp.weight.grad_dtype = None  # torch allows a .grad of another dtype only so
     model.inp.weight.grad = torch.zeros(128, 128, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match=r"\.grad of the weight \(128, 128\) of 'inp' is a torch.bfloat16.*"
-                                           r"Set \.grad to None"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"\.grad of the weight \(128, 128\) of 'inp' is a torch.bfloat16.*"
+        r"Set \.grad to None",
+    ):
         step()
     model.zero_grad()
     model.block[2].weight.register_hook(lambda g: g)

@@ -46,13 +46,18 @@ def check(out, a, sa, b, sb, offs, groups=4) -> float:
     errs, start, seen = [], 0, 0
     for g, end in enumerate(ends):
         if end > start and seen < groups:
-            ref = block_gemm.reference_grouped_mm(a[start:end], sa[start:end], b[g:g + 1], sb[g:g + 1],
-                                                  torch.tensor([end - start], dtype=torch.int32, device=a.device),
-                                                  torch.float32)
+            ref = block_gemm.reference_grouped_mm(
+                a[start:end],
+                sa[start:end],
+                b[g : g + 1],
+                sb[g : g + 1],
+                torch.tensor([end - start], dtype=torch.int32, device=a.device),
+                torch.float32,
+            )
             errs.append(((out[start:end].float() - ref).norm() / ref.norm()).item())
             seen += 1
         start = end
-    tail = out[ends[-1]:]
+    tail = out[ends[-1] :]
     assert tail.numel() == 0 or bool((tail == 0).all()), "rows past offs[-1] are not zeros"
     return max(errs)
 
@@ -76,8 +81,10 @@ def main():
                 b, sb = bq.quantize_128x128(w)
                 flops = 2 * s * k * n
                 cells, errs = [], []
-                fns = {"bf16": lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offs),
-                       "triton": lambda: grouped_gemm_triton.grouped_mm(a, sa, b, sb, offs)}
+                fns = {
+                    "bf16": lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offs),
+                    "triton": lambda: grouped_gemm_triton.grouped_mm(a, sa, b, sb, offs),
+                }
                 for v in args.variants.split(","):
                     cfg = dict(grouped_gemm_sm90.CONFIG, **VARIANTS[v])
                     fns[v] = lambda cfg=cfg: grouped_gemm_sm90.grouped_mm(a, sa, b, sb, offs, config=cfg)

@@ -42,13 +42,16 @@ def main():
             return hp_grouped_wgrad(pad_groups(dy, dest, cap), pad_groups(x, dest, cap), w_offs, torch.float32)
 
         padded = padded_call()
+
         def err(a):
             return ((a - r).norm() / r.norm()).item()
 
         t_u = triton.testing.do_bench(lambda: hp_grouped_wgrad(dy, x, offs, torch.float32), return_mode="median")
         t_p = triton.testing.do_bench(padded_call, return_mode="median")
-        print(f"S={s} E={e} N={n} K={k} used={s_used} odd_ends={int((offs % 16 != 0).sum())}: "
-              f"rel err unpadded {err(unpadded):.2e} padded {err(padded):.2e}; {t_u:.3f} ms vs padded {t_p:.3f} ms")
+        print(
+            f"S={s} E={e} N={n} K={k} used={s_used} odd_ends={int((offs % 16 != 0).sum())}: "
+            f"rel err unpadded {err(unpadded):.2e} padded {err(padded):.2e}; {t_u:.3f} ms vs padded {t_p:.3f} ms"
+        )
 
 
 if __name__ == "__main__":

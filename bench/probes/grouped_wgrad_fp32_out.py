@@ -19,7 +19,9 @@ try:
     fp32 = lambda: torch._grouped_mm(dy.t(), x, offs=offs, out_dtype=torch.float32)  # noqa: E731
     o = fp32()
     print("out_dtype=float32 accepted:", o.dtype, "rel diff vs bf16-then-convert", ((o - r).norm() / r.norm()).item())
-    print(f"bf16+convert {triton.testing.do_bench(ref, return_mode='median'):.3f} ms, "
-          f"fp32 out {triton.testing.do_bench(fp32, return_mode='median'):.3f} ms")
+    print(
+        f"bf16+convert {triton.testing.do_bench(ref, return_mode='median'):.3f} ms, "
+        f"fp32 out {triton.testing.do_bench(fp32, return_mode='median'):.3f} ms"
+    )
 except Exception as err:  # noqa: BLE001
     print("out_dtype=float32 refused:", type(err).__name__, str(err)[:200])

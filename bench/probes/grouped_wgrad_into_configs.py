@@ -22,7 +22,7 @@ from mxfx.kernels.common import grouped_wgrad_triton
 CONFIGS = [
     {"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_T": bt, "num_warps": w, "num_stages": st}
     for (bn, bk), bt, w, st in itertools.product(((128, 128), (128, 256), (256, 128)), (64, 128), (4, 8), (3, 4))
-    if not (bn * bk == 2 ** 15 and w == 4)  # a 256x128 FP32 accumulator in 128 threads spills
+    if not (bn * bk == 2**15 and w == 4)  # a 256x128 FP32 accumulator in 128 threads spills
     and (bn + bk) * bt * 2 * st <= 200 * 1024  # shared memory of the staged operand tiles
 ]
 
@@ -47,11 +47,17 @@ def main() -> None:
             grad = torch.randn(e, n, k, device="cuda")
             first = grad[:4].clone()
             rows = s // e
-            ref = torch.stack([first[i] + dy[i * rows:(i + 1) * rows].float().t() @ x[i * rows:(i + 1) * rows].float()
-                               for i in range(4)])
+            ref = torch.stack(
+                [
+                    first[i] + dy[i * rows : (i + 1) * rows].float().t() @ x[i * rows : (i + 1) * rows].float()
+                    for i in range(4)
+                ]
+            )
             flops = 2 * s * n * k
-            base = {"BF16 GEMM alone": lambda: torch._grouped_mm(dy.t(), x, offs=offs),
-                    "three trips": lambda: grad.add_(torch._grouped_mm(dy.t(), x, offs=offs).float())}
+            base = {
+                "BF16 GEMM alone": lambda: torch._grouped_mm(dy.t(), x, offs=offs),
+                "three trips": lambda: grad.add_(torch._grouped_mm(dy.t(), x, offs=offs).float()),
+            }
             for name, fn in base.items():
                 results.setdefault(name, []).append(triton.testing.do_bench(fn, return_mode="median"))
             for cfg in CONFIGS:
@@ -64,7 +70,8 @@ def main() -> None:
                         raise RuntimeError(f"relative error {err:.2e}")
                     t = triton.testing.do_bench(
                         lambda cfg=cfg: grouped_wgrad_triton.grouped_wgrad_into(dy, x, offs, grad, True, config=cfg),
-                        return_mode="median")
+                        return_mode="median",
+                    )
                 except Exception as exc:  # noqa: BLE001 (a configuration the GPU refuses is reported, not fatal)
                     print(f"{name} at {header[-1]}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
                     t = None
@@ -73,8 +80,10 @@ def main() -> None:
             dy = x = grad = None  # freed before the next shape
             torch.cuda.empty_cache()
     cols = len(header) - 1
-    best = [min((r[i] for name, r in results.items() if "x" in name[:4] and r[i] is not None), default=None)
-            for i in range(cols)]
+    best = [
+        min((r[i] for name, r in results.items() if "x" in name[:4] and r[i] is not None), default=None)
+        for i in range(cols)
+    ]
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for name, times in results.items():
         cells = [("n/a" if t is None else f"{t:.3f}" + (" *" if t == best[i] else "")) for i, t in enumerate(times)]

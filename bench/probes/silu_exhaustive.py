@@ -71,17 +71,24 @@ def swiglu_setup(m, k, copy_gbs):
     [(name, (gate, up, RPR, gate row stride, up row stride))] for separate gate/up and gate_up halves,
     and the bytes moved by the MX-only and the values + saved-pairs passes."""
     gu = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
-    g, u = torch.randn(m, k, device="cuda", dtype=torch.bfloat16), torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    g, u = (
+        torch.randn(m, k, device="cuda", dtype=torch.bfloat16),
+        torch.randn(m, k, device="cuda", dtype=torch.bfloat16),
+    )
     q, gq, uq = (torch.empty(m, k, dtype=torch.uint8, device="cuda") for _ in range(3))
     s, gs, us = (torch.empty(m, k // 32, dtype=torch.uint8, device="cuda") for _ in range(3))
     h = torch.empty(m, k, dtype=torch.bfloat16, device="cuda")
     nbytes = 4 * m * k + m * k * 33 / 32
     save_bytes = nbytes + 2 * m * k + 2 * m * k * 33 / 32
     for name, fn, nb in (
-            ("module, separate", lambda: device_path.swiglu_quantize(g, u, "rceil"), nbytes),
-            ("module, halves", lambda: device_path.swiglu_quantize(gu[:, :k], gu[:, k:], "rceil"), nbytes),
-            ("module, halves + values + saved", lambda: device_path.swiglu_quantize(
-                gu[:, :k], gu[:, k:], "rceil", torch.bfloat16, save_inputs=True), save_bytes)):
+        ("module, separate", lambda: device_path.swiglu_quantize(g, u, "rceil"), nbytes),
+        ("module, halves", lambda: device_path.swiglu_quantize(gu[:, :k], gu[:, k:], "rceil"), nbytes),
+        (
+            "module, halves + values + saved",
+            lambda: device_path.swiglu_quantize(gu[:, :k], gu[:, k:], "rceil", torch.bfloat16, save_inputs=True),
+            save_bytes,
+        ),
+    ):
         print(f"| {name} | {m}x{k} | - | {100 * nb / median_ms(fn) / 1e6 / copy_gbs:.1f}% |", flush=True)
     layouts = [("separate", (g, u, 1, 32, 32)), ("halves", (gu[:, :k], gu[:, k:], k // 32, 2 * k, 2 * k))]
     return gu, (q, s, h, gq, gs, uq, us), layouts, nbytes, save_bytes
@@ -134,8 +141,26 @@ def _silu_points(g_ptr, out_ptr, ROWS, V: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["R"])
-def _swiglu_v(g_ptr, u_ptr, q_ptr, s_ptr, h_ptr, gq_ptr, gs_ptr, uq_ptr, us_ptr, R, RPR, sgr, sur,
-              V: tl.constexpr, SAVE: tl.constexpr, BR: tl.constexpr, EVEN: tl.constexpr, CONVERT: tl.constexpr):
+def _swiglu_v(
+    g_ptr,
+    u_ptr,
+    q_ptr,
+    s_ptr,
+    h_ptr,
+    gq_ptr,
+    gs_ptr,
+    uq_ptr,
+    us_ptr,
+    R,
+    RPR,
+    sgr,
+    sur,
+    V: tl.constexpr,
+    SAVE: tl.constexpr,
+    BR: tl.constexpr,
+    EVEN: tl.constexpr,
+    CONVERT: tl.constexpr,
+):
     """The module's streamed SwiGLU pass (MX only, or with values and saved pairs) with SiLU variant V."""
     r0, b = tl.program_id(0) * BR, tl.program_id(1)
     g = load_blocks(g_ptr, r0, R, RPR, sgr, BR, EVEN, CONVERT)
@@ -184,19 +209,43 @@ def check():
                 off = ~((out.view(torch.int32) == want.view(torch.int32)) | (out.isnan() & want.isnan()))
                 documented[name] += int((off & ~(out.isnan() & want.isinf())).sum())
         del bits, ref
-    print("| variant | fp32 inputs differing from F.silu | of which NaN where F.silu gives +-Inf | g range of the others |")
+    print(
+        "| variant | fp32 inputs differing from F.silu | of which NaN where F.silu gives +-Inf | g range of the others |"
+    )
     print("|---|---|---|---|")
     for name in VARIANTS:
         lo = min((a for a, _ in span[name]), default=None)
         hi = max((b for _, b in span[name]), default=None)
-        print(f"| {name} | {bad[name]} | {nan_for_inf[name]} | {'-' if lo is None else f'[{lo!r}, {hi!r}]'} |", flush=True)
+        print(
+            f"| {name} | {bad[name]} | {nan_for_inf[name]} | {'-' if lo is None else f'[{lo!r}, {hi!r}]'} |", flush=True
+        )
     for name, n in documented.items():
-        print(f"{name}: {n} inputs differ from F.silu with its documented difference ({EXPECTED[name].__doc__}), "
-              "NaN-for-Inf aside", flush=True)
+        print(
+            f"{name}: {n} inputs differ from F.silu with its documented difference ({EXPECTED[name].__doc__}), "
+            "NaN-for-Inf aside",
+            flush=True,
+        )
 
 
-POINTS = (-87.0, -87.34, -87.5, -88.0, -88.8, -90.0, -100.0, -1e10, -1e38, float("-inf"), -0.0, 0.0, 1e-40,
-          -1e-40, 100.0, float("inf"), float("nan"))
+POINTS = (
+    -87.0,
+    -87.34,
+    -87.5,
+    -88.0,
+    -88.8,
+    -90.0,
+    -100.0,
+    -1e10,
+    -1e38,
+    float("-inf"),
+    -0.0,
+    0.0,
+    1e-40,
+    -1e-40,
+    100.0,
+    float("inf"),
+    float("nan"),
+)
 
 
 def points():
@@ -238,7 +287,10 @@ def sass():
     d = torch.tensor([2.0**126, 1.0001 * 2.0**126, 1e38, 3.4e38, float("inf"), -1e38] + [1.0] * 26, device="cuda")
     out = torch.empty_like(d)
     _rcp_raw[(1,)](d, out)
-    print("rcp.approx.ftz:", [(float(a), f"{int(b) & 0xFFFFFFFF:#010x}") for a, b in zip(d[:6], out[:6].view(torch.int32))])
+    print(
+        "rcp.approx.ftz:",
+        [(float(a), f"{int(b) & 0xFFFFFFFF:#010x}") for a, b in zip(d[:6], out[:6].view(torch.int32))],
+    )
     g = torch.zeros(1, 32, device="cuda")
     for v, name in enumerate(VARIANTS):
         k = _silu_points[(1,)](g, out, 1, V=v)
@@ -260,18 +312,43 @@ def time_rows(copy_gbs):
                     for br, warps in ((16, 1), (32, 2)):
                         even = swiglu.STREAM_EVEN and rpr == 1 and nblk % br == 0  # the module's masks and forms
                         convert = conversion_bits(swiglu.CONVERSION_FORMS["wide" if save else "quantize"])
+
                         def fn():
                             return _swiglu_v[(triton.cdiv(nblk, br),)](
-                                a, b, q, s, h, gq, gs, uq, us, nblk, rpr, sa, sb, V=v, SAVE=save, BR=br, EVEN=even,
-                                CONVERT=convert, num_warps=warps)
+                                a,
+                                b,
+                                q,
+                                s,
+                                h,
+                                gq,
+                                gs,
+                                uq,
+                                us,
+                                nblk,
+                                rpr,
+                                sa,
+                                sb,
+                                V=v,
+                                SAVE=save,
+                                BR=br,
+                                EVEN=even,
+                                CONVERT=convert,
+                                num_warps=warps,
+                            )
 
                         pct = 100 * (save_bytes if save else nbytes) / median_ms(fn) / 1e6 / copy_gbs
-                        print(f"| probe swiglu {layout} save={save} {VARIANTS[v]} | {m}x{k} | ({br}, {warps}) | "
-                              f"{pct:.1f}% |", flush=True)
+                        print(
+                            f"| probe swiglu {layout} save={save} {VARIANTS[v]} | {m}x{k} | ({br}, {warps}) | "
+                            f"{pct:.1f}% |",
+                            flush=True,
+                        )
         ref = device_path.swiglu_quantize(gu[:, :k], gu[:, k:], "rceil")
         want = device_path.quantize_lastdim(silu_fp32(gu[:, :k]) * gu[:, k:].float(), "rceil")
-        print(f"module swiglu equals quantize(silu_fp32(g) * u) at {m}x{k}: "
-              f"{[torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(ref, want)]}", flush=True)
+        print(
+            f"module swiglu equals quantize(silu_fp32(g) * u) at {m}x{k}: "
+            f"{[torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(ref, want)]}",
+            flush=True,
+        )
         gu = layouts = q = s = h = gq = gs = uq = us = None  # freed before the next shape
         torch.cuda.empty_cache()
 

@@ -67,8 +67,14 @@ def main(argv=None) -> None:
     prof = cProfile.Profile() if args.profile else None
     if prof:
         prof.enable()
-    compile_time.passes_only(args.model, args.arms.split(","), args.layers, args.dims, "cpu",
-                             how="CPU as on an sm90 GPU (MX kernels traced into the graph; Triton IR for sm90)")
+    compile_time.passes_only(
+        args.model,
+        args.arms.split(","),
+        args.layers,
+        args.dims,
+        "cpu",
+        how="CPU as on an sm90 GPU (MX kernels traced into the graph; Triton IR for sm90)",
+    )
     if prof:
         prof.disable()
         stats = pstats.Stats(prof)

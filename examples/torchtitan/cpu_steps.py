@@ -37,8 +37,10 @@ from torchtitan.distributed.parallel_dims import ParallelDims  # noqa: E402
 
 import mxfx  # noqa: E402
 
-CONFIGS = {"qwen3": "torchtitan.models.qwen3.config_registry:qwen3_moe_debug",
-           "deepseek_v3": "torchtitan.models.deepseek_v3.config_registry:deepseek_v3_debugmodel"}
+CONFIGS = {
+    "qwen3": "torchtitan.models.qwen3.config_registry:qwen3_moe_debug",
+    "deepseek_v3": "torchtitan.models.deepseek_v3.config_registry:deepseek_v3_debugmodel",
+}
 
 
 def trainer_config(model: str, layers: int, expert_hidden_dim: int):
@@ -80,8 +82,9 @@ def main() -> None:
         cfg.activation_checkpoint.build(dump_folder=dump).apply(model)
     one_rank = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
     apply_compile(model, compile_config=CompileConfig(enable=True, backend=args.backend), parallel_dims=one_rank)
-    apply_fsdp_to_decoder(model, init_device_mesh("cpu", (1,)), param_dtype=torch.bfloat16,
-                          reduce_dtype=torch.float32, pp_enabled=False)
+    apply_fsdp_to_decoder(
+        model, init_device_mesh("cpu", (1,)), param_dtype=torch.bfloat16, reduce_dtype=torch.float32, pp_enabled=False
+    )
     optimizers = cfg.optimizer.build(model_parts=[model])
 
     vocab = model_config.vocab_size

@@ -25,7 +25,9 @@ from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAt
 from torchtitan.models.common.moe import GroupedExperts
 
 
-@override(target=FlexAttention.Config, description="causal SDPA in place of FlexAttention (non-Inductor compile backends)")
+@override(
+    target=FlexAttention.Config, description="causal SDPA in place of FlexAttention (non-Inductor compile backends)"
+)
 def sdpa_attention(config: FlexAttention.Config) -> ScaledDotProductAttention.Config:
     return ScaledDotProductAttention.Config()
 
@@ -37,11 +39,15 @@ def _named_class(cls: type) -> type:
     """A subclass of the model config ``cls``, of the same layout, whose ``build()`` registers the model
     with ``mxfx.name_modules``."""
     if cls not in _NAMED:
+
         def build(self, **kwargs):
             return mxfx.name_modules(cls.build(self, **kwargs))
 
-        _NAMED[cls] = type(cls.__name__, (cls,), {"__slots__": (), "build": build, "__module__": cls.__module__,
-                                                   "__qualname__": cls.__qualname__})
+        _NAMED[cls] = type(
+            cls.__name__,
+            (cls,),
+            {"__slots__": (), "build": build, "__module__": cls.__module__, "__qualname__": cls.__qualname__},
+        )
     return _NAMED[cls]
 
 

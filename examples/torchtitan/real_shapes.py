@@ -46,7 +46,9 @@ def flavor(spec: str, name: str):
     base = base_flavor(spec)
     m = _NAME.fullmatch(name)
     if m is None or not 1 <= int(m.group(1)) <= base.n_layers:
-        raise KeyError(f"{spec}: flavor {name!r} is not '<n>layers' or '<n>layers_vocab<v>' with 1 <= n <= {base.n_layers}")
+        raise KeyError(
+            f"{spec}: flavor {name!r} is not '<n>layers' or '<n>layers_vocab<v>' with 1 <= n <= {base.n_layers}"
+        )
     args = copy.deepcopy(base)  # torchtitan's trainer changes the args it builds from in place
     args.n_layers = int(m.group(1))
     if m.group(2):

@@ -114,8 +114,9 @@ def model_scope(model: torch.nn.Module | None) -> _Model:
         return scope
 
 
-def observation(scope: _Model, gm: fx.GraphModule, example_inputs, pm: PrecisionMap, policy: Policy,
-                whole: bool = False) -> Callable[[], None]:
+def observation(
+    scope: _Model, gm: fx.GraphModule, example_inputs, pm: PrecisionMap, policy: Policy, whole: bool = False
+) -> Callable[[], None]:
     """What rewritten graph ``gm`` (its precision map ``pm``, under ``policy``) shows of ``scope``'s model, read
     from ``gm`` as the passes left it; the function returned adds it to ``scope`` once the graph has compiled (a
     graph Dynamo traces again is never added), and judges the model then when ``gm`` is its ``whole`` forward,
@@ -174,16 +175,20 @@ def _judge(scope: _Model) -> None:
     else:
         unfit = [r for r, asked in ops if r.kind in GEMM_KINDS and not r.rewritten and not asked and UNFIT in r.reason]
         if unfit:
-            _warn(f"mxfx: {where}: {len(unfit)} of its {len(gemms)} GEMM op(s) stay in {kept_in(unfit)} because their "
-                  f"shapes do not fit their format, though the policy would convert them: {_by_reason(unfit)}. "
-                  f"To keep them as written on purpose, say so with a policy rule (precision='bf16'); "
-                  f"mxfx.all_reports() has each op.")
+            _warn(
+                f"mxfx: {where}: {len(unfit)} of its {len(gemms)} GEMM op(s) stay in {kept_in(unfit)} because their "
+                f"shapes do not fit their format, though the policy would convert them: {_by_reason(unfit)}. "
+                f"To keep them as written on purpose, say so with a policy rule (precision='bf16'); "
+                f"mxfx.all_reports() has each op."
+            )
     left = [r for r, _ in ops if r.kind == unconverted.KIND and unconverted.would_convert(r)]
     if left:
         ops_left = ", ".join(sorted({unconverted.op_of(r) for r in left}))
-        _warn(f"mxfx: {where}: {len(left)} op(s) read a weight mxfx would convert but were not rewritten ({ops_left}); "
-              f"they run in the model's own precision. See mxfx.all_reports() (kind 'not_rewritten') for each op and "
-              f"why.")
+        _warn(
+            f"mxfx: {where}: {len(left)} op(s) read a weight mxfx would convert but were not rewritten ({ops_left}); "
+            f"they run in the model's own precision. See mxfx.all_reports() (kind 'not_rewritten') for each op and "
+            f"why."
+        )
     if model is not None:
         # compiled blocks whose forward left no graph (a graph break in a loop skips the frame) and breaks since
         # the last graph are the model's too
@@ -223,8 +228,16 @@ def unread_weights(model: torch.nn.Module, scope: _Model | None = None) -> list[
     return out
 
 
-NOT_GEMMS = (nn.Embedding, nn.EmbeddingBag, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
-             nn.ConvTranspose3d)
+NOT_GEMMS = (
+    nn.Embedding,
+    nn.EmbeddingBag,
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.ConvTranspose1d,
+    nn.ConvTranspose2d,
+    nn.ConvTranspose3d,
+)
 """Modules whose weights no GEMM reads (lookups, convolutions): read by no compiled graph or not, never named."""
 
 
@@ -262,22 +275,32 @@ def _compiled(module: torch.nn.Module) -> torch.nn.Module | None:
 
 
 def _unread_message(where: str, missed: list[str], breaks: list[graph_breaks.GraphBreak]) -> str:
-    text = (f"mxfx: {where}: {len(missed)} weight(s) were read by no GEMM of a compiled graph, so they were not "
-            f"converted: a graph break or an eager fallback ran their GEMMs outside torch.compile, in the model's own "
-            f"precision: {listed(missed)}. ")
+    text = (
+        f"mxfx: {where}: {len(missed)} weight(s) were read by no GEMM of a compiled graph, so they were not "
+        f"converted: a graph break or an eager fallback ran their GEMMs outside torch.compile, in the model's own "
+        f"precision: {listed(missed)}. "
+    )
     if breaks:
-        text += (f"Graph breaks Dynamo recorded while compiling it: {'; '.join(map(str, breaks[:4]))}"
-                 f"{f' and {len(breaks) - 4} more' if len(breaks) > 4 else ''}. ")
+        text += (
+            f"Graph breaks Dynamo recorded while compiling it: {'; '.join(map(str, breaks[:4]))}"
+            f"{f' and {len(breaks) - 4} more' if len(breaks) > 4 else ''}. "
+        )
     else:
-        text += ("Dynamo recorded no graph break for it: it ran that code without compiling it (a "
-                 "torch.compiler.disable'd function, a file it skips, or a frame past its recompile limit). ")
+        text += (
+            "Dynamo recorded no graph break for it: it ran that code without compiling it (a "
+            "torch.compiler.disable'd function, a file it skips, or a frame past its recompile limit). "
+        )
     if any(b.in_checkpoint for b in breaks):
-        text += (f"A side effect inside an activation-checkpointed region (torch.utils.checkpoint; transformers' "
-                 f"activation_checkpointing_enable) keeps the region out of the graph: "
-                 f"{graph_breaks.CHECKPOINT_SETTING} = True keeps it in, the side effect then not run again when the "
-                 f"backward recomputes the region. ")
-    return text + ("torch._dynamo.explain shows where the forward breaks; an expert implementation without a Python "
-                   "loop over the experts (transformers: experts_implementation='grouped_mm') keeps them in the graph.")
+        text += (
+            f"A side effect inside an activation-checkpointed region (torch.utils.checkpoint; transformers' "
+            f"activation_checkpointing_enable) keeps the region out of the graph: "
+            f"{graph_breaks.CHECKPOINT_SETTING} = True keeps it in, the side effect then not run again when the "
+            f"backward recomputes the region. "
+        )
+    return text + (
+        "torch._dynamo.explain shows where the forward breaks; an expert implementation without a Python "
+        "loop over the experts (transformers: experts_implementation='grouped_mm') keeps them in the graph."
+    )
 
 
 def watch_steps() -> None:
@@ -293,9 +316,12 @@ def _first_step(optimizer, args, kwargs) -> None:
     if optimizer in _stepped:
         return
     _stepped.add(optimizer)
-    named = [(name, p) for group in optimizer.param_groups
-             for name, p in zip(group.get("param_names") or [None] * len(group["params"]), group["params"])
-             if p.grad is not None and p.dim() >= 2 and p.is_floating_point()]
+    named = [
+        (name, p)
+        for group in optimizer.param_groups
+        for name, p in zip(group.get("param_names") or [None] * len(group["params"]), group["params"])
+        if p.grad is not None and p.dim() >= 2 and p.is_floating_point()
+    ]
     with _lock:
         taken = set().union(_anonymous.inputs, *(scope.inputs for scope in list(_models.values())))
     if named and not any(id(p) in taken for _, p in named):
@@ -311,19 +337,30 @@ def _unseen_message(optimizer: str, named: list, breaks: list[graph_breaks.Graph
     with :func:`mxfx.name_modules`, else shapes stand for them."""
     by_id = {id(p): n for root in names.roots() for n, p in names.parameters_by_name(root).items()}
     found = [name or by_id.get(id(p)) for name, p in named]
-    said = listed(found) if all(found) else (
-        f"shapes {listed([tuple(p.shape) for _, p in named])} (an optimizer built over model.named_parameters(), or "
-        f"mxfx.name_modules(model), has them named)")
-    text = (f"mxfx: {optimizer} stepped {len(named)} weight(s) that no graph compiled by the mxfp8 backend took, so "
-            f"none was converted: their model ran outside torch.compile, in its own precision: {said}. ")
+    said = (
+        listed(found)
+        if all(found)
+        else (
+            f"shapes {listed([tuple(p.shape) for _, p in named])} (an optimizer built over model.named_parameters(), or "
+            f"mxfx.name_modules(model), has them named)"
+        )
+    )
+    text = (
+        f"mxfx: {optimizer} stepped {len(named)} weight(s) that no graph compiled by the mxfp8 backend took, so "
+        f"none was converted: their model ran outside torch.compile, in its own precision: {said}. "
+    )
     if breaks:
         text += f"Graph breaks Dynamo recorded: {'; '.join(map(str, breaks[:4]))}. "
     else:
-        text += ("Dynamo compiled no graph of it: it skips a whole forward when the forward breaks inside a loop "
-                 "(a loop over the experts with torch.where per expert breaks on the data-dependent shape). ")
-    return text + ("torch.compile(model, backend='mxfp8', fullgraph=True) raises at the line that breaks; an expert "
-                   "implementation without a Python loop over the experts (grouped GEMMs, torch._grouped_mm; "
-                   "transformers: experts_implementation='grouped_mm') keeps them in the graph.")
+        text += (
+            "Dynamo compiled no graph of it: it skips a whole forward when the forward breaks inside a loop "
+            "(a loop over the experts with torch.where per expert breaks on the data-dependent shape). "
+        )
+    return text + (
+        "torch.compile(model, backend='mxfp8', fullgraph=True) raises at the line that breaks; an expert "
+        "implementation without a Python loop over the experts (grouped GEMMs, torch._grouped_mm; "
+        "transformers: experts_implementation='grouped_mm') keeps them in the graph."
+    )
 
 
 def _real_values(gm: fx.GraphModule, example_inputs) -> dict:
@@ -357,12 +394,16 @@ def _attr(gm, target: str):
 
 def _warn_nothing_converted(where: str, gemms, fmt: str) -> None:
     if not gemms:
-        _warn(f"mxfx: {where} converted no op (policy format {fmt!r}): its compiled graphs hold no GEMM mxfx decides "
-              f"(graph breaks may have left them in eager code; torch._dynamo.explain shows where). It runs in its own "
-              f"precision.")
+        _warn(
+            f"mxfx: {where} converted no op (policy format {fmt!r}): its compiled graphs hold no GEMM mxfx decides "
+            f"(graph breaks may have left them in eager code; torch._dynamo.explain shows where). It runs in its own "
+            f"precision."
+        )
         return
-    _warn(f"mxfx: {where} converted no op (policy format {fmt!r}): its {len(gemms)} GEMM op(s) all stay in "
-          f"{kept_in(gemms)}: {_by_reason(gemms)}. It runs in its own precision; mxfx.all_reports() has each op.")
+    _warn(
+        f"mxfx: {where} converted no op (policy format {fmt!r}): its {len(gemms)} GEMM op(s) all stay in "
+        f"{kept_in(gemms)}: {_by_reason(gemms)}. It runs in its own precision; mxfx.all_reports() has each op."
+    )
 
 
 def _by_reason(records) -> str:
@@ -371,8 +412,10 @@ def _by_reason(records) -> str:
     groups: dict[str, list] = {}
     for r in records:
         groups.setdefault(r.reason or "kept", []).append(r)
-    return "; ".join(f"{len(rs)} x {reason} ({listed([r.module or r.node for r in rs])})"
-                     for reason, rs in sorted(groups.items(), key=lambda kv: -len(kv[1])))
+    return "; ".join(
+        f"{len(rs)} x {reason} ({listed([r.module or r.node for r in rs])})"
+        for reason, rs in sorted(groups.items(), key=lambda kv: -len(kv[1]))
+    )
 
 
 def _warn(message: str) -> None:

@@ -56,8 +56,14 @@ class _Seen:
 _seen: dict[Policy, _Seen] = {}
 
 
-def observe(policy: Policy, modules: set[str], ops: set[tuple[str, str]] = frozenset(), whole: bool = False,
-            sites=(), converted=()) -> None:
+def observe(
+    policy: Policy,
+    modules: set[str],
+    ops: set[tuple[str, str]] = frozenset(),
+    whole: bool = False,
+    sites=(),
+    converted=(),
+) -> None:
     """Record the module names, the ``(op kind, module)`` ops (:func:`rule_ops`), the statistics ``sites`` and the
     modules of ``converted`` ops of one graph compiled under ``policy``; judged now when the graph is the ``whole``
     forward of the module being called (:func:`mxfx.names.whole_forward`), else at the next optimizer step or at
@@ -97,7 +103,9 @@ def opless_rules(policy: Policy, modules: set[str], ops: set[tuple[str, str]]) -
     """The rules of ``policy`` whose glob matches one of ``modules`` (or that have none) but that match none of
     ``ops``: they change nothing."""
     unmatched = unmatched_rules(policy, modules)
-    return [r for r in policy.rules if r not in unmatched and not any(k in OP_KINDS and r.matches(k, m) for k, m in ops)]
+    return [
+        r for r in policy.rules if r not in unmatched and not any(k in OP_KINDS and r.matches(k, m) for k, m in ops)
+    ]
 
 
 def judge_pending(policy: Policy | None = None) -> None:
@@ -139,9 +147,11 @@ def _siteless_stats_message(policy: Policy, converted: set[str]) -> str:
         where = "no op of them is converted to a low-precision format, so they have no quantize site at all"
     else:
         where = f"the modules with quantize sites (converted ops) are {listed(names)}: point the glob there"
-    return (f"mxfx: policy stats modules={glob!r} matches no quantize site of the graphs compiled under this policy, "
-            f"so no statistics are sampled; {where}. The glob matches a module name as a rule's module glob does "
-            f"(the name or a dotted suffix of it, and the modules inside a matched one).")
+    return (
+        f"mxfx: policy stats modules={glob!r} matches no quantize site of the graphs compiled under this policy, "
+        f"so no statistics are sampled; {where}. The glob matches a module name as a rule's module glob does "
+        f"(the name or a dotted suffix of it, and the modules inside a matched one)."
+    )
 
 
 def listed(names) -> str:
@@ -168,13 +178,17 @@ def _opless_message(policy: Policy, rule, modules: set[str], ops: set[tuple[str,
         off = [p for p in ([_PASS_OF.get(rule.op, rule.op)] if rule.op else []) if not policy.pass_enabled(p)]
         advice += f" (the {off[0]!r} pass is off in this policy's passes); drop the rule" if off else "; drop the rule"
     else:
-        advice = (f"{'The ' + rule.op + ' ops' if rule.op else 'Ops a rule decides'} are in {listed(holders)}: point "
-                  f"the module glob there")
+        advice = (
+            f"{'The ' + rule.op + ' ops' if rule.op else 'Ops a rule decides'} are in {listed(holders)}: point "
+            f"the module glob there"
+        )
         if rule.op and found & set(OP_KINDS):
             advice += ", or set op to a kind found there (or leave op out to match every kind)"
         advice += ", or drop the rule"
-    return (f"mxfx: policy {policy.describe_rule(rule)} {head}, so it changes nothing. Op kinds found there: "
-            f"{', '.join([k for k in OP_KINDS if k in found] + sorted(found - set(OP_KINDS))) or 'none'}. {advice}.")
+    return (
+        f"mxfx: policy {policy.describe_rule(rule)} {head}, so it changes nothing. Op kinds found there: "
+        f"{', '.join([k for k in OP_KINDS if k in found] + sorted(found - set(OP_KINDS))) or 'none'}. {advice}."
+    )
 
 
 _FORWARD_KINDS = ("linear", "grouped_mm", "swiglu", "router", "all_to_all")
@@ -192,7 +206,12 @@ def _matched_prefix(rule, module: str) -> str:
 
 def graph_modules(gm: torch.fx.GraphModule) -> set[str]:
     """The innermost module name of every op in ``gm`` and its subgraphs, as :func:`module_fqn` gives them."""
-    return {module_fqn(n) for g in all_graphs(gm) for n in g.graph.nodes if n.op in ("call_function", "call_method", "call_module")}
+    return {
+        module_fqn(n)
+        for g in all_graphs(gm)
+        for n in g.graph.nodes
+        if n.op in ("call_function", "call_method", "call_module")
+    }
 
 
 REQUEST_KINDS = ("linear", "router", "grouped_mm")
@@ -239,7 +258,9 @@ def _remedy(ops, fmt: Format) -> str:
     if any("min_size" in r.reason for r in ops):
         fixes.append("lower min_size (min_size=0 on the rule)")
     if any("multiple" in r.reason and NARROW not in r.reason for r in ops):
-        finer = [f for f in map(formats.get, formats.NAMES) if f.low_precision and f.feature_multiple < fmt.feature_multiple]
+        finer = [
+            f for f in map(formats.get, formats.NAMES) if f.low_precision and f.feature_multiple < fmt.feature_multiple
+        ]
         others = "".join(f"; format={f.name!r} needs {f.feature_multiple}" for f in finer)
         block = f"{fmt.feature_multiple} ({fmt.name}{others})" if finer else f"{fmt.feature_multiple}"
         fixes.append(f"pad their features to a multiple of {block}")
@@ -247,6 +268,8 @@ def _remedy(ops, fmt: Format) -> str:
     out = f"To convert them, {' or '.join(fixes)}; otherwise drop the rule or narrow its module glob." if fixes else ""
     if narrow:
         one = len(narrow) == 1
-        out += (f"{' ' if out else ''}{listed(narrow)} {'is' if one else 'are'} {NARROW}, too narrow to convert: narrow "
-                f"the rule's module glob to leave {'it' if one else 'them'} out, or drop the rule.")
+        out += (
+            f"{' ' if out else ''}{listed(narrow)} {'is' if one else 'are'} {NARROW}, too narrow to convert: narrow "
+            f"the rule's module glob to leave {'it' if one else 'them'} out, or drop the rule."
+        )
     return out or "See the reasons above; otherwise drop the rule or narrow its module glob."

@@ -146,8 +146,10 @@ class Format:
         for r in self.scale_rules:
             if r.value == value:
                 return r
-        raise ValueError(f"{where}: scale_rule={value!r} is not a rule of format={self.name!r}; choose one of "
-                         f"{', '.join(repr(r.value) for r in self.scale_rules)} ({self.description})")
+        raise ValueError(
+            f"{where}: scale_rule={value!r} is not a rule of format={self.name!r}; choose one of "
+            f"{', '.join(repr(r.value) for r in self.scale_rules)} ({self.description})"
+        )
 
     def rule_shown(self, rule) -> str | None:
         """``rule`` as the precision map names an op's scale rule: its value; None for a format without scales
@@ -175,10 +177,12 @@ class Format:
     def check_features(self, op: str, k: int, n: int) -> None:
         """Raise ValueError naming ``op`` unless in/out features ``k``/``n`` are multiples of ``feature_multiple``."""
         if self.unfit_reason(k, n):
-            raise ValueError(f"{op}: format={self.name!r} needs in/out features that are multiples of "
-                             f"{self.feature_multiple} ({self.feature_multiple_source}), got {k}->{n}; pad the layer "
-                             f"or keep this GEMM in BF16 "
-                             f"(a policy rule with precision='bf16')")
+            raise ValueError(
+                f"{op}: format={self.name!r} needs in/out features that are multiples of "
+                f"{self.feature_multiple} ({self.feature_multiple_source}), got {k}->{n}; pad the layer "
+                f"or keep this GEMM in BF16 "
+                f"(a policy rule with precision='bf16')"
+            )
 
     def saved_bytes(self, numel: int, tokens: int | None = None, k: int | None = None) -> int:
         """Bytes of this format's copy of a saved activation of ``numel`` values (``tokens`` x ``k`` when it is
@@ -246,8 +250,9 @@ class Format:
         ``out``'s dtype, then one copy or add (a format whose GEMM has no accumulating epilogue)."""
         accumulate_into(out, self.wgrad_mm(dy_tokens, x_tokens, out.dtype), accumulate)
 
-    def grouped_wgrad_into(self, dy_tokens: Operand, x_tokens: Operand, offs, out: torch.Tensor,
-                           accumulate: bool) -> None:
+    def grouped_wgrad_into(
+        self, dy_tokens: Operand, x_tokens: Operand, offs, out: torch.Tensor, accumulate: bool
+    ) -> None:
         """:meth:`grouped_wgrad` written into ``out [E, N, K]`` or added to it, as :meth:`wgrad_mm_into`."""
         accumulate_into(out, self.grouped_wgrad(dy_tokens, x_tokens, offs, out.dtype), accumulate)
 

@@ -28,6 +28,7 @@ _BF16 = torch.bfloat16
 #
 # "bf16_forward": ``(W.to(bf16) [..., N, K],)``; "bf16_dgrad": its transpose view ``[..., K, N]`` (no second copy).
 
+
 def _build(weight: torch.Tensor, rule: str, forms, have: dict) -> dict:
     forward = have.get((rule, "bf16_forward"))
     if forward is None:
@@ -43,14 +44,24 @@ def _fake(weight: torch.Tensor, form: str) -> tuple:
 
 
 def _install(weight, form, qdata, scales):
-    raise RuntimeError("mxfx.formats.bf16_gemm: weights are not gathered in this format (FSDP2 gathers them as parameters)")
+    raise RuntimeError(
+        "mxfx.formats.bf16_gemm: weights are not gathered in this format (FSDP2 gathers them as parameters)"
+    )
 
 
-FORMS = cache.register(cache.FormFamily(
-    name="bf16_gemm", forms=("bf16_forward", "bf16_dgrad"), dgrad_side=frozenset({"bf16_dgrad"}),
-    rules=tuple(r.value for r in ScaleRule), build=_build, fake=_fake, install=_install,
-    layout=lambda weight: None, check=lambda weight, form: None,
-))
+FORMS = cache.register(
+    cache.FormFamily(
+        name="bf16_gemm",
+        forms=("bf16_forward", "bf16_dgrad"),
+        dgrad_side=frozenset({"bf16_dgrad"}),
+        rules=tuple(r.value for r in ScaleRule),
+        build=_build,
+        fake=_fake,
+        install=_install,
+        layout=lambda weight: None,
+        check=lambda weight, form: None,
+    )
+)
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -143,8 +154,10 @@ class BF16Gemm(Format):
 
     def given_input(self, given, x, up):
         if given is not None:
-            raise ValueError(f"mxfx.grouped_mm: format='bf16_gemm' takes no quantized rows (x_mx); got "
-                             f"{type(given).__name__} for x {tuple(x.shape)}")
+            raise ValueError(
+                f"mxfx.grouped_mm: format='bf16_gemm' takes no quantized rows (x_mx); got "
+                f"{type(given).__name__} for x {tuple(x.shape)}"
+            )
         return None
 
 

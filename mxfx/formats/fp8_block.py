@@ -90,10 +90,19 @@ def _install(weight: torch.Tensor, form: str, qdata: torch.Tensor, scales: torch
     return tuple(t.clone(memory_format=torch.contiguous_format) for t in (qdata, scales))
 
 
-FORMS = cache.register(cache.FormFamily(
-    name="fp8_block", forms=tuple(_FORMS), dgrad_side=frozenset({"block_dgrad"}), rules=("rceil", "amax"),
-    build=_build, fake=_fake, install=_install, layout=lambda weight: None, check=lambda weight, form: None,
-))
+FORMS = cache.register(
+    cache.FormFamily(
+        name="fp8_block",
+        forms=tuple(_FORMS),
+        dgrad_side=frozenset({"block_dgrad"}),
+        rules=("rceil", "amax"),
+        build=_build,
+        fake=_fake,
+        install=_install,
+        layout=lambda weight: None,
+        check=lambda weight, form: None,
+    )
+)
 
 
 def _group_tokens_parts(x: torch.Tensor, operand, offs: torch.Tensor) -> stats.Parts:
@@ -145,7 +154,7 @@ class FP8Block(Format):
         out = custom_ops.block_forward_operands(x, up, source, offs, rule, pack)  # every pair from one read
         a, rest = (out[0], out[1]), out[2:]
         t = tuple(rest[:2]) if tokens else None
-        packed = tuple(rest[2 if tokens else 0:]) if pack else ((x, up) if up is not None else ())
+        packed = tuple(rest[2 if tokens else 0 :]) if pack else ((x, up) if up is not None else ())
         return a, t, packed
 
     def weight_operand(self, weight, rule, orientation, keep_dequantized=False):
@@ -190,8 +199,7 @@ class FP8Block(Format):
         custom_ops.block_mm_into(dy_tokens[0], dy_tokens[1], x_tokens[0], x_tokens[1], out, accumulate)
 
     def grouped_wgrad_into(self, dy_tokens, x_tokens, offs, out, accumulate):
-        custom_ops.block_grouped_wgrad_into(dy_tokens[0], dy_tokens[1], x_tokens[0], x_tokens[1], offs, out,
-                                            accumulate)
+        custom_ops.block_grouped_wgrad_into(dy_tokens[0], dy_tokens[1], x_tokens[0], x_tokens[1], offs, out, accumulate)
 
     def dequantize(self, a, dtype):
         return dequantize_values(a[0], a[1], (-1,)).to(dtype)
@@ -279,24 +287,34 @@ class FP8Block(Format):
                 column = TILE * group_tile_starts(offs)[group] + t - first[group]
                 width = TILE * s.shape[1]
                 col_map = torch.full((width + 1,), -1, dtype=torch.int32, device=a.device).scatter_(
-                    0, torch.where(read, column, width), t.to(torch.int32))[:width]
+                    0, torch.where(read, column, width), t.to(torch.int32)
+                )[:width]
         else:
             return None
-        return fused.stats_vector(a, b, w, q, s, rows_per_scale, col_map, layout == "group_tokens", stats.HIST_MIN,
-                                  stats.HIST_BINS)
+        return fused.stats_vector(
+            a, b, w, q, s, rows_per_scale, col_map, layout == "group_tokens", stats.HIST_MIN, stats.HIST_BINS
+        )
 
     def given_input(self, given, x, up):
         if given is None:
             return None
         q, s = given if isinstance(given, (tuple, list)) and len(given) == 2 else (None, None)
         want = (x.shape[0], -(-x.shape[-1] // TILE))
-        if (up is not None or not isinstance(q, torch.Tensor) or not isinstance(s, torch.Tensor)
-                or q.dtype != torch.float8_e4m3fn or s.dtype != torch.float32 or q.shape != x.shape
-                or tuple(s.shape) != want):
+        if (
+            up is not None
+            or not isinstance(q, torch.Tensor)
+            or not isinstance(s, torch.Tensor)
+            or q.dtype != torch.float8_e4m3fn
+            or s.dtype != torch.float32
+            or q.shape != x.shape
+            or tuple(s.shape) != want
+        ):
             got = " / ".join(f"{tuple(t.shape)} {t.dtype}" for t in (given or ()) if isinstance(t, torch.Tensor))
-            raise ValueError(f"mxfx.grouped_mm: under format='fp8_block' x_mx must be x's 1x128 tiles (qdata "
-                             f"float8_e4m3fn {tuple(x.shape)}, float32 scales {want}) and not combined with up; "
-                             f"got {got or given!r}")
+            raise ValueError(
+                f"mxfx.grouped_mm: under format='fp8_block' x_mx must be x's 1x128 tiles (qdata "
+                f"float8_e4m3fn {tuple(x.shape)}, float32 scales {want}) and not combined with up; "
+                f"got {got or given!r}"
+            )
         return q, s
 
 

@@ -101,11 +101,17 @@ def _quantize_weight(weight: torch.Tensor, rule: str, pairs, values=()) -> tuple
     cache.counts["quantize"] += len(want)
     if source_layout(w):
         q, s, h, qt, st, ht = device_path.quantize_dual_source(
-            w, rule, row="forward" in want, col="dgrad" in want,
-            dequantized=torch.bfloat16 if values else None, mx=bool(pairs),
+            w,
+            rule,
+            row="forward" in want,
+            col="dgrad" in want,
+            dequantized=torch.bfloat16 if values else None,
+            mx=bool(pairs),
         )
-        return ({o: p for o, p in (("forward", (q, s)), ("dgrad", (qt, st))) if o in pairs},
-                {o: t for o, t in (("forward", h), ("dgrad", ht)) if o in values})
+        return (
+            {o: p for o, p in (("forward", (q, s)), ("dgrad", (qt, st))) if o in pairs},
+            {o: t for o, t in (("forward", h), ("dgrad", ht)) if o in values},
+        )
     out = {}
     blocked = blocked_scales(w)
     if set(pairs) == set(_PAIRS):
@@ -147,7 +153,9 @@ def _fake_tensor(weight: torch.Tensor, orientation: str, dtype: torch.dtype, sca
     """An empty tensor with the shape and strides of the ``orientation`` form's qdata (its scales when ``scales``,
     or its BF16 values with ``dtype=torch.bfloat16``)."""
     if orientation == "forward" or not source_layout(weight):
-        shape = list(weight.shape) if orientation == "forward" else [*weight.shape[:-2], weight.shape[-1], weight.shape[-2]]
+        shape = (
+            list(weight.shape) if orientation == "forward" else [*weight.shape[:-2], weight.shape[-1], weight.shape[-2]]
+        )
         if scales and blocked_scales(weight):
             return weight.new_empty([blocked_numel(shape[0], shape[1] // BLOCK_SIZE)], dtype=dtype)
         if scales and source_layout(weight):  # quantize_dual_source's rowwise scales are MN-major
@@ -173,14 +181,25 @@ def _install(weight: torch.Tensor, form: str, qdata: torch.Tensor, scales: torch
 
 def _check_weight(weight: torch.Tensor, form: str) -> None:
     if weight.shape[-1] % BLOCK_SIZE or weight.shape[-2] % BLOCK_SIZE:
-        raise ValueError(f"mxfx.runtime.cache: weight of shape {tuple(weight.shape)} must be [N, K] or [E, N, K] with N "
-                         f"and K multiples of {BLOCK_SIZE} (both orientations are blocked by {BLOCK_SIZE})")
+        raise ValueError(
+            f"mxfx.runtime.cache: weight of shape {tuple(weight.shape)} must be [N, K] or [E, N, K] with N "
+            f"and K multiples of {BLOCK_SIZE} (both orientations are blocked by {BLOCK_SIZE})"
+        )
 
 
-FORMS = cache.register(cache.FormFamily(
-    name="mxfp8", forms=(*_PAIRS, *_VALUES), dgrad_side=frozenset({"dgrad", "dgrad_bf16"}), rules=("rceil", "floor"),
-    build=_build, fake=_fake, install=_install, layout=source_layout, check=_check_weight,
-))
+FORMS = cache.register(
+    cache.FormFamily(
+        name="mxfp8",
+        forms=(*_PAIRS, *_VALUES),
+        dgrad_side=frozenset({"dgrad", "dgrad_bf16"}),
+        rules=("rceil", "floor"),
+        build=_build,
+        fake=_fake,
+        install=_install,
+        layout=source_layout,
+        check=_check_weight,
+    )
+)
 
 
 class MXFP8(Format):
@@ -274,16 +293,25 @@ class MXFP8(Format):
         if route_weight is None:
             return quantize_operand(dout, rule, values), dout
         rw = route_weight.reshape(-1)
-        a = a_operand(values, custom_ops.route_weight_quantize, custom_ops.route_weight_quantize_dequantize,
-                      dout, rw, rule)  # the route-weight multiply fused into the quantize
+        a = a_operand(
+            values, custom_ops.route_weight_quantize, custom_ops.route_weight_quantize_dequantize, dout, rw, rule
+        )  # the route-weight multiply fused into the quantize
         return a, dout.float() * rw.reshape(-1, 1).float()  # fp32: quantized once, never via bf16
 
     def tokens_operand(self, x, rule):
         return (*custom_ops.quantize(_pad_tokens(x).t(), str(rule)), None)
 
     def wgrad_mm(self, dy_tokens, x_tokens, out_dtype):
-        return mx_mm(dy_tokens[0], dy_tokens[1], x_tokens[0], x_tokens[1], out_dtype, self._native("mm", dy_tokens),
-                     None, dy_tokens[2])
+        return mx_mm(
+            dy_tokens[0],
+            dy_tokens[1],
+            x_tokens[0],
+            x_tokens[1],
+            out_dtype,
+            self._native("mm", dy_tokens),
+            None,
+            dy_tokens[2],
+        )
 
     def grouped_tokens_operand(self, t, offs, rule):
         # each group zero-padded to 32 rows (group_padding): (q [D, C], s [D, C/32], None)
@@ -297,14 +325,23 @@ class MXFP8(Format):
         return mx_grouped_mm_wgrad(dy_tokens[0], dy_tokens[1], x_tokens[0], x_tokens[1], padded_offs, out_dtype, native)
 
     def wgrad_mm_into(self, dy_tokens, x_tokens, out, accumulate):
-        mx_mm_into(dy_tokens[0], dy_tokens[1], x_tokens[0], x_tokens[1], out, accumulate, self._native("mm", dy_tokens),
-                   dy_tokens[2])
+        mx_mm_into(
+            dy_tokens[0],
+            dy_tokens[1],
+            x_tokens[0],
+            x_tokens[1],
+            out,
+            accumulate,
+            self._native("mm", dy_tokens),
+            dy_tokens[2],
+        )
 
     def grouped_wgrad_into(self, dy_tokens, x_tokens, offs, out, accumulate):
         padded_offs = padded_group_ends(offs).to(torch.int32)
         native = self.runs_natively("grouped_mm_wgrad", dy_tokens[0].device)
-        mx_grouped_wgrad_into(dy_tokens[0], dy_tokens[1], x_tokens[0], x_tokens[1], padded_offs, out, accumulate,
-                              native)
+        mx_grouped_wgrad_into(
+            dy_tokens[0], dy_tokens[1], x_tokens[0], x_tokens[1], padded_offs, out, accumulate, native
+        )
 
     def dequantize(self, a, dtype):
         return custom_ops.dequantize(a[0], a[1], dtype)
@@ -328,8 +365,10 @@ class MXFP8(Format):
             "forward": (q.contiguous().view(torch.uint8), s.contiguous()),
             # dgrad: W^T [..., K, N] blocked along N -> sent in W's layout: qdata [..., N, K], scales [..., N/32, K]
             # viewed as [..., N, K/32]
-            "dgrad": (qt.transpose(-2, -1).contiguous().view(torch.uint8),
-                      st.transpose(-2, -1).contiguous().view(w.shape[:-1] + (w.shape[-1] // BLOCK_SIZE,))),
+            "dgrad": (
+                qt.transpose(-2, -1).contiguous().view(torch.uint8),
+                st.transpose(-2, -1).contiguous().view(w.shape[:-1] + (w.shape[-1] // BLOCK_SIZE,)),
+            ),
         }
 
     def gather_which(self, reshards_after_forward, in_backward):
@@ -366,8 +405,9 @@ class MXFP8(Format):
             dest, _, capacity = group_padding(offs, x.shape[0])
             dest = dest[: int(offs[-1])]  # the rows some group reads
             x = x[: dest.shape[0]]
-            dq, saturated, exponents = self._decode(x.new_zeros(capacity, x.shape[1]).index_copy(0, dest, x).t(),
-                                                    operand, rule)
+            dq, saturated, exponents = self._decode(
+                x.new_zeros(capacity, x.shape[1]).index_copy(0, dest, x).t(), operand, rule
+            )
             return stats.Parts(x, dq[:, dest].t(), saturated[:, dest].t(), exponents)
         elif layout not in ("rows", "weight"):
             raise ValueError(f"mxfx.formats.mxfp8: layout={layout!r} is not valid; choose one of {stats.LAYOUTS}")
@@ -403,7 +443,8 @@ class MXFP8(Format):
                 dest, _, capacity = group_padding(offs, rows)
                 read = torch.arange(rows, device=a.device) < offs[-1]  # the rows some group reads
                 col_map = torch.full((capacity + 1,), -1, dtype=torch.int32, device=a.device).scatter_(
-                    0, torch.where(read, dest, capacity), torch.arange(rows, dtype=torch.int32, device=a.device))
+                    0, torch.where(read, dest, capacity), torch.arange(rows, dtype=torch.int32, device=a.device)
+                )
                 col_map = col_map[:capacity]
         else:
             return None
@@ -433,18 +474,29 @@ class MXFP8(Format):
             raise ValueError("mxfx.grouped_mm: x_mx must be (qdata, scales) or (qdata, scales, dequantized values)")
         q, s, values = (*given, None) if len(given) == 2 else given
         if not isinstance(q, torch.Tensor) or not isinstance(s, torch.Tensor) or q.dtype != torch.float8_e4m3fn:
-            raise ValueError("mxfx.grouped_mm: x_mx needs x's qdata (float8_e4m3fn tensor) and scales (uint8 E8M0 tensor)")
-        if values is not None and (not isinstance(values, torch.Tensor) or not values.is_floating_point()
-                                   or values.element_size() < 2):
-            raise TypeError(f"mxfx.grouped_mm: the values in x_mx must be the dequantized tensor (bf16/fp16/fp32), got "
-                            f"{getattr(values, 'dtype', type(values).__name__)}")
+            raise ValueError(
+                "mxfx.grouped_mm: x_mx needs x's qdata (float8_e4m3fn tensor) and scales (uint8 E8M0 tensor)"
+            )
+        if values is not None and (
+            not isinstance(values, torch.Tensor) or not values.is_floating_point() or values.element_size() < 2
+        ):
+            raise TypeError(
+                f"mxfx.grouped_mm: the values in x_mx must be the dequantized tensor (bf16/fp16/fp32), got "
+                f"{getattr(values, 'dtype', type(values).__name__)}"
+            )
         k = x.shape[-1]
-        if up is not None or q.shape != x.shape or s.shape != (*x.shape[:-1], k // BLOCK_SIZE) or (
-                values is not None and values.shape != x.shape):
+        if (
+            up is not None
+            or q.shape != x.shape
+            or s.shape != (*x.shape[:-1], k // BLOCK_SIZE)
+            or (values is not None and values.shape != x.shape)
+        ):
             shapes = " / ".join(str(tuple(t.shape)) for t in given if t is not None)
-            raise ValueError(f"mxfx.grouped_mm: x_mx of shapes {shapes} must be the MX pair of x {tuple(x.shape)} "
-                             f"([S, K] / [S, K/32], and values [S, K] if given) and cannot be combined with a SwiGLU "
-                             f"up operand")
+            raise ValueError(
+                f"mxfx.grouped_mm: x_mx of shapes {shapes} must be the MX pair of x {tuple(x.shape)} "
+                f"([S, K] / [S, K/32], and values [S, K] if given) and cannot be combined with a SwiGLU "
+                f"up operand"
+            )
         return q, s, values
 
 

@@ -144,9 +144,13 @@ def tiled_rows(b: torch.Tensor, b_scales: torch.Tensor) -> bool:
 
 def _check_pair(qdata, scales, expected, op):
     if qdata.dtype != torch.float8_e4m3fn:
-        raise TypeError(f"{op}: qdata of shape {tuple(qdata.shape)} has dtype {qdata.dtype}, expected torch.float8_e4m3fn")
+        raise TypeError(
+            f"{op}: qdata of shape {tuple(qdata.shape)} has dtype {qdata.dtype}, expected torch.float8_e4m3fn"
+        )
     if scales.dtype != torch.float32:
-        raise TypeError(f"{op}: scales of shape {tuple(scales.shape)} have dtype {scales.dtype}, expected torch.float32")
+        raise TypeError(
+            f"{op}: scales of shape {tuple(scales.shape)} have dtype {scales.dtype}, expected torch.float32"
+        )
     if qdata.device != scales.device:
         raise ValueError(f"{op}: qdata is on {qdata.device} but scales are on {scales.device}; move them to one device")
     if tuple(scales.shape) != tuple(expected):

@@ -142,8 +142,10 @@ def from_blocked(blocked: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
             ``blocked_numel(rows, cols)`` bytes.
     """
     if blocked.element_size() != 1:
-        raise TypeError(f"mxfx.numerics.layout.from_blocked: blocked scales must be bytes (uint8 or float8_e8m0fnu), got "
-                        f"{blocked.dtype} of shape {tuple(blocked.shape)}")
+        raise TypeError(
+            f"mxfx.numerics.layout.from_blocked: blocked scales must be bytes (uint8 or float8_e8m0fnu), got "
+            f"{blocked.dtype} of shape {tuple(blocked.shape)}"
+        )
     if rows < 0 or cols < 0:
         raise ValueError(f"mxfx.numerics.layout.from_blocked: rows and cols must be >= 0, got [{rows}, {cols}]")
     prows, pcols = _ceil_to(rows, TILE_ROWS), _ceil_to(cols, TILE_COLS)
@@ -162,8 +164,11 @@ def from_blocked(blocked: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 def is_blocked(qdata: torch.Tensor, scales: torch.Tensor) -> bool:
     """True when ``scales`` of the 2D ``qdata [R, K]`` are already in the blocked layout: 1D with
     ``blocked_numel(R, K/32)`` bytes, as ``mxfx.kernels.mx.device_path.quantize_dual_blocked`` writes them."""
-    return (scales.dim() == 1 and qdata.dim() == 2
-            and scales.numel() == blocked_numel(qdata.shape[0], qdata.shape[1] // BLOCK_SIZE))
+    return (
+        scales.dim() == 1
+        and qdata.dim() == 2
+        and scales.numel() == blocked_numel(qdata.shape[0], qdata.shape[1] // BLOCK_SIZE)
+    )
 
 
 def padded_group_ends(offs: torch.Tensor) -> torch.Tensor:
@@ -205,5 +210,7 @@ def check_group_ends(ends: list[int], rows: int, op: str) -> None:
     """Raise ValueError naming ``op`` unless the cumulative group ends ``ends`` (``offs`` read on the host, as
     ``torch._grouped_mm`` takes them) are non-negative, non-decreasing and at most ``rows``."""
     if any(b < a for a, b in zip([0] + ends, ends)) or (ends and ends[-1] > rows):
-        raise ValueError(f"{op}: offs {ends} must be non-decreasing cumulative group ends of at most the {rows} rows "
-                         f"of x, as torch._grouped_mm takes them")
+        raise ValueError(
+            f"{op}: offs {ends} must be non-decreasing cumulative group ends of at most the {rows} rows "
+            f"of x, as torch._grouped_mm takes them"
+        )

@@ -241,7 +241,9 @@ def check_both_axes(x: torch.Tensor, rule: str, op: str, hint: str = "") -> torc
 def check_pair(qdata: torch.Tensor, scales: torch.Tensor, axis: int, op: str) -> int:
     """Validate an MX (qdata, scales) pair blocked along ``axis``; returns the normalised axis."""
     if qdata.dtype != torch.float8_e4m3fn:
-        raise TypeError(f"{op}: qdata of shape {tuple(qdata.shape)} has dtype {qdata.dtype}, expected torch.float8_e4m3fn")
+        raise TypeError(
+            f"{op}: qdata of shape {tuple(qdata.shape)} has dtype {qdata.dtype}, expected torch.float8_e4m3fn"
+        )
     if scales.dtype not in (torch.float8_e8m0fnu, torch.uint8):
         raise TypeError(
             f"{op}: scales of shape {tuple(scales.shape)} have dtype {scales.dtype}, "

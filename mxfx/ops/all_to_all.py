@@ -102,8 +102,9 @@ def _transport(x, output_split_sizes, input_split_sizes, group_name, precision, 
     return custom_ops.dequantize(rq, rs, x.dtype)
 
 
-def _weighted_transport(dy, rw, x_dtype, output_split_sizes, input_split_sizes, group_name, precision, rule,
-                        site=("", 1)):
+def _weighted_transport(
+    dy, rw, x_dtype, output_split_sizes, input_split_sizes, group_name, precision, rule, site=("", 1)
+):
     """Send ``dy * rw`` (rows scaled in fp32) back along the route; MXFP8 forms the product inside the quantize."""
     if precision != "mxfp8":
         scaled = (dy.float() * rw.float().reshape(-1, 1)).to(x_dtype)
@@ -194,9 +195,15 @@ def mx_all_to_all(
         ValueError: unknown precision or scale rule, or D not a multiple of 32 with
             an MXFP8 direction (keep such rows in BF16), or ``stats_every`` not an int >= 1.
     """
-    for what, value, valid in (("forward", forward, PRECISIONS), ("backward", backward, PRECISIONS), ("scale_rule", scale_rule, SCALE_RULES)):
+    for what, value, valid in (
+        ("forward", forward, PRECISIONS),
+        ("backward", backward, PRECISIONS),
+        ("scale_rule", scale_rule, SCALE_RULES),
+    ):
         if value not in valid:
-            raise ValueError(f"mxfx.mx_all_to_all: {what}={value!r} is not valid; choose one of {', '.join(map(repr, valid))}")
+            raise ValueError(
+                f"mxfx.mx_all_to_all: {what}={value!r} is not valid; choose one of {', '.join(map(repr, valid))}"
+            )
     if "mxfp8" in (forward, backward) and (x.dim() < 2 or x.shape[-1] % BLOCK_SIZE):
         raise ValueError(
             f"mxfx.mx_all_to_all: rows of shape {tuple(x.shape)} need a last dim that is a multiple of "
@@ -204,15 +211,32 @@ def mx_all_to_all(
         )
     if return_mx and forward != "mxfp8":
         raise ValueError(f"mxfx.mx_all_to_all: return_mx=True needs forward='mxfp8', got forward={forward!r}")
-    if route_weight is not None and (return_mx or route_weight.dim() > 2 or route_weight.numel() != route_weight.shape[0]):
+    if route_weight is not None and (
+        return_mx or route_weight.dim() > 2 or route_weight.numel() != route_weight.shape[0]
+    ):
         raise ValueError(
             f"mxfx.mx_all_to_all: route_weight of shape {tuple(route_weight.shape)} must be [N_recv] or [N_recv, 1] "
             f"(one weight per received row) and cannot be combined with return_mx"
         )
-    if not isinstance(stats, str) or not isinstance(stats_every, int) or isinstance(stats_every, bool) or stats_every < 1:
-        raise ValueError(f"mxfx.mx_all_to_all: stats={stats!r} must be a site prefix string ('' for none) and "
-                         f"stats_every={stats_every!r} an int >= 1")
+    if (
+        not isinstance(stats, str)
+        or not isinstance(stats_every, int)
+        or isinstance(stats_every, bool)
+        or stats_every < 1
+    ):
+        raise ValueError(
+            f"mxfx.mx_all_to_all: stats={stats!r} must be a site prefix string ('' for none) and "
+            f"stats_every={stats_every!r} an int >= 1"
+        )
     return _MXAllToAll.apply(
-        x, list(output_split_sizes), list(input_split_sizes), _group_name(group), forward, backward, scale_rule,
-        return_mx, route_weight, (stats, stats_every),
+        x,
+        list(output_split_sizes),
+        list(input_split_sizes),
+        _group_name(group),
+        forward,
+        backward,
+        scale_rule,
+        return_mx,
+        route_weight,
+        (stats, stats_every),
     )

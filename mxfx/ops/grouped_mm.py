@@ -100,7 +100,7 @@ class _GroupedMM(torch.autograd.Function):
         weight, offs, route_weight, *rest = ctx.saved_tensors
         y_unweighted = rest[0] if has_rw else None
         rest = rest[1:] if has_rw else rest
-        wgrad_input, packed = tuple(rest[: ctx.n_wgrad]), tuple(rest[ctx.n_wgrad:])
+        wgrad_input, packed = tuple(rest[: ctx.n_wgrad]), tuple(rest[ctx.n_wgrad :])
         dout = dout.contiguous()
         d_rw = dx = dup = dw = None
         if has_rw:
@@ -191,7 +191,11 @@ def mx_grouped_mm_op(
     op = "mxfx.grouped_mm"
     settings = resolve(op, settings, setting_fields, wgrad_default="bf16")
     if not isinstance(x, torch.Tensor) or x.dtype not in INPUT_DTYPES:
-        what = f"input of shape {tuple(x.shape)} has dtype {x.dtype}" if isinstance(x, torch.Tensor) else f"input is a {type(x).__name__}"
+        what = (
+            f"input of shape {tuple(x.shape)} has dtype {x.dtype}"
+            if isinstance(x, torch.Tensor)
+            else f"input is a {type(x).__name__}"
+        )
         raise TypeError(f"{op}: {what}; its GEMMs quantize a bfloat16, float16 or float32 tensor (cast it first)")
     if not isinstance(offs, torch.Tensor):
         raise TypeError(f"{op}: offs must be an int32 tensor of cumulative group ends, got {type(offs).__name__}")
@@ -225,9 +229,11 @@ def mx_grouped_mm_op(
     fmt.check_features(op, k, n)
     given = fmt.given_input(x_mx, x, up)
     if (x_mx is None) != (x_mx_from is None) or x_mx_from not in (None, *X_MX_FROM):
-        raise ValueError(f"{op}: x_mx_from={x_mx_from!r} with x_mx {'given' if x_mx is not None else 'None'}; with "
-                         f"x_mx (and only with it) say where it comes from: 'gather' (x's own quantization, x the rows "
-                         f"it was made from) or 'all_to_all' (a received pair, x its dequantization)")
+        raise ValueError(
+            f"{op}: x_mx_from={x_mx_from!r} with x_mx {'given' if x_mx is not None else 'None'}; with "
+            f"x_mx (and only with it) say where it comes from: 'gather' (x's own quantization, x the rows "
+            f"it was made from) or 'all_to_all' (a received pair, x its dequantization)"
+        )
     observe_x = x_mx_from != "all_to_all"
     if torch.is_grad_enabled():
         return _GroupedMM.apply(x, up, weight, offs, route_weight, out_dtype, settings, given, observe_x)

@@ -56,9 +56,11 @@ class _Linear(torch.autograd.Function):
             a, x_tokens, packed = fmt.forward_operands(x2d, up, rule, save, tokens)
         else:  # x's operands made once for every linear reading it (mx_linear_input)
             if tokens and given[1] is None:
-                raise ValueError(f"mxfx.mx_linear: x_mx for x {tuple(x2d.shape)} holds no token-blocked operand, and "
-                                 f"this linear's {fmt.name} wgrad reads one: make it with mx_linear_input(x, "
-                                 f"tokens=True)")
+                raise ValueError(
+                    f"mxfx.mx_linear: x_mx for x {tuple(x2d.shape)} holds no token-blocked operand, and "
+                    f"this linear's {fmt.name} wgrad reads one: make it with mx_linear_input(x, "
+                    f"tokens=True)"
+                )
             (a, x_tokens), packed = (given[0], given[1] if tokens else None), ()
         w = fmt.weight_operand(weight, rule, "forward", settings.keep_dequantized_weights)
         _observe_forward(settings, x2d, up, a, weight, w, x_tokens)
@@ -74,7 +76,13 @@ class _Linear(torch.autograd.Function):
         else:
             kind, wgrad_input = "rows", fmt.saved_rows(a)
         ctx.save_for_backward(weight, *wgrad_input, *packed)
-        ctx.settings, ctx.x_dtype, ctx.out_dtype, ctx.kind, ctx.n_wgrad = settings, x2d.dtype, out_dtype, kind, len(wgrad_input)
+        ctx.settings, ctx.x_dtype, ctx.out_dtype, ctx.kind, ctx.n_wgrad = (
+            settings,
+            x2d.dtype,
+            out_dtype,
+            kind,
+            len(wgrad_input),
+        )
         ctx.has_bias, ctx.has_up = bias is not None, up is not None
         return y
 
@@ -83,7 +91,7 @@ class _Linear(torch.autograd.Function):
         settings, kind = ctx.settings, ctx.kind
         fmt, rule = settings.format, settings.scale_rule
         weight, *saved = ctx.saved_tensors
-        wgrad_input, packed = tuple(saved[: ctx.n_wgrad]), tuple(saved[ctx.n_wgrad:])
+        wgrad_input, packed = tuple(saved[: ctx.n_wgrad]), tuple(saved[ctx.n_wgrad :])
         dy = dy.contiguous()
         need_dx = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         dy_tokens = kind in ("tokens", "hp_tokens")  # set by the forward only where the weight needs a gradient
@@ -121,8 +129,9 @@ def _rows(operand) -> int:
     return next((t.shape[0] for t in tensors if isinstance(t, torch.Tensor) and t.dim() == 2), -1)
 
 
-def mx_linear_input(x: torch.Tensor, *, tokens: bool = False, settings: OpSettings | None = None,
-                    **setting_fields) -> tuple:
+def mx_linear_input(
+    x: torch.Tensor, *, tokens: bool = False, settings: OpSettings | None = None, **setting_fields
+) -> tuple:
     """The operands :func:`mx_linear` makes of its input ``x``, made once for several linears reading it (``x_mx``).
 
     Args:
@@ -192,17 +201,22 @@ def mx_linear(
     fmt = settings.format
     n, k = weight.shape
     if x.shape[-1] != k or (up is not None and up.shape != x.shape):
-        raise ValueError(f"{op}: input {tuple(x.shape)}{'' if up is None else f', up {tuple(up.shape)}'} and weight "
-                         f"{tuple(weight.shape)} [N, K] do not pair up: x needs K = {k} features (and up x's shape)")
+        raise ValueError(
+            f"{op}: input {tuple(x.shape)}{'' if up is None else f', up {tuple(up.shape)}'} and weight "
+            f"{tuple(weight.shape)} [N, K] do not pair up: x needs K = {k} features (and up x's shape)"
+        )
     fmt.check_features(op, k, n)
     dev = x.device.type
     out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else (input_dtype or x.dtype)
     x2d = x.reshape(-1, k)
     up2d = None if up is None else up.reshape(-1, k)
-    if x_mx is not None and (up is not None or not isinstance(x_mx, (tuple, list)) or len(x_mx) != 2
-                             or _rows(x_mx[0]) != x2d.shape[0]):
-        raise ValueError(f"{op}: x_mx must be the pair (rows, tokens or None) mx_linear_input makes of x "
-                         f"{tuple(x.shape)} ({x2d.shape[0]} rows), and cannot be combined with a SwiGLU up operand")
+    if x_mx is not None and (
+        up is not None or not isinstance(x_mx, (tuple, list)) or len(x_mx) != 2 or _rows(x_mx[0]) != x2d.shape[0]
+    ):
+        raise ValueError(
+            f"{op}: x_mx must be the pair (rows, tokens or None) mx_linear_input makes of x "
+            f"{tuple(x.shape)} ({x2d.shape[0]} rows), and cannot be combined with a SwiGLU up operand"
+        )
     with torch.autocast(dev, enabled=False):
         if torch.is_grad_enabled():
             y = _Linear.apply(x2d, up2d, weight, bias, out_dtype, settings, x_mx)

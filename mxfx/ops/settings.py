@@ -50,17 +50,22 @@ class OpSettings:
         object.__setattr__(self, "format", formats.get(self.format))
         object.__setattr__(self, "scale_rule", self.format.rule(self.scale_rule, "mxfx.OpSettings"))
         if not isinstance(self.stats, str):
-            raise ValueError(f"mxfx.OpSettings: stats={self.stats!r} must be a site prefix string (a module name), "
-                             f"or '' for no statistics")
+            raise ValueError(
+                f"mxfx.OpSettings: stats={self.stats!r} must be a site prefix string (a module name), "
+                f"or '' for no statistics"
+            )
         if not isinstance(self.stats_every, int) or isinstance(self.stats_every, bool) or self.stats_every < 1:
-            raise ValueError(f"mxfx.OpSettings: stats_every={self.stats_every!r} must be an int >= 1 (optimizer steps "
-                             f"between samples)")
+            raise ValueError(
+                f"mxfx.OpSettings: stats_every={self.stats_every!r} must be an int >= 1 (optimizer steps "
+                f"between samples)"
+            )
         flags = ("keep_dequantized_weights", "fuse_wgrad_accumulation")
         for name, valid in (("wgrad", PRECISIONS), ("save", PRECISIONS), *((f, (False, True)) for f in flags)):
             value = getattr(self, name)
             if value not in valid or (name in flags) != isinstance(value, bool):
-                raise ValueError(f"mxfx.OpSettings: {name}={value!r} is not valid; choose one of "
-                                 f"{', '.join(map(repr, valid))}")
+                raise ValueError(
+                    f"mxfx.OpSettings: {name}={value!r} is not valid; choose one of {', '.join(map(repr, valid))}"
+                )
 
     def graph_kwargs(self) -> dict:
         """The keyword arguments of an op call in a rewritten graph: plain values (the defaults of the last
@@ -81,8 +86,17 @@ class OpSettings:
         made by this op's format, against ``source`` (``offs``: the group ends of a ``group_tokens`` operand);
         nothing when ``stats`` is ""."""
         if self.stats:
-            stats.observe(f"{self.stats}/{kind}/{direction}", self.format.name, self.scale_rule.value, layout, source,
-                          operand, self.stats_every, combine, offs)
+            stats.observe(
+                f"{self.stats}/{kind}/{direction}",
+                self.format.name,
+                self.scale_rule.value,
+                layout,
+                source,
+                operand,
+                self.stats_every,
+                combine,
+                offs,
+            )
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(OpSettings))

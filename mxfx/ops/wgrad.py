@@ -39,8 +39,14 @@ def _gemm_into(fmt, dy, x, offs, low_precision: bool, out: torch.Tensor, accumul
 
 
 @torch.library.custom_op("mxfx::wgrad_into_grad", mutates_args=())
-def _wgrad_into_grad(weight: torch.Tensor, dy: list[torch.Tensor | None], x: list[torch.Tensor | None],
-                     offs: torch.Tensor | None, format_name: str, low_precision: bool) -> None:
+def _wgrad_into_grad(
+    weight: torch.Tensor,
+    dy: list[torch.Tensor | None],
+    x: list[torch.Tensor | None],
+    offs: torch.Tensor | None,
+    format_name: str,
+    low_precision: bool,
+) -> None:
     """The wgrad GEMM of ``weight`` (as :func:`weight_gradient`) written into its parameter's ``.grad`` or added to
     it (:func:`mxfx.runtime.main_grad.target`); nothing where this backward accumulates into no such gradient."""
     t = main_grad.target(weight, "mxfx::wgrad_into_grad")
@@ -59,8 +65,14 @@ def _(weight, dy, x, offs, format_name, low_precision):
 _wgrad_into_grad.register_effect(EffectType.ORDERED)
 
 
-def weight_gradient(settings: OpSettings, weight: torch.Tensor, dy: tuple, x: tuple, offs: torch.Tensor | None = None,
-                    low_precision: bool = True) -> torch.Tensor | None:
+def weight_gradient(
+    settings: OpSettings,
+    weight: torch.Tensor,
+    dy: tuple,
+    x: tuple,
+    offs: torch.Tensor | None = None,
+    low_precision: bool = True,
+) -> torch.Tensor | None:
     """The gradient of ``weight`` an op's backward returns: the wgrad GEMM (module docstring) in the weight's dtype,
     or None when ``settings.fuse_wgrad_accumulation``: the GEMM then writes the parameter's ``.grad`` itself.
 

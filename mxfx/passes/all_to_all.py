@@ -120,7 +120,9 @@ def _fold_inplace_copy(gm: fx.GraphModule, received: fx.Node) -> None:
     """
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for copy in list(received.users):
-        if not (copy.op == "call_method" and copy.target == "copy_" and len(copy.args) == 2 and copy.args[1] is received):
+        if not (
+            copy.op == "call_method" and copy.target == "copy_" and len(copy.args) == 2 and copy.args[1] is received
+        ):
             continue
         out = copy.args[0]
         if copy.users or not isinstance(out, fx.Node) or not is_call(out, _EMPTY_FN, _EMPTY_METHODS):
@@ -181,14 +183,24 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
             d = policy.decide("all_to_all", module)
             reason = d.reason
         if not reason and (x.dim() < 2 or not isinstance(x.shape[-1], int) or x.shape[-1] % d.format.block):
-            reason = (f"hidden size {x.shape[-1] if x.dim() else '?'} is not a multiple of {d.format.block} "
-                      f"({d.format.name} blocks); rows travel as written, in {columns.ran(x).upper()}")
+            reason = (
+                f"hidden size {x.shape[-1] if x.dim() else '?'} is not a multiple of {d.format.block} "
+                f"({d.format.name} blocks); rows travel as written, in {columns.ran(x).upper()}"
+            )
         out = example_value(results[0]) if results else None
         if reason:
             shapes = shapes if x is None or x.dtype in _FLOAT else f"x{shape_str(x)}"
             p = columns.ran(x)
-            pm.add(OpRecord(node.name, "all_to_all", module, shapes, scale_rule="-",
-                            **columns.gemm_columns(out, x, None, p, p, "-", "-", reason)))
+            pm.add(
+                OpRecord(
+                    node.name,
+                    "all_to_all",
+                    module,
+                    shapes,
+                    scale_rule="-",
+                    **columns.gemm_columns(out, x, None, p, p, "-", "-", reason),
+                )
+            )
             continue
 
         last = results[0]
@@ -208,8 +220,16 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         _fold_inplace_copy(gm, new)
         fwd, bwd = (d.shown(p, columns.ran(x)) for p in (fwd, bwd))  # "bf16": the payload as it is
         note = "" if fwd == bwd else f"forward {fwd}, backward {bwd} (policy transport)"
-        pm.add(OpRecord(new.name, "all_to_all", module, shapes, scale_rule=d.format.rule_shown(d.scale_rule),
-                        **columns.gemm_columns(out, x, None, fwd, bwd, "-", "-", note)))
+        pm.add(
+            OpRecord(
+                new.name,
+                "all_to_all",
+                module,
+                shapes,
+                scale_rule=d.format.rule_shown(d.scale_rule),
+                **columns.gemm_columns(out, x, None, fwd, bwd, "-", "-", note),
+            )
+        )
         rewritten += 1
     if rewritten:
         gm.delete_all_unused_submodules()

@@ -109,7 +109,9 @@ def _row_order(gm: fx.GraphModule, ids: fx.Node, experts: int, cache: dict) -> t
         sorted_ids.meta["example_value"], perm.meta["example_value"] = s_vals, p_vals
         inv.meta["example_value"] = torch.argsort(p_vals)
         experts_ids.meta["example_value"] = torch.arange(experts, device=iv.device, dtype=iv.dtype)
-        offs.meta["example_value"] = torch.searchsorted(s_vals, experts_ids.meta["example_value"], right=True, out_int32=True)
+        offs.meta["example_value"] = torch.searchsorted(
+            s_vals, experts_ids.meta["example_value"], right=True, out_int32=True
+        )
     cache[ids] = perm, inv, offs
     return cache[ids]
 
@@ -140,8 +142,16 @@ def rewrite(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
             d = decide(policy, module, x, e, n, k, columns.kept_dtype(out, x))
             reason = d.reason
         if reason:
-            pm.add(OpRecord(node.name, "grouped_mm", module, shapes, scale_rule="-",
-                            **columns.kept_gemm(out, x, w, f"batched_mm: {reason}")))
+            pm.add(
+                OpRecord(
+                    node.name,
+                    "grouped_mm",
+                    module,
+                    shapes,
+                    scale_rule="-",
+                    **columns.kept_gemm(out, x, w, f"batched_mm: {reason}"),
+                )
+            )
             continue
         perm, inv, offs = _row_order(gm, ids, size_hint(e), orders)
         with gm.graph.inserting_before(node):
@@ -165,7 +175,17 @@ def rewrite(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
                 gm.graph.erase_node(dead)
         shapes += f" -> {str(out.dtype).removeprefix('torch.')}"
         rule = d.format.rule_shown(d.scale_rule)
-        pm.add(OpRecord(new.name, "grouped_mm", module, shapes, scale_rule=rule, **columns.converted_gemm(
-            d, out, x, w, GROUPED_WGRAD, "was batched_mm (W[ids] then bmm): rows sorted by expert")))
+        pm.add(
+            OpRecord(
+                new.name,
+                "grouped_mm",
+                module,
+                shapes,
+                scale_rule=rule,
+                **columns.converted_gemm(
+                    d, out, x, w, GROUPED_WGRAD, "was batched_mm (W[ids] then bmm): rows sorted by expert"
+                ),
+            )
+        )
         rewritten += 1
     return rewritten

@@ -43,8 +43,13 @@ def gemm_columns(out, x, w, forward: str, dgrad: str, wgrad: str, saved: str, re
         dgrad = dgrad if needs_grad(x) else NONE
         wgrad, saved = (wgrad, saved) if trained else (NONE, NONE)
         note = "" if trained else FROZEN
-    return {"forward": forward, "dgrad": dgrad, "wgrad": wgrad, "saved": saved,
-            "reason": "; ".join(r for r in (reason, note) if r)}
+    return {
+        "forward": forward,
+        "dgrad": dgrad,
+        "wgrad": wgrad,
+        "saved": saved,
+        "reason": "; ".join(r for r in (reason, note) if r),
+    }
 
 
 def kept_dtype(out, x) -> str:

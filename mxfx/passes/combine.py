@@ -159,11 +159,24 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
             rec.shapes = rec.shapes.rsplit(" -> ", 1)[0] + " -> " + str(out_dtype).removeprefix("torch.")
         module, settings = module_fqn(node), settings_of(node.kwargs)
         # backward: dOut * route weight formed in the dgrad quantize; the unweighted output kept, in out_dtype
-        pm.add(OpRecord(node.name, "combine", module, f"w{shape_str(example_value(rw))}",
-                        scale_rule=settings.format.rule_shown(settings.scale_rule),
-                        **columns.gemm_columns(product, example_value(node.args[0]), None, PRODUCT_PRECISION,
-                                               settings.format.name, "-", precision_of(out_dtype),
-                                               "route-weight multiply fused into the dgrad quantize")))
+        pm.add(
+            OpRecord(
+                node.name,
+                "combine",
+                module,
+                f"w{shape_str(example_value(rw))}",
+                scale_rule=settings.format.rule_shown(settings.scale_rule),
+                **columns.gemm_columns(
+                    product,
+                    example_value(node.args[0]),
+                    None,
+                    PRODUCT_PRECISION,
+                    settings.format.name,
+                    "-",
+                    precision_of(out_dtype),
+                    "route-weight multiply fused into the dgrad quantize",
+                ),
+            )
+        )
         fused += 1
     return fused
-

@@ -68,7 +68,9 @@ def _path_to_grouped(rows: fx.Node) -> tuple[list[fx.Node], fx.Node] | None:
         for user in cur.users:
             if user.target is mx_grouped_mm_op and user.args[0] is cur and user.kwargs.get("up") is None:
                 fmt = settings_of(user.kwargs).format
-                if user.kwargs.get("x_mx") is None and fmt.transport == fmt.name:  # its all-to-all carries its own pairs
+                if (
+                    user.kwargs.get("x_mx") is None and fmt.transport == fmt.name
+                ):  # its all-to-all carries its own pairs
                     return chain, user
         nxt = [u for u in cur.users if _row_gather(u, cur)]
         if len(nxt) != 1:
@@ -138,8 +140,11 @@ def _hoist_local(gm: fx.GraphModule, pm: PrecisionMap) -> int:
             pair = [gm.graph.call_function(operator.getitem, (mx, i)) for i in range(n_out)]
         for n in (tokens, mx):  # the saved pass reads them: an alias of the tokens, a reader with no backward
             fill_example_value(n)
-        grouped.kwargs = {**grouped.kwargs, "x_mx": tuple(_gathered_mx(gm, chain, pair, grouped)),
-                          "x_mx_from": "gather"}
+        grouped.kwargs = {
+            **grouped.kwargs,
+            "x_mx": tuple(_gathered_mx(gm, chain, pair, grouped)),
+            "x_mx_from": "gather",
+        }
         n_src, n_out = example_value(src).shape[0], example_value(grouped.args[0]).shape[0]
         record = pm.find(grouped.name)
         if record:
@@ -168,8 +173,11 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         rows.meta.update(a2a.meta)
         a2a.replace_all_uses_with(rows)
         gm.graph.erase_node(a2a)
-        grouped.kwargs = {**grouped.kwargs, "x_mx": tuple(_gathered_mx(gm, chain, [q, s], grouped)),
-                          "x_mx_from": "all_to_all"}
+        grouped.kwargs = {
+            **grouped.kwargs,
+            "x_mx": tuple(_gathered_mx(gm, chain, [q, s], grouped)),
+            "x_mx_from": "all_to_all",
+        }
         for rec in pm.records:
             if rec.node == a2a.name:
                 rec.node = rows.name

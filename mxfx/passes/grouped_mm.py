@@ -46,10 +46,18 @@ import torch.nn.functional as F
 from mxfx.passes import batched_mm, columns
 from mxfx.passes.expert_gemm import GROUPED_WGRAD, decide, insert_grouped
 from mxfx.fx import (
-    CASTS, erase_unused_chain, example_value, mixed_dtype_reason, module_fqn, shape_str, size_hint, weight_source,
+    CASTS,
+    erase_unused_chain,
+    example_value,
+    mixed_dtype_reason,
+    module_fqn,
+    shape_str,
+    size_hint,
+    weight_source,
 )
 from mxfx.policy import Policy
 from mxfx.report import OpRecord, PrecisionMap
+
 
 @dataclass(frozen=True)
 class GroupedOp:
@@ -105,8 +113,15 @@ def _skip_reason(x, b, offs, out, args, source) -> str:
         return f"operands of {x.dim()}D x {b.dim()}D (expected a 2D input and 3D expert weights)"
     if not (x.is_floating_point() and b.is_floating_point()):
         return f"operand dtypes {x.dtype}/{b.dtype} (MXFP8 takes floating operands)"
-    if offs.dim() != 1 or offs.is_floating_point() or offs.is_complex() or size_hint(offs.shape[0]) != size_hint(b.shape[0]):
-        return f"offs {offs.dtype}{shape_str(offs)} is not 1-D integer with one entry per expert ({size_hint(b.shape[0])})"
+    if (
+        offs.dim() != 1
+        or offs.is_floating_point()
+        or offs.is_complex()
+        or size_hint(offs.shape[0]) != size_hint(b.shape[0])
+    ):
+        return (
+            f"offs {offs.dtype}{shape_str(offs)} is not 1-D integer with one entry per expert ({size_hint(b.shape[0])})"
+        )
     if size_hint(x.shape[1]) != size_hint(b.shape[1]):
         return f"input features {size_hint(x.shape[1])} do not match the weight's K {size_hint(b.shape[1])}"
     if out is not None and (out.dim() != 2 or size_hint(out.shape[1]) != size_hint(b.shape[2])):
@@ -119,8 +134,11 @@ def _skip_reason(x, b, offs, out, args, source) -> str:
 def input_source(x_node: fx.Node) -> fx.Node:
     """``x_node`` with single-use floating casts in front of it walked back (the activation the model cast)."""
     while (
-        isinstance(x_node, fx.Node) and x_node.op == "call_method" and x_node.target in CASTS
-        and len(x_node.users) == 1 and isinstance(x_node.args[0], fx.Node)
+        isinstance(x_node, fx.Node)
+        and x_node.op == "call_method"
+        and x_node.target in CASTS
+        and len(x_node.users) == 1
+        and isinstance(x_node.args[0], fx.Node)
     ):
         src = example_value(x_node.args[0])
         if src is None or not src.is_floating_point():
@@ -142,8 +160,11 @@ def _kernel_note(fmt, device, b, out_dtype) -> str:
     forward, dgrad = fmt.grouped_kernel(device, k, n, out_dtype), fmt.grouped_kernel(device, n, k, out_dtype)
     if not forward:
         return ""
-    return f"forward and dgrad on the {forward} kernel" if forward == dgrad else \
-        f"forward on the {forward} kernel, dgrad on the {dgrad} kernel"
+    return (
+        f"forward and dgrad on the {forward} kernel"
+        if forward == dgrad
+        else f"forward on the {forward} kernel, dgrad on the {dgrad} kernel"
+    )
 
 
 def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
@@ -165,14 +186,24 @@ def _rewrite_grouped(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> in
         module = module_fqn(node)
         shapes = f"x{shape_str(x)} w{shape_str(b)}"
         # autocast does not cover grouped GEMMs: eager rejects mixed operand dtypes in or out of it
-        reason = _skip_reason(x, b, offs, out, args, source) or mixed_dtype_reason(op.name, {"x": x, "weight": b}, autocast_on=False)
+        reason = _skip_reason(x, b, offs, out, args, source) or mixed_dtype_reason(
+            op.name, {"x": x, "weight": b}, autocast_on=False
+        )
         d = None
         if not reason:
             d = decide(policy, module, x, b.shape[0], b.shape[2], b.shape[1], columns.kept_dtype(out, x))
             reason = d.reason
         if reason:
-            pm.add(OpRecord(node.name, "grouped_mm", module, shapes, scale_rule="-",
-                            **columns.kept_gemm(out, x, b, f"{op.name}: {reason}")))
+            pm.add(
+                OpRecord(
+                    node.name,
+                    "grouped_mm",
+                    module,
+                    shapes,
+                    scale_rule="-",
+                    **columns.kept_gemm(out, x, b, f"{op.name}: {reason}"),
+                )
+            )
             continue
         replaced = args.get("out_dtype") or (out.dtype if out is not None else x.dtype)
         out_dtype = output_dtype(x, replaced)
@@ -192,7 +223,15 @@ def _rewrite_grouped(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> in
         shapes += f" -> {str(out_dtype).removeprefix('torch.')}"
         note = f"was {op.name}" + (f" ({str(replaced).removeprefix('torch.')} out)" if replaced != out_dtype else "")
         note = "; ".join(filter(None, (note, _kernel_note(d.settings.format, x.device, b, out_dtype))))
-        pm.add(OpRecord(new.name, "grouped_mm", module, shapes, scale_rule=d.format.rule_shown(d.scale_rule),
-                        **columns.converted_gemm(d, out, example_value(x_src), b, GROUPED_WGRAD, note)))
+        pm.add(
+            OpRecord(
+                new.name,
+                "grouped_mm",
+                module,
+                shapes,
+                scale_rule=d.format.rule_shown(d.scale_rule),
+                **columns.converted_gemm(d, out, example_value(x_src), b, GROUPED_WGRAD, note),
+            )
+        )
         rewritten += 1
     return rewritten

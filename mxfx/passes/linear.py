@@ -29,8 +29,17 @@ import torch.fx as fx
 from mxfx.ops.linear import mx_linear
 from mxfx.passes import columns
 from mxfx.fx import (
-    autocast_devices, erase_unused_chain, example_value, gemm_size, is_dtensor, mixed_dtype_reason, module_fqn,
-    shape_str, size_hint, unique_stats_site, weight_source,
+    autocast_devices,
+    erase_unused_chain,
+    example_value,
+    gemm_size,
+    is_dtensor,
+    mixed_dtype_reason,
+    module_fqn,
+    shape_str,
+    size_hint,
+    unique_stats_site,
+    weight_source,
 )
 from mxfx.passes.router import is_router
 from mxfx.policy import Policy
@@ -90,7 +99,8 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         module = module_fqn(node)
         shapes = f"x{shape_str(x)} w{shape_str(w)}" + (" +bias" if b_node is not None else "")
         reason = _skip_reason(x, w) or mixed_dtype_reason(
-            "F.linear", {"x": x, "weight": w, "bias": example_value(b_node)}, x.device.type in autocast[node])
+            "F.linear", {"x": x, "weight": w, "bias": example_value(b_node)}, x.device.type in autocast[node]
+        )
         macs = gemm = None
         if not reason:
             macs, gemm = gemm_size(x.shape[:-1], w.shape[0], w.shape[1])
@@ -100,7 +110,9 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
             d = d.fit(size_hint(w.shape[1]), size_hint(w.shape[0]), columns.kept_dtype(out, x))
         reason = d.reason or reason
         if not reason and _tied_to_embedding(w_node) and not _user_sets_precision(policy, kind, module):
-            reason = "vocabulary projection (weight tied to an embedding); a policy rule with precision='mxfp8' overrides"
+            reason = (
+                "vocabulary projection (weight tied to an embedding); a policy rule with precision='mxfp8' overrides"
+            )
         if reason:
             pm.add(OpRecord(node.name, kind, module, shapes, scale_rule="-", **columns.kept_gemm(out, x, w, reason)))
             if reason == DTENSOR_REASON:
@@ -119,12 +131,22 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         if kind == "router":
             _warn_wildcard_router(d.rule, module)
         # a high-precision wgrad multiplies dY, in the output's dtype
-        pm.add(OpRecord(new.name, kind, module, shapes, scale_rule=d.format.rule_shown(d.scale_rule),
-                        **columns.converted_gemm(d, out, x, w, columns.ran(out))))
+        pm.add(
+            OpRecord(
+                new.name,
+                kind,
+                module,
+                shapes,
+                scale_rule=d.format.rule_shown(d.scale_rule),
+                **columns.converted_gemm(d, out, x, w, columns.ran(out)),
+            )
+        )
         rewritten += 1
     if distributed:
-        warnings.warn(f"mxfx: linears left in BF16/FP32, not MXFP8 (DTensor operands, tensor parallel): {', '.join(distributed)}",
-                      stacklevel=2)
+        warnings.warn(
+            f"mxfx: linears left in BF16/FP32, not MXFP8 (DTensor operands, tensor parallel): {', '.join(distributed)}",
+            stacklevel=2,
+        )
     return rewritten
 
 
@@ -139,6 +161,9 @@ def _warn_wildcard_router(rule, module: str) -> None:
     if rule in _warned_routers:
         return
     _warned_routers.add(rule)
-    warnings.warn(f"mxfx: rule {rule.describe()} switches the router at {module!r} out of its own precision: its glob matches "
-                  f"the router's module. Routers keep their precision unless a rule names them; to keep it, put "
-                  f"{{'op': 'router', 'precision': 'bf16'}} before this rule or narrow the glob", stacklevel=3)
+    warnings.warn(
+        f"mxfx: rule {rule.describe()} switches the router at {module!r} out of its own precision: its glob matches "
+        f"the router's module. Routers keep their precision unless a rule names them; to keep it, put "
+        f"{{'op': 'router', 'precision': 'bf16'}} before this rule or narrow the glob",
+        stacklevel=3,
+    )

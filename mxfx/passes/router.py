@@ -21,7 +21,15 @@ import torch.nn.functional as F
 
 from mxfx.fx import example_value, is_call
 
-_GATES_FN = (torch.softmax, F.softmax, torch.sigmoid, F.sigmoid, torch.special.softmax, torch.nn.functional.log_softmax, torch.log_softmax)
+_GATES_FN = (
+    torch.softmax,
+    F.softmax,
+    torch.sigmoid,
+    F.sigmoid,
+    torch.special.softmax,
+    torch.nn.functional.log_softmax,
+    torch.log_softmax,
+)
 _GATES_METHODS = ("softmax", "sigmoid", "log_softmax")
 _SELECT_FN = (torch.topk, torch.argmax, torch.sort, torch.argsort)
 _SELECT_METHODS = ("topk", "argmax", "sort", "argsort")

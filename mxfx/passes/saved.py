@@ -66,29 +66,129 @@ from mxfx.policy import Policy
 from mxfx.report import PrecisionMap
 
 MX_OPS = (mx_linear, mx_grouped_mm_op)
-_VIEW_METHODS = ("view", "reshape", "transpose", "permute", "contiguous", "flatten", "unflatten", "squeeze", "unsqueeze",
-                 "t", "clone", "expand", "chunk", "split", "narrow", "index_select", "view_as", "reshape_as",
-                 "expand_as", "select", "unbind", "movedim", "detach")
-_VIEW_FNS = (torch.reshape, torch.transpose, torch.flatten, torch.permute, torch.squeeze, torch.unsqueeze, torch.chunk,
-             torch.split, operator.getitem, torch.clone, torch.narrow, torch.index_select, torch.select,
-             torch.unbind, torch.movedim, torch.detach)
+_VIEW_METHODS = (
+    "view",
+    "reshape",
+    "transpose",
+    "permute",
+    "contiguous",
+    "flatten",
+    "unflatten",
+    "squeeze",
+    "unsqueeze",
+    "t",
+    "clone",
+    "expand",
+    "chunk",
+    "split",
+    "narrow",
+    "index_select",
+    "view_as",
+    "reshape_as",
+    "expand_as",
+    "select",
+    "unbind",
+    "movedim",
+    "detach",
+)
+_VIEW_FNS = (
+    torch.reshape,
+    torch.transpose,
+    torch.flatten,
+    torch.permute,
+    torch.squeeze,
+    torch.unsqueeze,
+    torch.chunk,
+    torch.split,
+    operator.getitem,
+    torch.clone,
+    torch.narrow,
+    torch.index_select,
+    torch.select,
+    torch.unbind,
+    torch.movedim,
+    torch.detach,
+)
 _CAST_METHODS = ("to", "float", "double", "bfloat16", "half", "type")
-_CAST_FNS = (torch.Tensor.to, torch.Tensor.float, torch.Tensor.double, torch.Tensor.bfloat16, torch.Tensor.half,
-             torch.Tensor.type)
+_CAST_FNS = (
+    torch.Tensor.to,
+    torch.Tensor.float,
+    torch.Tensor.double,
+    torch.Tensor.bfloat16,
+    torch.Tensor.half,
+    torch.Tensor.type,
+)
 _CAST_OPS = (torch.ops.aten._to_copy, torch.ops.aten.to, torch.ops.prims.convert_element_type)
 """Casts in any spelling (Tensor methods, ATen/prims ops by packet): an alias where they keep dtype and device."""
 _SAVES_OUTPUT_FNS = (
-    F.scaled_dot_product_attention, torch.softmax, F.softmax, torch.special.softmax, torch.log_softmax, F.log_softmax,
-    torch.sigmoid, F.sigmoid, torch.special.expit, torch.tanh, F.tanh, torch.exp, torch.relu, F.relu, torch.relu_,
-    F.relu_, torch.sqrt, torch.rsqrt,
+    F.scaled_dot_product_attention,
+    torch.softmax,
+    F.softmax,
+    torch.special.softmax,
+    torch.log_softmax,
+    F.log_softmax,
+    torch.sigmoid,
+    F.sigmoid,
+    torch.special.expit,
+    torch.tanh,
+    F.tanh,
+    torch.exp,
+    torch.relu,
+    F.relu,
+    torch.relu_,
+    F.relu_,
+    torch.sqrt,
+    torch.rsqrt,
 )
 """Ops whose backward reads their own output (``y * (1 - y)``, ``1 - y^2``, ``y > 0``, ``0.5 / y``, ...)."""
-_SAVES_OUTPUT_METHODS = ("softmax", "log_softmax", "sigmoid", "sigmoid_", "tanh", "tanh_", "exp", "exp_", "relu",
-                         "relu_", "sqrt", "sqrt_", "rsqrt", "rsqrt_")
-_NON_SAVING_FNS = (operator.add, operator.sub, operator.neg, torch.add, torch.sub, torch.cat, torch.stack, F.pad,
-                   torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like, mx_linear_input)
-_NON_SAVING_METHODS = ("add", "sub", "neg", "to", "float", "double", "bfloat16", "half", "type", "size", "dim",
-                       "new_zeros", "new_ones", "new_empty", "new_full")
+_SAVES_OUTPUT_METHODS = (
+    "softmax",
+    "log_softmax",
+    "sigmoid",
+    "sigmoid_",
+    "tanh",
+    "tanh_",
+    "exp",
+    "exp_",
+    "relu",
+    "relu_",
+    "sqrt",
+    "sqrt_",
+    "rsqrt",
+    "rsqrt_",
+)
+_NON_SAVING_FNS = (
+    operator.add,
+    operator.sub,
+    operator.neg,
+    torch.add,
+    torch.sub,
+    torch.cat,
+    torch.stack,
+    F.pad,
+    torch.zeros_like,
+    torch.ones_like,
+    torch.empty_like,
+    torch.full_like,
+    mx_linear_input,
+)
+_NON_SAVING_METHODS = (
+    "add",
+    "sub",
+    "neg",
+    "to",
+    "float",
+    "double",
+    "bfloat16",
+    "half",
+    "type",
+    "size",
+    "dim",
+    "new_zeros",
+    "new_ones",
+    "new_empty",
+    "new_full",
+)
 """Users whose backward keeps nothing of their input (sums, casts that change the dtype, shape-only factories, the
 shared quantize of a linear input: it reads ``x.detach()``).
 ``detach`` is an alias (the same storage, :func:`_is_view`): what its readers save keeps the tensor alive (``w *
@@ -195,13 +295,17 @@ def keeps_input_alive(x: fx.Node, op: fx.Node, fmt: Format) -> str:
     expand = n_x / n_base if n_x and n_base else 1.0
     copy = fmt.bytes_per_value
     if expand > 1 and readers * expand * copy >= own_bytes:
-        return (f"rows gathered from their tokens ({expand:g} per token): keeping the {own_bytes}-byte tokens, "
-                f"re-gathered in backward, is smaller than a {fmt.name} copy of the gathered rows "
-                f"({copy:g} bytes a value)")
+        return (
+            f"rows gathered from their tokens ({expand:g} per token): keeping the {own_bytes}-byte tokens, "
+            f"re-gathered in backward, is smaller than a {fmt.name} copy of the gathered rows "
+            f"({copy:g} bytes a value)"
+        )
     if len(copies) > 1 and len(copies) * copy >= own_bytes:
         shared = "" if len(copies) == readers else f" saving {len(copies)} copies"
-        return (f"read by {readers} converted ops{shared}: one {own_bytes}-byte copy is smaller than {len(copies)} "
-                f"{fmt.name} copies ({copy:g} bytes a value)")
+        return (
+            f"read by {readers} converted ops{shared}: one {own_bytes}-byte copy is smaller than {len(copies)} "
+            f"{fmt.name} copies ({copy:g} bytes a value)"
+        )
     return ""
 
 

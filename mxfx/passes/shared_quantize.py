@@ -66,8 +66,9 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
             continue
         tokens = any(reads_tokens(n) for n in readers)
         with gm.graph.inserting_before(readers[0]):
-            operands = gm.graph.call_function(mx_linear_input, (x,), {"tokens": tokens, "format": fmt,
-                                                                       "scale_rule": rule})
+            operands = gm.graph.call_function(
+                mx_linear_input, (x,), {"tokens": tokens, "format": fmt, "scale_rule": rule}
+            )
         fill_example_value(operands)  # the saved pass reads it: a reader of x with no backward
         note = f"input quantized once for {_names(readers)}"
         for n in readers:

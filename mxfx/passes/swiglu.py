@@ -96,8 +96,16 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         shapes = f"gate{shape_str(g)}"
         if d.precision != "mxfp8":  # as written: silu and product, forward and backward, in the product's dtype
             p = columns.ran(product)
-            pm.add(OpRecord(dead[-1].name, "swiglu", module, shapes, scale_rule="-",
-                            **columns.gemm_columns(product, g, None, p, p, "-", p, d.reason)))
+            pm.add(
+                OpRecord(
+                    dead[-1].name,
+                    "swiglu",
+                    module,
+                    shapes,
+                    scale_rule="-",
+                    **columns.gemm_columns(product, g, None, p, p, "-", p, d.reason),
+                )
+            )
             continue
         h = example_value(node.args[0])
         if rows is not None:  # (silu(g) * u)[rows] == silu(g[rows]) * u[rows]
@@ -116,7 +124,15 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         fmt = consumer.format.name
         # backward in fp32 from gate and up, saved in the format or as they are
         saved = fmt if d.save == "mxfp8" else columns.ran(g)
-        pm.add(OpRecord(node.name, "swiglu", module, shapes, scale_rule=consumer.format.rule_shown(consumer.scale_rule),
-                        **columns.gemm_columns(product, g, None, fmt, "fp32", "-", saved, "fused into " + node.name)))
+        pm.add(
+            OpRecord(
+                node.name,
+                "swiglu",
+                module,
+                shapes,
+                scale_rule=consumer.format.rule_shown(consumer.scale_rule),
+                **columns.gemm_columns(product, g, None, fmt, "fp32", "-", saved, "fused into " + node.name),
+            )
+        )
         fused += 1
     return fused

@@ -34,19 +34,55 @@ from mxfx.report import OpRecord, PrecisionMap
 KIND = "not_rewritten"
 
 GEMM_FUNCTIONS = {
-    torch.mm: "torch.mm", torch.bmm: "torch.bmm", torch.matmul: "torch.matmul", operator.matmul: "@",
-    torch.einsum: "torch.einsum", torch.addmm: "torch.addmm", torch.baddbmm: "torch.baddbmm",
-    torch.addbmm: "torch.addbmm", torch._C._nn.linear: "F.linear", F.linear: "F.linear",
-    torch._grouped_mm: "torch._grouped_mm", F.grouped_mm: "torch.nn.functional.grouped_mm",
+    torch.mm: "torch.mm",
+    torch.bmm: "torch.bmm",
+    torch.matmul: "torch.matmul",
+    operator.matmul: "@",
+    torch.einsum: "torch.einsum",
+    torch.addmm: "torch.addmm",
+    torch.baddbmm: "torch.baddbmm",
+    torch.addbmm: "torch.addbmm",
+    torch._C._nn.linear: "F.linear",
+    F.linear: "F.linear",
+    torch._grouped_mm: "torch._grouped_mm",
+    F.grouped_mm: "torch.nn.functional.grouped_mm",
 }
 PASS_OF = {"F.linear": "linear", "torch._grouped_mm": "grouped_mm", "torch.nn.functional.grouped_mm": "grouped_mm"}
 """GEMMs a pass would rewrite: where that pass is switched off (``Policy.passes``) the report says so."""
 GEMM_METHODS = ("mm", "bmm", "matmul", "__matmul__", "addmm", "baddbmm")
-_PASS_THROUGH_METHODS = (*CASTS, "transpose", "t", "permute", "view", "reshape", "expand", "unsqueeze", "squeeze",
-                         "flatten", "__getitem__", "chunk", "split", "narrow", "select", "unbind")
-_PASS_THROUGH_FUNCTIONS = (operator.getitem, torch.transpose, torch.permute, torch.reshape, torch.unsqueeze,
-                           torch.squeeze, torch.t, torch.flatten, torch.chunk, torch.split, torch.narrow, torch.select,
-                           torch.unbind)
+_PASS_THROUGH_METHODS = (
+    *CASTS,
+    "transpose",
+    "t",
+    "permute",
+    "view",
+    "reshape",
+    "expand",
+    "unsqueeze",
+    "squeeze",
+    "flatten",
+    "__getitem__",
+    "chunk",
+    "split",
+    "narrow",
+    "select",
+    "unbind",
+)
+_PASS_THROUGH_FUNCTIONS = (
+    operator.getitem,
+    torch.transpose,
+    torch.permute,
+    torch.reshape,
+    torch.unsqueeze,
+    torch.squeeze,
+    torch.t,
+    torch.flatten,
+    torch.chunk,
+    torch.split,
+    torch.narrow,
+    torch.select,
+    torch.unbind,
+)
 _PASS_THROUGH_ATTRIBUTES = ("T", "mT", "H", "mH")
 """Transposes read as attributes (``w.T``): Dynamo records them as ``getattr(w, "T")``."""
 _OWN_NAMESPACES = ("aten", "prims", "mxfx")
@@ -77,9 +113,15 @@ def parameter_behind(arg) -> fx.Node | None:
         if arg.op in ("placeholder", "get_attr"):
             ok = isinstance(val, torch.nn.Parameter) and val.is_floating_point() and val.dim() >= 2
             return arg if ok else None
-        passes = (arg.op == "call_method" and arg.target in _PASS_THROUGH_METHODS) or (
-            arg.op == "call_function" and arg.target in _PASS_THROUGH_FUNCTIONS
-        ) or (arg.op == "call_function" and arg.target is getattr and arg.args[1:2] in [(a,) for a in _PASS_THROUGH_ATTRIBUTES])
+        passes = (
+            (arg.op == "call_method" and arg.target in _PASS_THROUGH_METHODS)
+            or (arg.op == "call_function" and arg.target in _PASS_THROUGH_FUNCTIONS)
+            or (
+                arg.op == "call_function"
+                and arg.target is getattr
+                and arg.args[1:2] in [(a,) for a in _PASS_THROUGH_ATTRIBUTES]
+            )
+        )
         if not passes or not arg.args:
             return None
         arg, seen = arg.args[0], seen + 1
@@ -119,8 +161,20 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         refused = _refused(policy, module_fqn(node), example_value(p))
         if refused:
             why += f"; {_ANYWAY}: {refused}"
-        pm.add(OpRecord(node.name, KIND, module_fqn(node), f"w{shape_str(example_value(p))}", "-", "-", "-", "-", "-",
-                        f"{_PREFIX}{name}: {why}"))
+        pm.add(
+            OpRecord(
+                node.name,
+                KIND,
+                module_fqn(node),
+                f"w{shape_str(example_value(p))}",
+                "-",
+                "-",
+                "-",
+                "-",
+                "-",
+                f"{_PREFIX}{name}: {why}",
+            )
+        )
         found.append(name)
     return len(found)
 
@@ -150,4 +204,4 @@ def would_convert(record: OpRecord) -> bool:
 
 def op_of(record: OpRecord) -> str:
     """The op a ``not_rewritten`` record names (``"torch.mm"``, ``"mxfx_test::experts"``)."""
-    return record.reason[len(_PREFIX):].split(": ", 1)[0] if record.reason.startswith(_PREFIX) else record.reason
+    return record.reason[len(_PREFIX) :].split(": ", 1)[0] if record.reason.startswith(_PREFIX) else record.reason

@@ -103,8 +103,15 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
     fmt, where = _refresh_format(policy, params.values())
     pm.add(
         OpRecord(
-            new.name, "weight_refresh", "", f"{len(nodes)} params ({', '.join(dtypes)})",
-            fmt, fmt, "-", "-", "-",
+            new.name,
+            "weight_refresh",
+            "",
+            f"{len(nodes)} params ({', '.join(dtypes)})",
+            fmt,
+            fmt,
+            "-",
+            "-",
+            "-",
             f"after {last.name}; caches of the parameters that have them are rebuilt (resolved at run time); {where}",
         )
     )

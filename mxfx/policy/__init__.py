@@ -6,5 +6,12 @@ ops sit below the policy and import nothing above them.
 """
 
 from mxfx.policy.policy import (  # noqa: F401
-    DEFAULT_RULES, KIND_FIELDS, NARROW, OP_KINDS, PASSES, Decision, Policy, Rule,
+    DEFAULT_RULES,
+    KIND_FIELDS,
+    NARROW,
+    OP_KINDS,
+    PASSES,
+    Decision,
+    Policy,
+    Rule,
 )

@@ -31,8 +31,17 @@ OP_KINDS = ("linear", "grouped_mm", "swiglu", "router", "saved", "all_to_all", "
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 KERNEL_LAUNCHES = ("inductor", "opaque")
 """Values of :attr:`Policy.kernels`: MX kernels launched by Inductor's code, or kept as mxfx's custom ops."""
-PASSES = ("all_to_all", "linear", "grouped_mm", "dispatch_mx", "swiglu", "combine", "shared_quantize", "saved",
-          "weight_refresh")
+PASSES = (
+    "all_to_all",
+    "linear",
+    "grouped_mm",
+    "dispatch_mx",
+    "swiglu",
+    "combine",
+    "shared_quantize",
+    "saved",
+    "weight_refresh",
+)
 """The graph passes, in the order the backend runs them: each is the module of that name in :mod:`mxfx.passes`
 (its ``run``) and a switch of :attr:`Policy.passes` (every pass on by default); ``mxfx.passes.PIPELINE`` is built
 from it, so a new pass is its module and its name here. all_to_all runs first (dispatch and combine become
@@ -63,9 +72,11 @@ class _FromEnv:
 STATS_FROM_ENV = _FromEnv(STATS_ENV)
 """``Policy.stats`` left out: the policy takes :data:`STATS_ENV`'s value (resolved at ``Policy(...)``: a built
 policy's ``stats`` is a dict or None)."""
-STATS_ENV_FORM = (f"write {STATS_ENV}='every=100,modules=layers.*' (either key may be left out; every: optimizer steps "
-                  f"between samples, an int >= 1; modules: a module glob), {STATS_ENV}=1 (or on) for the defaults, or "
-                  f"{STATS_ENV}=0 (or off) for none")
+STATS_ENV_FORM = (
+    f"write {STATS_ENV}='every=100,modules=layers.*' (either key may be left out; every: optimizer steps "
+    f"between samples, an int >= 1; modules: a module glob), {STATS_ENV}=1 (or on) for the defaults, or "
+    f"{STATS_ENV}=0 (or off) for none"
+)
 """The valid forms of :data:`STATS_ENV`, as its errors give them."""
 NARROW = "narrower than one block"
 """Words of a kept GEMM's reason when one of its features is smaller than the format's block (a gate's projection
@@ -104,7 +115,8 @@ _WEIGHT_REFRESH_ADVICE = (
     "weight's caches in the format and scale_rule its ops were given: set those with rules for the ops that read "
     "the weight (linear, router, grouped_mm); to leave the refresh out of the step, compile the step with "
     "options={'passes': {'weight_refresh': False}} (an optimizer step hook then rebuilds the caches, to the same "
-    "values)")
+    "values)"
+)
 """What sets the cache refresh of a compiled optimizer step, as the error for a rule with ``op="weight_refresh"``
 says it."""
 TRANSPORT_DIRECTIONS = ("dispatch_fwd", "combine_fwd", "combine_bwd", "dispatch_bwd")
@@ -116,8 +128,10 @@ def _check_rule_fits_format(fmt: str, scale_rule: str, where: str) -> None:
     valid = formats.rules_of(fmt)
     if scale_rule not in valid:
         kinds = "; ".join(f.description for f in (formats.get(n) for n in formats.NAMES))
-        raise ValueError(f"mxfx policy: {where}: scale_rule={scale_rule!r} is not a rule of format={fmt!r}; choose one of "
-                         f"{', '.join(map(repr, valid))} ({kinds})")
+        raise ValueError(
+            f"mxfx policy: {where}: scale_rule={scale_rule!r} is not a rule of format={fmt!r}; choose one of "
+            f"{', '.join(map(repr, valid))} ({kinds})"
+        )
 
 
 def _may_keep_dequantized(fmt: str | None) -> bool:
@@ -148,7 +162,9 @@ def _check_stats(value: Any) -> "ReadOnlyDict | None":
     if value is None:
         return None
     if not isinstance(value, Mapping):
-        raise ValueError(f"mxfx policy: stats={value!r} must be a dict like {{'every': 100, 'modules': 'layers.*'}} or None")
+        raise ValueError(
+            f"mxfx policy: stats={value!r} must be a dict like {{'every': 100, 'modules': 'layers.*'}} or None"
+        )
     unknown = sorted(set(value) - set(STATS_DEFAULTS))
     if unknown:
         raise ValueError(f"mxfx policy: unknown stats key(s) {unknown}; valid keys: {', '.join(STATS_DEFAULTS)}")
@@ -182,27 +198,32 @@ def parse_stats_env(text: str) -> dict | None:
             raise ValueError(f"mxfx policy: {STATS_ENV}={text!r}: {item!r} is not key=value; {STATS_ENV_FORM}")
         key, value = key.strip(), value.strip()
         if key in out:
-            raise ValueError(f"mxfx policy: {STATS_ENV}={text!r}: {key} is given twice; give each key once: "
-                             f"{STATS_ENV_FORM}")
+            raise ValueError(
+                f"mxfx policy: {STATS_ENV}={text!r}: {key} is given twice; give each key once: {STATS_ENV_FORM}"
+            )
         if key == "every":
             try:
                 value = int(value)
             except ValueError:
-                raise ValueError(f"mxfx policy: {STATS_ENV}={text!r}: every={value!r} is not an integer; "
-                                 f"{STATS_ENV_FORM}") from None
+                raise ValueError(
+                    f"mxfx policy: {STATS_ENV}={text!r}: every={value!r} is not an integer; {STATS_ENV_FORM}"
+                ) from None
         out[key] = value
     try:
         _check_stats(out)
     except ValueError as e:
-        raise ValueError(f"mxfx policy: {STATS_ENV}={text!r}: {str(e).removeprefix('mxfx policy: ')}; "
-                         f"{STATS_ENV_FORM}") from None
+        raise ValueError(
+            f"mxfx policy: {STATS_ENV}={text!r}: {str(e).removeprefix('mxfx policy: ')}; {STATS_ENV_FORM}"
+        ) from None
     return out
 
 
 def _check_min_size(value: Any, allow_none: bool = True) -> None:
     if value is None and not allow_none:
-        raise ValueError("mxfx policy: min_size=None is only meaningful on a Rule (not set); a Policy needs a "
-                         "non-negative int or 'auto'")
+        raise ValueError(
+            "mxfx policy: min_size=None is only meaningful on a Rule (not set); a Policy needs a "
+            "non-negative int or 'auto'"
+        )
     if value is None or value == "auto":
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -229,8 +250,10 @@ class ReadOnlyDict(dict):
     converts like a dict: the ``passes`` and ``transport`` of a validated :class:`Policy`."""
 
     def _refuse(self, *args, **kwargs):
-        raise TypeError("mxfx policy: a Policy's mappings are read-only; build a new Policy "
-                        "(e.g. dataclasses.replace(policy, passes={...}))")
+        raise TypeError(
+            "mxfx policy: a Policy's mappings are read-only; build a new Policy "
+            "(e.g. dataclasses.replace(policy, passes={...}))"
+        )
 
     __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _refuse
 
@@ -289,7 +312,9 @@ class Rule(_NamedFields):
 
     def __post_init__(self):
         if self.module is not None and not isinstance(self.module, str):
-            raise ValueError(f"mxfx policy: rule module={self.module!r} must be a glob string (e.g. 'layers.*.attn.qkv') or None")
+            raise ValueError(
+                f"mxfx policy: rule module={self.module!r} must be a glob string (e.g. 'layers.*.attn.qkv') or None"
+            )
         _check_choice("op", self.op, OP_KINDS)
         _check_choice("precision", self.precision, PRECISIONS)
         _check_choice("wgrad", self.wgrad, PRECISIONS)
@@ -299,15 +324,19 @@ class Rule(_NamedFields):
         _check_choice("format", self.format, FORMAT_CHOICES)
         settings = ("precision", "wgrad", "save", "scale_rule", "min_size", "format")
         if all(getattr(self, f) is None for f in settings):
-            raise ValueError(f"mxfx policy: rule {self.describe()} matches ops but sets nothing; give it one of "
-                             f"{', '.join(settings)} (e.g. precision='bf16')")
+            raise ValueError(
+                f"mxfx policy: rule {self.describe()} matches ops but sets nothing; give it one of "
+                f"{', '.join(settings)} (e.g. precision='bf16')"
+            )
         self._check_fields_read()
         moot = [f for f in ("wgrad", "save") if getattr(self, f) == "mxfp8"]
         moot += [f for f in ("scale_rule", "min_size", "format") if getattr(self, f) is not None]
         if self.precision == "bf16" and moot:
-            raise ValueError(f"mxfx policy: rule {self.describe()} keeps its ops as the model wrote them "
-                             f"(precision='bf16'), so {', '.join(moot)} would do nothing; drop "
-                             f"{'it' if len(moot) == 1 else 'them'} or use precision='mxfp8'")
+            raise ValueError(
+                f"mxfx policy: rule {self.describe()} keeps its ops as the model wrote them "
+                f"(precision='bf16'), so {', '.join(moot)} would do nothing; drop "
+                f"{'it' if len(moot) == 1 else 'them'} or use precision='mxfp8'"
+            )
 
     def _check_fields_read(self) -> None:
         """Raise ValueError when the rule sets a field its ``op`` kind never reads (:data:`KIND_FIELDS`), naming the
@@ -318,14 +347,18 @@ class Rule(_NamedFields):
             return
         reads = KIND_FIELDS[self.op]
         if not reads:
-            raise ValueError(f"mxfx policy: rule {self.describe()} is for {self.op}, which reads no rule field, so it "
-                             f"would do nothing; drop it. {_WEIGHT_REFRESH_ADVICE}")
+            raise ValueError(
+                f"mxfx policy: rule {self.describe()} is for {self.op}, which reads no rule field, so it "
+                f"would do nothing; drop it. {_WEIGHT_REFRESH_ADVICE}"
+            )
         for name in _GEMM_FIELDS:  # every setting, in field order
             if getattr(self, name) is not None and name not in reads:
                 readers = [k for k in OP_KINDS if name in KIND_FIELDS[k]]
-                raise ValueError(f"mxfx policy: rule {self.describe()} sets {name}, which {self.op} ops never read "
-                                 f"(they read {', '.join(reads)}), so it would do nothing; drop it, or set it with a "
-                                 f"rule for the op kinds that read it ({', '.join(readers)})")
+                raise ValueError(
+                    f"mxfx policy: rule {self.describe()} sets {name}, which {self.op} ops never read "
+                    f"(they read {', '.join(reads)}), so it would do nothing; drop it, or set it with a "
+                    f"rule for the op kinds that read it ({', '.join(readers)})"
+                )
 
     def matches(self, kind: str, module: str) -> bool:
         """Whether the rule applies to an op of ``kind`` in module ``module`` (its op kind and module glob)."""
@@ -420,10 +453,16 @@ class Decision:
     @property
     def settings(self) -> OpSettings:
         """The settings the op of this decision runs with."""
-        return OpSettings(scale_rule=self.scale_rule, wgrad=self.wgrad, save=self.save,
-                          keep_dequantized_weights=self.keep_dequantized_weights, format=self.format,
-                          stats=self.stats, stats_every=self.stats_every,
-                          fuse_wgrad_accumulation=self.fuse_wgrad_accumulation)
+        return OpSettings(
+            scale_rule=self.scale_rule,
+            wgrad=self.wgrad,
+            save=self.save,
+            keep_dequantized_weights=self.keep_dequantized_weights,
+            format=self.format,
+            stats=self.stats,
+            stats_every=self.stats_every,
+            fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
+        )
 
     def shown(self, precision: str, as_written: str) -> str:
         """A precision as the precision map prints it: the low-precision choice ("mxfp8") named by this
@@ -439,10 +478,13 @@ class Decision:
         why = self.format.unfit_reason(k, n) if self.precision == "mxfp8" else ""
         if not why:
             return self
-        smaller = [f.name for f in (formats.get(n_) for n_ in formats.NAMES) if f.low_precision and not f.unfit_reason(k, n)]
+        smaller = [
+            f.name for f in (formats.get(n_) for n_ in formats.NAMES) if f.low_precision and not f.unfit_reason(k, n)
+        ]
         block = self.format.feature_multiple
-        narrow = " and ".join(f"{v} {side} feature{'s' if v > 1 else ''}" for v, side in ((k, "input"), (n, "output"))
-                              if v < block)
+        narrow = " and ".join(
+            f"{v} {side} feature{'s' if v > 1 else ''}" for v, side in ((k, "input"), (n, "output")) if v < block
+        )
         if smaller:
             hint = f"; a rule with format={smaller[0]!r} takes them"
         elif narrow:  # padding 1 output to a block would be most of the GEMM: a gate's projection stays as written
@@ -548,16 +590,22 @@ class Policy(_NamedFields):
     def __post_init__(self):
         for name, valid in (("scale_rule", SCALE_RULES), ("save", PRECISIONS)):
             if getattr(self, name) not in valid:  # None is not a value here
-                raise ValueError(f"mxfx policy: {name}={getattr(self, name)!r} is not valid; choose one of {', '.join(map(repr, valid))}")
+                raise ValueError(
+                    f"mxfx policy: {name}={getattr(self, name)!r} is not valid; choose one of {', '.join(map(repr, valid))}"
+                )
         _check_choice("wgrad", self.wgrad, PRECISIONS)
         _check_choice("kernels", self.kernels, KERNEL_LAUNCHES)
         _check_choice("format", self.format, FORMAT_CHOICES)
         if self.format is None:
-            raise ValueError(f"mxfx policy: format=None is not valid; choose one of {', '.join(map(repr, FORMAT_CHOICES))}")
+            raise ValueError(
+                f"mxfx policy: format=None is not valid; choose one of {', '.join(map(repr, FORMAT_CHOICES))}"
+            )
         if not isinstance(self.rules, (list, tuple)) or not all(isinstance(r, (Rule, dict)) for r in self.rules):
             raise ValueError(f"mxfx policy: rules={self.rules!r} must be a list of mxfx.Rule or dicts of Rule fields")
         if not isinstance(self.passes, Mapping):
-            raise ValueError(f"mxfx policy: passes={self.passes!r} must be a dict of pass name -> bool; passes: {', '.join(PASSES)}")
+            raise ValueError(
+                f"mxfx policy: passes={self.passes!r} must be a dict of pass name -> bool; passes: {', '.join(PASSES)}"
+            )
         if isinstance(self.dump_dir, _FromEnv):  # left out: the environment variable decides
             object.__setattr__(self, "dump_dir", os.environ.get(DUMP_ENV) or None)
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
@@ -567,15 +615,21 @@ class Policy(_NamedFields):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"mxfx policy: {flag}={getattr(self, flag)!r} must be True or False")
         if not callable(self.inner) and self.inner not in INNER_COMPILERS:
-            raise ValueError(f"mxfx policy: inner={self.inner!r} is not valid; choose one of {', '.join(map(repr, INNER_COMPILERS))} or a backend callable")
+            raise ValueError(
+                f"mxfx policy: inner={self.inner!r} is not valid; choose one of {', '.join(map(repr, INNER_COMPILERS))} or a backend callable"
+            )
         rules = tuple(r if isinstance(r, Rule) else _indexed_rule(i, r) for i, r in enumerate(self.rules))
         object.__setattr__(self, "rules", rules)
         _check_rule_fits_format(self.format, self.scale_rule, "policy-wide")
-        if self.keep_dequantized_weights and not any(_may_keep_dequantized(f) for f in [self.format, *(r.format for r in rules)]):
-            raise ValueError(f"mxfx policy: keep_dequantized_weights=True would do nothing with format={self.format!r} (it "
-                             f"caches BF16 weights for emulated GEMMs of a format that has such forms; this one reads its "
-                             f"own low-precision forms): drop it, or give the ops it is for a rule with a format that has "
-                             f"them ({', '.join(repr(n) for n in formats.NAMES if _may_keep_dequantized(n))})")
+        if self.keep_dequantized_weights and not any(
+            _may_keep_dequantized(f) for f in [self.format, *(r.format for r in rules)]
+        ):
+            raise ValueError(
+                f"mxfx policy: keep_dequantized_weights=True would do nothing with format={self.format!r} (it "
+                f"caches BF16 weights for emulated GEMMs of a format that has such forms; this one reads its "
+                f"own low-precision forms): drop it, or give the ops it is for a rule with a format that has "
+                f"them ({', '.join(repr(n) for n in formats.NAMES if _may_keep_dequantized(n))})"
+            )
         for r in rules:
             if r.format is not None or r.scale_rule is not None:
                 self._check_scale_rule_of(r)
@@ -588,7 +642,9 @@ class Policy(_NamedFields):
         for direction, precision in self.transport.items():
             _check_choice("transport", direction, TRANSPORT_DIRECTIONS)
             if precision not in PRECISIONS:
-                raise ValueError(f"mxfx policy: transport[{direction!r}]={precision!r} is not valid; choose one of 'mxfp8', 'bf16'")
+                raise ValueError(
+                    f"mxfx policy: transport[{direction!r}]={precision!r} is not valid; choose one of 'mxfp8', 'bf16'"
+                )
         # validated once: read-only from here on, as the frozen fields are
         object.__setattr__(self, "passes", ReadOnlyDict(self.passes))
         object.__setattr__(self, "transport", ReadOnlyDict(self.transport))
@@ -612,8 +668,10 @@ class Policy(_NamedFields):
             if not path:
                 return cls()
             if not os.path.exists(path):
-                raise FileNotFoundError(f"mxfx policy: {POLICY_ENV}={path!r} is not a file; set it to a TOML file "
-                                        f"of Policy fields (see mxfx.Policy.from_toml) or unset it")
+                raise FileNotFoundError(
+                    f"mxfx policy: {POLICY_ENV}={path!r} is not a file; set it to a TOML file "
+                    f"of Policy fields (see mxfx.Policy.from_toml) or unset it"
+                )
             return cls.from_toml(path)
         if isinstance(options, Policy):
             return options
@@ -653,17 +711,23 @@ class Policy(_NamedFields):
             return
         where = self.describe_rule(rule)
         if rule.scale_rule is None:  # the rule's format, the policy-wide scale rule
-            fixed = {f.name: getattr(rule, f.name) for f in dataclasses.fields(rule) if getattr(rule, f.name) is not None}
+            fixed = {
+                f.name: getattr(rule, f.name) for f in dataclasses.fields(rule) if getattr(rule, f.name) is not None
+            }
             fixed["scale_rule"] = valid[0]
-            raise ValueError(f"mxfx policy: {where}: its format={fmt!r} does not take scale_rule={scale_rule!r}, which the "
-                             f"rule inherits from the policy-wide scale_rule (it sets none); give the rule a scale_rule "
-                             f"of {fmt} ({', '.join(map(repr, valid))}), e.g. {fixed}")
+            raise ValueError(
+                f"mxfx policy: {where}: its format={fmt!r} does not take scale_rule={scale_rule!r}, which the "
+                f"rule inherits from the policy-wide scale_rule (it sets none); give the rule a scale_rule "
+                f"of {fmt} ({', '.join(map(repr, valid))}), e.g. {fixed}"
+            )
         if rule.format is None:  # the rule's scale rule, the policy-wide format
             takers = [n for n in formats.NAMES if formats.get(n).scale_rules and scale_rule in formats.rules_of(n)]
-            raise ValueError(f"mxfx policy: {where}: scale_rule={scale_rule!r} is not a rule of format={fmt!r}, which the "
-                             f"rule inherits from the policy-wide format (it sets none); choose one of "
-                             f"{', '.join(map(repr, valid))}, or give the rule a format that takes {scale_rule!r} "
-                             f"({', '.join(f'format={n!r}' for n in takers)})")
+            raise ValueError(
+                f"mxfx policy: {where}: scale_rule={scale_rule!r} is not a rule of format={fmt!r}, which the "
+                f"rule inherits from the policy-wide format (it sets none); choose one of "
+                f"{', '.join(map(repr, valid))}, or give the rule a format that takes {scale_rule!r} "
+                f"({', '.join(f'format={n!r}' for n in takers)})"
+            )
         _check_rule_fits_format(fmt, scale_rule, where)
 
     def transport_precision(self, direction: str) -> str:
@@ -693,7 +757,9 @@ class Policy(_NamedFields):
             return decider if decider.precision == "mxfp8" else None
         return next((r for r in matching if r.format is not None), None)
 
-    def decide(self, kind: str, module: str, macs: int | None = None, gemm: tuple[int, int, int] | None = None) -> Decision:
+    def decide(
+        self, kind: str, module: str, macs: int | None = None, gemm: tuple[int, int, int] | None = None
+    ) -> Decision:
         """Resolve precision for an op of ``kind`` in module ``module`` with a GEMM of ``macs`` MACs.
 
         ``gemm`` = ``(M, N, K)`` of that GEMM, needed by ``min_size="auto"``
@@ -729,8 +795,11 @@ class Policy(_NamedFields):
             precision=precision,
             wgrad=get("wgrad") or self.wgrad or KIND_DEFAULT_WGRAD.get(kind, "mxfp8"),
             save=get("save") or self.save,
-            scale_rule=(self._judged_rule(fmt, first("format")[1], first("scale_rule")[1], kind, module)
-                        if precision == "mxfp8" else ScaleRule(get("scale_rule") or self.scale_rule)),
+            scale_rule=(
+                self._judged_rule(fmt, first("format")[1], first("scale_rule")[1], kind, module)
+                if precision == "mxfp8"
+                else ScaleRule(get("scale_rule") or self.scale_rule)
+            ),
             rule=rule,
             reason=reason,
             keep_dequantized_weights=self.keep_dequantized_weights,
@@ -740,7 +809,9 @@ class Policy(_NamedFields):
             fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
         )
 
-    def _judged_rule(self, fmt: Format, format_rule: Rule | None, rule_rule: Rule | None, kind: str, module: str) -> ScaleRule:
+    def _judged_rule(
+        self, fmt: Format, format_rule: Rule | None, rule_rule: Rule | None, kind: str, module: str
+    ) -> ScaleRule:
         """The scale rule of an op, judged by its format: each field may come from a different rule (or the
         policy-wide value), so some combinations only meet for some modules.
 
@@ -757,4 +828,5 @@ class Policy(_NamedFields):
                 f"{e}; for the {kind} op of module {module!r}, format {fmt.name!r}{transport} comes from "
                 f"{origin(format_rule, 'format=' + repr(self.format))} and scale_rule={scale_rule!r} from "
                 f"{origin(rule_rule, 'scale_rule')}: add before those rules (the first rule that sets a field wins) a rule for this module or op that sets both "
-                f"(e.g. {{'module': {module!r}, 'op': {kind!r}, 'scale_rule': {fmt.scale_rules[0].value!r}}})") from None
+                f"(e.g. {{'module': {module!r}, 'op': {kind!r}, 'scale_rule': {fmt.scale_rules[0].value!r}}})"
+            ) from None

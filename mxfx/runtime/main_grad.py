@@ -76,8 +76,10 @@ def unfused_reason(weight) -> str:
     if getattr(weight, "_backward_hooks", None):
         return "gradient hooks on the weight (Tensor.register_hook) that run before autograd accumulates it"
     if getattr(weight, "_post_accumulate_grad_hooks", None):
-        return ("post-accumulate-grad hooks on the weight (register_post_accumulate_grad_hook), run by autograd's own "
-                "accumulation")
+        return (
+            "post-accumulate-grad hooks on the weight (register_post_accumulate_grad_hook), run by autograd's own "
+            "accumulation"
+        )
     return ""
 
 
@@ -91,9 +93,20 @@ class Target:
     accumulate: bool  # add into ``out`` (False: write it, a new gradient)
 
 
-VIEW_NODES = frozenset({"TransposeBackward0", "TransposeBackward1", "TBackward0", "PermuteBackward0",
-                        "ViewBackward0", "UnsafeViewBackward0", "AliasBackward0", "SliceBackward0", "SelectBackward0",
-                        "AsStridedBackward0"})
+VIEW_NODES = frozenset(
+    {
+        "TransposeBackward0",
+        "TransposeBackward1",
+        "TBackward0",
+        "PermuteBackward0",
+        "ViewBackward0",
+        "UnsafeViewBackward0",
+        "AliasBackward0",
+        "SliceBackward0",
+        "SelectBackward0",
+        "AsStridedBackward0",
+    }
+)
 """Backward nodes of views between a weight an op read and its parameter (an eager op fed ``W.transpose(-2, -1)``);
 a compiled graph takes the parameter itself as its input."""
 _local = threading.local()  # per backward thread: the leaves the running node reaches and the weights found (_memo)
@@ -136,8 +149,9 @@ def _accumulator(weight: torch.Tensor, op: str):
     span = _span(weight)
     if span not in found:
         storage, lo, hi = span
-        found[span] = next((path for (s, first, last), path in leaves if s == storage and first <= lo and hi <= last),
-                           None)
+        found[span] = next(
+            (path for (s, first, last), path in leaves if s == storage and first <= lo and hi <= last), None
+        )
     path = found[span]
     if path is None:
         return None
@@ -166,10 +180,12 @@ def _will_accumulate(node, param: torch.Tensor, op: str) -> bool:
     except RuntimeError as e:
         if "autograd.grad" not in str(e):
             raise
-        raise RuntimeError(f"{op}: torch.autograd.grad asks for the gradient of {_weight(param)}, which its wgrad "
-                           f"GEMM writes into .grad ({CONFIG}=True) and returns no gradient for: autograd.grad would "
-                           f"get None. Compile with fuse_wgrad_accumulation=False to take gradients with "
-                           f"torch.autograd.grad, or use loss.backward() and read .grad") from None
+        raise RuntimeError(
+            f"{op}: torch.autograd.grad asks for the gradient of {_weight(param)}, which its wgrad "
+            f"GEMM writes into .grad ({CONFIG}=True) and returns no gradient for: autograd.grad would "
+            f"get None. Compile with fuse_wgrad_accumulation=False to take gradients with "
+            f"torch.autograd.grad, or use loss.backward() and read .grad"
+        ) from None
 
 
 def target(weight: torch.Tensor, op: str) -> Target | None:
@@ -189,24 +205,30 @@ def target(weight: torch.Tensor, op: str) -> Target | None:
     node = _accumulator(weight, op)
     param = node.variable if node is not None else None
     if param is None:
-        raise RuntimeError(f"{op}: the weight {tuple(weight.shape)} whose gradient its wgrad GEMM writes "
-                           f"({CONFIG}=True) is neither a leaf parameter nor a view of one: it is computed from "
-                           f"parameters (a parametrization, a copy), so it has no .grad to write. A compiled graph "
-                           f"gives such an op back to autograd; this one was called eagerly or inside a higher-order "
-                           f"op's body the compile does not trace weights through: turn fuse_wgrad_accumulation off "
-                           f"for it")
+        raise RuntimeError(
+            f"{op}: the weight {tuple(weight.shape)} whose gradient its wgrad GEMM writes "
+            f"({CONFIG}=True) is neither a leaf parameter nor a view of one: it is computed from "
+            f"parameters (a parametrization, a copy), so it has no .grad to write. A compiled graph "
+            f"gives such an op back to autograd; this one was called eagerly or inside a higher-order "
+            f"op's body the compile does not trace weights through: turn fuse_wgrad_accumulation off "
+            f"for it"
+        )
     reason = unfused_reason(param)
     if reason and _module(param) is not None:
-        raise RuntimeError(f"{op}: the gradient of {_weight(param)} is written by its wgrad GEMM ({CONFIG}=True, "
-                           f"decided when the graph compiled, when it had no hook), but it now has {reason}: it was "
-                           f"registered after the graph compiled. Register it before compiling (the compile then "
-                           f"leaves that gradient to autograd), or compile with fuse_wgrad_accumulation=False")
+        raise RuntimeError(
+            f"{op}: the gradient of {_weight(param)} is written by its wgrad GEMM ({CONFIG}=True, "
+            f"decided when the graph compiled, when it had no hook), but it now has {reason}: it was "
+            f"registered after the graph compiled. Register it before compiling (the compile then "
+            f"leaves that gradient to autograd), or compile with fuse_wgrad_accumulation=False"
+        )
     if reason:
-        raise RuntimeError(f"{op}: the gradient of {_weight(param)} is written by its wgrad GEMM ({CONFIG}=True), but "
-                           f"it has {reason}. No compile judged this parameter (its op reads it inside a higher-order "
-                           f"op's body other than activation checkpointing, or in an eager call, or the graph was "
-                           f"compiled for another module of its class and runs this one too), so the op kept the "
-                           f"fusion: remove the hook, or compile with fuse_wgrad_accumulation=False")
+        raise RuntimeError(
+            f"{op}: the gradient of {_weight(param)} is written by its wgrad GEMM ({CONFIG}=True), but "
+            f"it has {reason}. No compile judged this parameter (its op reads it inside a higher-order "
+            f"op's body other than activation checkpointing, or in an eager call, or the graph was "
+            f"compiled for another module of its class and runs this one too), so the op kept the "
+            f"fusion: remove the hook, or compile with fuse_wgrad_accumulation=False"
+        )
     if not _will_accumulate(node, param, op):
         return None
     grad, whole = param.grad, weight.numel() == param.numel()
@@ -215,11 +237,13 @@ def target(weight: torch.Tensor, op: str) -> Target | None:
         accumulate = not whole
     else:
         if grad.dtype != param.dtype or grad.shape != param.shape or grad.device != param.device or grad.is_sparse:
-            raise RuntimeError(f"{op}: the .grad of {_weight(param)} is a {grad.dtype} {tuple(grad.shape)} tensor on "
-                               f"{grad.device} ({grad.layout}); its wgrad GEMM writes a dense {param.dtype} gradient "
-                               f"of the parameter's shape and device. Set .grad to None (zero_grad(set_to_none=True)) "
-                               f"or to such a tensor before the backward, or compile with "
-                               f"fuse_wgrad_accumulation=False")
+            raise RuntimeError(
+                f"{op}: the .grad of {_weight(param)} is a {grad.dtype} {tuple(grad.shape)} tensor on "
+                f"{grad.device} ({grad.layout}); its wgrad GEMM writes a dense {param.dtype} gradient "
+                f"of the parameter's shape and device. Set .grad to None (zero_grad(set_to_none=True)) "
+                f"or to such a tensor before the backward, or compile with "
+                f"fuse_wgrad_accumulation=False"
+            )
         accumulate = True
     return Target(param, grad, _region(weight, param, grad, op), accumulate)
 
@@ -227,15 +251,20 @@ def target(weight: torch.Tensor, op: str) -> Target | None:
 def _region(weight: torch.Tensor, param: torch.Tensor, grad: torch.Tensor, op: str) -> torch.Tensor:
     """The elements of ``grad`` that ``weight`` (``param`` or a view of it) covers, viewed as ``weight`` views
     ``param``."""
-    same = (weight.shape == param.shape and weight.stride() == param.stride()
-            and weight.storage_offset() == param.storage_offset())
+    same = (
+        weight.shape == param.shape
+        and weight.stride() == param.stride()
+        and weight.storage_offset() == param.storage_offset()
+    )
     if same:
         return grad
     if grad.stride() != param.stride():
-        raise RuntimeError(f"{op}: the .grad of the weight {tuple(param.shape)} has strides {grad.stride()}, not the "
-                           f"parameter's {param.stride()}; its wgrad GEMM writes a view of it {tuple(weight.shape)} "
-                           f"laid out as the parameter. Leave .grad to autograd (set it to None) or compile with "
-                           f"fuse_wgrad_accumulation=False")
+        raise RuntimeError(
+            f"{op}: the .grad of the weight {tuple(param.shape)} has strides {grad.stride()}, not the "
+            f"parameter's {param.stride()}; its wgrad GEMM writes a view of it {tuple(weight.shape)} "
+            f"laid out as the parameter. Leave .grad to autograd (set it to None) or compile with "
+            f"fuse_wgrad_accumulation=False"
+        )
     offset = grad.storage_offset() + weight.storage_offset() - param.storage_offset()
     return grad.as_strided(weight.shape, weight.stride(), offset)
 

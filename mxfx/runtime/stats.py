@@ -74,8 +74,19 @@ FUSED_ENV = "MXFX_STATS_FUSED"
 site; 0/false/no/off makes every sample from the plain-torch reference (:func:`reduce_parts`), e.g. to cross-check
 a sample (read at every sample, :func:`fused_enabled`)."""
 
-_FIELDS = ("values", "nonzero", "underflow", "saturated", "clipped", "nonfinite", "err_sq", "ref_sq", "amax", "exp_min",
-           "exp_max")
+_FIELDS = (
+    "values",
+    "nonzero",
+    "underflow",
+    "saturated",
+    "clipped",
+    "nonfinite",
+    "err_sq",
+    "ref_sq",
+    "amax",
+    "exp_min",
+    "exp_max",
+)
 
 
 class Parts(NamedTuple):
@@ -121,8 +132,10 @@ def fused_enabled() -> bool:
         return True
     if value in ("0", "false", "no", "off"):
         return False
-    raise ValueError(f"{FUSED_ENV}={value!r} is not a switch; set it to 0/false/no/off (plain-torch statistics) or "
-                     f"1/true/yes/on (fused kernels where they cover a site), or unset it")
+    raise ValueError(
+        f"{FUSED_ENV}={value!r} is not a switch; set it to 0/false/no/off (plain-torch statistics) or "
+        f"1/true/yes/on (fused kernels where they cover a site), or unset it"
+    )
 
 
 @dataclass
@@ -168,14 +181,43 @@ class Table:
     def __str__(self) -> str:
         if not self.rows:
             return f"# mxfx quantization stats: no samples: {self.empty or 'none taken yet'}\n"
-        cols = ["site", "format", "step", "underflow", "saturation", "clipped", "scale exp", "rms error", "amax",
-                "max underflow", "max clipped", "exp range", "max rms error", "samples"]
+        cols = [
+            "site",
+            "format",
+            "step",
+            "underflow",
+            "saturation",
+            "clipped",
+            "scale exp",
+            "rms error",
+            "amax",
+            "max underflow",
+            "max clipped",
+            "exp range",
+            "max rms error",
+            "samples",
+        ]
         pct = lambda v: f"{v:.3%}"  # noqa: E731
         rng = lambda a, b: "-" if a is None else f"{a}..{b}"  # noqa: E731
-        body = [[r.site, f"{r.format}/{r.scale_rule}", str(r.last["step"]), pct(r.last["underflow"]),
-                 pct(r.last["saturation"]), pct(r.last["clipped"]), rng(r.last["scale_exp_min"], r.last["scale_exp_max"]),
-                 f"{r.last['rms_error']:.3e}", f"{r.last['amax']:.4g}", pct(r.max_underflow), pct(r.max_clipped),
-                 rng(r.exp_min, r.exp_max), f"{r.max_rms_error:.3e}", str(r.samples)] for r in self.rows]
+        body = [
+            [
+                r.site,
+                f"{r.format}/{r.scale_rule}",
+                str(r.last["step"]),
+                pct(r.last["underflow"]),
+                pct(r.last["saturation"]),
+                pct(r.last["clipped"]),
+                rng(r.last["scale_exp_min"], r.last["scale_exp_max"]),
+                f"{r.last['rms_error']:.3e}",
+                f"{r.last['amax']:.4g}",
+                pct(r.max_underflow),
+                pct(r.max_clipped),
+                rng(r.exp_min, r.exp_max),
+                f"{r.max_rms_error:.3e}",
+                str(r.samples),
+            ]
+            for r in self.rows
+        ]
         widths = [max(len(row[i]) for row in [cols, *body]) for i in range(len(cols))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [cols, *body]]
         return "\n".join(["# mxfx quantization stats (latest sample, then extremes over all samples)", *lines]) + "\n"
@@ -246,16 +288,26 @@ def reduce_parts(parts: Parts) -> torch.Tensor:
     hist = torch.bincount((e - HIST_MIN).clamp(0, HIST_BINS - 1), minlength=HIST_BINS)[:HIST_BINS]
     big = torch.tensor(float("inf"), dtype=torch.float64, device=x.device)
     n_ok = torch.count_nonzero(ok)
-    counts = torch.stack([
-        n_ok, torch.count_nonzero(nonzero), torch.count_nonzero(nonzero & (dq == 0)), torch.count_nonzero(saturated),
-        torch.count_nonzero(saturated & (x.abs() > dq.abs())), x.numel() - n_ok,
-    ]).double()
+    counts = torch.stack(
+        [
+            n_ok,
+            torch.count_nonzero(nonzero),
+            torch.count_nonzero(nonzero & (dq == 0)),
+            torch.count_nonzero(saturated),
+            torch.count_nonzero(saturated & (x.abs() > dq.abs())),
+            x.numel() - n_ok,
+        ]
+    ).double()
     d64, x64 = diff.reshape(-1).double(), x.reshape(-1).double()
-    sums = torch.stack([
-        torch.dot(d64, d64), torch.dot(x64, x64),
-        torch.cat([x.abs().reshape(-1), x.new_zeros(1)]).amax().double(),  # 0 when empty
-        e.min().double() if e.numel() else big, e.max().double() if e.numel() else -big,
-    ])
+    sums = torch.stack(
+        [
+            torch.dot(d64, d64),
+            torch.dot(x64, x64),
+            torch.cat([x.abs().reshape(-1), x.new_zeros(1)]).amax().double(),  # 0 when empty
+            e.min().double() if e.numel() else big,
+            e.max().double() if e.numel() else -big,
+        ]
+    )
     return torch.cat([counts, sums, hist.double()])
 
 
@@ -265,12 +317,20 @@ def _rank() -> int:
 
 def _sample(vector: list[float], site: str, fmt: str, rule: str, step: int) -> dict:
     v = dict(zip(_FIELDS, vector))
-    hist = vector[len(_FIELDS):]
+    hist = vector[len(_FIELDS) :]
     values, nonzero = int(v["values"]), int(v["nonzero"])
     return {
-        "site": site, "format": fmt, "scale_rule": rule, "step": step, "rank": _rank(),
-        "values": values, "nonzero": nonzero, "underflow_count": int(v["underflow"]),
-        "saturated_count": int(v["saturated"]), "clipped_count": int(v["clipped"]), "nonfinite": int(v["nonfinite"]),
+        "site": site,
+        "format": fmt,
+        "scale_rule": rule,
+        "step": step,
+        "rank": _rank(),
+        "values": values,
+        "nonzero": nonzero,
+        "underflow_count": int(v["underflow"]),
+        "saturated_count": int(v["saturated"]),
+        "clipped_count": int(v["clipped"]),
+        "nonfinite": int(v["nonfinite"]),
         "underflow": v["underflow"] / nonzero if nonzero else 0.0,
         "saturation": v["saturated"] / values if values else 0.0,
         "clipped": v["clipped"] / values if values else 0.0,
@@ -283,8 +343,17 @@ def _sample(vector: list[float], site: str, fmt: str, rule: str, step: int) -> d
 
 
 @torch.library.custom_op("mxfx::quant_stats", mutates_args=())
-def _quant_stats(source: list[torch.Tensor], combine: str, operand: list[torch.Tensor | None], format: str, rule: str,
-                 layout: str, site: str, every: int, offs: torch.Tensor | None) -> torch.Tensor:
+def _quant_stats(
+    source: list[torch.Tensor],
+    combine: str,
+    operand: list[torch.Tensor | None],
+    format: str,
+    rule: str,
+    layout: str,
+    site: str,
+    every: int,
+    offs: torch.Tensor | None,
+) -> torch.Tensor:
     """Queue one sample of ``site`` when this step is sampled (:func:`sampled`) and the site has none of this step yet
     (the first microbatch's, under gradient accumulation); returns an empty tensor. Everything a sample needs
     beyond the tensors the op made anyway (padding maps, decodes) is computed here, on sampled steps only."""
@@ -309,8 +378,17 @@ def _(source, combine, operand, format, rule, layout, site, every, offs):
 _quant_stats.register_effect(EffectType.ORDERED)  # kept and ordered in compiled graphs though its result is unused
 
 
-def observe(site: str, fmt: str, rule: str, layout: str, source, operand, every: int, combine: str = "",
-            offs: torch.Tensor | None = None) -> None:
+def observe(
+    site: str,
+    fmt: str,
+    rule: str,
+    layout: str,
+    source,
+    operand,
+    every: int,
+    combine: str = "",
+    offs: torch.Tensor | None = None,
+) -> None:
     """Sample quantize site ``site`` every ``every`` optimizer steps: ``operand`` (a tuple of tensors or None, as
     format ``fmt`` made it with scale rule ``rule``) against the values it was made from (``source`` as
     ``combine`` forms them, see :data:`COMBINES`), laid out per ``layout`` (:data:`LAYOUTS`; ``offs``, the int32
@@ -321,12 +399,22 @@ def observe(site: str, fmt: str, rule: str, layout: str, source, operand, every:
         ValueError: an unknown layout, combine, format, an ``every`` below 1, or ``offs`` given without
             ``group_tokens`` or missing with it, naming the site.
     """
-    if layout not in LAYOUTS or combine not in COMBINES or fmt not in _formats or not isinstance(every, int) or every < 1:
-        raise ValueError(f"mxfx.runtime.stats.observe({site!r}): layout={layout!r} (one of {LAYOUTS}), combine={combine!r} "
-                         f"(one of {COMBINES}), format={fmt!r} (one of {tuple(_formats)}), every={every!r} (an int >= 1)")
+    if (
+        layout not in LAYOUTS
+        or combine not in COMBINES
+        or fmt not in _formats
+        or not isinstance(every, int)
+        or every < 1
+    ):
+        raise ValueError(
+            f"mxfx.runtime.stats.observe({site!r}): layout={layout!r} (one of {LAYOUTS}), combine={combine!r} "
+            f"(one of {COMBINES}), format={fmt!r} (one of {tuple(_formats)}), every={every!r} (an int >= 1)"
+        )
     if (layout == "group_tokens") != isinstance(offs, torch.Tensor):
-        raise ValueError(f"mxfx.runtime.stats.observe({site!r}): layout={layout!r} with offs={type(offs).__name__}; "
-                         f"the group ends (an int32 tensor) go with layout='group_tokens' and with no other layout")
+        raise ValueError(
+            f"mxfx.runtime.stats.observe({site!r}): layout={layout!r} with offs={type(offs).__name__}; "
+            f"the group ends (an int32 tensor) go with layout='group_tokens' and with no other layout"
+        )
     torch.ops.mxfx.quant_stats(list(source), combine, list(operand), fmt, str(rule), layout, site, every, offs)
 
 
@@ -398,7 +486,9 @@ def _write(samples: list[dict]) -> None:
         for s in samples:
             f.write(json.dumps(s) + "\n")
     if state.writer is None:
-        state.writer = _tensorboard_writer(os.path.join(state.output, "tensorboard" + (f"_rank{rank}" if rank else ""))) or False
+        state.writer = (
+            _tensorboard_writer(os.path.join(state.output, "tensorboard" + (f"_rank{rank}" if rank else ""))) or False
+        )
     if state.writer:
         for s in samples:
             for key in ("underflow", "saturation", "rms_error", "amax", "scale_exp_min", "scale_exp_max"):
@@ -408,14 +498,19 @@ def _write(samples: list[dict]) -> None:
 
 
 def _warn(s: dict) -> None:
-    for stat, what in (("underflow", "of its nonzero values flush to zero"),
-                       ("clipped", "of its values were above the largest magnitude their block's scale represents")):
+    for stat, what in (
+        ("underflow", "of its nonzero values flush to zero"),
+        ("clipped", "of its values were above the largest magnitude their block's scale represents"),
+    ):
         key = (s["site"], stat)
         if s[stat] > WARN_ABOVE and key not in state.warned:
             state.warned.add(key)
-            warnings.warn(f"mxfx: quantize site {s['site']} ({s['format']}, scale_rule={s['scale_rule']}): {stat} "
-                          f"{s[stat]:.2%} at step {s['step']} ({what}; above {WARN_ABOVE:.0%}); docs/numerics.md says "
-                          f"what to look at", stacklevel=3)
+            warnings.warn(
+                f"mxfx: quantize site {s['site']} ({s['format']}, scale_rule={s['scale_rule']}): {stat} "
+                f"{s[stat]:.2%} at step {s['step']} ({what}; above {WARN_ABOVE:.0%}); docs/numerics.md says "
+                f"what to look at",
+                stacklevel=3,
+            )
 
 
 def note_compiled(modules: str, prefixes) -> None:
@@ -436,14 +531,20 @@ def _why_empty() -> str:
             return "sampling is switched off (mxfx.runtime.stats.set_sampling(False))"
         every = sorted(set(state.ran.values()))
         when = f"on optimizer steps that are multiples of {', '.join(map(str, every))}, " if every else ""
-        return (f"no sampled step has run yet: {len(state.ran)} site(s) ran, which sample {when}the first microbatch "
-                f"of the step (the step count is now {step_count()})")
+        return (
+            f"no sampled step has run yet: {len(state.ran)} site(s) ran, which sample {when}the first microbatch "
+            f"of the step (the step count is now {step_count()})"
+        )
     if state.compiled:
         globs = ", ".join(f"modules={glob!r} ({graphs} graph(s))" for glob, (graphs, _) in state.compiled.items())
-        return (f"statistics are on, but their module glob matches no quantize site of the graphs compiled with it: "
-                f"{globs}; point it at modules with converted ops (the precision map names them)")
-    return ("statistics are off (Policy(stats={'every': 100, 'modules': '*'}) turns them on, as does MXFX_STATS=1 "
-            "for a policy that leaves stats out)")
+        return (
+            f"statistics are on, but their module glob matches no quantize site of the graphs compiled with it: "
+            f"{globs}; point it at modules with converted ops (the precision map names them)"
+        )
+    return (
+        "statistics are off (Policy(stats={'every': 100, 'modules': '*'}) turns them on, as does MXFX_STATS=1 "
+        "for a policy that leaves stats out)"
+    )
 
 
 def table() -> Table:

@@ -51,8 +51,9 @@ def hp_mm_transposed(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -
 
 
 @torch.library.custom_op("mxfx::grouped_wgrad_bf16", mutates_args=())
-def _grouped_wgrad_bf16_op(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor,
-                           out_dtype: torch.dtype) -> torch.Tensor:
+def _grouped_wgrad_bf16_op(
+    dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
     """:func:`mxfx.kernels.common.gemm.grouped_wgrad_bf16` as an opaque op: the operand layouts it makes stay as
     made."""
     return gemm.grouped_wgrad_bf16(dy, x, offs, out_dtype)
@@ -83,22 +84,24 @@ def hp_mm_into(dy: torch.Tensor, x: torch.Tensor, out: torch.Tensor, accumulate:
     if out.dtype == torch.float32 and dy.dtype in (torch.bfloat16, torch.float16) and not _addmm_refused:
         try:
             with torch.autocast(out.device.type, enabled=False):
-                torch.addmm(out, dy.t(), x.to(dy.dtype), out_dtype=torch.float32, beta=1 if accumulate else 0,
-                            out=out)
+                torch.addmm(out, dy.t(), x.to(dy.dtype), out_dtype=torch.float32, beta=1 if accumulate else 0, out=out)
             return
         except (RuntimeError, NotImplementedError) as e:
             _addmm_refused.append(str(e))
-            warnings.warn(f"mxfx.hp_mm_into: torch.addmm with a float32 output refused {dy.dtype} operands "
-                          f"({str(e).splitlines()[0][:160]}); dense weight gradients are added in a separate pass",
-                          stacklevel=2)
+            warnings.warn(
+                f"mxfx.hp_mm_into: torch.addmm with a float32 output refused {dy.dtype} operands "
+                f"({str(e).splitlines()[0][:160]}); dense weight gradients are added in a separate pass",
+                stacklevel=2,
+            )
     accumulate_into(out, hp_mm_transposed(dy.t(), x.t(), out.dtype), accumulate)
 
 
 _addmm_refused: list[str] = []  # torch.addmm's refusal of a float32 output for 16-bit operands, once seen
 
 
-def hp_grouped_wgrad_into(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, out: torch.Tensor,
-                          accumulate: bool) -> None:
+def hp_grouped_wgrad_into(
+    dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, out: torch.Tensor, accumulate: bool
+) -> None:
     """:func:`hp_grouped_wgrad` (BF16 operands, FP32 accumulation) written into ``out [E, N, K]`` or added to it: by
     the FP32 GEMM of the exact BF16 operands itself on the CPU, by the Triton kernel's epilogue
     (:mod:`mxfx.kernels.common.grouped_wgrad_triton`) into an FP32 ``out`` on CUDA, through :func:`accumulate_into`
@@ -125,11 +128,15 @@ def _(gate, up):
     return gate.new_empty(gate.shape, dtype=torch.float32)
 
 
-swiglu_product = op_or_body(_product_op, fp32_product, """``silu(gate) * up`` in fp32 with mxfx's SiLU:
+swiglu_product = op_or_body(
+    _product_op,
+    fp32_product,
+    """``silu(gate) * up`` in fp32 with mxfx's SiLU:
 ``gate, up [..., H]`` (same shape and device, any float dtypes and strides) -> a contiguous fp32 ``[..., H]``, the
 values the fused SwiGLU quantizes read (``mxfx::swiglu_product``).
 
 Raises:
-    TypeError: gate or up not a floating tensor. ValueError: different shapes or devices, or a 0-d gate.""")
+    TypeError: gate or up not a floating tensor. ValueError: different shapes or devices, or a 0-d gate.""",
+)
 
 name_op_functions(globals())

@@ -32,9 +32,23 @@ def config_for(tokens: int, groups: int) -> dict:
 
 @triton.jit
 def _grouped_wgrad_into_kernel(
-    dy_ptr, x_ptr, offs_ptr, out_ptr, N, K,
-    s_dys, s_dyn, s_xs, s_xk, s_og, s_on, s_ok,
-    ACCUMULATE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+    dy_ptr,
+    x_ptr,
+    offs_ptr,
+    out_ptr,
+    N,
+    K,
+    s_dys,
+    s_dyn,
+    s_xs,
+    s_xk,
+    s_og,
+    s_on,
+    s_ok,
+    ACCUMULATE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
     g = tl.program_id(1)
     tiles_k = tl.cdiv(K, BLOCK_K)
@@ -49,10 +63,14 @@ def _grouped_wgrad_into_kernel(
     for t0 in range(start, end, BLOCK_T):
         tok = t0 + ts
         t_ok = tok < end
-        dy = tl.load(dy_ptr + tok[:, None].to(tl.int64) * s_dys + ns[None, :] * s_dyn,
-                     mask=t_ok[:, None] & n_ok[None, :], other=0.0)
-        x = tl.load(x_ptr + tok[:, None].to(tl.int64) * s_xs + ks[None, :] * s_xk,
-                    mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+        dy = tl.load(
+            dy_ptr + tok[:, None].to(tl.int64) * s_dys + ns[None, :] * s_dyn,
+            mask=t_ok[:, None] & n_ok[None, :],
+            other=0.0,
+        )
+        x = tl.load(
+            x_ptr + tok[:, None].to(tl.int64) * s_xs + ks[None, :] * s_xk, mask=t_ok[:, None] & k_ok[None, :], other=0.0
+        )
         acc = tl.dot(tl.trans(dy), x, acc)
     ptrs = out_ptr + g.to(tl.int64) * s_og + ns[:, None].to(tl.int64) * s_on + ks[None, :] * s_ok
     mask = n_ok[:, None] & k_ok[None, :]
@@ -61,8 +79,15 @@ def _grouped_wgrad_into_kernel(
     tl.store(ptrs, acc, mask=mask)
 
 
-def grouped_wgrad_into(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, out: torch.Tensor,
-                       accumulate: bool, *, config: dict | None = None) -> None:
+def grouped_wgrad_into(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    offs: torch.Tensor,
+    out: torch.Tensor,
+    accumulate: bool,
+    *,
+    config: dict | None = None,
+) -> None:
     """Launch the kernel (module docstring) on CUDA operands, or under Triton's interpreter.
 
     Raises:
@@ -70,12 +95,16 @@ def grouped_wgrad_into(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, ou
     """
     op = "mxfx.grouped_wgrad_into"
     if dy.dim() != 2 or x.dim() != 2 or dy.shape[0] != x.shape[0] or offs.dim() != 1 or offs.dtype != torch.int32:
-        raise ValueError(f"{op}: needs dy [S, N], x [S, K] and int32 offs [G], got dy {tuple(dy.shape)}, "
-                         f"x {tuple(x.shape)}, offs {tuple(offs.shape)} {offs.dtype}")
+        raise ValueError(
+            f"{op}: needs dy [S, N], x [S, K] and int32 offs [G], got dy {tuple(dy.shape)}, "
+            f"x {tuple(x.shape)}, offs {tuple(offs.shape)} {offs.dtype}"
+        )
     g, n, k = offs.shape[0], dy.shape[1], x.shape[1]
     if tuple(out.shape) != (g, n, k) or out.dtype != torch.float32:
-        raise ValueError(f"{op}: out must be float32 [{g}, {n}, {k}] for dy {tuple(dy.shape)} and x "
-                         f"{tuple(x.shape)}, got {out.dtype} {tuple(out.shape)}")
+        raise ValueError(
+            f"{op}: out must be float32 [{g}, {n}, {k}] for dy {tuple(dy.shape)} and x "
+            f"{tuple(x.shape)}, got {out.dtype} {tuple(out.shape)}"
+        )
     if dy.dtype != x.dtype or dy.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"{op}: dy and x must share a dtype, bfloat16 or float16; got {dy.dtype} and {x.dtype}")
     if len({t.device for t in (dy, x, offs, out)}) != 1:
@@ -85,5 +114,20 @@ def grouped_wgrad_into(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, ou
     cfg = config_for(dy.shape[0], g) if config is None else dict(config)
     bn, bk = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
     grid = (triton.cdiv(n, bn) * triton.cdiv(k, bk), g)
-    launch(_grouped_wgrad_into_kernel, grid, dy, x, offs, out, n, k, *dy.stride(), *x.stride(), *out.stride(),
-           ACCUMULATE=accumulate, BLOCK_N=bn, BLOCK_K=bk, **cfg)
+    launch(
+        _grouped_wgrad_into_kernel,
+        grid,
+        dy,
+        x,
+        offs,
+        out,
+        n,
+        k,
+        *dy.stride(),
+        *x.stride(),
+        *out.stride(),
+        ACCUMULATE=accumulate,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        **cfg,
+    )

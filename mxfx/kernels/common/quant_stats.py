@@ -27,8 +27,19 @@ import triton.language as tl
 from mxfx.kernels.common.launch import launch
 from mxfx.kernels.common.silu_triton import silu_f32
 
-FIELDS = ("values", "nonzero", "underflow", "saturated", "clipped", "nonfinite", "err_sq", "ref_sq", "amax",
-          "exp_min", "exp_max")
+FIELDS = (
+    "values",
+    "nonzero",
+    "underflow",
+    "saturated",
+    "clipped",
+    "nonfinite",
+    "err_sq",
+    "ref_sq",
+    "amax",
+    "exp_min",
+    "exp_max",
+)
 """The sample vector's fields before the histogram, in order."""
 
 PARTIAL_WIDTH = 16
@@ -72,8 +83,11 @@ def region_args(t: torch.Tensor | None, absent: torch.Tensor) -> tuple:
 def check_region(a: torch.Tensor, like_a, wider, cols: int, op: str) -> None:
     """Raise ValueError naming ``op`` unless ``a`` is 2-D or 3-D, each of ``like_a`` (None skipped) has its shape and
     each of ``wider`` its leading dims and at least ``cols`` columns."""
-    if a.dim() not in (2, 3) or any(t is not None and t.shape != a.shape for t in like_a) or any(
-            t is not None and (t.shape[:-1] != a.shape[:-1] or t.shape[-1] < cols) for t in wider):
+    if (
+        a.dim() not in (2, 3)
+        or any(t is not None and t.shape != a.shape for t in like_a)
+        or any(t is not None and (t.shape[:-1] != a.shape[:-1] or t.shape[-1] < cols) for t in wider)
+    ):
         shapes = ", ".join(str(tuple(t.shape)) for t in (a, *like_a, *wider) if t is not None)
         raise ValueError(f"{op}: tensors of shapes {shapes} are not one [R, C] or [B, R, C] region of {cols} columns")
 
@@ -86,8 +100,10 @@ def programs(n_tiles: int) -> tuple[int, int]:
 
 def workspace(n_programs: int, hist_bins: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """``(partials float64 [n_programs, PARTIAL_WIDTH], histogram int32 [hist_bins] zeroed)`` of one launch."""
-    return (torch.empty(n_programs, PARTIAL_WIDTH, dtype=torch.float64, device=device),
-            torch.zeros(hist_bins, dtype=torch.int32, device=device))
+    return (
+        torch.empty(n_programs, PARTIAL_WIDTH, dtype=torch.float64, device=device),
+        torch.zeros(hist_bins, dtype=torch.int32, device=device),
+    )
 
 
 @triton.jit
@@ -204,8 +220,7 @@ def store_partials(part_ptr, hist_ptr, pid, row, hist, dead, HIST_BINS: tl.const
 
 
 @triton.jit
-def _finish_kernel(part_ptr, hist_ptr, out_ptr, P, N_FIELDS: tl.constexpr, HIST_BINS: tl.constexpr,
-                   PB: tl.constexpr):
+def _finish_kernel(part_ptr, hist_ptr, out_ptr, P, N_FIELDS: tl.constexpr, HIST_BINS: tl.constexpr, PB: tl.constexpr):
     i = tl.arange(0, 16)  # PARTIAL_WIDTH
     total = tl.zeros([16], tl.float64)
     hi = tl.full([16], float("-inf"), tl.float64)
@@ -226,6 +241,16 @@ def _finish_kernel(part_ptr, hist_ptr, out_ptr, P, N_FIELDS: tl.constexpr, HIST_
 def finish(partials: torch.Tensor, hist: torch.Tensor) -> torch.Tensor:
     """The sample vector (module docstring) of a statistics launch's ``partials`` and histogram, on their device."""
     out = torch.empty(len(FIELDS) + hist.numel(), dtype=torch.float64, device=partials.device)
-    launch(_finish_kernel, (1,), partials, hist, out, partials.shape[0], N_FIELDS=len(FIELDS),
-           HIST_BINS=hist.numel(), PB=FINISH_ROWS, num_warps=4)
+    launch(
+        _finish_kernel,
+        (1,),
+        partials,
+        hist,
+        out,
+        partials.shape[0],
+        N_FIELDS=len(FIELDS),
+        HIST_BINS=hist.numel(),
+        PB=FINISH_ROWS,
+        num_warps=4,
+    )
     return out

@@ -43,8 +43,7 @@ SILU_FLUSH_GATE_C = tl.constexpr(SILU_FLUSH_GATE)
 def rcp_approx_ftz(d):
     """MUFU reciprocal of fp32 ``d`` (``rcp.approx.ftz.f32``, the first step of ``div.rn.f32``; compiled
     kernels only): results below 2^-126 flush to +0 for positive d."""
-    return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [d], dtype=tl.float32,
-                                     is_pure=True, pack=1)
+    return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [d], dtype=tl.float32, is_pure=True, pack=1)
 
 
 if INTERPRETED:
@@ -103,6 +102,18 @@ def swiglu_product(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     rows = g2.shape[0]
     br, bc, warps = PRODUCT_CONFIG
     if rows * h > 0:
-        launch(_swiglu_product_kernel, (triton.cdiv(rows, br), triton.cdiv(h, bc)), g2, u2, out, rows, h,
-               *g2.stride(), *u2.stride(), BR=br, BC=bc, num_warps=warps)
+        launch(
+            _swiglu_product_kernel,
+            (triton.cdiv(rows, br), triton.cdiv(h, bc)),
+            g2,
+            u2,
+            out,
+            rows,
+            h,
+            *g2.stride(),
+            *u2.stride(),
+            BR=br,
+            BC=bc,
+            num_warps=warps,
+        )
     return out

@@ -25,8 +25,9 @@ def check_product(gate, up) -> None:
     if not (gate.is_floating_point() and up.is_floating_point()):
         raise TypeError(f"{_OP}: gate ({gate.dtype}) and up ({up.dtype}) must be floating tensors")
     if gate.shape != up.shape or gate.dim() == 0:
-        raise ValueError(f"{_OP}: gate of shape {tuple(gate.shape)} and up of shape {tuple(up.shape)} must be one "
-                         f"[..., H] shape")
+        raise ValueError(
+            f"{_OP}: gate of shape {tuple(gate.shape)} and up of shape {tuple(up.shape)} must be one [..., H] shape"
+        )
     if gate.device != up.device:
         raise ValueError(f"{_OP}: gate on {gate.device} and up on {up.device}; move both to one device")
 

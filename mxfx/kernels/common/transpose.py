@@ -38,8 +38,9 @@ def transpose_lastdims(q: torch.Tensor) -> torch.Tensor:
     """
     op = "mxfx.kernels.common.transpose.transpose_lastdims"
     if q.dim() < 2 or q.element_size() != 1:
-        raise ValueError(f"{op}: expects a tensor of 2+ dims with 1-byte elements (E4M3 qdata), got "
-                         f"{tuple(q.shape)} {q.dtype}")
+        raise ValueError(
+            f"{op}: expects a tensor of 2+ dims with 1-byte elements (E4M3 qdata), got {tuple(q.shape)} {q.dtype}"
+        )
     *lead, r, c = q.shape
     src = q.view(torch.uint8).reshape(-1, r, c)
     out = torch.empty((src.shape[0], c, r), dtype=torch.uint8, device=q.device)

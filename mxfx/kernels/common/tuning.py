@@ -86,8 +86,10 @@ def _read(path: Path) -> dict:
         data = e
     if not isinstance(data, dict):
         what = f"{type(data).__name__}: {data}" if isinstance(data, Exception) else f"a JSON {type(data).__name__}"
-        _warn_once("read", f"{path} is not a tuning file ({what}); its records are ignored and the next tuning "
-                           f"result replaces it")
+        _warn_once(
+            "read",
+            f"{path} is not a tuning file ({what}); its records are ignored and the next tuning result replaces it",
+        )
         return {}
     return data
 

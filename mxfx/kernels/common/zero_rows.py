@@ -50,5 +50,7 @@ def zero_rows_past_end_(out: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     r, c = out.shape
     if r * c > 0:
         grid = (min(triton.cdiv(r, BLOCK_R), PROGRAMS), triton.cdiv(c, BLOCK_C))
-        launch(_zero_rows_kernel, grid, out, offs, offs.numel(), r, c, out.stride(0), BR=BLOCK_R, BC=BLOCK_C, num_warps=4)
+        launch(
+            _zero_rows_kernel, grid, out, offs, offs.numel(), r, c, out.stride(0), BR=BLOCK_R, BC=BLOCK_C, num_warps=4
+        )
     return out

@@ -65,8 +65,9 @@ def _check_offs(op: str, offs: torch.Tensor, x: torch.Tensor) -> None:
     """Group ends: int32 ``[G]`` on x's device; on the CPU also non-decreasing and at most x's rows (on a GPU their
     values are read by the kernels, never synced to the host)."""
     if offs.dtype != torch.int32 or offs.dim() != 1 or offs.device != x.device:
-        raise ValueError(f"mxfx::{op}: offs must be int32 [G] on {x.device}, got {offs.dtype} {tuple(offs.shape)} on "
-                         f"{offs.device}")
+        raise ValueError(
+            f"mxfx::{op}: offs must be int32 [G] on {x.device}, got {offs.dtype} {tuple(offs.shape)} on {offs.device}"
+        )
     if readable_on_host(offs):  # host values: checked here, as the CPU reference reads them
         check_group_ends(offs.tolist(), x.shape[0], f"mxfx::{op}")
 
@@ -85,7 +86,9 @@ def _block_quantize_op(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.
 @_block_quantize_op.register_fake
 def _(x, rule):
     _check_inputs("block_quantize", rule, x=x)
-    return torch.empty_like(x, dtype=_E4M3, memory_format=torch.contiguous_format), _fake_col_major(x, x.shape[0], n_tiles(x.shape[1]))
+    return torch.empty_like(x, dtype=_E4M3, memory_format=torch.contiguous_format), _fake_col_major(
+        x, x.shape[0], n_tiles(x.shape[1])
+    )
 
 
 def _swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,8 +107,10 @@ def _block_swiglu_quantize_op(gate: torch.Tensor, up: torch.Tensor, rule: str) -
 def _(gate, up, rule):
     _check_inputs("block_swiglu_quantize", rule, gate=gate, up=up)
     _check_pair("block_swiglu_quantize", gate, up, "up")
-    return (torch.empty_like(gate, dtype=_E4M3, memory_format=torch.contiguous_format),
-            _fake_col_major(gate, gate.shape[0], n_tiles(gate.shape[1])))
+    return (
+        torch.empty_like(gate, dtype=_E4M3, memory_format=torch.contiguous_format),
+        _fake_col_major(gate, gate.shape[0], n_tiles(gate.shape[1])),
+    )
 
 
 def _quantize_tokens(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,15 +142,20 @@ def _quantize_dual(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tens
 
 
 @torch.library.custom_op("mxfx::block_quantize_dual", mutates_args=())
-def _block_quantize_dual_op(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _block_quantize_dual_op(
+    x: torch.Tensor, rule: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return _quantize_dual(x, rule)
 
 
 @_block_quantize_dual_op.register_fake
 def _(x, rule):
     _check_inputs("block_quantize_dual", rule, x=x)
-    return (torch.empty_like(x, dtype=_E4M3, memory_format=torch.contiguous_format),
-            _fake_col_major(x, x.shape[0], n_tiles(x.shape[1])), *_tokens_fake(x))
+    return (
+        torch.empty_like(x, dtype=_E4M3, memory_format=torch.contiguous_format),
+        _fake_col_major(x, x.shape[0], n_tiles(x.shape[1])),
+        *_tokens_fake(x),
+    )
 
 
 def _quantize_grouped_tokens(x: torch.Tensor, offs: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,7 +166,9 @@ def _quantize_grouped_tokens(x: torch.Tensor, offs: torch.Tensor, rule: str) -> 
 
 
 @torch.library.custom_op("mxfx::block_quantize_grouped_tokens", mutates_args=())
-def _block_quantize_grouped_tokens_op(x: torch.Tensor, offs: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _block_quantize_grouped_tokens_op(
+    x: torch.Tensor, offs: torch.Tensor, rule: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     return _quantize_grouped_tokens(x, offs, rule)
 
 
@@ -178,8 +190,10 @@ def _check_tokens_src(x: torch.Tensor, tokens_src: torch.Tensor, grouped: bool) 
         fits = tokens_src.shape[1] == x.shape[1] and not statically_known_true(tokens_src.shape[0] < x.shape[0])
     if not fits:
         more = "" if grouped else ", or its features with more (zero) rows"
-        raise ValueError(f"mxfx::block_forward_operands: tokens_src of shape {tuple(tokens_src.shape)} must have "
-                         f"x's shape {tuple(x.shape)}{more}")
+        raise ValueError(
+            f"mxfx::block_forward_operands: tokens_src of shape {tuple(tokens_src.shape)} must have "
+            f"x's shape {tuple(x.shape)}{more}"
+        )
 
 
 def _check_forward_operands(x, up, tokens_src, offs, rule, pack) -> None:
@@ -192,8 +206,9 @@ def _check_forward_operands(x, up, tokens_src, offs, rule, pack) -> None:
     if offs is not None:
         _check_offs(op, offs, x)
     if pack and up is None:
-        raise ValueError(f"mxfx::block_forward_operands: pack=True packs the SwiGLU gate and up; got gate {tuple(x.shape)} "
-                         f"and no up")
+        raise ValueError(
+            f"mxfx::block_forward_operands: pack=True packs the SwiGLU gate and up; got gate {tuple(x.shape)} and no up"
+        )
 
 
 def _fused_forward_operands(x, up, tokens_src, offs, rule, pack) -> list | None:
@@ -216,16 +231,25 @@ def _forward_operands_composed(x, up, tokens_src, offs, rule, pack) -> list:
     _check_forward_operands(x, up, tokens_src, offs, rule, pack)
     pairs = [_block_swiglu_quantize_op(x, up, rule) if up is not None else _block_quantize_op(x, rule)]
     if tokens_src is not None:
-        pairs.append(_block_quantize_tokens_op(tokens_src, rule) if offs is None
-                     else _block_quantize_grouped_tokens_op(tokens_src, offs, rule))
+        pairs.append(
+            _block_quantize_tokens_op(tokens_src, rule)
+            if offs is None
+            else _block_quantize_grouped_tokens_op(tokens_src, offs, rule)
+        )
     if pack:
         pairs += [_block_quantize_op(x, rule), _block_quantize_op(up, rule)]
     return [t for pair in pairs for t in pair]
 
 
 @torch.library.custom_op("mxfx::block_forward_operands", mutates_args=())
-def _block_forward_operands_op(x: torch.Tensor, up: torch.Tensor | None, tokens_src: torch.Tensor | None,
-                               offs: torch.Tensor | None, rule: str, pack: bool) -> list[torch.Tensor]:
+def _block_forward_operands_op(
+    x: torch.Tensor,
+    up: torch.Tensor | None,
+    tokens_src: torch.Tensor | None,
+    offs: torch.Tensor | None,
+    rule: str,
+    pack: bool,
+) -> list[torch.Tensor]:
     _check_forward_operands(x, up, tokens_src, offs, rule, pack)
     fused = _fused_forward_operands(x, up, tokens_src, offs, rule, pack)
     return fused if fused is not None else _forward_operands_composed(x, up, tokens_src, offs, rule, pack)
@@ -246,8 +270,9 @@ def _forward_operands_traced(x, up, tokens_src, offs, rule, pack) -> list:
 _fp32_out_refused: list[str] = []  # cuBLAS's refusal of a float32 output, once seen
 
 
-def _mm(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
-        out_dtype: torch.dtype) -> torch.Tensor:
+def _mm(
+    a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
     if not (a.is_cuda and out_dtype == torch.float32):
         return gemm.scaled_mm(a, a_scales, b, b_scales, out_dtype)
     if not _fp32_out_refused:
@@ -255,14 +280,18 @@ def _mm(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torc
             return gemm.scaled_mm(a, a_scales, b, b_scales, out_dtype)
         except RuntimeError as e:
             _fp32_out_refused.append(str(e.__cause__ or e))
-            warnings.warn(f"mxfx::block_mm: cuBLAS refused a float32 output for blockwise FP8 ({_fp32_out_refused[0][:200]}); "
-                          f"weight gradients come out of the GEMM in bf16 and are widened to float32", stacklevel=2)
+            warnings.warn(
+                f"mxfx::block_mm: cuBLAS refused a float32 output for blockwise FP8 ({_fp32_out_refused[0][:200]}); "
+                f"weight gradients come out of the GEMM in bf16 and are widened to float32",
+                stacklevel=2,
+            )
     return gemm.scaled_mm(a, a_scales, b, b_scales, torch.bfloat16).float()
 
 
 @torch.library.custom_op("mxfx::block_mm", mutates_args=())
-def _block_mm_op(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
-                 out_dtype: torch.dtype) -> torch.Tensor:
+def _block_mm_op(
+    a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
     return _mm(a, a_scales, b, b_scales, out_dtype)
 
 
@@ -280,8 +309,14 @@ def _mm_traced(a, a_scales, b, b_scales, out_dtype):
 
 
 @torch.library.custom_op("mxfx::block_grouped_mm", mutates_args=())
-def block_grouped_mm(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
-                     offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def block_grouped_mm(
+    a: torch.Tensor,
+    a_scales: torch.Tensor,
+    b: torch.Tensor,
+    b_scales: torch.Tensor,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
     """:func:`mxfx.kernels.fp8_block.gemm.grouped_mm`, always an opaque op: its Triton launch builds host TMA
     descriptors and autotunes with a pre-hook, which ``wrap_triton`` cannot trace."""
     return gemm.grouped_mm(a, a_scales, b, b_scales, offs, out_dtype)
@@ -293,8 +328,14 @@ def _(a, a_scales, b, b_scales, offs, out_dtype):
 
 
 @torch.library.custom_op("mxfx::block_grouped_wgrad", mutates_args=())
-def block_grouped_wgrad(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
-                        offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def block_grouped_wgrad(
+    a: torch.Tensor,
+    a_scales: torch.Tensor,
+    b: torch.Tensor,
+    b_scales: torch.Tensor,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
     """:func:`mxfx.kernels.fp8_block.gemm.grouped_wgrad` (an opaque op: not on the default policy's hot path)."""
     return gemm.grouped_wgrad(a, a_scales, b, b_scales, offs, out_dtype)
 
@@ -305,8 +346,14 @@ def _(a, a_scales, b, b_scales, offs, out_dtype):
 
 
 @torch.library.custom_op("mxfx::block_mm_into", mutates_args=("out",))
-def block_mm_into(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
-                  out: torch.Tensor, accumulate: bool) -> None:
+def block_mm_into(
+    a: torch.Tensor,
+    a_scales: torch.Tensor,
+    b: torch.Tensor,
+    b_scales: torch.Tensor,
+    out: torch.Tensor,
+    accumulate: bool,
+) -> None:
     """``mxfx::block_mm`` (a wgrad's 1x128-tiled ``[N, T]`` and ``[K, T]``) written into float32 ``out [N, K]``
     (``accumulate=False``) or added to it (``True``): a weight gradient accumulated in the parameter's ``.grad``
     (:mod:`mxfx.runtime.main_grad`). On the CPU by the reference's GEMM itself; on CUDA cuBLAS's blockwise GEMM
@@ -323,8 +370,15 @@ def _(a, a_scales, b, b_scales, out, accumulate):
 
 
 @torch.library.custom_op("mxfx::block_grouped_wgrad_into", mutates_args=("out",))
-def block_grouped_wgrad_into(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
-                             offs: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
+def block_grouped_wgrad_into(
+    a: torch.Tensor,
+    a_scales: torch.Tensor,
+    b: torch.Tensor,
+    b_scales: torch.Tensor,
+    offs: torch.Tensor,
+    out: torch.Tensor,
+    accumulate: bool,
+) -> None:
     """``mxfx::block_grouped_wgrad`` written into float32 ``out [G, N, K]`` or added to it
     (:func:`mxfx.kernels.fp8_block.gemm.grouped_wgrad` with ``out``): by the reference's GEMMs themselves on the CPU;
     on CUDA the Triton kernel's result is added in one more pass until the kernel takes ``out``."""
@@ -338,18 +392,41 @@ def _(a, a_scales, b, b_scales, offs, out, accumulate):
 
 # --- what callers use: the custom op, or its body when traced on CUDA (mxfx.kernels.common.launch) ---------
 
-block_quantize = op_or_body(_block_quantize_op, _quantize, """``x [M, K]`` -> ``(qdata [M, K], scales
-[M, ceil(K/128)])``, 1x128 along K (``mxfx::block_quantize``).""")
-block_swiglu_quantize = op_or_body(_block_swiglu_quantize_op, _swiglu_quantize, """:func:`block_quantize` of
-``silu(gate) * up`` formed in fp32 (``mxfx::block_swiglu_quantize``).""")
-block_quantize_tokens = op_or_body(_block_quantize_tokens_op, _quantize_tokens, """``x [T, K]`` -> ``(qdata [K, T],
-scales [K, ceil(T/128)])``, 1x128 along the tokens (``mxfx::block_quantize_tokens``).""")
-block_quantize_dual = op_or_body(_block_quantize_dual_op, _quantize_dual, """:func:`block_quantize` and
-:func:`block_quantize_tokens` of ``x [T, K]`` from one read (``mxfx::block_quantize_dual``).""")
-block_quantize_grouped_tokens = op_or_body(_block_quantize_grouped_tokens_op, _quantize_grouped_tokens, """``x [S, K]``,
+block_quantize = op_or_body(
+    _block_quantize_op,
+    _quantize,
+    """``x [M, K]`` -> ``(qdata [M, K], scales
+[M, ceil(K/128)])``, 1x128 along K (``mxfx::block_quantize``).""",
+)
+block_swiglu_quantize = op_or_body(
+    _block_swiglu_quantize_op,
+    _swiglu_quantize,
+    """:func:`block_quantize` of
+``silu(gate) * up`` formed in fp32 (``mxfx::block_swiglu_quantize``).""",
+)
+block_quantize_tokens = op_or_body(
+    _block_quantize_tokens_op,
+    _quantize_tokens,
+    """``x [T, K]`` -> ``(qdata [K, T],
+scales [K, ceil(T/128)])``, 1x128 along the tokens (``mxfx::block_quantize_tokens``).""",
+)
+block_quantize_dual = op_or_body(
+    _block_quantize_dual_op,
+    _quantize_dual,
+    """:func:`block_quantize` and
+:func:`block_quantize_tokens` of ``x [T, K]`` from one read (``mxfx::block_quantize_dual``).""",
+)
+block_quantize_grouped_tokens = op_or_body(
+    _block_quantize_grouped_tokens_op,
+    _quantize_grouped_tokens,
+    """``x [S, K]``,
 ``offs`` -> ``(qdata [K, S], scales [K, C])``, 1x128 along each group's tokens
-(``mxfx::block_quantize_grouped_tokens``).""")
-block_forward_operands = op_or_body(_block_forward_operands_op, _forward_operands_traced, """Every fp8_block
+(``mxfx::block_quantize_grouped_tokens``).""",
+)
+block_forward_operands = op_or_body(
+    _block_forward_operands_op,
+    _forward_operands_traced,
+    """Every fp8_block
 quantization a forward makes of one GEMM input, as one op (``mxfx::block_forward_operands``): ``[qdata, scales]``
 of the forward operand (``x``, or ``silu(x) * up`` with ``up``), then, with ``tokens_src``, its token-tiled wgrad
 operand (:func:`block_quantize_tokens`, or with ``offs`` :func:`block_quantize_grouped_tokens`; without ``offs``
@@ -365,9 +442,14 @@ Raises:
     ValueError: a tensor that is not 2D or has no features, ``up`` or ``tokens_src`` not of ``x``'s shape (a dense
         ``tokens_src`` with fewer rows or other features), ``offs``
         not int32 ``[G]`` on x's device (on the CPU also decreasing or past x's rows), an unknown rule, or ``pack``
-        without ``up``.""")
-block_mm = op_or_body(_block_mm_op, _mm_traced, """:func:`mxfx.kernels.fp8_block.gemm.scaled_mm` (``mxfx::block_mm``).
+        without ``up``.""",
+)
+block_mm = op_or_body(
+    _block_mm_op,
+    _mm_traced,
+    """:func:`mxfx.kernels.fp8_block.gemm.scaled_mm` (``mxfx::block_mm``).
 A float32 result (the weight gradient) that a cuBLAS build refuses for blockwise scaling is computed in bf16 and
-widened, with a warning once per process.""")
+widened, with a warning once per process.""",
+)
 
 name_op_functions(globals())

@@ -29,12 +29,16 @@ def quantize_1x128(x: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor, 
     return q, s.reshape(-1, s.shape[-1])
 
 
-def swiglu_quantize_1x128(gate: torch.Tensor, up: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
+def swiglu_quantize_1x128(
+    gate: torch.Tensor, up: torch.Tensor, rule: str = "rceil"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`quantize_1x128` of ``silu(gate) * up`` formed in float32 (mxfx's SiLU)."""
     if triton_available(gate):
         return _triton().swiglu_quantize_1x128(gate, up, rule)
     if gate.shape != up.shape:
-        raise ValueError(f"mxfx.kernels.fp8_block.device_path.swiglu_quantize_1x128: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
+        raise ValueError(
+            f"mxfx.kernels.fp8_block.device_path.swiglu_quantize_1x128: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ"
+        )
     return quantize_1x128(swiglu_fp32(gate, up), rule)
 
 
@@ -63,7 +67,9 @@ def quantize_1x128_colwise(x: torch.Tensor, rule: str = "rceil") -> tuple[torch.
     return bf.quantize_1x128(x.t(), rule=rule)
 
 
-def quantize_1x128_grouped_tokens(x: torch.Tensor, offs: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_1x128_grouped_tokens(
+    x: torch.Tensor, offs: torch.Tensor, rule: str = "rceil"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """1x128 along each group's tokens of ``x [S, K]``: ``(qdata [K, S], scales [K, capacity])``."""
     if triton_available(x):
         return _triton().quantize_1x128_grouped_tokens(x, offs, rule)

@@ -33,7 +33,9 @@ OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def _check_operand(t, s, op, name, scale_shapes):
     if not isinstance(t, torch.Tensor) or t.dtype != torch.float8_e4m3fn:
-        raise TypeError(f"{op}: {name} must be a torch.float8_e4m3fn tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+        raise TypeError(
+            f"{op}: {name} must be a torch.float8_e4m3fn tensor, got {getattr(t, 'dtype', type(t).__name__)}"
+        )
     if not isinstance(s, torch.Tensor) or s.dtype != torch.float32:
         raise TypeError(f"{op}: {name} scales must be a float32 tensor, got {getattr(s, 'dtype', type(s).__name__)}")
     if tuple(s.shape) not in [tuple(x) for x in scale_shapes]:
@@ -49,7 +51,10 @@ def _check_out_dtype(out_dtype, op):
 
 
 def scaled_mm(
-    a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
+    a: torch.Tensor,
+    a_scales: torch.Tensor,
+    b: torch.Tensor,
+    b_scales: torch.Tensor,
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """``A @ B^T`` for fp8_block operands (module docstring): ``[M, K] x [N, K] -> [M, N]`` in ``out_dtype``.
@@ -92,7 +97,11 @@ def _decoded(a, a_scales, b, b_scales) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def grouped_mm(
-    a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor, offs: torch.Tensor,
+    a: torch.Tensor,
+    a_scales: torch.Tensor,
+    b: torch.Tensor,
+    b_scales: torch.Tensor,
+    offs: torch.Tensor,
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """Grouped ``A @ B[g]^T`` for fp8_block operands (module docstring): ``[S, K] x [G, N, K] -> [S, N]``.
@@ -190,10 +199,15 @@ def reference_grouped_mm(a, a_scales, b, b_scales, offs, out_dtype=torch.bfloat1
     return out.to(out_dtype)
 
 
-
 def grouped_wgrad(
-    a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor, offs: torch.Tensor,
-    out_dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None, accumulate: bool = False,
+    a: torch.Tensor,
+    a_scales: torch.Tensor,
+    b: torch.Tensor,
+    b_scales: torch.Tensor,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
+    accumulate: bool = False,
 ) -> torch.Tensor:
     """Grouped wgrad ``dW[g] = A[:, tokens of g] @ B[:, tokens of g]^T``: ``[N, S] x [K, S] -> [G, N, K]``.
 
@@ -221,16 +235,21 @@ def grouped_wgrad(
     _check_operand(b, b_scales, op, "B", [(k, cap)])
     _check_out_dtype(out_dtype, op)
     if offs.dtype != torch.int32 or offs.dim() != 1 or offs.device != a.device or b.device != a.device:
-        raise ValueError(f"{op}: offs must be int32 [G] on {a.device} beside B on {b.device}; got {offs.dtype} "
-                         f"{tuple(offs.shape)} on {offs.device}")
+        raise ValueError(
+            f"{op}: offs must be int32 [G] on {a.device} beside B on {b.device}; got {offs.dtype} "
+            f"{tuple(offs.shape)} on {offs.device}"
+        )
     if out is not None and (out.dtype != torch.float32 or tuple(out.shape) != (g, n, k) or out.device != a.device):
-        raise ValueError(f"{op}: out must be float32 {(g, n, k)} on {a.device} (the gradient [G, N, K] it writes), got "
-                         f"{out.dtype} {tuple(out.shape)} on {out.device}")
+        raise ValueError(
+            f"{op}: out must be float32 {(g, n, k)} on {a.device} (the gradient [G, N, K] it writes), got "
+            f"{out.dtype} {tuple(out.shape)} on {out.device}"
+        )
     if triton_available(a):
         from mxfx.kernels.fp8_block import grouped_gemm_triton
 
-        result = grouped_gemm_triton.grouped_wgrad(a, a_scales, b, b_scales, offs,
-                                                   out_dtype if out is None else out.dtype)
+        result = grouped_gemm_triton.grouped_wgrad(
+            a, a_scales, b, b_scales, offs, out_dtype if out is None else out.dtype
+        )
         if out is None:
             return result
         accumulate_into(out, result, accumulate)
@@ -238,12 +257,16 @@ def grouped_wgrad(
     return reference_grouped_wgrad(a, a_scales, b, b_scales, offs, out_dtype, out, accumulate)
 
 
-def reference_grouped_wgrad(a, a_scales, b, b_scales, offs, out_dtype=torch.float32, out=None,
-                            accumulate=False) -> torch.Tensor:
+def reference_grouped_wgrad(
+    a, a_scales, b, b_scales, offs, out_dtype=torch.float32, out=None, accumulate=False
+) -> torch.Tensor:
     """The reference decode of :func:`grouped_wgrad`: exact float32 operands per group, one float32 GEMM each,
     writing (or adding into) ``out`` when given."""
-    into = out if out is not None else torch.empty((offs.numel(), a.shape[0], b.shape[0]), dtype=torch.float32,
-                                                   device=a.device)
+    into = (
+        out
+        if out is not None
+        else torch.empty((offs.numel(), a.shape[0], b.shape[0]), dtype=torch.float32, device=a.device)
+    )
     starts = group_tile_starts(offs).tolist()
     start = 0
     for gi, end in enumerate(offs.tolist()):

@@ -39,7 +39,11 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -63,9 +67,19 @@ LOAD_REGS = gl.constexpr(40)
 
 
 @triton.jit
-def _schedule_kernel(offs_ptr, table_ptr, S, N, G, max_tiles,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BAND: tl.constexpr, G_PAD: tl.constexpr,
-                     CHUNK: tl.constexpr):
+def _schedule_kernel(
+    offs_ptr,
+    table_ptr,
+    S,
+    N,
+    G,
+    max_tiles,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BAND: tl.constexpr,
+    G_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     """Program g (of G + 1) writes the entries ``(g, first row, first column, group end)`` of group g's tiles
     (g == G: the rows past ``offs[-1]``) at their global numbers; program G also marks the entries past the last
     tile (group -1). Tiles of a group in bands of ``BAND`` row blocks, row blocks fastest in a band."""
@@ -107,13 +121,18 @@ def _tile(table_ptr, t, max_tiles):
     past the last tile."""
     entry = table_ptr + t.to(gl.int64) * 4
     live = t < max_tiles
-    return (gl.load(entry, mask=live, other=-1), gl.load(entry + 1, mask=live, other=0),
-            gl.load(entry + 2, mask=live, other=0), gl.load(entry + 3, mask=live, other=0))
+    return (
+        gl.load(entry, mask=live, other=-1),
+        gl.load(entry + 1, mask=live, other=0),
+        gl.load(entry + 2, mask=live, other=0),
+        gl.load(entry + 3, mask=live, other=0),
+    )
 
 
 @gluon.jit
-def _load_partition(a_desc, b_desc, a0_bufs, a1_bufs, b_bufs, ready, empty, table_ptr, max_tiles, N, K, G,
-                    STAGES: gl.constexpr):
+def _load_partition(
+    a_desc, b_desc, a0_bufs, a1_bufs, b_bufs, ready, empty, table_ptr, max_tiles, N, K, G, STAGES: gl.constexpr
+):
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     ROWS: gl.constexpr = a_desc.block_type.shape[0]
     pid = gl.program_id(0)
@@ -140,8 +159,7 @@ def _load_partition(a_desc, b_desc, a0_bufs, a1_bufs, b_bufs, ready, empty, tabl
 
 
 @gluon.jit
-def _steps(a_bufs, b_bufs, ready, empty, as_ptrs, bs_ptrs, row_ok, s_ask, s_bsk, steps, it, zero,
-           STAGES: gl.constexpr):
+def _steps(a_bufs, b_bufs, ready, empty, as_ptrs, bs_ptrs, row_ok, s_ask, s_bsk, steps, it, zero, STAGES: gl.constexpr):
     """One tile's K steps, each ``wgmma`` waited for before its promotion (the other warpgroup's runs meanwhile),
     each step's scales loaded one step ahead: the FP32 accumulator and the ring position after them."""
     acc = zero
@@ -149,8 +167,9 @@ def _steps(a_bufs, b_bufs, ready, empty, as_ptrs, bs_ptrs, row_ok, s_ask, s_bsk,
     for kb in range(0, steps):
         s = it % STAGES
         ahead = kb + 1 < steps
-        scale_next = (gl.load(as_ptrs + (kb + 1) * s_ask, mask=row_ok & ahead, other=0.0)
-                      * gl.load(bs_ptrs + (kb + 1) * s_bsk, mask=ahead, other=0.0))
+        scale_next = gl.load(as_ptrs + (kb + 1) * s_ask, mask=row_ok & ahead, other=0.0) * gl.load(
+            bs_ptrs + (kb + 1) * s_bsk, mask=ahead, other=0.0
+        )
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
         partial = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
         partial = warpgroup_mma_wait(num_outstanding=0, deps=(partial,))
@@ -162,8 +181,19 @@ def _steps(a_bufs, b_bufs, ready, empty, as_ptrs, bs_ptrs, row_ok, s_ask, s_bsk,
 
 
 @gluon.jit
-def _math_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, operands,
-                    WG: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EPI_TMA: gl.constexpr):
+def _math_partition(
+    a_bufs,
+    b_bufs,
+    ready,
+    empty,
+    c_desc,
+    c_smem,
+    operands,
+    WG: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    EPI_TMA: gl.constexpr,
+):
     as_ptr, bs_ptr, table_ptr, c_ptr, max_tiles, N, K, G, s_asm, s_ask, s_bsg, s_bsn, s_bsk, s_cm, s_cn = operands
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     ROWS: gl.constexpr = a_bufs.type.shape[1]
@@ -187,8 +217,7 @@ def _math_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, operands,
         row_ok = rows < end
         as_ptrs = as_ptr + rows.to(gl.int64) * s_asm
         bs_ptrs = bs_ptr + g.to(gl.int64) * s_bsg + (n0 // 128) * s_bsn
-        acc, it = _steps(a_bufs, b_bufs, ready, empty, as_ptrs, bs_ptrs, row_ok, s_ask, s_bsk, steps, it, zero,
-                         STAGES)
+        acc, it = _steps(a_bufs, b_bufs, ready, empty, as_ptrs, bs_ptrs, row_ok, s_ask, s_bsk, steps, it, zero, STAGES)
         if EPI_TMA and (row0 + ROWS <= end) and (n0 + BLOCK_N <= N):
             # a whole block of this group: through shared memory, stored by TMA while the next tile runs
             tma.store_wait(0)  # the previous block has left c_smem
@@ -206,9 +235,29 @@ def _math_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, operands,
 
 
 @gluon.jit(do_not_specialize=("max_tiles", "G", "s_asm", "s_ask", "s_bsg", "s_bsn", "s_bsk"))
-def _grouped_kernel(a_desc, b_desc, c_desc, as_ptr, bs_ptr, table_ptr, c_ptr, max_tiles, N, K, G,
-                    s_asm, s_ask, s_bsg, s_bsn, s_bsk, s_cm, s_cn,
-                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EPI_TMA: gl.constexpr):
+def _grouped_kernel(
+    a_desc,
+    b_desc,
+    c_desc,
+    as_ptr,
+    bs_ptr,
+    table_ptr,
+    c_ptr,
+    max_tiles,
+    N,
+    K,
+    G,
+    s_asm,
+    s_ask,
+    s_bsg,
+    s_bsn,
+    s_bsk,
+    s_cm,
+    s_cn,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    EPI_TMA: gl.constexpr,
+):
     ROWS: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     gl.static_assert(ROWS == 64, "each math warpgroup owns 64 rows")
@@ -225,12 +274,18 @@ def _grouped_kernel(a_desc, b_desc, c_desc, as_ptr, bs_ptr, table_ptr, c_ptr, ma
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # one arrival per math warpgroup
     operands = (as_ptr, bs_ptr, table_ptr, c_ptr, max_tiles, N, K, G, s_asm, s_ask, s_bsg, s_bsn, s_bsk, s_cm, s_cn)
-    gl.warp_specialize([
-        (_math_partition, (a0_bufs, b_bufs, ready, empty, c_desc, c0_smem, operands, 0, BLOCK_N, STAGES, EPI_TMA)),
-        (_math_partition, (a1_bufs, b_bufs, ready, empty, c_desc, c1_smem, operands, 1, BLOCK_N, STAGES, EPI_TMA)),
-        (_load_partition, (a_desc, b_desc, a0_bufs, a1_bufs, b_bufs, ready, empty, table_ptr, max_tiles, N, K, G,
-                           STAGES)),
-    ], [4, 1], [MATH_REGS, LOAD_REGS])
+    gl.warp_specialize(
+        [
+            (_math_partition, (a0_bufs, b_bufs, ready, empty, c_desc, c0_smem, operands, 0, BLOCK_N, STAGES, EPI_TMA)),
+            (_math_partition, (a1_bufs, b_bufs, ready, empty, c_desc, c1_smem, operands, 1, BLOCK_N, STAGES, EPI_TMA)),
+            (
+                _load_partition,
+                (a_desc, b_desc, a0_bufs, a1_bufs, b_bufs, ready, empty, table_ptr, max_tiles, N, K, G, STAGES),
+            ),
+        ],
+        [4, 1],
+        [MATH_REGS, LOAD_REGS],
+    )
 
 
 CONFIG = {"BLOCK_N": 128, "BAND": 4, "EPI_TMA": True}
@@ -261,15 +316,25 @@ def triton_tested() -> bool:
 def serves(device: torch.device, k: int, n: int, out_dtype: torch.dtype) -> bool:
     """Whether the kernel serves a GEMM of reduction length ``k`` and ``n`` output columns on ``device``: an sm90
     GPU, a tested Triton, K a multiple of 16 and output rows of whole 16 bytes (TMA boxes)."""
-    return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9 and triton_tested()
-            and k % 16 == 0 and n * out_dtype.itemsize % 16 == 0)
+    return (
+        device.type == "cuda"
+        and torch.cuda.get_device_capability(device)[0] == 9
+        and triton_tested()
+        and k % 16 == 0
+        and n * out_dtype.itemsize % 16 == 0
+    )
 
 
 def supported(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> bool:
     """Whether :func:`grouped_mm` serves these operands: :func:`serves` their shapes, and A ``[S, K]`` and B
     ``[G, N, K]`` contiguous with 16-byte aligned bases."""
-    return (serves(a.device, a.shape[1], b.shape[1], out_dtype) and a.is_contiguous() and b.is_contiguous()
-            and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0)
+    return (
+        serves(a.device, a.shape[1], b.shape[1], out_dtype)
+        and a.is_contiguous()
+        and b.is_contiguous()
+        and a.data_ptr() % 16 == 0
+        and b.data_ptr() % 16 == 0
+    )
 
 
 _GL_TYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
@@ -297,12 +362,35 @@ def launch_args(a, a_scales, b, b_scales, offs, out, config=None):
     sms = _num_sms(a.device.index if a.device.index is not None else torch.cuda.current_device()) if a.is_cuda else 132
     max_tiles = (triton.cdiv(S, 2 * WG_ROWS) + G) * triton.cdiv(N, block_n)  # an upper bound, no sync
     table = torch.empty((max_tiles, 4), dtype=torch.int32, device=a.device)
-    schedule = ((G + 1,), (offs, table, S, N, G, max_tiles),
-                dict(BLOCK_M=2 * WG_ROWS, BLOCK_N=block_n, BAND=cfg.pop("BAND"),
-                     G_PAD=triton.next_power_of_2(G + 1), CHUNK=SCHEDULE_CHUNK, num_warps=4))
+    schedule = (
+        (G + 1,),
+        (offs, table, S, N, G, max_tiles),
+        dict(
+            BLOCK_M=2 * WG_ROWS,
+            BLOCK_N=block_n,
+            BAND=cfg.pop("BAND"),
+            G_PAD=triton.next_power_of_2(G + 1),
+            CHUNK=SCHEDULE_CHUNK,
+            num_warps=4,
+        ),
+    )
     grid = (max(1, min(sms, max_tiles)),)
-    args = (a_desc, b_desc, c_desc, a_scales, b_scales, table, out, max_tiles, N, K, G,
-            *a_scales.stride(), *b_scales.stride(), *out.stride())
+    args = (
+        a_desc,
+        b_desc,
+        c_desc,
+        a_scales,
+        b_scales,
+        table,
+        out,
+        max_tiles,
+        N,
+        K,
+        G,
+        *a_scales.stride(),
+        *b_scales.stride(),
+        *out.stride(),
+    )
     kwargs = dict(cfg, num_warps=4, maxnreg=(2 * MATH_REGS.value + LOAD_REGS.value) // 3)
     return (grid, args, kwargs), schedule
 

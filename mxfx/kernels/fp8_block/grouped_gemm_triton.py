@@ -54,8 +54,12 @@ def _descriptor_blocks(nargs: dict) -> None:
 
 
 CONFIGS = [
-    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "PROGRAMS_PER_SM": per_sm}, num_stages=stages, num_warps=warps,
-                  pre_hook=_descriptor_blocks)
+    triton.Config(
+        {"BLOCK_M": bm, "BLOCK_N": bn, "PROGRAMS_PER_SM": per_sm},
+        num_stages=stages,
+        num_warps=warps,
+        pre_hook=_descriptor_blocks,
+    )
     for bm, bn, stages, warps, per_sm in (
         (128, 128, 4, 8, 1),
         (128, 128, 3, 8, 1),
@@ -73,12 +77,35 @@ are not in the key (they change every step). Measured tiles and variants: docs/k
 
 
 def _grouped_body(
-    a_ptr, a_desc, as_ptr, b_ptr, b_desc, bs_ptr, offs_ptr, c_ptr,
-    S, N, K, G,
-    s_am, s_ak, s_asm, s_ask,
-    s_bg, s_bn, s_bk, s_bsg, s_bsn, s_bsk,
-    s_cm, s_cn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
+    a_ptr,
+    a_desc,
+    as_ptr,
+    b_ptr,
+    b_desc,
+    bs_ptr,
+    offs_ptr,
+    c_ptr,
+    S,
+    N,
+    K,
+    G,
+    s_am,
+    s_ak,
+    s_asm,
+    s_ask,
+    s_bg,
+    s_bn,
+    s_bk,
+    s_bsg,
+    s_bsn,
+    s_bsk,
+    s_cm,
+    s_cn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    TMA: tl.constexpr,
     PROGRAMS_PER_SM: tl.constexpr,  # read by the launch grid only
 ):
     tl.static_assert(128 % BLOCK_N == 0, "a tile must lie inside one 128-column weight block")
@@ -158,8 +185,15 @@ def _tuning_kernel(device_index: int) -> str:
 
 
 def grouped_mm(
-    a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor, offs: torch.Tensor,
-    out_dtype: torch.dtype = torch.bfloat16, *, tune: bool = True, config: dict | None = None,
+    a: torch.Tensor,
+    a_scales: torch.Tensor,
+    b: torch.Tensor,
+    b_scales: torch.Tensor,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    *,
+    tune: bool = True,
+    config: dict | None = None,
 ) -> torch.Tensor:
     """Launch the grouped kernel (module docstring); arguments as :func:`mxfx.kernels.fp8_block.gemm.grouped_mm`
     after its checks. Tuned: the config recorded for this key (:mod:`mxfx.kernels.common.tuning`, across
@@ -178,8 +212,23 @@ def grouped_mm(
     a_desc = TensorDescriptor.from_tensor(a, [16, TILE]) if tma else None
     b_desc = TensorDescriptor.from_tensor(b.view(G * N, K), [16, TILE]) if tma else None
     args = (
-        a, a_desc, a_scales, b, b_desc, b_scales, offs, out, S, N, K, G,
-        *a.stride(), *a_scales.stride(), *b.stride(), *b_scales.stride(), *out.stride(),
+        a,
+        a_desc,
+        a_scales,
+        b,
+        b_desc,
+        b_scales,
+        offs,
+        out,
+        S,
+        N,
+        K,
+        G,
+        *a.stride(),
+        *a_scales.stride(),
+        *b.stride(),
+        *b_scales.stride(),
+        *out.stride(),
     )
     even_k = K % TILE == 0
 
@@ -218,10 +267,29 @@ WGRAD_CONFIG = (128, 128, 3, 8)
 
 @triton.jit
 def _grouped_wgrad_kernel(
-    a_ptr, as_ptr, b_ptr, bs_ptr, offs_ptr, c_ptr,
-    N, K, G,
-    s_an, s_at, s_asn, s_ass, s_bk, s_bt, s_bsk, s_bss, s_cg, s_cn, s_ck,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+    a_ptr,
+    as_ptr,
+    b_ptr,
+    bs_ptr,
+    offs_ptr,
+    c_ptr,
+    N,
+    K,
+    G,
+    s_an,
+    s_at,
+    s_asn,
+    s_ass,
+    s_bk,
+    s_bt,
+    s_bsk,
+    s_bss,
+    s_cg,
+    s_cn,
+    s_ck,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
     """``C[g] = A[:, tokens of g] @ B[:, tokens of g]^T``: A ``[N, S]``, B ``[K, S]`` E4M3 with 1x128 scales per
     group token tile (slot ``tile_start[g] + j``), one program per (output tile, group)."""
@@ -246,8 +314,12 @@ def _grouped_wgrad_kernel(
     for j in range(0, tl.cdiv(end - start, BLOCK_T)):
         tok = start + j * BLOCK_T + ts
         t_ok = tok < end
-        a = tl.load(a_ptr + ns[:, None].to(tl.int64) * s_an + tok[None, :] * s_at, mask=n_ok[:, None] & t_ok[None, :], other=0.0)
-        b = tl.load(b_ptr + ks[:, None].to(tl.int64) * s_bk + tok[None, :] * s_bt, mask=k_ok[:, None] & t_ok[None, :], other=0.0)
+        a = tl.load(
+            a_ptr + ns[:, None].to(tl.int64) * s_an + tok[None, :] * s_at, mask=n_ok[:, None] & t_ok[None, :], other=0.0
+        )
+        b = tl.load(
+            b_ptr + ks[:, None].to(tl.int64) * s_bk + tok[None, :] * s_bt, mask=k_ok[:, None] & t_ok[None, :], other=0.0
+        )
         partial = tl.dot(a, tl.trans(b), out_dtype=tl.float32)
         sa = tl.load(as_ptr + ns * s_asn + (slot0 + j) * s_ass, mask=n_ok, other=0.0)
         sb = tl.load(bs_ptr + ks * s_bsk + (slot0 + j) * s_bss, mask=k_ok, other=0.0)
@@ -257,8 +329,14 @@ def _grouped_wgrad_kernel(
 
 
 def grouped_wgrad(
-    a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor, offs: torch.Tensor,
-    out_dtype: torch.dtype = torch.float32, *, config: tuple | None = None,
+    a: torch.Tensor,
+    a_scales: torch.Tensor,
+    b: torch.Tensor,
+    b_scales: torch.Tensor,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype = torch.float32,
+    *,
+    config: tuple | None = None,
 ) -> torch.Tensor:
     """Launch the grouped wgrad kernel; arguments as :func:`mxfx.kernels.fp8_block.gemm.grouped_wgrad` after its checks."""
     n, _ = a.shape
@@ -271,8 +349,24 @@ def grouped_wgrad(
     bn, bk, stages, warps = config or ((32, 64, 1, 4) if interpret else WGRAD_CONFIG)
     grid = (triton.cdiv(n, bn) * triton.cdiv(k, bk), g)
     _grouped_wgrad_kernel[grid](
-        a, a_scales, b, b_scales, offs, out, n, k, g,
-        *a.stride(), *a_scales.stride(), *b.stride(), *b_scales.stride(), *out.stride(),
-        BLOCK_N=bn, BLOCK_K=bk, BLOCK_T=TILE, num_stages=stages, num_warps=warps,
+        a,
+        a_scales,
+        b,
+        b_scales,
+        offs,
+        out,
+        n,
+        k,
+        g,
+        *a.stride(),
+        *a_scales.stride(),
+        *b.stride(),
+        *b_scales.stride(),
+        *out.stride(),
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        BLOCK_T=TILE,
+        num_stages=stages,
+        num_warps=warps,
     )
     return out

@@ -17,8 +17,18 @@ import triton.language as tl
 
 from mxfx.kernels.common import quant_stats as common
 from mxfx.kernels.common.launch import launch
-from mxfx.kernels.common.quant_stats import (exponent_stats, load_values, magnitude_bits, merge, no_stats, offsets,
-                                             saturated_payload, store_partials, tile_origin, value_stats)
+from mxfx.kernels.common.quant_stats import (
+    exponent_stats,
+    load_values,
+    magnitude_bits,
+    merge,
+    no_stats,
+    offsets,
+    saturated_payload,
+    store_partials,
+    tile_origin,
+    value_stats,
+)
 from mxfx.numerics.block import TILE, n_tiles
 
 CONFIG = (32, 128, 4)
@@ -27,11 +37,43 @@ CONFIG = (32, 128, 4)
 
 @triton.jit
 def _block_stats_kernel(
-    a_ptr, sab, sar, sac, b_ptr, sbb, sbr, sbc, w_ptr, swb, swr, swc,
-    q_ptr, sqb, sqr, sqc, s_ptr, ssb, ssr, ssc, map_ptr, part_ptr, hist_ptr,
-    R, C, n_r_tiles, n_c_tiles, n_tiles, per_prog, hist_min,
-    COMBINE: tl.constexpr, COL_MAP: tl.constexpr, Q_MAPPED: tl.constexpr, SR: tl.constexpr,
-    HIST_BINS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+    a_ptr,
+    sab,
+    sar,
+    sac,
+    b_ptr,
+    sbb,
+    sbr,
+    sbc,
+    w_ptr,
+    swb,
+    swr,
+    swc,
+    q_ptr,
+    sqb,
+    sqr,
+    sqc,
+    s_ptr,
+    ssb,
+    ssr,
+    ssc,
+    map_ptr,
+    part_ptr,
+    hist_ptr,
+    R,
+    C,
+    n_r_tiles,
+    n_c_tiles,
+    n_tiles,
+    per_prog,
+    hist_min,
+    COMBINE: tl.constexpr,
+    COL_MAP: tl.constexpr,
+    Q_MAPPED: tl.constexpr,
+    SR: tl.constexpr,
+    HIST_BINS: tl.constexpr,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
 ):
     NB: tl.constexpr = BC // 128
     UNIT: tl.constexpr = SR if SR > BR else BR  # rows of one loop step
@@ -63,9 +105,13 @@ def _block_stats_kernel(
         for j in range(0, UNIT // BR):
             rows = r0 + j * BR + ar
             counted = (rows < r_end)[:, None] & in_cols[None, :]
-            x = load_values(a_ptr + offsets(b, rows, src, sab, sar, sac),
-                            b_ptr + offsets(b, rows, src, sbb, sbr, sbc),
-                            w_ptr + offsets(b, rows, src, swb, swr, swc), counted, COMBINE)
+            x = load_values(
+                a_ptr + offsets(b, rows, src, sab, sar, sac),
+                b_ptr + offsets(b, rows, src, sbb, sbr, sbc),
+                w_ptr + offsets(b, rows, src, swb, swr, swc),
+                counted,
+                COMBINE,
+            )
             row_blk = tl.max(tl.reshape(magnitude_bits(x), [BR, NB, 128]), axis=2)  # NaN, Inf above every finite
             if SR > 1:
                 blk = tl.maximum(blk, tl.max(row_blk, axis=0, keep_dims=True))
@@ -84,9 +130,18 @@ def _block_stats_kernel(
     store_partials(part_ptr, hist_ptr, pid, part, hist, dead, HIST_BINS)
 
 
-def stats_vector(a: torch.Tensor, b: torch.Tensor | None, w: torch.Tensor | None, qdata: torch.Tensor,
-                 scales: torch.Tensor, rows_per_scale: int = 1, col_map: torch.Tensor | None = None,
-                 q_mapped: bool = False, hist_min: int = -128, hist_bins: int = 256) -> torch.Tensor:
+def stats_vector(
+    a: torch.Tensor,
+    b: torch.Tensor | None,
+    w: torch.Tensor | None,
+    qdata: torch.Tensor,
+    scales: torch.Tensor,
+    rows_per_scale: int = 1,
+    col_map: torch.Tensor | None = None,
+    q_mapped: bool = False,
+    hist_min: int = -128,
+    hist_bins: int = 256,
+) -> torch.Tensor:
     """One sample vector (float64 ``[11 + hist_bins]``, :mod:`mxfx.kernels.common.quant_stats`) of an fp8_block
     operand, from one statistics launch and the finishing one; no host sync.
 
@@ -112,9 +167,12 @@ def stats_vector(a: torch.Tensor, b: torch.Tensor | None, w: torch.Tensor | None
     C = int(col_map.numel() if col_map is not None else a.shape[-1])
     common.check_region(a, (b, w), (qdata,), a.shape[-1] if q_mapped else C, op)
     if scales.shape[:-1] != (*a.shape[:-2], n_tiles(a.shape[-2]) if rows_per_scale > 1 else a.shape[-2]) or (
-            scales.shape[-1] < n_tiles(C)):
-        raise ValueError(f"{op}: scales {tuple(scales.shape)} are not those of {rows_per_scale}x{TILE} blocks of a "
-                         f"region {tuple(a.shape[:-1])} x {C}")
+        scales.shape[-1] < n_tiles(C)
+    ):
+        raise ValueError(
+            f"{op}: scales {tuple(scales.shape)} are not those of {rows_per_scale}x{TILE} blocks of a "
+            f"region {tuple(a.shape[:-1])} x {C}"
+        )
     B, R = (a.shape[0] if a.dim() == 3 else 1), a.shape[-2]
     sources = (*common.region_args(a, a), *common.region_args(b, a), *common.region_args(w, a))
     br, bc, warps = CONFIG
@@ -122,9 +180,29 @@ def stats_vector(a: torch.Tensor, b: torch.Tensor | None, w: torch.Tensor | None
     steps = B * n_r * n_c
     p, per_prog = common.programs(steps)
     partials, hist = common.workspace(p, hist_bins, a.device)
-    launch(_block_stats_kernel, (p,), *sources, *common.region_args(qdata.view(torch.uint8), a),
-           *common.region_args(scales, a), col_map if col_map is not None else a, partials, hist, R, C, n_r, n_c,
-           steps, per_prog, hist_min,
-           COMBINE=common.combine_code(b, w), COL_MAP=col_map is not None, Q_MAPPED=q_mapped, SR=rows_per_scale,
-           HIST_BINS=hist_bins, BR=br, BC=bc, num_warps=warps)
+    launch(
+        _block_stats_kernel,
+        (p,),
+        *sources,
+        *common.region_args(qdata.view(torch.uint8), a),
+        *common.region_args(scales, a),
+        col_map if col_map is not None else a,
+        partials,
+        hist,
+        R,
+        C,
+        n_r,
+        n_c,
+        steps,
+        per_prog,
+        hist_min,
+        COMBINE=common.combine_code(b, w),
+        COL_MAP=col_map is not None,
+        Q_MAPPED=q_mapped,
+        SR=rows_per_scale,
+        HIST_BINS=hist_bins,
+        BR=br,
+        BC=bc,
+        num_warps=warps,
+    )
     return common.finish(partials, hist)

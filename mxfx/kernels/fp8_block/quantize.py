@@ -87,11 +87,29 @@ def _col_tiles(v, RCEIL: tl.constexpr):
 
 
 def _quantize_kernel(
-    x_ptr, u_ptr, q_ptr, s_ptr, offs_ptr,
-    R, C, G,
-    sxb, sxr, sxc, sqb, sqr, sqc, ssb, ssr, ssc,
-    AXIS: tl.constexpr, RCEIL: tl.constexpr, SWIGLU: tl.constexpr, GROUPED: tl.constexpr,
-    BR: tl.constexpr, BC: tl.constexpr,
+    x_ptr,
+    u_ptr,
+    q_ptr,
+    s_ptr,
+    offs_ptr,
+    R,
+    C,
+    G,
+    sxb,
+    sxr,
+    sxc,
+    sqb,
+    sqr,
+    sqc,
+    ssb,
+    ssr,
+    ssc,
+    AXIS: tl.constexpr,
+    RCEIL: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    GROUPED: tl.constexpr,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
 ):
     b = tl.program_id(2)
     if GROUPED:  # program 0-index = scale slot; find the group whose token tiles hold it (no host sync)
@@ -146,9 +164,22 @@ _quantize_kernel = triton.jit(_quantize_kernel)  # the activation quantizes: spe
 
 @triton.jit
 def _swiglu_save_kernel(
-    g_ptr, u_ptr, q_ptr, s_ptr, gq_ptr, gs_ptr, uq_ptr, us_ptr,
-    R, C, sxr, sxc, ssr, ssc,
-    RCEIL: tl.constexpr, BR: tl.constexpr,
+    g_ptr,
+    u_ptr,
+    q_ptr,
+    s_ptr,
+    gq_ptr,
+    gs_ptr,
+    uq_ptr,
+    us_ptr,
+    R,
+    C,
+    sxr,
+    sxc,
+    ssr,
+    ssc,
+    RCEIL: tl.constexpr,
+    BR: tl.constexpr,
 ):
     """1x128 rows of ``silu(gate) * up``, of gate and of up from one read: qdata ``[R, C]`` contiguous, scales
     ``[R, ceil(C/128)]`` through ``(ssr, ssc)``, the same layout for all three."""
@@ -174,8 +205,19 @@ def _swiglu_save_kernel(
 
 @triton.jit
 def _dual_kernel(
-    x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr,
-    T, K, sxr, sxc, ssr, ssc, sstr, sstc,
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    qt_ptr,
+    st_ptr,
+    T,
+    K,
+    sxr,
+    sxc,
+    ssr,
+    ssc,
+    sstr,
+    sstc,
     RCEIL: tl.constexpr,
 ):
     """Both 1x128 tilings of a ``[128 tokens, 128 features]`` tile of ``x [T, K]`` from one read: along K into
@@ -184,7 +226,9 @@ def _dual_kernel(
     rows = tl.program_id(0) * 128 + tl.arange(0, 128)
     cols = tl.program_id(1) * 128 + tl.arange(0, 128)
     ok = (rows[:, None] < T) & (cols[None, :] < K)
-    v = tl.load(x_ptr + rows[:, None].to(tl.int64) * sxr + cols[None, :].to(tl.int64) * sxc, mask=ok, other=0.0).to(tl.float32)
+    v = tl.load(x_ptr + rows[:, None].to(tl.int64) * sxr + cols[None, :].to(tl.int64) * sxc, mask=ok, other=0.0).to(
+        tl.float32
+    )
     qbits, s = _row_tiles(v, RCEIL)
     tl.store(q_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], qbits, mask=ok)
     tl.store(s_ptr + rows.to(tl.int64) * ssr + tl.program_id(1) * ssc, s, mask=rows < T)
@@ -219,8 +263,10 @@ def _new_rows_pair(m: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Fresh ``(qdata uint8 [M, K], scale storage float32 [ceil(K/128), M])``: the kernels write the bytes and the
     storage; callers return ``q.view(e4m3)`` and ``s.t()`` (column-major ``[M, ceil(K/128)]``), views made after the
     launch so that a traced launch mutates whole tensors."""
-    return (torch.empty((m, k), dtype=torch.uint8, device=device),
-            torch.empty((n_tiles(k), m), dtype=torch.float32, device=device))
+    return (
+        torch.empty((m, k), dtype=torch.uint8, device=device),
+        torch.empty((n_tiles(k), m), dtype=torch.float32, device=device),
+    )
 
 
 def _rowwise(x: torch.Tensor, up: torch.Tensor | None, rule: str, op: str):
@@ -232,8 +278,31 @@ def _rowwise(x: torch.Tensor, up: torch.Tensor | None, rule: str, op: str):
     if m * k > 0:
         grid = (triton.cdiv(m, ROWWISE_ROWS), n_tiles(k), 1)
         launch(
-            _quantize_kernel, grid, x2, x2 if u2 is None else u2, q, s, s, m, k, 0, 0, *x2.stride(), 0, k, 1, 0, 1, m,
-            AXIS=_AXIS_ROW, RCEIL=rceil, SWIGLU=u2 is not None, GROUPED=False, BR=ROWWISE_ROWS, BC=TILE, num_warps=4,
+            _quantize_kernel,
+            grid,
+            x2,
+            x2 if u2 is None else u2,
+            q,
+            s,
+            s,
+            m,
+            k,
+            0,
+            0,
+            *x2.stride(),
+            0,
+            k,
+            1,
+            0,
+            1,
+            m,
+            AXIS=_AXIS_ROW,
+            RCEIL=rceil,
+            SWIGLU=u2 is not None,
+            GROUPED=False,
+            BR=ROWWISE_ROWS,
+            BC=TILE,
+            num_warps=4,
         )
     return q.view(torch.float8_e4m3fn).view(shape), s.t()
 
@@ -255,7 +324,9 @@ def quantize_1x128(x: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor, 
     return _rowwise(x, None, rule, op)
 
 
-def swiglu_quantize_1x128(gate: torch.Tensor, up: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
+def swiglu_quantize_1x128(
+    gate: torch.Tensor, up: torch.Tensor, rule: str = "rceil"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize_1x128(silu(gate) * up)`` in one pass, the product formed in FP32 (mxfx's SiLU)."""
     op = "mxfx.block_quantize.swiglu_quantize_1x128"
     _check_pair(gate, up, op)
@@ -274,8 +345,21 @@ def swiglu_quantize_1x128_save(gate: torch.Tensor, up: torch.Tensor, rule: str =
     m, k = g2.shape
     out = [t for _ in range(3) for t in _new_rows_pair(m, k, gate.device)]
     if m * k > 0:
-        launch(_swiglu_save_kernel, (triton.cdiv(m, ROWWISE_ROWS), n_tiles(k)), g2, u2, *out, m, k, *g2.stride(), 1, m,
-               RCEIL=rceil, BR=ROWWISE_ROWS, num_warps=4)
+        launch(
+            _swiglu_save_kernel,
+            (triton.cdiv(m, ROWWISE_ROWS), n_tiles(k)),
+            g2,
+            u2,
+            *out,
+            m,
+            k,
+            *g2.stride(),
+            1,
+            m,
+            RCEIL=rceil,
+            BR=ROWWISE_ROWS,
+            num_warps=4,
+        )
     return tuple(t.view(torch.float8_e4m3fn) if i % 2 == 0 else t.t() for i, t in enumerate(out))
 
 
@@ -296,8 +380,24 @@ def quantize_1x128_dual(x: torch.Tensor, rule: str = "rceil") -> tuple[torch.Ten
     q, s = _new_rows_pair(t, k, x.device)
     qt, st = _new_rows_pair(k, t, x.device)
     if t * k > 0:
-        launch(_dual_kernel, (n_tiles(t), n_tiles(k)), x, q, s, qt, st, t, k, *x.stride(), 1, t, 1, k,
-               RCEIL=rceil, num_warps=8)
+        launch(
+            _dual_kernel,
+            (n_tiles(t), n_tiles(k)),
+            x,
+            q,
+            s,
+            qt,
+            st,
+            t,
+            k,
+            *x.stride(),
+            1,
+            t,
+            1,
+            k,
+            RCEIL=rceil,
+            num_warps=8,
+        )
     return q.view(torch.float8_e4m3fn), s.t(), qt.view(torch.float8_e4m3fn), st.t()
 
 
@@ -310,13 +410,38 @@ def quantize_1x128_colwise(x: torch.Tensor, rule: str = "rceil") -> tuple[torch.
         grid = (n_tiles(t), triton.cdiv(k, COLWISE_COLS), 1)
         # the tile is [128 tokens, COLWISE_COLS features] of x; q is written through its transpose's strides
         launch(
-            _quantize_kernel, grid, x, x, q, s, s, t, k, 0, 0, *x.stride(), 0, 1, t, 0, k, 1,
-            AXIS=_AXIS_COL, RCEIL=rceil, SWIGLU=False, GROUPED=False, BR=TILE, BC=COLWISE_COLS, num_warps=4,
+            _quantize_kernel,
+            grid,
+            x,
+            x,
+            q,
+            s,
+            s,
+            t,
+            k,
+            0,
+            0,
+            *x.stride(),
+            0,
+            1,
+            t,
+            0,
+            k,
+            1,
+            AXIS=_AXIS_COL,
+            RCEIL=rceil,
+            SWIGLU=False,
+            GROUPED=False,
+            BR=TILE,
+            BC=COLWISE_COLS,
+            num_warps=4,
         )
     return q.view(torch.float8_e4m3fn), s.t()
 
 
-def quantize_1x128_grouped_tokens(x: torch.Tensor, offs: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_1x128_grouped_tokens(
+    x: torch.Tensor, offs: torch.Tensor, rule: str = "rceil"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Grouped wgrad operand: 1x128 tiles down the tokens of ``x [S, K]`` restarting at each group start
     (``mxfx.numerics.block.quantize_1x128_grouped_tokens``), written transposed: qdata ``[K, S]`` (columns past
     ``offs[-1]`` unwritten), scales ``[K, group_tile_capacity(S, G)]`` column-major (unused slots 1.0)."""
@@ -335,8 +460,31 @@ def quantize_1x128_grouped_tokens(x: torch.Tensor, offs: torch.Tensor, rule: str
     if t * k * offs.numel() > 0:
         grid = (slots, triton.cdiv(k, COLWISE_COLS), 1)
         launch(
-            _quantize_kernel, grid, x, x, q, s, offs, t, k, offs.numel(), 0, *x.stride(), 0, 1, t, 0, k, 1,
-            AXIS=_AXIS_COL, RCEIL=rceil, SWIGLU=False, GROUPED=True, BR=TILE, BC=COLWISE_COLS, num_warps=4,
+            _quantize_kernel,
+            grid,
+            x,
+            x,
+            q,
+            s,
+            offs,
+            t,
+            k,
+            offs.numel(),
+            0,
+            *x.stride(),
+            0,
+            1,
+            t,
+            0,
+            k,
+            1,
+            AXIS=_AXIS_COL,
+            RCEIL=rceil,
+            SWIGLU=False,
+            GROUPED=True,
+            BR=TILE,
+            BC=COLWISE_COLS,
+            num_warps=4,
         )
     return q.view(torch.float8_e4m3fn), s.t()
 
@@ -353,7 +501,25 @@ def quantize_128x128(w: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor
     if q.numel():
         grid = (n_tiles(n), n_tiles(k), w3.shape[0])
         launch(
-            _weight_quantize_kernel, grid, w3, w3, q, s, s, n, k, 0, *w3.stride(), *q.stride(), *s.stride(),
-            AXIS=_AXIS_BOTH, RCEIL=rceil, SWIGLU=False, GROUPED=False, BR=TILE, BC=TILE, num_warps=8,
+            _weight_quantize_kernel,
+            grid,
+            w3,
+            w3,
+            q,
+            s,
+            s,
+            n,
+            k,
+            0,
+            *w3.stride(),
+            *q.stride(),
+            *s.stride(),
+            AXIS=_AXIS_BOTH,
+            RCEIL=rceil,
+            SWIGLU=False,
+            GROUPED=False,
+            BR=TILE,
+            BC=TILE,
+            num_warps=8,
         )
     return q.view(torch.float8_e4m3fn).view(w.shape), s.view(*lead, n_tiles(n), n_tiles(k))

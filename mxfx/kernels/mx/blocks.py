@@ -35,7 +35,8 @@ neither saturates nor maps NaN so, and keeps the explicit form; its rounding to 
 
 E4M3X4_PTX = tl.constexpr(
     "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
-    "mov.b32 $0, {lo, hi}; }")
+    "mov.b32 $0, {lo, hi}; }"
+)
 """Four fp32 values ($1..$4) to their E4M3 bytes in one 32-bit register ($0, $1's byte lowest): the conversion
 ``HW_E4M3_CONVERSION`` describes, two values per instruction, the pairs merged by one ``mov``, where Triton's own fp8
 cast goes through 16-bit halves and byte permutes (``PRMT``) to pack the same bytes for a store."""
@@ -49,8 +50,10 @@ CONVERT_ALL = CONVERT_E4M3X4 | CONVERT_BF16X2
 
 _CONVERSION_ENV = os.environ.get("MXFX_KERNEL_CVT", "").strip()
 if _CONVERSION_ENV not in ("", "0", "1", "2", "3"):
-    raise ValueError(f"MXFX_KERNEL_CVT={_CONVERSION_ENV!r}: expected 0-3 (bits {CONVERT_E4M3X4}: E4M3 packing, {CONVERT_BF16X2}: bf16 "
-                     "widening), or unset it to let each kernel use its own forms")
+    raise ValueError(
+        f"MXFX_KERNEL_CVT={_CONVERSION_ENV!r}: expected 0-3 (bits {CONVERT_E4M3X4}: E4M3 packing, {CONVERT_BF16X2}: bf16 "
+        "widening), or unset it to let each kernel use its own forms"
+    )
 CONVERSION_OVERRIDE = int(_CONVERSION_ENV) if _CONVERSION_ENV else None
 """``MXFX_KERNEL_CVT`` (0-3, ``CONVERT`` bits, read at import): use these bits in every kernel instead of each kernel's
 own choice. For benchmarks that compare the forms, and tests; unset in normal use. Other values raise ValueError."""
@@ -72,8 +75,14 @@ def to_f32(v, CONVERT: tl.constexpr = 0):
     one 32-bit register (``and`` keeps the high element, ``shl`` moves the low one up): two instructions per pair,
     where the generic ``cvt`` extracts each half first (``PRMT``, then a shift)."""
     if (CONVERT & 2) != 0 and HW_E4M3_CONVERSION and v.dtype == tl.bfloat16 and v.numel % 2 == 0:  # 2: CONVERT_BF16X2
-        return tl.inline_asm_elementwise("{ and.b32 $1, $2, 0xFFFF0000; shl.b32 $0, $2, 16; }", "=r,=r,r", [v],
-                                         dtype=tl.float32, is_pure=True, pack=2)
+        return tl.inline_asm_elementwise(
+            "{ and.b32 $1, $2, 0xFFFF0000; shl.b32 $0, $2, 16; }",
+            "=r,=r,r",
+            [v],
+            dtype=tl.float32,
+            is_pure=True,
+            pack=2,
+        )
     return v.to(tl.float32)
 
 
@@ -111,9 +120,12 @@ def to_e4m3_bits(v, inv_scale, nonfinite, CONVERT: tl.constexpr = 0):
     ``inv_scale`` as :func:`block_scale` returns it (NaN in nonfinite blocks where ``HW_E4M3_CONVERSION``).
     ``CONVERT & CONVERT_E4M3X4``: four values a conversion call (:data:`E4M3X4_PTX`), same bytes.
     """
-    if (CONVERT & 1) != 0 and HW_E4M3_CONVERSION and v.numel % 4 == 0:  # 1: CONVERT_E4M3X4 (plain ints: launch arguments)
-        return tl.inline_asm_elementwise(E4M3X4_PTX, "=r,f,f,f,f", [v * inv_scale], dtype=tl.uint8, is_pure=True,
-                                         pack=4)
+    if (
+        (CONVERT & 1) != 0 and HW_E4M3_CONVERSION and v.numel % 4 == 0
+    ):  # 1: CONVERT_E4M3X4 (plain ints: launch arguments)
+        return tl.inline_asm_elementwise(
+            E4M3X4_PTX, "=r,f,f,f,f", [v * inv_scale], dtype=tl.uint8, is_pure=True, pack=4
+        )
     if HW_E4M3_CONVERSION:
         return (v * inv_scale).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     scaled = tl.minimum(tl.maximum(v * inv_scale, -448.0), 448.0)
@@ -158,8 +170,22 @@ def tile_origin(n_c_tiles, BR: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def load_tile(ptr, b, r0, c0, R, C, sb, sr, sc, BR: tl.constexpr, BC: tl.constexpr, EVEN: tl.constexpr = False,
-              WIDE: tl.constexpr = False, CONVERT: tl.constexpr = 0):
+def load_tile(
+    ptr,
+    b,
+    r0,
+    c0,
+    R,
+    C,
+    sb,
+    sr,
+    sc,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+    EVEN: tl.constexpr = False,
+    WIDE: tl.constexpr = False,
+    CONVERT: tl.constexpr = 0,
+):
     """fp32 tile ``[BR, BC]`` at rows r0.., cols c0.. of batch b of a strided [B, R, C] tensor (0 outside).
     EVEN: the caller knows the tile lies inside (BR divides R, BC divides C), and no mask is computed.
     WIDE: each element's offset formed in int64 from its row and column, rather than an int64 tile base plus
@@ -188,8 +214,22 @@ SCALES_BLOCKED = tl.constexpr(2)
 
 
 @triton.jit
-def store_rowwise(q_ptr, s_ptr, qbits, sbyte, b, r0, c0, R, C, RPR, SCALES: tl.constexpr,
-                  BR: tl.constexpr, BC: tl.constexpr, EVEN: tl.constexpr = False):
+def store_rowwise(
+    q_ptr,
+    s_ptr,
+    qbits,
+    sbyte,
+    b,
+    r0,
+    c0,
+    R,
+    C,
+    RPR,
+    SCALES: tl.constexpr,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+    EVEN: tl.constexpr = False,
+):
     """Store a tile's E4M3 bytes ``[BR, BC]`` into contiguous [B, R, C] and its scales ``[BR, BC/32]``
     in the layout ``SCALES`` (one of the ``SCALES_*`` constants).
 
@@ -226,8 +266,9 @@ def store_rowwise(q_ptr, s_ptr, qbits, sbyte, b, r0, c0, R, C, RPR, SCALES: tl.c
 
 
 @triton.jit
-def store_dequantized(h_ptr, qbits, sbyte, b, r0, c0, R, C, BR: tl.constexpr, BC: tl.constexpr,
-                      EVEN: tl.constexpr = False):
+def store_dequantized(
+    h_ptr, qbits, sbyte, b, r0, c0, R, C, BR: tl.constexpr, BC: tl.constexpr, EVEN: tl.constexpr = False
+):
     """Store the values of a tile's blocks, ``dequant(qbits [BR, BC/32, 32], sbyte [BR, BC/32])``, into
     contiguous [B, R, C] in ``h_ptr``'s dtype (laid out as :func:`store_rowwise` lays out the qdata).
     EVEN: the tile lies inside (no mask)."""

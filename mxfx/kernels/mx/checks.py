@@ -16,8 +16,17 @@ def check_lastdim_args(x, rule: str, op: str) -> None:
     mxf.check_block_axis(x.shape, -1, op)
 
 
-def check_dual_args(x, rule: str, op: str, *, row: bool = True, col: bool = True,
-                    dequantized: torch.dtype | None = None, mx: bool = True, hint: str = "") -> torch.Tensor:
+def check_dual_args(
+    x,
+    rule: str,
+    op: str,
+    *,
+    row: bool = True,
+    col: bool = True,
+    dequantized: torch.dtype | None = None,
+    mx: bool = True,
+    hint: str = "",
+) -> torch.Tensor:
     """Checks of the dual (both-orientation) quantizes; returns x as ``[B, M, K]``.
 
     Raises:

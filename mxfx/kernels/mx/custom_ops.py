@@ -85,7 +85,9 @@ def _(x, rule):
 
 
 @torch.library.custom_op("mxfx::quantize_dual_blocked", mutates_args=())
-def _quantize_dual_blocked_op(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _quantize_dual_blocked_op(
+    x: torch.Tensor, rule: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_quantize_dual_op` with both scale matrices in the blocked layout of :mod:`mxfx.numerics.layout`."""
     return device_path.quantize_dual_blocked(x, rule)
 
@@ -107,7 +109,8 @@ def _quantize_dual_dequantized(x: torch.Tensor, rule: str, dtype: torch.dtype) -
 
 
 @_custom_op(
-    "quantize_dual_dequantized", fake=lambda x, rule, dtype: (x.new_empty(x.shape, dtype=dtype), x.new_empty(x.shape, dtype=dtype))
+    "quantize_dual_dequantized",
+    fake=lambda x, rule, dtype: (x.new_empty(x.shape, dtype=dtype), x.new_empty(x.shape, dtype=dtype)),
 )
 def _quantize_dual_dequantized_op(x: torch.Tensor, rule: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, K]`` -> the dequantized values of its rowwise and its columnwise MX, both ``[M, K]`` of ``dtype``."""
@@ -115,7 +118,9 @@ def _quantize_dual_dequantized_op(x: torch.Tensor, rule: str, dtype: torch.dtype
 
 
 @_custom_op("quantize_dequantize", fake=lambda x, rule, dtype: (*_lastdim_fake(x), x.new_empty(x.shape, dtype=dtype)))
-def _quantize_dequantize_op(x: torch.Tensor, rule: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _quantize_dequantize_op(
+    x: torch.Tensor, rule: str, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x [..., K]`` -> ``(qdata, scales, x_hat)`` with ``x_hat`` the dequantized ``dtype`` tensor."""
     return device_path.quantize_dequantize(x, rule, dtype)
 
@@ -154,7 +159,8 @@ def _swiglu_quantize_save_op(
 
 
 @_custom_op(
-    "swiglu_quantize_dequantize_save", fake=lambda gate, up, rule, dtype: _mx_and_values_fake(gate, dtype) + _saved_pairs_fake(gate)
+    "swiglu_quantize_dequantize_save",
+    fake=lambda gate, up, rule, dtype: _mx_and_values_fake(gate, dtype) + _saved_pairs_fake(gate),
 )
 def _swiglu_quantize_dequantize_save_op(
     gate: torch.Tensor, up: torch.Tensor, rule: str, dtype: torch.dtype
@@ -164,7 +170,8 @@ def _swiglu_quantize_dequantize_save_op(
 
 
 @_custom_op(
-    "route_weight_quantize_dequantize", fake=lambda dy, weight, rule, dtype: (*_lastdim_fake(dy), dy.new_empty(dy.shape, dtype=dtype))
+    "route_weight_quantize_dequantize",
+    fake=lambda dy, weight, rule, dtype: (*_lastdim_fake(dy), dy.new_empty(dy.shape, dtype=dtype)),
 )
 def _route_weight_quantize_dequantize_op(
     dy: torch.Tensor, weight: torch.Tensor, rule: str, dtype: torch.dtype
@@ -192,7 +199,9 @@ def _(x, rule):
     rows = 1
     for d in x.shape[:-1]:
         rows = rows * d
-    return x.new_empty(x.shape, dtype=_E4M3), x.new_empty(blocked_numel(rows, x.shape[-1] // BLOCK_SIZE), dtype=torch.uint8)
+    return x.new_empty(x.shape, dtype=_E4M3), x.new_empty(
+        blocked_numel(rows, x.shape[-1] // BLOCK_SIZE), dtype=torch.uint8
+    )
 
 
 # --- the GEMMs: the bodies choose a native or an emulated GEMM (mxfx.kernels.mx.gemm) -------------
@@ -204,8 +213,9 @@ _DEQUANTIZED = "Tensor? b_dequantized=None, Tensor? a_dequantized=None"
 @torch.library.custom_op(
     "mxfx::mm", mutates_args=(), schema=f"({_OPERANDS}, ScalarType out_dtype, bool native, {_DEQUANTIZED}) -> Tensor"
 )
-def _mm_op(a_qdata, a_scales, b_qdata, b_scales, out_dtype, native, b_dequantized=None,
-           a_dequantized=None) -> torch.Tensor:
+def _mm_op(
+    a_qdata, a_scales, b_qdata, b_scales, out_dtype, native, b_dequantized=None, a_dequantized=None
+) -> torch.Tensor:
     """``dequant(A)[M,K] @ dequant(B)[N,K]^T`` with fp32 accumulation, output ``[M, N]`` of ``out_dtype``.
 
     Args:
@@ -233,11 +243,13 @@ def _(a_qdata, a_scales, b_qdata, b_scales, out_dtype, native, b_dequantized=Non
 
 
 @torch.library.custom_op(
-    "mxfx::grouped_mm", mutates_args=(),
+    "mxfx::grouped_mm",
+    mutates_args=(),
     schema=f"({_OPERANDS}, Tensor offs, ScalarType out_dtype, bool native, {_DEQUANTIZED}) -> Tensor",
 )
-def _grouped_mm_op(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, native, b_dequantized=None,
-                   a_dequantized=None) -> torch.Tensor:
+def _grouped_mm_op(
+    a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, native, b_dequantized=None, a_dequantized=None
+) -> torch.Tensor:
     """Grouped MX GEMM: rows ``offs[e-1]:offs[e]`` of ``dequant(A)[S,K]`` times ``dequant(B)[e][N,K]^T``.
 
     Args:
@@ -294,75 +306,135 @@ def _(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, native):
 
 # --- what callers use: the custom op, or its body when traced on CUDA ---------------------------
 
-quantize = op_or_body(_quantize_op, device_path.quantize_lastdim, """``x [..., K]`` -> ``(qdata e4m3 [..., K],
-scales uint8 E8M0 [..., K/32])`` (``mxfx::quantize``).""")
-dequantize = op_or_body(_dequantize_op, device_path.dequantize_lastdim, """``(qdata [..., K], scales [..., K/32],
-dtype)`` -> ``[..., K]`` of ``dtype`` (``mxfx::dequantize``).""")
-dequantize_fusible = op_or_body(_dequantize_op, dequantize_lastdim, """:func:`dequantize` for values that feed
+quantize = op_or_body(
+    _quantize_op,
+    device_path.quantize_lastdim,
+    """``x [..., K]`` -> ``(qdata e4m3 [..., K],
+scales uint8 E8M0 [..., K/32])`` (``mxfx::quantize``).""",
+)
+dequantize = op_or_body(
+    _dequantize_op,
+    device_path.dequantize_lastdim,
+    """``(qdata [..., K], scales [..., K/32],
+dtype)`` -> ``[..., K]`` of ``dtype`` (``mxfx::dequantize``).""",
+)
+dequantize_fusible = op_or_body(
+    _dequantize_op,
+    dequantize_lastdim,
+    """:func:`dequantize` for values that feed
 elementwise math (the SwiGLU backward): while a CUDA graph is traced, the plain-torch reference of
 ``mxfx.numerics.mx`` enters the graph instead of the Triton kernel, so Inductor fuses the decode into its consumer
 and no dequantized tensor is written; elsewhere ``mxfx::dequantize``. Same values either way (the kernels
-equal that reference bit for bit).""")
-quantize_dual = op_or_body(_quantize_dual_op, device_path.quantize_dual, """``x [M, K]`` -> rowwise ``(q [M, K],
-s [M, K/32])`` and columnwise ``(q [K, M], s [K, M/32])`` (``mxfx::quantize_dual``).""")
-quantize_dual_blocked = op_or_body(_quantize_dual_blocked_op, device_path.quantize_dual_blocked, """``x [M, K]`` ->
+equal that reference bit for bit).""",
+)
+quantize_dual = op_or_body(
+    _quantize_dual_op,
+    device_path.quantize_dual,
+    """``x [M, K]`` -> rowwise ``(q [M, K],
+s [M, K/32])`` and columnwise ``(q [K, M], s [K, M/32])`` (``mxfx::quantize_dual``).""",
+)
+quantize_dual_blocked = op_or_body(
+    _quantize_dual_blocked_op,
+    device_path.quantize_dual_blocked,
+    """``x [M, K]`` ->
 ``(q [M, K], s_row blocked, q_t [K, M], s_col blocked)``: :func:`quantize_dual` with both scale matrices in the
-blocked layout of :mod:`mxfx.numerics.layout` (``mxfx::quantize_dual_blocked``).""")
-quantize_dual_dequantized = op_or_body(_quantize_dual_dequantized_op, _quantize_dual_dequantized, """``(x [M, K],
+blocked layout of :mod:`mxfx.numerics.layout` (``mxfx::quantize_dual_blocked``).""",
+)
+quantize_dual_dequantized = op_or_body(
+    _quantize_dual_dequantized_op,
+    _quantize_dual_dequantized,
+    """``(x [M, K],
 rule, dtype)`` -> ``(row_hat, col_hat)``, both contiguous ``[M, K]`` of ``dtype``: the dequantized values of
 x's rowwise MX (blocks along K) and of its columnwise MX (blocks down M), from one read, no MX pair written
-(``mxfx::quantize_dual_dequantized``; what an emulated GEMM reads of both orientations).""")
-quantize_dequantize = op_or_body(_quantize_dequantize_op, device_path.quantize_dequantize, """``(x [..., K], rule,
-dtype)`` -> ``(qdata, scales, x_hat)``, x_hat the dequantized ``dtype`` tensor (``mxfx::quantize_dequantize``).""")
-swiglu_quantize = op_or_body(_swiglu_quantize_op, device_path.swiglu_quantize, """MX quantize of ``silu(gate) * up``
-formed in fp32: ``gate, up [..., H]`` -> ``(q [..., H], s [..., H/32])`` (``mxfx::swiglu_quantize``).""")
-swiglu_quantize_dequantize = op_or_body(_swiglu_quantize_dequantize_op, device_path.swiglu_quantize, """``(gate,
+(``mxfx::quantize_dual_dequantized``; what an emulated GEMM reads of both orientations).""",
+)
+quantize_dequantize = op_or_body(
+    _quantize_dequantize_op,
+    device_path.quantize_dequantize,
+    """``(x [..., K], rule,
+dtype)`` -> ``(qdata, scales, x_hat)``, x_hat the dequantized ``dtype`` tensor (``mxfx::quantize_dequantize``).""",
+)
+swiglu_quantize = op_or_body(
+    _swiglu_quantize_op,
+    device_path.swiglu_quantize,
+    """MX quantize of ``silu(gate) * up``
+formed in fp32: ``gate, up [..., H]`` -> ``(q [..., H], s [..., H/32])`` (``mxfx::swiglu_quantize``).""",
+)
+swiglu_quantize_dequantize = op_or_body(
+    _swiglu_quantize_dequantize_op,
+    device_path.swiglu_quantize,
+    """``(gate,
 up, rule, dtype)`` -> ``(q, s, h_hat)``: :func:`swiglu_quantize` plus the dequantized values in ``dtype``
-(``mxfx::swiglu_quantize_dequantize``).""")
-swiglu_quantize_save = op_or_body(_swiglu_quantize_save_op, functools.partial(device_path.swiglu_quantize,
-dequantized=None, save_inputs=True), """``(gate, up, rule)`` -> ``(q, s, gate_q, gate_s, up_q, up_s)``:
+(``mxfx::swiglu_quantize_dequantize``).""",
+)
+swiglu_quantize_save = op_or_body(
+    _swiglu_quantize_save_op,
+    functools.partial(device_path.swiglu_quantize, dequantized=None, save_inputs=True),
+    """``(gate, up, rule)`` -> ``(q, s, gate_q, gate_s, up_q, up_s)``:
 :func:`swiglu_quantize` plus the MX pairs of gate and up that the SwiGLU backward keeps, from one read
-(``mxfx::swiglu_quantize_save``).""")
-swiglu_quantize_dequantize_save = op_or_body(_swiglu_quantize_dequantize_save_op, functools.partial(
-device_path.swiglu_quantize, save_inputs=True), """``(gate, up, rule, dtype)`` -> ``(q, s, h_hat, gate_q, gate_s,
-up_q, up_s)`` (``mxfx::swiglu_quantize_dequantize_save``).""")
-route_weight_quantize_dequantize = op_or_body(_route_weight_quantize_dequantize_op, device_path.route_weight_quantize,
-"""``(dy, weight, rule, dtype)`` -> ``(q, s, x_hat)``: :func:`route_weight_quantize` plus the dequantized values
-in ``dtype`` (``mxfx::route_weight_quantize_dequantize``).""")
-route_weight_quantize = op_or_body(_route_weight_quantize_op, device_path.route_weight_quantize, """MX quantize of
-``dy [S, D] * weight [S]`` formed in fp32 (``mxfx::route_weight_quantize``).""")
-quantize_blocked = op_or_body(_quantize_blocked_op, device_path.quantize_blocked, """``x [..., K]`` -> ``(qdata,
-blocked uint8 scales)`` (``mxfx::quantize_blocked``).""")
-_TRACED = ("Traced on CUDA, the chosen implementation's kernels and GEMM enter the graph "
-           "(:mod:`mxfx.kernels.common.launch`).")
+(``mxfx::swiglu_quantize_save``).""",
+)
+swiglu_quantize_dequantize_save = op_or_body(
+    _swiglu_quantize_dequantize_save_op,
+    functools.partial(device_path.swiglu_quantize, save_inputs=True),
+    """``(gate, up, rule, dtype)`` -> ``(q, s, h_hat, gate_q, gate_s,
+up_q, up_s)`` (``mxfx::swiglu_quantize_dequantize_save``).""",
+)
+route_weight_quantize_dequantize = op_or_body(
+    _route_weight_quantize_dequantize_op,
+    device_path.route_weight_quantize,
+    """``(dy, weight, rule, dtype)`` -> ``(q, s, x_hat)``: :func:`route_weight_quantize` plus the dequantized values
+in ``dtype`` (``mxfx::route_weight_quantize_dequantize``).""",
+)
+route_weight_quantize = op_or_body(
+    _route_weight_quantize_op,
+    device_path.route_weight_quantize,
+    """MX quantize of
+``dy [S, D] * weight [S]`` formed in fp32 (``mxfx::route_weight_quantize``).""",
+)
+quantize_blocked = op_or_body(
+    _quantize_blocked_op,
+    device_path.quantize_blocked,
+    """``x [..., K]`` -> ``(qdata,
+blocked uint8 scales)`` (``mxfx::quantize_blocked``).""",
+)
+_TRACED = (
+    "Traced on CUDA, the chosen implementation's kernels and GEMM enter the graph (:mod:`mxfx.kernels.common.launch`)."
+)
 mx_mm = op_or_body(_mm_op, gemm.mm, f"``mxfx::mm`` (shapes and dtypes: :func:`_mm_op`). {_TRACED}")
-mx_grouped_mm = op_or_body(_grouped_mm_op, gemm.grouped_mm,
-                           f"``mxfx::grouped_mm`` (see :func:`_grouped_mm_op`). {_TRACED}")
+mx_grouped_mm = op_or_body(
+    _grouped_mm_op, gemm.grouped_mm, f"``mxfx::grouped_mm`` (see :func:`_grouped_mm_op`). {_TRACED}"
+)
 mx_grouped_mm_wgrad = op_or_body(
-    _grouped_mm_wgrad_op, gemm.grouped_mm_wgrad,
+    _grouped_mm_wgrad_op,
+    gemm.grouped_mm_wgrad,
     f"``mxfx::grouped_mm_wgrad`` (see :func:`_grouped_mm_wgrad_op`). {_TRACED}",
 )
 
 
-def mm_into(a_qdata, a_scales, b_qdata, b_scales, out: torch.Tensor, accumulate: bool, native: bool,
-            a_dequantized=None) -> None:
+def mm_into(
+    a_qdata, a_scales, b_qdata, b_scales, out: torch.Tensor, accumulate: bool, native: bool, a_dequantized=None
+) -> None:
     """:func:`mx_mm` (a wgrad's operands, blocked along the tokens) written into ``out [N, K]`` (``accumulate=False``)
     or added to it (``True``), in ``out``'s dtype: a weight gradient accumulated in the parameter's ``.grad``
     (:mod:`mxfx.runtime.main_grad`). Emulated on the CPU by the FP32 GEMM itself; elsewhere the GEMM, then one pass
     (:func:`mxfx.kernels.common.gemm.accumulate_into`), until a kernel with an accumulating epilogue takes it."""
     if native or out.device.type != "cpu":
-        accumulate_into(out, mx_mm(a_qdata, a_scales, b_qdata, b_scales, out.dtype, native, None, a_dequantized),
-                        accumulate)
+        accumulate_into(
+            out, mx_mm(a_qdata, a_scales, b_qdata, b_scales, out.dtype, native, None, a_dequantized), accumulate
+        )
         return
     gemm.emulated_mm_into(a_qdata, a_scales, b_qdata, b_scales, out, accumulate, a_dequantized)
 
 
-def grouped_wgrad_into(a_qdata, a_scales, b_qdata, b_scales, offs, out: torch.Tensor, accumulate: bool,
-                       native: bool) -> None:
+def grouped_wgrad_into(
+    a_qdata, a_scales, b_qdata, b_scales, offs, out: torch.Tensor, accumulate: bool, native: bool
+) -> None:
     """:func:`mx_grouped_mm_wgrad` written into ``out [E, N, K]`` or added to it, as :func:`mm_into`."""
     if native or out.device.type != "cpu":
-        accumulate_into(out, mx_grouped_mm_wgrad(a_qdata, a_scales, b_qdata, b_scales, offs, out.dtype, native),
-                        accumulate)
+        accumulate_into(
+            out, mx_grouped_mm_wgrad(a_qdata, a_scales, b_qdata, b_scales, offs, out.dtype, native), accumulate
+        )
         return
     gemm.emulated_grouped_wgrad_into(a_qdata, a_scales, b_qdata, b_scales, offs, out, accumulate)
 

@@ -26,8 +26,20 @@ DEQUANT_CONFIG = (16, 256, 8)
 
 @triton.jit(do_not_specialize=["R"])
 def _dequantize_kernel(
-    q_ptr, s_ptr, out_ptr, R, C, sqb, sqr, sqc, ssb, ssr, ssc, n_c_tiles,
-    BR: tl.constexpr, BC: tl.constexpr,
+    q_ptr,
+    s_ptr,
+    out_ptr,
+    R,
+    C,
+    sqb,
+    sqr,
+    sqc,
+    ssb,
+    ssr,
+    ssc,
+    n_c_tiles,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
 ):
     NB: tl.constexpr = BC // 32
     b, r0, c0 = tile_origin(n_c_tiles, BR, BC)
@@ -40,8 +52,11 @@ def _dequantize_kernel(
     q_base = q_ptr + b * sqb + r0.to(tl.int64) * sqr + c0.to(tl.int64) * sqc
     qbits = tl.load(q_base + ar[:, None] * sqr + ac[None, :] * sqc, mask=mask, other=0)
     s_base = s_ptr + b * ssb + r0.to(tl.int64) * ssr + (c0 // 32).to(tl.int64) * ssc
-    sbyte = tl.load(s_base + ar[:, None] * ssr + an[None, :] * ssc,
-                    mask=rmask[:, None] & ((c0 // 32 + an) < C // 32)[None, :], other=0)
+    sbyte = tl.load(
+        s_base + ar[:, None] * ssr + an[None, :] * ssc,
+        mask=rmask[:, None] & ((c0 // 32 + an) < C // 32)[None, :],
+        other=0,
+    )
     q = tl.reshape(qbits.to(tl.float8e4nv, bitcast=True).to(tl.float32), [BR, NB, 32])
     out = tl.reshape(q * decode_scale(sbyte)[:, :, None], [BR, BC])
     o_base = out_ptr + (b * R + r0) * C + c0
@@ -75,8 +90,11 @@ def source_layout(qdata: torch.Tensor, scales: torch.Tensor) -> bool:
     """True when ``(qdata [.., K, M], scales [.., K, M/32])`` are transpose views of contiguous
     ``[.., M, K]`` / ``[.., M/32, K]`` tensors (the columnwise pair of :mod:`mxfx.kernels.mx.dual`)."""
     return (
-        qdata.dim() >= 2 and qdata.shape[-2] > 1 and qdata.shape[-1] > 0
-        and qdata.transpose(-2, -1).is_contiguous() and scales.transpose(-2, -1).is_contiguous()
+        qdata.dim() >= 2
+        and qdata.shape[-2] > 1
+        and qdata.shape[-1] > 0
+        and qdata.transpose(-2, -1).is_contiguous()
+        and scales.transpose(-2, -1).is_contiguous()
         and not qdata.is_contiguous()
     )
 
@@ -90,8 +108,19 @@ def _dequantize_source(qdata: torch.Tensor, scales: torch.Tensor, dtype: torch.d
     bm, bk, warps = SOURCE_CONFIG
     n_k = triton.cdiv(K, bk)
     if B * M * K > 0:
-        launch(_dequantize_source_kernel, (triton.cdiv(M, bm) * n_k, B), q, s, out, M, K, n_k,
-               BM=bm, BK=bk, num_warps=warps)
+        launch(
+            _dequantize_source_kernel,
+            (triton.cdiv(M, bm) * n_k, B),
+            q,
+            s,
+            out,
+            M,
+            K,
+            n_k,
+            BM=bm,
+            BK=bk,
+            num_warps=warps,
+        )
     return out.transpose(-2, -1)
 
 
@@ -117,7 +146,18 @@ def dequantize_lastdim(qdata: torch.Tensor, scales: torch.Tensor, dtype: torch.d
     n_c = triton.cdiv(C, bc)
     if R * C > 0:
         launch(
-            _dequantize_kernel, (triton.cdiv(R, br) * n_c, B),
-            q3, s3, out, R, C, *q3.stride(), *s3.stride(), n_c, BR=br, BC=bc, num_warps=warps,
+            _dequantize_kernel,
+            (triton.cdiv(R, br) * n_c, B),
+            q3,
+            s3,
+            out,
+            R,
+            C,
+            *q3.stride(),
+            *s3.stride(),
+            n_c,
+            BR=br,
+            BC=bc,
+            num_warps=warps,
         )
     return out

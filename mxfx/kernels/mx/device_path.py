@@ -113,8 +113,15 @@ def quantize_dual_blocked(x: torch.Tensor, rule: str):
     return q_row, blocked(s_row), q_col, blocked(s_col)
 
 
-def quantize_dual_source(x: torch.Tensor, rule: str, *, row: bool = True, col: bool = True,
-                         dequantized: torch.dtype | None = None, mx: bool = True):
+def quantize_dual_source(
+    x: torch.Tensor,
+    rule: str,
+    *,
+    row: bool = True,
+    col: bool = True,
+    dequantized: torch.dtype | None = None,
+    mx: bool = True,
+):
     """Both orientations of ``x [M, K]`` (or ``[B, M, K]``) from one read, in the source layout (that of a contiguous x).
 
     Returns ``(q_row, s_row, h_row, q_col, s_col, h_col)``: the pairs of :func:`quantize_dual`
@@ -166,8 +173,9 @@ def _with_dequantized(x: torch.Tensor, rule: str, dtype: torch.dtype | None) -> 
     return (q, s) if dtype is None else (q, s, h)
 
 
-def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str, dequantized: torch.dtype | None = None,
-                    save_inputs: bool = False):
+def swiglu_quantize(
+    gate: torch.Tensor, up: torch.Tensor, rule: str, dequantized: torch.dtype | None = None, save_inputs: bool = False
+):
     """MX quantize of ``silu(gate) * up`` formed in fp32 (no 16-bit intermediate): ``(qdata, scales)``,
     or ``(qdata, scales, h_hat)`` with ``dequantized`` (h_hat = dequantize(qdata, scales) in that dtype,
     written by the same pass). With ``save_inputs``, the rowwise MX pairs of gate and of up follow,
@@ -189,7 +197,9 @@ def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str, dequantized
     check_lastdim_args(gate, rule, "mxfx.swiglu_quantize")
     check_lastdim_args(up, rule, "mxfx.swiglu_quantize")
     if gate.shape != up.shape:
-        raise ValueError(f"mxfx.swiglu_quantize: gate of shape {tuple(gate.shape)} and up of shape {tuple(up.shape)} must match")
+        raise ValueError(
+            f"mxfx.swiglu_quantize: gate of shape {tuple(gate.shape)} and up of shape {tuple(up.shape)} must match"
+        )
     out = _with_dequantized(swiglu_fp32(gate, up), rule, dequantized)
     return (*out, *mxf.quantize_lastdim(gate, rule), *mxf.quantize_lastdim(up, rule)) if save_inputs else out
 

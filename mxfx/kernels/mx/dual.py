@@ -36,8 +36,16 @@ import triton.language as tl
 
 from mxfx.kernels.common.launch import launch
 from mxfx.kernels.mx.checks import TOKEN_DIM_HINT, check_dual_args
-from mxfx.kernels.mx.blocks import (CONVERT_ALL, CONVERT_BF16X2, blocked_offset, conversion_bits, decode_scale, encode_blocks,
-                                   load_tile, tile_origin)
+from mxfx.kernels.mx.blocks import (
+    CONVERT_ALL,
+    CONVERT_BF16X2,
+    blocked_offset,
+    conversion_bits,
+    decode_scale,
+    encode_blocks,
+    load_tile,
+    tile_origin,
+)
 from mxfx.numerics.layout import new_blocked_scales
 
 SOURCE_CONFIG = {"source": (32, 64, 1), "source fp32": (32, 64, 1), "dequantized": (32, 128, 2)}
@@ -47,21 +55,43 @@ TRANSPOSED_CONFIG = (32, 64, 1)
 """(BLOCK_M, BLOCK_K, num_warps), columnwise pair stored transposed."""
 TRANSPOSED_MAXNREG = 96
 """Registers per thread for the transposed pass of compiled kernels (None: uncapped; measured: docs/kernel-notes.md, "Kernel choices")."""
-ADDRESS_FORMS = {"source": (True, True), "source fp32": (False, False), "transposed": (True, False),
-                "blocked": (False, True)}
+ADDRESS_FORMS = {
+    "source": (True, True),
+    "source fp32": (False, False),
+    "transposed": (True, False),
+    "blocked": (False, True),
+}
 """(CONTIG, WIDE) of ``_dual_kernel`` by output layout (the source layout split by input element size).
 CONTIG: an x whose rows are contiguous is read with the row stride K that the stores use, not a runtime stride;
 WIDE: tiles that divide x form every element's address in int64 from its row, not as an int64 tile base plus int32
 offsets. Same values either way; the choice per layout is measured (docs/kernel-notes.md, "Kernel choices")."""
 
-CONVERSION_FORMS = {"source": CONVERT_ALL, "source fp32": CONVERT_ALL, "transposed": CONVERT_ALL, "blocked": CONVERT_BF16X2, "dequantized": 0}
+CONVERSION_FORMS = {
+    "source": CONVERT_ALL,
+    "source fp32": CONVERT_ALL,
+    "transposed": CONVERT_ALL,
+    "blocked": CONVERT_BF16X2,
+    "dequantized": 0,
+}
 """Conversion forms (``blocks.CONVERT_*`` bits) by output layout as in ``ADDRESS_FORMS``, plus those of a 16-bit
 input whose dequantized forms are written too (measured: docs/kernel-notes.md, "Kernel choices")."""
 
 
 @triton.jit
-def _store_tile(ptr, vals, b, r0, c0, R, C, TRANSPOSE: tl.constexpr, EVEN: tl.constexpr, BR: tl.constexpr,
-                BC: tl.constexpr, WIDE: tl.constexpr = False):
+def _store_tile(
+    ptr,
+    vals,
+    b,
+    r0,
+    c0,
+    R,
+    C,
+    TRANSPOSE: tl.constexpr,
+    EVEN: tl.constexpr,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+    WIDE: tl.constexpr = False,
+):
     """Store ``vals [BR, BC]`` at rows r0.., cols c0.. of batch b of a contiguous [B, R, C] tensor;
     TRANSPOSE: at [b, c0 + c, r0 + r] of a contiguous [B, C, R] tensor instead. EVEN: the tile lies inside
     (no mask); with WIDE too, each element's offset is formed in int64 (``ADDRESS_FORMS``)."""
@@ -97,9 +127,26 @@ def _store_blocked(ptr, vals, b, r0, c0, R, C, EVEN: tl.constexpr, BR: tl.conste
 
 
 @triton.jit
-def _encode_rows(v, q_ptr, s_ptr, h_ptr, b, r0, c0, R, C, RCEIL: tl.constexpr, MX: tl.constexpr, HAT: tl.constexpr,
-                 BLOCKED: tl.constexpr, EVEN: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, WIDE: tl.constexpr,
-                 CONVERT: tl.constexpr):
+def _encode_rows(
+    v,
+    q_ptr,
+    s_ptr,
+    h_ptr,
+    b,
+    r0,
+    c0,
+    R,
+    C,
+    RCEIL: tl.constexpr,
+    MX: tl.constexpr,
+    HAT: tl.constexpr,
+    BLOCKED: tl.constexpr,
+    EVEN: tl.constexpr,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+    WIDE: tl.constexpr,
+    CONVERT: tl.constexpr,
+):
     """Quantize the fp32 tile ``v [BR, BC]`` at rows r0.., cols c0.. of batch b of an [R, C] matrix in blocks of 32
     along C, and store its qdata into contiguous [B, R, C], its scales MN-major (storage [B, C/32, R]) or in the
     blocked layout of the [R, C/32] scale matrix (BLOCKED), and with HAT its dequantized values like the qdata."""
@@ -117,11 +164,33 @@ def _encode_rows(v, q_ptr, s_ptr, h_ptr, b, r0, c0, R, C, RCEIL: tl.constexpr, M
 
 @triton.jit
 def _dual_kernel(
-    x_ptr, qr_ptr, sr_ptr, hr_ptr, qc_ptr, sc_ptr, hc_ptr,
-    M, K, sxb, sxm, sxk, n_k_tiles,
-    RCEIL: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, MX: tl.constexpr, HAT: tl.constexpr,
-    COL_T: tl.constexpr, BLOCKED: tl.constexpr, EVEN: tl.constexpr, BATCHED: tl.constexpr, BM: tl.constexpr,
-    BK: tl.constexpr, CONTIG: tl.constexpr, WIDE: tl.constexpr, CONVERT: tl.constexpr,
+    x_ptr,
+    qr_ptr,
+    sr_ptr,
+    hr_ptr,
+    qc_ptr,
+    sc_ptr,
+    hc_ptr,
+    M,
+    K,
+    sxb,
+    sxm,
+    sxk,
+    n_k_tiles,
+    RCEIL: tl.constexpr,
+    ROW: tl.constexpr,
+    COL: tl.constexpr,
+    MX: tl.constexpr,
+    HAT: tl.constexpr,
+    COL_T: tl.constexpr,
+    BLOCKED: tl.constexpr,
+    EVEN: tl.constexpr,
+    BATCHED: tl.constexpr,
+    BM: tl.constexpr,
+    BK: tl.constexpr,
+    CONTIG: tl.constexpr,
+    WIDE: tl.constexpr,
+    CONVERT: tl.constexpr,
 ):
     b, m0, k0 = tile_origin(n_k_tiles, BM, BK)
     if not BATCHED:  # one matrix: b is 0, and its address terms fold away
@@ -165,8 +234,9 @@ def _quantize_both(x, rule, op, *, row, col, dequantized, transposed, mx=True, b
         s_row, s_col = new_blocked_scales(M, K // 32, lead, dev), new_blocked_scales(K, M // 32, lead, dev)
     h_row = new((M, K), dequantized, row and dequantized is not None)
     h_col = new(col_shape, dequantized, col and dequantized is not None)
-    layout = ("blocked" if blocked else "transposed" if transposed
-              else "source fp32" if x.element_size() == 4 else "source")
+    layout = (
+        "blocked" if blocked else "transposed" if transposed else "source fp32" if x.element_size() == 4 else "source"
+    )
     # the pass as CONVERSION_FORMS and SOURCE_CONFIG name it: a 16-bit input writing its dequantized forms has its own
     kind = "dequantized" if dequantized is not None and x.element_size() == 2 else layout
     bm, bk, warps = TRANSPOSED_CONFIG if transposed else SOURCE_CONFIG[kind]
@@ -176,10 +246,27 @@ def _quantize_both(x, rule, op, *, row, col, dequantized, transposed, mx=True, b
         # outputs not written get the (read-only) input as a placeholder pointer
         args = [t if t is not None else x3 for t in (q_row, s_row, h_row, q_col, s_col, h_col)]
         launch(
-            _dual_kernel, (triton.cdiv(M, bm) * n_k, B), x3, *args, M, K, *x3.stride(), n_k,
-            RCEIL=rule == "rceil", ROW=row, COL=col, MX=mx, HAT=dequantized is not None, COL_T=transposed,
-            BLOCKED=blocked, EVEN=M % bm == 0 and K % bk == 0, BATCHED=B > 1, BM=bm, BK=bk,
-            CONTIG=contig and x3.stride(1) == K and x3.stride(2) == 1, WIDE=wide,
+            _dual_kernel,
+            (triton.cdiv(M, bm) * n_k, B),
+            x3,
+            *args,
+            M,
+            K,
+            *x3.stride(),
+            n_k,
+            RCEIL=rule == "rceil",
+            ROW=row,
+            COL=col,
+            MX=mx,
+            HAT=dequantized is not None,
+            COL_T=transposed,
+            BLOCKED=blocked,
+            EVEN=M % bm == 0 and K % bk == 0,
+            BATCHED=B > 1,
+            BM=bm,
+            BK=bk,
+            CONTIG=contig and x3.stride(1) == K and x3.stride(2) == 1,
+            WIDE=wide,
             CONVERT=conversion_bits(CONVERSION_FORMS[kind]),
             num_warps=warps,
             maxnreg=TRANSPOSED_MAXNREG if transposed and not blocked else None,
@@ -195,8 +282,14 @@ def _quantize_both(x, rule, op, *, row, col, dequantized, transposed, mx=True, b
 
     col_view_t = not transposed
     scales_t = not blocked
-    return (out(q_row, False, True), out(s_row, scales_t), out(h_row, False),
-            out(q_col, col_view_t, True), out(s_col, scales_t), out(h_col, col_view_t))
+    return (
+        out(q_row, False, True),
+        out(s_row, scales_t),
+        out(h_row, False),
+        out(q_col, col_view_t, True),
+        out(s_col, scales_t),
+        out(h_col, col_view_t),
+    )
 
 
 def quantize_dual(x: torch.Tensor, rule: str):
@@ -211,7 +304,8 @@ def quantize_dual(x: torch.Tensor, rule: str):
         TypeError: unsupported dtype (see ``mxfx.numerics.mx.check_input``).
     """
     q_row, s_row, _, q_col, s_col, _ = _quantize_both(
-        x, rule, "mxfx.quantize_dual", row=True, col=True, dequantized=None, transposed=True, hint=TOKEN_DIM_HINT)
+        x, rule, "mxfx.quantize_dual", row=True, col=True, dequantized=None, transposed=True, hint=TOKEN_DIM_HINT
+    )
     return q_row, s_row, q_col, s_col
 
 
@@ -225,13 +319,28 @@ def quantize_dual_blocked(x: torch.Tensor, rule: str):
     pass. Raises as :func:`quantize_dual`.
     """
     q_row, s_row, _, q_col, s_col, _ = _quantize_both(
-        x, rule, "mxfx.quantize_dual_blocked", row=True, col=True, dequantized=None, transposed=True, blocked=True,
-        hint=TOKEN_DIM_HINT)
+        x,
+        rule,
+        "mxfx.quantize_dual_blocked",
+        row=True,
+        col=True,
+        dequantized=None,
+        transposed=True,
+        blocked=True,
+        hint=TOKEN_DIM_HINT,
+    )
     return q_row, s_row, q_col, s_col
 
 
-def quantize_dual_source(x: torch.Tensor, rule: str, *, row: bool = True, col: bool = True,
-                         dequantized: torch.dtype | None = None, mx: bool = True):
+def quantize_dual_source(
+    x: torch.Tensor,
+    rule: str,
+    *,
+    row: bool = True,
+    col: bool = True,
+    dequantized: torch.dtype | None = None,
+    mx: bool = True,
+):
     """Rowwise and columnwise MX of ``x [M, K]`` or ``[B, M, K]`` (CUDA, bf16/fp16/fp32, any strides), in x's layout.
 
     Args:
@@ -256,5 +365,6 @@ def quantize_dual_source(x: torch.Tensor, rule: str, *, row: bool = True, col: b
         TypeError: unsupported input or ``dequantized`` dtype
             (see :func:`mxfx.kernels.mx.device_path.check_dual_args`).
     """
-    return _quantize_both(x, rule, "mxfx.quantize_dual_source", row=row, col=col, dequantized=dequantized,
-                          transposed=False, mx=mx)
+    return _quantize_both(
+        x, rule, "mxfx.quantize_dual_source", row=row, col=col, dequantized=dequantized, transposed=False, mx=mx
+    )

@@ -137,16 +137,18 @@ def grouped_mm_wgrad(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, nati
     return impl(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype)
 
 
-def emulated_mm_into(a_qdata, a_scales, b_qdata, b_scales, out: torch.Tensor, accumulate: bool,
-                     a_dequantized=None) -> None:
+def emulated_mm_into(
+    a_qdata, a_scales, b_qdata, b_scales, out: torch.Tensor, accumulate: bool, a_dequantized=None
+) -> None:
     """The emulated dense GEMM written into ``out [N, K]`` or added to it by the GEMM itself, in ``out``'s dtype (the
     CPU path of :func:`mxfx.kernels.mx.custom_ops.mm_into`)."""
     a, b = _dequantized(a_qdata, a_scales, b_qdata, b_scales, None, a_dequantized, dims=(2, 2))
     common_gemm.mm_into(out, a.to(out.dtype), b.to(out.dtype), accumulate)
 
 
-def emulated_grouped_wgrad_into(a_qdata, a_scales, b_qdata, b_scales, offs, out: torch.Tensor,
-                                accumulate: bool) -> None:
+def emulated_grouped_wgrad_into(
+    a_qdata, a_scales, b_qdata, b_scales, offs, out: torch.Tensor, accumulate: bool
+) -> None:
     """The emulated grouped wgrad written into ``out [E, N, K]`` or added to it, as :func:`emulated_mm_into` (the
     CPU path of :func:`mxfx.kernels.mx.custom_ops.grouped_wgrad_into`)."""
     a, b = _dequantized(a_qdata, a_scales, b_qdata, b_scales)

@@ -48,7 +48,9 @@ def _check_pair(name: str, qdata: torch.Tensor | None, scales: torch.Tensor | No
             f"emulated GEMMs); pass its qdata and scales"
         )
     if qdata.dtype != torch.float8_e4m3fn or scales.dtype != torch.uint8:
-        raise TypeError(f"mxfx.gemm: {name} must be float8_e4m3fn qdata with uint8 E8M0 scales, got {qdata.dtype}/{scales.dtype}")
+        raise TypeError(
+            f"mxfx.gemm: {name} must be float8_e4m3fn qdata with uint8 E8M0 scales, got {qdata.dtype}/{scales.dtype}"
+        )
     k = qdata.shape[-1]
     if k % _BLOCK == 0 and layout.is_blocked(qdata, scales):
         return
@@ -111,7 +113,9 @@ def native_mm_operands(a_qdata, a_scales, b_qdata, b_scales) -> NativeOperands:
     _check_pair("A", a_qdata, a_scales)
     _check_pair("B", b_qdata, b_scales)
     if a_qdata.dim() != 2 or b_qdata.dim() != 2 or a_qdata.shape[1] != b_qdata.shape[1]:
-        raise ValueError(f"mxfx.gemm: mm operands {tuple(a_qdata.shape)} and {tuple(b_qdata.shape)} must be [M, K] and [N, K]")
+        raise ValueError(
+            f"mxfx.gemm: mm operands {tuple(a_qdata.shape)} and {tuple(b_qdata.shape)} must be [M, K] and [N, K]"
+        )
     n = b_qdata.shape[0]
     n_pad = _ceil_to(n, _MN_ALIGN)
     return NativeOperands(
@@ -172,7 +176,9 @@ def native_grouped_mm_operands(a_qdata, a_scales, b_qdata, b_scales, offs) -> Na
     gid = torch.searchsorted(padded_offs.to(torch.int64), r, right=True)
     in_group = gid < e
     gid = gid.clamp(max=e - 1)
-    scale_row = torch.where(in_group, t_starts[gid] + r - p_starts[gid], s_rows - 1)  # scratch rows: last row, zeroed below
+    scale_row = torch.where(
+        in_group, t_starts[gid] + r - p_starts[gid], s_rows - 1
+    )  # scratch rows: last row, zeroed below
     padded_scales = a_scales.new_zeros((capacity, kb)).index_copy(0, dest, a_scales)
     rows_scales = a_scales.new_zeros((s_rows, kb)).index_copy(0, scale_row, padded_scales)
     rows_scales[s_rows - 1] = 0
@@ -208,13 +214,7 @@ def k_groups_blocked(scales: torch.Tensor, scale_offs: torch.Tensor) -> torch.Te
     cl = c - starts[gid]  # column inside the group
     col_tiles = width[gid] // 4
     r = torch.arange(rows, device=scales.device).unsqueeze(1)
-    off = (
-        base[gid]
-        + ((r // 128) * col_tiles + cl // 4) * 512
-        + (r % 32) * 16
-        + ((r % 128) // 32) * 4
-        + cl % 4
-    )
+    off = base[gid] + ((r // 128) * col_tiles + cl // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + cl % 4
     out = scales.new_zeros(prows * (cols + 4 * e))
     out[off.reshape(-1)] = scales.reshape(-1)
     return out.view(prows, cols + 4 * e)

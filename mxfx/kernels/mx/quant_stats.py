@@ -17,8 +17,17 @@ import triton.language as tl
 
 from mxfx.kernels.common import quant_stats as common
 from mxfx.kernels.common.launch import launch
-from mxfx.kernels.common.quant_stats import (exponent_stats, load_values, merge, no_stats, offsets, saturated_payload,
-                                             store_partials, tile_origin, value_stats)
+from mxfx.kernels.common.quant_stats import (
+    exponent_stats,
+    load_values,
+    merge,
+    no_stats,
+    offsets,
+    saturated_payload,
+    store_partials,
+    tile_origin,
+    value_stats,
+)
 from mxfx.kernels.mx.blocks import abs_bits, block_scale, blocked_offset, decode_scale
 from mxfx.numerics.layout import is_blocked
 from mxfx.numerics.mx import BLOCK_SIZE, check_rule
@@ -33,12 +42,51 @@ E8M0 tensor ``[B, R, C/32]`` read through its strides, the blocked layout (:mod:
 
 @triton.jit
 def _mx_stats_kernel(
-    a_ptr, sab, sar, sac, b_ptr, sbb, sbr, sbc, w_ptr, swb, swr, swc,
-    q_ptr, sqb, sqr, sqc, s_ptr, ssb, ssr, ssc, v_ptr, svb, svr, svc,
-    map_ptr, part_ptr, hist_ptr,
-    R, C, CS, SCOLS, n_r_tiles, n_c_tiles, n_tiles, per_prog, hist_min,
-    COMBINE: tl.constexpr, SCALES: tl.constexpr, HAS_Q: tl.constexpr, HAS_VALUES: tl.constexpr,
-    COL_MAP: tl.constexpr, RCEIL: tl.constexpr, HIST_BINS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+    a_ptr,
+    sab,
+    sar,
+    sac,
+    b_ptr,
+    sbb,
+    sbr,
+    sbc,
+    w_ptr,
+    swb,
+    swr,
+    swc,
+    q_ptr,
+    sqb,
+    sqr,
+    sqc,
+    s_ptr,
+    ssb,
+    ssr,
+    ssc,
+    v_ptr,
+    svb,
+    svr,
+    svc,
+    map_ptr,
+    part_ptr,
+    hist_ptr,
+    R,
+    C,
+    CS,
+    SCOLS,
+    n_r_tiles,
+    n_c_tiles,
+    n_tiles,
+    per_prog,
+    hist_min,
+    COMBINE: tl.constexpr,
+    SCALES: tl.constexpr,
+    HAS_Q: tl.constexpr,
+    HAS_VALUES: tl.constexpr,
+    COL_MAP: tl.constexpr,
+    RCEIL: tl.constexpr,
+    HIST_BINS: tl.constexpr,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
 ):
     NB: tl.constexpr = BC // 32
     pid = tl.program_id(0)
@@ -62,8 +110,13 @@ def _mx_stats_kernel(
             src = cols
             counted = rmask[:, None] & (cols < C)[None, :]
             loaded = rmask[:, None] & (cols < CS)[None, :]
-        x = load_values(a_ptr + offsets(b, rows, src, sab, sar, sac), b_ptr + offsets(b, rows, src, sbb, sbr, sbc),
-                        w_ptr + offsets(b, rows, src, swb, swr, swc), loaded, COMBINE)
+        x = load_values(
+            a_ptr + offsets(b, rows, src, sab, sar, sac),
+            b_ptr + offsets(b, rows, src, sbb, sbr, sbc),
+            w_ptr + offsets(b, rows, src, swb, swr, swc),
+            loaded,
+            COMBINE,
+        )
         blk = tl.max(tl.reshape(abs_bits(x), [BR, NB, 32]), axis=2)  # NaN and Inf bits sort above every finite
         live = (blk > 0) & (blk < 0x7F800000)
         sb = c0 // 32 + an
@@ -95,9 +148,19 @@ def _mx_stats_kernel(
     store_partials(part_ptr, hist_ptr, pid, part, hist, dead, HIST_BINS)
 
 
-def stats_vector(a: torch.Tensor, b: torch.Tensor | None, w: torch.Tensor | None, qdata: torch.Tensor | None,
-                 scales: torch.Tensor | None, values: torch.Tensor | None, rule: str, cols: int | None = None,
-                 col_map: torch.Tensor | None = None, hist_min: int = -128, hist_bins: int = 256) -> torch.Tensor:
+def stats_vector(
+    a: torch.Tensor,
+    b: torch.Tensor | None,
+    w: torch.Tensor | None,
+    qdata: torch.Tensor | None,
+    scales: torch.Tensor | None,
+    values: torch.Tensor | None,
+    rule: str,
+    cols: int | None = None,
+    col_map: torch.Tensor | None = None,
+    hist_min: int = -128,
+    hist_bins: int = 256,
+) -> torch.Tensor:
     """One sample vector (float64 ``[11 + hist_bins]``, :mod:`mxfx.kernels.common.quant_stats`) of an MXFP8 operand
     blocked along its last dim, from one statistics launch and the finishing one; no host sync.
 
@@ -130,10 +193,15 @@ def stats_vector(a: torch.Tensor, b: torch.Tensor | None, w: torch.Tensor | None
     common.check_region(a, (b, w), (qdata, values), C, op)
     if C % BLOCK_SIZE:
         raise ValueError(f"{op}: the operand's {C} columns are not whole {BLOCK_SIZE}-value blocks")
-    if scales is not None and not (is_blocked(qdata, scales) if scales.dim() == 1 else
-                                   scales.shape == (*qdata.shape[:-1], qdata.shape[-1] // BLOCK_SIZE)):
-        raise ValueError(f"{op}: scales {tuple(scales.shape)} are not those of qdata {tuple(qdata.shape)} (one E8M0 "
-                         f"byte per {BLOCK_SIZE} values, or the blocked layout of a 2-D qdata)")
+    if scales is not None and not (
+        is_blocked(qdata, scales)
+        if scales.dim() == 1
+        else scales.shape == (*qdata.shape[:-1], qdata.shape[-1] // BLOCK_SIZE)
+    ):
+        raise ValueError(
+            f"{op}: scales {tuple(scales.shape)} are not those of qdata {tuple(qdata.shape)} (one E8M0 "
+            f"byte per {BLOCK_SIZE} values, or the blocked layout of a 2-D qdata)"
+        )
     B, R = (a.shape[0] if a.dim() == 3 else 1), a.shape[-2]
     sources = (*common.region_args(a, a), *common.region_args(b, a), *common.region_args(w, a))
     scols, mode = 0, SCALES_FROM_VALUES
@@ -150,10 +218,36 @@ def stats_vector(a: torch.Tensor, b: torch.Tensor | None, w: torch.Tensor | None
     steps = B * n_r * n_c
     p, per_prog = common.programs(steps)
     partials, hist = common.workspace(p, hist_bins, a.device)
-    launch(_mx_stats_kernel, (p,), *sources, q, *sq, s, *ss, *common.region_args(values, a),
-           col_map if col_map is not None else a, partials, hist, R, C, a.shape[-1], scols, n_r, n_c, steps,
-           per_prog, hist_min, COMBINE=common.combine_code(b, w), SCALES=mode, HAS_Q=qdata is not None,
-           HAS_VALUES=values is not None, COL_MAP=col_map is not None, RCEIL=rule == "rceil", HIST_BINS=hist_bins,
-           BR=br, BC=bc, num_warps=warps)
+    launch(
+        _mx_stats_kernel,
+        (p,),
+        *sources,
+        q,
+        *sq,
+        s,
+        *ss,
+        *common.region_args(values, a),
+        col_map if col_map is not None else a,
+        partials,
+        hist,
+        R,
+        C,
+        a.shape[-1],
+        scols,
+        n_r,
+        n_c,
+        steps,
+        per_prog,
+        hist_min,
+        COMBINE=common.combine_code(b, w),
+        SCALES=mode,
+        HAS_Q=qdata is not None,
+        HAS_VALUES=values is not None,
+        COL_MAP=col_map is not None,
+        RCEIL=rule == "rceil",
+        HIST_BINS=hist_bins,
+        BR=br,
+        BC=bc,
+        num_warps=warps,
+    )
     return common.finish(partials, hist)
-

@@ -65,10 +65,27 @@ takes both, the blocked-scale and the quantize-dequantize passes only the bf16 w
 
 
 def _quantize(
-    x_ptr, w_ptr, q_ptr, s_ptr, xhat_ptr,
-    R, C, RPR, sxb, sxr, sxc, swr, n_c_tiles,
-    RCEIL: tl.constexpr, ROW_WEIGHT: tl.constexpr, WRITE_XHAT: tl.constexpr, SCALES: tl.constexpr,
-    BR: tl.constexpr, BC: tl.constexpr, EVEN: tl.constexpr, CONVERT: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    q_ptr,
+    s_ptr,
+    xhat_ptr,
+    R,
+    C,
+    RPR,
+    sxb,
+    sxr,
+    sxc,
+    swr,
+    n_c_tiles,
+    RCEIL: tl.constexpr,
+    ROW_WEIGHT: tl.constexpr,
+    WRITE_XHAT: tl.constexpr,
+    SCALES: tl.constexpr,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+    EVEN: tl.constexpr,
+    CONVERT: tl.constexpr,
 ):
     b, r0, c0 = tile_origin(n_c_tiles, BR, BC)
     v = load_tile(x_ptr, b, r0, c0, R, C, sxb, sxr, sxc, BR, BC, EVEN, CONVERT=CONVERT)
@@ -118,12 +135,30 @@ def _launch(x, rule, *, weight=None, xhat_dtype=None, blocked=False, op="mxfx.qu
     even = COLWISE_EVEN and not rowwise and not blocked and R % br == 0 and C % bc == 0
     if R * C > 0:
         launch(
-            _quantize_kernel if rowwise else _quantize_kernel_t, (triton.cdiv(R, br) * n_c, B),
-            x3, w, q, s, xhat, R, C, rpr, *x3.stride(), w.stride(0) if weight is not None else 0, n_c,
-            RCEIL=rule == "rceil", ROW_WEIGHT=weight is not None, WRITE_XHAT=xhat_dtype is not None,
+            _quantize_kernel if rowwise else _quantize_kernel_t,
+            (triton.cdiv(R, br) * n_c, B),
+            x3,
+            w,
+            q,
+            s,
+            xhat,
+            R,
+            C,
+            rpr,
+            *x3.stride(),
+            w.stride(0) if weight is not None else 0,
+            n_c,
+            RCEIL=rule == "rceil",
+            ROW_WEIGHT=weight is not None,
+            WRITE_XHAT=xhat_dtype is not None,
             SCALES=(SCALES_BLOCKED if blocked else SCALES_MN_MAJOR if mn_major else SCALES_ROW_MAJOR).value,
-            BR=br, BC=bc, EVEN=even, num_warps=warps,
-            CONVERT=conversion_bits(CONVERSION_FORMS["blocked" if blocked else "dequantized" if xhat_dtype is not None else "quantize"]),
+            BR=br,
+            BC=bc,
+            EVEN=even,
+            num_warps=warps,
+            CONVERT=conversion_bits(
+                CONVERSION_FORMS["blocked" if blocked else "dequantized" if xhat_dtype is not None else "quantize"]
+            ),
         )
     if mn_major:
         s = mn_major_view(s, scale_shape(x.shape))
@@ -150,8 +185,10 @@ def quantize_blocked(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Te
     check_block_axis(x.shape, -1, op)
     rows = x.shape[:-1].numel()
     if x.numel() == 0:  # no rows or K = 0: empty qdata, and the (empty or all-padding) blocked layout
-        return (torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device),
-                new_blocked_scales(rows, x.shape[-1] // 32, device=x.device))
+        return (
+            torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device),
+            new_blocked_scales(rows, x.shape[-1] // 32, device=x.device),
+        )
     q, s, _ = _launch(x.reshape(rows, x.shape[-1]), rule, blocked=True, op=op)
     return q.view(x.shape), s
 

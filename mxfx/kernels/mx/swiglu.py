@@ -55,8 +55,21 @@ SWIGLU_CONFIG = (16, 256, 8)
 
 
 @triton.jit
-def _store_mx(q_ptr, s_ptr, v, b, r0, c0, R, C, RCEIL: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
-              EVEN: tl.constexpr, CONVERT: tl.constexpr):
+def _store_mx(
+    q_ptr,
+    s_ptr,
+    v,
+    b,
+    r0,
+    c0,
+    R,
+    C,
+    RCEIL: tl.constexpr,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+    EVEN: tl.constexpr,
+    CONVERT: tl.constexpr,
+):
     """Quantize the fp32 tile ``v [BR, BC]`` rowwise and store its pair into contiguous [B, R, C] / [B, R, C/32]."""
     qbits, sbyte = encode_blocks(tl.reshape(v, [BR, BC // 32, 32]), 2, RCEIL, CONVERT)
     store_rowwise(q_ptr, s_ptr, qbits, sbyte, b, r0, c0, R, C, 1, SCALES_ROW_MAJOR, BR, BC, EVEN)
@@ -65,10 +78,33 @@ def _store_mx(q_ptr, s_ptr, v, b, r0, c0, R, C, RCEIL: tl.constexpr, BR: tl.cons
 
 @triton.jit(do_not_specialize=["R"])
 def _swiglu_quantize_kernel(
-    g_ptr, u_ptr, q_ptr, s_ptr, h_ptr, gq_ptr, gs_ptr, uq_ptr, us_ptr, R, C, sgb, sgr, sgc, sub, sur, suc,
-    n_c_tiles, RPR: tl.constexpr, RCEIL: tl.constexpr, WRITE_XHAT: tl.constexpr, SAVE_INPUTS: tl.constexpr,
+    g_ptr,
+    u_ptr,
+    q_ptr,
+    s_ptr,
+    h_ptr,
+    gq_ptr,
+    gs_ptr,
+    uq_ptr,
+    us_ptr,
+    R,
+    C,
+    sgb,
+    sgr,
+    sgc,
+    sub,
+    sur,
+    suc,
+    n_c_tiles,
+    RPR: tl.constexpr,
+    RCEIL: tl.constexpr,
+    WRITE_XHAT: tl.constexpr,
+    SAVE_INPUTS: tl.constexpr,
     STREAM: tl.constexpr,
-    BR: tl.constexpr, BC: tl.constexpr, EVEN: tl.constexpr, CONVERT: tl.constexpr,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+    EVEN: tl.constexpr,
+    CONVERT: tl.constexpr,
 ):
     b, r0, c0 = tile_origin(n_c_tiles, BR, BC)
     if STREAM:  # R blocks of C = 32 values; the outputs are contiguous, so they are stored as [R, 32] too
@@ -86,8 +122,9 @@ def _swiglu_quantize_kernel(
         _store_mx(uq_ptr, us_ptr, u, b, r0, c0, R, C, RCEIL, BR, BC, EVEN, CONVERT)
 
 
-def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str, dequantized: torch.dtype | None = None,
-                    save_inputs: bool = False):
+def swiglu_quantize(
+    gate: torch.Tensor, up: torch.Tensor, rule: str, dequantized: torch.dtype | None = None, save_inputs: bool = False
+):
     """``gate, up [..., H]`` (CUDA, same shape, any strides) -> ``(q e4m3 [..., H], s uint8 [..., H/32])``;
     with ``dequantized``, ``(q, s, h_hat)``, h_hat = dequantize(q, s) in that dtype, from the same pass;
     with ``save_inputs``, followed by ``(gate_q, gate_s, up_q, up_s)``, the contiguous rowwise MX pairs of
@@ -125,11 +162,28 @@ def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str, dequantized
         # RPR (blocks per row of a stream: H / 32, fixed for a model; 1 for a contiguous pair) is a constexpr, so
         # the block -> row division compiles to a shift or a multiply. Token counts (R) stay unspecialized.
         launch(
-            _swiglu_quantize_kernel, (triton.cdiv(R, br) * n_c, B),
-            g3, u3, q, s, h if h is not None else g3, *saved, R, C, *strides, n_c, RPR=rpr,
-            RCEIL=rule == "rceil", WRITE_XHAT=h is not None, SAVE_INPUTS=save_inputs, STREAM=stream,
-            BR=br, BC=bc, EVEN=STREAM_EVEN and stream and rpr == 1 and R % br == 0,
-            CONVERT=conversion_bits(CONVERSION_FORMS["wide" if save_inputs or h is not None else "quantize"]), num_warps=warps,
+            _swiglu_quantize_kernel,
+            (triton.cdiv(R, br) * n_c, B),
+            g3,
+            u3,
+            q,
+            s,
+            h if h is not None else g3,
+            *saved,
+            R,
+            C,
+            *strides,
+            n_c,
+            RPR=rpr,
+            RCEIL=rule == "rceil",
+            WRITE_XHAT=h is not None,
+            SAVE_INPUTS=save_inputs,
+            STREAM=stream,
+            BR=br,
+            BC=bc,
+            EVEN=STREAM_EVEN and stream and rpr == 1 and R % br == 0,
+            CONVERT=conversion_bits(CONVERSION_FORMS["wide" if save_inputs or h is not None else "quantize"]),
+            num_warps=warps,
         )
     out = (q.view(torch.float8_e4m3fn), s) if h is None else (q.view(torch.float8_e4m3fn), s, h)
     if save_inputs:

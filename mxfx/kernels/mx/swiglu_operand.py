@@ -28,7 +28,9 @@ def quantize_input(x: torch.Tensor, up: torch.Tensor | None, rule: str, values: 
     return a_operand(values, custom_ops.swiglu_quantize, custom_ops.swiglu_quantize_dequantize, x, up, rule)
 
 
-def quantize_input_and_pack(x: torch.Tensor, up: torch.Tensor, save: str, rule: str, values: torch.dtype | None) -> tuple:
+def quantize_input_and_pack(
+    x: torch.Tensor, up: torch.Tensor, save: str, rule: str, values: torch.dtype | None
+) -> tuple:
     """:func:`quantize_input` of ``silu(x) * up`` and :func:`pack` of gate ``x`` and ``up``.
 
     Args:
@@ -67,7 +69,8 @@ def unpack(saved: tuple) -> tuple[torch.Tensor, torch.Tensor]:
     and up that :func:`mxfx.kernels.common.swiglu.backward` reads."""
     if len(saved) == 4:
         gq, gs, uq, us = saved
-        return custom_ops.dequantize_fusible(gq, gs, torch.float32), custom_ops.dequantize_fusible(uq, us, torch.float32)
+        return custom_ops.dequantize_fusible(gq, gs, torch.float32), custom_ops.dequantize_fusible(
+            uq, us, torch.float32
+        )
     gate, up = saved
     return gate.float(), up.float()
-

@@ -30,6 +30,7 @@ from mxfx.numerics.mx import BLOCK_SIZE
 try:
     from torch.fx.experimental.symbolic_shapes import guard_or_false
 except ImportError:  # older torch: sizes are plain ints or backed symbols here
+
     def guard_or_false(cond) -> bool:
         return bool(cond)
 

@@ -35,7 +35,9 @@ def _refresh_weight_caches(plan: int, values: list[torch.Tensor]) -> torch.Tenso
     if params is None:
         raise RuntimeError(f"mxfx.runtime.cache: unknown refresh plan {plan}")
     if len(params) != len(values):
-        raise RuntimeError(f"mxfx.runtime.cache: refresh plan {plan} has {len(params)} parameters, got {len(values)} values")
+        raise RuntimeError(
+            f"mxfx.runtime.cache: refresh plan {plan} has {len(params)} parameters, got {len(values)} values"
+        )
     n = 0
     with state.lock, torch.no_grad():
         for ref, value in zip(params, values):

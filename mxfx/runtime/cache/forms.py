@@ -95,7 +95,9 @@ def check(weight: torch.Tensor, rule: str, form: str) -> None:
     if weight.dim() not in (2, 3):
         raise ValueError(f"mxfx.runtime.cache: weight of shape {tuple(weight.shape)} must be [N, K] or [E, N, K]")
     if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"mxfx.runtime.cache: weight dtype {weight.dtype} is not a high-precision float (fp32/bf16/fp16)")
+        raise ValueError(
+            f"mxfx.runtime.cache: weight dtype {weight.dtype} is not a high-precision float (fp32/bf16/fp16)"
+        )
     family.check(weight, form)
 
 

@@ -23,8 +23,21 @@ def stats() -> dict:
     could not prove them fresh: marked stale by its hook and rebuilt at their next lookup, counted there as
     ``stale`` too).
     """
-    keys = ("quantize", "quantize_forward", "quantize_dgrad", "quantize_block", "quantize_bf16", "hit", "stale", "refresh", "refresh_eager",
-            "refresh_graph", "deferred_dgrad", "transient_dgrad", "stale_after_step")
+    keys = (
+        "quantize",
+        "quantize_forward",
+        "quantize_dgrad",
+        "quantize_block",
+        "quantize_bf16",
+        "hit",
+        "stale",
+        "refresh",
+        "refresh_eager",
+        "refresh_graph",
+        "deferred_dgrad",
+        "transient_dgrad",
+        "stale_after_step",
+    )
     return {k: state.stats.get(k, 0) for k in keys}
 
 

@@ -184,7 +184,9 @@ def _entry_for(weight: torch.Tensor, create: bool) -> _Entry | None:
     if entry is None and create:
         storage = weight.untyped_storage()
         ref = StorageWeakRef(storage)
-        entry = _Entry(ref, weight.storage_offset(), tuple(weight.shape), tuple(weight.stride()), weight.dtype, weakref.ref(weight))
+        entry = _Entry(
+            ref, weight.storage_offset(), tuple(weight.shape), tuple(weight.stride()), weight.dtype, weakref.ref(weight)
+        )
         state.entries[key] = entry
         if key[0] not in state.by_storage:
             state.by_storage[key[0]] = set()
@@ -204,7 +206,8 @@ def lookup(weight: torch.Tensor, rule: str, orientation: str) -> tuple[torch.Ten
         raise RuntimeError(
             f"mxfx.runtime.cache: a weight {tuple(weight.shape)} is looked up while a CUDA graph is being captured; a replay "
             f"would skip the freshness check and reuse caches of the step it was captured in. Run the mxfp8 backend "
-            f"outside CUDA graphs (torchtitan: --training.disable_cuda_graphs)")
+            f"outside CUDA graphs (torchtitan: --training.disable_cuda_graphs)"
+        )
     with state.lock:
         entry = _entry_for(weight, create=True)
         entry.weight = weakref.ref(weight)
@@ -214,9 +217,13 @@ def lookup(weight: torch.Tensor, rule: str, orientation: str) -> tuple[torch.Ten
                 f"mxfx.runtime.cache: the {orientation!r} form of a weight {tuple(weight.shape)} gathered as MX forms by FSDP2 "
                 f"(mxfx.fsdp.mx_all_gather) was not gathered since the last optimizer step; its unsharded values cannot rebuild it "
                 f"exactly. Keep this weight out of mx_all_gather (and Policy.keep_dequantized_weights is not "
-                f"supported with it)")
-        if (entry.version != weight._version or entry.source_layout != layout_key(weight)
-                or (not entry.owned and entry.step != state.step)):
+                f"supported with it)"
+            )
+        if (
+            entry.version != weight._version
+            or entry.source_layout != layout_key(weight)
+            or (not entry.owned and entry.step != state.step)
+        ):
             _rebuild(entry, weight, form)
             entry.version, entry.step = weight._version, state.step
             state.stats["stale"] += 1
@@ -273,6 +280,13 @@ def _inside(entry: _Entry, t: torch.Tensor) -> bool:
 
 def _region(entry: _Entry, source: torch.Tensor, values: torch.Tensor) -> torch.Tensor | None:
     """The entry's weight read out of ``values``, a contiguous tensor laid out like contiguous ``source``."""
-    if not _inside(entry, source) or values.dtype != entry.dtype or not values.is_contiguous() or values.shape != source.shape:
+    if (
+        not _inside(entry, source)
+        or values.dtype != entry.dtype
+        or not values.is_contiguous()
+        or values.shape != source.shape
+    ):
         return None
-    return values.as_strided(entry.shape, entry.stride, values.storage_offset() + entry.offset - source.storage_offset())
+    return values.as_strided(
+        entry.shape, entry.stride, values.storage_offset() + entry.offset - source.storage_offset()
+    )
