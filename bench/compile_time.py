@@ -286,14 +286,15 @@ def run_child(args, arm: str, cache_dir: str, profile: int = 0) -> dict:
 def table(rows: list[dict]) -> str:
     """Markdown table: one line per (model, compile unit, arm, cache state), with the goal ratios."""
     lines = [
-        "| model | compiled | arm | cache | first step s | vs BF16 | goal | FX graph cache h/m/b | AOT cache h/m/b | graphs | "
-        "first bypass reason |",
+        "| model | compiled | arm | cache | first step s | vs BF16 | goal | FX graph cache h/m/b | AOT cache h/m/b "
+        "| graphs | first bypass reason |",
         "|---|---|---|---|---:|---:|---:|---|---|---:|---|",
     ]
     for r in rows:
         if "error" in r:
             lines.append(
-                f"| {r['model']} | {r['unit']} | {r['arm']} | {r['cache']} | - | - | - | - | - | - | error: {r['error']} |"
+                f"| {r['model']} | {r['unit']} | {r['arm']} | {r['cache']} | - | - | - | - | - | - "
+                f"| error: {r['error']} |"
             )
             continue
         base = next(

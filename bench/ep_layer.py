@@ -1,4 +1,5 @@
-"""Expert-parallel MoE layer on several processes: BF16 vs MXFP8 all-to-all transport (the recipe, "Smaller Dispatch and Combine Payloads", "Routed Experts").
+"""Expert-parallel MoE layer on several processes: BF16 vs MXFP8 all-to-all transport (the recipe, "Smaller Dispatch
+and Combine Payloads", "Routed Experts").
 
 Run under torchrun, on GPUs (NCCL) or CPU processes (gloo):
 
@@ -93,7 +94,7 @@ def _slowest(ms: float, device) -> float:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     p.add_argument("--quick", action="store_true", help="toy sizes (CPU smoke run)")
     p.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
@@ -187,9 +188,11 @@ def main():
     if rank == 0:
         hw = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
         lines = [
-            f"## EP MoE layer, {world} ranks ({a.device}, {hw}, {'nccl' if a.device == 'cuda' else 'gloo'}), torch {torch.__version__}",
+            f"## EP MoE layer, {world} ranks ({a.device}, {hw}, {'nccl' if a.device == 'cuda' else 'gloo'}), "
+            f"torch {torch.__version__}",
             "",
-            f"{a.tokens} tokens/rank, d={a.d}, {a.experts} experts top-{a.topk} ({a.experts // world}/rank), expert hidden {a.hidden}, "
+            f"{a.tokens} tokens/rank, d={a.d}, {a.experts} experts top-{a.topk} ({a.experts // world}/rank), "
+            f"expert hidden {a.hidden}, "
             f"SwiGLU grouped GEMMs, BF16 activations, FP32 weights; slowest rank, median of {a.reps}.",
             "",
             "| arm | layer fwd+bwd ms | vs bf16 | max rel err vs 1-process (out, dx) |",
@@ -205,12 +208,14 @@ def main():
             "",
             f"MXFP8 vs BF16 transport under backend=mxfp8 (max over ranks): out {e[0]:.2e}, dx {e[1]:.2e}.",
             "",
-            "| direction (rank 0) | rows sent | BF16 bytes | MXFP8 bytes | BF16 a2a ms | MXFP8 a2a ms (Q + 2 collectives + DQ) | speed |",
+            "| direction (rank 0) | rows sent | BF16 bytes | MXFP8 bytes | BF16 a2a ms "
+            "| MXFP8 a2a ms (Q + 2 collectives + DQ) | speed |",
             "|---|---|---|---|---|---|---|",
         ]
         for direction, (n, b16, bmx, t_bf, t_mx) in transport.items():
             lines.append(
-                f"| {direction} | {n} | {b16} | {bmx} ({1 - bmx / max(b16, 1):.1%} less) | {t_bf:.3f} | {t_mx:.3f} | {t_bf / t_mx:.2f}x |"
+                f"| {direction} | {n} | {b16} | {bmx} ({1 - bmx / max(b16, 1):.1%} less) | {t_bf:.3f} | {t_mx:.3f} "
+                f"| {t_bf / t_mx:.2f}x |"
             )
         emit("ep_layer.md", "\n".join(lines))
     dist.barrier()

@@ -65,15 +65,16 @@ CPU the intra-op threads' compute) from the step's start until its last launch r
 only after; ``host issue`` the wall time of the same span, which also holds any wait on the device inside the step
 (a synchronizing op, a full launch queue). Both include ``--phases``' per-phase synchronizations when it is on. The
 JSON has them per arm (``step_ms``, ``profiled_step_ms``, ``host_cpu_ms``, ``host_issue_ms``, ``breakdown``).
-``--compiler aot_eager_fp32_gemms`` (CPU) runs each BF16 GEMM as an FP32 GEMM of its BF16 operands. A markdown table is printed last;
-JSON goes to ``bench/results/hf_models.json`` (``--out`` to change the folder).
+``--compiler aot_eager_fp32_gemms`` (CPU) runs each BF16 GEMM as an FP32 GEMM of its BF16 operands. A markdown table is
+printed last; JSON goes to ``bench/results/hf_models.json`` (``--out`` to change the folder).
 
     python bench/hf_models.py                      # H200: both models, all arms, 200 steps
     python bench/hf_models.py --model olmoe --arms bf16-users,mxfp8 --steps 50
     python bench/hf_models.py --smoke              # CPU, tiny dims, a few steps, aot_eager (CI)
     python bench/hf_models.py --steps 20           # H200: the recipe's operating point, 8 microbatches per step
     python bench/hf_models.py --microbatches 1 --steps 200  # held-out loss after 200 single-microbatch steps
-    python bench/hf_models.py --model qwen3 --arms fp8_block,bf16-weights --steps 4 --phases --profile  # where a step goes
+    python bench/hf_models.py --model qwen3 --arms fp8_block,bf16-weights --steps 4 --phases --profile \
+        # where a step goes
     python bench/hf_models.py --smoke --model olmoe --layers 1 --microbatches 2 --arms bf16-grouped,fp8_block --profile
     python bench/hf_models.py --dims small --compiler aot_eager_fp32_gemms --tokens 1024 --seq 128 \
         --arms bf16-users,bf16-grouped,mxfp8,fp8_block   # CPU: a precision study in minutes per arm
@@ -496,7 +497,8 @@ def run_arm(arm: Arm, args, train, val, device: str) -> dict:
             res["stats_sampled_over_unsampled"] = res["stats_sampled_step_s"] / res["stats_unsampled_step_s"]
             res["stats_path"] = args.stats_path
             print(
-                f"  {args.model} {arm.name} ({args.stats_path} statistics): sampled steps {res['stats_sampled_step_s'] * 1e3:.1f} ms ({len(on)}), "
+                f"  {args.model} {arm.name} ({args.stats_path} statistics): "
+                f"sampled steps {res['stats_sampled_step_s'] * 1e3:.1f} ms ({len(on)}), "
                 f"unsampled {res['stats_unsampled_step_s'] * 1e3:.1f} ms ({len(off)}): "
                 f"x{res['stats_sampled_over_unsampled']:.3f}",
                 flush=True,
@@ -540,7 +542,8 @@ def table(results: list[dict]) -> str:
         rel = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
         peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
         note = (
-            f"{r['expert_gemms_mx']} expert GEMMs {r.get('expert_format', 'MX')}, {r['expert_gemms_kept']} kept, {r['not_rewritten']} not rewritten"
+            f"{r['expert_gemms_mx']} expert GEMMs {r.get('expert_format', 'MX')}, {r['expert_gemms_kept']} kept, "
+            f"{r['not_rewritten']} not rewritten"
             if "expert_gemms_mx" in r
             else ""
         )

@@ -225,11 +225,15 @@ def main():
             os.environ.pop("MXFX_OPAQUE_KERNELS", None)
         base_ms = base_ms or ms
         rows.append(
-            f"| {name} | {ms:.3f} | {base_ms / ms:.2f}x | {peak / 2**30:.2f} | {act / 2**30:.2f} | {saved / 2**30:.3f} |"
+            f"| {name} | {ms:.3f} | {base_ms / ms:.2f}x | {peak / 2**30:.2f} | {act / 2**30:.2f} "
+            f"| {saved / 2**30:.3f} |"
         )
         for t in (x, *params):
             t.grad = None
-    head = f"MoE layer fwd+bwd: {a.tokens} tokens, d={a.d}, {a.experts} experts top-{a.topk}, hidden {a.hidden}, device {torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'}, torch {torch.__version__}"
+    head = (
+        f"MoE layer fwd+bwd: {a.tokens} tokens, d={a.d}, {a.experts} experts top-{a.topk}, hidden {a.hidden}, "
+        f"device {torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'}, torch {torch.__version__}"
+    )
     table = "\n".join(
         [
             head,

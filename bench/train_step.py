@@ -36,8 +36,9 @@ Phase 2: the largest micro-batch each arm fits in ``--budget-gib`` (the
 allocator is capped there; first guess from phase 1's activation per sample,
 stepped down on OOM and up while memory is left) and its tokens/s. Each new batch size recompiles (static
 shapes). The cap limits reserved, not allocated memory, so fragmentation decides the last sequences: the script
-runs every arm with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` unless the variable is set already. Then the goals: (b) >= 0.9x (a) and >= 1.8x (c) tokens/s, (b)'s
-saved activation memory <= 0.7x (a)'s, and at the max batch (b) >= 1.05x (a).
+runs every arm with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` unless the variable is set already. Then the
+goals: (b) >= 0.9x (a) and >= 1.8x (c) tokens/s, (b)'s saved activation memory <= 0.7x (a)'s, and at the max batch
+(b) >= 1.05x (a).
 
     python bench/train_step.py                                # H200, ~4 min
     python bench/train_step.py --phases 1 --arms bf16,mxfp8   # quicker
@@ -336,7 +337,8 @@ def goals(p1: dict, p2: dict) -> list[str]:
         ok = value >= target if better == "higher" else value <= target
         gap = "" if ok else f"  (gap {value - target:+.2f})"
         lines.append(
-            f"  {name}: {value:.2f} vs goal {'>=' if better == 'higher' else '<='} {target}  {'MET' if ok else 'NOT MET'}{gap}"
+            f"  {name}: {value:.2f} vs goal {'>=' if better == 'higher' else '<='} {target}  "
+            f"{'MET' if ok else 'NOT MET'}{gap}"
         )
 
     a, c = p1.get("bf16"), p1.get("torchao")
@@ -471,7 +473,8 @@ def main():
         rel = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
         lines.append(
             f"| {names[arm]} | {r['tokens_per_s']:.0f} | {rel} | {r['step_ms']:.1f} | {r['peak_gib']:.2f} | "
-            f"{r['saved_gib']:.2f} | {r['act_gib']:.2f} | {r['grad_gib']:.2f} | {r['held_gib']:.2f} | {r['warmup_s']:.0f} |"
+            f"{r['saved_gib']:.2f} | {r['act_gib']:.2f} | {r['grad_gib']:.2f} | {r['held_gib']:.2f} | "
+            f"{r['warmup_s']:.0f} |"
         )
     if p2:
         lines += [
@@ -489,7 +492,8 @@ def main():
                 continue
             rel = f"{r['tokens_per_s'] / base2:.2f}x" if base2 else "-"
             lines.append(
-                f"| {names[arm]} | {r['batch']} | {r['tokens_per_s']:.0f} | {rel} | {r['peak_gib']:.2f} | {r['tried'] or '-'} |"
+                f"| {names[arm]} | {r['batch']} | {r['tokens_per_s']:.0f} | {rel} | {r['peak_gib']:.2f} | "
+                f"{r['tried'] or '-'} |"
             )
     ok1 = {k: v for k, v in p1.items() if "error" not in v}
     ok2 = {k: v for k, v in p2.items() if v.get("batch") is not None and "error" not in v}

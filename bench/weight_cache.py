@@ -1,4 +1,5 @@
-"""Weight caches vs per-call weight quantization in a training step (the recipe, "Forward, Dgrad, and Wgrad Need Different Operands", "Autograd Must Carry qdata and Scales as One Value", "DDP Must Be MXFP8-Aware").
+"""Weight caches vs per-call weight quantization in a training step (the recipe, "Forward, Dgrad, and Wgrad Need
+Different Operands", "Autograd Must Carry qdata and Scales as One Value", "DDP Must Be MXFP8-Aware").
 
 A small MoE-ish model of ``nn.Linear`` layers (dense soft routing over experts, so
 the graph has no data-dependent shapes; the router stays BF16 by policy), trained
@@ -173,7 +174,7 @@ def run_mode(mode, args, device):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--inner", default=None, help="inner compiler (default: inductor on cuda, aot_eager on cpu)")
     ap.add_argument("--compiled-step", action="store_true", help="also compile optimizer.step with the mxfp8 backend")
@@ -219,7 +220,8 @@ def main():
     for r in rows:
         peak = "n/a" if r["peak_mib"] != r["peak_mib"] else f"{r['peak_mib']:.0f}"
         lines.append(
-            f"| {r['mode']} | {r['step_ms']:.2f} | {r['wq_ms']:.3f} | {r['wq_calls']:.0f} | {r['cache_mib']:.2f} | {peak} |"
+            f"| {r['mode']} | {r['step_ms']:.2f} | {r['wq_ms']:.3f} | {r['wq_calls']:.0f} | {r['cache_mib']:.2f} "
+            f"| {peak} |"
         )
     table = "\n".join(lines)
     emit("weight_cache.md", table)

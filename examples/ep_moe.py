@@ -223,7 +223,8 @@ def main():
     ):
         b16, bmx = nrows * D_MODEL * per_value["bf16"], nrows * D_MODEL * per_value["mxfp8"]
         lines.append(
-            f"rank {rank}:   {direction:13s} {nrows:4d} rows: {args.dtype} {b16:8.0f} B, mxfp8 {bmx:8.0f} B ({1 - bmx / max(b16, 1):.1%} less)"
+            f"rank {rank}:   {direction:13s} {nrows:4d} rows: {args.dtype} {b16:8.0f} B, "
+            f"mxfp8 {bmx:8.0f} B ({1 - bmx / max(b16, 1):.1%} less)"
         )
     for r in range(world):
         if r == rank:

@@ -12,7 +12,8 @@ Parameters are FP32 (the main weights); run the forward under
 ``torch.autocast(dtype=torch.bfloat16)``. ``_grouped_mm`` is not covered by
 autocast and its fake kernel accepts only BF16, so the expert path casts to the
 autocast dtype (BF16) itself, or to BF16 when compiled; eager without autocast it
-runs in the input's dtype (the FP32 reference arm of ``train_moe.py``). The router runs in FP32 with autocast off, as in OLMoE.
+runs in the input's dtype (the FP32 reference arm of ``train_moe.py``). The router runs in FP32 with autocast off, as in
+OLMoE.
 """
 
 from __future__ import annotations

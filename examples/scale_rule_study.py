@@ -1,4 +1,5 @@
-"""Scale-rule study (the recipe, "Scale Selection Is a Training Recipe", Figure 56): one floor-trained checkpoint, three continuations.
+"""Scale-rule study (the recipe, "Scale Selection Is a Training Recipe", Figure 56): one floor-trained checkpoint, three
+continuations.
 
     python examples/scale_rule_study.py                      # CPU, toy model, < 3 minutes
     python examples/scale_rule_study.py --device cuda --d-model 1024 --layers 8 --experts 32 --topk 4 \\
@@ -219,7 +220,8 @@ def plot(curves, pre, path, layers=None):
         axes[2].legend(fontsize=7, ncol=2)
     axes[-1].set_xlabel("step (continuation from the floor-trained checkpoint)")
     ax1.set_title(
-        "One floor-trained checkpoint, three continuations (an analogue of the recipe's Fig. 56, 'Scale Selection Is a Training Recipe')"
+        "One floor-trained checkpoint, three continuations "
+        "(an analogue of the recipe's Fig. 56, 'Scale Selection Is a Training Recipe')"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)

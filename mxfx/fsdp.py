@@ -158,9 +158,9 @@ class MXWeight(torch.Tensor):
         rows = self._format.gather_row_multiple
         if self.dim() == 2 and self.shape[0] % rows:
             raise RuntimeError(
-                f"mxfx.fsdp: a weight {tuple(outer_size)} is sharded to {tuple(self.shape)}: {self.shape[0]} rows would "
-                f"cut a {rows}-row {self._format.name} block; mx_all_gather was told a smaller mesh: pass this mesh's size "
-                f"as world_size"
+                f"mxfx.fsdp: a weight {tuple(outer_size)} is sharded to {tuple(self.shape)}: {self.shape[0]} rows "
+                f"would cut a {rows}-row {self._format.name} block; mx_all_gather was told a smaller mesh: pass this "
+                f"mesh's size as world_size"
             )
         if tuple(self.shape) == tuple(outer_size):
             # one shard: FSDP2 gathers nothing and copies only the first input; the cache quantizes the weight

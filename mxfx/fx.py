@@ -48,9 +48,10 @@ STATS_SITES_META = "mxfx_stats_sites"  # gm.meta key: statistics site prefixes g
 
 
 def unique_stats_site(gm: fx.GraphModule, kwargs: dict, kind: str) -> dict:
-    """``kwargs`` of a new op call of ``kind`` whose ``stats`` site prefix (:meth:`mxfx.ops.settings.OpSettings.observe`,
-    a module name) an earlier op of the same kind in ``gm`` already has, with ``#1``, ``#2``... appended: sites name
-    one op each (a module that calls ``F.linear`` twice). ``kwargs`` as they are without ``stats``."""
+    """``kwargs`` of a new op call of ``kind`` whose ``stats`` site prefix
+    (:meth:`mxfx.ops.settings.OpSettings.observe`, a module name) an earlier op of the same kind in ``gm`` already has,
+    with ``#1``, ``#2``... appended: sites name one op each (a module that calls ``F.linear`` twice). ``kwargs`` as they
+    are without ``stats``."""
     site = kwargs.get("stats")
     if not site:
         return kwargs

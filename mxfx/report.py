@@ -201,7 +201,8 @@ class PrecisionMap:
         legend = " ".join(f'<span style="background:{c};padding:2px 6px">{k}</span>' for k, c in colours.items())
         return (
             "<!doctype html><meta charset=utf-8><title>mxfx precision map</title>"
-            "<style>body{font:13px sans-serif}table{border-collapse:collapse}td,th{border:1px solid #bbb;padding:2px 6px}</style>"
+            "<style>body{font:13px sans-serif}table{border-collapse:collapse}"
+            "td,th{border:1px solid #bbb;padding:2px 6px}</style>"
             f"<h3>{html.escape(self.summary())}</h3><p>{legend}</p><table><tr>{head}</tr>{''.join(rows)}</table>\n"
         )
 

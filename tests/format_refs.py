@@ -1,10 +1,11 @@
 """Plain-torch reference decodes of each format's GEMM operands, for the op tests parametrized over formats.
 
 ``act(fmt, t, axis, rule)``: ``t`` quantized along ``axis`` as that format quantizes an activation or gradient
-(MXFP8: blocks of 32; fp8_block: 1x128 tiles; bf16_gemm: each value rounded to BF16), dequantized to float32. ``weight(fmt, w, axis, rule)``: a weight
-``[..., N, K]`` as its cached GEMM operand reads it, blocked along ``axis`` (-1: the forward's K, -2: the dgrad's N)
-(MXFP8: blocks of 32 along that axis; fp8_block: one 128x128 grid, the same values both ways). ``pad``: the
-tokens a token-blocked wgrad operand is zero-padded to (zero rows add nothing to the product).
+(MXFP8: blocks of 32; fp8_block: 1x128 tiles; bf16_gemm: each value rounded to BF16), dequantized to float32.
+``weight(fmt, w, axis, rule)``: a weight ``[..., N, K]`` as its cached GEMM operand reads it, blocked along ``axis``
+(-1: the forward's K, -2: the dgrad's N) (MXFP8: blocks of 32 along that axis; fp8_block: one 128x128 grid, the same
+values both ways). ``pad``: the tokens a token-blocked wgrad operand is zero-padded to (zero rows add nothing to the
+product).
 """
 
 import torch

@@ -149,7 +149,8 @@ def test_quantize_kernels_bit_exact(rule):
     _same(bq.quantize_128x128(w.cuda(), rule), bf.quantize_128x128(w, rule=rule))
     gate = (torch.randn(64, 512, generator=g) * 4).bfloat16()
     up = torch.randn(64, 512, generator=g).bfloat16()
-    # the product formed on the GPU: mxfx's SiLU is CUDA's F.silu (libdevice expf), which CPU's may differ from by an ulp
+    # the product formed on the GPU: mxfx's SiLU is CUDA's F.silu (libdevice expf),
+    # which CPU's may differ from by an ulp
     want = tuple(t.cpu() for t in bf.quantize_1x128(silu_fp32(gate.cuda()) * up.cuda().float(), rule=rule))
     saved = bq.swiglu_quantize_1x128_save(gate.cuda(), up.cuda(), rule)
     for got in (bq.swiglu_quantize_1x128(gate.cuda(), up.cuda(), rule), saved[:2]):

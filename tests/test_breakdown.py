@@ -35,7 +35,8 @@ KERNELS = [  # (kernel name, the CPU ops it ran under: launching op first), fami
     ),
     (
         "void cutlass::device_kernel<at::cuda::detail::enable_3x_kernel_for_sm9x<cutlass::gemm::kernel::GemmUniversal<"
-        "cutlass::gemm::GroupProblemShape<cute::tuple<int, int, int> >, cute::tuple<cute::C<128>, cute::C<256>, cute::C<64> >>>>",
+        "cutlass::gemm::GroupProblemShape<cute::tuple<int, int, int> >, "
+        "cute::tuple<cute::C<128>, cute::C<256>, cute::C<64> >>>>",
         ("aten::_grouped_mm", "CompiledFunction"),
         "routed GEMM",
     ),
@@ -52,7 +53,8 @@ KERNELS = [  # (kernel name, the CPU ops it ran under: launching op first), fami
     ),
     ("nvjet_tst_64x8_64x16_4x1_v_bz_TNN", ("aten::mm", "aten::_grouped_mm", "mxfx::grouped_wgrad_bf16"), "routed GEMM"),
     (
-        "void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl_nocast<at::native::FillFunctor<float>>>",
+        "void at::native::elementwise_kernel<128, 2, "
+        "at::native::gpu_kernel_impl_nocast<at::native::FillFunctor<float>>>",
         ("aten::fill_", "aten::zero_", "mxfx::block_grouped_wgrad"),
         "routed GEMM",
     ),
@@ -79,7 +81,8 @@ KERNELS = [  # (kernel name, the CPU ops it ran under: launching op first), fami
     ("_quantize", ("mxfx::refresh_weight_caches",), "optimizer + refresh"),
     # attention
     (
-        "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, cutlass::bfloat16_t>>",
+        "void pytorch_flash::flash_fwd_kernel<"
+        "Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, cutlass::bfloat16_t>>",
         ("aten::_flash_attention_forward", "aten::_scaled_dot_product_flash_attention"),
         "attention",
     ),

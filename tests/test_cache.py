@@ -1,4 +1,5 @@
-"""Weight caches (mxfx.runtime.cache): quantize once per optimizer step, refreshed on every path that changes a weight."""
+"""Weight caches (mxfx.runtime.cache): quantize once per optimizer step, refreshed on every path that
+changes a weight."""
 
 import gc
 import io

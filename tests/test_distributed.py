@@ -24,7 +24,8 @@ FOUR_RANKS = ["ep"]
 
 
 def _ep_ok(log: str, world: int) -> None:
-    """Outputs/grads equal the single-process reference with the same MX rounding; one graph; bytes = 33/32 per value."""
+    """Outputs/grads equal the single-process reference with the same MX rounding; one graph;
+    bytes = 33/32 per value."""
     assert sum(line.startswith("EP OK") for line in log.splitlines()) == world, log
 
 

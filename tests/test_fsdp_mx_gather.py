@@ -48,8 +48,8 @@ def test_eligibility_fallback():
 def test_expert_weights_gather_low_precision(two_ranks):
     """A small MoE (per-block compile, routed experts ``[E, N, K]`` in grouped GEMMs, sharded over experts), for
     mxfp8 and fp8_block: with the low-precision gather, losses over 5 AdamW steps equal those of the same FSDP2 run
-    gathering FP32, and are within 1e-2 of one process (tests/test_fsdp.py's MoE bound); gathered expert and linear forms
-    byte-identical to one-process quantization; the expert unit's all-gather moves 33/32 (mxfp8) or 1 + 4/128^2
+    gathering FP32, and are within 1e-2 of one process (tests/test_fsdp.py's MoE bound); gathered expert and linear
+    forms byte-identical to one-process quantization; the expert unit's all-gather moves 33/32 (mxfp8) or 1 + 4/128^2
     (fp8_block) bytes per value, <= 0.52x the BF16 FSDP2 run's. fp8_block: the dense ``down`` ([128, 256],
     64-row shards) gathers in FP32, as the map says. An expert weight that fully_shard shards on dim 1 while
     mx_all_gather was told dim 0 raises at its gather."""
@@ -394,7 +394,8 @@ def _worker_moe(rank: int, world: int):
         m.blocks[0].reshard()
         m.blocks[0].moe.reshard()
         report.append(
-            f"{fmt}: losses {losses} (one process: max gap {gap:.1e}); expert unit all_gather {expert} B vs bf16 {bf16_expert} B "
+            f"{fmt}: losses {losses} (one process: max gap {gap:.1e}); "
+            f"expert unit all_gather {expert} B vs bf16 {bf16_expert} B "
             f"({expert / bf16_expert:.3f}x); all_gather per {MOE_STEPS} steps {ag} B vs bf16 {bf16_ag} B "
             f"({ag / bf16_ag:.3f}x)"
         )

@@ -1,4 +1,5 @@
-"""GEMM dispatch by architecture: native Blackwell operands, selection, Hopper's dequantized-weight option, min_size="auto".
+"""GEMM dispatch by architecture: native Blackwell operands, selection, Hopper's dequantized-weight
+option, min_size="auto".
 
 The native Blackwell calls (``torch._scaled_mm`` / ``torch._scaled_grouped_mm``
 with MXFP8 scales) cannot run on CPU, so the native branch is verified up to the

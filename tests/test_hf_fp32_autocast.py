@@ -327,8 +327,9 @@ def test_moe_family_trains_with_every_routed_expert_gemm_converted(name):
 def test_checkpointed_layers_convert_with_the_dynamo_setting_the_warning_names():
     """transformers' activation checkpointing: on torch 2.13 a context variable set inside each checkpointed layer
     breaks the graph there ("HOP: Unsafe side effect") and every layer runs eagerly; the step's warning names their
-    weights, the break and the Dynamo setting (torch 2.11 keeps the layers in the graph: no warning). With that setting the layers are in the graph: every expert GEMM converted,
-    no weight left unread, and it trains as the model without mxfx does (bound: :data:`LOSS_BOUND`)."""
+    weights, the break and the Dynamo setting (torch 2.11 keeps the layers in the graph: no warning). With that setting
+    the layers are in the graph: every expert GEMM converted, no weight left unread, and it trains as the model without
+    mxfx does (bound: :data:`LOSS_BOUND`)."""
     model = _checkpointed_olmoe()
     reference = copy.deepcopy(model)
     before = len(mxfx.all_reports())

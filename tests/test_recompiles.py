@@ -3,8 +3,8 @@
 JetMoe's experts (and any per-expert loop) split the tokens by counts read on the host (``counts.tolist()``)
 and run one ``F.linear`` per expert. After the first change of counts Dynamo makes them dynamic, and the graph
 must then serve every split: the wgrad's token padding is one symbolic expression, with no guard on whether
-an expert's rows fit one 32-row MX block or one 128-row fp8_block tile. When Dynamo does give up on a frame mxfx converted (its recompile limit),
-the frame runs eagerly without mxfx's conversions: mxfx warns, naming the frame.
+an expert's rows fit one 32-row MX block or one 128-row fp8_block tile. When Dynamo does give up on a frame mxfx
+converted (its recompile limit), the frame runs eagerly without mxfx's conversions: mxfx warns, naming the frame.
 """
 
 from __future__ import annotations

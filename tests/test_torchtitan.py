@@ -141,8 +141,13 @@ for spec, flavor in (("qwen3_30b_a3b", "4layers"), ("qwen3_30b_a3b", "2layers_vo
         "shapes": {n: list(p.shape) for n, p in model.named_parameters() if n.startswith(("layers.0.", "layers.1."))},
         "layers": len(model.layers),
     }
-out["same_object"] = get_train_spec("qwen3_30b_a3b").model_args["4layers"] is get_train_spec("qwen3_30b_a3b").model_args["4layers"]
-out["torchtitan_own"] = [get_train_spec("qwen3").model_args["30B-A3B"].n_layers, get_train_spec("deepseek_v3").model_args["16B"].attn_type]
+out["same_object"] = (
+    get_train_spec("qwen3_30b_a3b").model_args["4layers"] is get_train_spec("qwen3_30b_a3b").model_args["4layers"]
+)
+out["torchtitan_own"] = [
+    get_train_spec("qwen3").model_args["30B-A3B"].n_layers,
+    get_train_spec("deepseek_v3").model_args["16B"].attn_type,
+]
 print(json.dumps(out))
 """
 

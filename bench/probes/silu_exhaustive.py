@@ -210,7 +210,8 @@ def check():
                 documented[name] += int((off & ~(out.isnan() & want.isinf())).sum())
         del bits, ref
     print(
-        "| variant | fp32 inputs differing from F.silu | of which NaN where F.silu gives +-Inf | g range of the others |"
+        "| variant | fp32 inputs differing from F.silu | of which NaN where F.silu gives +-Inf "
+        "| g range of the others |"
     )
     print("|---|---|---|---|")
     for name in VARIANTS:

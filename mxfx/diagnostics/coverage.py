@@ -341,8 +341,8 @@ def _unseen_message(optimizer: str, named: list, breaks: list[graph_breaks.Graph
         listed(found)
         if all(found)
         else (
-            f"shapes {listed([tuple(p.shape) for _, p in named])} (an optimizer built over model.named_parameters(), or "
-            f"mxfx.name_modules(model), has them named)"
+            f"shapes {listed([tuple(p.shape) for _, p in named])} (an optimizer built over model.named_parameters(), "
+            f"or mxfx.name_modules(model), has them named)"
         )
     )
     text = (

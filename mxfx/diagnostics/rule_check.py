@@ -174,7 +174,10 @@ def _opless_message(policy: Policy, rule, modules: set[str], ops: set[tuple[str,
         head = f"matches module{'s' if len(matched) > 1 else ''} {listed(matched)}, but there is no {wanted} there"
     holders = sorted({m for k, m in ops if m and (k == rule.op if rule.op else k in _FORWARD_KINDS)})
     if not holders:
-        advice = f"The graphs compiled under this policy have no {rule.op + ' op at all' if rule.op else 'op a rule decides'}"
+        advice = (
+            f"The graphs compiled under this policy have no "
+            f"{rule.op + ' op at all' if rule.op else 'op a rule decides'}"
+        )
         off = [p for p in ([_PASS_OF.get(rule.op, rule.op)] if rule.op else []) if not policy.pass_enabled(p)]
         advice += f" (the {off[0]!r} pass is off in this policy's passes); drop the rule" if off else "; drop the rule"
     else:

@@ -194,7 +194,8 @@ class Format:
     # --- operands (implemented per format) ------------------------------------------------------------
 
     def input_operand(self, x, up, rule, op: str) -> Operand:
-        """The forward GEMM's A operand of ``x`` (``silu(x) * up`` when ``up`` is given); ``op``: "mm" or "grouped_mm"."""
+        """The forward GEMM's A operand of ``x`` (``silu(x) * up`` when ``up`` is given);
+        ``op``: "mm" or "grouped_mm"."""
         raise NotImplementedError
 
     def forward_operands(self, x, up, rule, save: str, tokens: bool, offs=None, given: Operand | None = None):
@@ -280,8 +281,8 @@ class Format:
     def stats_values(self, source, combine: str, layout: str = "rows") -> torch.Tensor:
         """The float32 values a quantize read, formed from ``source`` as ``combine`` says
         (:data:`mxfx.runtime.stats.COMBINES`): ``source[0]`` itself, ``silu(gate) * up`` in fp32 ("swiglu": the one
-        product the forward and wgrad operands of a SwiGLU are quantized from, :func:`mxfx.kernels.common.silu.swiglu_fp32`),
-        or rows times route weights in fp32 ("route_weight").
+        product the forward and wgrad operands of a SwiGLU are quantized from,
+        :func:`mxfx.kernels.common.silu.swiglu_fp32`), or rows times route weights in fp32 ("route_weight").
 
         Raises:
             ValueError: an unknown ``combine``.

@@ -106,8 +106,8 @@ def to_blocked(scales: torch.Tensor) -> torch.Tensor:
     """
     if scales.dim() != 2:
         raise ValueError(
-            f"mxfx.numerics.layout.to_blocked: expected a 2D [rows, cols] scale matrix, got shape {tuple(scales.shape)}; "
-            f"flatten leading dims first (scales.reshape(-1, scales.shape[-1]))"
+            f"mxfx.numerics.layout.to_blocked: expected a 2D [rows, cols] scale matrix, "
+            f"got shape {tuple(scales.shape)}; flatten leading dims first (scales.reshape(-1, scales.shape[-1]))"
         )
     if scales.dtype not in (torch.uint8, torch.float8_e8m0fnu):
         raise TypeError(

@@ -164,7 +164,8 @@ def mx_all_to_all(
     (splits swapped). Each direction travels as MXFP8 (rows quantized with
     ``scale_rule``, dequantized on receive, so the result is ``dequantize(quantize(row))``
     of the row sent) or as written (``"bf16"``: the tensor's own dtype, unchanged).
-    Source: the recipe, "Smaller Dispatch and Combine Payloads" and "Routed Experts" (dispatch and combine, forward and backward).
+    Source: the recipe, "Smaller Dispatch and Combine Payloads" and "Routed Experts" (dispatch and combine, forward and
+    backward).
 
     Args:
         x: bf16/fp16/fp32 rows, any trailing shape; last dim D a multiple of 32
@@ -180,15 +181,15 @@ def mx_all_to_all(
         route_weight: optional per-received-row weights ``[N_recv]`` or ``[N_recv, 1]``
             (the combine's route weights): the result is the received rows times them,
             in fp32, and the backward sends ``dy * route_weight`` formed inside the
-            transport quantize (``mxfx::route_weight_quantize``, the recipe, "Kernel Problems and Fusions" (Table 25)), so no
-            weighted gradient is materialized in BF16 first. Not with ``return_mx``.
+            transport quantize (``mxfx::route_weight_quantize``, the recipe, "Kernel Problems and Fusions" (Table 25)),
+            so no weighted gradient is materialized in BF16 first. Not with ``return_mx``.
         stats, stats_every: quantization statistics of the MXFP8 payloads (:mod:`mxfx.runtime.stats`) every
             ``stats_every`` optimizer steps, at sites ``<stats>_fwd`` and ``<stats>_bwd`` (the pass gives
             ``<module>/all_to_all/<role>``); "" (default): none.
 
     Returns:
-        The received rows in ``x.dtype`` (fp32 rows scaled by ``route_weight`` when given); with ``return_mx``, ``(rows, qdata e4m3
-        [N_recv, ..., D], scales uint8 [N_recv, ..., D/32])`` where ``rows`` is exactly
+        The received rows in ``x.dtype`` (fp32 rows scaled by ``route_weight`` when given); with ``return_mx``,
+        ``(rows, qdata e4m3 [N_recv, ..., D], scales uint8 [N_recv, ..., D/32])`` where ``rows`` is exactly
         ``dequantize(qdata, scales)`` and the pair carries no gradient.
 
     Raises:

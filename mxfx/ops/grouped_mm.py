@@ -183,8 +183,8 @@ def mx_grouped_mm_op(
     Raises:
         TypeError: x not a bf16/fp16/fp32 tensor, offs not a tensor, out_dtype not floating.
         ValueError: an unknown scale rule, shapes that do not pair up or do not fit the format (``feature_multiple``),
-            offs not int32 (or, on the CPU, not non-decreasing ends of at most S rows), no experts, route_weight not [S] or [S, 1], a weight that
-            is not 3D, a settings value not valid, ``x_mx`` given with ``up`` or with shapes
+            offs not int32 (or, on the CPU, not non-decreasing ends of at most S rows), no experts, route_weight not [S]
+            or [S, 1], a weight that is not 3D, a settings value not valid, ``x_mx`` given with ``up`` or with shapes
             that do not match ``x``, or ``x_mx_from`` not one of :data:`X_MX_FROM` with ``x_mx`` or given without it.
             TypeError also for a keyword that is not a settings field.
     """

@@ -103,7 +103,8 @@ FIELDS = tuple(f.name for f in dataclasses.fields(OpSettings))
 
 
 def settings_of(kwargs: dict) -> OpSettings:
-    """The settings an op call of a rewritten graph carries in its keyword arguments (:meth:`OpSettings.graph_kwargs`)."""
+    """The settings an op call of a rewritten graph carries in its keyword arguments
+    (:meth:`OpSettings.graph_kwargs`)."""
     return OpSettings(**{k: kwargs[k] for k in FIELDS if k in kwargs})
 
 

@@ -126,7 +126,8 @@ def _fuse_into_transport(gm: fx.GraphModule, pm: PrecisionMap) -> int:
 
 
 def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
-    """Fuse route-weight multiplies into MX grouped GEMMs and combine all-to-alls in place; returns how many were fused."""
+    """Fuse route-weight multiplies into MX grouped GEMMs and combine all-to-alls in place;
+    returns how many were fused."""
     fused = _fuse_into_transport(gm, pm)
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not mx_grouped_mm_op or len(node.users) != 1:

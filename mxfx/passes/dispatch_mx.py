@@ -52,7 +52,8 @@ _INDEX_SELECT = (torch.index_select,)
 
 
 def _row_gather(node: fx.Node, src: fx.Node) -> bool:
-    """``node`` reads rows of ``src`` only: ``src[idx]`` (1D integer tensor), ``index_select(src, 0, idx)``, ``contiguous``."""
+    """``node`` reads rows of ``src`` only: ``src[idx]`` (1D integer tensor),
+    ``index_select(src, 0, idx)``, ``contiguous``."""
     if node.op == "call_function" and node.target is operator.getitem and node.args[0] is src:
         idx = example_value(node.args[1]) if isinstance(node.args[1], fx.Node) else None
         return idx is not None and idx.dim() == 1 and not idx.is_floating_point() and idx.dtype != torch.bool

@@ -3,9 +3,9 @@
 Pattern: the input of an MX linear or MX grouped GEMM (inserted by the earlier
 passes) is ``silu(gate) * up`` in either operand order, possibly followed by
 dtype casts, or its rows gathered by a 1-D index (the sort of
-:mod:`mxfx.passes.batched_mm`: gate and up are gathered instead), with gate/up coming from two matmuls or from ``chunk``/``split``
-of one fused gate_up projection. The product and the silu must have no other
-user (else the BF16 ``h`` is needed anyway and fusing saves nothing).
+:mod:`mxfx.passes.batched_mm`: gate and up are gathered instead), with gate/up coming from two matmuls or from
+``chunk``/``split`` of one fused gate_up projection. The product and the silu must have no other user (else the BF16
+``h`` is needed anyway and fusing saves nothing).
 
 Replacement: the consumer takes gate and up and quantizes ``silu(gate) * up``
 formed in fp32 straight to MXFP8 (``mxfx::swiglu_quantize``): no BF16 ``h`` is

@@ -155,7 +155,10 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         if off is not None and not policy.pass_enabled(off):
             why = f"the {off!r} pass is switched off (passes={{{off!r}: False}}); it runs in the model's precision"
         elif "::" in name:
-            why = "opaque custom op: mxfx cannot see which GEMMs it runs; register its pattern or keep the weight out of it"
+            why = (
+                "opaque custom op: mxfx cannot see which GEMMs it runs; "
+                "register its pattern or keep the weight out of it"
+            )
         else:
             why = "GEMM over a parameter that no mxfx pattern matches; it runs in the model's precision"
         refused = _refused(policy, module_fqn(node), example_value(p))

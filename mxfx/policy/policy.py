@@ -591,7 +591,8 @@ class Policy(_NamedFields):
         for name, valid in (("scale_rule", SCALE_RULES), ("save", PRECISIONS)):
             if getattr(self, name) not in valid:  # None is not a value here
                 raise ValueError(
-                    f"mxfx policy: {name}={getattr(self, name)!r} is not valid; choose one of {', '.join(map(repr, valid))}"
+                    f"mxfx policy: {name}={getattr(self, name)!r} is not valid; "
+                    f"choose one of {', '.join(map(repr, valid))}"
                 )
         _check_choice("wgrad", self.wgrad, PRECISIONS)
         _check_choice("kernels", self.kernels, KERNEL_LAUNCHES)
@@ -616,7 +617,8 @@ class Policy(_NamedFields):
                 raise ValueError(f"mxfx policy: {flag}={getattr(self, flag)!r} must be True or False")
         if not callable(self.inner) and self.inner not in INNER_COMPILERS:
             raise ValueError(
-                f"mxfx policy: inner={self.inner!r} is not valid; choose one of {', '.join(map(repr, INNER_COMPILERS))} or a backend callable"
+                f"mxfx policy: inner={self.inner!r} is not valid; "
+                f"choose one of {', '.join(map(repr, INNER_COMPILERS))} or a backend callable"
             )
         rules = tuple(r if isinstance(r, Rule) else _indexed_rule(i, r) for i, r in enumerate(self.rules))
         object.__setattr__(self, "rules", rules)
@@ -827,6 +829,7 @@ class Policy(_NamedFields):
             raise ValueError(
                 f"{e}; for the {kind} op of module {module!r}, format {fmt.name!r}{transport} comes from "
                 f"{origin(format_rule, 'format=' + repr(self.format))} and scale_rule={scale_rule!r} from "
-                f"{origin(rule_rule, 'scale_rule')}: add before those rules (the first rule that sets a field wins) a rule for this module or op that sets both "
+                f"{origin(rule_rule, 'scale_rule')}: add before those rules (the first rule that sets a field wins) "
+                f"a rule for this module or op that sets both "
                 f"(e.g. {{'module': {module!r}, 'op': {kind!r}, 'scale_rule': {fmt.scale_rules[0].value!r}}})"
             ) from None

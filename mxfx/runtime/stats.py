@@ -19,8 +19,8 @@ vector on the tensors' device and queues it: no host sync per call. On CUDA the 
 makes it where the format has one for the layout (one launch reading the values and the operand, and a finishing
 launch); elsewhere, and where none covers the operand, the plain-torch reference: the format gives the values, their
 dequantization, the saturated payload values and the scale exponents (:class:`Parts`, its
-:meth:`~mxfx.formats.base.Format.quant_stats`) and :func:`reduce_parts` reduces them. The queue is read back (one sync) at
-the next optimizer step (a step post-hook) or when :func:`table` is read.
+:meth:`~mxfx.formats.base.Format.quant_stats`) and :func:`reduce_parts` reduces them. The queue is read back (one sync)
+at the next optimizer step (a step post-hook) or when :func:`table` is read.
 
 Outputs: :func:`table` (``mxfx.stats()``), a JSONL log ``stats.jsonl`` and TensorBoard scalars (when
 ``torch.utils.tensorboard`` imports) under the dump dir (:func:`set_output`), a warning the first time a site's

@@ -37,7 +37,8 @@ def swiglu_quantize_1x128(
         return _triton().swiglu_quantize_1x128(gate, up, rule)
     if gate.shape != up.shape:
         raise ValueError(
-            f"mxfx.kernels.fp8_block.device_path.swiglu_quantize_1x128: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ"
+            f"mxfx.kernels.fp8_block.device_path.swiglu_quantize_1x128: gate {tuple(gate.shape)} "
+            f"and up {tuple(up.shape)} differ"
         )
     return quantize_1x128(swiglu_fp32(gate, up), rule)
 

@@ -338,7 +338,8 @@ def grouped_wgrad(
     *,
     config: tuple | None = None,
 ) -> torch.Tensor:
-    """Launch the grouped wgrad kernel; arguments as :func:`mxfx.kernels.fp8_block.gemm.grouped_wgrad` after its checks."""
+    """Launch the grouped wgrad kernel; arguments as :func:`mxfx.kernels.fp8_block.gemm.grouped_wgrad`
+    after its checks."""
     n, _ = a.shape
     k = b.shape[0]
     g = offs.numel()

@@ -26,12 +26,13 @@ FP32_MANT_1_75 = tl.constexpr(0x600000)
 """Mantissa field of 1.75: above it, amax / 2^(floor(log2 amax) - 8) exceeds 448 and rceil steps up."""
 
 HW_E4M3_CONVERSION = tl.constexpr(not INTERPRETED)
-"""Compiled kernels convert fp32 to E4M3 with the hardware's ``cvt.rn.satfinite.e4m3x2.f32`` (sm89+, the only targets with Triton fp8e4nv), which rounds to
-nearest even, saturates at +-448 and turns NaN into the NaN byte 0x7F: the clamp and the per-value NaN
-select are then left out (a nonfinite block gets a NaN inverse scale instead), about a third fewer instructions
-per value in kernels that are otherwise issue-bound. Triton's interpreter converts with its own code, which
+"""Compiled kernels convert fp32 to E4M3 with the hardware's ``cvt.rn.satfinite.e4m3x2.f32`` (sm89+, the only targets
+with Triton fp8e4nv), which rounds to nearest even, saturates at +-448 and turns NaN into the NaN byte 0x7F: the clamp
+and the per-value NaN select are then left out (a nonfinite block gets a NaN inverse scale instead), about a third fewer
+instructions per value in kernels that are otherwise issue-bound. Triton's interpreter converts with its own code, which
 neither saturates nor maps NaN so, and keeps the explicit form; its rounding to E4M3 is not exact either
-(values near a power of two can come out a factor 2 off), so interpreter tests use exactly representable data. Read at import, as Triton reads it."""
+(values near a power of two can come out a factor 2 off), so interpreter tests use exactly representable data. Read at
+import, as Triton reads it."""
 
 E4M3X4_PTX = tl.constexpr(
     "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
@@ -51,8 +52,8 @@ CONVERT_ALL = CONVERT_E4M3X4 | CONVERT_BF16X2
 _CONVERSION_ENV = os.environ.get("MXFX_KERNEL_CVT", "").strip()
 if _CONVERSION_ENV not in ("", "0", "1", "2", "3"):
     raise ValueError(
-        f"MXFX_KERNEL_CVT={_CONVERSION_ENV!r}: expected 0-3 (bits {CONVERT_E4M3X4}: E4M3 packing, {CONVERT_BF16X2}: bf16 "
-        "widening), or unset it to let each kernel use its own forms"
+        f"MXFX_KERNEL_CVT={_CONVERSION_ENV!r}: expected 0-3 (bits {CONVERT_E4M3X4}: E4M3 packing, "
+        f"{CONVERT_BF16X2}: bf16 widening), or unset it to let each kernel use its own forms"
     )
 CONVERSION_OVERRIDE = int(_CONVERSION_ENV) if _CONVERSION_ENV else None
 """``MXFX_KERNEL_CVT`` (0-3, ``CONVERT`` bits, read at import): use these bits in every kernel instead of each kernel's

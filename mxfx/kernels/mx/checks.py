@@ -10,7 +10,8 @@ TOKEN_DIM_HINT = " (the token dim, for activations)"
 
 
 def check_lastdim_args(x, rule: str, op: str) -> None:
-    """Checks of an op blocked along the last dim: a bf16/fp16/fp32 tensor, a known rule, the last dim a multiple of 32."""
+    """Checks of an op blocked along the last dim: a bf16/fp16/fp32 tensor, a known rule, the last dim a
+    multiple of 32."""
     mxf.check_input(x, op)
     mxf.check_rule(rule, op)
     mxf.check_block_axis(x.shape, -1, op)
@@ -46,7 +47,8 @@ def check_dual_args(
 
 
 def check_route_args(dy: torch.Tensor, weight, op: str) -> None:
-    """Raise ValueError naming ``op`` unless ``dy`` is ``[S, D]`` and ``weight`` a tensor of S values ([S] or [S, 1])."""
+    """Raise ValueError naming ``op`` unless ``dy`` is ``[S, D]`` and ``weight`` a tensor of S values
+    ([S] or [S, 1])."""
     if not isinstance(weight, torch.Tensor) or dy.dim() != 2 or weight.numel() != dy.shape[0]:
         raise ValueError(
             f"{op}: expected dy [S, D] and weight [S] or [S, 1], got dy of shape {tuple(dy.shape)} and weight "

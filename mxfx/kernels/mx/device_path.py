@@ -122,7 +122,8 @@ def quantize_dual_source(
     dequantized: torch.dtype | None = None,
     mx: bool = True,
 ):
-    """Both orientations of ``x [M, K]`` (or ``[B, M, K]``) from one read, in the source layout (that of a contiguous x).
+    """Both orientations of ``x [M, K]`` (or ``[B, M, K]``) from one read, in the source layout
+    (that of a contiguous x).
 
     Returns ``(q_row, s_row, h_row, q_col, s_col, h_col)``: the pairs of :func:`quantize_dual`
     (same values and scale layouts), but ``q_col [.., K, M]`` is the transpose view of a
@@ -131,8 +132,8 @@ def quantize_dual_source(
     and so are the pairs with ``mx=False`` (the dequantized values alone, one read, no MX writes).
     Raises ValueError unless x is 2D/3D with M and K multiples of 32, when neither orientation
     is asked for, or with ``mx=False`` and no ``dequantized``; TypeError for an input dtype other than
-    bf16/fp16/fp32 or a ``dequantized`` dtype that is not a float of 16+ bits (:func:`mxfx.kernels.mx.checks.check_dual_args`,
-    the same on every device).
+    bf16/fp16/fp32 or a ``dequantized`` dtype that is not a float of 16+ bits
+    (:func:`mxfx.kernels.mx.checks.check_dual_args`, the same on every device).
     """
     if triton_available(x):
         from mxfx.kernels.mx import dual
@@ -205,8 +206,9 @@ def swiglu_quantize(
 
 
 def route_weight_quantize(dy: torch.Tensor, weight: torch.Tensor, rule: str, dequantized: torch.dtype | None = None):
-    """MX quantize of ``dy [S, D] * weight [S, 1]`` formed in fp32 (combine backward, the recipe, "Kernel Problems and Fusions" (Table 25)):
-    ``(qdata, scales)``, or with ``dequantized`` also the dequantized values from the same pass."""
+    """MX quantize of ``dy [S, D] * weight [S, 1]`` formed in fp32 (combine backward, the recipe,
+    "Kernel Problems and Fusions" (Table 25)): ``(qdata, scales)``, or with ``dequantized`` also the dequantized
+    values from the same pass."""
     op = "mxfx.route_weight_quantize"
     mxf.check_input(dy, op)
     if dequantized is not None:

@@ -1,4 +1,5 @@
-"""Triton MXFP8 quantize of ``x [M, K]`` in both orientations from one read (``quantize_dual``, ``quantize_dual_source``).
+"""Triton MXFP8 quantize of ``x [M, K]`` in both orientations from one read
+(``quantize_dual``, ``quantize_dual_source``).
 
 Rowwise blocks run along K (``q_row [M, K]``, ``s_row [M, K/32]``); columnwise blocks run
 down M, the logical ``[K, M]`` operand ``quantize_lastdim(x.t())`` gives, which dgrad and
@@ -50,11 +51,13 @@ from mxfx.numerics.layout import new_blocked_scales
 
 SOURCE_CONFIG = {"source": (32, 64, 1), "source fp32": (32, 64, 1), "dequantized": (32, 128, 2)}
 """(BLOCK_M, BLOCK_K, num_warps) of the source-layout passes, keyed as ``CONVERSION_FORMS``: a 16-bit input, a
-32-bit one, and a 16-bit input whose dequantized forms are written too (measured: docs/kernel-notes.md, "Kernel choices")."""
+32-bit one, and a 16-bit input whose dequantized forms are written too
+(measured: docs/kernel-notes.md, "Kernel choices")."""
 TRANSPOSED_CONFIG = (32, 64, 1)
 """(BLOCK_M, BLOCK_K, num_warps), columnwise pair stored transposed."""
 TRANSPOSED_MAXNREG = 96
-"""Registers per thread for the transposed pass of compiled kernels (None: uncapped; measured: docs/kernel-notes.md, "Kernel choices")."""
+"""Registers per thread for the transposed pass of compiled kernels (None: uncapped;
+measured: docs/kernel-notes.md, "Kernel choices")."""
 ADDRESS_FORMS = {
     "source": (True, True),
     "source fp32": (False, False),

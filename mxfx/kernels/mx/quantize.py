@@ -61,7 +61,8 @@ a fixed boolean key, as token counts are multiples of 32 there (measured: docs/k
 
 CONVERSION_FORMS = {"quantize": CONVERT_ALL, "blocked": CONVERT_BF16X2, "dequantized": CONVERT_BF16X2}
 """Conversion forms (``blocks.CONVERT_*`` bits) by output: the plain quantize (rowwise, columnwise, route-weight)
-takes both, the blocked-scale and the quantize-dequantize passes only the bf16 widening (measured: docs/kernel-notes.md, "Kernel choices")."""
+takes both, the blocked-scale and the quantize-dequantize passes only the bf16 widening
+(measured: docs/kernel-notes.md, "Kernel choices")."""
 
 
 def _quantize(

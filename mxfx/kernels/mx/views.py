@@ -9,9 +9,9 @@ The logical shape of the scales is always ``[..., C/32]`` (OCP MX v1.0 §5: one 
   (rowwise quantize of a contiguous tensor, SwiGLU, route-weight);
 * **MN-major** (the transpose view of a contiguous ``[..., C/32, R]`` tensor): tiles of a few
   blocks per row, which write a few scale bytes per row and one sector per row in row-major
-  order, but whole sectors here (measured: docs/kernel-notes.md, "Kernel choices"). :func:`lastdim_scales` says when ``quantize_lastdim`` writes them so
-  (a transposed input: the columnwise operand); both orientations of the dual quantizes
-  always do.
+  order, but whole sectors here (measured: docs/kernel-notes.md, "Kernel choices"). :func:`lastdim_scales` says when
+  ``quantize_lastdim`` writes them so (a transposed input: the columnwise operand); both orientations of the dual
+  quantizes always do.
 
 Consumers index scales through their strides (the dequantize kernels, ``to_blocked`` for native
 GEMMs), so either layout serves every GEMM path. The CPU reference path and the ops' fake

@@ -1,7 +1,7 @@
 """Cache entries: one per weight (storage region), their identity, their freshness and the lookup.
 
-Freshness (the recipe, "Forward, Dgrad, and Wgrad Need Different Operands", "Autograd Must Carry qdata and Scales as One Value", "DDP Must Be MXFP8-Aware": quantize once after each optimizer update, reuse
-across microbatches):
+Freshness (the recipe, "Forward, Dgrad, and Wgrad Need Different Operands", "Autograd Must Carry qdata and Scales as One
+Value", "DDP Must Be MXFP8-Aware": quantize once after each optimizer update, reuse across microbatches):
 
 * **Identity.** An entry belongs to one storage region: the storage (held through
   :class:`~torch.multiprocessing.reductions.StorageWeakRef`, which pins the
@@ -128,8 +128,8 @@ def _drop_storage(cdata: int) -> None:
 
 
 def set_dgrad_at_refresh(enabled: bool) -> bool:
-    """Choose when the dgrad-side forms (each family's ``dgrad_side`` forms) are rebuilt after a weight changed; returns the
-    previous choice.
+    """Choose when the dgrad-side forms (each family's ``dgrad_side`` forms) are rebuilt after a weight changed; returns
+    the previous choice.
 
     ``False`` (the default): a refresh rebuilds the forward-side forms only and drops the stale dgrad-side
     ones; the backward builds them at their lookup, and with one microbatch per step drops every form of
@@ -204,9 +204,9 @@ def lookup(weight: torch.Tensor, rule: str, orientation: str) -> tuple[torch.Ten
     check(weight, rule, orientation)
     if weight.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
-            f"mxfx.runtime.cache: a weight {tuple(weight.shape)} is looked up while a CUDA graph is being captured; a replay "
-            f"would skip the freshness check and reuse caches of the step it was captured in. Run the mxfp8 backend "
-            f"outside CUDA graphs (torchtitan: --training.disable_cuda_graphs)"
+            f"mxfx.runtime.cache: a weight {tuple(weight.shape)} is looked up while a CUDA graph is being captured; "
+            f"a replay would skip the freshness check and reuse caches of the step it was captured in. "
+            f"Run the mxfp8 backend outside CUDA graphs (torchtitan: --training.disable_cuda_graphs)"
         )
     with state.lock:
         entry = _entry_for(weight, create=True)
@@ -214,10 +214,10 @@ def lookup(weight: torch.Tensor, rule: str, orientation: str) -> tuple[torch.Ten
         form = (rule, orientation)
         if entry.gathered and (form not in entry.forms or entry.step != state.step):
             raise RuntimeError(
-                f"mxfx.runtime.cache: the {orientation!r} form of a weight {tuple(weight.shape)} gathered as MX forms by FSDP2 "
-                f"(mxfx.fsdp.mx_all_gather) was not gathered since the last optimizer step; its unsharded values cannot rebuild it "
-                f"exactly. Keep this weight out of mx_all_gather (and Policy.keep_dequantized_weights is not "
-                f"supported with it)"
+                f"mxfx.runtime.cache: the {orientation!r} form of a weight {tuple(weight.shape)} gathered as MX forms "
+                f"by FSDP2 (mxfx.fsdp.mx_all_gather) was not gathered since the last optimizer step; its unsharded "
+                f"values cannot rebuild it exactly. Keep this weight out of mx_all_gather "
+                f"(and Policy.keep_dequantized_weights is not supported with it)"
             )
         if (
             entry.version != weight._version
