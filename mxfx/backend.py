@@ -28,7 +28,6 @@ from mxfx.fx import PREFIX_META, all_graphs, example_value, fill_example_values,
 from mxfx.policy import Policy
 
 log = logging.getLogger("mxfx")
-coverage.watch_steps()  # torch loads this module to resolve backend="mxfp8": a model it then never sees is told of
 _warned_float16 = False  # the float16 warning is given once per process
 
 

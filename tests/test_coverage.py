@@ -415,7 +415,14 @@ def _train_two_steps(model, opt) -> list[str]:
     return _mxfx_warnings(steps)
 
 
-def test_a_model_dynamo_skips_whole_is_named_at_the_first_step():
+@pytest.fixture
+def watched():
+    handle = mxfx.watch_steps()
+    yield
+    handle.remove()
+
+
+def test_a_model_dynamo_skips_whole_is_named_at_the_first_step(watched):
     """FP32 parameters under BF16 autocast, two steps: no graph reaches the backend (no precision map), and the
     first optimizer step names the weights it stepped (the router's gets no gradient through argmax), once."""
     model = TopLevelLoopMoE()
@@ -433,7 +440,33 @@ def test_a_model_dynamo_skips_whole_is_named_at_the_first_step():
     assert "'w', 'proj.weight'" in message, message
 
 
-def test_a_model_a_graph_reached_is_not_called_skipped():
+def test_eager_training_beside_the_backend_is_not_warned_about_unless_watched():
+    """The check is on request: a model trained eagerly in a process that loaded the backend (a reference arm
+    beside a compiled one) gets no warning; under :func:`mxfx.watch_steps` it is named, and after the handle's
+    ``remove()`` it is not."""
+    torch._dynamo.lookup_backend("mxfp8")
+
+    def eager_step(model):
+        opt = torch.optim.SGD(model.named_parameters(), lr=0.1)
+
+        def step():
+            model(torch.randn(8, 64)).sum().backward()
+            opt.step()
+
+        return [m for m in _mxfx_warnings(step) if "no graph compiled" in m]
+
+    assert eager_step(nn.Sequential(nn.Linear(64, 64))) == []
+    handle = mxfx.watch_steps()
+    try:
+        assert mxfx.watch_steps() is handle  # registered once
+        (message,) = eager_step(nn.Sequential(nn.Linear(64, 64)))
+        assert "'0.weight'" in message, message
+    finally:
+        handle.remove()
+    assert eager_step(nn.Sequential(nn.Linear(64, 64))) == []
+
+
+def test_a_model_a_graph_reached_is_not_called_skipped(watched):
     model = Partly()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     _compile_and_run(model, torch.randn(64, 256))

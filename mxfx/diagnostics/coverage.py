@@ -25,9 +25,11 @@ has compiled by then), or at exit (:mod:`mxfx.diagnostics.judgment`). The judgme
   where); a break
   inside an activation-checkpointed region by a side effect of its forward names the Dynamo setting that keeps the
   region in the graph (:data:`mxfx.diagnostics.graph_breaks.CHECKPOINT_SETTING`).
-* **A model no graph reached** (:func:`watch_steps`): an optimizer whose weights no compiled graph took at all is
-  warned about at its first step. Dynamo skips a forward whole (no graph reaches the backend, so no model is
-  observed) when it breaks inside a loop, such as one over experts with ``torch.where`` per expert.
+* **A model no graph reached** (:func:`watch_steps`, on request): an optimizer whose weights no compiled graph took
+  at all is warned about at its first step. Dynamo skips a forward whole (no graph reaches the backend, so no model
+  is observed) when it breaks inside a loop, such as one over experts with ``torch.where`` per expert. Nothing of
+  ``torch.compile``'s public API tells the backend which model it was given, so the check cannot tell such a model
+  from one trained eagerly beside it: it runs only where asked.
 
 Keyed by model, not by module names: a second model gets its own complete warnings, whatever names it shares
 with the first. Graphs that belong to no model (an optimizer step, a compiled function) share one process-wide
@@ -303,13 +305,16 @@ def _unread_message(where: str, missed: list[str], breaks: list[graph_breaks.Gra
     )
 
 
-def watch_steps() -> None:
-    """Check each optimizer's first step (a global step post-hook, registered once): when none of the weights it
-    steps (floating, two or more dims, with a gradient) was taken by a graph the backend compiled, warn with their
-    names (:func:`_unseen_message`). Coverage of a model some graph reached is :func:`unread_weights`' part."""
+def watch_steps():
+    """Check each optimizer's first step from now on (a global step post-hook, registered once): when none of the
+    weights it steps (floating, two or more dims, with a gradient) was taken by a graph the backend compiled, warn
+    with their names (:func:`_unseen_message`). For a process that trains only models compiled with
+    ``backend="mxfp8"``: a model trained eagerly beside them is warned about too. Coverage of a model some graph
+    reached is :func:`unread_weights`' part, always on. Returns the hook's handle (``.remove()`` ends the check)."""
     with _lock:
-        if not _watching:
-            _watching.append(register_optimizer_step_post_hook(_first_step))
+        if not _watching or _watching[0].id not in (_watching[0].hooks_dict_ref() or {}):
+            _watching[:] = [register_optimizer_step_post_hook(_first_step)]
+        return _watching[0]
 
 
 def _first_step(optimizer, args, kwargs) -> None:
