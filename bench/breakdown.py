@@ -88,7 +88,7 @@ _ROUTED_OPS = re.compile(
     r"grouped_mm|grouped_wgrad"
 )  # aten::_grouped_mm, aten::_scaled_grouped_mm, mxfx::*, transformers::*
 _DENSE_OPS = re.compile(
-    r"^(aten::(mm|addmm|bmm|baddbmm|matmul|linear|_scaled_mm|_addmm_activation)|mxfx::(mm|block_mm))$"
+    r"^(aten::(mm|addmm_?|bmm|baddbmm_?|matmul|linear|_scaled_mm|_addmm_activation)|mxfx::(mm|hp_mm|block_mm(_into)?))$"
 )
 _QUANTIZE_OPS = re.compile(r"^mxfx::(\w*quantize\w*|block_forward_operands)$")
 _ATTENTION = re.compile(r"scaled_dot_product|flash|fmha|sdpa|attention", re.I)

@@ -97,6 +97,15 @@ KERNELS = [  # (kernel name, the CPU ops it ran under: launching op first), fami
         "attention",
     ),
     ("fmha_cutlassB_bf16_aligned_128x64_k128_sm80", (), "attention"),
+    # a fused wgrad: cuBLAS accumulating into the FP32 .grad (addmm_ / out=), FP8's cuBLAS GEMM then its add
+    ("nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_TNT", ("aten::addmm_", "mxfx::wgrad_into_grad"), "dense GEMM"),
+    (
+        "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>",
+        ("aten::add_", "mxfx::block_mm_into", "mxfx::wgrad_into_grad"),
+        "dense GEMM",
+    ),
+    ("_grouped_wgrad_into_kernel", ("mxfx::wgrad_into_grad",), "routed GEMM"),
+    ("nvjet_sm90_tst_64x64_64x6_1x2_h_bz_TNT", ("aten::mm", "mxfx::hp_mm"), "dense GEMM"),
     (
         "void at::native::elementwise_kernel<128, 4, at::native::FillFunctor<c10::BFloat16>>",
         ("aten::fill_", "aten::zero_", "aten::_scaled_dot_product_efficient_attention_backward"),
