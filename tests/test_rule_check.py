@@ -4,6 +4,7 @@ first optimizer step (per-block compile) or at exit; a rule asking for low preci
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -504,3 +505,27 @@ def test_a_weight_refresh_rule_says_where_the_refresh_is_set():
         "rebuilds each weight's caches in the format and scale_rule its ops were given"
     ) in message
     assert "options={'passes': {'weight_refresh': False}}" in message
+
+
+@pytest.mark.parametrize(
+    "options, what",
+    [
+        ({"format": "bf16_gemm", "scale_rule": "floor"}, "scale_rule='floor' would do nothing: format='bf16_gemm'"),
+        ({"format": "bf16_gemm", "scale_rule": "amax"}, "scale_rule='amax' would do nothing"),
+        (
+            {"rules": [{"format": "bf16_gemm", "scale_rule": "floor"}]},
+            "rules[0] (scale_rule='floor', format='bf16_gemm'): scale_rule='floor' would do nothing",
+        ),
+        (  # the rule's format is the policy's
+            {"format": "bf16_gemm", "rules": [{"op": "linear", "scale_rule": "rceil"}]},
+            "rules[0] (op='linear', scale_rule='rceil'): scale_rule='rceil' would do nothing",
+        ),
+    ],
+)
+def test_a_scale_rule_for_a_format_without_scales_is_refused(options, what):
+    """bf16_gemm has no scales: a scale rule given for it would change nothing, so it is refused (as
+    keep_dequantized_weights is), naming the rule; the format alone, or as one rule's, is fine."""
+    with pytest.raises(ValueError, match=re.escape(what)):
+        mxfx.Policy(**options)
+    mxfx.Policy(format="bf16_gemm")
+    mxfx.Policy(format="fp8_block", rules=[{"op": "linear", "format": "bf16_gemm"}])

@@ -134,6 +134,15 @@ def _check_rule_fits_format(fmt: str, scale_rule: str, where: str) -> None:
         )
 
 
+_DEFAULT_SCALE_RULE = "rceil"
+"""The policy-wide scale rule when none is given (:attr:`Policy.scale_rule`'s default)."""
+
+
+def _without_scales(fmt: str) -> bool:
+    """Whether policy value ``fmt`` names a format without scales (one whose scale rule changes nothing)."""
+    return fmt != formats.AUTO and not formats.get(fmt).scale_rules
+
+
 def _may_keep_dequantized(fmt: str | None) -> bool:
     """Whether ops of policy value ``fmt`` may run in a format with BF16 dequantized weight forms ("auto" may)."""
     if fmt is None:
@@ -572,7 +581,7 @@ class Policy(_NamedFields):
             pass of its own, until the kernels take the gradient. Off by default (not yet measured on a GPU).
     """
 
-    scale_rule: str = "rceil"
+    scale_rule: str = _DEFAULT_SCALE_RULE
     wgrad: str | None = None
     save: str = "mxfp8"
     min_size: int | str = 0
@@ -623,6 +632,11 @@ class Policy(_NamedFields):
         rules = tuple(r if isinstance(r, Rule) else _indexed_rule(i, r) for i, r in enumerate(self.rules))
         object.__setattr__(self, "rules", rules)
         _check_rule_fits_format(self.format, self.scale_rule, "policy-wide")
+        if self.scale_rule != _DEFAULT_SCALE_RULE and _without_scales(self.format):
+            raise ValueError(
+                f"mxfx policy: scale_rule={self.scale_rule!r} would do nothing: format={self.format!r} has no scales "
+                f"({formats.get(self.format).description}); drop scale_rule, or choose a format with scales"
+            )
         if self.keep_dequantized_weights and not any(
             _may_keep_dequantized(f) for f in [self.format, *(r.format for r in rules)]
         ):
@@ -708,10 +722,15 @@ class Policy(_NamedFields):
         one of the two and inherits the other from the policy-wide values: naming the rule, which field it
         inherits, and the fix."""
         fmt, scale_rule = rule.format or self.format, rule.scale_rule or self.scale_rule
+        where = self.describe_rule(rule)
+        if rule.scale_rule is not None and _without_scales(fmt):
+            raise ValueError(
+                f"mxfx policy: {where}: scale_rule={rule.scale_rule!r} would do nothing: its format={fmt!r} has no "
+                f"scales ({formats.get(fmt).description}); drop scale_rule from the rule"
+            )
         valid = formats.rules_of(fmt)
         if scale_rule in valid:
             return
-        where = self.describe_rule(rule)
         if rule.scale_rule is None:  # the rule's format, the policy-wide scale rule
             fixed = {
                 f.name: getattr(rule, f.name) for f in dataclasses.fields(rule) if getattr(rule, f.name) is not None
