@@ -462,3 +462,17 @@ def test_keep_dequantized_weights_that_can_act_nowhere_warns(monkeypatch, rules,
     assert len(notes) == int(warns), notes
     if warns:
         assert "'auto'" in notes[0] and "fp8_block on cpu" in notes[0] and "format='mxfp8'" in notes[0]
+
+
+@pytest.mark.parametrize(
+    "fmt, says",
+    [("fp8_block", "fused into the dgrad quantize"), ("bf16_gemm", "fused into the GEMM (its dgrad scales dY")],
+)
+def test_the_combine_row_says_where_the_route_weights_went(fmt, says):
+    """A format that quantizes dY forms dY x route weight in its dgrad quantize; BF16 GEMMs have no quantize: the
+    grouped op's dgrad scales dY itself, and the map's row says which."""
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    _loss(_moe(), {"format": fmt, "inner": "aot_eager"}, ids)
+    pm = mxfx.last_report()
+    (row,) = [r for r in pm.records if r.kind == "combine"]
+    assert says in row.reason, pm.to_text()

@@ -175,7 +175,9 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
                     settings.format.name,
                     "-",
                     precision_of(out_dtype),
-                    "route-weight multiply fused into the dgrad quantize",
+                    "route-weight multiply fused into the dgrad quantize"
+                    if settings.format.low_precision
+                    else "route-weight multiply fused into the GEMM (its dgrad scales dY by the route weights)",
                 ),
             )
         )
