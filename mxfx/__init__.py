@@ -16,3 +16,16 @@ from mxfx.runtime.stats import reset as reset_stats, table as stats  # noqa: F40
 from mxfx.ops import grouped_mm as _grouped_mm  # noqa: F401,E402  (registers every torch.ops.mxfx op)
 
 __version__ = "0.1.0"
+__all__ = [
+    "DEFAULT_RULES",
+    "Policy",
+    "Rule",
+    "all_reports",
+    "dequantize",
+    "last_report",
+    "name_modules",
+    "quantize",
+    "reset_stats",
+    "stats",
+    "watch_steps",
+]
