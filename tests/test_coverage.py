@@ -505,3 +505,43 @@ def test_a_linear_on_the_resumed_stack_reads_only_its_own_weight():
     assert "model Between: 4 weight(s)" in message, message
     assert all(f"'experts.{e}.weight'" in message for e in range(4)) and "'pre" not in message, message
     assert f"'Dynamic shape operator' at {__file__}" in message, message
+
+
+class Checkpointed(nn.Module):
+    """A block run under ``torch.utils.checkpoint`` (its ops sit in the region's body graph)."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("wrap", ["checkpoint", "checkpoint_wrapper"])
+def test_weights_read_inside_a_checkpointed_region_are_not_named(wrap):
+    """Every GEMM of the checkpointed layer is in the graph (converted, or the router kept in FP32 on purpose): the
+    body's ops read the weights through the region's operands, and none is called unread, though body and outer
+    graph share node names (the router's ``logits`` and the head's)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from tests.models import MoETransformer, tiny_config
+
+    torch.manual_seed(0)
+    model = MoETransformer(tiny_config())
+    model.layers = nn.ModuleList(
+        (Checkpointed if wrap == "checkpoint" else checkpoint_wrapper)(b) for b in model.layers
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    idx = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+
+    def step():
+        torch._dynamo.reset()
+        with torch.autocast("cpu", torch.bfloat16):
+            torch.compile(model, backend="mxfp8", options=OPTS)(idx)[0].float().sum().backward()
+        opt.step()
+
+    messages = _mxfx_warnings(step)
+    records = mxfx.last_report().records
+    assert any(r.kind == "router" and ".moe" in r.module for r in records), mxfx.last_report().to_text()
+    assert not [m for m in messages if "read by no GEMM" in m], messages
