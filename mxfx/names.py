@@ -54,8 +54,8 @@ def roots() -> list[torch.nn.Module]:
 class Place:
     """Where a compiled graph sits in a model: ``root`` (the model, or None), the full-name ``prefix`` of the
     module the graph's names start from (``"layers.3."``, or ``""``), and ``shared``: the prefixes of the other
-    modules of ``root`` of that module's class (``["layers.0.", "layers.1.", ...]``), which Dynamo may run through
-    the same graph."""
+    modules of ``root`` that Dynamo may run through the same graph (``["layers.0.", "layers.1.", ...]``: the same
+    module of each other block of the running block's class, :func:`_same_class`)."""
 
     root: torch.nn.Module | None = None
     prefix: str = ""
