@@ -24,7 +24,15 @@ from mxfx import formats
 from mxfx import device as devices
 from mxfx.kernels.common import launch
 from mxfx.passes import weight_refresh, wgrad_accumulation
-from mxfx.fx import PREFIX_META, all_graphs, example_value, fill_example_values, parameter_placeholders, stats_sites
+from mxfx.fx import (
+    PREFIX_META,
+    all_graphs,
+    example_value,
+    fill_example_values,
+    parameter_placeholders,
+    record_prefixes,
+    stats_sites,
+)
 from mxfx.policy import Policy
 
 log = logging.getLogger("mxfx")
@@ -136,12 +144,15 @@ def rewrite(gm: fx.GraphModule, policy: Policy) -> report.PrecisionMap:
     pm = report.PrecisionMap(nodes=sum(len(g.graph.nodes) for g in graphs))
     steps = [(run.__module__.rpartition(".")[2], run) for name, run in passes.PIPELINE if policy.pass_enabled(name)]
     steps += [("example values", _fill_example_values), ("lint + recompile", _lint_recompile)]
+    prefixes = record_prefixes(gm)
     for g in graphs:
         own = report.PrecisionMap()  # the passes find records by node name, which one graph alone keeps unique
         for step, run in steps:
             nodes, start = len(g.graph.nodes), time.perf_counter()
             run(g, policy, own)
             pm.note_step(step, time.perf_counter() - start, len(g.graph.nodes) - nodes)
+        for r in own.records:  # a subgraph's names qualified by its place (mxfx.fx.record_prefixes)
+            r.node = prefixes[g] + r.node
         pm.records += own.records
     pm.stats_sites = stats_sites(gm)
     return pm

@@ -43,6 +43,37 @@ def all_graphs(gm: fx.GraphModule) -> list[fx.GraphModule]:
     return [gm] + [m for m in gm.modules() if isinstance(m, fx.GraphModule) and m is not gm]
 
 
+def record_prefixes(gm: fx.GraphModule) -> dict[fx.GraphModule, str]:
+    """Each graph of :func:`all_graphs` ``(gm)`` -> the prefix of its nodes' names in ``gm``'s precision map: ""
+    for ``gm``, its attribute path and a dot for a subgraph (``wrap_body_0.``), whose nodes reuse the outer graph's
+    names (``mx_linear`` in both)."""
+    return {g: f"{name}." if name else "" for name, g in gm.named_modules() if isinstance(g, fx.GraphModule)}
+
+
+CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
+"""The higher-order op of an activation-checkpointed region: ``(body, *operands)``, the body's placeholders in the
+operands' order."""
+
+
+def outer_inputs(gm: fx.GraphModule) -> tuple[dict[fx.Node, int], list[fx.GraphModule]]:
+    """``(placeholder -> index, bodies)``: the index among ``gm``'s placeholders of the input each placeholder of
+    ``gm``, or of an activation-checkpointed region's body in it (:data:`CHECKPOINT`, at any depth), stands for
+    (the same tensor handed down as an operand; a placeholder fed a computed value is left out), and those bodies."""
+    index_of = {p: i for i, p in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    bodies, pending = [], [gm]
+    while pending:
+        g = pending.pop()
+        for node in g.graph.nodes:
+            if node.op != "call_function" or node.target is not CHECKPOINT or node.args[0].op != "get_attr":
+                continue
+            body = getattr(g, node.args[0].target)
+            inner = [n for n in body.graph.nodes if n.op == "placeholder"]
+            index_of.update((p, index_of[a]) for p, a in zip(inner, node.args[1:]) if a in index_of)
+            bodies.append(body)
+            pending.append(body)
+    return index_of, bodies
+
+
 PREFIX_META = "mxfx_module_prefix"  # gm.meta key: the graph's place in the whole model ("layers.3.")
 STATS_SITES_META = "mxfx_stats_sites"  # gm.meta key: statistics site prefixes given to ops of the graph so far
 

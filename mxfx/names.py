@@ -54,8 +54,8 @@ def roots() -> list[torch.nn.Module]:
 class Place:
     """Where a compiled graph sits in a model: ``root`` (the model, or None), the full-name ``prefix`` of the
     module the graph's names start from (``"layers.3."``, or ``""``), and ``shared``: the prefixes of the other
-    modules of ``root`` of that module's class (``["layers.0.", "layers.1.", ...]``), which Dynamo may run through
-    the same graph."""
+    modules of ``root`` that Dynamo may run through the same graph (``["layers.0.", "layers.1.", ...]``: the same
+    module of each other block of the running block's class, :func:`_same_class`)."""
 
     root: torch.nn.Module | None = None
     prefix: str = ""
@@ -89,16 +89,32 @@ def parameters_by_name(root: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _same_class(root: torch.nn.Module, prefix: str) -> list[str]:
-    """Prefixes of the modules of ``root`` of the class of the (outermost) module named ``prefix``, but it."""
+    """Prefixes of the other modules of ``root`` that Dynamo may run through the graph of the module named ``prefix``.
+    The graph is code of the innermost module of ``root`` whose call is running around the compile and that holds
+    that module (:func:`running_modules`): its forward, or a frame resumed in it, where the module is ``self`` or
+    reached from it (the linear after a graph break, on the resumed frame's stack). Every other module of that
+    running module's class runs the code, reaching the module at the same place in it: ``layers.1.mlp.`` for
+    ``layers.0.mlp.`` under ``layers.0``; none for a module of the model's own forward. With no module of ``root``
+    running, the module itself is taken as the running one."""
     if not prefix:
         return []
     modules: dict[str, torch.nn.Module] = {}
     for name, m in root.named_modules():
         modules[strip_wrappers(name)] = m  # the module a wrapper wraps comes after it: the innermost stays
-    block = modules.get(prefix.rstrip("."))
-    if block is None:
+    target = modules.get(prefix.rstrip("."))
+    if target is None:
         return []
-    return [n + "." for n, m in modules.items() if type(m) is type(block) and n + "." != prefix]
+    running = {id(m) for m in running_modules()}
+    holders = {strip_wrappers(n) for n, m in root.named_modules() if id(m) in running}
+    holders = [n for n in holders if not n or prefix.startswith(n + ".")]
+    frame = max(holders, key=len) if holders else prefix.rstrip(".")
+    inner = prefix[len(frame) + 1 :] if frame else prefix  # the module's name inside the running one, with its dot
+    out = []
+    for n, m in modules.items():
+        other = (n + "." + inner) if n else inner
+        if n != frame and type(m) is type(modules[frame]) and type(modules.get(other.rstrip("."))) is type(target):
+            out.append(other)
+    return out
 
 
 _MODULE_CALLS = (torch.nn.Module._call_impl.__code__, torch.nn.Module._wrapped_call_impl.__code__)

@@ -122,13 +122,29 @@ class _BreakingBlock(Block):
         return x + self.moe(self.ffn_norm(x))
 
 
-def test_graph_break_inside_layers_keeps_module_paths_and_each_layers_decision(recwarn):
+def _break(x):
+    torch._dynamo.graph_break()
+    return x
+
+
+class _StackBlock(Block):
+    """A layer whose experts module is on the stack of the frame resumed after a graph break: that graph's names
+    are relative to the experts module (``gate.weight``), not to the layer."""
+
+    def forward(self, x):
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.moe(_break(self.ffn_norm(x)))
+
+
+@pytest.mark.parametrize("block", [_BreakingBlock, _StackBlock], ids=["self", "stack"])
+def test_graph_break_inside_layers_keeps_module_paths_and_each_layers_decision(recwarn, block):
     # torch.compile(model) with a graph break inside each layer: the layers' graphs are traced from the layer
-    # (names relative to it) and Dynamo runs layer 1 through layer 0's graphs. Named from the model being called,
-    # without mxfx.name_modules, the rule applies to layer 0, and layer 1 runs its own (default) decisions.
+    # (names relative to it, or to its experts module on the resumed frame's stack) and Dynamo runs layer 1 through
+    # layer 0's graphs. Named from the model being called, without mxfx.name_modules, the rule applies to layer 0,
+    # and layer 1 runs its own (default) decisions.
     model = MoETransformer(tiny_config(n_layers=2))
     for layer in model.layers:
-        layer.__class__ = _BreakingBlock
+        layer.__class__ = block
     compiled = torch.compile(
         model, backend="mxfp8", options={"inner": "aot_eager", "rules": [{"module": "layers.0.*", "precision": "bf16"}]}
     )

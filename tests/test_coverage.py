@@ -255,8 +255,8 @@ def test_weights_no_compiled_graph_read_are_named_whatever_their_names():
     compiled = _mxfx_warnings(_compile_and_run, model, ids)
     assert not [m for m in compiled if "read by no GEMM" in m]  # not the whole forward: judged at the step
     (message,) = [m for m in _mxfx_warnings(opt.step) if "read by no GEMM" in m]
-    # (the router's nn.Linear ran in a graph Dynamo compiled for nn.Linear.forward, called from the eager frame)
-    assert "model Net: 2 weight(s)" in message and "'moe.w_in', 'moe.w_out'" in message, message
+    # the router's nn.Linear runs in the eager frame too: the graph after it (head's, resumed) reads head's weight only
+    assert "model Net: 3 weight(s)" in message and "'moe.w_in', 'moe.w_out', 'moe.router.weight'" in message, message
     line = HandWrittenMoE.forward.__code__.co_firstlineno + 4  # rows, slot = torch.where(idx == e)
     assert f"'Dynamic shape operator' at {__file__}:{line}" in message, message
     assert "embed" not in message and "'proj" not in message and "head" not in message
@@ -471,3 +471,77 @@ def test_a_model_a_graph_reached_is_not_called_skipped(watched):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     _compile_and_run(model, torch.randn(64, 256))
     assert not [m for m in _mxfx_warnings(opt.step) if "no graph compiled" in m]
+
+
+class Between(nn.Module):
+    """A loop over ``nn.Linear`` experts (``torch.where`` per expert: Dynamo skips the frame) between two linears of
+    the compiled model: the linear after it is called on the resumed graph's stack, where its parameters' names are
+    relative to it (``weight``) and every ``nn.Linear`` of the model has a parameter of that name."""
+
+    def __init__(self, d: int = 64, n: int = 4):
+        super().__init__()
+        self.pre, self.post = nn.Linear(d, d, bias=False), nn.Linear(d, d, bias=False)
+        self.router = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList(nn.Linear(d, d, bias=False) for _ in range(n))
+
+    def loop(self, x):
+        top = self.router(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            rows = torch.where(top == e)[0]
+            out = out.index_add(0, rows, expert(x[rows]))
+        return out
+
+    def forward(self, x):
+        return self.post(self.loop(self.pre(x)))
+
+
+def test_a_linear_on_the_resumed_stack_reads_only_its_own_weight():
+    """The graph after the loop is ``post``'s and no other linear's: the experts it never read are named."""
+    model = Between()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _mxfx_warnings(_compile_and_run, model, torch.randn(32, 64))
+    (message,) = [m for m in _mxfx_warnings(opt.step) if "read by no GEMM" in m]
+    assert "model Between: 4 weight(s)" in message, message
+    assert all(f"'experts.{e}.weight'" in message for e in range(4)) and "'pre" not in message, message
+    assert f"'Dynamic shape operator' at {__file__}" in message, message
+
+
+class Checkpointed(nn.Module):
+    """A block run under ``torch.utils.checkpoint`` (its ops sit in the region's body graph)."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("wrap", ["checkpoint", "checkpoint_wrapper"])
+def test_weights_read_inside_a_checkpointed_region_are_not_named(wrap):
+    """Every GEMM of the checkpointed layer is in the graph (converted, or the router kept in FP32 on purpose): the
+    body's ops read the weights through the region's operands, and none is called unread, though body and outer
+    graph share node names (the router's ``logits`` and the head's)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from tests.models import MoETransformer, tiny_config
+
+    torch.manual_seed(0)
+    model = MoETransformer(tiny_config())
+    model.layers = nn.ModuleList(
+        (Checkpointed if wrap == "checkpoint" else checkpoint_wrapper)(b) for b in model.layers
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    idx = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+
+    def step():
+        torch._dynamo.reset()
+        with torch.autocast("cpu", torch.bfloat16):
+            torch.compile(model, backend="mxfp8", options=OPTS)(idx)[0].float().sum().backward()
+        opt.step()
+
+    messages = _mxfx_warnings(step)
+    records = mxfx.last_report().records
+    assert any(r.kind == "router" and ".moe" in r.module for r in records), mxfx.last_report().to_text()
+    assert not [m for m in messages if "read by no GEMM" in m], messages

@@ -451,6 +451,17 @@ def test_a_hooked_weight_inside_activation_checkpointing_keeps_autograds_accumul
         assert _rel(grads[name], g) <= FUSE_RTOL, name
 
 
+def test_ops_inside_activation_checkpointing_say_how_their_wgrad_accumulates():
+    """The precision map's rows of the checkpointed region's ops say what their wgrad does as the outer graph's
+    rows do: the hooked weight's op that autograd accumulates it, and why; the other's that its GEMM writes .grad."""
+    model = _Checkpointed()
+    model.block[0].weight.register_hook(lambda g: g)
+    _checkpointed_grads(model, True)
+    notes = {r.module: r.reason for r in mxfx.last_report().records if r.kind == "linear"}
+    assert FUSED_NOTE in notes["inp"] and FUSED_NOTE in notes["block.2"], notes
+    assert f"{UNFUSED_NOTE}: " in notes["block.0"] and "hook" in notes["block.0"], notes
+
+
 def test_each_fused_backward_error_says_its_cause_and_fix():
     """A hook registered after the compile on a fused weight (inside the checkpointed region): the error names the
     weight's module and says the hook came after the compile; a ``.grad`` of another dtype: the error says to set

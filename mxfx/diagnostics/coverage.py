@@ -55,7 +55,7 @@ from mxfx import names
 from mxfx.diagnostics import graph_breaks
 from mxfx.diagnostics.judgment import Judgments
 from mxfx.passes import unconverted
-from mxfx.fx import all_graphs, strip_wrappers
+from mxfx.fx import outer_inputs, record_prefixes, strip_wrappers
 from mxfx.policy import Policy
 from mxfx.report import PrecisionMap, kept_in
 from mxfx.diagnostics.rule_check import listed
@@ -128,7 +128,7 @@ def observation(
     if any(r.kind == "weight_refresh" for r in pm.records):
         return lambda: None
     real = _real_values(gm, example_inputs)
-    nodes = {n.name: n for g in reversed(all_graphs(gm)) for n in g.graph.nodes}  # the outer graph's names win
+    nodes = {prefix + n.name: n for g, prefix in record_prefixes(gm).items() for n in g.graph.nodes}
     taken = {id(t) for t in (*real.values(), *gm.parameters())}
     compiled = compiled_parameters(taken)
     read = {r.node: _weights_read(nodes.get(r.node), real) for r in pm.records}
@@ -369,14 +369,17 @@ def _unseen_message(optimizer: str, named: list, breaks: list[graph_breaks.Graph
 
 
 def _real_values(gm: fx.GraphModule, example_inputs) -> dict:
-    """Placeholder node of ``gm`` -> the real tensor Dynamo passed for it."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    return {n: v for n, v in zip(placeholders, example_inputs) if isinstance(v, torch.Tensor)}
+    """Placeholder node of ``gm``, or of an activation-checkpointed region's body that stands for one of ``gm``'s
+    inputs (:func:`mxfx.fx.outer_inputs`) -> the real tensor Dynamo passed for it."""
+    index_of, _ = outer_inputs(gm)
+    values = list(example_inputs)
+    return {p: values[i] for p, i in index_of.items() if i < len(values) and isinstance(values[i], torch.Tensor)}
 
 
 def _weights_read(node: fx.Node | None, real: dict) -> list[torch.Tensor]:
     """The real parameters the op at ``node`` reads through casts, views and indexing (empty when they cannot be
-    traced to a placeholder of the outer graph: inside a higher-order op's body)."""
+    traced to an input of the outer graph: inside the body of a higher-order op other than activation
+    checkpointing)."""
     if node is None:
         return []
     out = []
