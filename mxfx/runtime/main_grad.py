@@ -22,6 +22,7 @@ written by their GEMM") gives the whole contract.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from dataclasses import dataclass
@@ -52,12 +53,19 @@ def _weight(param: torch.Tensor) -> str:
     return f"the weight {tuple(param.shape)}" + (f" of {module!r}" if module else "")
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
+@functools.cache
+def _dtensor_type() -> type | None:
+    """torch's DTensor class; None in a torch built without distributed."""
     if not torch.distributed.is_available():
-        return False
+        return None
     from torch.distributed.tensor import DTensor  # optional: torch builds without distributed
 
-    return isinstance(t, DTensor)
+    return DTensor
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    cls = _dtensor_type()
+    return cls is not None and isinstance(t, cls)
 
 
 def unfused_reason(weight) -> str:
@@ -115,9 +123,10 @@ _local = threading.local()  # per backward thread: the leaves the running node r
 def _memo(node) -> tuple[list[tuple[tuple[int, int, int], tuple[int, ...]]], dict]:
     """``(leaves, found)`` of the backward node ``node``: ``leaves`` lists ``(storage span of the leaf, path to its
     AccumulateGrad node)`` for every leaf input, through :data:`VIEW_NODES` (a path: the indices into
-    ``next_functions`` from ``node``); ``found`` maps a weight's storage span to the path :func:`_accumulator`
-    chose for it (None: no leaf holds it). Both built once per node and graph task (a graph of a whole model has an
-    input per parameter and a fused op per weight), holding no tensor."""
+    ``next_functions`` from ``node``); ``found`` maps a weight's storage span to the ``AccumulateGrad`` node
+    :func:`_accumulator` found for it (None: no leaf holds it). Both built once per node and graph task (a graph of
+    a whole model has an input per parameter and a fused op per weight) and dropped at the next one: ``found`` holds
+    the parameters' own accumulator nodes, nothing else."""
     key = (torch._C._current_graph_task_id(), id(node), node._sequence_nr())  # nodes die and ids recur in a task
     memo = getattr(_local, "memo", None)
     if memo is None or memo[0] != key:
@@ -147,18 +156,14 @@ def _accumulator(weight: torch.Tensor, op: str):
         raise RuntimeError(f"{op}: runs only inside a backward pass (it writes a parameter's .grad as autograd would)")
     leaves, found = _memo(node)
     span = _span(weight)
-    if span not in found:
+    if span not in found:  # walked once per weight and backward: next_functions builds a tuple per access
         storage, lo, hi = span
-        found[span] = next(
-            (path for (s, first, last), path in leaves if s == storage and first <= lo and hi <= last), None
-        )
-    path = found[span]
-    if path is None:
-        return None
-    fn = node
-    for i in path:
-        fn = fn.next_functions[i][0]
-    return fn
+        path = next((path for (s, first, last), path in leaves if s == storage and first <= lo and hi <= last), None)
+        fn = node if path is not None else None
+        for i in path or ():
+            fn = fn.next_functions[i][0]
+        found[span] = fn
+    return found[span]
 
 
 def _span(t: torch.Tensor) -> tuple[int, int, int]:
