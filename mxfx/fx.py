@@ -14,6 +14,12 @@ _ROOT = re.compile(r"^L\['(?!self')[^']*'\]\[0\]\.?|^L\['[^']*'\]\.?")  # L['sel
 # positional argument of a wrapped forward (Accelerate's autocast wrapper: L['args'][0])
 _INDEX = re.compile(r"\[(\d+)\]")
 _SUBSCRIPT = re.compile(r"\[['\"]([^'\"]+)['\"]\]")
+_BOUND_SELF = re.compile(
+    r"\.\w+\.(__closure__\.\d+\.cell_contents|__defaults__\.\d+|__kwdefaults__\.\w+)\.__self__(?=\.|$)"
+)
+"""A module reached through its own overridden method: ``blk.forward = lambda x: checkpoint(orig, x)`` with ``orig``
+the bound original, held in the function's closure or defaults (``layers.0.forward.__closure__.0.cell_contents
+.__self__`` is ``layers.0``)."""
 WRAPPER_NAMES = ("__dict__", "_checkpoint_wrapped_module", "_orig_mod")
 """Path segments that name no module of their own: Dynamo's ``__dict__`` access, the inner module
 of torch's activation-checkpoint wrapper (``checkpoint_wrapper``, torchtitan's activation
@@ -29,7 +35,7 @@ def normalize_fqn(dynamo_path: str) -> str:
     path = _INDEX.sub(r".\1", path)
     path = _SUBSCRIPT.sub(r".\1", path)
     path = path.replace("._modules.", ".").replace("_modules.", "")
-    return strip_wrappers(path.strip("."))
+    return strip_wrappers(_BOUND_SELF.sub("", path).strip("."))
 
 
 def strip_wrappers(fqn: str) -> str:

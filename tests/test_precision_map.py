@@ -375,3 +375,46 @@ def test_fp32_input_under_autocast_is_judged_by_its_own_bytes(tokens, k, packed)
             f"the mxfp8 copy ({copy_bytes} bytes, {tokens} tokens zero-padded to a multiple of 32) is not smaller "
             f"than the {fp32_bytes}-byte fp32 input kept as it is"
         ) in rec.reason, rec
+
+
+def _checkpointed_by_closure(orig):
+    return lambda x: torch.utils.checkpoint.checkpoint(orig, x, use_reentrant=False)
+
+
+def _checkpointed_by_default(orig):
+    return lambda x, orig=orig: torch.utils.checkpoint.checkpoint(orig, x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("override", [_checkpointed_by_closure, _checkpointed_by_default])
+def test_a_block_whose_forward_is_overridden_per_instance_keeps_its_modules_names(override):
+    """``blk.forward = lambda x: checkpoint(orig, x)`` with ``orig`` the block's bound forward: Dynamo reaches the
+    block's modules through the closure (``layers.0.forward.__closure__[0].cell_contents.__self__.proj``); the map
+    names them as ``named_modules()`` does, so rules written for ``layers.0.proj`` match."""
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(64, 64)
+
+        def forward(self, x):
+            return torch.relu(self.proj(x))
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([Block(), Block()])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    model = Model()
+    for blk in model.layers:
+        blk.forward = override(blk.forward)
+    compiled = torch.compile(model, backend="mxfp8", options={"inner": "aot_eager"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled(torch.randn(32, 64)).sum().backward()
+    modules = {r.module for r in mxfx.last_report().records if r.kind == "linear"}
+    assert modules == {"layers.0.proj", "layers.1.proj"}, mxfx.last_report().to_text()
