@@ -181,6 +181,16 @@ WGRAD_INTO_ELEMENTS = 2**32
 the same rows per expert."""
 
 
+def wgrad_into_shape(s: int, e: int, n: int, k: int) -> tuple[int, int]:
+    """``(routed rows, experts)`` of a wgrad-into case of ``e`` experts of ``n x k`` over ``s`` rows: the same, or
+    fewer experts at the same rows per expert where the gradient would pass :data:`WGRAD_INTO_ELEMENTS` (the
+    gradient, its copy and the widened GEMM result must fit beside each other: DeepSeek-V3)."""
+    if e * n * k <= WGRAD_INTO_ELEMENTS:
+        return s, e
+    kept = WGRAD_INTO_ELEMENTS // (n * k)
+    return s * kept // e, kept
+
+
 def grouped_rows(model: str, s: int, e: int, k: int, n: int, equal: bool, g: torch.Generator) -> list[tuple]:
     dev = DEVICE
     sizes = group_sizes(s, e, equal, torch.Generator().manual_seed(7))
@@ -238,8 +248,7 @@ def wgrad_into_rows(model: str, s: int, e: int, k: int, n: int, g: torch.Generat
     the gradient (``mxfx.kernels.common.grouped_wgrad_triton``), each checked against an FP32 product on 4 groups."""
     from mxfx.kernels.common import grouped_wgrad_triton
 
-    if e * n * k > WGRAD_INTO_ELEMENTS:  # the gradient, its copy and the widened GEMM result must fit (DeepSeek-V3)
-        s, e = s * (WGRAD_INTO_ELEMENTS // (n * k)) // e, WGRAD_INTO_ELEMENTS // (n * k)
+    s, e = wgrad_into_shape(s, e, n, k)
     sizes = group_sizes(s, e, True, g)
     offs = torch.tensor(sizes, device=DEVICE).cumsum(0).to(torch.int32)
     dy = torch.randn(s, n, device=DEVICE, generator=g).bfloat16()

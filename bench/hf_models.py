@@ -428,6 +428,7 @@ def run_arm(arm: Arm, args, train, val, device: str) -> dict:
     gen = torch.Generator().manual_seed(1234 + args.seed)  # same batches in every arm
     batch = max(1, args.tokens // args.seq)
     times, host_cpu, host_issue, losses, sampled = [], [], [], [], []
+    host_profiled_step = args.steps - 2 if args.profile else args.steps - 1  # the step before the profiled one
     phases = Phases(args.phases, device)
     try:
         for step in range(args.steps):
@@ -437,9 +438,9 @@ def run_arm(arm: Arm, args, train, val, device: str) -> dict:
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, args.steps, args.warmup, args.lr)
             profiled = args.profile and step == args.steps - 1
-            host_profiled = args.host_profile and step == args.steps - 1 - args.profile
-            host_prof = cProfile.Profile() if host_profiled else None
-            host_prof.enable() if host_prof else None
+            host_prof = cProfile.Profile() if args.host_profile and step == host_profiled_step else None
+            if host_prof:
+                host_prof.enable()
             with _profiler(device) if profiled else contextlib.nullcontext() as prof:
                 _sync(device)
                 t0, c0 = time.perf_counter(), time.process_time()
@@ -486,7 +487,7 @@ def run_arm(arm: Arm, args, train, val, device: str) -> dict:
     # steady steps: past the first --skip, the profiled step left out (the profiler slows it); at least one step
     last = len(times) - 1  # the profiled step, and the host-profiled one before it, are left out
     slowed = {last} if args.profile else set()
-    slowed |= {last - args.profile} if args.host_profile else set()
+    slowed |= {host_profiled_step} if args.host_profile else set()
     kept = [i for i in range(args.skip, len(times)) if i not in slowed] or [last]
     steady = [times[i] for i in kept]
     if args.stats_every:  # sampled against unsampled steady steps (the issue's <= 10% goal)

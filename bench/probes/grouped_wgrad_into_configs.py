@@ -16,7 +16,7 @@ import itertools
 import torch
 import triton
 
-from bench.gemm import MODELS, WGRAD_INTO_ELEMENTS
+from bench.gemm import MODELS, wgrad_into_shape
 from mxfx.kernels.common import grouped_wgrad_triton
 
 CONFIGS = [
@@ -37,9 +37,7 @@ def main() -> None:
     for model in args.models.split(","):
         d, h, experts, topk = MODELS[model]
         for k, n in ((d, 2 * h), (h, d)):
-            s, e = 16384 * topk, experts
-            if e * n * k > WGRAD_INTO_ELEMENTS:
-                s, e = s * (WGRAD_INTO_ELEMENTS // (n * k)) // e, WGRAD_INTO_ELEMENTS // (n * k)
+            s, e = wgrad_into_shape(16384 * topk, experts, n, k)
             header.append(f"{model} {k}->{n} ({e}x{s // e})")
             offs = torch.full((e,), s // e, device="cuda", dtype=torch.int32).cumsum(0).to(torch.int32)
             dy = torch.randn(s, n, device="cuda", dtype=torch.bfloat16)
