@@ -401,6 +401,7 @@ def host_functions(prof: cProfile.Profile, n: int = HOST_FUNCTIONS) -> list[dict
 
 
 def host_table(title: str, functions: list[dict]) -> str:
+    """A markdown table of :func:`host_functions`' rows (the function's location cut to its last 100 characters)."""
     lines = [f"| {title}: function | calls | own ms | cumulative ms |", "|---|---:|---:|---:|"]
     lines += [
         f"| {f['function'][-100:]} | {f['calls']} | {f['own_ms']:.2f} | {f['cumulative_ms']:.2f} |" for f in functions
