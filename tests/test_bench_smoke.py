@@ -282,7 +282,7 @@ def test_bench_scripts_import_names_that_exist(script):
 
 
 def test_compile_time_phase_table_counts_triton_compiles(monkeypatch):
-    """The cold-step phase table: Triton compiles in the process counted per kernel name (cache hits apart), a
+    """The first-step phase table (cold and warm rows): Triton compiles in the process counted per kernel name (cache hits apart), a
     kernel compiled for several specializations listed with its count, tunings summed, and the rest what the
     listed phases leave of the first step."""
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
@@ -311,8 +311,9 @@ def test_compile_time_phase_table_counts_triton_compiles(monkeypatch):
     listed = sum(v for k, v in ph.items() if isinstance(v, float) and k != "rest")
     assert ph["rest"] == pytest.approx(100.0 - listed) and listed >= 2.75
     row = {"unit": "model", "arm": "fp8_block", "cache": "cold", "first_step_s": 100.0, "phases": ph}
-    text = compile_time.phase_table([row, {**row, "cache": "warm"}])
-    assert text.count("| model | fp8_block |") == 1  # cold rows only
+    text = compile_time.phase_table([row, {**row, "cache": "warm"}, {"unit": "model", "arm": "bf16", "cache": "cold", "error": "x"}])
+    assert text.count("| model | fp8_block | cold |") == 1 and text.count("| model | fp8_block | warm |") == 1
+    assert text.count("| model | bf16 |") == 0  # a row without phases (a failed child) is left out
     assert "| 3 (_quantize_kernel x2) |" in text and "| 0.8 | 2.0 |" in text
 
 

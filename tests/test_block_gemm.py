@@ -302,6 +302,10 @@ def _interpreter_quantize_checks(bq):
         _same(saved[:2], want)
         _same(saved[2:4], bf.quantize_1x128(gate, rule=rule))
         _same(saved[4:], bf.quantize_1x128(up, rule=rule))
+        # route-weighted rows: powers of two times exact data stay exact in fp32; a zero weight zeroes its tiles
+        rw = 2.0 ** torch.randint(-3, 4, (70,), generator=g).float()
+        rw[9] = 0.0
+        _same(bq.route_weight_quantize_1x128(x, rw, rule), bf.quantize_1x128(x * rw[:, None], rule=rule))
         # both 1x128 tilings of one [T, K] from one read; partial tiles along both dims
         xd = torch.randn(200, 320, generator=g) * 7
         q, s, qt, st = bq.quantize_1x128_dual(xd, rule)
@@ -401,6 +405,7 @@ def test_quantize_kernels_compile_for_sm90(monkeypatch):
         (bq.quantize_1x128_colwise, (x,)),
         (bq.quantize_128x128, (x,)),
         (bq.swiglu_quantize_1x128, (x, x)),
+        (bq.route_weight_quantize_1x128, (x, torch.ones(256))),
         (bq.quantize_1x128, (x.float(), "amax")),
         (bq.quantize_1x128_grouped_tokens, (x, torch.tensor([100, 256], dtype=torch.int32))),
     ):

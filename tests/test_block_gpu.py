@@ -160,6 +160,11 @@ def test_quantize_kernels_bit_exact(rule):
             _same_up_to_an_ulp_of_amax(got, want)
     _same(saved[2:4], bf.quantize_1x128(gate, rule=rule))  # the SwiGLU inputs' own pairs
     _same(saved[4:], bf.quantize_1x128(up, rule=rule))
+    # route-weighted rows (the grouped dgrad's dY): the product formed in fp32 on the GPU, as the reference forms it
+    dy = torch.randn(300, 384, generator=g).bfloat16()
+    rw = torch.rand(300, generator=g)
+    want = bf.quantize_1x128(dy.float() * rw[:, None], rule=rule)
+    _same(bq.route_weight_quantize_1x128(dy.cuda(), rw.cuda(), rule), want)
 
 
 def _same_up_to_an_ulp_of_amax(got, want):

@@ -476,3 +476,34 @@ def test_the_combine_row_says_where_the_route_weights_went(fmt, says):
     pm = mxfx.last_report()
     (row,) = [r for r in pm.records if r.kind == "combine"]
     assert says in row.reason, pm.to_text()
+
+
+def test_routed_dgrad_quantizes_dy_times_route_weights_in_one_op():
+    """The routed grouped GEMM's backward quantizes ``dout * route_weight`` in one op (the product formed inside
+    it, never in memory for the quantize) and its result is the 1x128 quantization of that FP32 product."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Calls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(96, 128, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(2, 128, 128, generator=g) * 0.1).requires_grad_()
+    rw = torch.rand(96, generator=g)
+    offs = torch.tensor([40, 96], dtype=torch.int32)
+    dout = torch.randn(96, 128, generator=g).bfloat16()
+    y = mx_grouped_mm_op(x, w, offs, route_weight=rw, out_dtype=torch.float32, format="fp8_block")
+    with Calls() as calls:
+        y.backward(dout.float())
+    assert calls.seen.count("mxfx.block_route_weight_quantize") == 1 and "mxfx.block_quantize" not in calls.seen
+    q, s = torch.ops.mxfx.block_route_weight_quantize(dout.float(), rw, "rceil")
+    rq, rs = bf.quantize_1x128(dout.float() * rw[:, None])
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+    with pytest.raises(ValueError, match=r"mxfx::block_route_weight_quantize: weight must be one floating route"):
+        torch.ops.mxfx.block_route_weight_quantize(dout, rw[:50], "rceil")

@@ -180,8 +180,10 @@ class FP8Block(Format):
         return dy_rows, (tuple(custom_ops.block_quantize_tokens(padded, rule)) if tokens else None)
 
     def grouped_grad_operand(self, dout, route_weight, rule):
-        dy = dout if route_weight is None else dout.float() * route_weight.reshape(-1, 1).float()
-        return tuple(custom_ops.block_quantize(dy, str(rule))), dy
+        if route_weight is None:
+            return tuple(custom_ops.block_quantize(dout, str(rule))), dout
+        rw = route_weight.reshape(-1)  # the route-weight multiply fused into the quantize: no product read back
+        return tuple(custom_ops.block_route_weight_quantize(dout, rw, str(rule))), dout.float() * rw.reshape(-1, 1).float()
 
     def tokens_operand(self, x, rule):
         return tuple(custom_ops.block_quantize_tokens(_pad_tokens(x), str(rule)))

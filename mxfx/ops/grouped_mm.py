@@ -128,8 +128,10 @@ class _GroupedMM(torch.autograd.Function):
                 dw = weight_gradient(settings, weight, dy_tokens, x_tokens, offs)
             else:
                 x_saved = wgrad_input[0] if ctx.n_wgrad == 1 else fmt.dequantize(wgrad_input, torch.bfloat16)
-                # no group padding: mxfx::grouped_wgrad_bf16 takes any group ends
-                dw = weight_gradient(settings, weight, (dy.to(dout.dtype),), (x_saved,), offs, low_precision=False)
+                # no group padding: mxfx::grouped_wgrad_bf16 takes any group ends. dY in x's dtype (BF16 under
+                # autocast, as autograd hands a BF16 GEMM its gradient): one BF16 copy of a route-weighted dY, made
+                # where its product is formed, instead of an FP32 one that the wgrad narrows again
+                dw = weight_gradient(settings, weight, (dy.to(x_saved.dtype),), (x_saved,), offs, low_precision=False)
         return dx, dup, dw, None, d_rw, None, None, None, None
 
 

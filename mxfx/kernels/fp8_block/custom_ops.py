@@ -7,6 +7,7 @@ what cuBLAS reads; the fake implementations say so too), every qdata contiguous.
 
 * ``block_quantize(x [M, K], rule)`` -> ``(qdata [M, K], scales [M, ceil(K/128)])``, 1x128 along K;
 * ``block_swiglu_quantize(gate, up, rule)``: the same of ``silu(gate) * up`` formed in fp32;
+* ``block_route_weight_quantize(dy [S, D], weight [S], rule)``: the same of ``dy * weight[:, None]`` in fp32;
 * ``block_quantize_tokens(x [T, K], rule)`` -> ``([K, T], [K, ceil(T/128)])``, 1x128 along tokens;
 * ``block_quantize_grouped_tokens(x [S, K], offs, rule)`` -> ``([K, S], [K, C])``, tiles restarting at every
   group start (``C = mxfx.numerics.block.group_tile_capacity(S, G)``);
@@ -110,6 +111,40 @@ def _(gate, up, rule):
     return (
         torch.empty_like(gate, dtype=_E4M3, memory_format=torch.contiguous_format),
         _fake_col_major(gate, gate.shape[0], n_tiles(gate.shape[1])),
+    )
+
+
+def _check_route_weight(op: str, dy: torch.Tensor, weight: torch.Tensor) -> None:
+    """One floating route weight per row of ``dy [S, D]``: ``weight [S]`` on dy's device."""
+    if weight.shape != (dy.shape[0],) or weight.device != dy.device or not weight.is_floating_point():
+        raise ValueError(
+            f"mxfx::{op}: weight must be one floating route weight per row of dy {tuple(dy.shape)}, shape "
+            f"({dy.shape[0]},) on {dy.device}; got {weight.dtype} {tuple(weight.shape)} on {weight.device}: "
+            "flatten the route weights to [S]"
+        )
+
+
+def _route_weight_quantize(dy: torch.Tensor, weight: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_inputs("block_route_weight_quantize", rule, dy=dy)
+    _check_route_weight("block_route_weight_quantize", dy, weight)
+    q, s = device_path.route_weight_quantize_1x128(dy, weight, rule)
+    return q.contiguous(), column_major(s)
+
+
+@torch.library.custom_op("mxfx::block_route_weight_quantize", mutates_args=())
+def _block_route_weight_quantize_op(
+    dy: torch.Tensor, weight: torch.Tensor, rule: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _route_weight_quantize(dy, weight, rule)
+
+
+@_block_route_weight_quantize_op.register_fake
+def _(dy, weight, rule):
+    _check_inputs("block_route_weight_quantize", rule, dy=dy)
+    _check_route_weight("block_route_weight_quantize", dy, weight)
+    return (
+        torch.empty_like(dy, dtype=_E4M3, memory_format=torch.contiguous_format),
+        _fake_col_major(dy, dy.shape[0], n_tiles(dy.shape[1])),
     )
 
 
@@ -403,6 +438,12 @@ block_swiglu_quantize = op_or_body(
     _swiglu_quantize,
     """:func:`block_quantize` of
 ``silu(gate) * up`` formed in fp32 (``mxfx::block_swiglu_quantize``).""",
+)
+block_route_weight_quantize = op_or_body(
+    _block_route_weight_quantize_op,
+    _route_weight_quantize,
+    """:func:`block_quantize` of
+``dy [S, D] * weight[:, None]`` formed in fp32 (``mxfx::block_route_weight_quantize``).""",
 )
 block_quantize_tokens = op_or_body(
     _block_quantize_tokens_op,

@@ -29,6 +29,15 @@ def quantize_1x128(x: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor, 
     return q, s.reshape(-1, s.shape[-1])
 
 
+def route_weight_quantize_1x128(
+    dy: torch.Tensor, weight: torch.Tensor, rule: str = "rceil"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_1x128` of ``dy [S, D] * weight[:, None]`` (``weight [S]``) formed in float32."""
+    if triton_available(dy):
+        return _triton().route_weight_quantize_1x128(dy, weight, rule)
+    return quantize_1x128(dy.float() * weight.reshape(-1, 1).float(), rule)
+
+
 def swiglu_quantize_1x128(
     gate: torch.Tensor, up: torch.Tensor, rule: str = "rceil"
 ) -> tuple[torch.Tensor, torch.Tensor]:

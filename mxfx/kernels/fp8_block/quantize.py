@@ -8,6 +8,8 @@ One kernel reads a ``[B, R, C]`` view through its strides and encodes tiles of i
   kernel read, contiguous along rows);
 * :func:`swiglu_quantize_1x128`: the same for ``silu(gate) * up`` formed in FP32 in the same pass
   (mxfx's SiLU, ``mxfx.kernels.common.silu``);
+* :func:`route_weight_quantize_1x128`: the same for ``dy * weight[:, None]`` (one route weight per row),
+  formed in FP32 in the same pass;
 * :func:`quantize_1x128_colwise`: ``x [T, K]`` tiled along the tokens T (wgrad's operands) ->
   qdata ``[K, T]`` (the transpose, row-major: the K-major operand of ``dW = dY^T X``) and scales
   ``[K, ceil(T/128)]`` column-major;
@@ -107,6 +109,7 @@ def _quantize_kernel(
     AXIS: tl.constexpr,
     RCEIL: tl.constexpr,
     SWIGLU: tl.constexpr,
+    ROUTE: tl.constexpr,
     GROUPED: tl.constexpr,
     BR: tl.constexpr,
     BC: tl.constexpr,
@@ -136,6 +139,8 @@ def _quantize_kernel(
     if SWIGLU:
         up = tl.load(u_ptr + offs, mask=ok, other=0.0).to(tl.float32)
         v = silu_f32(v) * up
+    if ROUTE:  # u_ptr holds one route weight per row (rows of a 2D input): the product formed in fp32
+        v = v * tl.load(u_ptr + rows, mask=rows < R, other=0.0).to(tl.float32)[:, None]
     if AXIS == 1:
         qbits, s = _row_tiles(v, RCEIL)
         s_offs = rows.to(tl.int64) * ssr + tl.program_id(1) * ssc
@@ -269,10 +274,14 @@ def _new_rows_pair(m: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def _rowwise(x: torch.Tensor, up: torch.Tensor | None, rule: str, op: str):
+def _rowwise(x: torch.Tensor, up: torch.Tensor | None, rule: str, op: str, route: torch.Tensor | None = None):
+    """The 1x128 rowwise launch: of ``x``, of ``silu(x) * up`` (``up`` given) or of ``x * route[:, None]``
+    (``route``: one weight per row of a 2D ``x``), the combination formed in fp32."""
     rceil = _rule(rule, op)
     shape = x.shape
     x2, u2 = _rows_with(x, up)
+    if route is not None:
+        u2 = route
     m, k = x2.shape
     q, s = _new_rows_pair(m, k, x.device)
     if m * k > 0:
@@ -298,7 +307,8 @@ def _rowwise(x: torch.Tensor, up: torch.Tensor | None, rule: str, op: str):
             m,
             AXIS=_AXIS_ROW,
             RCEIL=rceil,
-            SWIGLU=u2 is not None,
+            SWIGLU=up is not None,
+            ROUTE=route is not None,
             GROUPED=False,
             BR=ROWWISE_ROWS,
             BC=TILE,
@@ -322,6 +332,20 @@ def quantize_1x128(x: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor, 
     op = "mxfx.block_quantize.quantize_1x128"
     check_input(x, op, "fp8_block", min_dim=1)
     return _rowwise(x, None, rule, op)
+
+
+def route_weight_quantize_1x128(dy: torch.Tensor, weight: torch.Tensor, rule: str = "rceil"):
+    """:func:`quantize_1x128` of ``dy [S, D] * weight[:, None]`` (``weight [S]``, one route weight per row) formed
+    in fp32 in the same pass: the dgrad operand of a route-weighted grouped GEMM without its product in memory."""
+    op = "mxfx.block_quantize.route_weight_quantize_1x128"
+    check_input(dy, op, "fp8_block", min_dim=2)
+    if dy.dim() != 2 or weight.shape != (dy.shape[0],) or weight.device != dy.device or not weight.is_floating_point():
+        raise ValueError(
+            f"{op}: needs dy [S, D] and one floating route weight per row [S] on its device, got dy "
+            f"{tuple(dy.shape)} on {dy.device} and weight {weight.dtype} {tuple(weight.shape)} on {weight.device}; "
+            "flatten the weights to [S]"
+        )
+    return _rowwise(dy, None, rule, op, route=weight.contiguous())
 
 
 def swiglu_quantize_1x128(
@@ -431,6 +455,7 @@ def quantize_1x128_colwise(x: torch.Tensor, rule: str = "rceil") -> tuple[torch.
             AXIS=_AXIS_COL,
             RCEIL=rceil,
             SWIGLU=False,
+            ROUTE=False,
             GROUPED=False,
             BR=TILE,
             BC=COLWISE_COLS,
@@ -481,6 +506,7 @@ def quantize_1x128_grouped_tokens(
             AXIS=_AXIS_COL,
             RCEIL=rceil,
             SWIGLU=False,
+            ROUTE=False,
             GROUPED=True,
             BR=TILE,
             BC=COLWISE_COLS,
@@ -517,6 +543,7 @@ def quantize_128x128(w: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor
             AXIS=_AXIS_BOTH,
             RCEIL=rceil,
             SWIGLU=False,
+            ROUTE=False,
             GROUPED=False,
             BR=TILE,
             BC=TILE,
