@@ -290,7 +290,7 @@ def _rowwise(x: torch.Tensor, up: torch.Tensor | None, rule: str, op: str, route
             _quantize_kernel,
             grid,
             x2,
-            x2 if u2 is None else u2,
+            s if u2 is None else u2,  # u_ptr: unread without up or route (an output: no second copy of x)
             q,
             s,
             s,
@@ -437,7 +437,7 @@ def quantize_1x128_colwise(x: torch.Tensor, rule: str = "rceil") -> tuple[torch.
             _quantize_kernel,
             grid,
             x,
-            x,
+            s,  # u_ptr, unread: an output, so that no second copy of a traced x is made for it
             q,
             s,
             s,
@@ -488,7 +488,7 @@ def quantize_1x128_grouped_tokens(
             _quantize_kernel,
             grid,
             x,
-            x,
+            s,  # u_ptr, unread: an output, so that no second copy of a traced x is made for it
             q,
             s,
             offs,
@@ -530,7 +530,7 @@ def quantize_128x128(w: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor
             _weight_quantize_kernel,
             grid,
             w3,
-            w3,
+            s,  # u_ptr, unread
             q,
             s,
             s,
