@@ -65,6 +65,9 @@ def _observe_forward(settings: OpSettings, x, up, a, observe_x: bool, weight, w,
         settings.observe("grouped_mm", "wgrad_x", "group_tokens", source, x_tokens, combine, offs)
 
 
+_BF16 = torch.bfloat16  # the high-precision routed wgrad's operand dtype (mxfx::grouped_wgrad_bf16)
+
+
 class _GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, up, weight, offs, route_weight, out_dtype, settings: OpSettings, given, observe_x):
@@ -128,10 +131,12 @@ class _GroupedMM(torch.autograd.Function):
                 dw = weight_gradient(settings, weight, dy_tokens, x_tokens, offs)
             else:
                 x_saved = wgrad_input[0] if ctx.n_wgrad == 1 else fmt.dequantize(wgrad_input, torch.bfloat16)
-                # no group padding: mxfx::grouped_wgrad_bf16 takes any group ends. dY in x's dtype (BF16 under
-                # autocast, as autograd hands a BF16 GEMM its gradient): one BF16 copy of a route-weighted dY, made
-                # where its product is formed, instead of an FP32 one that the wgrad narrows again
-                dw = weight_gradient(settings, weight, (dy.to(x_saved.dtype),), (x_saved,), offs, low_precision=False)
+                # no group padding: mxfx::grouped_wgrad_bf16 takes any group ends. It rounds both operands to BF16
+                # itself; rounded here instead, the casts fuse into the kernels that make dY (the route-weight
+                # product) and x (an FP32 input under autocast), and no FP32 copy of either is written for it
+                dw = weight_gradient(
+                    settings, weight, (dy.to(_BF16),), (x_saved.to(_BF16),), offs, low_precision=False
+                )
         return dx, dup, dw, None, d_rw, None, None, None, None
 
 
