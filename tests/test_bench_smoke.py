@@ -311,7 +311,9 @@ def test_compile_time_phase_table_counts_triton_compiles(monkeypatch):
     listed = sum(v for k, v in ph.items() if isinstance(v, float) and k != "rest")
     assert ph["rest"] == pytest.approx(100.0 - listed) and listed >= 2.75
     row = {"unit": "model", "arm": "fp8_block", "cache": "cold", "first_step_s": 100.0, "phases": ph}
-    text = compile_time.phase_table([row, {**row, "cache": "warm"}, {"unit": "model", "arm": "bf16", "cache": "cold", "error": "x"}])
+    text = compile_time.phase_table(
+        [row, {**row, "cache": "warm"}, {"unit": "model", "arm": "bf16", "cache": "cold", "error": "x"}]
+    )
     assert text.count("| model | fp8_block | cold |") == 1 and text.count("| model | fp8_block | warm |") == 1
     assert text.count("| model | bf16 |") == 0  # a row without phases (a failed child) is left out
     assert "| 3 (_quantize_kernel x2) |" in text and "| 0.8 | 2.0 |" in text

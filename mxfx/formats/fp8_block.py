@@ -183,7 +183,9 @@ class FP8Block(Format):
         if route_weight is None:
             return tuple(custom_ops.block_quantize(dout, str(rule))), dout
         rw = route_weight.reshape(-1)  # the route-weight multiply fused into the quantize: no product read back
-        return tuple(custom_ops.block_route_weight_quantize(dout, rw, str(rule))), dout.float() * rw.reshape(-1, 1).float()
+        return tuple(custom_ops.block_route_weight_quantize(dout, rw, str(rule))), dout.float() * rw.reshape(
+            -1, 1
+        ).float()
 
     def tokens_operand(self, x, rule):
         return tuple(custom_ops.block_quantize_tokens(_pad_tokens(x), str(rule)))

@@ -134,9 +134,7 @@ class _GroupedMM(torch.autograd.Function):
                 # no group padding: mxfx::grouped_wgrad_bf16 takes any group ends. It rounds both operands to BF16
                 # itself; rounded here instead, the casts fuse into the kernels that make dY (the route-weight
                 # product) and x (an FP32 input under autocast), and no FP32 copy of either is written for it
-                dw = weight_gradient(
-                    settings, weight, (dy.to(_BF16),), (x_saved.to(_BF16),), offs, low_precision=False
-                )
+                dw = weight_gradient(settings, weight, (dy.to(_BF16),), (x_saved.to(_BF16),), offs, low_precision=False)
         return dx, dup, dw, None, d_rw, None, None, None, None
 
 
