@@ -42,8 +42,8 @@ backward nodes, and the Triton kernels traced into them: Inductor analyses each 
 when it lowers it). On the CPU (``--smoke``, or no GPU) the MX ops stay opaque custom ops; on a GPU their bodies
 and kernels are traced into the graph (``mxfx.kernels.common.launch``), so AOTAutograd's graphs there are larger.
 
-``--profile N`` also writes, per arm and cache state, the N functions with the most cumulative time in the first step (all, then
-those of Inductor's user-kernel analysis and of mxfx, then the N with the most time of their own)
+``--profile N`` also writes, per arm and cache state, the N functions with the most cumulative time in the first
+step (all, then those of Inductor's user-kernel analysis and of mxfx, then the N with the most time of their own)
 (``cProfile``, main process only: Inductor's compile workers are not in it) to ``$MXFX_BENCH_OUT``
 (default ``bench/results``) as ``compile_profile_<unit>_<arm>_<cold|warm>.txt``; ``--profile-cache warm`` profiles
 the warm steps only (cProfile slows a cold compile about 3x, so a profiled cold step times nothing else).

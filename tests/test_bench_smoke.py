@@ -282,9 +282,9 @@ def test_bench_scripts_import_names_that_exist(script):
 
 
 def test_compile_time_phase_table_counts_triton_compiles(monkeypatch):
-    """The first-step phase table (cold and warm rows): Triton compiles in the process counted per kernel name (cache hits apart), a
-    kernel compiled for several specializations listed with its count, tunings summed, and the rest what the
-    listed phases leave of the first step."""
+    """The first-step phase table (cold and warm rows): Triton compiles in the process counted per kernel name
+    (cache hits apart), a kernel compiled for several specializations listed with its count, tunings summed, and the
+    rest what the listed phases leave of the first step."""
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
     import compile_time
 
