@@ -29,10 +29,16 @@ def triton_available(t) -> bool:
 
 
 def capability(device: torch.device) -> tuple[int, int] | None:
-    """CUDA compute capability of ``device``, None for non-CUDA devices (tests monkeypatch this)."""
+    """CUDA compute capability of ``device``, None for non-CUDA devices (tests monkeypatch this). Asked per weight
+    lookup and GEMM dispatch: read once per device index."""
     if device.type != "cuda":
         return None
-    return torch.cuda.get_device_capability(device)
+    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def arch_of(cap: tuple[int, int] | None) -> str:

@@ -47,6 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from mxfx import device as devices
 from mxfx.numerics.block import TILE
 
 TESTED_TRITON = ("3.6", "3.9")
@@ -318,7 +319,7 @@ def serves(device: torch.device, k: int, n: int, out_dtype: torch.dtype) -> bool
     GPU, a tested Triton, K a multiple of 16 and output rows of whole 16 bytes (TMA boxes)."""
     return (
         device.type == "cuda"
-        and torch.cuda.get_device_capability(device)[0] == 9
+        and devices.capability(device)[0] == 9
         and triton_tested()
         and k % 16 == 0
         and n * out_dtype.itemsize % 16 == 0
@@ -345,6 +346,16 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.cache
+def _smem_layouts(block_n: int, out_dtype: torch.dtype) -> tuple:
+    """The shared-memory layouts of the A, B and output tiles (built once per tile width and output dtype)."""
+    return (
+        gl.NVMMASharedLayout.get_default_for([WG_ROWS, TILE], gl.float8e4nv),
+        gl.NVMMASharedLayout.get_default_for([block_n, TILE], gl.float8e4nv),
+        gl.NVMMASharedLayout.get_default_for([WG_ROWS, block_n], _GL_TYPES[out_dtype]),
+    )
+
+
 def launch_args(a, a_scales, b, b_scales, offs, out, config=None):
     """(grid, args, kwargs) of the GEMM's launch, without running it, and the schedule's ``(grid, args, kwargs)``
     that must run first (the sm90 compile test reads both)."""
@@ -352,9 +363,7 @@ def launch_args(a, a_scales, b, b_scales, offs, out, config=None):
     S, K = a.shape
     G, N, _ = b.shape
     block_n = cfg["BLOCK_N"]
-    a_layout = gl.NVMMASharedLayout.get_default_for([WG_ROWS, TILE], gl.float8e4nv)
-    b_layout = gl.NVMMASharedLayout.get_default_for([block_n, TILE], gl.float8e4nv)
-    c_layout = gl.NVMMASharedLayout.get_default_for([WG_ROWS, block_n], _GL_TYPES[out.dtype])
+    a_layout, b_layout, c_layout = _smem_layouts(block_n, out.dtype)
     a_desc = TensorDescriptor.from_tensor(a, [WG_ROWS, TILE], a_layout)
     b_desc = TensorDescriptor.from_tensor(b.view(G * N, K), [block_n, TILE], b_layout)
     c_desc = TensorDescriptor.from_tensor(out, [WG_ROWS, block_n], c_layout)
