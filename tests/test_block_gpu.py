@@ -298,7 +298,13 @@ def test_compiled_fp8_block_launches_its_kernels_itself(monkeypatch, dynamic):
     assert "mxfx.block_forward_operands" in code_o and "mxfx.block_mm" in code_o  # the opaque arm holds the ops
     # a symbolic token count pads the dense wgrad operand's tokens (token_rows), a pair the dual kernel does not
     # write: that linear's forward operands stay the one opaque op, its quantizes still never separate ops
-    inlined = ("block_quantize", "block_swiglu_quantize", "block_quantize_tokens", "block_quantize_dual")
+    inlined = (
+        "block_quantize",
+        "block_swiglu_quantize",
+        "block_route_weight_quantize",
+        "block_quantize_tokens",
+        "block_quantize_dual",
+    )
     for op in inlined if dynamic else (*inlined, "block_forward_operands"):
         assert f"torch.ops.mxfx.{op}.default" not in code_i, op
     assert "_scaled_mm" in code_i and code_i.count("mxfx.block_mm.default") < code_o.count("mxfx.block_mm.default")
