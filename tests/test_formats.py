@@ -326,6 +326,30 @@ def test_bf16_gemm_routed_experts_from_fp32_weights_cast_once_per_step():
     assert abs(losses["cast"] - losses["as_written"]) < 0.02 * losses["as_written"], losses
 
 
+def test_bf16_gemm_takes_bf16_weights_as_they_are():
+    """A BF16 weight is already bf16_gemm's operand: the ops read it without a cached copy (a copy would be the
+    weight itself, which a custom op may not return) and give torch's own BF16 GEMMs' results."""
+    from mxfx.runtime import cache
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 128, generator=g).bfloat16().requires_grad_()
+    w = torch.randn(2, 256, 128, generator=g).bfloat16().requires_grad_()
+    lw = torch.randn(256, 128, generator=g).bfloat16().requires_grad_()
+    offs = torch.tensor([30, 64], dtype=torch.int32)
+    cache.clear()
+    y = mx_grouped_mm_op(x, w, offs, format="bf16_gemm") + mx_linear(x, lw, None, format="bf16_gemm").sum()
+    y.float().square().sum().backward()
+    assert not cache.entry_forms(w) and not cache.entry_forms(lw)
+    grads = [t.grad for t in (x, w, lw)]
+    for t in (x, w, lw):
+        t.grad = None
+    ref = torch._grouped_mm(x, w.transpose(-2, -1), offs) + (x @ lw.t()).sum()
+    ref.float().square().sum().backward()
+    # the same BF16 GEMMs; the wgrads' FP32 results and sums may be ordered otherwise: one BF16 rounding apart
+    for got, want in zip(grads, (x.grad, w.grad, lw.grad)):
+        torch.testing.assert_close(got.float(), want.float(), rtol=2.0**-7, atol=1e-3)
+
+
 def test_precision_map_of_a_frozen_weight_has_no_wgrad():
     """A frozen linear weight is rewritten (forward and dgrad in the format) and the map says it has no wgrad and
     saves nothing for one, as the op does."""

@@ -97,6 +97,9 @@ class BF16Gemm(Format):
         return a, (a if tokens else None), (() if up is None else (x, up))
 
     def weight_operand(self, weight, rule, orientation, keep_dequantized=False):
+        if weight.dtype == _BF16:  # already the operand: no copy to cache (and an op may not return its input)
+            w = weight.detach()
+            return (w if orientation == "forward" else w.transpose(-2, -1),)
         return cache.weight_form(weight, str(rule), "bf16_" + orientation)
 
     def mm(self, a, b, out_dtype):

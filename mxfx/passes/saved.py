@@ -57,6 +57,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from mxfx.formats import Format
+from mxfx.ops.dispatch import gather_routed_rows
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
 from mxfx.ops.settings import settings_of
 from mxfx.ops.linear import mx_linear, mx_linear_input
@@ -108,6 +109,7 @@ _VIEW_FNS = (
     torch.unbind,
     torch.movedim,
     torch.detach,
+    gather_routed_rows,  # the dispatch's row gather with its scatter-free backward (mxfx.passes.dispatch_backward)
 )
 _CAST_METHODS = ("to", "float", "double", "bfloat16", "half", "type")
 _CAST_FNS = (

@@ -36,6 +36,7 @@ PASSES = (
     "linear",
     "grouped_mm",
     "dispatch_mx",
+    "dispatch_backward",
     "swiglu",
     "combine",
     "shared_quantize",
@@ -46,7 +47,8 @@ PASSES = (
 (its ``run``) and a switch of :attr:`Policy.passes` (every pass on by default); ``mxfx.passes.PIPELINE`` is built
 from it, so a new pass is its module and its name here. all_to_all runs first (dispatch and combine become
 ``mx_all_to_all`` before the passes that read their rows); dispatch_mx after linear and grouped_mm (the grouped
-GEMMs take MX rows made before the dispatch: received, or quantized before the gather); shared_quantize after the
+GEMMs take MX rows made before the dispatch: received, or quantized before the gather); dispatch_backward after
+dispatch_mx (which reads the plain row gathers it replaces); shared_quantize after the
 passes that set a linear's input (swiglu) and before saved, which counts a shared copy once."""
 POLICY_ENV = "MXFX_POLICY"
 """Environment variable: a TOML file of :class:`Policy` fields, the policy of compiles given no ``options``."""

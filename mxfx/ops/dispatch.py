@@ -1,0 +1,59 @@
+"""The local dispatch: each token's row gathered once per expert it is routed to, with a scatter-free backward.
+
+``gather_routed_rows(x, perm, top_k)`` is ``x[perm // top_k]``: ``x [T, D]`` the tokens, ``perm [T * top_k]`` a
+permutation of the flat (token, slot) pairs (the order that sorts them by expert, as HF transformers and torchtitan
+make it with ``sort`` / ``argsort``). Autograd's backward of that gather is a scatter-add of ``T * top_k`` rows into
+``T`` (``index_put`` with ``accumulate=True``: FP32 atomics on a GPU, in an unspecified order). Here the backward
+knows the index is a permutation: it inverts it and sums each token's ``top_k`` rows, a gather and a reduction in
+a fixed order, accumulated in FP32 and rounded once to ``x``'s dtype. Deterministic, and no atomics.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class _RoutedRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, perm, top_k):
+        ctx.save_for_backward(perm)
+        ctx.top_k, ctx.tokens, ctx.x_dtype = top_k, x.shape[0], x.dtype
+        return x[perm // top_k]
+
+    @staticmethod
+    def backward(ctx, d_rows):
+        (perm,) = ctx.saved_tensors
+        # slot[j] = the row of flat pair j (token j // top_k): the inverse permutation, written without atomics
+        arange = torch.arange(perm.shape[0], device=perm.device, dtype=perm.dtype)
+        slot = torch.empty_like(perm).scatter_(0, perm, arange)
+        per_token = d_rows[slot].view(ctx.tokens, ctx.top_k, d_rows.shape[-1])
+        return per_token.sum(1, dtype=torch.float32).to(ctx.x_dtype), None, None
+
+
+def gather_routed_rows(x: torch.Tensor, perm: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``x[perm // top_k]`` (module docstring): ``x [T, D]``, ``perm`` a permutation of ``range(T * top_k)``,
+    integer ``[T * top_k]``; returns ``[T * top_k, D]`` in x's dtype. Its gradient is each token's ``top_k`` rows
+    summed in FP32, in a fixed order. ``perm`` must be a permutation, which is not checked (that would read it on
+    the host): the dispatch pass (:mod:`mxfx.passes.dispatch_backward`) calls this only with the indices of a
+    ``sort`` or ``argsort``; for any other index the gradient is undefined.
+
+    Raises:
+        ValueError: x not 2D, perm not a 1D integer tensor of ``T * top_k`` entries on x's device, or top_k not a
+            positive int.
+    """
+    op = "mxfx.gather_routed_rows"
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
+        raise ValueError(f"{op}: top_k={top_k!r} must be a positive int (the experts each token is routed to)")
+    if x.dim() != 2:
+        raise ValueError(f"{op}: x of shape {tuple(x.shape)} must be [T, D] tokens; flatten the leading dims first")
+    if perm.dim() != 1 or perm.is_floating_point() or perm.dtype == torch.bool or perm.device != x.device:
+        raise ValueError(
+            f"{op}: perm must be a 1D integer permutation on {x.device}, got {perm.dtype} {tuple(perm.shape)} on "
+            f"{perm.device}"
+        )
+    if perm.shape[0] != x.shape[0] * top_k:
+        raise ValueError(
+            f"{op}: perm has {perm.shape[0]} entries; x of shape {tuple(x.shape)} routed to top_k={top_k} experts "
+            f"needs {x.shape[0]} * {top_k}"
+        )
+    return _RoutedRows.apply(x, perm, top_k)

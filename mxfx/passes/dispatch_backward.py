@@ -1,0 +1,122 @@
+"""Dispatch-backward pass: the local dispatch's row gather gets a backward without a scatter-add.
+
+Pattern: ``rows = x[perm // k]`` (``operator.getitem`` with that index; ``//`` written as ``operator.floordiv``,
+``torch.floor_divide`` or ``torch.div(..., rounding_mode="floor")``), where ``perm`` is the index output of
+``torch.sort`` / ``Tensor.sort`` or of ``torch.argsort`` / ``Tensor.argsort`` over a 1D tensor of ``T * k``
+entries, ``x [T, D]`` is floating, ``k`` a Python int, and the rows go to the routed experts: an
+``mx_grouped_mm_op`` takes them as its input or an ``mx_all_to_all`` sends them (directly, or through
+``masked_fill`` / ``contiguous``). HF transformers writes ``hidden_states[perm // num_top_k]``; expert-parallel
+code ``x[order // k]`` before the dispatch all-to-all.
+
+Replacement: ``gather_routed_rows(x, perm, k)`` (:mod:`mxfx.ops.dispatch`), the same rows. Autograd's backward of
+the gather is a scatter-add of the ``T * k`` row gradients into ``T`` (FP32 atomics on a GPU, in no fixed order:
+134M of them a layer and microbatch at OLMoE's shapes); the replacement inverts the permutation and sums each
+token's k rows in FP32 in a fixed order, so x's gradient is deterministic and written once. Valid because a sort's
+indices are a permutation of ``range(T * k)``: each token appears exactly k times in ``perm // k``. The record of
+the op the rows feed notes it.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from mxfx.fx import example_value, fill_example_value, is_call, known_size
+from mxfx.ops.all_to_all import mx_all_to_all
+from mxfx.ops.dispatch import gather_routed_rows
+from mxfx.ops.grouped_mm import mx_grouped_mm_op
+from mxfx.policy import Policy
+from mxfx.report import PrecisionMap
+
+NOTE = "dispatch gather's backward: each token's top-k row gradients summed in a fixed order (no scatter-add)"
+"""What the precision map notes on the op the rewritten rows feed."""
+
+_ROW_OPS = ("masked_fill", "masked_fill_", "contiguous")
+
+
+def _permutation(node) -> fx.Node | None:
+    """``node`` when it is the index output of a sort or argsort of a 1D tensor, else None."""
+    if not isinstance(node, fx.Node):
+        return None
+    if is_call(node, (operator.getitem,)) and node.args[1] == 1:
+        src = node.args[0]
+        if isinstance(src, fx.Node) and is_call(src, (torch.sort,), ("sort",)):
+            return node if _sorted_is_1d(src) else None
+        return None
+    if is_call(node, (torch.argsort,), ("argsort",)):
+        return node if _sorted_is_1d(node) else None
+    return None
+
+
+def _sorted_is_1d(call: fx.Node) -> bool:
+    """The tensor a sort/argsort call orders is 1D (so its indices permute ``range(numel)``)."""
+    t = example_value(call.args[0]) if call.args else None
+    return t is not None and t.dim() == 1
+
+
+def _floordiv(node) -> tuple[fx.Node, int] | None:
+    """``(perm, k)`` of ``perm // k`` with a Python int k, else None."""
+    if not isinstance(node, fx.Node) or len(node.args) < 2 or not isinstance(node.args[1], int):
+        return None
+    k = node.args[1]
+    if is_call(node, (operator.floordiv, torch.floor_divide), ("floor_divide", "__floordiv__")):
+        return node.args[0], k
+    if is_call(node, (torch.div,), ("div",)) and node.kwargs.get("rounding_mode") == "floor":
+        return node.args[0], k
+    return None
+
+
+def _feeds_routed_experts(rows: fx.Node) -> fx.Node | None:
+    """The ``mx_grouped_mm_op`` taking ``rows`` as its input, or the ``mx_all_to_all`` sending them (through row
+    ops that keep them rows), else None."""
+    frontier = [rows]
+    while frontier:
+        cur = frontier.pop()
+        for user in cur.users:
+            if user.target in (mx_grouped_mm_op, mx_all_to_all) and user.args and user.args[0] is cur:
+                return user
+            if is_call(user, (torch.masked_fill,), _ROW_OPS) and user.args[0] is cur:
+                frontier.append(user)
+    return None
+
+
+def _match(node: fx.Node) -> tuple[fx.Node, fx.Node, int, fx.Node] | None:
+    """``(x, perm, k, reader)`` of a dispatch gather ``x[perm // k]`` (module docstring), else None."""
+    if not is_call(node, (operator.getitem,)) or not isinstance(node.args[0], fx.Node):
+        return None
+    div = _floordiv(node.args[1])
+    if div is None:
+        return None
+    perm, k = div
+    x, p = example_value(node.args[0]), example_value(perm)
+    if _permutation(perm) is None or x is None or p is None or k < 1 or x.dim() != 2 or not x.is_floating_point():
+        return None
+    tokens, pairs = known_size(x.shape[0]), known_size(p.shape[0])
+    if tokens is None or pairs is None or pairs != tokens * k:
+        return None
+    reader = _feeds_routed_experts(node)
+    return None if reader is None else (node.args[0], perm, k, reader)
+
+
+def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
+    """Give each dispatch gather of routed rows the scatter-free backward; returns how many were rewritten."""
+    rewritten = 0
+    for node in list(gm.graph.nodes):
+        hit = _match(node)
+        if hit is None:
+            continue
+        x, perm, k, reader = hit
+        with gm.graph.inserting_before(node):
+            rows = gm.graph.call_function(gather_routed_rows, (x, perm, k))
+        rows.meta.update(node.meta)
+        node.replace_all_uses_with(rows)
+        gm.graph.erase_node(node)
+        if "example_value" not in rows.meta:
+            fill_example_value(rows)
+        record = pm.find(reader.name)
+        if record is not None:
+            record.add_note(NOTE)
+        rewritten += 1
+    return rewritten

@@ -1,0 +1,111 @@
+"""The dispatch_backward pass and its op: the local dispatch's row gather with a scatter-free backward."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mxfx
+from mxfx.ops.dispatch import gather_routed_rows
+from mxfx.passes.dispatch_backward import NOTE
+from tests.helpers import GraphCapture
+
+ATEN = torch.ops.aten
+
+
+def _perm(tokens: int, top_k: int, experts: int, seed: int) -> torch.Tensor:
+    """The order that sorts a routing's flat (token, slot) pairs by expert, as HF transformers makes it."""
+    g = torch.Generator().manual_seed(seed)
+    expert_ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).reshape(-1)
+    return torch.sort(expert_ids).indices
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("top_k", [1, 2, 8])
+def test_gather_routed_rows_is_the_gather_with_its_gradient(dtype, top_k):
+    tokens, d = 40, 48
+    perm = _perm(tokens, top_k, 16, seed=top_k)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(tokens, d, generator=g).to(dtype).requires_grad_()
+    d_rows = torch.randn(tokens * top_k, d, generator=g).to(dtype)
+    rows = gather_routed_rows(x, perm, top_k)
+    assert rows.dtype == dtype and torch.equal(rows, x.detach()[perm // top_k])
+    rows.backward(d_rows)
+    # each token's top_k row gradients summed: k - 1 FP32 additions (each within 2^-24 of the magnitudes summed) and
+    # one rounding to x's dtype (2^-8 relative for BF16); a lost, doubled or misplaced row is off by a whole term
+    index = perm // top_k
+    exact = torch.zeros(tokens, d, dtype=torch.float64).index_add_(0, index, d_rows.double())
+    magnitude = torch.zeros(tokens, d, dtype=torch.float64).index_add_(0, index, d_rows.double().abs())
+    unit = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-24
+    assert x.grad.dtype == dtype
+    assert ((x.grad.double() - exact).abs() <= unit * exact.abs() + top_k * 2.0**-24 * magnitude).all()
+
+
+def test_gather_routed_rows_refuses_what_is_no_dispatch():
+    x, perm = torch.randn(6, 4), torch.arange(12)
+    with pytest.raises(ValueError, match=r"mxfx.gather_routed_rows: perm has 12 entries; x of shape \(6, 4\)"):
+        gather_routed_rows(x, perm, 3)
+    with pytest.raises(ValueError, match="top_k=0 must be a positive int"):
+        gather_routed_rows(x, perm, 0)
+    with pytest.raises(ValueError, match=r"perm must be a 1D integer permutation"):
+        gather_routed_rows(x, perm.float(), 2)
+    with pytest.raises(ValueError, match=r"x of shape \(6, 4, 1\) must be \[T, D\]"):
+        gather_routed_rows(x[..., None], perm, 2)
+
+
+def _layer(x, router_w, w_gate_up, w_down, topk, sort_indices=True):
+    """A routed block as HF transformers writes it (its grouped experts): tokens gathered by a sort's indices."""
+    weights, experts = F.linear(x, router_w).float().softmax(-1).topk(topk, dim=-1)
+    flat = experts.reshape(-1)
+    order = torch.sort(flat).indices if sort_indices else flat  # the expert ids themselves: not a permutation
+    offs = torch.histc(flat.float(), bins=w_down.shape[0], min=-0.5, max=w_down.shape[0] - 0.5).cumsum(0).int()
+    g, u = torch._grouped_mm(x[order // topk], w_gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(g) * u, w_down.transpose(-2, -1), offs=offs)
+    y = y * weights.reshape(-1)[order].to(y.dtype)[:, None]
+    return torch.zeros_like(x).index_add(0, order // topk, y)
+
+
+def _run(options, sort_indices=True, dtype=torch.bfloat16, fmt="fp8_block"):
+    torch.manual_seed(0)
+    tokens, d, experts, topk = 48, 128, 4, 2
+    x = torch.randn(tokens, d, dtype=dtype, requires_grad=True)
+    shapes = ((experts, d), (experts, 256, d), (experts, d, 128))
+    params = [(torch.randn(*s) * 0.2).to(dtype).requires_grad_() for s in shapes]
+    torch._dynamo.reset()
+    cap = GraphCapture()
+    compiled = torch.compile(_layer, backend="mxfp8", options={"inner": cap, "format": fmt, **options})
+    out = compiled(x, *params, topk, sort_indices)
+    out.float().square().sum().backward()
+    return out.detach(), [t.grad for t in (x, *params)], cap, mxfx.last_report()
+
+
+def _row_scatter_adds(cap: GraphCapture) -> int:
+    """Scatter-adds of rows into a 2D tensor (index_put / index_add accumulating) in the backward graphs: a row
+    gather's gradient. (The route weights' own gather, 1D, keeps its scatter-add: a value a row.)"""
+
+    def rows(n):
+        if n.target in (ATEN.index_put.default, ATEN.index_put_.default):
+            return len(n.args) > 3 and n.args[3] and n.args[0].meta["val"].dim() == 2
+        return n.target is ATEN.index_add.default and n.args[0].meta["val"].dim() == 2
+
+    return sum(1 for gm in cap.backward for n in gm.graph.nodes if rows(n))
+
+
+@pytest.mark.parametrize("fmt", ["fp8_block", "bf16_gemm"])
+def test_dispatch_gather_gets_a_backward_without_scatter_add(fmt):
+    out, grads, cap, pm = _run({}, fmt=fmt)
+    off_out, off_grads, off_cap, off_pm = _run({"passes": {"dispatch_backward": False}}, fmt=fmt)
+    assert _row_scatter_adds(off_cap) >= 1 and _row_scatter_adds(cap) == 0  # the dispatch gather's scatter-add is gone
+    rows = [r for r in pm.records if r.kind == "grouped_mm" and NOTE in r.reason]
+    assert len(rows) == 1 and not any(NOTE in r.reason for r in off_pm.records), pm.to_text()
+    # the same forward and the same gradients: x's is each token's two BF16 row gradients added, which both
+    # backwards round once from the exact sum (the scatter-add adds into zeros, then once; the pass sums in FP32,
+    # exactly for two BF16 terms); every other gradient is untouched by the pass
+    assert torch.equal(out, off_out)
+    for g, r in zip(grads, off_grads):
+        assert torch.equal(g, r)
+
+
+def test_a_gather_by_an_index_that_is_no_permutation_is_left_alone():
+    """``x[ids // k]`` with expert ids as the index repeats tokens arbitrarily: the scatter-add is its gradient."""
+    _, _, cap, pm = _run({}, sort_indices=False)
+    assert _row_scatter_adds(cap) >= 1 and not any(NOTE in r.reason for r in pm.records), pm.to_text()
