@@ -30,7 +30,7 @@ class _RoutedRows(torch.autograd.Function):
         return per_token.sum(1, dtype=torch.float32).to(ctx.x_dtype), None, None
 
 
-def gather_routed_rows(x: torch.Tensor, perm: torch.Tensor, top_k: int) -> torch.Tensor:
+def gather_routed_rows(x: torch.Tensor, perm: torch.Tensor, top_k: int | torch.SymInt) -> torch.Tensor:
     """``x[perm // top_k]`` (module docstring): ``x [T, D]``, ``perm`` a permutation of ``range(T * top_k)``,
     integer ``[T * top_k]``; returns ``[T * top_k, D]`` in x's dtype. Its gradient is each token's ``top_k`` rows
     summed in FP32, in a fixed order. ``perm`` must be a permutation, which is not checked (that would read it on
@@ -39,10 +39,10 @@ def gather_routed_rows(x: torch.Tensor, perm: torch.Tensor, top_k: int) -> torch
 
     Raises:
         ValueError: x not 2D, perm not a 1D integer tensor of ``T * top_k`` entries on x's device, or top_k not a
-            positive int.
+            positive int (a symbolic size under dynamic shapes).
     """
     op = "mxfx.gather_routed_rows"
-    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
+    if not isinstance(top_k, (int, torch.SymInt)) or isinstance(top_k, bool) or top_k < 1:
         raise ValueError(f"{op}: top_k={top_k!r} must be a positive int (the experts each token is routed to)")
     if x.dim() != 2:
         raise ValueError(f"{op}: x of shape {tuple(x.shape)} must be [T, D] tokens; flatten the leading dims first")

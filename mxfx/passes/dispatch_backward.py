@@ -3,7 +3,7 @@
 Pattern: ``rows = x[perm // k]`` (``operator.getitem`` with that index; ``//`` written as ``operator.floordiv``,
 ``torch.floor_divide`` or ``torch.div(..., rounding_mode="floor")``), where ``perm`` is the index output of
 ``torch.sort`` / ``Tensor.sort`` or of ``torch.argsort`` / ``Tensor.argsort`` over a 1D tensor of ``T * k``
-entries, ``x [T, D]`` is floating, ``k`` a Python int, and the rows go to the routed experts: an
+entries, ``x [T, D]`` is floating, ``k`` an int (or a symbolic size), and the rows go to the routed experts: an
 ``mx_grouped_mm_op`` takes them as its input or an ``mx_all_to_all`` sends them (directly, or through
 ``masked_fill`` / ``contiguous``). HF transformers writes ``hidden_states[perm // num_top_k]``; expert-parallel
 code ``x[order // k]`` before the dispatch all-to-all.
@@ -56,9 +56,20 @@ def _sorted_is_1d(call: fx.Node) -> bool:
     return t is not None and t.dim() == 1
 
 
-def _floordiv(node) -> tuple[fx.Node, int] | None:
-    """``(perm, k)`` of ``perm // k`` with a Python int k, else None."""
-    if not isinstance(node, fx.Node) or len(node.args) < 2 or not isinstance(node.args[1], int):
+def _top_k(arg) -> int | None:
+    """The value (a symbolic size's hint) of ``arg``, an int or a graph node holding one, else None."""
+    if isinstance(arg, fx.Node):
+        arg = arg.meta.get("example_value")
+        if not isinstance(arg, (int, torch.SymInt)) or isinstance(arg, bool):
+            return None
+    elif not isinstance(arg, int) or isinstance(arg, bool):
+        return None
+    return known_size(arg)
+
+
+def _floordiv(node) -> tuple[fx.Node, object] | None:
+    """``(perm, k)`` of ``perm // k`` with k an int or a node holding one (a symbolic size), else None."""
+    if not isinstance(node, fx.Node) or len(node.args) < 2 or _top_k(node.args[1]) is None:
         return None
     k = node.args[1]
     if is_call(node, (operator.floordiv, torch.floor_divide), ("floor_divide", "__floordiv__")):
@@ -82,7 +93,7 @@ def _feeds_routed_experts(rows: fx.Node) -> fx.Node | None:
     return None
 
 
-def _match(node: fx.Node) -> tuple[fx.Node, fx.Node, int, fx.Node] | None:
+def _match(node: fx.Node) -> tuple[fx.Node, fx.Node, object, fx.Node] | None:
     """``(x, perm, k, reader)`` of a dispatch gather ``x[perm // k]`` (module docstring), else None."""
     if not is_call(node, (operator.getitem,)) or not isinstance(node.args[0], fx.Node):
         return None
@@ -90,11 +101,11 @@ def _match(node: fx.Node) -> tuple[fx.Node, fx.Node, int, fx.Node] | None:
     if div is None:
         return None
     perm, k = div
-    x, p = example_value(node.args[0]), example_value(perm)
-    if _permutation(perm) is None or x is None or p is None or k < 1 or x.dim() != 2 or not x.is_floating_point():
+    x, p, top_k = example_value(node.args[0]), example_value(perm), _top_k(k)
+    if _permutation(perm) is None or x is None or p is None or top_k < 1 or x.dim() != 2 or not x.is_floating_point():
         return None
     tokens, pairs = known_size(x.shape[0]), known_size(p.shape[0])
-    if tokens is None or pairs is None or pairs != tokens * k:
+    if tokens is None or pairs is None or pairs != tokens * top_k:
         return None
     reader = _feeds_routed_experts(node)
     return None if reader is None else (node.args[0], perm, k, reader)
