@@ -28,6 +28,12 @@ def test_crossover_quick(monkeypatch, tmp_path):
     assert table["capability"] is None and len(table["families"]) == 2
     assert {"bf16_fwdbwd_ms", "mx_fwdbwd_ms", "mxdq_fwdbwd_ms"} <= set(table["families"][0]["points"][0])
     assert (tmp_path / "crossover.png").stat().st_size > 0
+    run_script(
+        monkeypatch, "bench/crossover.py", "--device", "cpu", "--quick", "--format", "fp8_block", "--out", str(tmp_path)
+    )
+    table = json.loads((tmp_path / "crossover.json").read_text())
+    point = table["families"][0]["points"][0]
+    assert table["format"] == "fp8_block" and "mx_fwdbwd_ms" in point and "mxdq_fwdbwd_ms" not in point
 
 
 def test_quant_stats_quick(monkeypatch, tmp_path):

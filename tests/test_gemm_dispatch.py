@@ -518,7 +518,7 @@ def _table(path):
 
 
 def test_min_size_auto_reads_table(tmp_path, monkeypatch):
-    _table(tmp_path / "crossover_sm90.json")
+    _table(tmp_path / "crossover_mxfp8_sm90.json")
     monkeypatch.setattr(crossover, "DATA_DIR", str(tmp_path))
     monkeypatch.setattr(crossover, "_capability", lambda: (9, 0))
     p = Policy(min_size="auto")
@@ -531,12 +531,34 @@ def test_min_size_auto_reads_table(tmp_path, monkeypatch):
     assert Policy(min_size=0).decide("linear", "x", 1, gemm=(100, 1024, 1024)).precision == "mxfp8"
 
 
+def test_min_size_auto_reads_the_table_of_the_ops_format(tmp_path, monkeypatch):
+    """One format's crossover says nothing of another's costs: an fp8_block op never reads mxfp8's table. Without
+    its own it warns (naming its format and the command that measures one) and is rewritten; with one, it reads
+    it. A BF16 format (bf16_gemm) has no crossover with BF16: its ops are rewritten without a table."""
+    _table(tmp_path / "crossover_mxfp8_sm90.json")  # says BF16 at M=128 of the 1024 family
+    monkeypatch.setattr(crossover, "DATA_DIR", str(tmp_path))
+    monkeypatch.setattr(crossover, "_capability", lambda: (9, 0))
+    monkeypatch.setattr(crossover, "_warned", set())
+    gemm = (100, 1024, 1024)
+    assert Policy(min_size="auto").decide("linear", "x", 1, gemm=gemm).precision == "bf16"
+    block = Policy(min_size="auto", format="fp8_block")
+    with pytest.warns(UserWarning, match=r"no fp8_block crossover table .* bench/crossover.py --format fp8_block"):
+        d = block.decide("linear", "x", 1, gemm=gemm)
+    assert d.precision == "mxfp8" and d.format.name == "fp8_block"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert Policy(min_size="auto", format="bf16_gemm").decide("linear", "x", 1, gemm=gemm).precision == "mxfp8"
+    _table(tmp_path / "crossover_fp8_block_sm90.json")
+    d = block.decide("linear", "x", 1, gemm=gemm)
+    assert d.precision == "bf16" and "1024->1024 M=128 fp8_block" in d.reason, d.reason
+
+
 def test_min_size_auto_without_table_warns_once(tmp_path, monkeypatch):
     monkeypatch.setattr(crossover, "DATA_DIR", str(tmp_path))
     monkeypatch.setattr(crossover, "_capability", lambda: (10, 0))
     monkeypatch.setattr(crossover, "_warned", set())
     p = Policy(min_size="auto")
-    with pytest.warns(UserWarning, match="no crossover table"):
+    with pytest.warns(UserWarning, match="no mxfp8 crossover table"):
         assert p.decide("linear", "x", 1, gemm=(128, 1024, 1024)).precision == "mxfp8"
     with warnings.catch_warnings():
         warnings.simplefilter("error")

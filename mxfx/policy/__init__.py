@@ -1,5 +1,6 @@
 """The per-op precision policy and what it decides from: :class:`Policy` and :class:`Rule` (``policy.py``), and the
-measured BF16-vs-MXFP8 crossover tables of ``min_size="auto"`` (``crossover.py``, ``crossover_sm90.json``).
+measured crossover tables of ``min_size="auto"``, one per format and GPU (``crossover.py``,
+``crossover_mxfp8_sm90.json``).
 
 The settings a decision gives an op (:class:`mxfx.ops.settings.OpSettings`) live with the ops that read them: the
 ops sit below the policy and import nothing above them.

@@ -25,7 +25,7 @@ from typing import Any, Callable
 from mxfx import formats
 from mxfx.formats import Format, ScaleRule
 from mxfx.ops.settings import PRECISIONS, OpSettings
-from mxfx.policy.crossover import prefers_mxfp8
+from mxfx.policy.crossover import prefers_low_precision
 
 OP_KINDS = ("linear", "grouped_mm", "swiglu", "router", "saved", "all_to_all", "weight_refresh")
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
@@ -532,11 +532,11 @@ class Policy(_NamedFields):
         save: default saved-activation precision ("mxfp8": pack where it replaces BF16).
         min_size: default minimum GEMM size in multiply-accumulates (0: rewrite all
             eligible), or "auto" (opt-in): rewrite a GEMM only where the measured
-            crossover table of the current device (``mxfx/data/crossover_sm<cc>.json``,
-            written by ``bench/crossover.py``) says MXFP8 forward+backward beats BF16
-            at the nearest measured projection family and token count
-            (:func:`mxfx.policy.crossover.prefers_mxfp8`); routed grouped GEMMs use the
-            average rows per expert as M. Without a table for the device it warns
+            crossover table of the op's format on the current device
+            (``mxfx/policy/crossover_<format>_sm<cc>.json``, written by ``bench/crossover.py --format``) says
+            that format's forward+backward beats BF16 at the nearest measured projection family and token count
+            (:func:`mxfx.policy.crossover.prefers_low_precision`); routed grouped GEMMs use the
+            average rows per expert as M. Without a table of the format for the device it warns
             once and rewrites everything eligible.
         keep_dequantized_weights: where the GEMM is emulated (no native MX GEMM:
             Hopper, CPU), cache each MX weight's dequantized BF16 forward and dgrad
@@ -794,6 +794,8 @@ class Policy(_NamedFields):
         def first(name):  # each setting comes from the first matching rule that sets it
             return next(((getattr(r, name), r) for r in matching if getattr(r, name) is not None), (None, None))
 
+        get = lambda name: first(name)[0]  # noqa: E731
+        fmt = formats.get(get("format") or self.format)
         precision, rule = first("precision")
         precision = precision or "mxfp8"
         min_size, size_rule = first("min_size")
@@ -803,15 +805,13 @@ class Policy(_NamedFields):
             origin = "default rule" if rule in DEFAULT_RULES else "policy rule"
             reason = f"kept as written by {origin} {rule.describe()}"  # precision='bf16': as written, in any dtype
         elif min_size == "auto":
-            if gemm is not None:
-                faster, why = prefers_mxfp8(*gemm, keep_dequantized=self.keep_dequantized_weights)
+            if gemm is not None and fmt.low_precision:  # a BF16 format has no crossover with BF16
+                faster, why = prefers_low_precision(fmt.name, *gemm, keep_dequantized=self.keep_dequantized_weights)
                 if not faster:
                     precision, reason = "bf16", f"min_size='auto': {why}"
         elif macs is not None and macs < min_size:
             precision, reason = "bf16", f"GEMM of {macs} MACs is below min_size {min_size}"
-        get = lambda name: first(name)[0]  # noqa: E731
         rule = rule or size_rule or (matching[0] if matching else None)
-        fmt = formats.get(get("format") or self.format)
         if kind == "all_to_all":  # the payload travels in the transport format of the op's format
             fmt = formats.get(fmt.transport)
         return Decision(
