@@ -111,3 +111,50 @@ def test_a_gather_by_an_index_that_is_no_permutation_is_left_alone():
     """``x[ids // k]`` with expert ids as the index repeats tokens arbitrarily: the scatter-add is its gradient."""
     _, _, cap, pm = _run({}, sort_indices=False)
     assert _row_scatter_adds(cap) >= 1 and not any(NOTE in r.reason for r in pm.records), pm.to_text()
+
+
+def _titan_layer(x, router_w, w_gate_up, w_down, topk):
+    """A routed block as torchtitan writes it: argsort, ``// top_k``, a column index expanded over the features,
+    ``torch.gather``, the route scores applied before the experts, a scatter_add combine."""
+    scores, experts = F.linear(x, router_w).float().softmax(-1).topk(topk, dim=-1)
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    top = scores.reshape(-1)[order]
+    index = (order // topk).reshape(-1, 1).expand(-1, x.shape[-1])
+    rows = torch.gather(x, dim=0, index=index)
+    rows = (rows.to(torch.float32) * top.reshape(-1, 1)).to(x.dtype)
+    offs = torch.histc(flat.float(), bins=w_down.shape[0], min=-0.5, max=w_down.shape[0] - 0.5).cumsum(0).int()
+    g, u = torch._grouped_mm(rows, w_gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(g) * u, w_down.transpose(-2, -1), offs=offs)
+    return torch.zeros_like(x).scatter_add(0, index, y)
+
+
+def test_torchtitans_gather_form_gets_it_too():
+    torch.manual_seed(0)
+    tokens, d, experts, topk = 48, 128, 4, 2
+    x = torch.randn(tokens, d, dtype=torch.bfloat16, requires_grad=True)
+    shapes = ((experts, d), (experts, 256, d), (experts, d, 128))
+    params = [(torch.randn(*s) * 0.2).bfloat16().requires_grad_() for s in shapes]
+
+    def run(options):
+        torch._dynamo.reset()
+        for t in (x, *params):
+            t.grad = None
+        cap = GraphCapture()
+        opts = {"inner": cap, "format": "fp8_block", **options}
+        out = torch.compile(_titan_layer, backend="mxfp8", options=opts)(x, *params, topk)
+        out.float().square().sum().backward()
+        return out.detach(), [t.grad.clone() for t in (x, *params)], cap, mxfx.last_report()
+
+    out, grads, cap, pm = run({})
+    off_out, off_grads, off_cap, _ = run({"passes": {"dispatch_backward": False}})
+    assert any(NOTE in r.reason for r in pm.records if r.kind == "grouped_mm"), pm.to_text()
+    # torch.gather's gradient is a scatter-add too (aten.scatter_add): gone with the pass
+    scatter_adds = [
+        sum(1 for gm in c.backward for n in gm.graph.nodes if n.target is ATEN.scatter_add.default)
+        for c in (cap, off_cap)
+    ]
+    assert scatter_adds[0] < scatter_adds[1], scatter_adds
+    assert torch.equal(out, off_out)
+    for g, r in zip(grads, off_grads):  # two BF16 terms a token: the same rounding (see the test above)
+        assert torch.equal(g, r)

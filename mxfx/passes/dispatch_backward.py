@@ -1,12 +1,14 @@
 """Dispatch-backward pass: the local dispatch's row gather gets a backward without a scatter-add.
 
-Pattern: ``rows = x[perm // k]`` (``operator.getitem`` with that index; ``//`` written as ``operator.floordiv``,
+Pattern: ``rows = x[perm // k]`` (``operator.getitem`` with that index, or ``torch.gather(x, 0, idx)`` with ``idx``
+that index as a column expanded over x's features, as torchtitan writes it; ``//`` written as ``operator.floordiv``,
 ``torch.floor_divide`` or ``torch.div(..., rounding_mode="floor")``), where ``perm`` is the index output of
 ``torch.sort`` / ``Tensor.sort`` or of ``torch.argsort`` / ``Tensor.argsort`` over a 1D tensor of ``T * k``
 entries, ``x [T, D]`` is floating, ``k`` an int (or a symbolic size), and the rows go to the routed experts: an
-``mx_grouped_mm_op`` takes them as its input or an ``mx_all_to_all`` sends them (directly, or through
-``masked_fill`` / ``contiguous``). HF transformers writes ``hidden_states[perm // num_top_k]``; expert-parallel
-code ``x[order // k]`` before the dispatch all-to-all.
+``mx_grouped_mm_op`` takes them as its input or an ``mx_all_to_all`` sends them (directly, or through row-wise
+ops: ``masked_fill``, ``contiguous``, casts, a multiply by route scores). HF transformers writes
+``hidden_states[perm // num_top_k]``; torchtitan ``torch.gather(x, 0, (argsort(ids) // top_k).reshape(-1,
+1).expand(-1, dim))``; expert-parallel code ``x[order // k]`` before the dispatch all-to-all.
 
 Replacement: ``gather_routed_rows(x, perm, k)`` (:mod:`mxfx.ops.dispatch`), the same rows. Autograd's backward of
 the gather is a scatter-add of the ``T * k`` row gradients into ``T`` (FP32 atomics on a GPU, in no fixed order:
@@ -33,7 +35,8 @@ from mxfx.report import PrecisionMap
 NOTE = "dispatch gather's backward: each token's top-k row gradients summed in a fixed order (no scatter-add)"
 """What the precision map notes on the op the rewritten rows feed."""
 
-_ROW_OPS = ("masked_fill", "masked_fill_", "contiguous")
+_ROW_METHODS = ("masked_fill", "masked_fill_", "contiguous", "to", "float", "bfloat16", "half", "mul")
+_ROW_FNS = (torch.masked_fill, operator.mul, torch.mul)
 
 
 def _permutation(node) -> fx.Node | None:
@@ -88,27 +91,57 @@ def _feeds_routed_experts(rows: fx.Node) -> fx.Node | None:
         for user in cur.users:
             if user.target in (mx_grouped_mm_op, mx_all_to_all) and user.args and user.args[0] is cur:
                 return user
-            if is_call(user, (torch.masked_fill,), _ROW_OPS) and user.args[0] is cur:
+            if is_call(user, _ROW_FNS, _ROW_METHODS) and cur in user.args[:2]:
                 frontier.append(user)
+    return None
+
+
+def _column_index(idx) -> fx.Node | None:
+    """``i`` of ``i.reshape(-1, 1).expand(-1, D)`` (or ``view`` / ``unsqueeze(1)``): a gather index that picks whole
+    rows, else None."""
+    if not (isinstance(idx, fx.Node) and is_call(idx, (), ("expand",)) and isinstance(idx.args[0], fx.Node)):
+        return None
+    col = idx.args[0]
+    if is_call(col, (), ("reshape", "view")) and tuple(col.args[1:]) in (((-1, 1),), (-1, 1)):
+        return col.args[0]
+    if is_call(col, (torch.unsqueeze,), ("unsqueeze",)) and tuple(col.args[1:]) in ((1,), (-1,)):
+        return col.args[0]
+    return None
+
+
+def _gathered_rows(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """``(x, index)`` of a row gather ``x[index]`` or ``torch.gather(x, 0, index as a column, expanded)``."""
+    if is_call(node, (operator.getitem,)) and isinstance(node.args[0], fx.Node):
+        return node.args[0], node.args[1]
+    if is_call(node, (torch.gather,), ("gather",)) and isinstance(node.args[0], fx.Node):
+        kw = dict(zip(("dim", "index"), node.args[1:]), **node.kwargs)
+        if set(kw) == {"dim", "index"} and kw["dim"] == 0:
+            index = _column_index(kw["index"])
+            return None if index is None else (node.args[0], index)
     return None
 
 
 def _match(node: fx.Node) -> tuple[fx.Node, fx.Node, object, fx.Node] | None:
     """``(x, perm, k, reader)`` of a dispatch gather ``x[perm // k]`` (module docstring), else None."""
-    if not is_call(node, (operator.getitem,)) or not isinstance(node.args[0], fx.Node):
+    gathered = _gathered_rows(node)
+    if gathered is None:
         return None
-    div = _floordiv(node.args[1])
+    src, index = gathered
+    div = _floordiv(index)
     if div is None:
         return None
     perm, k = div
-    x, p, top_k = example_value(node.args[0]), example_value(perm), _top_k(k)
+    x, p, top_k = example_value(src), example_value(perm), _top_k(k)
     if _permutation(perm) is None or x is None or p is None or top_k < 1 or x.dim() != 2 or not x.is_floating_point():
         return None
     tokens, pairs = known_size(x.shape[0]), known_size(p.shape[0])
     if tokens is None or pairs is None or pairs != tokens * top_k:
         return None
+    rows = example_value(node)  # whole rows (a torch.gather index narrower than x would take a column slice)
+    if rows is None or rows.dim() != 2 or known_size(rows.shape[1]) != known_size(x.shape[1]):
+        return None
     reader = _feeds_routed_experts(node)
-    return None if reader is None else (node.args[0], perm, k, reader)
+    return None if reader is None else (src, perm, k, reader)
 
 
 def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
