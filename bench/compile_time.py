@@ -312,6 +312,8 @@ def table(rows: list[dict]) -> str:
         )
         ratio = f"{r['first_step_s'] / base['first_step_s']:.2f}x" if base and r["arm"] != "bf16" else "-"
         goal = "<= 1.5x" if r["arm"] != "bf16" else ""
+        if r.get("profiled") or (base and base.get("profiled")):  # cProfile's overhead, not the compile's
+            ratio, goal = f"{ratio} (under cProfile: no timing)", "-"
         fx = "/".join(str(r.get(f"fxgraph_cache_{k}", 0)) for k in ("hit", "miss", "bypass"))
         aot = "/".join(str(r.get(f"autograd_cache_{k}", 0)) for k in ("hit", "miss", "bypass"))
         lines.append(
@@ -529,8 +531,11 @@ def main(argv=None) -> list[dict]:
                     }
                     if "profile" in r:
                         os.makedirs(out_dir, exist_ok=True)
-                        with open(os.path.join(out_dir, f"compile_profile_{unit}_{arm}_{state}.txt"), "w") as f:
+                        path = os.path.join(out_dir, f"compile_profile_{unit}_{arm}_{state}.txt")
+                        with open(path, "w") as f:
                             f.write(r.pop("profile"))
+                        r["profiled"] = True
+                        print(f"  wrote {path}", flush=True)
                     print(f"  {args.model} {unit} {arm} {state}: {r.get('first_step_s', r.get('error'))}", flush=True)
                     rows.append(r)
     from _results import emit

@@ -3,7 +3,8 @@
 Use ``torch.compile(model, backend="mxfp8", options={...})``; the backend is found
 through an entry point, no import needed. This package also exposes the format
 reference (:func:`quantize`, :func:`dequantize`), the :class:`Policy`, and the
-inspection helpers (:func:`last_report`, :func:`stats`: quantization statistics per quantize site,
+inspection helpers (:func:`all_reports` / :func:`last_report`: the precision map of every compiled graph / of the
+last, :func:`stats`: quantization statistics per quantize site,
 :func:`watch_steps`: a model no compiled graph reached, named at its optimizer's first step).
 """
 

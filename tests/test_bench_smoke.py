@@ -371,3 +371,21 @@ def test_compile_time_names_what_repeated_compiles_differ_in(monkeypatch):
     text = compile_time.phase_table([row])
     assert "_scale_kernel x2 [stride i32/i32 tt.divisibility=16; AXIS =0/=1]" in text
     assert "(passes 0.25)" in text
+
+
+def test_compile_time_table_marks_profiled_steps(monkeypatch):
+    """A first step timed under cProfile (``--profile``) is no compile time: its ratio is marked and held to no
+    goal; an unprofiled one is compared with BF16's."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import compile_time
+
+    row = {"model": "olmoe", "unit": "model", "frames": 1, "bypass": ""}
+    rows = [
+        {**row, "arm": "bf16", "cache": "cold", "first_step_s": 10.0},
+        {**row, "arm": "fp8_block", "cache": "cold", "first_step_s": 15.0},
+        {**row, "arm": "bf16", "cache": "warm", "first_step_s": 2.0},
+        {**row, "arm": "fp8_block", "cache": "warm", "first_step_s": 6.0, "profiled": True},
+    ]
+    lines = compile_time.table(rows).splitlines()
+    assert "| 1.50x | <= 1.5x |" in lines[3] and "cProfile" not in lines[3]
+    assert "3.00x (under cProfile: no timing) | - |" in lines[5]

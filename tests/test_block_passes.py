@@ -505,5 +505,9 @@ def test_routed_dgrad_quantizes_dy_times_route_weights_in_one_op():
     q, s = torch.ops.mxfx.block_route_weight_quantize(dout.float(), rw, "rceil")
     rq, rs = bf.quantize_1x128(dout.float() * rw[:, None])
     assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
-    with pytest.raises(ValueError, match=r"mxfx::block_route_weight_quantize: weight must be one floating route"):
+    with pytest.raises(ValueError, match=r"mxfx::block_route_weight_quantize: weight must be one route weight per row"):
         torch.ops.mxfx.block_route_weight_quantize(dout, rw[:50], "rceil")
+    with pytest.raises(TypeError, match=r"block_route_weight_quantize: weight of shape \(96,\) has dtype torch.int64"):
+        torch.ops.mxfx.block_route_weight_quantize(dout, rw.long(), "rceil")
+    with pytest.raises(TypeError, match=r"mxfx.grouped_mm: route_weight of shape \(96,\) has dtype torch.int64"):
+        mx_grouped_mm_op(x, w, offs, route_weight=rw.long(), format="fp8_block")

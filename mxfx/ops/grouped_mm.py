@@ -186,7 +186,7 @@ def mx_grouped_mm_op(
     code; on a GPU, or inside a traced graph, offs values are not read (that would need a device sync).
 
     Raises:
-        TypeError: x not a bf16/fp16/fp32 tensor, offs not a tensor, out_dtype not floating.
+        TypeError: x not a bf16/fp16/fp32 tensor, offs not a tensor, out_dtype or route_weight not floating.
         ValueError: an unknown scale rule, shapes that do not pair up or do not fit the format (``feature_multiple``),
             offs not int32 (or, on the CPU, not non-decreasing ends of at most S rows), no experts, route_weight not [S]
             or [S, 1], a weight that is not 3D, a settings value not valid, ``x_mx`` given with ``up`` or with shapes
@@ -221,6 +221,11 @@ def mx_grouped_mm_op(
         raise ValueError(
             f"{op}: route_weight of shape {tuple(route_weight.shape)} must be [S] or [S, 1], one weight per row of "
             f"x {tuple(x.shape)}"
+        )
+    if route_weight is not None and not route_weight.is_floating_point():
+        raise TypeError(
+            f"{op}: route_weight of shape {tuple(route_weight.shape)} has dtype {route_weight.dtype}; the route "
+            f"weights scale the output rows: pass them as a floating tensor (e.g. route_weight.float())"
         )
     if offs.dtype != torch.int32:
         raise ValueError(

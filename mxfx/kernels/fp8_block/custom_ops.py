@@ -116,11 +116,14 @@ def _(gate, up, rule):
 
 def _check_route_weight(op: str, dy: torch.Tensor, weight: torch.Tensor) -> None:
     """One floating route weight per row of ``dy [S, D]``: ``weight [S]`` on dy's device."""
-    if weight.shape != (dy.shape[0],) or weight.device != dy.device or not weight.is_floating_point():
+    if not weight.is_floating_point():
+        raise TypeError(f"mxfx::{op}: weight of shape {tuple(weight.shape)} has dtype {weight.dtype}; pass floats")
+    if weight.device != dy.device:
+        raise ValueError(f"mxfx::{op}: weight is on {weight.device}, dy {tuple(dy.shape)} on {dy.device}: move it")
+    if weight.shape != (dy.shape[0],):
         raise ValueError(
-            f"mxfx::{op}: weight must be one floating route weight per row of dy {tuple(dy.shape)}, shape "
-            f"({dy.shape[0]},) on {dy.device}; got {weight.dtype} {tuple(weight.shape)} on {weight.device}: "
-            "flatten the route weights to [S]"
+            f"mxfx::{op}: weight must be one route weight per row of dy {tuple(dy.shape)}, shape ({dy.shape[0]},); "
+            f"got {tuple(weight.shape)}: flatten the route weights to [S]"
         )
 
 
