@@ -46,6 +46,14 @@ GEMM_OPS = ("mm", "grouped_mm", "grouped_mm_wgrad")
 the grouped wgrad (a reduction over each expert's tokens)."""
 
 
+def route_weighted(dout: torch.Tensor, route_weight: torch.Tensor | None) -> torch.Tensor:
+    """The gradient a routed grouped GEMM's output rows receive: ``dout [S, N] * route_weight[:, None]`` formed in
+    FP32 (``route_weight`` ``[S]`` or ``[S, 1]``), or ``dout`` itself without route weights."""
+    if route_weight is None:
+        return dout
+    return dout.float() * route_weight.reshape(-1, 1).float()
+
+
 def stats_views(*tensors):
     """``tensors`` (None kept) as they are when all have the same 2 or 3 dims, else each as a 2-D ``[-1, last dim]``
     view (a copy where strides allow none): the ``[R, C]`` / ``[B, R, C]`` views a fused statistics kernel reads of an

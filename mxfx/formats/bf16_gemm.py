@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from mxfx.formats.base import GEMM_OPS, Format, ScaleRule, register
+from mxfx.formats.base import GEMM_OPS, Format, ScaleRule, register, route_weighted
 from mxfx.kernels.common import swiglu
 from mxfx.kernels.common.custom_ops import hp_grouped_wgrad, hp_grouped_wgrad_into, hp_mm_into, hp_mm_transposed
 from mxfx.kernels.common.silu import swiglu_fp32
@@ -98,7 +98,7 @@ class BF16Gemm(Format):
 
     def weight_operand(self, weight, rule, orientation, keep_dequantized=False):
         if weight.dtype == _BF16:  # already the operand: no copy to cache (and an op may not return its input)
-            w = weight.detach()
+            w = weight.detach().contiguous()  # as the cached copy would be (no copy for a contiguous weight)
             return (w if orientation == "forward" else w.transpose(-2, -1),)
         return cache.weight_form(weight, str(rule), "bf16_" + orientation)
 
@@ -113,7 +113,7 @@ class BF16Gemm(Format):
         return (a if rows else None), (a if tokens else None)
 
     def grouped_grad_operand(self, dout, route_weight, rule):
-        dy = dout if route_weight is None else dout.float() * route_weight.reshape(-1, 1).float()
+        dy = route_weighted(dout, route_weight)
         return (dy.to(_BF16),), dy
 
     def tokens_operand(self, x, rule):

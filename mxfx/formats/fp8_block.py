@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mxfx.formats.base import GEMM_OPS, Format, ScaleRule, register, stats_views
+from mxfx.formats.base import GEMM_OPS, Format, ScaleRule, register, route_weighted, stats_views
 from mxfx.kernels.fp8_block import custom_ops, device_path
 from mxfx.kernels.fp8_block import gemm as block_gemm
 from mxfx.kernels.common import swiglu
@@ -182,10 +182,9 @@ class FP8Block(Format):
     def grouped_grad_operand(self, dout, route_weight, rule):
         if route_weight is None:
             return tuple(custom_ops.block_quantize(dout, str(rule))), dout
-        rw = route_weight.reshape(-1)  # the route-weight multiply fused into the quantize: no product read back
-        return tuple(custom_ops.block_route_weight_quantize(dout, rw, str(rule))), dout.float() * rw.reshape(
-            -1, 1
-        ).float()
+        # the route-weight multiply fused into the quantize: no product written for it
+        rw = route_weight.reshape(-1)
+        return tuple(custom_ops.block_route_weight_quantize(dout, rw, str(rule))), route_weighted(dout, rw)
 
     def tokens_operand(self, x, rule):
         return tuple(custom_ops.block_quantize_tokens(_pad_tokens(x), str(rule)))

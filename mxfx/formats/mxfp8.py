@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mxfx.formats.base import GEMM_OPS, Format, Operand, ScaleRule, register, stats_views
+from mxfx.formats.base import GEMM_OPS, Format, Operand, ScaleRule, register, route_weighted, stats_views
 from mxfx.kernels.mx import custom_ops, device_path
 from mxfx.kernels.mx import swiglu_operand
 from mxfx.kernels.mx.custom_ops import mx_grouped_mm, mx_grouped_mm_wgrad, mx_mm
@@ -296,7 +296,7 @@ class MXFP8(Format):
         a = a_operand(
             values, custom_ops.route_weight_quantize, custom_ops.route_weight_quantize_dequantize, dout, rw, rule
         )  # the route-weight multiply fused into the quantize
-        return a, dout.float() * rw.reshape(-1, 1).float()  # fp32: quantized once, never via bf16
+        return a, route_weighted(dout, rw)  # fp32: quantized once, never via bf16
 
     def tokens_operand(self, x, rule):
         return (*custom_ops.quantize(_pad_tokens(x).t(), str(rule)), None)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from mxfx.formats.base import route_weighted
 from mxfx.kernels.common.launch import readable_on_host
 from mxfx.numerics import layout
 from mxfx.numerics.mx import INPUT_DTYPES
@@ -119,7 +120,7 @@ class _GroupedMM(torch.autograd.Function):
             else:
                 dx = dh
         else:
-            dy = dout if route_weight is None else dout.float() * route_weight.reshape(-1, 1).float()
+            dy = route_weighted(dout, route_weight)
         if ctx.needs_input_grad[2]:
             if settings.wgrad == "mxfp8":
                 dy_tokens = fmt.grouped_tokens_operand(dy, offs, rule)
@@ -130,7 +131,7 @@ class _GroupedMM(torch.autograd.Function):
                     settings.observe("grouped_mm", "wgrad_x", "group_tokens", wgrad_input, x_tokens, offs=offs)
                 dw = weight_gradient(settings, weight, dy_tokens, x_tokens, offs)
             else:
-                x_saved = wgrad_input[0] if ctx.n_wgrad == 1 else fmt.dequantize(wgrad_input, torch.bfloat16)
+                x_saved = wgrad_input[0] if ctx.n_wgrad == 1 else fmt.dequantize(wgrad_input, _BF16)
                 # no group padding: mxfx::grouped_wgrad_bf16 takes any group ends. It rounds both operands to BF16
                 # itself; rounded here instead, the casts fuse into the kernels that make dY (the route-weight
                 # product) and x (an FP32 input under autocast), and no FP32 copy of either is written for it

@@ -38,6 +38,14 @@ def _fake_col_major(like: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return like.new_empty((cols, rows), dtype=torch.float32).t()
 
 
+def _rows_fake(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fake 1x128 rows pair of ``x [M, K]``: contiguous qdata ``[M, K]``, column-major scales."""
+    return (
+        torch.empty_like(x, dtype=_E4M3, memory_format=torch.contiguous_format),
+        _fake_col_major(x, x.shape[0], n_tiles(x.shape[1])),
+    )
+
+
 def _check_2d(x: torch.Tensor, op: str) -> None:
     if x.dim() != 2:
         raise ValueError(f"mxfx::{op}: needs a 2D tensor, got shape {tuple(x.shape)}; flatten the leading dims first")
@@ -87,9 +95,7 @@ def _block_quantize_op(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.
 @_block_quantize_op.register_fake
 def _(x, rule):
     _check_inputs("block_quantize", rule, x=x)
-    return torch.empty_like(x, dtype=_E4M3, memory_format=torch.contiguous_format), _fake_col_major(
-        x, x.shape[0], n_tiles(x.shape[1])
-    )
+    return _rows_fake(x)
 
 
 def _swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,10 +114,7 @@ def _block_swiglu_quantize_op(gate: torch.Tensor, up: torch.Tensor, rule: str) -
 def _(gate, up, rule):
     _check_inputs("block_swiglu_quantize", rule, gate=gate, up=up)
     _check_pair("block_swiglu_quantize", gate, up, "up")
-    return (
-        torch.empty_like(gate, dtype=_E4M3, memory_format=torch.contiguous_format),
-        _fake_col_major(gate, gate.shape[0], n_tiles(gate.shape[1])),
-    )
+    return _rows_fake(gate)
 
 
 def _check_route_weight(op: str, dy: torch.Tensor, weight: torch.Tensor) -> None:
@@ -145,10 +148,7 @@ def _block_route_weight_quantize_op(
 def _(dy, weight, rule):
     _check_inputs("block_route_weight_quantize", rule, dy=dy)
     _check_route_weight("block_route_weight_quantize", dy, weight)
-    return (
-        torch.empty_like(dy, dtype=_E4M3, memory_format=torch.contiguous_format),
-        _fake_col_major(dy, dy.shape[0], n_tiles(dy.shape[1])),
-    )
+    return _rows_fake(dy)
 
 
 def _quantize_tokens(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,11 +189,7 @@ def _block_quantize_dual_op(
 @_block_quantize_dual_op.register_fake
 def _(x, rule):
     _check_inputs("block_quantize_dual", rule, x=x)
-    return (
-        torch.empty_like(x, dtype=_E4M3, memory_format=torch.contiguous_format),
-        _fake_col_major(x, x.shape[0], n_tiles(x.shape[1])),
-        *_tokens_fake(x),
-    )
+    return (*_rows_fake(x), *_tokens_fake(x))
 
 
 def _quantize_grouped_tokens(x: torch.Tensor, offs: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
