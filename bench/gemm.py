@@ -25,7 +25,8 @@ forward, dgrad and wgrad:
 
 On CUDA a third table times the routed BF16 wgrad into an FP32 gradient with accumulation on (a microbatch
 after the first): today's three trips (``torch._grouped_mm``'s BF16 result, its widening, autograd's ``add_``)
-against ``mxfx.kernels.common.grouped_wgrad_triton``, whose epilogue adds into the gradient.
+against the kernels whose epilogue adds into the gradient: ``mxfx.kernels.common.grouped_wgrad_triton`` and, on
+sm90, the ping-pong Gluon kernel ``mxfx.kernels.common.grouped_wgrad_sm90``.
 
 Every FP8 result is first checked against its reference decode (dequantize exactly, FP32 GEMM):
 relative Frobenius error below 1e-2 (bf16 output rounding is ~2e-3), or the script stops.
@@ -247,7 +248,9 @@ def wgrad_into_rows(model: str, s: int, e: int, k: int, n: int, g: torch.Generat
     today's three trips (BF16 grouped GEMM, its widening, autograd's add) against the GEMM whose epilogue adds into
     the gradient (``mxfx.kernels.common.grouped_wgrad_triton``), each checked against an FP32 product on 4 groups."""
     from mxfx.kernels.common import grouped_wgrad_triton
+    from mxfx.kernels.common.custom_ops import _wgrad_sm90
 
+    sm90 = _wgrad_sm90()
     s, e = wgrad_into_shape(s, e, n, k)
     sizes = group_sizes(s, e, True, g)
     offs = torch.tensor(sizes, device=DEVICE).cumsum(0).to(torch.int32)
@@ -262,8 +265,12 @@ def wgrad_into_rows(model: str, s: int, e: int, k: int, n: int, g: torch.Generat
     def fused():
         grouped_wgrad_triton.grouped_wgrad_into(dy, x, offs, grad, True)
 
+    def pingpong():
+        sm90.grouped_wgrad_into(dy, x, offs, grad, True)
+
+    arms = (three_trips, fused) + ((pingpong,) if sm90 is not None and sm90.supported(dy, x, grad) else ())
     errs = []
-    for fn in (three_trips, fused):
+    for fn in arms:
         grad.copy_(first)
         fn()
         start = 0
@@ -278,6 +285,7 @@ def wgrad_into_rows(model: str, s: int, e: int, k: int, n: int, g: torch.Generat
         bench(lambda: torch._grouped_mm(dy.t(), x, offs=offs)),
         bench(three_trips),
         bench(fused),
+        bench(pingpong) if pingpong in arms else None,
         2 * s * k * n,
         max(errs),
     )
@@ -287,17 +295,20 @@ def wgrad_table(rows) -> str:
     lines = [
         "### Routed wgrad into the FP32 gradient (accumulate on; equal groups)",
         "",
-        "| shape | BF16 GEMM alone ms | BF16 + widen + add ms | fused epilogue ms | fused vs three trips "
-        "| fused TFLOP/s | rel. err |",
-        "|---|---|---|---|---|---|---|",
+        "| shape | BF16 GEMM alone ms | BF16 + widen + add ms | Triton epilogue ms | sm90 ping-pong ms "
+        "| best vs three trips | best TFLOP/s | rel. err |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for shape, t_gemm, t_three, t_fused, flops, err in rows:
-        if None in (t_gemm, t_three, t_fused):
-            lines.append(f"| {shape} | n/a | n/a | n/a | n/a | n/a | {err:.1e} |")
+    for shape, t_gemm, t_three, t_fused, t_pp, flops, err in rows:
+        fused = [t for t in (t_fused, t_pp) if t is not None]
+        if None in (t_gemm, t_three) or not fused:
+            lines.append(f"| {shape} | n/a | n/a | n/a | n/a | n/a | n/a | {err:.1e} |")
             continue
+        pp = f"{t_pp:.3f}" if t_pp is not None else "n/a"
+        tf = f"{t_fused:.3f}" if t_fused is not None else "n/a"
         lines.append(
-            f"| {shape} | {t_gemm:.3f} | {t_three:.3f} | {t_fused:.3f} | {t_three / t_fused:.2f}x "
-            f"| {flops / t_fused / 1e9:.0f} | {err:.1e} |"
+            f"| {shape} | {t_gemm:.3f} | {t_three:.3f} | {tf} | {pp} | {t_three / min(fused):.2f}x "
+            f"| {flops / min(fused) / 1e9:.0f} | {err:.1e} |"
         )
     return "\n".join(lines)
 

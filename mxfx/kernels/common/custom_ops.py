@@ -13,6 +13,7 @@ epilogue where one exists, else the GEMM and :func:`mxfx.kernels.common.gemm.acc
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -20,7 +21,7 @@ import torch
 from mxfx.device import triton_available
 from mxfx.kernels.common import gemm
 from mxfx.kernels.common.gemm import accumulate_into, grouped_mm_into, mm_into
-from mxfx.kernels.common.launch import name_op_functions, op_or_body
+from mxfx.kernels.common.launch import env_switch, name_op_functions, op_or_body, traced
 from mxfx.kernels.common.swiglu import check_product, fp32_product
 
 
@@ -99,20 +100,44 @@ def hp_mm_into(dy: torch.Tensor, x: torch.Tensor, out: torch.Tensor, accumulate:
 _addmm_refused: list[str] = []  # torch.addmm's refusal of a float32 output for 16-bit operands, once seen
 
 
+WGRAD_SM90_ENV = "MXFX_WGRAD_SM90"
+"""Switch (read at each call): 0/false/no/off runs the grouped wgrad into FP32 on the Triton kernel even where the
+sm90 ping-pong kernel serves the operands; unset or on, the sm90 kernel wherever it serves them."""
+
+
+@functools.cache
+def _wgrad_sm90():
+    """:mod:`mxfx.kernels.common.grouped_wgrad_sm90`, or None where this Triton has no Gluon Hopper API."""
+    try:
+        from mxfx.kernels.common import grouped_wgrad_sm90
+    except ImportError:
+        return None
+    return grouped_wgrad_sm90
+
+
+def grouped_wgrad_kernel(dy: torch.Tensor, x: torch.Tensor, out: torch.Tensor):
+    """The module whose ``grouped_wgrad_into`` runs on these CUDA operands (BF16 ``dy``/``x``, FP32 ``out``): the
+    sm90 ping-pong kernel (:mod:`mxfx.kernels.common.grouped_wgrad_sm90`) where it serves them and
+    :data:`WGRAD_SM90_ENV` allows (and the operands are data, not a trace's stand-ins), else the Triton kernel (:mod:`mxfx.kernels.common.grouped_wgrad_triton`)."""
+    from mxfx.kernels.common import grouped_wgrad_triton  # Triton, imported once a CUDA tensor arrives
+
+    sm90 = _wgrad_sm90() if env_switch(WGRAD_SM90_ENV, True) and not traced(dy) else None
+    return sm90 if sm90 is not None and sm90.supported(dy, x, out) else grouped_wgrad_triton
+
+
 def hp_grouped_wgrad_into(
     dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, out: torch.Tensor, accumulate: bool
 ) -> None:
     """:func:`hp_grouped_wgrad` (BF16 operands, FP32 accumulation) written into ``out [E, N, K]`` or added to it: by
     the FP32 GEMM of the exact BF16 operands itself on the CPU, by the Triton kernel's epilogue
-    (:mod:`mxfx.kernels.common.grouped_wgrad_triton`) into an FP32 ``out`` on CUDA, through :func:`accumulate_into`
+    (:func:`grouped_wgrad_kernel`) into an FP32 ``out`` on CUDA, through :func:`accumulate_into`
     elsewhere."""
     if out.device.type == "cpu":
         a, b = (t.to(torch.bfloat16).to(out.dtype).t() for t in (dy, x))
         grouped_mm_into(out, a, b, offs.tolist(), accumulate)
     elif triton_available(out) and out.dtype == torch.float32:  # the GEMM's epilogue writes or adds into out
-        from mxfx.kernels.common import grouped_wgrad_triton  # Triton, imported once a CUDA tensor arrives
-
-        grouped_wgrad_triton.grouped_wgrad_into(dy.to(torch.bfloat16), x.to(torch.bfloat16), offs, out, accumulate)
+        dy, x = dy.to(torch.bfloat16), x.to(torch.bfloat16)
+        grouped_wgrad_kernel(dy, x, out).grouped_wgrad_into(dy, x, offs, out, accumulate)
     else:
         accumulate_into(out, _grouped_wgrad_bf16_op(dy, x, offs, out.dtype), accumulate)
 

@@ -79,20 +79,9 @@ def _grouped_wgrad_into_kernel(
     tl.store(ptrs, acc, mask=mask)
 
 
-def grouped_wgrad_into(
-    dy: torch.Tensor,
-    x: torch.Tensor,
-    offs: torch.Tensor,
-    out: torch.Tensor,
-    accumulate: bool,
-    *,
-    config: dict | None = None,
-) -> None:
-    """Launch the kernel (module docstring) on CUDA operands, or under Triton's interpreter.
-
-    Raises:
-        ValueError: shapes, dtypes or devices that do not pair up (the message names them).
-    """
+def check_operands(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, out: torch.Tensor) -> None:
+    """Raise ValueError, naming the op and the shapes, where ``dy [S, N]``, ``x [S, K]``, int32 ``offs [G]`` and
+    float32 ``out [G, N, K]`` do not pair up (shapes, dtypes, devices)."""
     op = "mxfx.grouped_wgrad_into"
     if dy.dim() != 2 or x.dim() != 2 or dy.shape[0] != x.shape[0] or offs.dim() != 1 or offs.dtype != torch.int32:
         raise ValueError(
@@ -109,8 +98,26 @@ def grouped_wgrad_into(
         raise ValueError(f"{op}: dy and x must share a dtype, bfloat16 or float16; got {dy.dtype} and {x.dtype}")
     if len({t.device for t in (dy, x, offs, out)}) != 1:
         raise ValueError(f"{op}: dy, x, offs and out must be on one device")
+
+
+def grouped_wgrad_into(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    offs: torch.Tensor,
+    out: torch.Tensor,
+    accumulate: bool,
+    *,
+    config: dict | None = None,
+) -> None:
+    """Launch the kernel (module docstring) on CUDA operands, or under Triton's interpreter.
+
+    Raises:
+        ValueError: shapes, dtypes or devices that do not pair up (:func:`check_operands`).
+    """
+    check_operands(dy, x, offs, out)
     if out.numel() == 0:
         return
+    g, n, k = out.shape
     cfg = config_for(dy.shape[0], g) if config is None else dict(config)
     bn, bk = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
     grid = (triton.cdiv(n, bn) * triton.cdiv(k, bk), g)
