@@ -117,8 +117,9 @@ def _wgrad_sm90():
 
 def grouped_wgrad_kernel(dy: torch.Tensor, x: torch.Tensor, out: torch.Tensor):
     """The module whose ``grouped_wgrad_into`` runs on these CUDA operands (BF16 ``dy``/``x``, FP32 ``out``): the
-    sm90 ping-pong kernel (:mod:`mxfx.kernels.common.grouped_wgrad_sm90`) where it serves them and
-    :data:`WGRAD_SM90_ENV` allows (and the operands are data, not a trace's stand-ins), else the Triton kernel (:mod:`mxfx.kernels.common.grouped_wgrad_triton`)."""
+    sm90 ping-pong kernel (:mod:`mxfx.kernels.common.grouped_wgrad_sm90`) where it serves them, the operands are
+    data (not a trace's stand-ins) and :data:`WGRAD_SM90_ENV` allows, else the Triton kernel
+    (:mod:`mxfx.kernels.common.grouped_wgrad_triton`)."""
     from mxfx.kernels.common import grouped_wgrad_triton  # Triton, imported once a CUDA tensor arrives
 
     sm90 = _wgrad_sm90() if env_switch(WGRAD_SM90_ENV, True) and not traced(dy) else None
