@@ -32,6 +32,8 @@ fused AdamW with linear LR warmup then cosine decay:
   GEMMs on Hopper);
 * ``fp8_block-triton``: ``fp8_block`` with its routed forward and dgrad on the Triton grouped kernel instead of
   the warp-specialized sm90 one (``MXFX_GROUPED_SM90=0`` while it runs): what that kernel gains in the step;
+* ``fp8_block-routed-fused``: ``fp8_block-fused`` with the dense linears left in BF16 (a rule ``{"op": "linear",
+  "precision": "bf16"}``): FP8 on the routed experts only;
 * ``bf16-grouped-fused``, ``fp8_block-fused``: those arms with ``fuse_wgrad_accumulation=True`` (each wgrad GEMM
   writes or adds FP32 into the weight's ``.grad`` itself): what the fusion gains in the step;
 * ``torchao-fp8-rowwise``: torchao's FP8 rowwise grouped GEMMs on the routed experts
@@ -280,8 +282,10 @@ def _mxfp8(model, compiler: str):
     return torch.compile(model, backend="mxfp8", options={"inner": _backend(compiler)})
 
 
-def _fp8_block(model, compiler: str, fused: bool = False):
+def _fp8_block(model, compiler: str, fused: bool = False, dense: bool = True):
     options = {"inner": _backend(compiler), "format": "fp8_block", "fuse_wgrad_accumulation": fused}
+    if not dense:  # the attention projections and other dense linears as the model wrote them
+        options["rules"] = [{"op": "linear", "precision": "bf16"}]
     return torch.compile(model, backend="mxfp8", options=options)
 
 
@@ -319,10 +323,18 @@ ARMS = {
         Arm(
             "fp8_block-fused", torch.float32, True, functools.partial(_fp8_block, fused=True), expert_format="fp8_block"
         ),
+        Arm(
+            "fp8_block-routed-fused",
+            torch.float32,
+            True,
+            functools.partial(_fp8_block, fused=True, dense=False),
+            expert_format="fp8_block",
+        ),
     )
 }
-OPTIONAL_ARMS = ("fp8_block-triton", "bf16-grouped-fused", "fp8_block-fused")
-"""Arms run only when ``--arms`` names them: the fused arms set ``Policy(fuse_wgrad_accumulation=True)``."""
+OPTIONAL_ARMS = ("fp8_block-triton", "bf16-grouped-fused", "fp8_block-fused", "fp8_block-routed-fused")
+"""Arms run only when ``--arms`` names them: the fused arms set ``Policy(fuse_wgrad_accumulation=True)``;
+``fp8_block-routed-fused`` also keeps the dense linears (attention projections) in BF16."""
 
 
 # ----------------------------------------------------------------------------- training
