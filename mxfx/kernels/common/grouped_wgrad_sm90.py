@@ -12,8 +12,11 @@ per SM takes tiles ``p, p + P, ...``; its two math warpgroups take them in turn,
 the other's ``wgmma`` keep the tensor cores busy:
 
 * a producer warp (40 registers) walks the same tiles and fills a ring of ``STAGES`` shared-memory stages with
-  TMA, per step of ``BLOCK_T`` tokens one ``[BLOCK_T, 128]`` box of ``dy`` and one of ``x``; the ring is shared, so
-  the second warpgroup's mainloop starts as the first's ends;
+  TMA, per step of ``BLOCK_T`` tokens one ``[BLOCK_T, 128]`` box of ``dy`` and one of ``x``; the ring is shared
+  and each warpgroup counts the other's steps to keep its place in it;
+* a "turn" mbarrier per warpgroup orders the mainloops: a warpgroup starts tile j's once the other has ended
+  tile j - 1's. Without it a warpgroup could reach a stage while the stage's earlier fill (the other's) is still
+  pending, and mbarrier parity would take that earlier phase for its own;
 * a math warpgroup (232 registers) starts its accumulator from the gradient block (``accumulate``) or zeros,
   issues ``wgmma`` on each stage (``dy``'s box transposed in shared memory as the left operand, one ``wgmma`` in
   flight while the previous stage is handed back), and stores the block once. BF16 products are exact in FP32;
@@ -120,7 +123,7 @@ def _block(
 
 @gluon.jit
 def _math_partition(
-    a_bufs, b_bufs, ready, empty, operands, WG: gl.constexpr, STAGES: gl.constexpr, ACCUMULATE: gl.constexpr
+    a_bufs, b_bufs, ready, empty, turn, operands, WG: gl.constexpr, STAGES: gl.constexpr, ACCUMULATE: gl.constexpr
 ):
     offs_ptr, out_ptr, n_tiles, tiles_nk, tiles_k, N, K, s_og, s_on, s_ok = operands
     BT: gl.constexpr = a_bufs.type.shape[1]
@@ -139,6 +142,8 @@ def _math_partition(
                 acc = gl.load(ptrs, mask=mask, other=0.0)
             else:
                 acc = gl.zeros((BLOCK_N, BLOCK_K), gl.float32, mma)
+            if j > 0:  # the other warpgroup's mainloop of tile j - 1 is over: its stages were all handed back
+                mbarrier.wait(turn.index(1 - WG), ((j + 1) // 2 - 1) & 1)
             for i in range(0, steps):
                 s = it % STAGES
                 mbarrier.wait(ready.index(s), (it // STAGES) & 1)
@@ -155,6 +160,7 @@ def _math_partition(
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             if steps > 0:
                 mbarrier.arrive(empty.index((it - 1) % STAGES), count=1)
+            mbarrier.arrive(turn.index(WG), count=1)  # the other warpgroup's next mainloop may start
             if (steps > 0) or (not ACCUMULATE):
                 ptrs, mask = _block(out_ptr, g, n0, k0, N, K, s_og, s_on, s_ok, BLOCK_N, BLOCK_K, mma)
                 gl.store(ptrs, acc, mask=mask)
@@ -185,14 +191,17 @@ def _grouped_wgrad_into_sm90_kernel(
     b_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BT, x_desc.block_type.shape[1]], x_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)  # the warpgroup that consumed the stage
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)  # warpgroup i's mainloop of a tile is over
     operands = (offs_ptr, out_ptr, n_tiles, tiles_nk, tiles_k, N, K, s_og, s_on, s_ok)
     gl.warp_specialize(
         [
-            (_math_partition, (a_bufs, b_bufs, ready, empty, operands, 0, STAGES, ACCUMULATE)),
-            (_math_partition, (a_bufs, b_bufs, ready, empty, operands, 1, STAGES, ACCUMULATE)),
+            (_math_partition, (a_bufs, b_bufs, ready, empty, turn, operands, 0, STAGES, ACCUMULATE)),
+            (_math_partition, (a_bufs, b_bufs, ready, empty, turn, operands, 1, STAGES, ACCUMULATE)),
             (
                 _load_partition,
                 (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, offs_ptr, n_tiles, tiles_nk, tiles_k, STAGES),
