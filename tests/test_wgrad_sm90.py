@@ -3,7 +3,7 @@
 CPU: the kernel compiles for sm90 without a GPU, to BF16 ``wgmma`` (HGMMA), TMA loads and register reallocation
 between its partitions, within shared memory. GPU (skips without an sm90 GPU): equal, skewed, empty and unaligned
 groups, tokens past ``offs[-1]``, write and accumulate, BF16 and FP16, against a float64 product of the operands;
-and which kernel :func:`grouped_wgrad_kernel` picks.
+and which kernel :func:`grouped_wgrad_kernel` picks (the sm90 one is opt-in, ``MXFX_WGRAD_SM90=1``).
 
 Bound: BF16/FP16 products are exact in FP32 and each value is a sum of at most a group's tokens plus the old
 gradient, so ``2^-16 * (|dy|^T @ |x| + |old|)`` holds FP32 summation in any order for groups of up to a few
@@ -118,7 +118,7 @@ def test_a_non_finite_token_of_the_next_group_stays_in_its_group():
 
 
 @pytest.mark.skipif(not _GPU, reason="needs an sm90 GPU")
-def test_the_kernel_is_picked_where_it_serves_and_the_switch_turns_it_off(monkeypatch):
+def test_the_switch_picks_the_kernel_where_it_serves(monkeypatch):
     from mxfx.kernels.common import grouped_wgrad_triton
 
     sm90 = _sm90()
@@ -126,6 +126,8 @@ def test_the_kernel_is_picked_where_it_serves_and_the_switch_turns_it_off(monkey
     x = torch.randn(256, 384, device="cuda").bfloat16()
     out = torch.zeros(2, 512, 384, device="cuda")
     monkeypatch.delenv(custom_ops.WGRAD_SM90_ENV, raising=False)
+    assert custom_ops.grouped_wgrad_kernel(dy, x, out) is grouped_wgrad_triton  # opt-in
+    monkeypatch.setenv(custom_ops.WGRAD_SM90_ENV, "1")
     assert custom_ops.grouped_wgrad_kernel(dy, x, out) is sm90
     assert custom_ops.grouped_wgrad_kernel(dy, x[:, :380], out[..., :380]) is grouped_wgrad_triton  # not contiguous
     monkeypatch.setenv(custom_ops.WGRAD_SM90_ENV, "0")

@@ -101,8 +101,9 @@ _addmm_refused: list[str] = []  # torch.addmm's refusal of a float32 output for 
 
 
 WGRAD_SM90_ENV = "MXFX_WGRAD_SM90"
-"""Switch (read at each call): 0/false/no/off runs the grouped wgrad into FP32 on the Triton kernel even where the
-sm90 ping-pong kernel serves the operands; unset or on, the sm90 kernel wherever it serves them."""
+"""Switch (read at each call): 1/true/yes/on runs the grouped wgrad into FP32 on the sm90 ping-pong kernel wherever
+it serves the operands; unset or off, on the Triton kernel. Opt-in until the kernel's GPU tests and timings are in
+(docs/kernel-notes.md)."""
 
 
 @functools.cache
@@ -118,11 +119,11 @@ def _wgrad_sm90():
 def grouped_wgrad_kernel(dy: torch.Tensor, x: torch.Tensor, out: torch.Tensor):
     """The module whose ``grouped_wgrad_into`` runs on these CUDA operands (BF16 ``dy``/``x``, FP32 ``out``): the
     sm90 ping-pong kernel (:mod:`mxfx.kernels.common.grouped_wgrad_sm90`) where it serves them, the operands are
-    data (not a trace's stand-ins) and :data:`WGRAD_SM90_ENV` allows, else the Triton kernel
+    data (not a trace's stand-ins) and :data:`WGRAD_SM90_ENV` asks for it, else the Triton kernel
     (:mod:`mxfx.kernels.common.grouped_wgrad_triton`)."""
     from mxfx.kernels.common import grouped_wgrad_triton  # Triton, imported once a CUDA tensor arrives
 
-    sm90 = _wgrad_sm90() if env_switch(WGRAD_SM90_ENV, True) and not traced(dy) else None
+    sm90 = _wgrad_sm90() if env_switch(WGRAD_SM90_ENV, False) and not traced(dy) else None
     return sm90 if sm90 is not None and sm90.supported(dy, x, out) else grouped_wgrad_triton
 
 
