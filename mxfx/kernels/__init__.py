@@ -19,7 +19,8 @@ The folders:
   (``grouped_gemm_triton``); Triton ``quantize`` and ``quant_stats``.
 * :mod:`mxfx.kernels.common`: format-free pieces: the ops ``mxfx::hp_mm``, ``mxfx::grouped_wgrad_bf16`` and
   ``mxfx::swiglu_product`` (``custom_ops``); the high-precision GEMM bodies and the accumulating GEMMs every
-  reference shares (``gemm``, Triton ``grouped_wgrad_triton``); how kernels launch and enter graphs (``launch``)
+  reference shares (``gemm``; the grouped wgrad into FP32 in Triton, ``grouped_wgrad_triton``, and in Gluon for
+  sm90, ``grouped_wgrad_sm90``); how kernels launch and enter graphs (``launch``)
   and keep their autotuning results (``tuning``); mxfx's SiLU and SwiGLU (``silu``, ``swiglu``, Triton
   ``silu_triton``); byte moves (Triton ``transpose``, ``zero_rows``); the reduction every format's statistics
   kernel ends in (Triton ``quant_stats``).
