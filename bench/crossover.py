@@ -12,9 +12,10 @@ For each projection family ``K -> N`` and M = 128 .. 32768 (powers of 2), times:
 * ``mxdq``: the same with ``keep_dequantized_weights=True`` (the Hopper option: the
   emulated GEMM takes the cached BF16 weight instead of dequantizing it per GEMM), for formats with such forms.
 
-Forward is a training forward (grad enabled, wgrad operands saved). Times are
-``triton.testing.do_bench`` medians on CUDA (eager calls; the mx ops are custom
-ops that compiled graphs call the same way), wall-clock means on CPU.
+Forward is a training forward (grad enabled, wgrad operands saved). Times on CUDA are device times, medians of
+CUDA-graph replays (``--timing graph``, the default: a compiled step issues these ops with far less host work than
+eager calls, whose host cost would decide every small shape), or ``triton.testing.do_bench`` medians of the eager
+calls, host cost included (``--timing eager``); wall-clock means on CPU.
 
 Prints the ratios ``bf16 time / mx time`` (> 1: MXFP8 faster), writes the
 measurements to ``<out>/crossover.json`` and a plot to ``<out>/crossover.png``, and
@@ -49,11 +50,21 @@ QUICK_FAMILIES = [(128, 128), (256, 512)]
 QUICK_MS = [32, 128]
 
 
-def timer(device: str, rep_ms: int):
+def timer(device: str, rep_ms: int, timing: str, fallbacks: list):
+    """``run(fn, grads) -> ms``. CUDA, ``timing="graph"``: device time of ``fn`` replayed from a CUDA graph (no host
+    cost: a compiled step issues these ops with far less host work than eager calls), falling back to eager
+    ``do_bench`` where ``fn`` cannot be captured (appended to ``fallbacks``); ``"eager"``: ``do_bench`` of the
+    Python calls, host cost included."""
     if device == "cuda":
         import triton.testing
 
         def run(fn, grads):
+            if timing == "graph":
+                try:
+                    return triton.testing.do_bench_cudagraph(fn, rep=rep_ms, grad_to_none=grads, return_mode="median")
+                except RuntimeError as err:
+                    fallbacks.append(str(err).splitlines()[0][:160])
+                    torch.cuda.synchronize()
             return triton.testing.do_bench(fn, warmup=10, rep=rep_ms, grad_to_none=grads)
 
         return run
@@ -140,13 +151,20 @@ def main():
     )
     p.add_argument("--rep-ms", type=int, default=60, help="do_bench repetition time per measurement (CUDA)")
     p.add_argument(
+        "--timing",
+        choices=("graph", "eager"),
+        default="graph",
+        help="CUDA: device time from CUDA-graph replays (default) or eager do_bench, host cost included",
+    )
+    p.add_argument(
         "--no-save-table", action="store_true", help="do not write mxfx/policy/crossover_<format>_sm<cc>.json"
     )
     a = p.parse_args()
     families, ms = (QUICK_FAMILIES, QUICK_MS) if a.quick else (FAMILIES, MS)
     device = a.device
     cap = torch.cuda.get_device_capability() if device == "cuda" else None
-    bench = timer(device, a.rep_ms)
+    fallbacks: list[str] = []
+    bench = timer(device, a.rep_ms, a.timing, fallbacks)
     fmt = formats.get(a.format)
     t_start = time.perf_counter()
     table = {
@@ -155,7 +173,15 @@ def main():
         "torch": torch.__version__,
         "format": fmt.name,
         "date": time.strftime("%Y-%m-%d"),
-        "timing": "triton do_bench median (eager)" if device == "cuda" else "wall-clock mean of 3 (eager)",
+        "timing": (
+            (
+                "triton do_bench_cudagraph median (device time)"
+                if a.timing == "graph"
+                else "triton do_bench median (eager)"
+            )
+            if device == "cuda"
+            else "wall-clock mean of 3 (eager)"
+        ),
         "families": [],
     }
     for k, n in families:
@@ -168,6 +194,9 @@ def main():
         table["families"].append(fam)
         print(f"measured {fam['name']} ({time.perf_counter() - t_start:.0f} s)", flush=True)
 
+    if fallbacks:
+        table["timing"] += f"; {len(fallbacks)} measurement(s) eager, not capturable: {fallbacks[0]}"
+        print(f"{len(fallbacks)} measurement(s) could not be captured in a CUDA graph, timed eagerly: {fallbacks[0]}")
     cols = " ".join(f"{m:>7}" for m in ms)
     lines = [
         f"mx_linear ({fmt.name}) vs BF16 on {table['device']}: bf16 time / mxfx time (>1 = {fmt.name} faster); "
