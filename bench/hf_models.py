@@ -52,7 +52,8 @@ recipe's throughput benchmark: 8 per step), the weight caches built once per ste
 Reported per arm: tokens/s (steady state, steps after the first ``--skip`` ones), peak memory,
 first-step time (compilation included), held-out loss at the end (mean over ``--eval-batches``
 held-out batches, forward only through the same compiled model), and for the arms compiled by mxfx the
-precision map's count of expert GEMMs in MX, of those kept as written and of ops reported ``not rewritten``.
+precision map's count of expert GEMMs in MX (and their format), of those kept as written, of dense linears in low
+precision and kept, and of ops reported ``not rewritten``.
 ``--phases`` also prints, per step, the wall time (synchronized) of forward, backward and optimizer step and, on
 CUDA, the peak and end allocated GiB of each.
 
@@ -530,9 +531,15 @@ def run_arm(arm: Arm, args, train, val, device: str) -> dict:
     )
     if arm.expert_format:  # the precision maps of this arm's graphs (training and held-out forward)
         maps = mxfx.report.all_reports()[n_maps:]
+        train_map = max(maps, key=lambda pm: pm.count("grouped_mm", True), default=None)
         res["expert_gemms_mx"] = max((pm.count("grouped_mm", True) for pm in maps), default=0)
-        res["expert_format"] = arm.expert_format
+        res["expert_format"] = train_map.formats("grouped_mm") if train_map is not None else arm.expert_format
         res["expert_gemms_kept"] = max((pm.count("grouped_mm", False) for pm in maps), default=0)
+        res["linears"] = (  # the dense linears of the training graph: in low precision, kept as written
+            (train_map.count("linear", True), train_map.formats("linear"), train_map.count("linear", False))
+            if train_map is not None
+            else None
+        )
         res["not_rewritten"] = sum(pm.count("not_rewritten") for pm in maps)
     fn = opt = model = None  # freed before the next arm (closures above still name them)
     return res
@@ -561,6 +568,9 @@ def table(results: list[dict]) -> str:
             if "expert_gemms_mx" in r
             else ""
         )
+        if r.get("linears"):
+            low, fmt, kept = r["linears"]
+            note += f"; linears {low} {fmt if low else 'low precision'}, {kept} kept"
         lines.append(
             f"| {r['model']} | {r['arm']} | {r['param_dtype']} | {r['tokens_per_s']:,.0f} | {rel} | {peak} | "
             f"{r['first_step_s']:.1f} | {r['heldout_loss']:.4f} | {note} |"

@@ -141,7 +141,7 @@ class PrecisionMap:
     def summary(self) -> str:
         """One line: rewritten/kept counts per op kind and nominal saved-input bytes before/after packing."""
         kinds = sorted({r.kind for r in self.records})
-        parts = [f"{k}: {self.count(k, True)} {self._formats(k)} / {self.count(k, False)} kept" for k in kinds]
+        parts = [f"{k}: {self.count(k, True)} {self.formats(k)} / {self.count(k, False)} kept" for k in kinds]
         text = f"graph {self.graph_id}: " + ("; ".join(parts) if parts else "no matching ops")
         before, after = self.saved_bytes()
         if before:
@@ -149,7 +149,7 @@ class PrecisionMap:
             text += f"; saved inputs of converted ops {before} B as written -> {after} B ({change}, nominal)"
         return text
 
-    def _formats(self, kind: str) -> str:
+    def formats(self, kind: str) -> str:
         """The low-precision formats the rewritten ops of ``kind`` run in, "+"-joined ("rewritten" when none)."""
         found = {
             f

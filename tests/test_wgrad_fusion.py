@@ -491,3 +491,28 @@ def test_each_fused_backward_error_says_its_cause_and_fix():
     out = mx_linear(torch.randn(64, 128), w * 2, fuse_wgrad_accumulation=True)
     with pytest.raises(RuntimeError, match=r"neither a leaf parameter nor a view of one: it is computed"):
         out.sum().backward()
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"out": torch.zeros(3, 8, 8)}, r"out must be \[G, N, K\] = \[2, 8, 8\]"),  # one group too many: not silent
+        ({"x": torch.randn(19, 8)}, "same tokens S"),
+        ({"offs": torch.tensor([5, 20])}, "int32 offs"),
+        ({"offs": torch.tensor([12, 5], dtype=torch.int32)}, "non-decreasing"),
+        ({"offs": torch.tensor([5, 21], dtype=torch.int32)}, "non-decreasing"),
+        ({"dy": torch.randn(20, 8).to(torch.int32)}, "floating dy, x and out"),
+    ],
+)
+def test_grouped_wgrad_into_refuses_operands_that_do_not_pair_up(change, match):
+    """The grouped BF16 wgrad into a gradient checks its operands on every device (the CPU reference as the GPU
+    kernels), naming the op and the shapes, instead of leaving a block unwritten or failing deep in a GEMM."""
+    args = {
+        "dy": torch.randn(20, 8),
+        "x": torch.randn(20, 8),
+        "offs": torch.tensor([5, 20], dtype=torch.int32),
+        "out": torch.zeros(2, 8, 8),
+    }
+    args.update(change)
+    with pytest.raises(ValueError, match=f"mxfx.grouped_wgrad_into: .*{match}"):
+        common_ops.hp_grouped_wgrad_into(args["dy"], args["x"], args["offs"], args["out"], False)

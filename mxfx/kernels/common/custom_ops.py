@@ -20,7 +20,7 @@ import torch
 
 from mxfx.device import triton_available
 from mxfx.kernels.common import gemm
-from mxfx.kernels.common.gemm import accumulate_into, grouped_mm_into, mm_into
+from mxfx.kernels.common.gemm import accumulate_into, check_grouped_wgrad_into, grouped_mm_into, mm_into
 from mxfx.kernels.common.launch import env_switch, name_op_functions, op_or_body, traced
 from mxfx.kernels.common.swiglu import check_product, fp32_product
 
@@ -135,6 +135,7 @@ def hp_grouped_wgrad_into(
     (:func:`grouped_wgrad_kernel`) into an FP32 ``out`` on CUDA, through :func:`accumulate_into`
     elsewhere."""
     if out.device.type == "cpu":
+        check_grouped_wgrad_into(dy, x, offs, out, "mxfx.grouped_wgrad_into")
         a, b = (t.to(torch.bfloat16).to(out.dtype).t() for t in (dy, x))
         grouped_mm_into(out, a, b, offs.tolist(), accumulate)
     elif triton_available(out) and out.dtype == torch.float32:  # the GEMM's epilogue writes or adds into out

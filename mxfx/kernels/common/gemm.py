@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 
 from mxfx.device import native_bf16_matmul, triton_available
+from mxfx.kernels.common.launch import readable_on_host
+from mxfx.numerics.layout import check_group_ends
 
 
 def accumulate_into(out: torch.Tensor, result: torch.Tensor, accumulate: bool) -> None:
@@ -26,6 +28,36 @@ def mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: boo
     read only when ``accumulate``, NaN included). ``a`` and ``b`` in ``out``'s dtype (the exact FP32 decodes of the
     CPU references)."""
     out.addmm_(a, b.t(), beta=1 if accumulate else 0)
+
+
+def check_grouped_wgrad_into(
+    dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, out: torch.Tensor, op: str, *, kernel: bool = False
+) -> None:
+    """Raise ValueError naming ``op`` where the operands of a grouped wgrad into ``out`` do not pair up: ``dy [S, N]``
+    and ``x [S, K]`` floating, int32 ``offs [G]``, ``out [G, N, K]`` floating, one device; on the host also the
+    values of ``offs`` (non-decreasing group ends of at most S). ``kernel``: the GPU kernels' stricter dtypes, BF16
+    or FP16 operands of one dtype and a float32 ``out``."""
+    shapes = f"dy {tuple(dy.shape)}, x {tuple(x.shape)}, offs {tuple(offs.shape)} {offs.dtype}, out {tuple(out.shape)}"
+    if dy.dim() != 2 or x.dim() != 2 or offs.dim() != 1 or offs.dtype != torch.int32:
+        raise ValueError(f"{op}: needs dy [S, N], x [S, K] and int32 offs [G]; got {shapes}")
+    if dy.shape[0] != x.shape[0]:
+        raise ValueError(f"{op}: dy and x must have the same tokens S (rows); got {shapes}")
+    g, n, k = offs.shape[0], dy.shape[1], x.shape[1]
+    if tuple(out.shape) != (g, n, k):
+        raise ValueError(f"{op}: out must be [G, N, K] = [{g}, {n}, {k}]; got {shapes}")
+    floating = all(t.is_floating_point() for t in (dy, x, out))
+    strict = dy.dtype == x.dtype and dy.dtype in (torch.bfloat16, torch.float16) and out.dtype == torch.float32
+    if not floating or (kernel and not strict):
+        need = "bfloat16 or float16 dy and x of one dtype and a float32 out" if kernel else "floating dy, x and out"
+        raise ValueError(f"{op}: needs {need}; got dy {dy.dtype}, x {x.dtype}, out {out.dtype} ({shapes})")
+    devices = {str(t.device) for t in (dy, x, offs, out)}
+    if len(devices) != 1:
+        raise ValueError(
+            f"{op}: dy, x, offs and out must be on one device; got dy on {dy.device}, x on {x.device}, "
+            f"offs on {offs.device}, out on {out.device}"
+        )
+    if readable_on_host(offs):
+        check_group_ends(offs.tolist(), dy.shape[0], op)
 
 
 def grouped_mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ends: list[int], accumulate: bool) -> None:

@@ -47,7 +47,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mxfx import device as devices
-from mxfx.kernels.common.grouped_wgrad_triton import check_operands
+from mxfx.kernels.common.gemm import check_grouped_wgrad_into
+from mxfx.kernels.common.grouped_wgrad_triton import OP
 
 TESTED_TRITON = ("3.6", "3.9")
 """Triton releases (major.minor) this kernel was compiled and checked with; others take the Triton kernel."""
@@ -284,9 +285,9 @@ def grouped_wgrad_into(dy, x, offs, out, accumulate: bool) -> None:
 
     Raises:
         ValueError: shapes, dtypes or devices that do not pair up
-            (:func:`mxfx.kernels.common.grouped_wgrad_triton.check_operands`).
+            (:func:`mxfx.kernels.common.gemm.check_grouped_wgrad_into`).
     """
-    check_operands(dy, x, offs, out)
+    check_grouped_wgrad_into(dy, x, offs, out, OP, kernel=True)
     if out.numel() == 0:
         return
     grid, args, kwargs = launch_args(dy, x, offs, out, accumulate)

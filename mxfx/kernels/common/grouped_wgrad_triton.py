@@ -16,7 +16,11 @@ import torch
 import triton
 import triton.language as tl
 
+from mxfx.kernels.common.gemm import check_grouped_wgrad_into
 from mxfx.kernels.common.launch import launch
+
+OP = "mxfx.grouped_wgrad_into"
+"""The name errors of the grouped wgrad into a gradient give."""
 
 CONFIG = {"BLOCK_N": 128, "BLOCK_K": 128, "BLOCK_T": 64, "num_warps": 4, "num_stages": 3}
 """Launch of the kernel: 128x128 FP32 outputs, 64 tokens per step (docs/kernel-notes.md: measured configurations)."""
@@ -79,27 +83,6 @@ def _grouped_wgrad_into_kernel(
     tl.store(ptrs, acc, mask=mask)
 
 
-def check_operands(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, out: torch.Tensor) -> None:
-    """Raise ValueError, naming the op and the shapes, where ``dy [S, N]``, ``x [S, K]``, int32 ``offs [G]`` and
-    float32 ``out [G, N, K]`` do not pair up (shapes, dtypes, devices)."""
-    op = "mxfx.grouped_wgrad_into"
-    if dy.dim() != 2 or x.dim() != 2 or dy.shape[0] != x.shape[0] or offs.dim() != 1 or offs.dtype != torch.int32:
-        raise ValueError(
-            f"{op}: needs dy [S, N], x [S, K] and int32 offs [G], got dy {tuple(dy.shape)}, "
-            f"x {tuple(x.shape)}, offs {tuple(offs.shape)} {offs.dtype}"
-        )
-    g, n, k = offs.shape[0], dy.shape[1], x.shape[1]
-    if tuple(out.shape) != (g, n, k) or out.dtype != torch.float32:
-        raise ValueError(
-            f"{op}: out must be float32 [{g}, {n}, {k}] for dy {tuple(dy.shape)} and x "
-            f"{tuple(x.shape)}, got {out.dtype} {tuple(out.shape)}"
-        )
-    if dy.dtype != x.dtype or dy.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"{op}: dy and x must share a dtype, bfloat16 or float16; got {dy.dtype} and {x.dtype}")
-    if len({t.device for t in (dy, x, offs, out)}) != 1:
-        raise ValueError(f"{op}: dy, x, offs and out must be on one device")
-
-
 def grouped_wgrad_into(
     dy: torch.Tensor,
     x: torch.Tensor,
@@ -112,9 +95,10 @@ def grouped_wgrad_into(
     """Launch the kernel (module docstring) on CUDA operands, or under Triton's interpreter.
 
     Raises:
-        ValueError: shapes, dtypes or devices that do not pair up (:func:`check_operands`).
+        ValueError: shapes, dtypes or devices that do not pair up
+            (:func:`mxfx.kernels.common.gemm.check_grouped_wgrad_into`).
     """
-    check_operands(dy, x, offs, out)
+    check_grouped_wgrad_into(dy, x, offs, out, OP, kernel=True)
     if out.numel() == 0:
         return
     g, n, k = out.shape
