@@ -91,10 +91,12 @@ def test_grouped_wgrad_into_names_bad_shapes():
 
     dy, x = torch.zeros(8, 16, dtype=torch.bfloat16), torch.zeros(8, 32, dtype=torch.bfloat16)
     offs = torch.tensor([8], dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"out must be float32 \[1, 16, 32\]"):
+    with pytest.raises(ValueError, match=r"out must be \[G, N, K\] = \[1, 16, 32\]; got .*out \(1, 32, 16\)"):
         grouped_wgrad_triton.grouped_wgrad_into(dy, x, offs, torch.zeros(1, 32, 16), True)
-    with pytest.raises(ValueError, match="share a dtype"):
+    with pytest.raises(ValueError, match="bfloat16 or float16 dy and x of one dtype and a float32 out"):
         grouped_wgrad_triton.grouped_wgrad_into(dy, x.float(), offs, torch.zeros(1, 16, 32), True)
+    with pytest.raises(ValueError, match="float32 out; got dy torch.bfloat16, x torch.bfloat16, out torch.bfloat16"):
+        grouped_wgrad_triton.grouped_wgrad_into(dy, x, offs, torch.zeros(1, 16, 32, dtype=torch.bfloat16), True)
 
 
 if __name__ == "__main__" and "--interpret" in sys.argv:  # run_interpreter_checks' subprocess
