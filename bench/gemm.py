@@ -35,6 +35,7 @@ Times are ``triton.testing.do_bench`` medians (ms); ratios are BF16 time / arm t
     python bench/gemm.py                        # H200: every model's shapes, a few minutes
     python bench/gemm.py --models olmoe,qwen3   # some models' shapes
     python bench/gemm.py --quick                # smaller shapes, seconds
+    python bench/gemm.py --tables wgrad-into    # only the routed wgrad into FP32
     python bench/gemm.py --device cpu --quick   # toy shapes on CPU (reference paths; a smoke run)
 """
 
@@ -377,7 +378,15 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="small shapes (a smoke run)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--models", default=",".join(MODELS), help=f"comma list of {', '.join(MODELS)} (grouped shapes)")
+    p.add_argument(
+        "--tables",
+        default="dense,grouped,wgrad-into",
+        help="comma list of the tables to time: dense, grouped, wgrad-into (CUDA only)",
+    )
     args = p.parse_args()
+    tables = set(args.tables.split(","))
+    if not tables <= {"dense", "grouped", "wgrad-into"}:
+        p.error(f"--tables: unknown {sorted(tables - {'dense', 'grouped', 'wgrad-into'})}")
     unknown = sorted(set(args.models.split(",")) - set(MODELS))
     if unknown:
         p.error(f"--models: unknown {unknown}; choose from {', '.join(MODELS)}")
@@ -391,19 +400,20 @@ def main() -> None:
     m = 128 if toy else 2048 if args.quick else 16384
     dense_shapes = ((128, 256),) if toy else ((4096, 4096), (4096, 14336))
     dense = []
-    for k, n in dense_shapes:
+    for k, n in dense_shapes if "dense" in tables else ():
         dense += dense_rows(m, k, n, g)
     tokens = 256 if toy else 4096 if args.quick else 16384
     grouped = []
-    for model in args.models.split(","):
+    for model in args.models.split(",") if "grouped" in tables else ():
         d, h, experts, topk = (256, 128, 4, 2) if toy else MODELS[model]
         for k, n in ((d, 2 * h), (h, d)):  # gate/up, down
             for equal in (True, False):
                 grouped += grouped_rows(model, tokens * topk, experts, k, n, equal, g)
                 torch.cuda.empty_cache() if DEVICE == "cuda" else None
-    print(table("Grouped GEMMs", grouped), flush=True)  # kept if the wgrad-into table fails
+    if grouped:
+        print(table("Grouped GEMMs", grouped), flush=True)  # kept if the wgrad-into table fails
     wgrad_into = []
-    if DEVICE == "cuda":
+    if DEVICE == "cuda" and "wgrad-into" in tables:
         for model in args.models.split(","):
             d, h, experts, topk = MODELS[model]
             for k, n in ((d, 2 * h), (h, d)):
@@ -413,11 +423,18 @@ def main() -> None:
     out = "\n\n".join(
         [
             f"bench/gemm.py on {dev}, torch {torch.__version__}" + (" (--quick)" if args.quick else ""),
-            table("Dense GEMMs (operands pre-quantized)", dense),
-            table(
-                f"Grouped GEMMs ({tokens} tokens routed top-k; fp8_block = the kernel mxfx runs by default, sm90 WS = "
-                f"the warp-specialized sm90 kernel, Triton = the Triton kernel, rowwise = torch._scaled_grouped_mm)",
-                grouped,
+            *([table("Dense GEMMs (operands pre-quantized)", dense)] if dense else []),
+            *(
+                [
+                    table(
+                        f"Grouped GEMMs ({tokens} tokens routed top-k; fp8_block = the kernel mxfx runs by default, "
+                        f"sm90 WS = the warp-specialized sm90 kernel, Triton = the Triton kernel, rowwise = "
+                        f"torch._scaled_grouped_mm)",
+                        grouped,
+                    )
+                ]
+                if grouped
+                else []
             ),
             *([wgrad_table(wgrad_into)] if wgrad_into else []),
         ]
