@@ -32,6 +32,8 @@ fused AdamW with linear LR warmup then cosine decay:
   GEMMs on Hopper);
 * ``fp8_block-triton``: ``fp8_block`` with its routed forward and dgrad on the Triton grouped kernel instead of
   the warp-specialized sm90 one (``MXFX_GROUPED_SM90=0`` while it runs): what that kernel gains in the step;
+* ``bf16-grouped-fused-ws``, ``fp8_block-fused-ws``: the fused arms with the routed wgrad into FP32 on the sm90
+  ping-pong kernel (``MXFX_WGRAD_SM90=1`` while they run) instead of the Triton one;
 * ``fp8_block-routed-fused``: ``fp8_block-fused`` with the dense linears left in BF16 (a rule ``{"op": "linear",
   "precision": "bf16"}``): FP8 on the routed experts only;
 * ``bf16-grouped-fused``, ``fp8_block-fused``: those arms with ``fuse_wgrad_accumulation=True`` (each wgrad GEMM
@@ -325,6 +327,22 @@ ARMS = {
             "fp8_block-fused", torch.float32, True, functools.partial(_fp8_block, fused=True), expert_format="fp8_block"
         ),
         Arm(
+            "bf16-grouped-fused-ws",
+            torch.float32,
+            True,
+            functools.partial(_bf16_grouped, fused=True),
+            (("MXFX_WGRAD_SM90", "1"),),
+            "bf16_gemm",
+        ),
+        Arm(
+            "fp8_block-fused-ws",
+            torch.float32,
+            True,
+            functools.partial(_fp8_block, fused=True),
+            (("MXFX_WGRAD_SM90", "1"),),
+            "fp8_block",
+        ),
+        Arm(
             "fp8_block-routed-fused",
             torch.float32,
             True,
@@ -333,7 +351,14 @@ ARMS = {
         ),
     )
 }
-OPTIONAL_ARMS = ("fp8_block-triton", "bf16-grouped-fused", "fp8_block-fused", "fp8_block-routed-fused")
+OPTIONAL_ARMS = (
+    "fp8_block-triton",
+    "bf16-grouped-fused",
+    "fp8_block-fused",
+    "bf16-grouped-fused-ws",
+    "fp8_block-fused-ws",
+    "fp8_block-routed-fused",
+)
 """Arms run only when ``--arms`` names them: the fused arms set ``Policy(fuse_wgrad_accumulation=True)``;
 ``fp8_block-routed-fused`` also keeps the dense linears (attention projections) in BF16."""
 
