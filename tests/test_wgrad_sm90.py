@@ -130,6 +130,8 @@ def test_the_switch_picks_the_kernel_where_it_serves(monkeypatch):
     monkeypatch.setenv(custom_ops.WGRAD_SM90_ENV, "1")
     assert custom_ops.grouped_wgrad_kernel(dy, x, out) is sm90
     assert custom_ops.grouped_wgrad_kernel(dy, x[:, :380], out[..., :380]) is grouped_wgrad_triton  # not contiguous
+    narrow = torch.zeros(2, 512, 64, device="cuda")
+    assert custom_ops.grouped_wgrad_kernel(dy, x[:, :64].contiguous(), narrow) is grouped_wgrad_triton  # K < 128
     monkeypatch.setenv(custom_ops.WGRAD_SM90_ENV, "0")
     assert custom_ops.grouped_wgrad_kernel(dy, x, out) is grouped_wgrad_triton
     monkeypatch.setenv(custom_ops.WGRAD_SM90_ENV, "maybe")

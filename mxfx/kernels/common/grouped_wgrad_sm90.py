@@ -25,7 +25,7 @@ the other's ``wgmma`` keep the tensor cores busy:
 A group's last token step may reach past its end into the next group's tokens (TMA boxes cover ``BLOCK_T`` rows;
 past S they are zeros): that step's rows past the end are zeroed in both shared-memory boxes before its ``wgmma``.
 
-Needs: ``dy`` and ``x`` contiguous (TMA), 16-byte aligned, N and K multiples of 8. :func:`supported` says whether
+Needs: ``dy`` and ``x`` contiguous (TMA), 16-byte aligned, N and K multiples of 8 and at least 128. :func:`supported` says whether
 a call qualifies; the caller takes the Triton kernel otherwise.
 """
 
@@ -225,7 +225,8 @@ def triton_tested() -> bool:
 
 def supported(dy: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> bool:
     """Whether :func:`grouped_wgrad_into` serves these operands: an sm90 GPU, a tested Triton, ``dy`` and ``x``
-    contiguous 16-bit with 16-byte aligned bases and rows and at least one token, ``out`` FP32."""
+    contiguous 16-bit with 16-byte aligned bases and rows, at least one token, N and K of at least one tile (128),
+    ``out`` FP32."""
     return (
         dy.device.type == "cuda"
         and devices.capability(dy.device)[0] == 9
@@ -238,6 +239,7 @@ def supported(dy: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> bool:
         and dy.shape[0] > 0
         and dy.shape[1] % 8 == 0
         and x.shape[1] % 8 == 0
+        and min(dy.shape[1], x.shape[1]) >= BLOCK
         and dy.data_ptr() % 16 == 0
         and x.data_ptr() % 16 == 0
     )
