@@ -25,8 +25,8 @@ the other's ``wgmma`` keep the tensor cores busy:
 A group's last token step may reach past its end into the next group's tokens (TMA boxes cover ``BLOCK_T`` rows;
 past S they are zeros): that step's rows past the end are zeroed in both shared-memory boxes before its ``wgmma``.
 
-Needs: ``dy`` and ``x`` contiguous (TMA), 16-byte aligned, N and K multiples of 8 and at least 128. :func:`supported` says whether
-a call qualifies; the caller takes the Triton kernel otherwise.
+Needs: ``dy`` and ``x`` contiguous (TMA), 16-byte aligned, N and K multiples of 8 and at least 128.
+:func:`supported` says whether a call qualifies; the caller takes the Triton kernel otherwise.
 """
 
 from __future__ import annotations
