@@ -4,6 +4,7 @@
 * :func:`capability` / :func:`arch_of`: the architecture family of a device ("cpu", "sm90", "sm100", ...), by
   which each format (:attr:`mxfx.formats.base.Format.native_gemms`) says which of its GEMMs run natively.
 * :func:`native_bf16_matmul`: whether BF16 GEMMs run on native BF16 instructions.
+* :func:`num_sms`: the streaming multiprocessors a persistent grid is sized by.
 """
 
 from __future__ import annotations
@@ -70,3 +71,16 @@ def native_bf16_matmul(device: torch.device) -> bool:
 def current_device() -> torch.device:
     """The current CUDA device where CUDA is available, else the CPU."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of CUDA ``device`` (read once per device index); 132, an H100's, elsewhere (the
+    launches the sm90 compile tests build on the CPU)."""
+    if device.type != "cuda":
+        return 132
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count

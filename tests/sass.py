@@ -26,6 +26,20 @@ from triton.runtime.jit import mangle_type
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 
+TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+"""Where Triton's wheel keeps ``ptxas``, ``nvdisasm`` and ``cuobjdump``."""
+
+
+def missing() -> str:
+    """Why sm90 SASS cannot be built here, "" when it can: Triton's interpreter is on (no compiled mode), or the
+    wheel carries no ``ptxas`` / ``nvdisasm`` (not a Linux wheel)."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return "needs Triton's compiled mode (TRITON_INTERPRET is on)"
+    if not os.access(os.path.join(TOOLS, "ptxas"), os.X_OK) or not os.access(os.path.join(TOOLS, "nvdisasm"), os.X_OK):
+        return "needs Triton's bundled ptxas and nvdisasm (Linux wheel)"
+    return ""
+
+
 _TRITON_TYPES = {
     torch.bfloat16: "bf16",
     torch.float16: "fp16",
@@ -121,15 +135,14 @@ def compile_sm90(launch: Launch) -> Compiled:
     src = ASTSource(launch.kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     options = {k: launch.kwargs[k] for k in ("num_warps", "num_stages", "maxnreg") if launch.kwargs.get(k) is not None}
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
         sass = subprocess.run(
-            [os.path.join(tools, "nvdisasm"), "-c", f.name], capture_output=True, text=True, check=True
+            [os.path.join(TOOLS, "nvdisasm"), "-c", f.name], capture_output=True, text=True, check=True
         ).stdout
         usage = subprocess.run(
-            [os.path.join(tools, "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True, check=True
+            [os.path.join(TOOLS, "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True, check=True
         ).stdout
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
     ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)

@@ -11,7 +11,6 @@ summation order, ``2^-10 * (|A| @ |B|^T)``, plus half a bf16 ulp of the result f
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -20,8 +19,8 @@ from mxfx.numerics import block as bf
 from mxfx.kernels.fp8_block import gemm as block_gemm
 
 triton = pytest.importorskip("triton")
+sass = pytest.importorskip("tests.sass")
 
-_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 _GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
@@ -32,13 +31,9 @@ def _sm90():
     return sm90
 
 
-@pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or not os.access(os.path.join(_BIN, "ptxas"), os.X_OK),
-    reason="needs Triton's bundled ptxas",
-)
+@pytest.mark.skipif(bool(sass.missing()), reason=sass.missing())
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_kernel_compiles_for_sm90_to_fp8_wgmma_without_spills(out_dtype):
-    sass = pytest.importorskip("tests.sass")
     sm90 = _sm90()
     s, g, n, k = 1024, 4, 512, 1024
     a = torch.empty(s, k, dtype=torch.float8_e4m3fn)

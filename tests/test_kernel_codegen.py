@@ -9,8 +9,6 @@ with the ptxas that Triton's wheel carries; these tests read the resulting SASS.
 
 from __future__ import annotations
 
-import os
-import shutil
 
 import pytest
 import torch
@@ -18,13 +16,7 @@ import torch
 triton = pytest.importorskip("triton")
 sass = pytest.importorskip("tests.sass")
 
-_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    or not os.access(os.path.join(_BIN, "ptxas"), os.X_OK)
-    or shutil.which(os.path.join(_BIN, "nvdisasm")) is None,
-    reason="needs Triton's bundled ptxas and nvdisasm (Linux wheel), compiled mode",
-)
+pytestmark = pytest.mark.skipif(bool(sass.missing()), reason=sass.missing())
 
 
 def _compiled(name):

@@ -12,7 +12,6 @@ thousand tokens, while one token counted twice or left out (about ``1/tokens`` o
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -20,8 +19,8 @@ import torch
 from mxfx.kernels.common import custom_ops
 
 triton = pytest.importorskip("triton")
+sass = pytest.importorskip("tests.sass")
 
-_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 _GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
@@ -32,13 +31,9 @@ def _sm90():
     return sm90
 
 
-@pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or not os.access(os.path.join(_BIN, "ptxas"), os.X_OK),
-    reason="needs Triton's bundled ptxas",
-)
+@pytest.mark.skipif(bool(sass.missing()), reason=sass.missing())
 @pytest.mark.parametrize("accumulate", [True, False])
 def test_kernel_compiles_for_sm90_to_bf16_wgmma(accumulate):
-    sass = pytest.importorskip("tests.sass")
     sm90 = _sm90()
     s, g, n, k = 1024, 4, 512, 1024
     dy = torch.empty(s, n, dtype=torch.bfloat16)

@@ -40,7 +40,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -49,23 +48,12 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from mxfx import device as devices
 from mxfx.kernels.common.gemm import check_grouped_wgrad_into
 from mxfx.kernels.common.grouped_wgrad_triton import OP
-
-TESTED_TRITON = ("3.6", "3.9")
-"""Triton releases (major.minor) this kernel was compiled and checked with; others take the Triton kernel."""
-
-_tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
-"""TMA global -> shared copy completing on an mbarrier (renamed ``async_load`` after Triton 3.6)."""
+from mxfx.kernels.common.hopper import LOAD_REGS, MATH_REGS, MAXNREG, SHARED_BYTES, tma_load, triton_tested
 
 BLOCK = 128
 """Output tile edge (rows of N, columns of K) one math warpgroup owns."""
 BLOCK_T = 64
 """Tokens per ring stage (the ``wgmma`` reduction length of a step)."""
-MATH_REGS = gl.constexpr(232)
-"""Registers per thread of a math warpgroup (``setmaxnreg``)."""
-LOAD_REGS = gl.constexpr(40)
-"""Registers per thread of the producer warp."""
-SHARED_BYTES = 227 * 1024
-"""Shared memory one sm90 program may take."""
 
 
 @gluon.jit
@@ -93,8 +81,8 @@ def _load_partition(
             s = it % STAGES
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), nbytes)
-            _tma_load(dy_desc, [t0, n0], ready.index(s), a_bufs.index(s))
-            _tma_load(x_desc, [t0, k0], ready.index(s), b_bufs.index(s))
+            tma_load(dy_desc, [t0, n0], ready.index(s), a_bufs.index(s))
+            tma_load(x_desc, [t0, k0], ready.index(s), b_bufs.index(s))
             it += 1
 
 
@@ -218,11 +206,6 @@ def stages(itemsize: int = 2) -> int:
     return min(8, (SHARED_BYTES - 1024) // (2 * BLOCK_T * BLOCK * itemsize))
 
 
-def triton_tested() -> bool:
-    """Whether the installed Triton is one this kernel was checked with (:data:`TESTED_TRITON`)."""
-    return ".".join(triton.__version__.split(".")[:2]) in TESTED_TRITON
-
-
 def supported(dy: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> bool:
     """Whether :func:`grouped_wgrad_into` serves these operands: an sm90 GPU, a tested Triton, ``dy`` and ``x``
     contiguous 16-bit with 16-byte aligned bases and rows, at least one token, N and K of at least one tile (128),
@@ -249,11 +232,6 @@ _GL_TYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
 @functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-@functools.cache
 def _box_layout(dtype: torch.dtype):
     """The shared-memory layout of a ``BLOCK_T x BLOCK`` box (built once per dtype)."""
     return gl.NVMMASharedLayout.get_default_for([BLOCK_T, BLOCK], _GL_TYPES[dtype])
@@ -268,16 +246,14 @@ def launch_args(dy, x, offs, out, accumulate: bool):
     tiles_k = triton.cdiv(K, BLOCK)
     tiles_nk = triton.cdiv(N, BLOCK) * tiles_k
     n_tiles = G * tiles_nk
-    sms = (
-        _num_sms(dy.device.index if dy.device.index is not None else torch.cuda.current_device()) if dy.is_cuda else 132
-    )
+    sms = devices.num_sms(dy.device)
     grid = (max(1, min(sms, n_tiles)),)
     args = (dy_desc, x_desc, offs, out, n_tiles, tiles_nk, tiles_k, N, K, *out.stride())
     kwargs = dict(
         STAGES=stages(dy.element_size()),
         ACCUMULATE=accumulate,
         num_warps=4,
-        maxnreg=(2 * MATH_REGS.value + LOAD_REGS.value) // 3,
+        maxnreg=MAXNREG,
     )
     return grid, args, kwargs
 

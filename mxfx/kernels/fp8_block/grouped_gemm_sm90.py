@@ -48,23 +48,20 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mxfx import device as devices
+from mxfx.kernels.common.hopper import (
+    LOAD_REGS,
+    MATH_REGS,
+    MAXNREG,
+    SHARED_BYTES,
+    tma_load,
+    tma_store,
+    triton_tested,
+)
 from mxfx.numerics.block import TILE
 
-TESTED_TRITON = ("3.6", "3.9")
-"""Triton releases (major.minor) this kernel was compiled and checked with; others take the Triton kernel."""
-
-_tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
-"""TMA global -> shared copy completing on an mbarrier (renamed ``async_load`` after Triton 3.6)."""
-_tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
-"""TMA shared -> global copy (renamed ``async_store`` after Triton 3.6)."""
 
 WG_ROWS = 64
 """Rows of a tile that one math warpgroup owns (the M of its ``wgmma``)."""
-
-MATH_REGS = gl.constexpr(232)
-"""Registers per thread of a math warpgroup (``setmaxnreg``)."""
-LOAD_REGS = gl.constexpr(40)
-"""Registers per thread of the producer warp."""
 
 
 @triton.jit
@@ -152,9 +149,9 @@ def _load_partition(
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), nbytes)
             k0 = kb * BLOCK_K
-            _tma_load(a_desc, [m0, k0], ready.index(s), a0_bufs.index(s))
-            _tma_load(a_desc, [m0 + ROWS, k0], ready.index(s), a1_bufs.index(s))
-            _tma_load(b_desc, [g * N + n0, k0], ready.index(s), b_bufs.index(s))
+            tma_load(a_desc, [m0, k0], ready.index(s), a0_bufs.index(s))
+            tma_load(a_desc, [m0 + ROWS, k0], ready.index(s), a1_bufs.index(s))
+            tma_load(b_desc, [g * N + n0, k0], ready.index(s), b_bufs.index(s))
             it += 1
         t, g, m0, n0 = t_next, g_next, m0_next, n0_next
 
@@ -224,7 +221,7 @@ def _math_partition(
             tma.store_wait(0)  # the previous block has left c_smem
             c_smem.store(acc.to(c_ptr.dtype.element_ty))
             fence_async_shared()
-            _tma_store(c_desc, [row0, n0], c_smem)
+            tma_store(c_desc, [row0, n0], c_smem)
         else:
             cols = n0 + gl.arange(0, BLOCK_N, layout=col_layout)
             ptrs = c_ptr + gl.expand_dims(rows.to(gl.int64) * s_cm, 1) + gl.expand_dims(cols * s_cn, 0)
@@ -297,21 +294,12 @@ SCHEDULE_CHUNK = 1024
 """Tiles one schedule program writes per store."""
 
 
-SHARED_BYTES = 227 * 1024
-"""Shared memory one sm90 program may take."""
-
-
 def stages(block_n: int, out_dtype: torch.dtype) -> int:
     """Stages of the ring that fit beside the two epilogue blocks: each stage two 64x128 boxes of A and one
     ``block_n``x128 box of B (E4M3); at most 8."""
     stage = (2 * WG_ROWS + block_n) * TILE
     epilogue = 2 * WG_ROWS * block_n * out_dtype.itemsize
     return min(8, (SHARED_BYTES - epilogue - 1024) // stage)
-
-
-def triton_tested() -> bool:
-    """Whether the installed Triton is one this kernel was checked with (:data:`TESTED_TRITON`)."""
-    return ".".join(triton.__version__.split(".")[:2]) in TESTED_TRITON
 
 
 def serves(device: torch.device, k: int, n: int, out_dtype: torch.dtype) -> bool:
@@ -342,11 +330,6 @@ _GL_TYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float
 
 
 @functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-@functools.cache
 def _smem_layouts(block_n: int, out_dtype: torch.dtype) -> tuple:
     """The shared-memory layouts of the A, B and output tiles (built once per tile width and output dtype)."""
     return (
@@ -368,7 +351,7 @@ def launch_args(a, a_scales, b, b_scales, offs, out, config=None):
     b_desc = TensorDescriptor.from_tensor(b.view(G * N, K), [block_n, TILE], b_layout)
     c_desc = TensorDescriptor.from_tensor(out, [WG_ROWS, block_n], c_layout)
     cfg.setdefault("STAGES", stages(block_n, out.dtype))
-    sms = _num_sms(a.device.index if a.device.index is not None else torch.cuda.current_device()) if a.is_cuda else 132
+    sms = devices.num_sms(a.device)
     max_tiles = (triton.cdiv(S, 2 * WG_ROWS) + G) * triton.cdiv(N, block_n)  # an upper bound, no sync
     table = torch.empty((max_tiles, 4), dtype=torch.int32, device=a.device)
     schedule = (
@@ -400,7 +383,7 @@ def launch_args(a, a_scales, b, b_scales, offs, out, config=None):
         *b_scales.stride(),
         *out.stride(),
     )
-    kwargs = dict(cfg, num_warps=4, maxnreg=(2 * MATH_REGS.value + LOAD_REGS.value) // 3)
+    kwargs = dict(cfg, num_warps=4, maxnreg=MAXNREG)
     return (grid, args, kwargs), schedule
 
 

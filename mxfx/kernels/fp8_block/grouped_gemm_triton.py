@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from mxfx import device as devices
 from mxfx.kernels.common import tuning
 from mxfx.numerics.block import TILE
 
@@ -175,11 +176,6 @@ INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 64, "PROGRAMS_PER_SM": 1}
 
 
 @functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-@functools.cache
 def _tuning_kernel(device_index: int) -> str:
     return tuning.kernel_id(_kernel, torch.cuda.get_device_name(device_index))
 
@@ -206,7 +202,7 @@ def grouped_mm(
         return out
     interpret = a.device.type == "cpu"
     device_index = None if interpret else a.device.index if a.device.index is not None else torch.cuda.current_device()
-    programs_cap = 3 if interpret else _num_sms(device_index)
+    programs_cap = 3 if interpret else devices.num_sms(a.device)
     tma = _tma_ready(a) and _tma_ready(b)
     # block shapes here are placeholders: the launch sets them from its tile (the autotune pre-hook, or below)
     a_desc = TensorDescriptor.from_tensor(a, [16, TILE]) if tma else None
