@@ -99,7 +99,7 @@ import pstats
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -327,22 +327,6 @@ ARMS = {
             "fp8_block-fused", torch.float32, True, functools.partial(_fp8_block, fused=True), expert_format="fp8_block"
         ),
         Arm(
-            "bf16-grouped-fused-ws",
-            torch.float32,
-            True,
-            functools.partial(_bf16_grouped, fused=True),
-            (("MXFX_WGRAD_SM90", "1"),),
-            "bf16_gemm",
-        ),
-        Arm(
-            "fp8_block-fused-ws",
-            torch.float32,
-            True,
-            functools.partial(_fp8_block, fused=True),
-            (("MXFX_WGRAD_SM90", "1"),),
-            "fp8_block",
-        ),
-        Arm(
             "fp8_block-routed-fused",
             torch.float32,
             True,
@@ -351,6 +335,8 @@ ARMS = {
         ),
     )
 }
+for _fused in ("bf16-grouped-fused", "fp8_block-fused"):  # the same arm, its routed wgrad on the sm90 ping-pong kernel
+    ARMS[f"{_fused}-ws"] = replace(ARMS[_fused], name=f"{_fused}-ws", env=(("MXFX_WGRAD_SM90", "1"),))
 OPTIONAL_ARMS = (
     "fp8_block-triton",
     "bf16-grouped-fused",
