@@ -135,7 +135,7 @@ def hp_grouped_wgrad_into(
     (:func:`grouped_wgrad_kernel`) into an FP32 ``out`` on CUDA, through :func:`accumulate_into`
     elsewhere."""
     if out.device.type == "cpu":
-        check_grouped_wgrad_into(dy, x, offs, out, "mxfx.grouped_wgrad_into")
+        check_grouped_wgrad_into(dy, x, offs, out)
         a, b = (t.to(torch.bfloat16).to(out.dtype).t() for t in (dy, x))
         grouped_mm_into(out, a, b, offs.tolist(), accumulate)
     elif triton_available(out) and out.dtype == torch.float32:  # the GEMM's epilogue writes or adds into out

@@ -31,7 +31,13 @@ def mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: boo
 
 
 def check_grouped_wgrad_into(
-    dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, out: torch.Tensor, op: str, *, kernel: bool = False
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    offs: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    kernel: bool = False,
+    op: str = "mxfx.grouped_wgrad_into",
 ) -> None:
     """Raise ValueError naming ``op`` where the operands of a grouped wgrad into ``out`` do not pair up: ``dy [S, N]``
     and ``x [S, K]`` floating, int32 ``offs [G]``, ``out [G, N, K]`` floating, one device; on the host also the

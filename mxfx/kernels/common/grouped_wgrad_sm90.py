@@ -47,7 +47,6 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mxfx import device as devices
 from mxfx.kernels.common.gemm import check_grouped_wgrad_into
-from mxfx.kernels.common.grouped_wgrad_triton import OP
 from mxfx.kernels.common.hopper import LOAD_REGS, MATH_REGS, MAXNREG, SHARED_BYTES, tma_load, triton_tested
 
 BLOCK = 128
@@ -265,7 +264,7 @@ def grouped_wgrad_into(dy, x, offs, out, accumulate: bool) -> None:
         ValueError: shapes, dtypes or devices that do not pair up
             (:func:`mxfx.kernels.common.gemm.check_grouped_wgrad_into`).
     """
-    check_grouped_wgrad_into(dy, x, offs, out, OP, kernel=True)
+    check_grouped_wgrad_into(dy, x, offs, out, kernel=True)
     if out.numel() == 0:
         return
     grid, args, kwargs = launch_args(dy, x, offs, out, accumulate)

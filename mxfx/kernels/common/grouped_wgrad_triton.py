@@ -19,9 +19,6 @@ import triton.language as tl
 from mxfx.kernels.common.gemm import check_grouped_wgrad_into
 from mxfx.kernels.common.launch import launch
 
-OP = "mxfx.grouped_wgrad_into"
-"""The name errors of the grouped wgrad into a gradient give."""
-
 CONFIG = {"BLOCK_N": 128, "BLOCK_K": 128, "BLOCK_T": 64, "num_warps": 4, "num_stages": 3}
 """Launch of the kernel: 128x128 FP32 outputs, 64 tokens per step (docs/kernel-notes.md: measured configurations)."""
 LONG_GROUPS_CONFIG = {"BLOCK_N": 256, "BLOCK_K": 128, "BLOCK_T": 64, "num_warps": 8, "num_stages": 3}
@@ -98,7 +95,7 @@ def grouped_wgrad_into(
         ValueError: shapes, dtypes or devices that do not pair up
             (:func:`mxfx.kernels.common.gemm.check_grouped_wgrad_into`).
     """
-    check_grouped_wgrad_into(dy, x, offs, out, OP, kernel=True)
+    check_grouped_wgrad_into(dy, x, offs, out, kernel=True)
     if out.numel() == 0:
         return
     g, n, k = out.shape
