@@ -345,12 +345,12 @@ def breakdown_table(title: str, arm: dict) -> str:
     return "\n".join(lines)
 
 
-def kernel_comparison(arms: Sequence[tuple[str, dict]], rows: int = 30) -> str:
+def kernel_comparison(arms: Sequence[tuple[str, dict]], rows: int = 30, what: str = "kernel") -> str:
     """The costliest kernels of several arms side by side: a markdown table with one row per kernel name (Inductor's
     ``_<n>`` numbering dropped, so that a kernel of each microbatch's graph is one row) and per arm its ms per step
     and calls, the ``rows`` rows with the most time in any arm first. ``arms``: ``(name, breakdown)`` pairs, each a
     :func:`step_breakdown` result; a kernel outside an arm's ``top`` list shows ``-`` there (absent, or cheaper than
-    the arm's last listed kernel)."""
+    the arm's last listed kernel). ``what`` heads the first column (a CPU breakdown lists ops)."""
     merged: dict[tuple[str, str], dict[str, list]] = defaultdict(dict)
     for arm, where in arms:
         for k in where["top"]:
@@ -360,7 +360,7 @@ def kernel_comparison(arms: Sequence[tuple[str, dict]], rows: int = 30) -> str:
     order = sorted(merged.items(), key=lambda kv: -max(ms for ms, _ in kv[1].values()))[:rows]
     names = [arm for arm, _ in arms]
     lines = [
-        "| kernel | family | " + " | ".join(f"{a} ms (calls)" for a in names) + " |",
+        f"| {what} | family | " + " | ".join(f"{a} ms (calls)" for a in names) + " |",
         "|---|---|" + "---:|" * len(names),
     ]
     for (kernel, family), cells in order:

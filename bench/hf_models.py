@@ -32,12 +32,13 @@ fused AdamW with linear LR warmup then cosine decay:
   GEMMs on Hopper);
 * ``fp8_block-triton``: ``fp8_block`` with its routed forward and dgrad on the Triton grouped kernel instead of
   the warp-specialized sm90 one (``MXFX_GROUPED_SM90=0`` while it runs): what that kernel gains in the step;
-* ``bf16-grouped-fused-ws``, ``fp8_block-fused-ws``: the fused arms with the routed wgrad into FP32 on the sm90
-  ping-pong kernel (``MXFX_WGRAD_SM90=1`` while they run) instead of the Triton one;
-* ``fp8_block-routed-fused``: ``fp8_block-fused`` with the dense linears left in BF16 (a rule ``{"op": "linear",
+* ``bf16-grouped-ws``, ``fp8_block-ws``: those arms with the routed wgrad into FP32 on the sm90 ping-pong kernel
+  (``MXFX_WGRAD_SM90=1`` while they run) instead of the Triton one;
+* ``fp8_block-routed``: ``fp8_block`` with the dense linears left in BF16 (a rule ``{"op": "linear",
   "precision": "bf16"}``): FP8 on the routed experts only;
-* ``bf16-grouped-fused``, ``fp8_block-fused``: those arms with ``fuse_wgrad_accumulation=True`` (each wgrad GEMM
-  writes or adds FP32 into the weight's ``.grad`` itself): what the fusion gains in the step;
+* ``bf16-grouped-unfused``, ``fp8_block-unfused``: those arms with ``fuse_wgrad_accumulation=False`` (autograd adds
+  each microbatch's weight gradient into ``.grad``, the library default being the wgrad GEMM adding into it
+  itself): what the fusion gains in the step;
 * ``torchao-fp8-rowwise``: torchao's FP8 rowwise grouped GEMMs on the routed experts
   (``quantize_(experts, Float8TrainingOpConfig())``, ``torchao.prototype.moe_training``), BF16
   parameters: torchao's weight wrapper only intercepts ``torch._grouped_mm``, which transformers
@@ -70,6 +71,8 @@ CPU the intra-op threads' compute) from the step's start until its last launch r
 only after; ``host issue`` the wall time of the same span, which also holds any wait on the device inside the step
 (a synchronizing op, a full launch queue). Both include ``--phases``' per-phase synchronizations when it is on. The
 JSON has them per arm (``step_ms``, ``profiled_step_ms``, ``host_cpu_ms``, ``host_issue_ms``, ``breakdown``).
+On CUDA the same profile also gives the host's side: each op's and ``record_function`` range's own time on the
+host threads (Python outside any range is charged to the range around it), the costliest side by side across arms.
 ``--compiler aot_eager_fp32_gemms`` (CPU) runs each BF16 GEMM as an FP32 GEMM of its BF16 operands. A markdown table is
 printed last; JSON goes to ``bench/results/hf_models.json`` (``--out`` to change the folder).
 
@@ -276,7 +279,7 @@ def _inductor(model, compiler: str):
     return torch.compile(model, backend=_backend(compiler))
 
 
-def _bf16_grouped(model, compiler: str, fused: bool = False):
+def _bf16_grouped(model, compiler: str, fused: bool = True):
     options = {"inner": _backend(compiler), "format": "bf16_gemm", "fuse_wgrad_accumulation": fused}
     return torch.compile(model, backend="mxfp8", options=options)
 
@@ -285,7 +288,7 @@ def _mxfp8(model, compiler: str):
     return torch.compile(model, backend="mxfp8", options={"inner": _backend(compiler)})
 
 
-def _fp8_block(model, compiler: str, fused: bool = False, dense: bool = True):
+def _fp8_block(model, compiler: str, fused: bool = True, dense: bool = True):
     options = {"inner": _backend(compiler), "format": "fp8_block", "fuse_wgrad_accumulation": fused}
     if not dense:  # the attention projections and other dense linears as the model wrote them
         options["rules"] = [{"op": "linear", "precision": "bf16"}]
@@ -317,36 +320,40 @@ ARMS = {
         Arm("fp8_block", torch.float32, True, _fp8_block, expert_format="fp8_block"),
         Arm("fp8_block-triton", torch.float32, True, _fp8_block, (("MXFX_GROUPED_SM90", "0"),), "fp8_block"),
         Arm(
-            "bf16-grouped-fused",
+            "bf16-grouped-unfused",
             torch.float32,
             True,
-            functools.partial(_bf16_grouped, fused=True),
+            functools.partial(_bf16_grouped, fused=False),
             expert_format="bf16_gemm",
         ),
         Arm(
-            "fp8_block-fused", torch.float32, True, functools.partial(_fp8_block, fused=True), expert_format="fp8_block"
-        ),
-        Arm(
-            "fp8_block-routed-fused",
+            "fp8_block-unfused",
             torch.float32,
             True,
-            functools.partial(_fp8_block, fused=True, dense=False),
+            functools.partial(_fp8_block, fused=False),
+            expert_format="fp8_block",
+        ),
+        Arm(
+            "fp8_block-routed",
+            torch.float32,
+            True,
+            functools.partial(_fp8_block, dense=False),
             expert_format="fp8_block",
         ),
     )
 }
-for _fused in ("bf16-grouped-fused", "fp8_block-fused"):  # the same arm, its routed wgrad on the sm90 ping-pong kernel
-    ARMS[f"{_fused}-ws"] = replace(ARMS[_fused], name=f"{_fused}-ws", env=(("MXFX_WGRAD_SM90", "1"),))
+for _arm in ("bf16-grouped", "fp8_block"):  # the same arm, its routed wgrad on the sm90 ping-pong kernel
+    ARMS[f"{_arm}-ws"] = replace(ARMS[_arm], name=f"{_arm}-ws", env=(("MXFX_WGRAD_SM90", "1"),))
 OPTIONAL_ARMS = (
     "fp8_block-triton",
-    "bf16-grouped-fused",
-    "fp8_block-fused",
-    "bf16-grouped-fused-ws",
-    "fp8_block-fused-ws",
-    "fp8_block-routed-fused",
+    "bf16-grouped-unfused",
+    "fp8_block-unfused",
+    "bf16-grouped-ws",
+    "fp8_block-ws",
+    "fp8_block-routed",
 )
-"""Arms run only when ``--arms`` names them: the fused arms set ``Policy(fuse_wgrad_accumulation=True)``;
-``fp8_block-routed-fused`` also keeps the dense linears (attention projections) in BF16."""
+"""Arms run only when ``--arms`` names them: the unfused arms set ``Policy(fuse_wgrad_accumulation=False)``;
+``fp8_block-routed`` keeps the dense linears (attention projections) in BF16."""
 
 
 # ----------------------------------------------------------------------------- training
@@ -486,7 +493,10 @@ def run_arm(arm: Arm, args, train, val, device: str) -> dict:
                 print(f"  {args.model} {arm.name} step {step}: " + "; ".join(phases.parts), flush=True)
                 phases.parts = []
             if profiled:
-                res["breakdown"] = breakdown.step_breakdown(breakdown.profile_trace(prof), device, top=60)
+                trace = breakdown.profile_trace(prof)
+                res["breakdown"] = breakdown.step_breakdown(trace, device, top=60)
+                if device == "cuda":  # where the host time goes: each op's and range's own time on the host threads
+                    res["host_breakdown"] = breakdown.step_breakdown(trace, "cpu", top=60)
                 res["profiled_step_ms"] = 1e3 * times[-1]
                 print(
                     f"  {args.model} {arm.name} step {step} profiled: {res['breakdown']['total_ms']:.1f} ms of "
@@ -725,6 +735,13 @@ def main(argv=None) -> list[dict]:
         if profiled:
             print(f"\ncostliest kernels, {model}, ms per step (calls):")
             print(breakdown.kernel_comparison(profiled))
+        hosts = [(r["arm"], r["host_breakdown"]) for r in results if r["model"] == model and "host_breakdown" in r]
+        if hosts:
+            print(f"\ncostliest host ops and ranges, {model}, own ms per profiled step (calls; profiler overhead in):")
+            print(breakdown.kernel_comparison(hosts, what="host op"))
+            print(
+                "| **host self time, all threads** | | " + " | ".join(f"{h['total_ms']:.1f}" for _, h in hosts) + " |"
+            )
     return results
 
 

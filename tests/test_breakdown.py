@@ -399,3 +399,4 @@ def test_kernel_comparison_merges_inductor_numbering_and_orders_by_cost():
         "| _grouped_kernel | routed GEMM | - | 5.00 (16) |",
         "| triton_poi_fused_add | other | 0.50 (8) | 3.00 (8) |",
     ]
+    assert kernel_comparison([("fp8", a)], what="host op").splitlines()[0] == "| host op | family | fp8 ms (calls) |"

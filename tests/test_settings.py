@@ -32,17 +32,20 @@ def test_resolve_defaults_and_overrides():
 def test_decision_produces_the_settings():
     policy = Policy(keep_dequantized_weights=True, rules=[Rule(op="linear", scale_rule="floor", save="bf16")])
     d = policy.decide("linear", "layers.0.mlp")
-    assert d.settings == OpSettings(scale_rule="floor", wgrad="mxfp8", save="bf16", keep_dequantized_weights=True)
+    assert d.settings == OpSettings(
+        scale_rule="floor", wgrad="mxfp8", save="bf16", keep_dequantized_weights=True, fuse_wgrad_accumulation=True
+    )
     assert d.settings.graph_kwargs() == {
         "scale_rule": "floor",
         "wgrad": "mxfp8",
         "save": "bf16",
         "keep_dequantized_weights": True,
+        "fuse_wgrad_accumulation": True,  # the default
     }
     assert policy.decide("grouped_mm", "layers.0.experts").settings.wgrad == "bf16"
-    fused = Policy(fuse_wgrad_accumulation=True).decide("grouped_mm", "layers.0.experts").settings
-    assert fused.fuse_wgrad_accumulation and fused.graph_kwargs()["fuse_wgrad_accumulation"] is True
-    assert "fuse_wgrad_accumulation" not in d.settings.graph_kwargs()  # off: the call as before
+    unfused = Policy(fuse_wgrad_accumulation=False).decide("grouped_mm", "layers.0.experts").settings
+    assert not unfused.fuse_wgrad_accumulation
+    assert "fuse_wgrad_accumulation" not in unfused.graph_kwargs()  # off: the call as before
 
 
 def test_settings_object_equals_keywords():

@@ -4,14 +4,14 @@
 The GEMM is the format's low-precision wgrad (``low_precision``: :meth:`mxfx.formats.base.Format.wgrad_mm` /
 :meth:`~mxfx.formats.base.Format.grouped_wgrad` on the format's token-blocked operands) or the BF16 one of the
 high-precision operands ``dy [M, N]`` and ``x [M, K]`` (:mod:`mxfx.kernels.common.custom_ops`), dense or grouped by
-``offs``. Fused, the op ``mxfx::wgrad_into_grad`` runs it in the backward graph: opaque, ordered by an effect token
-(its result is the parameter's ``.grad``, which no graph output carries), resolving the parameter when it runs.
+``offs``. Fused, the op ``mxfx::wgrad_into_grad`` runs it in the backward graph: opaque, marked side-effectful so that no dead
+code elimination drops it (its result is the parameter's ``.grad``, which no graph output carries), resolving the
+parameter when it runs.
 """
 
 from __future__ import annotations
 
 import torch
-from torch._library.effects import EffectType
 
 from mxfx import formats
 from mxfx.kernels.common.custom_ops import hp_grouped_wgrad, hp_grouped_wgrad_into, hp_mm_into, hp_mm_transposed
@@ -62,7 +62,9 @@ def _(weight, dy, x, offs, format_name, low_precision):
     return None
 
 
-_wgrad_into_grad.register_effect(EffectType.ORDERED)
+# Kept in compiled backward graphs though it returns nothing (its result is the parameter's .grad); no effect token
+# orders it: the gradient is read only after the backward, and Inductor's FX graph cache refuses graphs with tokens.
+torch.fx.node.has_side_effect(torch.ops.mxfx.wgrad_into_grad.default)
 
 
 def weight_gradient(

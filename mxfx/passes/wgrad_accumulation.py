@@ -3,7 +3,8 @@
 The passes give every converted op the policy's ``fuse_wgrad_accumulation``; they see fake tensors only. The backend
 then calls :func:`settle` with the graph's example inputs, the real parameters of every block run through the graph:
 an op whose weight cannot take the fused accumulation in one of them (:func:`mxfx.runtime.main_grad.unfused_reason`:
-hooks, not an FP32 leaf parameter; or a weight the graph computes from parameters) is given back to autograd (its call
+hooks, not an FP32 leaf parameter; or a weight the graph computes from parameters), and every op while compiled
+autograd is on (:func:`mxfx.runtime.main_grad.graph_reason`), is given back to autograd (its call
 loses the setting: its backward returns the gradient), and its precision-map record says why; a fused op's record
 says its wgrad writes ``.grad``. An op inside an activation-checkpointed region reads its weight through the region
 body's inputs, traced back to the graph's (:func:`mxfx.fx.outer_inputs`), and its record is found by its qualified
@@ -22,7 +23,7 @@ from mxfx.report import PrecisionMap
 from mxfx.runtime import main_grad
 
 FIELD = "fuse_wgrad_accumulation"
-FUSED_NOTE = "wgrad GEMM writes the weight's .grad (fuse_wgrad_accumulation)"
+FUSED_NOTE = "wgrad adds into .grad"
 UNFUSED_NOTE = "wgrad accumulated by autograd, not its GEMM"
 COMPUTED = "the weight is computed in the graph from parameters, not a parameter itself"
 
@@ -34,17 +35,20 @@ def settle(gm: fx.GraphModule, inputs: list[list], pm: PrecisionMap) -> int:
     Each fused parameter is told to :func:`mxfx.runtime.main_grad.judged`, with the op's module."""
     index_of, judged_bodies = outer_inputs(gm)
     prefixes = record_prefixes(gm)
+    everywhere = main_grad.graph_reason()  # a reason that holds for every op, in every body
     fused = 0
     for g in all_graphs(gm):
         for node in g.graph.nodes:
             fused_op = node.op == "call_function" and node.target in (mx_linear, mx_grouped_mm_op)
             if not fused_op or not node.kwargs.get(FIELD):
                 continue
-            if g is not gm and g not in judged_bodies:
+            if g is not gm and g not in judged_bodies and not everywhere:
                 continue  # the body of another higher-order op: judged by its backward
             record = pm.find(prefixes[g] + node.name)
             source, _ = weight_source(node.args[1])
-            if source in index_of:
+            if everywhere:
+                weights, reason = [], everywhere
+            elif source in index_of:
                 weights = [i[index_of[source]] for i in inputs]
                 reason = next(filter(None, map(main_grad.unfused_reason, weights)), "")
             else:  # computed in the graph (a parametrization such as weight_norm, W + B @ A): no .grad to write

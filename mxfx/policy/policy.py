@@ -579,8 +579,9 @@ class Policy(_NamedFields):
             Where that cannot be exact the op returns its gradient to autograd as without it, and the precision
             map says why: a weight that is not an FP32 leaf parameter, or one with gradient hooks or
             post-accumulate-grad hooks when the graph compiles (one registered later raises in the backward).
-            The CPU reference GEMMs add into ``.grad`` themselves; on CUDA the GEMM's result is still added in a
-            pass of its own, until the kernels take the gradient. Off by default (not yet measured on a GPU).
+            Under compiled autograd every op returns its gradient to autograd. On by default: each wgrad GEMM
+            adds into ``.grad`` itself (CPU reference, cuBLAS, the routed Triton kernel's epilogue); set False to
+            take weight gradients with ``torch.autograd.grad``, which a fused weight refuses.
     """
 
     scale_rule: str = _DEFAULT_SCALE_RULE
@@ -596,7 +597,7 @@ class Policy(_NamedFields):
     format: str = "mxfp8"
     stats: Mapping | None = STATS_FROM_ENV
     kernels: str | None = None
-    fuse_wgrad_accumulation: bool = False
+    fuse_wgrad_accumulation: bool = True
 
     def __post_init__(self):
         for name, valid in (("scale_rule", SCALE_RULES), ("save", PRECISIONS)):

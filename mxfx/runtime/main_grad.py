@@ -68,6 +68,19 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return cls is not None and isinstance(t, cls)
 
 
+COMPILED_AUTOGRAD = (
+    "compiled autograd is on (torch._dynamo.config.compiled_autograd): its traced backward leaves out the op that "
+    "writes .grad"
+)
+
+
+def graph_reason() -> str:
+    """Why no weight gradient of the graph compiling now can be written by its GEMM, "" when they can: compiled
+    autograd (``torch._dynamo.config.compiled_autograd``) is on, whose traced backward does not run that op (the
+    weights would get no gradient)."""
+    return COMPILED_AUTOGRAD if torch._dynamo.config.compiled_autograd else ""
+
+
 def unfused_reason(weight) -> str:
     """Why the gradient of ``weight`` (the tensor a graph reads: a parameter) cannot be written by its wgrad GEMM, ""
     when it can: not a leaf tensor that requires a gradient, not float32 (the fused accumulation writes FP32 main
@@ -123,10 +136,10 @@ _local = threading.local()  # per backward thread: the leaves the running node r
 def _memo(node) -> tuple[list[tuple[tuple[int, int, int], tuple[int, ...]]], dict]:
     """``(leaves, found)`` of the backward node ``node``: ``leaves`` lists ``(storage span of the leaf, path to its
     AccumulateGrad node)`` for every leaf input, through :data:`VIEW_NODES` (a path: the indices into
-    ``next_functions`` from ``node``); ``found`` maps a weight's storage span to the ``AccumulateGrad`` node
-    :func:`_accumulator` found for it (None: no leaf holds it). Both built once per node and graph task (a graph of
-    a whole model has an input per parameter and a fused op per weight) and dropped at the next one: ``found`` holds
-    the parameters' own accumulator nodes, nothing else."""
+    ``next_functions`` from ``node``); ``found`` maps a weight's storage span to the path :func:`_accumulator` found
+    for it (None: no leaf holds it). Both built once per node and graph task (a graph of a whole model has an input
+    per parameter and a fused op per weight) and dropped at the next one; they hold numbers only, no node or
+    tensor, so a finished backward keeps no parameter alive."""
     key = (torch._C._current_graph_task_id(), id(node), node._sequence_nr())  # nodes die and ids recur in a task
     memo = getattr(_local, "memo", None)
     if memo is None or memo[0] != key:
@@ -156,14 +169,18 @@ def _accumulator(weight: torch.Tensor, op: str):
         raise RuntimeError(f"{op}: runs only inside a backward pass (it writes a parameter's .grad as autograd would)")
     leaves, found = _memo(node)
     span = _span(weight)
-    if span not in found:  # walked once per weight and backward: next_functions builds a tuple per access
+    if span not in found:  # searched once per weight and backward
         storage, lo, hi = span
-        path = next((path for (s, first, last), path in leaves if s == storage and first <= lo and hi <= last), None)
-        fn = node if path is not None else None
-        for i in path or ():
-            fn = fn.next_functions[i][0]
-        found[span] = fn
-    return found[span]
+        found[span] = next(
+            (path for (s, first, last), path in leaves if s == storage and first <= lo and hi <= last), None
+        )
+    path = found[span]
+    if path is None:
+        return None
+    fn = node
+    for i in path:  # a step or two (views): next_functions builds a tuple per access
+        fn = fn.next_functions[i][0]
+    return fn
 
 
 def _span(t: torch.Tensor) -> tuple[int, int, int]:
