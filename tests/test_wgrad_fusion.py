@@ -146,9 +146,7 @@ def test_fused_backward_graph_returns_no_weight_gradient(fmt):
     assert all(g is None for g in returned.values()), returned
     assert grads["lm_head.weight"] is not None and grads["layers.0.moe.gate.weight"] is not None  # kept as written
     calls = [
-        n
-        for n in bw.graph.nodes
-        if n.op == "call_function" and n.target is torch.ops.mxfx.wgrad_into_grad.default
+        n for n in bw.graph.nodes if n.op == "call_function" and n.target is torch.ops.mxfx.wgrad_into_grad.default
     ]
     assert len(calls) == len(MX_WEIGHTS), bw.print_readable(print_output=False)
     assert not any(n.target is torch.ops.higher_order.with_effects for n in bw.graph.nodes)

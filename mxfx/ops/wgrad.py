@@ -4,9 +4,9 @@
 The GEMM is the format's low-precision wgrad (``low_precision``: :meth:`mxfx.formats.base.Format.wgrad_mm` /
 :meth:`~mxfx.formats.base.Format.grouped_wgrad` on the format's token-blocked operands) or the BF16 one of the
 high-precision operands ``dy [M, N]`` and ``x [M, K]`` (:mod:`mxfx.kernels.common.custom_ops`), dense or grouped by
-``offs``. Fused, the op ``mxfx::wgrad_into_grad`` runs it in the backward graph: opaque, marked side-effectful so that no dead
-code elimination drops it (its result is the parameter's ``.grad``, which no graph output carries), resolving the
-parameter when it runs.
+``offs``. Fused, the op ``mxfx::wgrad_into_grad`` runs it in the backward graph: opaque, marked side-effectful
+so that no dead-code elimination drops it (its result is the parameter's ``.grad``, which no graph output carries),
+resolving the parameter when it runs.
 """
 
 from __future__ import annotations
