@@ -271,6 +271,37 @@ def test_compiled_autograd_keeps_autograds_accumulation():
         assert _rel(p.grad, reference.get_parameter(name).grad) <= FUSE_RTOL, name
 
 
+torch.library.define("mxfxwg::no_derivative", "(Tensor x) -> Tensor")
+
+
+@torch.library.impl("mxfxwg::no_derivative", "CompositeExplicitAutograd")
+def _no_derivative(x):
+    return x * 2
+
+
+@torch.library.register_fake("mxfxwg::no_derivative")
+def _no_derivative_fake(x):
+    return torch.empty_like(x)
+
+
+def test_a_gradient_that_reaches_no_tangent_is_not_written():
+    """A converted linear whose output reaches only an op without a derivative: AOTAutograd traces zeros for its
+    gradient, so its fused wgrad depends on no tangent and the partitioner runs it in the forward, where it writes
+    nothing (the gradient is zero; autograd would leave ``.grad`` None) instead of failing the forward."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 64)
+    run = torch.compile(
+        lambda x: torch.ops.mxfxwg.no_derivative(lin(x)),
+        backend="mxfp8",
+        options={"inner": "aot_eager", "fuse_wgrad_accumulation": True},
+    )
+    x = torch.randn(8, 64)
+    # MXFP8 operands (E4M3: 3 mantissa bits, each value within 1/16 relative): a few percent in the Frobenius norm;
+    # a forward that failed or returned another product is off by far more
+    assert _rel(run(x), torch.ops.mxfxwg.no_derivative(lin(x))) < 0.1
+    assert lin.weight.grad is None
+
+
 def test_backward_that_accumulates_nothing_leaves_fused_grads_alone():
     """``torch.autograd.grad`` and ``backward(inputs=[...])`` without the fused weights accumulate nothing into their
     ``.grad``, fused as with autograd (the embedding's gradient still comes back, and only it is accumulated);

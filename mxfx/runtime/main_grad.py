@@ -162,11 +162,9 @@ def _memo(node) -> tuple[list[tuple[tuple[int, int, int], tuple[int, ...]]], dic
 
 
 def _accumulator(weight: torch.Tensor, op: str):
-    """The ``AccumulateGrad`` node, among the running backward node's inputs, of the leaf parameter whose storage
-    region holds ``weight``'s; None when there is none."""
+    """The ``AccumulateGrad`` node, among the inputs of the backward node running now (:func:`target` checks there
+    is one), of the leaf parameter whose storage region holds ``weight``'s; None when there is none."""
     node = torch._C._current_autograd_node()
-    if node is None:
-        raise RuntimeError(f"{op}: runs only inside a backward pass (it writes a parameter's .grad as autograd would)")
     leaves, found = _memo(node)
     span = _span(weight)
     if span not in found:  # searched once per weight and backward
@@ -215,15 +213,20 @@ def target(weight: torch.Tensor, op: str) -> Target | None:
     read) goes in the backward running now: into the parameter's ``.grad`` (added) or a new gradient in its layout
     (written: the first microbatch, or after ``zero_grad(set_to_none=True)``). None where this backward accumulates
     nothing into the parameter (``torch.autograd.grad`` of other tensors, ``backward(inputs=...)`` without it), as
-    autograd would not.
+    autograd would not, and outside a backward (a graph's forward computing a gradient that is zero: see the code).
 
     Raises:
-        RuntimeError: outside a backward; no leaf parameter behind ``weight`` among the running node's inputs; the
+        RuntimeError: no leaf parameter behind ``weight`` among the running node's inputs; the
             parameter cannot take a fused gradient (:func:`unfused_reason`: a hook registered after the graph
             compiled, or one on a weight the compile could not judge); ``torch.autograd.grad`` asks for its gradient
             (:func:`_will_accumulate`); its ``.grad`` does not fit it (dtype, shape, device, layout) or, for a weight
             that views it, has strides other than the parameter's.
     """
+    if torch._C._current_autograd_node() is None:
+        # Not in a backward: a compiled graph's partitioner puts the op in the forward where its operands depend on
+        # no tangent. A gradient is linear in the tangents, so this one is zero (the op's output reaches no
+        # differentiable output; AOTAutograd traced zeros for it), and autograd would accumulate nothing.
+        return None
     node = _accumulator(weight, op)
     param = node.variable if node is not None else None
     if param is None:
