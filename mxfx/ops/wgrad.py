@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from mxfx import formats
+from mxfx import formats, library
 from mxfx.kernels.common.custom_ops import hp_grouped_wgrad, hp_grouped_wgrad_into, hp_mm_into, hp_mm_transposed
 from mxfx.ops.settings import OpSettings
 from mxfx.runtime import main_grad
@@ -38,7 +38,6 @@ def _gemm_into(fmt, dy, x, offs, low_precision: bool, out: torch.Tensor, accumul
         hp_grouped_wgrad_into(dy[0], x[0], offs, out, accumulate)
 
 
-@torch.library.custom_op("mxfx::wgrad_into_grad", mutates_args=())
 def _wgrad_into_grad(
     weight: torch.Tensor,
     dy: list[torch.Tensor | None],
@@ -57,14 +56,16 @@ def _wgrad_into_grad(
     main_grad.finish(t)
 
 
-@_wgrad_into_grad.register_fake
-def _(weight, dy, x, offs, format_name, low_precision):
-    return None
-
-
+wgrad_into_grad = library.define(
+    "mxfx::wgrad_into_grad",
+    "(Tensor weight, Tensor?[] dy, Tensor?[] x, Tensor? offs, str format_name, bool low_precision) -> ()",
+    _wgrad_into_grad,
+    lambda weight, dy, x, offs, format_name, low_precision: None,
+)
+"""The op of :func:`_wgrad_into_grad`, called once per fused weight and backward (:mod:`mxfx.library`)."""
 # Kept in compiled backward graphs though it returns nothing (its result is the parameter's .grad); no effect token
 # orders it: the gradient is read only after the backward, and Inductor's FX graph cache refuses graphs with tokens.
-torch.fx.node.has_side_effect(torch.ops.mxfx.wgrad_into_grad.default)
+torch.fx.node.has_side_effect(wgrad_into_grad)
 
 
 def weight_gradient(
@@ -84,5 +85,5 @@ def weight_gradient(
     fmt = settings.format
     if not settings.fuse_wgrad_accumulation:
         return _gemm(fmt, dy, x, offs, low_precision, weight.dtype)
-    _wgrad_into_grad(weight, list(dy), list(x), offs, fmt.name, low_precision)
+    wgrad_into_grad(weight, list(dy), list(x), offs, fmt.name, low_precision)
     return None
