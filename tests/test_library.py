@@ -1,0 +1,47 @@
+"""mxfx.library.define: an op whose body runs on every device, whose fake gives the shapes a compile traces, and
+that compiled graphs keep opaque."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mxfx import library
+
+CALLS = []
+
+
+def _body(x: torch.Tensor, k: int) -> list[torch.Tensor]:
+    CALLS.append(k)
+    return [x * k, x[:1].clone()]
+
+
+def _fake(x, k):
+    return [torch.empty_like(x), x.new_empty((1, *x.shape[1:]))]
+
+
+OP = library.define("mxfxtest::scaled_and_first", "(Tensor x, int k) -> Tensor[]", _body, _fake)
+
+
+def test_the_body_runs_eagerly_and_in_a_compiled_graph():
+    x = torch.randn(4, 3)
+    doubled, first = OP(x, 2)
+    torch.testing.assert_close(doubled, 2 * x, rtol=0, atol=0)
+    torch.testing.assert_close(first, x[:1], rtol=0, atol=0)
+    CALLS.clear()
+    out = torch.compile(lambda t: OP(t, 3)[0] + 1, backend="aot_eager", fullgraph=True)(x)
+    torch.testing.assert_close(out, 3 * x + 1, rtol=0, atol=0)
+    assert CALLS == [3]  # the body ran once at run time; tracing used the fake
+
+
+def test_fake_tensors_take_the_fake_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        doubled, first = OP(torch.empty(5, 7), 2)
+    assert tuple(doubled.shape) == (5, 7) and tuple(first.shape) == (1, 7)
+
+
+def test_a_second_definition_of_a_name_raises():
+    with pytest.raises(RuntimeError):
+        library.define("mxfxtest::scaled_and_first", "(Tensor x, int k) -> Tensor[]", _body, _fake)
