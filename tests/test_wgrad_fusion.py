@@ -271,6 +271,86 @@ def test_compiled_autograd_keeps_autograds_accumulation():
         assert _rel(p.grad, reference.get_parameter(name).grad) <= FUSE_RTOL, name
 
 
+def _mlp_grads(fuse: bool, around_compile, around_backward) -> list:
+    """The weight gradients of a small MLP compiled with the fusion on or off, its compile and backward each run
+    inside a context manager factory (compiled autograd turned on there or not)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.GELU(), torch.nn.Linear(256, 128))
+    run = torch.compile(
+        mlp, backend="mxfp8", options={"inner": "aot_eager", "format": "fp8_block", "fuse_wgrad_accumulation": fuse}
+    )
+    with around_compile():
+        with torch.autocast("cpu", torch.bfloat16):
+            loss = run(torch.randn(64, 128, generator=torch.Generator().manual_seed(1))).float().square().mean()
+        with around_backward():
+            loss.backward()
+    torch._dynamo.reset()
+    return [mlp[0].weight.grad, mlp[2].weight.grad]
+
+
+def test_compiled_autograd_turned_on_by_a_context_keeps_autograds_accumulation():
+    """torchtitan turns compiled autograd on with a context around forward and backward (no config flag): the
+    compile sees it and gives every weight gradient back to autograd; the gradients equal the unfused ones."""
+    from contextlib import nullcontext
+
+    from torch._dynamo.utils import maybe_enable_compiled_autograd
+
+    on = lambda: maybe_enable_compiled_autograd(True)  # noqa: E731
+    fused, unfused = _mlp_grads(True, on, nullcontext), _mlp_grads(False, on, nullcontext)
+    for got, want in zip(fused, unfused):
+        assert got is not None and _rel(got, want) <= FUSE_RTOL
+
+
+def test_compiled_autograd_turned_on_after_the_compile_raises():
+    """Turned on only after the graph compiled, compiled autograd runs the fused op where it cannot find the
+    parameter: it raises naming both ways out, where it would otherwise leave the gradients None."""
+    torch._dynamo.reset()
+    mlp = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.GELU(), torch.nn.Linear(256, 128))
+    run = torch.compile(mlp, backend="mxfp8", options={"inner": "aot_eager", "fuse_wgrad_accumulation": True})
+    x = torch.randn(64, 128)
+    with torch.autocast("cpu", torch.bfloat16):
+        run(x).float().square().mean().backward()  # compiled with compiled autograd off
+    with torch._dynamo.config.patch(compiled_autograd=True):
+        with torch.autocast("cpu", torch.bfloat16):
+            loss = run(x).float().square().mean()
+        with pytest.raises(RuntimeError, match="compiled autograd.*before the model's graph compiles"):
+            torch.compile(lambda t: t.backward(), backend="eager")(loss)
+    torch._dynamo.reset()
+
+
+class _Nested(torch.nn.Module):
+    """Two parameters, one a view of the other's first rows (its own leaf): each linear's gradient is its own."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.big = torch.nn.Parameter(torch.randn(256, 128) * 0.05)
+        self.small = torch.nn.Parameter(self.big.data[:128])
+        self.out = torch.nn.Linear(256, 128)
+
+    def forward(self, x):
+        return self.out(torch.nn.functional.gelu(torch.nn.functional.linear(x, self.big))) + torch.nn.functional.linear(
+            x, self.small
+        )
+
+
+def test_a_parameter_inside_another_ones_storage_gets_its_own_gradient():
+    """The fused wgrad finds the parameter from the storage region its weight covers: the smallest leaf holding it,
+    not a larger one around it."""
+    grads = []
+    for fuse in (True, False):
+        torch._dynamo.reset()
+        model = _Nested()
+        run = torch.compile(model, backend="mxfp8", options={"inner": "aot_eager", "fuse_wgrad_accumulation": fuse})
+        with torch.autocast("cpu", torch.bfloat16):
+            run(torch.randn(64, 128, generator=torch.Generator().manual_seed(2))).float().square().mean().backward()
+        grads.append((model.big.grad, model.small.grad))
+    torch._dynamo.reset()
+    for got, want in zip(*grads):
+        assert got is not None and _rel(got, want) <= FUSE_RTOL
+
+
 torch.library.define("mxfxwg::no_derivative", "(Tensor x) -> Tensor")
 
 

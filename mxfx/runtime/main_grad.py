@@ -28,6 +28,7 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+import torch._dynamo.compiled_autograd  # read: whether compiled autograd is on (_compiled_autograd_on)
 from torch.multiprocessing.reductions import StorageWeakRef
 
 CONFIG = "Policy.fuse_wgrad_accumulation"
@@ -69,16 +70,24 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 
 
 COMPILED_AUTOGRAD = (
-    "compiled autograd is on (torch._dynamo.config.compiled_autograd): its traced backward leaves out the op that "
-    "writes .grad"
+    "compiled autograd is on: its backward runs the op that writes .grad where it cannot find the parameter"
 )
+
+
+def _compiled_autograd_on() -> bool:
+    """Whether compiled autograd is on: its config flag, or a context that turned it on without the flag
+    (``torch._dynamo.utils.maybe_enable_compiled_autograd``, as torchtitan's trainer uses)."""
+    return bool(
+        torch._dynamo.config.compiled_autograd
+        or getattr(torch._dynamo.compiled_autograd, "compiled_autograd_enabled", False)
+    )
 
 
 def graph_reason() -> str:
     """Why no weight gradient of the graph compiling now can be written by its GEMM, "" when they can: compiled
-    autograd (``torch._dynamo.config.compiled_autograd``) is on, whose traced backward does not run that op (the
-    weights would get no gradient)."""
-    return COMPILED_AUTOGRAD if torch._dynamo.config.compiled_autograd else ""
+    autograd is on (:func:`_compiled_autograd_on`), whose traced backward runs that op where it cannot find the
+    parameter (:func:`target` raises there)."""
+    return COMPILED_AUTOGRAD if _compiled_autograd_on() else ""
 
 
 def unfused_reason(weight) -> str:
@@ -169,9 +178,10 @@ def _accumulator(weight: torch.Tensor, op: str):
     span = _span(weight)
     if span not in found:  # searched once per weight and backward
         storage, lo, hi = span
-        found[span] = next(
-            (path for (s, first, last), path in leaves if s == storage and first <= lo and hi <= last), None
-        )
+        held = [
+            (last - first, path) for (s, first, last), path in leaves if s == storage and first <= lo and hi <= last
+        ]
+        found[span] = min(held)[1] if held else None  # the smallest: a parameter may live inside another's storage
     path = found[span]
     if path is None:
         return None
@@ -216,13 +226,21 @@ def target(weight: torch.Tensor, op: str) -> Target | None:
     autograd would not, and outside a backward (a graph's forward computing a gradient that is zero: see the code).
 
     Raises:
-        RuntimeError: no leaf parameter behind ``weight`` among the running node's inputs; the
-            parameter cannot take a fused gradient (:func:`unfused_reason`: a hook registered after the graph
-            compiled, or one on a weight the compile could not judge); ``torch.autograd.grad`` asks for its gradient
-            (:func:`_will_accumulate`); its ``.grad`` does not fit it (dtype, shape, device, layout) or, for a weight
+        RuntimeError: a backward under compiled autograd turned on after the graph compiled; no leaf parameter
+            behind ``weight`` among the running node's inputs; the parameter cannot take a fused gradient
+            (:func:`unfused_reason`: a hook registered after the graph compiled, or one on a weight the compile could
+            not judge); ``torch.autograd.grad`` asks for its gradient (:func:`_will_accumulate`); its ``.grad`` does
+            not fit it (dtype, shape, device, layout) or, for a weight
             that views it, has strides other than the parameter's.
     """
     if torch._C._current_autograd_node() is None:
+        if torch._C._current_graph_task_id() != -1:  # a backward runs, but no autograd node: compiled autograd's
+            raise RuntimeError(
+                f"{op}: the gradient of the weight {tuple(weight.shape)} is written by its wgrad GEMM ({CONFIG}=True), "
+                f"but this backward runs under compiled autograd, turned on after the graph compiled: the op cannot "
+                f"find the parameter. Turn compiled autograd on before the model's graph compiles (mxfx then leaves "
+                f"every weight gradient to autograd), or compile with fuse_wgrad_accumulation=False"
+            )
         # Not in a backward: a compiled graph's partitioner puts the op in the forward where its operands depend on
         # no tangent. A gradient is linear in the tangents, so this one is zero (the op's output reaches no
         # differentiable output; AOTAutograd traced zeros for it), and autograd would accumulate nothing.
