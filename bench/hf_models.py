@@ -93,7 +93,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
-import functools
+from functools import partial
 import gc
 import json
 import math
@@ -320,26 +320,10 @@ ARMS = {
         Arm("fp8_block", torch.float32, True, _fp8_block, expert_format="fp8_block"),
         Arm("fp8_block-triton", torch.float32, True, _fp8_block, (("MXFX_GROUPED_SM90", "0"),), "fp8_block"),
         Arm(
-            "bf16-grouped-unfused",
-            torch.float32,
-            True,
-            functools.partial(_bf16_grouped, fused=False),
-            expert_format="bf16_gemm",
+            "bf16-grouped-unfused", torch.float32, True, partial(_bf16_grouped, fused=False), expert_format="bf16_gemm"
         ),
-        Arm(
-            "fp8_block-unfused",
-            torch.float32,
-            True,
-            functools.partial(_fp8_block, fused=False),
-            expert_format="fp8_block",
-        ),
-        Arm(
-            "fp8_block-routed",
-            torch.float32,
-            True,
-            functools.partial(_fp8_block, dense=False),
-            expert_format="fp8_block",
-        ),
+        Arm("fp8_block-unfused", torch.float32, True, partial(_fp8_block, fused=False), expert_format="fp8_block"),
+        Arm("fp8_block-routed", torch.float32, True, partial(_fp8_block, dense=False), expert_format="fp8_block"),
     )
 }
 for _arm in ("bf16-grouped", "fp8_block"):  # the same arm, its routed wgrad on the sm90 ping-pong kernel

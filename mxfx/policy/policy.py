@@ -579,7 +579,8 @@ class Policy(_NamedFields):
             Where that cannot be exact the op returns its gradient to autograd as without it, and the precision
             map says why: a weight that is not an FP32 leaf parameter, or one with gradient hooks or
             post-accumulate-grad hooks when the graph compiles (one registered later raises in the backward).
-            Under compiled autograd every op returns its gradient to autograd. On by default: each wgrad GEMM
+            Under compiled autograd on when the graph compiles every op returns its gradient to autograd (turned
+            on later, a fused op raises in the backward). On by default: each wgrad GEMM
             adds into ``.grad`` itself (CPU reference, cuBLAS, the routed Triton kernel's epilogue); set False to
             take weight gradients with ``torch.autograd.grad``, which a fused weight refuses.
     """

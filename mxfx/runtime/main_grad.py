@@ -170,10 +170,9 @@ def _memo(node) -> tuple[list[tuple[tuple[int, int, int], tuple[int, ...]]], dic
     return memo[1], memo[2]
 
 
-def _accumulator(weight: torch.Tensor, op: str):
-    """The ``AccumulateGrad`` node, among the inputs of the backward node running now (:func:`target` checks there
-    is one), of the leaf parameter whose storage region holds ``weight``'s; None when there is none."""
-    node = torch._C._current_autograd_node()
+def _accumulator(node, weight: torch.Tensor):
+    """The ``AccumulateGrad`` node, among the inputs of ``node`` (the backward node running now), of the leaf
+    parameter whose storage region holds ``weight``'s; None when there is none."""
     leaves, found = _memo(node)
     span = _span(weight)
     if span not in found:  # searched once per weight and backward
@@ -230,10 +229,11 @@ def target(weight: torch.Tensor, op: str) -> Target | None:
             behind ``weight`` among the running node's inputs; the parameter cannot take a fused gradient
             (:func:`unfused_reason`: a hook registered after the graph compiled, or one on a weight the compile could
             not judge); ``torch.autograd.grad`` asks for its gradient (:func:`_will_accumulate`); its ``.grad`` does
-            not fit it (dtype, shape, device, layout) or, for a weight
-            that views it, has strides other than the parameter's.
+            not fit it (dtype, shape, device, layout) or, for a weight that views it, has strides other than the
+            parameter's.
     """
-    if torch._C._current_autograd_node() is None:
+    running = torch._C._current_autograd_node()
+    if running is None:
         if torch._C._current_graph_task_id() != -1:  # a backward runs, but no autograd node: compiled autograd's
             raise RuntimeError(
                 f"{op}: the gradient of the weight {tuple(weight.shape)} is written by its wgrad GEMM ({CONFIG}=True), "
@@ -245,7 +245,7 @@ def target(weight: torch.Tensor, op: str) -> Target | None:
         # no tangent. A gradient is linear in the tangents, so this one is zero (the op's output reaches no
         # differentiable output; AOTAutograd traced zeros for it), and autograd would accumulate nothing.
         return None
-    node = _accumulator(weight, op)
+    node = _accumulator(running, weight)
     param = node.variable if node is not None else None
     if param is None:
         raise RuntimeError(
