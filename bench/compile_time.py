@@ -111,6 +111,10 @@ PHASES = (  # column -> compile_times keys summed (aggregate seconds of this pro
 )
 
 
+_TRITON_CACHE_ENV = ("TRITON_CACHE_DIR", "TRITON_PTXAS_PATH", "TRITON_LIBDEVICE_PATH")
+"""Environment variables that choose where Triton looks for a compiled kernel or what its key holds."""
+
+
 class _TritonCompiles:
     """Triton compiles and autotunings of this process (its public ``knobs`` listeners): kernel names, seconds."""
 
@@ -119,6 +123,7 @@ class _TritonCompiles:
         self.variants: dict[str, list[dict[str, str]]] = {}  # kernel name -> what each compile specialized on
         self.compile_s = 0.0
         self.hits = 0
+        self.missed_in: set[str] = set()  # where the misses looked: cache folder, ptxas, libdevice (env at the miss)
         self.tunings: dict[str, int] = {}
         self.tune_s = 0.0
 
@@ -138,6 +143,7 @@ class _TritonCompiles:
         name = getattr(getattr(src, "fn", None), "__name__", None) or metadata.get("name", "?")
         self.compiles[name] = self.compiles.get(name, 0) + 1
         self.variants.setdefault(name, []).append(specialization(src))
+        self.missed_in.add(", ".join(f"{v}={os.environ.get(v, '-')}" for v in _TRITON_CACHE_ENV))
         self.compile_s += times.total / 1e6
 
     def on_tune(self, *, fn, key, best_config, configs_timings, duration, cache_hit) -> None:
@@ -187,6 +193,7 @@ def phases(first_step_s: float, triton: _TritonCompiles | None) -> dict:
         out["repeats differ in"] = {k: differing(v) for k, v in triton.variants.items() if len(v) > 1}
         out["tunings per kernel"] = triton.tunings
         out["Triton cache hits"] = triton.hits
+        out["Triton misses looked in"] = sorted(triton.missed_in)
     timed = sum(v for k, v in out.items() if isinstance(v, float) and v == v)
     out["rest"] = first_step_s - timed
     return out
@@ -346,8 +353,12 @@ def phase_table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['unit']} | {r['arm']} | {r['cache']} | {r['first_step_s']:.1f} | "
             + " | ".join(cells)
-            + f" | {sum(per.values())} ({again}) |"
+            + f" | {sum(per.values())} ({again}); {ph.get('Triton cache hits', 0)} cache hits |"
         )
+    looked = [(r, ph["Triton misses looked in"]) for r in timed if (ph := r["phases"]).get("Triton misses looked in")]
+    if looked:
+        lines += ["", "where the main process's Triton cache misses looked (environment at each miss):", ""]
+        lines += [f"- {r['unit']} {r['arm']} {r['cache']}: " + " | ".join(where) for r, where in looked]
     return "\n".join(lines)
 
 

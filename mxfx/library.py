@@ -1,20 +1,40 @@
-"""Ops called on every step's hot path, defined on ``torch.library.Library`` with one kernel for every device.
+"""mxfx's torch ops, defined on ``torch.library.Library`` with one kernel for every device.
 
 ``torch.library.custom_op`` runs each call through Python layers of its own (an autograd kernel, ADInplaceOrView, an
 aliasing check of the outputs) before the body: about 50 us a call more than the body (a weight-cache lookup, 20 us
 alone on a 2-core CPU, took 86 us as such an op, 32 us as an op defined here). An op defined here calls its body
 from the dispatcher's ``CompositeExplicitAutograd`` kernel, a single Python call, and gives fake tensors through
 ``torch.library.register_fake``. It has no derivative: call it where autograd does not record (inside an
-``autograd.Function``, under ``torch.no_grad()``, in a compiled graph).
+``autograd.Function``, under ``torch.no_grad()``, in a compiled graph). Its body must return fresh tensors (no
+input, no view of one): the schema declares no aliasing, and nothing checks it at run time.
+
+Two ways to define one: :func:`define` with a schema, a body and a fake; or :func:`custom_op` as a decorator over a
+type-annotated body (the schema inferred as ``torch.library.custom_op`` infers it), its fake given by
+:func:`register_fake`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
 _libraries: dict[str, torch.library.Library] = {}  # namespace -> the fragment holding this module's ops (kept alive)
+
+
+def _library(qualname: str) -> tuple[torch.library.Library, str, str]:
+    namespace, name = qualname.split("::")
+    library = _libraries.get(namespace)
+    if library is None:
+        library = _libraries[namespace] = torch.library.Library(namespace, "FRAGMENT")
+    return library, namespace, name
+
+
+def _define(qualname: str, schema: str, body: Callable) -> torch._ops.OpOverload:
+    library, namespace, name = _library(qualname)
+    library.define(name + schema)
+    library.impl(name, body, "CompositeExplicitAutograd")
+    return getattr(getattr(torch.ops, namespace), name).default
 
 
 def define(qualname: str, schema: str, body: Callable, fake: Callable) -> torch._ops.OpOverload:
@@ -25,11 +45,36 @@ def define(qualname: str, schema: str, body: Callable, fake: Callable) -> torch.
     Raises:
         RuntimeError: ``qualname`` is already defined (torch's message).
     """
-    namespace, name = qualname.split("::")
-    library = _libraries.get(namespace)
-    if library is None:
-        library = _libraries[namespace] = torch.library.Library(namespace, "FRAGMENT")
-    library.define(name + schema)
-    library.impl(name, body, "CompositeExplicitAutograd")
-    torch.library.register_fake(qualname, fake, lib=library)
-    return getattr(getattr(torch.ops, namespace), name).default
+    op = _define(qualname, schema, body)
+    register_fake(op)(fake)
+    return op
+
+
+def custom_op(qualname: str, *, mutates_args: Iterable[str] = (), schema: str | None = None):
+    """Decorator: the type-annotated function becomes the body of op ``qualname`` (``"namespace::name"``), its
+    schema inferred by ``torch.library.infer_schema`` with ``mutates_args`` (or given as ``schema``); returns the
+    op's default overload. Give it a fake with :func:`register_fake` before a compile traces it.
+
+    Raises:
+        RuntimeError: ``qualname`` is already defined (torch's message).
+        ValueError: an annotation ``torch.library.infer_schema`` cannot map (torch's message).
+    """
+
+    def wrap(body: Callable) -> torch._ops.OpOverload:
+        s = schema or torch.library.infer_schema(body, mutates_args=tuple(mutates_args))
+        op = _define(qualname, s, body)
+        op.__doc__ = body.__doc__
+        return op
+
+    return wrap
+
+
+def register_fake(op: torch._ops.OpOverload):
+    """Decorator: the function gives ``op``'s outputs on fake tensors (shapes, dtypes, strides; no data)."""
+    library, _, _ = _library(op.name())
+
+    def wrap(fake: Callable) -> Callable:
+        torch.library.register_fake(op, fake, lib=library)
+        return fake
+
+    return wrap

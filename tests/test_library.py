@@ -45,3 +45,32 @@ def test_fake_tensors_take_the_fake_shapes():
 def test_a_second_definition_of_a_name_raises():
     with pytest.raises(RuntimeError):
         library.define("mxfxtest::scaled_and_first", "(Tensor x, int k) -> Tensor[]", _body, _fake)
+
+
+@library.custom_op("mxfxtest::add_scaled_into", mutates_args=("out",))
+def _add_scaled_into(x: torch.Tensor, out: torch.Tensor, k: float) -> torch.Tensor:
+    """Adds ``k * x`` into ``out``; returns ``x * 2``."""
+    out.add_(x, alpha=k)
+    return x * 2
+
+
+@library.register_fake(_add_scaled_into)
+def _(x, out, k):
+    return torch.empty_like(x)
+
+
+def test_a_decorated_op_takes_its_schema_from_the_annotations():
+    schema = str(_add_scaled_into._schema)
+    assert "Tensor(a1!) out" in schema and "float k" in schema and schema.endswith("-> Tensor"), schema
+    assert _add_scaled_into.__doc__.startswith("Adds ``k * x``")
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_decorated_op_mutates_its_argument_eagerly_and_compiled(compiled):
+    x, out = torch.randn(6), torch.ones(6)
+    fn = lambda x, out: _add_scaled_into(x, out, 0.5) + 1  # noqa: E731
+    if compiled:
+        fn = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    doubled_plus_one = fn(x, out)
+    torch.testing.assert_close(doubled_plus_one, 2 * x + 1, rtol=0, atol=0)
+    torch.testing.assert_close(out, 1 + 0.5 * x, rtol=0, atol=0)  # the mutation reached the caller's tensor

@@ -18,6 +18,7 @@ import warnings
 
 import torch
 
+from mxfx import library
 from mxfx.device import triton_available
 from mxfx.kernels.common import gemm
 from mxfx.kernels.common.gemm import accumulate_into, check_grouped_wgrad_into, grouped_mm_into, mm_into
@@ -25,7 +26,7 @@ from mxfx.kernels.common.launch import env_switch, name_op_functions, op_or_body
 from mxfx.kernels.common.swiglu import check_product, fp32_product
 
 
-@torch.library.custom_op("mxfx::hp_mm", mutates_args=())
+@library.custom_op("mxfx::hp_mm", mutates_args=())
 def _hp_mm_op(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """CPU body of :func:`hp_mm_transposed`: ``a [M, K] @ b [N, K]^T`` as the FP32 GEMM of the operands in ``a``'s
     dtype (exact in FP32), rounded once to ``out_dtype``. An opaque op: traced, the casts to ``a``'s dtype and back
@@ -33,7 +34,7 @@ def _hp_mm_op(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch
     return torch.mm(a.float(), b.to(a.dtype).float().t()).to(out_dtype)
 
 
-@_hp_mm_op.register_fake
+@library.register_fake(_hp_mm_op)
 def _(a, b, out_dtype):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
@@ -51,7 +52,7 @@ def hp_mm_transposed(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -
         return torch.mm(a, b.t().to(a.dtype)).to(out_dtype)
 
 
-@torch.library.custom_op("mxfx::grouped_wgrad_bf16", mutates_args=())
+@library.custom_op("mxfx::grouped_wgrad_bf16", mutates_args=())
 def _grouped_wgrad_bf16_op(
     dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
@@ -60,7 +61,7 @@ def _grouped_wgrad_bf16_op(
     return gemm.grouped_wgrad_bf16(dy, x, offs, out_dtype)
 
 
-@_grouped_wgrad_bf16_op.register_fake
+@library.register_fake(_grouped_wgrad_bf16_op)
 def _(dy, x, offs, out_dtype):
     return dy.new_empty((offs.shape[0], dy.shape[1], x.shape[1]), dtype=out_dtype)
 
@@ -145,12 +146,12 @@ def hp_grouped_wgrad_into(
         accumulate_into(out, _grouped_wgrad_bf16_op(dy, x, offs, out.dtype), accumulate)
 
 
-@torch.library.custom_op("mxfx::swiglu_product", mutates_args=())
+@library.custom_op("mxfx::swiglu_product", mutates_args=())
 def _product_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return fp32_product(gate, up)
 
 
-@_product_op.register_fake
+@library.register_fake(_product_op)
 def _(gate, up):
     check_product(gate, up)
     return gate.new_empty(gate.shape, dtype=torch.float32)

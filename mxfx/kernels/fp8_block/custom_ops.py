@@ -24,6 +24,7 @@ import warnings
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from mxfx import library
 from mxfx.numerics.block import check_rule, group_tile_capacity, n_tiles
 from mxfx.numerics.mx import check_input
 from mxfx.kernels.fp8_block import device_path, gemm
@@ -87,12 +88,12 @@ def _quantize(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), column_major(s)
 
 
-@torch.library.custom_op("mxfx::block_quantize", mutates_args=())
+@library.custom_op("mxfx::block_quantize", mutates_args=())
 def _block_quantize_op(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
     return _quantize(x, rule)
 
 
-@_block_quantize_op.register_fake
+@library.register_fake(_block_quantize_op)
 def _(x, rule):
     _check_inputs("block_quantize", rule, x=x)
     return _rows_fake(x)
@@ -105,12 +106,12 @@ def _swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, rule: str) -> tuple[t
     return q.contiguous(), column_major(s)
 
 
-@torch.library.custom_op("mxfx::block_swiglu_quantize", mutates_args=())
+@library.custom_op("mxfx::block_swiglu_quantize", mutates_args=())
 def _block_swiglu_quantize_op(gate: torch.Tensor, up: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
     return _swiglu_quantize(gate, up, rule)
 
 
-@_block_swiglu_quantize_op.register_fake
+@library.register_fake(_block_swiglu_quantize_op)
 def _(gate, up, rule):
     _check_inputs("block_swiglu_quantize", rule, gate=gate, up=up)
     _check_pair("block_swiglu_quantize", gate, up, "up")
@@ -137,14 +138,14 @@ def _route_weight_quantize(dy: torch.Tensor, weight: torch.Tensor, rule: str) ->
     return q.contiguous(), column_major(s)
 
 
-@torch.library.custom_op("mxfx::block_route_weight_quantize", mutates_args=())
+@library.custom_op("mxfx::block_route_weight_quantize", mutates_args=())
 def _block_route_weight_quantize_op(
     dy: torch.Tensor, weight: torch.Tensor, rule: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return _route_weight_quantize(dy, weight, rule)
 
 
-@_block_route_weight_quantize_op.register_fake
+@library.register_fake(_block_route_weight_quantize_op)
 def _(dy, weight, rule):
     _check_inputs("block_route_weight_quantize", rule, dy=dy)
     _check_route_weight("block_route_weight_quantize", dy, weight)
@@ -157,7 +158,7 @@ def _quantize_tokens(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Te
     return q.contiguous(), column_major(s)
 
 
-@torch.library.custom_op("mxfx::block_quantize_tokens", mutates_args=())
+@library.custom_op("mxfx::block_quantize_tokens", mutates_args=())
 def _block_quantize_tokens_op(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
     return _quantize_tokens(x, rule)
 
@@ -167,7 +168,7 @@ def _tokens_fake(x):
     return x.new_empty((k, t), dtype=_E4M3), _fake_col_major(x, k, n_tiles(t))
 
 
-@_block_quantize_tokens_op.register_fake
+@library.register_fake(_block_quantize_tokens_op)
 def _(x, rule):
     _check_inputs("block_quantize_tokens", rule, x=x)
     return _tokens_fake(x)
@@ -179,14 +180,14 @@ def _quantize_dual(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tens
     return q.contiguous(), column_major(s), qt.contiguous(), column_major(st)
 
 
-@torch.library.custom_op("mxfx::block_quantize_dual", mutates_args=())
+@library.custom_op("mxfx::block_quantize_dual", mutates_args=())
 def _block_quantize_dual_op(
     x: torch.Tensor, rule: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return _quantize_dual(x, rule)
 
 
-@_block_quantize_dual_op.register_fake
+@library.register_fake(_block_quantize_dual_op)
 def _(x, rule):
     _check_inputs("block_quantize_dual", rule, x=x)
     return (*_rows_fake(x), *_tokens_fake(x))
@@ -199,14 +200,14 @@ def _quantize_grouped_tokens(x: torch.Tensor, offs: torch.Tensor, rule: str) -> 
     return q.contiguous(), column_major(s)
 
 
-@torch.library.custom_op("mxfx::block_quantize_grouped_tokens", mutates_args=())
+@library.custom_op("mxfx::block_quantize_grouped_tokens", mutates_args=())
 def _block_quantize_grouped_tokens_op(
     x: torch.Tensor, offs: torch.Tensor, rule: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return _quantize_grouped_tokens(x, offs, rule)
 
 
-@_block_quantize_grouped_tokens_op.register_fake
+@library.register_fake(_block_quantize_grouped_tokens_op)
 def _(x, offs, rule):
     _check_inputs("block_quantize_grouped_tokens", rule, x=x)
     _check_offs("block_quantize_grouped_tokens", offs, x)
@@ -275,7 +276,7 @@ def _forward_operands_composed(x, up, tokens_src, offs, rule, pack) -> list:
     return [t for pair in pairs for t in pair]
 
 
-@torch.library.custom_op("mxfx::block_forward_operands", mutates_args=())
+@library.custom_op("mxfx::block_forward_operands", mutates_args=())
 def _block_forward_operands_op(
     x: torch.Tensor,
     up: torch.Tensor | None,
@@ -289,7 +290,7 @@ def _block_forward_operands_op(
     return fused if fused is not None else _forward_operands_composed(x, up, tokens_src, offs, rule, pack)
 
 
-_block_forward_operands_op.register_fake(_forward_operands_composed)
+library.register_fake(_block_forward_operands_op)(_forward_operands_composed)
 
 
 def _forward_operands_traced(x, up, tokens_src, offs, rule, pack) -> list:
@@ -322,14 +323,14 @@ def _mm(
     return gemm.scaled_mm(a, a_scales, b, b_scales, torch.bfloat16).float()
 
 
-@torch.library.custom_op("mxfx::block_mm", mutates_args=())
+@library.custom_op("mxfx::block_mm", mutates_args=())
 def _block_mm_op(
     a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
     return _mm(a, a_scales, b, b_scales, out_dtype)
 
 
-@_block_mm_op.register_fake
+@library.register_fake(_block_mm_op)
 def _(a, a_scales, b, b_scales, out_dtype):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
@@ -342,7 +343,7 @@ def _mm_traced(a, a_scales, b, b_scales, out_dtype):
     return gemm.scaled_mm(a, a_scales, b, b_scales, out_dtype)
 
 
-@torch.library.custom_op("mxfx::block_grouped_mm", mutates_args=())
+@library.custom_op("mxfx::block_grouped_mm", mutates_args=())
 def block_grouped_mm(
     a: torch.Tensor,
     a_scales: torch.Tensor,
@@ -356,12 +357,12 @@ def block_grouped_mm(
     return gemm.grouped_mm(a, a_scales, b, b_scales, offs, out_dtype)
 
 
-@block_grouped_mm.register_fake
+@library.register_fake(block_grouped_mm)
 def _(a, a_scales, b, b_scales, offs, out_dtype):
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
-@torch.library.custom_op("mxfx::block_grouped_wgrad", mutates_args=())
+@library.custom_op("mxfx::block_grouped_wgrad", mutates_args=())
 def block_grouped_wgrad(
     a: torch.Tensor,
     a_scales: torch.Tensor,
@@ -374,12 +375,12 @@ def block_grouped_wgrad(
     return gemm.grouped_wgrad(a, a_scales, b, b_scales, offs, out_dtype)
 
 
-@block_grouped_wgrad.register_fake
+@library.register_fake(block_grouped_wgrad)
 def _(a, a_scales, b, b_scales, offs, out_dtype):
     return a.new_empty((offs.shape[0], a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
-@torch.library.custom_op("mxfx::block_mm_into", mutates_args=("out",))
+@library.custom_op("mxfx::block_mm_into", mutates_args=("out",))
 def block_mm_into(
     a: torch.Tensor,
     a_scales: torch.Tensor,
@@ -398,12 +399,12 @@ def block_mm_into(
         gemm.reference_mm_into(a, a_scales, b, b_scales, out, accumulate)
 
 
-@block_mm_into.register_fake
+@library.register_fake(block_mm_into)
 def _(a, a_scales, b, b_scales, out, accumulate):
     return None
 
 
-@torch.library.custom_op("mxfx::block_grouped_wgrad_into", mutates_args=("out",))
+@library.custom_op("mxfx::block_grouped_wgrad_into", mutates_args=("out",))
 def block_grouped_wgrad_into(
     a: torch.Tensor,
     a_scales: torch.Tensor,
@@ -419,7 +420,7 @@ def block_grouped_wgrad_into(
     gemm.grouped_wgrad(a, a_scales, b, b_scales, offs, out=out, accumulate=accumulate)
 
 
-@block_grouped_wgrad_into.register_fake
+@library.register_fake(block_grouped_wgrad_into)
 def _(a, a_scales, b, b_scales, offs, out, accumulate):
     return None
 

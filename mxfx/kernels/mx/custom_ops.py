@@ -21,6 +21,7 @@ import functools
 
 import torch
 
+from mxfx import library
 from mxfx.numerics.mx import BLOCK_SIZE, dequantize_lastdim
 from mxfx.kernels.common.launch import name_op_functions, op_or_body
 from mxfx.kernels.common.gemm import accumulate_into
@@ -36,8 +37,8 @@ def _custom_op(name: str, fake):
     fake implementation (output shapes, dtypes and strides for tracing)."""
 
     def register(fn):
-        op = torch.library.custom_op(f"mxfx::{name}", mutates_args=())(fn)
-        op.register_fake(fake)
+        op = library.custom_op(f"mxfx::{name}")(fn)
+        library.register_fake(op)(fake)
         return op
 
     return register
@@ -67,13 +68,13 @@ def _dequantize_op(qdata: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
     return device_path.dequantize_lastdim(qdata, scales, dtype).contiguous()  # the fake's layout, whatever the input's
 
 
-@torch.library.custom_op("mxfx::quantize_dual", mutates_args=())
+@library.custom_op("mxfx::quantize_dual", mutates_args=())
 def _quantize_dual_op(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x [M, K]`` -> rowwise ``(q [M, K], s [M, K/32])`` and columnwise ``(q [K, M], s [K, M/32])``."""
     return device_path.quantize_dual(x, rule)
 
 
-@_quantize_dual_op.register_fake
+@library.register_fake(_quantize_dual_op)
 def _(x, rule):
     t = x.shape[:-2] + (x.shape[-1], x.shape[-2])
     return (  # scales MN-major (mxfx.kernels.mx.dual)
@@ -84,7 +85,7 @@ def _(x, rule):
     )
 
 
-@torch.library.custom_op("mxfx::quantize_dual_blocked", mutates_args=())
+@library.custom_op("mxfx::quantize_dual_blocked", mutates_args=())
 def _quantize_dual_blocked_op(
     x: torch.Tensor, rule: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -92,7 +93,7 @@ def _quantize_dual_blocked_op(
     return device_path.quantize_dual_blocked(x, rule)
 
 
-@_quantize_dual_blocked_op.register_fake
+@library.register_fake(_quantize_dual_blocked_op)
 def _(x, rule):
     *lead, m, k = x.shape
     return (
@@ -186,7 +187,7 @@ def _route_weight_quantize_op(dy: torch.Tensor, weight: torch.Tensor, rule: str)
     return device_path.route_weight_quantize(dy, weight, rule)
 
 
-@torch.library.custom_op("mxfx::quantize_blocked", mutates_args=())
+@library.custom_op("mxfx::quantize_blocked", mutates_args=())
 def _quantize_blocked_op(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [..., K]`` -> ``(qdata e4m3 [..., K], blocked uint8 scales)``: the scale matrix of
     ``x.reshape(-1, K)`` in the blocked layout of :mod:`mxfx.numerics.layout` (rows padded to 128,
@@ -194,7 +195,7 @@ def _quantize_blocked_op(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torc
     return device_path.quantize_blocked(x, rule)
 
 
-@_quantize_blocked_op.register_fake
+@library.register_fake(_quantize_blocked_op)
 def _(x, rule):
     rows = 1
     for d in x.shape[:-1]:
@@ -210,7 +211,7 @@ _OPERANDS = "Tensor? a_qdata, Tensor? a_scales, Tensor? b_qdata, Tensor? b_scale
 _DEQUANTIZED = "Tensor? b_dequantized=None, Tensor? a_dequantized=None"
 
 
-@torch.library.custom_op(
+@library.custom_op(
     "mxfx::mm", mutates_args=(), schema=f"({_OPERANDS}, ScalarType out_dtype, bool native, {_DEQUANTIZED}) -> Tensor"
 )
 def _mm_op(
@@ -235,14 +236,14 @@ def _mm_op(
     return gemm.mm(a_qdata, a_scales, b_qdata, b_scales, out_dtype, native, b_dequantized, a_dequantized)
 
 
-@_mm_op.register_fake
+@library.register_fake(_mm_op)
 def _(a_qdata, a_scales, b_qdata, b_scales, out_dtype, native, b_dequantized=None, a_dequantized=None):
     a = a_qdata if a_qdata is not None else a_dequantized
     b = b_qdata if b_qdata is not None else b_dequantized
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
-@torch.library.custom_op(
+@library.custom_op(
     "mxfx::grouped_mm",
     mutates_args=(),
     schema=f"({_OPERANDS}, Tensor offs, ScalarType out_dtype, bool native, {_DEQUANTIZED}) -> Tensor",
@@ -268,14 +269,14 @@ def _grouped_mm_op(
     return gemm.grouped_mm(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, native, b_dequantized, a_dequantized)
 
 
-@_grouped_mm_op.register_fake
+@library.register_fake(_grouped_mm_op)
 def _(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, native, b_dequantized=None, a_dequantized=None):
     a = a_qdata if a_qdata is not None else a_dequantized
     b = b_qdata if b_qdata is not None else b_dequantized
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
-@torch.library.custom_op("mxfx::grouped_mm_wgrad", mutates_args=())
+@library.custom_op("mxfx::grouped_mm_wgrad", mutates_args=())
 def _grouped_mm_wgrad_op(
     a_qdata: torch.Tensor,
     a_scales: torch.Tensor,
@@ -299,7 +300,7 @@ def _grouped_mm_wgrad_op(
     return gemm.grouped_mm_wgrad(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, native)
 
 
-@_grouped_mm_wgrad_op.register_fake
+@library.register_fake(_grouped_mm_wgrad_op)
 def _(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, native):
     return a_qdata.new_empty((offs.shape[0], a_qdata.shape[0], b_qdata.shape[0]), dtype=out_dtype)
 
