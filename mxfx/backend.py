@@ -114,6 +114,8 @@ def _inner_compile(inner, gm: fx.GraphModule, example_inputs, mode: str | None =
     if inner == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
+        if any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs):
+            launch.compile_with_torch_ptxas()  # the ops' own kernels keyed as in a warm process (see there)
         return compile_fx(gm, example_inputs, config_patches=inductor_patches(gm, mode))
     if inner == "aot_eager":
         from torch._dynamo.backends.debugging import aot_eager

@@ -5,8 +5,9 @@ aliasing check of the outputs) before the body: about 50 us a call more than the
 alone on a 2-core CPU, took 86 us as such an op, 32 us as an op defined here). An op defined here calls its body
 from the dispatcher's ``CompositeExplicitAutograd`` kernel, a single Python call, and gives fake tensors through
 ``torch.library.register_fake``. It has no derivative: call it where autograd does not record (inside an
-``autograd.Function``, under ``torch.no_grad()``, in a compiled graph). Its body must return fresh tensors (no
-input, no view of one): the schema declares no aliasing, and nothing checks it at run time.
+``autograd.Function``, under ``torch.no_grad()``, in a compiled graph); a call autograd would record raises (the
+body's and the fake's check, a few microseconds). Its body must return fresh tensors (no input, no view of one):
+the schema declares no aliasing, and nothing checks it at run time.
 
 Two ways to define one: :func:`define` with a schema, a body and a fake; or :func:`custom_op` as a decorator over a
 type-annotated body (the schema inferred as ``torch.library.custom_op`` infers it), its fake given by
@@ -30,10 +31,45 @@ def _library(qualname: str) -> tuple[torch.library.Library, str, str]:
     return library, namespace, name
 
 
+def _refuse_autograd(qualname: str, args: tuple, kwargs: dict) -> None:
+    """Raise where autograd would record a call of ``qualname``: grad mode on and a tensor argument (or one in a
+    list) requiring grad. Torch's fallback for an op without a derivative would let the backward run and give a
+    wrong or no gradient."""
+    if not torch.is_grad_enabled():
+        return
+    for a in (*args, *kwargs.values()):
+        for t in a if isinstance(a, (list, tuple)) else (a,):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                raise RuntimeError(
+                    f"{qualname}: has no derivative, and an argument of shape {tuple(t.shape)} requires grad; call "
+                    f"it under torch.no_grad() (or on detached tensors), or use mxfx's autograd ops (mxfx.ops) "
+                    f"where a gradient must flow through it"
+                )
+
+
+def _one_device(qualname: str, args: tuple, kwargs: dict) -> None:
+    """Raise unless every tensor argument (or one in a list) is on one device: the fake also answers a call with a
+    meta tensor among real ones, and would give the first argument's device uninitialized memory."""
+    tensors = [
+        t
+        for a in (*args, *kwargs.values())
+        for t in (a if isinstance(a, (list, tuple)) else (a,))
+        if isinstance(t, torch.Tensor)
+    ]
+    if len({t.device for t in tensors}) > 1:
+        shown = ", ".join(f"{tuple(t.shape)} on {t.device}" for t in tensors)
+        raise ValueError(f"{qualname}: tensors on different devices ({shown}); move them to one device")
+
+
 def _define(qualname: str, schema: str, body: Callable) -> torch._ops.OpOverload:
     library, namespace, name = _library(qualname)
     library.define(name + schema)
-    library.impl(name, body, "CompositeExplicitAutograd")
+
+    def kernel(*args, **kwargs):
+        _refuse_autograd(qualname, args, kwargs)
+        return body(*args, **kwargs)
+
+    library.impl(name, kernel, "CompositeExplicitAutograd")
     return getattr(getattr(torch.ops, namespace), name).default
 
 
@@ -74,7 +110,12 @@ def register_fake(op: torch._ops.OpOverload):
     library, _, _ = _library(op.name())
 
     def wrap(fake: Callable) -> Callable:
-        torch.library.register_fake(op, fake, lib=library)
+        def checked(*args, **kwargs):
+            _refuse_autograd(op.name(), args, kwargs)
+            _one_device(op.name(), args, kwargs)
+            return fake(*args, **kwargs)
+
+        torch.library.register_fake(op, checked, lib=library)
         return fake
 
     return wrap

@@ -302,6 +302,7 @@ def test_compile_time_phase_table_counts_triton_compiles(monkeypatch):
             self.fn = type(name, (), {})
 
     t = compile_time._TritonCompiles()
+    monkeypatch.setenv("TRITON_PTXAS_PATH", "/opt/cuda/bin/ptxas")  # in force at the misses: the table names it
     for name, hit in [
         ("_quantize_kernel", False),
         ("_quantize_kernel", False),
@@ -322,7 +323,8 @@ def test_compile_time_phase_table_counts_triton_compiles(monkeypatch):
     )
     assert text.count("| model | fp8_block | cold |") == 1 and text.count("| model | fp8_block | warm |") == 1
     assert text.count("| model | bf16 |") == 0  # a row without phases (a failed child) is left out
-    assert "| 3 (_quantize_kernel x2) |" in text and "| 0.8 | 2.0 |" in text
+    assert "| 3 (_quantize_kernel x2); 1 cache hits |" in text and "| 0.8 | 2.0 |" in text
+    assert "- model fp8_block cold: TRITON_CACHE_DIR=" in text and "TRITON_PTXAS_PATH=/opt/cuda/bin/ptxas" in text
 
 
 def test_compile_time_names_what_repeated_compiles_differ_in(monkeypatch):

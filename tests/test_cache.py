@@ -568,3 +568,13 @@ def test_params_made_views_of_a_flat_buffer_with_data_assignment(compiled_step):
         step()
         assert [p._version for p in params] == versions  # the weights' own counters never moved
         _assert_fresh_and_not_stale(cm, model, x, before)
+
+
+@pytest.mark.parametrize("form", ["bf16_forward", "bf16_dgrad"])
+def test_a_bf16_weights_cached_form_is_a_copy_not_a_view(form):
+    """The cache op declares no aliasing of its input: even a contiguous BF16 weight's BF16 form is its own storage
+    (a view would let functionalization treat the weight's later updates as unrelated to the form)."""
+    w = torch.randn(64, 256, dtype=torch.bfloat16)
+    (out,) = torch.ops.mxfx.cached_weight(w, "rceil", form)
+    assert out.untyped_storage().data_ptr() != w.untyped_storage().data_ptr()
+    torch.testing.assert_close(out if form == "bf16_forward" else out.t(), w, rtol=0, atol=0)

@@ -235,3 +235,45 @@ def test_ops_called_in_user_code_compile_whole_under_dynamo(fmt):
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
     for got, want in zip(compiled(x, w, rw, lw), fn(x, w, rw, lw)):
         torch.testing.assert_close(got, want, rtol=2**-7, atol=0)
+
+
+def _mx_pairs():
+    a = torch.ops.mxfx.quantize(torch.randn(64, 256), "rceil")
+    b = torch.ops.mxfx.quantize(torch.randn(4, 96, 256), "rceil")
+    return a, b
+
+
+@pytest.mark.parametrize(
+    "ends, out_dtype, match",
+    [
+        ([30, 10, 40, 64], torch.bfloat16, r"offs \[30, 10, 40, 64\] must be non-decreasing"),
+        ([10, 30, 40, 100], torch.bfloat16, r"offs \[10, 30, 40, 100\] .* at most the 64 rows"),
+        ([10, 30, 40, 64], torch.int32, r"out_dtype torch.int32 is not one of"),
+    ],
+)
+@pytest.mark.parametrize("fake", [False, True])
+def test_mx_grouped_op_refuses_bad_group_ends_and_outputs_naming_itself(ends, out_dtype, match, fake):
+    """The op and its fake refuse what would give a silent wrong answer (rows of two groups mixed, rows past A,
+    integer outputs) with the op's name; on the fake only what a trace can know (dtype, not offs' values)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    (aq, as_), (bq, bs) = _mx_pairs()
+    offs = torch.tensor(ends, dtype=torch.int32)
+    if fake and out_dtype != torch.int32:
+        pytest.skip("offs' values are data: a fake tensor has none")
+    with FakeTensorMode(allow_non_fake_inputs=True) if fake else torch.no_grad():
+        with pytest.raises((ValueError, TypeError), match="mxfx::grouped_mm: " + match):
+            torch.ops.mxfx.grouped_mm(aq, as_, bq, bs, offs, out_dtype, False)
+
+
+def test_mx_gemm_fakes_check_shapes_and_devices_as_the_ops_do():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    (aq, as_), (bq, bs) = _mx_pairs()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        with pytest.raises(ValueError, match=r"mxfx::mm: A of shape \(64, 256\) and B of shape \(4, 96, 256\)"):
+            torch.ops.mxfx.mm(aq, as_, bq, bs, torch.bfloat16, False)
+        with pytest.raises(ValueError, match="not a multiple of 32"):
+            torch.ops.mxfx.quantize(torch.empty(4, 100), "rceil")
+    with pytest.raises(ValueError, match=r"mxfx::dequantize: tensors on different devices"):
+        torch.ops.mxfx.dequantize(aq, as_.to("meta"), torch.float32)

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from mxfx.numerics import mx as mxf
+from mxfx.kernels.common import launch
 from mxfx.kernels.mx import device_path
 from mxfx.numerics.layout import to_blocked
 from tests.helpers import run_interpreter_checks
@@ -1007,3 +1008,16 @@ def test_traced_path_calls_the_ops_own_body(monkeypatch):
             a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
             b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b,
         )
+
+
+def test_kernels_compile_with_torchs_ptxas_unless_the_user_chose_one(monkeypatch):
+    """Triton keys a compiled kernel by its ptxas: mxfx's own launches take torch's, as Inductor's compiles do, so a
+    warm process finds them; a ``TRITON_PTXAS_PATH`` already set stays."""
+    torch_ptxas = os.path.join(os.path.dirname(torch.__file__), "bin", "ptxas")
+    monkeypatch.delenv("TRITON_PTXAS_PATH", raising=False)
+    launch.compile_with_torch_ptxas()
+    shipped = os.path.isfile(torch_ptxas) and os.access(torch_ptxas, os.X_OK)
+    assert os.environ.get("TRITON_PTXAS_PATH") == (torch_ptxas if shipped else None)
+    monkeypatch.setenv("TRITON_PTXAS_PATH", "/opt/cuda/bin/ptxas")
+    launch.compile_with_torch_ptxas()
+    assert os.environ["TRITON_PTXAS_PATH"] == "/opt/cuda/bin/ptxas"

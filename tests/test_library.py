@@ -74,3 +74,14 @@ def test_a_decorated_op_mutates_its_argument_eagerly_and_compiled(compiled):
     doubled_plus_one = fn(x, out)
     torch.testing.assert_close(doubled_plus_one, 2 * x + 1, rtol=0, atol=0)
     torch.testing.assert_close(out, 1 + 0.5 * x, rtol=0, atol=0)  # the mutation reached the caller's tensor
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_call_autograd_would_record_raises_naming_the_op(compiled):
+    x = torch.randn(4, 3, requires_grad=True)
+    fn = (lambda t: OP(t, 2)[0]) if not compiled else torch.compile(lambda t: OP(t, 2)[0], backend="aot_eager")
+    with pytest.raises(Exception, match=r"mxfxtest::scaled_and_first: has no derivative.*\(4, 3\).*no_grad"):
+        fn(x)
+    with torch.no_grad():
+        torch.testing.assert_close(OP(x, 2)[0], 2 * x.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(OP(x.detach(), 2)[0], 2 * x.detach(), rtol=0, atol=0)

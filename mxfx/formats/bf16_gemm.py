@@ -34,7 +34,8 @@ def _build(weight: torch.Tensor, rule: str, forms, have: dict) -> dict:
     if forward is None:
         cache.counts["quantize_bf16"] += 1
         cache.counts["quantize"] += 1
-        forward = (weight.detach().to(_BF16).contiguous(),)
+        # a fresh copy even of a contiguous BF16 weight: the cache op returns no view of its input
+        forward = (torch.empty_like(weight, dtype=_BF16, memory_format=torch.contiguous_format).copy_(weight.detach()),)
     return {(rule, f): forward if f == "bf16_forward" else (forward[0].transpose(-2, -1),) for f in forms}
 
 

@@ -141,6 +141,21 @@ def _with_register_cap(kernel, num_warps: int, maxnreg: int):
     return _CAPPED[key]
 
 
+def compile_with_torch_ptxas() -> None:
+    """Point Triton at the ptxas torch ships (``torch/bin/ptxas``), as Inductor does before it compiles or loads a
+    kernel in this process, unless ``TRITON_PTXAS_PATH`` is set already (a user's choice stands).
+
+    The ptxas is part of a kernel's key in Triton's cache. Without this, the kernels the ``mxfx::`` ops launch
+    themselves are compiled with Triton's own ptxas in a process whose Inductor compiled in its workers (a cold
+    cache) and with torch's in one where Inductor loaded its cached graphs (a warm cache): a warm process finds none
+    of them and compiles them again."""
+    if os.environ.get("TRITON_PTXAS_PATH"):
+        return
+    ptxas = os.path.join(os.path.dirname(torch.__file__), "bin", "ptxas")
+    if os.path.isfile(ptxas) and os.access(ptxas, os.X_OK):
+        os.environ["TRITON_PTXAS_PATH"] = ptxas
+
+
 def launch(kernel, grid: tuple, *args, maxnreg: int | None = None, **kwargs) -> None:
     """Run ``kernel[grid](*args, **kwargs)``, through ``wrap_triton`` when a tensor argument is traced.
 

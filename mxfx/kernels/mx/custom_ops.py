@@ -26,6 +26,7 @@ from mxfx.numerics.mx import BLOCK_SIZE, dequantize_lastdim
 from mxfx.kernels.common.launch import name_op_functions, op_or_body
 from mxfx.kernels.common.gemm import accumulate_into
 from mxfx.kernels.mx import device_path, gemm
+from mxfx.kernels.mx.checks import check_lastdim_args
 from mxfx.numerics.layout import blocked_numel
 from mxfx.kernels.mx.views import lastdim_scales, mn_major, scale_shape
 
@@ -56,7 +57,12 @@ def _lastdim_fake(x):
     return x.new_empty(x.shape, dtype=_E4M3), lastdim_scales(x)
 
 
-@_custom_op("quantize", fake=lambda x, rule: _lastdim_fake(x))
+def _quantize_fake(x, rule):
+    check_lastdim_args(x, rule, "mxfx.quantize")  # what the op checks before its kernel
+    return _lastdim_fake(x)
+
+
+@_custom_op("quantize", fake=_quantize_fake)
 def _quantize_op(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [..., K]`` -> ``(qdata e4m3 [..., K], scales uint8 [..., K/32])``."""
     return device_path.quantize_lastdim(x, rule)
@@ -240,6 +246,8 @@ def _mm_op(
 def _(a_qdata, a_scales, b_qdata, b_scales, out_dtype, native, b_dequantized=None, a_dequantized=None):
     a = a_qdata if a_qdata is not None else a_dequantized
     b = b_qdata if b_qdata is not None else b_dequantized
+    gemm.check_call("mxfx::mm", out_dtype, a)
+    gemm.check_shapes("mxfx::mm", a, b, (2, 2))
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
@@ -273,6 +281,8 @@ def _grouped_mm_op(
 def _(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, native, b_dequantized=None, a_dequantized=None):
     a = a_qdata if a_qdata is not None else a_dequantized
     b = b_qdata if b_qdata is not None else b_dequantized
+    gemm.check_call("mxfx::grouped_mm", out_dtype, a, offs)
+    gemm.check_shapes("mxfx::grouped_mm", a, b, (2, 3))
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
@@ -302,6 +312,7 @@ def _grouped_mm_wgrad_op(
 
 @library.register_fake(_grouped_mm_wgrad_op)
 def _(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, native):
+    gemm.check_call("mxfx::grouped_mm_wgrad", out_dtype, a_qdata)
     return a_qdata.new_empty((offs.shape[0], a_qdata.shape[0], b_qdata.shape[0]), dtype=out_dtype)
 
 

@@ -24,6 +24,8 @@ import torch
 
 from mxfx.kernels.common import gemm as common_gemm
 from mxfx.kernels.common.gemm import rows_in_groups
+from mxfx.kernels.common.launch import readable_on_host
+from mxfx.numerics.layout import check_group_ends
 from mxfx.kernels.mx import gemm_blackwell
 from mxfx.kernels.mx.device_path import dequantize_lastdim
 
@@ -119,20 +121,51 @@ def _emulated_grouped_wgrad(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtyp
 # :attr:`mxfx.formats.base.Format.native_gemms`), else emulated.
 
 
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def check_call(op: str, out_dtype, a, offs=None) -> None:
+    """What every GEMM op checks before its body, naming ``op``: a floating ``out_dtype``; group ends ``offs`` int32
+    ``[G]`` on A's device, non-decreasing and at most A's rows where they can be read on the host."""
+    if out_dtype not in _OUT_DTYPES:
+        raise TypeError(f"{op}: out_dtype {out_dtype} is not one of bfloat16, float16, float32")
+    if offs is None or a is None:
+        return
+    if offs.dtype != torch.int32 or offs.dim() != 1 or offs.device != a.device:
+        raise ValueError(
+            f"{op}: offs must be int32 [G] on {a.device}, got {offs.dtype} {tuple(offs.shape)} on {offs.device}"
+        )
+    if readable_on_host(offs):
+        check_group_ends(offs.tolist(), a.shape[0], op)
+
+
+def check_shapes(op: str, a: torch.Tensor, b: torch.Tensor, dims: tuple[int, int]) -> None:
+    """Raise ValueError naming ``op`` unless A and B (qdata or dequantized values) have ``dims`` dims and share
+    their last (reduction) dim: what the GEMM bodies find out only after dequantizing, for the fakes."""
+    if (a.dim(), b.dim()) != dims or a.shape[-1] != b.shape[-1]:
+        raise ValueError(
+            f"{op}: A of shape {tuple(a.shape)} and B of shape {tuple(b.shape)} must be {dims[0]}D and {dims[1]}D "
+            f"and share their last (reduction) dim: C = A @ B^T with both operands blocked along it"
+        )
+
+
 def mm(a_qdata, a_scales, b_qdata, b_scales, out_dtype, native, b_dequantized=None, a_dequantized=None):
     """The body of ``mxfx::mm``: :func:`mxfx.kernels.mx.gemm_blackwell.mm` where ``native``, else the emulation."""
+    check_call("mxfx::mm", out_dtype, a_qdata if a_qdata is not None else a_dequantized)
     impl = gemm_blackwell.mm if native else _emulated_mm
     return impl(a_qdata, a_scales, b_qdata, b_scales, out_dtype, b_dequantized, a_dequantized)
 
 
 def grouped_mm(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, native, b_dequantized=None, a_dequantized=None):
     """The body of ``mxfx::grouped_mm``, native or emulated as :func:`mm`."""
+    check_call("mxfx::grouped_mm", out_dtype, a_qdata if a_qdata is not None else a_dequantized, offs)
     impl = gemm_blackwell.grouped_mm if native else _emulated_grouped_mm
     return impl(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, b_dequantized, a_dequantized)
 
 
 def grouped_mm_wgrad(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, native):
     """The body of ``mxfx::grouped_mm_wgrad``, native or emulated as :func:`mm`."""
+    check_call("mxfx::grouped_mm_wgrad", out_dtype, a_qdata)
     impl = gemm_blackwell.grouped_wgrad if native else _emulated_grouped_wgrad
     return impl(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype)
 
