@@ -288,8 +288,10 @@ def _mxfp8(model, compiler: str):
     return torch.compile(model, backend="mxfp8", options={"inner": _backend(compiler)})
 
 
-def _fp8_block(model, compiler: str, fused: bool = True, dense: bool = True):
+def _fp8_block(model, compiler: str, fused: bool = True, dense: bool = True, kernels: str | None = None):
     options = {"inner": _backend(compiler), "format": "fp8_block", "fuse_wgrad_accumulation": fused}
+    if kernels is not None:  # "opaque": the kernels stay mxfx ops in the graph instead of Inductor launching them
+        options["kernels"] = kernels
     if not dense:  # the attention projections and other dense linears as the model wrote them
         options["rules"] = [{"op": "linear", "precision": "bf16"}]
     return torch.compile(model, backend="mxfp8", options=options)
@@ -324,6 +326,7 @@ ARMS = {
         ),
         Arm("fp8_block-unfused", torch.float32, True, partial(_fp8_block, fused=False), expert_format="fp8_block"),
         Arm("fp8_block-routed", torch.float32, True, partial(_fp8_block, dense=False), expert_format="fp8_block"),
+        Arm("fp8_block-opaque", torch.float32, True, partial(_fp8_block, kernels="opaque"), expert_format="fp8_block"),
     )
 }
 for _arm in ("bf16-grouped", "fp8_block"):  # the same arm, its routed wgrad on the sm90 ping-pong kernel
@@ -335,9 +338,11 @@ OPTIONAL_ARMS = (
     "bf16-grouped-ws",
     "fp8_block-ws",
     "fp8_block-routed",
+    "fp8_block-opaque",
 )
 """Arms run only when ``--arms`` names them: the unfused arms set ``Policy(fuse_wgrad_accumulation=False)``;
-``fp8_block-routed`` keeps the dense linears (attention projections) in BF16."""
+``fp8_block-routed`` keeps the dense linears (attention projections) in BF16; ``fp8_block-opaque`` keeps the
+kernels as mxfx ops in the graph (``Policy(kernels="opaque")``: a shorter compile, more host work a call)."""
 
 
 # ----------------------------------------------------------------------------- training
