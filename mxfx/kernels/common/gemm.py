@@ -30,6 +30,28 @@ def mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: boo
     out.addmm_(a, b.t(), beta=1 if accumulate else 0)
 
 
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+"""Output dtypes of the GEMMs: what a low-precision GEMM may write."""
+
+
+def check_out_dtype(out_dtype, op: str) -> None:
+    """Raise TypeError naming ``op`` unless ``out_dtype`` is one of :data:`OUT_DTYPES`."""
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"{op}: out_dtype {out_dtype} is not one of bfloat16, float16, float32")
+
+
+def check_offs(op: str, offs: torch.Tensor, x: torch.Tensor) -> None:
+    """Raise ValueError naming ``op`` unless the group ends ``offs`` are int32 ``[G]`` on ``x``'s device and, where
+    they can be read on the host (:func:`readable_on_host`; on a GPU the kernels read them, never synced), are
+    non-decreasing and at most ``x``'s rows."""
+    if offs.dtype != torch.int32 or offs.dim() != 1 or offs.device != x.device:
+        raise ValueError(
+            f"{op}: offs must be int32 [G] on {x.device}, got {offs.dtype} {tuple(offs.shape)} on {offs.device}"
+        )
+    if readable_on_host(offs):
+        check_group_ends(offs.tolist(), x.shape[0], op)
+
+
 def check_grouped_wgrad_into(
     dy: torch.Tensor,
     x: torch.Tensor,

@@ -28,9 +28,9 @@ from mxfx import library
 from mxfx.numerics.block import check_rule, group_tile_capacity, n_tiles
 from mxfx.numerics.mx import check_input
 from mxfx.kernels.fp8_block import device_path, gemm
-from mxfx.kernels.common.gemm import accumulate_into
-from mxfx.kernels.common.launch import name_op_functions, op_or_body, readable_on_host
-from mxfx.numerics.layout import check_group_ends, column_major
+from mxfx.kernels.common.gemm import accumulate_into, check_offs
+from mxfx.kernels.common.launch import name_op_functions, op_or_body
+from mxfx.numerics.layout import column_major
 
 _E4M3 = torch.float8_e4m3fn
 
@@ -69,17 +69,6 @@ def _check_pair(op: str, x: torch.Tensor, other: torch.Tensor, name: str) -> Non
     """``other`` (up, or the token-tiled source) has ``x``'s shape."""
     if other.shape != x.shape:
         raise ValueError(f"mxfx::{op}: {name} of shape {tuple(other.shape)} must have x's shape {tuple(x.shape)}")
-
-
-def _check_offs(op: str, offs: torch.Tensor, x: torch.Tensor) -> None:
-    """Group ends: int32 ``[G]`` on x's device; on the CPU also non-decreasing and at most x's rows (on a GPU their
-    values are read by the kernels, never synced to the host)."""
-    if offs.dtype != torch.int32 or offs.dim() != 1 or offs.device != x.device:
-        raise ValueError(
-            f"mxfx::{op}: offs must be int32 [G] on {x.device}, got {offs.dtype} {tuple(offs.shape)} on {offs.device}"
-        )
-    if readable_on_host(offs):  # host values: checked here, as the CPU reference reads them
-        check_group_ends(offs.tolist(), x.shape[0], f"mxfx::{op}")
 
 
 def _quantize(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,7 +184,7 @@ def _(x, rule):
 
 def _quantize_grouped_tokens(x: torch.Tensor, offs: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
     _check_inputs("block_quantize_grouped_tokens", rule, x=x)
-    _check_offs("block_quantize_grouped_tokens", offs, x)
+    check_offs("mxfx::block_quantize_grouped_tokens", offs, x)
     q, s = device_path.quantize_1x128_grouped_tokens(x, offs, rule)
     return q.contiguous(), column_major(s)
 
@@ -210,7 +199,7 @@ def _block_quantize_grouped_tokens_op(
 @library.register_fake(_block_quantize_grouped_tokens_op)
 def _(x, offs, rule):
     _check_inputs("block_quantize_grouped_tokens", rule, x=x)
-    _check_offs("block_quantize_grouped_tokens", offs, x)
+    check_offs("mxfx::block_quantize_grouped_tokens", offs, x)
     t, k = x.shape
     return x.new_empty((k, t), dtype=_E4M3), _fake_col_major(x, k, group_tile_capacity(t, offs.shape[0]))
 
@@ -239,7 +228,7 @@ def _check_forward_operands(x, up, tokens_src, offs, rule, pack) -> None:
     if tokens_src is not None:
         _check_tokens_src(x, tokens_src, offs is not None)
     if offs is not None:
-        _check_offs(op, offs, x)
+        check_offs(f"mxfx::{op}", offs, x)
     if pack and up is None:
         raise ValueError(
             f"mxfx::block_forward_operands: pack=True packs the SwiGLU gate and up; got gate {tuple(x.shape)} and no up"

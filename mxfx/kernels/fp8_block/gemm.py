@@ -23,12 +23,10 @@ import torch
 
 from mxfx.numerics.block import dequantize_values, group_tile_capacity, group_tile_starts, n_tiles, tiled_rows
 from mxfx.device import has_triton, triton_available
-from mxfx.kernels.common.gemm import accumulate_into, mm_into
+from mxfx.kernels.common.gemm import accumulate_into, check_out_dtype, mm_into
 from mxfx.kernels.common.launch import env_switch
 from mxfx.kernels.fp8_block import gemm_cublas
 from mxfx.numerics.layout import check_group_ends
-
-OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _check_operand(t, s, op, name, scale_shapes):
@@ -43,11 +41,6 @@ def _check_operand(t, s, op, name, scale_shapes):
         raise ValueError(f"{op}: {name} of shape {tuple(t.shape)} needs scales of shape {wanted}, got {tuple(s.shape)}")
     if s.device != t.device:
         raise ValueError(f"{op}: {name} is on {t.device} but its scales are on {s.device}; move them to one device")
-
-
-def _check_out_dtype(out_dtype, op):
-    if out_dtype not in OUT_DTYPES:
-        raise TypeError(f"{op}: out_dtype {out_dtype} is not one of bfloat16, float16, float32")
 
 
 def scaled_mm(
@@ -69,7 +62,7 @@ def scaled_mm(
     (m, k), n = a.shape, b.shape[0]
     _check_operand(a, a_scales, op, "A", [(m, n_tiles(k))])
     _check_operand(b, b_scales, op, "B", [(n_tiles(n), n_tiles(k)), (n, n_tiles(k))])
-    _check_out_dtype(out_dtype, op)
+    check_out_dtype(out_dtype, op)
     if a.device != b.device:
         raise ValueError(f"{op}: A is on {a.device} but B is on {b.device}")
     if a.is_cuda:
@@ -118,7 +111,7 @@ def grouped_mm(
     (s, k), (g, n, _) = a.shape, b.shape
     _check_operand(a, a_scales, op, "A", [(s, n_tiles(k))])
     _check_operand(b, b_scales, op, "B", [(g, n_tiles(n), n_tiles(k))])
-    _check_out_dtype(out_dtype, op)
+    check_out_dtype(out_dtype, op)
     if offs.dtype != torch.int32 or tuple(offs.shape) != (g,) or offs.device != a.device or b.device != a.device:
         raise ValueError(
             f"{op}: offs must be int32 of shape ({g},) on {a.device} beside B on {b.device}; got {offs.dtype} "
@@ -233,7 +226,7 @@ def grouped_wgrad(
     cap = group_tile_capacity(s, g)
     _check_operand(a, a_scales, op, "A", [(n, cap)])
     _check_operand(b, b_scales, op, "B", [(k, cap)])
-    _check_out_dtype(out_dtype, op)
+    check_out_dtype(out_dtype, op)
     if offs.dtype != torch.int32 or offs.dim() != 1 or offs.device != a.device or b.device != a.device:
         raise ValueError(
             f"{op}: offs must be int32 [G] on {a.device} beside B on {b.device}; got {offs.dtype} "

@@ -23,9 +23,7 @@ from __future__ import annotations
 import torch
 
 from mxfx.kernels.common import gemm as common_gemm
-from mxfx.kernels.common.gemm import rows_in_groups
-from mxfx.kernels.common.launch import readable_on_host
-from mxfx.numerics.layout import check_group_ends
+from mxfx.kernels.common.gemm import check_offs, check_out_dtype, rows_in_groups
 from mxfx.kernels.mx import gemm_blackwell
 from mxfx.kernels.mx.device_path import dequantize_lastdim
 
@@ -47,6 +45,21 @@ def _device(*tensors) -> torch.device:
         "mxfx.gemm: A has neither an MX pair (qdata and scales) nor dequantized values; pass its qdata and scales, "
         "or a_dequantized to an emulated GEMM"
     )
+
+
+def check_shapes(op: str, a: torch.Tensor, b: torch.Tensor, dims: tuple[int, int] | None) -> None:
+    """Raise ValueError naming ``op`` unless A and B (qdata or dequantized values) have ``dims`` dims (None: any)
+    and share their last (reduction) dim: the GEMM bodies' check, and their fakes'."""
+    if dims is not None and (a.dim(), b.dim()) != dims:
+        raise ValueError(
+            f"{op}: A of shape {tuple(a.shape)} and B of shape {tuple(b.shape)} must be {dims[0]}D and "
+            f"{dims[1]}D for this GEMM"
+        )
+    if a.shape[-1] != b.shape[-1]:
+        raise ValueError(
+            f"{op}: A of shape {tuple(a.shape)} and B of shape {tuple(b.shape)} must share their last "
+            f"(reduction) dim: C = A @ B^T with both operands blocked along it"
+        )
 
 
 def _dequantized(a_qdata, a_scales, b_qdata, b_scales, b_dequantized=None, a_dequantized=None, dims=None):
@@ -77,16 +90,7 @@ def _dequantized(a_qdata, a_scales, b_qdata, b_scales, b_dequantized=None, a_deq
     # (or is traced into a CUDA graph), where a nested custom op would only add dispatcher overhead.
     a = dequantize_lastdim(a_qdata, a_scales, cdt) if a_dequantized is None else a_dequantized.to(cdt)
     b = dequantize_lastdim(b_qdata, b_scales, cdt) if b_dequantized is None else b_dequantized.to(cdt)
-    if dims is not None and (a.dim(), b.dim()) != dims:
-        raise ValueError(
-            f"mxfx.gemm: A of shape {tuple(a.shape)} and B of shape {tuple(b.shape)} must be {dims[0]}D and "
-            f"{dims[1]}D for this GEMM"
-        )
-    if a.shape[-1] != b.shape[-1]:
-        raise ValueError(
-            f"mxfx.gemm: A of shape {tuple(a.shape)} and B of shape {tuple(b.shape)} must share their last "
-            f"(reduction) dim: C = A @ B^T with both operands blocked along it"
-        )
+    check_shapes("mxfx.gemm", a, b, dims)
     return a, b
 
 
@@ -121,32 +125,12 @@ def _emulated_grouped_wgrad(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtyp
 # :attr:`mxfx.formats.base.Format.native_gemms`), else emulated.
 
 
-_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
 def check_call(op: str, out_dtype, a, offs=None) -> None:
-    """What every GEMM op checks before its body, naming ``op``: a floating ``out_dtype``; group ends ``offs`` int32
-    ``[G]`` on A's device, non-decreasing and at most A's rows where they can be read on the host."""
-    if out_dtype not in _OUT_DTYPES:
-        raise TypeError(f"{op}: out_dtype {out_dtype} is not one of bfloat16, float16, float32")
-    if offs is None or a is None:
-        return
-    if offs.dtype != torch.int32 or offs.dim() != 1 or offs.device != a.device:
-        raise ValueError(
-            f"{op}: offs must be int32 [G] on {a.device}, got {offs.dtype} {tuple(offs.shape)} on {offs.device}"
-        )
-    if readable_on_host(offs):
-        check_group_ends(offs.tolist(), a.shape[0], op)
-
-
-def check_shapes(op: str, a: torch.Tensor, b: torch.Tensor, dims: tuple[int, int]) -> None:
-    """Raise ValueError naming ``op`` unless A and B (qdata or dequantized values) have ``dims`` dims and share
-    their last (reduction) dim: what the GEMM bodies find out only after dequantizing, for the fakes."""
-    if (a.dim(), b.dim()) != dims or a.shape[-1] != b.shape[-1]:
-        raise ValueError(
-            f"{op}: A of shape {tuple(a.shape)} and B of shape {tuple(b.shape)} must be {dims[0]}D and {dims[1]}D "
-            f"and share their last (reduction) dim: C = A @ B^T with both operands blocked along it"
-        )
+    """What every GEMM op checks before its body, naming ``op``: a floating ``out_dtype``; group ends ``offs``
+    (:func:`mxfx.kernels.common.gemm.check_offs`) against A's rows."""
+    check_out_dtype(out_dtype, op)
+    if offs is not None and a is not None:
+        check_offs(op, offs, a)
 
 
 def mm(a_qdata, a_scales, b_qdata, b_scales, out_dtype, native, b_dequantized=None, a_dequantized=None):
