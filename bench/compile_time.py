@@ -8,10 +8,10 @@ and AOTAutograd's cache should hit). The model is one of ``bench/hf_models.py``'
 under ``torch.autocast(bfloat16)``; the step is forward, backward and a fused AdamW step. Inductor's import is
 left out of every arm's step (BF16's ``torch.compile`` call imports it before the step, mxfx's backend would inside).
 
-Arms: ``bf16`` (``torch.compile`` with Inductor), ``mxfp8`` (``backend="mxfp8"``), ``mxfp8-opaque``
-(the same with ``kernels="opaque"``: the MX kernels stay opaque custom ops instead of ``wrap_triton`` calls
-that Inductor analyses and compiles per call site), ``fp8_block`` (``options={"format": "fp8_block"}``) and
-``fp8_block-opaque``;
+Arms: ``bf16`` (``torch.compile`` with Inductor), ``mxfp8`` (``backend="mxfp8"``, whose ``kernels="auto"``
+picks per graph), ``mxfp8-opaque`` and ``mxfp8-inductor`` (the same with ``kernels`` fixed: the MX kernels kept as
+opaque custom ops, or traced in as ``wrap_triton`` calls that Inductor analyses and compiles per call site),
+``fp8_block`` (``options={"format": "fp8_block"}``), ``fp8_block-opaque`` and ``fp8_block-inductor``;
 ``--per-block`` compiles each decoder layer on its own (``layer.compile(...)``, as
 torchtitan does) instead of the whole model, where N identical layers should cost one
 layer's compile. Reported per arm and cache state: first-step seconds, FX graph cache
@@ -74,6 +74,8 @@ ARMS = {  # arm -> (backend, options, extra environment)
     "mxfp8-opaque": ("mxfp8", {"kernels": "opaque"}, {}),
     "fp8_block": ("mxfp8", {"format": "fp8_block"}, {}),
     "fp8_block-opaque": ("mxfp8", {"format": "fp8_block", "kernels": "opaque"}, {}),
+    "mxfp8-inductor": ("mxfp8", {"kernels": "inductor"}, {}),
+    "fp8_block-inductor": ("mxfp8", {"format": "fp8_block", "kernels": "inductor"}, {}),
 }
 CACHE_LOGGERS = ("torch._inductor.codecache", "torch._functorch._aot_autograd.autograd_cache")
 
@@ -450,7 +452,9 @@ def passes_only(
         "kernel nodes",
     ]
     cell = lambda v: "-" if v is None else f"{v:.2f}" if isinstance(v, float) else str(v)  # noqa: E731
-    how = how or ("CPU (MX ops opaque)" if device == "cpu" else f"{device} (MX kernels traced into the graph)")
+    how = how or (
+        "CPU (MX ops opaque)" if device == "cpu" else f"{device} (MX kernels as each arm's policy launches them)"
+    )
     lines = [
         f"{model_name}, {layers} layers, {dims} dims, {how}",
         "",

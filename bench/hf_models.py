@@ -288,12 +288,22 @@ def _mxfp8(model, compiler: str):
     return torch.compile(model, backend="mxfp8", options={"inner": _backend(compiler)})
 
 
-def _fp8_block(model, compiler: str, fused: bool = True, dense: bool = True, kernels: str | None = None):
+def _fp8_block(
+    model,
+    compiler: str,
+    fused: bool = True,
+    dense: bool = True,
+    kernels: str | None = None,
+    routed_wgrad: str | None = None,
+):
     options = {"inner": _backend(compiler), "format": "fp8_block", "fuse_wgrad_accumulation": fused}
     if kernels is not None:  # "opaque": the kernels stay mxfx ops in the graph instead of Inductor launching them
         options["kernels"] = kernels
-    if not dense:  # the attention projections and other dense linears as the model wrote them
-        options["rules"] = [{"op": "linear", "precision": "bf16"}]
+    rules = [] if dense else [{"op": "linear", "precision": "bf16"}]  # dense linears as the model wrote them
+    if routed_wgrad is not None:  # the routed experts' weight gradients in the format ("mxfp8") instead of BF16
+        rules.append({"op": "grouped_mm", "wgrad": routed_wgrad})
+    if rules:
+        options["rules"] = rules
     return torch.compile(model, backend="mxfp8", options=options)
 
 
@@ -327,6 +337,20 @@ ARMS = {
         Arm("fp8_block-unfused", torch.float32, True, partial(_fp8_block, fused=False), expert_format="fp8_block"),
         Arm("fp8_block-routed", torch.float32, True, partial(_fp8_block, dense=False), expert_format="fp8_block"),
         Arm("fp8_block-opaque", torch.float32, True, partial(_fp8_block, kernels="opaque"), expert_format="fp8_block"),
+        Arm(
+            "fp8_block-inductor",
+            torch.float32,
+            True,
+            partial(_fp8_block, kernels="inductor"),
+            expert_format="fp8_block",
+        ),
+        Arm(
+            "fp8_block-wgrad8",
+            torch.float32,
+            True,
+            partial(_fp8_block, routed_wgrad="mxfp8"),
+            expert_format="fp8_block",
+        ),
     )
 }
 for _arm in ("bf16-grouped", "fp8_block"):  # the same arm, its routed wgrad on the sm90 ping-pong kernel
@@ -339,10 +363,14 @@ OPTIONAL_ARMS = (
     "fp8_block-ws",
     "fp8_block-routed",
     "fp8_block-opaque",
+    "fp8_block-inductor",
+    "fp8_block-wgrad8",
 )
 """Arms run only when ``--arms`` names them: the unfused arms set ``Policy(fuse_wgrad_accumulation=False)``;
-``fp8_block-routed`` keeps the dense linears (attention projections) in BF16; ``fp8_block-opaque`` keeps the
-kernels as mxfx ops in the graph (``Policy(kernels="opaque")``: a shorter compile, more host work a call)."""
+``fp8_block-routed`` keeps the dense linears (attention projections) in BF16; ``fp8_block-opaque`` and
+``fp8_block-inductor`` fix how the kernels enter the graph (``Policy(kernels=...)``: mxfx ops, a shorter compile
+and more host work a call; or launched by Inductor's code) where ``fp8_block`` lets ``kernels="auto"`` choose;
+``fp8_block-wgrad8`` runs the routed experts' wgrad in FP8 too (a rule ``wgrad="mxfp8"``; BF16 by default)."""
 
 
 # ----------------------------------------------------------------------------- training

@@ -12,7 +12,8 @@ no MX arithmetic; ``bench/movement.py``), as % of the same copy. Goal: each kern
 Also torchao's ``to_mx`` under ``torch.compile``, shapes called in sequence so the
 dynamic-shape recompile happens as it would for a user.
 
-Usage: ``python bench/mx_kernels.py`` (CUDA + Triton); ``MXFX_BENCH_SWEEP=1`` also times
+Usage: ``python bench/mx_kernels.py`` (CUDA + Triton; ``--format fp8_block`` the fp8_block kernels instead,
+``--format mxfp8,fp8_block`` both); ``MXFX_BENCH_SWEEP=1`` also times
 alternative tile configs (``MXFX_BENCH_SWEEP=rowwise,dual`` only those kernels), each checked byte for byte against
 the kernel's own config on an input with NaN, +-Inf, zero, tiny and large blocks; ``MXFX_BENCH_MAXNREG=96,128``
 times every config of the sweep also with those register caps. Prints a markdown table; writes it to
@@ -39,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from bench import movement  # noqa: E402
 from bench._results import emit  # noqa: E402
+from mxfx.kernels.fp8_block import device_path as block_path  # noqa: E402
 from mxfx.kernels.mx import device_path  # noqa: E402
 from mxfx.kernels.mx import dual
 from mxfx.kernels.mx import quantize
@@ -225,6 +227,53 @@ def cases(m: int, k: int):
     ]
 
 
+def fp8_block_cases(m: int, k: int):
+    """:func:`cases` of the fp8_block kernels (1x128 E4M3 tiles, one FP32 scale each) at an [m, k] bf16 input."""
+    n = m * k
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    gu = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(m, device="cuda")
+    offs = torch.linspace(0, m, 65, device="cuda")[1:].round().to(torch.int32)  # 64 groups
+    q8 = n * (1 + 4 / 128)  # e4m3 payload + float32 scales
+    return [
+        ("fp8_block quantize 1x128", lambda: block_path.quantize_1x128(x), 2 * n + q8, "stream bf16 -> 1 B"),
+        (
+            "fp8_block quantize dual (row + col, transposed)",
+            lambda: block_path.quantize_1x128_dual(x),
+            2 * n + 2 * q8,
+            "transposed tiles",
+        ),
+        (
+            "fp8_block quantize along tokens (x.t())",
+            lambda: block_path.quantize_1x128_colwise(x),
+            2 * n + q8,
+            "columnwise tiles",
+        ),
+        (
+            "fp8_block quantize along each group's tokens",
+            lambda: block_path.quantize_1x128_grouped_tokens(x, offs),
+            2 * n + q8,
+            "columnwise tiles",
+        ),
+        (
+            "fp8_block route-weight+quantize",
+            lambda: block_path.route_weight_quantize_1x128(x, w),
+            2 * n + 4 * m + q8,
+            "stream bf16 -> 1 B",
+        ),
+        (
+            "fp8_block swiglu+quantize + saved gate/up (gate_up halves)",
+            lambda: block_path.swiglu_quantize_1x128_save(gu[:, :k], gu[:, k:]),
+            4 * n + 3 * q8,
+            "stream fp32 -> 3 x 1 B",
+        ),
+    ]
+
+
+CASES = {"mxfp8": cases, "fp8_block": fp8_block_cases}
+"""The kernel rows of each format (``--format``)."""
+
+
 CEILINGS = {  # ceiling key -> movement-only variants (bench/movement.py) at an [m, k] input
     "stream bf16 -> 1 B": lambda m, k: movement.stream(m * k, torch.bfloat16, 0, 1),
     "stream bf16 -> 1 B + bf16": lambda m, k: movement.stream(m * k, torch.bfloat16, 1, 1),
@@ -233,6 +282,7 @@ CEILINGS = {  # ceiling key -> movement-only variants (bench/movement.py) at an 
     "stream fp32 -> 2 x bf16": lambda m, k: movement.stream(m * k, torch.float32, 2, 0),
     "stream fp32 -> 1 B": lambda m, k: movement.stream(m * k, torch.float32, 0, 1),  # gate + up: 4 B read per value
     "stream fp32 -> bf16 + 3 x 1 B": lambda m, k: movement.stream(m * k, torch.float32, 1, 3),
+    "stream fp32 -> 3 x 1 B": lambda m, k: movement.stream(m * k, torch.float32, 0, 3),
     "stream 1 B -> bf16": lambda m, k: movement.stream(m * k, torch.uint8, 1, 0),
     "transposed tiles": lambda m, k: movement.tiles(m, k, transposed=True),
     "columnwise tiles": lambda m, k: movement.tiles(m, k, transposed=True, row=False),
@@ -500,7 +550,7 @@ def launch_only(name: str, m: int, k: int, calls: int = 4) -> None:
     torch.cuda.synchronize()
 
 
-def main() -> None:
+def main(formats: list[str]) -> None:
     t0 = time.time()
     torch.manual_seed(0)
     copy_gbs = copy_bandwidth()
@@ -531,17 +581,19 @@ def main() -> None:
         )
         print(rows[-1], flush=True)
 
-    for shape in SHAPES:
-        for name, fn, nbytes, key in cases(*shape):
-            add(name, shape, fn, nbytes, key)
-        torch.cuda.empty_cache()
-    try:
-        for shape, name, fn, nbytes, key in torchao_cases():
-            add(name, shape, fn, nbytes, key)
-    except ImportError as e:
-        rows.append(f"\ntorchao not importable ({e}); its rows are missing.")
+    for fmt in formats:
+        for shape in SHAPES:
+            for name, fn, nbytes, key in CASES[fmt](*shape):
+                add(name, shape, fn, nbytes, key)
+            torch.cuda.empty_cache()
+    if "mxfp8" in formats:  # the peer and the MX tile sweep
+        try:
+            for shape, name, fn, nbytes, key in torchao_cases():
+                add(name, shape, fn, nbytes, key)
+        except ImportError as e:
+            rows.append(f"\ntorchao not importable ({e}); its rows are missing.")
     print(f"main table done in {time.time() - t0:.0f} s", flush=True)
-    if os.environ.get("MXFX_BENCH_SWEEP"):
+    if "mxfp8" in formats and os.environ.get("MXFX_BENCH_SWEEP"):
         rows += sweep(copy_gbs)
     table = "\n".join(rows)
     emit("kernels.md", table)
@@ -555,8 +607,11 @@ if __name__ == "__main__":
         metavar=("KERNEL", "M", "K"),
         help="only call sweep kernel KERNEL four times at [M, K] (for a profiler)",
     )
+    cli.add_argument(
+        "--format", default="mxfp8", help="comma list of the formats whose kernels to time: " + ", ".join(CASES)
+    )
     args = cli.parse_args()
     if args.launch:
         launch_only(args.launch[0], int(args.launch[1]), int(args.launch[2]))
     else:
-        main()
+        main(args.format.split(","))

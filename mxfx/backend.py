@@ -33,7 +33,7 @@ from mxfx.fx import (
     record_prefixes,
     stats_sites,
 )
-from mxfx.policy import Policy
+from mxfx.policy import Policy, launch_cost
 
 log = logging.getLogger("mxfx")
 _warned_float16 = False  # the float16 warning is given once per process
@@ -122,6 +122,21 @@ def _inner_compile(inner, gm: fx.GraphModule, example_inputs, mode: str | None =
 
         return aot_eager(gm, example_inputs)
     return gm.forward  # "eager": the rewritten ops are autograd functions and run as they are
+
+
+def _kernel_launch(policy: Policy, pm: report.PrecisionMap, example_inputs) -> str:
+    """How the rewritten graph's mxfx kernels are launched: the policy's ``kernels``, else the
+    ``MXFX_OPAQUE_KERNELS`` switch, else "auto", which :func:`mxfx.policy.launch_cost.choose` settles from the
+    graph's converted GEMMs. On CUDA the choice and its reason go in the precision map's header."""
+    switch = launch.env_switch(launch.OPAQUE_ENV, None)
+    mode = policy.kernels or {True: "opaque", False: "inductor", None: "auto"}[switch]
+    why = f"policy kernels={mode!r}" if policy.kernels else f"{launch.OPAQUE_ENV}={int(bool(switch))}"
+    if mode == "auto":
+        gemms = [r.macs for r in pm.records if r.kind in ("linear", "router", "grouped_mm") and r.rewritten]
+        mode, why = launch_cost.choose(gemms)
+    if any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs):
+        pm.kernels = f"{mode} ({why})"
+    return mode
 
 
 def trace_artifact(name: str, payload_fn, encoding: str = "string") -> None:
@@ -322,8 +337,9 @@ def _compile_for(
         stats.note_compiled(policy.stats["modules"], pm.stats_sites)
     if pm.stats_sites:
         stats.set_output(policy.dump_dir)
+    kernels = _kernel_launch(policy, pm, example_inputs)
     try:
-        with launch.kernels_launched(policy.kernels):  # the ops' bodies are traced inside the inner compile
+        with launch.kernels_launched(kernels):  # the ops' bodies are traced inside the inner compile
             compiled = _inner_compile(policy.inner, gm, example_inputs, mode)
     except RestartAnalysis:
         # Dynamo traces the frame again (AOTAutograd asks for it under dynamic=True, for Python float scalars): the

@@ -72,6 +72,7 @@ class OpRecord:
         0,
         0,
     )  # nominal bytes of the saved input: (as the op as written saves it, as chosen)
+    macs: int | None = None  # a converted GEMM's forward multiply-accumulates (None: not one, or not known)
 
     def __post_init__(self):
         self.scale_rule = NONE if self.scale_rule is None else str(self.scale_rule)  # a ScaleRule prints as its value
@@ -96,6 +97,7 @@ class PrecisionMap:
     records: list[OpRecord] = field(default_factory=list)
     stats_sites: list[str] = field(default_factory=list)  # statistics site prefixes of the graph's ops (Policy.stats)
     nodes: int = 0  # nodes of the graph and its subgraphs as Dynamo traced them, before the passes
+    kernels: str = ""  # how the graph's mxfx kernels are launched, and why ("": not chosen, a CPU graph)
     steps: dict[str, tuple[float, int]] = field(default_factory=dict)
     """What rewriting the graph cost, per step (each pass by its module's name, then "example values" and
     "lint + recompile"), summed over the graph and its subgraphs: ``(seconds, nodes added)``, negative where the
@@ -143,6 +145,8 @@ class PrecisionMap:
         kinds = sorted({r.kind for r in self.records})
         parts = [f"{k}: {self.count(k, True)} {self.formats(k)} / {self.count(k, False)} kept" for k in kinds]
         text = f"graph {self.graph_id}: " + ("; ".join(parts) if parts else "no matching ops")
+        if self.kernels:
+            text += f"; kernels {self.kernels}"
         before, after = self.saved_bytes()
         if before:
             change = f"{1 - after / before:.1%} less" if after <= before else f"{after / before - 1:.1%} more"

@@ -291,6 +291,8 @@ def test_compiled_fp8_block_launches_its_kernels_itself(monkeypatch, dynamic):
             return loss
 
         loss, code = run_and_get_code(run)
+        mode = "opaque" if opaque else "inductor"
+        assert f"kernels {mode} (policy kernels='{mode}')" in mxfx.report.last_report().summary()
         return loss.detach(), [p.grad for p in m.parameters()], "\n".join(code), saved["tensors"]
 
     loss_i, grads_i, code_i, saved_i = step(opaque=False)

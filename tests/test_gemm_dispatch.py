@@ -570,3 +570,22 @@ def test_min_size_validation():
         Policy(min_size="fast")
     with pytest.raises(ValueError, match="keep_dequantized_weights"):
         Policy(keep_dequantized_weights="yes")
+
+
+@pytest.mark.parametrize("op", ["mm", "grouped_mm", "grouped_mm_wgrad"])
+def test_native_gemm_elsewhere_than_blackwell_is_refused_by_name(op):
+    """``native=True`` on CPU operands (or a Hopper GPU) raises naming the op and the way out, not torch's own
+    error from inside ``torch._scaled_mm``."""
+    from mxfx.kernels.mx import gemm as mx_gemm
+
+    q = torch.zeros(32, 64, dtype=torch.float8_e4m3fn)
+    s = torch.full((32, 2), 127, dtype=torch.uint8)
+    offs = torch.tensor([32], dtype=torch.int32)
+    args = {
+        "mm": (q, s, q, s, torch.bfloat16, True),
+        "grouped_mm": (q, s, q.view(1, 32, 64), s.view(1, 32, 2), offs, torch.bfloat16, True),
+        "grouped_mm_wgrad": (q, s, q, s, torch.tensor([64], dtype=torch.int32), torch.bfloat16, True),
+    }[op]
+    with pytest.raises(ValueError, match=rf"mxfx::{op}: native=True .* sm100 or sm120 GPU; .* on cpu .*native=False"):
+        getattr(mx_gemm, op)(*args)
+    assert getattr(mx_gemm, op)(*args[:-1], False).dtype == torch.bfloat16  # the emulation runs

@@ -11,6 +11,7 @@ summation order, ``2^-10 * (|A| @ |B|^T)``, plus half a bf16 ulp of the result f
 
 from __future__ import annotations
 
+import functools
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from mxfx.kernels.fp8_block import gemm as block_gemm
 triton = pytest.importorskip("triton")
 sass = pytest.importorskip("tests.sass")
 
+_TRITON = tuple(int(v) for v in triton.__version__.split(".")[:2])
 _GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
@@ -31,9 +33,30 @@ def _sm90():
     return sm90
 
 
+def _spills_in_k_loops(sass_text: str) -> list[str]:
+    """Local-memory loads and stores (register spills) between the first and last FP8 ``wgmma`` of each math
+    partition's K loop (runs of QGMMA lines, fewer than 300 SASS lines apart, taken as one loop)."""
+    lines = sass_text.splitlines()
+    mma = [i for i, line in enumerate(lines) if "QGMMA" in line]
+    loops, start = [], mma[0]
+    for prev, i in zip(mma, mma[1:] + [None]):
+        if i is None or i - prev >= 300:
+            loops.append((start, prev))
+            start = i
+    return [lines[i].strip() for a, b in loops for i in range(a, b) if "LDL" in lines[i] or "STL" in lines[i]]
+
+
+WIDE = {"BLOCK_N": 256}
+"""The 256-wide tile (two weight blocks a tile)."""
+
+
 @pytest.mark.skipif(bool(sass.missing()), reason=sass.missing())
+@pytest.mark.parametrize("block_n", [128, 256])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-def test_kernel_compiles_for_sm90_to_fp8_wgmma_without_spills(out_dtype):
+def test_kernel_compiles_for_sm90_to_fp8_wgmma_without_spills(out_dtype, block_n):
+    """Both tiles compile to FP8 wgmma with register reallocation and TMA; the 128-wide one spills nothing. The
+    256-wide one (192 accumulator registers) spills nothing inside its K loops on Triton 3.6 (a BF16 output a few
+    registers around each tile's epilogue); Triton 3.9 spills inside them, so there it is only compiled."""
     sm90 = _sm90()
     s, g, n, k = 1024, 4, 512, 1024
     a = torch.empty(s, k, dtype=torch.float8_e4m3fn)
@@ -42,16 +65,22 @@ def test_kernel_compiles_for_sm90_to_fp8_wgmma_without_spills(out_dtype):
     sb = torch.empty(g, n // 128, k // 128)
     offs = torch.arange(1, g + 1, dtype=torch.int32) * (s // g)
     out = torch.empty(s, n, dtype=out_dtype)
-    (grid, args, kwargs), _ = sm90.launch_args(a, sa, b, sb, offs, out)
+    (grid, args, kwargs), _ = sm90.launch_args(a, sa, b, sb, offs, out, dict(sm90.CONFIG, BLOCK_N=block_n))
     c = sass.compile_sm90(sass.Launch(sm90._grouped_kernel, grid, args, kwargs))
     counts = c.counts
-    assert counts.get("QGMMA", 0) >= 8, dict(counts)  # 4 K=32 instructions per 128-K step, in both math warpgroups
+    halves = block_n // 128
+    # 4 K=32 instructions per 128-K step and 128 columns, in both math warpgroups
+    assert counts.get("QGMMA", 0) >= 8 * halves, dict(counts)
     assert counts.get("HGMMA", 0) == 0 and counts.get("HMMA", 0) == 0, dict(counts)
-    # one wait per 128-K step, not one per instruction: ptxas serializes wgmma it cannot prove safe (C7514/C7515)
+    # one wait per 128-K step and half, not one per instruction: ptxas serializes wgmma it cannot prove safe
     assert c.sass.count("WARPGROUP.DEPBAR") * 4 <= counts["QGMMA"], "wgmma serialized"
     assert counts.get("USETMAXREG", 0) + counts.get("SETMAXNREG", 0) > 0, "no register reallocation"
     assert counts.get("UTMALDG", 0) >= 3 and counts.get("UTMASTG", 0) >= 1, dict(counts)
-    assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0, "registers spilled to local memory"
+    if block_n == 256 and _TRITON >= (3, 7):
+        return
+    assert not _spills_in_k_loops(c.sass), _spills_in_k_loops(c.sass)
+    if block_n == 128 or out_dtype == torch.float32:
+        assert counts.get("LDL", 0) == 0 and counts.get("STL", 0) == 0, "registers spilled to local memory"
     assert c.shared <= 227 * 1024
 
 
@@ -165,13 +194,17 @@ CASES = {
 
 @pytest.mark.skipif(not _GPU, reason="needs an sm90 GPU")
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("kernel", ["sm90", "triton"])
+@pytest.mark.parametrize("kernel", ["sm90", "sm90-wide", "triton"])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_grouped_forward_and_dgrad_match_the_reference(case, kernel, out_dtype):
     from mxfx.kernels.fp8_block import grouped_gemm_triton
 
     sizes, k, n = CASES[case]
-    launch = _sm90().grouped_mm if kernel == "sm90" else grouped_gemm_triton.grouped_mm
+    launch = {
+        "sm90": _sm90().grouped_mm,
+        "sm90-wide": functools.partial(_sm90().grouped_mm, config=dict(_sm90().CONFIG, **WIDE)),
+        "triton": grouped_gemm_triton.grouped_mm,
+    }[kernel]
     gen = torch.Generator().manual_seed(len(sizes) * k + n)
     s = sum(sizes) + 37  # rows past offs[-1]
     offs_list = torch.tensor(sizes).cumsum(0).tolist()

@@ -962,8 +962,47 @@ def test_policy_kernels_choose_for_the_inner_compile(monkeypatch, kernels, env, 
     torch.compile(lin, backend="mxfp8", options={"inner": inner, "kernels": kernels})(torch.randn(32, 64))
     assert seen == [(opaque, True)]
     assert opaque_kernels() is (env == "1")  # the compile's choice ends with it
-    with pytest.raises(ValueError, match=r"kernels='fast' is not valid; choose one of 'inductor', 'opaque'"):
+    with pytest.raises(ValueError, match=r"kernels='fast' is not valid; choose one of 'inductor', 'opaque', 'auto'"):
         mxfx.Policy(kernels="fast")
+
+
+@pytest.mark.parametrize("rows, opaque", [(8192, True), (64, False)])
+def test_auto_kernel_launch_weighs_the_graphs_gemms(monkeypatch, rows, opaque):
+    """``kernels="auto"`` (the default) keeps the ops opaque in a graph whose GEMMs' GPU time hides the custom ops'
+    host time (a 8192x4096x4096 linear: 0.43 ms of host time against 1.37 ms of GEMM), and launches them from
+    Inductor's code in a graph of small GEMMs; the policy's explicit choice wins over it."""
+    from mxfx.kernels.common.launch import opaque_kernels
+
+    monkeypatch.delenv("MXFX_OPAQUE_KERNELS", raising=False)
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def inner(gm, example_inputs):
+        seen.append(opaque_kernels())
+        raise Stop  # the choice is made: nothing needs to run
+
+    for kernels, expect in ((None, opaque), ("auto", opaque), ("inductor", False)):
+        torch._dynamo.reset()
+        lin = torch.nn.Linear(4096, 4096, bias=False, dtype=torch.bfloat16)
+        x = torch.randn(rows, 4096, dtype=torch.bfloat16)
+        with pytest.raises(Exception, match="Stop"):
+            torch.compile(lin, backend="mxfp8", options={"inner": inner, "kernels": kernels})(x)
+        assert seen.pop() is expect, kernels
+
+
+def test_launch_cost_choice():
+    """:func:`mxfx.policy.launch_cost.choose` at its boundary: host time per converted GEMM against 6 FLOPs per
+    forward MAC at the assumed rate; a GEMM of unknown size adds host time only."""
+    from mxfx.policy import launch_cost
+
+    even = launch_cost.OPAQUE_HOST_S_PER_GEMM * launch_cost.GEMM_FLOPS / 6  # MACs whose GPU time equals the host's
+    assert launch_cost.choose([int(even * 1.01)])[0] == "opaque"
+    assert launch_cost.choose([int(even * 0.99)])[0] == "inductor"
+    assert launch_cost.choose([int(even * 1.01), None])[0] == "inductor"
+    mode, why = launch_cost.choose([int(even * 4), None])
+    assert mode == "opaque" and "(2 converted GEMMs)" in why
 
 
 def test_traced_path_calls_the_ops_own_body(monkeypatch):

@@ -5,7 +5,8 @@ For each routed-expert shape (rows = 16384 tokens x top-k, equal and skewed grou
 ``mxfx.kernels.fp8_block.grouped_gemm_sm90``, each first checked against the reference decode on a few groups.
 Times are ``triton.testing.do_bench`` medians; TFLOP/s count 2 S K N.
 
-    python bench/probes/grouped_sm90_variants.py [--shapes olmoe,mixtral] [--variants default,band4]
+    python bench/probes/grouped_sm90_variants.py [--shapes olmoe,mixtral] [--variants default,wide]
+    python bench/probes/grouped_sm90_variants.py --variants default,wide --out-dtype float32
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ VARIANTS = {
     "band16": {"BAND": 16},
     "stages4": {"STAGES": 4},
     "no_tma_store": {"EPI_TMA": False},
+    "wide": {"BLOCK_N": 256},
 }
 
 
@@ -66,7 +68,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--out-dtype", default="bfloat16", choices=("bfloat16", "float32"), help="the FP8 kernels' output")
     args = p.parse_args()
+    out_dtype = getattr(torch, args.out_dtype)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     g = torch.Generator(device="cuda").manual_seed(0)
     print("| shape | groups | bf16 | triton | " + " | ".join(args.variants.split(",")) + " | (TFLOP/s; max rel. err) |")
@@ -83,11 +87,11 @@ def main():
                 cells, errs = [], []
                 fns = {
                     "bf16": lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offs),
-                    "triton": lambda: grouped_gemm_triton.grouped_mm(a, sa, b, sb, offs),
+                    "triton": lambda: grouped_gemm_triton.grouped_mm(a, sa, b, sb, offs, out_dtype),
                 }
                 for v in args.variants.split(","):
                     cfg = dict(grouped_gemm_sm90.CONFIG, **VARIANTS[v])
-                    fns[v] = lambda cfg=cfg: grouped_gemm_sm90.grouped_mm(a, sa, b, sb, offs, config=cfg)
+                    fns[v] = lambda cfg=cfg: grouped_gemm_sm90.grouped_mm(a, sa, b, sb, offs, out_dtype, config=cfg)
                 for name, fn in fns.items():
                     out = fn()
                     if name != "bf16":

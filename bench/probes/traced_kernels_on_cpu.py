@@ -9,7 +9,7 @@ meta function checks it), and Triton generates IR for an sm90 target (a driver t
 compile). What is not simulated: CUDA-only branches elsewhere (``tensor.is_cuda``), the grouped GEMM (an opaque op
 on both), the partitioner's and Inductor's device-dependent choices.
 
-    python -m bench.probes.traced_kernels_on_cpu                 # olmoe, 4 layers, small dims: bf16 and fp8_block
+    python -m bench.probes.traced_kernels_on_cpu                 # olmoe, 4 layers, small dims: bf16, fp8_block-inductor
     python -m bench.probes.traced_kernels_on_cpu --layers 1 --profile 40
 """
 
@@ -58,7 +58,7 @@ def _as_on_gpu() -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="olmoe")
-    p.add_argument("--arms", default="bf16,fp8_block")
+    p.add_argument("--arms", default="bf16,fp8_block-inductor", help="fp8_block-inductor: kernels traced in as on sm90")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--dims", default="small")
     p.add_argument("--profile", type=int, default=0, help="print the N functions with the most cumulative time")

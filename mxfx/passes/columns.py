@@ -66,6 +66,7 @@ def kept_gemm(out, x, w, reason: str) -> dict:
 def converted_gemm(d: Decision, out, x, w, high_wgrad: str, reason: str = "") -> dict:
     """:func:`gemm_columns` of a GEMM converted per decision ``d``: forward and dgrad in its format, the wgrad in
     its format or ``high_wgrad`` (the dtype the op's high-precision wgrad GEMM runs in), the saved input as the
-    format's copy or as the input itself (its own dtype)."""
+    format's copy or as the input itself (its own dtype); plus ``macs``, the GEMM's size as ``d`` was decided on."""
     fmt = d.format.name
-    return gemm_columns(out, x, w, fmt, fmt, d.shown(d.wgrad, high_wgrad), d.shown(d.save, ran(x)), reason)
+    columns = gemm_columns(out, x, w, fmt, fmt, d.shown(d.wgrad, high_wgrad), d.shown(d.save, ran(x)), reason)
+    return {**columns, "macs": d.macs}

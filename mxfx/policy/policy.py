@@ -29,8 +29,9 @@ from mxfx.policy.crossover import prefers_low_precision
 
 OP_KINDS = ("linear", "grouped_mm", "swiglu", "router", "saved", "all_to_all", "weight_refresh")
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
-KERNEL_LAUNCHES = ("inductor", "opaque")
-"""Values of :attr:`Policy.kernels`: MX kernels launched by Inductor's code, or kept as mxfx's custom ops."""
+KERNEL_LAUNCHES = ("inductor", "opaque", "auto")
+"""Values of :attr:`Policy.kernels`: MX kernels launched by Inductor's code, kept as mxfx's custom ops, or either
+per graph by its size (:mod:`mxfx.policy.launch_cost`)."""
 PASSES = (
     "all_to_all",
     "linear",
@@ -460,6 +461,7 @@ class Decision:
     stats: str = ""  # site prefix of the op's quantization statistics ("": none), Policy.stats
     stats_every: int = 100
     fuse_wgrad_accumulation: bool = False
+    macs: int | None = None  # the GEMM's multiply-accumulates as decided on (None: not a GEMM, or not known)
 
     @property
     def settings(self) -> OpSettings:
@@ -569,8 +571,11 @@ class Policy(_NamedFields):
         kernels: how mxfx's Triton kernels enter a compiled CUDA graph: "inductor" (traced in as ``wrap_triton``
             calls that Inductor's generated code launches: less host time per call, a longer first compile, since
             Inductor analyses and compiles each such kernel per call site) or "opaque" (mxfx's custom ops, each
-            launching its kernels: a shorter first compile). None (default): the ``MXFX_OPAQUE_KERNELS``
-            environment variable's choice, else "inductor"; given, it wins over the variable. Each
+            launching its kernels: a shorter first compile, more host time per call) or "auto" (either, per graph:
+            opaque where the GPU time of the graph's converted GEMMs hides the custom ops' extra host time,
+            :mod:`mxfx.policy.launch_cost`; the precision map's header names the choice and why). None (default):
+            the ``MXFX_OPAQUE_KERNELS`` environment variable's choice where it is set, else "auto"; given, it wins
+            over the variable. Each
             ``torch.compile`` call reads its own options (a compiled optimizer step's too). Graphs on CPU always
             keep the custom ops; the grouped GEMMs stay ops either way.
         fuse_wgrad_accumulation: the converted ops' wgrad GEMMs write each FP32 weight's gradient into its ``.grad``
@@ -832,6 +837,7 @@ class Policy(_NamedFields):
             stats=self.stats_site(module) if precision == "mxfp8" else "",
             stats_every=self.stats["every"] if self.stats is not None else 100,
             fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
+            macs=macs,
         )
 
     def _judged_rule(

@@ -15,7 +15,8 @@ The policy's ``kernels="opaque"`` (``mxfx.Policy``; the backend sets it around i
 :func:`kernels_launched`) or, where the policy leaves it out, ``MXFX_OPAQUE_KERNELS=1`` (read at every trace)
 keeps the custom ops in graphs instead: a shorter first compile (Inductor analyses and compiles each inlined
 kernel per call site), more host time per call; also to compare the two or to find the ops in Inductor's output
-code (``TORCH_LOGS=output_code``).
+code (``TORCH_LOGS=output_code``). By default the backend picks one per graph (``kernels="auto"``,
+:mod:`mxfx.policy.launch_cost`).
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in _ON
 """Triton's interpreter runs the kernels (``TRITON_INTERPRET=1``, CPU tests); read at import, as Triton reads it."""
 
 
+OPAQUE_ENV = "MXFX_OPAQUE_KERNELS"
+"""The environment switch that keeps the kernels opaque (1) or launched by Inductor (0) where a policy leaves
+``kernels`` out."""
+
 _CHOSEN: contextvars.ContextVar[bool | None] = contextvars.ContextVar("mxfx_opaque_kernels", default=None)
 """The compile's choice (:func:`kernels_launched`): True opaque, False inlined, None the environment's."""
 
@@ -75,7 +80,7 @@ def opaque_kernels() -> bool:
     chosen = _CHOSEN.get()
     if chosen is not None:
         return chosen
-    return env_switch("MXFX_OPAQUE_KERNELS", False)
+    return env_switch(OPAQUE_ENV, False)
 
 
 def env_switch(name: str, default: bool | None) -> bool | None:

@@ -18,15 +18,17 @@ Design: a schedule, then one persistent program per SM with three partitions of 
 * two math warpgroups (the default partition and one worker, 232 registers each) own the upper and lower 64 rows
   of a 128 x ``BLOCK_N`` tile; each issues its ``wgmma`` on the stage, waits for it, hands the stage back on its
   "empty" mbarrier (two arrivals free a stage) and promotes with scales loaded a step ahead. While one warpgroup
-  promotes on the CUDA cores the other's ``wgmma`` keeps the tensor cores busy.
+  promotes on the CUDA cores the other's ``wgmma`` keeps the tensor cores busy. A 256-wide tile (two weight
+  blocks: a third less A and B read per FLOP than 128 x 128) runs one ``wgmma`` per 128-column half into the same
+  partial-sum registers, each half promoted into its own accumulator (192 accumulator registers a thread).
 
 Rows past a group's end are read by the TMA boxes (they belong to the next group, or are zeros past S) and never
 stored: whole 64 x ``BLOCK_N`` blocks of a group leave through shared memory and a TMA store, blocks that cross a
 group's end or N through masked stores.
 
 Needs: A and B K-major and contiguous with K a multiple of 16 (TMA), a B tile inside one 128-column weight block
-(``128 % BLOCK_N == 0``). :func:`supported` says whether a call qualifies; the caller falls back to the Triton
-kernel otherwise.
+(``128 % BLOCK_N == 0``) or two (``BLOCK_N == 256``). :func:`supported` says whether a call qualifies; the caller
+falls back to the Triton kernel otherwise.
 """
 
 from __future__ import annotations
@@ -179,6 +181,64 @@ def _steps(a_bufs, b_bufs, ready, empty, as_ptrs, bs_ptrs, row_ok, s_ask, s_bsk,
 
 
 @gluon.jit
+def _steps_wide(
+    a_bufs, b_bufs, ready, empty, as_ptrs, bs_ptrs, row_ok, s_ask, s_bsk, s_bsn, second, steps, it, zero,
+    STAGES: gl.constexpr,
+):  # fmt: skip
+    """:func:`_steps` for a tile two weight blocks wide: per K step one ``wgmma`` per 128-column half into the same
+    partial-sum registers, each promoted with its block's scale (``second``: the right half lies inside N, else its
+    scales read as zeros): the two accumulators and the ring position after them."""
+    HALF: gl.constexpr = zero.type.shape[1]
+    acc0 = zero
+    acc1 = zero
+    live = steps > 0
+    a_scale = gl.load(as_ptrs, mask=row_ok & live, other=0.0)
+    b_scale0 = gl.load(bs_ptrs, mask=live, other=0.0)
+    b_scale1 = gl.load(bs_ptrs + s_bsn, mask=live & second, other=0.0)
+    for kb in range(0, steps):
+        s = it % STAGES
+        ahead = kb + 1 < steps
+        a_next = gl.load(as_ptrs + (kb + 1) * s_ask, mask=row_ok & ahead, other=0.0)
+        b_next0 = gl.load(bs_ptrs + (kb + 1) * s_bsk, mask=ahead, other=0.0)
+        b_next1 = gl.load(bs_ptrs + s_bsn + (kb + 1) * s_bsk, mask=ahead & second, other=0.0)
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        b = b_bufs.index(s)
+        partial = warpgroup_mma(a_bufs.index(s), b.slice(0, HALF).permute((1, 0)), zero, use_acc=False, is_async=True)
+        partial = warpgroup_mma_wait(num_outstanding=0, deps=(partial,))
+        acc0 += partial * gl.expand_dims(a_scale * b_scale0, 1)
+        partial = warpgroup_mma(
+            a_bufs.index(s), b.slice(HALF, HALF).permute((1, 0)), zero, use_acc=False, is_async=True
+        )
+        partial = warpgroup_mma_wait(num_outstanding=0, deps=(partial,))
+        mbarrier.arrive(empty.index(s), count=1)
+        acc1 += partial * gl.expand_dims(a_scale * b_scale1, 1)
+        a_scale, b_scale0, b_scale1 = a_next, b_next0, b_next1
+        it += 1
+    return acc0, acc1, it
+
+
+@gluon.jit
+def _store_block(
+    c_desc, c_smem, c_ptr, acc, rows, row_ok, row0, n0, end, N, s_cm, s_cn,
+    col_layout: gl.constexpr, EPI_TMA: gl.constexpr,
+):  # fmt: skip
+    """Store one warpgroup's ``ROWS x HALF`` block of the output at ``(row0, n0)``: a whole block of its group
+    through shared memory and a TMA store (left running), a block crossing the group's end or N masked."""
+    ROWS: gl.constexpr = acc.type.shape[0]
+    WIDTH: gl.constexpr = acc.type.shape[1]
+    if EPI_TMA and (row0 + ROWS <= end) and (n0 + WIDTH <= N):
+        tma.store_wait(0)  # the previous block has left c_smem
+        c_smem.store(acc.to(c_ptr.dtype.element_ty))
+        fence_async_shared()
+        tma_store(c_desc, [row0, n0], c_smem)
+    else:
+        cols = n0 + gl.arange(0, WIDTH, layout=col_layout)
+        ptrs = c_ptr + gl.expand_dims(rows.to(gl.int64) * s_cm, 1) + gl.expand_dims(cols * s_cn, 0)
+        mask = gl.expand_dims(row_ok, 1) & gl.expand_dims(cols < N, 0)
+        gl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
 def _math_partition(
     a_bufs,
     b_bufs,
@@ -195,14 +255,16 @@ def _math_partition(
     as_ptr, bs_ptr, table_ptr, c_ptr, max_tiles, N, K, G, s_asm, s_ask, s_bsg, s_bsn, s_bsk, s_cm, s_cn = operands
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     ROWS: gl.constexpr = a_bufs.type.shape[1]
-    # fp8 wgmma: instruction K = 32, N = the tile's width; one warpgroup of 4 warps along M
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
+    WIDE: gl.constexpr = BLOCK_N == 256  # two weight blocks a tile, each half its own wgmma and accumulator
+    HALF: gl.constexpr = BLOCK_N // 2 if WIDE else BLOCK_N
+    # fp8 wgmma: instruction K = 32, N = the tile's width (a half of a wide one); one warpgroup of 4 warps along M
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 32])
     row_layout: gl.constexpr = gl.SliceLayout(1, mma)
     col_layout: gl.constexpr = gl.SliceLayout(0, mma)
     pid = gl.program_id(0)
     P = gl.num_programs(0)
     k_steps = gl.cdiv(K, BLOCK_K)
-    zero = gl.zeros((ROWS, BLOCK_N), gl.float32, mma)
+    zero = gl.zeros((ROWS, HALF), gl.float32, mma)
     it = 0
     t = pid
     g, m0, n0, end = _tile(table_ptr, t, max_tiles)
@@ -215,18 +277,20 @@ def _math_partition(
         row_ok = rows < end
         as_ptrs = as_ptr + rows.to(gl.int64) * s_asm
         bs_ptrs = bs_ptr + g.to(gl.int64) * s_bsg + (n0 // 128) * s_bsn
-        acc, it = _steps(a_bufs, b_bufs, ready, empty, as_ptrs, bs_ptrs, row_ok, s_ask, s_bsk, steps, it, zero, STAGES)
-        if EPI_TMA and (row0 + ROWS <= end) and (n0 + BLOCK_N <= N):
-            # a whole block of this group: through shared memory, stored by TMA while the next tile runs
-            tma.store_wait(0)  # the previous block has left c_smem
-            c_smem.store(acc.to(c_ptr.dtype.element_ty))
-            fence_async_shared()
-            tma_store(c_desc, [row0, n0], c_smem)
+        if WIDE:
+            acc, acc1, it = _steps_wide(
+                a_bufs, b_bufs, ready, empty, as_ptrs, bs_ptrs, row_ok, s_ask, s_bsk, s_bsn, n0 + HALF < N, steps, it,
+                zero, STAGES,
+            )  # fmt: skip
         else:
-            cols = n0 + gl.arange(0, BLOCK_N, layout=col_layout)
-            ptrs = c_ptr + gl.expand_dims(rows.to(gl.int64) * s_cm, 1) + gl.expand_dims(cols * s_cn, 0)
-            mask = gl.expand_dims(row_ok, 1) & gl.expand_dims(cols < N, 0)
-            gl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+            acc, it = _steps(
+                a_bufs, b_bufs, ready, empty, as_ptrs, bs_ptrs, row_ok, s_ask, s_bsk, steps, it, zero, STAGES
+            )
+        _store_block(c_desc, c_smem, c_ptr, acc, rows, row_ok, row0, n0, end, N, s_cm, s_cn, col_layout, EPI_TMA)
+        if WIDE:
+            _store_block(
+                c_desc, c_smem, c_ptr, acc1, rows, row_ok, row0, n0 + HALF, end, N, s_cm, s_cn, col_layout, EPI_TMA
+            )
         t, g, m0, n0, end = t_next, g_next, m0_next, n0_next, end_next
     if EPI_TMA:
         tma.store_wait(0)
@@ -260,7 +324,7 @@ def _grouped_kernel(
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     gl.static_assert(ROWS == 64, "each math warpgroup owns 64 rows")
     gl.static_assert(BLOCK_K == 128, "one K step is one 1x128 / 128x128 scale block")
-    gl.static_assert(128 % BLOCK_N == 0, "a tile must lie inside one 128-column weight block")
+    gl.static_assert(128 % BLOCK_N == 0 or BLOCK_N == 256, "a tile inside one 128-column weight block, or two")
     a0_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, ROWS, BLOCK_K], a_desc.layout)
     a1_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, ROWS, BLOCK_K], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
@@ -294,11 +358,16 @@ SCHEDULE_CHUNK = 1024
 """Tiles one schedule program writes per store."""
 
 
+def _block_width(block_n: int) -> int:
+    """Columns of one warpgroup's output block: the tile's, or half of a 256-wide tile's."""
+    return min(block_n, TILE)
+
+
 def stages(block_n: int, out_dtype: torch.dtype) -> int:
     """Stages of the ring that fit beside the two epilogue blocks: each stage two 64x128 boxes of A and one
     ``block_n``x128 box of B (E4M3); at most 8."""
     stage = (2 * WG_ROWS + block_n) * TILE
-    epilogue = 2 * WG_ROWS * block_n * out_dtype.itemsize
+    epilogue = 2 * WG_ROWS * _block_width(block_n) * out_dtype.itemsize
     return min(8, (SHARED_BYTES - epilogue - 1024) // stage)
 
 
@@ -335,7 +404,7 @@ def _smem_layouts(block_n: int, out_dtype: torch.dtype) -> tuple:
     return (
         gl.NVMMASharedLayout.get_default_for([WG_ROWS, TILE], gl.float8e4nv),
         gl.NVMMASharedLayout.get_default_for([block_n, TILE], gl.float8e4nv),
-        gl.NVMMASharedLayout.get_default_for([WG_ROWS, block_n], _GL_TYPES[out_dtype]),
+        gl.NVMMASharedLayout.get_default_for([WG_ROWS, _block_width(block_n)], _GL_TYPES[out_dtype]),
     )
 
 
@@ -349,7 +418,7 @@ def launch_args(a, a_scales, b, b_scales, offs, out, config=None):
     a_layout, b_layout, c_layout = _smem_layouts(block_n, out.dtype)
     a_desc = TensorDescriptor.from_tensor(a, [WG_ROWS, TILE], a_layout)
     b_desc = TensorDescriptor.from_tensor(b.view(G * N, K), [block_n, TILE], b_layout)
-    c_desc = TensorDescriptor.from_tensor(out, [WG_ROWS, block_n], c_layout)
+    c_desc = TensorDescriptor.from_tensor(out, [WG_ROWS, _block_width(block_n)], c_layout)
     cfg.setdefault("STAGES", stages(block_n, out.dtype))
     sms = devices.num_sms(a.device)
     max_tiles = (triton.cdiv(S, 2 * WG_ROWS) + G) * triton.cdiv(N, block_n)  # an upper bound, no sync

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from mxfx import device as devices
 from mxfx.kernels.common import gemm as common_gemm
 from mxfx.kernels.common.gemm import check_offs, check_out_dtype, rows_in_groups
 from mxfx.kernels.mx import gemm_blackwell
@@ -133,9 +134,27 @@ def check_call(op: str, out_dtype, a, offs=None) -> None:
         check_offs(op, offs, a)
 
 
+def check_native(op: str, native: bool, t: torch.Tensor) -> None:
+    """``native`` asks for torch's MX GEMM, which runs on an sm100 or sm120 GPU only.
+
+    Raises:
+        ValueError: ``native`` with ``t`` elsewhere, naming ``op`` and the device (the emulation: ``native=False``).
+    """
+    if not native or t is None:
+        return
+    cap = devices.capability(t.device)
+    if cap is None or cap[0] < 10:
+        where = t.device.type if cap is None else f"sm{cap[0]}{cap[1]}"
+        raise ValueError(
+            f"{op}: native=True runs torch's MX GEMM, which needs an sm100 or sm120 GPU; these operands are on {where} "
+            "(pass native=False for the exact emulation)"
+        )
+
+
 def mm(a_qdata, a_scales, b_qdata, b_scales, out_dtype, native, b_dequantized=None, a_dequantized=None):
     """The body of ``mxfx::mm``: :func:`mxfx.kernels.mx.gemm_blackwell.mm` where ``native``, else the emulation."""
     check_call("mxfx::mm", out_dtype, a_qdata if a_qdata is not None else a_dequantized)
+    check_native("mxfx::mm", native, a_qdata if a_qdata is not None else a_dequantized)
     impl = gemm_blackwell.mm if native else _emulated_mm
     return impl(a_qdata, a_scales, b_qdata, b_scales, out_dtype, b_dequantized, a_dequantized)
 
@@ -143,6 +162,7 @@ def mm(a_qdata, a_scales, b_qdata, b_scales, out_dtype, native, b_dequantized=No
 def grouped_mm(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, native, b_dequantized=None, a_dequantized=None):
     """The body of ``mxfx::grouped_mm``, native or emulated as :func:`mm`."""
     check_call("mxfx::grouped_mm", out_dtype, a_qdata if a_qdata is not None else a_dequantized, offs)
+    check_native("mxfx::grouped_mm", native, a_qdata if a_qdata is not None else a_dequantized)
     impl = gemm_blackwell.grouped_mm if native else _emulated_grouped_mm
     return impl(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, b_dequantized, a_dequantized)
 
@@ -150,6 +170,7 @@ def grouped_mm(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, native, b_
 def grouped_mm_wgrad(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype, native):
     """The body of ``mxfx::grouped_mm_wgrad``, native or emulated as :func:`mm`."""
     check_call("mxfx::grouped_mm_wgrad", out_dtype, a_qdata)
+    check_native("mxfx::grouped_mm_wgrad", native, a_qdata)
     impl = gemm_blackwell.grouped_wgrad if native else _emulated_grouped_wgrad
     return impl(a_qdata, a_scales, b_qdata, b_scales, offs, out_dtype)
 
