@@ -211,6 +211,14 @@ def _interpreter_wgrad_checks(block_grouped, bq):
         bound = (end - start) * 2.0**-23 * (dh[start:end].t() @ xh[start:end])  # module docstring, K = tokens
         assert ((out[e] - ref[e]).abs() <= bound).all(), e
         start = end
+    # into a given gradient (strided, as a parameter's .grad may be): written, then added by the epilogue itself
+    grad = torch.full((len(sizes), 128, 64), float("nan")).transpose(1, 2)
+    assert block_grouped.grouped_wgrad(a, sa, b, sb, offs, out=grad) is grad
+    assert torch.equal(grad, out)  # the same sums, stored where asked (empty group 1: zeros over the NaNs)
+    prior = torch.randn(len(sizes), 64, 128, generator=g)
+    grad.copy_(prior)
+    block_grouped.grouped_wgrad(a, sa, b, sb, offs, out=grad, accumulate=True)
+    assert torch.equal(grad, prior + out)  # one FP32 add of the finished sum to what was there
 
 
 def _check_grouped(out, ref, a, sa, b, sb, sizes, out_dtype):

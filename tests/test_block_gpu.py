@@ -113,6 +113,14 @@ def test_grouped_wgrad_matches_reference():
         bound = 2.0**-10 * (dh.abs().t() @ xh.abs())
         assert ((out[e].cpu() - ref[e]).abs() <= bound).all(), e
         start = end
+    # into a strided gradient by the kernel's epilogue: the same sums written, then one FP32 add onto what was there
+    grad = torch.full((len(sizes), 384, 256), float("nan"), device="cuda").transpose(1, 2)
+    block_gemm.grouped_wgrad(dq, ds, xq, xs, offs.cuda(), out=grad)
+    assert torch.equal(grad, out)
+    prior = torch.randn(grad.shape, device="cuda")
+    grad.copy_(prior)
+    block_gemm.grouped_wgrad(dq, ds, xq, xs, offs.cuda(), out=grad, accumulate=True)
+    assert torch.equal(grad, prior + out)
 
 
 def _check_groups(out, ref, a, sa, b, sb, sizes):

@@ -404,8 +404,8 @@ def block_grouped_wgrad_into(
     accumulate: bool,
 ) -> None:
     """``mxfx::block_grouped_wgrad`` written into float32 ``out [G, N, K]`` or added to it
-    (:func:`mxfx.kernels.fp8_block.gemm.grouped_wgrad` with ``out``): by the reference's GEMMs themselves on the CPU;
-    on CUDA the Triton kernel's result is added in one more pass until the kernel takes ``out``."""
+    (:func:`mxfx.kernels.fp8_block.gemm.grouped_wgrad` with ``out``): by the reference's GEMMs themselves on the CPU,
+    by the Triton kernel's epilogue on CUDA."""
     gemm.grouped_wgrad(a, a_scales, b, b_scales, offs, out=out, accumulate=accumulate)
 
 

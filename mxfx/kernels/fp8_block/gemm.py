@@ -23,7 +23,7 @@ import torch
 
 from mxfx.numerics.block import dequantize_values, group_tile_capacity, group_tile_starts, n_tiles, tiled_rows
 from mxfx.device import has_triton, triton_available
-from mxfx.kernels.common.gemm import accumulate_into, check_out_dtype, mm_into
+from mxfx.kernels.common.gemm import check_out_dtype, mm_into
 from mxfx.kernels.common.launch import env_switch
 from mxfx.kernels.fp8_block import gemm_cublas
 from mxfx.numerics.layout import check_group_ends
@@ -212,8 +212,7 @@ def grouped_wgrad(
 
     With ``out`` (float32 ``[G, N, K]``, a parameter's gradient) the result is written there (``accumulate=False``)
     or added to it (``True``) and ``out`` is returned (``out_dtype`` is then ``out``'s): on the CPU by the reference's
-    GEMMs themselves; on CUDA the Triton kernel writes a new tensor that one pass adds (or copies) into ``out``,
-    until the kernel takes ``out`` and ``accumulate`` itself.
+    GEMMs themselves, on CUDA by the Triton kernel's epilogue (no result tensor, no second pass).
 
     Raises:
         TypeError / ValueError: dtypes, shapes or devices that do not pair up (named in the message), an ``out``
@@ -240,13 +239,9 @@ def grouped_wgrad(
     if triton_available(a):
         from mxfx.kernels.fp8_block import grouped_gemm_triton
 
-        result = grouped_gemm_triton.grouped_wgrad(
-            a, a_scales, b, b_scales, offs, out_dtype if out is None else out.dtype
+        return grouped_gemm_triton.grouped_wgrad(
+            a, a_scales, b, b_scales, offs, out_dtype, out=out, accumulate=accumulate
         )
-        if out is None:
-            return result
-        accumulate_into(out, result, accumulate)
-        return out
     return reference_grouped_wgrad(a, a_scales, b, b_scales, offs, out_dtype, out, accumulate)
 
 

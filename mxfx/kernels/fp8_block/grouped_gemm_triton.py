@@ -286,9 +286,11 @@ def _grouped_wgrad_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
 ):
-    """``C[g] = A[:, tokens of g] @ B[:, tokens of g]^T``: A ``[N, S]``, B ``[K, S]`` E4M3 with 1x128 scales per
-    group token tile (slot ``tile_start[g] + j``), one program per (output tile, group)."""
+    """``C[g] = A[:, tokens of g] @ B[:, tokens of g]^T`` (``ACCUMULATE``: ``C[g] +=``, one FP32 add of the finished
+    sum): A ``[N, S]``, B ``[K, S]`` E4M3 with 1x128 scales per group token tile (slot ``tile_start[g] + j``), one
+    program per (output tile, group)."""
     g = tl.program_id(1)
     tiles_k = tl.cdiv(K, BLOCK_K)
     ns = (tl.program_id(0) // tiles_k) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -320,8 +322,11 @@ def _grouped_wgrad_kernel(
         sa = tl.load(as_ptr + ns * s_asn + (slot0 + j) * s_ass, mask=n_ok, other=0.0)
         sb = tl.load(bs_ptr + ks * s_bsk + (slot0 + j) * s_bss, mask=k_ok, other=0.0)
         acc += partial * (sa[:, None] * sb[None, :])
-    c_ptrs = c_ptr + g.to(tl.int64) * s_cg + ns[:, None].to(tl.int64) * s_cn + ks[None, :] * s_ck
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
+    c_ptrs = c_ptr + g.to(tl.int64) * s_cg + ns[:, None].to(tl.int64) * s_cn + ks[None, :].to(tl.int64) * s_ck
+    c_ok = n_ok[:, None] & k_ok[None, :]
+    if ACCUMULATE:
+        acc += tl.load(c_ptrs, mask=c_ok, other=0.0)
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_ok)
 
 
 def grouped_wgrad(
@@ -332,14 +337,18 @@ def grouped_wgrad(
     offs: torch.Tensor,
     out_dtype: torch.dtype = torch.float32,
     *,
+    out: torch.Tensor | None = None,
+    accumulate: bool = False,
     config: tuple | None = None,
 ) -> torch.Tensor:
-    """Launch the grouped wgrad kernel; arguments as :func:`mxfx.kernels.fp8_block.gemm.grouped_wgrad`
-    after its checks."""
+    """Launch the grouped wgrad kernel; arguments as :func:`mxfx.kernels.fp8_block.gemm.grouped_wgrad` after its
+    checks: with ``out`` (float32 ``[G, N, K]``, any strides) the kernel writes the result there, or adds it
+    (``accumulate``), and returns ``out``."""
     n, _ = a.shape
     k = b.shape[0]
     g = offs.numel()
-    out = torch.empty((g, n, k), dtype=out_dtype, device=a.device)
+    if out is None:
+        out, accumulate = torch.empty((g, n, k), dtype=out_dtype, device=a.device), False
     if out.numel() == 0:
         return out
     interpret = a.device.type == "cpu"
@@ -363,6 +372,7 @@ def grouped_wgrad(
         BLOCK_N=bn,
         BLOCK_K=bk,
         BLOCK_T=TILE,
+        ACCUMULATE=accumulate,
         num_stages=stages,
         num_warps=warps,
     )
