@@ -100,13 +100,18 @@ def test_grouped_token_tiles_restart_at_each_group():
     offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
     x = torch.randn(sum(sizes) + 2, 64, generator=g)
     q, s = bf.quantize_1x128_grouped_tokens(x, offs)
-    assert s.shape == (bf.group_tile_capacity(x.shape[0], 4), 64)
+    slots = bf.group_tile_capacity(x.shape[0], 4)
+    assert s.shape == (slots, 64) and q.shape == (128 * slots, 64)
     assert bf.group_tile_starts(offs).tolist() == [0, 2, 2, 3]
+    written = torch.zeros(q.shape[0], dtype=torch.bool)
     for (start, end), slot in (((0, 130), 0), ((130, 135), 2), ((135, 391), 3)):
         rq, rs = bf.quantize_1x128(x[start:end], axis=0)
-        assert torch.equal(q[start:end].view(torch.uint8), rq.view(torch.uint8))
+        rows = slice(128 * slot, 128 * slot + end - start)  # each tile in a 128-row slot of its own
+        assert torch.equal(q[rows].view(torch.uint8), rq.view(torch.uint8))
         assert torch.equal(s[slot : slot + rs.shape[0]], rs)
-    assert (s[5:] == 1.0).all() and (q[391:].view(torch.uint8) == 0).all()
+        written[rows] = True
+    assert (s[5:] == 1.0).all() and (q[~written].view(torch.uint8) == 0).all()  # +0 in the rest of every slot
+    assert bf.group_token_slots(offs, x.shape[0]).tolist() == [*range(130), *range(256, 261), *range(384, 640), -1, -1]
     # the wgrad reference: per group dY^T X of the dequantized tiles
     dy = torch.randn(x.shape[0], 32, generator=g)
     dq, ds = bf.quantize_1x128_grouped_tokens(dy, offs)
@@ -201,11 +206,15 @@ def _interpreter_wgrad_checks(block_grouped, bq):
     (xq, xs), (dq, ds) = (bf.quantize_1x128_grouped_tokens(t, offs) for t in (x, dy))
     # the kernel's quantize: transposed qdata, the same scales (qdata but for the interpreter's carries)
     q, s = bq.quantize_1x128_grouped_tokens(x, offs)
-    _same((q, s), (xq.t(), xs.t()), (x / token_scales(xs, offs)).t())
+    scaled = torch.zeros(xq.shape)
+    scaled[bf.group_token_slots(offs, x.shape[0])] = x / token_scales(xs, offs)  # in the operand's slot layout
+    _same((q, s), (xq.t(), xs.t()), scaled.t())
     a, sa, b, sb = dq.t().contiguous(), ds.t(), xq.t().contiguous(), xs.t()
-    out = block_grouped.grouped_wgrad(a, sa, b, sb, offs)
+    out = block_grouped.grouped_wgrad(a, sa, b, sb, offs)  # contiguous: the tiles through TMA descriptors
+    assert torch.equal(block_grouped.grouped_wgrad(dq.t(), sa, xq.t(), sb, offs), out)  # strided: pointer loads
     ref = block_gemm.reference_grouped_wgrad(a, sa, b, sb, offs)
-    dh, xh = (bf.dequantize_values(t, token_scales(sc, offs), (-1,)).abs() for t, sc in ((dq, ds), (xq, xs)))
+    rows = bf.group_token_slots(offs, sum(sizes))  # each token's row in the slot layout
+    dh, xh = (bf.dequantize_values(t[rows], token_scales(sc, offs), (-1,)).abs() for t, sc in ((dq, ds), (xq, xs)))
     start = 0
     for e, end in enumerate(offs.tolist()):
         bound = (end - start) * 2.0**-23 * (dh[start:end].t() @ xh[start:end])  # module docstring, K = tokens
@@ -400,6 +409,38 @@ def test_grouped_kernel_compiles_to_fp8_wgmma(monkeypatch):
         config=config,
     )
     assert "UTMALDG" not in v.sass and any(m.startswith("QGMMA") for m in re.findall(r"\b([HQ]GMMA\S*)", v.sass))
+
+
+def test_grouped_wgrad_kernel_compiles_to_fp8_wgmma_without_spills(monkeypatch):
+    """For sm90 the grouped wgrad (its default tile, writing into a gradient) is E4M3 warpgroup MMAs on tiles that
+    TMA loads (the slot layout makes every token tile whole and 128-aligned), or pipelined async copies for a
+    strided operand, with no register spilled."""
+    from mxfx.kernels.fp8_block import grouped_gemm_triton as block_grouped
+
+    n, k, g, slots = 256, 384, 4, 12
+    a, sa = torch.zeros(n, 128 * slots, dtype=torch.float8_e4m3fn), torch.ones(slots, n).t()
+    b, sb = torch.zeros(k, 128 * slots, dtype=torch.float8_e4m3fn), torch.ones(slots, k).t()
+    offs = torch.tensor([100, 100, 300, 512], dtype=torch.int32)
+    grad = torch.zeros(g, n, k)
+    for a_, b_, load in ((a, b, "UTMALDG"), (a.t().contiguous().t(), b, "LDGSTS")):
+        (c,) = _sm90_launches(
+            monkeypatch,
+            block_grouped,
+            "_grouped_wgrad_kernel",
+            block_grouped.grouped_wgrad,
+            a_,
+            sa,
+            b_,
+            sb,
+            offs,
+            out=grad,
+            accumulate=True,
+            config=block_grouped.WGRAD_CONFIG,  # the GPU's tile (CPU tensors would take the interpreter's)
+        )
+        mmas = set(re.findall(r"\b([HQ]GMMA\.[0-9x]+\.F32\.[A-Z0-9]+\.[A-Z0-9]+)", c.sass))
+        assert mmas and all(m.endswith("E4M3.E4M3") for m in mmas), mmas
+        assert load in c.sass, load
+        assert c.counts.get("LDL", 0) == 0 and c.counts.get("STL", 0) == 0, "registers spilled to local memory"
 
 
 def test_quantize_kernels_compile_for_sm90(monkeypatch):

@@ -264,17 +264,18 @@ def _sm90_launches():
                 x.t(),
                 None,
                 None,
-                *bf.quantize_1x128_grouped_tokens(x, offs),
+                *bf.quantize_1x128_grouped_tokens(x, offs),  # qdata [128 * slots, K]: 512 columns
                 1,
-                torch.arange(384, dtype=torch.int32) % 256,
-                True,
+                torch.full((512,), -1, dtype=torch.int32).index_put_(  # each column's token, -1: padding
+                    (bf.group_token_slots(offs, 256),), torch.arange(256, dtype=torch.int32)
+                ),
             ),
         ),
     ]
     out = []
     for fn, args in configs:
         fixed = list(args)
-        if fn is block_stats.stats_vector and len(fixed) > 6:  # grouped: qdata [K, S], scales [K, slots]
+        if fn is block_stats.stats_vector and len(fixed) > 6:  # grouped: qdata [K, 128 * slots], scales [K, slots]
             fixed[3], fixed[4] = fixed[3].t(), fixed[4].t()
         out += sass.captured_launches([mx_stats, block_stats, common], fn, *fixed)
     return out

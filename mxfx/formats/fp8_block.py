@@ -24,7 +24,7 @@ from mxfx.kernels.fp8_block import custom_ops, device_path
 from mxfx.kernels.fp8_block import gemm as block_gemm
 from mxfx.kernels.common import swiglu
 from mxfx.kernels.common.custom_ops import swiglu_product
-from mxfx.numerics.block import TILE, dequantize_128x128, dequantize_values, group_tile_starts, n_tiles
+from mxfx.numerics.block import TILE, dequantize_128x128, dequantize_values, group_token_slots, n_tiles
 from mxfx.numerics.mx import E4M3_MAX
 from mxfx.runtime import cache, stats
 
@@ -106,21 +106,18 @@ FORMS = cache.register(
 
 
 def _group_tokens_parts(x: torch.Tensor, operand, offs: torch.Tensor) -> stats.Parts:
-    """Statistics parts of a grouped wgrad operand ``(qdata [K, S], scales [K, C])`` of ``x [S, K]``: 1x128 tiles along
-    each group's tokens, group g's at scale slots ``group_tile_starts(offs)[g] + j``; the rows past the last group
-    end (which no group reads) are left out."""
+    """Statistics parts of a grouped wgrad operand ``(qdata [K, 128 C], scales [K, C])`` of ``x [S, K]``: 1x128 tiles
+    along each group's tokens, one per 128-column slot, group g's at slots ``group_tile_starts(offs)[g] + j``; the
+    rows past the last group end (which no group reads) are left out."""
     q, s = operand[0], operand[1]
-    ends = offs.to(torch.int64)
-    t = torch.arange(int(ends[-1]), device=x.device)  # the rows some group reads
-    group = torch.searchsorted(ends, t, right=True)
-    first = F.pad(ends[:-1], (1, 0))  # each group's first row
-    slot = group_tile_starts(offs)[group] + (t - first[group]) // TILE
-    xt = x[: t.shape[0]].t()
+    column = group_token_slots(offs, int(offs[-1]))  # every token some group reads
+    slot = column // TILE
+    xt = x[: column.shape[0]].t()
     # a tile's scale says something when it holds a nonzero value and no value that is not finite (not an all-zero
     # tile's 1.0, nor an unused slot's)
     nonzero, nonfinite = (xt.new_zeros(s.shape).index_add_(1, slot, m.float()) for m in (xt != 0, ~torch.isfinite(xt)))
     live = (nonzero > 0) & (nonfinite == 0)
-    qt = q[:, : t.shape[0]].float()
+    qt = q[:, column].float()
     return stats.Parts(xt, qt * s[:, slot], qt.abs() == E4M3_MAX, torch.frexp(s[live])[1] - 1)
 
 
@@ -281,22 +278,14 @@ class FP8Block(Format):
             if layout == "tokens":  # the first tokens of a zero-padded operand (token_rows)
                 q, s = q[:, :tokens], s[:, : n_tiles(tokens)]
             else:
-                ends = offs.to(torch.int64)
-                t = torch.arange(tokens, device=a.device)
-                group = torch.searchsorted(ends, t, right=True)
-                read = group < ends.shape[0]  # the rows some group reads
-                group = group.clamp(max=ends.shape[0] - 1)
-                first = F.pad(ends[:-1], (1, 0))
-                column = TILE * group_tile_starts(offs)[group] + t - first[group]
+                column = group_token_slots(offs, tokens)  # -1: a row past the last group, which no group reads
                 width = TILE * s.shape[1]
                 col_map = torch.full((width + 1,), -1, dtype=torch.int32, device=a.device).scatter_(
-                    0, torch.where(read, column, width), t.to(torch.int32)
+                    0, torch.where(column >= 0, column, width), torch.arange(tokens, dtype=torch.int32, device=a.device)
                 )[:width]
         else:
             return None
-        return fused.stats_vector(
-            a, b, w, q, s, rows_per_scale, col_map, layout == "group_tokens", stats.HIST_MIN, stats.HIST_BINS
-        )
+        return fused.stats_vector(a, b, w, q, s, rows_per_scale, col_map, stats.HIST_MIN, stats.HIST_BINS)
 
     def given_input(self, given, x, up):
         if given is None:

@@ -250,12 +250,15 @@ def group_tile_starts(offs: torch.Tensor) -> torch.Tensor:
 def quantize_1x128_grouped_tokens(
     x: torch.Tensor, offs: torch.Tensor, rule: ScaleRule = "rceil"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """1x128 tiles down the token dim of ``x [S, K]``, restarting at every group start (grouped wgrad).
+    """1x128 tiles down the token dim of ``x [S, K]``, restarting at every group start (grouped wgrad), each tile
+    in a 128-row slot of its own.
 
     Group g owns rows ``[offs[g-1], offs[g])`` (``offs`` int32 cumulative ends, as ``torch._grouped_mm``);
-    its last tile is partial unless its size is a multiple of 128. Returns ``(qdata [S, K], scales
-    [group_tile_capacity(S, G), K])``: group g's tiles at slots ``group_tile_starts(offs)[g] + j``; the
-    slots past the last group's are 1.0. Rows past ``offs[-1]`` quantize as zeros' payload (+0).
+    its last tile is partial unless its size is a multiple of 128. Returns ``(qdata [128 * C, K], scales [C, K])``
+    with ``C = group_tile_capacity(S, G)``: group g's tile j in slot ``group_tile_starts(offs)[g] + j``, its
+    rows at ``128 * slot + i``; rows of a slot past the group's end, and the slots past the last group's, hold
+    +0 payload with scale 1.0. Every slot starts at a multiple of 128 rows, so a GEMM reads whole aligned tiles
+    and no mask. Rows past ``offs[-1]`` are in no group.
     """
     op = "mxfx.numerics.block.quantize_1x128_grouped_tokens"
     check_input(x, op, "fp8_block", min_dim=2)
@@ -263,15 +266,28 @@ def quantize_1x128_grouped_tokens(
     if x.dim() != 2:
         raise ValueError(f"{op}: needs x [S, K], got shape {tuple(x.shape)}")
     s, k = x.shape
-    q = torch.zeros(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
-    scales = torch.ones(group_tile_capacity(s, offs.numel()), k, dtype=torch.float32, device=x.device)
+    slots = group_tile_capacity(s, offs.numel())
+    q = torch.zeros(TILE * slots, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.ones(slots, k, dtype=torch.float32, device=x.device)
     start, slot = 0, 0
     with torch.no_grad():
         for end in offs.tolist():
             if end > start:
                 gq, gs = quantize_1x128_lastdim(x[start:end].t(), rule)
-                q[start:end] = gq.t()
+                q[TILE * slot : TILE * slot + end - start] = gq.t()
                 scales[slot : slot + gs.shape[1]] = gs.t()
                 slot += gs.shape[1]
             start = end
     return q, scales
+
+
+def group_token_slots(offs: torch.Tensor, rows: int) -> torch.Tensor:
+    """Row of each of ``rows`` tokens in a :func:`quantize_1x128_grouped_tokens` operand (int64 ``[rows]``): token t
+    of group g at ``128 * group_tile_starts(offs)[g] + t - offs[g-1]``; -1 for a token past ``offs[-1]``."""
+    ends = offs.to(torch.int64)
+    t = torch.arange(rows, device=offs.device)
+    group = torch.searchsorted(ends, t, right=True)
+    read = group < ends.shape[0]
+    group = group.clamp(max=max(ends.shape[0] - 1, 0))
+    first = torch.cat([ends.new_zeros(1), ends[:-1]])
+    return torch.where(read, TILE * group_tile_starts(offs)[group] + t - first[group], -1)

@@ -9,7 +9,7 @@ what cuBLAS reads; the fake implementations say so too), every qdata contiguous.
 * ``block_swiglu_quantize(gate, up, rule)``: the same of ``silu(gate) * up`` formed in fp32;
 * ``block_route_weight_quantize(dy [S, D], weight [S], rule)``: the same of ``dy * weight[:, None]`` in fp32;
 * ``block_quantize_tokens(x [T, K], rule)`` -> ``([K, T], [K, ceil(T/128)])``, 1x128 along tokens;
-* ``block_quantize_grouped_tokens(x [S, K], offs, rule)`` -> ``([K, S], [K, C])``, tiles restarting at every
+* ``block_quantize_grouped_tokens(x [S, K], offs, rule)`` -> ``([K, 128 C], [K, C])``, tiles restarting at every
   group start (``C = mxfx.numerics.block.group_tile_capacity(S, G)``);
 * ``block_forward_operands(x, up, tokens_src, offs, rule, pack)``: every quantization a forward makes of one
   GEMM input, in one op (see there);
@@ -25,7 +25,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from mxfx import library
-from mxfx.numerics.block import check_rule, group_tile_capacity, n_tiles
+from mxfx.numerics.block import TILE, check_rule, group_tile_capacity, n_tiles
 from mxfx.numerics.mx import check_input
 from mxfx.kernels.fp8_block import device_path, gemm
 from mxfx.kernels.common.gemm import accumulate_into, check_offs
@@ -201,7 +201,8 @@ def _(x, offs, rule):
     _check_inputs("block_quantize_grouped_tokens", rule, x=x)
     check_offs("mxfx::block_quantize_grouped_tokens", offs, x)
     t, k = x.shape
-    return x.new_empty((k, t), dtype=_E4M3), _fake_col_major(x, k, group_tile_capacity(t, offs.shape[0]))
+    slots = group_tile_capacity(t, offs.shape[0])
+    return x.new_empty((k, TILE * slots), dtype=_E4M3), _fake_col_major(x, k, slots)
 
 
 def _check_tokens_src(x: torch.Tensor, tokens_src: torch.Tensor, grouped: bool) -> None:

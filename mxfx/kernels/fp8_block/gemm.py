@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from mxfx.numerics.block import dequantize_values, group_tile_capacity, group_tile_starts, n_tiles, tiled_rows
+from mxfx.numerics.block import TILE, dequantize_values, group_tile_starts, n_tiles, tiled_rows
 from mxfx.device import has_triton, triton_available
 from mxfx.kernels.common.gemm import check_out_dtype, mm_into
 from mxfx.kernels.common.launch import env_switch
@@ -202,13 +202,13 @@ def grouped_wgrad(
     out: torch.Tensor | None = None,
     accumulate: bool = False,
 ) -> torch.Tensor:
-    """Grouped wgrad ``dW[g] = A[:, tokens of g] @ B[:, tokens of g]^T``: ``[N, S] x [K, S] -> [G, N, K]``.
+    """Grouped wgrad ``dW[g] = A[:, tokens of g] @ B[:, tokens of g]^T``: ``[N, 128 C] x [K, 128 C] -> [G, N, K]``.
 
-    A (dY^T) and B (X^T) are E4M3 in 1x128 tiles along the tokens S that restart at each group start, as
-    ``mxfx.kernels.fp8_block.quantize.quantize_1x128_grouped_tokens`` writes them: scales ``[N, C]`` and ``[K, C]``
-    with ``C = mxfx.numerics.block.group_tile_capacity(S, G)``, group g's tiles at slots
-    ``group_tile_starts(offs)[g] + j``. An empty group's dW is zeros. Triton on CUDA, the reference decode
-    elsewhere.
+    A (dY^T) and B (X^T) are E4M3 in 1x128 tiles along the tokens that restart at each group start, one tile per
+    128-column slot, as ``mxfx.kernels.fp8_block.quantize.quantize_1x128_grouped_tokens`` writes them (+0 past each
+    group's end): scales ``[N, C]`` and ``[K, C]`` with ``C = mxfx.numerics.block.group_tile_capacity(S, G)`` for S
+    routed tokens, group g's tiles at slots ``group_tile_starts(offs)[g] + j``. An empty group's dW is zeros.
+    Triton on CUDA, the reference decode elsewhere.
 
     With ``out`` (float32 ``[G, N, K]``, a parameter's gradient) the result is written there (``accumulate=False``)
     or added to it (``True``) and ``out`` is returned (``out_dtype`` is then ``out``'s): on the CPU by the reference's
@@ -219,10 +219,13 @@ def grouped_wgrad(
         that is not float32 ``[G, N, K]`` on A's device.
     """
     op = "mxfx.block_gemm.grouped_wgrad"
-    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
-        raise ValueError(f"{op}: needs A [N, S] and B [K, S] with one S, got {tuple(a.shape)} and {tuple(b.shape)}")
-    (n, s), k, g = a.shape, b.shape[0], offs.numel()
-    cap = group_tile_capacity(s, g)
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1] or a.shape[1] % TILE:
+        raise ValueError(
+            f"{op}: needs A [N, 128 C] and B [K, 128 C] with one C (token slots, as quantize_1x128_grouped_tokens "
+            f"writes them), got {tuple(a.shape)} and {tuple(b.shape)}"
+        )
+    (n, width), k, g = a.shape, b.shape[0], offs.numel()
+    cap = width // TILE
     _check_operand(a, a_scales, op, "A", [(n, cap)])
     _check_operand(b, b_scales, op, "B", [(k, cap)])
     check_out_dtype(out_dtype, op)
@@ -260,8 +263,9 @@ def reference_grouped_wgrad(
     for gi, end in enumerate(offs.tolist()):
         if end > start:
             slots = slice(starts[gi], starts[gi] + n_tiles(end - start))
-            x = dequantize_values(a[:, start:end], a_scales[:, slots], (-1,))
-            w = dequantize_values(b[:, start:end], b_scales[:, slots], (-1,))
+            cols = slice(TILE * slots.start, TILE * slots.start + end - start)  # the group's tokens, no padding
+            x = dequantize_values(a[:, cols], a_scales[:, slots], (-1,))
+            w = dequantize_values(b[:, cols], b_scales[:, slots], (-1,))
             mm_into(into[gi], x, w, accumulate)
         elif not accumulate:
             into[gi].zero_()

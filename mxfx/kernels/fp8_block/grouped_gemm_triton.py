@@ -264,8 +264,10 @@ WGRAD_CONFIG = (128, 128, 3, 8)
 @triton.jit
 def _grouped_wgrad_kernel(
     a_ptr,
+    a_desc,
     as_ptr,
     b_ptr,
+    b_desc,
     bs_ptr,
     offs_ptr,
     c_ptr,
@@ -287,38 +289,40 @@ def _grouped_wgrad_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_T: tl.constexpr,
     ACCUMULATE: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """``C[g] = A[:, tokens of g] @ B[:, tokens of g]^T`` (``ACCUMULATE``: ``C[g] +=``, one FP32 add of the finished
-    sum): A ``[N, S]``, B ``[K, S]`` E4M3 with 1x128 scales per group token tile (slot ``tile_start[g] + j``), one
-    program per (output tile, group)."""
+    sum): A ``[N, 128 C]``, B ``[K, 128 C]`` E4M3, group g's token tile j in the 128 columns of slot
+    ``tile_start[g] + j`` (+0 past the group's end) with its 1x128 scales there; one program per (output tile,
+    group). Every tile is whole and aligned: read through the TMA descriptors (``TMA``) or vector loads, masked
+    only at N and K."""
     g = tl.program_id(1)
     tiles_k = tl.cdiv(K, BLOCK_K)
-    ns = (tl.program_id(0) // tiles_k) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = (tl.program_id(0) % tiles_k) * BLOCK_K + tl.arange(0, BLOCK_K)
-    start = 0
-    end = 0
+    n0 = (tl.program_id(0) // tiles_k) * BLOCK_N
+    k0 = (tl.program_id(0) % tiles_k) * BLOCK_K
+    ns = n0 + tl.arange(0, BLOCK_N)
+    ks = k0 + tl.arange(0, BLOCK_K)
+    tiles = 0
     slot0 = 0
-    for f in range(0, G):  # this group's token range and first scale slot
+    for f in range(0, G):  # this group's tile count and first slot
         f_start = tl.load(offs_ptr + f - 1, mask=f > 0, other=0)
-        f_end = tl.load(offs_ptr + f)
-        hit = f == g
-        start = tl.where(hit, f_start, start)
-        end = tl.where(hit, f_end, end)
-        slot0 += tl.where(f < g, tl.cdiv(f_end - f_start, BLOCK_T), 0)
+        f_tiles = tl.cdiv(tl.load(offs_ptr + f) - f_start, BLOCK_T)
+        tiles = tl.where(f == g, f_tiles, tiles)
+        slot0 += tl.where(f < g, f_tiles, 0)
     n_ok = ns < N
     k_ok = ks < K
     ts = tl.arange(0, BLOCK_T)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for j in range(0, tl.cdiv(end - start, BLOCK_T)):
-        tok = start + j * BLOCK_T + ts
-        t_ok = tok < end
-        a = tl.load(
-            a_ptr + ns[:, None].to(tl.int64) * s_an + tok[None, :] * s_at, mask=n_ok[:, None] & t_ok[None, :], other=0.0
-        )
-        b = tl.load(
-            b_ptr + ks[:, None].to(tl.int64) * s_bk + tok[None, :] * s_bt, mask=k_ok[:, None] & t_ok[None, :], other=0.0
-        )
-        partial = tl.dot(a, tl.trans(b), out_dtype=tl.float32)
+    for j in range(0, tiles):
+        t0 = (slot0 + j) * BLOCK_T
+        if TMA:
+            a = a_desc.load([n0, t0])
+            b = b_desc.load([k0, t0])
+        else:
+            tok = t0 + ts
+            a = tl.load(a_ptr + ns[:, None].to(tl.int64) * s_an + tok[None, :] * s_at, mask=n_ok[:, None], other=0.0)
+            b = tl.load(b_ptr + ks[:, None].to(tl.int64) * s_bk + tok[None, :] * s_bt, mask=k_ok[:, None], other=0.0)
+        partial = tl.dot(a, b.T, out_dtype=tl.float32)
         sa = tl.load(as_ptr + ns * s_asn + (slot0 + j) * s_ass, mask=n_ok, other=0.0)
         sb = tl.load(bs_ptr + ks * s_bsk + (slot0 + j) * s_bss, mask=k_ok, other=0.0)
         acc += partial * (sa[:, None] * sb[None, :])
@@ -353,11 +357,14 @@ def grouped_wgrad(
         return out
     interpret = a.device.type == "cpu"
     bn, bk, stages, warps = config or ((32, 64, 1, 4) if interpret else WGRAD_CONFIG)
+    tma = _tma_ready(a) and _tma_ready(b)
     grid = (triton.cdiv(n, bn) * triton.cdiv(k, bk), g)
     _grouped_wgrad_kernel[grid](
         a,
+        TensorDescriptor.from_tensor(a, [bn, TILE]) if tma else None,
         a_scales,
         b,
+        TensorDescriptor.from_tensor(b, [bk, TILE]) if tma else None,
         b_scales,
         offs,
         out,
@@ -373,6 +380,7 @@ def grouped_wgrad(
         BLOCK_K=bk,
         BLOCK_T=TILE,
         ACCUMULATE=accumulate,
+        TMA=tma,
         num_stages=stages,
         num_warps=warps,
     )

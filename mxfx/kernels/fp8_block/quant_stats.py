@@ -69,7 +69,6 @@ def _block_stats_kernel(
     hist_min,
     COMBINE: tl.constexpr,
     COL_MAP: tl.constexpr,
-    Q_MAPPED: tl.constexpr,
     SR: tl.constexpr,
     HIST_BINS: tl.constexpr,
     BR: tl.constexpr,
@@ -96,7 +95,6 @@ def _block_stats_kernel(
         else:
             src = cols
             in_cols = cols < C
-        qcols = src if Q_MAPPED else cols
         srows = r0 // SR + tl.arange(0, SROWS)
         sb = c0 // 128 + an
         smask = (srows * SR < r_end)[:, None] & (sb < (C + 127) // 128)[None, :]
@@ -117,7 +115,7 @@ def _block_stats_kernel(
                 blk = tl.maximum(blk, tl.max(row_blk, axis=0, keep_dims=True))
             else:
                 blk = row_blk
-            qbits = tl.load(q_ptr + offsets(b, rows, qcols, sqb, sqr, sqc), mask=counted, other=0)
+            qbits = tl.load(q_ptr + offsets(b, rows, cols, sqb, sqr, sqc), mask=counted, other=0)
             q3 = tl.reshape(qbits.to(tl.float8e4nv, bitcast=True).to(tl.float32), [BR, NB, 128])
             dq = tl.reshape(q3 * scale[:, :, None], [BR, BC])
             part = merge(part, value_stats(x, dq, saturated_payload(qbits), counted))
@@ -138,7 +136,6 @@ def stats_vector(
     scales: torch.Tensor,
     rows_per_scale: int = 1,
     col_map: torch.Tensor | None = None,
-    q_mapped: bool = False,
     hist_min: int = -128,
     hist_bins: int = 256,
 ) -> torch.Tensor:
@@ -149,12 +146,11 @@ def stats_vector(
         a, b, w: the sources ``[R, C]`` or ``[B, R, C]`` (any strides, expanded views too) in the operand's layout:
             the values are ``a``, ``silu(a) * b`` (b: SwiGLU up) or ``a * w`` (w: route weights broadcast); b and w
             may be None.
-        qdata: float8_e4m3fn ``[.., R, C]`` (``[.., R, CS]`` read at the mapped columns when ``q_mapped``).
+        qdata: float8_e4m3fn ``[.., R, C]``, in the operand's layout (read at the operand's columns).
         scales: float32 ``[.., ceil(R / rows_per_scale), ceil(C / 128)]``, any strides.
         rows_per_scale: 1 (1x128 tiles along C) or 128 (128x128 blocks; they restart at every batch entry).
         col_map: int32 ``[C]``, the source column of each operand column, -1 where it counts nowhere (the region
             is then ``col_map``'s columns); None: column c is source column c.
-        q_mapped: qdata is indexed by the source column (the map's value) instead of the operand column.
         hist_min, hist_bins: the exponent histogram's first exponent and bins (a power of two).
 
     Raises:
@@ -165,7 +161,7 @@ def stats_vector(
     if rows_per_scale not in (1, TILE):
         raise ValueError(f"{op}: rows_per_scale={rows_per_scale} must be 1 or {TILE}")
     C = int(col_map.numel() if col_map is not None else a.shape[-1])
-    common.check_region(a, (b, w), (qdata,), a.shape[-1] if q_mapped else C, op)
+    common.check_region(a, (b, w), (qdata,), C, op)
     if scales.shape[:-1] != (*a.shape[:-2], n_tiles(a.shape[-2]) if rows_per_scale > 1 else a.shape[-2]) or (
         scales.shape[-1] < n_tiles(C)
     ):
@@ -198,7 +194,6 @@ def stats_vector(
         hist_min,
         COMBINE=common.combine_code(b, w),
         COL_MAP=col_map is not None,
-        Q_MAPPED=q_mapped,
         SR=rows_per_scale,
         HIST_BINS=hist_bins,
         BR=br,

@@ -130,8 +130,10 @@ def _quantize_kernel(
             seen += n
         rows = r0 + tl.arange(0, BR)
         R = r_end
+        q_rows = slot * BR + tl.arange(0, BR)  # the slot's own rows of qdata: +0 past the group's end
     else:
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        q_rows = rows
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     ok = (rows[:, None] < R) & (cols[None, :] < C)
     offs = b.to(tl.int64) * sxb + rows[:, None].to(tl.int64) * sxr + cols[None, :].to(tl.int64) * sxc
@@ -156,8 +158,9 @@ def _quantize_kernel(
         qbits = _encode(v, s, RCEIL)
         s_offs = tl.program_id(0) * ssr + tl.program_id(1) * ssc
         s_ok = True
-    q_offs = b.to(tl.int64) * sqb + rows[:, None].to(tl.int64) * sqr + cols[None, :].to(tl.int64) * sqc
-    tl.store(q_ptr + q_offs, qbits, mask=ok)
+    q_offs = b.to(tl.int64) * sqb + q_rows[:, None].to(tl.int64) * sqr + cols[None, :].to(tl.int64) * sqc
+    q_ok = ((q_rows[:, None] >= 0) & (cols[None, :] < C)) if GROUPED else ok
+    tl.store(q_ptr + q_offs, qbits, mask=q_ok)
     tl.store(s_ptr + b.to(tl.int64) * ssb + s_offs, s, mask=s_ok)
 
 
@@ -467,9 +470,10 @@ def quantize_1x128_colwise(x: torch.Tensor, rule: str = "rceil") -> tuple[torch.
 def quantize_1x128_grouped_tokens(
     x: torch.Tensor, offs: torch.Tensor, rule: str = "rceil"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Grouped wgrad operand: 1x128 tiles down the tokens of ``x [S, K]`` restarting at each group start
-    (``mxfx.numerics.block.quantize_1x128_grouped_tokens``), written transposed: qdata ``[K, S]`` (columns past
-    ``offs[-1]`` unwritten), scales ``[K, group_tile_capacity(S, G)]`` column-major (unused slots 1.0)."""
+    """Grouped wgrad operand: 1x128 tiles down the tokens of ``x [S, K]`` restarting at each group start, each in a
+    128-column slot (``mxfx.numerics.block.quantize_1x128_grouped_tokens``), written transposed: qdata
+    ``[K, 128 * C]`` (+0 past each group's end and in unused slots), scales ``[K, C]`` column-major (unused slots
+    1.0), ``C = group_tile_capacity(S, G)``."""
     op = "mxfx.block_quantize.quantize_1x128_grouped_tokens"
     check_input(x, op, "fp8_block", min_dim=1)
     if x.dim() != 2 or offs.dtype != torch.int32 or offs.dim() != 1 or offs.device != x.device:
@@ -480,9 +484,11 @@ def quantize_1x128_grouped_tokens(
     rceil = _rule(rule, op)
     t, k = x.shape
     slots = group_tile_capacity(t, offs.numel())
-    q = torch.empty((k, t), dtype=torch.uint8, device=x.device)
+    q = torch.empty((k, TILE * slots), dtype=torch.uint8, device=x.device)
     s = torch.ones((slots, k), dtype=torch.float32, device=x.device)
-    if t * k * offs.numel() > 0:
+    if t * k * offs.numel() == 0:
+        q.zero_()
+    else:
         grid = (slots, triton.cdiv(k, COLWISE_COLS), 1)
         launch(
             _quantize_kernel,
@@ -499,7 +505,7 @@ def quantize_1x128_grouped_tokens(
             *x.stride(),
             0,
             1,
-            t,
+            TILE * slots,
             0,
             k,
             1,
