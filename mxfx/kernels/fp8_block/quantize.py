@@ -398,10 +398,15 @@ def _tokens_input(x: torch.Tensor, rule: str, op: str) -> tuple[bool, tuple[int,
     return _rule(rule, op), tuple(x.shape)
 
 
-def quantize_1x128_dual(x: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor, ...]:
+DUAL_WARPS = 8
+"""Warps of a dual-quantize program (one 128 x 128 tile)."""
+
+
+def quantize_1x128_dual(x: torch.Tensor, rule: str = "rceil", *, warps: int = DUAL_WARPS) -> tuple[torch.Tensor, ...]:
     """Both 1x128 tilings of ``x [T, K]`` from one read: :func:`quantize_1x128` (along K) and
     :func:`quantize_1x128_colwise` (along the tokens), ``(q [T, K], s [T, ceil(K/128)], qt [K, T],
-    st [K, ceil(T/128)])``, both scale matrices column-major. Raises TypeError / ValueError naming this function for
+    st [K, ceil(T/128)])``, both scale matrices column-major; ``warps`` per 128 x 128 tile (the same bytes at any
+    count). Raises TypeError / ValueError naming this function for
     an input that is not 2D bf16/fp16/fp32, or an unknown rule."""
     rceil, (t, k) = _tokens_input(x, rule, "mxfx.block_quantize.quantize_1x128_dual")
     q, s = _new_rows_pair(t, k, x.device)
@@ -423,7 +428,7 @@ def quantize_1x128_dual(x: torch.Tensor, rule: str = "rceil") -> tuple[torch.Ten
             1,
             k,
             RCEIL=rceil,
-            num_warps=8,
+            num_warps=warps,
         )
     return q.view(torch.float8_e4m3fn), s.t(), qt.view(torch.float8_e4m3fn), st.t()
 
