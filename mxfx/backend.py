@@ -128,7 +128,7 @@ def _kernel_launch(policy: Policy, pm: report.PrecisionMap, example_inputs) -> s
     """How the rewritten graph's mxfx kernels are launched: the policy's ``kernels``, else the
     ``MXFX_OPAQUE_KERNELS`` switch, else "auto", which :func:`mxfx.policy.launch_cost.choose` settles from the
     graph's converted GEMMs. On CUDA the choice and its reason go in the precision map's header."""
-    switch = launch.env_switch(launch.OPAQUE_ENV, None)
+    switch = None if policy.kernels else launch.env_switch(launch.OPAQUE_ENV, None)  # read only where it decides
     mode = policy.kernels or {True: "opaque", False: "inductor", None: "auto"}[switch]
     why = f"policy kernels={mode!r}" if policy.kernels else f"{launch.OPAQUE_ENV}={int(bool(switch))}"
     if mode == "auto":
