@@ -72,7 +72,8 @@ class OpRecord:
         0,
         0,
     )  # nominal bytes of the saved input: (as the op as written saves it, as chosen)
-    macs: int | None = None  # a converted GEMM's forward multiply-accumulates (None: not one, or not known)
+    macs: int | None = None  # a converted GEMM's forward multiply-accumulates at the example shapes (size hints of
+    # dynamic dims, as the policy's min_size judges them); None: not a converted GEMM, or a data-dependent size
 
     def __post_init__(self):
         self.scale_rule = NONE if self.scale_rule is None else str(self.scale_rule)  # a ScaleRule prints as its value

@@ -598,3 +598,18 @@ def test_cublas_wrapper_guards_nothing_on_a_symbolic_row_count(monkeypatch):
         ).all()
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs == [graphs[0]] * 4, graphs
+
+
+def test_grouped_wgrad_refuses_group_ends_its_operands_were_not_made_with():
+    """On the host the reference reads ``offs``: group ends that are decreasing, or whose tiles do not fit the
+    operands' slots, raise naming the op (they would read other groups' tiles), as does the quantize."""
+    offs = torch.tensor([100, 300], dtype=torch.int32)
+    x = torch.randn(300, 64)
+    q, s = bf.quantize_1x128_grouped_tokens(x, offs)  # 3 tiles in 5 slots
+    a, sa = q.t().contiguous(), s.t()
+    assert block_gemm.grouped_wgrad(a, sa, a, sa, offs).shape == (2, 64, 64)
+    for bad in ([300, 100], [1, 2, 3, 4, 5, 300]):
+        with pytest.raises(ValueError, match=r"mxfx.block_gemm.grouped_wgrad: offs \["):
+            block_gemm.grouped_wgrad(a, sa, a, sa, torch.tensor(bad, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"quantize_1x128_grouped_tokens: offs \[100, 900\] .* at most the 300 rows"):
+        bf.quantize_1x128_grouped_tokens(x, torch.tensor([100, 900], dtype=torch.int32))

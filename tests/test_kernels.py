@@ -1003,6 +1003,7 @@ def test_launch_cost_choice():
     assert launch_cost.choose([int(even * 1.01), None])[0] == "inductor"
     mode, why = launch_cost.choose([int(even * 4), None])
     assert mode == "opaque" and "(2 converted GEMMs)" in why
+    assert launch_cost.choose([int(even * 4), -(10**15), float("nan")])[0] == "opaque"  # nonsense counts: no GPU time
 
 
 def test_traced_path_calls_the_ops_own_body(monkeypatch):

@@ -45,6 +45,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from mxfx.numerics.layout import check_group_ends
 from mxfx.numerics.mx import E4M3_MAX, check_input, check_output_dtype, scale_exponent
 
 TILE = 128
@@ -266,12 +267,16 @@ def quantize_1x128_grouped_tokens(
     if x.dim() != 2:
         raise ValueError(f"{op}: needs x [S, K], got shape {tuple(x.shape)}")
     s, k = x.shape
+    if offs.dim() != 1 or offs.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{op}: offs must be int32 [G] group ends, got {offs.dtype} {tuple(offs.shape)}")
+    ends = offs.tolist()
+    check_group_ends(ends, s, op)
     slots = group_tile_capacity(s, offs.numel())
     q = torch.zeros(TILE * slots, k, dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.ones(slots, k, dtype=torch.float32, device=x.device)
     start, slot = 0, 0
     with torch.no_grad():
-        for end in offs.tolist():
+        for end in ends:
             if end > start:
                 gq, gs = quantize_1x128_lastdim(x[start:end].t(), rule)
                 q[TILE * slot : TILE * slot + end - start] = gq.t()
@@ -279,6 +284,19 @@ def quantize_1x128_grouped_tokens(
                 slot += gs.shape[1]
             start = end
     return q, scales
+
+
+def check_group_slots(ends: list[int], slots: int, op: str) -> None:
+    """Raise ValueError naming ``op`` unless the cumulative group ends ``ends`` (read on the host) are non-negative,
+    non-decreasing and their groups' 128-token tiles fit in ``slots`` (an operand of
+    :func:`quantize_1x128_grouped_tokens` made with other group ends would be read at the wrong tiles)."""
+    check_group_ends(ends, max([0, *ends]), op)
+    tiles = sum(n_tiles(b - a) for a, b in zip([0, *ends], ends))
+    if tiles > slots:
+        raise ValueError(
+            f"{op}: offs {ends} make {tiles} tiles of 128 tokens, more than the operands' {slots} slots; quantize the "
+            f"operands with these group ends (quantize_1x128_grouped_tokens)"
+        )
 
 
 def group_token_slots(offs: torch.Tensor, rows: int) -> torch.Tensor:

@@ -26,12 +26,13 @@ GEMM_FLOPS = 600e12
 
 def choose(macs: Sequence[int | None]) -> tuple[str, str]:
     """``("opaque" | "inductor", why)`` for a graph whose converted GEMMs have these forward multiply-accumulates
-    (None: not known at compile time). ``why`` gives both estimates in milliseconds per call of the graph."""
+    (None, or not a positive count: not known at compile time, no GPU time counted). ``why`` gives both estimates
+    in milliseconds per call of the graph."""
     host = len(macs) * OPAQUE_HOST_S_PER_GEMM
-    gpu = 3 * 2 * sum(m for m in macs if m) / GEMM_FLOPS  # forward, dgrad, wgrad; 2 FLOPs a MAC
+    gpu = 3 * 2 * sum(m for m in macs if m is not None and m > 0) / GEMM_FLOPS  # fwd, dgrad, wgrad; 2 FLOPs a MAC
     mode = "opaque" if host <= gpu else "inductor"
     rel = "<=" if mode == "opaque" else ">"
     return mode, (
-        f"auto: custom ops' extra host time {host * 1e3:.2f} ms {rel} GEMM GPU time {gpu * 1e3:.2f} ms per call "
-        f"({len(macs)} converted GEMMs)"
+        f"auto: custom ops' extra host time {host * 1e3:.3g} ms {rel} GEMM GPU time {gpu * 1e3:.3g} ms per call "
+        f"({len(macs)} converted GEMM{'' if len(macs) == 1 else 's'})"
     )

@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from mxfx.numerics.block import TILE, dequantize_values, group_tile_starts, n_tiles, tiled_rows
+from mxfx.numerics.block import TILE, check_group_slots, dequantize_values, group_tile_starts, n_tiles, tiled_rows
 from mxfx.device import has_triton, triton_available
 from mxfx.kernels.common.gemm import check_out_dtype, mm_into
 from mxfx.kernels.common.launch import env_switch
@@ -208,7 +208,8 @@ def grouped_wgrad(
     128-column slot, as ``mxfx.kernels.fp8_block.quantize.quantize_1x128_grouped_tokens`` writes them (+0 past each
     group's end): scales ``[N, C]`` and ``[K, C]`` with ``C = mxfx.numerics.block.group_tile_capacity(S, G)`` for S
     routed tokens, group g's tiles at slots ``group_tile_starts(offs)[g] + j``. An empty group's dW is zeros.
-    Triton on CUDA, the reference decode elsewhere.
+    Triton on CUDA, the reference decode elsewhere (which checks ``offs`` against the operands' slots on the host;
+    CUDA reads no ``offs`` on the host: pass the group ends the operands were quantized with).
 
     With ``out`` (float32 ``[G, N, K]``, a parameter's gradient) the result is written there (``accumulate=False``)
     or added to it (``True``) and ``out`` is returned (``out_dtype`` is then ``out``'s): on the CPU by the reference's
@@ -258,9 +259,11 @@ def reference_grouped_wgrad(
         if out is not None
         else torch.empty((offs.numel(), a.shape[0], b.shape[0]), dtype=torch.float32, device=a.device)
     )
+    ends = offs.tolist()
+    check_group_slots(ends, a.shape[1] // TILE, "mxfx.block_gemm.grouped_wgrad")
     starts = group_tile_starts(offs).tolist()
     start = 0
-    for gi, end in enumerate(offs.tolist()):
+    for gi, end in enumerate(ends):
         if end > start:
             slots = slice(starts[gi], starts[gi] + n_tiles(end - start))
             cols = slice(TILE * slots.start, TILE * slots.start + end - start)  # the group's tokens, no padding
