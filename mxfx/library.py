@@ -31,31 +31,35 @@ def _library(qualname: str) -> tuple[torch.library.Library, str, str]:
     return library, namespace, name
 
 
+def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensor arguments of a call, those inside list arguments included."""
+    return [
+        t
+        for a in (*args, *kwargs.values())
+        for t in (a if isinstance(a, (list, tuple)) else (a,))
+        if isinstance(t, torch.Tensor)
+    ]
+
+
 def _refuse_autograd(qualname: str, args: tuple, kwargs: dict) -> None:
     """Raise where autograd would record a call of ``qualname``: grad mode on and a tensor argument (or one in a
     list) requiring grad. Torch's fallback for an op without a derivative would let the backward run and give a
     wrong or no gradient."""
     if not torch.is_grad_enabled():
         return
-    for a in (*args, *kwargs.values()):
-        for t in a if isinstance(a, (list, tuple)) else (a,):
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                raise RuntimeError(
-                    f"{qualname}: has no derivative, and an argument of shape {tuple(t.shape)} requires grad; call "
-                    f"it under torch.no_grad() (or on detached tensors), or use mxfx's autograd ops (mxfx.ops) "
-                    f"where a gradient must flow through it"
-                )
+    for t in _tensors(args, kwargs):
+        if t.requires_grad:
+            raise RuntimeError(
+                f"{qualname}: has no derivative, and an argument of shape {tuple(t.shape)} requires grad; call "
+                f"it under torch.no_grad() (or on detached tensors), or use mxfx's autograd ops (mxfx.ops) "
+                f"where a gradient must flow through it"
+            )
 
 
 def _one_device(qualname: str, args: tuple, kwargs: dict) -> None:
     """Raise unless every tensor argument (or one in a list) is on one device: the fake also answers a call with a
     meta tensor among real ones, and would give the first argument's device uninitialized memory."""
-    tensors = [
-        t
-        for a in (*args, *kwargs.values())
-        for t in (a if isinstance(a, (list, tuple)) else (a,))
-        if isinstance(t, torch.Tensor)
-    ]
+    tensors = _tensors(args, kwargs)
     if len({t.device for t in tensors}) > 1:
         shown = ", ".join(f"{tuple(t.shape)} on {t.device}" for t in tensors)
         raise ValueError(f"{qualname}: tensors on different devices ({shown}); move them to one device")

@@ -268,7 +268,7 @@ def quantize_1x128_grouped_tokens(
         raise ValueError(f"{op}: needs x [S, K], got shape {tuple(x.shape)}")
     s, k = x.shape
     if offs.dim() != 1 or offs.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{op}: offs must be int32 [G] group ends, got {offs.dtype} {tuple(offs.shape)}")
+        raise ValueError(f"{op}: offs must be int32 (or int64) [G] group ends, got {offs.dtype} {tuple(offs.shape)}")
     ends = offs.tolist()
     check_group_ends(ends, s, op)
     slots = group_tile_capacity(s, offs.numel())

@@ -159,7 +159,7 @@ def _quantize_kernel(
         s_offs = tl.program_id(0) * ssr + tl.program_id(1) * ssc
         s_ok = True
     q_offs = b.to(tl.int64) * sqb + q_rows[:, None].to(tl.int64) * sqr + cols[None, :].to(tl.int64) * sqc
-    q_ok = ((q_rows[:, None] >= 0) & (cols[None, :] < C)) if GROUPED else ok
+    q_ok = (cols[None, :] < C) if GROUPED else ok  # grouped: every row of the slot, its padding's +0 too
     tl.store(q_ptr + q_offs, qbits, mask=q_ok)
     tl.store(s_ptr + b.to(tl.int64) * ssb + s_offs, s, mask=s_ok)
 
