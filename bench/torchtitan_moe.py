@@ -221,7 +221,7 @@ def routed_gemms(dump_dir: Path) -> tuple[int, int] | None:
     files = sorted(dump_dir.glob("graph_*/precision.json"))
     if not files:
         return None
-    rows = [r for f in files for r in json.loads(f.read_text()) if r["kind"] == "grouped_mm"]
+    rows = [r for f in files for r in json.loads(f.read_text())["records"] if r["kind"] == "grouped_mm"]
     kept = [r for r in rows if not any(p in LOW_PRECISIONS for p in r["forward"].split("+"))]
     return len(rows), len(kept)
 

@@ -212,8 +212,19 @@ class PrecisionMap:
         )
 
     def to_json(self) -> str:
-        """The records as a JSON list of objects (written as ``precision.json``)."""
-        return json.dumps([dataclasses.asdict(r) for r in self.records], indent=1)
+        """The map as one JSON object (written as ``precision.json``): ``graph_id``, ``summary`` (the text table's
+        header line), ``kernels`` (how the graph's kernels are launched and why, "" on CPU), ``steps`` (pass ->
+        [seconds, nodes added]) and ``records`` (one object per record)."""
+        return json.dumps(
+            {
+                "graph_id": self.graph_id,
+                "summary": self.summary(),
+                "kernels": self.kernels,
+                "steps": self.steps,
+                "records": [dataclasses.asdict(r) for r in self.records],
+            },
+            indent=1,
+        )
 
 
 def register(pm: PrecisionMap) -> None:

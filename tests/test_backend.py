@@ -2,6 +2,7 @@
 
 import copy
 import dataclasses
+import json
 import pickle
 import subprocess
 import sys
@@ -88,6 +89,13 @@ def test_policy_decisions_first_match_wins(tmp_path):
     toml.write_text('scale_rule = "floor"\n[[rules]]\nmodule = "*.o_proj"\nprecision = "bf16"\n')
     q = Policy.from_toml(toml)
     assert q.scale_rule == "floor" and q.decide("linear", "layers.3.o_proj").precision == "bf16"
+    bad = tmp_path / "bad.toml"
+    bad.write_text('scale_rul = "floor"\n')  # an unknown key: the error names the file and the valid keys
+    with pytest.raises(ValueError, match=r"policy file '.*bad.toml': .*unknown option key\(s\) \['scale_rul'\]"):
+        Policy.from_toml(bad)
+    bad.write_text("scale_rule = floor\n")  # not TOML (an unquoted string)
+    with pytest.raises(ValueError, match=r"'.*bad.toml' is not valid TOML"):
+        Policy.from_toml(bad)
 
 
 def test_policy_env_when_no_options(tmp_path, monkeypatch):
@@ -113,6 +121,9 @@ def test_dump_dir_and_env(tmp_path, monkeypatch):
     assert "torch._C._nn.linear" in before and "mx_linear" not in before
     assert after.count("mx_linear(") == 1 and after.count("torch._C._nn.linear(") == 1  # 32->64 rewritten; 64->48 kept
     assert "features 64->48 are not multiples of 32" in prec and "mxfp8" in prec
+    data = json.loads((folder / "precision.json").read_text())
+    assert data["summary"] == prec.splitlines()[0].removeprefix("# mxfx precision map, ")
+    assert [r["forward"] for r in data["records"]] == ["mxfp8", "fp32"] and "lint + recompile" in data["steps"]
     torch._dynamo.reset()
     env_dir = tmp_path / "env"
     monkeypatch.setenv("MXFX_DUMP_DIR", str(env_dir))

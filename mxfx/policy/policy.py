@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import os
+import tomllib
 from dataclasses import dataclass, field
 from collections.abc import Mapping
 from typing import Any, Callable
@@ -706,11 +707,21 @@ class Policy(_NamedFields):
 
     @classmethod
     def from_toml(cls, path: str | os.PathLike) -> "Policy":
-        """Read a policy from a TOML file with the same keys (rules as ``[[rules]]`` tables)."""
-        import tomllib
+        """Read a policy from a TOML file with the same keys (rules as ``[[rules]]`` tables).
 
+        Raises:
+            ValueError / TypeError: the file is not TOML, or its keys or values are not a policy's; the message
+                names the file.
+        """
         with open(path, "rb") as f:
-            return cls.from_options(tomllib.load(f))
+            try:
+                table = tomllib.load(f)
+            except tomllib.TOMLDecodeError as e:
+                raise ValueError(f"mxfx policy: {os.fspath(path)!r} is not valid TOML: {e}") from e
+        try:
+            return cls.from_options(table)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"mxfx policy file {os.fspath(path)!r}: {e}") from e
 
     def stats_site(self, module: str) -> str:
         """The statistics site prefix of the ops of ``module`` (its name, ``"<root>"`` for the model's own ops) when
