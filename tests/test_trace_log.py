@@ -61,7 +61,7 @@ def test_precision_map_and_graphs_in_torch_trace(logged):
                 artifacts[meta["name"]] = "\n".join(payload)
     assert {"mxfx_graph_before", "mxfx_precision_map", "mxfx_precision_map_json", "mxfx_graph_after"} <= set(artifacts)
     assert "linear: 2 mxfp8 / 0 kept" in artifacts["mxfx_precision_map"]
-    records = json.loads(artifacts["mxfx_precision_map_json"])
+    records = json.loads(artifacts["mxfx_precision_map_json"])["records"]
     assert [r["kind"] for r in records if r["forward"] == "mxfp8"].count("linear") == 2
     assert "mx_linear" in artifacts["mxfx_graph_after"] and "mx_linear" not in artifacts["mxfx_graph_before"]
 
