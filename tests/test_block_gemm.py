@@ -220,6 +220,23 @@ def _interpreter_wgrad_checks(block_grouped, bq):
         bound = (end - start) * 2.0**-23 * (dh[start:end].t() @ xh[start:end])  # module docstring, K = tokens
         assert ((out[e] - ref[e]).abs() <= bound).all(), e
         start = end
+    # a routed gradient's two operands from one read: the rows (dgrad) and the group-token tiles (wgrad) of
+    # dy * route formed in fp32; K = 320 (a partial tile), 60 rows past the last group end (row tiles only)
+    dy = torch.randn(sum(sizes) + 60, 320, generator=g) * 5
+    route = 2.0 ** torch.randint(-3, 4, (dy.shape[0],), generator=g).float()
+    route[9] = 0.0
+    for w in (None, route):
+        v = dy if w is None else dy * w[:, None]
+        q, s, qt, st = bq.quantize_1x128_grouped_dual(dy, offs, route=w)
+        ref = bf.quantize_1x128(v)
+        _same((q, s), ref, v / ref[1].repeat_interleave(128, 1)[:, :320])
+        tq, ts = bf.quantize_1x128_grouped_tokens(v, offs)
+        scaled = torch.zeros(tq.shape)
+        scaled[bf.group_token_slots(offs, sum(sizes))] = v[: sum(sizes)] / token_scales(ts, offs)
+        _same((qt, st), (tq.t(), ts.t()), scaled.t())
+    q, s, qt, st = bq.quantize_1x128_grouped_dual(dy, offs[:0])  # no group: rows only, every slot unused
+    _same((q, s), bf.quantize_1x128(dy), dy / bf.quantize_1x128(dy)[1].repeat_interleave(128, 1)[:, :320])
+    assert not qt.view(torch.uint8).any() and (st == 1).all()
     # into a given gradient (strided, as a parameter's .grad may be): written, then added by the epilogue itself
     grad = torch.full((len(sizes), 128, 64), float("nan")).transpose(1, 2)
     assert block_grouped.grouped_wgrad(a, sa, b, sb, offs, out=grad) is grad
@@ -459,6 +476,22 @@ def test_quantize_kernels_compile_for_sm90(monkeypatch):
         kernel = "_weight_quantize_kernel" if fn is bq.quantize_128x128 else "_quantize_kernel"
         (c,) = _sm90_launches(monkeypatch, bq, kernel, fn, *args)
         assert c.counts.get("STG", 0) > 0, fn.__name__
+
+
+def test_dual_quantize_kernels_compile_for_sm90_without_spills(monkeypatch):
+    """Both tilings from one read, dense and grouped with route weights: one sm90 kernel each, storing four
+    outputs, within the register file (a spill would put every tile through local memory)."""
+    from mxfx.kernels.fp8_block import quantize as bq
+
+    x = torch.zeros(256, 384, dtype=torch.bfloat16)
+    offs = torch.tensor([100, 256], dtype=torch.int32)
+    for fn, args, kw in (
+        (bq.quantize_1x128_dual, (x,), {}),
+        (bq.quantize_1x128_grouped_dual, (x, offs), {"route": torch.ones(256)}),
+    ):
+        (c,) = _sm90_launches(monkeypatch, bq, "_dual_kernel", fn, *args, **kw)
+        assert c.counts.get("STG", 0) > 0, fn.__name__
+        assert c.counts.get("LDL", 0) == 0 and c.counts.get("STL", 0) == 0, (fn.__name__, c.registers)
 
 
 def test_weight_quantize_compiles_once_per_process():

@@ -104,6 +104,16 @@ def test_grouped_wgrad_matches_reference():
     for got, t in (((xq, xs), x), ((dq, ds), dy)):  # bit-exact against the CPU reference, transposed
         rq, rs = bf.quantize_1x128_grouped_tokens(t, offs)
         _same(got, (rq.t(), rs.t()))
+    # dY's dgrad rows and wgrad tiles from one read, times the route weights (fp32 products, so bit-exact),
+    # with 50 rows past the last group end (row tiles only)
+    tail = torch.cat([dy, torch.randn(50, 256, generator=g).bfloat16()])
+    route = torch.rand(tail.shape[0], generator=g)
+    for w in (None, route):
+        v = tail.float() if w is None else tail.float() * w[:, None]
+        q, s, qt, st = bq.quantize_1x128_grouped_dual(tail.cuda(), offs.cuda(), route=None if w is None else w.cuda())
+        _same((q, s), bf.quantize_1x128(v))
+        rq, rs = bf.quantize_1x128_grouped_tokens(v, offs)
+        _same((qt, st), (rq.t(), rs.t()))
     out = block_gemm.grouped_wgrad(dq, ds, xq, xs, offs.cuda())
     ref = block_gemm.reference_grouped_wgrad(*_cpu(dq, ds, xq, xs), offs, torch.float32)
     start = 0

@@ -511,3 +511,52 @@ def test_routed_dgrad_quantizes_dy_times_route_weights_in_one_op():
         torch.ops.mxfx.block_route_weight_quantize(dout, rw.long(), "rceil")
     with pytest.raises(TypeError, match=r"mxfx.grouped_mm: route_weight of shape \(96,\) has dtype torch.int64"):
         mx_grouped_mm_op(x, w, offs, route_weight=rw.long(), format="fp8_block")
+
+
+def test_routed_fp8_wgrad_makes_both_dy_operands_in_one_op():
+    """With the routed wgrad in FP8 the backward makes dY x route weight's dgrad rows and its group-token tiles in
+    one op (one read of dout, the product never in memory), and the gradients equal the same op's with the two
+    quantizes made apart (the format's default composition): the same operands, so the same bits."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from mxfx.formats.base import Format
+
+    class Calls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(300, 256, generator=g).bfloat16()
+    w = torch.randn(3, 128, 256, generator=g) * 0.1
+    rw = torch.rand(300, generator=g)
+    offs = torch.tensor([100, 100, 300], dtype=torch.int32)  # an empty group
+    dout = torch.randn(300, 128, generator=g)
+
+    def grads(split: bool):
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = mx_grouped_mm_op(xs, ws, offs, route_weight=rw, out_dtype=torch.float32, format="fp8_block", wgrad="mxfp8")
+        fmt = formats.get("fp8_block")
+        with Calls() as calls:
+            if split:  # the base class's composition: the dgrad quantize, then the group-token quantize
+                with pytest.MonkeyPatch.context() as mp:
+                    mp.setattr(type(fmt), "grouped_grad_operands", Format.grouped_grad_operands)
+                    y.backward(dout)
+            else:
+                y.backward(dout)
+        return xs.grad, ws.grad, calls.seen
+
+    dx, dw, seen = grads(split=False)
+    assert seen.count("mxfx.block_grouped_grad_operands") == 1, seen
+    # x's group-token tiles were made by the forward (saved for the FP8 wgrad): no quantize of them here
+    assert "mxfx.block_route_weight_quantize" not in seen and "mxfx.block_quantize_grouped_tokens" not in seen
+    dx2, dw2, seen2 = grads(split=True)
+    assert "mxfx.block_grouped_grad_operands" not in seen2 and seen2.count("mxfx.block_quantize_grouped_tokens") == 1
+    assert torch.equal(dx, dx2) and torch.equal(dw, dw2)
+    assert dw.abs().sum() > 0 and (dw[1] == 0).all()  # the empty group's gradient is zero
+    with pytest.raises(ValueError, match=r"mxfx::block_grouped_grad_operands: weight must be one route weight"):
+        torch.ops.mxfx.block_grouped_grad_operands(dout, rw[:50], offs, "rceil")

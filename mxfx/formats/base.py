@@ -235,6 +235,13 @@ class Format:
         weights when given (FP32), the tensor the wgrad reads."""
         raise NotImplementedError
 
+    def grouped_grad_operands(self, dout, route_weight, offs, rule) -> tuple[Operand, Operand]:
+        """``(dgrad A operand, wgrad operand)`` of a grouped GEMM's output gradient, both of ``dout`` times the route
+        weights when given: :meth:`grouped_grad_operand`'s first and :meth:`grouped_tokens_operand` of its ``dy``.
+        A format whose kernel makes both from one read of ``dout`` overrides this."""
+        rows, dy = self.grouped_grad_operand(dout, route_weight, rule)
+        return rows, self.grouped_tokens_operand(dy, offs, rule)
+
     def tokens_operand(self, x, rule) -> Operand:
         """Token-blocked wgrad operand of a linear input ``x [M, K]`` kept in high precision."""
         raise NotImplementedError

@@ -183,6 +183,11 @@ class FP8Block(Format):
         rw = route_weight.reshape(-1)
         return tuple(custom_ops.block_route_weight_quantize(dout, rw, str(rule))), route_weighted(dout, rw)
 
+    def grouped_grad_operands(self, dout, route_weight, offs, rule):
+        rw = None if route_weight is None else route_weight.reshape(-1)
+        q, s, qt, st = custom_ops.block_grouped_grad_operands(dout, rw, offs, str(rule))
+        return (q, s), (qt, st)
+
     def tokens_operand(self, x, rule):
         return tuple(custom_ops.block_quantize_tokens(_pad_tokens(x), str(rule)))
 

@@ -110,8 +110,14 @@ class _GroupedMM(torch.autograd.Function):
         if has_rw:
             d_rw = (dout.float() * y_unweighted.float()).sum(-1).reshape(route_weight.shape).to(route_weight.dtype)
         need_dx = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        low_wgrad = ctx.needs_input_grad[2] and settings.wgrad == "mxfp8"
+        dy_tokens = None
         if need_dx:
-            dy_rows, dy = fmt.grouped_grad_operand(dout, route_weight, rule)
+            if low_wgrad:  # dY's dgrad and wgrad operands, from one read where the format's kernel can
+                dy_rows, dy_tokens = fmt.grouped_grad_operands(dout, route_weight, offs, rule)
+                dy = route_weighted(dout, route_weight) if settings.stats else None  # what statistics compare to
+            else:
+                dy_rows, dy = fmt.grouped_grad_operand(dout, route_weight, rule)
             settings.observe("grouped_mm", "dgrad_dy", "rows", (dy,), dy_rows)
             w = fmt.weight_operand(weight, rule, "dgrad", settings.keep_dequantized_weights)
             dh = fmt.grouped_mm(dy_rows, w, offs, ctx.x_dtype)
@@ -122,8 +128,9 @@ class _GroupedMM(torch.autograd.Function):
         else:
             dy = route_weighted(dout, route_weight)
         if ctx.needs_input_grad[2]:
-            if settings.wgrad == "mxfp8":
-                dy_tokens = fmt.grouped_tokens_operand(dy, offs, rule)
+            if low_wgrad:
+                if dy_tokens is None:
+                    dy_tokens = fmt.grouped_tokens_operand(dy, offs, rule)
                 settings.observe("grouped_mm", "wgrad_dy", "group_tokens", (dy,), dy_tokens, offs=offs)
                 x_tokens = wgrad_input
                 if ctx.keep_x:  # saved as given: quantized along each group's tokens now

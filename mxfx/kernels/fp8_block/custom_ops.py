@@ -11,6 +11,8 @@ what cuBLAS reads; the fake implementations say so too), every qdata contiguous.
 * ``block_quantize_tokens(x [T, K], rule)`` -> ``([K, T], [K, ceil(T/128)])``, 1x128 along tokens;
 * ``block_quantize_grouped_tokens(x [S, K], offs, rule)`` -> ``([K, 128 C], [K, C])``, tiles restarting at every
   group start (``C = mxfx.numerics.block.group_tile_capacity(S, G)``);
+* ``block_grouped_grad_operands(dy [S, D], weight [S] | None, offs, rule)``: the two above of ``dy`` (times the
+  route weights) from one read, the dgrad and wgrad operands of a routed gradient;
 * ``block_forward_operands(x, up, tokens_src, offs, rule, pack)``: every quantization a forward makes of one
   GEMM input, in one op (see there);
 * ``block_mm``, ``block_grouped_mm``, ``block_grouped_wgrad``: :mod:`mxfx.kernels.fp8_block.gemm`'s GEMMs;
@@ -203,6 +205,37 @@ def _(x, offs, rule):
     t, k = x.shape
     slots = group_tile_capacity(t, offs.shape[0])
     return x.new_empty((k, TILE * slots), dtype=_E4M3), _fake_col_major(x, k, slots)
+
+
+def _grouped_grad_operands(
+    dy: torch.Tensor, weight: torch.Tensor | None, offs: torch.Tensor, rule: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    op = "block_grouped_grad_operands"
+    _check_inputs(op, rule, dy=dy)
+    if weight is not None:
+        _check_route_weight(op, dy, weight)
+    check_offs(f"mxfx::{op}", offs, dy)
+    q, s, qt, st = device_path.quantize_1x128_grouped_dual(dy, offs, rule, weight)
+    return q.contiguous(), column_major(s), qt.contiguous(), column_major(st)
+
+
+@library.custom_op("mxfx::block_grouped_grad_operands", mutates_args=())
+def _block_grouped_grad_operands_op(
+    dy: torch.Tensor, weight: torch.Tensor | None, offs: torch.Tensor, rule: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _grouped_grad_operands(dy, weight, offs, rule)
+
+
+@library.register_fake(_block_grouped_grad_operands_op)
+def _(dy, weight, offs, rule):
+    op = "block_grouped_grad_operands"
+    _check_inputs(op, rule, dy=dy)
+    if weight is not None:
+        _check_route_weight(op, dy, weight)
+    check_offs(f"mxfx::{op}", offs, dy)
+    t, k = dy.shape
+    slots = group_tile_capacity(t, offs.shape[0])
+    return (*_rows_fake(dy), dy.new_empty((k, TILE * slots), dtype=_E4M3), _fake_col_major(dy, k, slots))
 
 
 def _check_tokens_src(x: torch.Tensor, tokens_src: torch.Tensor, grouped: bool) -> None:
@@ -453,6 +486,15 @@ block_quantize_grouped_tokens = op_or_body(
     """``x [S, K]``,
 ``offs`` -> ``(qdata [K, S], scales [K, C])``, 1x128 along each group's tokens
 (``mxfx::block_quantize_grouped_tokens``).""",
+)
+block_grouped_grad_operands = op_or_body(
+    _block_grouped_grad_operands_op,
+    _grouped_grad_operands,
+    """Both operands of a routed
+gradient from one read (``mxfx::block_grouped_grad_operands``): ``dy [S, D]`` (times ``weight[:, None]``, one
+route weight per row, formed in fp32, where ``weight`` is given) -> ``(qdata [S, D], scales [S, ceil(D/128)])`` of
+:func:`block_quantize` (the dgrad operand) and ``(qdata [D, 128 C], scales [D, C])`` of
+:func:`block_quantize_grouped_tokens` (the wgrad operand).""",
 )
 block_forward_operands = op_or_body(
     _block_forward_operands_op,

@@ -87,6 +87,18 @@ def quantize_1x128_grouped_tokens(
     return q.t().contiguous(), s.t()
 
 
+def quantize_1x128_grouped_dual(
+    x: torch.Tensor, offs: torch.Tensor, rule: str = "rceil", route: torch.Tensor | None = None
+) -> tuple[torch.Tensor, ...]:
+    """:func:`quantize_1x128` and :func:`quantize_1x128_grouped_tokens` of ``x [S, K]`` (times ``route[:, None]``,
+    ``route [S]``, formed in float32), from one read on CUDA: ``(q [S, K], s [S, ceil(K/128)], qt [K, 128 C],
+    st [K, C])``."""
+    if triton_available(x):
+        return _triton().quantize_1x128_grouped_dual(x, offs, rule, route=route)
+    v = x if route is None else x.float() * route.reshape(-1, 1).float()
+    return (*quantize_1x128(v, rule), *quantize_1x128_grouped_tokens(v, offs, rule))
+
+
 def quantize_128x128(w: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
     """128x128 blocks over the last two dims: ``(qdata [..., N, K], scales [..., ceil(N/128), ceil(K/128)])``."""
     if triton_available(w):

@@ -214,12 +214,16 @@ def _swiglu_save_kernel(
 @triton.jit
 def _dual_kernel(
     x_ptr,
+    w_ptr,
+    offs_ptr,
     q_ptr,
     s_ptr,
     qt_ptr,
     st_ptr,
     T,
     K,
+    G,
+    QT_ROW,
     sxr,
     sxc,
     ssr,
@@ -227,22 +231,63 @@ def _dual_kernel(
     sstr,
     sstc,
     RCEIL: tl.constexpr,
+    ROUTE: tl.constexpr,
+    GROUPED: tl.constexpr,
 ):
-    """Both 1x128 tilings of a ``[128 tokens, 128 features]`` tile of ``x [T, K]`` from one read: along K into
-    ``q [T, K]`` / ``s [T, ceil(K/128)]``, along the tokens into ``qt [K, T]`` / ``st [K, ceil(T/128)]`` (scales
-    through their strides)."""
-    rows = tl.program_id(0) * 128 + tl.arange(0, 128)
+    """Both 1x128 tilings of a ``[128 tokens, 128 features]`` tile of ``x [T, K]`` (times ``w[t]`` per row with
+    ``ROUTE``, in fp32) from one read: along K into ``q [T, K]`` / ``s [T, ceil(K/128)]``, along the tokens into
+    ``qt [K, QT_ROW]`` / ``st [K, tiles]`` (scales through their strides).
+
+    ``GROUPED``: the token tiles restart at each group start of ``offs [G]``; program 0-index ``p`` below the slot
+    count (``num_programs(0) - ceil(T/128)``) takes slot ``p``'s tile (its rows, and all 128 columns of the slot in
+    ``qt``: +0 past the group's end, scale 1 in an unused slot); the ``ceil(T/128)`` programs after them write the
+    row tiles of the rows past ``offs[G-1]``, which no slot holds, and nothing else."""
+    p = tl.program_id(0)
     cols = tl.program_id(1) * 128 + tl.arange(0, 128)
-    ok = (rows[:, None] < T) & (cols[None, :] < K)
-    v = tl.load(x_ptr + rows[:, None].to(tl.int64) * sxr + cols[None, :].to(tl.int64) * sxc, mask=ok, other=0.0).to(
-        tl.float32
-    )
-    qbits, s = _row_tiles(v, RCEIL)
-    tl.store(q_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], qbits, mask=ok)
-    tl.store(s_ptr + rows.to(tl.int64) * ssr + tl.program_id(1) * ssc, s, mask=rows < T)
-    qbits, s = _col_tiles(v, RCEIL)
-    tl.store(qt_ptr + cols[None, :].to(tl.int64) * T + rows[:, None], qbits, mask=ok)
-    tl.store(st_ptr + cols.to(tl.int64) * sstr + tl.program_id(0) * sstc, s, mask=cols < K)
+    if GROUPED:
+        slots = tl.num_programs(0) - tl.cdiv(T, 128)
+        in_slot = p < slots
+        s0 = 0
+        s_lo = 0
+        s_end = 0  # an unused slot: no rows
+        seen = 0
+        for g in range(0, G):  # a slot program's group: the tile's first row, the group's start and end
+            start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
+            end = tl.load(offs_ptr + g)
+            n = tl.cdiv(end - start, 128)
+            hit = (p >= seen) & (p < seen + n)
+            s0 = tl.where(hit, start + (p - seen) * 128, s0)
+            s_lo = tl.where(hit, start, s_lo)
+            s_end = tl.where(hit, end, s_end)
+            seen += n
+        r0 = tl.where(in_slot, s0, (p - slots) * 128)  # a tail program: its rows past the last group end
+        r_lo = tl.where(in_slot, s_lo, tl.load(offs_ptr + G - 1))
+        r_end = tl.where(in_slot, s_end, T)
+    else:
+        in_slot = True
+        r0 = p * 128
+        r_lo = 0
+        r_end = T
+    rows = r0 + tl.arange(0, 128)
+    row_ok = (rows >= r_lo) & (rows < r_end)
+    if r0 + 128 > r_lo:  # false only for a tail program wholly before the last group end
+        ok = row_ok[:, None] & (cols[None, :] < K)
+        v = tl.load(x_ptr + rows[:, None].to(tl.int64) * sxr + cols[None, :].to(tl.int64) * sxc, mask=ok, other=0.0).to(
+            tl.float32
+        )
+        if ROUTE:
+            v = v * tl.load(w_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+        qbits, s = _row_tiles(v, RCEIL)
+        tl.store(q_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], qbits, mask=ok)
+        tl.store(s_ptr + rows.to(tl.int64) * ssr + tl.program_id(1) * ssc, s, mask=row_ok)
+        if in_slot:
+            qbits, s = _col_tiles(v, RCEIL)
+            qt_rows = qt_ptr + cols[None, :].to(tl.int64) * QT_ROW
+            if GROUPED:  # every column of the slot, its +0 too
+                tl.store(qt_rows + (p * 128 + tl.arange(0, 128))[:, None], qbits, mask=cols[None, :] < K)
+            else:
+                tl.store(qt_rows + rows[:, None], qbits, mask=ok)
+            tl.store(st_ptr + cols.to(tl.int64) * sstr + p * sstc, s, mask=cols < K)
 
 
 def _rule(rule: str, op: str) -> bool:
@@ -416,20 +461,80 @@ def quantize_1x128_dual(x: torch.Tensor, rule: str = "rceil", *, warps: int = DU
             _dual_kernel,
             (n_tiles(t), n_tiles(k)),
             x,
+            s,  # w_ptr, offs_ptr: unread (outputs, so that no second copy of a traced x is made for them)
+            s,
             q,
             s,
             qt,
             st,
             t,
             k,
+            0,
+            t,
             *x.stride(),
             1,
             t,
             1,
             k,
             RCEIL=rceil,
+            ROUTE=False,
+            GROUPED=False,
             num_warps=warps,
         )
+    return q.view(torch.float8_e4m3fn), s.t(), qt.view(torch.float8_e4m3fn), st.t()
+
+
+def quantize_1x128_grouped_dual(
+    x: torch.Tensor, offs: torch.Tensor, rule: str = "rceil", *, route: torch.Tensor | None = None
+) -> tuple[torch.Tensor, ...]:
+    """Both fp8_block operands of a routed gradient from one read of ``x [S, K]`` (times ``route[:, None]``, one
+    weight per row, formed in fp32, with ``route``): :func:`quantize_1x128` (the dgrad operand) and
+    :func:`quantize_1x128_grouped_tokens` (the wgrad operand), ``(q [S, K], s [S, ceil(K/128)], qt [K, 128 C],
+    st [K, C])``, both scale matrices column-major. Raises TypeError / ValueError naming this function for an
+    input that is not 2D bf16/fp16/fp32, ``offs`` not int32 ``[G]`` or ``route`` not ``[S]`` floats on x's
+    device, or an unknown rule."""
+    op = "mxfx.block_quantize.quantize_1x128_grouped_dual"
+    rceil, (t, k) = _tokens_input(x, rule, op)
+    if offs.dtype != torch.int32 or offs.dim() != 1 or offs.device != x.device:
+        raise ValueError(
+            f"{op}: needs int32 offs [G] on {x.device}, got {offs.dtype} {tuple(offs.shape)} on {offs.device}"
+        )
+    if route is not None and (route.shape != (t,) or route.device != x.device or not route.is_floating_point()):
+        raise ValueError(
+            f"{op}: route must be one floating weight per row of x {tuple(x.shape)} on {x.device}, got "
+            f"{route.dtype} {tuple(route.shape)} on {route.device}; flatten the route weights to [S]"
+        )
+    g = offs.numel()
+    slots = group_tile_capacity(t, g)
+    q, s = _new_rows_pair(t, k, x.device)
+    qt, st = _new_rows_pair(k, TILE * slots, x.device)
+    if g == 0 or t * k == 0:  # no group: every row past the (absent) last end, every slot unused
+        q, s_t = _rowwise(x, None, rule, op, route=None if route is None else route.contiguous())
+        return q, s_t, qt.zero_().view(torch.float8_e4m3fn), st.fill_(1.0).t()
+    launch(
+        _dual_kernel,
+        (slots + n_tiles(t), n_tiles(k)),
+        x,
+        s if route is None else route.contiguous(),  # w_ptr: unread without route
+        offs,
+        q,
+        s,
+        qt,
+        st,
+        t,
+        k,
+        g,
+        TILE * slots,
+        *x.stride(),
+        1,
+        t,
+        1,
+        k,
+        RCEIL=rceil,
+        ROUTE=route is not None,
+        GROUPED=True,
+        num_warps=DUAL_WARPS,
+    )
     return q.view(torch.float8_e4m3fn), s.t(), qt.view(torch.float8_e4m3fn), st.t()
 
 
