@@ -271,15 +271,15 @@ def _check_forward_operands(x, up, tokens_src, offs, rule, pack) -> None:
 
 def _fused_forward_operands(x, up, tokens_src, offs, rule, pack) -> list | None:
     """:func:`block_forward_operands` from one kernel, where one kernel writes every pair asked for: ``x`` alone,
-    ``x`` with its token-tiled copy (``tokens_src is x``), or the SwiGLU product with or without the packed inputs;
-    None otherwise."""
+    ``x`` with its token-tiled or group-token-tiled copy (``tokens_src is x``), or the SwiGLU product with or
+    without the packed inputs; None otherwise."""
     if tokens_src is None and not pack:
         return list(_quantize(x, rule) if up is None else _swiglu_quantize(x, up, rule))
     if tokens_src is None:
         q, s, gq, gs, uq, us = device_path.swiglu_quantize_1x128_save(x, up, rule)
         return [q, column_major(s), gq, column_major(gs), uq, column_major(us)]
-    if up is None and not pack and offs is None and tokens_src is x:
-        return list(_quantize_dual(x, rule))
+    if up is None and not pack and tokens_src is x:
+        return list(_quantize_dual(x, rule) if offs is None else _grouped_grad_operands(x, None, offs, rule))
     return None
 
 
