@@ -84,6 +84,16 @@ def test_kernel_compiles_for_sm90_to_fp8_wgmma_without_spills(out_dtype, block_n
     assert c.shared <= 227 * 1024
 
 
+def test_the_wide_tile_is_taken_where_it_compiles_without_spills(monkeypatch):
+    """The default launch takes the 256-wide tile for GEMMs of at least 256 output columns on a Triton whose build of
+    it keeps its K loops free of spills (3.6, checked by the compile test above), the 128-wide one otherwise."""
+    sm90 = _sm90()
+    for version, n, width in (("3.6.0", 2048, 256), ("3.6.0", 256, 256), ("3.6.0", 128, 128), ("3.9.0", 2048, 128)):
+        monkeypatch.setattr(sm90.triton, "__version__", version)
+        assert sm90.config_for(n) == dict(sm90.CONFIG, BLOCK_N=width), (version, n)
+    assert sm90.CONFIG["BLOCK_N"] == 128  # the base configuration is left as it is
+
+
 def test_forward_and_dgrad_scale_layouts_share_one_compile():
     """The forward's activation scales are column-major ``[S, K/128]`` (stride 1 along rows), the dgrad's the same
     layout of dY's and its weight scales the transposed grid: one specialization serves every layout and group count

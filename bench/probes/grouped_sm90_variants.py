@@ -5,8 +5,8 @@ For each routed-expert shape (rows = 16384 tokens x top-k, equal and skewed grou
 ``mxfx.kernels.fp8_block.grouped_gemm_sm90``, each first checked against the reference decode on a few groups.
 Times are ``triton.testing.do_bench`` medians; TFLOP/s count 2 S K N.
 
-    python bench/probes/grouped_sm90_variants.py [--shapes olmoe,mixtral] [--variants default,wide]
-    python bench/probes/grouped_sm90_variants.py --variants default,wide --out-dtype float32
+    python bench/probes/grouped_sm90_variants.py [--shapes olmoe,mixtral] [--variants narrow,wide]
+    python bench/probes/grouped_sm90_variants.py --variants narrow,wide --out-dtype float32
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ SHAPES = {  # name: (rows, groups, K, N): forward of gate/up (d -> 2h) and down 
     "deepseek": [(131072, 256, 7168, 4096), (131072, 256, 2048, 7168)],
 }
 
-VARIANTS = {
-    "default": {},
+VARIANTS = {  # each over grouped_gemm_sm90.CONFIG; "default": the configuration the kernel picks for the shape
+    "default": None,
+    "narrow": {"BLOCK_N": 128},
     "band8": {"BAND": 8},
     "band16": {"BAND": 16},
     "stages4": {"STAGES": 4},
@@ -90,7 +91,11 @@ def main():
                     "triton": lambda: grouped_gemm_triton.grouped_mm(a, sa, b, sb, offs, out_dtype),
                 }
                 for v in args.variants.split(","):
-                    cfg = dict(grouped_gemm_sm90.CONFIG, **VARIANTS[v])
+                    cfg = (
+                        grouped_gemm_sm90.config_for(n)
+                        if VARIANTS[v] is None
+                        else {**grouped_gemm_sm90.CONFIG, **VARIANTS[v]}
+                    )
                     fns[v] = lambda cfg=cfg: grouped_gemm_sm90.grouped_mm(a, sa, b, sb, offs, out_dtype, config=cfg)
                 for name, fn in fns.items():
                     out = fn()

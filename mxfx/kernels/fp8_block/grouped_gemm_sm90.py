@@ -352,7 +352,20 @@ def _grouped_kernel(
 
 CONFIG = {"BLOCK_N": 128, "BAND": 4, "EPI_TMA": True}
 """Tile width, band height of the schedule and epilogue of the launch; the pipeline depth is as many stages as
-shared memory holds (:func:`stages`)."""
+shared memory holds (:func:`stages`). :func:`config_for` widens the tile where that pays."""
+
+WIDE_TRITON = ("3.6",)
+"""Triton releases (major.minor) whose build of the 256-wide tile keeps its K loops free of spills (Triton 3.9
+spills inside them)."""
+
+
+def config_for(n: int) -> dict:
+    """The launch configuration of a GEMM of ``n`` output columns: :data:`CONFIG` with the 256-wide tile where ``n``
+    fills at least one and this Triton compiles it without spills in its K loops (:data:`WIDE_TRITON`), else
+    :data:`CONFIG` as it is."""
+    wide = n >= 256 and ".".join(triton.__version__.split(".")[:2]) in WIDE_TRITON
+    return dict(CONFIG, BLOCK_N=256) if wide else dict(CONFIG)
+
 
 SCHEDULE_CHUNK = 1024
 """Tiles one schedule program writes per store."""
@@ -411,9 +424,9 @@ def _smem_layouts(block_n: int, out_dtype: torch.dtype) -> tuple:
 def launch_args(a, a_scales, b, b_scales, offs, out, config=None):
     """(grid, args, kwargs) of the GEMM's launch, without running it, and the schedule's ``(grid, args, kwargs)``
     that must run first (the sm90 compile test reads both)."""
-    cfg = dict(CONFIG if config is None else config)
     S, K = a.shape
     G, N, _ = b.shape
+    cfg = dict(config_for(N) if config is None else config)
     block_n = cfg["BLOCK_N"]
     a_layout, b_layout, c_layout = _smem_layouts(block_n, out.dtype)
     a_desc = TensorDescriptor.from_tensor(a, [WG_ROWS, TILE], a_layout)
