@@ -44,6 +44,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mxfx import device as devices
 from mxfx.kernels.common import tuning
+from mxfx.kernels.fp8_block.slots_triton import group_slots
 from mxfx.numerics.block import TILE
 
 
@@ -256,9 +257,9 @@ def _tma_ready(t: torch.Tensor) -> bool:
     return t.is_contiguous() and t.shape[-1] % 16 == 0 and t.data_ptr() % 16 == 0
 
 
-WGRAD_CONFIG = (128, 128, 3, 8)
-"""(BLOCK_N, BLOCK_K, num_stages, num_warps) of the grouped wgrad kernel: 128x128 output tiles of each expert,
-128 tokens per step (one scale slot). Untuned; compiled for sm90 it is the forward's 128x128 tile."""
+WGRAD_CONFIG = (128, 64, 3, 4)
+"""(BLOCK_N, BLOCK_K, num_stages, num_warps) of the grouped wgrad kernel: 128x64 output tiles of each expert,
+128 tokens per step (one scale slot), four warps (two programs an SM, one's epilogue beside the other's loop)."""
 
 
 @triton.jit
@@ -290,6 +291,7 @@ def _grouped_wgrad_kernel(
     BLOCK_T: tl.constexpr,
     ACCUMULATE: tl.constexpr,
     TMA: tl.constexpr,
+    G_PAD: tl.constexpr,
 ):
     """``C[g] = A[:, tokens of g] @ B[:, tokens of g]^T`` (``ACCUMULATE``: ``C[g] +=``, one FP32 add of the finished
     sum): A ``[N, 128 C]``, B ``[K, 128 C]`` E4M3, group g's token tile j in the 128 columns of slot
@@ -302,13 +304,7 @@ def _grouped_wgrad_kernel(
     k0 = (tl.program_id(0) % tiles_k) * BLOCK_K
     ns = n0 + tl.arange(0, BLOCK_N)
     ks = k0 + tl.arange(0, BLOCK_K)
-    tiles = 0
-    slot0 = 0
-    for f in range(0, G):  # this group's tile count and first slot
-        f_start = tl.load(offs_ptr + f - 1, mask=f > 0, other=0)
-        f_tiles = tl.cdiv(tl.load(offs_ptr + f) - f_start, BLOCK_T)
-        tiles = tl.where(f == g, f_tiles, tiles)
-        slot0 += tl.where(f < g, f_tiles, 0)
+    slot0, tiles = group_slots(offs_ptr, G, g, G_PAD, BLOCK_T)  # this group's first slot and tile count
     n_ok = ns < N
     k_ok = ks < K
     ts = tl.arange(0, BLOCK_T)
@@ -381,6 +377,7 @@ def grouped_wgrad(
         BLOCK_T=TILE,
         ACCUMULATE=accumulate,
         TMA=tma,
+        G_PAD=triton.next_power_of_2(g),
         num_stages=stages,
         num_warps=warps,
     )

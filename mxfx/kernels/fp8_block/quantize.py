@@ -29,6 +29,7 @@ from mxfx.numerics.block import SCALE_RULES, TILE, check_rule, group_tile_capaci
 from mxfx.numerics.mx import check_input
 from mxfx.kernels.common.launch import launch
 from mxfx.kernels.common.silu_triton import silu_f32
+from mxfx.kernels.fp8_block.slots_triton import slot_rows
 
 ROWWISE_ROWS = 32
 """Rows per program of the 1x128 rowwise kernels (one 128-wide tile each); 4 warps."""
@@ -113,21 +114,12 @@ def _quantize_kernel(
     GROUPED: tl.constexpr,
     BR: tl.constexpr,
     BC: tl.constexpr,
+    G_PAD: tl.constexpr,
 ):
     b = tl.program_id(2)
-    if GROUPED:  # program 0-index = scale slot; find the group whose token tiles hold it (no host sync)
+    if GROUPED:  # program 0-index = scale slot; the group whose token tiles hold it (no host sync)
         slot = tl.program_id(0)
-        r0 = 0
-        r_end = 0
-        seen = 0
-        for g in range(0, G):
-            start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
-            end = tl.load(offs_ptr + g)
-            n = tl.cdiv(end - start, BR)
-            hit = (slot >= seen) & (slot < seen + n)
-            r0 = tl.where(hit, start + (slot - seen) * BR, r0)
-            r_end = tl.where(hit, end, r_end)
-            seen += n
+        r0, _, r_end = slot_rows(offs_ptr, G, slot, G_PAD, BR)
         rows = r0 + tl.arange(0, BR)
         R = r_end
         q_rows = slot * BR + tl.arange(0, BR)  # the slot's own rows of qdata: +0 past the group's end
@@ -233,6 +225,7 @@ def _dual_kernel(
     RCEIL: tl.constexpr,
     ROUTE: tl.constexpr,
     GROUPED: tl.constexpr,
+    G_PAD: tl.constexpr,
 ):
     """Both 1x128 tilings of a ``[128 tokens, 128 features]`` tile of ``x [T, K]`` (times ``w[t]`` per row with
     ``ROUTE``, in fp32) from one read: along K into ``q [T, K]`` / ``s [T, ceil(K/128)]``, along the tokens into
@@ -247,19 +240,7 @@ def _dual_kernel(
     if GROUPED:
         slots = tl.num_programs(0) - tl.cdiv(T, 128)
         in_slot = p < slots
-        s0 = 0
-        s_lo = 0
-        s_end = 0  # an unused slot: no rows
-        seen = 0
-        for g in range(0, G):  # a slot program's group: the tile's first row, the group's start and end
-            start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
-            end = tl.load(offs_ptr + g)
-            n = tl.cdiv(end - start, 128)
-            hit = (p >= seen) & (p < seen + n)
-            s0 = tl.where(hit, start + (p - seen) * 128, s0)
-            s_lo = tl.where(hit, start, s_lo)
-            s_end = tl.where(hit, end, s_end)
-            seen += n
+        s0, s_lo, s_end = slot_rows(offs_ptr, G, p, G_PAD, 128)  # (0, 0, 0) for an unused slot: no rows
         r0 = tl.where(in_slot, s0, (p - slots) * 128)  # a tail program: its rows past the last group end
         r_lo = tl.where(in_slot, s_lo, tl.load(offs_ptr + G - 1))
         r_end = tl.where(in_slot, s_end, T)
@@ -358,6 +339,7 @@ def _rowwise(x: torch.Tensor, up: torch.Tensor | None, rule: str, op: str, route
             SWIGLU=up is not None,
             ROUTE=route is not None,
             GROUPED=False,
+            G_PAD=1,
             BR=ROWWISE_ROWS,
             BC=TILE,
             num_warps=4,
@@ -479,6 +461,7 @@ def quantize_1x128_dual(x: torch.Tensor, rule: str = "rceil", *, warps: int = DU
             RCEIL=rceil,
             ROUTE=False,
             GROUPED=False,
+            G_PAD=1,
             num_warps=warps,
         )
     return q.view(torch.float8_e4m3fn), s.t(), qt.view(torch.float8_e4m3fn), st.t()
@@ -533,6 +516,7 @@ def quantize_1x128_grouped_dual(
         RCEIL=rceil,
         ROUTE=route is not None,
         GROUPED=True,
+        G_PAD=triton.next_power_of_2(g),
         num_warps=DUAL_WARPS,
     )
     return q.view(torch.float8_e4m3fn), s.t(), qt.view(torch.float8_e4m3fn), st.t()
@@ -570,6 +554,7 @@ def quantize_1x128_colwise(x: torch.Tensor, rule: str = "rceil") -> tuple[torch.
             SWIGLU=False,
             ROUTE=False,
             GROUPED=False,
+            G_PAD=1,
             BR=TILE,
             BC=COLWISE_COLS,
             num_warps=4,
@@ -624,6 +609,7 @@ def quantize_1x128_grouped_tokens(
             SWIGLU=False,
             ROUTE=False,
             GROUPED=True,
+            G_PAD=triton.next_power_of_2(offs.numel()),
             BR=TILE,
             BC=COLWISE_COLS,
             num_warps=4,
@@ -661,6 +647,7 @@ def quantize_128x128(w: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor
             SWIGLU=False,
             ROUTE=False,
             GROUPED=False,
+            G_PAD=1,
             BR=TILE,
             BC=TILE,
             num_warps=8,
