@@ -2,8 +2,9 @@
 
 Per routed shape of a step (``--tokens`` tokens routed top-k, equal groups): the BF16 wgrad-into kernel the step
 runs today, the two grouped-tokens quantizes the FP8 wgrad needs (dY and x, 1x128 along each group's tokens),
-and the FP8 kernel at each ``(BLOCK_N, BLOCK_K, num_stages, num_warps)``; each configuration first checked
-against the reference decode on 4 groups. ``triton.testing.do_bench`` medians; TFLOP/s count the GEMM alone.
+the FP8 Triton kernel at each ``(BLOCK_N, BLOCK_K, num_stages, num_warps)`` and the warp-specialized sm90 kernel
+(``MXFX_BLOCK_WGRAD_SM90``); each first checked against the reference decode on 4 groups.
+``triton.testing.do_bench`` medians; TFLOP/s count the GEMM alone.
 
     python bench/probes/block_wgrad_configs.py [--models olmoe,qwen3] [--tokens 8192]
 """
@@ -32,7 +33,8 @@ def main() -> None:
     args = p.parse_args()
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-    names = ["BF16 into", "quantize dY + x", *("fp8 {}x{} s{} w{}".format(*c) for c in CONFIGS)]
+    sm90 = block_gemm._wgrad_sm90_kernel()  # the warp-specialized kernel (opt-in in the library), where Gluon is
+    names = ["BF16 into", "quantize dY + x", *("fp8 {}x{} s{} w{}".format(*c) for c in CONFIGS), "fp8 sm90 WS"]
     header, cells = [], {n: [] for n in names}
     for model in args.models.split(","):
         d, h, e, topk = MODELS[model]
@@ -75,6 +77,18 @@ def main() -> None:
                 except Exception as exc:  # noqa: BLE001 (a configuration the GPU refuses is reported, not fatal)
                     print(f"{name} at {header[-1]}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
                     cells[name].append("-")
+            try:
+                if sm90 is None:
+                    raise RuntimeError("this Triton has no Gluon Hopper API")
+                got = sm90.grouped_wgrad(*ops, offs, torch.empty_like(grad), accumulate=False)[:4]
+                err = ((got - ref).norm() / ref.norm()).item()
+                if not err < 1e-3:
+                    raise RuntimeError(f"relative error {err:.2e} against the reference decode")
+                t = ms(lambda: sm90.grouped_wgrad(*ops, offs, grad, accumulate=True))
+                cells["fp8 sm90 WS"].append(f"{t:.3f} ({flops / t / 1e9:.0f})")
+            except Exception as exc:  # noqa: BLE001 (reported, not fatal: the other rows still print)
+                print(f"fp8 sm90 WS at {header[-1]}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+                cells["fp8 sm90 WS"].append("-")
             print(f"{header[-1]}: {flops / 1e12:.2f} TFLOP per call", flush=True)
             dy = x = grad = ops = None  # freed before the next shape
             torch.cuda.empty_cache()

@@ -243,10 +243,31 @@ def grouped_wgrad(
     if triton_available(a):
         from mxfx.kernels.fp8_block import grouped_gemm_triton
 
+        sm90 = _wgrad_sm90_kernel() if env_switch(WGRAD_SM90_ENV, False) and out_dtype == torch.float32 else None
+        if sm90 is not None:
+            into = out if out is not None else torch.empty((g, n, k), dtype=torch.float32, device=a.device)
+            if sm90.supported(a, b, into):
+                return sm90.grouped_wgrad(a, a_scales, b, b_scales, offs, into, accumulate and out is not None)
         return grouped_gemm_triton.grouped_wgrad(
             a, a_scales, b, b_scales, offs, out_dtype, out=out, accumulate=accumulate
         )
     return reference_grouped_wgrad(a, a_scales, b, b_scales, offs, out_dtype, out, accumulate)
+
+
+WGRAD_SM90_ENV = "MXFX_BLOCK_WGRAD_SM90"
+"""Switch (read at each call): 1/true/yes/on runs :func:`grouped_wgrad` with an FP32 result on the warp-specialized
+sm90 kernel (:mod:`mxfx.kernels.fp8_block.grouped_wgrad_sm90`) wherever it serves the operands; unset or off, on
+the Triton kernel. Opt-in until the kernel's GPU tests and timings are in (docs/kernel-notes.md)."""
+
+
+@functools.cache
+def _wgrad_sm90_kernel():
+    """:mod:`mxfx.kernels.fp8_block.grouped_wgrad_sm90`, or None where this Triton has no Gluon Hopper API."""
+    try:
+        from mxfx.kernels.fp8_block import grouped_wgrad_sm90
+    except ImportError:
+        return None
+    return grouped_wgrad_sm90
 
 
 def reference_grouped_wgrad(
