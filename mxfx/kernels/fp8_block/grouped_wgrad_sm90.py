@@ -40,6 +40,8 @@ TILE = gl.constexpr(128)
 
 @gluon.jit
 def _tile(first_ptr, tiles_ptr, t, tiles_nk, tiles_k):
+    """Tile t (group by group, then N blocks, K blocks fastest): its group, first N row, first K column, and the
+    group's first slot and slot count."""
     g = t // tiles_nk
     r = t - g * tiles_nk
     return g, (r // tiles_k) * (2 * ROWS), (r % tiles_k) * BLOCK_K, gl.load(first_ptr + g), gl.load(tiles_ptr + g)
@@ -50,6 +52,8 @@ def _load_partition(
     a_desc, b_desc, c_desc, a0_bufs, a1_bufs, b_bufs, c0_smem, c1_smem, ready, empty, c_ready, c_empty,
     first_ptr, tiles_ptr, n_tiles, tiles_nk, tiles_k, N, STAGES: gl.constexpr, ACCUMULATE: gl.constexpr,
 ):  # fmt: skip
+    """The producer warp: per tile one ring stage a slot (A's two 64-row boxes, B's box), then the tile's two
+    gradient blocks (``ACCUMULATE``) into the warpgroups' buffers once their previous blocks were read."""
     nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes
     it = 0
     j = 0
@@ -80,6 +84,9 @@ def _math_partition(
     a_bufs, b_bufs, c_smem, ready, empty, c_ready, c_empty, operands,
     WG: gl.constexpr, STAGES: gl.constexpr, ACCUMULATE: gl.constexpr,
 ):  # fmt: skip
+    """Math warpgroup ``WG``: rows ``WG * 64 ..`` of each tile; per slot a fresh ``wgmma`` partial sum, waited for,
+    the stage handed back, promoted with that slot's row and column scales (loaded a step ahead); then the
+    fetched gradient block added (``ACCUMULATE``) and the block stored from registers."""
     as_ptr, bs_ptr, first_ptr, tiles_ptr, out_ptr, n_tiles, tiles_nk, tiles_k, N, s_an, s_ac, s_bk, s_bc, s_og, s_on = (
         operands
     )
