@@ -91,11 +91,17 @@ def test_policy_decisions_first_match_wins(tmp_path):
     assert q.scale_rule == "floor" and q.decide("linear", "layers.3.o_proj").precision == "bf16"
     bad = tmp_path / "bad.toml"
     bad.write_text('scale_rul = "floor"\n')  # an unknown key: the error names the file and the valid keys
-    with pytest.raises(ValueError, match=r"policy file '.*bad.toml': .*unknown option key\(s\) \['scale_rul'\]"):
+    with pytest.raises(ValueError, match=r"policy file '.*bad.toml': unknown option key\(s\) \['scale_rul'\]"):
         Policy.from_toml(bad)
     bad.write_text("scale_rule = floor\n")  # not TOML (an unquoted string)
-    with pytest.raises(ValueError, match=r"'.*bad.toml' is not valid TOML"):
+    with pytest.raises(ValueError, match=r"'.*bad.toml' is not valid UTF-8 TOML"):
         Policy.from_toml(bad)
+    bad.write_bytes(b'format = "caf\xe9"\n')  # not UTF-8
+    with pytest.raises(ValueError, match=r"'.*bad.toml' is not valid UTF-8 TOML"):
+        Policy.from_toml(bad)
+    for missing in (tmp_path / "nope.toml", tmp_path):  # no such file; a folder
+        with pytest.raises(FileNotFoundError, match=r"mxfx policy: '.*' is not a file"):
+            Policy.from_toml(missing)
 
 
 def test_policy_env_when_no_options(tmp_path, monkeypatch):

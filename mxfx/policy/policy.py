@@ -693,7 +693,7 @@ class Policy(_NamedFields):
             path = os.environ.get(POLICY_ENV, "").strip()
             if not path:
                 return cls()
-            if not os.path.exists(path):
+            if not os.path.isfile(path):
                 raise FileNotFoundError(
                     f"mxfx policy: {POLICY_ENV}={path!r} is not a file; set it to a TOML file "
                     f"of Policy fields (see mxfx.Policy.from_toml) or unset it"
@@ -710,18 +710,24 @@ class Policy(_NamedFields):
         """Read a policy from a TOML file with the same keys (rules as ``[[rules]]`` tables).
 
         Raises:
-            ValueError / TypeError: the file is not TOML, or its keys or values are not a policy's; the message
-                names the file.
+            FileNotFoundError: ``path`` is not a file.
+            ValueError / TypeError: the file is not UTF-8 TOML, or its keys or values are not a policy's; the
+                message names the file.
         """
-        with open(path, "rb") as f:
+        name = os.fspath(path)
+        if not os.path.isfile(name):
+            raise FileNotFoundError(
+                f"mxfx policy: {name!r} is not a file; pass a TOML file of Policy fields (rules as [[rules]] tables)"
+            )
+        with open(name, "rb") as f:
             try:
                 table = tomllib.load(f)
-            except tomllib.TOMLDecodeError as e:
-                raise ValueError(f"mxfx policy: {os.fspath(path)!r} is not valid TOML: {e}") from e
+            except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+                raise ValueError(f"mxfx policy: {name!r} is not valid UTF-8 TOML (no byte-order mark): {e}") from e
         try:
             return cls.from_options(table)
         except (TypeError, ValueError) as e:
-            raise type(e)(f"mxfx policy file {os.fspath(path)!r}: {e}") from e
+            raise type(e)(f"mxfx policy file {name!r}: {str(e).removeprefix('mxfx policy: ')}") from e
 
     def stats_site(self, module: str) -> str:
         """The statistics site prefix of the ops of ``module`` (its name, ``"<root>"`` for the model's own ops) when
