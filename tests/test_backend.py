@@ -139,6 +139,10 @@ def test_dump_dir_and_env(tmp_path, monkeypatch):
     torch.compile(m, backend="mxfp8", options={"inner": "eager", "dump_dir": None})(torch.randn(4, 32))
     assert not (env_dir / "graph_{:03d}".format(mxfx.last_report().graph_id)).exists()
     assert Policy(dump_dir=None).dump_dir is None and Policy().dump_dir == str(env_dir)
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with pytest.raises(ValueError, match=r"dump_dir='.*afile' is a file, not a folder"):
+        Policy(dump_dir=str(afile))
 
 
 def test_dynamic_shapes_dump_each_compiled_graph_once(tmp_path):

@@ -630,6 +630,11 @@ class Policy(_NamedFields):
             object.__setattr__(self, "dump_dir", os.environ.get(DUMP_ENV) or None)
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
             raise ValueError(f"mxfx policy: dump_dir={self.dump_dir!r} must be a path (str) or None")
+        if self.dump_dir is not None and os.path.exists(self.dump_dir) and not os.path.isdir(self.dump_dir):
+            raise ValueError(
+                f"mxfx policy: dump_dir={os.fspath(self.dump_dir)!r} is a file, not a folder; name a folder (it is "
+                f"created where missing) or unset {DUMP_ENV}"
+            )
         _check_min_size(self.min_size, allow_none=False)
         for flag in ("keep_dequantized_weights", "fuse_wgrad_accumulation"):
             if not isinstance(getattr(self, flag), bool):

@@ -46,7 +46,8 @@ def check_offs(op: str, offs: torch.Tensor, x: torch.Tensor) -> None:
     non-decreasing and at most ``x``'s rows."""
     if offs.dtype != torch.int32 or offs.dim() != 1 or offs.device != x.device:
         raise ValueError(
-            f"{op}: offs must be int32 [G] on {x.device}, got {offs.dtype} {tuple(offs.shape)} on {offs.device}"
+            f"{op}: offs must be int32 [G] on {x.device}, got {offs.dtype} {tuple(offs.shape)} on {offs.device}; "
+            f"pass the cumulative group ends as offs.to(torch.int32) on that device"
         )
     if readable_on_host(offs):
         check_group_ends(offs.tolist(), x.shape[0], op)
