@@ -6,6 +6,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import mxfx
 from mxfx.numerics import block as bf
@@ -478,20 +479,21 @@ def test_the_combine_row_says_where_the_route_weights_went(fmt, says):
     assert says in row.reason, pm.to_text()
 
 
+class Calls(TorchDispatchMode):
+    """Records the op (overload packet name) of every dispatched call while active: which kernels a backward ran."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
 def test_routed_dgrad_quantizes_dy_times_route_weights_in_one_op():
     """The routed grouped GEMM's backward quantizes ``dout * route_weight`` in one op (the product formed inside
     it, never in memory for the quantize) and its result is the 1x128 quantization of that FP32 product."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Calls(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.seen.append(str(func.overloadpacket))
-            return func(*args, **(kwargs or {}))
-
     g = torch.Generator().manual_seed(5)
     x = torch.randn(96, 128, generator=g).bfloat16().requires_grad_()
     w = (torch.randn(2, 128, 128, generator=g) * 0.1).requires_grad_()
@@ -517,18 +519,7 @@ def test_routed_fp8_wgrad_makes_both_dy_operands_in_one_op():
     """With the routed wgrad in FP8 the backward makes dY x route weight's dgrad rows and its group-token tiles in
     one op (one read of dout, the product never in memory), and the gradients equal the same op's with the two
     quantizes made apart (the format's default composition): the same operands, so the same bits."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from mxfx.formats.base import Format
-
-    class Calls(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.seen.append(str(func.overloadpacket))
-            return func(*args, **(kwargs or {}))
 
     g = torch.Generator().manual_seed(6)
     x = torch.randn(300, 256, generator=g).bfloat16()
