@@ -58,15 +58,15 @@ class EPMoE(nn.Module):
         self.router = nn.Linear(d_model, n_experts, bias=False)
         with torch.no_grad():
             self.router.weight.copy_(torch.randn(n_experts, d_model, generator=g) / d_model**0.5)
-        w1 = torch.randn(n_experts, d_model, hidden, generator=g) / d_model**0.5
-        w2 = torch.randn(n_experts, hidden, d_model, generator=g) / hidden**0.5
+        w1 = torch.randn(n_experts, hidden, d_model, generator=g) / d_model**0.5
+        w2 = torch.randn(n_experts, d_model, hidden, generator=g) / hidden**0.5
         mine = slice(rank * self.e_local, (rank + 1) * self.e_local)
-        self.w1 = nn.Parameter(w1[mine].clone())
-        self.w2 = nn.Parameter(w2[mine].clone())
+        self.w1 = nn.Parameter(w1[mine].clone())  # [E_local, H, D]
+        self.w2 = nn.Parameter(w2[mine].clone())  # [E_local, D, H]
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Local expert ``e`` on rows ``x [N, D]`` (an MLP in x's dtype)."""
-        return F.gelu(x @ self.w1[e].to(x.dtype)) @ self.w2[e].to(x.dtype)
+        return F.linear(F.gelu(F.linear(x, self.w1[e].to(x.dtype))), self.w2[e].to(x.dtype))
 
     def all_to_all(self, x, output_split_sizes, input_split_sizes):
         """Rows of ``x`` to their ranks (``group=None``: nothing moves)."""

@@ -46,6 +46,7 @@ from torch.distributed.tensor import Shard
 import torch.utils._pytree as pytree
 
 from mxfx import formats
+from mxfx.diagnostics import rule_check
 from mxfx.formats import Format
 from mxfx.policy import Policy
 from mxfx.runtime import cache
@@ -289,6 +290,7 @@ def mx_all_gather(
     policy = Policy.from_options(options)
     world = world_size or (dist.get_world_size() if dist.is_initialized() else 1)
     out = {}
+    decided = set()  # (op kind, module) of every weight considered: the policy's rules were applied there
     for mod_name, mod in model.named_modules():
         mod_name = ".".join(a for a in mod_name.split(".") if a != "_orig_mod")  # compiled before: the user's names
         for name, p in list(mod.named_parameters(recurse=False)):
@@ -304,10 +306,12 @@ def mx_all_gather(
                     f"mxfx.fsdp.mx_all_gather: {key} is a {type(p.data).__name__}; call it before fully_shard"
                 )
             out[key] = form = _decide(policy, kind, mod_name, p, world, shard_placement_fn)
+            decided.add((kind, mod_name))
             if form in formats.NAMES:
                 rule = policy.decide(kind, mod_name).scale_rule  # judged by the op's format there
                 setattr(mod, name, torch.nn.Parameter(MXWeight(p.data, rule, form), requires_grad=p.requires_grad))
                 _roots[mod] = weakref.ref(model)
+    rule_check.observe(policy, {m for _, m in decided}, decided)
     return out
 
 

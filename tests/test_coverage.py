@@ -274,6 +274,31 @@ def test_weights_outside_the_compiled_blocks_are_not_named():
     assert "'moe.w_in'" in message and "head" not in message and "embed" not in message, message
 
 
+def test_weights_a_rule_keeps_are_not_named():
+    """The same eager MoE with a rule keeping its router as written: the router's GEMM running eagerly changes
+    nothing the user asked for (FSDP2 runs a router sharded as its own unit eagerly), so only the experts are named."""
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ids = torch.randint(0, 128, (64,), generator=torch.Generator().manual_seed(0))
+    options = {**OPTS, "rules": [{"module": "moe.router", "precision": "bf16"}]}
+    _mxfx_warnings(_compile_and_run, model, ids, options)
+    (message,) = [m for m in _mxfx_warnings(opt.step) if "read by no GEMM" in m]
+    assert "model Net: 2 weight(s)" in message and "'moe.w_in', 'moe.w_out'" in message, message
+    assert "router" not in message
+
+
+def test_passes_the_policy_switches_off_are_not_warned_about():
+    """``passes={"linear": False}``: the linears stay as written because the user asked; the map says so and no
+    warning calls the model unconverted or its GEMMs convertible."""
+    options = {**OPTS, "passes": {"linear": False}}
+    messages = _mxfx_warnings(_compile_and_run, Partly(), torch.randn(64, 256), options)
+    assert not messages, messages
+    left = [r for r in mxfx.last_report().records if r.kind == "not_rewritten"]
+    assert len(left) == 2 and all("the 'linear' pass is switched off" in r.reason for r in left), left
+    messages = _mxfx_warnings(_compile_and_run, Partly(), torch.randn(64, 256), OPTS)  # switched on: 'out' is said
+    assert [m for m in messages if "1 of its 2 GEMM op(s)" in m], messages
+
+
 class Uneven2(nn.Module):
     def __init__(self):
         super().__init__()

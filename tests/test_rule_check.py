@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import mxfx
+import mxfx.fsdp
 from mxfx.diagnostics import rule_check
 from mxfx.policy import Rule
 
@@ -114,6 +115,25 @@ def test_per_block_compile_judges_all_blocks_together():
         warnings.simplefilter("error")  # once: a later step does not warn again
         rule_check.judge_pending()
         _step(model, model, torch.randn(4, 64))
+
+
+def test_a_rule_deciding_an_fsdp_all_gather_is_matched():
+    """Only block 0 is compiled; block 1 runs eagerly (as a router FSDP2 shards as its own unit does). A rule for
+    block 1 matches no module of the graphs; once ``mx_all_gather`` has decided block 1's all-gather form under
+    the policy, the rule did change something and is not warned about."""
+    for glob, gather in (("proj", False), ("*.proj", True)):  # two policies: each judged once
+        model = Inner()
+        # min_size: no weight takes an FSDP-only MXFP8 form here (the model is never sharded)
+        options = {"inner": "aot_eager", "min_size": 10**12, "rules": [{"module": glob, "precision": "bf16"}]}
+        if gather:
+            forms = mxfx.fsdp.mx_all_gather(model, options, world_size=1)
+            assert forms["layers.1.proj.weight"].startswith("high precision"), forms
+        model.layers[0] = torch.compile(model.layers[0], backend="mxfp8", options=options)
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            _step(model, model, torch.randn(4, 64))
+        messages = [m for m in _rule_warnings(record) if "matches no module" in m]
+        assert len(messages) == (0 if gather else 1), messages
 
 
 def test_inference_whole_model_is_judged_at_compile():

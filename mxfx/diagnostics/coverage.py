@@ -10,7 +10,8 @@ forward compiles (:func:`mxfx.names.whole_forward`), else at the next optimizer 
 has compiled by then), or at exit (:mod:`mxfx.diagnostics.judgment`). The judgment warns, each at most once per model:
 
 * **Nothing converted**: the model has GEMMs (or parameters) but not one op runs in low precision; the warning
-  counts the GEMMs kept and gives their reasons and first modules.
+  counts the GEMMs kept and gives their reasons and first modules. Converted ops that are no GEMM (an MXFP8
+  all-to-all) count as converted; a policy that switches off the passes of the ops found asked for this.
 * **Shapes that do not fit**: GEMMs the policy would convert but whose features are not multiples of the
   format's ``feature_multiple`` (its block; ``Linear(100, 60)``): their count, and each reason with the modules it
   holds for. Ops a user rule asked for are warned about by :func:`mxfx.diagnostics.rule_check.warn_unmet_requests`
@@ -81,6 +82,8 @@ class _Model:
     compiled: set = field(default_factory=set)  # ids of the compiled modules' parameters (empty: the whole model's)
     breaks: list = field(default_factory=list)  # the graph breaks Dynamo recorded while compiling it
     format: str = ""  # the policy's format, for the messages
+    policies: set = field(default_factory=set)  # the policies its graphs compiled under
+    others: int = 0  # converted ops that are no GEMM (all-to-all transport, SwiGLU, saved inputs)
 
 
 _lock = threading.Lock()
@@ -133,8 +136,15 @@ def observation(
     compiled = compiled_parameters(taken)
     read = {r.node: _weights_read(nodes.get(r.node), real) for r in pm.records}
 
+    others = sum(r.rewritten and r.kind not in (*GEMM_KINDS, unconverted.KIND) for r in pm.records)
+
     def record():
         scope.format = scope.format or str(policy.format)
+        scope.others += others
+        try:
+            scope.policies.add(policy)
+        except TypeError:  # an unhashable inner compiler: its rules do not excuse unread weights
+            pass
         scope.inputs.update(taken)
         scope.compiled.update(compiled)
         scope.breaks.extend(b for b in graph_breaks.new() if b not in scope.breaks)
@@ -172,7 +182,8 @@ def _judge(scope: _Model) -> None:
     where = f"model {scope.name}" if scope.model is not None else "the graphs compiled outside any model"
     gemms = [r for r, _ in ops if r.kind in GEMM_KINDS]
     converted = [r for r in gemms if r.rewritten]
-    if not converted and (gemms or model is not None):
+    switched_off = any(r.kind == unconverted.KIND and unconverted.switched_off(r) for r, _ in ops)
+    if not converted and not scope.others and not switched_off and (gemms or model is not None):
         _warn_nothing_converted(where, gemms, scope.format)
     else:
         unfit = [r for r, asked in ops if r.kind in GEMM_KINDS and not r.rewritten and not asked and UNFIT in r.reason]
@@ -210,7 +221,8 @@ def unread_weights(model: torch.nn.Module, scope: _Model | None = None) -> list[
     added, not multiplied) nor of :data:`NOT_GEMMS`, held by the compiled modules (all of ``model``'s when no
     compiled module was seen), and either taken by no compiled graph at all, or taken but read by no GEMM there
     while they are GEMM weights (:func:`_gemm_weight`). Once a backward has left gradients, weights without one
-    (trainable, so no part of the step) are not named."""
+    (trainable, so no part of the step) are not named; nor are weights of a module a policy rule keeps as written
+    (:meth:`mxfx.policy.Policy.keeping_rule`; an FSDP unit of its own around a router runs its GEMM eagerly)."""
     scope = scope or model_scope(model)
     modules = dict(model.named_modules())
     params = list(model.named_parameters())
@@ -226,6 +238,8 @@ def unread_weights(model: torch.nn.Module, scope: _Model | None = None) -> list[
             continue
         if id(p) in scope.inputs and not _gemm_weight(name, modules):
             continue  # taken by a graph and read by no GEMM there, as a weight of another op would be
+        if any(policy.keeping_rule(owner) is not None for policy in scope.policies):
+            continue  # a rule keeps its module's GEMMs as written: running them eagerly changes nothing
         out.append(strip_wrappers(name))
     return out
 

@@ -8,7 +8,9 @@ under the same policy (equal policies, e.g. the same ``options`` dict, count as
 one), not graph by graph: with one graph per block (FSDP2, per-block
 ``torch.compile(block)``) a rule for one kind of block matches no module of
 another block's graph and is still right. Names are collected as each graph is
-compiled (the innermost module of each op, as the passes see it); a policy is
+compiled (the innermost module of each op, as the passes see it), and from the weights
+:func:`mxfx.fsdp.mx_all_gather` decides the all-gather form of under the policy (a rule keeping a module
+FSDP runs eagerly, such as a router sharded as its own unit, still decides its all-gather); a policy is
 judged once (:mod:`mxfx.diagnostics.judgment`): when a graph that is the whole forward of the
 module being called compiles (:func:`mxfx.names.whole_forward`), else at the first
 optimizer step after its first graph, or at process exit when neither comes

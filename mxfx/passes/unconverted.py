@@ -16,7 +16,8 @@ the parameter and the reason (:func:`op_of` reads the op back); :mod:`mxfx.diagn
 warns once per model with their count and op names (a silent FP32/BF16 GEMM is the
 failure this exists to prevent), for the ops whose weight the policy would convert
 (:func:`would_convert`): a weight the op's format cannot tile (``[256, 8]`` under
-MXFP8's 32-blocks) or that a rule keeps is named in the map with that reason only.
+MXFP8's 32-blocks), that a rule keeps, or whose pass the policy switches off is named in the map with that
+reason only.
 """
 
 from __future__ import annotations
@@ -153,7 +154,7 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         p = params[0]
         off = PASS_OF.get(name)
         if off is not None and not policy.pass_enabled(off):
-            why = f"the {off!r} pass is switched off (passes={{{off!r}: False}}); it runs in the model's precision"
+            why = f"the {off!r} {_SWITCHED_OFF} (passes={{{off!r}: False}}); it runs in the model's precision"
         elif "::" in name:
             why = (
                 "opaque custom op: mxfx cannot see which GEMMs it runs; "
@@ -183,6 +184,7 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
 
 
 _ANYWAY = "the policy would not convert this weight anyway"
+_SWITCHED_OFF = "pass is switched off"
 
 
 def _refused(policy: Policy, module: str, weight) -> str:
@@ -201,8 +203,13 @@ def _refused(policy: Policy, module: str, weight) -> str:
 
 def would_convert(record: OpRecord) -> bool:
     """Whether the policy would convert the weight of ``not_rewritten`` record ``record`` had a pass rewritten its
-    op (its format tiles the weight and no rule keeps the module)."""
-    return _ANYWAY not in record.reason
+    op: its format tiles the weight, no rule keeps the module and the policy does not switch off the op's pass."""
+    return _ANYWAY not in record.reason and not switched_off(record)
+
+
+def switched_off(record: OpRecord) -> bool:
+    """Whether ``not_rewritten`` record ``record`` is an op whose pass the policy switches off (``Policy.passes``)."""
+    return _SWITCHED_OFF in record.reason
 
 
 def op_of(record: OpRecord) -> str:

@@ -809,6 +809,12 @@ class Policy(_NamedFields):
             return decider if decider.precision == "mxfp8" else None
         return next((r for r in matching if r.format is not None), None)
 
+    def keeping_rule(self, module: str) -> Rule | None:
+        """The user rule that keeps the GEMMs of ``module`` as written whatever their kind: the first rule that
+        matches the module, names no ``op`` and sets ``precision``, when it sets one other than "mxfp8"; else None."""
+        rule = next((r for r in self.rules if r.op is None and r.precision and r.matches_module(module)), None)
+        return rule if rule is not None and rule.precision != "mxfp8" else None
+
     def decide(
         self, kind: str, module: str, macs: int | None = None, gemm: tuple[int, int, int] | None = None
     ) -> Decision:
