@@ -551,3 +551,6 @@ def test_routed_fp8_wgrad_makes_both_dy_operands_in_one_op():
     assert dw.abs().sum() > 0 and (dw[1] == 0).all()  # the empty group's gradient is zero
     with pytest.raises(ValueError, match=r"mxfx::block_grouped_grad_operands: weight must be one route weight"):
         torch.ops.mxfx.block_grouped_grad_operands(dout, rw[:50], offs, "rceil")
+    past = torch.tensor([offs[0].item(), dout.shape[0] + 1], dtype=torch.int32)  # group ends past dy's rows
+    with pytest.raises(ValueError, match=rf"grad_operands: offs .* at most the {dout.shape[0]} rows of dy"):
+        torch.ops.mxfx.block_grouped_grad_operands(dout, rw, past.to(offs.device), "rceil")

@@ -206,11 +206,12 @@ def group_padding(offs: torch.Tensor, rows: int):
     return dest, padded_ends.to(torch.int32), capacity
 
 
-def check_group_ends(ends: list[int], rows: int, op: str) -> None:
+def check_group_ends(ends: list[int], rows: int, op: str, operand: str = "x") -> None:
     """Raise ValueError naming ``op`` unless the cumulative group ends ``ends`` (``offs`` read on the host, as
-    ``torch._grouped_mm`` takes them) are non-negative, non-decreasing and at most ``rows``."""
+    ``torch._grouped_mm`` takes them) are non-negative, non-decreasing and at most ``rows``, the rows of the
+    grouped ``operand`` (its name in the message)."""
     if any(b < a for a, b in zip([0] + ends, ends)) or (ends and ends[-1] > rows):
         raise ValueError(
             f"{op}: offs {ends} must be non-decreasing cumulative group ends of at most the {rows} rows "
-            f"of x, as torch._grouped_mm takes them"
+            f"of {operand}, as torch._grouped_mm takes them"
         )

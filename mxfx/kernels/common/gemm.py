@@ -40,17 +40,17 @@ def check_out_dtype(out_dtype, op: str) -> None:
         raise TypeError(f"{op}: out_dtype {out_dtype} is not one of bfloat16, float16, float32")
 
 
-def check_offs(op: str, offs: torch.Tensor, x: torch.Tensor) -> None:
+def check_offs(op: str, offs: torch.Tensor, x: torch.Tensor, operand: str = "x") -> None:
     """Raise ValueError naming ``op`` unless the group ends ``offs`` are int32 ``[G]`` on ``x``'s device and, where
     they can be read on the host (:func:`readable_on_host`; on a GPU the kernels read them, never synced), are
-    non-decreasing and at most ``x``'s rows."""
+    non-decreasing and at most ``x``'s rows; ``operand`` is ``x``'s name in the message."""
     if offs.dtype != torch.int32 or offs.dim() != 1 or offs.device != x.device:
         raise ValueError(
             f"{op}: offs must be int32 [G] on {x.device}, got {offs.dtype} {tuple(offs.shape)} on {offs.device}; "
             f"pass the cumulative group ends as offs.to(torch.int32) on that device"
         )
     if readable_on_host(offs):
-        check_group_ends(offs.tolist(), x.shape[0], op)
+        check_group_ends(offs.tolist(), x.shape[0], op, operand)
 
 
 def check_grouped_wgrad_into(
@@ -86,7 +86,7 @@ def check_grouped_wgrad_into(
             f"offs on {offs.device}, out on {out.device}"
         )
     if readable_on_host(offs):
-        check_group_ends(offs.tolist(), dy.shape[0], op)
+        check_group_ends(offs.tolist(), dy.shape[0], op, "dy")
 
 
 def grouped_mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ends: list[int], accumulate: bool) -> None:

@@ -214,7 +214,7 @@ def _grouped_grad_operands(
     _check_inputs(op, rule, dy=dy)
     if weight is not None:
         _check_route_weight(op, dy, weight)
-    check_offs(f"mxfx::{op}", offs, dy)
+    check_offs(f"mxfx::{op}", offs, dy, "dy")
     q, s, qt, st = device_path.quantize_1x128_grouped_dual(dy, offs, rule, weight)
     return q.contiguous(), column_major(s), qt.contiguous(), column_major(st)
 
@@ -232,7 +232,7 @@ def _(dy, weight, offs, rule):
     _check_inputs(op, rule, dy=dy)
     if weight is not None:
         _check_route_weight(op, dy, weight)
-    check_offs(f"mxfx::{op}", offs, dy)
+    check_offs(f"mxfx::{op}", offs, dy, "dy")
     t, k = dy.shape
     slots = group_tile_capacity(t, offs.shape[0])
     return (*_rows_fake(dy), dy.new_empty((k, TILE * slots), dtype=_E4M3), _fake_col_major(dy, k, slots))
