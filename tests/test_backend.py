@@ -99,6 +99,9 @@ def test_policy_decisions_first_match_wins(tmp_path):
     bad.write_bytes(b'format = "caf\xe9"\n')  # not UTF-8
     with pytest.raises(ValueError, match=r"'.*bad.toml' is not valid UTF-8 TOML"):
         Policy.from_toml(bad)
+    bad.write_text("# comments only\n")  # valid TOML that sets nothing: the default policy, with a word
+    with pytest.warns(UserWarning, match=r"policy file '.*bad.toml' sets no field: the default policy applies"):
+        assert Policy.from_toml(bad) == Policy()
     for missing in (tmp_path / "nope.toml", tmp_path):  # no such file; a folder
         with pytest.raises(FileNotFoundError, match=r"mxfx policy: '.*' is not a file"):
             Policy.from_toml(missing)

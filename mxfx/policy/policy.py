@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import os
+import warnings
 import tomllib
 from dataclasses import dataclass, field
 from collections.abc import Mapping
@@ -718,6 +719,8 @@ class Policy(_NamedFields):
             FileNotFoundError: ``path`` is not a file.
             ValueError / TypeError: the file is not UTF-8 TOML, or its keys or values are not a policy's; the
                 message names the file.
+
+        A file that sets no field (empty, or comments only) warns and gives the default policy.
         """
         name = os.fspath(path)
         if not os.path.isfile(name):
@@ -729,6 +732,12 @@ class Policy(_NamedFields):
                 table = tomllib.load(f)
             except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
                 raise ValueError(f"mxfx policy: {name!r} is not valid UTF-8 TOML (no byte-order mark): {e}") from e
+        if not table:
+            warnings.warn(
+                f"mxfx policy file {name!r} sets no field: the default policy applies (write the Policy fields "
+                f"there, rules as [[rules]] tables, or name another file)",
+                stacklevel=2,
+            )
         try:
             return cls.from_options(table)
         except (TypeError, ValueError) as e:
