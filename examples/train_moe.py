@@ -237,7 +237,7 @@ def backend_options(cfg: TrainConfig) -> dict:
     return {"format": cfg.format, **options} if isinstance(options, dict) else options
 
 
-def backend_format(cfg: TrainConfig) -> "mxfx.formats.Format":
+def backend_format(cfg: TrainConfig) -> mxfx.formats.Format:
     """The format the mxfp8 arm's policy runs: the "format" of :func:`backend_options`, resolved as the backend
     resolves it ("auto": the format native on the current device)."""
     return mxfx.formats.get(mxfx.Policy.from_options(backend_options(cfg)).format)
