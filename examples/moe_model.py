@@ -40,8 +40,11 @@ class MoEConfig:
 
     def __post_init__(self):
         for name in ("d_model", "head_dim", "expert_hidden", "shared_hidden"):
-            if getattr(self, name) % 32:
-                raise ValueError(f"{name}={getattr(self, name)} must be a multiple of 32 (MX block size)")
+            width = getattr(self, name)
+            if width % 32:
+                raise ValueError(
+                    f"{name}={width} must be a multiple of 32 (MX block size), e.g. {32 * max(1, round(width / 32))}"
+                )
         if self.d_model % self.head_dim:
             raise ValueError(f"d_model={self.d_model} must be a multiple of head_dim={self.head_dim}")
         if not 1 <= self.top_k <= self.n_experts:

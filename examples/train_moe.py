@@ -11,7 +11,9 @@
 Both arms start from the same initial weights (one seed) and see the same batches
 (one data seed), with the same model code, AdamW and clipping in FP32 on FP32
 main weights. Arm "mxfp8" is ``torch.compile(model, backend="mxfp8")`` with the
-forward under BF16 autocast. The reference arm is the first of the others:
+forward under BF16 autocast, in the format of ``--format`` (MXFP8 by default); its
+output names it by that format (mxfp8, fp8_block, ...). The reference arm is the
+first of the others:
 
 * "fp32" (default): the model in eager PyTorch, FP32 throughout, no autocast and
   no compile. Fast on any CPU (BF16 autocast and Inductor's BF16 code are slow on CPUs without
@@ -19,10 +21,10 @@ forward under BF16 autocast. The reference arm is the first of the others:
 * "bf16": ``torch.compile(model)`` (Inductor) under BF16 autocast: the arm that
   differs from "mxfp8" in the backend alone (slow on CPUs that emulate BF16).
 
-With ``--check`` (the default) the script exits non-zero unless the MXFP8
-held-out loss is within ``--tolerance`` (5%) of the reference and not
+With ``--check`` (the default) the script exits non-zero unless the backend
+arm's held-out loss is within ``--tolerance`` (5%) of the reference and not
 bit-identical to it, both arms end below 0.8x the untrained model's held-out
-loss, and the backend rewrote ops to MXFP8.
+loss, and the backend rewrote ops to its format.
 """
 
 from __future__ import annotations
@@ -40,64 +42,149 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+try:
+    import mxfx  # the mxfp8 backend's policy, formats and precision maps; the reference arms run without it
+except ImportError:
+    mxfx = None
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from data import VOCAB_SIZE, get_batch, load_splits  # noqa: E402
 from moe_model import MoEConfig, MoETransformer  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- configuration
+def option(default, help: str, at_least: int | None = None):
+    """A :class:`TrainConfig` field that is also a command-line option: its ``--help`` line and its lower bound."""
+    return dataclasses.field(default=default, metadata={"help": help, "at_least": at_least})
+
+
 @dataclass
 class TrainConfig:
     # model
-    d_model: int = 128
-    layers: int = 2
-    experts: int = 8
-    topk: int = 2
-    expert_hidden: int = 128
-    shared_hidden: int = 128
-    head_dim: int = 32
+    d_model: int = option(128, "model width (features of every residual stream)", at_least=1)
+    layers: int = option(2, "transformer blocks", at_least=1)
+    experts: int = option(8, "routed experts per MoE layer", at_least=1)
+    topk: int = option(2, "routed experts per token", at_least=1)
+    expert_hidden: int = option(128, "hidden features of each routed expert", at_least=1)
+    shared_hidden: int = option(128, "hidden features of the shared expert", at_least=1)
+    head_dim: int = option(32, "features per attention head", at_least=1)
     # data
-    data: str | None = None  # a UTF-8 text file; default: the interpreter's stdlib sources + pydoc topics
-    seq: int = 128
-    batch: int = 16
+    data: str | None = option(None, "UTF-8 text file to train on; None: the interpreter's .py sources + pydoc topics")
+    seq: int = option(128, "tokens (bytes) per sequence", at_least=1)
+    batch: int = option(16, "sequences per step", at_least=1)
     # optimisation
-    steps: int = 100
-    lr: float = 1.5e-3  # 3e-3 was at the edge of stability: run-to-run held-out spread of ~4% even for BF16 alone
-    min_lr_frac: float = 0.1  # cosine decays to lr * min_lr_frac
-    warmup: int = 20
-    weight_decay: float = 0.1  # on matrices only
-    grad_clip: float = 1.0
+    steps: int = option(100, "optimizer steps per arm", at_least=1)
+    # 3e-3 was at the edge of stability: run-to-run held-out spread of ~4% even for BF16 alone
+    lr: float = option(1.5e-3, "peak learning rate (AdamW)")
+    min_lr_frac: float = option(0.1, "cosine decay ends at lr * min-lr-frac")
+    warmup: int = option(20, "linear warmup steps", at_least=0)
+    weight_decay: float = option(0.1, "AdamW weight decay, on matrices only")
+    grad_clip: float = option(1.0, "max gradient norm")
     # run
-    arms: str = "fp32,mxfp8"  # reference arm first: "fp32" (eager) or "bf16" (Inductor, BF16 autocast)
-    backend_options: str | None = None  # JSON dict passed as options= to the mxfp8 compile
-    format: str = (
-        "mxfp8"  # the mxfp8 arm's policy format: mxfp8, fp8_block or auto (a "format" in --backend-options wins)
-    )
-    device: str = "cpu"
-    seed: int = 1337
-    data_seed: int = 0
-    eval_batches: int = 8
-    log_every: int = 25
-    out: str = "runs"
-    check: bool = True
-    # max relative held-out loss gap, mxfp8 vs the reference arm. Two mxfp8 runs of this job in two processes
-    # ended 3.4% apart (2.4707 vs 2.3897, the reference 2.3981): last-bit differences of multithreaded CPU
-    # reductions (not run-to-run deterministic, within one process too; from step 3 on) that 100 steps of
-    # training amplify; 3% failed one fresh run
-    tolerance: float = 0.05
-    trained_frac: float = 0.8  # each arm must reach held-out loss < trained_frac * untrained
+    arms: str = option("fp32,mxfp8", "comma-separated arms: mxfp8 (the backend) and/or one reference, fp32 or bf16")
+    backend_options: str | None = option(None, "JSON object passed as options= to the mxfp8 compile")
+    format: str = option("mxfp8", 'format of the mxfp8 (backend) arm; a "format" in --backend-options wins')
+    device: str = option("cpu", "torch device to train on, e.g. cpu or cuda")
+    seed: int = option(1337, "seed of the initial weights (the same in every arm)")
+    data_seed: int = option(0, "seed of the batch order (the same in every arm)")
+    eval_batches: int = option(8, "held-out batches per evaluation", at_least=1)
+    log_every: int = option(25, "print the loss every this many steps", at_least=1)
+    out: str = option("runs", "folder for moe_loss.png and moe_results.json")
+    check: bool = option(True, "exit non-zero unless the checks above pass")
+    # Two mxfp8 runs of this job in two processes ended 3.4% apart (2.4707 vs 2.3897, the reference 2.3981):
+    # last-bit differences of multithreaded CPU reductions (not run-to-run deterministic, within one process too;
+    # from step 3 on) that 100 steps of training amplify; 3% failed one fresh run
+    tolerance: float = option(0.05, "max relative held-out loss gap, backend arm vs reference arm")
+    trained_frac: float = option(0.8, "each arm must end below this fraction of the untrained held-out loss")
 
 
-def parse_args() -> TrainConfig:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+MODEL_FIELDS = {  # MoEConfig field: the TrainConfig field (and so the flag) that sets it
+    "d_model": "d_model",
+    "n_layers": "layers",
+    "head_dim": "head_dim",
+    "n_experts": "experts",
+    "top_k": "topk",
+    "expert_hidden": "expert_hidden",
+    "shared_hidden": "shared_hidden",
+    "max_seq": "seq",
+}
+BACKEND_WIDTHS = ("d_model", "expert_hidden", "shared_hidden")  # the in/out features of the GEMMs the backend converts
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """``--help``: the module docstring as written, then every option with its default."""
+
+
+def flag(name: str) -> str:
+    """The command-line flag of a :class:`TrainConfig` field."""
+    return "--" + name.replace("_", "-")
+
+
+def bounded(kind: type, at_least: int | None):
+    """An argparse ``type``: ``kind(text)``, refused below ``at_least`` (None: any value)."""
+
+    def parse(text: str):
+        value = kind(text)
+        if at_least is not None and value < at_least:
+            raise argparse.ArgumentTypeError(f"must be >= {at_least}, got {value}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names it in "invalid int value: 'x'"
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """One option per :class:`TrainConfig` field, with its help line and default; ``--format`` lists mxfx's formats
+    (any value where mxfx is not importable: the backend arm then fails as missing)."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     for f in dataclasses.fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
         if f.type == "bool":
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
-        else:
-            kind = {"int": int, "float": float}.get(f.type, str)
-            p.add_argument(flag, type=kind, default=f.default)
-    return TrainConfig(**vars(p.parse_args()))
+            p.add_argument(
+                flag(f.name), action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"]
+            )
+            continue
+        kind = bounded({"int": int, "float": float}.get(f.type, str), f.metadata["at_least"])
+        choices = mxfx.formats.CHOICES if f.name == "format" and mxfx is not None else None
+        p.add_argument(flag(f.name), type=kind, default=f.default, choices=choices, help=f.metadata["help"])
+    return p
+
+
+def arm_names(cfg: TrainConfig) -> list[str]:
+    """The arms of ``--arms``, in order."""
+    return [a.strip() for a in cfg.arms.split(",") if a.strip()]
+
+
+def model_config(cfg: TrainConfig) -> MoEConfig:
+    """The model of this run. Raises MoEConfig's ValueError ("<field>=<value> must be ...") on widths it refuses."""
+    return MoEConfig(vocab_size=VOCAB_SIZE, **{k: getattr(cfg, v) for k, v in MODEL_FIELDS.items()})
+
+
+def parse_args(p: argparse.ArgumentParser, argv: list[str] | None = None) -> TrainConfig:
+    """The run's config from ``argv`` (default ``sys.argv[1:]``), checked before anything trains: a bad value ends
+    in ``p.error``, naming its flag and what to do (exit status 2, no traceback)."""
+    cfg = TrainConfig(**vars(p.parse_args(argv)))
+    arms = arm_names(cfg)
+    if not arms or set(arms) - set(ARMS) or sum(a != "mxfp8" for a in arms) > 1:
+        p.error(
+            f"argument --arms: {cfg.arms!r}: expected mxfp8 and/or one reference arm (fp32 or bf16), comma-separated"
+        )
+    try:
+        model_config(cfg)
+    except ValueError as e:
+        field = MODEL_FIELDS.get(str(e).partition("=")[0])
+        p.error(f"argument {flag(field)}: {e}" if field else str(e))
+    if cfg.data is not None and not os.path.isfile(cfg.data):
+        p.error(
+            f"argument --data: {cfg.data!r} is not a file; name a UTF-8 text file, or leave --data out to train on "
+            "the interpreter's own .py sources and pydoc topics"
+        )
+    try:
+        torch.empty(0, device=cfg.device)
+    except (RuntimeError, AssertionError) as e:  # an unknown device type; CUDA not built or no GPU (AssertionError)
+        p.error(f"argument --device: {cfg.device!r} is not usable here ({e}); use --device cpu")
+    if "mxfp8" in arms:
+        check_backend(p, cfg)
+    return cfg
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -150,37 +237,55 @@ def backend_options(cfg: TrainConfig) -> dict:
     return {"format": cfg.format, **options} if isinstance(options, dict) else options
 
 
-def check_backend_available(arms: list[str], cfg: TrainConfig):
-    """Fail before any training if the mxfp8 backend cannot be found or its options do not parse."""
-    if "mxfp8" not in arms:
-        return
-    if cfg.backend_options or cfg.format != "mxfp8":
-        try:
-            options = backend_options(cfg)
-        except ValueError:
-            options = None
-        if not isinstance(options, dict):
-            sys.exit(f"error: --backend-options must be a JSON object, got {cfg.backend_options!r}")
-        try:  # unknown keys and values (--format too) fail here, not after the bf16 arm has trained
-            import mxfx
+def backend_format(cfg: TrainConfig) -> mxfx.formats.Format:
+    """The format the mxfp8 arm's policy runs: the "format" of :func:`backend_options`, resolved as the backend
+    resolves it ("auto": the format native on the current device)."""
+    return mxfx.formats.get(mxfx.Policy.from_options(backend_options(cfg)).format)
 
-            mxfx.Policy.from_options(options)
-        except ImportError:
-            pass  # reported below as a missing backend
-        except (TypeError, ValueError) as e:
-            sys.exit(f"error: --backend-options: {e}")
+
+def arm_label(arm: str, cfg: TrainConfig) -> str:
+    """The name an arm's lines, table row, plot and results go by: the reference arm's own; the backend arm's
+    format (mxfp8, fp8_block, ...)."""
+    return backend_format(cfg).name if arm == "mxfp8" else arm
+
+
+def check_backend(p: argparse.ArgumentParser, cfg: TrainConfig):
+    """Fail before any training (``p.error``) if the mxfp8 backend cannot be found, its options do not parse, or
+    the model's widths do not fit its format."""
     try:
         torch._dynamo.lookup_backend("mxfp8")
     except Exception as e:
-        sys.exit(
-            f"error: torch.compile backend 'mxfp8' is not available ({type(e).__name__}: {e}).\n"
+        p.error(
+            f"torch.compile backend 'mxfp8' is not available ({type(e).__name__}: {e}).\n"
             "Install mxfx so its entry point registers the backend (pip install -e .), "
             "or run the reference arm alone with --arms fp32."
         )
+    try:
+        options = backend_options(cfg)
+    except ValueError:
+        options = None
+    if not isinstance(options, dict):
+        p.error(f"argument --backend-options: must be a JSON object, got {cfg.backend_options!r}")
+    try:  # unknown keys and values fail here, not after the reference arm has trained
+        fmt = backend_format(cfg)
+    except (TypeError, ValueError) as e:
+        p.error(f"argument {'--backend-options' if cfg.backend_options else '--format'}: {e}")
+    m = fmt.feature_multiple
+    for name in BACKEND_WIDTHS:
+        width = getattr(cfg, name)
+        if width % m:
+            p.error(
+                f"argument {flag(name)}: {width} is not a multiple of {m} ({fmt.feature_multiple_source}), so "
+                f"format {fmt.name} would keep every GEMM of that width as written; use a multiple of {m} such as "
+                f"{m * max(1, round(width / m))}, or another --format"
+            )
 
 
-def train_arm(arm, init_state, model_cfg, train_data, eval_set, cfg: TrainConfig) -> dict:
-    """Train one arm from ``init_state`` on the seeded batch stream; return its curves and numbers."""
+def train_arm(arm: str, tag: str, init_state, model_cfg, train_data, eval_set, cfg: TrainConfig) -> dict:
+    """Train one arm from ``init_state`` on the seeded batch stream; return its curves and numbers.
+
+    ``tag``: the arm's label (:func:`arm_label`), padded so that the arms' lines align; the results name the arm by
+    its label."""
     torch._dynamo.reset()  # each arm compiles from scratch, so compile times are comparable
     device, dev_type = cfg.device, torch.device(cfg.device).type
     model = MoETransformer(model_cfg).to(device)
@@ -217,17 +322,17 @@ def train_arm(arm, init_state, model_cfg, train_data, eval_set, cfg: TrainConfig
         losses.append(loss.item())  # also synchronises, so the step time is honest
         step_times.append(time.perf_counter() - t0)
         if not math.isfinite(losses[-1]):
-            sys.exit(f"error: arm {arm} loss is {losses[-1]} at step {step}")
+            sys.exit(f"error: arm {tag.strip()} loss is {losses[-1]} at step {step}")
         if step % cfg.log_every == 0 or step == cfg.steps - 1:
             tqdm.write(
-                f"{arm:>5} step {step:4d}  loss {losses[-1]:.4f}  lr {lr_at(step, cfg):.2e}  "
+                f"{tag} step {step:4d}  loss {losses[-1]:.4f}  lr {lr_at(step, cfg):.2e}  "
                 f"{step_times[-1] * 1e3:7.0f} ms"
             )
 
     # Step 0 compiles (not for the eager arm): on its own line, so the bar's rate and ETA are of steady steps.
-    print(f"{arm:>5}: {ARMS[arm]}; step 0{'' if arm == 'fp32' else ', compiling...'}", flush=True)
+    print(f"{tag}: {ARMS[arm]}; step 0{'' if arm == 'fp32' else ', compiling...'}", flush=True)
     train_step(0)
-    bar = tqdm(range(1, cfg.steps), desc=f"{arm:>5}", dynamic_ncols=True, mininterval=1.0)
+    bar = tqdm(range(1, cfg.steps), desc=tag, dynamic_ncols=True, mininterval=1.0)
     for step in bar:
         train_step(step)
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
@@ -241,7 +346,7 @@ def train_arm(arm, init_state, model_cfg, train_data, eval_set, cfg: TrainConfig
     tokens_per_s = cfg.batch * cfg.seq * len(timed) / sum(timed) if timed else float("nan")
     peak = f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB" if dev_type == "cuda" else f"n/a ({dev_type.upper()})"
     return dict(
-        arm=arm,
+        arm=tag.strip(),
         losses=losses,
         final_train=sum(losses[-10:]) / len(losses[-10:]),
         eval_loss=eval_loss,
@@ -274,16 +379,36 @@ def plot(results, untrained, path):
     plt.close(fig)
 
 
+def load_data(p: argparse.ArgumentParser, cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, held-out) byte tokens of ``--data``; ``p.error`` where the file is not UTF-8 or a split is not
+    longer than one sequence and its target (``--seq`` + 1 bytes)."""
+    try:
+        train_data, val_data = load_splits(cfg.data)
+    except UnicodeDecodeError as e:
+        p.error(f"argument --data: {cfg.data!r} is not UTF-8 text ({e}); convert it to UTF-8")
+    if min(len(train_data), len(val_data)) <= cfg.seq + 1:
+        p.error(
+            f"argument --seq: {cfg.seq} needs more than {cfg.seq + 1} bytes in each split, but "
+            f"{cfg.data or 'the default text'} splits into {len(train_data)} train / {len(val_data)} held-out bytes; "
+            "use a smaller --seq or a longer --data file"
+        )
+    return train_data, val_data
+
+
 # ----------------------------------------------------------------------------- main
-def main():
-    cfg = parse_args()
-    arms = [a.strip() for a in cfg.arms.split(",") if a.strip()]
-    if not arms or set(arms) - set(ARMS) or sum(a != "mxfp8" for a in arms) > 1:
-        sys.exit(f"error: --arms {cfg.arms!r}: expected mxfp8 and/or one reference arm (fp32 or bf16), comma-separated")
-    check_backend_available(arms, cfg)
+def main(argv: list[str] | None = None):
+    p = build_parser()
+    cfg = parse_args(p, argv)
+    arms = arm_names(cfg)
+    labels = {arm: arm_label(arm, cfg) for arm in arms}
+    width = max(map(len, labels.values()))
+    try:
+        os.makedirs(cfg.out, exist_ok=True)
+    except OSError as e:
+        p.error(f"argument --out: cannot make the folder {cfg.out!r} ({e}); name a folder")
     t_start = time.perf_counter()
 
-    train_data, val_data = load_splits(cfg.data)
+    train_data, val_data = load_data(p, cfg)
     print(
         f"data: {cfg.data or 'stdlib .py sources + pydoc topics'}: "
         f"{len(train_data) / 1e6:.2f} MB train, {len(val_data) / 1e6:.2f} MB held-out (byte tokens)"
@@ -291,17 +416,7 @@ def main():
     eval_gen = torch.Generator().manual_seed(cfg.data_seed + 1)
     eval_set = [get_batch(val_data, cfg.batch, cfg.seq, eval_gen, cfg.device) for _ in range(cfg.eval_batches)]
 
-    model_cfg = MoEConfig(
-        vocab_size=VOCAB_SIZE,
-        d_model=cfg.d_model,
-        n_layers=cfg.layers,
-        head_dim=cfg.head_dim,
-        n_experts=cfg.experts,
-        top_k=cfg.topk,
-        expert_hidden=cfg.expert_hidden,
-        shared_hidden=cfg.shared_hidden,
-        max_seq=cfg.seq,
-    )
+    model_cfg = model_config(cfg)
     torch.manual_seed(cfg.seed)
     model = MoETransformer(model_cfg).to(cfg.device)
     init_state = copy.deepcopy(model.state_dict())
@@ -318,7 +433,8 @@ def main():
     print(f"untrained held-out loss: {untrained:.4f} (uniform over 256 bytes: {math.log(VOCAB_SIZE):.4f})")
     del model
 
-    results = [train_arm(arm, init_state, model_cfg, train_data, eval_set, cfg) for arm in arms]
+    tags = {arm: label.rjust(width) for arm, label in labels.items()}
+    results = [train_arm(arm, tags[arm], init_state, model_cfg, train_data, eval_set, cfg) for arm in arms]
 
     reference = next((a for a in arms if a != "mxfp8"), None)
     if reference:
@@ -327,33 +443,32 @@ def main():
         "tokens/s excludes step 0 (compilation); 'compile s' is the wall time of step 0; "
         "held-out loss is through each arm's trained model (its training graph, grad enabled, no backward)"
     )
-    header = f"{'arm':<6} {'train loss':>10} {'held-out':>9} {'tokens/s':>9} {'peak mem':>12} {'compile s':>9}"
+    header = f"{'arm':<{width}} {'train loss':>10} {'held-out':>9} {'tokens/s':>9} {'peak mem':>12} {'compile s':>9}"
     print(header + "\n" + "-" * len(header))
     for r in results:
         print(
-            f"{r['arm']:<6} {r['final_train']:>10.4f} {r['eval_loss']:>9.4f} {r['tokens_per_s']:>9.0f} "
+            f"{r['arm']:<{width}} {r['final_train']:>10.4f} {r['eval_loss']:>9.4f} {r['tokens_per_s']:>9.0f} "
             f"{r['peak_mem']:>12} {r['compile_s']:>9.1f}"
         )
     print(f"(train loss: mean of the last 10 steps; untrained held-out {untrained:.4f})")
 
     failures = []
-    by_arm = {r["arm"]: r for r in results}
-    if reference and "mxfp8" in by_arm:
+    by_arm = dict(zip(arms, results))
+    backend = labels.get("mxfp8")  # the backend arm's format
+    if reference and backend:
         ref, mx = by_arm[reference], by_arm["mxfp8"]
         gap = (mx["eval_loss"] - ref["eval_loss"]) / ref["eval_loss"]
-        print(f"mxfp8 vs {reference} (reference) held-out loss: {gap:+.2%} (tolerance {cfg.tolerance:.0%})")
+        print(f"{backend} vs {reference} (reference) held-out loss: {gap:+.2%} (tolerance {cfg.tolerance:.0%})")
         if abs(gap) > cfg.tolerance:
-            failures.append(f"mxfp8 held-out loss is {gap:+.2%} from {reference}, beyond {cfg.tolerance:.0%}")
+            failures.append(f"{backend} held-out loss is {gap:+.2%} from {reference}, beyond {cfg.tolerance:.0%}")
         if mx["losses"] == ref["losses"] and mx["eval_loss"] == ref["eval_loss"]:
-            failures.append(f"mxfp8 and {reference} losses are bit-identical: the mxfp8 backend changed nothing")
-    if "mxfp8" in by_arm:
-        import mxfx  # the backend's precision maps: which GEMMs it rewrote, per compiled graph
-
-        reports = mxfx.all_reports()
+            failures.append(f"{backend} and {reference} losses are bit-identical: the mxfp8 backend changed nothing")
+    if backend:
+        reports = mxfx.all_reports()  # the backend's precision maps: which GEMMs it rewrote, per compiled graph
         for pm in reports:
             print(f"mxfx {pm.summary()}")
         if not any(pm.count(rewritten=True) for pm in reports):
-            failures.append("the mxfp8 backend rewrote no op to MXFP8 (see the precision maps above)")
+            failures.append(f"the mxfp8 backend rewrote no op to {backend} (see the precision maps above)")
     limit = cfg.trained_frac * untrained
     below = all(r["eval_loss"] < limit for r in results)
     print(
@@ -365,7 +480,6 @@ def main():
             f"held-out loss not below {limit:.3f}: " + ", ".join(f"{r['arm']} {r['eval_loss']:.3f}" for r in results)
         )
 
-    os.makedirs(cfg.out, exist_ok=True)
     plot(results, untrained, os.path.join(cfg.out, "moe_loss.png"))
     with open(os.path.join(cfg.out, "moe_results.json"), "w") as f:
         json.dump(dict(config=dataclasses.asdict(cfg), untrained_eval_loss=untrained, results=results), f, indent=1)
@@ -381,11 +495,11 @@ def main():
         sys.exit("check failed:\n  " + "\n  ".join(failures))
     if cfg.check:
         passed = []
-        if reference and "mxfp8" in by_arm:
-            passed.append(f"mxfp8 within tolerance of the {reference} arm and not identical")
+        if reference and backend:
+            passed.append(f"{backend} within tolerance of the {reference} arm and not identical")
         passed.append(f"{'both arms' if len(results) > 1 else 'the arm'} below {cfg.trained_frac}x untrained")
-        if "mxfp8" in by_arm:
-            passed.append("MX ops rewritten")
+        if backend:
+            passed.append(f"ops rewritten to {backend}")
         print("checks passed: " + ", ".join(passed))
 
 
