@@ -287,6 +287,24 @@ def test_weights_a_rule_keeps_are_not_named():
     assert "router" not in message
 
 
+def test_weights_swapped_after_the_compile_are_known_by_name():
+    """FSDP2 registers other parameter objects on a module than the ones a graph read (unsharded while it runs,
+    sharded after): a weight is known by its name in the model, so one the graph read is not called unread when
+    the module holds another object under that name at the step."""
+    model = LoopMoE(eager=False)
+    model.experts = nn.Linear(64, 64)
+    torch._dynamo.reset()
+    for name in ("proj", "experts"):  # per-block compile, as FSDP2 users do
+        setattr(model, name, torch.compile(getattr(model, name), backend="mxfp8", options=OPTS))
+    _mxfx_warnings(lambda: model(torch.randn(32, 64)).sum().backward())
+    for module in (model.proj, model.experts):  # what FSDP2 does between the forward and the step
+        module.weight = nn.Parameter(module.weight.detach().clone())
+        module.weight.grad = torch.zeros_like(module.weight)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert not [m for m in _mxfx_warnings(opt.step) if "read by no GEMM" in m]
+    assert len([pm for pm in mxfx.all_reports() if pm.count("linear", rewritten=True)]) >= 2  # both were converted
+
+
 def test_passes_the_policy_switches_off_are_not_warned_about():
     """``passes={"linear": False}``: the linears stay as written because the user asked; the map says so and no
     warning calls the model unconverted or its GEMMs convertible."""

@@ -76,10 +76,11 @@ class _Model:
     name: str
     warned: set = field(default_factory=set)  # keys of per-op warnings given for this model (rule_check)
     ops: dict = field(default_factory=dict)  # (kind, module, node, shapes) -> (record, asked by a user rule)
-    read: set = field(default_factory=set)  # ids of the parameters a GEMM record of some graph reads
+    # parameters by their keys (:func:`_keys`: ids and names in the model)
+    read: set = field(default_factory=set)  # the parameters a GEMM record of some graph reads
     read_modules: set = field(default_factory=set)  # modules of GEMM records whose weight could not be traced back
-    inputs: set = field(default_factory=set)  # ids of the parameters some graph takes (read by a GEMM or not)
-    compiled: set = field(default_factory=set)  # ids of the compiled modules' parameters (empty: the whole model's)
+    inputs: set = field(default_factory=set)  # the parameters some graph takes (read by a GEMM or not)
+    compiled: set = field(default_factory=set)  # the compiled modules' parameters (empty: the whole model's)
     breaks: list = field(default_factory=list)  # the graph breaks Dynamo recorded while compiling it
     format: str = ""  # the policy's format, for the messages
     policies: set = field(default_factory=set)  # the policies its graphs compiled under
@@ -132,9 +133,11 @@ def observation(
         return lambda: None
     real = _real_values(gm, example_inputs)
     nodes = {prefix + n.name: n for g, prefix in record_prefixes(gm).items() for n in g.graph.nodes}
-    taken = {id(t) for t in (*real.values(), *gm.parameters())}
-    compiled = compiled_parameters(taken)
-    read = {r.node: _weights_read(nodes.get(r.node), real) for r in pm.records}
+    keys = _keys(scope.model() if scope.model is not None else None)
+    tensors = (*real.values(), *gm.parameters())
+    taken = keys(tensors)
+    compiled = keys(compiled_parameters({id(t) for t in tensors}))
+    read = {r.node: keys(_weights_read(nodes.get(r.node), real)) for r in pm.records}
 
     others = sum(r.rewritten and r.kind not in (*GEMM_KINDS, unconverted.KIND) for r in pm.records)
 
@@ -154,7 +157,7 @@ def observation(
             asked = r.kind in GEMM_KINDS and not r.rewritten and policy.requesting_rule(r.kind, r.module) is not None
             scope.ops.setdefault((r.kind, r.module, r.node, r.shapes), (r, asked))
             weights = read[r.node]
-            scope.read.update(id(w) for w in weights)
+            scope.read.update(weights)
             if not weights:
                 scope.read_modules.add(r.module)
 
@@ -205,7 +208,7 @@ def _judge(scope: _Model) -> None:
     if model is not None:
         # compiled blocks whose forward left no graph (a graph break in a loop skips the frame) and breaks since
         # the last graph are the model's too
-        scope.compiled.update(id(p) for m in filter(None, map(_compiled, model.modules())) for p in m.parameters())
+        scope.compiled |= _keys(model)(p for m in filter(None, map(_compiled, model.modules())) for p in m.parameters())
         scope.breaks.extend(b for b in graph_breaks.new() if b not in scope.breaks)
         missed = unread_weights(model, scope)
         if missed:
@@ -232,11 +235,14 @@ def unread_weights(model: torch.nn.Module, scope: _Model | None = None) -> list[
         owner, _, leaf = name.rpartition(".")
         if p.dim() < 2 or not p.is_floating_point() or "bias" in leaf or isinstance(modules.get(owner), NOT_GEMMS):
             continue
-        if (scope.compiled and id(p) not in scope.compiled) or (stepped and p.requires_grad and p.grad is None):
+        keys = (name, id(p))  # the graphs saw it by name, or by id where the model did not name it then
+        if (scope.compiled and scope.compiled.isdisjoint(keys)) or (stepped and p.requires_grad and p.grad is None):
             continue
-        if id(p) in scope.read or any(owner == m or owner.endswith("." + m) for m in scope.read_modules if m):
+        if not scope.read.isdisjoint(keys) or any(
+            owner == m or owner.endswith(f".{m}") for m in scope.read_modules if m
+        ):
             continue
-        if id(p) in scope.inputs and not _gemm_weight(name, modules):
+        if not scope.inputs.isdisjoint(keys) and not _gemm_weight(name, modules):
             continue  # taken by a graph and read by no GEMM there, as a weight of another op would be
         if any(policy.keeping_rule(owner) is not None for policy in scope.policies):
             continue  # a rule keeps its module's GEMMs as written: running them eagerly changes nothing
@@ -271,15 +277,23 @@ def _gemm_weight(name: str, modules: dict) -> bool:
     return False
 
 
-def compiled_parameters(graph: set[int]) -> set[int]:
-    """ids of the parameters of the compiled modules (:func:`_compiled`) whose call is running around the compile
-    and that hold one of ``graph`` (parameter ids). Empty when none is (a compiled function)."""
-    out: set[int] = set()
+def compiled_parameters(graph: set[int]) -> list[torch.Tensor]:
+    """The parameters of the compiled modules (:func:`_compiled`) whose call is running around the compile and that
+    hold one of ``graph`` (parameter ids). Empty when none is (a compiled function)."""
+    out: dict[int, torch.Tensor] = {}
     for module in filter(None, map(_compiled, names.running_modules())):
-        held = {id(p) for p in module.parameters()}
-        if held & graph:
-            out |= held
-    return out
+        held = {id(p): p for p in module.parameters()}
+        if not graph.isdisjoint(held):
+            out.update(held)
+    return list(out.values())
+
+
+def _keys(model: torch.nn.Module | None) -> Callable[[object], set]:
+    """The keys parameters are recorded by: their ids, and their names in ``model`` as ``named_parameters()`` spells
+    them now. Names outlive a swap of a module's parameter objects (FSDP2 registers the unsharded parameters while
+    the module runs and the sharded ones after, under the same names)."""
+    names_of = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+    return lambda tensors: {k for t in tensors for k in (id(t), names_of.get(id(t)))} - {None}
 
 
 def _compiled(module: torch.nn.Module) -> torch.nn.Module | None:
