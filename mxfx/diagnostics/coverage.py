@@ -11,7 +11,8 @@ has compiled by then), or at exit (:mod:`mxfx.diagnostics.judgment`). The judgme
 
 * **Nothing converted**: the model has GEMMs (or parameters) but not one op runs in low precision; the warning
   counts the GEMMs kept and gives their reasons and first modules. Converted ops that are no GEMM (an MXFP8
-  all-to-all) count as converted; a policy that switches off the passes of the ops found asked for this.
+  all-to-all) count as converted; a model whose only GEMMs are those of passes the policy switches off is not
+  warned about (the policy asked for it).
 * **Shapes that do not fit**: GEMMs the policy would convert but whose features are not multiples of the
   format's ``feature_multiple`` (its block; ``Linear(100, 60)``): their count, and each reason with the modules it
   holds for. Ops a user rule asked for are warned about by :func:`mxfx.diagnostics.rule_check.warn_unmet_requests`
@@ -186,7 +187,7 @@ def _judge(scope: _Model) -> None:
     gemms = [r for r, _ in ops if r.kind in GEMM_KINDS]
     converted = [r for r in gemms if r.rewritten]
     switched_off = any(r.kind == unconverted.KIND and unconverted.switched_off(r) for r, _ in ops)
-    if not converted and not scope.others and not switched_off and (gemms or model is not None):
+    if not converted and not scope.others and (gemms or (model is not None and not switched_off)):
         _warn_nothing_converted(where, gemms, scope.format)
     else:
         unfit = [r for r, asked in ops if r.kind in GEMM_KINDS and not r.rewritten and not asked and UNFIT in r.reason]
