@@ -7,6 +7,8 @@ import pickle
 import subprocess
 import sys
 
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -115,7 +117,11 @@ def test_policy_env_when_no_options(tmp_path, monkeypatch):
     m = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64))
     torch.compile(m, backend="mxfp8")(torch.randn(4, 32))
     assert [r.forward for r in mxfx.last_report().records if r.kind == "linear"] == ["fp32", "mxfp8"]  # FP32 model
-    assert Policy.from_options({}).rules == ()  # explicit options win over the file
+    with pytest.warns(UserWarning, match=r"MXFX_POLICY='.*policy.toml' is set, but the compile gives options"):
+        assert Policy.from_options({}).rules == ()  # explicit options win over the file, with a word
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Policy.from_options({})  # said once per file
     monkeypatch.setenv("MXFX_POLICY", str(tmp_path / "missing.toml"))
     with pytest.raises(FileNotFoundError, match="MXFX_POLICY=.*missing.toml' is not a file"):
         Policy.from_options(None)

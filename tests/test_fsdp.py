@@ -357,6 +357,18 @@ def _worker_fsdp_ep(rank: int, world: int):
     # its router runs eagerly (an FSDP unit of its own) and a rule keeps it: neither unread nor an unmatched rule
     said = [str(w.message) for w in caught if str(w.message).startswith("mxfx")]
     assert not said, said
+    # without the rule, the router's eager GEMM is said, and why: its FSDP unit runs outside the block's graph
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world // example.EP, example.EP), mesh_dim_names=("dp", "ep"))
+    model = example.Model(ep_group=mesh["ep"].get_group())
+    example.compile_blocks(model, {"inner": "aot_eager"})
+    example.shard(model, mesh)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        example.train(model, example.batches(world, "cpu")[:1], slice(rank * 32, (rank + 1) * 32), float)
+    (said,) = [str(w.message) for w in caught if "read by no GEMM" in str(w.message)]
+    assert "'blocks.0.moe.router', 'blocks.1.moe.router' are FSDP2 units of their own" in said, said
     if rank == 0:
         # Tolerance: the EP run moves dispatched rows and expert outputs in MXFP8 (the one-process reference moves
         # nothing) and sums BF16 expert gradients in another grouping; measured 3e-3 over 3 steps.

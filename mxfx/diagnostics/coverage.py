@@ -51,6 +51,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch._dynamo.eval_frame import OptimizedModule
+from torch.distributed.fsdp import FSDPModule
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from mxfx import names
@@ -213,7 +214,7 @@ def _judge(scope: _Model) -> None:
         scope.breaks.extend(b for b in graph_breaks.new() if b not in scope.breaks)
         missed = unread_weights(model, scope)
         if missed:
-            _warn(_unread_message(where, missed, scope.breaks))
+            _warn(_unread_message(where, missed, scope.breaks, _own_units(model, missed)))
 
 
 _judgments = Judgments(_judge, weak=True)
@@ -305,12 +306,39 @@ def _compiled(module: torch.nn.Module) -> torch.nn.Module | None:
     return module if getattr(module, "_compiled_call_impl", None) is not None else None
 
 
-def _unread_message(where: str, missed: list[str], breaks: list[graph_breaks.GraphBreak]) -> str:
+def _own_units(model: torch.nn.Module, missed: list[str]) -> list[str]:
+    """The innermost FSDP2 units (``fully_shard``) of ``model`` holding the ``missed`` weights (names as
+    :func:`unread_weights` gives them), where such a unit is not compiled itself: FSDP2 calls a unit outside the
+    graph of the compiled block around it, and a forward of torch's own (``nn.Linear``) called there runs eagerly."""
+    units = {
+        strip_wrappers(name)
+        for name, module in model.named_modules()
+        if isinstance(module, FSDPModule) and _compiled(module) is None and module is not model
+    }
+    out = []
+    for weight in missed:
+        holders = [u for u in units if weight.startswith(f"{u}.")]
+        if holders:
+            out.append(max(holders, key=len))
+    return list(dict.fromkeys(out))
+
+
+def _unread_message(where: str, missed: list[str], breaks: list[graph_breaks.GraphBreak], units: list[str] = ()) -> str:
     text = (
         f"mxfx: {where}: {len(missed)} weight(s) were read by no GEMM of a compiled graph, so they were not "
         f"converted: a graph break or an eager fallback ran their GEMMs outside torch.compile, in the model's own "
         f"precision: {listed(missed)}. "
     )
+    if units:
+        text += (
+            f"{listed(units)} {'is an FSDP2 unit of its own' if len(units) == 1 else 'are FSDP2 units of their own'} "
+            f"(fully_shard) inside a compiled block: FSDP2 calls a unit outside the block's graph, and a forward of "
+            f"torch's own (nn.Linear) called there runs eagerly. Shard it with its block to convert it, or keep it "
+            f"as written with a policy rule (precision='bf16')."
+        )
+        if all(any(w.startswith(f"{u}.") for u in units) for w in missed):
+            return text
+        text += " "
     if breaks:
         text += (
             f"Graph breaks Dynamo recorded while compiling it: {'; '.join(map(str, breaks[:4]))}"

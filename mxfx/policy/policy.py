@@ -55,6 +55,7 @@ dispatch_mx (which reads the plain row gathers it replaces); shared_quantize aft
 passes that set a linear's input (swiglu) and before saved, which counts a shared copy once."""
 POLICY_ENV = "MXFX_POLICY"
 """Environment variable: a TOML file of :class:`Policy` fields, the policy of compiles given no ``options``."""
+_IGNORED_FILES: set[str] = set()  # MXFX_POLICY values already warned about as overridden by given options
 DUMP_ENV = "MXFX_DUMP_DIR"
 STATS_ENV = "MXFX_STATS"
 """Environment variable: the ``stats`` of a policy that leaves the field out (``Policy()``, an ``options`` dict or
@@ -692,9 +693,21 @@ class Policy(_NamedFields):
         None (a trainer that passes only the backend name, e.g. torchtitan's ``--compile.backend``)
         gives the policy of the TOML file named by ``MXFX_POLICY`` when it is set, else the defaults.
 
+        Given options win: where ``MXFX_POLICY`` is set too, its file is not read, and that is warned once per
+        file name.
+
         Raises:
             FileNotFoundError: ``MXFX_POLICY`` names no file.
         """
+        ignored = os.environ.get(POLICY_ENV, "").strip()
+        if options is not None and ignored and ignored not in _IGNORED_FILES:
+            _IGNORED_FILES.add(ignored)
+            warnings.warn(
+                f"mxfx policy: {POLICY_ENV}={ignored!r} is set, but the compile gives options, which win: the file "
+                f"is not read. Put its settings in the options (mxfx.Policy.from_toml reads the file into a Policy "
+                f"to pass), or give no options",
+                stacklevel=2,
+            )
         if options is None:
             path = os.environ.get(POLICY_ENV, "").strip()
             if not path:
@@ -739,7 +752,7 @@ class Policy(_NamedFields):
                 stacklevel=2,
             )
         try:
-            return cls.from_options(table)
+            return cls(**table)
         except (TypeError, ValueError) as e:
             raise type(e)(f"mxfx policy file {name!r}: {str(e).removeprefix('mxfx policy: ')}") from e
 
