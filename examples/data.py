@@ -62,8 +62,9 @@ def pydoc_topics() -> bytes:
 
 
 def split(data: bytes, val_frac: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Byte tokens of ``data`` as (train, held-out): the held-out part is the last ``val_frac``."""
-    tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    """Byte tokens of ``data`` as (train, held-out): the held-out part is the last ``val_frac`` (both empty for
+    empty ``data``)."""
+    tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
     n_val = max(1, int(len(tokens) * val_frac))
     return tokens[:-n_val].clone(), tokens[-n_val:].clone()
 

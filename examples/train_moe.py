@@ -343,7 +343,7 @@ def train_arm(arm: str, tag: str, init_state, model_cfg, train_data, eval_set, c
     eval_s = time.perf_counter() - t0
 
     timed = step_times[1:]  # step 0 includes compilation
-    tokens_per_s = cfg.batch * cfg.seq * len(timed) / sum(timed) if timed else float("nan")
+    tokens_per_s = cfg.batch * cfg.seq * len(timed) / sum(timed) if timed else None  # one step: compile only
     peak = f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB" if dev_type == "cuda" else f"n/a ({dev_type.upper()})"
     return dict(
         arm=tag.strip(),
@@ -447,7 +447,8 @@ def main(argv: list[str] | None = None):
     print(header + "\n" + "-" * len(header))
     for r in results:
         print(
-            f"{r['arm']:<{width}} {r['final_train']:>10.4f} {r['eval_loss']:>9.4f} {r['tokens_per_s']:>9.0f} "
+            f"{r['arm']:<{width}} {r['final_train']:>10.4f} {r['eval_loss']:>9.4f} "
+            f"{'-' if r['tokens_per_s'] is None else format(r['tokens_per_s'], '.0f'):>9} "
             f"{r['peak_mem']:>12} {r['compile_s']:>9.1f}"
         )
     print(f"(train loss: mean of the last 10 steps; untrained held-out {untrained:.4f})")

@@ -74,6 +74,9 @@ def test_bad_data_file_names_its_flag(capsys, tmp_path):
     assert "argument --data" in cli_error(capsys, "--data", str(latin1), "--arms", "fp32", "--out", out)
     message = cli_error(capsys, "--data", str(short), "--arms", "fp32", "--out", out)
     assert "argument --seq: 128" in message and "270 train / 30 held-out" in message, message
+    short.write_text("")  # an empty file: no bytes to split
+    message = cli_error(capsys, "--data", str(short), "--arms", "fp32", "--out", out)
+    assert "splits into 0 train / 0 held-out" in message, message
 
 
 def test_out_that_is_a_file_names_its_flag(capsys, tmp_path):
