@@ -4,9 +4,23 @@ from __future__ import annotations
 
 import sys
 
+import pytest
 import torch
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
+
+
+SM90_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+"""Whether an sm90 (Hopper) GPU is here: the GPU cases of the warp-specialized Gluon kernels run only there."""
+
+
+def gluon_sm90(loader):
+    """The Gluon sm90 kernel module ``loader()`` gives, or skip the test where it gives None (this Triton has no
+    Gluon Hopper API)."""
+    module = loader()
+    if module is None:
+        pytest.skip("this Triton has no Gluon Hopper API")
+    return module
 
 
 class GraphCapture:

@@ -19,18 +19,17 @@ import torch
 from mxfx.numerics import block as bf
 from mxfx.kernels.fp8_block import gemm as block_gemm
 
+from tests.helpers import SM90_GPU, gluon_sm90
+
 triton = pytest.importorskip("triton")
 sass = pytest.importorskip("tests.sass")
 
 _TRITON = tuple(int(v) for v in triton.__version__.split(".")[:2])
-_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+_GPU = SM90_GPU
 
 
 def _sm90():
-    sm90 = block_gemm._sm90_kernel()
-    if sm90 is None:
-        pytest.skip("this Triton has no Gluon Hopper API")
-    return sm90
+    return gluon_sm90(block_gemm._sm90_kernel)
 
 
 def _spills_in_k_loops(sass_text: str) -> list[str]:

@@ -18,17 +18,16 @@ import torch
 
 from mxfx.kernels.common import custom_ops
 
+from tests.helpers import SM90_GPU, gluon_sm90
+
 triton = pytest.importorskip("triton")
 sass = pytest.importorskip("tests.sass")
 
-_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+_GPU = SM90_GPU
 
 
 def _sm90():
-    sm90 = custom_ops._wgrad_sm90()
-    if sm90 is None:
-        pytest.skip("this Triton has no Gluon Hopper API")
-    return sm90
+    return gluon_sm90(custom_ops._wgrad_sm90)
 
 
 @pytest.mark.skipif(bool(sass.missing()), reason=sass.missing())
