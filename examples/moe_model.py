@@ -43,7 +43,8 @@ class MoEConfig:
             width = getattr(self, name)
             if width % 32:
                 raise ValueError(
-                    f"{name}={width} must be a multiple of 32 (MX block size), e.g. {32 * max(1, round(width / 32))}"
+                    f"{name}={width} must be a multiple of 32 (every arm trains the same model, whose widths fit "
+                    f"32-wide MX blocks), e.g. {32 * max(1, round(width / 32))}"
                 )
         if self.d_model % self.head_dim:
             raise ValueError(f"d_model={self.d_model} must be a multiple of head_dim={self.head_dim}")

@@ -53,9 +53,15 @@ from moe_model import MoEConfig, MoETransformer  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- configuration
-def option(default, help: str, at_least: int | None = None):
-    """A :class:`TrainConfig` field that is also a command-line option: its ``--help`` line and its lower bound."""
-    return dataclasses.field(default=default, metadata={"help": help, "at_least": at_least})
+def option(default, help: str, at_least=None, at_most=None, above=None):
+    """A :class:`TrainConfig` field that is also a command-line option: its ``--help`` line and its bounds (inclusive
+    ``at_least`` / ``at_most``, exclusive ``above``; None: unbounded)."""
+    return dataclasses.field(
+        default=default, metadata={"help": help, "at_least": at_least, "at_most": at_most, "above": above}
+    )
+
+
+SEED_MAX = 2**63 - 2  # torch.Generator.manual_seed takes up to 2**64 - 1; the held-out batches use data_seed + 1
 
 
 @dataclass
@@ -75,18 +81,18 @@ class TrainConfig:
     # optimisation
     steps: int = option(100, "optimizer steps per arm", at_least=1)
     # 3e-3 was at the edge of stability: run-to-run held-out spread of ~4% even for BF16 alone
-    lr: float = option(1.5e-3, "peak learning rate (AdamW)")
-    min_lr_frac: float = option(0.1, "cosine decay ends at lr * min-lr-frac")
+    lr: float = option(1.5e-3, "peak learning rate (AdamW)", above=0)
+    min_lr_frac: float = option(0.1, "cosine decay ends at lr * min-lr-frac", at_least=0, at_most=1)
     warmup: int = option(20, "linear warmup steps", at_least=0)
-    weight_decay: float = option(0.1, "AdamW weight decay, on matrices only")
-    grad_clip: float = option(1.0, "max gradient norm")
+    weight_decay: float = option(0.1, "AdamW weight decay, on matrices only", at_least=0)
+    grad_clip: float = option(1.0, "max gradient norm", above=0)
     # run
     arms: str = option("fp32,mxfp8", "comma-separated arms: mxfp8 (the backend) and/or one reference, fp32 or bf16")
     backend_options: str | None = option(None, "JSON object passed as options= to the mxfp8 compile")
     format: str = option("mxfp8", 'format of the mxfp8 (backend) arm; a "format" in --backend-options wins')
     device: str = option("cpu", "torch device to train on, e.g. cpu or cuda")
-    seed: int = option(1337, "seed of the initial weights (the same in every arm)")
-    data_seed: int = option(0, "seed of the batch order (the same in every arm)")
+    seed: int = option(1337, "seed of the initial weights (the same in every arm)", at_least=0, at_most=SEED_MAX)
+    data_seed: int = option(0, "seed of the batch order (the same in every arm)", at_least=0, at_most=SEED_MAX)
     eval_batches: int = option(8, "held-out batches per evaluation", at_least=1)
     log_every: int = option(25, "print the loss every this many steps", at_least=1)
     out: str = option("runs", "folder for moe_loss.png and moe_results.json")
@@ -94,8 +100,15 @@ class TrainConfig:
     # Two mxfp8 runs of this job in two processes ended 3.4% apart (2.4707 vs 2.3897, the reference 2.3981):
     # last-bit differences of multithreaded CPU reductions (not run-to-run deterministic, within one process too;
     # from step 3 on) that 100 steps of training amplify; 3% failed one fresh run
-    tolerance: float = option(0.05, "max relative held-out loss gap, backend arm vs reference arm")
-    trained_frac: float = option(0.8, "each arm must end below this fraction of the untrained held-out loss")
+    tolerance: float = option(
+        0.05,
+        "max relative held-out loss gap, backend arm vs reference arm (a fraction, e.g. 0.05)",
+        at_least=0,
+        at_most=1,
+    )
+    trained_frac: float = option(
+        0.8, "each arm must end below this fraction of the untrained held-out loss", above=0, at_most=1
+    )
 
 
 MODEL_FIELDS = {  # MoEConfig field: the TrainConfig field (and so the flag) that sets it
@@ -120,13 +133,20 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def bounded(kind: type, at_least: int | None):
-    """An argparse ``type``: ``kind(text)``, refused below ``at_least`` (None: any value)."""
+def bounded(kind: type, at_least=None, at_most=None, above=None):
+    """An argparse ``type``: ``kind(text)``, refused outside its bounds (None: unbounded) and, for a float, unless
+    finite."""
 
     def parse(text: str):
         value = kind(text)
+        if kind is float and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {value}")
         if at_least is not None and value < at_least:
             raise argparse.ArgumentTypeError(f"must be >= {at_least}, got {value}")
+        if at_most is not None and value > at_most:
+            raise argparse.ArgumentTypeError(f"must be <= {at_most}, got {value}")
+        if above is not None and value <= above:
+            raise argparse.ArgumentTypeError(f"must be > {above}, got {value}")
         return value
 
     parse.__name__ = kind.__name__  # argparse names it in "invalid int value: 'x'"
@@ -143,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
                 flag(f.name), action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"]
             )
             continue
-        kind = bounded({"int": int, "float": float}.get(f.type, str), f.metadata["at_least"])
+        bounds = {k: f.metadata[k] for k in ("at_least", "at_most", "above")}
+        kind = bounded({"int": int, "float": float}.get(f.type, str), **bounds)
         choices = mxfx.formats.CHOICES if f.name == "format" and mxfx is not None else None
         p.add_argument(flag(f.name), type=kind, default=f.default, choices=choices, help=f.metadata["help"])
     return p
@@ -164,7 +185,7 @@ def parse_args(p: argparse.ArgumentParser, argv: list[str] | None = None) -> Tra
     in ``p.error``, naming its flag and what to do (exit status 2, no traceback)."""
     cfg = TrainConfig(**vars(p.parse_args(argv)))
     arms = arm_names(cfg)
-    if not arms or set(arms) - set(ARMS) or sum(a != "mxfp8" for a in arms) > 1:
+    if not arms or set(arms) - set(ARMS) or sum(a != "mxfp8" for a in arms) > 1 or len(set(arms)) < len(arms):
         p.error(
             f"argument --arms: {cfg.arms!r}: expected mxfp8 and/or one reference arm (fp32 or bf16), comma-separated"
         )
@@ -179,9 +200,15 @@ def parse_args(p: argparse.ArgumentParser, argv: list[str] | None = None) -> Tra
             "the interpreter's own .py sources and pydoc topics"
         )
     try:
+        kind = torch.device(cfg.device).type
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        p.error(f"argument --device: {cfg.device!r}: this job trains on cpu or cuda (e.g. cuda:0); use --device cpu")
+    try:
         torch.empty(0, device=cfg.device)
-    except (RuntimeError, AssertionError) as e:  # an unknown device type; CUDA not built or no GPU (AssertionError)
-        p.error(f"argument --device: {cfg.device!r} is not usable here ({e}); use --device cpu")
+    except Exception as e:  # noqa: BLE001  (CUDA not built, no GPU, no such index: torch says which)
+        p.error(f"argument --device: {cfg.device!r} is not usable here ({str(e).splitlines()[0]}); use --device cpu")
     if "mxfp8" in arms:
         check_backend(p, cfg)
     return cfg
@@ -459,9 +486,9 @@ def main(argv: list[str] | None = None):
     if reference and backend:
         ref, mx = by_arm[reference], by_arm["mxfp8"]
         gap = (mx["eval_loss"] - ref["eval_loss"]) / ref["eval_loss"]
-        print(f"{backend} vs {reference} (reference) held-out loss: {gap:+.2%} (tolerance {cfg.tolerance:.0%})")
+        print(f"{backend} vs {reference} (reference) held-out loss: {gap:+.2%} (tolerance {cfg.tolerance:.2%})")
         if abs(gap) > cfg.tolerance:
-            failures.append(f"{backend} held-out loss is {gap:+.2%} from {reference}, beyond {cfg.tolerance:.0%}")
+            failures.append(f"{backend} held-out loss is {gap:+.2%} from {reference}, beyond {cfg.tolerance:.2%}")
         if mx["losses"] == ref["losses"] and mx["eval_loss"] == ref["eval_loss"]:
             failures.append(f"{backend} and {reference} losses are bit-identical: the mxfp8 backend changed nothing")
     if backend:

@@ -87,6 +87,8 @@ def test_policy_decisions_first_match_wins(tmp_path):
         mxfx.Rule(modul="x")
     with pytest.raises(ValueError, match=r"rule module=5 must be a glob string"):
         Policy(rules=[{"module": 5, "precision": "bf16"}])
+    with pytest.raises(ValueError, match=r"rule module=' ' is blank and would match no module; leave module out"):
+        Policy(rules=[{"module": " ", "precision": "bf16"}])
     toml = tmp_path / "policy.toml"
     toml.write_text('scale_rule = "floor"\n[[rules]]\nmodule = "*.o_proj"\nprecision = "bf16"\n')
     q = Policy.from_toml(toml)

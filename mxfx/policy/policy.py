@@ -330,6 +330,11 @@ class Rule(_NamedFields):
             raise ValueError(
                 f"mxfx policy: rule module={self.module!r} must be a glob string (e.g. 'layers.*.attn.qkv') or None"
             )
+        if self.module is not None and not self.module.strip():
+            raise ValueError(
+                f"mxfx policy: rule module={self.module!r} is blank and would match no module; leave module out to "
+                "match every module, or give a glob (e.g. 'layers.*.attn.qkv')"
+            )
         _check_choice("op", self.op, OP_KINDS)
         _check_choice("precision", self.precision, PRECISIONS)
         _check_choice("wgrad", self.wgrad, PRECISIONS)
