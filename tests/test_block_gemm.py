@@ -264,7 +264,7 @@ def _check_grouped(out, ref, a, sa, b, sb, sizes, out_dtype):
 def _same(got, want, scaled=None):
     """Bitwise equal pairs. With ``scaled`` (the exact quotients x / s), qdata may differ only where the
     interpreter's E4M3 rounding fails: a value that rounds up onto a power of two (the carry into the next
-    binade) comes out a factor 2 off there (``mxfx.kernels.mx.blocks.HW_E4M3_CONVERSION``), and E4M3 subnormals
+    binade) comes out a factor 2 off there (``mxfx.kernels.common.e4m3_triton.HW_E4M3_CONVERSION``), and E4M3 subnormals
     (below 2^-6) may round the wrong way; compiled kernels round in hardware and the GPU test compares every
     byte."""
     q, s = got
@@ -524,7 +524,8 @@ def test_weight_quantize_unspecialized_scale_strides_cost_nothing(monkeypatch):
     monkeypatch.setattr(bq, "_weight_quantize_kernel", bq._quantize_kernel)
     (specialized,) = _sm90_launches(monkeypatch, bq, "_weight_quantize_kernel", bq.quantize_128x128, w)
     assert plain.memory == specialized.memory and plain.memory["LDG.E.128"] > 0
-    assert abs(plain.total - specialized.total) <= 2, (
+    issued = lambda c: c.total - c.counts["NOP"]  # noqa: E731  (NOPs pad the code's alignment, never run)
+    assert abs(issued(plain) - issued(specialized)) <= 2, (
         plain.counts - specialized.counts,
         specialized.counts - plain.counts,
     )

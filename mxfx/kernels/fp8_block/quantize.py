@@ -27,6 +27,7 @@ import triton.language as tl
 
 from mxfx.numerics.block import SCALE_RULES, TILE, check_rule, group_tile_capacity, n_tiles
 from mxfx.numerics.mx import check_input
+from mxfx.kernels.common.e4m3_triton import E4M3_NAN_BYTE, HW_E4M3_CONVERSION
 from mxfx.kernels.common.launch import launch
 from mxfx.kernels.common.silu_triton import silu_f32
 from mxfx.kernels.fp8_block.slots_triton import slot_rows
@@ -56,36 +57,55 @@ def _scales(amax, bad, RCEIL: tl.constexpr):
 
 @triton.jit
 def _encode(v, sv, RCEIL: tl.constexpr):
-    """E4M3 bytes (uint8) of the float32 tile ``v`` divided by its scales ``sv`` (broadcast against ``v``)."""
+    """E4M3 bytes (uint8) of the float32 tile ``v`` divided by its scales ``sv`` (broadcast against ``v``); every byte
+    0x7F (``mxfx.numerics.block.NAN_BYTE``) in a tile whose scale is NaN.
+
+    Compiled (``HW_E4M3_CONVERSION``), a NaN tile's values are made NaN (its inverse scale, or the division by its NaN
+    scale) and the conversion makes them 0x7F and saturates the rest: no clamp, no select per value."""
+    nan_tile = (sv.to(tl.int32, bitcast=True) & 0x7FFFFFFF) > 0x7F800000  # on the scale's bits: no rewrite drops it
     if RCEIL:
-        # 2^-e from the bits of 2^e (exact for e in [-126, 120]; a plain 1 / s would be an approximate division)
+        # 2^-e from the bits of 2^e (exact for e in [-126, 120]; a plain 1 / s would be an approximate division);
+        # |v| / 2^e <= 448 by the rule (amax's significand above 1.75 takes the next power): nothing to clamp
         inv = ((254 << 23) - sv.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
+        if HW_E4M3_CONVERSION:
+            inv = tl.where(nan_tile, float("nan"), inv)
         scaled = v * inv
-    else:
+    else:  # amax / 448 rounded to nearest may round down: a quotient a little above 448 saturates
         scaled = tl.math.div_rn(v, sv)
-    qbits = tl.minimum(tl.maximum(scaled, -448.0), 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    # the NaN tile: every byte 0x7F (mxfx.numerics.block.NAN_BYTE); tested on the scale's bits, which no float
-    # comparison rewrite can drop
-    nan_tile = (sv.to(tl.int32, bitcast=True) & 0x7FFFFFFF) > 0x7F800000
-    return tl.where(nan_tile, 0x7F, qbits).to(tl.uint8)
+        if not HW_E4M3_CONVERSION:
+            scaled = tl.minimum(tl.maximum(scaled, -448.0), 448.0)
+    qbits = scaled.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    if HW_E4M3_CONVERSION:
+        return qbits
+    return tl.where(nan_tile, E4M3_NAN_BYTE, qbits).to(tl.uint8)
 
 
 @triton.jit
-def _nonfinite(v):
-    return ((v != v) | (tl.abs(v) == float("inf"))).to(tl.int32)
+def _amax_bad(v, axis: tl.constexpr):
+    """``(amax, bad)`` of float32 tile ``v`` along ``axis`` (None: the whole tile): the largest magnitude and whether
+    a NaN or an infinity is among the values, from one integer max of the magnitudes' bits (non-negative floats
+    order as their bits do, and NaN and infinity have the largest bits)."""
+    mag = v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    if axis is None:
+        m = tl.max(tl.max(mag, axis=1), axis=0)
+    else:
+        m = tl.max(mag, axis=axis)
+    return m.to(tl.float32, bitcast=True), m >= 0x7F800000
 
 
 @triton.jit
 def _row_tiles(v, RCEIL: tl.constexpr):
     """``(qbits, scales [BR])`` of a ``[BR, 128]`` tile, one 1x128 tile per row."""
-    s = _scales(tl.max(tl.abs(v), axis=1), tl.max(_nonfinite(v), axis=1) > 0, RCEIL)
+    amax, bad = _amax_bad(v, 1)
+    s = _scales(amax, bad, RCEIL)
     return _encode(v, s[:, None], RCEIL), s
 
 
 @triton.jit
 def _col_tiles(v, RCEIL: tl.constexpr):
     """``(qbits, scales [BC])`` of a ``[128, BC]`` tile, one 1x128 tile per column."""
-    s = _scales(tl.max(tl.abs(v), axis=0), tl.max(_nonfinite(v), axis=0) > 0, RCEIL)
+    amax, bad = _amax_bad(v, 0)
+    s = _scales(amax, bad, RCEIL)
     return _encode(v, s[None, :], RCEIL), s
 
 
@@ -144,8 +164,7 @@ def _quantize_kernel(
         s_offs = tl.program_id(0) * ssr + cols.to(tl.int64) * ssc
         s_ok = tl.max(ok.to(tl.int32), axis=0) > 0  # a column with a row in range (grouped: unused slots stay)
     else:
-        amax = tl.max(tl.max(tl.abs(v), axis=1), axis=0)
-        bad = tl.max(tl.max(_nonfinite(v), axis=1), axis=0) > 0
+        amax, bad = _amax_bad(v, None)
         s = _scales(amax, bad, RCEIL)
         qbits = _encode(v, s, RCEIL)
         s_offs = tl.program_id(0) * ssr + tl.program_id(1) * ssc

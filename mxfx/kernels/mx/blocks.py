@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from mxfx.numerics.mx import BLOCK_SIZE
-from mxfx.kernels.common.launch import INTERPRETED
+from mxfx.kernels.common.e4m3_triton import E4M3_NAN_BYTE, HW_E4M3_CONVERSION
 from mxfx.kernels.mx.views import as_brc, scale_shape  # noqa: F401  (the kernels' input views)
 
 FP32_EXP_SHIFT = tl.constexpr(23)
@@ -24,15 +24,6 @@ FP32_ABS_MASK = tl.constexpr(0x7FFFFFFF)
 FP32_MANT_MASK = tl.constexpr(0x7FFFFF)
 FP32_MANT_1_75 = tl.constexpr(0x600000)
 """Mantissa field of 1.75: above it, amax / 2^(floor(log2 amax) - 8) exceeds 448 and rceil steps up."""
-
-HW_E4M3_CONVERSION = tl.constexpr(not INTERPRETED)
-"""Compiled kernels convert fp32 to E4M3 with the hardware's ``cvt.rn.satfinite.e4m3x2.f32`` (sm89+, the only targets
-with Triton fp8e4nv), which rounds to nearest even, saturates at +-448 and turns NaN into the NaN byte 0x7F: the clamp
-and the per-value NaN select are then left out (a nonfinite block gets a NaN inverse scale instead), about a third fewer
-instructions per value in kernels that are otherwise issue-bound. Triton's interpreter converts with its own code, which
-neither saturates nor maps NaN so, and keeps the explicit form; its rounding to E4M3 is not exact either
-(values near a power of two can come out a factor 2 off), so interpreter tests use exactly representable data. Read at
-import, as Triton reads it."""
 
 E4M3X4_PTX = tl.constexpr(
     "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
@@ -65,7 +56,6 @@ def conversion_bits(chosen: int) -> int:
     return chosen if CONVERSION_OVERRIDE is None else CONVERSION_OVERRIDE
 
 
-E4M3_NAN_BYTE = tl.constexpr(0x7F)
 E8M0_ZERO_SCALE_BITS = tl.constexpr(0x00400000)
 """fp32 bits of 2^-127 (E8M0 byte 0), an fp32 subnormal."""
 
