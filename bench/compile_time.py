@@ -31,7 +31,9 @@ of the generated code, user kernels included), Triton compiles in the main proce
 itself: count, compiles per kernel name, seconds) and Triton autotuning there (tunings, seconds; Triton >= 3.5's
 listener), and the rest (the step itself, first launches). A kernel Triton compiled more than once in the main
 process is listed with the arguments its compiles were specialized on differently (a constexpr's value, an int
-equal to 1 or a multiple of 16); the backend's column also gives the seconds of mxfx's passes within it. From
+equal to 1 or a multiple of 16); the backend's column also gives the seconds of mxfx's passes within it. The
+kernels mxfx compiled ahead on its threads while the graph compiled (``mxfx.kernels.common.compile_ahead``) are
+counted apart, with their threads' seconds: those overlap the other phases. From
 torch's ``compile_times`` and Triton's ``knobs.compilation.listener`` / ``knobs.autotuning.listener``.
 
 ``--passes-only`` (``--dims small`` unless given: every GEMM converts in both formats) compiles the model's
@@ -62,6 +64,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -128,10 +131,16 @@ class _TritonCompiles:
         self.missed_in: set[str] = set()  # where the misses looked: cache folder, ptxas, libdevice (env at the miss)
         self.tunings: dict[str, int] = {}
         self.tune_s = 0.0
+        self.ahead_prefix = "-"  # the compile-ahead threads' name prefix (install)
+        self.ahead = 0  # compiles on mxfx's compile-ahead threads (beside the other phases, not in the step's sum)
+        self.ahead_s = 0.0
 
     def install(self) -> None:
         from triton import knobs
 
+        from mxfx.kernels.common.compile_ahead import THREAD_PREFIX
+
+        self.ahead_prefix = THREAD_PREFIX
         knobs.compilation.listener = self.on_compile
         if hasattr(knobs, "autotuning") and hasattr(knobs.autotuning, "listener"):
             knobs.autotuning.listener = self.on_tune
@@ -141,6 +150,10 @@ class _TritonCompiles:
     def on_compile(self, *, src, metadata, metadata_group, times, cache_hit) -> None:
         if cache_hit:
             self.hits += 1
+            return
+        if threading.current_thread().name.startswith(self.ahead_prefix):
+            self.ahead += 1
+            self.ahead_s += times.total / 1e6
             return
         name = getattr(getattr(src, "fn", None), "__name__", None) or metadata.get("name", "?")
         self.compiles[name] = self.compiles.get(name, 0) + 1
@@ -195,6 +208,7 @@ def phases(first_step_s: float, triton: _TritonCompiles | None) -> dict:
         out["repeats differ in"] = {k: differing(v) for k, v in triton.variants.items() if len(v) > 1}
         out["tunings per kernel"] = triton.tunings
         out["Triton cache hits"] = triton.hits
+        out["compiled ahead"] = (triton.ahead, triton.ahead_s)
         out["Triton misses looked in"] = sorted(triton.missed_in)
     timed = sum(v for k, v in out.items() if isinstance(v, float) and v == v)
     out["rest"] = first_step_s - timed
@@ -340,8 +354,10 @@ def phase_table(rows: list[dict]) -> str:
         return ""
     columns = [c for c, _ in PHASES] + ["Triton compiles in process", "Triton autotune", "rest"]
     lines = [
-        "| compiled | arm | cache | first step s | " + " | ".join(columns) + " | Triton compiles (repeated kernels) |",
-        "|---|---|---|---:|" + "---:|" * len(columns) + "---|",
+        "| compiled | arm | cache | first step s | "
+        + " | ".join(columns)
+        + " | Triton compiles (repeated kernels) | compiled ahead (thread seconds) |",
+        "|---|---|---|---:|" + "---:|" * len(columns) + "---|---:|",
     ]
     for r in timed:
         ph = r["phases"]
@@ -356,6 +372,7 @@ def phase_table(rows: list[dict]) -> str:
             f"| {r['unit']} | {r['arm']} | {r['cache']} | {r['first_step_s']:.1f} | "
             + " | ".join(cells)
             + f" | {sum(per.values())} ({again}); {ph.get('Triton cache hits', 0)} cache hits |"
+            + " {} ({:.1f} s) |".format(*ph.get("compiled ahead", (0, 0.0)))
         )
     looked = [(r, ph["Triton misses looked in"]) for r in timed if (ph := r["phases"]).get("Triton misses looked in")]
     if looked:

@@ -114,9 +114,15 @@ def _inner_compile(inner, gm: fx.GraphModule, example_inputs, mode: str | None =
     if inner == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
-        if any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs):
-            launch.compile_with_torch_ptxas()  # the ops' own kernels keyed as in a warm process (see there)
-        return compile_fx(gm, example_inputs, config_patches=inductor_patches(gm, mode))
+        threads = launch.compile_threads()  # checked on every device: a typo shows on a CPU rehearsal too
+        device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda), None)
+        if device is None:
+            return compile_fx(gm, example_inputs, config_patches=inductor_patches(gm, mode))
+        from mxfx.kernels.common import compile_ahead  # imports Triton: only for a CUDA graph
+
+        launch.key_kernels_as_inductor(device)  # the ops' own kernels found again by a warm process (see there)
+        with compile_ahead.during(device, threads):  # their compiles start while the graph compiles
+            return compile_fx(gm, example_inputs, config_patches=inductor_patches(gm, mode))
     if inner == "aot_eager":
         from torch._dynamo.backends.debugging import aot_eager
 

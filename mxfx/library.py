@@ -16,11 +16,15 @@ type-annotated body (the schema inferred as ``torch.library.custom_op`` infers i
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from collections.abc import Callable, Iterable
 
 import torch
 
 _libraries: dict[str, torch.library.Library] = {}  # namespace -> the fragment holding this module's ops (kept alive)
+_bodies: dict[torch._ops.OpOverload, Callable] = {}  # op -> its body
+_fake_observer: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("mxfx_fake_observer", default=None)
 
 
 def _library(qualname: str) -> tuple[torch.library.Library, str, str]:
@@ -74,7 +78,9 @@ def _define(qualname: str, schema: str, body: Callable) -> torch._ops.OpOverload
         return body(*args, **kwargs)
 
     library.impl(name, kernel, "CompositeExplicitAutograd")
-    return getattr(getattr(torch.ops, namespace), name).default
+    op = getattr(getattr(torch.ops, namespace), name).default
+    _bodies[op] = body
+    return op
 
 
 def define(qualname: str, schema: str, body: Callable, fake: Callable) -> torch._ops.OpOverload:
@@ -117,9 +123,24 @@ def register_fake(op: torch._ops.OpOverload):
         def checked(*args, **kwargs):
             _refuse_autograd(op.name(), args, kwargs)
             _one_device(op.name(), args, kwargs)
-            return fake(*args, **kwargs)
+            out = fake(*args, **kwargs)
+            observer = _fake_observer.get()
+            if observer is not None:
+                observer(op, _bodies[op], args, kwargs)
+            return out
 
         torch.library.register_fake(op, checked, lib=library)
         return fake
 
     return wrap
+
+
+@contextlib.contextmanager
+def observing_fakes(observer: Callable):
+    """Within (this thread): every fake call of an op defined here then calls ``observer(op, body, args, kwargs)``
+    with the op's body and the fake's arguments (fake tensors), after the fake; the body itself is not run."""
+    token = _fake_observer.set(observer)
+    try:
+        yield
+    finally:
+        _fake_observer.reset(token)

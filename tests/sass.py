@@ -25,6 +25,8 @@ import triton
 from triton.runtime.jit import mangle_type
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from mxfx.kernels.common.launch import StandIn
+
 
 TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 """Where Triton's wheel keeps ``ptxas``, ``nvdisasm`` and ``cuobjdump``."""
@@ -102,7 +104,7 @@ def specialize(kernel, args, kwargs):
         v = values[p.name]
         if p.is_constexpr or v is None:
             signature[p.name], constexprs[(i,)] = "constexpr", v
-        elif isinstance(v, torch.Tensor):
+        elif isinstance(v, (torch.Tensor, StandIn)):  # a stand-in: a fake tensor's launch (compile ahead)
             signature[p.name] = "*" + _TRITON_TYPES[v.dtype]
             if v.data_ptr() % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]

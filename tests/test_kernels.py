@@ -1050,14 +1050,22 @@ def test_traced_path_calls_the_ops_own_body(monkeypatch):
         )
 
 
-def test_kernels_compile_with_torchs_ptxas_unless_the_user_chose_one(monkeypatch):
-    """Triton keys a compiled kernel by its ptxas: mxfx's own launches take torch's, as Inductor's compiles do, so a
-    warm process finds them; a ``TRITON_PTXAS_PATH`` already set stays."""
+def test_kernels_are_keyed_and_kept_as_inductors_unless_the_user_chose(monkeypatch, tmp_path):
+    """Triton keys a compiled kernel by its ptxas and keeps it in its cache folder: mxfx's own compiles take torch's
+    ptxas and Inductor's folder for the device, as Inductor's compiles do, so a warm process finds them; a
+    ``TRITON_PTXAS_PATH`` or ``TRITON_CACHE_DIR`` already set stays."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
     torch_ptxas = os.path.join(os.path.dirname(torch.__file__), "bin", "ptxas")
     monkeypatch.delenv("TRITON_PTXAS_PATH", raising=False)
-    launch.compile_with_torch_ptxas()
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    launch.key_kernels_as_inductor(torch.device("cuda", 3))
     shipped = os.path.isfile(torch_ptxas) and os.access(torch_ptxas, os.X_OK)
     assert os.environ.get("TRITON_PTXAS_PATH") == (torch_ptxas if shipped else None)
+    assert os.environ["TRITON_CACHE_DIR"] == os.path.join(cache_dir(), "triton", "3") == str(tmp_path / "triton" / "3")
     monkeypatch.setenv("TRITON_PTXAS_PATH", "/opt/cuda/bin/ptxas")
-    launch.compile_with_torch_ptxas()
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/data/triton")
+    launch.key_kernels_as_inductor(torch.device("cuda", 0))
     assert os.environ["TRITON_PTXAS_PATH"] == "/opt/cuda/bin/ptxas"
+    assert os.environ["TRITON_CACHE_DIR"] == "/data/triton"

@@ -48,6 +48,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from mxfx import device as devices
 from mxfx.kernels.common.gemm import check_grouped_wgrad_into
 from mxfx.kernels.common.hopper import LOAD_REGS, MATH_REGS, MAXNREG, SHARED_BYTES, tma_load, triton_tested
+from mxfx.kernels.common.launch import aligned16, descriptor, launch_direct
 
 BLOCK = 128
 """Output tile edge (rows of N, columns of K) one math warpgroup owns."""
@@ -222,8 +223,8 @@ def supported(dy: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> bool:
         and dy.shape[1] % 8 == 0
         and x.shape[1] % 8 == 0
         and min(dy.shape[1], x.shape[1]) >= BLOCK
-        and dy.data_ptr() % 16 == 0
-        and x.data_ptr() % 16 == 0
+        and aligned16(dy)
+        and aligned16(x)
     )
 
 
@@ -240,8 +241,8 @@ def launch_args(dy, x, offs, out, accumulate: bool):
     """(grid, args, kwargs) of the launch, without running it (the sm90 compile test reads them)."""
     G, N, K = out.shape
     layout = _box_layout(dy.dtype)
-    dy_desc = TensorDescriptor.from_tensor(dy, [BLOCK_T, BLOCK], layout)
-    x_desc = TensorDescriptor.from_tensor(x, [BLOCK_T, BLOCK], layout)
+    dy_desc = descriptor(TensorDescriptor.from_tensor, dy, [BLOCK_T, BLOCK], layout)
+    x_desc = descriptor(TensorDescriptor.from_tensor, x, [BLOCK_T, BLOCK], layout)
     tiles_k = triton.cdiv(K, BLOCK)
     tiles_nk = triton.cdiv(N, BLOCK) * tiles_k
     n_tiles = G * tiles_nk
@@ -268,4 +269,4 @@ def grouped_wgrad_into(dy, x, offs, out, accumulate: bool) -> None:
     if out.numel() == 0:
         return
     grid, args, kwargs = launch_args(dy, x, offs, out, accumulate)
-    _grouped_wgrad_into_sm90_kernel[grid](*args, **kwargs)
+    launch_direct(_grouped_wgrad_into_sm90_kernel, grid, *args, **kwargs)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import os
 
 import torch
@@ -97,6 +98,28 @@ def env_switch(name: str, default: bool | None) -> bool | None:
     raise ValueError(f"{name}={value!r} is not a switch; set it to 1/true/yes/on or 0/false/no/off (or unset it)")
 
 
+COMPILE_THREADS_ENV = "MXFX_COMPILE_THREADS"
+"""Threads that compile a CUDA graph's kernels ahead (``mxfx.kernels.common.compile_ahead``; 0 turns it off)."""
+
+
+def compile_threads() -> int:
+    """``MXFX_COMPILE_THREADS`` (read at every compile, on every device, so that a typo shows on a CPU rehearsal
+    too), else half the CPUs (at most 8, at least 1).
+
+    Raises:
+        ValueError: the variable is not a non-negative integer of ASCII digits.
+    """
+    value = os.environ.get(COMPILE_THREADS_ENV, "").strip()
+    if not value:
+        return max(1, min(8, (os.cpu_count() or 2) // 2))
+    if not (value.isascii() and value.isdigit()):
+        raise ValueError(
+            f"{COMPILE_THREADS_ENV}={value!r}: give a number of threads such as 4 (0 turns compiling ahead off), or "
+            "unset it"
+        )
+    return int(value)
+
+
 def inline_in_graph(t: torch.Tensor) -> bool:
     """True when an MX op on ``t`` should be traced into the graph rather than kept as a custom op.
 
@@ -146,23 +169,29 @@ def _with_register_cap(kernel, num_warps: int, maxnreg: int):
     return _CAPPED[key]
 
 
-def compile_with_torch_ptxas() -> None:
-    """Point Triton at the ptxas torch ships (``torch/bin/ptxas``), as Inductor does before it compiles or loads a
-    kernel in this process, unless ``TRITON_PTXAS_PATH`` is set already (a user's choice stands).
+def key_kernels_as_inductor(device: torch.device) -> None:
+    """Point Triton at the ptxas torch ships (``torch/bin/ptxas``) and at Inductor's Triton cache folder for
+    ``device`` (``TRITON_CACHE_DIR``), as Inductor does before it compiles or loads a kernel in this process,
+    unless the user set either (a user's choice stands).
 
-    The ptxas is part of a kernel's key in Triton's cache. Without this, the kernels the ``mxfx::`` ops launch
-    themselves are compiled with Triton's own ptxas in a process whose Inductor compiled in its workers (a cold
-    cache) and with torch's in one where Inductor loaded its cached graphs (a warm cache): a warm process finds none
-    of them and compiles them again."""
-    if os.environ.get("TRITON_PTXAS_PATH"):
-        return
-    ptxas = os.path.join(os.path.dirname(torch.__file__), "bin", "ptxas")
-    if os.path.isfile(ptxas) and os.access(ptxas, os.X_OK):
-        os.environ["TRITON_PTXAS_PATH"] = ptxas
+    Both are part of where Triton finds a compiled kernel. Without them, the kernels mxfx compiles itself (ahead, or
+    at their first launch) are keyed with Triton's own ptxas and kept in Triton's own folder in a process whose
+    Inductor compiled in its workers (a cold cache), and with torch's ptxas in Inductor's folder in one where
+    Inductor loaded its cached graphs (a warm cache): a warm process finds none of them and compiles them again."""
+    if not os.environ.get("TRITON_PTXAS_PATH"):
+        ptxas = os.path.join(os.path.dirname(torch.__file__), "bin", "ptxas")
+        if os.path.isfile(ptxas) and os.access(ptxas, os.X_OK):
+            os.environ["TRITON_PTXAS_PATH"] = ptxas
+    if os.environ.get("TRITON_CACHE_DIR") is None:
+        from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
+
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        os.environ["TRITON_CACHE_DIR"] = triton_cache_dir(index)
 
 
 def launch(kernel, grid: tuple, *args, maxnreg: int | None = None, **kwargs) -> None:
-    """Run ``kernel[grid](*args, **kwargs)``, through ``wrap_triton`` when a tensor argument is traced.
+    """Run ``kernel[grid](*args, **kwargs)``, through ``wrap_triton`` when a tensor argument is traced; while
+    :func:`recording`, note the launch instead.
 
     Args:
         kernel: a ``triton.jit`` function.
@@ -173,9 +202,89 @@ def launch(kernel, grid: tuple, *args, maxnreg: int | None = None, **kwargs) -> 
     """
     if maxnreg is not None and not INTERPRETED:  # the interpreter has no registers to cap
         kernel = _with_register_cap(kernel, kwargs.pop("num_warps", 4), maxnreg)
+    if _note(kernel, grid, args, kwargs):
+        return
     if any(isinstance(a, torch.Tensor) and traced(a) for a in args):
         from torch.library import wrap_triton
 
         wrap_triton(kernel)[grid](*args, **kwargs)
     else:
         kernel[grid](*args, **kwargs)
+
+
+def launch_direct(kernel, grid: tuple, *args, **kwargs) -> None:
+    """Run ``kernel[grid](*args, **kwargs)`` as written, for kernels only custom-op bodies launch (Gluon kernels,
+    whose launch options such as ``maxnreg`` Triton takes directly); while :func:`recording`, note it instead."""
+    if not _note(kernel, grid, args, kwargs):
+        kernel[grid](*args, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Recorded:
+    """One launch noted while :func:`recording`: ``kernel[grid](*args, **kwargs)``, its tensors fake."""
+
+    kernel: object
+    grid: tuple
+    args: tuple
+    kwargs: dict
+
+
+_RECORDING: contextvars.ContextVar[list[Recorded] | None] = contextvars.ContextVar("mxfx_recording", default=None)
+_BEFORE_LAUNCH: list = []  # callables to run once before the next launch (:func:`before_next_launch`)
+
+
+@contextlib.contextmanager
+def recording():
+    """Within: :func:`launch` and :func:`launch_direct` append a :class:`Recorded` to the yielded list instead of
+    launching, and :func:`descriptor` builds host TMA descriptors of stand-ins (:class:`StandIn`): for running an
+    op's body on fake tensors to learn which kernels, specialized how, it will launch."""
+    seen: list[Recorded] = []
+    token = _RECORDING.set(seen)
+    try:
+        yield seen
+    finally:
+        _RECORDING.reset(token)
+
+
+def before_next_launch(fn) -> None:
+    """Call ``fn()`` once, before the next kernel :func:`launch` or :func:`launch_direct` runs (in this process)."""
+    _BEFORE_LAUNCH.append(fn)
+
+
+def _note(kernel, grid, args, kwargs) -> bool:
+    """Record the launch and return True while :func:`recording`; else run what waits for a launch, False."""
+    seen = _RECORDING.get()
+    if seen is not None:
+        seen.append(Recorded(kernel, grid, args, kwargs))
+        return True
+    while _BEFORE_LAUNCH:
+        _BEFORE_LAUNCH.pop(0)()
+    return False
+
+
+def aligned16(t: torch.Tensor) -> bool:
+    """Whether ``t``'s first element sits on a 16-byte boundary (TMA's and Triton's alignment); for a fake tensor,
+    whether its storage offset keeps an aligned allocation's alignment (allocations are 16-byte aligned)."""
+    return (t.storage_offset() * t.element_size() if traced(t) else t.data_ptr()) % 16 == 0
+
+
+class StandIn:
+    """What Triton's launcher and its host TMA descriptors read of a tensor (dtype, shape, strides, and the address
+    modulo 16 it specializes on), without data: a fake tensor's stand-in for ``kernel.warmup``. The address assumes
+    a 16-byte aligned allocation (the CUDA caching allocator's are 512-byte)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.dtype, self.shape, self._strides = t.dtype, tuple(t.shape), tuple(t.stride())
+        self._address = t.storage_offset() * t.element_size() % 16
+
+    def data_ptr(self) -> int:
+        return self._address
+
+    def stride(self) -> tuple[int, ...]:
+        return self._strides
+
+
+def descriptor(make, t: torch.Tensor, *args, **kwargs):
+    """``make(t, *args, **kwargs)``: a host TMA descriptor (``TensorDescriptor.from_tensor``) of ``t``, of its
+    :class:`StandIn` while :func:`recording` (a fake tensor has no address to check)."""
+    return make(StandIn(t) if _RECORDING.get() is not None else t, *args, **kwargs)

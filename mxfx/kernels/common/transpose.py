@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mxfx.kernels.common.launch import launch_direct
+
 TILE = 64
 """Rows and columns of a tile (4 KiB of 1-byte values, 4 warps)."""
 
@@ -46,5 +48,5 @@ def transpose_lastdims(q: torch.Tensor) -> torch.Tensor:
     out = torch.empty((src.shape[0], c, r), dtype=torch.uint8, device=q.device)
     if out.numel():
         grid = (triton.cdiv(r, TILE), triton.cdiv(c, TILE), src.shape[0])
-        _transpose_kernel[grid](src, out, r, c, *src.stride(), BLOCK=TILE, num_warps=4)
+        launch_direct(_transpose_kernel, grid, src, out, r, c, *src.stride(), BLOCK=TILE, num_warps=4)
     return out.view(q.dtype).view(*lead, c, r)

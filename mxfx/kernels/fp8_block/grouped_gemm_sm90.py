@@ -50,6 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mxfx import device as devices
+from mxfx.kernels.common.launch import aligned16, descriptor, launch_direct
 from mxfx.kernels.common.hopper import (
     LOAD_REGS,
     MATH_REGS,
@@ -403,8 +404,8 @@ def supported(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> bool:
         serves(a.device, a.shape[1], b.shape[1], out_dtype)
         and a.is_contiguous()
         and b.is_contiguous()
-        and a.data_ptr() % 16 == 0
-        and b.data_ptr() % 16 == 0
+        and aligned16(a)
+        and aligned16(b)
     )
 
 
@@ -429,9 +430,9 @@ def launch_args(a, a_scales, b, b_scales, offs, out, config=None):
     cfg = dict(config_for(N) if config is None else config)
     block_n = cfg["BLOCK_N"]
     a_layout, b_layout, c_layout = _smem_layouts(block_n, out.dtype)
-    a_desc = TensorDescriptor.from_tensor(a, [WG_ROWS, TILE], a_layout)
-    b_desc = TensorDescriptor.from_tensor(b.view(G * N, K), [block_n, TILE], b_layout)
-    c_desc = TensorDescriptor.from_tensor(out, [WG_ROWS, _block_width(block_n)], c_layout)
+    a_desc = descriptor(TensorDescriptor.from_tensor, a, [WG_ROWS, TILE], a_layout)
+    b_desc = descriptor(TensorDescriptor.from_tensor, b.view(G * N, K), [block_n, TILE], b_layout)
+    c_desc = descriptor(TensorDescriptor.from_tensor, out, [WG_ROWS, _block_width(block_n)], c_layout)
     cfg.setdefault("STAGES", stages(block_n, out.dtype))
     sms = devices.num_sms(a.device)
     max_tiles = (triton.cdiv(S, 2 * WG_ROWS) + G) * triton.cdiv(N, block_n)  # an upper bound, no sync
@@ -478,6 +479,6 @@ def grouped_mm(a, a_scales, b, b_scales, offs, out_dtype=torch.bfloat16, *, conf
     if S == 0 or N == 0:
         return out
     (grid, args, kwargs), (s_grid, s_args, s_kwargs) = launch_args(a, a_scales, b, b_scales, offs, out, config)
-    _schedule_kernel[s_grid](*s_args, **s_kwargs)
-    _grouped_kernel[grid](*args, **kwargs)
+    launch_direct(_schedule_kernel, s_grid, *s_args, **s_kwargs)
+    launch_direct(_grouped_kernel, grid, *args, **kwargs)
     return out

@@ -44,6 +44,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mxfx import device as devices
 from mxfx.kernels.common import tuning
+from mxfx.kernels.common.launch import aligned16
 from mxfx.kernels.fp8_block.slots_triton import group_slots
 from mxfx.numerics.block import TILE
 
@@ -254,7 +255,7 @@ def grouped_mm(
 
 def _tma_ready(t: torch.Tensor) -> bool:
     """A tensor TMA can read whole: contiguous (K-major, rows one after another) with 16-byte aligned rows and base."""
-    return t.is_contiguous() and t.shape[-1] % 16 == 0 and t.data_ptr() % 16 == 0
+    return t.is_contiguous() and t.shape[-1] % 16 == 0 and aligned16(t)
 
 
 WGRAD_CONFIG = (128, 64, 3, 4)

@@ -27,6 +27,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mxfx import device as devices
+from mxfx.kernels.common.launch import aligned16, descriptor, launch_direct
 from mxfx.kernels.common.hopper import LOAD_REGS, MATH_REGS, MAXNREG, SHARED_BYTES, tma_load, triton_tested
 from mxfx.numerics.block import group_tile_starts, n_tiles
 
@@ -214,8 +215,8 @@ def supported(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
         and triton_tested()
         and a.is_contiguous()
         and b.is_contiguous()
-        and a.data_ptr() % 16 == 0
-        and b.data_ptr() % 16 == 0
+        and aligned16(a)
+        and aligned16(b)
         and out.dtype == torch.float32
         and out.is_contiguous()
         and out.shape[1] % BLOCK_K.value == 0
@@ -234,9 +235,9 @@ def launch_args(a, a_scales, b, b_scales, offs, out, accumulate: bool):
     a_layout = gl.NVMMASharedLayout.get_default_for([ROWS.value, TILE.value], fp8)
     b_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_K.value, TILE.value], fp8)
     c_layout = gl.NVMMASharedLayout.get_default_for([ROWS.value, BLOCK_K.value], gl.float32)
-    a_desc = TensorDescriptor.from_tensor(a, [ROWS.value, TILE.value], a_layout)
-    b_desc = TensorDescriptor.from_tensor(b, [BLOCK_K.value, TILE.value], b_layout)
-    c_desc = TensorDescriptor.from_tensor(out.view(G * N, K), [ROWS.value, BLOCK_K.value], c_layout)
+    a_desc = descriptor(TensorDescriptor.from_tensor, a, [ROWS.value, TILE.value], a_layout)
+    b_desc = descriptor(TensorDescriptor.from_tensor, b, [BLOCK_K.value, TILE.value], b_layout)
+    c_desc = descriptor(TensorDescriptor.from_tensor, out.view(G * N, K), [ROWS.value, BLOCK_K.value], c_layout)
     tiles_k = n_tiles(K)
     tiles_nk = n_tiles(N) * tiles_k
     count = G * tiles_nk
@@ -252,5 +253,5 @@ def grouped_wgrad(a, a_scales, b, b_scales, offs, out: torch.Tensor, accumulate:
     if out.numel() == 0:
         return out
     grid, args, kwargs = launch_args(a, a_scales, b, b_scales, offs, out, accumulate)
-    _grouped_wgrad_kernel[grid](*args, **kwargs)
+    launch_direct(_grouped_wgrad_kernel, grid, *args, **kwargs)
     return out
