@@ -12,6 +12,7 @@ summation order, ``2^-10 * (|A| @ |B|^T)``, plus half a bf16 ulp of the result f
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 import torch
@@ -47,12 +48,14 @@ def _spills_in_k_loops(sass_text: str) -> list[str]:
 
 WIDE = {"BLOCK_N": 256}
 """The 256-wide tile (two weight blocks a tile)."""
+WIDE_TWO_BUFFERS = {"BLOCK_N": 256, "EPI_BUFS": 2}
+"""The 256-wide tile with an output buffer per half (a stage fewer in the ring)."""
 
 
 @pytest.mark.skipif(bool(sass.missing()), reason=sass.missing())
-@pytest.mark.parametrize("block_n", [128, 256])
+@pytest.mark.parametrize("block_n, epi_bufs", [(128, 1), (256, 1), (256, 2)])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-def test_kernel_compiles_for_sm90_to_fp8_wgmma_without_spills(out_dtype, block_n):
+def test_kernel_compiles_for_sm90_to_fp8_wgmma_without_spills(out_dtype, block_n, epi_bufs):
     """Both tiles compile to FP8 wgmma with register reallocation and TMA; the 128-wide one spills nothing. The
     256-wide one (192 accumulator registers) spills nothing inside its K loops on Triton 3.6 (a BF16 output a few
     registers around each tile's epilogue); Triton 3.9 spills inside them, so there it is only compiled."""
@@ -64,9 +67,16 @@ def test_kernel_compiles_for_sm90_to_fp8_wgmma_without_spills(out_dtype, block_n
     sb = torch.empty(g, n // 128, k // 128)
     offs = torch.arange(1, g + 1, dtype=torch.int32) * (s // g)
     out = torch.empty(s, n, dtype=out_dtype)
-    (grid, args, kwargs), _ = sm90.launch_args(a, sa, b, sb, offs, out, dict(sm90.CONFIG, BLOCK_N=block_n))
+    config = dict(sm90.CONFIG, BLOCK_N=block_n, EPI_BUFS=epi_bufs)
+    (grid, args, kwargs), _ = sm90.launch_args(a, sa, b, sb, offs, out, config)
+    assert kwargs["STAGES"] >= 2 if out_dtype == torch.float32 and epi_bufs == 2 else kwargs["STAGES"] >= 3
     c = sass.compile_sm90(sass.Launch(sm90._grouped_kernel, grid, args, kwargs))
     counts = c.counts
+    # a TMA store per block of each warpgroup; with a buffer per half the wait before each store leaves the latest
+    # store running ("all but one done"), else it waits for every store
+    assert counts.get("UTMASTG", 0) == 2 * (block_n // 128), dict(counts)
+    store_waits = re.findall(r"\bDEPBAR\.LE SB0, 0x(\d)", c.sass)
+    assert store_waits.count("1") == (2 * (block_n // 128) if epi_bufs == 2 else 0), store_waits
     halves = block_n // 128
     # 4 K=32 instructions per 128-K step and 128 columns, in both math warpgroups
     assert counts.get("QGMMA", 0) >= 8 * halves, dict(counts)
@@ -203,7 +213,7 @@ CASES = {
 
 @pytest.mark.skipif(not _GPU, reason="needs an sm90 GPU")
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("kernel", ["sm90", "sm90-wide", "triton"])
+@pytest.mark.parametrize("kernel", ["sm90", "sm90-wide", "sm90-wide-two-buffers", "triton"])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_grouped_forward_and_dgrad_match_the_reference(case, kernel, out_dtype):
     from mxfx.kernels.fp8_block import grouped_gemm_triton
@@ -212,6 +222,7 @@ def test_grouped_forward_and_dgrad_match_the_reference(case, kernel, out_dtype):
     launch = {
         "sm90": _sm90().grouped_mm,
         "sm90-wide": functools.partial(_sm90().grouped_mm, config=dict(_sm90().CONFIG, **WIDE)),
+        "sm90-wide-two-buffers": functools.partial(_sm90().grouped_mm, config=dict(_sm90().CONFIG, **WIDE_TWO_BUFFERS)),
         "triton": grouped_gemm_triton.grouped_mm,
     }[kernel]
     gen = torch.Generator().manual_seed(len(sizes) * k + n)

@@ -39,6 +39,8 @@ VARIANTS = {  # each over grouped_gemm_sm90.CONFIG; "default": the configuration
     "stages4": {"STAGES": 4},
     "no_tma_store": {"EPI_TMA": False},
     "wide": {"BLOCK_N": 256},
+    "wide_epi2": {"BLOCK_N": 256, "EPI_BUFS": 2},  # an output buffer per half: no wait between the halves' stores
+    "wide_band16": {"BLOCK_N": 256, "BAND": 16},
 }
 
 

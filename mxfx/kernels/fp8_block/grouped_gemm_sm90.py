@@ -220,15 +220,19 @@ def _steps_wide(
 
 @gluon.jit
 def _store_block(
-    c_desc, c_smem, c_ptr, acc, rows, row_ok, row0, n0, end, N, s_cm, s_cn,
+    c_desc, c_bufs, buf: gl.constexpr, c_ptr, acc, rows, row_ok, row0, n0, end, N, s_cm, s_cn,
     col_layout: gl.constexpr, EPI_TMA: gl.constexpr,
 ):  # fmt: skip
     """Store one warpgroup's ``ROWS x HALF`` block of the output at ``(row0, n0)``: a whole block of its group
-    through shared memory and a TMA store (left running), a block crossing the group's end or N masked."""
+    through its shared-memory buffer ``buf`` of ``c_bufs`` and a TMA store (left running), a block crossing the
+    group's end or N masked. The warpgroup's stores use its buffers in turn, so waiting until all but the
+    ``len(c_bufs) - 1`` latest stores are done frees ``buf``."""
     ROWS: gl.constexpr = acc.type.shape[0]
     WIDTH: gl.constexpr = acc.type.shape[1]
+    BUFS: gl.constexpr = c_bufs.type.shape[0]
     if EPI_TMA and (row0 + ROWS <= end) and (n0 + WIDTH <= N):
-        tma.store_wait(0)  # the previous block has left c_smem
+        tma.store_wait(BUFS - 1)  # the store that last read this buffer is done
+        c_smem = c_bufs.index(buf)
         c_smem.store(acc.to(c_ptr.dtype.element_ty))
         fence_async_shared()
         tma_store(c_desc, [row0, n0], c_smem)
@@ -246,7 +250,7 @@ def _math_partition(
     ready,
     empty,
     c_desc,
-    c_smem,
+    c_bufs,
     operands,
     WG: gl.constexpr,
     BLOCK_N: gl.constexpr,
@@ -287,11 +291,12 @@ def _math_partition(
             acc, it = _steps(
                 a_bufs, b_bufs, ready, empty, as_ptrs, bs_ptrs, row_ok, s_ask, s_bsk, steps, it, zero, STAGES
             )
-        _store_block(c_desc, c_smem, c_ptr, acc, rows, row_ok, row0, n0, end, N, s_cm, s_cn, col_layout, EPI_TMA)
-        if WIDE:
+        _store_block(c_desc, c_bufs, 0, c_ptr, acc, rows, row_ok, row0, n0, end, N, s_cm, s_cn, col_layout, EPI_TMA)
+        if WIDE:  # the right half into the second buffer where there is one
             _store_block(
-                c_desc, c_smem, c_ptr, acc1, rows, row_ok, row0, n0 + HALF, end, N, s_cm, s_cn, col_layout, EPI_TMA
-            )
+                c_desc, c_bufs, c_bufs.type.shape[0] - 1, c_ptr, acc1, rows, row_ok, row0, n0 + HALF, end, N, s_cm,
+                s_cn, col_layout, EPI_TMA,
+            )  # fmt: skip
         t, g, m0, n0, end = t_next, g_next, m0_next, n0_next, end_next
     if EPI_TMA:
         tma.store_wait(0)
@@ -320,6 +325,7 @@ def _grouped_kernel(
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
     EPI_TMA: gl.constexpr,
+    EPI_BUFS: gl.constexpr,
 ):
     ROWS: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
@@ -329,8 +335,9 @@ def _grouped_kernel(
     a0_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, ROWS, BLOCK_K], a_desc.layout)
     a1_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, ROWS, BLOCK_K], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
-    c0_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
-    c1_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+    gl.static_assert(EPI_BUFS == 1 or (EPI_BUFS == 2 and BLOCK_N == 256), "a second output buffer serves a wide tile")
+    c0_bufs = gl.allocate_shared_memory(c_desc.dtype, [EPI_BUFS] + c_desc.block_type.shape, c_desc.layout)
+    c1_bufs = gl.allocate_shared_memory(c_desc.dtype, [EPI_BUFS] + c_desc.block_type.shape, c_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -339,8 +346,8 @@ def _grouped_kernel(
     operands = (as_ptr, bs_ptr, table_ptr, c_ptr, max_tiles, N, K, G, s_asm, s_ask, s_bsg, s_bsn, s_bsk, s_cm, s_cn)
     gl.warp_specialize(
         [
-            (_math_partition, (a0_bufs, b_bufs, ready, empty, c_desc, c0_smem, operands, 0, BLOCK_N, STAGES, EPI_TMA)),
-            (_math_partition, (a1_bufs, b_bufs, ready, empty, c_desc, c1_smem, operands, 1, BLOCK_N, STAGES, EPI_TMA)),
+            (_math_partition, (a0_bufs, b_bufs, ready, empty, c_desc, c0_bufs, operands, 0, BLOCK_N, STAGES, EPI_TMA)),
+            (_math_partition, (a1_bufs, b_bufs, ready, empty, c_desc, c1_bufs, operands, 1, BLOCK_N, STAGES, EPI_TMA)),
             (
                 _load_partition,
                 (a_desc, b_desc, a0_bufs, a1_bufs, b_bufs, ready, empty, table_ptr, max_tiles, N, K, G, STAGES),
@@ -351,13 +358,16 @@ def _grouped_kernel(
     )
 
 
-CONFIG = {"BLOCK_N": 128, "BAND": 4, "EPI_TMA": True}
-"""Tile width, band height of the schedule and epilogue of the launch; the pipeline depth is as many stages as
-shared memory holds (:func:`stages`). :func:`config_for` widens the tile where that pays."""
+CONFIG = {"BLOCK_N": 128, "BAND": 4, "EPI_TMA": True, "EPI_BUFS": 1}
+"""Tile width, band height of the schedule and epilogue of the launch (TMA stores; output buffers a math warpgroup
+takes in turn: 2 lets a wide tile's right half be written while its left half's store runs, at the cost of
+shared memory for the ring); the pipeline depth is as many stages as shared memory holds (:func:`stages`).
+:func:`config_for` widens the tile where that pays."""
 
 WIDE_TRITON = ("3.6",)
-"""Triton releases (major.minor) whose build of the 256-wide tile keeps its K loops free of spills (Triton 3.9
-spills inside them)."""
+"""Triton releases (major.minor) whose build of the 256-wide tile keeps its K loops free of spills. Triton 3.9
+spills inside them: it always passes ptxas ``--regAllocOptLevel=2`` (a workaround of its own), and ptxas 13.4
+spills this kernel at every explicit level, none at its default."""
 
 
 def config_for(n: int) -> dict:
@@ -377,11 +387,11 @@ def _block_width(block_n: int) -> int:
     return min(block_n, TILE)
 
 
-def stages(block_n: int, out_dtype: torch.dtype) -> int:
-    """Stages of the ring that fit beside the two epilogue blocks: each stage two 64x128 boxes of A and one
-    ``block_n``x128 box of B (E4M3); at most 8."""
+def stages(block_n: int, out_dtype: torch.dtype, epi_bufs: int = 1) -> int:
+    """Stages of the ring that fit beside the math warpgroups' ``epi_bufs`` output blocks each: each stage two
+    64x128 boxes of A and one ``block_n``x128 box of B (E4M3); at most 8."""
     stage = (2 * WG_ROWS + block_n) * TILE
-    epilogue = 2 * WG_ROWS * _block_width(block_n) * out_dtype.itemsize
+    epilogue = 2 * epi_bufs * WG_ROWS * _block_width(block_n) * out_dtype.itemsize
     return min(8, (SHARED_BYTES - epilogue - 1024) // stage)
 
 
@@ -433,7 +443,7 @@ def launch_args(a, a_scales, b, b_scales, offs, out, config=None):
     a_desc = descriptor(TensorDescriptor.from_tensor, a, [WG_ROWS, TILE], a_layout)
     b_desc = descriptor(TensorDescriptor.from_tensor, b.view(G * N, K), [block_n, TILE], b_layout)
     c_desc = descriptor(TensorDescriptor.from_tensor, out, [WG_ROWS, _block_width(block_n)], c_layout)
-    cfg.setdefault("STAGES", stages(block_n, out.dtype))
+    cfg.setdefault("STAGES", stages(block_n, out.dtype, cfg["EPI_BUFS"]))
     sms = devices.num_sms(a.device)
     max_tiles = (triton.cdiv(S, 2 * WG_ROWS) + G) * triton.cdiv(N, block_n)  # an upper bound, no sync
     table = torch.empty((max_tiles, 4), dtype=torch.int32, device=a.device)
