@@ -112,6 +112,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 sys.path.insert(0, ROOT)
 import breakdown  # noqa: E402  (bench/breakdown.py)
+import peak_memory  # noqa: E402  (bench/peak_memory.py)
 import data  # noqa: E402  (examples/data.py)
 import mxfx  # noqa: E402
 from mxfx.runtime.cache import step_count  # noqa: E402
@@ -477,7 +478,9 @@ def run_arm(arm: Arm, args, train, val, device: str) -> dict:
     gen = torch.Generator().manual_seed(1234 + args.seed)  # same batches in every arm
     batch = max(1, args.tokens // args.seq)
     times, host_cpu, host_issue, losses, sampled = [], [], [], [], []
-    host_profiled_step = args.steps - 2 if args.profile else args.steps - 1  # the step before the profiled one
+    # the step before the profiled one (or the last): cProfile's (--host-profile) and the allocator history's
+    host_profiled_step = args.steps - 2 if args.profile else args.steps - 1
+    sampled_loss: list = []
     phases = Phases(args.phases, device)
     try:
         for step in range(args.steps):
@@ -490,15 +493,26 @@ def run_arm(arm: Arm, args, train, val, device: str) -> dict:
             host_prof = cProfile.Profile() if args.host_profile and step == host_profiled_step else None
             if host_prof:
                 host_prof.enable()
-            with _profiler(device) if profiled else contextlib.nullcontext() as prof:
-                _sync(device)
-                t0, c0 = time.perf_counter(), time.process_time()
+
+            def one_step():
                 for x, y in micro:  # gradient accumulation: the weight caches are built once per step, then reused
                     with amp:
                         loss = phases.run("forward", lambda: fn(input_ids=x, labels=y).loss)
                     phases.run("backward", lambda: (loss / args.microbatches).backward())
                 phases.run("optimizer step", opt.step)
                 opt.zero_grad(set_to_none=True)
+                return loss
+
+            with _profiler(device) if profiled else contextlib.nullcontext() as prof:
+                _sync(device)
+                t0, c0 = time.perf_counter(), time.process_time()
+                if args.peak_sites and device == "cuda" and step == host_profiled_step:
+                    phases.peak_bytes = max(phases.peak_bytes, torch.cuda.max_memory_allocated())  # it resets it
+                    recorded, _ = peak_memory.record_peak(lambda: sampled_loss.append(one_step()))
+                    loss = sampled_loss.pop()
+                    res["peak_sites"] = peak_memory.peak_table(recorded, top=args.peak_sites)
+                else:
+                    loss = one_step()
                 host_cpu.append(time.process_time() - c0)
                 host_issue.append(time.perf_counter() - t0)
                 _sync(device)
@@ -539,7 +553,7 @@ def run_arm(arm: Arm, args, train, val, device: str) -> dict:
     # steady steps: past the first --skip, the profiled step left out (the profiler slows it); at least one step
     last = len(times) - 1  # the profiled step, and the host-profiled one before it, are left out
     slowed = {last} if args.profile else set()
-    slowed |= {host_profiled_step} if args.host_profile else set()
+    slowed |= {host_profiled_step} if args.host_profile or (args.peak_sites and device == "cuda") else set()
     kept = [i for i in range(args.skip, len(times)) if i not in slowed] or [last]
     steady = [times[i] for i in kept]
     if args.stats_every:  # sampled against unsampled steady steps (the issue's <= 10% goal)
@@ -667,6 +681,14 @@ def main(argv=None) -> list[dict]:
         help="run the step before the profiled one (or the last) under cProfile and print the Python "
         "functions with the most own time in it (left out of tokens/s)",
     )
+    p.add_argument(
+        "--peak-sites",
+        type=int,
+        default=0,
+        help="CUDA: record the allocator's history over the step before the profiled one (or the last) and "
+        "print the N allocation sites with the most bytes live at its peak (bench/peak_memory.py; that step "
+        "is left out of tokens/s)",
+    )
     p.add_argument("--smoke", action="store_true", help="CPU, tiny dims, a few steps (CI)")
     p.add_argument(
         "--stats-every",
@@ -743,6 +765,10 @@ def main(argv=None) -> list[dict]:
                 f"device: {device}):"
             )
             print(breakdown.breakdown_table(f"{r['model']} / {r['arm']}", r))
+    for r in results:
+        if "peak_sites" in r:
+            print(f"\nlive at the peak of one step, {r['model']} / {r['arm']}:")
+            print(r["peak_sites"])
     for r in results:
         if "host_profile" in r:
             print(f"\nhost time, {r['model']} / {r['arm']}: one step under cProfile")

@@ -24,7 +24,8 @@ import time
 
 import torch
 import torch.nn.functional as F
-from _results import emit  # noqa: E402  (bench/ is on sys.path when a script runs)
+import peak_memory  # noqa: E402  (bench/ is on sys.path when a script runs)
+from _results import emit  # noqa: E402
 
 from mxfx.runtime import cache
 from mxfx.report import saved_for_backward
@@ -119,9 +120,11 @@ def saved_bytes(out: torch.Tensor, held: list[torch.Tensor]) -> int:
     )
 
 
-def measure(fn, args, device, profile_path=None):
-    """Median ms of forward+backward, peak, activation and saved-for-backward bytes (and, with
-    ``profile_path``, every device op of one more call written there)."""
+def measure(fn, args, device, profile_path=None, peak_sites=0):
+    """Median ms of forward+backward, peak, activation and saved-for-backward bytes, and what is live at the
+    peak by allocation site (``peak_sites`` > 0 on CUDA: one more call with the allocator's history, its
+    :func:`peak_memory.peak_table`; else ""); with ``profile_path``, every device op of one more call written
+    there."""
 
     def step():
         out = fn(*args)
@@ -146,11 +149,15 @@ def measure(fn, args, device, profile_path=None):
             from train_step import profile_step
 
             print(profile_step(step, path=profile_path), flush=True)
-        return ms, peak, peak - base, saved
+        sites = ""
+        if peak_sites:
+            recorded, _ = peak_memory.record_peak(step)
+            sites = peak_memory.peak_table(recorded, top=peak_sites)
+        return ms, peak, peak - base, saved, sites
     t0 = time.perf_counter()
     for _ in range(3):
         step()
-    return (time.perf_counter() - t0) / 3 * 1e3, float("nan"), float("nan"), saved
+    return (time.perf_counter() - t0) / 3 * 1e3, float("nan"), float("nan"), saved, ""
 
 
 def main():
@@ -167,6 +174,13 @@ def main():
         default="",
         help="comma-separated arms to profile for one more call (CUDA); "
         "every device op goes to $MXFX_BENCH_OUT/profile_layer_<arm>.txt",
+    )
+    p.add_argument(
+        "--peak-sites",
+        type=int,
+        default=0,
+        help="CUDA: after each arm's table row, the N allocation sites with the most bytes live at its peak "
+        "(one more call with the allocator's history; bench/peak_memory.py)",
     )
     a = p.parse_args()
     torch.manual_seed(0)
@@ -206,7 +220,7 @@ def main():
         "fp8block": "mxfx fp8_block (format=fp8_block)",
         "torchao8": "torchao FP8 rowwise (compile)",
     }
-    rows, base_ms = [], None
+    rows, details, base_ms = [], [], None
     for key in a.arms.split(","):
         name = keep[key]
         torch._dynamo.reset()
@@ -217,13 +231,15 @@ def main():
             path = None
             if key in a.profile.split(","):
                 path = os.path.join(os.environ.get("MXFX_BENCH_OUT", "."), f"profile_layer_{key}.txt")
-            ms, peak, act, saved = measure(arms[name](), args, dev, path)
+            ms, peak, act, saved, sites = measure(arms[name](), args, dev, path, a.peak_sites)
         except Exception as e:  # a peer that cannot run here is reported, not fatal
             rows.append(f"| {name} | failed: {type(e).__name__}: {str(e)[:80]} | | | | |")
             continue
         finally:
             os.environ.pop("MXFX_OPAQUE_KERNELS", None)
         base_ms = base_ms or ms
+        if sites:
+            details.append(f"Live at the peak, {name}: {sites}")
         rows.append(
             f"| {name} | {ms:.3f} | {base_ms / ms:.2f}x | {peak / 2**30:.2f} | {act / 2**30:.2f} "
             f"| {saved / 2**30:.3f} |"
@@ -241,6 +257,7 @@ def main():
             "| arm | ms | speed vs bf16 | peak GiB | activation GiB | saved for backward GiB |",
             "|---|---|---|---|---|---|",
             *rows,
+            *("\n" + d for d in details),
         ]
     )
     emit("moe_layer.md", table)
