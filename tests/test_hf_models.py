@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import mxfx
+from mxfx.passes.combine_sum import NOTE as COMBINE_SUM_NOTE
 from tests.helpers import GraphCapture, count_calls, lm_loss_and_grads
 
 T = pytest.importorskip("transformers")
@@ -124,6 +125,8 @@ def test_hf_moe_graph_counts_and_closeness(name):
     )  # routed wgrad in BF16 (the recipe, "Kernel Problems and Fusions" (Table 25))
     assert count_calls(bw, torch.ops.aten._grouped_mm.default) == 0
     assert count_calls(bw, OPS.route_weight_quantize_dequantize.default) == n_combine  # combine backward fused
+    # the combine's token sum (HF's rows put back in pair order, then summed) has a gather for its backward
+    assert sum(COMBINE_SUM_NOTE in r.reason for r in mxfx.last_report().records) == 1
     loss_bf16, g_bf16 = _loss_and_grads(model, None)  # the BF16 model itself, uncompiled
     assert loss_mx != loss_bf16
     assert abs(loss_mx - loss_bf16) / loss_bf16 < 0.02

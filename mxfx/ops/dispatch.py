@@ -13,6 +13,13 @@ from __future__ import annotations
 import torch
 
 
+def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
+    """``slot`` with ``slot[perm[j]] = j`` for a permutation ``perm`` of ``range(len(perm))``: a scatter of the
+    positions, each written once (no atomics)."""
+    arange = torch.arange(perm.shape[0], device=perm.device, dtype=perm.dtype)
+    return torch.empty_like(perm).scatter_(0, perm, arange)
+
+
 class _RoutedRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, perm, top_k):
@@ -23,9 +30,7 @@ class _RoutedRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_rows):
         (perm,) = ctx.saved_tensors
-        # slot[j] = the row of flat pair j (token j // top_k): the inverse permutation, written without atomics
-        arange = torch.arange(perm.shape[0], device=perm.device, dtype=perm.dtype)
-        slot = torch.empty_like(perm).scatter_(0, perm, arange)
+        slot = inverse_permutation(perm)  # slot[j] = the row of flat pair j (token j // top_k)
         per_token = d_rows[slot].view(ctx.tokens, ctx.top_k, d_rows.shape[-1])
         return per_token.sum(1, dtype=torch.float32).to(ctx.x_dtype), None, None
 
@@ -42,18 +47,24 @@ def gather_routed_rows(x: torch.Tensor, perm: torch.Tensor, top_k: int | torch.S
             positive int (a symbolic size under dynamic shapes).
     """
     op = "mxfx.gather_routed_rows"
-    if not isinstance(top_k, (int, torch.SymInt)) or isinstance(top_k, bool) or top_k < 1:
-        raise ValueError(f"{op}: top_k={top_k!r} must be a positive int (the experts each token is routed to)")
+    check_routing(op, perm, top_k, x.device)
     if x.dim() != 2:
         raise ValueError(f"{op}: x of shape {tuple(x.shape)} must be [T, D] tokens; flatten the leading dims first")
-    if perm.dim() != 1 or perm.is_floating_point() or perm.dtype == torch.bool or perm.device != x.device:
-        raise ValueError(
-            f"{op}: perm must be a 1D integer permutation on {x.device}, got {perm.dtype} {tuple(perm.shape)} on "
-            f"{perm.device}"
-        )
     if perm.shape[0] != x.shape[0] * top_k:
         raise ValueError(
             f"{op}: perm has {perm.shape[0]} entries; x of shape {tuple(x.shape)} routed to top_k={top_k} experts "
             f"needs {x.shape[0]} * {top_k}"
         )
     return _RoutedRows.apply(x, perm, top_k)
+
+
+def check_routing(op: str, perm: torch.Tensor, top_k, device: torch.device) -> None:
+    """Refuse, naming ``op``, a ``top_k`` that is not a positive int (or symbolic size) and a ``perm`` that is not
+    a 1D integer tensor on ``device``."""
+    if not isinstance(top_k, (int, torch.SymInt)) or isinstance(top_k, bool) or top_k < 1:
+        raise ValueError(f"{op}: top_k={top_k!r} must be a positive int (the experts each token is routed to)")
+    if perm.dim() != 1 or perm.is_floating_point() or perm.dtype == torch.bool or perm.device != device:
+        raise ValueError(
+            f"{op}: perm must be a 1D integer permutation on {device}, got {perm.dtype} {tuple(perm.shape)} on "
+            f"{perm.device}"
+        )

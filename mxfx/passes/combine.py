@@ -150,6 +150,7 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         product = example_value(mul)
         out_dtype = product.dtype
         node.kwargs = {**node.kwargs, "route_weight": rw, "out_dtype": out_dtype}
+        node.meta["example_value"] = product  # the GEMM now returns the product's rows, in its dtype
         mul.prepend(node)  # where the multiply stood: after the route weights and every input
         if last is not node:
             _move_chain_after(node, last, mul)

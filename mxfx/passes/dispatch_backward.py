@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 
 from mxfx.fx import example_value, fill_example_value, is_call, known_size
+from mxfx.passes.routing_index import column_index, floordiv, permutation, top_k_of
 from mxfx.ops.all_to_all import mx_all_to_all
 from mxfx.ops.dispatch import gather_routed_rows
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
@@ -37,49 +38,6 @@ NOTE = "dispatch gather's backward: each token's top-k row gradients summed in a
 
 _ROW_METHODS = ("masked_fill", "masked_fill_", "contiguous", "to", "float", "bfloat16", "half", "mul")
 _ROW_FNS = (torch.masked_fill, operator.mul, torch.mul)
-
-
-def _permutation(node) -> fx.Node | None:
-    """``node`` when it is the index output of a sort or argsort of a 1D tensor, else None."""
-    if not isinstance(node, fx.Node):
-        return None
-    if is_call(node, (operator.getitem,)) and node.args[1] == 1:
-        src = node.args[0]
-        if isinstance(src, fx.Node) and is_call(src, (torch.sort,), ("sort",)):
-            return node if _sorted_is_1d(src) else None
-        return None
-    if is_call(node, (torch.argsort,), ("argsort",)):
-        return node if _sorted_is_1d(node) else None
-    return None
-
-
-def _sorted_is_1d(call: fx.Node) -> bool:
-    """The tensor a sort/argsort call orders is 1D (so its indices permute ``range(numel)``)."""
-    t = example_value(call.args[0]) if call.args else None
-    return t is not None and t.dim() == 1
-
-
-def _top_k(arg) -> int | None:
-    """The value (a symbolic size's hint) of ``arg``, an int or a graph node holding one, else None."""
-    if isinstance(arg, fx.Node):
-        arg = arg.meta.get("example_value")
-        if not isinstance(arg, (int, torch.SymInt)) or isinstance(arg, bool):
-            return None
-    elif not isinstance(arg, int) or isinstance(arg, bool):
-        return None
-    return known_size(arg)
-
-
-def _floordiv(node) -> tuple[fx.Node, object] | None:
-    """``(perm, k)`` of ``perm // k`` with k an int or a node holding one (a symbolic size), else None."""
-    if not isinstance(node, fx.Node) or len(node.args) < 2 or _top_k(node.args[1]) is None:
-        return None
-    k = node.args[1]
-    if is_call(node, (operator.floordiv, torch.floor_divide), ("floor_divide", "__floordiv__")):
-        return node.args[0], k
-    if is_call(node, (torch.div,), ("div",)) and node.kwargs.get("rounding_mode") == "floor":
-        return node.args[0], k
-    return None
 
 
 def _feeds_routed_experts(rows: fx.Node) -> fx.Node | None:
@@ -96,19 +54,6 @@ def _feeds_routed_experts(rows: fx.Node) -> fx.Node | None:
     return None
 
 
-def _column_index(idx) -> fx.Node | None:
-    """``i`` of ``i.reshape(-1, 1).expand(-1, D)`` (or ``view`` / ``unsqueeze(1)``): a gather index that picks whole
-    rows, else None."""
-    if not (isinstance(idx, fx.Node) and is_call(idx, (), ("expand",)) and isinstance(idx.args[0], fx.Node)):
-        return None
-    col = idx.args[0]
-    if is_call(col, (), ("reshape", "view")) and tuple(col.args[1:]) in (((-1, 1),), (-1, 1)):
-        return col.args[0]
-    if is_call(col, (torch.unsqueeze,), ("unsqueeze",)) and tuple(col.args[1:]) in ((1,), (-1,)):
-        return col.args[0]
-    return None
-
-
 def _gathered_rows(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     """``(x, index)`` of a row gather ``x[index]`` or ``torch.gather(x, 0, index as a column, expanded)``."""
     if is_call(node, (operator.getitem,)) and isinstance(node.args[0], fx.Node):
@@ -116,7 +61,7 @@ def _gathered_rows(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     if is_call(node, (torch.gather,), ("gather",)) and isinstance(node.args[0], fx.Node):
         kw = dict(zip(("dim", "index"), node.args[1:]), **node.kwargs)
         if set(kw) == {"dim", "index"} and kw["dim"] == 0:
-            index = _column_index(kw["index"])
+            index = column_index(kw["index"])
             return None if index is None else (node.args[0], index)
     return None
 
@@ -127,12 +72,12 @@ def _match(node: fx.Node) -> tuple[fx.Node, fx.Node, object, fx.Node] | None:
     if gathered is None:
         return None
     src, index = gathered
-    div = _floordiv(index)
+    div = floordiv(index)
     if div is None:
         return None
     perm, k = div
-    x, p, top_k = example_value(src), example_value(perm), _top_k(k)
-    if _permutation(perm) is None or x is None or p is None or top_k < 1 or x.dim() != 2 or not x.is_floating_point():
+    x, p, top_k = example_value(src), example_value(perm), top_k_of(k)
+    if permutation(perm) is None or x is None or p is None or top_k < 1 or x.dim() != 2 or not x.is_floating_point():
         return None
     tokens, pairs = known_size(x.shape[0]), known_size(p.shape[0])
     if tokens is None or pairs is None or pairs != tokens * top_k:

@@ -42,6 +42,7 @@ PASSES = (
     "dispatch_backward",
     "swiglu",
     "combine",
+    "combine_sum",
     "shared_quantize",
     "saved",
     "weight_refresh",
@@ -51,7 +52,8 @@ PASSES = (
 from it, so a new pass is its module and its name here. all_to_all runs first (dispatch and combine become
 ``mx_all_to_all`` before the passes that read their rows); dispatch_mx after linear and grouped_mm (the grouped
 GEMMs take MX rows made before the dispatch: received, or quantized before the gather); dispatch_backward after
-dispatch_mx (which reads the plain row gathers it replaces); shared_quantize after the
+dispatch_mx (which reads the plain row gathers it replaces); combine_sum after combine (which takes the
+route-weight multiply into the GEMM first); shared_quantize after the
 passes that set a linear's input (swiglu) and before saved, which counts a shared copy once."""
 POLICY_ENV = "MXFX_POLICY"
 """Environment variable: a TOML file of :class:`Policy` fields, the policy of compiles given no ``options``."""
