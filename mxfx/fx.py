@@ -233,6 +233,19 @@ def weight_source(b: fx.Node) -> tuple[fx.Node, bool]:
     return b, transposed
 
 
+def replace_with_call(gm: fx.GraphModule, node: fx.Node, fn, args: tuple) -> fx.Node:
+    """Put ``fn(*args)`` where ``node`` stands: inserted before it, given its meta (an example value made where
+    none carries over), read by its users; ``node`` erased. Returns the new node."""
+    with gm.graph.inserting_before(node):
+        new = gm.graph.call_function(fn, args)
+    new.meta.update(node.meta)
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
+    if "example_value" not in new.meta:
+        fill_example_value(new)
+    return new
+
+
 def erase_unused_chain(gm: fx.GraphModule, node) -> None:
     """Erase the now-unused casts/transposes that fed the old weight operand.
 

@@ -44,6 +44,28 @@ class GraphCapture:
         return self.backend(gm, example_inputs)
 
 
+def sorted_routing(tokens: int, top_k: int, experts: int, seed: int) -> torch.Tensor:
+    """The order that sorts a random routing's flat (token, slot) pairs by expert (``top_k`` distinct experts a
+    token), as HF transformers makes it: a permutation of ``range(tokens * top_k)``."""
+    g = torch.Generator().manual_seed(seed)
+    expert_ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).reshape(-1)
+    return torch.sort(expert_ids).indices
+
+
+def row_scatter_adds(graphs) -> int:
+    """Scatter-adds into a 2D tensor in ``graphs`` (AOTAutograd's): ``index_put`` accumulating, ``index_add``,
+    ``scatter_add``: a row sum written as a scatter, or a row gather's gradient. (A 1D gather's gradient, such as
+    the route weights', is a scatter-add of a value a row and not counted.)"""
+    aten = torch.ops.aten
+
+    def rows(n):
+        if n.target in (aten.index_put.default, aten.index_put_.default):
+            return len(n.args) > 3 and n.args[3] and n.args[0].meta["val"].dim() == 2
+        return n.target in (aten.index_add.default, aten.scatter_add.default) and n.args[0].meta["val"].dim() == 2
+
+    return sum(1 for gm in graphs for n in gm.graph.nodes if rows(n))
+
+
 def count_calls(graphs, target) -> int:
     """How many call_function nodes with ``target`` the graphs hold."""
     return sum(1 for g in graphs for n in g.graph.nodes if n.op == "call_function" and n.target == target)

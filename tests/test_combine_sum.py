@@ -7,23 +7,14 @@ import torch.nn.functional as F
 import mxfx
 from mxfx.ops.combine import sum_routed_rows
 from mxfx.passes.combine_sum import NOTE
-from tests.helpers import GraphCapture
-
-ATEN = torch.ops.aten
-
-
-def _perm(tokens: int, top_k: int, experts: int, seed: int) -> torch.Tensor:
-    """The order that sorts a routing's flat (token, slot) pairs by expert, as HF transformers makes it."""
-    g = torch.Generator().manual_seed(seed)
-    expert_ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).reshape(-1)
-    return torch.sort(expert_ids).indices
+from tests.helpers import GraphCapture, row_scatter_adds, sorted_routing
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("top_k", [1, 2, 8])
 def test_sum_routed_rows_is_the_combine_with_a_gather_for_its_gradient(dtype, top_k):
     tokens, d = 40, 48
-    perm = _perm(tokens, top_k, 16, seed=top_k)
+    perm = sorted_routing(tokens, top_k, 16, seed=top_k)
     g = torch.Generator().manual_seed(2)
     y = torch.randn(tokens * top_k, d, generator=g).to(dtype).requires_grad_()
     d_out = torch.randn(tokens, d, generator=g).to(dtype)
@@ -111,18 +102,6 @@ def _run(layer, options, dynamic=False, fmt="fp8_block", **kw):
     return out.detach(), [t.grad for t in (x, *params)], cap, mxfx.last_report()
 
 
-def _row_scatter_adds(graphs) -> int:
-    """Scatter-adds into a 2D tensor (``index_put`` accumulating, ``index_add``, ``scatter_add``): a row sum's
-    forward or a row gather's gradient. (The route weights' own gather, 1D, keeps its scatter-add.)"""
-
-    def rows(n):
-        if n.target in (ATEN.index_put.default, ATEN.index_put_.default):
-            return len(n.args) > 3 and n.args[3] and n.args[0].meta["val"].dim() == 2
-        return n.target in (ATEN.index_add.default, ATEN.scatter_add.default) and n.args[0].meta["val"].dim() == 2
-
-    return sum(1 for gm in graphs for n in gm.graph.nodes if rows(n))
-
-
 @pytest.mark.parametrize(
     "layer, kw, where",
     [
@@ -141,8 +120,8 @@ def test_each_spelling_of_the_combine_sums_with_gathers(layer, kw, where, dynami
     out, grads, cap, pm = _run(layer, {}, dynamic=dynamic, **kw)
     off_out, off_grads, off_cap, off_pm = _run(layer, {"passes": {"combine_sum": False}}, dynamic=dynamic, **kw)
     graphs = {"forward": "forward", "backward": "backward"}[where]
-    assert _row_scatter_adds(getattr(off_cap, graphs)) >= 1
-    assert _row_scatter_adds(getattr(cap, graphs)) < _row_scatter_adds(getattr(off_cap, graphs))
+    assert row_scatter_adds(getattr(off_cap, graphs)) >= 1
+    assert row_scatter_adds(getattr(cap, graphs)) < row_scatter_adds(getattr(off_cap, graphs))
     noted = [r for r in pm.records if r.kind == "grouped_mm" and NOTE in r.reason]
     assert len(noted) == 1 and not any(NOTE in r.reason for r in off_pm.records), pm.to_text()
     assert torch.equal(out, off_out)
@@ -180,4 +159,4 @@ def test_the_compiled_combine_matches_eager():
 def test_what_is_no_combine_sum_is_left_alone(layer, kw):
     _, _, cap, pm = _run(layer, {}, **kw)
     assert not any(NOTE in r.reason for r in pm.records), pm.to_text()
-    assert _row_scatter_adds(cap.forward) + _row_scatter_adds(cap.backward) >= 1
+    assert row_scatter_adds(cap.forward) + row_scatter_adds(cap.backward) >= 1

@@ -7,23 +7,16 @@ import torch.nn.functional as F
 import mxfx
 from mxfx.ops.dispatch import gather_routed_rows
 from mxfx.passes.dispatch_backward import NOTE
-from tests.helpers import GraphCapture
+from tests.helpers import GraphCapture, row_scatter_adds, sorted_routing
 
 ATEN = torch.ops.aten
-
-
-def _perm(tokens: int, top_k: int, experts: int, seed: int) -> torch.Tensor:
-    """The order that sorts a routing's flat (token, slot) pairs by expert, as HF transformers makes it."""
-    g = torch.Generator().manual_seed(seed)
-    expert_ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).reshape(-1)
-    return torch.sort(expert_ids).indices
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("top_k", [1, 2, 8])
 def test_gather_routed_rows_is_the_gather_with_its_gradient(dtype, top_k):
     tokens, d = 40, 48
-    perm = _perm(tokens, top_k, 16, seed=top_k)
+    perm = sorted_routing(tokens, top_k, 16, seed=top_k)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(tokens, d, generator=g).to(dtype).requires_grad_()
     d_rows = torch.randn(tokens * top_k, d, generator=g).to(dtype)
@@ -79,24 +72,13 @@ def _run(options, sort_indices=True, dtype=torch.bfloat16, fmt="fp8_block", dyna
     return out.detach(), [t.grad for t in (x, *params)], cap, mxfx.last_report()
 
 
-def _row_scatter_adds(cap: GraphCapture) -> int:
-    """Scatter-adds of rows into a 2D tensor (index_put / index_add accumulating) in the backward graphs: a row
-    gather's gradient. (The route weights' own gather, 1D, keeps its scatter-add: a value a row.)"""
-
-    def rows(n):
-        if n.target in (ATEN.index_put.default, ATEN.index_put_.default):
-            return len(n.args) > 3 and n.args[3] and n.args[0].meta["val"].dim() == 2
-        return n.target is ATEN.index_add.default and n.args[0].meta["val"].dim() == 2
-
-    return sum(1 for gm in cap.backward for n in gm.graph.nodes if rows(n))
-
-
 @pytest.mark.parametrize("fmt,dynamic", [("fp8_block", False), ("bf16_gemm", False), ("fp8_block", True)])
 def test_dispatch_gather_gets_a_backward_without_scatter_add(fmt, dynamic):
     """Under dynamic shapes top-k is a symbolic size too (the pass takes it as one)."""
     out, grads, cap, pm = _run({}, fmt=fmt, dynamic=dynamic)
     off_out, off_grads, off_cap, off_pm = _run({"passes": {"dispatch_backward": False}}, fmt=fmt, dynamic=dynamic)
-    assert _row_scatter_adds(off_cap) >= 1 and _row_scatter_adds(cap) == 0  # the dispatch gather's scatter-add is gone
+    # the dispatch gather's scatter-add is gone
+    assert row_scatter_adds(off_cap.backward) >= 1 and row_scatter_adds(cap.backward) == 0
     rows = [r for r in pm.records if r.kind == "grouped_mm" and NOTE in r.reason]
     assert len(rows) == 1 and not any(NOTE in r.reason for r in off_pm.records), pm.to_text()
     # the same forward and the same gradients: x's is each token's two BF16 row gradients added, which both
@@ -110,7 +92,7 @@ def test_dispatch_gather_gets_a_backward_without_scatter_add(fmt, dynamic):
 def test_a_gather_by_an_index_that_is_no_permutation_is_left_alone():
     """``x[ids // k]`` with expert ids as the index repeats tokens arbitrarily: the scatter-add is its gradient."""
     _, _, cap, pm = _run({}, sort_indices=False)
-    assert _row_scatter_adds(cap) >= 1 and not any(NOTE in r.reason for r in pm.records), pm.to_text()
+    assert row_scatter_adds(cap.backward) >= 1 and not any(NOTE in r.reason for r in pm.records), pm.to_text()
 
 
 def _titan_layer(x, router_w, w_gate_up, w_down, topk):

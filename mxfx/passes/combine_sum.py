@@ -26,7 +26,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from mxfx.fx import example_value, fill_example_value, is_call, known_size
+from mxfx.fx import example_value, is_call, known_size, replace_with_call
 from mxfx.ops.combine import sum_routed_rows
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
 from mxfx.passes.routing_index import column_index, floordiv, permutation
@@ -157,16 +157,10 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
             continue
         if scatter is not None and not _fresh_zeros(spent, (tokens, width), out.dtype):
             continue
-        with gm.graph.inserting_before(node):
-            summed = gm.graph.call_function(sum_routed_rows, (y, perm, k))
-        summed.meta.update(node.meta)
-        node.replace_all_uses_with(summed)
-        gm.graph.erase_node(node)
+        replace_with_call(gm, node, sum_routed_rows, (y, perm, k))
         for dead in (spent,) if scatter is not None else (spent, spent.args[0]):  # zeros; or view, then y[inv]
             if not dead.users:
                 gm.graph.erase_node(dead)
-        if "example_value" not in summed.meta:
-            fill_example_value(summed)
         record = pm.find(gemm.name)
         if record is not None:
             record.add_note(NOTE)

@@ -25,7 +25,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from mxfx.fx import example_value, fill_example_value, is_call, known_size
+from mxfx.fx import example_value, is_call, known_size, replace_with_call
 from mxfx.passes.routing_index import column_index, floordiv, permutation, top_k_of
 from mxfx.ops.all_to_all import mx_all_to_all
 from mxfx.ops.dispatch import gather_routed_rows
@@ -97,13 +97,7 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         if hit is None:
             continue
         x, perm, k, reader = hit
-        with gm.graph.inserting_before(node):
-            rows = gm.graph.call_function(gather_routed_rows, (x, perm, k))
-        rows.meta.update(node.meta)
-        node.replace_all_uses_with(rows)
-        gm.graph.erase_node(node)
-        if "example_value" not in rows.meta:
-            fill_example_value(rows)
+        replace_with_call(gm, node, gather_routed_rows, (x, perm, k))
         record = pm.find(reader.name)
         if record is not None:
             record.add_note(NOTE)
