@@ -13,6 +13,7 @@ step) its weight quantization is amortized away, as it is across microbatches in
     python bench/moe_layer.py --arms bf16,mxfx,mxfxopaque   # also mxfx with its MX ops kept as custom ops
     python bench/moe_layer.py --arms bf16,mxfx,mxfxdq       # also mxfx with keep_dequantized_weights
     python bench/moe_layer.py --arms bf16,fp8block,torchao8 # fp8_block against BF16 and torchao FP8 rowwise
+    python bench/moe_layer.py --arms bf16,fp8block --peak-sites 12 # also what is live at each arm's peak
     python bench/moe_layer.py --device cpu --tokens 256 --d 128 --experts 8 --hidden 64 --topk 2
 """
 
