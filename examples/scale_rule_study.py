@@ -43,39 +43,58 @@ import mxfx
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from data import VOCAB_SIZE, get_batch, load_splits  # noqa: E402
 from moe_model import MoEConfig, MoETransformer  # noqa: E402
+from train_moe import SEED_MAX, bounded, check_device  # noqa: E402
 
 SEED_RESULT = {"rceil": (0.00048, -1.9), "floor": (0.022, 51.1)}  # (mean loss diff, mean grad-norm diff %) vs BF16
 
 
-def parse_args():
+def parse_args(argv: list[str] | None = None):
+    """The study's options, checked before anything trains: a bad value ends in ``p.error`` naming its flag."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    count, positive = bounded(int, at_least=1), bounded(float, above=0)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--topk", type=int, default=2)
-    p.add_argument("--expert-hidden", type=int, default=128)
-    p.add_argument("--shared-hidden", type=int, default=128)
-    p.add_argument("--head-dim", type=int, default=32)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--pre-steps", type=int, default=80, help="floor-scaled steps to the common checkpoint")
-    p.add_argument("--steps", type=int, default=40, help="continuation steps per branch")
-    p.add_argument("--lr", type=float, default=1.5e-3)
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--d-model", type=count, default=128)
+    p.add_argument("--layers", type=count, default=2)
+    p.add_argument("--experts", type=count, default=8)
+    p.add_argument("--topk", type=count, default=2)
+    p.add_argument("--expert-hidden", type=count, default=128)
+    p.add_argument("--shared-hidden", type=count, default=128)
+    p.add_argument("--head-dim", type=count, default=32)
+    p.add_argument("--seq", type=count, default=128)
+    p.add_argument("--batch", type=count, default=16)
+    p.add_argument("--pre-steps", type=count, default=80, help="floor-scaled steps to the common checkpoint")
+    p.add_argument("--steps", type=count, default=40, help="continuation steps per branch")
+    p.add_argument("--lr", type=positive, default=1.5e-3)
+    p.add_argument("--warmup", type=bounded(int, at_least=0), default=10)
+    p.add_argument("--grad-clip", type=positive, default=1.0)
     p.add_argument("--compiler", default=None, help="inner compiler (default: aot_eager on CPU, inductor on CUDA)")
     p.add_argument(
         "--stats-every",
-        type=int,
+        type=bounded(int, at_least=0),
         default=5,
         help="quantization statistics of the MX branches every this many steps (0: off)",
     )
-    p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--data-seed", type=int, default=0)
+    seed = bounded(int, at_least=0, at_most=SEED_MAX)
+    p.add_argument("--seed", type=seed, default=1337)
+    p.add_argument("--data-seed", type=seed, default=0)
     p.add_argument("--out", default="runs/scale_rule_study")
-    a = p.parse_args()
-    a.compiler = a.compiler or ("inductor" if a.device.startswith("cuda") else "aot_eager")
+    a = p.parse_args(argv)
+    check_device(p, a.device)
+    try:
+        a.model = MoEConfig(
+            vocab_size=VOCAB_SIZE,
+            d_model=a.d_model,
+            n_layers=a.layers,
+            head_dim=a.head_dim,
+            n_experts=a.experts,
+            top_k=a.topk,
+            expert_hidden=a.expert_hidden,
+            shared_hidden=a.shared_hidden,
+            max_seq=a.seq,
+        )
+    except ValueError as e:
+        p.error(str(e))
+    a.compiler = a.compiler or ("inductor" if torch.device(a.device).type == "cuda" else "aot_eager")
     return a
 
 
@@ -234,17 +253,7 @@ def main():
     warnings.filterwarnings("ignore", message="mxfx: quantize site")
     t_start = time.perf_counter()
     train_data, _ = load_splits()
-    mcfg = MoEConfig(
-        vocab_size=VOCAB_SIZE,
-        d_model=a.d_model,
-        n_layers=a.layers,
-        head_dim=a.head_dim,
-        n_experts=a.experts,
-        top_k=a.topk,
-        expert_hidden=a.expert_hidden,
-        shared_hidden=a.shared_hidden,
-        max_seq=a.seq,
-    )
+    mcfg = a.model
     gen = torch.Generator().manual_seed(a.data_seed)
     pre_data = [get_batch(train_data, a.batch, a.seq, gen, a.device) for _ in range(a.pre_steps)]
     cont_data = [get_batch(train_data, a.batch, a.seq, gen, a.device) for _ in range(a.steps)]  # same for every branch

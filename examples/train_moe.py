@@ -180,6 +180,20 @@ def model_config(cfg: TrainConfig) -> MoEConfig:
     return MoEConfig(vocab_size=VOCAB_SIZE, **{k: getattr(cfg, v) for k, v in MODEL_FIELDS.items()})
 
 
+def check_device(p: argparse.ArgumentParser, device: str) -> None:
+    """``p.error`` unless ``device`` names a cpu or cuda device that works here (``--device``)."""
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        p.error(f"argument --device: {device!r}: this job trains on cpu or cuda (e.g. cuda:0); use --device cpu")
+    try:
+        torch.empty(0, device=device)
+    except Exception as e:  # noqa: BLE001  (CUDA not built, no GPU, no such index: torch says which)
+        p.error(f"argument --device: {device!r} is not usable here ({str(e).splitlines()[0]}); use --device cpu")
+
+
 def parse_args(p: argparse.ArgumentParser, argv: list[str] | None = None) -> TrainConfig:
     """The run's config from ``argv`` (default ``sys.argv[1:]``), checked before anything trains: a bad value ends
     in ``p.error``, naming its flag and what to do (exit status 2, no traceback)."""
@@ -199,16 +213,7 @@ def parse_args(p: argparse.ArgumentParser, argv: list[str] | None = None) -> Tra
             f"argument --data: {cfg.data!r} is not a file; name a UTF-8 text file, or leave --data out to train on "
             "the interpreter's own .py sources and pydoc topics"
         )
-    try:
-        kind = torch.device(cfg.device).type
-    except RuntimeError:
-        kind = None
-    if kind not in ("cpu", "cuda"):
-        p.error(f"argument --device: {cfg.device!r}: this job trains on cpu or cuda (e.g. cuda:0); use --device cpu")
-    try:
-        torch.empty(0, device=cfg.device)
-    except Exception as e:  # noqa: BLE001  (CUDA not built, no GPU, no such index: torch says which)
-        p.error(f"argument --device: {cfg.device!r} is not usable here ({str(e).splitlines()[0]}); use --device cpu")
+    check_device(p, cfg.device)
     if "mxfp8" in arms:
         check_backend(p, cfg)
     return cfg

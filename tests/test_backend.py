@@ -154,6 +154,10 @@ def test_dump_dir_and_env(tmp_path, monkeypatch):
     afile.write_text("")
     with pytest.raises(ValueError, match=r"dump_dir='.*afile' is a file, not a folder"):
         Policy(dump_dir=str(afile))
+    with pytest.raises(ValueError, match=r"dump_dir='  ' is blank; name a folder"):
+        Policy(dump_dir="  ")
+    monkeypatch.setenv("MXFX_DUMP_DIR", " ")  # a blank variable is an unset one, as an empty one is
+    assert Policy().dump_dir is None
 
 
 def test_dynamic_shapes_dump_each_compiled_graph_once(tmp_path):

@@ -531,6 +531,7 @@ def test_policy_field_and_environment_variable(monkeypatch):
         ({"every": 0}, r"stats\['every'\]=0 must be an int >= 1"),
         ({"often": 1}, r"unknown stats key\(s\) \['often'\]"),
         ({"modules": 3}, "module glob"),
+        ({"modules": "  "}, r"stats\['modules'\]='  ' must be a module glob"),  # blank: would match no module
     ):
         with pytest.raises(ValueError, match=match):
             mxfx.Policy(stats=bad)

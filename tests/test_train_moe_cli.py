@@ -109,3 +109,32 @@ def test_backend_arm_is_named_by_its_format(argv, label):
     cfg = train_moe.parse_args(train_moe.build_parser(), argv)
     assert train_moe.arm_label("mxfp8", cfg) == label
     assert train_moe.arm_label("fp32", cfg) == "fp32"
+
+
+study = load_example("scale_rule_study")
+sys.path[:] = _path
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--steps", "0"], ["argument --steps", "must be >= 1, got 0"]),
+        (["--lr", "nan"], ["argument --lr", "must be a finite number, got nan"]),
+        (["--grad-clip", "-1"], ["argument --grad-clip", "must be > 0, got -1.0"]),
+        (["--seed", "-3"], ["argument --seed", "must be >= 0, got -3"]),
+        (["--device", "mps"], ["argument --device", "'mps'", "trains on cpu or cuda"]),
+        (["--d-model", "100"], ["d_model=100", "multiple of 32"]),
+        (["--topk", "9"], ["top_k=9", "n_experts=8"]),
+    ],
+)
+def test_the_scale_rule_study_refuses_bad_values_like_the_main_job(capsys, argv, expected):
+    """``examples/scale_rule_study.py`` checks its options with the main job's checks: one argparse line (exit
+    status 2), nothing trained."""
+    with pytest.raises(SystemExit) as exit_info:
+        study.parse_args(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    message = " ".join(err.split("error: ", 1)[1].split())
+    for part in expected:
+        assert part in message, (part, message)

@@ -189,7 +189,7 @@ def _check_stats(value: Any) -> "ReadOnlyDict | None":
     every, modules = out["every"], out["modules"]
     if not isinstance(every, int) or isinstance(every, bool) or every < 1:
         raise ValueError(f"mxfx policy: stats['every']={every!r} must be an int >= 1 (optimizer steps between samples)")
-    if not isinstance(modules, str) or not modules:
+    if not isinstance(modules, str) or not modules.strip():
         raise ValueError(f"mxfx policy: stats['modules']={modules!r} must be a module glob such as 'layers.*.mlp.*'")
     return ReadOnlyDict(out)
 
@@ -636,9 +636,15 @@ class Policy(_NamedFields):
                 f"mxfx policy: passes={self.passes!r} must be a dict of pass name -> bool; passes: {', '.join(PASSES)}"
             )
         if isinstance(self.dump_dir, _FromEnv):  # left out: the environment variable decides
-            object.__setattr__(self, "dump_dir", os.environ.get(DUMP_ENV) or None)
+            env = os.environ.get(DUMP_ENV, "")
+            object.__setattr__(self, "dump_dir", env if env.strip() else None)  # blank: unset, as empty
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
             raise ValueError(f"mxfx policy: dump_dir={self.dump_dir!r} must be a path (str) or None")
+        if self.dump_dir is not None and not os.fspath(self.dump_dir).strip():
+            raise ValueError(
+                f"mxfx policy: dump_dir={os.fspath(self.dump_dir)!r} is blank; name a folder for the graphs and "
+                "precision maps, or leave dump_dir out (None) to write none"
+            )
         if self.dump_dir is not None and os.path.exists(self.dump_dir) and not os.path.isdir(self.dump_dir):
             raise ValueError(
                 f"mxfx policy: dump_dir={os.fspath(self.dump_dir)!r} is a file, not a folder; name a folder (it is "
