@@ -49,7 +49,8 @@ SEED_RESULT = {"rceil": (0.00048, -1.9), "floor": (0.022, 51.1)}  # (mean loss d
 
 
 def parse_args(argv: list[str] | None = None):
-    """The study's options, checked before anything trains: a bad value ends in ``p.error`` naming its flag."""
+    """The study's options and its model's config, checked before anything trains: a bad value ends in ``p.error``
+    naming its flag."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     count, positive = bounded(int, at_least=1), bounded(float, above=0)
     p.add_argument("--device", default="cpu")
@@ -81,7 +82,7 @@ def parse_args(argv: list[str] | None = None):
     a = p.parse_args(argv)
     check_device(p, a.device)
     try:
-        a.model = MoEConfig(
+        model = MoEConfig(
             vocab_size=VOCAB_SIZE,
             d_model=a.d_model,
             n_layers=a.layers,
@@ -95,7 +96,7 @@ def parse_args(argv: list[str] | None = None):
     except ValueError as e:
         p.error(str(e))
     a.compiler = a.compiler or ("inductor" if torch.device(a.device).type == "cuda" else "aot_eager")
-    return a
+    return a, model
 
 
 def compile_branch(model, branch: str, a, stats: bool = False):
@@ -248,12 +249,11 @@ def plot(curves, pre, path, layers=None):
 
 
 def main():
-    a = parse_args()
+    a, mcfg = parse_args()
     # floor clips block maxima at many sites: the per-layer table below reports them, one warning each is noise here
     warnings.filterwarnings("ignore", message="mxfx: quantize site")
     t_start = time.perf_counter()
     train_data, _ = load_splits()
-    mcfg = a.model
     gen = torch.Generator().manual_seed(a.data_seed)
     pre_data = [get_batch(train_data, a.batch, a.seq, gen, a.device) for _ in range(a.pre_steps)]
     cont_data = [get_batch(train_data, a.batch, a.seq, gen, a.device) for _ in range(a.steps)]  # same for every branch
