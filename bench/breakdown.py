@@ -68,6 +68,7 @@ MXFX_KERNELS = {
     "_dual_kernel": QUANTIZE,  # mx/dual.py, fp8_block/quantize.py: both orientations from one read
     "_swiglu_quantize_kernel": QUANTIZE,  # mx/swiglu.py
     "_swiglu_save_kernel": QUANTIZE,  # fp8_block/quantize.py
+    "_route_grad_kernel": QUANTIZE,  # fp8_block/quantize.py: dY's rows, dY in BF16 and the route weights' gradient
     "_dequantize_kernel": QUANTIZE,  # mx/dequantize.py
     "_dequantize_source_kernel": QUANTIZE,
     "_transpose_kernel": QUANTIZE,  # common/transpose.py: qdata layouts

@@ -340,6 +340,17 @@ def _interpreter_quantize_checks(bq):
         rw = 2.0 ** torch.randint(-3, 4, (70,), generator=g).float()
         rw[9] = 0.0
         _same(bq.route_weight_quantize_1x128(x, rw, rule), bf.quantize_1x128(x * rw[:, None], rule=rule))
+        # the same pair with dy in BF16 and the route weights' gradient, from one read of dout (finite: the
+        # gradient sums compared with a bound); the sums' fp32 order is the kernel's: 2^-24 of the magnitudes a term
+        dout = x.clone()
+        dout[1, 3], dout[2, -1] = 0.0, 0.0
+        y = torch.randint(-3, 4, dout.shape, generator=g).float()
+        q, s_, dy, d_rw = bq.route_grad_operands_1x128(dout, rw, y, rule)
+        _same((q, s_), bf.quantize_1x128(dout * rw[:, None], rule=rule))
+        assert dy.dtype == torch.bfloat16 and torch.equal(dy, (dout * rw[:, None]).bfloat16())
+        terms = dout.double() * y.double()
+        bound = terms.shape[1] * 2.0**-24 * terms.abs().sum(-1)
+        assert d_rw.dtype == torch.float32 and ((d_rw.double() - terms.sum(-1)).abs() <= bound).all()
         # both 1x128 tilings of one [T, K] from one read; partial tiles along both dims
         xd = torch.randn(200, 320, generator=g) * 7
         q, s, qt, st = bq.quantize_1x128_dual(xd, rule)
@@ -470,10 +481,12 @@ def test_quantize_kernels_compile_for_sm90(monkeypatch):
         (bq.quantize_128x128, (x,)),
         (bq.swiglu_quantize_1x128, (x, x)),
         (bq.route_weight_quantize_1x128, (x, torch.ones(256))),
+        (bq.route_grad_operands_1x128, (x, torch.ones(256), x)),
         (bq.quantize_1x128, (x.float(), "amax")),
         (bq.quantize_1x128_grouped_tokens, (x, torch.tensor([100, 256], dtype=torch.int32))),
     ):
-        kernel = "_weight_quantize_kernel" if fn is bq.quantize_128x128 else "_quantize_kernel"
+        kernel = {bq.quantize_128x128: "_weight_quantize_kernel", bq.route_grad_operands_1x128: "_route_grad_kernel"}
+        kernel = kernel.get(fn, "_quantize_kernel")
         (c,) = _sm90_launches(monkeypatch, bq, kernel, fn, *args)
         assert c.counts.get("STG", 0) > 0, fn.__name__
 

@@ -492,20 +492,50 @@ class Calls(TorchDispatchMode):
 
 
 def test_routed_dgrad_quantizes_dy_times_route_weights_in_one_op():
-    """The routed grouped GEMM's backward quantizes ``dout * route_weight`` in one op (the product formed inside
-    it, never in memory for the quantize) and its result is the 1x128 quantization of that FP32 product."""
+    """The routed grouped GEMM's backward makes its dgrad operand, the BF16 wgrad's dY and the route weights'
+    gradient in one op (one read of dout; the product formed inside it, never in memory for the quantize): the
+    1x128 quantization of the FP32 product ``dout * route_weight``, that product in BF16, and ``sum(dout * y)``
+    with ``y`` the unweighted output; the gradients are those of the op with the three made apart."""
+    from mxfx.formats.base import Format
+
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(96, 128, generator=g).bfloat16().requires_grad_()
-    w = (torch.randn(2, 128, 128, generator=g) * 0.1).requires_grad_()
+    x = torch.randn(96, 128, generator=g).bfloat16()
+    w = torch.randn(2, 128, 128, generator=g) * 0.1
     rw = torch.rand(96, generator=g)
     offs = torch.tensor([40, 96], dtype=torch.int32)
     dout = torch.randn(96, 128, generator=g).bfloat16()
-    y = mx_grouped_mm_op(x, w, offs, route_weight=rw, out_dtype=torch.float32, format="fp8_block")
-    with Calls() as calls:
-        y.backward(dout.float())
-    assert calls.seen.count("mxfx.block_route_weight_quantize") == 1 and "mxfx.block_quantize" not in calls.seen
-    q, s = torch.ops.mxfx.block_route_weight_quantize(dout.float(), rw, "rceil")
+
+    def grads(apart: bool):
+        xs, ws, rws = x.clone().requires_grad_(), w.clone().requires_grad_(), rw.clone().requires_grad_()
+        y = mx_grouped_mm_op(xs, ws, offs, route_weight=rws, out_dtype=torch.float32, format="fp8_block")
+        fmt = formats.get("fp8_block")
+        with Calls() as calls:
+            if apart:  # the format's default: the route-weight quantize, then the gradient's own reduction
+                with pytest.MonkeyPatch.context() as mp:
+                    mp.setattr(type(fmt), "route_grad_operands", Format.route_grad_operands)
+                    y.backward(dout.float())
+            else:
+                y.backward(dout.float())
+        return calls.seen, [t.grad for t in (xs, ws, rws)]
+
+    seen, fused = grads(apart=False)
+    assert seen.count("mxfx.block_route_grad_operands") == 1, seen
+    assert "mxfx.block_quantize" not in seen and "mxfx.block_route_weight_quantize" not in seen, seen
+    seen, apart = grads(apart=True)
+    assert seen.count("mxfx.block_route_weight_quantize") == 1, seen
+    for got, want in zip(fused, apart):  # the same operands and the same FP32 reduction on the CPU: the same bits
+        assert torch.equal(got, want)
+    y = torch.randn(96, 128, generator=g)
+    q, s, dy, d_rw = torch.ops.mxfx.block_route_grad_operands(dout.float(), rw, y, "rceil")
     rq, rs = bf.quantize_1x128(dout.float() * rw[:, None])
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+    assert dy.dtype == torch.bfloat16 and torch.equal(dy, (dout.float() * rw[:, None]).bfloat16())
+    assert torch.equal(d_rw, (dout.float() * y).sum(-1))
+    with pytest.raises(ValueError, match=r"block_route_grad_operands: y \(the unweighted output\) of shape \(96, 64\)"):
+        torch.ops.mxfx.block_route_grad_operands(dout, rw, y[:, :64], "rceil")
+    with pytest.raises(ValueError, match=r"mxfx::block_route_grad_operands: weight must be one route weight per row"):
+        torch.ops.mxfx.block_route_grad_operands(dout, rw[:50], y, "rceil")
+    q, s = torch.ops.mxfx.block_route_weight_quantize(dout.float(), rw, "rceil")
     assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
     with pytest.raises(ValueError, match=r"mxfx::block_route_weight_quantize: weight must be one route weight per row"):
         torch.ops.mxfx.block_route_weight_quantize(dout, rw[:50], "rceil")

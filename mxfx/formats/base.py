@@ -235,6 +235,14 @@ class Format:
         weights when given (FP32), the tensor the wgrad reads."""
         raise NotImplementedError
 
+    def route_grad_operands(self, dout, route_weight, y_unweighted, rule):
+        """``(dgrad A operand, dy, d_route_weight)`` of a route-weighted grouped GEMM's output gradient:
+        :meth:`grouped_grad_operand`'s pair and ``dy``, and the route weights' gradient ``sum(dout * y_unweighted,
+        -1)`` in fp32 ``[S]``. A format whose kernel makes them from one read of ``dout`` overrides this (its ``dy``
+        may come in BF16, the precision the BF16 wgrad reads it in)."""
+        rows, dy = self.grouped_grad_operand(dout, route_weight, rule)
+        return rows, dy, (dout.float() * y_unweighted.float()).sum(-1)
+
     def grouped_grad_operands(self, dout, route_weight, offs, rule) -> tuple[Operand, Operand]:
         """``(dgrad A operand, wgrad operand)`` of a grouped GEMM's output gradient, both of ``dout`` times the route
         weights when given: :meth:`grouped_grad_operand`'s first and :meth:`grouped_tokens_operand` of its ``dy``.

@@ -183,6 +183,12 @@ class FP8Block(Format):
         rw = route_weight.reshape(-1)
         return tuple(custom_ops.block_route_weight_quantize(dout, rw, str(rule))), route_weighted(dout, rw)
 
+    def route_grad_operands(self, dout, route_weight, y_unweighted, rule):
+        q, s, dy, d_route_weight = custom_ops.block_route_grad_operands(
+            dout, route_weight.reshape(-1), y_unweighted, str(rule)
+        )
+        return (q, s), dy, d_route_weight
+
     def grouped_grad_operands(self, dout, route_weight, offs, rule):
         rw = None if route_weight is None else route_weight.reshape(-1)
         q, s, qt, st = custom_ops.block_grouped_grad_operands(dout, rw, offs, str(rule))

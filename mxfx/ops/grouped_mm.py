@@ -107,15 +107,20 @@ class _GroupedMM(torch.autograd.Function):
         wgrad_input, packed = tuple(rest[: ctx.n_wgrad]), tuple(rest[ctx.n_wgrad :])
         dout = dout.contiguous()
         d_rw = dx = dup = dw = None
-        if has_rw:
-            d_rw = (dout.float() * y_unweighted.float()).sum(-1).reshape(route_weight.shape).to(route_weight.dtype)
         need_dx = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         low_wgrad = ctx.needs_input_grad[2] and settings.wgrad == "mxfp8"
+        # dgrad operand, dy and the route weights' gradient from one read of dout where the format's kernel can
+        # (statistics compare the quantized rows with the fp32 dy, which that path leaves in BF16)
+        together = has_rw and need_dx and not low_wgrad and not settings.stats
+        if has_rw and not together:
+            d_rw = (dout.float() * y_unweighted.float()).sum(-1)
         dy_tokens = None
         if need_dx:
             if low_wgrad:  # dY's dgrad and wgrad operands, from one read where the format's kernel can
                 dy_rows, dy_tokens = fmt.grouped_grad_operands(dout, route_weight, offs, rule)
                 dy = route_weighted(dout, route_weight) if settings.stats else None  # what statistics compare to
+            elif together:
+                dy_rows, dy, d_rw = fmt.route_grad_operands(dout, route_weight, y_unweighted, rule)
             else:
                 dy_rows, dy = fmt.grouped_grad_operand(dout, route_weight, rule)
             settings.observe("grouped_mm", "dgrad_dy", "rows", (dy,), dy_rows)
@@ -143,6 +148,8 @@ class _GroupedMM(torch.autograd.Function):
                 # itself; rounded here instead, the casts fuse into the kernels that make dY (the route-weight
                 # product) and x (an FP32 input under autocast), and no FP32 copy of either is written for it
                 dw = weight_gradient(settings, weight, (dy.to(_BF16),), (x_saved.to(_BF16),), offs, low_precision=False)
+        if d_rw is not None:
+            d_rw = d_rw.reshape(route_weight.shape).to(route_weight.dtype)
         return dx, dup, dw, None, d_rw, None, None, None, None
 
 

@@ -8,6 +8,8 @@ what cuBLAS reads; the fake implementations say so too), every qdata contiguous.
 * ``block_quantize(x [M, K], rule)`` -> ``(qdata [M, K], scales [M, ceil(K/128)])``, 1x128 along K;
 * ``block_swiglu_quantize(gate, up, rule)``: the same of ``silu(gate) * up`` formed in fp32;
 * ``block_route_weight_quantize(dy [S, D], weight [S], rule)``: the same of ``dy * weight[:, None]`` in fp32;
+* ``block_route_grad_operands(dy, weight, y [S, D], rule)``: that pair, ``dy * weight[:, None]`` in BF16 and the
+  route weights' gradient ``sum(dy * y, -1)`` in fp32, from one read of ``dy``;
 * ``block_quantize_tokens(x [T, K], rule)`` -> ``([K, T], [K, ceil(T/128)])``, 1x128 along tokens;
 * ``block_quantize_grouped_tokens(x [S, K], offs, rule)`` -> ``([K, 128 C], [K, C])``, tiles restarting at every
   group start (``C = mxfx.numerics.block.group_tile_capacity(S, G)``);
@@ -141,6 +143,40 @@ def _(dy, weight, rule):
     _check_inputs("block_route_weight_quantize", rule, dy=dy)
     _check_route_weight("block_route_weight_quantize", dy, weight)
     return _rows_fake(dy)
+
+
+def _check_route_grad(dy: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, rule: str) -> None:
+    op = "block_route_grad_operands"
+    _check_inputs(op, rule, dy=dy, y=y)
+    _check_route_weight(op, dy, weight)
+    if y.shape != dy.shape or y.device != dy.device:
+        raise ValueError(
+            f"mxfx::{op}: y (the unweighted output) of shape {tuple(y.shape)} on {y.device} must have dy's shape "
+            f"{tuple(dy.shape)} on {dy.device}"
+        )
+
+
+def _route_grad_operands(dy: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, rule: str):
+    _check_route_grad(dy, weight, y, rule)
+    q, s, dy16, d_weight = device_path.route_grad_operands_1x128(dy, weight, y, rule)
+    return q.contiguous(), column_major(s), dy16, d_weight
+
+
+@library.custom_op("mxfx::block_route_grad_operands", mutates_args=())
+def _block_route_grad_operands_op(
+    dy: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, rule: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _route_grad_operands(dy, weight, y, rule)
+
+
+@library.register_fake(_block_route_grad_operands_op)
+def _(dy, weight, y, rule):
+    _check_route_grad(dy, weight, y, rule)
+    return (
+        *_rows_fake(dy),
+        torch.empty_like(dy, dtype=torch.bfloat16, memory_format=torch.contiguous_format),
+        dy.new_empty((dy.shape[0],), dtype=torch.float32),
+    )
 
 
 def _quantize_tokens(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -467,6 +503,14 @@ block_route_weight_quantize = op_or_body(
     _route_weight_quantize,
     """:func:`block_quantize` of
 ``dy [S, D] * weight[:, None]`` formed in fp32 (``mxfx::block_route_weight_quantize``).""",
+)
+block_route_grad_operands = op_or_body(
+    _block_route_grad_operands_op,
+    _route_grad_operands,
+    """The backward operands of a
+route-weighted grouped GEMM from one read of its output gradient ``dy [S, D]`` (route weights ``weight [S]``,
+unweighted output ``y [S, D]``): :func:`block_route_weight_quantize`'s pair, ``dy * weight[:, None]`` in BF16 and
+``sum(dy * y, -1)`` in fp32 ``[S]`` (``mxfx::block_route_grad_operands``).""",
 )
 block_quantize_tokens = op_or_body(
     _block_quantize_tokens_op,

@@ -175,6 +175,41 @@ def _quantize_kernel(
     tl.store(s_ptr + b.to(tl.int64) * ssb + s_offs, s, mask=s_ok)
 
 
+@triton.jit
+def _route_grad_kernel(
+    d_ptr,
+    w_ptr,
+    y_ptr,
+    q_ptr,
+    s_ptr,
+    dy_ptr,
+    p_ptr,
+    R,
+    C,
+    RCEIL: tl.constexpr,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+):
+    """One ``[BR, 128]`` tile of a route-weighted grouped GEMM's output gradient ``dout`` (contiguous ``[R, C]``,
+    as the saved unweighted output ``y``): ``dy = dout * w[:, None]`` formed in fp32, its 1x128 rows quantized
+    (qdata ``[R, C]``, scale storage ``[ceil(C/128), R]``), ``dy`` in BF16 (the BF16 wgrad's operand), and the
+    tile's part of each row's route-weight gradient ``sum(dout * y)`` (fp32 ``[R, ceil(C/128)]``)."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    row_ok = rows < R
+    ok = row_ok[:, None] & (cols[None, :] < C)
+    offs = rows[:, None].to(tl.int64) * C + cols[None, :]
+    d = tl.load(d_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    y = tl.load(y_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    n_tiles = tl.num_programs(1)
+    tl.store(p_ptr + rows.to(tl.int64) * n_tiles + tl.program_id(1), tl.sum(d * y, axis=1), mask=row_ok)
+    v = d * tl.load(w_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    tl.store(dy_ptr + offs, v.to(tl.bfloat16), mask=ok)
+    qbits, s = _row_tiles(v, RCEIL)
+    tl.store(q_ptr + offs, qbits, mask=ok)
+    tl.store(s_ptr + tl.program_id(1).to(tl.int64) * R + rows, s, mask=row_ok)
+
+
 # The 128x128 weight quantize stores one scale per program: the strides of its scale grid (ceil(K/128) and
 # ceil(N/128) * ceil(K/128)) change nothing in its code, so weights of every shape share one compile of it.
 _weight_quantize_kernel = triton.jit(do_not_specialize=["ssb", "ssr", "ssc"])(_quantize_kernel)
@@ -395,6 +430,52 @@ def route_weight_quantize_1x128(dy: torch.Tensor, weight: torch.Tensor, rule: st
             "flatten the weights to [S]"
         )
     return _rowwise(dy, None, rule, op, route=weight.contiguous())
+
+
+def route_grad_operands_1x128(dout: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, rule: str = "rceil"):
+    """The backward operands of a route-weighted grouped GEMM ``out = y * weight[:, None]`` from one read of its
+    output gradient ``dout [S, D]``: :func:`route_weight_quantize_1x128`'s pair of ``dy = dout * weight[:, None]``,
+    ``dy`` in BF16 (the BF16 wgrad's operand) and the route weights' gradient ``sum(dout * y, -1)`` in fp32 ``[S]``
+    (``y``: the unweighted output, ``[S, D]``), each formed in fp32: ``(qdata, scales, dy, d_weight)``."""
+    op = "mxfx.block_quantize.route_grad_operands_1x128"
+    check_input(dout, op, "fp8_block", min_dim=2)
+    check_input(y, op, "fp8_block", min_dim=2)
+    if dout.dim() != 2 or y.shape != dout.shape or y.device != dout.device:
+        raise ValueError(
+            f"{op}: needs dout [S, D] and the unweighted output y of its shape on its device, got dout "
+            f"{tuple(dout.shape)} on {dout.device} and y {tuple(y.shape)} on {y.device}"
+        )
+    if weight.shape != (dout.shape[0],) or weight.device != dout.device or not weight.is_floating_point():
+        raise ValueError(
+            f"{op}: needs one floating route weight per row of dout {tuple(dout.shape)} on its device, got "
+            f"{weight.dtype} {tuple(weight.shape)} on {weight.device}; flatten the weights to [S]"
+        )
+    rceil = _rule(rule, op)
+    m, k = dout.shape
+    d, y = dout.contiguous(), y.contiguous()
+    q, s = _new_rows_pair(m, k, dout.device)
+    dy = torch.empty((m, k), dtype=torch.bfloat16, device=dout.device)
+    parts = torch.empty((m, n_tiles(k)), dtype=torch.float32, device=dout.device)
+    if m * k > 0:
+        grid = (triton.cdiv(m, ROWWISE_ROWS), n_tiles(k), 1)
+        launch(
+            _route_grad_kernel,
+            grid,
+            d,
+            weight.contiguous(),
+            y,
+            q,
+            s,
+            dy,
+            parts,
+            m,
+            k,
+            RCEIL=rceil,
+            BR=ROWWISE_ROWS,
+            BC=TILE,
+            num_warps=4,
+        )
+    return q.view(torch.float8_e4m3fn), s.t(), dy, parts.sum(-1)
 
 
 def swiglu_quantize_1x128(
