@@ -706,6 +706,8 @@ def main(argv=None) -> list[dict]:
     )
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     args = p.parse_args(argv)
+    if args.peak_sites < 0:
+        p.error(f"argument --peak-sites: {args.peak_sites} must be >= 0 (0: off)")
     if args.smoke:
         args.steps, args.warmup, args.skip, args.tokens, args.seq, args.eval_batches, args.log_every = (
             3,

@@ -184,6 +184,8 @@ def main():
         "(one more call with the allocator's history; bench/peak_memory.py)",
     )
     a = p.parse_args()
+    if a.peak_sites < 0:
+        p.error(f"argument --peak-sites: {a.peak_sites} must be >= 0 (0: off)")
     torch.manual_seed(0)
     dev, bf16 = a.device, torch.bfloat16
     x = torch.randn(a.tokens, a.d, device=dev, dtype=bf16, requires_grad=True)

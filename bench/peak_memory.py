@@ -129,7 +129,9 @@ def record_peak(fn: Callable[[], object], max_entries: int = 1_000_000) -> tuple
 
 def peak_table(peak: Peak, top: int = 12) -> str:
     """The ``top`` sites by bytes live at the peak, as a Markdown table, under a line with the peak, the bytes held
-    before the run and the share the listed sites explain."""
+    before the run and the share the listed sites explain. Raises ValueError for ``top`` below 1."""
+    if top < 1:
+        raise ValueError(f"peak_table: top={top} must be at least 1 (the sites to list)")
     gib = 2.0**30
     rows = sorted(peak.sites.items(), key=lambda kv: -kv[1][0])
     head = (
@@ -143,5 +145,5 @@ def peak_table(peak: Peak, top: int = 12) -> str:
     rest = rows[top:]
     if rest:
         lines.append(f"| {sum(s for _, (s, _) in rest) / 2**20:.1f} | {sum(b for _, (_, b) in rest)} | "
-                     f"{len(rest)} other sites | | |")  # fmt: skip
+                     f"{len(rest)} other site{'s' if len(rest) > 1 else ''} | | |")  # fmt: skip
     return "\n".join(lines)

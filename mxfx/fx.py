@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import operator
 import re
 
 import torch
@@ -231,6 +232,63 @@ def weight_source(b: fx.Node) -> tuple[fx.Node, bool]:
         else:
             break
     return b, transposed
+
+
+def target_name(node: fx.Node) -> str:
+    """The name of what ``node`` calls: a Tensor method's, an ATen overload's schema name, a function's
+    ``__name__``; "" for other nodes."""
+    if node.op == "call_method":
+        return node.target
+    if node.op == "call_function":
+        t = node.target
+        if isinstance(t, torch._ops.OpOverload):
+            return t._schema.name.split("::")[-1]
+        return getattr(t, "__name__", "")
+    return ""
+
+
+def mutated_args(node: fx.Node) -> list:
+    """Nodes an in-place call writes: its first argument, or the members of a list first argument."""
+    name = target_name(node)
+    if not name.endswith("_") or name.endswith("__") or not node.args:
+        return []
+    first = node.args[0]
+    if isinstance(first, (list, tuple)):
+        return [a for a in first if isinstance(a, fx.Node)]
+    return [first] if isinstance(first, fx.Node) else []
+
+
+_VIEW_METHODS = (
+    "view", "view_as", "reshape", "reshape_as", "expand", "expand_as", "unsqueeze", "squeeze", "flatten",
+    "unflatten", "transpose", "t", "permute", "narrow", "select", "unbind", "split", "chunk", "detach", "as_strided",
+    "contiguous", "__getitem__",
+)  # fmt: skip
+_VIEW_FNS = (
+    torch.reshape, torch.flatten, torch.unsqueeze, torch.squeeze, torch.transpose, torch.permute, torch.narrow,
+    torch.select, torch.unbind, torch.split, torch.chunk, torch.detach, operator.getitem,
+)  # fmt: skip
+
+
+def written(node: fx.Node, allowed: tuple = ()) -> bool:
+    """Whether the graph writes ``node``'s tensor, or a view of it (through view ops, any depth), in place: an
+    in-place method or op (name ending in ``_``), ``operator.setitem`` into it, or an ``out=`` argument; the
+    nodes in ``allowed`` (a write the caller knows of) excepted."""
+    seen, frontier = set(), [node]
+    while frontier:
+        cur = frontier.pop()
+        if cur in seen:
+            continue
+        seen.add(cur)
+        for user in cur.users:
+            if user in allowed:
+                continue
+            if cur in mutated_args(user) or user.kwargs.get("out") is cur:
+                return True
+            if user.op == "call_function" and user.target is operator.setitem and user.args[0] is cur:
+                return True
+            if is_call(user, _VIEW_FNS, _VIEW_METHODS) and user.args and user.args[0] is cur:
+                frontier.append(user)
+    return False
 
 
 def replace_with_call(gm: fx.GraphModule, node: fx.Node, fn, args: tuple) -> fx.Node:

@@ -39,10 +39,25 @@ def test_sum_routed_rows_refuses_what_is_no_combine():
         sum_routed_rows(y, perm, 5)
     with pytest.raises(ValueError, match="top_k=0 must be a positive int"):
         sum_routed_rows(y, perm, 0)
-    with pytest.raises(ValueError, match=r"perm must be a 1D integer permutation"):
+    with pytest.raises(ValueError, match=r"perm must be a 1D int32 or int64 permutation"):
         sum_routed_rows(y, perm.float(), 2)
     with pytest.raises(ValueError, match=r"y must be \[T \* top_k, D\] floating rows, got torch.int64"):
         sum_routed_rows(perm[:, None], perm, 2)
+    with pytest.raises(ValueError, match=r"perm must be a 1D int32 or int64 permutation on cpu, got torch.int16"):
+        sum_routed_rows(y, perm.short(), 2)
+    with pytest.raises(TypeError, match=r"mxfx.sum_routed_rows: takes tensors, got list rows"):
+        sum_routed_rows(y.tolist(), perm, 2)
+    with pytest.raises(TypeError, match=r"got Tensor rows and a list perm"):
+        sum_routed_rows(y, perm.tolist(), 2)
+
+
+def test_sum_routed_rows_sums_float64_in_float64_and_a_non_permutation_the_same_way_each_time():
+    perm = torch.tensor([1, 0, 3, 2])
+    y = torch.tensor([[1.0], [2.0**-40], [3.0], [-3.0]], dtype=torch.float64)
+    assert sum_routed_rows(y, perm, 2).tolist() == [[1.0 + 2.0**-40], [0.0]]  # float32 would lose 2^-40
+    broken = torch.tensor([0, 2, 2, 3])  # no permutation: slot 1 never written (zeros: the first row)
+    first = sum_routed_rows(y, broken, 2)
+    assert all(torch.equal(sum_routed_rows(y, broken, 2), first) for _ in range(20))
 
 
 def _experts(x, router_w, w_gate_up, w_down, topk, order_of):
@@ -160,3 +175,40 @@ def test_what_is_no_combine_sum_is_left_alone(layer, kw):
     _, _, cap, pm = _run(layer, {}, **kw)
     assert not any(NOTE in r.reason for r in pm.records), pm.to_text()
     assert row_scatter_adds(cap.forward) + row_scatter_adds(cap.backward) >= 1
+
+
+def _edited_index(x, *params, topk=2):
+    y, order = _experts(x, *params, topk, _sorted)
+    index = order // topk
+    index[:3] = 0  # an in-place edit: the first rows go to token 0, so the sum is no combine of a permutation
+    return torch.zeros_like(x).index_add(0, index, y)
+
+
+def _edited_inverse(x, *params, topk=2):
+    y, order = _experts(x, *params, topk, _sorted)
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.size(0), device=order.device)
+    inv.clamp_(max=5)
+    return y[inv].view(x.shape[0], topk, x.shape[1]).sum(dim=1)
+
+
+def _narrow_scatter(x, *params, topk=2):
+    y, order = _experts(x, *params, topk, _sorted)
+    index = (order // topk).reshape(-1, 1).expand(-1, x.shape[-1] // 2)  # scatters the left half of each row
+    return torch.zeros_like(x).scatter_add(0, index, y)
+
+
+@pytest.mark.parametrize("layer", [_edited_index, _edited_inverse, _narrow_scatter])
+def test_an_index_written_in_place_or_narrower_than_the_rows_is_no_combine(layer):
+    """Where the graph edits the index (or a view of it) in place, or scatters only some columns, the sum is left
+    as written: the result is eager's (mxfx's BF16 GEMMs; forward only: autograd refuses the narrow scatter)."""
+    torch.manual_seed(0)
+    tokens, d, experts = 48, 128, 4
+    x = torch.randn(tokens, d, dtype=torch.bfloat16)
+    params = [(torch.randn(*s) * 0.2).bfloat16() for s in ((experts, d), (experts, 256, d), (experts, d, 128))]
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(layer, backend="mxfp8", options={"format": "bf16_gemm"})(x, *params)
+        eager = layer(x, *params)
+    assert not any(NOTE in r.reason for r in mxfx.last_report().records), mxfx.last_report().to_text()
+    assert ((out.float() - eager.float()).norm() / eager.float().norm()).item() < 2**-6

@@ -39,7 +39,7 @@ def test_gather_routed_rows_refuses_what_is_no_dispatch():
         gather_routed_rows(x, perm, 3)
     with pytest.raises(ValueError, match="top_k=0 must be a positive int"):
         gather_routed_rows(x, perm, 0)
-    with pytest.raises(ValueError, match=r"perm must be a 1D integer permutation"):
+    with pytest.raises(ValueError, match=r"perm must be a 1D int32 or int64 permutation"):
         gather_routed_rows(x, perm.float(), 2)
     with pytest.raises(ValueError, match=r"x of shape \(6, 4, 1\) must be \[T, D\]"):
         gather_routed_rows(x[..., None], perm, 2)

@@ -90,6 +90,9 @@ def test_table_lists_the_largest_sites_first_and_sums_the_rest(code):
     assert lines[4].startswith("| 4.0 | 1 | model.py:4 (forward) | `return y` |")
     assert lines[5].startswith("| 3.0 | 1 | model.py:3 (forward) | `y = h.relu()` |")
     assert lines[6] == "| 3.0 | 2 | 2 other sites | | |"
+    assert peak_table(live_at_peak(events, baseline=0), top=3).splitlines()[-1] == "| 1.0 | 1 | 1 other site | | |"
+    with pytest.raises(ValueError, match="peak_table: top=0 must be at least 1"):
+        peak_table(live_at_peak(events, baseline=0), top=0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -3,7 +3,8 @@
 ``sum_routed_rows(y, perm, top_k)``: ``y [T * top_k, D]`` holds the routed experts' rows in the order ``perm``
 sorted the flat (token, slot) pairs by expert (row j belongs to token ``perm[j] // top_k``, as the dispatch
 gathered it, :mod:`mxfx.ops.dispatch`); it returns ``[T, D]``, each token's rows summed in FP32 in slot order and
-rounded once to y's dtype. Its backward hands row j its token's gradient, ``d_out[perm // top_k]``: a gather.
+rounded once to y's dtype (float64 rows in float64). Its backward hands row j its token's gradient,
+``d_out[perm // top_k]``: a gather.
 
 Models write the same sum three ways, each with a scatter-add on one side: ``zeros.index_add(0, perm // k, y)``
 (HF transformers' older MoE blocks) and ``zeros.scatter_add(0, index, y)`` (torchtitan) scatter-add in the forward
@@ -26,7 +27,7 @@ class _SummedRows(torch.autograd.Function):
         ctx.save_for_backward(perm)
         ctx.top_k = top_k
         rows = y[inverse_permutation(perm)].view(y.shape[0] // top_k, top_k, y.shape[1])
-        return rows.sum(1, dtype=torch.float32).to(y.dtype)
+        return rows.sum(1, dtype=torch.promote_types(y.dtype, torch.float32)).to(y.dtype)
 
     @staticmethod
     def backward(ctx, d_out):
@@ -38,14 +39,16 @@ def sum_routed_rows(y: torch.Tensor, perm: torch.Tensor, top_k: int | torch.SymI
     """Each token's ``top_k`` rows of ``y`` summed (module docstring): ``y [T * top_k, D]`` floating, ``perm`` a
     permutation of ``range(T * top_k)``, integer ``[T * top_k]`` on y's device; returns ``[T, D]`` in y's dtype.
     ``perm`` must be a permutation, which is not checked (that would read it on the host): the combine-sum pass
-    (:mod:`mxfx.passes.combine_sum`) calls this only with the indices of a ``sort`` or ``argsort``.
+    (:mod:`mxfx.passes.combine_sum`) calls this only with the indices of a ``sort`` or ``argsort``. For any other
+    index the result is wrong (the same every time); an index out of range fails in the gather.
 
     Raises:
-        ValueError: y not 2D floating, perm not a 1D integer tensor of y's row count on y's device, or top_k not a
-            positive int (a symbolic size under dynamic shapes) dividing that count.
+        TypeError: y or perm not a tensor.
+        ValueError: y not 2D floating, perm not a 1D int32 / int64 tensor of y's row count on y's device, or top_k
+            not a positive int (a symbolic size under dynamic shapes) dividing that count.
     """
     op = "mxfx.sum_routed_rows"
-    check_routing(op, perm, top_k, y.device)
+    check_routing(op, y, perm, top_k)
     if y.dim() != 2 or not y.is_floating_point():
         raise ValueError(f"{op}: y must be [T * top_k, D] floating rows, got {y.dtype} {tuple(y.shape)}")
     if perm.shape[0] != y.shape[0] or y.shape[0] % top_k:

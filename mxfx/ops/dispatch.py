@@ -15,9 +15,10 @@ import torch
 
 def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
     """``slot`` with ``slot[perm[j]] = j`` for a permutation ``perm`` of ``range(len(perm))``: a scatter of the
-    positions, each written once (no atomics)."""
+    positions, each written once (no atomics), into zeros (an index that is no permutation leaves zeros, not
+    unwritten memory: a wrong result, the same every time)."""
     arange = torch.arange(perm.shape[0], device=perm.device, dtype=perm.dtype)
-    return torch.empty_like(perm).scatter_(0, perm, arange)
+    return torch.zeros_like(perm).scatter_(0, perm, arange)
 
 
 class _RoutedRows(torch.autograd.Function):
@@ -43,11 +44,12 @@ def gather_routed_rows(x: torch.Tensor, perm: torch.Tensor, top_k: int | torch.S
     ``sort`` or ``argsort``; for any other index the gradient is undefined.
 
     Raises:
-        ValueError: x not 2D, perm not a 1D integer tensor of ``T * top_k`` entries on x's device, or top_k not a
-            positive int (a symbolic size under dynamic shapes).
+        TypeError: x or perm not a tensor.
+        ValueError: x not 2D, perm not a 1D int32 / int64 tensor of ``T * top_k`` entries on x's device, or top_k
+            not a positive int (a symbolic size under dynamic shapes).
     """
     op = "mxfx.gather_routed_rows"
-    check_routing(op, perm, top_k, x.device)
+    check_routing(op, x, perm, top_k)
     if x.dim() != 2:
         raise ValueError(f"{op}: x of shape {tuple(x.shape)} must be [T, D] tokens; flatten the leading dims first")
     if perm.shape[0] != x.shape[0] * top_k:
@@ -58,13 +60,15 @@ def gather_routed_rows(x: torch.Tensor, perm: torch.Tensor, top_k: int | torch.S
     return _RoutedRows.apply(x, perm, top_k)
 
 
-def check_routing(op: str, perm: torch.Tensor, top_k, device: torch.device) -> None:
-    """Refuse, naming ``op``, a ``top_k`` that is not a positive int (or symbolic size) and a ``perm`` that is not
-    a 1D integer tensor on ``device``."""
+def check_routing(op: str, rows: torch.Tensor, perm: torch.Tensor, top_k) -> None:
+    """Refuse, naming ``op``: ``rows`` (the tokens or the routed rows) not a tensor, a ``top_k`` that is not a
+    positive int (or symbolic size), a ``perm`` that is not a 1D int32 / int64 tensor on rows' device."""
+    if not isinstance(rows, torch.Tensor) or not isinstance(perm, torch.Tensor):
+        raise TypeError(f"{op}: takes tensors, got {type(rows).__name__} rows and a {type(perm).__name__} perm")
     if not isinstance(top_k, (int, torch.SymInt)) or isinstance(top_k, bool) or top_k < 1:
         raise ValueError(f"{op}: top_k={top_k!r} must be a positive int (the experts each token is routed to)")
-    if perm.dim() != 1 or perm.is_floating_point() or perm.dtype == torch.bool or perm.device != device:
+    if perm.dim() != 1 or perm.dtype not in (torch.int32, torch.int64) or perm.device != rows.device:
         raise ValueError(
-            f"{op}: perm must be a 1D integer permutation on {device}, got {perm.dtype} {tuple(perm.shape)} on "
-            f"{perm.device}"
+            f"{op}: perm must be a 1D int32 or int64 permutation on {rows.device}, got {perm.dtype} "
+            f"{tuple(perm.shape)} on {perm.device}"
         )

@@ -9,7 +9,9 @@ row ops: a route-weight multiply, ``masked_fill``, casts), sorted by expert with
 * ``y[inv].view(T, k, D).sum(1)`` with ``inv`` the inverse of ``perm`` (``inv = empty_like(perm); inv[perm] =
   arange(T * k)``, or ``perm.argsort()``), HF transformers' grouped experts;
 
-where ``zeros`` is a fresh ``[T, D]`` zeros (``zeros_like``, ``new_zeros``, ``torch.zeros``) read by nothing else.
+where ``zeros`` is a fresh ``[T, D]`` zeros (``zeros_like``, ``new_zeros``, ``torch.zeros``) read by nothing else,
+the column index of a scatter as wide as the rows, and neither ``perm``, ``perm // k``, ``inv`` (past the write
+that builds it) nor its ``arange`` written in place anywhere in the graph (nor a view of one).
 
 Replacement: ``sum_routed_rows(y, perm, k)`` (:mod:`mxfx.ops.combine`): each token's rows summed in FP32 in a fixed
 order and rounded once, and a gather for a backward. Valid because a sort's indices are a permutation: each token
@@ -26,7 +28,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from mxfx.fx import example_value, is_call, known_size, replace_with_call
+from mxfx.fx import example_value, is_call, known_size, replace_with_call, written
 from mxfx.ops.combine import sum_routed_rows
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
 from mxfx.passes.routing_index import column_index, floordiv, permutation
@@ -98,7 +100,10 @@ def _scatter_form(node: fx.Node) -> tuple[fx.Node, fx.Node, object, fx.Node] | N
     div = floordiv(index)
     if div is None or permutation(div[0]) is None:
         return None
-    return kw[names[3]], div[0], div[1], kw["input"]
+    src, columns = kw[names[3]], example_value(kw["index"])
+    if column and (columns is None or columns.shape != getattr(example_value(src), "shape", None)):
+        return None  # an index narrower than the rows scatters only some of their columns
+    return src, div[0], div[1], kw["input"]
 
 
 def _inverse_of(inv) -> fx.Node | None:
@@ -107,7 +112,7 @@ def _inverse_of(inv) -> fx.Node | None:
     if not isinstance(inv, fx.Node):
         return None
     if is_call(inv, (torch.argsort,), ("argsort",)) and len(inv.args) == 1 and not inv.kwargs:
-        return inv.args[0] if permutation(inv.args[0]) is not None else None
+        return inv.args[0] if permutation(inv.args[0]) is not None and not written(inv) else None
     if not (is_call(inv, (torch.empty_like,)) and permutation(inv.args[0]) is not None):
         return None
     perm = inv.args[0]
@@ -115,7 +120,9 @@ def _inverse_of(inv) -> fx.Node | None:
     if len(writes) != 1 or writes[0].args[0] is not inv or writes[0].args[1] is not perm:
         return None
     arange = writes[0].args[2]
-    if not (isinstance(arange, fx.Node) and is_call(arange, (torch.arange,))):
+    if written(inv, allowed=(writes[0],)) or not (isinstance(arange, fx.Node) and is_call(arange, (torch.arange,))):
+        return None
+    if written(arange):
         return None
     bounds = tuple(_size(b) for b in arange.args)
     n = known_size(example_value(perm).shape[0])

@@ -1,7 +1,8 @@
 """The routing indices the routed-expert passes recognise in a graph: the permutation that sorts a routing's flat
 (token, slot) pairs by expert (the index output of a ``sort`` or ``argsort`` of a 1D tensor), ``perm // k`` (each
 pair's token), and a row index written as a column expanded over the features (``torch.gather`` /
-``scatter_add`` along dim 0)."""
+``scatter_add`` along dim 0). An index the graph writes in place anywhere (or a view of it) is none of them: the
+rewrites that rely on it being a permutation would compute something else."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ import operator
 import torch
 import torch.fx as fx
 
-from mxfx.fx import example_value, is_call, known_size
+from mxfx.fx import example_value, is_call, known_size, written
 
 
 def permutation(node) -> fx.Node | None:
-    """``node`` when it is the index output of a sort or argsort of a 1D tensor, else None."""
-    if not isinstance(node, fx.Node):
+    """``node`` when it is the index output of a sort or argsort of a 1D tensor that the graph never writes in
+    place (nor a view of it), else None."""
+    if not isinstance(node, fx.Node) or written(node):
         return None
     if is_call(node, (operator.getitem,)) and node.args[1] == 1:
         src = node.args[0]
@@ -45,8 +47,9 @@ def top_k_of(arg) -> int | None:
 
 
 def floordiv(node) -> tuple[fx.Node, object] | None:
-    """``(perm, k)`` of ``perm // k`` with k an int or a node holding one (a symbolic size), else None."""
-    if not isinstance(node, fx.Node) or len(node.args) < 2 or top_k_of(node.args[1]) is None:
+    """``(perm, k)`` of ``perm // k`` with k an int or a node holding one (a symbolic size), its result never
+    written in place (nor a view of it), else None."""
+    if not isinstance(node, fx.Node) or len(node.args) < 2 or top_k_of(node.args[1]) is None or written(node):
         return None
     k = node.args[1]
     if is_call(node, (operator.floordiv, torch.floor_divide), ("floor_divide", "__floordiv__")):

@@ -35,6 +35,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from mxfx.fx import mutated_args
 from mxfx.runtime import cache
 from mxfx import formats
 from mxfx.policy import Policy
@@ -60,34 +61,12 @@ def _parameter(gm: fx.GraphModule, node) -> nn.Parameter | None:
     return obj if isinstance(obj, nn.Parameter) else None
 
 
-def _target_name(node: fx.Node) -> str:
-    if node.op == "call_method":
-        return node.target
-    if node.op == "call_function":
-        t = node.target
-        if isinstance(t, torch._ops.OpOverload):
-            return t._schema.name.split("::")[-1]
-        return getattr(t, "__name__", "")
-    return ""
-
-
-def _mutated_args(node: fx.Node) -> list:
-    """Nodes an in-place call writes: its first argument, or the members of a list first argument."""
-    name = _target_name(node)
-    if not name.endswith("_") or name.endswith("__") or not node.args:
-        return []
-    first = node.args[0]
-    if isinstance(first, (list, tuple)):
-        return [a for a in first if isinstance(a, fx.Node)]
-    return [first] if isinstance(first, fx.Node) else []
-
-
 def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
     """Insert one cache refresh after the parameter updates of an optimizer-step graph; returns 1 or 0."""
     params: dict[fx.Node, nn.Parameter] = {}
     last = None
     for node in gm.graph.nodes:
-        for arg in _mutated_args(node):
+        for arg in mutated_args(node):
             p = _parameter(gm, arg)
             if p is not None:
                 params.setdefault(arg, p)
