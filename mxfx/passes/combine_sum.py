@@ -31,7 +31,7 @@ import torch.fx as fx
 from mxfx.fx import example_value, is_call, known_size, replace_with_call, written
 from mxfx.ops.combine import sum_routed_rows
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
-from mxfx.passes.routing_index import column_index, floordiv, permutation
+from mxfx.passes.routing_index import column_index, floordiv, int_value, permutation
 from mxfx.policy import Policy
 from mxfx.report import PrecisionMap
 
@@ -56,19 +56,10 @@ def _routed_gemm(y: fx.Node) -> fx.Node | None:
     return None
 
 
-def _size(arg) -> int | None:
-    """The value of an int argument, or of a graph node holding one (a symbolic size's hint), else None."""
-    if isinstance(arg, fx.Node):
-        arg = arg.meta.get("example_value")
-    if isinstance(arg, bool) or not isinstance(arg, (int, torch.SymInt)):
-        return None
-    return known_size(arg)
-
-
 def _sizes(y: fx.Node, perm: fx.Node, k) -> tuple[int, int, int] | None:
     """``(T, k, D)`` when ``y`` is ``[T * k, D]`` floating rows and ``perm`` holds ``T * k`` entries, else None."""
     rows, p = example_value(y), example_value(perm)
-    k = _size(k)
+    k = int_value(k)
     if rows is None or p is None or rows.dim() != 2 or not rows.is_floating_point() or not k or k < 1:
         return None
     pairs, width = known_size(rows.shape[0]), known_size(rows.shape[1])
@@ -124,7 +115,7 @@ def _inverse_of(inv) -> fx.Node | None:
         return None
     if written(arange):
         return None
-    bounds = tuple(_size(b) for b in arange.args)
+    bounds = tuple(int_value(b) for b in arange.args)
     n = known_size(example_value(perm).shape[0])
     return perm if bounds in ((n,), (0, n), (0, n, 1)) else None
 

@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 
 from mxfx.fx import example_value, is_call, known_size, replace_with_call
-from mxfx.passes.routing_index import column_index, floordiv, permutation, top_k_of
+from mxfx.passes.routing_index import column_index, floordiv, permutation, int_value
 from mxfx.ops.all_to_all import mx_all_to_all
 from mxfx.ops.dispatch import gather_routed_rows
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
@@ -76,7 +76,7 @@ def _match(node: fx.Node) -> tuple[fx.Node, fx.Node, object, fx.Node] | None:
     if div is None:
         return None
     perm, k = div
-    x, p, top_k = example_value(src), example_value(perm), top_k_of(k)
+    x, p, top_k = example_value(src), example_value(perm), int_value(k)
     if permutation(perm) is None or x is None or p is None or top_k < 1 or x.dim() != 2 or not x.is_floating_point():
         return None
     tokens, pairs = known_size(x.shape[0]), known_size(p.shape[0])

@@ -35,8 +35,9 @@ def _sorted_is_1d(call: fx.Node) -> bool:
     return t is not None and t.dim() == 1
 
 
-def top_k_of(arg) -> int | None:
-    """The value (a symbolic size's hint) of ``arg``, an int or a graph node holding one, else None."""
+def int_value(arg) -> int | None:
+    """The value (a symbolic size's hint) of ``arg``, an int or a graph node holding one (a top-k, an ``arange``
+    bound), else None."""
     if isinstance(arg, fx.Node):
         arg = arg.meta.get("example_value")
         if not isinstance(arg, (int, torch.SymInt)) or isinstance(arg, bool):
@@ -49,7 +50,7 @@ def top_k_of(arg) -> int | None:
 def floordiv(node) -> tuple[fx.Node, object] | None:
     """``(perm, k)`` of ``perm // k`` with k an int or a node holding one (a symbolic size), its result never
     written in place (nor a view of it), else None."""
-    if not isinstance(node, fx.Node) or len(node.args) < 2 or top_k_of(node.args[1]) is None or written(node):
+    if not isinstance(node, fx.Node) or len(node.args) < 2 or int_value(node.args[1]) is None or written(node):
         return None
     k = node.args[1]
     if is_call(node, (operator.floordiv, torch.floor_divide), ("floor_divide", "__floordiv__")):

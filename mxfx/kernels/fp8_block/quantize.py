@@ -436,7 +436,11 @@ def route_grad_operands_1x128(dout: torch.Tensor, weight: torch.Tensor, y: torch
     """The backward operands of a route-weighted grouped GEMM ``out = y * weight[:, None]`` from one read of its
     output gradient ``dout [S, D]``: :func:`route_weight_quantize_1x128`'s pair of ``dy = dout * weight[:, None]``,
     ``dy`` in BF16 (the BF16 wgrad's operand) and the route weights' gradient ``sum(dout * y, -1)`` in fp32 ``[S]``
-    (``y``: the unweighted output, ``[S, D]``), each formed in fp32: ``(qdata, scales, dy, d_weight)``."""
+    (``y``: the unweighted output, ``[S, D]``), each formed in fp32: ``(qdata, scales, dy, d_weight)``.
+
+    Raises:
+        TypeError / ValueError: dout or y not a bf16 / fp16 / fp32 tensor; dout not 2D, y not of its shape and
+            device, weight not one floating value per row on its device; an unknown rule (each naming this op)."""
     op = "mxfx.block_quantize.route_grad_operands_1x128"
     check_input(dout, op, "fp8_block", min_dim=2)
     check_input(y, op, "fp8_block", min_dim=2)
