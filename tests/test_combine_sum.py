@@ -96,6 +96,12 @@ def _unsort_layer(x, *params, topk=2, order_of=_sorted, inverse="setitem"):
     return y[inv].view(x.shape[0], topk, x.shape[1]).sum(dim=1).to(x.dtype)
 
 
+def _unsort_layer_last_but_one(x, *params, topk=2):
+    """As :func:`_unsort_layer`, summing over dim -2 (the k axis counted from the end)."""
+    y, order = _experts(x, *params, topk, _sorted)
+    return y[order.argsort()].view(x.shape[0], topk, x.shape[1]).sum(-2).to(x.dtype)
+
+
 def _titan_layer(x, *params, topk=2, order_of=_sorted):
     """torchtitan: a scatter_add of the rows into zeros by the token index as an expanded column."""
     y, order = _experts(x, *params, topk, lambda flat: torch.argsort(flat, stable=True))
@@ -124,8 +130,15 @@ def _run(layer, options, dynamic=False, fmt="fp8_block", **kw):
         (_titan_layer, {}, "forward"),
         (_unsort_layer, {}, "backward"),
         (_unsort_layer, {"inverse": "argsort"}, "backward"),
+        (_unsort_layer_last_but_one, {}, "backward"),
     ],
-    ids=["hf index_add", "torchtitan scatter_add", "hf grouped: setitem inverse", "hf grouped: argsort inverse"],
+    ids=[
+        "hf index_add",
+        "torchtitan scatter_add",
+        "hf grouped: setitem inverse",
+        "hf grouped: argsort inverse",
+        "hf grouped: sum over dim -2",
+    ],
 )
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_each_spelling_of_the_combine_sums_with_gathers(layer, kw, where, dynamic):

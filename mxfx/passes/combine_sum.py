@@ -121,11 +121,11 @@ def _inverse_of(inv) -> fx.Node | None:
 
 
 def _gather_form(node: fx.Node) -> tuple[fx.Node, fx.Node, object, fx.Node] | None:
-    """``(y, perm, k, view)`` of ``y[inv].view(T, k, D).sum(1)``, else None."""
+    """``(y, perm, k, view)`` of ``y[inv].view(T, k, D).sum(1)`` (or ``.sum(-2)``), else None."""
     if not is_call(node, (torch.sum,), ("sum",)) or not isinstance(node.args[0], fx.Node):
         return None
     kw = dict(zip(("input", "dim"), node.args), **node.kwargs)
-    if set(kw) != {"input", "dim"} or kw["dim"] not in (1, (1,), [1]):
+    if set(kw) != {"input", "dim"} or kw["dim"] not in (1, -2, (1,), (-2,), [1], [-2]):  # the k axis of [T, k, D]
         return None
     view = kw["input"]
     if not (is_call(view, (torch.reshape,), ("view", "reshape")) and len(view.users) == 1):
