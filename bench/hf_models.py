@@ -106,6 +106,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
+import torch._inductor.config as inductor_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
@@ -689,6 +690,12 @@ def main(argv=None) -> list[dict]:
         "print the N allocation sites with the most bytes live at its peak (bench/peak_memory.py; that step "
         "is left out of tokens/s)",
     )
+    p.add_argument(
+        "--cpp-wrapper",
+        action="store_true",
+        help="every arm's Inductor graphs call their kernels from generated C++ instead of Python "
+        "(torch._inductor.config.cpp_wrapper): less host time a launch, a longer first compile",
+    )
     p.add_argument("--smoke", action="store_true", help="CPU, tiny dims, a few steps (CI)")
     p.add_argument(
         "--stats-every",
@@ -727,6 +734,8 @@ def main(argv=None) -> list[dict]:
     if args.stats_every:  # every mxfx arm's policy takes it (Policy.stats from MXFX_STATS)
         os.environ["MXFX_STATS"] = f"every={args.stats_every}"
         os.environ["MXFX_STATS_FUSED"] = "1" if args.stats_path == "fused" else "0"
+    if args.cpp_wrapper:
+        inductor_config.cpp_wrapper = True
     arms = [a for a in args.arms.split(",") if a]
     unknown = sorted(set(arms) - set(ARMS))
     if unknown:
