@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 from torch._dynamo.exc import RestartAnalysis
 
-from mxfx import cache_key, names, passes, report, variants
+from mxfx import cache_key, lookup_batching, names, passes, report, variants
 from mxfx.diagnostics import coverage, recompiles, rule_check
 from mxfx.runtime import cache, stats
 from mxfx import formats
@@ -97,10 +97,12 @@ held is about the same."""
 
 def inductor_patches(gm: fx.GraphModule, mode: str | None = None) -> dict:
     """Inductor config patches for the inner compile of rewritten graph ``gm``: the ``mode``'s settings
-    (:func:`inductor_mode_options`), then, where ``gm`` calls mxfx, :data:`CACHE_SAFE_INDUCTOR` and the cache
-    keys of :func:`mxfx.cache_key.config_patches`."""
+    (:func:`inductor_mode_options`), then, where ``gm`` calls mxfx, :data:`CACHE_SAFE_INDUCTOR`, the cache
+    keys of :func:`mxfx.cache_key.config_patches` and the weight-cache lookups batched per graph
+    (:mod:`mxfx.lookup_batching`)."""
     keys = cache_key.config_patches(gm)
-    return {**inductor_mode_options(mode), **(CACHE_SAFE_INDUCTOR if keys else {}), **keys}
+    mxfx_graph = {**CACHE_SAFE_INDUCTOR, **lookup_batching.config_patch()} if keys else {}
+    return {**inductor_mode_options(mode), **mxfx_graph, **keys}
 
 
 def _inner_compile(inner, gm: fx.GraphModule, example_inputs, mode: str | None = None):

@@ -27,6 +27,38 @@ cached_weight = library.define(
 """The op over :func:`store.lookup`, called for each weight operand of each GEMM (:mod:`mxfx.library`)."""
 
 
+def _check_lists(weights, rules, forms) -> None:
+    if not (len(weights) == len(rules) == len(forms)) or not weights:
+        raise ValueError(
+            f"mxfx::cached_weights: takes one rule and one form per weight, at least one weight; got "
+            f"{len(weights)} weights, {len(rules)} rules and {len(forms)} forms"
+        )
+
+
+def _lookups(weights, rules, forms):
+    _check_lists(weights, rules, forms)
+    return [t for w, r, f in zip(weights, rules, forms) for t in lookup(w, r, f)]
+
+
+def _fakes(weights, rules, forms):
+    _check_lists(weights, rules, forms)
+    return [t for w, r, f in zip(weights, rules, forms) for t in _fake(w, r, f)]
+
+
+cached_weights = library.define(
+    "mxfx::cached_weights",
+    "(Tensor[] weights, str[] rules, str[] forms) -> Tensor[]",
+    _lookups,
+    _fakes,
+)
+"""``mxfx::cached_weight`` of several weights in one call: the forms of ``weights[i]`` (rule ``rules[i]``, form
+``forms[i]``) one after another in a flat list, each as that op returns it. One dispatch for all of a graph's
+lookups (:mod:`mxfx.lookup_batching`).
+
+Raises:
+    ValueError: lists of different lengths or empty, or what ``mxfx::cached_weight`` raises for one weight."""
+
+
 def weight_form(weight: torch.Tensor, rule: str, form: str) -> tuple[torch.Tensor, ...]:
     """A weight's cached form (the recipe, "Forward, Dgrad, and Wgrad Need Different Operands"): the tensors a GEMM
     reads of it for one orientation, e.g. an MXFP8 ``(qdata, scales)`` pair (:mod:`mxfx.runtime.cache.forms`).

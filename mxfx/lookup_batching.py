@@ -1,0 +1,142 @@
+"""One weight-cache lookup call per compiled graph: Inductor's post-grad graph gets ``mxfx::cached_weights``.
+
+Each GEMM op looks its weight's cached form up through ``mxfx::cached_weight``, a host call in the compiled graph:
+48 calls a microbatch at OLMoE's 4 layers (forward and dgrad forms), each a dispatch of its own. The lookups of a
+graph read only its inputs (the parameters, or in a backward graph the parameters it was given), so they can run
+together: :class:`BatchLookups` replaces the lookups of a graph's inputs by ``mxfx::cached_weights`` calls, one per
+round of distinct lookups holding at most one form per weight (usually two calls a graph: the forward forms, and
+the dgrad forms the partitioner also places in the forward), whose flat outputs the old lookups' readers take. A
+lookup of anything else (a weight computed in the graph, e.g. an unsharded parameter gathered inside it) is left
+where it is.
+
+Why it keeps results: a lookup's result depends on the weight's values and version counter only, and in Inductor's
+functional graph an input is not written before the graph's end (writes to inputs are applied after it), so a
+lookup of an input returns the same forms at any point of the graph. The pass runs through Inductor's own hook,
+``torch._inductor.config.post_grad_custom_post_pass`` (:func:`config_patch`), after the hook's earlier owner, if
+any; its :meth:`BatchLookups.uuid` enters Inductor's cache key.
+
+``MXFX_BATCH_LOOKUPS=0`` leaves the lookups one call each (for timing one form against the other).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch._inductor.config as inductor_config
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from mxfx.kernels.common.launch import env_switch
+from mxfx.runtime.cache.operands import cached_weight, cached_weights
+
+ENV = "MXFX_BATCH_LOOKUPS"
+
+
+def _lookups(graph: fx.Graph) -> list[fx.Node]:
+    """The lookups of graph inputs whose every reader takes one of its outputs by index."""
+    return [
+        n
+        for n in graph.nodes
+        if n.op == "call_function"
+        and n.target is cached_weight
+        and len(n.args) == 3
+        and not n.kwargs
+        and isinstance(n.args[0], fx.Node)
+        and n.args[0].op == "placeholder"
+        and isinstance(n.meta.get("val"), (list, tuple))
+        and all(u.op == "call_function" and u.target is operator.getitem for u in n.users)
+    ]
+
+
+def _rounds(lookups: list[fx.Node]) -> tuple[list[list[fx.Node]], dict[fx.Node, fx.Node]]:
+    """The distinct lookups in rounds holding at most one form per weight (two forms of one weight may share a
+    tensor, e.g. fp8_block's forward and dgrad scales, and one op's outputs must not alias each other), and each
+    repeated lookup (same weight, rule and form) mapped to its first."""
+    first: dict[tuple, fx.Node] = {}
+    repeats: dict[fx.Node, fx.Node] = {}
+    rounds: list[list[fx.Node]] = []
+    for n in lookups:
+        key = tuple(n.args)
+        if key in first:
+            repeats[n] = first[key]
+            continue
+        first[key] = n
+        slot = next((r for r in rounds if all(m.args[0] is not n.args[0] for m in r)), None)
+        if slot is None:
+            rounds.append(slot := [])
+        slot.append(n)
+    return rounds, repeats
+
+
+def _retarget(graph: fx.Graph, lookup: fx.Node, source: fx.Node, offset: int) -> None:
+    """Point every reader of ``lookup``'s output i at ``source``'s output ``offset + i``; erase ``lookup``."""
+    for user in list(lookup.users):
+        with graph.inserting_before(user):
+            taken = graph.call_function(operator.getitem, (source, offset + user.args[1]))
+        taken.meta.update(user.meta)
+        user.replace_all_uses_with(taken)
+        graph.erase_node(user)
+    graph.erase_node(lookup)
+
+
+def run(graph: fx.Graph) -> int:
+    """Replace the lookups of ``graph``'s inputs by ``mxfx::cached_weights`` calls (module docstring): one per round
+    of :func:`_rounds` with two lookups or more, placed at its first; a repeated lookup reads its first's outputs.
+    Returns how many lookup calls it removed."""
+    rounds, repeats = _rounds(_lookups(graph))
+    where: dict[fx.Node, tuple[fx.Node, int]] = {}  # a distinct lookup -> (the node that now gives it, offset)
+    removed = 0
+    for lookups in rounds:
+        if len(lookups) < 2:
+            where[lookups[0]] = (lookups[0], 0)
+            continue
+        with graph.inserting_before(lookups[0]):
+            batched = graph.call_function(cached_weights, tuple([n.args[i] for n in lookups] for i in range(3)))
+        batched.meta["val"] = [t for n in lookups for t in n.meta["val"]]
+        offset = 0
+        for n in lookups:
+            where[n] = (batched, offset)
+            offset += len(n.meta["val"])
+        removed += len(lookups) - 1
+    for n, first in repeats.items():
+        source, offset = where[first]
+        _retarget(graph, n, source, offset)
+        removed += 1
+    for lookups in rounds:
+        if len(lookups) >= 2:
+            for n in lookups:
+                _retarget(graph, n, *where[n])
+    return removed
+
+
+class BatchLookups(CustomGraphPass):
+    """Inductor's post-grad custom pass running :func:`run`, after ``after`` (the pass that held the hook before,
+    if any)."""
+
+    def __init__(self, after=None):
+        self.after = after
+
+    def __call__(self, graph: fx.Graph) -> None:
+        if self.after is not None:
+            self.after(graph)
+        run(graph)
+
+    def uuid(self):
+        """A hash of this file, with the earlier pass's uuid; None (no caching, as Inductor does for it) where the
+        earlier pass has none."""
+        mine = get_hash_for_files((__file__,))
+        if self.after is None:
+            return mine
+        theirs = self.after.uuid() if hasattr(self.after, "uuid") else None
+        return None if theirs is None else (mine, theirs)
+
+
+def config_patch() -> dict:
+    """The Inductor config patch that installs :class:`BatchLookups` (after a pass the user set there), or none
+    where :data:`ENV` turns it off."""
+    if env_switch(ENV, True) is False:
+        return {}
+    earlier = inductor_config.post_grad_custom_post_pass
+    if isinstance(earlier, BatchLookups):
+        return {}
+    return {"post_grad_custom_post_pass": BatchLookups(earlier)}

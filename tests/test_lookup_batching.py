@@ -1,0 +1,157 @@
+"""One weight-cache lookup call per round of a compiled graph (``mxfx.lookup_batching``)."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch.fx as fx
+from torch._inductor.utils import run_and_get_code
+
+import mxfx
+from mxfx import lookup_batching
+from mxfx.runtime.cache.operands import cached_weight, cached_weights
+from tests.test_combine_sum import _unsort_layer
+
+
+def _step(monkeypatch, batch: bool):
+    """A compiled training step of a linear feeding an HF-style routed layer (fp8_block, Inductor on the CPU):
+    its output, the gradients and Inductor's generated code."""
+    monkeypatch.setenv(lookup_batching.ENV, "1" if batch else "0")
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    x = torch.randn(48, 128, dtype=torch.bfloat16, requires_grad=True)
+    shapes = ((4, 128), (4, 256, 128), (4, 128, 128))
+    params = [(torch.randn(*s) * 0.2).bfloat16().requires_grad_() for s in shapes]
+    lin = torch.nn.Linear(128, 128, bias=False).bfloat16()
+    fn = torch.compile(lambda x, *p: _unsort_layer(lin(x), *p), backend="mxfp8", options={"format": "fp8_block"})
+
+    def step():
+        out = fn(x, *params)
+        out.float().square().sum().backward()
+        return out
+
+    out, code = run_and_get_code(step)
+    return out, [t.grad for t in (x, *params, lin.weight)], "\n".join(code)
+
+
+def _calls(code: str, op: str) -> int:
+    return sum(1 for line in code.splitlines() if f"torch.ops.mxfx.{op}.default(" in line and " = " in line)
+
+
+def test_a_graphs_lookups_take_one_call_a_round_and_change_nothing(monkeypatch):
+    """The compiled step's three weights are looked up in two calls (forward forms, then the dgrad forms the
+    partitioner places in the forward) where there were five, one of the backward's left alone (a round of one);
+    output and gradients are bit for bit those of the unbatched graph (the same forms, read by the same kernels)."""
+    out, grads, code = _step(monkeypatch, batch=True)
+    ref_out, ref_grads, ref_code = _step(monkeypatch, batch=False)
+    assert _calls(ref_code, "cached_weights") == 0
+    singles = _calls(ref_code, "cached_weight")
+    assert singles >= 5
+    assert _calls(code, "cached_weights") == 2
+    assert _calls(code, "cached_weight") == singles - 5
+    assert torch.equal(out, ref_out)
+    for g, r in zip(grads, ref_grads):
+        assert torch.equal(g, r)
+
+
+def _graph(*lookups):
+    """A graph of placeholders ``w0``, ``w1`` and a computed ``w0 * 2``, then each lookup ``(weight, rule, form)``
+    (weight: a placeholder index or "computed") with a reader of its first output."""
+    g = fx.Graph()
+    ws = [g.placeholder(f"w{i}") for i in range(2)]
+    computed = g.call_function(operator.mul, (ws[0], 2))
+    weights = [torch.randn(4, 256, 128), torch.randn(4, 256, 128)]
+    reads = []
+    for which, rule, form in lookups:
+        w = computed if which == "computed" else ws[which]
+        n = g.call_function(cached_weight, (w, rule, form))
+        n.meta["val"] = list(cached_weight(weights[0 if which == "computed" else which], rule, form))
+        reads.append(g.call_function(operator.getitem, (n, 0)))
+    g.output(tuple(reads))
+    return g, reads
+
+
+def _sources(g: fx.Graph) -> list:
+    """Per output: (the op it reads, the weights that op looks up, the index read)."""
+    out = next(n for n in g.nodes if n.op == "output").args[0]
+    return [(r.args[0].target, [str(w) for w in _as_list(r.args[0].args[0])], r.args[1]) for r in out]
+
+
+def _as_list(a):
+    return a if isinstance(a, list) else [a]
+
+
+def test_rounds_hold_one_form_per_weight_and_a_repeat_reads_its_first():
+    """Two forms of one weight go to two calls (fp8_block's forward and dgrad forms share their scales: one op's
+    outputs must not alias); a repeated lookup reads the first's outputs; a computed weight keeps its own call."""
+    g, _ = _graph(
+        (0, "rceil", "block_forward"),
+        (1, "rceil", "block_forward"),
+        (0, "rceil", "block_dgrad"),
+        (0, "rceil", "block_forward"),  # a repeat
+        ("computed", "rceil", "block_forward"),
+    )
+    assert lookup_batching.run(g) == 2  # five calls become three: w0 and w1 batched, w0's dgrad form, the computed
+    g.lint()
+    sources = _sources(g)
+    assert sources[0] == (cached_weights, ["w0", "w1"], 0)
+    assert sources[1] == (cached_weights, ["w0", "w1"], 2)  # w1's qdata: after w0's (qdata, scales)
+    assert sources[2] == (cached_weight, ["w0"], 0)  # the dgrad form, a round of its own
+    assert sources[3] == sources[0]
+    assert sources[4] == (cached_weight, ["mul"], 0)
+    batched = [n for n in g.nodes if n.target is cached_weights]
+    assert len(batched) == 1 and len(batched[0].meta["val"]) == 4
+
+
+def test_a_single_lookup_is_left_as_it_is():
+    g, _ = _graph((0, "rceil", "block_forward"))
+    before = str(g)
+    assert lookup_batching.run(g) == 0
+    assert str(g) == before
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t  # E4M3 tensors have no equality on the CPU
+
+
+def test_cached_weights_is_each_lookup_in_turn_and_refuses_lists_that_do_not_pair():
+    ws = [torch.randn(256, 128), torch.randn(4, 256, 128)]
+    got = cached_weights(ws, ["rceil", "amax"], ["block_forward", "block_dgrad"])
+    want = [*cached_weight(ws[0], "rceil", "block_forward"), *cached_weight(ws[1], "amax", "block_dgrad")]
+    assert len(got) == len(want) and all(torch.equal(_bits(a), _bits(b)) for a, b in zip(got, want))
+    with pytest.raises(ValueError, match="one rule and one form per weight"):
+        cached_weights(ws, ["rceil"], ["block_forward", "block_dgrad"])
+    with pytest.raises(ValueError, match="at least one weight"):
+        cached_weights([], [], [])
+
+
+class _Earlier(torch._inductor.custom_graph_pass.CustomGraphPass):
+    def __init__(self):
+        self.seen = 0
+
+    def __call__(self, graph):
+        self.seen += 1
+
+    def uuid(self):
+        return "earlier"
+
+
+def test_the_hook_runs_a_pass_set_there_before_and_the_switch_turns_it_off(monkeypatch):
+    import torch._inductor.config as inductor_config
+
+    earlier = _Earlier()
+    monkeypatch.setattr(inductor_config, "post_grad_custom_post_pass", earlier)
+    monkeypatch.delenv(lookup_batching.ENV, raising=False)
+    installed = lookup_batching.config_patch()["post_grad_custom_post_pass"]
+    assert installed.after is earlier
+    assert installed.uuid()[1] == "earlier"
+    g, _ = _graph((0, "rceil", "block_forward"), (1, "rceil", "block_forward"))
+    installed(g)
+    assert earlier.seen == 1 and any(n.target is cached_weights for n in g.nodes)
+    monkeypatch.setattr(inductor_config, "post_grad_custom_post_pass", lambda graph: None)  # no uuid: no caching
+    assert lookup_batching.config_patch()["post_grad_custom_post_pass"].uuid() is None
+    monkeypatch.setenv(lookup_batching.ENV, "0")
+    assert lookup_batching.config_patch() == {}
+    assert mxfx.backend.inductor_patches.__doc__ and "lookup" in mxfx.backend.inductor_patches.__doc__
