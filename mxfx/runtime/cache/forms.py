@@ -54,6 +54,7 @@ class FormFamily:
 
 
 _families: dict[str, FormFamily] = {}  # form name -> the family that builds it
+_registered: list[FormFamily] = []  # each family once, in registration order (every lookup reads their layouts)
 
 
 def register(family: FormFamily) -> FormFamily:
@@ -67,6 +68,7 @@ def register(family: FormFamily) -> FormFamily:
         raise ValueError(f"mxfx.runtime.cache: forms {taken} of {family.name} are already registered")
     for f in family.forms:
         _families[f] = family
+    _registered.append(family)
     return family
 
 
@@ -111,7 +113,7 @@ def build(weight: torch.Tensor, rule: str, forms, have: dict | None = None) -> d
 
 def layout_key(weight: torch.Tensor) -> tuple:
     """The layouts every family builds ``weight``'s forms in now (a change means the cached forms are stale)."""
-    return tuple(f.layout(weight) for f in {id(f): f for f in _families.values()}.values())
+    return tuple(f.layout(weight) for f in _registered)
 
 
 def dgrad_side(form: str) -> bool:
