@@ -3,11 +3,12 @@
 Each GEMM op looks its weight's cached form up through ``mxfx::cached_weight``, a host call in the compiled graph:
 48 calls a microbatch at OLMoE's 4 layers (forward and dgrad forms), each a dispatch of its own. The lookups of a
 graph read only its inputs (the parameters, or in a backward graph the parameters it was given), so they can run
-together: :class:`BatchLookups` replaces the lookups of a graph's inputs by ``mxfx::cached_weights`` calls, one per
-round of distinct lookups holding at most one form per weight (usually two calls a graph: the forward forms, and
-the dgrad forms the partitioner also places in the forward), whose flat outputs the old lookups' readers take. A
-lookup of anything else (a weight computed in the graph, e.g. an unsharded parameter gathered inside it) is left
-where it is.
+together: :class:`BatchLookups` replaces the lookups of forward-side forms of a graph's inputs by
+``mxfx::cached_weights`` calls, one per round of distinct lookups holding at most one form per weight (usually one
+call a graph), whose flat outputs the old lookups' readers take. Left where they are: the lookups of dgrad-side
+forms (a step may build those at their lookup, one backward GEMM at a time, docs/caches.md: batched,
+every dgrad copy of the graph would be built and live at once) and of anything but a graph input (a weight
+computed in the graph, e.g. an unsharded parameter gathered inside it).
 
 Why it keeps results: a lookup's result depends on the weight's values and version counter only, and in Inductor's
 functional graph an input is not written before the graph's end (writes to inputs are applied after it), so a
@@ -27,13 +28,14 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from mxfx.kernels.common.launch import env_switch
+from mxfx.runtime.cache.forms import dgrad_side
 from mxfx.runtime.cache.operands import cached_weight, cached_weights
 
 ENV = "MXFX_BATCH_LOOKUPS"
 
 
 def _lookups(graph: fx.Graph) -> list[fx.Node]:
-    """The lookups of graph inputs whose every reader takes one of its outputs by index."""
+    """The lookups of forward-side forms of graph inputs whose every reader takes one of its outputs by index."""
     return [
         n
         for n in graph.nodes
@@ -43,6 +45,8 @@ def _lookups(graph: fx.Graph) -> list[fx.Node]:
         and not n.kwargs
         and isinstance(n.args[0], fx.Node)
         and n.args[0].op == "placeholder"
+        and isinstance(n.args[2], str)
+        and not dgrad_side(n.args[2])
         and isinstance(n.meta.get("val"), (list, tuple))
         and all(u.op == "call_function" and u.target is operator.getitem for u in n.users)
     ]

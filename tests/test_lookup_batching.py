@@ -40,17 +40,17 @@ def _calls(code: str, op: str) -> int:
     return sum(1 for line in code.splitlines() if f"torch.ops.mxfx.{op}.default(" in line and " = " in line)
 
 
-def test_a_graphs_lookups_take_one_call_a_round_and_change_nothing(monkeypatch):
-    """The compiled step's three weights are looked up in two calls (forward forms, then the dgrad forms the
-    partitioner places in the forward) where there were five, one of the backward's left alone (a round of one);
-    output and gradients are bit for bit those of the unbatched graph (the same forms, read by the same kernels)."""
+def test_a_graphs_forward_form_lookups_take_one_call_and_change_nothing(monkeypatch):
+    """The compiled step's three weights' forward forms are looked up in one call where there were three; the dgrad
+    forms keep a call each; output and gradients are bit for bit those of the unbatched graph (the same forms, read
+    by the same kernels)."""
     out, grads, code = _step(monkeypatch, batch=True)
     ref_out, ref_grads, ref_code = _step(monkeypatch, batch=False)
     assert _calls(ref_code, "cached_weights") == 0
     singles = _calls(ref_code, "cached_weight")
-    assert singles >= 5
-    assert _calls(code, "cached_weights") == 2
-    assert _calls(code, "cached_weight") == singles - 5
+    assert singles == 6  # forward and dgrad forms of the linear's weight and the two expert stacks
+    assert _calls(code, "cached_weights") == 1
+    assert _calls(code, "cached_weight") == 3
     assert torch.equal(out, ref_out)
     for g, r in zip(grads, ref_grads):
         assert torch.equal(g, r)
@@ -73,36 +73,38 @@ def _graph(*lookups):
     return g, reads
 
 
-def _sources(g: fx.Graph) -> list:
-    """Per output: (the op it reads, the weights that op looks up, the index read)."""
+def _reads(g: fx.Graph) -> list:
+    """Per output: (the lookup node it reads, the index read)."""
     out = next(n for n in g.nodes if n.op == "output").args[0]
-    return [(r.args[0].target, [str(w) for w in _as_list(r.args[0].args[0])], r.args[1]) for r in out]
-
-
-def _as_list(a):
-    return a if isinstance(a, list) else [a]
+    return [(r.args[0], r.args[1]) for r in out]
 
 
 def test_rounds_hold_one_form_per_weight_and_a_repeat_reads_its_first():
-    """Two forms of one weight go to two calls (fp8_block's forward and dgrad forms share their scales: one op's
-    outputs must not alias); a repeated lookup reads the first's outputs; a computed weight keeps its own call."""
+    """Two forms of one weight go to two calls (fp8_block's forward and source-layout dgrad forms share their
+    scales: one op's outputs must not alias each other); a repeated lookup reads the first's outputs; a dgrad-side
+    form and a computed weight keep their own calls."""
     g, _ = _graph(
         (0, "rceil", "block_forward"),
         (1, "rceil", "block_forward"),
-        (0, "rceil", "block_dgrad"),
+        (0, "floor", "forward"),  # MXFP8's forward form: a second form of each weight
+        (1, "floor", "forward"),
         (0, "rceil", "block_forward"),  # a repeat
+        (0, "rceil", "block_dgrad"),
         ("computed", "rceil", "block_forward"),
     )
-    assert lookup_batching.run(g) == 2  # five calls become three: w0 and w1 batched, w0's dgrad form, the computed
+    assert lookup_batching.run(g) == 3  # seven calls become four: two rounds of two, the dgrad form, the computed
     g.lint()
-    sources = _sources(g)
-    assert sources[0] == (cached_weights, ["w0", "w1"], 0)
-    assert sources[1] == (cached_weights, ["w0", "w1"], 2)  # w1's qdata: after w0's (qdata, scales)
-    assert sources[2] == (cached_weight, ["w0"], 0)  # the dgrad form, a round of its own
-    assert sources[3] == sources[0]
-    assert sources[4] == (cached_weight, ["mul"], 0)
     batched = [n for n in g.nodes if n.target is cached_weights]
-    assert len(batched) == 1 and len(batched[0].meta["val"]) == 4
+    assert [n.args[2] for n in batched] == [["block_forward"] * 2, ["forward"] * 2]
+    assert [len(n.meta["val"]) for n in batched] == [4, 4]
+    read = _reads(g)
+    assert read[0] == (batched[0], 0)
+    assert read[1] == (batched[0], 2)  # w1's qdata: after w0's (qdata, scales)
+    assert read[2] == (batched[1], 0) and read[3] == (batched[1], 2)
+    assert read[4] == read[0]
+    dgrad, computed = (n for n in g.nodes if n.target is cached_weight)
+    assert read[5] == (dgrad, 0) and dgrad.args[0].name == "w0" and dgrad.args[2] == "block_dgrad"
+    assert read[6] == (computed, 0) and computed.args[0].name == "mul"
 
 
 def test_a_single_lookup_is_left_as_it_is():
