@@ -17,7 +17,7 @@ time; :func:`kernel_comparison` sets the costliest kernels of several arms side 
   gradient into ``.grad``);
 * ``optimizer + refresh``: what runs inside the optimizer step (``Optimizer.step``: fused / foreach AdamW
   kernels, and the weight-cache rebuilds of its post-hook) and mxfx's weight-cache ops elsewhere
-  (``mxfx::cached_weight``, ``mxfx::refresh_weight_caches``);
+  (``mxfx::cached_weight(s)``, ``mxfx::refresh_weight_caches``);
 * ``other``: the rest, Inductor's generated ``triton_*`` kernels (norms, activations, routing, casts) among them.
 
 The accounting (CUDA): the device work is every kernel, memcpy and memset event of the trace; profiler-only
@@ -97,7 +97,7 @@ _ATTENTION = re.compile(r"scaled_dot_product|flash|fmha|sdpa|attention", re.I)
 _OP_FAMILIES = ((QUANTIZE, _QUANTIZE_OPS), (ATTENTION, _ATTENTION), (ROUTED, _ROUTED_OPS), (DENSE, _DENSE_OPS))
 _OPTIMIZER_OPS = re.compile(
     r"^(Optimizer\.(step|zero_grad)#|aten::_fused_(adam|adamw|sgd|adagrad)|aten::_foreach_"
-    r"|mxfx::(cached_weight|refresh_weight_caches)$)"
+    r"|mxfx::(cached_weights?|refresh_weight_caches)$)"
 )
 _OPTIMIZER_KERNELS = re.compile(r"adam", re.I)
 _GEMM_KERNELS = re.compile(r"gemm|nvjet|xmma|cutlass|cublas|s16816|s1688|wgmma", re.I)

@@ -11,7 +11,7 @@ import weakref
 
 import torch
 
-from mxfx.runtime.cache import operands  # noqa: F401  (registers the mxfx::cached_weight op lowered here)
+from mxfx.runtime.cache import operands  # noqa: F401  (registers the mxfx::cached_weight(s) ops lowered here)
 from mxfx.runtime.cache.store import _entries_on, _key, _rebuild, _region, state
 
 
@@ -111,13 +111,13 @@ def _register_inductor_lowerings() -> None:
         from torch._inductor.virtualized import V
     except ImportError:  # pragma: no cover - inductor unavailable
         return
-    for op in (torch.ops.mxfx.cached_weight.default,):
+    for op in (torch.ops.mxfx.cached_weight.default, torch.ops.mxfx.cached_weights.default):
         if op in lowerings:
             continue
         fallback = fallback_handler(op, add_to_fallback_set=False)
 
-        def _lower(weight, rule, orientation, _fallback=fallback):
-            outs = _fallback(weight, rule, orientation)
+        def _lower(*args, _fallback=fallback):
+            outs = _fallback(*args)
             for t in outs if isinstance(outs, (list, tuple)) else (outs,):
                 V.graph.never_reuse_buffers.add(t.get_name())
             return outs
