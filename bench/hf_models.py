@@ -662,7 +662,10 @@ def main(argv=None) -> list[dict]:
         help="torch.compile backend behind every arm (mxfp8's inner); aot_eager_fp32_gemms: CPUs without BF16 GEMMs",
     )
     p.add_argument(
-        "--dims", default="real", choices=DIMS, help="model dims: the checkpoints' (real), CPU-sized (small)"
+        "--dims",
+        default="real",
+        choices=DIMS,
+        help="model dims: the checkpoints' (real), CPU-sized (small), tiny (smoke)",
     )
     p.add_argument("--seed", type=int, default=0, help="initial weights (seed) and batches (seed + 1234)")
     p.add_argument(
@@ -696,7 +699,12 @@ def main(argv=None) -> list[dict]:
         help="CUDA: every arm's Inductor graphs call their kernels from generated C++ instead of Python "
         "(torch._inductor.config.cpp_wrapper): less host time a launch, a longer first compile",
     )
-    p.add_argument("--smoke", action="store_true", help="CPU, tiny dims, a few steps (CI)")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CPU, tiny dims, a few steps (CI): sets --steps, --warmup, --skip, --tokens, --seq, --eval-batches, "
+        "--log-every, --compiler aot_eager and --dims smoke, whatever they were given",
+    )
     p.add_argument(
         "--stats-every",
         type=int,
@@ -726,6 +734,28 @@ def main(argv=None) -> list[dict]:
             1,
         )
         args.compiler, args.dims = "aot_eager", "smoke"
+    for flag, value, least in (
+        ("--steps", args.steps, 1),
+        ("--layers", args.layers, 1),
+        ("--tokens", args.tokens, 1),
+        ("--seq", args.seq, 1),
+        ("--eval-batches", args.eval_batches, 1),
+        ("--log-every", args.log_every, 1),
+        ("--warmup", args.warmup, 0),
+        ("--skip", args.skip, 0),
+        ("--stats-every", args.stats_every, 0),
+    ):
+        if value < least:
+            p.error(f"argument {flag}: {value} must be >= {least}")
+    if args.skip >= args.steps:
+        p.error(f"argument --skip: {args.skip} leaves none of --steps {args.steps} to time; give more steps")
+    if not args.lr > 0:
+        p.error(f"argument --lr: {args.lr} must be > 0")
+    models = [m for m in args.model.split(",") if m]
+    if not models or set(models) - {"olmoe", "qwen3"}:
+        p.error(f"argument --model: {args.model!r}: a comma list of olmoe, qwen3")
+    if not [a for a in args.arms.split(",") if a]:
+        p.error(f"argument --arms: {args.arms!r} names no arm; choose from {', '.join(ARMS)}")
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     if args.microbatches is None:
         args.microbatches = 8 if device == "cuda" else 1
@@ -747,7 +777,6 @@ def main(argv=None) -> list[dict]:
     arms.sort(key=lambda a: a == "torchao-fp8-rowwise")
     train, val = data.load_splits(code_bytes=400_000 if args.smoke else 4_000_000)
     results = []
-    models = [m for m in args.model.split(",") if m]
     os.makedirs(args.out, exist_ok=True)
     for model in models:
         for name in arms:

@@ -113,6 +113,8 @@ def record_peak(fn: Callable[[], object], max_entries: int = 1_000_000) -> tuple
     """Run ``fn()`` on the current CUDA device with the allocator's history recorded (Python stacks): the replayed
     :class:`Peak` and ``torch.cuda.max_memory_allocated()`` over the same run (equal when the history kept every
     event: ``max_entries`` bounds it)."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("record_peak: replays the CUDA allocator's history; no CUDA device is available here")
     torch.cuda.synchronize()
     baseline = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -128,15 +130,19 @@ def record_peak(fn: Callable[[], object], max_entries: int = 1_000_000) -> tuple
 
 
 def peak_table(peak: Peak, top: int = 12) -> str:
-    """The ``top`` sites by bytes live at the peak, as a Markdown table, under a line with the peak, the bytes held
-    before the run and the share the listed sites explain. Raises ValueError for ``top`` below 1."""
+    """The ``top`` sites by bytes live at the peak, as a Markdown table, under a line splitting the peak into what
+    was held from before the run and what the run allocated, and saying how much of the latter the listed sites
+    hold. Raises ValueError for ``top`` below 1."""
     if top < 1:
         raise ValueError(f"peak_table: top={top} must be at least 1 (the sites to list)")
     gib = 2.0**30
     rows = sorted(peak.sites.items(), key=lambda kv: -kv[1][0])
+    listed = sum(size for _, (size, _) in rows[:top])
+    from_before = peak.peak - peak.recorded  # what was held before the run and not yet freed at the peak
     head = (
-        f"peak {peak.peak / gib:.2f} GiB: {peak.baseline / gib:.2f} held before the run, "
-        f"{peak.recorded / gib:.2f} allocated in it and live at the peak"
+        f"peak {peak.peak / gib:.2f} GiB = {from_before / gib:.2f} held from before the run (of "
+        f"{peak.baseline / gib:.2f}) + {peak.recorded / gib:.2f} allocated in it and live at the peak; the sites "
+        f"listed hold {listed / gib:.2f} of those {peak.recorded / gib:.2f}"
     )
     lines = [head, "", "| MiB | blocks | allocated at | code | FX nodes |", "|---:|---:|---|---|---|"]
     for site, (size, blocks) in rows[:top]:

@@ -258,21 +258,41 @@ def mutated_args(node: fx.Node) -> list:
     return [first] if isinstance(first, fx.Node) else []
 
 
-_VIEW_METHODS = (
-    "view", "view_as", "reshape", "reshape_as", "expand", "expand_as", "unsqueeze", "squeeze", "flatten",
-    "unflatten", "transpose", "t", "permute", "narrow", "select", "unbind", "split", "chunk", "detach", "as_strided",
-    "contiguous", "__getitem__",
+_FRESH_METHODS = (
+    "argsort", "sort", "topk", "clone", "new_zeros", "new_empty", "new_ones", "new_full", "sum", "cumsum", "bincount",
+    "histc", "eq", "ne", "lt", "le", "gt", "ge", "div", "floor_divide", "remainder", "mul", "add", "sub", "neg",
+    "__floordiv__", "__mul__", "__add__", "__sub__", "__truediv__", "__mod__", "__neg__", "__eq__", "__ne__",
+    "__lt__", "__le__", "__gt__", "__ge__",
 )  # fmt: skip
-_VIEW_FNS = (
-    torch.reshape, torch.flatten, torch.unsqueeze, torch.squeeze, torch.transpose, torch.permute, torch.narrow,
-    torch.select, torch.unbind, torch.split, torch.chunk, torch.detach, operator.getitem,
+_FRESH_FNS = (
+    torch.argsort, torch.sort, torch.topk, torch.clone, torch.empty_like, torch.zeros_like, torch.ones_like,
+    torch.full_like, torch.sum, torch.cumsum, torch.bincount, torch.histc, torch.eq, torch.div, torch.floor_divide,
+    torch.remainder, torch.mul, torch.add, torch.sub, operator.floordiv, operator.mul, operator.add, operator.sub,
+    operator.truediv, operator.mod, operator.neg, operator.eq, operator.ne, operator.lt, operator.le, operator.gt,
+    operator.ge,
 )  # fmt: skip
+"""Calls that return new tensors, never a view of their first argument: :func:`written` stops there. Casts
+(``float``, ``to``, ``contiguous``) are not among them: they return their input itself where it already fits."""
+
+
+def _may_alias(user: fx.Node, node: fx.Node) -> bool:
+    """Whether ``user``'s result may be (or hold) a view of ``node``: ``node`` is its first argument (or in a list
+    first argument), as in every view op (``view``, ``t``, ``as_strided``, ``movedim``, ``unfold``, ...), and
+    ``user`` is not a call known to return a new tensor (:data:`_FRESH_FNS`, :data:`_FRESH_METHODS`)."""
+    if user.op not in ("call_function", "call_method") or not user.args:
+        return False
+    first = user.args[0]
+    if not (first is node or (isinstance(first, (list, tuple)) and any(a is node for a in first))):
+        return False
+    return not is_call(user, _FRESH_FNS, _FRESH_METHODS)
 
 
 def written(node: fx.Node, allowed: tuple = ()) -> bool:
-    """Whether the graph writes ``node``'s tensor, or a view of it (through view ops, any depth), in place: an
-    in-place method or op (name ending in ``_``), ``operator.setitem`` into it, or an ``out=`` argument; the
-    nodes in ``allowed`` (a write the caller knows of) excepted."""
+    """Whether the graph writes ``node``'s tensor, or what may be a view of it (any depth), in place: an in-place
+    method or op (name ending in ``_``), ``operator.setitem`` into it, or an ``out=`` argument; the nodes in
+    ``allowed`` (a write the caller knows of) excepted. Conservative: any call taking ``node`` first may return a
+    view of it (:func:`_may_alias`) unless it is known to return a new tensor, so an unusual op in between can make
+    this True for a tensor never written."""
     seen, frontier = set(), [node]
     while frontier:
         cur = frontier.pop()
@@ -286,7 +306,7 @@ def written(node: fx.Node, allowed: tuple = ()) -> bool:
                 return True
             if user.op == "call_function" and user.target is operator.setitem and user.args[0] is cur:
                 return True
-            if is_call(user, _VIEW_FNS, _VIEW_METHODS) and user.args and user.args[0] is cur:
+            if _may_alias(user, cur):
                 frontier.append(user)
     return False
 

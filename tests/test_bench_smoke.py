@@ -222,6 +222,26 @@ def test_hf_models_smoke(monkeypatch, tmp_path):
     assert "error" in by_arm["torchao-fp8-rowwise"]  # needs an FP8 GPU: reported, the run went on
 
 
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (("--steps", "0"), "--steps: 0 must be >= 1"),
+        (("--steps", "4", "--skip", "4"), "leaves none of --steps 4"),
+        (("--skip", "-3"), "--skip: -3 must be >= 0"),
+        (("--eval-batches", "0"), "--eval-batches: 0 must be >= 1"),
+        (("--layers", "0"), "--layers: 0 must be >= 1"),
+        (("--model", "olmoe,nope"), "a comma list of olmoe, qwen3"),
+        (("--arms", ","), "names no arm"),
+    ],
+)
+def test_hf_models_refuses_sizes_it_cannot_run(monkeypatch, capsys, args, says):
+    """A bad size ends in an argparse error naming its flag before any arm runs (exit status 2)."""
+    pytest.importorskip("transformers")
+    with pytest.raises(SystemExit) as e:
+        run_script(monkeypatch, "bench/hf_models.py", *args)
+    assert e.value.code == 2 and says in capsys.readouterr().err
+
+
 def test_fp32_gemms_compiler_is_a_bf16_gemm():
     """``--compiler aot_eager_fp32_gemms`` runs BF16 GEMMs as FP32 GEMMs of the BF16 operands, BF16 out: the same
     products and FP32 accumulation as a BF16 GEMM (up to summation order), forward and backward."""

@@ -41,8 +41,10 @@ def test_sum_routed_rows_refuses_what_is_no_combine():
         sum_routed_rows(y, perm, 0)
     with pytest.raises(ValueError, match=r"perm must be a 1D int32 or int64 permutation"):
         sum_routed_rows(y, perm.float(), 2)
-    with pytest.raises(ValueError, match=r"y must be \[T \* top_k, D\] floating rows, got torch.int64"):
+    with pytest.raises(ValueError, match=r"y must be \[T \* top_k, D\] rows of float16, .* got torch.int64"):
         sum_routed_rows(perm[:, None], perm, 2)
+    with pytest.raises(ValueError, match=r"dequantize FP8 rows first\), got torch.float8_e4m3fn"):
+        sum_routed_rows(y.to(torch.float8_e4m3fn), perm, 2)
     with pytest.raises(ValueError, match=r"perm must be a 1D int32 or int64 permutation on cpu, got torch.int16"):
         sum_routed_rows(y, perm.short(), 2)
     with pytest.raises(TypeError, match=r"mxfx.sum_routed_rows: takes tensors, got list rows"):
@@ -211,10 +213,53 @@ def _narrow_scatter(x, *params, topk=2):
     return torch.zeros_like(x).scatter_add(0, index, y)
 
 
-@pytest.mark.parametrize("layer", [_edited_index, _edited_inverse, _narrow_scatter])
+def _edited_through(view):
+    """A layer whose sort order is edited in place through ``view(order)`` before the combine reads it."""
+
+    def layer(x, *params, topk=2):
+        y, order = _experts(x, *params, topk, _sorted)
+        view(order).zero_()
+        return torch.zeros_like(x).index_add(0, order // topk, y)
+
+    return layer
+
+
+def _rows_edited_after_gather(x, *params, topk=2):
+    y, order = _experts(x, *params, topk, _sorted)
+    gathered = y[order.argsort()]
+    y.mul_(2)  # after the gather: eager's gathered rows are the ones before it
+    return gathered.view(x.shape[0], topk, x.shape[1]).sum(1)
+
+
+@pytest.mark.parametrize(
+    "layer",
+    [
+        _edited_index,
+        _edited_inverse,
+        _narrow_scatter,
+        _edited_through(lambda o: torch.as_strided(o, (5,), (1,))),
+        _edited_through(lambda o: torch.t(o)[:5]),
+        _edited_through(lambda o: torch.movedim(o, 0, 0)[:5]),
+        _edited_through(lambda o: o.unfold(0, 2, 2)[:3]),
+        _edited_through(lambda o: torch.tensor_split(o, 4)[0]),
+        _rows_edited_after_gather,
+    ],
+    ids=[
+        "index edited",
+        "inverse edited",
+        "narrow scatter",
+        "through torch.as_strided",
+        "through torch.t",
+        "through torch.movedim",
+        "through unfold",
+        "through torch.tensor_split",
+        "rows edited after the gather",
+    ],
+)
 def test_an_index_written_in_place_or_narrower_than_the_rows_is_no_combine(layer):
-    """Where the graph edits the index (or a view of it) in place, or scatters only some columns, the sum is left
-    as written: the result is eager's (mxfx's BF16 GEMMs; forward only: autograd refuses the narrow scatter)."""
+    """Where the graph edits the index (or a view of it, by any view op) in place, edits the rows after gathering
+    them, or scatters only some columns, the sum is left as written: the result is eager's (mxfx's BF16 GEMMs;
+    forward only: autograd refuses the narrow scatter)."""
     torch.manual_seed(0)
     tokens, d, experts = 48, 128, 4
     x = torch.randn(tokens, d, dtype=torch.bfloat16)

@@ -81,12 +81,23 @@ def test_sites_outside_torch_and_fallbacks(code):
     assert allocation_site([frame(model, 3)]).nodes == ""  # no comment before the def
 
 
+def test_the_header_adds_up_where_the_run_frees_what_was_held_before(code):
+    """Half of the 1 GiB held before is freed, then 0.6 GiB allocated: the peak is 1.1 GiB = 0.5 + 0.6."""
+    model, _, frame = code
+    events = [_free(100, 2**29), _alloc(1, int(0.6 * 2**30), [frame(model, 1)])]
+    head = peak_table(live_at_peak(events, baseline=2**30)).splitlines()[0]
+    assert head.startswith("peak 1.10 GiB = 0.50 held from before the run (of 1.00) + 0.60 allocated in it")
+
+
 def test_table_lists_the_largest_sites_first_and_sums_the_rest(code):
     model, _, frame = code
     events = [_alloc(i, (i + 1) * 2**20, [frame(model, i % 4 + 1)]) for i in range(4)]
     table = peak_table(live_at_peak(events, baseline=2**30), top=2)
     lines = table.splitlines()
-    assert lines[0] == "peak 1.01 GiB: 1.00 held before the run, 0.01 allocated in it and live at the peak"
+    assert lines[0] == (
+        "peak 1.01 GiB = 1.00 held from before the run (of 1.00) + 0.01 allocated in it and live at the peak; "
+        "the sites listed hold 0.01 of those 0.01"
+    )
     assert lines[4].startswith("| 4.0 | 1 | model.py:4 (forward) | `return y` |")
     assert lines[5].startswith("| 3.0 | 1 | model.py:3 (forward) | `y = h.relu()` |")
     assert lines[6] == "| 3.0 | 2 | 2 other sites | | |"

@@ -40,17 +40,22 @@ def sum_routed_rows(y: torch.Tensor, perm: torch.Tensor, top_k: int | torch.SymI
     permutation of ``range(T * top_k)``, integer ``[T * top_k]`` on y's device; returns ``[T, D]`` in y's dtype.
     ``perm`` must be a permutation, which is not checked (that would read it on the host): the combine-sum pass
     (:mod:`mxfx.passes.combine_sum`) calls this only with the indices of a ``sort`` or ``argsort``. For any other
-    index the result is wrong (the same every time); an index out of range fails in the gather.
+    index the result is wrong (the same every time); an index out of range fails where the inverse is formed (on
+    the CPU torch's index error; on a GPU a device-side assert).
 
     Raises:
         TypeError: y or perm not a tensor.
-        ValueError: y not 2D floating, perm not a 1D int32 / int64 tensor of y's row count on y's device, or top_k
-            not a positive int (a symbolic size under dynamic shapes) dividing that count.
+        ValueError: y not 2D float16 / bfloat16 / float32 / float64, perm not a 1D int32 / int64 tensor of y's
+            row count on y's device, or top_k not a positive int (a symbolic size under dynamic shapes) dividing
+            that count.
     """
     op = "mxfx.sum_routed_rows"
     check_routing(op, y, perm, top_k)
-    if y.dim() != 2 or not y.is_floating_point():
-        raise ValueError(f"{op}: y must be [T * top_k, D] floating rows, got {y.dtype} {tuple(y.shape)}")
+    if y.dim() != 2 or y.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise ValueError(
+            f"{op}: y must be [T * top_k, D] rows of float16, bfloat16, float32 or float64 (dequantize FP8 rows "
+            f"first), got {y.dtype} {tuple(y.shape)}"
+        )
     if perm.shape[0] != y.shape[0] or y.shape[0] % top_k:
         raise ValueError(
             f"{op}: y of shape {tuple(y.shape)} and perm of {perm.shape[0]} entries must both hold T * top_k rows "

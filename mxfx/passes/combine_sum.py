@@ -134,6 +134,8 @@ def _gather_form(node: fx.Node) -> tuple[fx.Node, fx.Node, object, fx.Node] | No
     gathered = view.args[0]
     if len(sizes) != 3 or not (is_call(gathered, (operator.getitem,)) and len(gathered.users) == 1):
         return None
+    if not isinstance(gathered.args[0], fx.Node) or written(gathered.args[0]):
+        return None  # the replacement reads the rows where the sum stands: a write in between would reach it
     perm = _inverse_of(gathered.args[1])
     return None if perm is None else (gathered.args[0], perm, sizes[1], view)
 
