@@ -6,10 +6,10 @@ import operator
 
 import pytest
 import torch
+import torch._inductor.config as inductor_config
 import torch.fx as fx
 from torch._inductor.utils import run_and_get_code
 
-import mxfx
 from mxfx import lookup_batching
 from mxfx.runtime.cache.operands import cached_weight, cached_weights
 from tests.test_combine_sum import _unsort_layer
@@ -141,19 +141,20 @@ class _Earlier(torch._inductor.custom_graph_pass.CustomGraphPass):
 
 
 def test_the_hook_runs_a_pass_set_there_before_and_the_switch_turns_it_off(monkeypatch):
-    import torch._inductor.config as inductor_config
-
+    """The pass goes after one a user set on the hook, its uuid beside theirs (none where theirs has none: no
+    caching, as Inductor does for such a pass); ``MXFX_BATCH_LOOKUPS=0`` installs nothing. Inductor's own
+    ``config.patch`` sets the hook here (a monkeypatched config entry is deleted on undo: hidden from later tests)."""
     earlier = _Earlier()
-    monkeypatch.setattr(inductor_config, "post_grad_custom_post_pass", earlier)
     monkeypatch.delenv(lookup_batching.ENV, raising=False)
-    installed = lookup_batching.config_patch()["post_grad_custom_post_pass"]
+    with inductor_config.patch(post_grad_custom_post_pass=earlier):
+        installed = lookup_batching.config_patch()["post_grad_custom_post_pass"]
     assert installed.after is earlier
     assert installed.uuid()[1] == "earlier"
     g, _ = _graph((0, "rceil", "block_forward"), (1, "rceil", "block_forward"))
     installed(g)
     assert earlier.seen == 1 and any(n.target is cached_weights for n in g.nodes)
-    monkeypatch.setattr(inductor_config, "post_grad_custom_post_pass", lambda graph: None)  # no uuid: no caching
-    assert lookup_batching.config_patch()["post_grad_custom_post_pass"].uuid() is None
+    with inductor_config.patch(post_grad_custom_post_pass=lambda graph: None):
+        assert lookup_batching.config_patch()["post_grad_custom_post_pass"].uuid() is None
+    assert lookup_batching.config_patch()["post_grad_custom_post_pass"].after is None
     monkeypatch.setenv(lookup_batching.ENV, "0")
     assert lookup_batching.config_patch() == {}
-    assert mxfx.backend.inductor_patches.__doc__ and "lookup" in mxfx.backend.inductor_patches.__doc__
