@@ -316,13 +316,15 @@ def test_compiled_fp8_block_launches_its_kernels_itself(monkeypatch, dynamic):
     loss_i, grads_i, code_i, saved_i = step(opaque=False)
     loss_o, grads_o, code_o, _ = step(opaque=True)
     assert "mxfx.block_forward_operands" in code_o and "mxfx.block_mm" in code_o  # the opaque arm holds the ops
-    assert "mxfx.block_route_weight_quantize" in code_o  # the routed dgrad's dY: one op with its route weights
+    # the routed dgrad's dY, its BF16 copy and the route weights' gradient: one op from one read of dY
+    assert "mxfx.block_route_grad_operands" in code_o
     # a symbolic token count pads the dense wgrad operand's tokens (token_rows), a pair the dual kernel does not
     # write: that linear's forward operands stay the one opaque op, its quantizes still never separate ops
     inlined = (
         "block_quantize",
         "block_swiglu_quantize",
         "block_route_weight_quantize",
+        "block_route_grad_operands",
         "block_quantize_tokens",
         "block_quantize_dual",
     )
