@@ -168,7 +168,7 @@ def test_a_typo_in_the_threads_fails_a_cpu_compile_too(monkeypatch):
 
 _STEP = textwrap.dedent(
     """
-    import json, threading, torch
+    import json, os, threading, torch
     from triton import knobs
     from tests.test_block_gpu_step import LinearThenExperts, _step
 
@@ -178,7 +178,11 @@ _STEP = textwrap.dedent(
         fn = getattr(src, "fn", None)
         if not cache_hit and str(getattr(fn, "module", "")).startswith("mxfx"):
             key = [fn.__name__, str(src.signature), str(src.attrs), str(getattr(src, "constants", ""))]
-            compiles.append([threading.current_thread().name, key])
+            # where it was kept (the folder names the cache key), and where Triton was told to keep kernels
+            kept = sorted({os.path.dirname(p) for p in (metadata_group or {}).values()})
+            where = [kept, os.environ.get("TRITON_CACHE_DIR"), knobs.cache.dir, os.environ.get("TRITON_PTXAS_PATH")]
+            where.append({k: str(v)[:200] for k, v in sorted(dict(metadata or {}).items())})  # options, env, hash
+            compiles.append([threading.current_thread().name, key, where])
 
     knobs.compilation.listener = listener
     torch.manual_seed(0)
@@ -211,8 +215,8 @@ def _first_step(cache, threads: int) -> dict:
 )
 def test_a_first_step_compiles_mxfx_kernels_on_the_pool_and_none_twice(tmp_path):
     ahead = _first_step(tmp_path / "ahead", threads=4)
-    on_pool = [key for thread, key in ahead["compiles"] if thread.startswith(compile_ahead.THREAD_PREFIX)]
-    on_main = [key for thread, key in ahead["compiles"] if not thread.startswith(compile_ahead.THREAD_PREFIX)]
+    on_pool = [key for thread, key, _ in ahead["compiles"] if thread.startswith(compile_ahead.THREAD_PREFIX)]
+    on_main = [key for thread, key, _ in ahead["compiles"] if not thread.startswith(compile_ahead.THREAD_PREFIX)]
     names = {key[0] for key in on_pool}
     assert {"_quantize_kernel", "_grouped_kernel"} <= names, ahead["compiles"]
     assert not [key for key in on_main if key in on_pool], "compiled ahead and again at the launch"
@@ -220,7 +224,7 @@ def test_a_first_step_compiles_mxfx_kernels_on_the_pool_and_none_twice(tmp_path)
     warm = _first_step(tmp_path / "ahead", threads=4)
     assert warm["compiles"] == [], json.dumps({"warm": warm["compiles"], "cold": ahead["compiles"]}, indent=1)
     alone = _first_step(tmp_path / "alone", threads=0)
-    assert not [t for t, _ in alone["compiles"] if t.startswith(compile_ahead.THREAD_PREFIX)]
+    assert not [t for t, _, _ in alone["compiles"] if t.startswith(compile_ahead.THREAD_PREFIX)]
     # the same kernels either way; the Triton GEMM's autotuning may pick another tile per process: FP32 sums in
     # another order, well inside 1e-4 of a mean of squares
     assert ahead["loss"] == pytest.approx(alone["loss"], rel=1e-4)
