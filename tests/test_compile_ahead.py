@@ -177,11 +177,12 @@ _STEP = textwrap.dedent(
     def listener(*, src, metadata, metadata_group, times, cache_hit):
         fn = getattr(src, "fn", None)
         if not cache_hit and str(getattr(fn, "module", "")).startswith("mxfx"):
-            key = [fn.__name__, str(src.signature), str(src.attrs), str(getattr(src, "constants", ""))]
-            # where it was kept (the folder names the cache key), and where Triton was told to keep kernels
+            name = f"{fn.fn.__module__}.{fn.__name__}"
+            key = [name, str(src.signature), str(src.attrs), str(getattr(src, "constants", ""))]
+            # where it was kept (the folder names the cache key), the kernel's Triton key and the globals in it
             kept = sorted({os.path.dirname(p) for p in (metadata_group or {}).values()})
-            where = [kept, os.environ.get("TRITON_CACHE_DIR"), knobs.cache.dir, os.environ.get("TRITON_PTXAS_PATH")]
-            where.append({k: str(v)[:200] for k, v in sorted(dict(metadata or {}).items())})  # options, env, hash
+            fn_globals = [n for (n, _) in dict(getattr(fn, "used_global_vals", {}))]
+            where = [kept, fn.cache_key, fn_globals]
             compiles.append([threading.current_thread().name, key, where])
 
     knobs.compilation.listener = listener
@@ -217,7 +218,7 @@ def test_a_first_step_compiles_mxfx_kernels_on_the_pool_and_none_twice(tmp_path)
     ahead = _first_step(tmp_path / "ahead", threads=4)
     on_pool = [key for thread, key, _ in ahead["compiles"] if thread.startswith(compile_ahead.THREAD_PREFIX)]
     on_main = [key for thread, key, _ in ahead["compiles"] if not thread.startswith(compile_ahead.THREAD_PREFIX)]
-    names = {key[0] for key in on_pool}
+    names = {key[0].rsplit(".", 1)[1] for key in on_pool}
     assert {"_quantize_kernel", "_grouped_kernel"} <= names, ahead["compiles"]
     assert not [key for key in on_main if key in on_pool], "compiled ahead and again at the launch"
     # a warm process (its graphs from Inductor's cache, nothing traced) finds every kernel in Triton's cache

@@ -88,6 +88,7 @@ TORCH_ONLY_KERNEL_MODULES = (
     "mxfx.kernels.mx",
     "mxfx.kernels.fp8_block",
     "mxfx.kernels.common.launch",
+    "mxfx.kernels.common.kernel_keys",  # reads kernel sources; imports nothing of Triton
     "mxfx.kernels.common.silu",
     "mxfx.kernels.common.swiglu",
     "mxfx.kernels.common.gemm",

@@ -31,6 +31,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 
 from mxfx.device import triton_available
+from mxfx.kernels.common import kernel_keys
 
 
 def traced(t: torch.Tensor) -> bool:
@@ -200,6 +201,7 @@ def launch(kernel, grid: tuple, *args, maxnreg: int | None = None, **kwargs) -> 
         maxnreg: cap on registers per thread (None: ptxas chooses; ignored under Triton's interpreter), for
             kernels whose occupancy is register-bound and measured faster capped.
     """
+    kernel_keys.fix(kernel)  # before anything hashes the kernel (a dict key hashes its Triton cache key)
     if maxnreg is not None and not INTERPRETED:  # the interpreter has no registers to cap
         kernel = _with_register_cap(kernel, kwargs.pop("num_warps", 4), maxnreg)
     if _note(kernel, grid, args, kwargs):
@@ -215,6 +217,7 @@ def launch(kernel, grid: tuple, *args, maxnreg: int | None = None, **kwargs) -> 
 def launch_direct(kernel, grid: tuple, *args, **kwargs) -> None:
     """Run ``kernel[grid](*args, **kwargs)`` as written, for kernels only custom-op bodies launch (Gluon kernels,
     whose launch options such as ``maxnreg`` Triton takes directly); while :func:`recording`, note it instead."""
+    kernel_keys.fix(kernel)
     if not _note(kernel, grid, args, kwargs):
         kernel[grid](*args, **kwargs)
 

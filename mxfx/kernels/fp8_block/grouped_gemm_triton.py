@@ -43,7 +43,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mxfx import device as devices
-from mxfx.kernels.common import tuning
+from mxfx.kernels.common import kernel_keys, tuning
 from mxfx.kernels.common.launch import aligned16
 from mxfx.kernels.fp8_block.slots_triton import group_slots
 from mxfx.numerics.block import TILE
@@ -241,6 +241,7 @@ def grouped_mm(
         key = (N, K, G, a.stride(1), b.stride(1), b.stride(2), even_k, tma, out_dtype)
         best = tuning.lookup(_tuning_kernel(device_index), key, CONFIGS)
         if best is None:
+            kernel_keys.fix(_kernel_tuned)
             _kernel_tuned[grid](*args, BLOCK_K=TILE, EVEN_K=even_k, TMA=tma)
             tuning.record(_tuning_kernel(device_index), key, _kernel_tuned.best_config)
             return out
@@ -249,6 +250,7 @@ def grouped_mm(
     warps, stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 3)
     cfg.setdefault("PROGRAMS_PER_SM", 1)
     _descriptor_blocks({"a_desc": a_desc, "b_desc": b_desc, "BLOCK_K": TILE, **cfg})
+    kernel_keys.fix(_kernel)
     _kernel[grid(cfg)](*args, BLOCK_K=TILE, EVEN_K=even_k, TMA=tma, num_warps=warps, num_stages=stages, **cfg)
     return out
 
@@ -356,6 +358,7 @@ def grouped_wgrad(
     bn, bk, stages, warps = config or ((32, 64, 1, 4) if interpret else WGRAD_CONFIG)
     tma = _tma_ready(a) and _tma_ready(b)
     grid = (triton.cdiv(n, bn) * triton.cdiv(k, bk), g)
+    kernel_keys.fix(_grouped_wgrad_kernel)
     _grouped_wgrad_kernel[grid](
         a,
         TensorDescriptor.from_tensor(a, [bn, TILE]) if tma else None,

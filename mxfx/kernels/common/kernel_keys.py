@@ -1,0 +1,72 @@
+"""Triton's cache key of an mxfx kernel, the same in every process.
+
+Triton keys a compiled kernel (in memory and in its cache folder) by its ``cache_key``: a hash of its source, of the
+keys of the ``@triton.jit`` functions it calls and of the ``tl.constexpr`` globals they all read. Each function's key
+is computed once, at its first use, and kept. Triton 3.6 merges a callee's globals into its caller's before it has
+computed the callee's key, so a caller keyed before its callees leaves their globals out: its key then depends on
+which kernel a process happened to key first. A process that keys the kernels in another order (one whose graphs
+come from Inductor's cache, say) finds none of the first one's compiled kernels and compiles them again.
+
+:func:`fix` keys a kernel's callees before the kernel, depth first, so that its key is the complete one whatever
+was keyed before (Triton 3.9 computes it so itself). It reads each function's source for the names it calls, as
+Triton does; it neither changes nor replaces anything of Triton's.
+"""
+
+from __future__ import annotations
+
+import ast
+import textwrap
+
+_FIXED: set[int] = set()  # ids of the kernels whose keys (and their callees') are computed
+
+
+def _jit_function(obj):
+    """The ``@triton.jit`` function under ``obj`` (a JIT function, or an autotuner/heuristics wrapper of one), or None
+    for anything else."""
+    seen = 0
+    while obj is not None and seen < 8:
+        # on the type: the instance's ``cache_key`` is a property that computes the key
+        if hasattr(type(obj), "cache_key") and isinstance(getattr(obj, "src", None), str):
+            return obj
+        obj = getattr(obj, "fn", None)
+        seen += 1
+    return None
+
+
+def _callees(fn) -> list:
+    """The JIT functions ``fn``'s source names: globals (``name``) and attributes of global modules
+    (``module.name``), in source order."""
+    scope = getattr(getattr(fn, "fn", None), "__globals__", {})
+    found, out = set(), []
+    for node in ast.walk(ast.parse(textwrap.dedent(fn.src))):
+        value = None
+        if isinstance(node, ast.Name):
+            value = scope.get(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            value = getattr(scope.get(node.value.id), node.attr, None)
+        callee = _jit_function(value) if value is not None else None
+        if callee is not None and callee is not fn and id(callee) not in found:
+            found.add(id(callee))
+            out.append(callee)
+    return out
+
+
+def fix(kernel) -> None:
+    """Compute the Triton cache key of ``kernel`` (a JIT function or a wrapper of one) after those of every JIT
+    function it calls, transitively; once per kernel, a set lookup after that. Anything else: nothing to do."""
+    if id(kernel) in _FIXED:
+        return
+    fn = _jit_function(kernel)
+    if fn is not None:
+        _fix_tree(fn, set())
+    _FIXED.add(id(kernel))
+
+
+def _fix_tree(fn, visiting: set[int]) -> None:
+    if id(fn) in _FIXED or id(fn) in visiting:
+        return
+    visiting.add(id(fn))
+    for callee in _callees(fn):
+        _fix_tree(callee, visiting)
+    fn.cache_key  # noqa: B018 (computed and kept by Triton: its callees' keys exist by now)
+    _FIXED.add(id(fn))
