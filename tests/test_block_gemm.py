@@ -351,6 +351,10 @@ def _interpreter_quantize_checks(bq):
         terms = dout.double() * y.double()
         bound = terms.shape[1] * 2.0**-24 * terms.abs().sum(-1)
         assert d_rw.dtype == torch.float32 and ((d_rw.double() - terms.sum(-1)).abs() <= bound).all()
+        # another launch shape (64 rows a program: a partial second one; 2 warps): the same values
+        q2, s2, dy2, d_rw2 = bq.route_grad_operands_1x128(dout, rw, y, rule, rows=64, warps=2)
+        _same((q2, s2), (q, s_))
+        assert torch.equal(dy2, dy) and ((d_rw2.double() - terms.sum(-1)).abs() <= bound).all()
         # both 1x128 tilings of one [T, K] from one read; partial tiles along both dims
         xd = torch.randn(200, 320, generator=g) * 7
         q, s, qt, st = bq.quantize_1x128_dual(xd, rule)

@@ -432,11 +432,21 @@ def route_weight_quantize_1x128(dy: torch.Tensor, weight: torch.Tensor, rule: st
     return _rowwise(dy, None, rule, op, route=weight.contiguous())
 
 
-def route_grad_operands_1x128(dout: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, rule: str = "rceil"):
+def route_grad_operands_1x128(
+    dout: torch.Tensor,
+    weight: torch.Tensor,
+    y: torch.Tensor,
+    rule: str = "rceil",
+    *,
+    rows: int = ROWWISE_ROWS,
+    warps: int = 4,
+):
     """The backward operands of a route-weighted grouped GEMM ``out = y * weight[:, None]`` from one read of its
     output gradient ``dout [S, D]``: :func:`route_weight_quantize_1x128`'s pair of ``dy = dout * weight[:, None]``,
     ``dy`` in BF16 (the BF16 wgrad's operand) and the route weights' gradient ``sum(dout * y, -1)`` in fp32 ``[S]``
-    (``y``: the unweighted output, ``[S, D]``), each formed in fp32: ``(qdata, scales, dy, d_weight)``.
+    (``y``: the unweighted output, ``[S, D]``), each formed in fp32: ``(qdata, scales, dy, d_weight)``. ``rows``
+    (a power of two) and ``warps`` per program of one 128-wide tile: the same values at any launch but for the route
+    weights' gradient, an FP32 sum whose order they change.
 
     Raises:
         TypeError / ValueError: dout or y not a bf16 / fp16 / fp32 tensor; dout not 2D, y not of its shape and
@@ -461,7 +471,7 @@ def route_grad_operands_1x128(dout: torch.Tensor, weight: torch.Tensor, y: torch
     dy = torch.empty((m, k), dtype=torch.bfloat16, device=dout.device)
     parts = torch.empty((m, n_tiles(k)), dtype=torch.float32, device=dout.device)
     if m * k > 0:
-        grid = (triton.cdiv(m, ROWWISE_ROWS), n_tiles(k), 1)
+        grid = (triton.cdiv(m, rows), n_tiles(k), 1)
         launch(
             _route_grad_kernel,
             grid,
@@ -475,9 +485,9 @@ def route_grad_operands_1x128(dout: torch.Tensor, weight: torch.Tensor, y: torch
             m,
             k,
             RCEIL=rceil,
-            BR=ROWWISE_ROWS,
+            BR=rows,
             BC=TILE,
-            num_warps=4,
+            num_warps=warps,
         )
     return q.view(torch.float8_e4m3fn), s.t(), dy, parts.sum(-1)
 

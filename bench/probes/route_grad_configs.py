@@ -1,0 +1,85 @@
+"""Probe: launch shapes of the one-read routed dY kernel (``route_grad_operands_1x128``: dY's FP8 rows, its BF16 copy
+and the route weights' gradient from ``dout`` and the unweighted output ``y``).
+
+Times rows per program x warps at the routed dY of OLMoE and Qwen3 layers (8,192 tokens top-8, d 2,048) beside a
+stream that moves the same bytes (two BF16 reads, a BF16 and a byte write: ``torch.mul`` of two tensors into BF16,
+plus a byte copy). Each launch's FP8 rows, scales and BF16 copy are checked equal to the default launch's, its route
+gradient within 1e-5 (an FP32 sum in another order). Prints one table: GB/s and % of the stream. Needs a CUDA GPU.
+
+    python bench/probes/route_grad_configs.py [--rows 16,32,64,128] [--warps 2,4,8]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton
+
+from mxfx.kernels.fp8_block import quantize
+
+SHAPES = {"olmoe / qwen3 routed dY": (65536, 2048)}
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",")]
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit (FP8 compared as bytes)."""
+    if a.dtype == torch.float8_e4m3fn:
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    return torch.equal(a, b)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", type=_ints, default=[16, 32, 64, 128])
+    p.add_argument("--warps", type=_ints, default=[2, 4, 8])
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("route_grad_configs: needs a CUDA GPU")
+    torch.manual_seed(0)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    print("| shape | launch | ms | GB/s | % of stream |")
+    print("|---|---|---:|---:|---:|")
+    for name, (m, k) in SHAPES.items():
+        dout = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        y = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.rand(m, device="cuda", dtype=torch.float32)
+        moved = m * k * (2 + 2 + 2 + 1)  # dout, y in; dy (BF16) and qdata out (scales, parts: < 1%)
+        prod = torch.empty_like(dout)
+        byte_src = torch.empty(m, k, dtype=torch.uint8, device="cuda")
+        byte_dst = torch.empty_like(byte_src)
+
+        def stream():
+            torch.mul(dout, y, out=prod)
+            byte_dst.copy_(byte_src)
+
+        t_stream = triton.testing.do_bench(stream, return_mode="median")
+        print(f"| {name} | stream (mul + byte copy) | {t_stream:.3f} | {moved / t_stream / 1e6:.0f} | 100.0 |")
+        ref = quantize.route_grad_operands_1x128(dout, w, y)
+        for rows in args.rows:
+            for warps in args.warps:
+                label = f"{rows} rows, {warps} warps"
+                try:
+                    out = quantize.route_grad_operands_1x128(dout, w, y, rows=rows, warps=warps)
+                    if not all(_same(a, b) for a, b in zip(out[:3], ref[:3])):
+                        raise RuntimeError("FP8 rows, scales or BF16 copy differ from the default launch")
+                    err = ((out[3] - ref[3]).norm() / ref[3].norm()).item()
+                    if not err < 1e-5:
+                        raise RuntimeError(f"route gradient relative error {err:.2e}")
+                    t = triton.testing.do_bench(
+                        lambda rows=rows, warps=warps: quantize.route_grad_operands_1x128(
+                            dout, w, y, rows=rows, warps=warps
+                        ),
+                        return_mode="median",
+                    )
+                except Exception as exc:  # noqa: BLE001 (a launch the GPU refuses is reported, not fatal)
+                    print(f"| {name} | {label} | {type(exc).__name__}: {str(exc)[:80]} | | |")
+                    continue
+                print(f"| {name} | {label} | {t:.3f} | {moved / t / 1e6:.0f} | {100 * t_stream / t:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
