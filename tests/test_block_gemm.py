@@ -138,6 +138,19 @@ def test_errors_name_the_problem():
         block_gemm.scaled_mm(a, sa, b[0], sb[0, :, :1].repeat(1, 2).repeat(2, 1))
 
 
+def test_route_grad_launch_shape_is_checked_before_launch():
+    """A rows or warps Triton would reject (or compile wrongly) is refused by name, before any kernel runs."""
+    pytest.importorskip("triton")
+    from mxfx.kernels.fp8_block import quantize as bq
+
+    x = torch.zeros(64, 128, dtype=torch.bfloat16)
+    for rows, warps in ((48, 4), (0, 4), (2048, 4), (32, 3), (32.0, 4)):
+        with pytest.raises(
+            ValueError, match=rf"route_grad_operands_1x128: rows must be .* rows={rows!r}, warps={warps}"
+        ):
+            bq.route_grad_operands_1x128(x, torch.ones(64), x, rows=rows, warps=warps)
+
+
 # ---- Triton interpreter ------------------------------------------------------------------
 
 

@@ -450,7 +450,8 @@ def route_grad_operands_1x128(
 
     Raises:
         TypeError / ValueError: dout or y not a bf16 / fp16 / fp32 tensor; dout not 2D, y not of its shape and
-            device, weight not one floating value per row on its device; an unknown rule (each naming this op)."""
+            device, weight not one floating value per row on its device; an unknown rule; rows or warps out of range
+            (each naming this op)."""
     op = "mxfx.block_quantize.route_grad_operands_1x128"
     check_input(dout, op, "fp8_block", min_dim=2)
     check_input(y, op, "fp8_block", min_dim=2)
@@ -463,6 +464,11 @@ def route_grad_operands_1x128(
         raise ValueError(
             f"{op}: needs one floating route weight per row of dout {tuple(dout.shape)} on its device, got "
             f"{weight.dtype} {tuple(weight.shape)} on {weight.device}; flatten the weights to [S]"
+        )
+    if not (isinstance(rows, int) and 1 <= rows <= 1024 and rows & (rows - 1) == 0) or warps not in (1, 2, 4, 8, 16):
+        raise ValueError(
+            f"{op}: rows must be a power of two from 1 to 1024 and warps one of 1, 2, 4, 8, 16, got rows={rows!r}, "
+            f"warps={warps!r} for dout {tuple(dout.shape)}"
         )
     rceil = _rule(rule, op)
     m, k = dout.shape
