@@ -127,9 +127,20 @@ GIB = 2**30
 DIMS = ("real", "small", "smoke")
 
 
+def _transformers():
+    """Hugging Face transformers, the client this benchmark trains (an optional dependency of mxfx)."""
+    try:
+        import transformers
+    except ModuleNotFoundError as e:
+        raise SystemExit(
+            "hf_models: needs Hugging Face transformers, which mxfx itself does not install: pip install -e '.[bench]'"
+        ) from e
+    return transformers
+
+
 def model_config(name: str, layers: int, dims: str = "real"):
     """The transformers config of ``name`` ("olmoe" | "qwen3") with ``layers`` layers at ``dims`` (:data:`DIMS`)."""
-    import transformers as T
+    T = _transformers()
 
     if dims not in DIMS:
         raise SystemExit(f"hf_models: unknown --dims {dims!r}; choose one of {', '.join(DIMS)}")
@@ -202,7 +213,7 @@ def model_config(name: str, layers: int, dims: str = "real"):
 
 
 def build_model(name: str, layers: int, dims: str, device: str, seed: int = 0) -> torch.nn.Module:
-    import transformers as T
+    T = _transformers()
 
     cfg = model_config(name, layers, dims)
     cls = {"olmoe": T.OlmoeForCausalLM, "qwen3": T.Qwen3MoeForCausalLM}[name]

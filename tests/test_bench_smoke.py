@@ -242,6 +242,15 @@ def test_hf_models_refuses_sizes_it_cannot_run(monkeypatch, capsys, args, says):
     assert e.value.code == 2 and says in capsys.readouterr().err
 
 
+def test_hf_models_without_transformers_says_how_to_install_it(monkeypatch):
+    """Without transformers the benchmark ends with the install command, not a bare ModuleNotFoundError."""
+    from bench import hf_models
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import of a None entry raises ModuleNotFoundError
+    with pytest.raises(SystemExit, match=r"needs Hugging Face transformers.*pip install -e '\.\[bench\]'"):
+        hf_models.model_config("olmoe", 1)
+
+
 def test_fp32_gemms_compiler_is_a_bf16_gemm():
     """``--compiler aot_eager_fp32_gemms`` runs BF16 GEMMs as FP32 GEMMs of the BF16 operands, BF16 out: the same
     products and FP32 accumulation as a BF16 GEMM (up to summation order), forward and backward."""
