@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 from torch._dynamo.exc import RestartAnalysis
 
-from mxfx import cache_key, lookup_batching, names, passes, report, variants
+from mxfx import cache_key, names, passes, post_grad, report, variants
 from mxfx.diagnostics import coverage, recompiles, rule_check
 from mxfx.runtime import cache, stats
 from mxfx import formats
@@ -98,10 +98,9 @@ held is about the same."""
 def inductor_patches(gm: fx.GraphModule, mode: str | None = None) -> dict:
     """Inductor config patches for the inner compile of rewritten graph ``gm``: the ``mode``'s settings
     (:func:`inductor_mode_options`), then, where ``gm`` calls mxfx, :data:`CACHE_SAFE_INDUCTOR`, the cache
-    keys of :func:`mxfx.cache_key.config_patches` and the weight-cache lookups batched per graph
-    (:mod:`mxfx.lookup_batching`)."""
+    keys of :func:`mxfx.cache_key.config_patches` and mxfx's post-grad rewrites (:mod:`mxfx.post_grad`)."""
     keys = cache_key.config_patches(gm)
-    mxfx_graph = {**CACHE_SAFE_INDUCTOR, **lookup_batching.config_patch()} if keys else {}
+    mxfx_graph = {**CACHE_SAFE_INDUCTOR, **post_grad.config_patch()} if keys else {}
     return {**inductor_mode_options(mode), **mxfx_graph, **keys}
 
 

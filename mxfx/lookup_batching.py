@@ -12,9 +12,8 @@ computed in the graph, e.g. an unsharded parameter gathered inside it).
 
 Why it keeps results: a lookup's result depends on the weight's values and version counter only, and in Inductor's
 functional graph an input is not written before the graph's end (writes to inputs are applied after it), so a
-lookup of an input returns the same forms at any point of the graph. The pass runs through Inductor's own hook,
-``torch._inductor.config.post_grad_custom_post_pass`` (:func:`config_patch`), after the hook's earlier owner, if
-any; its :meth:`BatchLookups.uuid` enters Inductor's cache key.
+lookup of an input returns the same forms at any point of the graph. The pass runs on Inductor's post-grad graphs
+(:mod:`mxfx.post_grad`).
 
 ``MXFX_BATCH_LOOKUPS=0`` leaves the lookups one call each (for timing one form against the other).
 """
@@ -23,11 +22,8 @@ from __future__ import annotations
 
 import operator
 
-import torch._inductor.config as inductor_config
 import torch.fx as fx
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from mxfx.kernels.common.launch import env_switch
 from mxfx.runtime.cache.forms import dgrad_side
 from mxfx.runtime.cache.operands import cached_weight, cached_weights
 
@@ -111,36 +107,3 @@ def run(graph: fx.Graph) -> int:
             for n in lookups:
                 _retarget(graph, n, *where[n])
     return removed
-
-
-class BatchLookups(CustomGraphPass):
-    """Inductor's post-grad custom pass running :func:`run`, after ``after`` (the pass that held the hook before,
-    if any)."""
-
-    def __init__(self, after=None):
-        self.after = after
-
-    def __call__(self, graph: fx.Graph) -> None:
-        if self.after is not None:
-            self.after(graph)
-        run(graph)
-
-    def uuid(self):
-        """A hash of this file, with the earlier pass's uuid; None (no caching, as Inductor does for it) where the
-        earlier pass has none."""
-        mine = get_hash_for_files((__file__,))
-        if self.after is None:
-            return mine
-        theirs = self.after.uuid() if hasattr(self.after, "uuid") else None
-        return None if theirs is None else (mine, theirs)
-
-
-def config_patch() -> dict:
-    """The Inductor config patch that installs :class:`BatchLookups` (after a pass the user set there), or none
-    where :data:`ENV` turns it off."""
-    if env_switch(ENV, True) is False:
-        return {}
-    earlier = inductor_config.post_grad_custom_post_pass
-    if isinstance(earlier, BatchLookups):
-        return {}
-    return {"post_grad_custom_post_pass": BatchLookups(earlier)}

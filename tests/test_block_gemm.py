@@ -368,6 +368,12 @@ def _interpreter_quantize_checks(bq):
         q2, s2, dy2, d_rw2 = bq.route_grad_operands_1x128(dout, rw, y, rule, rows=64, warps=2)
         _same((q2, s2), (q, s_))
         assert torch.equal(dy2, dy) and ((d_rw2.double() - terms.sum(-1)).abs() <= bound).all()
+        # the rows gathered by the kernel from a token gradient (a combine's backward): the same values
+        tokens, index = dout[::2].clone(), torch.arange(dout.shape[0]) // 2  # each token twice, as top-2 routing
+        qg, sg, dyg, d_rwg = bq.route_grad_operands_1x128(tokens, rw, y, rule, rows_of=index)
+        want = bq.route_grad_operands_1x128(tokens[index], rw, y, rule)
+        _same((qg, sg), want[:2])
+        assert torch.equal(dyg, want[2]) and torch.equal(d_rwg, want[3])
         # both 1x128 tilings of one [T, K] from one read; partial tiles along both dims
         xd = torch.randn(200, 320, generator=g) * 7
         q, s, qt, st = bq.quantize_1x128_dual(xd, rule)
@@ -506,6 +512,20 @@ def test_quantize_kernels_compile_for_sm90(monkeypatch):
         kernel = kernel.get(fn, "_quantize_kernel")
         (c,) = _sm90_launches(monkeypatch, bq, kernel, fn, *args)
         assert c.counts.get("STG", 0) > 0, fn.__name__
+
+
+def test_gathered_route_grad_kernel_compiles_for_sm90_without_spills(monkeypatch):
+    """The route-gradient kernel reading its rows from a token gradient by index: one sm90 kernel, its four
+    outputs stored, within the register file."""
+    from mxfx.kernels.fp8_block import quantize as bq
+
+    x = torch.zeros(256, 384, dtype=torch.bfloat16)
+    rows_of = torch.zeros(256, dtype=torch.int64)
+    (c,) = _sm90_launches(
+        monkeypatch, bq, "_route_grad_kernel", bq.route_grad_operands_1x128, x[:8], torch.ones(256), x, rows_of=rows_of
+    )
+    assert c.counts.get("STG", 0) > 0
+    assert c.counts.get("LDL", 0) == 0 and c.counts.get("STL", 0) == 0, "registers spilled to local memory"
 
 
 def test_dual_quantize_kernels_compile_for_sm90_without_spills(monkeypatch):

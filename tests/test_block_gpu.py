@@ -183,6 +183,19 @@ def test_quantize_kernels_bit_exact(rule):
     rw = torch.rand(300, generator=g)
     want = bf.quantize_1x128(dy.float() * rw[:, None], rule=rule)
     _same(bq.route_weight_quantize_1x128(dy.cuda(), rw.cuda(), rule), want)
+    # the same pair with dY in BF16 and the route weights' gradient from one read, the rows as they are and
+    # gathered by the kernel from each token's gradient (top-3: every token read three times)
+    y = torch.randn(300, 384, generator=g).bfloat16()
+    tokens, index = dy[:100].contiguous(), torch.arange(300) % 100
+    for rows, got in (
+        (dy, bq.route_grad_operands_1x128(dy.cuda(), rw.cuda(), y.cuda(), rule)),
+        (tokens[index], bq.route_grad_operands_1x128(tokens.cuda(), rw.cuda(), y.cuda(), rule, rows_of=index.cuda())),
+    ):
+        _same(got[:2], bf.quantize_1x128(rows.float() * rw[:, None], rule=rule))
+        assert torch.equal(got[2].cpu(), (rows.float() * rw[:, None]).bfloat16())
+        terms = rows.double() * y.double()
+        bound = terms.shape[1] * 2.0**-24 * terms.abs().sum(-1)  # the kernel's FP32 sum, in its own order
+        assert ((got[3].cpu().double() - terms.sum(-1)).abs() <= bound).all()
 
 
 def _same_up_to_an_ulp_of_amax(got, want):

@@ -6,7 +6,6 @@ import operator
 
 import pytest
 import torch
-import torch._inductor.config as inductor_config
 import torch.fx as fx
 from torch._inductor.utils import run_and_get_code
 
@@ -127,34 +126,3 @@ def test_cached_weights_is_each_lookup_in_turn_and_refuses_lists_that_do_not_pai
         cached_weights(ws, ["rceil"], ["block_forward", "block_dgrad"])
     with pytest.raises(ValueError, match="at least one weight"):
         cached_weights([], [], [])
-
-
-class _Earlier(torch._inductor.custom_graph_pass.CustomGraphPass):
-    def __init__(self):
-        self.seen = 0
-
-    def __call__(self, graph):
-        self.seen += 1
-
-    def uuid(self):
-        return "earlier"
-
-
-def test_the_hook_runs_a_pass_set_there_before_and_the_switch_turns_it_off(monkeypatch):
-    """The pass goes after one a user set on the hook, its uuid beside theirs (none where theirs has none: no
-    caching, as Inductor does for such a pass); ``MXFX_BATCH_LOOKUPS=0`` installs nothing. Inductor's own
-    ``config.patch`` sets the hook here (a monkeypatched config entry is deleted on undo: hidden from later tests)."""
-    earlier = _Earlier()
-    monkeypatch.delenv(lookup_batching.ENV, raising=False)
-    with inductor_config.patch(post_grad_custom_post_pass=earlier):
-        installed = lookup_batching.config_patch()["post_grad_custom_post_pass"]
-    assert installed.after is earlier
-    assert installed.uuid()[1] == "earlier"
-    g, _ = _graph((0, "rceil", "block_forward"), (1, "rceil", "block_forward"))
-    installed(g)
-    assert earlier.seen == 1 and any(n.target is cached_weights for n in g.nodes)
-    with inductor_config.patch(post_grad_custom_post_pass=lambda graph: None):
-        assert lookup_batching.config_patch()["post_grad_custom_post_pass"].uuid() is None
-    assert lookup_batching.config_patch()["post_grad_custom_post_pass"].after is None
-    monkeypatch.setenv(lookup_batching.ENV, "0")
-    assert lookup_batching.config_patch() == {}

@@ -10,6 +10,8 @@ what cuBLAS reads; the fake implementations say so too), every qdata contiguous.
 * ``block_route_weight_quantize(dy [S, D], weight [S], rule)``: the same of ``dy * weight[:, None]`` in fp32;
 * ``block_route_grad_operands(dy, weight, y [S, D], rule)``: that pair, ``dy * weight[:, None]`` in BF16 and the
   route weights' gradient ``sum(dy * y, -1)`` in fp32, from one read of ``dy``;
+* ``block_route_grad_operands_gathered(src [T, D], index [S], weight, y, rule)``: the same of ``dy = src[index]``,
+  its rows gathered by the kernel (a combine's backward: each token's gradient once per expert it went to);
 * ``block_quantize_tokens(x [T, K], rule)`` -> ``([K, T], [K, ceil(T/128)])``, 1x128 along tokens;
 * ``block_quantize_grouped_tokens(x [S, K], offs, rule)`` -> ``([K, 128 C], [K, C])``, tiles restarting at every
   group start (``C = mxfx.numerics.block.group_tile_capacity(S, G)``);
@@ -176,6 +178,45 @@ def _(dy, weight, y, rule):
         *_rows_fake(dy),
         torch.empty_like(dy, dtype=torch.bfloat16, memory_format=torch.contiguous_format),
         dy.new_empty((dy.shape[0],), dtype=torch.float32),
+    )
+
+
+def _check_route_grad_gathered(src: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, rule):
+    op = "block_route_grad_operands_gathered"
+    _check_inputs(op, rule, src=src, y=y)
+    if index.dim() != 1 or index.dtype not in (torch.int32, torch.int64) or index.device != src.device:
+        raise ValueError(
+            f"mxfx::{op}: index must be an int32 or int64 row index [S] on {src.device}, got {index.dtype} "
+            f"{tuple(index.shape)} on {index.device}"
+        )
+    _check_route_weight(op, y, weight)
+    if src.dim() != 2 or y.shape != (index.shape[0], src.shape[1]) or y.device != src.device:
+        raise ValueError(
+            f"mxfx::{op}: y (the unweighted output) of shape {tuple(y.shape)} on {y.device} must be [S, D] = "
+            f"{(index.shape[0], src.shape[-1])} for index [S] into src {tuple(src.shape)} on {src.device}"
+        )
+
+
+def _route_grad_operands_gathered(src: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, rule):
+    _check_route_grad_gathered(src, index, weight, y, rule)
+    q, s, dy16, d_weight = device_path.route_grad_operands_1x128(src, weight, y, rule, rows_of=index)
+    return q.contiguous(), column_major(s), dy16, d_weight
+
+
+@library.custom_op("mxfx::block_route_grad_operands_gathered", mutates_args=())
+def _block_route_grad_operands_gathered_op(
+    src: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, rule: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _route_grad_operands_gathered(src, index, weight, y, rule)
+
+
+@library.register_fake(_block_route_grad_operands_gathered_op)
+def _(src, index, weight, y, rule):
+    _check_route_grad_gathered(src, index, weight, y, rule)
+    return (
+        *_rows_fake(y),
+        torch.empty_like(y, dtype=torch.bfloat16, memory_format=torch.contiguous_format),
+        y.new_empty((y.shape[0],), dtype=torch.float32),
     )
 
 
@@ -511,6 +552,13 @@ block_route_grad_operands = op_or_body(
 route-weighted grouped GEMM from one read of its output gradient ``dy [S, D]`` (route weights ``weight [S]``,
 unweighted output ``y [S, D]``): :func:`block_route_weight_quantize`'s pair, ``dy * weight[:, None]`` in BF16 and
 ``sum(dy * y, -1)`` in fp32 ``[S]`` (``mxfx::block_route_grad_operands``).""",
+)
+block_route_grad_operands_gathered = op_or_body(
+    _block_route_grad_operands_gathered_op,
+    _route_grad_operands_gathered,
+    """:func:`block_route_grad_operands`
+of ``src[index]`` (``src [T, D]``, ``index [S]`` integers in range), its rows read where the kernel needs them, never
+written out as ``[S, D]`` (``mxfx::block_route_grad_operands_gathered``).""",
 )
 block_quantize_tokens = op_or_body(
     _block_quantize_tokens_op,

@@ -38,13 +38,18 @@ def route_weight_quantize_1x128(
     return quantize_1x128(dy.float() * weight.reshape(-1, 1).float(), rule)
 
 
-def route_grad_operands_1x128(dout: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, rule: str = "rceil"):
+def route_grad_operands_1x128(
+    dout: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, rule: str = "rceil", rows_of: torch.Tensor | None = None
+):
     """The backward operands of a route-weighted grouped GEMM from its output gradient ``dout [S, D]``, the route
     weights ``weight [S]`` and its unweighted output ``y [S, D]``: :func:`route_weight_quantize_1x128`'s pair of
     ``dy = dout * weight[:, None]``, ``dy`` in BF16 and ``sum(dout * y, -1)`` in fp32, each formed in fp32 (one
-    read of ``dout`` on CUDA): ``(qdata, scales, dy, d_weight)``."""
+    read of ``dout`` on CUDA): ``(qdata, scales, dy, d_weight)``. With ``rows_of`` (integer ``[S]``), ``dout`` is a
+    ``[T, D]`` source whose rows ``dout[rows_of]`` are the gradient (gathered by the kernel on CUDA)."""
     if triton_available(dout):
-        return _triton().route_grad_operands_1x128(dout, weight, y, rule)
+        return _triton().route_grad_operands_1x128(dout, weight, y, rule, rows_of=rows_of)
+    if rows_of is not None:
+        dout = dout[rows_of]
     dy = dout.float() * weight.reshape(-1, 1).float()
     return (*quantize_1x128(dy, rule), dy.to(torch.bfloat16), (dout.float() * y.float()).sum(-1))
 

@@ -178,6 +178,7 @@ def _quantize_kernel(
 @triton.jit
 def _route_grad_kernel(
     d_ptr,
+    i_ptr,
     w_ptr,
     y_ptr,
     q_ptr,
@@ -187,19 +188,25 @@ def _route_grad_kernel(
     R,
     C,
     RCEIL: tl.constexpr,
+    GATHER: tl.constexpr,
     BR: tl.constexpr,
     BC: tl.constexpr,
 ):
     """One ``[BR, 128]`` tile of a route-weighted grouped GEMM's output gradient ``dout`` (contiguous ``[R, C]``,
     as the saved unweighted output ``y``): ``dy = dout * w[:, None]`` formed in fp32, its 1x128 rows quantized
     (qdata ``[R, C]``, scale storage ``[ceil(C/128), R]``), ``dy`` in BF16 (the BF16 wgrad's operand), and the
-    tile's part of each row's route-weight gradient ``sum(dout * y)`` (fp32 ``[R, ceil(C/128)]``)."""
+    tile's part of each row's route-weight gradient ``sum(dout * y)`` (fp32 ``[R, ceil(C/128)]``). ``GATHER``:
+    row r of ``dout`` is row ``i[r]`` of a contiguous ``[T, C]`` source (``i``: ``[R]`` integers in range)."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     row_ok = rows < R
     ok = row_ok[:, None] & (cols[None, :] < C)
     offs = rows[:, None].to(tl.int64) * C + cols[None, :]
-    d = tl.load(d_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    if GATHER:
+        src = tl.load(i_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+        d = tl.load(d_ptr + src[:, None] * C + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    else:
+        d = tl.load(d_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     y = tl.load(y_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     n_tiles = tl.num_programs(1)
     tl.store(p_ptr + rows.to(tl.int64) * n_tiles + tl.program_id(1), tl.sum(d * y, axis=1), mask=row_ok)
@@ -438,15 +445,19 @@ def route_grad_operands_1x128(
     y: torch.Tensor,
     rule: str = "rceil",
     *,
+    rows_of: torch.Tensor | None = None,
     rows: int = ROWWISE_ROWS,
     warps: int = 4,
 ):
     """The backward operands of a route-weighted grouped GEMM ``out = y * weight[:, None]`` from one read of its
     output gradient ``dout [S, D]``: :func:`route_weight_quantize_1x128`'s pair of ``dy = dout * weight[:, None]``,
     ``dy`` in BF16 (the BF16 wgrad's operand) and the route weights' gradient ``sum(dout * y, -1)`` in fp32 ``[S]``
-    (``y``: the unweighted output, ``[S, D]``), each formed in fp32: ``(qdata, scales, dy, d_weight)``. ``rows``
-    (a power of two) and ``warps`` per program of one 128-wide tile: the same values at any launch but for the route
-    weights' gradient, an FP32 sum whose order they change.
+    (``y``: the unweighted output, ``[S, D]``), each formed in fp32: ``(qdata, scales, dy, d_weight)``. With
+    ``rows_of`` (integer ``[S]``), ``dout`` is a ``[T, D]`` source and its rows ``dout[rows_of]`` are read where the
+    kernel needs them, never written out as ``[S, D]`` (a combine's backward: each token's gradient read once per
+    expert it went to); every index must be in ``[0, T)``, as for ``dout[rows_of]``. ``rows`` (a power of two) and
+    ``warps`` per program of one 128-wide tile: the same values at any launch but for the route weights' gradient, an
+    FP32 sum whose order they change.
 
     Raises:
         TypeError / ValueError: dout or y not a bf16 / fp16 / fp32 tensor; dout not 2D, y not of its shape and
@@ -455,14 +466,22 @@ def route_grad_operands_1x128(
     op = "mxfx.block_quantize.route_grad_operands_1x128"
     check_input(dout, op, "fp8_block", min_dim=2)
     check_input(y, op, "fp8_block", min_dim=2)
-    if dout.dim() != 2 or y.shape != dout.shape or y.device != dout.device:
+    rows_shape = tuple(dout.shape) if rows_of is None else (rows_of.shape[0], dout.shape[-1])
+    if dout.dim() != 2 or tuple(y.shape) != rows_shape or y.device != dout.device:
         raise ValueError(
-            f"{op}: needs dout [S, D] and the unweighted output y of its shape on its device, got dout "
-            f"{tuple(dout.shape)} on {dout.device} and y {tuple(y.shape)} on {y.device}"
+            f"{op}: needs dout [S, D] (or a [T, D] source and rows_of [S]) and the unweighted output y [S, D] on its "
+            f"device, got dout {tuple(dout.shape)} on {dout.device} and y {tuple(y.shape)} on {y.device}"
         )
-    if weight.shape != (dout.shape[0],) or weight.device != dout.device or not weight.is_floating_point():
+    if rows_of is not None and (
+        rows_of.dim() != 1 or rows_of.dtype not in (torch.int32, torch.int64) or rows_of.device != dout.device
+    ):
         raise ValueError(
-            f"{op}: needs one floating route weight per row of dout {tuple(dout.shape)} on its device, got "
+            f"{op}: rows_of must be an int32 or int64 index [S] on {dout.device}, got {rows_of.dtype} "
+            f"{tuple(rows_of.shape)} on {rows_of.device}"
+        )
+    if weight.shape != (y.shape[0],) or weight.device != dout.device or not weight.is_floating_point():
+        raise ValueError(
+            f"{op}: needs one floating route weight per row of y {tuple(y.shape)} on its device, got "
             f"{weight.dtype} {tuple(weight.shape)} on {weight.device}; flatten the weights to [S]"
         )
     if not (isinstance(rows, int) and 1 <= rows <= 1024 and rows & (rows - 1) == 0) or warps not in (1, 2, 4, 8, 16):
@@ -471,7 +490,7 @@ def route_grad_operands_1x128(
             f"warps={warps!r} for dout {tuple(dout.shape)}"
         )
     rceil = _rule(rule, op)
-    m, k = dout.shape
+    m, k = y.shape
     d, y = dout.contiguous(), y.contiguous()
     q, s = _new_rows_pair(m, k, dout.device)
     dy = torch.empty((m, k), dtype=torch.bfloat16, device=dout.device)
@@ -482,6 +501,8 @@ def route_grad_operands_1x128(
             _route_grad_kernel,
             grid,
             d,
+            parts if rows_of is None else rows_of.contiguous(),  # i_ptr: unread without rows_of (an output, so
+            # that no second copy of a traced dout is made for it)
             weight.contiguous(),
             y,
             q,
@@ -491,6 +512,7 @@ def route_grad_operands_1x128(
             m,
             k,
             RCEIL=rceil,
+            GATHER=rows_of is not None,
             BR=rows,
             BC=TILE,
             num_warps=warps,
