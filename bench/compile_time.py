@@ -526,10 +526,19 @@ def main(argv=None) -> list[dict]:
     args = p.parse_args(argv)
     import torch
 
+    if args.model not in ("olmoe", "qwen3"):
+        p.error(f"argument --model: {args.model!r}: choose olmoe or qwen3")
+    if args.layers < 1 or args.profile < 0:
+        p.error(f"--layers {args.layers} must be >= 1 and --profile {args.profile} >= 0")
+    for flag, given, allowed in (
+        ("--units", args.units, ("model", "block")),
+        ("--profile-cache", args.profile_cache, ("cold", "warm")),
+        ("--arms", args.arms, tuple(ARMS)),
+    ):
+        names = given.split(",")
+        if not all(names) or set(names) - set(allowed):
+            p.error(f"argument {flag}: {given!r}: a comma list of {', '.join(allowed)}")
     if args.passes_only:
-        unknown = set(args.arms.split(",")) - set(ARMS)
-        if unknown:
-            p.error(f"unknown arm(s) {sorted(unknown)}; choose from {', '.join(ARMS)}")
         device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
         return passes_only(args.model, args.arms.split(","), args.layers, args.dims or "small", device)
     args.dims = args.dims or ("smoke" if args.smoke else "real")
@@ -542,9 +551,6 @@ def main(argv=None) -> list[dict]:
             flush=True,
         )
         return []
-    unknown = set(args.arms.split(",")) - set(ARMS)
-    if unknown:
-        p.error(f"unknown arm(s) {sorted(unknown)}; choose from {', '.join(ARMS)}")
     out_dir = os.environ.get("MXFX_BENCH_OUT", os.path.join(ROOT, "bench", "results"))
     rows = []
     for unit in args.units.split(","):

@@ -242,6 +242,24 @@ def test_hf_models_refuses_sizes_it_cannot_run(monkeypatch, capsys, args, says):
     assert e.value.code == 2 and says in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (("--units", "foo"), "--units: 'foo': a comma list of model, block"),
+        (("--arms", "bf16,nope"), "--arms: 'bf16,nope': a comma list of"),
+        (("--profile-cache", "hot"), "--profile-cache: 'hot': a comma list of cold, warm"),
+        (("--layers", "0"), "--layers 0 must be >= 1"),
+        (("--model", "gpt"), "--model: 'gpt': choose olmoe or qwen3"),
+    ],
+)
+def test_compile_time_refuses_arguments_it_cannot_run(monkeypatch, capsys, args, says):
+    """A bad argument ends in an argparse error naming it before any compile starts (exit status 2)."""
+    pytest.importorskip("transformers")
+    with pytest.raises(SystemExit) as e:
+        run_script(monkeypatch, "bench/compile_time.py", *args)
+    assert e.value.code == 2 and says in capsys.readouterr().err
+
+
 def test_hf_models_without_transformers_says_how_to_install_it(monkeypatch):
     """Without transformers the benchmark ends with the install command, not a bare ModuleNotFoundError."""
     from bench import hf_models
