@@ -13,10 +13,35 @@ import textwrap
 
 import pytest
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
+import mxfx.kernels.fp8_block.quantize  # noqa: E402  (needs Triton; the dotted chain a kernel below calls through)
 from mxfx.kernels.common import kernel_keys  # noqa: E402
-from mxfx.kernels.fp8_block import quantize  # noqa: E402  (needs Triton)
+from mxfx.kernels.fp8_block import quantize  # noqa: E402
+
+ORDER_SENSITIVE = tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 9)
+"""Whether this Triton keys a caller before its callees when asked (3.9 computes a callee's key first itself)."""
+
+
+class _Boom:
+    """A global whose attributes raise."""
+
+    def __getattr__(self, name):
+        raise RuntimeError(f"no {name}")
+
+
+BOOM = _Boom()
+
+
+@triton.jit
+def _through_a_chain(x):
+    return mxfx.kernels.fp8_block.quantize._scales(x, x, True)
+
+
+@triton.jit
+def _through_a_raising_global(x):
+    return BOOM.anything(x)
+
 
 _KEYS = textwrap.dedent(
     """
@@ -44,6 +69,7 @@ def _keys(first: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.skipif(not ORDER_SENSITIVE, reason="this Triton keys a callee before its caller itself (3.9+)")
 def test_a_kernels_key_does_not_depend_on_which_kernel_was_keyed_first():
     # _dual_kernel and _quantize_kernel share their E4M3 helpers (and through them two constexpr globals)
     orders = [_keys(first) for first in ("-", "_dual_kernel", "_quantize_kernel", "_swiglu_save_kernel")]
@@ -65,3 +91,12 @@ def test_a_kernel_is_keyed_after_its_callees():
     # the constexpr globals its callees read are part of its key, as when each is keyed alone
     names = {name for name, _ in quantize._route_grad_kernel.used_global_vals}
     assert "HW_E4M3_CONVERSION" in names, names
+
+
+def test_callees_through_dotted_chains_and_a_global_that_raises_leaves_the_launch_alone():
+    assert quantize._scales in kernel_keys._callees(_through_a_chain)
+    kernel_keys.fix(_through_a_raising_global)  # no error: Triton keys it as it would have
+    assert id(_through_a_raising_global) not in kernel_keys._FIXED
+    plain = object()
+    kernel_keys.fix(plain)  # not a kernel: nothing noted
+    assert id(plain) not in kernel_keys._FIXED

@@ -33,17 +33,26 @@ def _jit_function(obj):
     return None
 
 
+def _resolve(node: ast.AST, scope: dict):
+    """The value a name or a dotted chain of attributes (``a.b.c``) in ``fn``'s source names in ``scope``, or None
+    (a local name, a call's result, anything not found)."""
+    if isinstance(node, ast.Name):
+        return scope.get(node.id)
+    if isinstance(node, ast.Attribute):
+        base = _resolve(node.value, scope)
+        return None if base is None else getattr(base, node.attr, None)
+    return None
+
+
 def _callees(fn) -> list:
-    """The JIT functions ``fn``'s source names: globals (``name``) and attributes of global modules
-    (``module.name``), in source order."""
+    """The JIT functions ``fn``'s source names: globals (``name``) and attributes of globals (``module.name``,
+    ``package.module.name``), in source order."""
     scope = getattr(getattr(fn, "fn", None), "__globals__", {})
     found, out = set(), []
     for node in ast.walk(ast.parse(textwrap.dedent(fn.src))):
-        value = None
-        if isinstance(node, ast.Name):
-            value = scope.get(node.id)
-        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
-            value = getattr(scope.get(node.value.id), node.attr, None)
+        if not isinstance(node, (ast.Name, ast.Attribute)):
+            continue
+        value = _resolve(node, scope)
         callee = _jit_function(value) if value is not None else None
         if callee is not None and callee is not fn and id(callee) not in found:
             found.add(id(callee))
@@ -53,12 +62,19 @@ def _callees(fn) -> list:
 
 def fix(kernel) -> None:
     """Compute the Triton cache key of ``kernel`` (a JIT function or a wrapper of one) after those of every JIT
-    function it calls, transitively; once per kernel, a set lookup after that. Anything else: nothing to do."""
+    function it calls, transitively; once per kernel, a set lookup after that. Anything else: nothing to do.
+
+    Best effort: where a kernel's source cannot be read for its callees (a global whose attribute raises, say),
+    the key is left for Triton to compute as it would have, and the launch goes on."""
     if id(kernel) in _FIXED:
         return
     fn = _jit_function(kernel)
-    if fn is not None:
+    if fn is None:
+        return
+    try:
         _fix_tree(fn, set())
+    except Exception:  # noqa: BLE001 (reading the source is an optimization of keying; Triton keys it anyway)
+        return
     _FIXED.add(id(kernel))
 
 
