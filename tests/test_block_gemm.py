@@ -151,6 +151,24 @@ def test_route_grad_launch_shape_is_checked_before_launch():
             bq.route_grad_operands_1x128(x, torch.ones(64), x, rows=rows, warps=warps)
 
 
+def test_a_triton_function_given_cpu_tensors_says_where_the_cpu_path_is():
+    """Without the interpreter, a Triton quantize of CPU tensors is refused by kernel name, pointing at the CPU
+    reference, not left to Triton's driver error."""
+    pytest.importorskip("triton")
+    from mxfx.kernels.common import launch
+    from mxfx.kernels.fp8_block import quantize as bq
+
+    if launch.INTERPRETED:
+        pytest.skip("Triton's interpreter takes CPU tensors")
+    x = torch.zeros(64, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"Triton kernel _route_grad_kernel got a cpu tensor \(64, 128\).*device_path"):
+        bq.route_grad_operands_1x128(x, torch.ones(64), x)
+    with pytest.raises(ValueError, match=r"route weight per row"):
+        bq.route_grad_operands_1x128(x, torch.ones(64, dtype=torch.float64), x)
+    with pytest.raises(ValueError, match=r"rows=True"):
+        bq.route_grad_operands_1x128(x, torch.ones(64), x, rows=True)
+
+
 # ---- Triton interpreter ------------------------------------------------------------------
 
 

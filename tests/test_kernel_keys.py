@@ -80,8 +80,8 @@ def test_callees_are_found_by_name_and_through_modules():
     names = {f.fn.__name__ for f in kernel_keys._callees(quantize._dual_kernel)}
     assert {"_row_tiles", "_col_tiles", "slot_rows"} <= names, names  # direct callees (slot_rows: another module)
     assert "_encode" not in names  # called through _row_tiles only
-    assert kernel_keys._jit_function(quantize._dual_kernel) is quantize._dual_kernel
-    assert kernel_keys._jit_function(object()) is None
+    assert kernel_keys.jit_function(quantize._dual_kernel) is quantize._dual_kernel
+    assert kernel_keys.jit_function(object()) is None
 
 
 def test_a_kernel_is_keyed_after_its_callees():

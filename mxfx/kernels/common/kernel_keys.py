@@ -20,7 +20,7 @@ import textwrap
 _FIXED: set[int] = set()  # ids of the kernels whose keys (and their callees') are computed
 
 
-def _jit_function(obj):
+def jit_function(obj):
     """The ``@triton.jit`` function under ``obj`` (a JIT function, or an autotuner/heuristics wrapper of one), or None
     for anything else."""
     seen = 0
@@ -53,7 +53,7 @@ def _callees(fn) -> list:
         if not isinstance(node, (ast.Name, ast.Attribute)):
             continue
         value = _resolve(node, scope)
-        callee = _jit_function(value) if value is not None else None
+        callee = jit_function(value) if value is not None else None
         if callee is not None and callee is not fn and id(callee) not in found:
             found.add(id(callee))
             out.append(callee)
@@ -68,7 +68,7 @@ def fix(kernel) -> None:
     the key is left for Triton to compute as it would have, and the launch goes on."""
     if id(kernel) in _FIXED:
         return
-    fn = _jit_function(kernel)
+    fn = jit_function(kernel)
     if fn is None:
         return
     try:

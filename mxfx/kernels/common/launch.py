@@ -211,6 +211,7 @@ def launch(kernel, grid: tuple, *args, maxnreg: int | None = None, **kwargs) -> 
 
         wrap_triton(kernel)[grid](*args, **kwargs)
     else:
+        _check_device(kernel, args)
         kernel[grid](*args, **kwargs)
 
 
@@ -219,7 +220,23 @@ def launch_direct(kernel, grid: tuple, *args, **kwargs) -> None:
     whose launch options such as ``maxnreg`` Triton takes directly); while :func:`recording`, note it instead."""
     kernel_keys.fix(kernel)
     if not _note(kernel, grid, args, kwargs):
+        _check_device(kernel, args)
         kernel[grid](*args, **kwargs)
+
+
+def _check_device(kernel, args) -> None:
+    """Refuse, naming the kernel, tensors Triton cannot launch on: a compiled kernel takes CUDA tensors (Triton's
+    interpreter, ``TRITON_INTERPRET=1``, takes CPU ones)."""
+    if INTERPRETED or kernel_keys.jit_function(kernel) is None:  # not a Triton kernel: its own rules
+        return
+    t = next((a for a in args if isinstance(a, torch.Tensor) and a.device.type != "cuda"), None)
+    if t is not None:
+        name = getattr(getattr(kernel, "fn", kernel), "__name__", str(kernel))
+        raise ValueError(
+            f"mxfx: Triton kernel {name} got a {t.device.type} tensor {tuple(t.shape)}: mxfx's Triton kernels run "
+            "on CUDA tensors; on the CPU call the format's device_path functions (mxfx.kernels.*.device_path), "
+            "which run the reference, or set TRITON_INTERPRET=1 to run the kernel in Triton's interpreter"
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -479,12 +479,15 @@ def route_grad_operands_1x128(
             f"{op}: rows_of must be an int32 or int64 index [S] on {dout.device}, got {rows_of.dtype} "
             f"{tuple(rows_of.shape)} on {rows_of.device}"
         )
-    if weight.shape != (y.shape[0],) or weight.device != dout.device or not weight.is_floating_point():
+    weight_dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    if weight.shape != (y.shape[0],) or weight.device != dout.device or weight.dtype not in weight_dtypes:
         raise ValueError(
-            f"{op}: needs one floating route weight per row of y {tuple(y.shape)} on its device, got "
+            f"{op}: needs one fp32/bf16/fp16 route weight per row of y {tuple(y.shape)} on its device, got "
             f"{weight.dtype} {tuple(weight.shape)} on {weight.device}; flatten the weights to [S]"
         )
-    if not (isinstance(rows, int) and 1 <= rows <= 1024 and rows & (rows - 1) == 0) or warps not in (1, 2, 4, 8, 16):
+    if not (type(rows) is int and 1 <= rows <= 1024 and rows & (rows - 1) == 0) or not (
+        type(warps) is int and warps in (1, 2, 4, 8, 16)
+    ):
         raise ValueError(
             f"{op}: rows must be a power of two from 1 to 1024 and warps one of 1, 2, 4, 8, 16, got rows={rows!r}, "
             f"warps={warps!r} for dout {tuple(dout.shape)}"
