@@ -760,13 +760,20 @@ def main(argv=None) -> list[dict]:
             p.error(f"argument {flag}: {value} must be >= {least}")
     if args.skip >= args.steps:
         p.error(f"argument --skip: {args.skip} leaves none of --steps {args.steps} to time; give more steps")
-    if not args.lr > 0:
-        p.error(f"argument --lr: {args.lr} must be > 0")
+    if args.tokens % args.seq:
+        p.error(
+            f"argument --tokens: {args.tokens} is not a multiple of --seq {args.seq} (whole sequences a microbatch)"
+        )
+    if not (args.lr > 0 and math.isfinite(args.lr)):
+        p.error(f"argument --lr: {args.lr} must be finite and > 0")
     models = [m for m in args.model.split(",") if m]
     if not models or set(models) - {"olmoe", "qwen3"}:
         p.error(f"argument --model: {args.model!r}: a comma list of olmoe, qwen3")
     if not [a for a in args.arms.split(",") if a]:
         p.error(f"argument --arms: {args.arms!r} names no arm; choose from {', '.join(ARMS)}")
+    unknown = sorted({a for a in args.arms.split(",") if a} - set(ARMS))
+    if unknown:
+        p.error(f"argument --arms: unknown arm(s) {unknown}; choose from {', '.join(ARMS)}")
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     if args.microbatches is None:
         args.microbatches = 8 if device == "cuda" else 1
@@ -780,9 +787,6 @@ def main(argv=None) -> list[dict]:
             p.error("--cpp-wrapper: CUDA only (this run is on the CPU); leave it out")
         inductor_config.cpp_wrapper = True
     arms = [a for a in args.arms.split(",") if a]
-    unknown = sorted(set(arms) - set(ARMS))
-    if unknown:
-        raise SystemExit(f"hf_models: unknown arm(s) {unknown}; choose from {', '.join(ARMS)}")
     # torchao's FP8 grouped GEMM can hit a CUDA assert on HF's unpadded groups, which ends the process's CUDA
     # context: it runs after every other arm
     arms.sort(key=lambda a: a == "torchao-fp8-rowwise")

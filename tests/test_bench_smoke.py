@@ -232,6 +232,9 @@ def test_hf_models_smoke(monkeypatch, tmp_path):
         (("--layers", "0"), "--layers: 0 must be >= 1"),
         (("--model", "olmoe,nope"), "a comma list of olmoe, qwen3"),
         (("--arms", ","), "names no arm"),
+        (("--arms", "bf16-grouped,nope"), "unknown arm(s) ['nope']"),
+        (("--tokens", "100", "--seq", "64"), "--tokens: 100 is not a multiple of --seq 64"),
+        (("--lr", "inf"), "--lr: inf must be finite and > 0"),
     ],
 )
 def test_hf_models_refuses_sizes_it_cannot_run(monkeypatch, capsys, args, says):

@@ -1,5 +1,7 @@
-"""Probe: launch shapes of the one-read routed dY kernel (``route_grad_operands_1x128``: dY's FP8 rows, its BF16 copy
-and the route weights' gradient from ``dout`` and the unweighted output ``y``).
+"""Probe: rows per program x warps of fp8_block's one-read routed dY kernel, against a stream of the same bytes.
+
+``route_grad_operands_1x128`` writes dY's FP8 rows, its BF16 copy and the route weights' gradient from ``dout`` and
+the unweighted output ``y``.
 
 Times rows per program x warps at the routed dY of OLMoE and Qwen3 layers (8,192 tokens top-8, d 2,048) beside a
 stream that moves the same bytes (two BF16 reads, a BF16 and a byte write: ``torch.mul`` of two tensors into BF16,
