@@ -223,43 +223,30 @@ def test_hf_models_smoke(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "args, says",
+    "script, args, says",
     [
-        (("--steps", "0"), "--steps: 0 must be >= 1"),
-        (("--steps", "4", "--skip", "4"), "leaves none of --steps 4"),
-        (("--skip", "-3"), "--skip: -3 must be >= 0"),
-        (("--eval-batches", "0"), "--eval-batches: 0 must be >= 1"),
-        (("--layers", "0"), "--layers: 0 must be >= 1"),
-        (("--model", "olmoe,nope"), "a comma list of olmoe, qwen3"),
-        (("--arms", ","), "names no arm"),
-        (("--arms", "bf16-grouped,nope"), "unknown arm(s) ['nope']"),
-        (("--tokens", "100", "--seq", "64"), "--tokens: 100 is not a multiple of --seq 64"),
-        (("--lr", "inf"), "--lr: inf must be finite and > 0"),
+        ("hf_models", ("--steps", "0"), "--steps: 0 must be >= 1"),
+        ("hf_models", ("--steps", "4", "--skip", "4"), "leaves none of --steps 4"),
+        ("hf_models", ("--skip", "-3"), "--skip: -3 must be >= 0"),
+        ("hf_models", ("--eval-batches", "0"), "--eval-batches: 0 must be >= 1"),
+        ("hf_models", ("--layers", "0"), "--layers: 0 must be >= 1"),
+        ("hf_models", ("--model", "olmoe,nope"), "a comma list of olmoe, qwen3"),
+        ("hf_models", ("--arms", ","), "names no arm"),
+        ("hf_models", ("--arms", "bf16-grouped,nope"), "unknown arm(s) ['nope']"),
+        ("hf_models", ("--tokens", "100", "--seq", "64"), "--tokens: 100 is not a multiple of --seq 64"),
+        ("hf_models", ("--lr", "inf"), "--lr: inf must be finite and > 0"),
+        ("compile_time", ("--units", "foo"), "--units: 'foo': a comma list of model, block"),
+        ("compile_time", ("--arms", "bf16,nope"), "--arms: 'bf16,nope': a comma list of"),
+        ("compile_time", ("--profile-cache", "hot"), "--profile-cache: 'hot': a comma list of cold, warm"),
+        ("compile_time", ("--layers", "0"), "--layers 0 must be >= 1"),
+        ("compile_time", ("--model", "gpt"), "--model: 'gpt': choose olmoe or qwen3"),
     ],
 )
-def test_hf_models_refuses_sizes_it_cannot_run(monkeypatch, capsys, args, says):
-    """A bad size ends in an argparse error naming its flag before any arm runs (exit status 2)."""
+def test_benchmarks_refuse_arguments_they_cannot_run(monkeypatch, capsys, script, args, says):
+    """A bad size or name ends in an argparse error naming its flag before any arm runs (exit status 2)."""
     pytest.importorskip("transformers")
     with pytest.raises(SystemExit) as e:
-        run_script(monkeypatch, "bench/hf_models.py", *args)
-    assert e.value.code == 2 and says in capsys.readouterr().err
-
-
-@pytest.mark.parametrize(
-    "args, says",
-    [
-        (("--units", "foo"), "--units: 'foo': a comma list of model, block"),
-        (("--arms", "bf16,nope"), "--arms: 'bf16,nope': a comma list of"),
-        (("--profile-cache", "hot"), "--profile-cache: 'hot': a comma list of cold, warm"),
-        (("--layers", "0"), "--layers 0 must be >= 1"),
-        (("--model", "gpt"), "--model: 'gpt': choose olmoe or qwen3"),
-    ],
-)
-def test_compile_time_refuses_arguments_it_cannot_run(monkeypatch, capsys, args, says):
-    """A bad argument ends in an argparse error naming it before any compile starts (exit status 2)."""
-    pytest.importorskip("transformers")
-    with pytest.raises(SystemExit) as e:
-        run_script(monkeypatch, "bench/compile_time.py", *args)
+        run_script(monkeypatch, f"bench/{script}.py", *args)
     assert e.value.code == 2 and says in capsys.readouterr().err
 
 

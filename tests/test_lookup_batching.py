@@ -14,10 +14,11 @@ from mxfx.runtime.cache.operands import cached_weight, cached_weights
 from tests.test_combine_sum import _unsort_layer
 
 
-def _step(monkeypatch, batch: bool):
-    """A compiled training step of a linear feeding an HF-style routed layer (fp8_block, Inductor on the CPU):
-    its output, the gradients and Inductor's generated code."""
-    monkeypatch.setenv(lookup_batching.ENV, "1" if batch else "0")
+def _step(monkeypatch, batch: bool, env: str = lookup_batching.ENV):
+    """A compiled training step of a linear feeding an HF-style routed layer (fp8_block, Inductor on the CPU),
+    with post-grad pass switch ``env`` on (``batch``) or off: its output, the gradients and Inductor's generated
+    code."""
+    monkeypatch.setenv(env, "1" if batch else "0")
     torch._dynamo.reset()
     torch.manual_seed(0)
     x = torch.randn(48, 128, dtype=torch.bfloat16, requires_grad=True)

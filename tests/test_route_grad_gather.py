@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from torch._inductor.utils import run_and_get_code
-
 from mxfx import route_grad_gather
-from tests.test_combine_sum import _unsort_layer
+from tests.test_lookup_batching import _step
 
 _ROUTE_GRAD = torch.ops.mxfx.block_route_grad_operands.default
 _GATHERED = torch.ops.mxfx.block_route_grad_operands_gathered.default
@@ -57,32 +55,12 @@ def test_gathered_rows_read_elsewhere_stay_and_other_graphs_are_left_alone():
     assert route_grad_gather.run(g) == 0 and str(g) == before
 
 
-def _step(monkeypatch, gather: bool):
-    """A compiled training step of an HF-style routed layer (fp8_block, Inductor on the CPU): its output, the
-    gradients and Inductor's generated code."""
-    monkeypatch.setenv(route_grad_gather.ENV, "1" if gather else "0")
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    x = torch.randn(48, 128, dtype=torch.bfloat16, requires_grad=True)
-    shapes = ((4, 128), (4, 256, 128), (4, 128, 128))
-    params = [(torch.randn(*s) * 0.2).bfloat16().requires_grad_() for s in shapes]
-    fn = torch.compile(_unsort_layer, backend="mxfp8", options={"format": "fp8_block"})
-
-    def step():
-        out = fn(x, *params)
-        out.float().square().sum().backward()
-        return out
-
-    out, code = run_and_get_code(step)
-    return out, [t.grad for t in (x, *params)], "\n".join(code)
-
-
 def test_a_compiled_step_reads_the_token_gradient_and_computes_the_same(monkeypatch):
     """The combine's backward gathers each token's gradient to its rows; with the rewrite the route-gradient op
     reads them from the tokens. Output and gradients are bit for bit those of the step without it (the same rows,
     the same arithmetic)."""
-    out, grads, code = _step(monkeypatch, gather=True)
-    ref_out, ref_grads, ref_code = _step(monkeypatch, gather=False)
+    out, grads, code = _step(monkeypatch, True, route_grad_gather.ENV)
+    ref_out, ref_grads, ref_code = _step(monkeypatch, False, route_grad_gather.ENV)
     assert "mxfx.block_route_grad_operands.default(" in ref_code
     assert "mxfx.block_route_grad_operands_gathered.default(" in code
     assert "mxfx.block_route_grad_operands.default(" not in code
