@@ -1,4 +1,4 @@
-"""One weight-cache lookup call per round of a compiled graph (``mxfx.lookup_batching``)."""
+"""One weight-cache lookup call per round of a compiled graph (``mxfx.post_grad.lookup_batching``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 from torch._inductor.utils import run_and_get_code
 
-from mxfx import lookup_batching
+from mxfx.post_grad import lookup_batching
 from mxfx.runtime.cache.operands import cached_weight, cached_weights
 from tests.test_combine_sum import _unsort_layer
 

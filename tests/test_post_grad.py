@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 import torch._inductor.config as inductor_config
 
-from mxfx import lookup_batching, post_grad, route_grad_gather
+from mxfx import post_grad
+from mxfx.post_grad import lookup_batching, route_grad_gather
 from mxfx.runtime.cache.operands import cached_weights
 from tests.test_lookup_batching import _graph
 

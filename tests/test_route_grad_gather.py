@@ -1,11 +1,11 @@
-"""A routed GEMM's output gradient read from its tokens (``mxfx.route_grad_gather``): the rewrite of Inductor's
-post-grad graph, and a compiled step with it and without."""
+"""A routed GEMM's output gradient read from its tokens (``mxfx.post_grad.route_grad_gather``): the rewrite of
+Inductor's post-grad graph, and a compiled step with it and without."""
 
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from mxfx import route_grad_gather
+from mxfx.post_grad import route_grad_gather
 from tests.test_lookup_batching import _step
 
 _ROUTE_GRAD = torch.ops.mxfx.block_route_grad_operands.default

@@ -53,7 +53,7 @@ cached_weights = library.define(
 )
 """``mxfx::cached_weight`` of several weights in one call: the forms of ``weights[i]`` (rule ``rules[i]``, form
 ``forms[i]``) one after another in a flat list, each as that op returns it. One dispatch for all of a graph's
-lookups (:mod:`mxfx.lookup_batching`).
+lookups (:mod:`mxfx.post_grad.lookup_batching`).
 
 Raises:
     ValueError: lists of different lengths or empty, or what ``mxfx::cached_weight`` raises for one weight."""

@@ -4,10 +4,10 @@ The passes of :mod:`mxfx.passes` rewrite the traced forward before AOTAutograd; 
 Inductor lowers (forward and backward, after the partition), through Inductor's own hook
 ``torch._inductor.config.post_grad_custom_post_pass``, in this order:
 
-* :mod:`mxfx.lookup_batching`: a graph's weight-cache lookups of its inputs in one call (``MXFX_BATCH_LOOKUPS=0``
-  off);
-* :mod:`mxfx.route_grad_gather`: a routed GEMM's output gradient read from its tokens, not written out per row
-  (``MXFX_GATHER_ROUTE_GRAD=0`` off).
+* :mod:`mxfx.post_grad.lookup_batching`: a graph's weight-cache lookups of its inputs in one call
+  (``MXFX_BATCH_LOOKUPS=0`` off);
+* :mod:`mxfx.post_grad.route_grad_gather`: a routed GEMM's output gradient read from its tokens, not written out
+  per row (``MXFX_GATHER_ROUTE_GRAD=0`` off).
 
 A pass the user set on the hook runs first. :meth:`PostGradPasses.uuid` (a hash of these files and of which passes
 are on) enters Inductor's cache key, so a cached graph is only reused under the same rewrites.
@@ -19,7 +19,7 @@ import torch._inductor.config as inductor_config
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from mxfx import lookup_batching, route_grad_gather
+from mxfx.post_grad import lookup_batching, route_grad_gather
 from mxfx.kernels.common.launch import env_switch
 
 PASSES = {lookup_batching.ENV: lookup_batching, route_grad_gather.ENV: route_grad_gather}
