@@ -244,6 +244,12 @@ def all_reports() -> list[PrecisionMap]:
     return list(_reports)
 
 
+def reset_reports() -> None:
+    """Forget every precision map kept so far: :func:`last_report` is None and :func:`all_reports` empty until the
+    next graph compiles (say, after ``torch._dynamo.reset()`` before another model). Graph numbers keep counting."""
+    _reports.clear()
+
+
 def write_dump(dump_dir: str, pm: PrecisionMap, before: str, after: str) -> str:
     """Write before/after graph code and the precision map; returns the graph's folder."""
     folder = os.path.join(dump_dir, f"graph_{pm.graph_id:03d}")

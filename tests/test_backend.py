@@ -351,3 +351,20 @@ def test_compile_mode_reaches_inner_inductor_without_cuda_graphs():
     m = nn.Linear(64, 64)
     with pytest.warns(UserWarning, match=r"mode='reduce-overhead'.*CUDA graphs"):
         torch.compile(m, backend="mxfp8", mode="reduce-overhead")(torch.randn(32, 64))
+
+
+def test_reset_reports_forgets_the_tables_and_keeps_numbering():
+    """After ``mxfx.reset_reports()`` no table of an earlier model is shown as the last one; the next graph's
+    table is the only one, numbered after those forgotten."""
+    torch._dynamo.reset()
+    f = torch.compile(torch.nn.Linear(64, 64), backend="mxfp8", options={"inner": "aot_eager"})
+    f(torch.randn(32, 64))
+    first = mxfx.last_report()
+    assert first is not None
+    mxfx.reset_reports()
+    assert mxfx.last_report() is None and mxfx.all_reports() == []
+    torch._dynamo.reset()
+    g = torch.compile(torch.nn.Linear(64, 64), backend="mxfp8", options={"inner": "aot_eager"})
+    g(torch.randn(32, 64))
+    (only,) = mxfx.all_reports()
+    assert only.graph_id > first.graph_id
