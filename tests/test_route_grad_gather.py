@@ -57,8 +57,9 @@ def test_gathered_rows_read_elsewhere_stay_and_other_graphs_are_left_alone():
 
 def test_a_compiled_step_reads_the_token_gradient_and_computes_the_same(monkeypatch):
     """The combine's backward gathers each token's gradient to its rows; with the rewrite the route-gradient op
-    reads them from the tokens. Output and gradients are bit for bit those of the step without it (the same rows,
-    the same arithmetic)."""
+    reads them from the tokens. Output and gradients are bit for bit those of the step without it: the same rows,
+    elementwise values of the same formula (Inductor's CPU kernels are built without floating-point contraction)
+    and the same op after them; no sum changes its order."""
     out, grads, code = _step(monkeypatch, True, route_grad_gather.ENV)
     ref_out, ref_grads, ref_code = _step(monkeypatch, False, route_grad_gather.ENV)
     assert "mxfx.block_route_grad_operands.default(" in ref_code

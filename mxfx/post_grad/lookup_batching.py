@@ -3,7 +3,7 @@
 Each GEMM op looks its weight's cached form up through ``mxfx::cached_weight``, a host call in the compiled graph:
 48 calls a microbatch at OLMoE's 4 layers (forward and dgrad forms), each a dispatch of its own. The lookups of a
 graph read only its inputs (the parameters, or in a backward graph the parameters it was given), so they can run
-together: :class:`BatchLookups` replaces the lookups of forward-side forms of a graph's inputs by
+together: :func:`run` replaces the lookups of forward-side forms of a graph's inputs by
 ``mxfx::cached_weights`` calls, one per round of distinct lookups holding at most one form per weight (usually one
 call a graph), whose flat outputs the old lookups' readers take. Left where they are: the lookups of dgrad-side
 forms (a step may build those at their lookup, one backward GEMM at a time, docs/caches.md: batched,

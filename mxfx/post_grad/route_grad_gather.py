@@ -7,7 +7,9 @@ one-read dY of a route-weighted grouped GEMM), Inductor writes it out in full (F
 MiB a call at OLMoE's shapes) for the op to read back. :func:`run` gives the op the token gradient and the index
 instead, ``mxfx::block_route_grad_operands_gathered(g, index, ...)``, whose kernel reads each row from ``g`` where
 it needs it; the gathered tensor is dropped when nothing else reads it. The values are the same bit for bit: the
-op gathers the same rows.
+op gathers the same rows. The kernel does not bounds-check the index as ``aten.index`` does: a backward graph's
+``aten.index`` is the gradient of a forward gather or ``index_put`` by the same index (``sum_routed_rows``' sort
+order divided by k, a user's ``index_put``), which the forward already read and checked.
 
 It runs on Inductor's post-grad graphs (:mod:`mxfx.post_grad`); ``MXFX_GATHER_ROUTE_GRAD=0`` turns it off.
 """
