@@ -6,9 +6,12 @@ Models (random init, ``--layers`` decoder layers at the per-layer shapes of the 
 * ``olmoe``: ``OlmoeForCausalLM`` at OLMoE-1B-7B's shapes: hidden 2048, 16 heads, 64 experts top-8,
   expert hidden 1024;
 * ``qwen3``: ``Qwen3MoeForCausalLM`` at Qwen3-30B-A3B's: hidden 2048, 32 heads / 4 KV heads of
-  head_dim 128, 128 experts top-8, expert hidden 768.
+  head_dim 128, 128 experts top-8, expert hidden 768;
+* ``mixtral``: ``MixtralForCausalLM`` at Mixtral-8x7B's: hidden 4096, 32 heads / 8 KV heads, 8 experts top-2,
+  expert hidden 14336 (1.4B parameters a layer: with FP32 main weights, gradients and AdamW's state, 2 layers
+  take about 46 GiB, so an 80 GB card trains ``--layers 2``, not the default 4).
 
-``--dims small`` shrinks both to what a CPU trains in minutes (hidden 128, 2 heads of 64, 16 experts
+``--dims small`` shrinks each to what a CPU trains in minutes (hidden 128, 2 heads of 64, 16 experts
 top-4, expert hidden 128: feature dims multiples of 128, so fp8_block converts every GEMM too);
 ``--smoke`` uses tiny dims (4 experts top-2), hidden and expert hidden 128 so that fp8_block's 128-blocks tile
 the expert GEMMs too.
@@ -125,6 +128,8 @@ GIB = 2**30
 
 
 DIMS = ("real", "small", "smoke")
+MODELS = {"olmoe": "OlmoeForCausalLM", "qwen3": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+"""--model names and the transformers class each one trains."""
 
 
 def _transformers():
@@ -139,7 +144,7 @@ def _transformers():
 
 
 def model_config(name: str, layers: int, dims: str = "real"):
-    """The transformers config of ``name`` ("olmoe" | "qwen3") with ``layers`` layers at ``dims`` (:data:`DIMS`)."""
+    """The transformers config of ``name`` (one of :data:`MODELS`) with ``layers`` layers at ``dims`` (:data:`DIMS`)."""
     T = _transformers()
 
     if dims not in DIMS:
@@ -209,14 +214,42 @@ def model_config(name: str, layers: int, dims: str = "real"):
             ),
         }
         return T.Qwen3MoeConfig(**dims_of[dims], **common)
-    raise SystemExit(f"hf_models: unknown --model {name!r}; choose olmoe or qwen3")
+    if name == "mixtral":
+        dims_of = {
+            "real": dict(
+                hidden_size=4096,
+                intermediate_size=14336,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                num_local_experts=8,
+                num_experts_per_tok=2,
+            ),
+            "small": dict(
+                hidden_size=128,
+                intermediate_size=256,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                num_local_experts=8,
+                num_experts_per_tok=2,
+            ),
+            "smoke": dict(
+                hidden_size=128,
+                intermediate_size=128,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                num_local_experts=4,
+                num_experts_per_tok=2,
+            ),
+        }
+        return T.MixtralConfig(**dims_of[dims], **common)
+    raise SystemExit(f"hf_models: unknown --model {name!r}; choose one of {', '.join(MODELS)}")
 
 
 def build_model(name: str, layers: int, dims: str, device: str, seed: int = 0) -> torch.nn.Module:
     T = _transformers()
 
     cfg = model_config(name, layers, dims)
-    cls = {"olmoe": T.OlmoeForCausalLM, "qwen3": T.Qwen3MoeForCausalLM}[name]
+    cls = getattr(T, MODELS[name])
     torch.manual_seed(seed)  # every arm starts from the same weights (initialized on the device: seconds, not a minute)
     with torch.device(device):
         return cls(cfg)
@@ -644,7 +677,7 @@ def table(results: list[dict]) -> str:
 
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="olmoe,qwen3", help="comma list of olmoe, qwen3")
+    p.add_argument("--model", default="olmoe,qwen3", help=f"comma list of {', '.join(MODELS)}")
     p.add_argument(
         "--arms",
         default=",".join(a for a in ARMS if a not in OPTIONAL_ARMS),
@@ -767,8 +800,8 @@ def main(argv=None) -> list[dict]:
     if not (args.lr > 0 and math.isfinite(args.lr)):
         p.error(f"argument --lr: {args.lr} must be finite and > 0")
     models = [m for m in args.model.split(",") if m]
-    if not models or set(models) - {"olmoe", "qwen3"}:
-        p.error(f"argument --model: {args.model!r}: a comma list of olmoe, qwen3")
+    if not models or set(models) - set(MODELS):
+        p.error(f"argument --model: {args.model!r}: a comma list of {', '.join(MODELS)}")
     if not [a for a in args.arms.split(",") if a]:
         p.error(f"argument --arms: {args.arms!r} names no arm; choose from {', '.join(ARMS)}")
     unknown = sorted({a for a in args.arms.split(",") if a} - set(ARMS))

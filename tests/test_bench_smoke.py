@@ -222,6 +222,28 @@ def test_hf_models_smoke(monkeypatch, tmp_path):
     assert "error" in by_arm["torchao-fp8-rowwise"]  # needs an FP8 GPU: reported, the run went on
 
 
+@pytest.mark.slow
+def test_hf_models_mixtral_smoke(monkeypatch, tmp_path):
+    """The Mixtral model trains in fp8_block with both routed expert GEMMs converted (the 1.3x goal's shapes)."""
+    pytest.importorskip("transformers")
+    run_script(
+        monkeypatch,
+        "bench/hf_models.py",
+        "--smoke",
+        "--model",
+        "mixtral",
+        "--layers",
+        "1",
+        "--arms",
+        "fp8_block",
+        "--out",
+        str(tmp_path),
+    )
+    (res,) = json.loads((tmp_path / "hf_models.json").read_text())["results"]
+    assert res["model"] == "mixtral" and "error" not in res and res["tokens_per_s"] > 0, res
+    assert res["expert_gemms_mx"] == 2 and res["expert_gemms_kept"] == 0 and res["not_rewritten"] == 0, res
+
+
 @pytest.mark.parametrize(
     "script, args, says",
     [
@@ -230,7 +252,7 @@ def test_hf_models_smoke(monkeypatch, tmp_path):
         ("hf_models", ("--skip", "-3"), "--skip: -3 must be >= 0"),
         ("hf_models", ("--eval-batches", "0"), "--eval-batches: 0 must be >= 1"),
         ("hf_models", ("--layers", "0"), "--layers: 0 must be >= 1"),
-        ("hf_models", ("--model", "olmoe,nope"), "a comma list of olmoe, qwen3"),
+        ("hf_models", ("--model", "olmoe,nope"), "a comma list of olmoe, qwen3, mixtral"),
         ("hf_models", ("--arms", ","), "names no arm"),
         ("hf_models", ("--arms", "bf16-grouped,nope"), "unknown arm(s) ['nope']"),
         ("hf_models", ("--tokens", "100", "--seq", "64"), "--tokens: 100 is not a multiple of --seq 64"),
