@@ -3,10 +3,13 @@
 ``route_grad_operands_1x128`` writes dY's FP8 rows, its BF16 copy and the route weights' gradient from ``dout`` and
 the unweighted output ``y``.
 
-Times rows per program x warps at the routed dY of OLMoE and Qwen3 layers (8,192 tokens top-8, d 2,048) beside a
-stream that moves the same bytes (two BF16 reads, a BF16 and a byte write: ``torch.mul`` of two tensors into BF16,
-plus a byte copy). Each launch's FP8 rows, scales and BF16 copy are checked equal to the default launch's, its route
-gradient within 1e-5 (an FP32 sum in another order). Prints one table: GB/s and % of the stream. Needs a CUDA GPU.
+Times rows per program x warps at the routed dY of OLMoE and Qwen3 layers (8,192 tokens top-8, d 2,048), in the
+two forms the step runs: ``dout`` as FP32 rows ``[S, D]``, and (the default in a compiled HF model, the combine's
+backward) the FP32 token gradient ``[T, D]`` with each row's token index (``rows_of``), read where needed. Beside
+them a stream that moves the bytes the kernel asks for (an FP32 and a BF16 read, a BF16 and a byte write:
+``torch.mul`` of an FP32 and a BF16 tensor into BF16, plus a byte copy). Each launch's FP8 rows, scales and BF16
+copy are checked equal to the default launch's, its route gradient within 1e-5 (an FP32 sum in another order).
+Prints one table: GB/s and % of the stream. Needs a CUDA GPU.
 
     python bench/probes/route_grad_configs.py [--rows 16,32,64,128] [--warps 2,4,8]
 """
@@ -20,7 +23,8 @@ import triton
 
 from mxfx.kernels.fp8_block import quantize
 
-SHAPES = {"olmoe / qwen3 routed dY": (65536, 2048)}
+SHAPES = {"olmoe / qwen3 routed dY": (65536, 2048, 8)}
+"""name: (routed rows S, d, top-k): T = S / top-k tokens."""
 
 
 def _ints(text: str) -> list[int]:
@@ -45,42 +49,45 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     print("| shape | launch | ms | GB/s | % of stream |")
     print("|---|---|---:|---:|---:|")
-    for name, (m, k) in SHAPES.items():
-        dout = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    for name, (m, k, top_k) in SHAPES.items():
+        g = torch.randn(m // top_k, k, device="cuda", dtype=torch.float32)
+        rows_of = (torch.randperm(m, device="cuda") // top_k).to(torch.int32)
         y = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         w = torch.rand(m, device="cuda", dtype=torch.float32)
-        moved = m * k * (2 + 2 + 2 + 1)  # dout, y in; dy (BF16) and qdata out (scales, parts: < 1%)
-        prod = torch.empty_like(dout)
+        moved = m * k * (4 + 2 + 2 + 1)  # dout (FP32), y in; dy (BF16) and qdata out (scales, parts: < 1%)
+        prod = torch.empty_like(y)
+        rows_fp32 = g[rows_of.long()]
         byte_src = torch.empty(m, k, dtype=torch.uint8, device="cuda")
         byte_dst = torch.empty_like(byte_src)
 
         def stream():
-            torch.mul(dout, y, out=prod)
+            torch.mul(rows_fp32, y, out=prod)
             byte_dst.copy_(byte_src)
 
         t_stream = triton.testing.do_bench(stream, return_mode="median")
         print(f"| {name} | stream (mul + byte copy) | {t_stream:.3f} | {moved / t_stream / 1e6:.0f} | 100.0 |")
-        ref = quantize.route_grad_operands_1x128(dout, w, y)
-        for rows in args.rows:
-            for warps in args.warps:
-                label = f"{rows} rows, {warps} warps"
-                try:
-                    out = quantize.route_grad_operands_1x128(dout, w, y, rows=rows, warps=warps)
-                    if not all(_same(a, b) for a, b in zip(out[:3], ref[:3])):
-                        raise RuntimeError("FP8 rows, scales or BF16 copy differ from the default launch")
-                    err = ((out[3] - ref[3]).norm() / ref[3].norm()).item()
-                    if not err < 1e-5:
-                        raise RuntimeError(f"route gradient relative error {err:.2e}")
-                    t = triton.testing.do_bench(
-                        lambda rows=rows, warps=warps: quantize.route_grad_operands_1x128(
-                            dout, w, y, rows=rows, warps=warps
-                        ),
-                        return_mode="median",
-                    )
-                except Exception as exc:  # noqa: BLE001 (a launch the GPU refuses is reported, not fatal)
-                    print(f"| {name} | {label} | {type(exc).__name__}: {str(exc)[:80]} | | |")
-                    continue
-                print(f"| {name} | {label} | {t:.3f} | {moved / t / 1e6:.0f} | {100 * t_stream / t:.1f} |")
+        forms = {"FP32 rows": (rows_fp32, None), "FP32 tokens gathered": (g, rows_of)}
+        for form, (dout, index) in forms.items():
+            ref = quantize.route_grad_operands_1x128(dout, w, y, rows_of=index)
+            for rows in args.rows:
+                for warps in args.warps:
+                    label = f"{form}: {rows} rows, {warps} warps"
+
+                    def launch(dout=dout, index=index, rows=rows, warps=warps):
+                        return quantize.route_grad_operands_1x128(dout, w, y, rows_of=index, rows=rows, warps=warps)
+
+                    try:
+                        out = launch()
+                        if not all(_same(a, b) for a, b in zip(out[:3], ref[:3])):
+                            raise RuntimeError("FP8 rows, scales or BF16 copy differ from the default launch")
+                        err = ((out[3] - ref[3]).norm() / ref[3].norm()).item()
+                        if not err < 1e-5:
+                            raise RuntimeError(f"route gradient relative error {err:.2e}")
+                        t = triton.testing.do_bench(launch, return_mode="median")
+                    except Exception as exc:  # noqa: BLE001 (a launch the GPU refuses is reported, not fatal)
+                        print(f"| {name} | {label} | {type(exc).__name__}: {str(exc)[:80]} | | |")
+                        continue
+                    print(f"| {name} | {label} | {t:.3f} | {moved / t / 1e6:.0f} | {100 * t_stream / t:.1f} |")
 
 
 if __name__ == "__main__":
