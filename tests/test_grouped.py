@@ -123,6 +123,41 @@ def test_mx_wgrad_saves_what_save_asks(fmt, save, keeps_x):
     torch.testing.assert_close(w.grad, rdw, rtol=1e-2, atol=1e-2)  # bf16 rounding of dy aside, the same products
 
 
+@pytest.mark.parametrize("fmt", refs.FORMATS)
+def test_route_weighted_fp32_product_from_bf16_gemm_rows(fmt):
+    """``gemm_dtype`` (a combine whose product is FP32 under BF16 autocast): the GEMM's rows are BF16, the result
+    their FP32 product with the route weights, and backward keeps the BF16 rows, not an FP32 copy (half the bytes
+    of the routed block's largest tensor)."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(sum(SIZES), 128, generator=g).bfloat16()
+    w = (torch.randn(len(SIZES), 256, 128, generator=g) * 0.1).requires_grad_()
+    rw = torch.rand(sum(SIZES), generator=g).bfloat16().requires_grad_()
+    offs = torch.cumsum(torch.tensor(SIZES), 0).to(torch.int32)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = mx_grouped_mm_op(
+            x, w, offs, route_weight=rw, out_dtype=torch.float32, gemm_dtype=torch.bfloat16, format=fmt
+        )
+    rows = mx_grouped_mm_op(x, w.detach(), offs, out_dtype=torch.bfloat16, format=fmt)
+    assert y.dtype == torch.float32
+    assert torch.equal(y, rows.float() * rw.detach().float()[:, None])  # the same products, one FP32 multiply
+    big = [t for t in saved if t.numel() == y.numel()]
+    assert big and all(t.dtype == torch.bfloat16 for t in big), [(t.dtype, tuple(t.shape)) for t in saved]
+    dout = torch.randn(y.shape, generator=g)
+    y.backward(dout)
+    # the route weights' gradient sums dout * rows in FP32: only the order of the sum may differ
+    torch.testing.assert_close(rw.grad.float(), (dout * rows.float()).sum(-1).bfloat16().float(), rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match=r"grouped_mm: gemm_dtype=torch.bfloat16 without route_weight"):
+        mx_grouped_mm_op(x, w, offs, gemm_dtype=torch.bfloat16, format=fmt)
+    with pytest.raises(TypeError, match=r"grouped_mm: gemm_dtype=torch.int32 must be a floating dtype"):
+        mx_grouped_mm_op(x, w, offs, route_weight=rw, gemm_dtype=torch.int32, format=fmt)
+
+
 def test_group_padding_never_mixes_experts():
     offs = torch.tensor([5, 5, 45, 64], dtype=torch.int32)
     dest, padded, cap = group_padding(offs, 64)

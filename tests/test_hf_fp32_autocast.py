@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import mxfx
 from mxfx.diagnostics import graph_breaks
 from mxfx.passes import unconverted
-from tests.helpers import lm_loss_and_grads
+from tests.helpers import GraphCapture, lm_loss_and_grads
 
 T = pytest.importorskip("transformers")
 
@@ -174,6 +174,24 @@ def test_checkpointed_layers_each_keep_their_own_records():
         gate_up, down = [r for r in records if r.kind == "grouped_mm" and r.module.startswith(f"model.layers.{layer}.")]
         assert "quantized before the dispatch's row gather" in gate_up.reason, text
         assert down.shapes.endswith("-> float32"), text  # the fused route-weight product, FP32 route weights
+
+
+def test_fused_combine_keeps_the_gemm_rows_in_bf16():
+    """The combine's FP32 product (transformers' FP32 expert GEMM times the route weights) comes from the GEMM's
+    BF16 rows under autocast: the down projection's rows that the forward hands backward (for the route weights'
+    gradient) are BF16, not an FP32 copy of the routed block's largest tensor."""
+    model = _model("olmoe", "grouped_mm")
+    cap = GraphCapture()
+    _loss_and_grads(model, {"inner": cap})
+    fw, bw = cap.forward[0], cap.backward[0]
+    n_saved = len([n for n in bw.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")])
+    outs = list(fw.graph.output_node().args[0])
+    gemm_rows = [
+        n.meta["val"]
+        for n in outs[len(outs) - n_saved :]
+        if "grouped_mm" in str(getattr(n, "target", "")) and n.meta["val"].shape[-1] == COMMON["hidden_size"]
+    ]
+    assert len(gemm_rows) == 1 and gemm_rows[0].dtype == torch.bfloat16, [(v.dtype, v.shape) for v in gemm_rows]
 
 
 # More families, each trained for a few steps as a new user would (transformers' default experts implementation):

@@ -37,12 +37,12 @@ from mxfx.ops.wgrad import weight_gradient
 
 
 def weigh_rows(y: torch.Tensor, route_weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """Rows of the GEMM output ``y [S, N]`` (already in ``out_dtype``) scaled by ``route_weight [S]``.
+    """Rows of the GEMM output ``y [S, N]`` (in the op's ``gemm_dtype``) scaled by ``route_weight [S]``.
 
-    The product is taken in fp32 and rounded once to ``out_dtype``. ``y`` itself is the GEMM's ``out_dtype``
-    result, the tensor the model's own ``y * w`` would read, and the one backward keeps for the route-weight
-    gradient: an fp32 GEMM output would double the bytes of the largest tensor of the routed block for a
-    rounding the model does anyway.
+    The product is taken in fp32 and rounded once to ``out_dtype``. ``y`` itself is the GEMM's result in its
+    ``gemm_dtype``, the tensor the model's own ``y * w`` would read (under autocast the GEMM's BF16 rows, even where
+    the product is FP32), and the one backward keeps for the route-weight gradient: an fp32 GEMM output would
+    double the bytes of the largest tensor of the routed block for a rounding the model does anyway.
     """
     return (y.float() * route_weight.reshape(-1, 1).float()).to(out_dtype)
 
@@ -71,7 +71,7 @@ _BF16 = torch.bfloat16  # the high-precision routed wgrad's operand dtype (mxfx:
 
 class _GroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, up, weight, offs, route_weight, out_dtype, settings: OpSettings, given, observe_x):
+    def forward(ctx, x, up, weight, offs, route_weight, out_dtype, gemm_dtype, settings: OpSettings, given, observe_x):
         fmt, rule, wgrad, save = settings.format, settings.scale_rule, settings.wgrad, settings.save
         need_dw = ctx.needs_input_grad[2]  # a frozen expert stack: nothing is kept or quantized for a wgrad
         keep_x = need_dw and save == "bf16" and up is None  # x as given; an MX wgrad quantizes it in backward
@@ -79,7 +79,7 @@ class _GroupedMM(torch.autograd.Function):
         a, x_tokens, packed = fmt.forward_operands(x, up, rule, save, tokens, offs=offs, given=given)
         w = fmt.weight_operand(weight, rule, "forward", settings.keep_dequantized_weights)
         _observe_forward(settings, x, up, a, observe_x, weight, w, offs, x_tokens)
-        y = fmt.grouped_mm(a, w, offs, out_dtype)
+        y = fmt.grouped_mm(a, w, offs, gemm_dtype)
         if not need_dw:
             wgrad_input = ()
         elif keep_x:
@@ -150,7 +150,7 @@ class _GroupedMM(torch.autograd.Function):
                 dw = weight_gradient(settings, weight, (dy.to(_BF16),), (x_saved.to(_BF16),), offs, low_precision=False)
         if d_rw is not None:
             d_rw = d_rw.reshape(route_weight.shape).to(route_weight.dtype)
-        return dx, dup, dw, None, d_rw, None, None, None, None
+        return dx, dup, dw, None, d_rw, None, None, None, None, None
 
 
 def mx_grouped_mm_op(
@@ -161,6 +161,7 @@ def mx_grouped_mm_op(
     up: torch.Tensor | None = None,
     route_weight: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    gemm_dtype: torch.dtype | None = None,
     x_mx: tuple[torch.Tensor, ...] | None = None,
     x_mx_from: str | None = None,
     settings: OpSettings | None = None,
@@ -176,6 +177,9 @@ def mx_grouped_mm_op(
         up: optional ``[S, K]`` SwiGLU up operand: the input becomes ``silu(x) * up``.
         route_weight: optional ``[S]`` or ``[S, 1]``: output rows are scaled by it.
         out_dtype: result dtype (default ``x.dtype``).
+        gemm_dtype: with ``route_weight``, the dtype the GEMM writes its rows in before the route weights scale
+            them in fp32 (default ``out_dtype``): a combine whose weighted rows are FP32 while the GEMM runs under
+            BF16 autocast keeps (and saves for the route weights' gradient) BF16 rows, half the bytes.
         x_mx: optional ``(qdata e4m3 [S, K], scales uint8 [S, K/32])`` whose quantization ``x`` stands for
             (rows received by an MX all-to-all, the recipe, "Smaller Dispatch and Combine Payloads", or gathered
             from the MX of the tokens before the dispatch's row gather): the forward GEMM uses
@@ -201,7 +205,8 @@ def mx_grouped_mm_op(
     code; on a GPU, or inside a traced graph, offs values are not read (that would need a device sync).
 
     Raises:
-        TypeError: x not a bf16/fp16/fp32 tensor, offs not a tensor, out_dtype or route_weight not floating.
+        TypeError: x not a bf16/fp16/fp32 tensor, offs not a tensor, out_dtype, gemm_dtype or route_weight not
+            floating.
         ValueError: an unknown scale rule, shapes that do not pair up or do not fit the format (``feature_multiple``),
             offs not int32 (or, on the CPU, not non-decreasing ends of at most S rows), no experts, route_weight not [S]
             or [S, 1], a weight that is not 3D, a settings value not valid, ``x_mx`` given with ``up`` or with shapes
@@ -219,8 +224,14 @@ def mx_grouped_mm_op(
         raise TypeError(f"{op}: {what}; its GEMMs quantize a bfloat16, float16 or float32 tensor (cast it first)")
     if not isinstance(offs, torch.Tensor):
         raise TypeError(f"{op}: offs must be an int32 tensor of cumulative group ends, got {type(offs).__name__}")
-    if out_dtype is not None and (not isinstance(out_dtype, torch.dtype) or not out_dtype.is_floating_point):
-        raise TypeError(f"{op}: out_dtype={out_dtype!r} must be a floating dtype (e.g. torch.bfloat16) or None")
+    for name, dtype in (("out_dtype", out_dtype), ("gemm_dtype", gemm_dtype)):
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+            raise TypeError(f"{op}: {name}={dtype!r} must be a floating dtype (e.g. torch.bfloat16) or None")
+    if gemm_dtype is not None and route_weight is None:
+        raise ValueError(
+            f"{op}: gemm_dtype={gemm_dtype} without route_weight (input {tuple(x.shape)}): the GEMM's rows are the "
+            "result then; give out_dtype alone"
+        )
     if weight.dim() != 3:
         raise ValueError(f"{op}: weight of shape {tuple(weight.shape)} must be 3D [E, N, K] expert weights")
     e, n, k = weight.shape
@@ -250,6 +261,7 @@ def mx_grouped_mm_op(
     if readable_on_host(offs):  # host values: checked here (on a GPU it would be a sync)
         layout.check_group_ends(offs.tolist(), x.shape[0], op)
     out_dtype = out_dtype or x.dtype
+    gemm_dtype = gemm_dtype or out_dtype
     fmt = settings.format
     fmt.check_features(op, k, n)
     given = fmt.given_input(x_mx, x, up)
@@ -261,10 +273,10 @@ def mx_grouped_mm_op(
         )
     observe_x = x_mx_from != "all_to_all"
     if torch.is_grad_enabled():
-        return _GroupedMM.apply(x, up, weight, offs, route_weight, out_dtype, settings, given, observe_x)
+        return _GroupedMM.apply(x, up, weight, offs, route_weight, out_dtype, gemm_dtype, settings, given, observe_x)
     # inference graph: the forward GEMM only, nothing saved
     a = given if given is not None else fmt.input_operand(x, up, settings.scale_rule, "grouped_mm")
     w = fmt.weight_operand(weight, settings.scale_rule, "forward", settings.keep_dequantized_weights)
     _observe_forward(settings, x, up, a, observe_x, weight, w, offs, None)
-    y = fmt.grouped_mm(a, w, offs, out_dtype)
+    y = fmt.grouped_mm(a, w, offs, gemm_dtype)
     return y if route_weight is None else weigh_rows(y, route_weight, out_dtype)

@@ -149,7 +149,10 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
             rw.meta["example_value"] = example_value(rw.args[0])[example_value(perm)]
         product = example_value(mul)
         out_dtype = product.dtype
-        node.kwargs = {**node.kwargs, "route_weight": rw, "out_dtype": out_dtype}
+        # the GEMM keeps writing its rows in the dtype chosen for it (BF16 under autocast); the product's dtype is
+        # the op's result
+        gemm_dtype = node.kwargs.get("out_dtype") or example_value(node).dtype
+        node.kwargs = {**node.kwargs, "route_weight": rw, "out_dtype": out_dtype, "gemm_dtype": gemm_dtype}
         node.meta["example_value"] = product  # the GEMM now returns the product's rows, in its dtype
         mul.prepend(node)  # where the multiply stood: after the route weights and every input
         if last is not node:
@@ -160,7 +163,7 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         if rec is not None and " -> " in rec.shapes:  # the GEMM now returns the product's dtype
             rec.shapes = rec.shapes.rsplit(" -> ", 1)[0] + " -> " + str(out_dtype).removeprefix("torch.")
         module, settings = module_fqn(node), settings_of(node.kwargs)
-        # backward: dOut * route weight formed in the dgrad quantize; the unweighted output kept, in out_dtype
+        # backward: dOut * route weight formed in the dgrad quantize; the unweighted output kept, in gemm_dtype
         pm.add(
             OpRecord(
                 node.name,
