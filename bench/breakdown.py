@@ -139,6 +139,12 @@ def kernel_family(kernel: str, ops: Sequence[str]) -> str:
 
 _WORK = {"kernel", "gpu_memcpy", "gpu_memset"}  # device work (Chrome trace "cat", lower case)
 _LAUNCHES = {"cuda_runtime", "cuda_driver"}  # the host calls that launch it
+_SYNC_CALL = re.compile(r"Synchronize|^cudaMemcpy$|^cuMemcpy(DtoH|HtoD)?(_v2)?$")
+"""Runtime / driver calls that wait for the device by contract (a stream, event or device synchronize, a blocking
+copy): their whole duration is the host waiting."""
+QUEUE_WAIT_US = 50.0
+"""A launch (or async copy / memset) call's time past this many microseconds is the host waiting for a slot in the
+device's launch queue: the call's own work takes a few microseconds."""
 _CPU_RANGES = {"cpu_op", "user_annotation"}  # ops and record_function ranges on a host thread
 _NESTED_US = 1e-3  # a range ending this close past its parent's end is still inside it (the trace's us rounding)
 
@@ -250,11 +256,14 @@ def step_breakdown(trace: dict, device: str, top: int = 20) -> dict:
     ``"cpu"`` the CPU ranges' self time.
 
     Returns ``{"source", "ms": {family: ms}, "calls": {family: n}, "total_ms", "busy_ms", "work_ms",
-    "overlap_ms", "unlinked", "costliest": {family: {"name", "ms"}}, "top": [{"name", "family", "ms", "calls"}]}``:
+    "overlap_ms", "unlinked", "host_wait_ms", "costliest": {family: {"name", "ms"}}, "top": [{"name", "family", "ms",
+    "calls"}]}``:
     ``total_ms`` the families' sum, ``busy_ms`` the union of the work intervals computed apart from it (CPU: of the
     ranges, per thread), ``work_ms`` the work's summed durations, ``overlap_ms`` their difference (time counted on
-    two or more streams), ``unlinked`` the kernels classified by name alone, ``top`` the ``top`` costliest kernels
-    (CPU: ops) by (name, family).
+    two or more streams), ``unlinked`` the kernels classified by name alone, ``host_wait_ms`` (CUDA; CPU: 0) the time
+    the host threads spent waiting for the device inside runtime and driver calls (synchronizing calls whole, launches
+    past :data:`QUEUE_WAIT_US`: a full launch queue), which a step bound by the GPU adds to its host time, ``top`` the
+    ``top`` costliest kernels (CPU: ops) by (name, family).
 
     Raises:
         ValueError: a ``"cuda"`` trace with no kernel (profiled without ``ProfilerActivity.CUDA``) or with device
@@ -271,7 +280,7 @@ def step_breakdown(trace: dict, device: str, top: int = 20) -> dict:
             _, union = _split_overlaps(list(zip(thread.starts, thread.ends)))
             busy += union
         out = _summary("CPU op self time", spent, busy, sum(us for *_, us in spent), top)
-        out["unlinked"] = 0
+        out["unlinked"], out["host_wait_ms"] = 0, 0.0
         return out
     if device != "cuda":
         raise ValueError(f"step_breakdown: device {device!r}: give 'cuda' (kernel time) or 'cpu' (op self time)")
@@ -285,8 +294,13 @@ def step_breakdown(trace: dict, device: str, top: int = 20) -> dict:
     if len(devices) > 1:
         raise ValueError(f"step_breakdown: device work on devices {sorted(devices, key=str)}; profile one device")
     launches = {}  # correlation id -> (host thread, launch time)
+    wait_us = 0.0
     for e in events:
-        if e.get("ph") == "X" and str(e.get("cat", "")).lower() in _LAUNCHES and "correlation" in e.get("args", {}):
+        if e.get("ph") != "X" or str(e.get("cat", "")).lower() not in _LAUNCHES:
+            continue
+        dur = float(e.get("dur", 0.0))
+        wait_us += dur if _SYNC_CALL.search(e["name"]) else max(0.0, dur - QUEUE_WAIT_US)
+        if "correlation" in e.get("args", {}):
             launches[e["args"]["correlation"]] = ((e.get("pid"), e.get("tid")), float(e["ts"]))
     ops_of_id = {ext: thread.chain(i) for thread in threads.values() for i, ext in enumerate(thread.ids) if ext}
     families: dict[tuple, str] = {}
@@ -305,7 +319,7 @@ def step_breakdown(trace: dict, device: str, top: int = 20) -> dict:
             families[key] = kernel_family(e["name"], ops)
         spent.append((e["name"], families[key], share))
     out = _summary("CUDA kernel time", spent, busy, sum(float(e["dur"]) for e in work), top)
-    out["unlinked"] = unlinked
+    out["unlinked"], out["host_wait_ms"] = unlinked, wait_us / 1e3
     return out
 
 
@@ -343,6 +357,11 @@ def breakdown_table(title: str, arm: dict) -> str:
         f"| host issue, wall | {arm['host_issue_ms']:.2f} | {pct(arm['host_issue_ms'], step)} | | |",
         f"| host CPU | {arm['host_cpu_ms']:.2f} | {pct(arm['host_cpu_ms'], step)} | | |",
     ]
+    if where and where.get("host_wait_ms"):
+        lines.append(
+            f"| host waiting on the GPU, profiled step | {where['host_wait_ms']:.2f} | "
+            f"{pct(where['host_wait_ms'], arm.get('profiled_step_ms') or step)} | | launch queue full, syncs |"
+        )
     return "\n".join(lines)
 
 

@@ -10,6 +10,7 @@ import pytest
 from bench.breakdown import (
     FAMILIES,
     MXFX_KERNELS,
+    QUEUE_WAIT_US,
     breakdown_table,
     kernel_comparison,
     kernel_family,
@@ -326,6 +327,22 @@ def test_step_breakdown_adds_up_to_busy_time():
     assert all(k["calls"] == 1 for k in out["top"])
     assert out["unlinked"] == 1
     assert out["costliest"]["optimizer + refresh"] == {"name": ADAM, "ms": pytest.approx(35 * us)}
+
+
+def test_step_breakdown_host_waits_on_the_device():
+    """Time the host spends waiting on the GPU inside runtime calls: a synchronize whole, a launch past
+    QUEUE_WAIT_US (a full launch queue) by its excess; the synthetic trace's 2 us launches wait for nothing."""
+    assert step_breakdown(synthetic_trace(), "cuda")["host_wait_ms"] == 0
+    trace = synthetic_trace()
+    trace["traceEvents"] += [
+        _x("cuda_runtime", "cudaLaunchKernel", 400, QUEUE_WAIT_US + 250, HOST, correlation=150),
+        _x("cuda_runtime", "cudaStreamSynchronize", 800, 40, HOST),
+        _x("cuda_driver", "cuLaunchKernelEx", 900, QUEUE_WAIT_US - 1, HOST, correlation=151),  # slow, not blocked
+    ]
+    out = step_breakdown(trace, "cuda")
+    assert out["host_wait_ms"] == pytest.approx((250 + 40) * 1e-3)
+    table = breakdown_table("t", {"step_ms": 2.0, "host_cpu_ms": 1.0, "host_issue_ms": 1.5, "breakdown": out})
+    assert "| host waiting on the GPU, profiled step | 0.29 | 14.5 |" in table, table
 
 
 def test_step_breakdown_bad_traces():
