@@ -158,6 +158,29 @@ def test_route_weighted_fp32_product_from_bf16_gemm_rows(fmt):
         mx_grouped_mm_op(x, w, offs, route_weight=rw, gemm_dtype=torch.int32, format=fmt)
 
 
+@pytest.mark.parametrize("fmt", refs.FORMATS)
+def test_fp32_input_gradient_from_a_bf16_dgrad(fmt):
+    """``dgrad_dtype`` (an FP32 input under BF16 autocast): x's gradient is FP32 holding the dgrad GEMM's BF16
+    result, one rounding of the FP32 result the default writes; the weight's gradient does not change."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(sum(SIZES), 128, generator=g)
+    w = torch.randn(len(SIZES), 256, 128, generator=g) * 0.1
+    offs = torch.cumsum(torch.tensor(SIZES), 0).to(torch.int32)
+    dout = torch.randn(sum(SIZES), 256, generator=g).bfloat16()
+    grads = {}
+    for dgrad_dtype in (None, torch.bfloat16):
+        xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = mx_grouped_mm_op(xl, wl, offs, out_dtype=torch.bfloat16, dgrad_dtype=dgrad_dtype, format=fmt)
+        y.backward(dout)
+        grads[dgrad_dtype] = (xl.grad, wl.grad)
+    (dx32, dw32), (dx16, dw16) = grads[None], grads[torch.bfloat16]
+    assert dx16.dtype == torch.float32 and torch.equal(dx16, dx16.bfloat16().float())  # BF16 values
+    torch.testing.assert_close(dx16, dx32, rtol=2**-8, atol=0)  # one BF16 rounding (RNE: half an ulp, 2^-9)
+    torch.testing.assert_close(dw16, dw32, rtol=0, atol=0)
+    with pytest.raises(TypeError, match=r"grouped_mm: dgrad_dtype=torch.int8 must be a floating dtype"):
+        mx_grouped_mm_op(x, w, offs, dgrad_dtype=torch.int8, format=fmt)
+
+
 def test_group_padding_never_mixes_experts():
     offs = torch.tensor([5, 5, 45, 64], dtype=torch.int32)
     dest, padded, cap = group_padding(offs, 64)

@@ -176,10 +176,12 @@ def test_checkpointed_layers_each_keep_their_own_records():
         assert down.shapes.endswith("-> float32"), text  # the fused route-weight product, FP32 route weights
 
 
-def test_fused_combine_keeps_the_gemm_rows_in_bf16():
-    """The combine's FP32 product (transformers' FP32 expert GEMM times the route weights) comes from the GEMM's
-    BF16 rows under autocast: the down projection's rows that the forward hands backward (for the route weights'
-    gradient) are BF16, not an FP32 copy of the routed block's largest tensor."""
+def test_routed_gemms_write_bf16_under_autocast():
+    """Under BF16 autocast the routed GEMMs write BF16 where eager's autocast GEMMs would, though transformers'
+    FP32 expert GEMM and its FP32 input make the model's own tensors FP32: the combine's FP32 product comes from the
+    down projection's BF16 rows, which are what the forward hands backward (for the route weights' gradient), and
+    the gate/up projection's dgrad writes the FP32 input's gradient in BF16 (widened after, as through an autocast
+    GEMM's input cast). FP32 results would double the bytes of the routed block's largest tensors."""
     model = _model("olmoe", "grouped_mm")
     cap = GraphCapture()
     _loss_and_grads(model, {"inner": cap})
@@ -192,6 +194,9 @@ def test_fused_combine_keeps_the_gemm_rows_in_bf16():
         if "grouped_mm" in str(getattr(n, "target", "")) and n.meta["val"].shape[-1] == COMMON["hidden_size"]
     ]
     assert len(gemm_rows) == 1 and gemm_rows[0].dtype == torch.bfloat16, [(v.dtype, v.shape) for v in gemm_rows]
+    dgrads = [n.meta["val"] for n in bw.graph.nodes if n.op == "call_function" and "grouped_mm" in str(n.target)]
+    assert len(dgrads) == 2 and all(v.dtype == torch.bfloat16 for v in dgrads), [(v.dtype, v.shape) for v in dgrads]
+    assert {v.shape[-1] for v in dgrads} == {COMMON["hidden_size"], model.config.intermediate_size}
 
 
 # More families, each trained for a few steps as a new user would (transformers' default experts implementation):

@@ -71,7 +71,20 @@ _BF16 = torch.bfloat16  # the high-precision routed wgrad's operand dtype (mxfx:
 
 class _GroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, up, weight, offs, route_weight, out_dtype, gemm_dtype, settings: OpSettings, given, observe_x):
+    def forward(
+        ctx,
+        x,
+        up,
+        weight,
+        offs,
+        route_weight,
+        out_dtype,
+        gemm_dtype,
+        dgrad_dtype,
+        settings: OpSettings,
+        given,
+        observe_x,
+    ):
         fmt, rule, wgrad, save = settings.format, settings.scale_rule, settings.wgrad, settings.save
         need_dw = ctx.needs_input_grad[2]  # a frozen expert stack: nothing is kept or quantized for a wgrad
         keep_x = need_dw and save == "bf16" and up is None  # x as given; an MX wgrad quantizes it in backward
@@ -94,6 +107,7 @@ class _GroupedMM(torch.autograd.Function):
             y = weigh_rows(y, route_weight, out_dtype)
         ctx.save_for_backward(weight, offs, route_weight, *y_unweighted, *wgrad_input, *packed)
         ctx.settings, ctx.n_wgrad, ctx.x_dtype, ctx.keep_x = settings, len(wgrad_input), x.dtype, keep_x
+        ctx.dgrad_dtype = dgrad_dtype
         ctx.has_up, ctx.has_route_weight = up is not None, route_weight is not None
         return y
 
@@ -125,11 +139,11 @@ class _GroupedMM(torch.autograd.Function):
                 dy_rows, dy = fmt.grouped_grad_operand(dout, route_weight, rule)
             settings.observe("grouped_mm", "dgrad_dy", "rows", (dy,), dy_rows)
             w = fmt.weight_operand(weight, rule, "dgrad", settings.keep_dequantized_weights)
-            dh = fmt.grouped_mm(dy_rows, w, offs, ctx.x_dtype)
+            dh = fmt.grouped_mm(dy_rows, w, offs, ctx.dgrad_dtype)
             if ctx.has_up:
                 dx, dup = (t.to(ctx.x_dtype) for t in fmt.swiglu_backward(dh, packed))
             else:
-                dx = dh
+                dx = dh.to(ctx.x_dtype)  # widened where the dgrad GEMM ran at the autocast dtype
         else:
             dy = route_weighted(dout, route_weight)
         if ctx.needs_input_grad[2]:
@@ -150,7 +164,7 @@ class _GroupedMM(torch.autograd.Function):
                 dw = weight_gradient(settings, weight, (dy.to(_BF16),), (x_saved.to(_BF16),), offs, low_precision=False)
         if d_rw is not None:
             d_rw = d_rw.reshape(route_weight.shape).to(route_weight.dtype)
-        return dx, dup, dw, None, d_rw, None, None, None, None, None
+        return dx, dup, dw, None, d_rw, None, None, None, None, None, None
 
 
 def mx_grouped_mm_op(
@@ -162,6 +176,7 @@ def mx_grouped_mm_op(
     route_weight: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     gemm_dtype: torch.dtype | None = None,
+    dgrad_dtype: torch.dtype | None = None,
     x_mx: tuple[torch.Tensor, ...] | None = None,
     x_mx_from: str | None = None,
     settings: OpSettings | None = None,
@@ -180,6 +195,9 @@ def mx_grouped_mm_op(
         gemm_dtype: with ``route_weight``, the dtype the GEMM writes its rows in before the route weights scale
             them in fp32 (default ``out_dtype``): a combine whose weighted rows are FP32 while the GEMM runs under
             BF16 autocast keeps (and saves for the route weights' gradient) BF16 rows, half the bytes.
+        dgrad_dtype: the dtype the dgrad GEMM writes x's gradient in, then cast to x's dtype (default ``x.dtype``):
+            an FP32 input under BF16 autocast gets its gradient from a BF16 GEMM result, as an autocast GEMM's
+            input (its BF16 cast) would; half the bytes of an FP32 result.
         x_mx: optional ``(qdata e4m3 [S, K], scales uint8 [S, K/32])`` whose quantization ``x`` stands for
             (rows received by an MX all-to-all, the recipe, "Smaller Dispatch and Combine Payloads", or gathered
             from the MX of the tokens before the dispatch's row gather): the forward GEMM uses
@@ -205,8 +223,8 @@ def mx_grouped_mm_op(
     code; on a GPU, or inside a traced graph, offs values are not read (that would need a device sync).
 
     Raises:
-        TypeError: x not a bf16/fp16/fp32 tensor, offs not a tensor, out_dtype, gemm_dtype or route_weight not
-            floating.
+        TypeError: x not a bf16/fp16/fp32 tensor, offs not a tensor, out_dtype, gemm_dtype, dgrad_dtype or
+            route_weight not floating.
         ValueError: an unknown scale rule, shapes that do not pair up or do not fit the format (``feature_multiple``),
             offs not int32 (or, on the CPU, not non-decreasing ends of at most S rows), no experts, route_weight not [S]
             or [S, 1], a weight that is not 3D, a settings value not valid, ``x_mx`` given with ``up`` or with shapes
@@ -224,7 +242,7 @@ def mx_grouped_mm_op(
         raise TypeError(f"{op}: {what}; its GEMMs quantize a bfloat16, float16 or float32 tensor (cast it first)")
     if not isinstance(offs, torch.Tensor):
         raise TypeError(f"{op}: offs must be an int32 tensor of cumulative group ends, got {type(offs).__name__}")
-    for name, dtype in (("out_dtype", out_dtype), ("gemm_dtype", gemm_dtype)):
+    for name, dtype in (("out_dtype", out_dtype), ("gemm_dtype", gemm_dtype), ("dgrad_dtype", dgrad_dtype)):
         if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
             raise TypeError(f"{op}: {name}={dtype!r} must be a floating dtype (e.g. torch.bfloat16) or None")
     if gemm_dtype is not None and route_weight is None:
@@ -262,6 +280,7 @@ def mx_grouped_mm_op(
         layout.check_group_ends(offs.tolist(), x.shape[0], op)
     out_dtype = out_dtype or x.dtype
     gemm_dtype = gemm_dtype or out_dtype
+    dgrad_dtype = dgrad_dtype or x.dtype
     fmt = settings.format
     fmt.check_features(op, k, n)
     given = fmt.given_input(x_mx, x, up)
@@ -273,7 +292,9 @@ def mx_grouped_mm_op(
         )
     observe_x = x_mx_from != "all_to_all"
     if torch.is_grad_enabled():
-        return _GroupedMM.apply(x, up, weight, offs, route_weight, out_dtype, gemm_dtype, settings, given, observe_x)
+        return _GroupedMM.apply(
+            x, up, weight, offs, route_weight, out_dtype, gemm_dtype, dgrad_dtype, settings, given, observe_x
+        )
     # inference graph: the forward GEMM only, nothing saved
     a = given if given is not None else fmt.input_operand(x, up, settings.scale_rule, "grouped_mm")
     w = fmt.weight_operand(weight, settings.scale_rule, "forward", settings.keep_dequantized_weights)

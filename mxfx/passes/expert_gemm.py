@@ -15,9 +15,12 @@ GROUPED_WGRAD = "bf16"
 the operands' dtypes (:func:`mxfx.ops.grouped_mm.mx_grouped_mm_op`)."""
 
 
-def insert_grouped(gm: fx.GraphModule, before: fx.Node, x_node, w_node, offs_node, decision: Decision, out_dtype):
+def insert_grouped(
+    gm: fx.GraphModule, before: fx.Node, x_node, w_node, offs_node, decision: Decision, out_dtype, dgrad_dtype=None
+):
     """Insert ``mx_grouped_mm_op(x, W, offs)`` under ``decision``'s settings before ``before``; ``w_node`` is the
-    ``[E, N, K]`` weight; int64 offs are cast to the int32 the op takes."""
+    ``[E, N, K]`` weight; int64 offs are cast to the int32 the op takes; ``dgrad_dtype`` (None: x's dtype) the dtype
+    of the dgrad GEMM's result."""
     with gm.graph.inserting_before(before):
         offs = example_value(offs_node)
         if offs.dtype != torch.int32:
@@ -27,7 +30,11 @@ def insert_grouped(gm: fx.GraphModule, before: fx.Node, x_node, w_node, offs_nod
         return gm.graph.call_function(
             mx_grouped_mm_op,
             (x_node, w_node, offs_node),
-            {**unique_stats_site(gm, decision.settings.graph_kwargs(), "grouped_mm"), "out_dtype": out_dtype},
+            {
+                **unique_stats_site(gm, decision.settings.graph_kwargs(), "grouped_mm"),
+                "out_dtype": out_dtype,
+                **({"dgrad_dtype": dgrad_dtype} if dgrad_dtype is not None else {}),
+            },
         )
 
 
