@@ -64,6 +64,12 @@ def test_mx_linear_autocast_dtypes_and_3d():
     assert x.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
     ref = (q_dq(x.detach().reshape(-1, 64), -1, "rceil") @ q_dq(w.detach(), -1, "rceil").T).to(torch.bfloat16)
     torch.testing.assert_close(y.reshape(-1, 32), ref, rtol=0, atol=0)
+    # x's gradient: the dgrad GEMM's BF16 result widened, as F.linear's autocast input cast gives it (dY = ones,
+    # exact in MXFP8, so the dgrad is each column sum of the quantized weight, rounded once to BF16; the FP32 sum's
+    # order is the GEMM's, hence a bound of one BF16 rounding, not equality)
+    dx = q_dq(w.detach().t().contiguous(), -1, "rceil").sum(-1).expand_as(x.grad)  # W [N, K] along N: ones . W
+    assert torch.equal(x.grad, x.grad.bfloat16().float())
+    torch.testing.assert_close(x.grad, dx, rtol=2**-8, atol=1e-6)
 
 
 def test_mx_linear_rejects_unaligned_features():

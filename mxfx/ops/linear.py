@@ -47,7 +47,7 @@ def _observe_forward(settings: OpSettings, x, up, a, weight, w, x_tokens, kind: 
 
 class _Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2d, up, weight, bias, out_dtype, settings: OpSettings, given):
+    def forward(ctx, x2d, up, weight, bias, out_dtype, dgrad_dtype, settings: OpSettings, given):
         fmt, rule, wgrad, save = settings.format, settings.scale_rule, settings.wgrad, settings.save
         need_dw = ctx.needs_input_grad[2]
         keep_x = need_dw and save == "bf16" and up is None  # x stays alive elsewhere: keep a reference
@@ -83,7 +83,7 @@ class _Linear(torch.autograd.Function):
             kind,
             len(wgrad_input),
         )
-        ctx.has_bias, ctx.has_up = bias is not None, up is not None
+        ctx.has_bias, ctx.has_up, ctx.dgrad_dtype = bias is not None, up is not None, dgrad_dtype
         return y
 
     @staticmethod
@@ -103,11 +103,11 @@ class _Linear(torch.autograd.Function):
         dx = dup = dw = db = None
         if need_dx:
             w = fmt.weight_operand(weight, rule, "dgrad", settings.keep_dequantized_weights)
-            dh = fmt.mm(dy_rows, w, ctx.x_dtype)
+            dh = fmt.mm(dy_rows, w, ctx.dgrad_dtype)
             if ctx.has_up:
                 dx, dup = (t.to(ctx.x_dtype) for t in fmt.swiglu_backward(dh, packed))
             else:
-                dx = dh
+                dx = dh.to(ctx.x_dtype)  # widened where the dgrad GEMM ran at the autocast dtype
         if ctx.needs_input_grad[2]:
             if dy_tokens:
                 x_tokens = wgrad_input
@@ -120,7 +120,7 @@ class _Linear(torch.autograd.Function):
                 dw = weight_gradient(settings, weight, (dy,), (x_saved,), low_precision=False)
         if ctx.has_bias and ctx.needs_input_grad[3]:
             db = dy.float().sum(0).to(weight.dtype)
-        return dx, dup, dw, db, None, None, None
+        return dx, dup, dw, db, None, None, None, None
 
 
 def _rows(operand) -> int:
@@ -189,7 +189,9 @@ def mx_linear(
             fields given by name override ``settings``.
 
     Returns:
-        ``[..., N]`` in the autocast dtype if autocast is on, else ``input_dtype or x.dtype``.
+        ``[..., N]`` in the autocast dtype if autocast is on, else ``input_dtype or x.dtype``. x's gradient is in
+        x's dtype; for an FP32 x under autocast it holds the dgrad GEMM's result in the autocast dtype, as
+        ``F.linear``'s autocast input cast gives it.
 
     Raises:
         ValueError: shapes that do not pair up, K or N not a multiple of the format's feature multiple (keep such
@@ -207,7 +209,11 @@ def mx_linear(
         )
     fmt.check_features(op, k, n)
     dev = x.device.type
-    out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else (input_dtype or x.dtype)
+    autocast = torch.is_autocast_enabled(dev)
+    out_dtype = torch.get_autocast_dtype(dev) if autocast else (input_dtype or x.dtype)
+    # under autocast an FP32 input's gradient comes from the dgrad GEMM at the autocast dtype, widened after, as
+    # through F.linear's autocast input cast (not an FP32 result of twice the bytes)
+    dgrad_dtype = out_dtype if autocast and x.dtype == torch.float32 and up is None else x.dtype
     x2d = x.reshape(-1, k)
     up2d = None if up is None else up.reshape(-1, k)
     if x_mx is not None and (
@@ -219,7 +225,7 @@ def mx_linear(
         )
     with torch.autocast(dev, enabled=False):
         if torch.is_grad_enabled():
-            y = _Linear.apply(x2d, up2d, weight, bias, out_dtype, settings, x_mx)
+            y = _Linear.apply(x2d, up2d, weight, bias, out_dtype, dgrad_dtype, settings, x_mx)
         else:  # inference graph: the forward GEMM only, nothing saved
             a = fmt.input_operand(x2d, up2d, settings.scale_rule, "mm") if x_mx is None else x_mx[0]
             w = fmt.weight_operand(weight, settings.scale_rule, "forward", settings.keep_dequantized_weights)
