@@ -139,12 +139,15 @@ def kernel_family(kernel: str, ops: Sequence[str]) -> str:
 
 _WORK = {"kernel", "gpu_memcpy", "gpu_memset"}  # device work (Chrome trace "cat", lower case)
 _LAUNCHES = {"cuda_runtime", "cuda_driver"}  # the host calls that launch it
-_SYNC_CALL = re.compile(r"Synchronize|^cudaMemcpy$|^cuMemcpy(DtoH|HtoD)?(_v2)?$")
+_SYNC_CALL = re.compile(r"Synchronize|^cu(da)?Memcpy(2D|3D)?(DtoH|HtoD|DtoD)?(_v2)?$")
 """Runtime / driver calls that wait for the device by contract (a stream, event or device synchronize, a blocking
 copy): their whole duration is the host waiting."""
+_QUEUED_CALL = re.compile(r"Launch|Memcpy.*Async|Memset")
+"""Calls that put work in the device's queue (kernel launches, async copies and memsets): past
+:data:`QUEUE_WAIT_US` they waited for a slot in it. Any other call (an allocation, a module load) is host work."""
 QUEUE_WAIT_US = 50.0
-"""A launch (or async copy / memset) call's time past this many microseconds is the host waiting for a slot in the
-device's launch queue: the call's own work takes a few microseconds."""
+"""A queueing call's time past this many microseconds is the host waiting for a slot in the device's launch queue:
+the call's own work takes a few microseconds."""
 _CPU_RANGES = {"cpu_op", "user_annotation"}  # ops and record_function ranges on a host thread
 _NESTED_US = 1e-3  # a range ending this close past its parent's end is still inside it (the trace's us rounding)
 
@@ -261,9 +264,10 @@ def step_breakdown(trace: dict, device: str, top: int = 20) -> dict:
     ``total_ms`` the families' sum, ``busy_ms`` the union of the work intervals computed apart from it (CPU: of the
     ranges, per thread), ``work_ms`` the work's summed durations, ``overlap_ms`` their difference (time counted on
     two or more streams), ``unlinked`` the kernels classified by name alone, ``host_wait_ms`` (CUDA; CPU: 0) the time
-    the host threads spent waiting for the device inside runtime and driver calls (synchronizing calls whole, launches
-    past :data:`QUEUE_WAIT_US`: a full launch queue), which a step bound by the GPU adds to its host time, ``top`` the
-    ``top`` costliest kernels (CPU: ops) by (name, family).
+    the host threads spent waiting for the device inside runtime and driver calls (synchronizing calls whole,
+    launches, async copies and memsets past :data:`QUEUE_WAIT_US`: a full launch queue; the union over each thread's
+    calls, summed over threads), which a step bound by the GPU adds to its host time, ``top`` the ``top`` costliest
+    kernels (CPU: ops) by (name, family).
 
     Raises:
         ValueError: a ``"cuda"`` trace with no kernel (profiled without ``ProfilerActivity.CUDA``) or with device
@@ -294,14 +298,19 @@ def step_breakdown(trace: dict, device: str, top: int = 20) -> dict:
     if len(devices) > 1:
         raise ValueError(f"step_breakdown: device work on devices {sorted(devices, key=str)}; profile one device")
     launches = {}  # correlation id -> (host thread, launch time)
-    wait_us = 0.0
+    waits = defaultdict(list)  # host thread -> intervals it waited on the device
     for e in events:
         if e.get("ph") != "X" or str(e.get("cat", "")).lower() not in _LAUNCHES:
             continue
-        dur = float(e.get("dur", 0.0))
-        wait_us += dur if _SYNC_CALL.search(e["name"]) else max(0.0, dur - QUEUE_WAIT_US)
+        start, dur = float(e["ts"]), max(0.0, float(e.get("dur", 0.0)))
+        if _SYNC_CALL.search(e["name"]):
+            waits[(e.get("pid"), e.get("tid"))].append((start, start + dur))
+        elif _QUEUED_CALL.search(e["name"]) and dur > QUEUE_WAIT_US:
+            waits[(e.get("pid"), e.get("tid"))].append((start + QUEUE_WAIT_US, start + dur))
         if "correlation" in e.get("args", {}):
-            launches[e["args"]["correlation"]] = ((e.get("pid"), e.get("tid")), float(e["ts"]))
+            launches[e["args"]["correlation"]] = ((e.get("pid"), e.get("tid")), start)
+    # a runtime call nested in another (cudaStreamSynchronize over cuStreamSynchronize) waits once: union per thread
+    wait_us = sum(_split_overlaps(intervals)[1] for intervals in waits.values())
     ops_of_id = {ext: thread.chain(i) for thread in threads.values() for i, ext in enumerate(thread.ids) if ext}
     families: dict[tuple, str] = {}
     spent, unlinked = [], 0

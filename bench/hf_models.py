@@ -8,8 +8,8 @@ Models (random init, ``--layers`` decoder layers at the per-layer shapes of the 
 * ``qwen3``: ``Qwen3MoeForCausalLM`` at Qwen3-30B-A3B's: hidden 2048, 32 heads / 4 KV heads of
   head_dim 128, 128 experts top-8, expert hidden 768;
 * ``mixtral``: ``MixtralForCausalLM`` at Mixtral-8x7B's: hidden 4096, 32 heads / 8 KV heads, 8 experts top-2,
-  expert hidden 14336 (1.4B parameters a layer: with FP32 main weights, gradients and AdamW's state, 2 layers
-  take about 46 GiB, so an 80 GB card trains ``--layers 2``, not the default 4).
+  expert hidden 14336 (1.45B parameters a layer: with FP32 main weights, gradients and AdamW's state, 2 layers
+  take about 43 GiB, so an 80 GB card trains ``--layers 2``, not the default 4).
 
 ``--dims small`` shrinks each to what a CPU trains in minutes (hidden 128, 2 heads of 64, 16 experts
 top-4, expert hidden 128: feature dims multiples of 128, so fp8_block converts every GEMM too);
@@ -226,11 +226,11 @@ def model_config(name: str, layers: int, dims: str = "real"):
             ),
             "small": dict(
                 hidden_size=128,
-                intermediate_size=256,
+                intermediate_size=128,
                 num_attention_heads=2,
                 num_key_value_heads=2,
-                num_local_experts=8,
-                num_experts_per_tok=2,
+                num_local_experts=16,
+                num_experts_per_tok=4,
             ),
             "smoke": dict(
                 hidden_size=128,
@@ -799,9 +799,11 @@ def main(argv=None) -> list[dict]:
         )
     if not (args.lr > 0 and math.isfinite(args.lr)):
         p.error(f"argument --lr: {args.lr} must be finite and > 0")
-    models = [m for m in args.model.split(",") if m]
-    if not models or set(models) - set(MODELS):
-        p.error(f"argument --model: {args.model!r}: a comma list of {', '.join(MODELS)}")
+    models = [m.strip() for m in args.model.split(",") if m.strip()]
+    unknown_models = sorted(set(models) - set(MODELS))
+    if not models or unknown_models:
+        what = f"unknown model(s) {unknown_models}" if unknown_models else "names no model"
+        p.error(f"argument --model: {args.model!r} {what}; give a comma list of {', '.join(MODELS)}")
     if not [a for a in args.arms.split(",") if a]:
         p.error(f"argument --arms: {args.arms!r} names no arm; choose from {', '.join(ARMS)}")
     unknown = sorted({a for a in args.arms.split(",") if a} - set(ARMS))

@@ -330,14 +330,20 @@ def test_step_breakdown_adds_up_to_busy_time():
 
 
 def test_step_breakdown_host_waits_on_the_device():
-    """Time the host spends waiting on the GPU inside runtime calls: a synchronize whole, a launch past
-    QUEUE_WAIT_US (a full launch queue) by its excess; the synthetic trace's 2 us launches wait for nothing."""
+    """Time the host spends waiting on the GPU inside runtime calls: a synchronize whole (once where the driver's
+    runs inside the runtime's), a launch past QUEUE_WAIT_US (a full launch queue) by its excess; the synthetic
+    trace's 2 us launches, an allocation and a module load (host work), an event without a duration wait for
+    nothing."""
     assert step_breakdown(synthetic_trace(), "cuda")["host_wait_ms"] == 0
     trace = synthetic_trace()
     trace["traceEvents"] += [
         _x("cuda_runtime", "cudaLaunchKernel", 400, QUEUE_WAIT_US + 250, HOST, correlation=150),
         _x("cuda_runtime", "cudaStreamSynchronize", 800, 40, HOST),
+        _x("cuda_driver", "cuStreamSynchronize", 805, 30, HOST),  # inside the runtime's: the same wait, once
         _x("cuda_driver", "cuLaunchKernelEx", 900, QUEUE_WAIT_US - 1, HOST, correlation=151),  # slow, not blocked
+        _x("cuda_runtime", "cudaMalloc", 950, 5000, HOST),  # host work however long: it queues nothing
+        _x("cuda_driver", "cuModuleLoadData", 6000, 3000, HOST),
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 9500, "pid": 1, "tid": 1, "args": {}},
     ]
     out = step_breakdown(trace, "cuda")
     assert out["host_wait_ms"] == pytest.approx((250 + 40) * 1e-3)

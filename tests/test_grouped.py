@@ -152,10 +152,13 @@ def test_route_weighted_fp32_product_from_bf16_gemm_rows(fmt):
     y.backward(dout)
     # the route weights' gradient sums dout * rows in FP32: only the order of the sum may differ
     torch.testing.assert_close(rw.grad.float(), (dout * rows.float()).sum(-1).bfloat16().float(), rtol=1e-2, atol=1e-2)
-    with pytest.raises(ValueError, match=r"grouped_mm: gemm_dtype=torch.bfloat16 without route_weight"):
-        mx_grouped_mm_op(x, w, offs, gemm_dtype=torch.bfloat16, format=fmt)
-    with pytest.raises(TypeError, match=r"grouped_mm: gemm_dtype=torch.int32 must be a floating dtype"):
-        mx_grouped_mm_op(x, w, offs, route_weight=rw, gemm_dtype=torch.int32, format=fmt)
+    with pytest.raises(ValueError, match=r"grouped_mm: gemm_dtype=torch.float32 without route_weight"):
+        mx_grouped_mm_op(x, w, offs, gemm_dtype=torch.float32, format=fmt)
+    for bad in (torch.int32, torch.float64):
+        with pytest.raises(TypeError, match=rf"grouped_mm: gemm_dtype={bad} \(input \(64, 128\)\) must be torch"):
+            mx_grouped_mm_op(x, w, offs, route_weight=rw, gemm_dtype=bad, format=fmt)
+    same = mx_grouped_mm_op(x, w.detach(), offs, out_dtype=torch.bfloat16, gemm_dtype=torch.bfloat16, format=fmt)
+    assert torch.equal(same, rows)  # gemm_dtype the result's own: no route weights needed
 
 
 @pytest.mark.parametrize("fmt", refs.FORMATS)
@@ -177,7 +180,7 @@ def test_fp32_input_gradient_from_a_bf16_dgrad(fmt):
     assert dx16.dtype == torch.float32 and torch.equal(dx16, dx16.bfloat16().float())  # BF16 values
     torch.testing.assert_close(dx16, dx32, rtol=2**-8, atol=0)  # one BF16 rounding (RNE: half an ulp, 2^-9)
     torch.testing.assert_close(dw16, dw32, rtol=0, atol=0)
-    with pytest.raises(TypeError, match=r"grouped_mm: dgrad_dtype=torch.int8 must be a floating dtype"):
+    with pytest.raises(TypeError, match=r"grouped_mm: dgrad_dtype=torch.int8 \(input \(64, 128\)\) must be torch"):
         mx_grouped_mm_op(x, w, offs, dgrad_dtype=torch.int8, format=fmt)
 
 

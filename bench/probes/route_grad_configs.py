@@ -19,7 +19,11 @@ from __future__ import annotations
 import argparse
 
 import torch
-import triton
+
+try:
+    import triton
+except ImportError:  # a CPU install without the [gpu] or [test] extra
+    raise SystemExit("route_grad_configs: needs Triton and a CUDA GPU (pip install -e '.[gpu]')") from None
 
 from mxfx.kernels.fp8_block import quantize
 
@@ -27,8 +31,17 @@ SHAPES = {"olmoe / qwen3 routed dY": (65536, 2048, 8)}
 """name: (routed rows S, d, top-k): T = S / top-k tokens."""
 
 
-def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",")]
+def _ints(text: str, most: int, powers_of_two: bool) -> list[int]:
+    """A comma list of integers in ``[1, most]`` (powers of two where asked), for argparse."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a comma list of integers") from None
+    bad = [v for v in values if not 1 <= v <= most or (powers_of_two and v & (v - 1))]
+    if not values or bad:
+        kind = "powers of two" if powers_of_two else "integers"
+        raise argparse.ArgumentTypeError(f"{text!r}: give a comma list of {kind} from 1 to {most}")
+    return values
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -40,8 +53,18 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rows", type=_ints, default=[16, 32, 64, 128])
-    p.add_argument("--warps", type=_ints, default=[2, 4, 8])
+    p.add_argument(
+        "--rows",
+        type=lambda t: _ints(t, 1024, True),
+        default=[16, 32, 64, 128],
+        help="rows per program, a comma list of powers of two up to 1024 (default: 16,32,64,128)",
+    )
+    p.add_argument(
+        "--warps",
+        type=lambda t: _ints(t, 16, False),
+        default=[2, 4, 8],
+        help="warps per program, a comma list from 1 to 16 (default: 2,4,8)",
+    )
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("route_grad_configs: needs a CUDA GPU")

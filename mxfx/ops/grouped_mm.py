@@ -193,9 +193,11 @@ def mx_grouped_mm_op(
         route_weight: optional ``[S]`` or ``[S, 1]``: output rows are scaled by it.
         out_dtype: result dtype (default ``x.dtype``).
         gemm_dtype: with ``route_weight``, the dtype the GEMM writes its rows in before the route weights scale
-            them in fp32 (default ``out_dtype``): a combine whose weighted rows are FP32 while the GEMM runs under
-            BF16 autocast keeps (and saves for the route weights' gradient) BF16 rows, half the bytes.
-        dgrad_dtype: the dtype the dgrad GEMM writes x's gradient in, then cast to x's dtype (default ``x.dtype``):
+            them in fp32 (bf16, fp16 or fp32; default ``out_dtype``): a combine whose weighted rows are FP32 while
+            the GEMM runs under BF16 autocast keeps (and saves for the route weights' gradient) BF16 rows, half the
+            bytes. A narrower range than the product's (float16) overflows where the product would not.
+        dgrad_dtype: the dtype (bf16, fp16 or fp32) the dgrad GEMM writes x's gradient in, then cast to x's dtype
+            (default ``x.dtype``):
             an FP32 input under BF16 autocast gets its gradient from a BF16 GEMM result, as an autocast GEMM's
             input (its BF16 cast) would; half the bytes of an FP32 result.
         x_mx: optional ``(qdata e4m3 [S, K], scales uint8 [S, K/32])`` whose quantization ``x`` stands for
@@ -223,12 +225,13 @@ def mx_grouped_mm_op(
     code; on a GPU, or inside a traced graph, offs values are not read (that would need a device sync).
 
     Raises:
-        TypeError: x not a bf16/fp16/fp32 tensor, offs not a tensor, out_dtype, gemm_dtype, dgrad_dtype or
-            route_weight not floating.
+        TypeError: x not a bf16/fp16/fp32 tensor, offs not a tensor, out_dtype or route_weight not floating,
+            gemm_dtype or dgrad_dtype not bf16/fp16/fp32.
         ValueError: an unknown scale rule, shapes that do not pair up or do not fit the format (``feature_multiple``),
             offs not int32 (or, on the CPU, not non-decreasing ends of at most S rows), no experts, route_weight not [S]
             or [S, 1], a weight that is not 3D, a settings value not valid, ``x_mx`` given with ``up`` or with shapes
-            that do not match ``x``, or ``x_mx_from`` not one of :data:`X_MX_FROM` with ``x_mx`` or given without it.
+            that do not match ``x``, ``x_mx_from`` not one of :data:`X_MX_FROM` with ``x_mx`` or given without it,
+            or a ``gemm_dtype`` other than the result's without ``route_weight``.
             TypeError also for a keyword that is not a settings field.
     """
     op = "mxfx.grouped_mm"
@@ -242,10 +245,15 @@ def mx_grouped_mm_op(
         raise TypeError(f"{op}: {what}; its GEMMs quantize a bfloat16, float16 or float32 tensor (cast it first)")
     if not isinstance(offs, torch.Tensor):
         raise TypeError(f"{op}: offs must be an int32 tensor of cumulative group ends, got {type(offs).__name__}")
-    for name, dtype in (("out_dtype", out_dtype), ("gemm_dtype", gemm_dtype), ("dgrad_dtype", dgrad_dtype)):
-        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-            raise TypeError(f"{op}: {name}={dtype!r} must be a floating dtype (e.g. torch.bfloat16) or None")
-    if gemm_dtype is not None and route_weight is None:
+    if out_dtype is not None and (not isinstance(out_dtype, torch.dtype) or not out_dtype.is_floating_point):
+        raise TypeError(f"{op}: out_dtype={out_dtype!r} must be a floating dtype (e.g. torch.bfloat16) or None")
+    for name, dtype in (("gemm_dtype", gemm_dtype), ("dgrad_dtype", dgrad_dtype)):  # what the GEMMs write
+        if dtype is not None and dtype not in INPUT_DTYPES:
+            raise TypeError(
+                f"{op}: {name}={dtype!r} (input {tuple(x.shape)}) must be torch.bfloat16, torch.float16, "
+                "torch.float32 or None"
+            )
+    if gemm_dtype is not None and route_weight is None and gemm_dtype != (out_dtype or x.dtype):
         raise ValueError(
             f"{op}: gemm_dtype={gemm_dtype} without route_weight (input {tuple(x.shape)}): the GEMM's rows are the "
             "result then; give out_dtype alone"
