@@ -25,6 +25,18 @@ def per_group_tokens_q_dq(fmt, t, sizes, rule):
     return torch.cat(out)
 
 
+def with_saved(fn):
+    """``fn()``'s result and the tensors autograd saved for its backward while it ran."""
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        return fn(), saved
+
+
 def reference(fmt, x, up, w, rw, dout, sizes, rule, wgrad, save):
     """Forward and gradients, one expert at a time, operands quantized per docs/format.md in format ``fmt``."""
     gate32, up32 = x.float(), None if up is None else up.float()
@@ -106,14 +118,7 @@ def test_mx_wgrad_saves_what_save_asks(fmt, save, keeps_x):
     x = torch.randn(sum(SIZES), 128, generator=g).bfloat16().requires_grad_()
     w = (torch.randn(len(SIZES), 256, 128, generator=g) * 0.1).requires_grad_()
     offs = torch.cumsum(torch.tensor(SIZES), 0).to(torch.int32)
-    saved = []
-
-    def pack(t):
-        saved.append(t)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = mx_grouped_mm_op(x, w, offs, wgrad="mxfp8", save=save, format=fmt)
+    y, saved = with_saved(lambda: mx_grouped_mm_op(x, w, offs, wgrad="mxfp8", save=save, format=fmt))
     y.backward(torch.ones_like(y))
     eight_bit = [t for t in saved if t.element_size() == 1 and t.numel() >= x.numel()]
     assert any(t is x for t in saved) == keeps_x and bool(eight_bit) != keeps_x, [(t.dtype, t.shape) for t in saved]
@@ -133,16 +138,11 @@ def test_route_weighted_fp32_product_from_bf16_gemm_rows(fmt):
     w = (torch.randn(len(SIZES), 256, 128, generator=g) * 0.1).requires_grad_()
     rw = torch.rand(sum(SIZES), generator=g).bfloat16().requires_grad_()
     offs = torch.cumsum(torch.tensor(SIZES), 0).to(torch.int32)
-    saved = []
-
-    def pack(t):
-        saved.append(t)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = mx_grouped_mm_op(
+    y, saved = with_saved(
+        lambda: mx_grouped_mm_op(
             x, w, offs, route_weight=rw, out_dtype=torch.float32, gemm_dtype=torch.bfloat16, format=fmt
         )
+    )
     rows = mx_grouped_mm_op(x, w.detach(), offs, out_dtype=torch.bfloat16, format=fmt)
     assert y.dtype == torch.float32
     assert torch.equal(y, rows.float() * rw.detach().float()[:, None])  # the same products, one FP32 multiply
