@@ -197,9 +197,8 @@ def mx_grouped_mm_op(
             the GEMM runs under BF16 autocast keeps (and saves for the route weights' gradient) BF16 rows, half the
             bytes. A narrower range than the product's (float16) overflows where the product would not.
         dgrad_dtype: the dtype (bf16, fp16 or fp32) the dgrad GEMM writes x's gradient in, then cast to x's dtype
-            (default ``x.dtype``):
-            an FP32 input under BF16 autocast gets its gradient from a BF16 GEMM result, as an autocast GEMM's
-            input (its BF16 cast) would; half the bytes of an FP32 result.
+            (default ``x.dtype``): an FP32 input under BF16 autocast gets its gradient from a BF16 GEMM result, as
+            an autocast GEMM's input (its BF16 cast) would; half the bytes of an FP32 result.
         x_mx: optional ``(qdata e4m3 [S, K], scales uint8 [S, K/32])`` whose quantization ``x`` stands for
             (rows received by an MX all-to-all, the recipe, "Smaller Dispatch and Combine Payloads", or gathered
             from the MX of the tokens before the dispatch's row gather): the forward GEMM uses
