@@ -176,13 +176,14 @@ def test_checkpointed_layers_each_keep_their_own_records():
         assert down.shapes.endswith("-> float32"), text  # the fused route-weight product, FP32 route weights
 
 
-def test_routed_gemms_write_bf16_under_autocast():
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_routed_gemms_write_bf16_under_autocast(impl):
     """Under BF16 autocast the routed GEMMs write BF16 where eager's autocast GEMMs would, though transformers'
     FP32 expert GEMM and its FP32 input make the model's own tensors FP32: the combine's FP32 product comes from the
     down projection's BF16 rows, which are what the forward hands backward (for the route weights' gradient), and
     the gate/up projection's dgrad writes the FP32 input's gradient in BF16 (widened after, as through an autocast
     GEMM's input cast). FP32 results would double the bytes of the routed block's largest tensors."""
-    model = _model("olmoe", "grouped_mm")
+    model = _model("olmoe", impl)
     cap = GraphCapture()
     _loss_and_grads(model, {"inner": cap})
     fw, bw = cap.forward[0], cap.backward[0]

@@ -15,12 +15,13 @@ GROUPED_WGRAD = "bf16"
 the operands' dtypes (:func:`mxfx.ops.grouped_mm.mx_grouped_mm_op`)."""
 
 
-def insert_grouped(
-    gm: fx.GraphModule, before: fx.Node, x_node, w_node, offs_node, decision: Decision, out_dtype, dgrad_dtype=None
-):
+def insert_grouped(gm: fx.GraphModule, before: fx.Node, x_node, w_node, offs_node, decision: Decision, out_dtype):
     """Insert ``mx_grouped_mm_op(x, W, offs)`` under ``decision``'s settings before ``before``; ``w_node`` is the
-    ``[E, N, K]`` weight; int64 offs are cast to the int32 the op takes; ``dgrad_dtype`` (None: x's dtype) the dtype
-    of the dgrad GEMM's result."""
+    ``[E, N, K]`` weight; int64 offs are cast to the int32 the op takes. An FP32 x whose GEMM writes 16-bit
+    results (autocast: the GEMM read x's 16-bit cast) gets its gradient from the dgrad GEMM in that dtype, widened
+    after, as the cast's backward gives it in eager (``dgrad_dtype``), not an FP32 result of twice the bytes."""
+    x_dtype = example_value(x_node).dtype
+    dgrad_dtype = out_dtype if x_dtype == torch.float32 and out_dtype in (torch.bfloat16, torch.float16) else None
     with gm.graph.inserting_before(before):
         offs = example_value(offs_node)
         if offs.dtype != torch.int32:

@@ -208,16 +208,11 @@ def _rewrite_grouped(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> in
         replaced = args.get("out_dtype") or (out.dtype if out is not None else x.dtype)
         out_dtype = output_dtype(x, replaced)
         x_src = input_source(x_node)
-        # under autocast an FP32 input's gradient comes from the GEMM at the autocast dtype, widened after (as an
-        # autocast GEMM's would through its input cast): not an FP32 dgrad result of twice the bytes
-        x_dtype = example_value(x_src).dtype
-        grad_gemm = output_dtype(x, x_dtype)  # the autocast dtype where autocast is on
-        dgrad_dtype = grad_gemm if x_dtype == torch.float32 and grad_gemm != x_dtype else None
         with gm.graph.inserting_before(node):
             weight = source if transposed else gm.graph.call_method("transpose", (source, -2, -1))
             if not transposed:
                 weight.meta["example_value"] = example_value(source).transpose(-2, -1)
-        new = insert_grouped(gm, node, x_src, weight, offs_node, d, out_dtype, dgrad_dtype)
+        new = insert_grouped(gm, node, x_src, weight, offs_node, d, out_dtype)
         new.meta.update(node.meta)
         if out is not None:
             new.meta["example_value"] = out.to(out_dtype)
