@@ -4,7 +4,7 @@ Each measurement runs in a fresh Python process (nothing cached in memory), with
 ``TORCHINDUCTOR_CACHE_DIR`` pointing at a folder of its own arm: the first process finds
 it empty (cold), the second finds what the first wrote (warm: Inductor's FX graph cache
 and AOTAutograd's cache should hit). The model is one of ``bench/hf_models.py``'s
-(``olmoe`` / ``qwen3`` at the released checkpoints' per-layer shapes), FP32 parameters
+(``olmoe`` / ``qwen3`` / ``mixtral`` at the released checkpoints' per-layer shapes), FP32 parameters
 under ``torch.autocast(bfloat16)``; the step is forward, backward and a fused AdamW step. Inductor's import is
 left out of every arm's step (BF16's ``torch.compile`` call imports it before the step, mxfx's backend would inside).
 
@@ -506,7 +506,7 @@ def main(argv=None) -> list[dict]:
     import hf_models
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="olmoe", help="olmoe or qwen3 (bench/hf_models.py)")
+    p.add_argument("--model", default="olmoe", help=f"one of {', '.join(hf_models.MODELS)} (bench/hf_models.py)")
     p.add_argument("--arms", default="bf16,mxfp8", help="comma list of " + ", ".join(ARMS))
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--units", default="model,block", help="comma list: model (whole-model compile), block (per layer)")
@@ -526,8 +526,8 @@ def main(argv=None) -> list[dict]:
     args = p.parse_args(argv)
     import torch
 
-    if args.model not in ("olmoe", "qwen3"):
-        p.error(f"argument --model: {args.model!r}: choose olmoe or qwen3")
+    if args.model not in hf_models.MODELS:
+        p.error(f"argument --model: {args.model!r}: choose one of {', '.join(hf_models.MODELS)}")
     if args.layers < 1 or args.profile < 0:
         p.error(f"--layers {args.layers} must be >= 1 and --profile {args.profile} >= 0")
     for flag, given, allowed in (

@@ -262,7 +262,7 @@ def test_hf_models_mixtral_smoke(monkeypatch, tmp_path):
         ("compile_time", ("--arms", "bf16,nope"), "--arms: 'bf16,nope': a comma list of"),
         ("compile_time", ("--profile-cache", "hot"), "--profile-cache: 'hot': a comma list of cold, warm"),
         ("compile_time", ("--layers", "0"), "--layers 0 must be >= 1"),
-        ("compile_time", ("--model", "gpt"), "--model: 'gpt': choose olmoe or qwen3"),
+        ("compile_time", ("--model", "gpt"), "--model: 'gpt': choose one of olmoe, qwen3, mixtral"),
     ],
 )
 def test_benchmarks_refuse_arguments_they_cannot_run(monkeypatch, capsys, script, args, says):
