@@ -35,6 +35,9 @@ fused AdamW with linear LR warmup then cosine decay:
   GEMMs on Hopper);
 * ``fp8_block-triton``: ``fp8_block`` with its routed forward and dgrad on the Triton grouped kernel instead of
   the warp-specialized sm90 one (``MXFX_GROUPED_SM90=0`` while it runs): what that kernel gains in the step;
+* ``fp8_block-ungathered``: ``fp8_block`` with the routed dY's token gradient written out per routed row before
+  the route-gradient kernel reads it (``MXFX_GATHER_ROUTE_GRAD=0`` while it compiles and runs), not gathered by
+  that kernel: what the gather saves in the step;
 * ``bf16-grouped-ws``, ``fp8_block-ws``: those arms with the routed wgrad into FP32 on the sm90 ping-pong kernel
   (``MXFX_WGRAD_SM90=1`` while they run) instead of the Triton one;
 * ``fp8_block-routed``: ``fp8_block`` with the dense linears left in BF16 (a rule ``{"op": "linear",
@@ -377,6 +380,7 @@ ARMS = {
         Arm("torchao-fp8-rowwise", torch.bfloat16, False, _torchao_fp8_rowwise),
         Arm("fp8_block", torch.float32, True, _fp8_block, expert_format="fp8_block"),
         Arm("fp8_block-triton", torch.float32, True, _fp8_block, (("MXFX_GROUPED_SM90", "0"),), "fp8_block"),
+        Arm("fp8_block-ungathered", torch.float32, True, _fp8_block, (("MXFX_GATHER_ROUTE_GRAD", "0"),), "fp8_block"),
         Arm(
             "bf16-grouped-unfused", torch.float32, True, partial(_bf16_grouped, fused=False), expert_format="bf16_gemm"
         ),
@@ -403,6 +407,7 @@ for _arm in ("bf16-grouped", "fp8_block"):  # the same arm, its routed wgrad on 
     ARMS[f"{_arm}-ws"] = replace(ARMS[_arm], name=f"{_arm}-ws", env=(("MXFX_WGRAD_SM90", "1"),))
 OPTIONAL_ARMS = (
     "fp8_block-triton",
+    "fp8_block-ungathered",
     "bf16-grouped-unfused",
     "fp8_block-unfused",
     "bf16-grouped-ws",

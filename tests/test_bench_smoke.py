@@ -451,3 +451,17 @@ def test_compile_time_table_marks_profiled_steps(monkeypatch):
     lines = compile_time.table(rows).splitlines()
     assert "| 1.50x | <= 1.5x |" in lines[3] and "cProfile" not in lines[3]
     assert "3.00x (under cProfile: no timing) | - |" in lines[5]
+
+
+def test_switch_arms_set_the_switches_their_modules_read():
+    """Arms that compare one library switch on and off set the environment variable the library module reads (a
+    renamed switch would leave the arm measuring the default twice)."""
+    from bench import hf_models
+    from mxfx.kernels.common import custom_ops as common_ops
+    from mxfx.kernels.fp8_block import gemm as block_gemm
+    from mxfx.post_grad import route_grad_gather
+
+    assert dict(hf_models.ARMS["fp8_block-ungathered"].env) == {route_grad_gather.ENV: "0"}
+    assert dict(hf_models.ARMS["fp8_block-triton"].env) == {block_gemm.SM90_ENV: "0"}
+    for arm in ("bf16-grouped-ws", "fp8_block-ws"):
+        assert dict(hf_models.ARMS[arm].env) == {common_ops.WGRAD_SM90_ENV: "1"}
