@@ -405,6 +405,9 @@ ARMS = {
 }
 for _arm in ("bf16-grouped", "fp8_block"):  # the same arm, its routed wgrad on the sm90 ping-pong kernel
     ARMS[f"{_arm}-ws"] = replace(ARMS[_arm], name=f"{_arm}-ws", env=(("MXFX_WGRAD_SM90", "1"),))
+ARMS["fp8_block-wgrad8-ws"] = replace(  # the FP8 routed wgrad on the warp-specialized sm90 kernel
+    ARMS["fp8_block-wgrad8"], name="fp8_block-wgrad8-ws", env=(("MXFX_BLOCK_WGRAD_SM90", "1"),)
+)
 OPTIONAL_ARMS = (
     "fp8_block-triton",
     "fp8_block-ungathered",
@@ -416,12 +419,14 @@ OPTIONAL_ARMS = (
     "fp8_block-opaque",
     "fp8_block-inductor",
     "fp8_block-wgrad8",
+    "fp8_block-wgrad8-ws",
 )
 """Arms run only when ``--arms`` names them: the unfused arms set ``Policy(fuse_wgrad_accumulation=False)``;
 ``fp8_block-routed`` keeps the dense linears (attention projections) in BF16; ``fp8_block-opaque`` and
 ``fp8_block-inductor`` fix how the kernels enter the graph (``Policy(kernels=...)``: mxfx ops, a shorter compile
 and more host work a call; or launched by Inductor's code) where ``fp8_block`` lets ``kernels="auto"`` choose;
-``fp8_block-wgrad8`` runs the routed experts' wgrad in FP8 too (a rule ``wgrad="mxfp8"``; BF16 by default)."""
+``fp8_block-wgrad8`` runs the routed experts' wgrad in FP8 too (a rule ``wgrad="mxfp8"``; BF16 by default), and
+``fp8_block-wgrad8-ws`` that wgrad on the warp-specialized sm90 kernel (``MXFX_BLOCK_WGRAD_SM90=1``)."""
 
 
 # ----------------------------------------------------------------------------- training

@@ -465,3 +465,4 @@ def test_switch_arms_set_the_switches_their_modules_read():
     assert dict(hf_models.ARMS["fp8_block-triton"].env) == {block_gemm.SM90_ENV: "0"}
     for arm in ("bf16-grouped-ws", "fp8_block-ws"):
         assert dict(hf_models.ARMS[arm].env) == {common_ops.WGRAD_SM90_ENV: "1"}
+    assert dict(hf_models.ARMS["fp8_block-wgrad8-ws"].env) == {block_gemm.WGRAD_SM90_ENV: "1"}
