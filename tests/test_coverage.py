@@ -483,6 +483,23 @@ def test_a_model_dynamo_skips_whole_is_named_at_the_first_step(watched):
     assert "'w', 'proj.weight'" in message, message
 
 
+def test_an_id_a_dead_graph_input_had_does_not_count_as_the_new_weight_taken(watched):
+    """Graphs record the ids of the tensors they take; once such a tensor dies its id may be a new weight's. A
+    model no graph took is still named at its first step when its weights' ids are among those recorded (as if
+    earlier graphs' dead inputs had had them)."""
+    from mxfx.diagnostics import coverage
+
+    model = TopLevelLoopMoE()
+    ids = {id(p) for p in model.parameters()} - coverage._anonymous.inputs
+    coverage._anonymous.inputs.update(ids)
+    try:
+        messages = _train_two_steps(model, torch.optim.SGD(model.named_parameters(), lr=0.1))
+    finally:
+        coverage._anonymous.inputs.difference_update(ids)
+    (message,) = [m for m in messages if "no graph compiled by the mxfp8 backend took" in m]
+    assert "'w', 'proj.weight'" in message, message
+
+
 def test_eager_training_beside_the_backend_is_not_warned_about_unless_watched():
     """The check is on request: a model trained eagerly in a process that loaded the backend (a reference arm
     beside a compiled one) gets no warning; under :func:`mxfx.watch_steps` it is named, and after the handle's

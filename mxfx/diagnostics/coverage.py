@@ -93,6 +93,7 @@ _lock = threading.Lock()
 _models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _Model
 _anonymous = _Model(None, "graphs outside any model")
 _stepped: weakref.WeakSet = weakref.WeakSet()  # optimizers whose first step was checked (:func:`watch_steps`)
+_taken: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> a live tensor some compiled graph took
 _watching: list = []  # the step post-hook's handle, once registered
 
 
@@ -138,6 +139,7 @@ def observation(
     keys = _keys(scope.model() if scope.model is not None else None)
     tensors = (*real.values(), *gm.parameters())
     taken = keys(tensors)
+    alive = {id(t): t for t in tensors}
     compiled = keys(compiled_parameters({id(t) for t in tensors}))
     read = {r.node: keys(_weights_read(nodes.get(r.node), real)) for r in pm.records}
 
@@ -151,6 +153,7 @@ def observation(
         except TypeError:  # an unhashable inner compiler: its rules do not excuse unread weights
             pass
         scope.inputs.update(taken)
+        _taken.update(alive)
         scope.compiled.update(compiled)
         scope.breaks.extend(b for b in graph_breaks.new() if b not in scope.breaks)
         for r in pm.records:
@@ -384,9 +387,9 @@ def _first_step(optimizer, args, kwargs) -> None:
         for name, p in zip(group.get("param_names") or [None] * len(group["params"]), group["params"])
         if p.grad is not None and p.dim() >= 2 and p.is_floating_point()
     ]
-    with _lock:
-        taken = set().union(_anonymous.inputs, *(scope.inputs for scope in list(_models.values())))
-    if named and not any(id(p) in taken for _, p in named):
+    with _lock:  # by identity: the id of a tensor a graph took and that has died since may be a new weight's now
+        took = [_taken.get(id(p)) is p for _, p in named]
+    if named and not any(took):
         _warn(_unseen_message(type(optimizer).__name__, named, graph_breaks.new()))
 
 
