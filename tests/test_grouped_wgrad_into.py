@@ -57,29 +57,6 @@ def check(device, dtype, config=None):
         assert torch.equal(out[1].cpu(), prev[1]), "an empty group's gradient is kept"
 
 
-def check_scaled_x(device, dtype, config=None):
-    """x given as 1x128-scaled E4M3 rows (scales column-major, as a routed GEMM saves them; both scale rules, two
-    scale blocks along K): the same gradient bit for bit as x given as those rows decoded to ``dtype`` first."""
-    from mxfx.kernels.common import grouped_wgrad_triton
-    from mxfx.numerics.block import dequantize_values, quantize_1x128_lastdim
-
-    gen = torch.Generator().manual_seed(5)
-    s, n, k = sum(SIZES) + 3, 64, 160
-    dy = torch.randn(s, n, generator=gen).to(dtype).to(device)
-    offs = torch.tensor(SIZES).cumsum(0).to(torch.int32).to(device)
-    for rule in ("rceil", "amax"):
-        q, sc = quantize_1x128_lastdim(torch.randn(s, k, generator=gen) * 8, rule)
-        sc = sc.t().contiguous().t()  # [S, 2] with strides (1, S)
-        q, sc = q.to(device), sc.to(device)
-        x = dequantize_values(q, sc, (-1,)).to(dtype)
-        for accumulate in (False, True):
-            prev = torch.randn(len(SIZES), n, k, generator=gen).to(device)
-            want, got = prev.clone(), prev.clone()
-            grouped_wgrad_triton.grouped_wgrad_into(dy, x, offs, want, accumulate, config=config)
-            grouped_wgrad_triton.grouped_wgrad_into(dy, q, offs, got, accumulate, x_scales=sc, config=config)
-            assert torch.equal(got, want), (rule, accumulate, (got - want).abs().max().item())
-
-
 INTERPRETER_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 32, "BLOCK_T": 16, "num_warps": 4, "num_stages": 1}
 
 
@@ -97,7 +74,6 @@ def test_grouped_wgrad_into_on_the_gpu(config):
     from mxfx.kernels.common import grouped_wgrad_triton
 
     check("cuda", torch.bfloat16, getattr(grouped_wgrad_triton, config))
-    check_scaled_x("cuda", torch.bfloat16, getattr(grouped_wgrad_triton, config))
 
 
 def test_the_mean_group_size_chooses_the_launch():
@@ -121,22 +97,8 @@ def test_grouped_wgrad_into_names_bad_shapes():
         grouped_wgrad_triton.grouped_wgrad_into(dy, x.float(), offs, torch.zeros(1, 16, 32), True)
     with pytest.raises(ValueError, match="float32 out; got dy torch.bfloat16, x torch.bfloat16, out torch.bfloat16"):
         grouped_wgrad_triton.grouped_wgrad_into(dy, x, offs, torch.zeros(1, 16, 32, dtype=torch.bfloat16), True)
-    q, sc = x.to(torch.float8_e4m3fn), torch.ones(8, 1)
-    out = torch.zeros(1, 16, 32)
-    with pytest.raises(
-        ValueError,
-        match=r"scaled x is E4M3 \[S, K\] with float32 scales \[S, ceil\(K / 128\)\].*scales torch.float32 \(8, 2\)",
-    ):
-        grouped_wgrad_triton.grouped_wgrad_into(dy, q, offs, out, True, x_scales=torch.ones(8, 2))
-    with pytest.raises(ValueError, match=r"scaled x is E4M3.*got x torch.bfloat16"):
-        grouped_wgrad_triton.grouped_wgrad_into(dy, x, offs, out, True, x_scales=sc)
-    with pytest.raises(ValueError, match="BLOCK_K=256 must divide the scale block 128"):
-        grouped_wgrad_triton.grouped_wgrad_into(
-            dy, q, offs, out, True, x_scales=sc, config=dict(grouped_wgrad_triton.CONFIG, BLOCK_K=256)
-        )
 
 
 if __name__ == "__main__" and "--interpret" in sys.argv:  # run_interpreter_checks' subprocess
     check("cpu", torch.float16, INTERPRETER_CONFIG)
-    check_scaled_x("cpu", torch.float16, INTERPRETER_CONFIG)
     print("grouped_wgrad_into: interpreter checks passed")

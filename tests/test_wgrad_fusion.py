@@ -20,7 +20,6 @@ from torch.profiler import ProfilerActivity, profile
 
 import mxfx
 from mxfx.kernels.common import custom_ops as common_ops
-from mxfx.numerics.block import dequantize_values, quantize_1x128_lastdim
 from mxfx.ops.grouped_mm import mx_grouped_mm_op
 from mxfx.ops.linear import mx_linear
 from mxfx.passes.wgrad_accumulation import FUSED_NOTE, UNFUSED_NOTE
@@ -475,9 +474,6 @@ def _wgrad_cases(fmt_name: str, device: str = "cpu"):
     dy_t, x_t = fmt.grad_operands(dy, "rceil", rows=False, tokens=True)[1], fmt.tokens_operand(x, "rceil")
     dy_g, x_g = (fmt.grouped_tokens_operand(t, offs, "rceil") for t in (dy, x))
     hp_dy = dy.bfloat16()
-    q, sc = quantize_1x128_lastdim(x)  # x as 1x128-scaled rows, scales column-major as a routed GEMM saves them
-    q, sc = q.to(device), sc.cpu().t().contiguous().t().to(device)
-    x_rows = dequantize_values(q, sc, (-1,)).bfloat16()
     return [
         ("dense", lambda dt: fmt.wgrad_mm(dy_t, x_t, dt), lambda o, a: fmt.wgrad_mm_into(dy_t, x_t, o, a)),
         (
@@ -494,11 +490,6 @@ def _wgrad_cases(fmt_name: str, device: str = "cpu"):
             "hp grouped",
             lambda dt: common_ops.hp_grouped_wgrad(dy, x, offs, dt),
             lambda o, a: common_ops.hp_grouped_wgrad_into(dy, x, offs, o, a),
-        ),
-        (
-            "hp scaled-rows grouped",
-            lambda dt: common_ops.hp_grouped_wgrad(dy, x_rows, offs, dt),
-            lambda o, a: common_ops.hp_grouped_wgrad_into(dy, q, offs, o, a, x_scales=sc),
         ),
     ]
 
@@ -536,34 +527,6 @@ def test_wgrad_into_equals_the_gemm(fmt, device):
         assert _rel(out, base + want) <= rtol, (name, _rel(out, base + want))
         if name.endswith("grouped"):
             assert torch.equal(out[1], base[1]), name  # the empty group
-
-
-@pytest.mark.parametrize("fmt, scaled_rows", [("fp8_block", True), ("mxfp8", False)])
-def test_routed_bf16_wgrad_reads_the_saved_rows_as_its_format_hands_them(fmt, scaled_rows, monkeypatch):
-    """A routed GEMM's BF16 wgrad into ``.grad`` gets the forward's saved low-precision input as the format hands it:
-    fp8_block's 1x128 rows as saved (E4M3 and float32 scales, decoded by the GEMM as it loads them: no decoded copy
-    written), MXFP8's decoded to BF16; the gradient is the unfused one's (the same BF16 values)."""
-    seen = []
-    into = mxfx.ops.wgrad.hp_grouped_wgrad_into
-
-    def record(dy, x, offs, out, accumulate, x_scales=None):
-        seen.append((x.dtype, None if x_scales is None else (x_scales.dtype, tuple(x_scales.shape))))
-        into(dy, x, offs, out, accumulate, x_scales=x_scales)
-
-    monkeypatch.setattr(mxfx.ops.wgrad, "hp_grouped_wgrad_into", record)
-    g = torch.Generator().manual_seed(7)
-    gate, up = (torch.randn(96, 256, generator=g, dtype=torch.bfloat16) for _ in range(2))
-    offs = torch.tensor([40, 40, 96], dtype=torch.int32)
-    dout = torch.randn(96, 128, generator=g)
-    grads = []
-    for fuse in (True, False):
-        w = torch.nn.Parameter(torch.randn(3, 128, 256, generator=torch.Generator().manual_seed(8)) / 16)
-        y = mx_grouped_mm_op(gate, w, offs, up=up, format=fmt, fuse_wgrad_accumulation=fuse, out_dtype=torch.float32)
-        y.backward(dout)
-        grads.append(w.grad)
-    want = (torch.float8_e4m3fn, (torch.float32, (96, 2))) if scaled_rows else (torch.bfloat16, None)
-    assert seen == [want]
-    assert _rel(grads[0], grads[1]) <= FUSE_RTOL
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

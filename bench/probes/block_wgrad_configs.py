@@ -1,11 +1,10 @@
 """The fp8_block routed wgrad (into the FP32 gradient, accumulate on) at several launch configurations, beside BF16.
 
 Per routed shape of a step (``--tokens`` tokens routed top-k, equal groups): the BF16 wgrad-into kernel the step
-runs today (x in BF16; x saved as 1x128 FP8 rows, decoded to BF16 by a separate pass first or by the kernel as it
-loads them, as fp8_block's routed wgrad reads it), the two grouped-tokens quantizes the FP8 wgrad needs (dY and x,
-1x128 along each group's tokens), the FP8 Triton kernel at each ``(BLOCK_N, BLOCK_K, num_stages, num_warps)`` and
-the warp-specialized sm90 kernel (``MXFX_BLOCK_WGRAD_SM90``); each first checked against the reference decode on 4
-groups. ``triton.testing.do_bench`` medians; TFLOP/s count the GEMM alone.
+runs today, the two grouped-tokens quantizes the FP8 wgrad needs (dY and x, 1x128 along each group's tokens),
+the FP8 Triton kernel at each ``(BLOCK_N, BLOCK_K, num_stages, num_warps)`` and the warp-specialized sm90 kernel
+(``MXFX_BLOCK_WGRAD_SM90``); each first checked against the reference decode on 4 groups.
+``triton.testing.do_bench`` medians; TFLOP/s count the GEMM alone.
 
     python bench/probes/block_wgrad_configs.py [--models olmoe,qwen3] [--tokens 8192]
 """
@@ -23,7 +22,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from bench.gemm import MODELS  # noqa: E402
 from mxfx.kernels.common import grouped_wgrad_triton  # noqa: E402
 from mxfx.kernels.fp8_block import device_path, gemm as block_gemm, grouped_gemm_triton  # noqa: E402
-from mxfx.numerics.block import dequantize_values  # noqa: E402
 
 CONFIGS = [(128, 128, 3, 8), (128, 128, 4, 8), (128, 64, 3, 4), (128, 64, 4, 4), (64, 128, 3, 4)]  # sm90: no spills
 
@@ -36,14 +34,7 @@ def main() -> None:
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     sm90 = block_gemm._wgrad_sm90_kernel()  # the warp-specialized kernel (opt-in in the library), where Gluon is
-    names = [
-        "BF16 into",
-        "BF16 into, x decoded first",
-        "BF16 into, x scaled in loads",
-        "quantize dY + x",
-        *("fp8 {}x{} s{} w{}".format(*c) for c in CONFIGS),
-        "fp8 sm90 WS",
-    ]
+    names = ["BF16 into", "quantize dY + x", *("fp8 {}x{} s{} w{}".format(*c) for c in CONFIGS), "fp8 sm90 WS"]
     header, cells = [], {n: [] for n in names}
     for model in args.models.split(","):
         d, h, e, topk = MODELS[model]
@@ -61,27 +52,6 @@ def main() -> None:
 
             t = ms(lambda: grouped_wgrad_triton.grouped_wgrad_into(dy, x, offs, grad, True))
             cells["BF16 into"].append(f"{t:.3f} ({flops / t / 1e9:.0f})")
-            # x saved as 1x128 FP8 rows (a routed GEMM's saved input): decoded to BF16 first (a separate pass
-            # writing the values) against decoded by the wgrad kernel as it loads them; the same gradient bit for bit
-            q, sc = device_path.quantize_1x128(x, "rceil")
-            sc = sc.t().contiguous().t()
-
-            def decoded_first():
-                xd = dequantize_values(q, sc, (-1,)).to(torch.bfloat16)
-                grouped_wgrad_triton.grouped_wgrad_into(dy, xd, offs, grad, True)
-
-            want, got = torch.zeros_like(grad), torch.zeros_like(grad)
-            grouped_wgrad_triton.grouped_wgrad_into(
-                dy, dequantize_values(q, sc, (-1,)).to(torch.bfloat16), offs, want, False
-            )
-            grouped_wgrad_triton.grouped_wgrad_into(dy, q, offs, got, False, x_scales=sc)
-            if not torch.equal(got, want):
-                raise SystemExit(f"{header[-1]}: the scaled-x wgrad differs from the decoded-first one")
-            t = ms(decoded_first)
-            cells["BF16 into, x decoded first"].append(f"{t:.3f} ({flops / t / 1e9:.0f})")
-            t = ms(lambda: grouped_wgrad_triton.grouped_wgrad_into(dy, q, offs, grad, True, x_scales=sc))
-            cells["BF16 into, x scaled in loads"].append(f"{t:.3f} ({flops / t / 1e9:.0f})")
-            want = got = q = sc = None
 
             def quantize():
                 return (
@@ -92,7 +62,7 @@ def main() -> None:
             cells["quantize dY + x"].append(f"{ms(quantize):.3f}")
             ops = quantize()
             ref = block_gemm.reference_grouped_wgrad(*ops, offs[:4], torch.float32)
-            for cfg, name in zip(CONFIGS, names[4:]):
+            for cfg, name in zip(CONFIGS, names[2:]):
                 try:
                     got = grouped_gemm_triton.grouped_wgrad(*ops, offs, torch.float32, config=cfg)[:4]
                     err = ((got - ref).norm() / ref.norm()).item()

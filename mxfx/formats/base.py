@@ -288,12 +288,6 @@ class Format:
         """What the forward keeps of its A operand ``a`` for a BF16 wgrad (read back by :meth:`dequantize`)."""
         raise NotImplementedError
 
-    def hp_wgrad_rows(self, a: Operand) -> tuple:
-        """The x operand a routed BF16 wgrad reads from :meth:`saved_rows` ``a``: ``(values BF16 [S, K],)``, or
-        ``(qdata E4M3 [S, K], scales float32 [S, K / 128])`` 1x128-scaled rows that the wgrad GEMM decodes to the same
-        BF16 values as it loads them (:func:`mxfx.ops.wgrad.weight_gradient`), no decoded copy written."""
-        return (self.dequantize(a, torch.bfloat16),)
-
     def swiglu_backward(self, dh, packed: tuple):
         """FP32 ``(d gate, d up)`` of ``silu(gate) * up`` from ``dh`` and :meth:`forward_operands`' ``packed``."""
         raise NotImplementedError

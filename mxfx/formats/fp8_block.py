@@ -218,9 +218,6 @@ class FP8Block(Format):
     def saved_rows(self, a):
         return a
 
-    def hp_wgrad_rows(self, a):
-        return a[0], a[1]  # the 1x128 rows as saved: decoded in the wgrad GEMM's loads
-
     def swiglu_backward(self, dh, packed):
         if len(packed) == 4:
             gq, gs, uq, us = packed

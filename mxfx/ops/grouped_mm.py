@@ -20,8 +20,8 @@ Optional fusions on either side (the recipe, "Kernel Problems and Fusions"):
 Groups may be empty or of any size; output rows past ``offs[-1]`` are as the format's ``grouped_mm`` leaves them
 (:meth:`mxfx.formats.base.Format.grouped_mm`). The input saved for the wgrad: with ``save="bf16"`` (and no ``up``) x as
 given (an MX wgrad quantizes it along each group's tokens in backward); else the token-blocked copy an MX wgrad
-reads, or the forward's own low-precision copy for a BF16 wgrad (dequantized, or with fp8_block decoded by the wgrad
-GEMM as it loads it). A frozen expert stack keeps nothing for a wgrad.
+reads, or the forward's own low-precision copy, dequantized for a BF16 wgrad. A frozen expert stack keeps nothing
+for a wgrad.
 """
 
 from __future__ import annotations
@@ -157,13 +157,11 @@ class _GroupedMM(torch.autograd.Function):
                     settings.observe("grouped_mm", "wgrad_x", "group_tokens", wgrad_input, x_tokens, offs=offs)
                 dw = weight_gradient(settings, weight, dy_tokens, x_tokens, offs)
             else:
+                x_saved = wgrad_input[0] if ctx.n_wgrad == 1 else fmt.dequantize(wgrad_input, _BF16)
                 # no group padding: mxfx::grouped_wgrad_bf16 takes any group ends. It rounds both operands to BF16
                 # itself; rounded here instead, the casts fuse into the kernels that make dY (the route-weight
-                # product) and x (an FP32 input under autocast), and no FP32 copy of either is written for it. A
-                # saved low-precision copy goes as the format hands it (its BF16 values, or scaled rows the GEMM
-                # decodes as it loads them: no decoded copy written)
-                x_hp = (wgrad_input[0].to(_BF16),) if ctx.n_wgrad == 1 else fmt.hp_wgrad_rows(wgrad_input)
-                dw = weight_gradient(settings, weight, (dy.to(_BF16),), x_hp, offs, low_precision=False)
+                # product) and x (an FP32 input under autocast), and no FP32 copy of either is written for it
+                dw = weight_gradient(settings, weight, (dy.to(_BF16),), (x_saved.to(_BF16),), offs, low_precision=False)
         if d_rw is not None:
             d_rw = d_rw.reshape(route_weight.shape).to(route_weight.dtype)
         return dx, dup, dw, None, d_rw, None, None, None, None, None, None

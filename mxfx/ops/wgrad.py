@@ -15,22 +15,16 @@ import torch
 
 from mxfx import formats, library
 from mxfx.kernels.common.custom_ops import hp_grouped_wgrad, hp_grouped_wgrad_into, hp_mm_into, hp_mm_transposed
-from mxfx.numerics.block import dequantize_values
 from mxfx.ops.settings import OpSettings
 from mxfx.runtime import main_grad
-
-
-def _hp_values(x: tuple) -> torch.Tensor:
-    """The high-precision x operand's values: ``x[0]``, or the BF16 decode of 1x128-scaled rows ``(qdata, scales)``."""
-    return x[0] if len(x) == 1 else dequantize_values(x[0], x[1], (-1,)).to(torch.bfloat16)
 
 
 def _gemm(fmt, dy, x, offs, low_precision: bool, out_dtype: torch.dtype) -> torch.Tensor:
     if low_precision:
         return fmt.wgrad_mm(dy, x, out_dtype) if offs is None else fmt.grouped_wgrad(dy, x, offs, out_dtype)
     if offs is None:
-        return hp_mm_transposed(dy[0].t(), _hp_values(x).t(), out_dtype)
-    return hp_grouped_wgrad(dy[0], _hp_values(x), offs, out_dtype)
+        return hp_mm_transposed(dy[0].t(), x[0].t(), out_dtype)
+    return hp_grouped_wgrad(dy[0], x[0], offs, out_dtype)
 
 
 def _gemm_into(fmt, dy, x, offs, low_precision: bool, out: torch.Tensor, accumulate: bool) -> None:
@@ -39,9 +33,9 @@ def _gemm_into(fmt, dy, x, offs, low_precision: bool, out: torch.Tensor, accumul
     elif low_precision:
         fmt.grouped_wgrad_into(dy, x, offs, out, accumulate)
     elif offs is None:
-        hp_mm_into(dy[0], _hp_values(x), out, accumulate)
-    else:  # scaled rows decoded by the GEMM as it loads them
-        hp_grouped_wgrad_into(dy[0], x[0], offs, out, accumulate, x_scales=x[1] if len(x) == 2 else None)
+        hp_mm_into(dy[0], x[0], out, accumulate)
+    else:
+        hp_grouped_wgrad_into(dy[0], x[0], offs, out, accumulate)
 
 
 def _wgrad_into_grad(
@@ -86,9 +80,7 @@ def weight_gradient(
     or None when ``settings.fuse_wgrad_accumulation``: the GEMM then writes the parameter's ``.grad`` itself.
 
     ``dy`` and ``x``: the format's token-blocked operands (``low_precision``), else ``(dy [M, N],)`` and
-    ``(x [M, K],)`` in high precision, or x as 1x128-scaled rows ``(qdata E4M3 [M, K], scales float32 [M, K / 128])``
-    whose BF16 decode is the operand (a grouped GEMM decodes them as it loads them); ``offs``: int32 group ends of a
-    grouped (routed-expert) wgrad.
+    ``(x [M, K],)`` in high precision; ``offs``: int32 group ends of a grouped (routed-expert) wgrad.
     """
     fmt = settings.format
     if not settings.fuse_wgrad_accumulation:

@@ -24,7 +24,6 @@ from mxfx.kernels.common import gemm
 from mxfx.kernels.common.gemm import accumulate_into, check_grouped_wgrad_into, grouped_mm_into, mm_into
 from mxfx.kernels.common.launch import env_switch, name_op_functions, op_or_body, traced
 from mxfx.kernels.common.swiglu import check_product, fp32_product
-from mxfx.numerics.block import TILE, dequantize_values
 
 
 @library.custom_op("mxfx::hp_mm", mutates_args=())
@@ -118,47 +117,31 @@ def _wgrad_sm90():
     return grouped_wgrad_sm90
 
 
-def grouped_wgrad_kernel(dy: torch.Tensor, x: torch.Tensor, out: torch.Tensor, scaled: bool = False):
+def grouped_wgrad_kernel(dy: torch.Tensor, x: torch.Tensor, out: torch.Tensor):
     """The module whose ``grouped_wgrad_into`` runs on these CUDA operands (BF16 ``dy``/``x``, FP32 ``out``): the
     sm90 ping-pong kernel (:mod:`mxfx.kernels.common.grouped_wgrad_sm90`) where it serves them, the operands are
-    data (not a trace's stand-ins), ``x`` is not ``scaled`` rows and :data:`WGRAD_SM90_ENV` asks for it, else the
-    Triton kernel (:mod:`mxfx.kernels.common.grouped_wgrad_triton`)."""
+    data (not a trace's stand-ins) and :data:`WGRAD_SM90_ENV` asks for it, else the Triton kernel
+    (:mod:`mxfx.kernels.common.grouped_wgrad_triton`)."""
     from mxfx.kernels.common import grouped_wgrad_triton  # Triton, imported once a CUDA tensor arrives
 
-    sm90 = _wgrad_sm90() if env_switch(WGRAD_SM90_ENV, False) and not traced(dy) and not scaled else None
+    sm90 = _wgrad_sm90() if env_switch(WGRAD_SM90_ENV, False) and not traced(dy) else None
     return sm90 if sm90 is not None and sm90.supported(dy, x, out) else grouped_wgrad_triton
 
 
 def hp_grouped_wgrad_into(
-    dy: torch.Tensor,
-    x: torch.Tensor,
-    offs: torch.Tensor,
-    out: torch.Tensor,
-    accumulate: bool,
-    x_scales: torch.Tensor | None = None,
+    dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, out: torch.Tensor, accumulate: bool
 ) -> None:
     """:func:`hp_grouped_wgrad` (BF16 operands, FP32 accumulation) written into ``out [E, N, K]`` or added to it: by
     the FP32 GEMM of the exact BF16 operands itself on the CPU, by the Triton kernel's epilogue
     (:func:`grouped_wgrad_kernel`) into an FP32 ``out`` on CUDA, through :func:`accumulate_into`
-    elsewhere. ``x_scales``: ``x`` is 1x128-scaled E4M3 rows (float32 scales ``[S, K / 128]``), whose values
-    rounded to BF16 are the operand: decoded by the Triton kernel as it loads them, elsewhere first."""
-    if x_scales is not None:
-        check_grouped_wgrad_into(dy, x, offs, out, x_scales=x_scales, scale_block=TILE)
-        if not (out.device.type == "cuda" and triton_available(out) and out.dtype == torch.float32):
-            x, x_scales = dequantize_values(x, x_scales, (-1,)).to(torch.bfloat16), None
+    elsewhere."""
     if out.device.type == "cpu":
         check_grouped_wgrad_into(dy, x, offs, out)
         a, b = (t.to(torch.bfloat16).to(out.dtype).t() for t in (dy, x))
         grouped_mm_into(out, a, b, offs.tolist(), accumulate)
     elif triton_available(out) and out.dtype == torch.float32:  # the GEMM's epilogue writes or adds into out
-        dy = dy.to(torch.bfloat16)
-        if x_scales is None:
-            x = x.to(torch.bfloat16)
-            grouped_wgrad_kernel(dy, x, out).grouped_wgrad_into(dy, x, offs, out, accumulate)
-        else:  # decoded in the Triton kernel's loads (the sm90 kernel reads BF16 only)
-            grouped_wgrad_kernel(dy, x, out, scaled=True).grouped_wgrad_into(
-                dy, x, offs, out, accumulate, x_scales=x_scales
-            )
+        dy, x = dy.to(torch.bfloat16), x.to(torch.bfloat16)
+        grouped_wgrad_kernel(dy, x, out).grouped_wgrad_into(dy, x, offs, out, accumulate)
     else:
         accumulate_into(out, _grouped_wgrad_bf16_op(dy, x, offs, out.dtype), accumulate)
 

@@ -61,32 +61,12 @@ def check_grouped_wgrad_into(
     *,
     kernel: bool = False,
     op: str = "mxfx.grouped_wgrad_into",
-    x_scales: torch.Tensor | None = None,
-    scale_block: int = 128,
 ) -> None:
     """Raise ValueError naming ``op`` where the operands of a grouped wgrad into ``out`` do not pair up: ``dy [S, N]``
     and ``x [S, K]`` floating, int32 ``offs [G]``, ``out [G, N, K]`` floating, one device; on the host also the
     values of ``offs`` (non-decreasing group ends of at most S). ``kernel``: the GPU kernels' stricter dtypes, BF16
-    or FP16 operands of one dtype and a float32 ``out``. With ``x_scales``, ``x`` is scaled rows instead: E4M3
-    ``x`` and float32 ``x_scales [S, ceil(K / scale_block)]`` (``dy`` then BF16 or FP16 where ``kernel``)."""
+    or FP16 operands of one dtype and a float32 ``out``."""
     shapes = f"dy {tuple(dy.shape)}, x {tuple(x.shape)}, offs {tuple(offs.shape)} {offs.dtype}, out {tuple(out.shape)}"
-    if x_scales is not None:
-        n_blocks = -(-x.shape[-1] // scale_block) if x.dim() == 2 else None
-        if (
-            x.dtype != torch.float8_e4m3fn
-            or x_scales.dtype != torch.float32
-            or x.dim() != 2
-            or tuple(x_scales.shape) != (x.shape[0], n_blocks)
-            or x_scales.device != x.device
-        ):
-            raise ValueError(
-                f"{op}: a scaled x is E4M3 [S, K] with float32 scales [S, ceil(K / {scale_block})] on its device; "
-                f"got x {x.dtype} {tuple(x.shape)} on {x.device}, scales {x_scales.dtype} {tuple(x_scales.shape)} "
-                f"on {x_scales.device} ({shapes})"
-            )
-        stand_in = dy.new_empty((), device=x.device).expand(x.shape)  # x's shape and device in dy's dtype, no memory
-        check_grouped_wgrad_into(dy, stand_in, offs, out, kernel=kernel, op=op)
-        return
     if dy.dim() != 2 or x.dim() != 2 or offs.dim() != 1 or offs.dtype != torch.int32:
         raise ValueError(f"{op}: needs dy [S, N], x [S, K] and int32 offs [G]; got {shapes}")
     if dy.shape[0] != x.shape[0]:

@@ -8,11 +8,6 @@ it (an empty group's block is zeroed). One program per (output tile, group): it 
 time, ``tl.dot`` of the transposed ``dy`` tile by the ``x`` tile into an FP32 accumulator (BF16 products are exact
 in FP32; the sum's order is the tensor cores'), then reads ``out`` once if accumulating and writes it once: the
 gradient makes one trip through memory instead of a BF16 result, its widening and ``AccumulateGrad``'s add.
-
-``x_scales`` (optional) gives ``x`` as 1x128-scaled rows instead: E4M3 qdata ``[S, K]`` and float32 scales
-``[S, ceil(K / 128)]`` (any strides), each loaded tile decoded to ``q * scale`` in FP32 and rounded once to ``dy``'s
-dtype before its ``tl.dot``: the values a dequantization to that dtype would give, without writing them out (the
-saved FP8 input of a routed GEMM read straight from its pair).
 """
 
 from __future__ import annotations
@@ -29,8 +24,6 @@ CONFIG = {"BLOCK_N": 128, "BLOCK_K": 128, "BLOCK_T": 64, "num_warps": 4, "num_st
 LONG_GROUPS_CONFIG = {"BLOCK_N": 256, "BLOCK_K": 128, "BLOCK_T": 64, "num_warps": 8, "num_stages": 3}
 """Launch where groups average at least :data:`LONG_GROUPS` tokens (few experts, each a long contraction)."""
 LONG_GROUPS = 4096
-SCALE_BLOCK = 128
-"""Columns of ``x`` one scale of ``x_scales`` covers (the 1x128 tiles of fp8_block's rows)."""
 
 
 def config_for(tokens: int, groups: int) -> dict:
@@ -42,7 +35,6 @@ def config_for(tokens: int, groups: int) -> dict:
 def _grouped_wgrad_into_kernel(
     dy_ptr,
     x_ptr,
-    xs_ptr,
     offs_ptr,
     out_ptr,
     N,
@@ -51,14 +43,10 @@ def _grouped_wgrad_into_kernel(
     s_dyn,
     s_xs,
     s_xk,
-    s_xss,
-    s_xsb,
     s_og,
     s_on,
     s_ok,
     ACCUMULATE: tl.constexpr,
-    X_SCALED: tl.constexpr,
-    SCALE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -72,7 +60,6 @@ def _grouped_wgrad_into_kernel(
     n_ok = ns < N
     k_ok = ks < K
     ts = tl.arange(0, BLOCK_T)
-    k_block = ((tl.program_id(0) % tiles_k) * BLOCK_K) // SCALE
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for t0 in range(start, end, BLOCK_T):
         tok = t0 + ts
@@ -85,9 +72,6 @@ def _grouped_wgrad_into_kernel(
         x = tl.load(
             x_ptr + tok[:, None].to(tl.int64) * s_xs + ks[None, :] * s_xk, mask=t_ok[:, None] & k_ok[None, :], other=0.0
         )
-        if X_SCALED:  # the tile inside one scale block: one scale a token
-            scale = tl.load(xs_ptr + tok.to(tl.int64) * s_xss + k_block * s_xsb, mask=t_ok, other=0.0)
-            x = (x.to(tl.float32) * scale[:, None]).to(dy.dtype)
         acc = tl.dot(tl.trans(dy), x, acc)
     ptrs = out_ptr + g.to(tl.int64) * s_og + ns[:, None].to(tl.int64) * s_on + ks[None, :] * s_ok
     mask = n_ok[:, None] & k_ok[None, :]
@@ -103,47 +87,34 @@ def grouped_wgrad_into(
     out: torch.Tensor,
     accumulate: bool,
     *,
-    x_scales: torch.Tensor | None = None,
     config: dict | None = None,
 ) -> None:
-    """Launch the kernel (module docstring) on CUDA operands, or under Triton's interpreter; ``x_scales`` makes
-    ``x`` 1x128-scaled E4M3 rows.
+    """Launch the kernel (module docstring) on CUDA operands, or under Triton's interpreter.
 
     Raises:
         ValueError: shapes, dtypes or devices that do not pair up
-            (:func:`mxfx.kernels.common.gemm.check_grouped_wgrad_into`), or a ``config`` whose ``BLOCK_K`` does not
-            divide :data:`SCALE_BLOCK` with ``x_scales``.
+            (:func:`mxfx.kernels.common.gemm.check_grouped_wgrad_into`).
     """
-    check_grouped_wgrad_into(dy, x, offs, out, kernel=True, x_scales=x_scales, scale_block=SCALE_BLOCK)
+    check_grouped_wgrad_into(dy, x, offs, out, kernel=True)
     if out.numel() == 0:
         return
     g, n, k = out.shape
     cfg = config_for(dy.shape[0], g) if config is None else dict(config)
     bn, bk = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
-    if x_scales is not None and SCALE_BLOCK % bk:
-        raise ValueError(
-            f"mxfx.grouped_wgrad_into: BLOCK_K={bk} must divide the scale block {SCALE_BLOCK} of a scaled x "
-            f"{tuple(x.shape)}; pick a config whose tiles lie inside one scale block"
-        )
     grid = (triton.cdiv(n, bn) * triton.cdiv(k, bk), g)
-    scaled = x_scales is not None
     launch(
         _grouped_wgrad_into_kernel,
         grid,
         dy,
         x,
-        x_scales if scaled else x,  # an unread pointer where x is unscaled
         offs,
         out,
         n,
         k,
         *dy.stride(),
         *x.stride(),
-        *(x_scales.stride() if scaled else (0, 0)),
         *out.stride(),
         ACCUMULATE=accumulate,
-        X_SCALED=scaled,
-        SCALE=SCALE_BLOCK,
         BLOCK_N=bn,
         BLOCK_K=bk,
         **cfg,
