@@ -92,9 +92,16 @@ _ROUTED_OPS = re.compile(
 _DENSE_OPS = re.compile(
     r"^(aten::(mm|addmm_?|bmm|baddbmm_?|matmul|linear|_scaled_mm|_addmm_activation)|mxfx::(mm|hp_mm|block_mm(_into)?))$"
 )
-_QUANTIZE_OPS = re.compile(r"^mxfx::(\w*quantize\w*|block_forward_operands)$")
+_QUANTIZE_OPS = re.compile(r"^mxfx::(\w*quantize\w*|block_forward_operands|\w*grad_operands\w*)$")
+_STATS_OPS = re.compile(r"^mxfx::quant_stats$")
 _ATTENTION = re.compile(r"scaled_dot_product|flash|fmha|sdpa|attention", re.I)
-_OP_FAMILIES = ((QUANTIZE, _QUANTIZE_OPS), (ATTENTION, _ATTENTION), (ROUTED, _ROUTED_OPS), (DENSE, _DENSE_OPS))
+_OP_FAMILIES = (
+    (STATS, _STATS_OPS),
+    (QUANTIZE, _QUANTIZE_OPS),
+    (ATTENTION, _ATTENTION),
+    (ROUTED, _ROUTED_OPS),
+    (DENSE, _DENSE_OPS),
+)
 _OPTIMIZER_OPS = re.compile(
     r"^(Optimizer\.(step|zero_grad)#|aten::_fused_(adam|adamw|sgd|adagrad)|aten::_foreach_"
     r"|mxfx::(cached_weights?|refresh_weight_caches)$)"
@@ -112,9 +119,10 @@ def kernel_family(kernel: str, ops: Sequence[str]) -> str:
     In order: under ``AccumulateGrad`` -> gradient accumulation; under an optimizer step, a fused / foreach optimizer
     op or an mxfx weight-cache op, or an Adam kernel -> optimizer + refresh; an mxfx kernel (:data:`MXFX_KERNELS`)
     -> its family; an Inductor ``triton_*`` kernel -> other (a ``triton_tem_*`` GEMM template: routed or dense GEMM);
-    then an op of ``ops`` that quantizes, runs attention, a routed GEMM or a dense GEMM, the first of these that
-    any op is (a grouped GEMM op that loops dense ``aten::mm`` calls is routed); then the kernel's name (attention,
-    a grouped or a dense GEMM); else other. For a CPU profile, pass an op as its own ``kernel``, first in ``ops``.
+    then an op of ``ops`` that samples statistics, quantizes, runs attention, a routed GEMM or a dense GEMM, the first
+    of these that any op is (a grouped GEMM op that loops dense ``aten::mm`` calls is routed); then the kernel's name
+    (attention, a grouped or a dense GEMM); else other. For a CPU profile, pass an op as its own ``kernel``, first
+    in ``ops``.
     """
     if any("AccumulateGrad" in op for op in ops):
         return ACCUMULATE

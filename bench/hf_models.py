@@ -814,11 +814,15 @@ def main(argv=None) -> list[dict]:
     if not models or unknown_models:
         what = f"unknown model(s) {unknown_models}" if unknown_models else "names no model"
         p.error(f"argument --model: {args.model!r} {what}; give a comma list of {', '.join(MODELS)}")
-    if not [a for a in args.arms.split(",") if a]:
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    if not arms:
         p.error(f"argument --arms: {args.arms!r} names no arm; choose from {', '.join(ARMS)}")
-    unknown = sorted({a for a in args.arms.split(",") if a} - set(ARMS))
+    unknown = sorted(set(arms) - set(ARMS))
     if unknown:
         p.error(f"argument --arms: unknown arm(s) {unknown}; choose from {', '.join(ARMS)}")
+    repeated = sorted({a for a in arms if arms.count(a) > 1})
+    if repeated:  # the tables key each arm's results by its name
+        p.error(f"argument --arms: {repeated} named more than once; name each arm once")
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     if args.microbatches is None:
         args.microbatches = 8 if device == "cuda" else 1
@@ -831,7 +835,6 @@ def main(argv=None) -> list[dict]:
         if device != "cuda":  # torch 2.13's C++ wrapper ended the bf16-grouped arm in a segfault on the CPU
             p.error("--cpp-wrapper: CUDA only (this run is on the CPU); leave it out")
         inductor_config.cpp_wrapper = True
-    arms = [a for a in args.arms.split(",") if a]
     # torchao's FP8 grouped GEMM can hit a CUDA assert on HF's unpadded groups, which ends the process's CUDA
     # context: it runs after every other arm
     arms.sort(key=lambda a: a == "torchao-fp8-rowwise")

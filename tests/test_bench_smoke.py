@@ -256,6 +256,7 @@ def test_hf_models_mixtral_smoke(monkeypatch, tmp_path):
         ("hf_models", ("--model", " ,"), "names no model"),
         ("hf_models", ("--arms", ","), "names no arm"),
         ("hf_models", ("--arms", "bf16-grouped,nope"), "unknown arm(s) ['nope']"),
+        ("hf_models", ("--arms", "fp8_block, bf16-grouped,fp8_block"), "['fp8_block'] named more than once"),
         ("hf_models", ("--tokens", "100", "--seq", "64"), "--tokens: 100 is not a multiple of --seq 64"),
         ("hf_models", ("--lr", "inf"), "--lr: inf must be finite and > 0"),
         ("compile_time", ("--units", "foo"), "--units: 'foo': a comma list of model, block"),

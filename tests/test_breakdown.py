@@ -171,6 +171,9 @@ KERNELS = [  # (kernel name, the CPU ops it ran under: launching op first), fami
         "gradient accumulation",
     ),
     ("aten::amax", ("aten::amax", "mxfx::cached_weight"), "optimizer + refresh"),
+    ("aten::amax", ("aten::amax", "mxfx::block_route_grad_operands_gathered"), "quantize/layout"),
+    ("aten::mul", ("aten::mul", "mxfx::block_grouped_grad_operands"), "quantize/layout"),
+    ("aten::amax", ("aten::amax", "mxfx::block_quantize", "mxfx::quant_stats"), "quantization statistics"),
     ("CompiledFunction", ("CompiledFunction", "Torch-Compiled Region: 0/0"), "other"),
 ]
 

@@ -77,6 +77,45 @@ def test_mx_linear_rejects_unaligned_features():
         mx_linear(torch.randn(4, 48), torch.randn(32, 48))
 
 
+def test_mx_linear_names_a_weight_bias_or_input_dtype_it_cannot_take():
+    x, w = torch.randn(4, 64), torch.randn(32, 64)
+    with pytest.raises(
+        ValueError, match=r"mx_linear: weight must be a floating \[N, K\].*got torch.float32 \(1, 32, 64\)"
+    ):
+        mx_linear(x, w[None])
+    with pytest.raises(ValueError, match=r"mx_linear: weight must be .*got list"):
+        mx_linear(x, [w])
+    with pytest.raises(ValueError, match=r"bias must be a floating \[N\] = \[32\] tensor .*got torch.float32 \(7,\)"):
+        mx_linear(x, w, torch.randn(7))
+    with pytest.raises(ValueError, match=r"bias must be .*got torch.int64 \(32,\)"):
+        mx_linear(x, w, torch.zeros(32, dtype=torch.int64))
+    with pytest.raises(TypeError, match=r"input_dtype='bf16' \(input \(4, 64\)\) must be torch.bfloat16"):
+        mx_linear(x, w, input_dtype="bf16")
+
+
+def test_a_bias_of_shape_1_by_n_gets_its_gradient_in_its_shape():
+    """``F.linear`` broadcasts a ``[1, N]`` bias; mx_linear adds it as ``[N]`` and its gradient (the output
+    gradient's sum over rows) comes back ``[1, N]``: eager in FP32 equal up to summation order; compiled under BF16
+    autocast within a BF16 rounding of uncompiled autocast's (whose bias gradient is summed in BF16)."""
+    x, w = torch.randn(8, 64), torch.randn(32, 64)
+    b = torch.randn(1, 32, requires_grad=True)
+    dy = torch.randn(8, 32)
+    mx_linear(x, w, b).backward(dy)
+    assert b.grad.shape == (1, 32)
+    torch.testing.assert_close(b.grad, dy.sum(0, keepdim=True), rtol=1e-6, atol=1e-6)
+    model = nn.Linear(64, 32)
+    model.bias = nn.Parameter(torch.randn(1, 32))
+    with torch.autocast("cpu", torch.bfloat16):
+        model(x).float().backward(dy)
+    want, model.bias.grad = model.bias.grad, None
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="mxfp8", options={"inner": "aot_eager"})
+    with torch.autocast("cpu", torch.bfloat16):
+        compiled(x).float().backward(dy)
+    assert model.bias.grad.shape == (1, 32)
+    torch.testing.assert_close(model.bias.grad, want, rtol=2**-7, atol=2**-7 * want.abs().max().item())
+
+
 class Block(nn.Module):
     """Attention-like projections, a router, an unaligned linear and a vocabulary projection."""
 

@@ -176,7 +176,7 @@ def mx_linear(
             is ``silu(x) * up``.
         weight: ``[N, K]`` (fp32 main weight or bf16); K and N multiples of the format's ``feature_multiple``
             (32 for MXFP8, 128 for fp8_block).
-        bias: optional ``[N]``.
+        bias: optional ``[N]`` (or ``[1, N]``, as ``F.linear`` broadcasts it; its gradient comes in its shape).
         up: optional SwiGLU up operand, x's shape (fused SwiGLU + quantize).
         input_dtype: the dtype the linear's input had in the model, when it differs from ``x.dtype`` (a fused
             SwiGLU whose product the model cast, e.g. ``(silu(g) * u).to(torch.bfloat16)``): the output dtype
@@ -194,14 +194,35 @@ def mx_linear(
         ``F.linear``'s autocast input cast gives it.
 
     Raises:
-        ValueError: shapes that do not pair up, K or N not a multiple of the format's feature multiple (keep such
-            a linear in BF16), a settings value not valid, or an ``x_mx`` that is not a pair of x's rows (or lacks
-            the token-blocked operand this linear's wgrad reads). TypeError: a keyword that is not a settings field.
+        ValueError: shapes that do not pair up (a weight not ``[N, K]``, a bias not ``[N]``), K or N not a multiple
+            of the format's feature multiple (keep such a linear in BF16), a settings value not valid, or an ``x_mx``
+            that is not a pair of x's rows (or lacks the token-blocked operand this linear's wgrad reads).
+            TypeError: a keyword that is not a settings field, an ``input_dtype`` not bf16/fp16/fp32.
     """
     op = "mxfx.mx_linear"
     settings = resolve(op, settings, setting_fields, wgrad_default="mxfp8")
     fmt = settings.format
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not weight.is_floating_point():
+        what = f"{weight.dtype} {tuple(weight.shape)}" if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise ValueError(f"{op}: weight must be a floating [N, K] tensor (F.linear's layout); got {what}")
     n, k = weight.shape
+    if bias is not None:
+        if (
+            not isinstance(bias, torch.Tensor)
+            or not bias.is_floating_point()
+            or bias.numel() != n
+            or (bias.dim() > 0 and bias.shape[-1] != n)
+        ):
+            what = f"{bias.dtype} {tuple(bias.shape)}" if isinstance(bias, torch.Tensor) else type(bias).__name__
+            raise ValueError(
+                f"{op}: bias must be a floating [N] = [{n}] tensor for weight {tuple(weight.shape)}; got {what}"
+            )
+        bias = bias.reshape(n)  # a [1, N] bias (which F.linear broadcasts) gets its gradient in its own shape
+    if input_dtype is not None and input_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(
+            f"{op}: input_dtype={input_dtype!r} (input {tuple(x.shape)}) must be torch.bfloat16, "
+            "torch.float16, torch.float32 or None"
+        )
     if x.shape[-1] != k or (up is not None and up.shape != x.shape):
         raise ValueError(
             f"{op}: input {tuple(x.shape)}{'' if up is None else f', up {tuple(up.shape)}'} and weight "
