@@ -122,6 +122,7 @@ import breakdown  # noqa: E402  (bench/breakdown.py)
 import peak_memory  # noqa: E402  (bench/peak_memory.py)
 import data  # noqa: E402  (examples/data.py)
 import mxfx  # noqa: E402
+from mxfx.post_grad import route_grad_gather  # noqa: E402
 from mxfx.runtime.cache import step_count  # noqa: E402
 
 GIB = 2**30
@@ -380,7 +381,7 @@ ARMS = {
         Arm("torchao-fp8-rowwise", torch.bfloat16, False, _torchao_fp8_rowwise),
         Arm("fp8_block", torch.float32, True, _fp8_block, expert_format="fp8_block"),
         Arm("fp8_block-triton", torch.float32, True, _fp8_block, (("MXFX_GROUPED_SM90", "0"),), "fp8_block"),
-        Arm("fp8_block-ungathered", torch.float32, True, _fp8_block, (("MXFX_GATHER_ROUTE_GRAD", "0"),), "fp8_block"),
+        Arm("fp8_block-ungathered", torch.float32, True, _fp8_block, ((route_grad_gather.ENV, "0"),), "fp8_block"),
         Arm(
             "bf16-grouped-unfused", torch.float32, True, partial(_bf16_grouped, fused=False), expert_format="bf16_gemm"
         ),
@@ -405,6 +406,8 @@ ARMS = {
 }
 for _arm in ("bf16-grouped", "fp8_block"):  # the same arm, its routed wgrad on the sm90 ping-pong kernel
     ARMS[f"{_arm}-ws"] = replace(ARMS[_arm], name=f"{_arm}-ws", env=(("MXFX_WGRAD_SM90", "1"),))
+POST_GRAD_SWITCHES = (route_grad_gather.ENV,)
+"""Arm switches read by mxfx's passes on Inductor's post-grad graphs: under another ``--compiler`` they do nothing."""
 ARMS["fp8_block-wgrad8-ws"] = replace(  # the FP8 routed wgrad on the warp-specialized sm90 kernel
     ARMS["fp8_block-wgrad8"], name="fp8_block-wgrad8-ws", env=(("MXFX_BLOCK_WGRAD_SM90", "1"),)
 )
@@ -845,6 +848,9 @@ def main(argv=None) -> list[dict]:
         for name in arms:
             print(f"== {model} / {name}", flush=True)
             arm_args = argparse.Namespace(**{**vars(args), "model": model})
+            inert = sorted(k for k, _ in ARMS[name].env if k in POST_GRAD_SWITCHES and args.compiler != "inductor")
+            if inert:  # the switch acts on Inductor's post-grad graphs only
+                print(f"note: {name}: {', '.join(inert)} changes nothing under --compiler {args.compiler}", flush=True)
             saved = {k: os.environ.get(k) for k, _ in ARMS[name].env}
             os.environ.update(dict(ARMS[name].env))
             try:
