@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from mxfx.numerics.mx import INPUT_DTYPES
 from mxfx.ops.settings import OpSettings, resolve
 from mxfx.ops.wgrad import weight_gradient
 
@@ -218,7 +219,7 @@ def mx_linear(
                 f"{op}: bias must be a floating [N] = [{n}] tensor for weight {tuple(weight.shape)}; got {what}"
             )
         bias = bias.reshape(n)  # a [1, N] bias (which F.linear broadcasts) gets its gradient in its own shape
-    if input_dtype is not None and input_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    if input_dtype is not None and input_dtype not in INPUT_DTYPES:
         raise TypeError(
             f"{op}: input_dtype={input_dtype!r} (input {tuple(x.shape)}) must be torch.bfloat16, "
             "torch.float16, torch.float32 or None"
