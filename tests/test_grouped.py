@@ -238,6 +238,10 @@ def test_grouped_op_argument_errors():
         mx_grouped_mm_op(x, w, [5, 5, 33])
     with pytest.raises(TypeError, match=r"grouped_mm: out_dtype=torch.int32 must be a floating dtype"):
         mx_grouped_mm_op(x, w, offs, out_dtype=torch.int32)
+    with pytest.raises(TypeError, match=r"grouped_mm: out_dtype=torch.float64 \(input \(40, 64\)\).*cast the result"):
+        mx_grouped_mm_op(x, w, offs, out_dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"grouped_mm: weight \(torch.float64 \(3, 32, 64\)\) must be a bfloat16"):
+        mx_grouped_mm_op(x, w.double(), offs)
     for rw in (torch.tensor([0.5]), torch.ones(40, 2)):
         with pytest.raises(ValueError, match=r"grouped_mm: route_weight of shape .* must be \[S\] or \[S, 1\]"):
             mx_grouped_mm_op(x, w, offs, route_weight=rw)

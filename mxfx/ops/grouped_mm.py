@@ -246,6 +246,17 @@ def mx_grouped_mm_op(
         raise TypeError(f"{op}: offs must be an int32 tensor of cumulative group ends, got {type(offs).__name__}")
     if out_dtype is not None and (not isinstance(out_dtype, torch.dtype) or not out_dtype.is_floating_point):
         raise TypeError(f"{op}: out_dtype={out_dtype!r} must be a floating dtype (e.g. torch.bfloat16) or None")
+    if out_dtype is not None and out_dtype not in INPUT_DTYPES:
+        raise TypeError(
+            f"{op}: out_dtype={out_dtype!r} (input {tuple(x.shape)}): the GEMMs write torch.bfloat16, torch.float16 "
+            "or torch.float32; cast the result afterwards"
+        )
+    if not isinstance(weight, torch.Tensor) or weight.dtype not in INPUT_DTYPES:
+        what = f"{weight.dtype} {tuple(weight.shape)}" if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise TypeError(
+            f"{op}: weight ({what}) must be a bfloat16, float16 or float32 tensor [E, N, K] (its weight cache is "
+            "made from it); cast the expert weights first"
+        )
     for name, dtype in (("gemm_dtype", gemm_dtype), ("dgrad_dtype", dgrad_dtype)):  # what the GEMMs write
         if dtype is not None and dtype not in INPUT_DTYPES:
             raise TypeError(
