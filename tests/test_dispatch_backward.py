@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import mxfx
-from mxfx.ops.dispatch import gather_routed_rows
+from mxfx.ops.dispatch import gather_routed_rows, token_sum
 from mxfx.passes.dispatch_backward import NOTE
 from tests.helpers import GraphCapture, row_scatter_adds, sorted_routing
 
@@ -31,6 +31,20 @@ def test_gather_routed_rows_is_the_gather_with_its_gradient(dtype, top_k):
     unit = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-24
     assert x.grad.dtype == dtype
     assert ((x.grad.double() - exact).abs() <= unit * exact.abs() + top_k * 2.0**-24 * magnitude).all()
+
+
+def test_token_sum_adds_each_tokens_rows_in_slot_order():
+    # in FP32 (spacing 4 at 2^25) 2^25 + 1 and 2^25 + 2 round to 2^25: in slot order token 0's rows give
+    # ((2^25 + 1) - 2^25) + 1 = 1 and token 1's ((1 + 1) + 2^25) - 2^25 = 0, where pairs summed first give 0 and 2
+    big = 2.0**25
+    rows = torch.tensor([[big], [1.0], [-big], [1.0], [1.0], [1.0], [big], [-big]])
+    out = token_sum(rows, 4, torch.float32)
+    assert out.shape == (2, 1) and out.flatten().tolist() == [1.0, 0.0]
+    # float64 accumulates in float64; the rows' dtype is only read, never written
+    assert token_sum(rows.double(), 2, torch.float64).dtype == torch.float64
+    wide = torch.randn(6, 5, dtype=torch.bfloat16)
+    expected = wide.float().view(3, 2, 5).sum(1)  # two terms: every order is the same
+    assert torch.equal(token_sum(wide, 2, torch.float32), expected)
 
 
 def test_gather_routed_rows_refuses_what_is_no_dispatch():

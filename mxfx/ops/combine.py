@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from mxfx.ops.dispatch import check_routing, inverse_permutation
+from mxfx.ops.dispatch import check_routing, inverse_permutation, token_sum
 
 
 class _SummedRows(torch.autograd.Function):
@@ -26,8 +26,8 @@ class _SummedRows(torch.autograd.Function):
     def forward(ctx, y, perm, top_k):
         ctx.save_for_backward(perm)
         ctx.top_k = top_k
-        rows = y[inverse_permutation(perm)].view(y.shape[0] // top_k, top_k, y.shape[1])
-        return rows.sum(1, dtype=torch.promote_types(y.dtype, torch.float32)).to(y.dtype)
+        rows = y[inverse_permutation(perm)]
+        return token_sum(rows, top_k, torch.promote_types(y.dtype, torch.float32)).to(y.dtype)
 
     @staticmethod
     def backward(ctx, d_out):

@@ -21,6 +21,20 @@ def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(perm).scatter_(0, perm, arange)
 
 
+def token_sum(rows: torch.Tensor, top_k: int | torch.SymInt, dtype: torch.dtype) -> torch.Tensor:
+    """Each token's ``top_k`` consecutive rows of ``rows [T * top_k, D]`` summed in ``dtype``, in slot order
+    (``((r0 + r1) + r2) + ...``): ``[T, D]``. Written as a chain of adds, not a reduction, so that a compiled graph
+    fuses it with the gather that forms ``rows`` into one elementwise kernel whose loads run along D (a reduction
+    over the short slot axis reads across rows); a symbolic ``top_k`` takes ``sum``, whose order is the compiler's."""
+    per_token = rows.view(-1, top_k, rows.shape[-1])
+    if not isinstance(top_k, int):
+        return per_token.sum(1, dtype=dtype)
+    total = per_token[:, 0].to(dtype)
+    for j in range(1, top_k):
+        total = total + per_token[:, j].to(dtype)
+    return total
+
+
 class _RoutedRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, perm, top_k):
@@ -32,8 +46,8 @@ class _RoutedRows(torch.autograd.Function):
     def backward(ctx, d_rows):
         (perm,) = ctx.saved_tensors
         slot = inverse_permutation(perm)  # slot[j] = the row of flat pair j (token j // top_k)
-        per_token = d_rows[slot].view(ctx.tokens, ctx.top_k, d_rows.shape[-1])
-        return per_token.sum(1, dtype=torch.float32).to(ctx.x_dtype), None, None
+        summed = token_sum(d_rows[slot], ctx.top_k, torch.promote_types(d_rows.dtype, torch.float32))
+        return summed.to(ctx.x_dtype), None, None
 
 
 def gather_routed_rows(x: torch.Tensor, perm: torch.Tensor, top_k: int | torch.SymInt) -> torch.Tensor:
