@@ -481,6 +481,9 @@ def test_untracked_data_write_needs_refresh():
         torch.testing.assert_close(cm(x), before, rtol=0, atol=0)  # documented limitation
     assert cache.refresh(model.parameters()) == N_WEIGHTS
     _assert_fresh_and_not_stale(cm, model, x, before)
+    assert cache.refresh(model) == N_WEIGHTS  # a module stands for its parameters
+    with pytest.raises(TypeError, match=r"mxfx.refresh: takes a module, a tensor or an iterable .* got a str"):
+        cache.refresh(["up.weight"])
 
 
 def _flat_model():

@@ -224,6 +224,18 @@ def test_grouped_wgrad_bf16_any_group_ends_and_errors():
         hp_grouped_wgrad(dy, x, offs.long(), torch.float32)
 
 
+@pytest.mark.parametrize("fmt", ["mxfp8", "fp8_block", "bf16_gemm"])
+@pytest.mark.parametrize("wgrad", ["bf16", "mxfp8"])
+def test_no_rows_give_an_empty_result_and_zero_weight_gradients(fmt, wgrad):
+    # an expert-parallel rank can receive no rows; torch's grouped GEMM refuses an empty operand
+    w = torch.randn(3, 128, 128, requires_grad=True)
+    x = torch.randn(0, 128, requires_grad=True)
+    y = mx_grouped_mm_op(x, w, torch.zeros(3, dtype=torch.int32), format=fmt, wgrad=wgrad)
+    assert y.shape == (0, 128)
+    y.sum().backward()
+    assert x.grad.shape == (0, 128) and w.grad.shape == (3, 128, 128) and not w.grad.any()
+
+
 def test_grouped_op_argument_errors():
     x, w = torch.randn(40, 64, dtype=torch.bfloat16), torch.randn(3, 32, 64)
     offs = torch.tensor([5, 5, 33], dtype=torch.int32)

@@ -91,6 +91,20 @@ def test_mx_linear_names_a_weight_bias_or_input_dtype_it_cannot_take():
         mx_linear(x, w, torch.zeros(32, dtype=torch.int64))
     with pytest.raises(TypeError, match=r"input_dtype='bf16' \(input \(4, 64\)\) must be torch.bfloat16"):
         mx_linear(x, w, input_dtype="bf16")
+    with pytest.raises(TypeError, match=r"mx_linear: input \(torch.float32 \(4, 64\)\) and weight \(torch.float64"):
+        mx_linear(x, w.double())
+    with pytest.raises(TypeError, match=r"mx_linear: input \(torch.float64 \(4, 64\)\) and weight"):
+        mx_linear(x.double(), w)
+
+
+def test_a_bias_gradient_comes_back_in_the_bias_dtype_not_the_weights():
+    # a bias kept in FP32 beside a BF16 weight: its gradient (a sum over rows) is not rounded through BF16
+    x, w = torch.randn(8, 64), torch.randn(32, 64, dtype=torch.bfloat16)
+    b = torch.randn(32, requires_grad=True)
+    dy = torch.randn(8, 32) * 1.001
+    mx_linear(x, w, b).backward(dy)
+    assert b.grad.dtype == torch.float32
+    torch.testing.assert_close(b.grad, dy.sum(0), rtol=1e-6, atol=1e-6)  # BF16 rounding would be off by ~2^-9
 
 
 def test_a_bias_of_shape_1_by_n_gets_its_gradient_in_its_shape():

@@ -265,3 +265,12 @@ def test_x_mx_errors_name_what_to_do():
         mx_linear(x, w, x_mx=mx_linear_input(x[:32], tokens=True))
     a = mx_linear_input(x, tokens=True)
     assert torch.equal(mx_linear(x, w, x_mx=a), mx_linear(x, w))
+
+
+@pytest.mark.parametrize(("made", "used"), [("mxfp8", "fp8_block"), ("fp8_block", "mxfp8"), ("fp8_block", "bf16_gemm")])
+def test_an_x_mx_made_in_another_format_is_named(made, used):
+    x, w = torch.randn(8, 128), torch.randn(128, 128)
+    with pytest.raises(
+        ValueError, match=rf"mx_linear \(x_mx\): under format='{used}' the rows operand of x \(8, 128\)"
+    ):
+        mx_linear(x, w, x_mx=mx_linear_input(x, format=made), format=used)

@@ -54,6 +54,14 @@ def route_weighted(dout: torch.Tensor, route_weight: torch.Tensor | None) -> tor
     return dout.float() * route_weight.reshape(-1, 1).float()
 
 
+def described(operand) -> str:
+    """An operand as an error message shows it: each tensor's dtype and shape (None as None), or its type."""
+    if not isinstance(operand, (tuple, list)):
+        return type(operand).__name__
+    parts = [f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else repr(t) for t in operand]
+    return "(" + ", ".join(parts) + ")"
+
+
 def stats_views(*tensors):
     """``tensors`` (None kept) as they are when all have the same 2 or 3 dims, else each as a 2-D ``[-1, last dim]``
     view (a copy where strides allow none): the ``[R, C]`` / ``[B, R, C]`` views a fused statistics kernel reads of an
@@ -204,6 +212,12 @@ class Format:
     def input_operand(self, x, up, rule, op: str) -> Operand:
         """The forward GEMM's A operand of ``x`` (``silu(x) * up`` when ``up`` is given);
         ``op``: "mm" or "grouped_mm"."""
+        raise NotImplementedError
+
+    def check_input_operand(self, op: str, operand, x: torch.Tensor) -> None:
+        """Raise ``ValueError`` naming ``op`` unless ``operand`` has the tensors :meth:`input_operand` makes of the
+        2D ``x`` in this format (their dtypes, and x's rows and features): an operand made once for several GEMMs
+        (``mx_linear``'s ``x_mx``), perhaps in another format."""
         raise NotImplementedError
 
     def forward_operands(self, x, up, rule, save: str, tokens: bool, offs=None, given: Operand | None = None):

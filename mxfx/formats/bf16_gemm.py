@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from mxfx.formats.base import GEMM_OPS, Format, ScaleRule, register, route_weighted
+from mxfx.formats.base import GEMM_OPS, Format, ScaleRule, described, register, route_weighted
 from mxfx.kernels.common import swiglu
 from mxfx.kernels.common.custom_ops import hp_grouped_wgrad, hp_grouped_wgrad_into, hp_mm_into, hp_mm_transposed
 from mxfx.kernels.common.silu import swiglu_fp32
@@ -93,6 +93,17 @@ class BF16Gemm(Format):
         # a SwiGLU product with mxfx's fp32 SiLU, as the other formats' fused SwiGLU quantizes form it
         return ((x if up is None else swiglu_fp32(x, up)).to(_BF16),)
 
+    def check_input_operand(self, op, operand, x):
+        tensors = tuple(operand) if isinstance(operand, (tuple, list)) else ()
+        if not (len(tensors) == 1 and isinstance(tensors[0], torch.Tensor) and tensors[0].dtype == _BF16):
+            raise ValueError(
+                f"{op}: under format='bf16_gemm' the rows operand of x {tuple(x.shape)} is (x in bfloat16,); got "
+                f"{described(operand)}: make it with the same format "
+                f"(mxfx.ops.linear.mx_linear_input(x, format='bf16_gemm'))"
+            )
+        if tensors[0].shape != x.shape:
+            raise ValueError(f"{op}: the rows operand {tuple(tensors[0].shape)} is not of x's shape {tuple(x.shape)}")
+
     def forward_operands(self, x, up, rule, save, tokens, offs=None, given=None):
         a = self.input_operand(x, up, rule, "mm")
         return a, (a if tokens else None), (() if up is None else (x, up))
@@ -107,6 +118,9 @@ class BF16Gemm(Format):
         return _mm(a[0], b[0], out_dtype)
 
     def grouped_mm(self, a, b, offs, out_dtype):
+        # torch's grouped GEMM: rows past offs[-1] are left unwritten (the other formats write zeros there)
+        if a[0].shape[0] == 0:  # no rows, which torch's grouped GEMM refuses
+            return a[0].new_empty((0, b[0].shape[-2]), dtype=out_dtype)
         return torch._grouped_mm(a[0], b[0].transpose(-2, -1), offs).to(out_dtype)
 
     def grad_operands(self, dy, rule, rows, tokens):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mxfx.formats.base import GEMM_OPS, Format, ScaleRule, register, route_weighted, stats_views
+from mxfx.formats.base import GEMM_OPS, Format, ScaleRule, described, register, route_weighted, stats_views
 from mxfx.kernels.fp8_block import custom_ops, device_path
 from mxfx.kernels.fp8_block import gemm as block_gemm
 from mxfx.kernels.common import swiglu
@@ -138,6 +138,23 @@ class FP8Block(Format):
     def input_operand(self, x, up, rule, op):
         rule = str(rule)
         return custom_ops.block_quantize(x, rule) if up is None else custom_ops.block_swiglu_quantize(x, up, rule)
+
+    def check_input_operand(self, op, operand, x):
+        tensors = tuple(operand) if isinstance(operand, (tuple, list)) else ()
+        want = (x.shape[0], -(-x.shape[-1] // TILE))
+        if not (
+            len(tensors) == 2
+            and all(isinstance(t, torch.Tensor) for t in tensors)
+            and tensors[0].dtype == torch.float8_e4m3fn
+            and tensors[0].shape == x.shape
+            and tensors[1].dtype == torch.float32
+            and tuple(tensors[1].shape) == want
+        ):
+            raise ValueError(
+                f"{op}: under format='fp8_block' the rows operand of x {tuple(x.shape)} is (qdata float8_e4m3fn "
+                f"{tuple(x.shape)}, float32 scales {want}); got {described(operand)}: make it with the same "
+                f"format (mxfx.ops.linear.mx_linear_input(x, format='fp8_block'))"
+            )
 
     def forward_operands(self, x, up, rule, save, tokens, offs=None, given=None):
         rule = str(rule)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mxfx.formats.base import GEMM_OPS, Format, Operand, ScaleRule, register, route_weighted, stats_views
+from mxfx.formats.base import GEMM_OPS, Format, Operand, ScaleRule, described, register, route_weighted, stats_views
 from mxfx.kernels.mx import custom_ops, device_path
 from mxfx.kernels.mx import swiglu_operand
 from mxfx.kernels.mx.custom_ops import mx_grouped_mm, mx_grouped_mm_wgrad, mx_mm
@@ -230,6 +230,22 @@ class MXFP8(Format):
 
     def input_operand(self, x, up, rule, op):
         return swiglu_operand.quantize_input(x, up, str(rule), self.values_dtype(op, x.device))
+
+    def check_input_operand(self, op, operand, x):
+        tensors = tuple(operand) if isinstance(operand, (tuple, list)) else ()
+        if not (
+            len(tensors) == 3
+            and isinstance(tensors[0], torch.Tensor)
+            and tensors[0].dtype == torch.float8_e4m3fn
+            and tensors[0].shape == x.shape
+            and isinstance(tensors[1], torch.Tensor)
+            and tensors[1].dtype == torch.uint8
+        ):
+            raise ValueError(
+                f"{op}: under format='mxfp8' the rows operand of x {tuple(x.shape)} is (qdata float8_e4m3fn "
+                f"{tuple(x.shape)}, uint8 E8M0 scales, dequantized values or None); got {described(operand)}: make "
+                f"it with the same format (mxfx.ops.linear.mx_linear_input(x, format='mxfp8'))"
+            )
 
     def forward_operands(self, x, up, rule, save, tokens, offs=None, given=None):
         rule = str(rule)

@@ -221,7 +221,9 @@ def mx_grouped_mm_op(
     Returns ``[S, N]``.
 
     Like ``torch._grouped_mm``, group ends must be non-decreasing and at most S: checked for CPU tensors in eager
-    code; on a GPU, or inside a traced graph, offs values are not read (that would need a device sync).
+    code; on a GPU, or inside a traced graph, offs values are not read (that would need a device sync). Rows past
+    ``offs[-1]`` come out as zeros, except under ``format="bf16_gemm"``, whose GEMM (torch's) leaves them unwritten;
+    no rows at all (an expert-parallel rank that received none) give an empty result and zero weight gradients.
 
     Raises:
         TypeError: x not a bf16/fp16/fp32 tensor, offs not a tensor, out_dtype or route_weight not floating,

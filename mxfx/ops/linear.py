@@ -84,7 +84,7 @@ class _Linear(torch.autograd.Function):
             kind,
             len(wgrad_input),
         )
-        ctx.has_bias, ctx.has_up, ctx.dgrad_dtype = bias is not None, up is not None, dgrad_dtype
+        ctx.bias_dtype, ctx.has_up, ctx.dgrad_dtype = None if bias is None else bias.dtype, up is not None, dgrad_dtype
         return y
 
     @staticmethod
@@ -119,8 +119,8 @@ class _Linear(torch.autograd.Function):
             else:
                 x_saved = wgrad_input[0] if kind == "hp" else fmt.dequantize(wgrad_input, ctx.out_dtype)
                 dw = weight_gradient(settings, weight, (dy,), (x_saved,), low_precision=False)
-        if ctx.has_bias and ctx.needs_input_grad[3]:
-            db = dy.float().sum(0).to(weight.dtype)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[3]:
+            db = dy.float().sum(0).to(ctx.bias_dtype)
         return dx, dup, dw, db, None, None, None, None
 
 
@@ -198,7 +198,7 @@ def mx_linear(
         ValueError: shapes that do not pair up (a weight not ``[N, K]``, a bias not ``[N]``), K or N not a multiple
             of the format's feature multiple (keep such a linear in BF16), a settings value not valid, or an ``x_mx``
             that is not a pair of x's rows (or lacks the token-blocked operand this linear's wgrad reads).
-            TypeError: a keyword that is not a settings field, an ``input_dtype`` not bf16/fp16/fp32.
+            TypeError: a keyword that is not a settings field; an ``input_dtype``, input or weight not bf16/fp16/fp32.
     """
     op = "mxfx.mx_linear"
     settings = resolve(op, settings, setting_fields, wgrad_default="mxfp8")
@@ -206,6 +206,12 @@ def mx_linear(
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not weight.is_floating_point():
         what = f"{weight.dtype} {tuple(weight.shape)}" if isinstance(weight, torch.Tensor) else type(weight).__name__
         raise ValueError(f"{op}: weight must be a floating [N, K] tensor (F.linear's layout); got {what}")
+    if weight.dtype not in INPUT_DTYPES or not isinstance(x, torch.Tensor) or x.dtype not in INPUT_DTYPES:
+        what = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(
+            f"{op}: input ({what}) and weight ({weight.dtype} {tuple(weight.shape)}) must be bfloat16, float16 or "
+            "float32 tensors (the weight cache is made from the weight); cast them first"
+        )
     n, k = weight.shape
     if bias is not None:
         if (
@@ -245,6 +251,8 @@ def mx_linear(
             f"{op}: x_mx must be the pair (rows, tokens or None) mx_linear_input makes of x "
             f"{tuple(x.shape)} ({x2d.shape[0]} rows), and cannot be combined with a SwiGLU up operand"
         )
+    if x_mx is not None:
+        fmt.check_input_operand(f"{op} (x_mx)", x_mx[0], x2d)
     with torch.autocast(dev, enabled=False):
         if torch.is_grad_enabled():
             y = _Linear.apply(x2d, up2d, weight, bias, out_dtype, dgrad_dtype, settings, x_mx)

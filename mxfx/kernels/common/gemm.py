@@ -130,8 +130,8 @@ def grouped_wgrad_bf16(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, ou
     rounding and no widening pass after it. On CUDA torch's grouped GEMM writes BF16 only for BF16 operands
     (torch 2.13 refuses ``out_dtype=torch.float32``), so the BF16 result is widened here, inside the op, where a
     grouped GEMM with a float32 epilogue takes its place. Group ends must be non-decreasing and at most S (they
-    are data: not checked on the host); rows past ``offs[-1]`` are ignored. On CUDA, N and K must be multiples of
-    8 (16-byte rows).
+    are data: not checked on the host); rows past ``offs[-1]`` are ignored; no rows at all give zeros. On CUDA, N
+    and K must be multiples of 8 (16-byte rows).
 
     Raises:
         ValueError: dy or x not 2D, different row counts, or offs not a 1D int32 tensor.
@@ -141,6 +141,8 @@ def grouped_wgrad_bf16(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, ou
             f"mxfx.grouped_wgrad_bf16: needs dy [S, N], x [S, K] and int32 offs [E], got dy {tuple(dy.shape)}, "
             f"x {tuple(x.shape)}, offs {tuple(offs.shape)} {offs.dtype}"
         )
+    if dy.shape[0] == 0:  # no rows (an expert-parallel rank that received none): every group's sum is empty
+        return dy.new_zeros((offs.shape[0], dy.shape[1], x.shape[1]), dtype=out_dtype)
     dy, x = dy.to(torch.bfloat16).contiguous(), x.to(torch.bfloat16).contiguous()
     if dy.device.type == "cpu" and (out_dtype == torch.float32 or not native_bf16_matmul(dy.device)):
         # the same GEMM in FP32 (exact BF16 operands, FP32 accumulation), rounded once to out_dtype

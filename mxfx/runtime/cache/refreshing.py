@@ -40,7 +40,7 @@ def refresh(tensors, *, force: bool = True) -> int:
     compiled steps call the same machinery.
 
     Args:
-        tensors: a tensor or an iterable of tensors; the caches of every weight
+        tensors: a module (its parameters), a tensor or an iterable of tensors; the caches of every weight
             whose storage is one of theirs are rebuilt (a weight must lie inside
             the tensor's span, or be that tensor). A tensor subclass holding no weight's
             storage (an FSDP2 sharded DTensor parameter) advances the step count instead:
@@ -50,9 +50,25 @@ def refresh(tensors, *, force: bool = True) -> int:
 
     Returns:
         How many weights were rebuilt.
+
+    Raises:
+        TypeError: ``tensors`` neither a module, a tensor nor an iterable of tensors (naming the first other item).
     """
-    if isinstance(tensors, torch.Tensor):
+    if isinstance(tensors, torch.nn.Module):
+        tensors = list(tensors.parameters())
+    elif isinstance(tensors, torch.Tensor):
         tensors = [tensors]
+    else:
+        try:
+            tensors = list(tensors)
+        except TypeError:
+            tensors = [tensors]
+    other = next((t for t in tensors if not isinstance(t, torch.Tensor)), None)
+    if other is not None:
+        raise TypeError(
+            f"mxfx.refresh: takes a module, a tensor or an iterable of tensors (parameters or flat buffers); got "
+            f"a {type(other).__name__} among them"
+        )
     done, sharded = 0, False
     with state.lock, torch.no_grad():
         for t in tensors:
