@@ -549,3 +549,16 @@ def test_a_scale_rule_for_a_format_without_scales_is_refused(options, what):
         mxfx.Policy(**options)
     mxfx.Policy(format="bf16_gemm")
     mxfx.Policy(format="fp8_block", rules=[{"op": "linear", "format": "bf16_gemm"}])
+
+
+def test_a_transport_without_an_all_to_all_warns():
+    """``transport`` sets the precision of expert-parallel all-to-alls; a model without one gets told it does
+    nothing (as a rule matching no op is)."""
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        options = {"inner": "aot_eager", "transport": {"dispatch_fwd": "bf16"}}
+        torch.compile(GluModel(), backend="mxfp8", options=options)(torch.randn(4, 64))
+    (message,) = [str(w.message) for w in record if "transport" in str(w.message)]
+    assert message.startswith("mxfx: policy transport={'dispatch_fwd': 'bf16'} sets the precision of") and (
+        "have none (no dispatch or combine across ranks), so it changes nothing; drop it" in message
+    )

@@ -1,7 +1,8 @@
 """Policy settings that do not apply as written: a module glob matching no module, or a rule matching no op mxfx
 decides (its modules hold no such op, or none of its ``op`` kind; both warned once, judged against the whole
-model), a rule asking for low precision that an op's shape refuses (:func:`warn_unmet_requests`), and a ``stats``
-modules glob matching no quantize site (warned once, judged as rules are).
+model), a rule asking for low precision that an op's shape refuses (:func:`warn_unmet_requests`), a ``stats``
+modules glob matching no quantize site, and a ``transport`` where no graph has an all-to-all (warned once, judged
+as rules are).
 
 A rule's module glob is judged against the module names of every graph compiled
 under the same policy (equal policies, e.g. the same ``options`` dict, count as
@@ -70,7 +71,7 @@ def observe(
     modules of ``converted`` ops of one graph compiled under ``policy``; judged now when the graph is the ``whole``
     forward of the module being called (:func:`mxfx.names.whole_forward`), else at the next optimizer step or at
     exit."""
-    if not policy.rules and policy.stats is None:
+    if not policy.rules and policy.stats is None and not policy.transport:
         return
     try:
         hash(policy)
@@ -136,6 +137,14 @@ def _judge(policy: Policy) -> None:
         warnings.warn(_opless_message(policy, rule, modules, ops), stacklevel=2)
     if policy.stats is not None and not seen.sites:
         warnings.warn(_siteless_stats_message(policy, seen.converted), stacklevel=2)
+    if policy.transport and not any(k == "all_to_all" for k, _ in ops):
+        warnings.warn(
+            f"mxfx: policy transport={dict(policy.transport)!r} sets the precision of expert-parallel all-to-alls, "
+            f"but the graphs compiled under this policy have none (no dispatch or combine across ranks"
+            f"{'; the all_to_all pass is off in this policy' if not policy.pass_enabled('all_to_all') else ''}), so it "
+            f"changes nothing; drop it",
+            stacklevel=2,
+        )
 
 
 _judgments = Judgments(_judge)
