@@ -427,3 +427,17 @@ def test_a_block_whose_forward_is_overridden_per_instance_keeps_its_modules_name
         compiled(torch.randn(32, 64)).sum().backward()
     modules = {r.module for r in mxfx.last_report().records if r.kind == "linear"}
     assert modules == {"layers.0.proj", "layers.1.proj"}, mxfx.last_report().to_text()
+
+
+@pytest.mark.parametrize("options", [{}, {"save": "bf16"}])
+def test_saved_bytes_as_written_do_not_depend_on_the_save_policy(options):
+    """An input another op's backward keeps alive (ReLU's output) costs the linear reading it no bytes of its own,
+    whether the policy would have packed it or keeps every input as it is: the "as written" side is the same."""
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    compiled = torch.compile(model, backend="mxfp8", options={"inner": "aot_eager", **options})
+    compiled(torch.randn(80, 64, requires_grad=True)).sum().backward()
+    pm = mxfx.last_report()
+    assert "saved inputs of converted ops 20480 B as written" in pm.summary()  # the first linear's FP32 input
+    (second,) = [r for r in pm.records if r.module == "2"]
+    assert "kept alive by relu backward" in second.reason and second.saved_bytes == (0, 0)

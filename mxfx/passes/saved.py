@@ -343,12 +343,17 @@ def run(gm: fx.GraphModule, policy: Policy, pm: PrecisionMap) -> int:
         base = _base(node.args[0])
         kept_bytes = (0, 0) if base in counted else (written_bytes, own_bytes)
         kept = ran(x)
+        fmt = settings_of(node.kwargs).format
         if node.kwargs.get("save", "mxfp8") != "mxfp8":  # the op's own rule already keeps it as it is
             if record:
+                alive = keeps_input_alive(node.args[0], node, fmt)
+                if alive.startswith(_ALIVE_ANYWAY):  # counted as below: no bytes of its own
+                    record.add_note(alive)
+                    if base not in counted:
+                        kept_bytes = (0 if written_bytes == own_bytes else written_bytes, 0)
                 record.saved_bytes = kept_bytes
                 counted.add(base)
             continue
-        fmt = settings_of(node.kwargs).format
         copy_bytes, padded = _copy_bytes(node, x, numel, fmt)
         ds = policy.decide("saved", module_fqn(node))  # rules with op="saved"
         why = ds.reason if ds.precision != "mxfp8" else keeps_input_alive(node.args[0], node, fmt)
