@@ -379,6 +379,12 @@ def breakdown_table(title: str, arm: dict) -> str:
             f"| host waiting on the GPU, profiled step | {where['host_wait_ms']:.2f} | "
             f"{pct(where['host_wait_ms'], arm.get('profiled_step_ms') or step)} | | launch queue full, syncs |"
         )
+    if where and where["source"] == "CUDA kernel time" and where["total_ms"]:
+        work = max(0.0, arm["host_issue_ms"] - where.get("host_wait_ms", 0.0))
+        lines.append(
+            f"| host work: issue less waits | {work:.2f} | {pct(work, step)} | | "
+            f"{work / where['total_ms']:.2f}x the GPU busy time (steady issue less the profiled step's waits) |"
+        )
     return "\n".join(lines)
 
 

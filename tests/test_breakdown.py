@@ -352,6 +352,9 @@ def test_step_breakdown_host_waits_on_the_device():
     assert out["host_wait_ms"] == pytest.approx((250 + 40) * 1e-3)
     table = breakdown_table("t", {"step_ms": 2.0, "host_cpu_ms": 1.0, "host_issue_ms": 1.5, "breakdown": out})
     assert "| host waiting on the GPU, profiled step | 0.29 | 14.5 |" in table, table
+    # the host's own work, 1.5 - 0.29 ms, against the GPU busy time of the synthetic step
+    work = f"{(1.5 - 0.29) / out['total_ms']:.2f}x the GPU busy time"
+    assert f"| host work: issue less waits | 1.21 | 60.5 | | {work}" in table, table
 
 
 def test_step_breakdown_bad_traces():
