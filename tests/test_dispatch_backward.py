@@ -45,6 +45,7 @@ def test_token_sum_adds_each_tokens_rows_in_slot_order():
     wide = torch.randn(6, 5, dtype=torch.bfloat16)
     expected = wide.float().view(3, 2, 5).sum(1)  # two terms: every order is the same
     assert torch.equal(token_sum(wide, 2, torch.float32), expected)
+    assert token_sum(torch.empty(6, 0), 3, torch.float32).shape == (2, 0)  # no features: one empty row per token
 
 
 def test_gather_routed_rows_refuses_what_is_no_dispatch():

@@ -26,7 +26,7 @@ def token_sum(rows: torch.Tensor, top_k: int | torch.SymInt, dtype: torch.dtype)
     (``((r0 + r1) + r2) + ...``): ``[T, D]``. Written as a chain of adds, not a reduction, so that a compiled graph
     fuses it with the gather that forms ``rows`` into one elementwise kernel whose loads run along D (a reduction
     over the short slot axis reads across rows); a symbolic ``top_k`` takes ``sum``, whose order is the compiler's."""
-    per_token = rows.view(-1, top_k, rows.shape[-1])
+    per_token = rows.view(rows.shape[0] // top_k, top_k, rows.shape[-1])  # not -1: D may be 0
     if not isinstance(top_k, int):
         return per_token.sum(1, dtype=dtype)
     total = per_token[:, 0].to(dtype)
