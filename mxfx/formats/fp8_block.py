@@ -151,9 +151,9 @@ class FP8Block(Format):
             and tuple(tensors[1].shape) == want
         ):
             raise ValueError(
-                f"{op}: under format='fp8_block' the rows operand of x {tuple(x.shape)} is (qdata float8_e4m3fn "
-                f"{tuple(x.shape)}, float32 scales {want}); got {described(operand)}: make it with the same "
-                f"format (mxfx.ops.linear.mx_linear_input(x, format='fp8_block'))"
+                f"{op}: under format='fp8_block' the rows operand of x {tuple(x.shape)} is x's 1x128 tiles (qdata "
+                f"float8_e4m3fn {tuple(x.shape)}, float32 scales {want}); got {described(operand)}: make it with "
+                f"the same format (mxfx.ops.linear.mx_linear_input(x, format='fp8_block'))"
             )
 
     def forward_operands(self, x, up, rule, save, tokens, offs=None, given=None):
@@ -318,24 +318,13 @@ class FP8Block(Format):
     def given_input(self, given, x, up):
         if given is None:
             return None
-        q, s = given if isinstance(given, (tuple, list)) and len(given) == 2 else (None, None)
-        want = (x.shape[0], -(-x.shape[-1] // TILE))
-        if (
-            up is not None
-            or not isinstance(q, torch.Tensor)
-            or not isinstance(s, torch.Tensor)
-            or q.dtype != torch.float8_e4m3fn
-            or s.dtype != torch.float32
-            or q.shape != x.shape
-            or tuple(s.shape) != want
-        ):
-            got = " / ".join(f"{tuple(t.shape)} {t.dtype}" for t in (given or ()) if isinstance(t, torch.Tensor))
+        if up is not None:
             raise ValueError(
-                f"mxfx.grouped_mm: under format='fp8_block' x_mx must be x's 1x128 tiles (qdata "
-                f"float8_e4m3fn {tuple(x.shape)}, float32 scales {want}) and not combined with up; "
-                f"got {got or given!r}"
+                f"mxfx.grouped_mm: under format='fp8_block' x_mx (x's 1x128 tiles) cannot be combined with up; "
+                f"give x {tuple(x.shape)} alone or drop x_mx"
             )
-        return q, s
+        self.check_input_operand("mxfx.grouped_mm (x_mx)", given, x)
+        return tuple(given)
 
 
 FORMAT = register(FP8Block())
