@@ -20,9 +20,11 @@ SIZES = [70, 0, 129, 5]
 
 def _case(device, dtype, transposed):
     gen = torch.Generator().manual_seed(3)
-    s, n, k = sum(SIZES) + 3, 96, 80  # 3 rows past the last group, ignored
-    dy = torch.randn(s, n, generator=gen).to(dtype).to(device)
-    x = torch.randn(s, k, generator=gen).to(dtype).to(device)
+    s, n, k = sum(SIZES) + 3, 96, 80  # 3 rows past the last group, ignored: NaN and inf there must add nothing
+    dy = torch.randn(s, n, generator=gen).to(dtype)
+    x = torch.randn(s, k, generator=gen).to(dtype)
+    dy[-3:], x[-3:] = float("nan"), float("inf")
+    dy, x = dy.to(device), x.to(device)
     offs = torch.tensor(SIZES).cumsum(0).to(torch.int32).to(device)
     ref = torch.zeros(len(SIZES), n, k, dtype=torch.float64)
     bound = torch.zeros_like(ref)
@@ -41,18 +43,18 @@ def _grad(shape, device, transposed, fill):
     return base.transpose(1, 2) if transposed else base
 
 
-def check(device, dtype, config=None):
+def check(device, dtype, config=None, tma=False, red=False):
     from mxfx.kernels.common import grouped_wgrad_triton
 
     for transposed in (False, True):
         dy, x, offs, ref, bound = _case(device, dtype, transposed)
         out = _grad(ref.shape, device, transposed, float("nan"))
-        grouped_wgrad_triton.grouped_wgrad_into(dy, x, offs, out, False, config=config)
+        grouped_wgrad_triton.grouped_wgrad_into(dy, x, offs, out, False, config=config, tma=tma, red=red)
         assert ((out.double().cpu() - ref).abs() <= bound).all(), "written"
         prev = torch.randn(ref.shape, generator=torch.Generator().manual_seed(4))
         out = _grad(ref.shape, device, transposed, 0.0)
         out.copy_(prev)
-        grouped_wgrad_triton.grouped_wgrad_into(dy, x, offs, out, True, config=config)
+        grouped_wgrad_triton.grouped_wgrad_into(dy, x, offs, out, True, config=config, tma=tma, red=red)
         assert ((out.double().cpu() - (ref + prev.double())).abs() <= bound + 2.0**-20).all(), "added"
         assert torch.equal(out[1].cpu(), prev[1]), "an empty group's gradient is kept"
 
@@ -69,11 +71,13 @@ def test_grouped_wgrad_into_in_the_interpreter():
 @pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0), reason="needs an sm90+ CUDA GPU"
 )
+@pytest.mark.parametrize("red", [False, True], ids=["load-store", "red"])
+@pytest.mark.parametrize("tma", [False, True], ids=["vector-loads", "tma"])
 @pytest.mark.parametrize("config", ["CONFIG", "LONG_GROUPS_CONFIG"])
-def test_grouped_wgrad_into_on_the_gpu(config):
+def test_grouped_wgrad_into_on_the_gpu(config, tma, red):
     from mxfx.kernels.common import grouped_wgrad_triton
 
-    check("cuda", torch.bfloat16, getattr(grouped_wgrad_triton, config))
+    check("cuda", torch.bfloat16, getattr(grouped_wgrad_triton, config), tma, red)
 
 
 def test_the_mean_group_size_chooses_the_launch():
@@ -101,4 +105,6 @@ def test_grouped_wgrad_into_names_bad_shapes():
 
 if __name__ == "__main__" and "--interpret" in sys.argv:  # run_interpreter_checks' subprocess
     check("cpu", torch.float16, INTERPRETER_CONFIG)
+    for tma, red in ((False, True), (True, False), (True, True)):
+        check("cpu", torch.float16, INTERPRETER_CONFIG, tma=tma, red=red)
     print("grouped_wgrad_into: interpreter checks passed")

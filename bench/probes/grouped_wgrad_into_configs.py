@@ -6,11 +6,17 @@ trips it replaces (BF16 GEMM, widening, add), each configuration checked against
 Prints one table: ms per configuration and shape, the fastest marked. Needs an sm90 GPU.
 
     python bench/probes/grouped_wgrad_into_configs.py [--models olmoe,qwen3,mixtral,deepseek]
+        [--configs all|default] [--variants vector-load,vector-red,tma-load,tma-red]
+
+``--variants``: the kernel's mainloop (vector loads or TMA boxes) and accumulating epilogue (a read beside the
+accumulator and a store, or vector ``red.add``), each timed at every configuration; ``--configs default``: only the
+two launches the library chooses between (``CONFIG``, ``LONG_GROUPS_CONFIG``).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 
 import torch
@@ -25,12 +31,26 @@ CONFIGS = [
     if not (bn * bk == 2**15 and w == 4)  # a 256x128 FP32 accumulator in 128 threads spills
     and (bn + bk) * bt * 2 * st <= 200 * 1024  # shared memory of the staged operand tiles
 ]
+VARIANTS = {  # name: grouped_wgrad_into's (tma, red)
+    "vector-load": (False, False),
+    "vector-red": (False, True),
+    "tma-load": (True, False),
+    "tma-red": (True, True),
+}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="olmoe,qwen3,deepseek")
+    p.add_argument("--configs", default="all", choices=["all", "default"])
+    p.add_argument("--variants", default="vector-load", help=f"comma list of {', '.join(VARIANTS)}")
     args = p.parse_args()
+    variants = args.variants.split(",")
+    if not set(variants) <= set(VARIANTS):
+        p.error(f"--variants: unknown {sorted(set(variants) - set(VARIANTS))}")
+    configs = (
+        CONFIGS if args.configs == "all" else [grouped_wgrad_triton.CONFIG, grouped_wgrad_triton.LONG_GROUPS_CONFIG]
+    )
     torch.manual_seed(0)
     header = ["config"]
     results: dict[str, list[float | None]] = {}
@@ -58,18 +78,17 @@ def main() -> None:
             }
             for name, fn in base.items():
                 results.setdefault(name, []).append(triton.testing.do_bench(fn, return_mode="median"))
-            for cfg in CONFIGS:
-                name = "{BLOCK_N}x{BLOCK_K}x{BLOCK_T} w{num_warps} s{num_stages}".format(**cfg)
+            for cfg, variant in itertools.product(configs, variants):
+                name = "{BLOCK_N}x{BLOCK_K}x{BLOCK_T} w{num_warps} s{num_stages}".format(**cfg) + f" {variant}"
+                tma, red = VARIANTS[variant]
+                run = functools.partial(grouped_wgrad_triton.grouped_wgrad_into, config=cfg, tma=tma, red=red)
                 try:
                     grad[:4].copy_(first)
-                    grouped_wgrad_triton.grouped_wgrad_into(dy, x, offs, grad, True, config=cfg)
+                    run(dy, x, offs, grad, True)
                     err = ((grad[:4] - ref).norm() / ref.norm()).item()
                     if not err < 1e-2:
                         raise RuntimeError(f"relative error {err:.2e}")
-                    t = triton.testing.do_bench(
-                        lambda cfg=cfg: grouped_wgrad_triton.grouped_wgrad_into(dy, x, offs, grad, True, config=cfg),
-                        return_mode="median",
-                    )
+                    t = triton.testing.do_bench(lambda run=run: run(dy, x, offs, grad, True), return_mode="median")
                 except Exception as exc:  # noqa: BLE001 (a configuration the GPU refuses is reported, not fatal)
                     print(f"{name} at {header[-1]}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
                     t = None

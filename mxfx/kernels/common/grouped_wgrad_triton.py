@@ -8,6 +8,11 @@ it (an empty group's block is zeroed). One program per (output tile, group): it 
 time, ``tl.dot`` of the transposed ``dy`` tile by the ``x`` tile into an FP32 accumulator (BF16 products are exact
 in FP32; the sum's order is the tensor cores'), then reads ``out`` once if accumulating and writes it once: the
 gradient makes one trip through memory instead of a BF16 result, its widening and ``AccumulateGrad``'s add.
+
+Two mainloops: vector loads of any strides (masked per token), or, where ``dy`` and ``x`` are contiguous with
+16-byte aligned bases and rows (:func:`tma_ready`), TMA boxes through host tensor descriptors: the group's whole
+steps read unmasked (a box past S or N/K comes back zero-filled), its last partial step with the rows past the
+group's end zeroed in both operands (the next group's tokens, finite or not, add nothing).
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
+from triton.tools.tensor_descriptor import TensorDescriptor
+
 from mxfx.kernels.common.gemm import check_grouped_wgrad_into
-from mxfx.kernels.common.launch import launch
+from mxfx.kernels.common.launch import aligned16, descriptor, launch
 
 CONFIG = {"BLOCK_N": 128, "BLOCK_K": 128, "BLOCK_T": 64, "num_warps": 4, "num_stages": 3}
 """Launch of the kernel: 128x128 FP32 outputs, 64 tokens per step (docs/kernel-notes.md: measured configurations)."""
@@ -29,6 +36,18 @@ LONG_GROUPS = 4096
 def config_for(tokens: int, groups: int) -> dict:
     """The launch configuration for ``tokens`` rows split over ``groups`` groups (their mean size chooses)."""
     return dict(LONG_GROUPS_CONFIG if tokens >= LONG_GROUPS * max(groups, 1) else CONFIG)
+
+
+@triton.jit
+def _epilogue(ptrs, acc, mask, ACCUMULATE: tl.constexpr, RED: tl.constexpr):
+    """Write ``acc`` to the gradient block, or add it (``ACCUMULATE``): read into registers beside the accumulator,
+    or (``RED``) as vector reductions the L2 applies, no gradient value in registers."""
+    if ACCUMULATE and RED:
+        tl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
+    else:
+        if ACCUMULATE:
+            acc += tl.load(ptrs, mask=mask, other=0.0)
+        tl.store(ptrs, acc, mask=mask)
 
 
 @triton.jit
@@ -47,6 +66,7 @@ def _grouped_wgrad_into_kernel(
     s_on,
     s_ok,
     ACCUMULATE: tl.constexpr,
+    RED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -74,10 +94,54 @@ def _grouped_wgrad_into_kernel(
         )
         acc = tl.dot(tl.trans(dy), x, acc)
     ptrs = out_ptr + g.to(tl.int64) * s_og + ns[:, None].to(tl.int64) * s_on + ks[None, :] * s_ok
-    mask = n_ok[:, None] & k_ok[None, :]
-    if ACCUMULATE:
-        acc += tl.load(ptrs, mask=mask, other=0.0)
-    tl.store(ptrs, acc, mask=mask)
+    _epilogue(ptrs, acc, n_ok[:, None] & k_ok[None, :], ACCUMULATE, RED)
+
+
+@triton.jit
+def _grouped_wgrad_into_tma_kernel(
+    dy_desc,
+    x_desc,
+    offs_ptr,
+    out_ptr,
+    N,
+    K,
+    s_og,
+    s_on,
+    s_ok,
+    ACCUMULATE: tl.constexpr,
+    RED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    g = tl.program_id(1)
+    tiles_k = tl.cdiv(K, BLOCK_K)
+    n0 = (tl.program_id(0) // tiles_k) * BLOCK_N
+    k0 = (tl.program_id(0) % tiles_k) * BLOCK_K
+    start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
+    end = tl.maximum(tl.load(offs_ptr + g), start)
+    whole = (end - start) // BLOCK_T
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for i in tl.range(0, whole, num_stages=STAGES):
+        t0 = start + i * BLOCK_T
+        acc = tl.dot(dy_desc.load([t0, n0]).T, x_desc.load([t0, k0]), acc)
+    t0 = start + whole * BLOCK_T
+    if t0 < end:  # the group's last tokens: rows past its end belong to the next group
+        keep = (t0 + tl.arange(0, BLOCK_T) < end)[:, None]
+        dy = tl.where(keep, dy_desc.load([t0, n0]), 0.0)
+        x = tl.where(keep, x_desc.load([t0, k0]), 0.0)
+        acc = tl.dot(dy.T, x, acc)
+    ns = n0 + tl.arange(0, BLOCK_N)
+    ks = k0 + tl.arange(0, BLOCK_K)
+    ptrs = out_ptr + g.to(tl.int64) * s_og + ns[:, None].to(tl.int64) * s_on + ks[None, :] * s_ok
+    _epilogue(ptrs, acc, (ns < N)[:, None] & (ks < K)[None, :], ACCUMULATE, RED)
+
+
+def tma_ready(dy: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether the TMA mainloop can read ``dy`` and ``x``: contiguous, 16-byte aligned bases and rows (a multiple
+    of 8 16-bit values)."""
+    return all(t.is_contiguous() and aligned16(t) and t.shape[1] % 8 == 0 for t in (dy, x))
 
 
 def grouped_wgrad_into(
@@ -88,8 +152,13 @@ def grouped_wgrad_into(
     accumulate: bool,
     *,
     config: dict | None = None,
+    tma: bool = False,
+    red: bool = False,
 ) -> None:
-    """Launch the kernel (module docstring) on CUDA operands, or under Triton's interpreter.
+    """Launch the kernel (module docstring) on CUDA operands, or under Triton's interpreter; ``tma``: the TMA
+    mainloop where :func:`tma_ready`; ``red``: an accumulating epilogue of vector float reductions (``red.add``;
+    the L2's add flushes subnormal sums to zero) instead of a read beside the accumulator and a store. Both are
+    measured against the defaults before either becomes one.
 
     Raises:
         ValueError: shapes, dtypes or devices that do not pair up
@@ -102,6 +171,27 @@ def grouped_wgrad_into(
     cfg = config_for(dy.shape[0], g) if config is None else dict(config)
     bn, bk = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
     grid = (triton.cdiv(n, bn) * triton.cdiv(k, bk), g)
+    if tma and tma_ready(dy, x):
+        bt = cfg.pop("BLOCK_T")
+        launch(
+            _grouped_wgrad_into_tma_kernel,
+            grid,
+            descriptor(TensorDescriptor.from_tensor, dy, [bt, bn]),
+            descriptor(TensorDescriptor.from_tensor, x, [bt, bk]),
+            offs,
+            out,
+            n,
+            k,
+            *out.stride(),
+            ACCUMULATE=accumulate,
+            RED=red,
+            BLOCK_N=bn,
+            BLOCK_K=bk,
+            BLOCK_T=bt,
+            STAGES=cfg.pop("num_stages"),
+            **cfg,
+        )
+        return
     launch(
         _grouped_wgrad_into_kernel,
         grid,
@@ -115,6 +205,7 @@ def grouped_wgrad_into(
         *x.stride(),
         *out.stride(),
         ACCUMULATE=accumulate,
+        RED=red,
         BLOCK_N=bn,
         BLOCK_K=bk,
         **cfg,
