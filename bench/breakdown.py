@@ -77,6 +77,7 @@ MXFX_KERNELS = {
     "_schedule_kernel": ROUTED,  # fp8_block/grouped_gemm_sm90.py: the tile table the sm90 kernel reads
     "_grouped_wgrad_kernel": ROUTED,  # fp8_block/grouped_gemm_triton.py
     "_grouped_wgrad_into_kernel": ROUTED,  # common/grouped_wgrad_triton.py: BF16 wgrad into the FP32 gradient
+    "_grouped_wgrad_into_tma_kernel": ROUTED,  # the same, its operands through TMA
     "_grouped_wgrad_into_sm90_kernel": ROUTED,  # common/grouped_wgrad_sm90.py: the same, ping-pong Gluon on sm90
     "_zero_rows_kernel": ROUTED,  # common/zero_rows.py: a grouped GEMM's rows past the last group
     "_swiglu_product_kernel": OTHER,  # common/silu_triton.py: the SwiGLU activation, unquantized

@@ -43,7 +43,7 @@ def _grad(shape, device, transposed, fill):
     return base.transpose(1, 2) if transposed else base
 
 
-def check(device, dtype, config=None, tma=False, red=False):
+def check(device, dtype, config=None, tma=None, red=True):
     from mxfx.kernels.common import grouped_wgrad_triton
 
     for transposed in (False, True):
@@ -89,6 +89,47 @@ def test_the_mean_group_size_chooses_the_launch():
     assert m.config_for(100, 0) == m.CONFIG
 
 
+@pytest.mark.parametrize(
+    ("tokens", "dy_cols", "kernel"),
+    [
+        (4 * 1024, 64, "_grouped_wgrad_into_tma_kernel"),  # groups of 1,024 tokens, TMA-ready
+        (4 * 1023, 64, "_grouped_wgrad_into_kernel"),  # shorter groups
+        (4 * 1024, 60, "_grouped_wgrad_into_kernel"),  # rows of 120 bytes: no TMA box
+    ],
+)
+def test_the_mean_group_size_and_the_layout_choose_the_mainloop(tokens, dy_cols, kernel):
+    pytest.importorskip("triton")
+    from mxfx.kernels.common import grouped_wgrad_triton as m
+    from tests import sass
+
+    dy, x = torch.empty(tokens, dy_cols, dtype=torch.bfloat16), torch.empty(tokens, 32, dtype=torch.bfloat16)
+    offs = torch.arange(1, 5, dtype=torch.int32) * (tokens // 4)
+    (seen,) = sass.captured_launches([m], m.grouped_wgrad_into, dy, x, offs, torch.empty(4, dy_cols, 32), True)
+    assert seen.kernel.fn.__name__ == kernel
+    assert seen.kwargs["RED"] is True  # accumulating: red.add
+
+
+@pytest.mark.parametrize("config", ["CONFIG", "LONG_GROUPS_CONFIG"])
+def test_the_tma_kernel_compiles_for_sm90_without_spills(config):
+    """The default launch at groups of 1,024+ tokens: BF16 wgmma fed by TMA, the accumulating epilogue as vector
+    reductions, and no local memory (a read of the gradient block beside the 128-register accumulator spilled)."""
+    from tests import sass
+
+    if sass.missing():
+        pytest.skip(sass.missing())
+    from mxfx.kernels.common import grouped_wgrad_triton as m
+
+    s, g, n, k = 4096, 4, 512, 1024
+    dy, x = torch.empty(s, n, dtype=torch.bfloat16), torch.empty(s, k, dtype=torch.bfloat16)
+    offs = torch.arange(1, g + 1, dtype=torch.int32) * (s // g)
+    cfg = getattr(m, config)
+    (launch,) = sass.captured_launches([m], m.grouped_wgrad_into, dy, x, offs, torch.empty(g, n, k), True, config=cfg)
+    c = sass.compile_sm90(launch)
+    assert c.counts.get("HGMMA", 0) > 0 and c.counts.get("UTMALDG", 0) > 0, dict(c.counts)
+    assert c.counts.get("REDG", 0) > 0 and c.memory.get("LDG.E.128", 0) == 0, dict(c.memory)
+    assert c.counts.get("LDL", 0) == 0 and c.counts.get("STL", 0) == 0, "registers spilled to local memory"
+
+
 def test_grouped_wgrad_into_names_bad_shapes():
     pytest.importorskip("triton")
     from mxfx.kernels.common import grouped_wgrad_triton
@@ -105,6 +146,6 @@ def test_grouped_wgrad_into_names_bad_shapes():
 
 if __name__ == "__main__" and "--interpret" in sys.argv:  # run_interpreter_checks' subprocess
     check("cpu", torch.float16, INTERPRETER_CONFIG)
-    for tma, red in ((False, True), (True, False), (True, True)):
+    for tma, red in ((False, False), (True, False), (True, True)):
         check("cpu", torch.float16, INTERPRETER_CONFIG, tma=tma, red=red)
     print("grouped_wgrad_into: interpreter checks passed")

@@ -10,9 +10,13 @@ in FP32; the sum's order is the tensor cores'), then reads ``out`` once if accum
 gradient makes one trip through memory instead of a BF16 result, its widening and ``AccumulateGrad``'s add.
 
 Two mainloops: vector loads of any strides (masked per token), or, where ``dy`` and ``x`` are contiguous with
-16-byte aligned bases and rows (:func:`tma_ready`), TMA boxes through host tensor descriptors: the group's whole
-steps read unmasked (a box past S or N/K comes back zero-filled), its last partial step with the rows past the
-group's end zeroed in both operands (the next group's tokens, finite or not, add nothing).
+16-byte aligned bases and rows (:func:`tma_ready`) and groups average at least :data:`TMA_MIN_TOKENS` tokens, TMA
+boxes through host tensor descriptors: the group's whole steps read unmasked (a box past S or N/K comes back
+zero-filled), its last partial step with the rows past the group's end zeroed in both operands (the next group's
+tokens, finite or not, add nothing). Accumulating, the epilogue adds the block with vector float reductions
+(``red.global.add``, applied in L2): no gradient value is held beside the 128-register accumulator, so nothing
+spills; the L2's add flushes subnormal results to zero (values below 2^-126, far under any gradient that
+matters).
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ CONFIG = {"BLOCK_N": 128, "BLOCK_K": 128, "BLOCK_T": 64, "num_warps": 4, "num_st
 LONG_GROUPS_CONFIG = {"BLOCK_N": 256, "BLOCK_K": 128, "BLOCK_T": 64, "num_warps": 8, "num_stages": 3}
 """Launch where groups average at least :data:`LONG_GROUPS` tokens (few experts, each a long contraction)."""
 LONG_GROUPS = 4096
+TMA_MIN_TOKENS = 1024
+"""Mean tokens per group from which the TMA mainloop serves (where :func:`tma_ready`); shorter groups, whose
+partial last step is a larger share, take the vector loads (docs/kernel-notes.md)."""
 
 
 def config_for(tokens: int, groups: int) -> dict:
@@ -152,13 +159,13 @@ def grouped_wgrad_into(
     accumulate: bool,
     *,
     config: dict | None = None,
-    tma: bool = False,
-    red: bool = False,
+    tma: bool | None = None,
+    red: bool = True,
 ) -> None:
-    """Launch the kernel (module docstring) on CUDA operands, or under Triton's interpreter; ``tma``: the TMA
-    mainloop where :func:`tma_ready`; ``red``: an accumulating epilogue of vector float reductions (``red.add``;
-    the L2's add flushes subnormal sums to zero) instead of a read beside the accumulator and a store. Both are
-    measured against the defaults before either becomes one.
+    """Launch the kernel (module docstring) on CUDA operands, or under Triton's interpreter. ``tma``: the TMA
+    mainloop where :func:`tma_ready` (None: where groups average :data:`TMA_MIN_TOKENS` tokens or more); ``red``:
+    an accumulating epilogue of vector float reductions, else a read of the block beside the accumulator and a
+    store (both kept for timing one against the other, ``bench/probes/grouped_wgrad_into_configs.py``).
 
     Raises:
         ValueError: shapes, dtypes or devices that do not pair up
@@ -171,6 +178,8 @@ def grouped_wgrad_into(
     cfg = config_for(dy.shape[0], g) if config is None else dict(config)
     bn, bk = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
     grid = (triton.cdiv(n, bn) * triton.cdiv(k, bk), g)
+    if tma is None:
+        tma = dy.shape[0] >= TMA_MIN_TOKENS * max(g, 1)
     if tma and tma_ready(dy, x):
         bt = cfg.pop("BLOCK_T")
         launch(
