@@ -967,11 +967,12 @@ def test_policy_kernels_choose_for_the_inner_compile(monkeypatch, kernels, env, 
         mxfx.Policy(kernels="fast")
 
 
-@pytest.mark.parametrize("rows, opaque", [(8192, True), (64, False)])
+@pytest.mark.parametrize("rows, opaque", [(32768, True), (8192, False), (64, False)])
 def test_auto_kernel_launch_weighs_the_graphs_gemms(monkeypatch, rows, opaque):
     """``kernels="auto"`` (the default) keeps the ops opaque in a graph whose GEMMs' GPU time hides the custom ops'
-    host time (a 8192x4096x4096 linear: 0.43 ms of host time against 1.37 ms of GEMM), and launches them from
-    Inductor's code in a graph of small GEMMs; the policy's explicit choice wins over it."""
+    host time with room to spare (a 32768x4096x4096 linear: 0.43 ms of host time against a quarter of 5.5 ms of
+    GEMM), and launches them from Inductor's code in a graph of smaller GEMMs (8192 rows: 0.43 against 1.37 / 4 ms);
+    the policy's explicit choice wins over it."""
     from mxfx.kernels.common.launch import opaque_kernels
 
     monkeypatch.delenv("MXFX_OPAQUE_KERNELS", raising=False)
@@ -994,11 +995,12 @@ def test_auto_kernel_launch_weighs_the_graphs_gemms(monkeypatch, rows, opaque):
 
 
 def test_launch_cost_choice():
-    """:func:`mxfx.policy.launch_cost.choose` at its boundary: host time per converted GEMM against 6 FLOPs per
-    forward MAC at the assumed rate; a GEMM of unknown size adds host time only."""
+    """:func:`mxfx.policy.launch_cost.choose` at its boundary: host time per converted GEMM against its share of 6
+    FLOPs per forward MAC at the assumed rate; a GEMM of unknown size adds host time only."""
     from mxfx.policy import launch_cost
 
-    even = launch_cost.OPAQUE_HOST_S_PER_GEMM * launch_cost.GEMM_FLOPS / 6  # MACs whose GPU time equals the host's
+    # MACs whose GPU time's share equals the host time
+    even = launch_cost.OPAQUE_HOST_S_PER_GEMM * launch_cost.GEMM_FLOPS / (6 * launch_cost.HOST_SHARE)
     assert launch_cost.choose([int(even * 1.01)])[0] == "opaque"
     assert launch_cost.choose([int(even * 0.99)])[0] == "inductor"
     assert launch_cost.choose([int(even * 1.01), None])[0] == "inductor"
