@@ -583,10 +583,10 @@ class Policy(_NamedFields):
             Inductor analyses and compiles each such kernel per call site) or "opaque" (mxfx's custom ops, each
             launching its kernels: a shorter first compile, more host time per call) or "auto" (either, per graph:
             opaque where a quarter of the GPU time of the graph's converted GEMMs covers the custom ops' extra
-            host time, :mod:`mxfx.policy.launch_cost`; the precision map's header names the choice and why). None (default):
-            the ``MXFX_OPAQUE_KERNELS`` environment variable's choice where it is set, else "auto"; given, it wins
-            over the variable. Each
-            ``torch.compile`` call reads its own options (a compiled optimizer step's too). Graphs on CPU always
+            host time, :mod:`mxfx.policy.launch_cost`; the precision map's header names the choice and why).
+            None (default): the ``MXFX_OPAQUE_KERNELS`` environment variable's choice where it is set, else
+            "auto"; given, it wins over the variable. Each ``torch.compile`` call reads its own options (a compiled
+            optimizer step's too). Graphs on CPU always
             keep the custom ops; the grouped GEMMs stay ops either way.
         fuse_wgrad_accumulation: the converted ops' wgrad GEMMs write each FP32 weight's gradient into its ``.grad``
             themselves (add to it; write a new one where it is None) and return none to autograd, whose

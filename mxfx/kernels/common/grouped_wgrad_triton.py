@@ -46,9 +46,24 @@ def config_for(tokens: int, groups: int) -> dict:
 
 
 @triton.jit
-def _epilogue(ptrs, acc, mask, ACCUMULATE: tl.constexpr, RED: tl.constexpr):
-    """Write ``acc`` to the gradient block, or add it (``ACCUMULATE``): read into registers beside the accumulator,
-    or (``RED``) as vector reductions the L2 applies, no gradient value in registers."""
+def _tile(offs_ptr, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """This program's group, the first N row and K column of its output tile, and the group's first and past-last
+    token."""
+    g = tl.program_id(1)
+    tiles_k = tl.cdiv(K, BLOCK_K)
+    start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
+    end = tl.maximum(tl.load(offs_ptr + g), start)
+    return g, (tl.program_id(0) // tiles_k) * BLOCK_N, (tl.program_id(0) % tiles_k) * BLOCK_K, start, end
+
+
+@triton.jit
+def _epilogue(out_ptr, acc, g, n0, k0, N, K, s_og, s_on, s_ok, ACCUMULATE: tl.constexpr, RED: tl.constexpr):
+    """Write ``acc`` to the gradient block of tile ``(g, n0, k0)``, or add it (``ACCUMULATE``): read into registers
+    beside the accumulator, or (``RED``) as vector reductions the L2 applies, no gradient value in registers."""
+    ns = n0 + tl.arange(0, acc.shape[0])
+    ks = k0 + tl.arange(0, acc.shape[1])
+    ptrs = out_ptr + g.to(tl.int64) * s_og + ns[:, None].to(tl.int64) * s_on + ks[None, :] * s_ok
+    mask = (ns < N)[:, None] & (ks < K)[None, :]
     if ACCUMULATE and RED:
         tl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
     else:
@@ -65,25 +80,22 @@ def _grouped_wgrad_into_kernel(
     out_ptr,
     N,
     K,
+    s_og,
+    s_on,
+    s_ok,
     s_dys,
     s_dyn,
     s_xs,
     s_xk,
-    s_og,
-    s_on,
-    s_ok,
     ACCUMULATE: tl.constexpr,
     RED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
-    g = tl.program_id(1)
-    tiles_k = tl.cdiv(K, BLOCK_K)
-    ns = (tl.program_id(0) // tiles_k) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = (tl.program_id(0) % tiles_k) * BLOCK_K + tl.arange(0, BLOCK_K)
-    start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
-    end = tl.maximum(tl.load(offs_ptr + g), start)
+    g, n0, k0, start, end = _tile(offs_ptr, K, BLOCK_N, BLOCK_K)
+    ns = n0 + tl.arange(0, BLOCK_N)
+    ks = k0 + tl.arange(0, BLOCK_K)
     n_ok = ns < N
     k_ok = ks < K
     ts = tl.arange(0, BLOCK_T)
@@ -100,8 +112,7 @@ def _grouped_wgrad_into_kernel(
             x_ptr + tok[:, None].to(tl.int64) * s_xs + ks[None, :] * s_xk, mask=t_ok[:, None] & k_ok[None, :], other=0.0
         )
         acc = tl.dot(tl.trans(dy), x, acc)
-    ptrs = out_ptr + g.to(tl.int64) * s_og + ns[:, None].to(tl.int64) * s_on + ks[None, :] * s_ok
-    _epilogue(ptrs, acc, n_ok[:, None] & k_ok[None, :], ACCUMULATE, RED)
+    _epilogue(out_ptr, acc, g, n0, k0, N, K, s_og, s_on, s_ok, ACCUMULATE, RED)
 
 
 @triton.jit
@@ -122,12 +133,7 @@ def _grouped_wgrad_into_tma_kernel(
     BLOCK_T: tl.constexpr,
     STAGES: tl.constexpr,
 ):
-    g = tl.program_id(1)
-    tiles_k = tl.cdiv(K, BLOCK_K)
-    n0 = (tl.program_id(0) // tiles_k) * BLOCK_N
-    k0 = (tl.program_id(0) % tiles_k) * BLOCK_K
-    start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
-    end = tl.maximum(tl.load(offs_ptr + g), start)
+    g, n0, k0, start, end = _tile(offs_ptr, K, BLOCK_N, BLOCK_K)
     whole = (end - start) // BLOCK_T
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for i in tl.range(0, whole, num_stages=STAGES):
@@ -139,10 +145,7 @@ def _grouped_wgrad_into_tma_kernel(
         dy = tl.where(keep, dy_desc.load([t0, n0]), 0.0)
         x = tl.where(keep, x_desc.load([t0, k0]), 0.0)
         acc = tl.dot(dy.T, x, acc)
-    ns = n0 + tl.arange(0, BLOCK_N)
-    ks = k0 + tl.arange(0, BLOCK_K)
-    ptrs = out_ptr + g.to(tl.int64) * s_og + ns[:, None].to(tl.int64) * s_on + ks[None, :] * s_ok
-    _epilogue(ptrs, acc, (ns < N)[:, None] & (ks < K)[None, :], ACCUMULATE, RED)
+    _epilogue(out_ptr, acc, g, n0, k0, N, K, s_og, s_on, s_ok, ACCUMULATE, RED)
 
 
 def tma_ready(dy: torch.Tensor, x: torch.Tensor) -> bool:
@@ -182,37 +185,21 @@ def grouped_wgrad_into(
         tma = dy.shape[0] >= TMA_MIN_TOKENS * max(g, 1)
     if tma and tma_ready(dy, x):
         bt = cfg.pop("BLOCK_T")
-        launch(
-            _grouped_wgrad_into_tma_kernel,
-            grid,
-            descriptor(TensorDescriptor.from_tensor, dy, [bt, bn]),
-            descriptor(TensorDescriptor.from_tensor, x, [bt, bk]),
-            offs,
-            out,
-            n,
-            k,
-            *out.stride(),
-            ACCUMULATE=accumulate,
-            RED=red,
-            BLOCK_N=bn,
-            BLOCK_K=bk,
-            BLOCK_T=bt,
-            STAGES=cfg.pop("num_stages"),
-            **cfg,
-        )
-        return
+        boxes = (descriptor(TensorDescriptor.from_tensor, t, [bt, w]) for t, w in ((dy, bn), (x, bk)))
+        kernel, operands, strides = _grouped_wgrad_into_tma_kernel, tuple(boxes), ()
+        cfg.update(BLOCK_T=bt, STAGES=cfg.pop("num_stages"))
+    else:
+        kernel, operands, strides = _grouped_wgrad_into_kernel, (dy, x), (*dy.stride(), *x.stride())
     launch(
-        _grouped_wgrad_into_kernel,
+        kernel,
         grid,
-        dy,
-        x,
+        *operands,
         offs,
         out,
         n,
         k,
-        *dy.stride(),
-        *x.stride(),
         *out.stride(),
+        *strides,
         ACCUMULATE=accumulate,
         RED=red,
         BLOCK_N=bn,
