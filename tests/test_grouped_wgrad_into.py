@@ -142,10 +142,24 @@ def test_grouped_wgrad_into_names_bad_shapes():
         grouped_wgrad_triton.grouped_wgrad_into(dy, x.float(), offs, torch.zeros(1, 16, 32), True)
     with pytest.raises(ValueError, match="float32 out; got dy torch.bfloat16, x torch.bfloat16, out torch.bfloat16"):
         grouped_wgrad_triton.grouped_wgrad_into(dy, x, offs, torch.zeros(1, 16, 32, dtype=torch.bfloat16), True)
+    strided = torch.tensor([4, 0, 8, 0], dtype=torch.int32)[::2]  # the kernels would read 4, 0
+    with pytest.raises(ValueError, match=r"contiguous int32 offs \[G\]"):
+        grouped_wgrad_triton.grouped_wgrad_into(dy, x, strided, torch.zeros(2, 16, 32), True)
+    with pytest.raises(ValueError, match=r"out \(2, 16, 32\) with strides \(0, 32, 1\) overlaps itself"):
+        grouped_wgrad_triton.grouped_wgrad_into(
+            dy, x, strided.contiguous(), torch.zeros(1, 16, 32).expand(2, 16, 32), True
+        )
 
 
 if __name__ == "__main__" and "--interpret" in sys.argv:  # run_interpreter_checks' subprocess
     check("cpu", torch.float16, INTERPRETER_CONFIG)
     for tma, red in ((False, False), (True, False), (True, True)):
         check("cpu", torch.float16, INTERPRETER_CONFIG, tma=tma, red=red)
+    from mxfx.kernels.common import grouped_wgrad_triton
+
+    for tma in (False, True):  # no rows (a rank that received none): every group's gradient is zero, written
+        empty = torch.zeros(0, 64, dtype=torch.float16), torch.zeros(0, 32, dtype=torch.float16)
+        out = torch.full((2, 64, 32), float("nan"))
+        grouped_wgrad_triton.grouped_wgrad_into(*empty, torch.zeros(2, dtype=torch.int32), out, False, tma=tma)
+        assert (out == 0).all(), tma
     print("grouped_wgrad_into: interpreter checks passed")

@@ -1006,6 +1006,10 @@ def test_launch_cost_choice():
     assert launch_cost.choose([int(even * 1.01), None])[0] == "inductor"
     mode, why = launch_cost.choose([int(even * 4), None])
     assert mode == "opaque" and "(2 converted GEMMs)" in why
+    host_ms = 2 * launch_cost.OPAQUE_HOST_S_PER_GEMM * 1e3
+    gpu_ms = 6 * int(even * 4) / launch_cost.GEMM_FLOPS * 1e3
+    assert f"extra host time {host_ms:.3g} ms <= {launch_cost.HOST_SHARE:g} x GEMM GPU time {gpu_ms:.3g} ms" in why
+    assert f"{host_ms / 2:.3g} ms > {launch_cost.HOST_SHARE:g} x" in launch_cost.choose([int(even * 0.99)])[1]
     assert launch_cost.choose([int(even * 4), -(10**15), float("nan")])[0] == "opaque"  # nonsense counts: no GPU time
 
 

@@ -5,12 +5,13 @@ Times every configuration of :data:`CONFIGS` at the routed wgrad shapes of ``ben
 trips it replaces (BF16 GEMM, widening, add), each configuration checked against an FP32 product on 4 groups.
 Prints one table: ms per configuration and shape, the fastest marked. Needs an sm90 GPU.
 
-    python bench/probes/grouped_wgrad_into_configs.py [--models olmoe,qwen3,mixtral,deepseek]
-        [--configs all|default] [--variants vector-load,vector-red,tma-load,tma-red]
+    python -m bench.probes.grouped_wgrad_into_configs [--models olmoe,qwen3,mixtral,deepseek]
+        [--configs all|default] [--variants library,vector-load,vector-red,tma-load,tma-red]
 
 ``--variants``: the kernel's mainloop (vector loads or TMA boxes) and accumulating epilogue (a read beside the
-accumulator and a store, or vector ``red.add``), each timed at every configuration; ``--configs default``: only the
-two launches the library chooses between (``CONFIG``, ``LONG_GROUPS_CONFIG``).
+accumulator and a store, or vector ``red.add``), each timed at every configuration; ``library`` (the default) is
+the library's own choice of both. ``--configs default``: only the two launches the library chooses between
+(``CONFIG``, ``LONG_GROUPS_CONFIG``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ CONFIGS = [
     and (bn + bk) * bt * 2 * st <= 200 * 1024  # shared memory of the staged operand tiles
 ]
 VARIANTS = {  # name: grouped_wgrad_into's (tma, red)
+    "library": (None, True),
     "vector-load": (False, False),
     "vector-red": (False, True),
     "tma-load": (True, False),
@@ -43,11 +45,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="olmoe,qwen3,deepseek")
     p.add_argument("--configs", default="all", choices=["all", "default"])
-    p.add_argument("--variants", default="vector-load", help=f"comma list of {', '.join(VARIANTS)}")
+    p.add_argument("--variants", default="library", help=f"comma list of {', '.join(VARIANTS)}")
     args = p.parse_args()
     variants = args.variants.split(",")
     if not set(variants) <= set(VARIANTS):
-        p.error(f"--variants: unknown {sorted(set(variants) - set(VARIANTS))}")
+        p.error(f"--variants: unknown {sorted(set(variants) - set(VARIANTS))}; choose from {', '.join(VARIANTS)}")
+    unknown = sorted(set(args.models.split(",")) - set(MODELS))
+    if unknown:
+        p.error(f"--models: unknown {unknown}; choose from {', '.join(MODELS)}")
     configs = (
         CONFIGS if args.configs == "all" else [grouped_wgrad_triton.CONFIG, grouped_wgrad_triton.LONG_GROUPS_CONFIG]
     )

@@ -298,6 +298,7 @@ def mx_grouped_mm_op(
         )
     if readable_on_host(offs):  # host values: checked here (on a GPU it would be a sync)
         layout.check_group_ends(offs.tolist(), x.shape[0], op)
+    offs = offs.contiguous()  # the kernels read the group ends as a flat array
     out_dtype = out_dtype or x.dtype
     gemm_dtype = gemm_dtype or out_dtype
     dgrad_dtype = dgrad_dtype or x.dtype

@@ -41,13 +41,14 @@ def check_out_dtype(out_dtype, op: str) -> None:
 
 
 def check_offs(op: str, offs: torch.Tensor, x: torch.Tensor, operand: str = "x") -> None:
-    """Raise ValueError naming ``op`` unless the group ends ``offs`` are int32 ``[G]`` on ``x``'s device and, where
-    they can be read on the host (:func:`readable_on_host`; on a GPU the kernels read them, never synced), are
-    non-decreasing and at most ``x``'s rows; ``operand`` is ``x``'s name in the message."""
-    if offs.dtype != torch.int32 or offs.dim() != 1 or offs.device != x.device:
+    """Raise ValueError naming ``op`` unless the group ends ``offs`` are contiguous int32 ``[G]`` on ``x``'s device
+    and, where they can be read on the host (:func:`readable_on_host`; on a GPU the kernels read them, never
+    synced), are non-decreasing and at most ``x``'s rows; ``operand`` is ``x``'s name in the message."""
+    if offs.dtype != torch.int32 or offs.dim() != 1 or offs.device != x.device or not offs.is_contiguous():
         raise ValueError(
-            f"{op}: offs must be int32 [G] on {x.device}, got {offs.dtype} {tuple(offs.shape)} on {offs.device}; "
-            f"pass the cumulative group ends as offs.to(torch.int32) on that device"
+            f"{op}: offs must be contiguous int32 [G] on {x.device} (kernels read it as a flat array), got "
+            f"{offs.dtype} {tuple(offs.shape)} with strides {offs.stride()} on {offs.device}; pass the cumulative "
+            f"group ends as offs.to(torch.int32).contiguous() on that device"
         )
     if readable_on_host(offs):
         check_group_ends(offs.tolist(), x.shape[0], op, operand)
@@ -63,12 +64,18 @@ def check_grouped_wgrad_into(
     op: str = "mxfx.grouped_wgrad_into",
 ) -> None:
     """Raise ValueError naming ``op`` where the operands of a grouped wgrad into ``out`` do not pair up: ``dy [S, N]``
-    and ``x [S, K]`` floating, int32 ``offs [G]``, ``out [G, N, K]`` floating, one device; on the host also the
+    and ``x [S, K]`` floating, contiguous int32 ``offs [G]``, ``out [G, N, K]`` floating with distinct elements, one
+    device; on the host also the
     values of ``offs`` (non-decreasing group ends of at most S). ``kernel``: the GPU kernels' stricter dtypes, BF16
     or FP16 operands of one dtype and a float32 ``out``."""
     shapes = f"dy {tuple(dy.shape)}, x {tuple(x.shape)}, offs {tuple(offs.shape)} {offs.dtype}, out {tuple(out.shape)}"
-    if dy.dim() != 2 or x.dim() != 2 or offs.dim() != 1 or offs.dtype != torch.int32:
-        raise ValueError(f"{op}: needs dy [S, N], x [S, K] and int32 offs [G]; got {shapes}")
+    if dy.dim() != 2 or x.dim() != 2 or offs.dim() != 1 or offs.dtype != torch.int32 or not offs.is_contiguous():
+        raise ValueError(f"{op}: needs dy [S, N], x [S, K] and contiguous int32 offs [G]; got {shapes}")
+    if any(st == 0 and size > 1 for st, size in zip(out.stride(), out.shape)):
+        raise ValueError(
+            f"{op}: out {tuple(out.shape)} with strides {out.stride()} overlaps itself; pass a tensor "
+            f"whose elements are distinct (e.g. out.contiguous()), whose sum the caller takes"
+        )
     if dy.shape[0] != x.shape[0]:
         raise ValueError(f"{op}: dy and x must have the same tokens S (rows); got {shapes}")
     g, n, k = offs.shape[0], dy.shape[1], x.shape[1]

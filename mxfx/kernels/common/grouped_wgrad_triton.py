@@ -149,9 +149,9 @@ def _grouped_wgrad_into_tma_kernel(
 
 
 def tma_ready(dy: torch.Tensor, x: torch.Tensor) -> bool:
-    """Whether the TMA mainloop can read ``dy`` and ``x``: contiguous, 16-byte aligned bases and rows (a multiple
-    of 8 16-bit values)."""
-    return all(t.is_contiguous() and aligned16(t) and t.shape[1] % 8 == 0 for t in (dy, x))
+    """Whether the TMA mainloop can read ``dy`` and ``x``: at least one row, contiguous, 16-byte aligned bases and
+    rows (a multiple of 8 16-bit values)."""
+    return dy.shape[0] > 0 and all(t.is_contiguous() and aligned16(t) and t.shape[1] % 8 == 0 for t in (dy, x))
 
 
 def grouped_wgrad_into(

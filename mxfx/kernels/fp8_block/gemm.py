@@ -112,10 +112,16 @@ def grouped_mm(
     _check_operand(a, a_scales, op, "A", [(s, n_tiles(k))])
     _check_operand(b, b_scales, op, "B", [(g, n_tiles(n), n_tiles(k))])
     check_out_dtype(out_dtype, op)
-    if offs.dtype != torch.int32 or tuple(offs.shape) != (g,) or offs.device != a.device or b.device != a.device:
+    if (
+        offs.dtype != torch.int32
+        or tuple(offs.shape) != (g,)
+        or not offs.is_contiguous()
+        or offs.device != a.device
+        or b.device != a.device
+    ):
         raise ValueError(
-            f"{op}: offs must be int32 of shape ({g},) on {a.device} beside B on {b.device}; got {offs.dtype} "
-            f"{tuple(offs.shape)} on {offs.device}"
+            f"{op}: offs must be contiguous int32 of shape ({g},) on {a.device} beside B on {b.device}; got "
+            f"{offs.dtype} {tuple(offs.shape)} with strides {offs.stride()} on {offs.device}"
         )
     if triton_available(a):
         return _grouped_kernel(a, b, out_dtype).grouped_mm(a, a_scales, b, b_scales, offs, out_dtype)
@@ -230,10 +236,15 @@ def grouped_wgrad(
     _check_operand(a, a_scales, op, "A", [(n, cap)])
     _check_operand(b, b_scales, op, "B", [(k, cap)])
     check_out_dtype(out_dtype, op)
-    if offs.dtype != torch.int32 or offs.dim() != 1 or offs.device != a.device or b.device != a.device:
+    if (
+        offs.dtype != torch.int32
+        or offs.dim() != 1
+        or not offs.is_contiguous()
+        or {offs.device, b.device} != {a.device}
+    ):
         raise ValueError(
-            f"{op}: offs must be int32 [G] on {a.device} beside B on {b.device}; got {offs.dtype} "
-            f"{tuple(offs.shape)} on {offs.device}"
+            f"{op}: offs must be contiguous int32 [G] on {a.device} beside B on {b.device}; got {offs.dtype} "
+            f"{tuple(offs.shape)} with strides {offs.stride()} on {offs.device}"
         )
     if out is not None and (out.dtype != torch.float32 or tuple(out.shape) != (g, n, k) or out.device != a.device):
         raise ValueError(
