@@ -126,7 +126,7 @@ def test_grouped_token_tiles_restart_at_each_group():
 def test_errors_name_the_problem():
     a, sa = bf.quantize_1x128(torch.randn(8, 256))
     b, sb = bf.quantize_128x128(torch.randn(2, 64, 256))
-    with pytest.raises(ValueError, match=r"grouped_mm: offs must be int32 of shape \(2,\)"):
+    with pytest.raises(ValueError, match=r"grouped_mm: offs must be contiguous int32 of shape \(2,\)"):
         block_gemm.grouped_mm(a, sa, b, sb, torch.tensor([4, 8]))
     with pytest.raises(ValueError, match=r"A of shape \(8, 256\) needs scales of shape \(8, 2\)"):
         block_gemm.grouped_mm(a, sa[:, :1], b, sb, torch.tensor([4, 8], dtype=torch.int32))

@@ -122,7 +122,7 @@ def test_block_ops_name_themselves_in_their_errors():
             ops.block_quantize(torch.empty(4, 128), "nope")
     with pytest.raises(ValueError, match=r"tokens_src of shape \(5, 128\) must have x's shape \(6, 128\)"):
         ops.block_forward_operands(x, None, torch.randn(5, 128), None, "rceil", False)
-    with pytest.raises(ValueError, match="offs must be int32"):
+    with pytest.raises(ValueError, match="offs must be contiguous int32"):
         ops.block_forward_operands(x, None, x, torch.tensor([2, 6]), "rceil", False)
     with pytest.raises(
         ValueError,
