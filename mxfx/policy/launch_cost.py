@@ -26,10 +26,9 @@ GEMM_FLOPS = 600e12
 """FLOP/s assumed for the converted GEMMs (an FP8 rate Hopper's grouped and dense GEMMs sustain)."""
 
 HOST_SHARE = 0.25
-"""Share of the converted GEMMs' GPU time the opaque ops' extra host time may take. Measured on two H100 hosts at
-OLMoE's layers (8 microbatches of 8,192 tokens, docs/kernel-notes.md): the rest of fp8_block's host work took
-0.45x its GPU time on one and 0.91x on the other, whose Python ran 1.6-1.9x slower; there the headroom left was
-about 0.16x of the GEMMs' GPU time, and the opaque ops made the step host-bound (0.77x BF16's throughput)."""
+"""Share of the converted GEMMs' GPU time the opaque ops' extra host time may take: small, since the rest of the
+step's host work already fills most of the GPU time's shadow, and hosts differ (docs/kernel-notes.md,
+2026-12-07 night: the evidence)."""
 
 
 def choose(macs: Sequence[int | None]) -> tuple[str, str]:
