@@ -20,6 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -36,6 +37,7 @@ def _cold_and_warm(environ) -> tuple[dict, dict]:
 BACKGROUND_JOBS = {"cold_and_warm": _cold_and_warm}
 
 
+@pytest.mark.timeout(660)  # two cold-and-warm processes of at most 300 s each (the job runs under this test)
 def test_second_process_hits_compile_caches(session_job):
     cold, warm = session_job("test_compile_cache:cold_and_warm")
     assert cold["mx_ops"] == KINDS and warm["mx_ops"] == KINDS, (cold, warm)  # really rewritten, both times
@@ -46,8 +48,8 @@ def test_second_process_hits_compile_caches(session_job):
 
 
 def _run(cache_dir, environ) -> dict:
-    """:func:`_first_step` in a fresh process with ``environ`` and ``TORCHINDUCTOR_CACHE_DIR=cache_dir``."""
-    env = dict(environ, TORCHINDUCTOR_CACHE_DIR=str(cache_dir))
+    """:func:`_first_step` in a fresh process with ``environ``, ``TORCHINDUCTOR_CACHE_DIR=cache_dir`` and no GPU."""
+    env = dict(environ, TORCHINDUCTOR_CACHE_DIR=str(cache_dir), CUDA_VISIBLE_DEVICES="")  # a CPU layer: no GPU set-up
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     out = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     line = next((ln for ln in reversed(out.stdout.splitlines()) if ln.startswith("{")), None)
