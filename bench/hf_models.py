@@ -76,7 +76,8 @@ rest): ``host CPU`` is the process's CPU time (``time.process_time``, all thread
 CPU the intra-op threads' compute) from the step's start until its last launch returned, the device synchronized
 only after; ``host issue`` the wall time of the same span, which also holds any wait on the device inside the step
 (a synchronizing op, a full launch queue). Both include ``--phases``' per-phase synchronizations when it is on. The
-JSON has them per arm (``step_ms``, ``profiled_step_ms``, ``host_cpu_ms``, ``host_issue_ms``, ``breakdown``).
+JSON has them per arm (``step_ms`` and each kept step's ``steady_step_ms``, ``profiled_step_ms``, ``host_cpu_ms``,
+``host_issue_ms``, ``breakdown``); each arm prints its kept steps' times (a one-off pause is one outlier).
 On CUDA the same profile also gives the host's side: each op's and ``record_function`` range's own time on the
 host threads (Python outside any range is charged to the range around it), the costliest side by side across arms.
 ``--compiler aot_eager_fp32_gemms`` (CPU) runs each BF16 GEMM as an FP32 GEMM of its BF16 operands. A markdown table is
@@ -633,6 +634,7 @@ def run_arm(arm: Arm, args, train, val, device: str) -> dict:
         microbatches=args.microbatches,
         first_step_s=times[0],
         step_ms=1e3 * sum(steady) / len(steady),
+        steady_step_ms=[round(1e3 * t, 1) for t in steady],  # each kept step: a one-off pause shows as one outlier
         host_cpu_ms=1e3 * sum(host_cpu[i] for i in kept) / len(kept),
         host_issue_ms=1e3 * sum(host_issue[i] for i in kept) / len(kept),
         peak_gib=max(phases.peak_bytes, torch.cuda.max_memory_allocated()) / GIB if device == "cuda" else None,
@@ -651,6 +653,11 @@ def run_arm(arm: Arm, args, train, val, device: str) -> dict:
             else None
         )
         res["not_rewritten"] = sum(pm.count("not_rewritten") for pm in maps)
+    print(
+        f"  {args.model} {arm.name}: steady steps {', '.join(f'{t:.0f}' for t in res['steady_step_ms'])} ms "
+        f"(steps {kept[0]}-{kept[-1]}{', the profiled one left out' if args.profile else ''})",
+        flush=True,
+    )
     fn = opt = model = None  # freed before the next arm (closures above still name them)
     return res
 
