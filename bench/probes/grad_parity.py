@@ -4,8 +4,10 @@ One microbatch of real text through a Hugging Face MoE model (``bench/hf_models.
 backward: first in FP32 without autocast or compile (the reference), then under each arm from the same weights and
 batch. Prints each arm's loss and, per parameter, the relative error ``|g - g_ref| / |g_ref|`` (Frobenius) of its
 gradient: the parameters where any arm is worst, and the median and worst by parameter kind (the name without its
-layer index). BF16 arms land near 1e-2; FP8 arms some times that, evenly across kinds. A kind far above the rest
-names the path that computes its gradient wrongly (a loss curve that falls behind BF16 says only that one does).
+layer index); and per MoE layer, the share of tokens routed to other experts than under FP32 (a forward with the
+router logits returned). BF16 arms land near 1e-2; FP8 arms some times that, evenly across kinds. A kind far above
+the rest names the path that computes its gradient wrongly (a loss curve that falls behind BF16 says only that one
+does); many tokens routed elsewhere point at the routing's sensitivity instead.
 
     python -m bench.probes.grad_parity --model mixtral --layers 2 [--dims real] [--arms bf16-grouped,fp8_block]
         [--tokens 8192] [--top 12]
@@ -62,6 +64,19 @@ def gradients(model: torch.nn.Module, run, autocast: bool, device: str, x, y) ->
     return loss.item(), grads
 
 
+def router_logits(run, autocast: bool, device: str, x) -> list[torch.Tensor]:
+    """Each MoE layer's router logits ``[tokens, experts]`` (FP32) of a forward of ``run`` on ``x``, without grad."""
+    amp = torch.autocast(device, torch.bfloat16) if autocast else contextlib.nullcontext()
+    with torch.no_grad(), amp:
+        return [t.float() for t in run(input_ids=x, output_router_logits=True).router_logits]
+
+
+def flipped(logits: torch.Tensor, ref: torch.Tensor, k: int) -> float:
+    """Share of tokens whose top-``k`` experts (as a set) differ between two ``[tokens, experts]`` logit tensors."""
+    mine, theirs = (t.topk(k, dim=-1).indices.sort(dim=-1).values for t in (logits, ref))
+    return (mine != theirs).any(dim=-1).float().mean().item()
+
+
 def relative_error(g: torch.Tensor, ref: torch.Tensor) -> float:
     """``|g - ref| / |ref|`` (Frobenius, FP32 sums: ample at the errors read here), 0 / 0 read as 0."""
     return ((g - ref).norm() / ref.norm().clamp_min(1e-30)).item()
@@ -90,9 +105,11 @@ def main(argv=None) -> None:
     x, y = data.get_batch(train, args.tokens // args.seq, args.seq, gen, device)
 
     model = hf_models.build_model(args.model, args.layers, args.dims, device, args.seed)
+    top_k = model.config.num_experts_per_tok
     ref_loss, ref = gradients(model, model, False, device, x, y)
+    ref_routing = router_logits(model, False, device, x)
     del model
-    losses, errors = {"fp32 eager": ref_loss}, {}
+    losses, errors, routing = {"fp32 eager": ref_loss}, {}, {}
     for name, env in arms:
         label = "+".join([name, *(f"{k}={v}" for k, v in env.items())])
         arm = hf_models.ARMS[name]
@@ -102,7 +119,12 @@ def main(argv=None) -> None:
             gc.collect()
             torch._dynamo.reset()
             model = hf_models.build_model(args.model, args.layers, args.dims, device, args.seed).to(arm.param_dtype)
-            losses[label], grads = gradients(model, arm.prepare(model, "inductor"), arm.autocast, device, x, y)
+            run = arm.prepare(model, "inductor")
+            losses[label], grads = gradients(model, run, arm.autocast, device, x, y)
+            routing[label] = [
+                (flipped(mine, theirs, top_k), relative_error(mine, theirs))
+                for mine, theirs in zip(router_logits(run, arm.autocast, device, x), ref_routing, strict=True)
+            ]
         finally:
             for k, v in saved.items():
                 os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
@@ -119,6 +141,11 @@ def main(argv=None) -> None:
     print(f"\n{args.model}, {args.layers} layers, {args.dims} dims, {args.tokens} tokens, {device}")
     print("| | " + " | ".join(losses) + " |\n|---|" + "---:|" * len(losses))
     print("| loss | " + " | ".join(f"{v:.5f}" for v in losses.values()) + " |")
+    print(f"\nrouting against FP32 eager: tokens whose top-{top_k} experts differ; the router logits' relative error")
+    print("| layer | " + " | ".join(labels) + " |\n|---|" + "---:|" * len(labels))
+    for layer in range(len(ref_routing)):
+        cells = [f"{100 * routing[lab][layer][0]:.2f}%; {routing[lab][layer][1]:.2e}" for lab in labels]
+        print(f"| {layer} | " + " | ".join(cells) + " |")
     print(f"\nrelative error of each gradient against FP32 eager, worst {args.top}:")
     print("| parameter | " + " | ".join(labels) + " |\n|---|" + "---:|" * len(labels))
     worst = sorted(ref, key=lambda n: -max(errors[lab][n] for lab in labels))[: args.top]
