@@ -97,8 +97,11 @@ def main(argv=None) -> None:
         arms = [parse_arm(s.strip()) for s in args.arms.split(",") if s.strip()]
     except ValueError as e:
         p.error(str(e))
-    if args.tokens % args.seq:
-        p.error(f"--tokens {args.tokens} is not a multiple of --seq {args.seq}")
+    for flag, value in (("--layers", args.layers), ("--seq", args.seq), ("--top", args.top)):
+        if value < 1:
+            p.error(f"argument {flag}: {value} must be >= 1")
+    if args.tokens < args.seq or args.tokens % args.seq:
+        p.error(f"argument --tokens: {args.tokens} is not a positive multiple of --seq {args.seq} (whole sequences)")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     train, _ = data.load_splits()
     gen = torch.Generator().manual_seed(1234 + args.seed)
