@@ -967,12 +967,12 @@ def test_policy_kernels_choose_for_the_inner_compile(monkeypatch, kernels, env, 
         mxfx.Policy(kernels="fast")
 
 
-@pytest.mark.parametrize("rows, opaque", [(32768, True), (8192, False), (64, False)])
+@pytest.mark.parametrize("rows, opaque", [(32768, True), (8192, True), (1024, False), (64, False)])
 def test_auto_kernel_launch_weighs_the_graphs_gemms(monkeypatch, rows, opaque):
     """``kernels="auto"`` (the default) keeps the ops opaque in a graph whose GEMMs' GPU time hides the custom ops'
-    host time with room to spare (a 32768x4096x4096 linear: 0.43 ms of host time against a quarter of 5.5 ms of
-    GEMM), and launches them from Inductor's code in a graph of smaller GEMMs (8192 rows: 0.43 against 1.37 / 4 ms);
-    the policy's explicit choice wins over it."""
+    host time (a 4096x4096 linear over 32768 or 8192 rows: 0.43 ms of host time against 5.5 or 1.37 ms of GEMM), and
+    launches them from Inductor's code in a graph of smaller GEMMs (1024 rows: 0.17 ms); the policy's explicit
+    choice wins over it."""
     from mxfx.kernels.common.launch import opaque_kernels
 
     monkeypatch.delenv("MXFX_OPAQUE_KERNELS", raising=False)

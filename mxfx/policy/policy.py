@@ -582,8 +582,8 @@ class Policy(_NamedFields):
             calls that Inductor's generated code launches: less host time per call, a longer first compile, since
             Inductor analyses and compiles each such kernel per call site) or "opaque" (mxfx's custom ops, each
             launching its kernels: a shorter first compile, more host time per call) or "auto" (either, per graph:
-            opaque where a quarter of the GPU time of the graph's converted GEMMs covers the custom ops' extra
-            host time, :mod:`mxfx.policy.launch_cost`; the precision map's header names the choice and why).
+            opaque where the GPU time of the graph's converted GEMMs covers the custom ops' extra host time,
+            :mod:`mxfx.policy.launch_cost`; the precision map's header names the choice and why).
             None (default): the ``MXFX_OPAQUE_KERNELS`` environment variable's choice where it is set, else
             "auto"; given, it wins over the variable. Each ``torch.compile`` call reads its own options (a compiled
             optimizer step's too). Graphs on CPU always
