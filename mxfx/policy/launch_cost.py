@@ -9,9 +9,9 @@ extra host time is hidden while the host runs ahead of a busy GPU, and is the st
 The choice compares, for one graph, the extra host time per call of its converted GEMMs' ops kept opaque
 (:data:`OPAQUE_HOST_S_PER_GEMM` each, forward and backward) with the GPU time of those GEMMs' forward, dgrad
 and wgrad at :data:`GEMM_FLOPS`: opaque where the extra host time is at most :data:`HOST_SHARE` of the GEMMs' GPU
-time, Inductor-launched otherwise. The estimate leaves out that Inductor-launched graphs carry host work of their
-own (larger generated code, its launches), which at OLMoE's size measured more than the ops it replaced. A GEMM whose
-size is data-dependent (expert-parallel received rows) adds host time and no GPU time.
+time, Inductor-launched otherwise. The estimate leaves out the host work Inductor-launched graphs add of their own
+(larger generated code and its launches). A GEMM whose size is data-dependent (expert-parallel received rows) adds
+host time and no GPU time.
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ GEMM_FLOPS = 600e12
 
 HOST_SHARE = 1.0
 """Share of the converted GEMMs' GPU time the opaque ops' extra host time may take (docs/kernel-notes.md,
-2026-12-08: the evidence). At OLMoE's layers, 8 microbatches of 8,192 tokens, on a host whose Python ran 1.6-1.9x
-slower than another's, the opaque step ran 1.59x the Inductor-launched one's tokens/s (0.25 had chosen the latter)."""
+2026-12-08: the evidence)."""
 
 
 def choose(macs: Sequence[int | None]) -> tuple[str, str]:
